@@ -1,0 +1,772 @@
+"""The asyncio driver of one secure, multiplexed connection, and its streams.
+
+`Connection` is an `asyncio.BufferedProtocol`: the kernel writes straight into
+our receive buffer, each Noise record is decrypted once into a fresh plaintext
+buffer, and stream data stays a slice of that buffer until the application
+copies it where it wants it. Outgoing messages are built with room for the
+length prefix and AEAD tag and encrypted in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import struct
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+
+from .errors import (
+    ConnectionLost,
+    HandshakeError,
+    ProtocolNotSupported,
+    ProtocolViolation,
+    StreamClosed,
+    StreamReset,
+    TransportError,
+)
+from .identity import Identity, PeerID
+from .mux import (
+    DataReceived,
+    GoAwayReceived,
+    Multiplexer,
+    MuxLimits,
+    PongReceived,
+    StreamEnded,
+    StreamOpened,
+    StreamWasReset,
+)
+from .secure import SecureHandshake
+
+log = logging.getLogger("shoal.transport")
+
+_LEN = struct.Struct(">H")
+_TAG = 16
+_RECV_BUFFER = 512 * 1024
+_MIN_FREE = 65535 + 2  # always room for one whole record
+_WRITE_BATCH = 256 * 1024
+_COPY_SMALL_WRITES = 64 * 1024  # writes up to this size are copied and return at once
+_STREAM_HIGH_WATER = 256 * 1024  # ... while the stream has less than this queued
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionConfig:
+    handshake_timeout: float = 10.0
+    ping_interval: float = 15.0  # keepalive ping period when the connection is quiet
+    ping_timeout: float = 20.0  # no pong for this long: the peer is dead
+    idle_timeout: float = 300.0  # no open stream for this long: close (0 disables)
+    mux: MuxLimits = field(default_factory=MuxLimits)
+
+
+class Stream:
+    """One bidirectional byte stream inside a connection.
+
+    Reads return data as it arrives; `write` returns once the bytes are either
+    copied or encrypted onto the connection, so the caller may reuse its buffer.
+    `close` half-closes (the remote reads EOF); `reset` aborts both directions.
+    """
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_eof",
+        "_error",
+        "_read_waiter",
+        "_write_waiter",
+        "handler_task",
+        "id",
+        "initiated_locally",
+        "protocol",
+    )
+
+    def __init__(self, conn: Connection, stream_id: int, protocol: str, local: bool) -> None:
+        self._conn = conn
+        self.id = stream_id
+        self.protocol = protocol
+        self.initiated_locally = local
+        self._chunks: deque[memoryview] = deque()
+        self._buffered = 0
+        self._eof = False
+        self._error: TransportError | None = None
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
+        self.handler_task: asyncio.Task[None] | None = None
+
+    @property
+    def connection(self) -> Connection:
+        return self._conn
+
+    @property
+    def remote_peer(self) -> PeerID:
+        return self._conn.remote_peer
+
+    # --- fed by the connection ----------------------------------------------------------------
+
+    def _feed(self, data: memoryview) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        self._wake_reader()
+
+    def _feed_eof(self) -> None:
+        self._eof = True
+        self._wake_reader()
+
+    def _fail(self, error: TransportError) -> None:
+        if self._error is None:
+            self._error = error
+        self._wake_reader()
+        self._wake_writer()
+
+    def _wake_reader(self) -> None:
+        w = self._read_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _wake_writer(self) -> None:
+        w = self._write_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # --- reading ------------------------------------------------------------------------------
+
+    async def _wait_readable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        waiter = self._conn._loop.create_future()
+        self._read_waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._read_waiter = None
+
+    def _take(self, n: int) -> list[memoryview]:
+        """Remove exactly n buffered bytes (n <= buffered) as a list of slices."""
+        out = []
+        chunks = self._chunks
+        left = n
+        while left:
+            head = chunks[0]
+            if len(head) <= left:
+                out.append(chunks.popleft())
+                left -= len(head)
+            else:
+                out.append(head[:left])
+                chunks[0] = head[left:]
+                left = 0
+        self._buffered -= n
+        self._conn._consumed(self.id, n)
+        return out
+
+    def _check_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def read(self, max_bytes: int = 65536) -> bytes:
+        """Up to `max_bytes` bytes; b"" once the remote side has closed."""
+        while not self._buffered:
+            if self._eof:
+                return b""
+            self._check_error()
+            await self._wait_readable()
+        head = self._chunks[0]
+        n = min(max_bytes, len(head))
+        return bytes(self._take(n)[0])
+
+    async def readexactly(self, n: int) -> bytes:
+        """Exactly n bytes; raises ProtocolViolation if the stream ends first."""
+        while self._buffered < n:
+            if self._eof:
+                raise ProtocolViolation(
+                    f"stream {self.protocol} ended after {self._buffered} of {n} bytes"
+                )
+            self._check_error()
+            await self._wait_readable()
+        if n == 0:
+            return b""
+        parts = self._take(n)
+        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+
+    async def readinto(self, buffer: memoryview | bytearray) -> int:
+        """Fill as much of `buffer` as is available (at least 1 byte); 0 at EOF."""
+        out = memoryview(buffer).cast("B")
+        while not self._buffered:
+            if self._eof or not len(out):
+                return 0
+            self._check_error()
+            await self._wait_readable()
+        n = min(len(out), self._buffered)
+        pos = 0
+        for part in self._take(n):
+            out[pos : pos + len(part)] = part
+            pos += len(part)
+        return n
+
+    async def readexactly_into(self, buffer: memoryview | bytearray) -> None:
+        """Fill all of `buffer` (e.g. a preallocated tensor) from the stream."""
+        out = memoryview(buffer).cast("B")
+        pos = 0
+        total = len(out)
+        while pos < total:
+            n = await self.readinto(out[pos:])
+            if n == 0:
+                raise ProtocolViolation(
+                    f"stream {self.protocol} ended after {pos} of {total} bytes"
+                )
+            pos += n
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._buffered
+
+    # --- writing ------------------------------------------------------------------------------
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send `data`; returns once it no longer references the caller's buffer."""
+        self._check_error()
+        mv = memoryview(data)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n = len(mv)
+        if not n:
+            return
+        conn = self._conn
+        mux = conn._mux
+        queued = mux.queued_bytes(self.id)
+        small = n <= _COPY_SMALL_WRITES and queued < _STREAM_HIGH_WATER
+        try:
+            mux.queue_data(self.id, memoryview(bytes(mv)) if small else mv)
+        except ProtocolViolation:
+            raise StreamClosed(f"stream {self.protocol} is closed for writing") from None
+        conn._schedule_flush()
+        if small:
+            return
+        # Zero-copy path: the queue references the caller's buffer until encrypted.
+        while mux.queued_bytes(self.id):
+            self._check_error()
+            waiter = conn._loop.create_future()
+            self._write_waiter = waiter
+            try:
+                await waiter
+            finally:
+                self._write_waiter = None
+        self._check_error()
+
+    async def drain(self) -> None:
+        """Wait until everything written so far has been handed to the socket."""
+        mux = self._conn._mux
+        while mux.queued_bytes(self.id):
+            self._check_error()
+            waiter = self._conn._loop.create_future()
+            self._write_waiter = waiter
+            try:
+                await waiter
+            finally:
+                self._write_waiter = None
+
+    async def close(self) -> None:
+        """Half-close: the remote reads EOF after all data written so far."""
+        if self._error is None:
+            self._conn._mux.queue_close(self.id)
+            self._conn._schedule_flush()
+
+    def reset(self, reason: str = "reset") -> None:
+        """Abort both directions at once; pending reads and writes fail."""
+        if self._error is None:
+            self._conn._reset_stream(self, reason)
+            self._fail(StreamReset(f"stream reset locally: {reason}"))
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is not None:
+            self.reset(f"{type(exc).__name__}")
+        else:
+            await self.close()
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.id} {self.protocol} to {self._conn.remote_peer.short()}>"
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One TCP connection: Noise XX handshake, then the stream multiplexer."""
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        initiator: bool,
+        expected_peer: PeerID | None = None,
+        config: ConnectionConfig | None = None,
+        on_stream: Callable[[Stream], None] | None = None,
+        on_closed: Callable[[Connection], None] | None = None,
+        admit: Callable[[Connection], str | None] | None = None,
+    ) -> None:
+        self.config = config or ConnectionConfig()
+        self.initiator = initiator
+        self.serial = next(Connection._ids)
+        self._loop = asyncio.get_running_loop()
+        self._handshake: SecureHandshake | None = SecureHandshake(
+            identity, initiator, expected_peer
+        )
+        self._on_stream = on_stream
+        self._on_closed = on_closed
+        self._admit = admit
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._mux = Multiplexer(initiator, self.config.mux, head_room=_LEN.size, tail_room=_TAG)
+        self._send_cipher = None
+        self._recv_cipher = None
+        self._buf = bytearray(_RECV_BUFFER)
+        self._mv = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._transport: asyncio.Transport | None = None
+        self._paused = False
+        self._flush_scheduled = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.streams: dict[int, Stream] = {}
+        self.handshake_done: asyncio.Future[PeerID] = self._loop.create_future()
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+        self.close_reason: str | None = None
+        self.remote_peer: PeerID = None  # type: ignore[assignment]  # set by the handshake
+        self.remote_address: tuple[str, int] | None = None
+        self.local_address: tuple[str, int] | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.created_at = self._loop.time()
+        self.last_activity = self.created_at
+        self.rtt: float | None = None
+        self._pings: dict[int, tuple[float, asyncio.Future[float]]] = {}
+        self._ping_ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = self.created_at
+        self._no_streams = asyncio.Event()
+        self.superseded = False  # a duplicate connection kept only until its streams end
+        self.kind = "direct"
+
+    # --- public API ---------------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self.handshake_done.done() and not self.closed.done()
+
+    @property
+    def accepting_streams(self) -> bool:
+        return (
+            self.is_open
+            and not self.superseded
+            and not self._mux.remote_goaway
+            and not self._mux.local_goaway
+        )
+
+    async def open_stream(self, protocol: str) -> Stream:
+        if not self.handshake_done.done():
+            await asyncio.shield(self.handshake_done)
+        if self.closed.done():
+            raise ConnectionLost(f"connection to {self._peer_name()} is closed")
+        try:
+            sid = self._mux.open_stream(protocol)
+        except ProtocolViolation as e:
+            raise ConnectionLost(f"{self._peer_name()}: {e}") from None
+        stream = Stream(self, sid, protocol, True)
+        self.streams[sid] = stream
+        self._idle_since = None
+        self._schedule_flush()
+        return stream
+
+    async def ping(self, timeout: float = 10.0) -> float:
+        """Round-trip time in seconds, measured with a multiplexer PING."""
+        if not self.is_open:
+            raise ConnectionLost(f"connection to {self._peer_name()} is closed")
+        opaque = next(self._ping_ids) & 0xFFFFFFFF
+        fut: asyncio.Future[float] = self._loop.create_future()
+        self._pings[opaque] = (self._loop.time(), fut)
+        self._mux.ping(opaque)
+        self._schedule_flush()
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        finally:
+            self._pings.pop(opaque, None)
+
+    def spawn(self, coro: Coroutine[object, object, None], stream: Stream | None = None) -> None:
+        """Run a stream handler owned by this connection (cancelled when it closes)."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if stream is not None:
+            stream.handler_task = task
+
+    def abort(self, reason: str) -> None:
+        """Close at once, failing every stream with ConnectionLost(reason)."""
+        if self.close_reason is None:
+            self.close_reason = reason
+        if self._transport is not None:
+            self._transport.abort()
+        else:
+            self._finish(reason)
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Graceful close: refuse new streams, let open ones finish, then close."""
+        if self.closed.done():
+            return
+        if self.is_open:
+            self._mux.go_away()
+            self._schedule_flush()
+            if self.streams:
+                self._no_streams.clear()
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._no_streams.wait()  # also set when the connection dies
+                except TimeoutError:
+                    log.debug(
+                        "closing %s with %d streams open", self._peer_name(), len(self.streams)
+                    )
+        if self.close_reason is None:
+            self.close_reason = "closed locally"
+        if self._transport is not None and not self.closed.done():
+            self._transport.close()  # flushes what is buffered, then closes
+            try:
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(self.closed)
+            except TimeoutError:
+                self._transport.abort()
+        await asyncio.shield(self.closed)
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "peer_id": str(self.remote_peer) if self.remote_peer else None,
+            "kind": self.kind,
+            "initiator": self.initiator,
+            "remote_address": self.remote_address,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "streams": len(self.streams),
+            "rtt_ms": None if self.rtt is None else round(self.rtt * 1000, 3),
+            "age_s": round(self._loop.time() - self.created_at, 3),
+        }
+
+    # --- asyncio protocol callbacks ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        peer = transport.get_extra_info("peername")
+        local = transport.get_extra_info("sockname")
+        self.remote_address = (peer[0], peer[1]) if peer else None
+        self.local_address = (local[0], local[1]) if local else None
+        if self._admit is not None:
+            refusal = self._admit(self)
+            if refusal is not None:
+                log.info("refusing connection from %s: %s", self._peer_name(), refusal)
+                self.abort(refusal)
+                return
+        transport.set_write_buffer_limits(high=_WRITE_BATCH, low=_WRITE_BATCH // 4)
+        self._timer = self._loop.call_later(self.config.handshake_timeout, self._on_timer)
+        assert self._handshake is not None
+        first = self._handshake.start()
+        if first:
+            self._write_raw(first)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if len(self._buf) - self._end < _MIN_FREE:
+            # Move the partial record to the front; at most one record is ever moved.
+            pending = self._end - self._start
+            self._buf[:pending] = self._mv[self._start : self._end]
+            self._start, self._end = 0, pending
+        return self._mv[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._end += nbytes
+        self.bytes_received += nbytes
+        self.last_activity = self._loop.time()
+        try:
+            if self._handshake is not None:
+                self._advance_handshake()
+            if self._handshake is None:
+                self._process_records()
+        except TransportError as e:
+            self._violation(e)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._flush()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; streams learn through connection_lost
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.close_reason is None:
+            self.close_reason = f"connection lost: {exc}" if exc else "closed by peer"
+        self._finish(self.close_reason)
+
+    # --- internals: handshake -----------------------------------------------------------------
+
+    def _advance_handshake(self) -> None:
+        hs = self._handshake
+        assert hs is not None
+        data = bytes(self._mv[self._start : self._end])
+        self._start = self._end = 0
+        reply = hs.receive(data)
+        if reply:
+            self._write_raw(reply)
+        if not hs.complete:
+            return
+        self._handshake = None
+        self._send_cipher = hs.send_cipher
+        self._recv_cipher = hs.recv_cipher
+        assert hs.remote_peer is not None
+        self.remote_peer = hs.remote_peer
+        leftover = hs.leftover
+        if leftover:
+            self._buf[: len(leftover)] = leftover
+            self._end = len(leftover)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._arm_timer()
+        self.handshake_done.set_result(self.remote_peer)
+        self._flush()
+
+    # --- internals: receiving -----------------------------------------------------------------
+
+    def _process_records(self) -> None:
+        buf = self._buf
+        mv = self._mv
+        pos = self._start
+        end = self._end
+        recv = self._recv_cipher
+        mux = self._mux
+        now = self._loop.time()
+        while end - pos >= 2:
+            n = (buf[pos] << 8) | buf[pos + 1]
+            if end - pos - 2 < n:
+                break
+            if n < _TAG:
+                raise ProtocolViolation(f"record of {n} bytes is shorter than its tag")
+            try:
+                plaintext = recv.decrypt(mv[pos + 2 : pos + 2 + n])
+            except HandshakeError:
+                raise ProtocolViolation("record failed authentication") from None
+            pos += 2 + n
+            self._start = pos
+            for event in mux.receive_message(plaintext, now):
+                self._dispatch(event)
+            if self.closed.done():
+                return
+        if pos == end:
+            self._start = self._end = 0
+        else:
+            self._start = pos
+        self._drop_finished()
+        if mux.has_output():
+            self._schedule_flush()
+
+    def _dispatch(self, event: object) -> None:
+        if type(event) is DataReceived:
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                stream._feed(event.data)
+            else:  # the application already dropped it: keep the window moving
+                self._mux.reset_stream(event.stream_id, "stream abandoned")
+        elif type(event) is StreamOpened:
+            stream = Stream(self, event.stream_id, event.protocol, False)
+            self.streams[event.stream_id] = stream
+            self._idle_since = None
+            if self._on_stream is None:
+                self._mux.reset_stream(event.stream_id, "no handlers", refused=True)
+                del self.streams[event.stream_id]
+            else:
+                self._on_stream(stream)
+        elif type(event) is StreamEnded:
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                stream._feed_eof()
+        elif type(event) is StreamWasReset:
+            stream = self.streams.pop(event.stream_id, None)
+            if stream is not None:
+                err: StreamReset
+                if event.refused:
+                    err = ProtocolNotSupported(
+                        f"{self._peer_name()} does not support {stream.protocol}: {event.reason}"
+                    )
+                else:
+                    err = StreamReset(f"stream reset by {self._peer_name()}: {event.reason}")
+                stream._fail(err)
+                if stream.handler_task is not None:
+                    stream.handler_task.cancel()  # propagate cancellation to the handler
+                self._note_idle()
+        elif type(event) is PongReceived:
+            entry = self._pings.pop(event.opaque, None)
+            if entry is not None:
+                rtt = self._loop.time() - entry[0]
+                self.rtt = rtt if self.rtt is None else 0.8 * self.rtt + 0.2 * rtt
+                self._mux.rtt = self.rtt
+                if not entry[1].done():
+                    entry[1].set_result(rtt)
+        elif type(event) is GoAwayReceived:
+            log.debug("%s is going away (code %d)", self._peer_name(), event.code)
+
+    # --- internals: sending -------------------------------------------------------------------
+
+    def _schedule_flush(self) -> None:
+        # Coalesce every write of this loop iteration into as few records as possible.
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        transport = self._transport
+        if transport is None or self._send_cipher is None or self.closed.done():
+            return
+        mux = self._mux
+        encrypt_into = self._send_cipher.encrypt_into
+        batch: list[bytearray] = []
+        size = 0
+        while not self._paused:
+            msg = mux.next_message()
+            if msg is None:
+                break
+            n = len(msg) - _LEN.size - _TAG
+            _LEN.pack_into(msg, 0, n + _TAG)
+            mv = memoryview(msg)
+            encrypt_into(mv[2 : 2 + n], mv[2:])
+            batch.append(msg)
+            size += len(msg)
+            if size >= _WRITE_BATCH:
+                self.bytes_sent += size
+                transport.writelines(batch)
+                batch = []
+                size = 0
+        if batch:
+            self.bytes_sent += size
+            transport.writelines(batch)
+        for sid in mux.take_drained():
+            stream = self.streams.get(sid)
+            if stream is not None:
+                stream._wake_writer()
+        self._drop_finished()
+
+    def _write_raw(self, data: bytes) -> None:
+        assert self._transport is not None
+        self.bytes_sent += len(data)
+        self._transport.write(data)
+
+    def _consumed(self, sid: int, n: int) -> None:
+        mux = self._mux
+        mux.consumed(sid, n, self._loop.time())
+        if mux.has_output():
+            self._schedule_flush()
+        self._drop_finished()
+
+    def _reset_stream(self, stream: Stream, reason: str) -> None:
+        self._mux.reset_stream(stream.id, reason)
+        self.streams.pop(stream.id, None)
+        self._schedule_flush()
+        self._note_idle()
+
+    def _drop_finished(self) -> None:
+        # The multiplexer forgets a stream once both directions are closed and all of
+        # its data was read (or it was reset); the Stream object goes with it.
+        finished = self._mux.take_finished()
+        if finished:
+            for sid in finished:
+                self.streams.pop(sid, None)
+            self._note_idle()
+
+    def _note_idle(self) -> None:
+        if not self.streams:
+            self._no_streams.set()
+            if self._idle_since is None:
+                self._idle_since = self._loop.time()
+
+    # --- internals: timers, errors, teardown -----------------------------------------------------
+
+    def _arm_timer(self) -> None:
+        self._timer = self._loop.call_later(self.config.ping_interval, self._on_timer)
+
+    def _on_timer(self) -> None:
+        if self.closed.done():
+            return
+        now = self._loop.time()
+        if not self.handshake_done.done():
+            log.info(
+                "closing connection from %s: handshake not finished in %.1fs",
+                self._peer_name(),
+                self.config.handshake_timeout,
+            )
+            self.abort("handshake timeout")
+            return
+        cfg = self.config
+        oldest = min((t for t, _ in self._pings.values()), default=None)
+        if oldest is not None and now - oldest > cfg.ping_timeout:
+            log.info("closing connection to %s: no pong for %.0fs", self._peer_name(), now - oldest)
+            self.abort(f"peer unresponsive (no pong for {now - oldest:.0f}s)")
+            return
+        idle = self._idle_since is not None and not self.streams
+        if cfg.idle_timeout and idle and now - self._idle_since >= cfg.idle_timeout:  # type: ignore[operator]
+            log.debug("closing idle connection to %s", self._peer_name())
+            self.close_reason = "idle"
+            self._mux.go_away()
+            self._flush()
+            if self._transport is not None:
+                self._transport.close()  # graceful: the GOAWAY goes out first
+            return
+        if now - self.last_activity >= cfg.ping_interval * 0.5 or oldest is None:
+            opaque = next(self._ping_ids) & 0xFFFFFFFF
+            self._pings[opaque] = (now, self._loop.create_future())
+            self._mux.ping(opaque)
+            self._schedule_flush()
+        self._timer = self._loop.call_later(
+            min(cfg.ping_interval, cfg.ping_timeout / 2), self._on_timer
+        )
+
+    def _violation(self, error: TransportError) -> None:
+        log.warning("closing connection to %s: %s", self._peer_name(), error)
+        self.abort(str(error))
+
+    def _finish(self, reason: str) -> None:
+        if self.closed.done():
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        err = ConnectionLost(f"connection to {self._peer_name()} lost: {reason}")
+        if not self.handshake_done.done():
+            self.handshake_done.set_exception(
+                HandshakeError(f"handshake with {self._peer_name()} failed: {reason}")
+            )
+            self.handshake_done.exception()  # mark retrieved: the dialer reports it
+        for stream in list(self.streams.values()):
+            stream._fail(err)
+            if stream.handler_task is not None:
+                stream.handler_task.cancel()
+        self.streams.clear()
+        self._no_streams.set()
+        for task in list(self._tasks):
+            task.cancel()
+        for _, fut in self._pings.values():
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
+        self._pings.clear()
+        self.closed.set_result(None)
+        if self._on_closed is not None:
+            self._on_closed(self)
+
+    def _peer_name(self) -> str:
+        addr = f"{self.remote_address[0]}:{self.remote_address[1]}" if self.remote_address else "?"
+        if self.remote_peer is not None:
+            return f"{self.remote_peer.short()}@{addr}"
+        return addr

@@ -1,0 +1,73 @@
+"""Typed transport errors.
+
+Everything that comes off the network is untrusted; when it is wrong it becomes
+one of these, naming the peer and the problem, and costs only its own stream or
+connection.
+"""
+
+from __future__ import annotations
+
+
+class TransportError(Exception):
+    """Base class of every error raised by shoal.transport."""
+
+
+class ProtocolViolation(TransportError):
+    """The remote side broke the wire protocol (bad frame, oversized message, ...)."""
+
+
+class HandshakeError(TransportError):
+    """The secure handshake failed: bad message, bad signature, wrong peer, timeout."""
+
+
+class PeerIDMismatch(HandshakeError):
+    """The address named one peer ID and the handshake met another."""
+
+
+class ConnectionLost(TransportError):
+    """The connection closed (or was found dead) before the operation finished."""
+
+
+class DialError(TransportError):
+    """No connection could be made to the peer at any of the given addresses."""
+
+
+class LimitExceeded(TransportError):
+    """A configured resource limit refused the operation (connections, streams, sizes)."""
+
+
+class StreamReset(TransportError):
+    """The stream was reset by either side; `reason` says why when known."""
+
+    def __init__(self, reason: str = "stream reset") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StreamClosed(TransportError):
+    """Write after the local side half-closed the stream."""
+
+
+class ProtocolNotSupported(StreamReset):
+    """The remote peer has no handler for the protocol named at stream open."""
+
+
+class RpcError(TransportError):
+    """Base class of errors surfaced by RPC calls."""
+
+
+class RemoteError(RpcError):
+    """The remote handler raised; `kind` is the remote exception's class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}" if message else kind)
+        self.kind = kind
+        self.message = message
+
+
+class RpcTimeout(RpcError, TimeoutError):
+    """The call's deadline passed before the response arrived."""
+
+
+class UnknownMethod(RemoteError):
+    """The remote protocol handler does not know the method."""

@@ -1,0 +1,485 @@
+"""Stream multiplexer: many flow-controlled streams over one secure connection (sans-IO).
+
+No sockets and no clock here: `Multiplexer` takes decrypted messages in and
+gives events out, and builds outgoing plaintext messages on demand, with time
+passed in as an argument (the h11/aioquic pattern). The asyncio driver lives in
+`connection.py`.
+
+Wire format. Every secure-channel message (at most 65519 bytes of plaintext,
+the Noise limit) carries one or more whole frames; a frame never spans two
+messages, so a message is decoded on its own. A frame is a 10-byte header
+``type:u8 flags:u8 stream:u32 length:u32`` followed, for OPEN, DATA and RESET,
+by `length` payload bytes (for WINDOW and PING, `length` is the value itself).
+
+Flow control is per stream, credit based (as in yamux and HTTP/2): a sender may
+have at most the receiver's window in flight; the receiver grants more as its
+application consumes data, and doubles a stream's window (up to a limit) when
+credit is being requested faster than once per round trip, so long fat links
+fill without giving every idle stream a large buffer.
+
+Fairness: outgoing data is scheduled one frame per stream in round-robin, with
+control frames first, so a bulk transfer cannot starve small calls.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import ProtocolViolation
+
+HEADER = struct.Struct(">BBII")
+HEADER_SIZE = HEADER.size
+MAX_MESSAGE_PLAINTEXT = 65535 - 16  # Noise message limit minus the AEAD tag
+
+DATA, WINDOW, OPEN, CLOSE, RESET, PING, GOAWAY = range(7)
+FLAG_ACK = 0x1  # PING: this is the pong
+FLAG_REFUSED = 0x2  # RESET: the receiver has no handler for the stream's protocol
+_FRAME_NAMES = ("DATA", "WINDOW", "OPEN", "CLOSE", "RESET", "PING", "GOAWAY")
+
+
+@dataclass(frozen=True, slots=True)
+class MuxLimits:
+    """Per-connection multiplexer limits (all enforced on untrusted input)."""
+
+    max_streams: int = 2048  # concurrently open streams opened by the remote side
+    initial_window: int = 256 * 1024
+    max_window: int = 16 * 1024 * 1024
+    max_protocol_len: int = 256
+    max_reason_len: int = 256
+    max_pending_control: int = 4096  # queued control frames (e.g. pongs) before we call it a flood
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StreamOpened:
+    stream_id: int
+    protocol: str
+
+
+@dataclass(slots=True)
+class DataReceived:
+    stream_id: int
+    data: memoryview
+
+
+@dataclass(slots=True)
+class StreamEnded:
+    """The remote side half-closed: no more data will arrive on this stream."""
+
+    stream_id: int
+
+
+@dataclass(slots=True)
+class StreamWasReset:
+    stream_id: int
+    reason: str
+    refused: bool  # the remote refused the protocol named at open
+
+
+@dataclass(slots=True)
+class PongReceived:
+    opaque: int
+
+
+@dataclass(slots=True)
+class GoAwayReceived:
+    code: int
+
+
+Event = StreamOpened | DataReceived | StreamEnded | StreamWasReset | PongReceived | GoAwayReceived
+
+
+class _Stream:
+    __slots__ = (
+        "consumed_since_update",
+        "fin_queued",
+        "fin_sent",
+        "id",
+        "last_update_at",
+        "queued",
+        "recv_buffered",
+        "recv_window",
+        "remote_closed",
+        "send_queue",
+        "send_window",
+        "window_max",
+    )
+
+    def __init__(self, stream_id: int, initial_window: int) -> None:
+        self.id = stream_id
+        self.send_window = initial_window  # credit the remote granted us
+        self.recv_window = initial_window  # credit we granted and that is still unused
+        self.window_max = initial_window  # the receive window we currently aim for
+        self.recv_buffered = 0  # received and not yet consumed by the application
+        self.consumed_since_update = 0
+        self.last_update_at = -1.0
+        self.send_queue: deque[memoryview] = deque()
+        self.queued = 0  # bytes in send_queue
+        self.fin_queued = False
+        self.fin_sent = False
+        self.remote_closed = False
+
+
+class Multiplexer:
+    """The multiplexer state machine for one connection.
+
+    `initiator` is True on the side that dialed; it opens odd stream IDs, the
+    other side even ones, so both can open streams without coordination.
+    `head_room`/`tail_room` reserve space around each outgoing message so the
+    driver can add the length prefix and encrypt in place without a copy.
+    """
+
+    def __init__(
+        self,
+        initiator: bool,
+        limits: MuxLimits | None = None,
+        *,
+        head_room: int = 0,
+        tail_room: int = 0,
+    ) -> None:
+        self.limits = limits or MuxLimits()
+        self._next_local_id = 1 if initiator else 2
+        self._remote_parity = 0 if initiator else 1
+        self._last_remote_id = 0
+        self._streams: dict[int, _Stream] = {}
+        self._remote_open = 0  # streams opened by the remote side and still open
+        self._control: deque[bytes] = deque()
+        self._ready: deque[int] = deque()  # streams with sendable data, round-robin
+        self._in_ready: set[int] = set()
+        self._drained: list[int] = []
+        self._finished: list[int] = []
+        self._head = head_room
+        self._tail = tail_room
+        self._room = MAX_MESSAGE_PLAINTEXT
+        self.local_goaway = False
+        self.remote_goaway = False
+        self.rtt = 0.0  # smoothed RTT estimate, fed by the driver; drives window growth
+
+    # --- inbound ----------------------------------------------------------------------------
+
+    def receive_message(self, message: bytes | memoryview, now: float) -> list[Event]:
+        """Decode one decrypted message; raises ProtocolViolation on malformed input."""
+        mv = memoryview(message)
+        end = len(mv)
+        pos = 0
+        events: list[Event] = []
+        unpack = HEADER.unpack_from
+        while pos < end:
+            if end - pos < HEADER_SIZE:
+                raise ProtocolViolation(f"truncated frame header ({end - pos} bytes)")
+            ftype, flags, sid, length = unpack(mv, pos)
+            pos += HEADER_SIZE
+            if ftype == DATA:
+                if length > end - pos:
+                    raise ProtocolViolation(f"DATA frame of {length} bytes overruns message")
+                self._on_data(sid, mv[pos : pos + length], events)
+                pos += length
+            elif ftype == WINDOW:
+                self._on_window(sid, length)
+            elif ftype == OPEN:
+                if length > self.limits.max_protocol_len or length > end - pos:
+                    raise ProtocolViolation(f"OPEN frame with bad protocol length {length}")
+                self._on_open(sid, bytes(mv[pos : pos + length]), events)
+                pos += length
+            elif ftype == CLOSE:
+                st = self._streams.get(sid)
+                if st is None:
+                    self._check_known(sid)
+                elif not st.remote_closed:
+                    st.remote_closed = True
+                    events.append(StreamEnded(sid))
+                    self._maybe_forget(st)
+            elif ftype == RESET:
+                if length > self.limits.max_reason_len or length > end - pos:
+                    raise ProtocolViolation(f"RESET frame with bad reason length {length}")
+                reason = bytes(mv[pos : pos + length]).decode("utf-8", "replace")
+                pos += length
+                st = self._streams.pop(sid, None)
+                if st is None:
+                    self._check_known(sid)
+                else:
+                    self._forget_counts(st)
+                    refused = bool(flags & FLAG_REFUSED)
+                    events.append(StreamWasReset(sid, reason or "reset by peer", refused))
+            elif ftype == PING:
+                if flags & FLAG_ACK:
+                    events.append(PongReceived(length))
+                else:
+                    self._queue_control(HEADER.pack(PING, FLAG_ACK, 0, length))
+            elif ftype == GOAWAY:
+                self.remote_goaway = True
+                events.append(GoAwayReceived(length))
+            else:
+                raise ProtocolViolation(f"unknown frame type {ftype}")
+        return events
+
+    def _check_known(self, sid: int) -> None:
+        # Frames for a stream we already closed or reset are normal (they crossed on
+        # the wire); frames for a stream the remote never opened are not.
+        if sid == 0 or ((sid & 1) == self._remote_parity and sid > self._last_remote_id):
+            raise ProtocolViolation(f"frame for stream {sid} that was never opened")
+        if (sid & 1) != self._remote_parity and sid >= self._next_local_id:
+            raise ProtocolViolation(f"frame for local stream {sid} that was never opened")
+
+    def _on_open(self, sid: int, proto: bytes, events: list[Event]) -> None:
+        if (sid & 1) != self._remote_parity or sid <= self._last_remote_id:
+            raise ProtocolViolation(f"OPEN with invalid stream id {sid}")
+        self._last_remote_id = sid
+        try:
+            protocol = proto.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolViolation("OPEN with a protocol name that is not UTF-8") from None
+        if self.local_goaway:
+            self._queue_reset_frame(sid, "connection is going away")
+            return
+        if self._remote_open >= self.limits.max_streams:
+            self._queue_reset_frame(sid, "too many streams")
+            return
+        self._streams[sid] = _Stream(sid, self.limits.initial_window)
+        self._remote_open += 1
+        events.append(StreamOpened(sid, protocol))
+
+    def _on_data(self, sid: int, data: memoryview, events: list[Event]) -> None:
+        st = self._streams.get(sid)
+        if st is None:
+            self._check_known(sid)
+            return  # late data for a stream that is gone: drop it
+        n = len(data)
+        if st.remote_closed:
+            raise ProtocolViolation(f"DATA on stream {sid} after it was closed")
+        if n > st.recv_window:
+            raise ProtocolViolation(
+                f"flow-control violation on stream {sid}: {n} bytes > window {st.recv_window}"
+            )
+        st.recv_window -= n
+        st.recv_buffered += n
+        if n:
+            events.append(DataReceived(sid, data))
+
+    def _on_window(self, sid: int, increment: int) -> None:
+        st = self._streams.get(sid)
+        if st is None:
+            self._check_known(sid)
+            return
+        st.send_window += increment
+        if st.send_window > 1 << 31:
+            raise ProtocolViolation(f"window overflow on stream {sid}")
+        if st.send_window > 0 and (st.queued or (st.fin_queued and not st.fin_sent)):
+            self._mark_ready(st)
+
+    # --- application actions ----------------------------------------------------------------
+
+    def open_stream(self, protocol: str) -> int:
+        """Allocate a stream and queue its OPEN frame (data may follow at once)."""
+        if self.remote_goaway or self.local_goaway:
+            raise ProtocolViolation("connection is going away: no new streams")
+        name = protocol.encode("utf-8")
+        if len(name) > self.limits.max_protocol_len:
+            raise ValueError(f"protocol name too long: {protocol[:64]!r}...")
+        sid = self._next_local_id
+        if sid >= 1 << 32:
+            raise ProtocolViolation("stream IDs exhausted on this connection")
+        self._next_local_id += 2
+        self._streams[sid] = _Stream(sid, self.limits.initial_window)
+        # OPEN goes through the control queue, which is always emptied before any
+        # DATA is scheduled, so it can never be overtaken by this stream's data.
+        self._control.append(HEADER.pack(OPEN, 0, sid, len(name)) + name)
+        return sid
+
+    def queue_data(self, sid: int, data: memoryview) -> None:
+        """Queue bytes to send; `data` must stay unchanged until the stream drains."""
+        st = self._streams.get(sid)
+        if st is None or st.fin_queued:
+            raise ProtocolViolation(f"stream {sid} is closed for writing")
+        if len(data):
+            st.send_queue.append(data)
+            st.queued += len(data)
+            if st.send_window > 0:
+                self._mark_ready(st)
+
+    def queue_close(self, sid: int) -> None:
+        """Half-close: send CLOSE after all queued data."""
+        st = self._streams.get(sid)
+        if st is None or st.fin_queued:
+            return
+        st.fin_queued = True
+        self._mark_ready(st)
+
+    def reset_stream(self, sid: int, reason: str = "", *, refused: bool = False) -> None:
+        st = self._streams.pop(sid, None)
+        if st is None:
+            return
+        self._forget_counts(st)
+        self._queue_reset_frame(sid, reason, FLAG_REFUSED if refused else 0)
+
+    def consumed(self, sid: int, n: int, now: float) -> None:
+        """The application consumed `n` received bytes: grant credit when worthwhile."""
+        st = self._streams.get(sid)
+        if st is None:
+            return
+        st.recv_buffered -= n
+        st.consumed_since_update += n
+        if st.remote_closed:
+            self._maybe_forget(st)
+            return
+        if st.consumed_since_update * 2 >= st.window_max:
+            # Credit is being used up within a couple of round trips: the window is
+            # what limits throughput, so grow it (bounded by max_window).
+            if (
+                st.last_update_at >= 0
+                and now - st.last_update_at < max(4 * self.rtt, 0.002)
+                and st.window_max < self.limits.max_window
+            ):
+                grow = min(st.window_max, self.limits.max_window - st.window_max)
+                st.window_max += grow
+                st.consumed_since_update += grow
+            st.last_update_at = now
+            inc = st.consumed_since_update
+            st.consumed_since_update = 0
+            st.recv_window += inc
+            self._control.append(HEADER.pack(WINDOW, 0, sid, inc))
+
+    def ping(self, opaque: int) -> None:
+        self._queue_control(HEADER.pack(PING, 0, 0, opaque & 0xFFFFFFFF))
+
+    def go_away(self, code: int = 0) -> None:
+        if not self.local_goaway:
+            self.local_goaway = True
+            self._queue_control(HEADER.pack(GOAWAY, 0, 0, code))
+
+    # --- outbound -----------------------------------------------------------------------------
+
+    def has_output(self) -> bool:
+        return bool(self._control or self._ready)
+
+    def next_message(self) -> bytearray | None:
+        """The next plaintext message (with head/tail room), or None when idle.
+
+        Control frames go first, then one frame per ready stream in round-robin.
+        """
+        if not self._control and not self._ready:
+            return None
+        parts: list[bytes | memoryview] = [bytes(self._head)]
+        room = self._room
+        control = self._control
+        while control and len(control[0]) <= room:
+            frame = control.popleft()
+            parts.append(frame)
+            room -= len(frame)
+        ready = self._ready
+        in_ready = self._in_ready
+        # Data only once all control frames are out: an OPEN must precede its DATA.
+        while ready and room > HEADER_SIZE and not control:
+            sid = ready.popleft()
+            in_ready.discard(sid)
+            st = self._streams.get(sid)
+            if st is None:
+                continue
+            n = min(room - HEADER_SIZE, st.send_window, st.queued)
+            if n > 0:
+                parts.append(HEADER.pack(DATA, 0, sid, n))
+                room -= HEADER_SIZE + n
+                st.send_window -= n
+                st.queued -= n
+                queue = st.send_queue
+                while n:
+                    head = queue[0]
+                    if len(head) <= n:
+                        parts.append(queue.popleft())
+                        n -= len(head)
+                    else:
+                        parts.append(head[:n])
+                        queue[0] = head[n:]
+                        n = 0
+                if not st.queued:
+                    self._drained.append(sid)
+            if not st.queued and st.fin_queued and not st.fin_sent:
+                if room < HEADER_SIZE:
+                    self._mark_ready(st)
+                    break
+                parts.append(HEADER.pack(CLOSE, 0, sid, 0))
+                room -= HEADER_SIZE
+                st.fin_sent = True
+                self._maybe_forget(st)
+            elif st.queued and st.send_window > 0:
+                self._mark_ready(st)
+        if len(parts) == 1:
+            return None
+        if self._tail:
+            parts.append(bytes(self._tail))
+        return bytearray().join(parts)
+
+    def take_drained(self) -> list[int]:
+        """Streams whose send queue emptied since the last call (their writers may go on)."""
+        drained, self._drained = self._drained, []
+        return drained
+
+    def take_finished(self) -> list[int]:
+        """Streams that ended (both sides closed and read, or reset) since the last call."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    # --- introspection --------------------------------------------------------------------------
+
+    def queued_bytes(self, sid: int) -> int:
+        st = self._streams.get(sid)
+        return st.queued if st else 0
+
+    def is_open(self, sid: int) -> bool:
+        return sid in self._streams
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
+
+    @property
+    def remote_stream_count(self) -> int:
+        return self._remote_open
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _mark_ready(self, st: _Stream) -> None:
+        if st.id not in self._in_ready:
+            self._in_ready.add(st.id)
+            self._ready.append(st.id)
+
+    def _queue_control(self, frame: bytes) -> None:
+        if len(self._control) >= self.limits.max_pending_control:
+            raise ProtocolViolation("control frame flood (peer does not read its pongs/resets)")
+        self._control.append(frame)
+
+    def _queue_reset_frame(self, sid: int, reason: str, flags: int = 0) -> None:
+        data = reason.encode("utf-8")[: self.limits.max_reason_len]
+        self._queue_control(HEADER.pack(RESET, flags, sid, len(data)) + data)
+
+    def _forget_counts(self, st: _Stream) -> None:
+        self._finished.append(st.id)
+        if (st.id & 1) == self._remote_parity:
+            self._remote_open -= 1
+        if st.queued or st.id in self._in_ready:
+            st.send_queue.clear()
+            st.queued = 0
+            self._drained.append(st.id)
+
+    def _maybe_forget(self, st: _Stream) -> None:
+        # A stream is gone once both directions are closed and the application has
+        # read everything; until then its state (and window) must stay.
+        done = st.fin_sent and st.remote_closed and st.recv_buffered <= 0 and not st.queued
+        if done and self._streams.pop(st.id, None) is not None:
+            self._forget_counts(st)
+
+
+def describe_frame(message: bytes) -> str:
+    """Human-readable frame list of a plaintext message (for debugging and logs)."""
+    out = []
+    pos = 0
+    while pos + HEADER_SIZE <= len(message):
+        ftype, flags, sid, length = HEADER.unpack_from(message, pos)
+        name = _FRAME_NAMES[ftype] if ftype < len(_FRAME_NAMES) else f"?{ftype}"
+        out.append(f"{name}(sid={sid}, flags={flags}, len={length})")
+        pos += HEADER_SIZE + (length if ftype in (DATA, OPEN, RESET) else 0)
+    return " ".join(out)

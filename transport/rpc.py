@@ -1,0 +1,381 @@
+"""RPC over streams: unary and streaming calls with msgpack payloads and raw tensors.
+
+One call is one stream, opened with the service's protocol name. On the stream
+every message is a frame ``length:u32 kind:u8`` + body, where the body is
+msgpack (kind MSG) or a msgpack tensor header followed by the tensor's raw
+bytes (kind TENSOR). The first client message is ``[method, timeout_s, payload]``;
+the server answers ``[OK, result]`` (once for unary calls, once per item for
+streams) or ``[ERR, [kind, message]]``, then half-closes.
+
+Deadlines travel as a relative timeout (no clock agreement needed); the server
+runs the handler under it. Cancelling the caller resets the stream, which
+cancels the handler on the other side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from . import tensors
+from .connection import Stream
+from .errors import (
+    ConnectionLost,
+    ProtocolViolation,
+    RemoteError,
+    RpcTimeout,
+    StreamReset,
+    TransportError,
+    UnknownMethod,
+)
+from .host import Host
+from .identity import PeerID
+from .multiaddr import Multiaddr
+
+log = logging.getLogger("shoal.transport.rpc")
+
+FRAME = struct.Struct(">IB")
+MSG, TENSOR = 0, 1
+OK, ERR = 0, 1
+DEFAULT_MAX_MESSAGE = 16 * 1024 * 1024
+DEFAULT_MAX_TENSOR = 4 * 1024 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RpcLimits:
+    max_message: int = DEFAULT_MAX_MESSAGE  # one msgpack frame
+    max_tensor: int = DEFAULT_MAX_TENSOR  # one tensor's raw bytes
+    max_timeout: float = 3600.0  # a peer may not ask us to hold a handler longer
+
+
+_DEFAULT_LIMITS = RpcLimits()
+
+
+def _unpack(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise ProtocolViolation(f"undecodable message: {type(e).__name__}") from None
+
+
+def pack_message(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return FRAME.pack(len(body), MSG) + body
+
+
+class MessageStream:
+    """Message framing on top of a Stream (used by both sides of a call)."""
+
+    __slots__ = ("limits", "stream")
+
+    def __init__(self, stream: Stream, limits: RpcLimits = _DEFAULT_LIMITS) -> None:
+        self.stream = stream
+        self.limits = limits
+
+    async def send(self, obj: Any) -> None:
+        await self.stream.write(pack_message(obj))
+
+    async def send_tensor(self, tensor: Any) -> None:
+        """Send a torch tensor or numpy array: header, then bytes straight from its storage."""
+        header, view = tensors.describe(tensor)
+        body = msgpack.packb(header, use_bin_type=True)
+        await self.stream.write(FRAME.pack(len(body), TENSOR) + body)
+        await self.stream.write(view)
+
+    async def _read_frame(self) -> tuple[int, bytes] | None:
+        head = await self.stream.readexactly(FRAME.size) if not self.stream.at_eof() else b""
+        if not head:
+            return None
+        length, kind = FRAME.unpack(head)
+        if length > self.limits.max_message:
+            raise ProtocolViolation(
+                f"message of {length} bytes exceeds the limit of {self.limits.max_message}"
+            )
+        if kind not in (MSG, TENSOR):
+            raise ProtocolViolation(f"unknown frame kind {kind}")
+        return kind, await self.stream.readexactly(length)
+
+    async def recv(self) -> Any:
+        """The next message; raises EOFError at the end of the stream."""
+        frame = await self._read_frame()
+        if frame is None:
+            raise EOFError("stream ended")
+        kind, body = frame
+        if kind != MSG:
+            raise ProtocolViolation("expected a message, got a tensor")
+        return _unpack(body)
+
+    async def recv_tensor(self, out: Any = None) -> Any:
+        """The next tensor, read straight into `out` when given (shape/dtype must match)."""
+        frame = await self._read_frame()
+        if frame is None:
+            raise EOFError("stream ended")
+        kind, body = frame
+        if kind != TENSOR:
+            raise ProtocolViolation("expected a tensor, got a message")
+        try:
+            header = tensors.validate(_unpack(body), self.limits.max_tensor)
+            result, view = tensors.allocate(header, out)
+        except ValueError as e:
+            raise ProtocolViolation(f"bad tensor: {e}") from None
+        await self.stream.readexactly_into(view)
+        return result
+
+
+class CallContext(MessageStream):
+    """What a handler sees: the caller, its deadline, and the stream for streaming calls."""
+
+    __slots__ = ("method", "peer", "timeout")
+
+    def __init__(self, stream: Stream, method: str, timeout: float | None, limits: RpcLimits):
+        super().__init__(stream, limits)
+        self.peer: PeerID = stream.remote_peer
+        self.method = method
+        self.timeout = timeout
+
+    async def send_item(self, item: Any) -> None:
+        """One item of a streaming response."""
+        await self.send([OK, item])
+
+
+Handler = Callable[[CallContext, Any], Awaitable[Any]]
+StreamHandler = Callable[[CallContext, Any], AsyncIterator[Any]]
+
+
+class RpcService:
+    """Methods served under one protocol name, e.g. ``/shoal/dht/1.0.0``."""
+
+    def __init__(self, host: Host, protocol: str, limits: RpcLimits | None = None) -> None:
+        self.host = host
+        self.protocol = protocol
+        self.limits = limits or _DEFAULT_LIMITS
+        self._unary: dict[str, Handler] = {}
+        self._streams: dict[str, StreamHandler] = {}
+        host.set_handler(protocol, self._serve)
+
+    def unary(self, name: str) -> Callable[[Handler], Handler]:
+        """Register ``async def handler(ctx, payload) -> result``."""
+
+        def register(fn: Handler) -> Handler:
+            self._unary[name] = fn
+            return fn
+
+        return register
+
+    def stream(self, name: str) -> Callable[[StreamHandler], StreamHandler]:
+        """Register ``async def handler(ctx, payload)`` yielding response items.
+
+        The handler may also use ``ctx.recv()``/``ctx.recv_tensor()`` to read more
+        client messages, and ``ctx.send_tensor()`` to answer with tensors.
+        """
+
+        def register(fn: StreamHandler) -> StreamHandler:
+            self._streams[name] = fn
+            return fn
+
+        return register
+
+    def close(self) -> None:
+        self.host.remove_handler(self.protocol)
+
+    async def _serve(self, stream: Stream) -> None:
+        msgs = MessageStream(stream, self.limits)
+        request = await msgs.recv()
+        if not (isinstance(request, list) and len(request) == 3 and isinstance(request[0], str)):
+            raise ProtocolViolation("malformed RPC request")
+        method, timeout, payload = request
+        if timeout is not None:
+            if not isinstance(timeout, int | float) or timeout <= 0:
+                raise ProtocolViolation(f"bad RPC timeout {timeout!r}")
+            timeout = min(float(timeout), self.limits.max_timeout)
+        ctx = CallContext(stream, method, timeout, self.limits)
+        try:
+            async with asyncio.timeout(timeout):
+                if method in self._unary:
+                    result = await self._unary[method](ctx, payload)
+                    await ctx.send([OK, result])
+                elif method in self._streams:
+                    async for item in self._streams[method](ctx, payload):
+                        await ctx.send([OK, item])
+                else:
+                    await ctx.send([ERR, ["UnknownMethod", f"{self.protocol} has no {method!r}"]])
+        except TimeoutError:
+            await _try_send(ctx, [ERR, ["DeadlineExceeded", f"{method} exceeded {timeout}s"]])
+        except TransportError:
+            raise
+        except Exception as e:
+            log.debug("%s.%s raised %r", self.protocol, method, e)
+            await _try_send(ctx, [ERR, [type(e).__name__, str(e)[:1000]]])
+
+
+async def _try_send(ctx: CallContext, msg: Any) -> None:
+    try:
+        await ctx.send(msg)
+    except TransportError:
+        pass
+
+
+def _raise_remote(body: Any) -> None:
+    if isinstance(body, list) and len(body) == 2:
+        kind, message = str(body[0]), str(body[1])
+    else:
+        kind, message = "RemoteError", repr(body)[:200]
+    if kind == "UnknownMethod":
+        raise UnknownMethod(kind, message)
+    raise RemoteError(kind, message)
+
+
+class Call(MessageStream):
+    """The client side of a streaming call (``async with open_call(...) as call``)."""
+
+    __slots__ = ("deadline",)
+
+    async def close_send(self) -> None:
+        await self.stream.close()
+
+    async def recv_item(self) -> Any:
+        """The next response item; EOFError when the server finished."""
+        msg = await self.recv()
+        if not (isinstance(msg, list) and len(msg) == 2):
+            raise ProtocolViolation("malformed RPC response")
+        if msg[0] == OK:
+            return msg[1]
+        _raise_remote(msg[1])
+        return None  # unreachable
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            try:
+                yield await self.recv_item()
+            except EOFError:
+                return
+
+
+def _translate(e: BaseException, method: str, peer: object) -> BaseException:
+    if isinstance(e, TimeoutError) and not isinstance(e, RpcTimeout):
+        return RpcTimeout(f"{method} on {peer} timed out")
+    if isinstance(e, StreamReset) and not isinstance(e, UnknownMethod):
+        return e
+    if isinstance(e, ProtocolViolation) and "ended after" in str(e):
+        return ConnectionLost(f"{method} on {peer}: {e}")
+    return e
+
+
+async def _open(
+    host: Host,
+    peer: PeerID | Multiaddr | str,
+    protocol: str,
+    method: str,
+    payload: Any,
+    timeout: float | None,
+    limits: RpcLimits,
+) -> Call:
+    conn = host.connection(peer) if isinstance(peer, PeerID) else None
+    if conn is None:
+        conn = await host.connect(peer)
+    stream = await conn.open_stream(protocol)
+    call = Call(stream, limits)
+    await stream.write(pack_message([method, timeout, payload]))
+    return call
+
+
+async def call(
+    host: Host,
+    peer: PeerID | Multiaddr | str,
+    protocol: str,
+    method: str,
+    payload: Any = None,
+    *,
+    timeout: float | None = 30.0,
+    limits: RpcLimits = _DEFAULT_LIMITS,
+) -> Any:
+    """A unary call: send `payload`, return the handler's result."""
+    stream: Stream | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            c = await _open(host, peer, protocol, method, payload, timeout, limits)
+            stream = c.stream
+            await stream.close()
+            result = await c.recv_item()
+            return result
+    except BaseException as e:
+        if stream is not None:
+            stream.reset("cancelled" if isinstance(e, asyncio.CancelledError) else "error")
+        err = _translate(e, method, peer)
+        if err is e:
+            raise
+        raise err from None
+
+
+async def stream_call(
+    host: Host,
+    peer: PeerID | Multiaddr | str,
+    protocol: str,
+    method: str,
+    payload: Any = None,
+    *,
+    timeout: float | None = 30.0,
+    limits: RpcLimits = _DEFAULT_LIMITS,
+) -> AsyncIterator[Any]:
+    """A server-streaming call: iterate over the response items."""
+    c: Call | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            c = await _open(host, peer, protocol, method, payload, timeout, limits)
+            await c.stream.close()
+            async for item in c:
+                yield item
+    except BaseException as e:
+        if c is not None:
+            c.stream.reset(
+                "cancelled" if isinstance(e, asyncio.CancelledError | GeneratorExit) else "error"
+            )
+        err = _translate(e, method, peer)
+        if err is e:
+            raise
+        raise err from None
+
+
+class open_call:
+    """A bidirectional streaming call; the stream is reset if the block raises."""
+
+    def __init__(
+        self,
+        host: Host,
+        peer: PeerID | Multiaddr | str,
+        protocol: str,
+        method: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = 30.0,
+        limits: RpcLimits = _DEFAULT_LIMITS,
+    ) -> None:
+        self._args = (host, peer, protocol, method, payload, timeout, limits)
+        self._timeout = asyncio.timeout(timeout)
+        self._call: Call | None = None
+
+    async def __aenter__(self) -> Call:
+        await self._timeout.__aenter__()
+        try:
+            self._call = await _open(*self._args)
+        except BaseException as e:
+            await self._timeout.__aexit__(type(e), e, e.__traceback__)
+            raise
+        return self._call
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and self._call is not None:
+            self._call.stream.reset("cancelled" if exc_type is asyncio.CancelledError else "error")
+        elif self._call is not None:
+            await self._call.stream.close()
+        try:
+            suppress = await self._timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError as e:
+            raise RpcTimeout(f"{self._args[3]} on {self._args[1]} timed out") from e
+        return bool(suppress)
