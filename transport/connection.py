@@ -14,6 +14,7 @@ import itertools
 import logging
 import socket
 import struct
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ from .mux import (
 from .secure import SecureHandshake
 
 log = logging.getLogger("shoal.transport")
+
+# uvloop's loop.time() has millisecond resolution (cached per iteration): too coarse
+# for loopback RTTs and window tuning, so measurements use the monotonic clock.
+_now = time.monotonic
 
 _LEN = struct.Struct(">H")
 _TAG = 16
@@ -265,10 +270,14 @@ class Stream:
             finally:
                 self._write_waiter = None
 
-    async def close(self) -> None:
-        """Half-close: the remote reads EOF after all data written so far."""
+    async def close(self, *, discard_input: bool = False) -> None:
+        """Half-close: the remote reads EOF after all data written so far.
+
+        `discard_input=True` also gives up reading: the stream is released as soon
+        as the close is sent, whatever the remote side still does.
+        """
         if self._error is None:
-            self._conn._mux.queue_close(self.id)
+            self._conn._mux.queue_close(self.id, discard_input=discard_input)
             self._conn._schedule_flush()
 
     def reset(self, reason: str = "reset") -> None:
@@ -332,12 +341,13 @@ class Connection(asyncio.BufferedProtocol):
         self.handshake_done: asyncio.Future[PeerID] = self._loop.create_future()
         self.closed: asyncio.Future[None] = self._loop.create_future()
         self.close_reason: str | None = None
+        self._failure: TransportError | None = None
         self.remote_peer: PeerID = None  # type: ignore[assignment]  # set by the handshake
         self.remote_address: tuple[str, int] | None = None
         self.local_address: tuple[str, int] | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.created_at = self._loop.time()
+        self.created_at = _now()
         self.last_activity = self.created_at
         self.rtt: float | None = None
         self._pings: dict[int, tuple[float, asyncio.Future[float]]] = {}
@@ -384,7 +394,7 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionLost(f"connection to {self._peer_name()} is closed")
         opaque = next(self._ping_ids) & 0xFFFFFFFF
         fut: asyncio.Future[float] = self._loop.create_future()
-        self._pings[opaque] = (self._loop.time(), fut)
+        self._pings[opaque] = (_now(), fut)
         self._mux.ping(opaque)
         self._schedule_flush()
         try:
@@ -447,7 +457,7 @@ class Connection(asyncio.BufferedProtocol):
             "bytes_received": self.bytes_received,
             "streams": len(self.streams),
             "rtt_ms": None if self.rtt is None else round(self.rtt * 1000, 3),
-            "age_s": round(self._loop.time() - self.created_at, 3),
+            "age_s": round(_now() - self.created_at, 3),
         }
 
     # --- asyncio protocol callbacks ---------------------------------------------------------------
@@ -488,7 +498,7 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
         self.bytes_received += nbytes
-        self.last_activity = self._loop.time()
+        self.last_activity = _now()
         try:
             if self._handshake is not None:
                 self._advance_handshake()
@@ -548,7 +558,7 @@ class Connection(asyncio.BufferedProtocol):
         end = self._end
         recv = self._recv_cipher
         mux = self._mux
-        now = self._loop.time()
+        now = _now()
         while end - pos >= 2:
             n = (buf[pos] << 8) | buf[pos + 1]
             if end - pos - 2 < n:
@@ -610,7 +620,7 @@ class Connection(asyncio.BufferedProtocol):
         elif type(event) is PongReceived:
             entry = self._pings.pop(event.opaque, None)
             if entry is not None:
-                rtt = self._loop.time() - entry[0]
+                rtt = _now() - entry[0]
                 self.rtt = rtt if self.rtt is None else 0.8 * self.rtt + 0.2 * rtt
                 self._mux.rtt = self.rtt
                 if not entry[1].done():
@@ -666,7 +676,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _consumed(self, sid: int, n: int) -> None:
         mux = self._mux
-        mux.consumed(sid, n, self._loop.time())
+        mux.consumed(sid, n, _now())
         if mux.has_output():
             self._schedule_flush()
         self._drop_finished()
@@ -690,7 +700,7 @@ class Connection(asyncio.BufferedProtocol):
         if not self.streams:
             self._no_streams.set()
             if self._idle_since is None:
-                self._idle_since = self._loop.time()
+                self._idle_since = _now()
 
     # --- internals: timers, errors, teardown -----------------------------------------------------
 
@@ -700,7 +710,7 @@ class Connection(asyncio.BufferedProtocol):
     def _on_timer(self) -> None:
         if self.closed.done():
             return
-        now = self._loop.time()
+        now = _now()
         if not self.handshake_done.done():
             log.info(
                 "closing connection from %s: handshake not finished in %.1fs",
@@ -735,6 +745,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _violation(self, error: TransportError) -> None:
         log.warning("closing connection to %s: %s", self._peer_name(), error)
+        if self._failure is None:
+            self._failure = error
         self.abort(str(error))
 
     def _finish(self, reason: str) -> None:
@@ -744,9 +756,10 @@ class Connection(asyncio.BufferedProtocol):
             self._timer.cancel()
         err = ConnectionLost(f"connection to {self._peer_name()} lost: {reason}")
         if not self.handshake_done.done():
-            self.handshake_done.set_exception(
-                HandshakeError(f"handshake with {self._peer_name()} failed: {reason}")
-            )
+            failure = self._failure
+            if not isinstance(failure, HandshakeError):  # keep PeerIDMismatch & co. as they are
+                failure = HandshakeError(f"handshake with {self._peer_name()} failed: {reason}")
+            self.handshake_done.set_exception(failure)
             self.handshake_done.exception()  # mark retrieved: the dialer reports it
         for stream in list(self.streams.values()):
             stream._fail(err)

@@ -20,16 +20,16 @@ class HandshakeError(TransportError):
     """The secure handshake failed: bad message, bad signature, wrong peer, timeout."""
 
 
-class PeerIDMismatch(HandshakeError):
-    """The address named one peer ID and the handshake met another."""
-
-
 class ConnectionLost(TransportError):
     """The connection closed (or was found dead) before the operation finished."""
 
 
 class DialError(TransportError):
     """No connection could be made to the peer at any of the given addresses."""
+
+
+class PeerIDMismatch(HandshakeError, DialError):
+    """The address named one peer ID and the handshake met another."""
 
 
 class LimitExceeded(TransportError):

@@ -11,7 +11,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from .connection import Connection, ConnectionConfig, Stream
-from .errors import ConnectionLost, DialError, HandshakeError, LimitExceeded, TransportError
+from .errors import (
+    ConnectionLost,
+    DialError,
+    HandshakeError,
+    LimitExceeded,
+    PeerIDMismatch,
+    TransportError,
+)
 from .identity import Identity, PeerID
 from .interfaces import local_addresses
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address
@@ -246,6 +253,7 @@ class Host:
         self, peer: PeerID | None, candidates: list[Multiaddr], timeout: float
     ) -> Connection:
         errors = []
+        mismatch: PeerIDMismatch | None = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         for addr in candidates:
@@ -265,8 +273,12 @@ class Host:
                 errors.append(f"{addr}: timed out after {timeout:.1f}s")
             except (OSError, TransportError) as e:
                 errors.append(f"{addr}: {e}")
-                if isinstance(e, HandshakeError):
+                if isinstance(e, PeerIDMismatch):
+                    mismatch = e
+                elif isinstance(e, HandshakeError):
                     log.info("dial %s failed: %s", addr, e)
+        if mismatch is not None and len(errors) == 1:
+            raise mismatch
         who = str(peer) if peer is not None else "peer"
         raise DialError(f"could not connect to {who}: " + "; ".join(errors))
 
@@ -385,4 +397,4 @@ class Host:
             log.exception("handler %s failed for %s", stream.protocol, stream.remote_peer)
             stream.reset("handler error")
         else:
-            await stream.close()
+            await stream.close(discard_input=True)

@@ -95,6 +95,7 @@ Event = StreamOpened | DataReceived | StreamEnded | StreamWasReset | PongReceive
 
 class _Stream:
     __slots__ = (
+        "abandoned",
         "consumed_since_update",
         "fin_queued",
         "fin_sent",
@@ -122,6 +123,7 @@ class _Stream:
         self.fin_queued = False
         self.fin_sent = False
         self.remote_closed = False
+        self.abandoned = False  # the application will read no more: forget after our FIN
 
 
 class Multiplexer:
@@ -249,6 +251,10 @@ class Multiplexer:
             self._check_known(sid)
             return  # late data for a stream that is gone: drop it
         n = len(data)
+        if st.abandoned:  # nobody will read it: drop (still within the window we granted)
+            if n > st.recv_window:
+                raise ProtocolViolation(f"flow-control violation on stream {sid}")
+            return
         if st.remote_closed:
             raise ProtocolViolation(f"DATA on stream {sid} after it was closed")
         if n > st.recv_window:
@@ -301,10 +307,22 @@ class Multiplexer:
             if st.send_window > 0:
                 self._mark_ready(st)
 
-    def queue_close(self, sid: int) -> None:
-        """Half-close: send CLOSE after all queued data."""
+    def queue_close(self, sid: int, *, discard_input: bool = False) -> None:
+        """Half-close: send CLOSE after all queued data.
+
+        With `discard_input` the application is done with the stream altogether (a
+        handler that returned): once CLOSE is out the stream is forgotten, and what
+        the remote still sends is dropped, so a peer that never closes its side
+        cannot pin the stream (and its slot under max_streams).
+        """
         st = self._streams.get(sid)
-        if st is None or st.fin_queued:
+        if st is None:
+            return
+        if discard_input:
+            st.abandoned = True
+            st.recv_buffered = 0
+        if st.fin_queued:
+            self._maybe_forget(st)
             return
         st.fin_queued = True
         self._mark_ready(st)
@@ -468,7 +486,11 @@ class Multiplexer:
     def _maybe_forget(self, st: _Stream) -> None:
         # A stream is gone once both directions are closed and the application has
         # read everything; until then its state (and window) must stay.
-        done = st.fin_sent and st.remote_closed and st.recv_buffered <= 0 and not st.queued
+        done = (
+            st.fin_sent
+            and not st.queued
+            and (st.abandoned or (st.remote_closed and st.recv_buffered <= 0))
+        )
         if done and self._streams.pop(st.id, None) is not None:
             self._forget_counts(st)
 

@@ -91,27 +91,29 @@ class CipherState:
     def cipher(self) -> str:
         return self._cipher
 
-    def _next_nonce(self) -> bytes:
-        n = self.nonce
-        if n >= MAX_NONCE:
-            # Reusing a nonce would break confidentiality and authenticity outright.
-            raise NoiseError("cipher nonce exhausted; the connection must be re-established")
-        return self._pack(n)
+    # The four methods below are the per-message hot path: they inline the nonce
+    # check instead of sharing a helper, since a Python call costs ~10% of sealing a
+    # small message.
 
     def encrypt(self, plaintext: bytes, ad: bytes = b"") -> bytes:
         """Seal `plaintext`; the result is len(plaintext) + 16 bytes."""
-        ct = self._aead.encrypt(self._next_nonce(), plaintext, ad)
-        self.nonce += 1
+        n = self.nonce
+        if n >= MAX_NONCE:
+            raise _exhausted()
+        ct = self._aead.encrypt(self._pack(n), plaintext, ad)
+        self.nonce = n + 1
         return ct
 
     def decrypt(self, ciphertext: bytes, ad: bytes = b"") -> bytes:
         """Open `ciphertext`; raises NoiseError when it does not authenticate."""
-        nonce = self._next_nonce()
+        n = self.nonce
+        if n >= MAX_NONCE:
+            raise _exhausted()
         try:
-            pt = self._aead.decrypt(nonce, ciphertext, ad)
+            pt = self._aead.decrypt(self._pack(n), ciphertext, ad)
         except InvalidTag:
             raise NoiseError("message failed authentication") from None
-        self.nonce += 1
+        self.nonce = n + 1
         return pt
 
     def encrypt_into(
@@ -122,16 +124,17 @@ class CipherState:
     ) -> int:
         """Seal `plaintext` into the front of `out`; returns the bytes written (len + 16).
 
-        `out` may be larger than needed; neither buffer is copied.
+        Both are byte buffers (memoryviews of format "B"); `out` may be larger than
+        needed. Nothing is copied.
         """
+        n = self.nonce
+        if n >= MAX_NONCE:
+            raise _exhausted()
         size = len(plaintext) + TAG_LEN
         if len(out) != size:
-            if len(out) < size:
-                raise ValueError(f"output buffer too small: {len(out)} < {size}")
-            out = memoryview(out)[:size]
-        nonce = self._next_nonce()
-        written = self._aead.encrypt_into(nonce, plaintext, ad, out)
-        self.nonce += 1
+            out = _fit(out, size)
+        written = self._aead.encrypt_into(self._pack(n), plaintext, ad, out)
+        self.nonce = n + 1
         return written
 
     def decrypt_into(
@@ -141,25 +144,37 @@ class CipherState:
         ad: bytes = b"",
     ) -> int:
         """Open `ciphertext` into the front of `out`; returns the bytes written (len - 16)."""
+        n = self.nonce
+        if n >= MAX_NONCE:
+            raise _exhausted()
         size = len(ciphertext) - TAG_LEN
         if size < 0:
             raise NoiseError(f"ciphertext of {len(ciphertext)} bytes is shorter than the tag")
         if len(out) != size:
-            if len(out) < size:
-                raise ValueError(f"output buffer too small: {len(out)} < {size}")
-            out = memoryview(out)[:size]
-        nonce = self._next_nonce()
+            out = _fit(out, size)
         try:
-            written = self._aead.decrypt_into(nonce, ciphertext, ad, out)
+            written = self._aead.decrypt_into(self._pack(n), ciphertext, ad, out)
         except InvalidTag:
             raise NoiseError("message failed authentication") from None
-        self.nonce += 1
+        self.nonce = n + 1
         return written
 
     def rekey(self) -> None:
         """Replace the key with a one-way function of itself (Noise section 4.2)."""
         new_key = self._aead.encrypt(self._pack(MAX_NONCE), bytes(32), b"")[:32]
         self._aead = _AEADS[self._cipher](new_key)
+
+
+def _exhausted() -> NoiseError:
+    # Reusing a nonce would break confidentiality and authenticity outright.
+    return NoiseError("cipher nonce exhausted; the connection must be re-established")
+
+
+def _fit(out: bytearray | memoryview, size: int) -> memoryview:
+    """The first `size` bytes of `out`, without copying (the AEADs want exact sizes)."""
+    if len(out) < size:
+        raise ValueError(f"output buffer too small: {len(out)} < {size}")
+    return memoryview(out)[:size]
 
 
 def _hkdf2(chaining_key: bytes, ikm: bytes) -> tuple[bytes, bytes]:

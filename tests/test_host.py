@@ -1,0 +1,303 @@
+"""The host: dialing, one connection per peer, streams, limits, liveness and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+
+import pytest
+
+from shoal.transport.connection import ConnectionConfig
+from shoal.transport.errors import (
+    ConnectionLost,
+    DialError,
+    PeerIDMismatch,
+    ProtocolNotSupported,
+    StreamReset,
+)
+from shoal.transport.host import Host, HostConfig
+from shoal.transport.identity import Identity
+from shoal.transport.multiaddr import Multiaddr
+
+ECHO = "/shoal/test-echo/1.0.0"
+
+
+async def echo(stream) -> None:
+    while data := await stream.read(1 << 20):
+        await stream.write(data)
+
+
+async def test_addresses_carry_the_peer_id_and_a_dial_meets_that_peer(pair) -> None:
+    a, b = pair
+    addr = b.addresses()[0]
+    assert addr.peer_id == b.peer_id
+    assert str(addr).startswith("/ip4/127.0.0.1/tcp/")
+    conn = await a.connect(addr)
+    assert conn.remote_peer == b.peer_id
+    await asyncio.sleep(0.05)
+    assert b.connections[a.peer_id].remote_peer == a.peer_id
+
+
+async def test_a_stream_carries_bytes_both_ways_and_half_closes(pair) -> None:
+    a, b = pair
+    b.set_handler(ECHO, echo)
+    s = await a.open_stream(b.addresses()[0], ECHO)
+    await s.write(b"hello")
+    assert await s.readexactly(5) == b"hello"
+    await s.close()
+    assert await s.read() == b""  # the echo handler returned and closed its side
+
+
+async def test_an_unknown_protocol_is_refused_cleanly(pair) -> None:
+    a, b = pair
+    s = await a.open_stream(b.addresses()[0], "/shoal/nothing-here/1.0.0")
+    with pytest.raises(ProtocolNotSupported, match="nothing-here"):
+        await s.read()
+    b.set_handler(ECHO, echo)  # the connection is fine afterwards
+    s2 = await a.open_stream(b.peer_id, ECHO)
+    await s2.write(b"x")
+    assert await s2.readexactly(1) == b"x"
+    await s2.close()
+
+
+async def test_dialing_an_address_whose_peer_id_differs_aborts(pair) -> None:
+    a, b = pair
+    impostor = Identity.generate().peer_id
+    port = b.addresses()[0].tcp_endpoint()[1]
+    with pytest.raises(PeerIDMismatch, match="peer ID mismatch"):
+        await a.connect(Multiaddr(f"/ip4/127.0.0.1/tcp/{port}/p2p/{impostor}"))
+    assert b.peer_id not in a.connections
+
+
+async def test_one_gibibyte_on_one_stream_arrives_with_its_sha256(pair) -> None:
+    a, b = pair
+    total = 1 << 30
+    block = os.urandom(16 << 20)
+    got: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+
+    async def sink(stream) -> None:
+        h = hashlib.sha256()
+        n = 0
+        buf = bytearray(4 << 20)
+        view = memoryview(buf)
+        while k := await stream.readinto(view):
+            h.update(view[:k])
+            n += k
+        got.set_result((n, h.digest()))
+
+    b.set_handler("/shoal/sink/1.0.0", sink)
+    sent = hashlib.sha256()
+    s = await a.open_stream(b.addresses()[0], "/shoal/sink/1.0.0")
+    for _ in range(total // len(block)):
+        await s.write(block)
+        sent.update(block)
+    await s.close()
+    n, digest = await asyncio.wait_for(got, 60)
+    assert n == total
+    assert digest == sent.digest()
+
+
+async def test_a_thousand_concurrent_streams_share_one_connection(pair) -> None:
+    a, b = pair
+    b.set_handler(ECHO, echo)
+    await a.connect(b.addresses()[0])
+
+    async def one(i: int) -> bytes:
+        s = await a.open_stream(b.peer_id, ECHO)
+        payload = i.to_bytes(4, "big") * 100
+        await s.write(payload)
+        await s.close()
+        data = await s.readexactly(len(payload))
+        assert await s.read() == b""
+        return data
+
+    results = await asyncio.gather(*(one(i) for i in range(1000)))
+    assert all(r == i.to_bytes(4, "big") * 100 for i, r in enumerate(results))
+    assert len(a.connections) == 1
+    assert a.connections[b.peer_id].stats()["streams"] == 0  # all finished and forgotten
+
+
+async def test_small_calls_are_not_starved_by_a_bulk_transfer(pair) -> None:
+    a, b = pair
+    b.set_handler(ECHO, echo)
+
+    async def sink(stream) -> None:
+        buf = memoryview(bytearray(1 << 20))
+        while await stream.readinto(buf):
+            pass
+
+    b.set_handler("/shoal/sink/1.0.0", sink)
+    await a.connect(b.addresses()[0])
+    bulk = await a.open_stream(b.peer_id, "/shoal/sink/1.0.0")
+    block = os.urandom(8 << 20)
+    calls_done = asyncio.Event()
+
+    async def transfer() -> int:
+        # At least 200 MB, and still going for as long as the small calls run.
+        sent = 0
+        while sent < 200_000_000 or not calls_done.is_set():
+            await bulk.write(block)
+            sent += len(block)
+        await bulk.close()
+        return sent
+
+    bulk_task = asyncio.create_task(transfer())
+    await asyncio.sleep(0.05)  # the transfer is under way
+    latencies = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        s = await a.open_stream(b.peer_id, ECHO)
+        await s.write(b"ping")
+        await s.readexactly(4)
+        s.reset("done")
+        latencies.append(time.perf_counter() - t0)
+    calls_done.set()
+    assert await bulk_task >= 200_000_000
+    latencies.sort()
+    p99 = latencies[98]
+    assert p99 < 0.050, f"p99 {p99 * 1000:.1f} ms"
+
+
+async def test_simultaneous_dials_end_with_one_connection(pair) -> None:
+    a, b = pair
+    await asyncio.gather(a.connect(b.addresses()[0]), b.connect(a.addresses()[0]))
+    for _ in range(100):
+        if len(a._all) == 1 and len(b._all) == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert len(a._all) == 1 and len(b._all) == 1
+    kept_a, kept_b = a.connections[b.peer_id], b.connections[a.peer_id]
+    assert kept_a.local_address == kept_b.remote_address  # the same TCP connection
+    b.set_handler(ECHO, echo)
+    s = await a.open_stream(b.peer_id, ECHO)
+    await s.write(b"ok")
+    assert await s.readexactly(2) == b"ok"
+    await s.close()
+
+
+async def test_dialing_a_connected_peer_reuses_the_connection(pair) -> None:
+    a, b = pair
+    first = await a.connect(b.addresses()[0])
+    again = await asyncio.gather(*(a.connect(b.peer_id) for _ in range(10)))
+    assert all(c is first for c in again)
+
+
+async def test_concurrent_dials_to_a_new_peer_make_one_connection(pair) -> None:
+    a, b = pair
+    addr = b.addresses()[0]
+    conns = await asyncio.gather(*(a.connect(addr) for _ in range(10)))
+    assert len({id(c) for c in conns}) == 1
+
+
+async def test_per_ip_connection_limit_refuses_the_excess(make_host) -> None:
+    server = await make_host(max_connections_per_ip=2)
+    clients = [await make_host() for _ in range(3)]
+    for c in clients[:2]:
+        await c.connect(server.addresses()[0])
+    with pytest.raises(DialError):
+        await clients[2].connect(server.addresses()[0], timeout=2)
+    assert len(server.connections) == 2
+
+
+async def test_total_connection_limit_refuses_the_excess(make_host) -> None:
+    server = await make_host(max_connections=2)
+    clients = [await make_host() for _ in range(3)]
+    for c in clients[:2]:
+        await c.connect(server.addresses()[0])
+    with pytest.raises(DialError):
+        await clients[2].connect(server.addresses()[0], timeout=2)
+
+
+async def test_ping_measures_the_round_trip(pair) -> None:
+    a, b = pair
+    await a.connect(b.addresses()[0])
+    rtt = await a.ping(b.peer_id)
+    assert 0 < rtt < 0.1
+
+
+async def test_a_peer_that_stops_answering_is_declared_dead(make_host) -> None:
+    cfg = ConnectionConfig(ping_interval=0.1, ping_timeout=0.5)
+    a = await make_host(connection=cfg)
+    b = await make_host()
+    conn = await a.connect(b.addresses()[0])
+    await asyncio.sleep(0.05)
+    b.connections[a.peer_id]._transport.pause_reading()  # b freezes: no pongs
+    t0 = time.monotonic()
+    await asyncio.wait_for(asyncio.shield(conn.closed), 3)
+    assert time.monotonic() - t0 < 1.5
+    assert "unresponsive" in conn.close_reason
+    assert b.peer_id not in a.connections
+
+
+async def test_idle_connections_are_closed(make_host) -> None:
+    cfg = ConnectionConfig(ping_interval=0.05, idle_timeout=0.3)
+    a = await make_host(connection=cfg)
+    b = await make_host()
+    conn = await a.connect(b.addresses()[0])
+    await asyncio.wait_for(asyncio.shield(conn.closed), 3)
+    assert conn.close_reason == "idle"
+
+
+async def test_shutdown_drains_open_streams_then_closes(pair) -> None:
+    a, b = pair
+
+    async def slow(stream) -> None:
+        data = await stream.readexactly(3)
+        await asyncio.sleep(0.3)
+        await stream.write(data)
+
+    b.set_handler("/shoal/slow/1.0.0", slow)
+    s = await a.open_stream(b.addresses()[0], "/shoal/slow/1.0.0")
+    await s.write(b"abc")
+    await asyncio.sleep(0.05)
+    closing = asyncio.create_task(b.aclose())
+    await asyncio.sleep(0.05)
+    with pytest.raises((ConnectionLost, DialError, ProtocolNotSupported, StreamReset)):
+        s2 = await a.open_stream(b.peer_id, "/shoal/slow/1.0.0")
+        await s2.write(b"xyz")
+        await s2.readexactly(3)
+    assert await s.readexactly(3) == b"abc"  # the open stream finished
+    await asyncio.wait_for(closing, 5)
+    assert not b.connections
+
+
+async def test_a_remote_reset_fails_the_local_reader(pair) -> None:
+    a, b = pair
+
+    async def rude(stream) -> None:
+        await stream.readexactly(1)
+        stream.reset("go away")
+
+    b.set_handler("/shoal/rude/1.0.0", rude)
+    s = await a.open_stream(b.addresses()[0], "/shoal/rude/1.0.0")
+    await s.write(b"x")
+    with pytest.raises(StreamReset, match="go away"):
+        await s.read()
+
+
+async def test_closing_the_connection_fails_every_stream(pair) -> None:
+    a, b = pair
+    hold = asyncio.Event()
+
+    async def holder(stream) -> None:
+        await hold.wait()
+
+    b.set_handler("/shoal/hold/1.0.0", holder)
+    s = await a.open_stream(b.addresses()[0], "/shoal/hold/1.0.0")
+    await s.write(b"x")
+    await asyncio.sleep(0.05)
+    b.connections[a.peer_id].abort("test")
+    with pytest.raises(ConnectionLost):
+        await asyncio.wait_for(s.read(), 3)
+
+
+async def test_host_context_manager_starts_and_stops() -> None:
+    async with Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))) as h:
+        assert h.listen_addrs[0].tcp_endpoint()[1] > 0
+    assert all(s.sockets == () or not s.is_serving() for s in h._servers)
+
+
+def test_by_default_a_host_listens_on_port_31337_on_ipv4_and_ipv6() -> None:
+    assert HostConfig().listen == ("/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/31337")
