@@ -14,9 +14,8 @@ from shoal.transport.identity import Identity
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
-@pytest.fixture(scope="session")
-def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
-    return uvloop.EventLoopPolicy()
+def pytest_asyncio_loop_factories(config: object, item: object) -> dict[str, object]:
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture

@@ -274,8 +274,8 @@ def test_garbage_only_ever_raises_noise_error(garbage: bytes, stage: str) -> Non
         reader.read_message(garbage)
     except NoiseError:
         return
-    # Only message 1 (a bare ephemeral key) can be accepted without authentication.
-    assert stage == "m1" and len(garbage) == 32
+    # Only message 1 (an ephemeral key and a plaintext payload) is unauthenticated.
+    assert stage == "m1" and len(garbage) >= 32
 
 
 def test_low_order_ephemeral_key_is_refused() -> None:
@@ -375,6 +375,19 @@ def test_into_variants_agree_with_encrypt_and_decrypt(
         assert into_recv.decrypt_into(memoryview(out)[:n], back, ad) == len(m)
         assert bytes(back[: len(m)]) == m == plain_recv.decrypt(expected, ad)
     assert into_send.nonce == plain_send.nonce == len(messages)
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+def test_into_variants_work_in_place(cipher: str) -> None:
+    # The connection seals each record inside the buffer that holds its plaintext.
+    key, message = bytes(range(32)), bytes(range(256)) * 4
+    record = bytearray(2 + len(message) + 16)
+    view = memoryview(record)
+    view[2 : 2 + len(message)] = message
+    CipherState(key, cipher).encrypt_into(view[2 : 2 + len(message)], view[2:])
+    assert bytes(view[2:]) == CipherState(key, cipher).encrypt(message)
+    CipherState(key, cipher).decrypt_into(view[2:], view[2 : 2 + len(message)])
+    assert bytes(view[2 : 2 + len(message)]) == message
 
 
 def test_into_variants_refuse_small_buffers() -> None:

@@ -8,6 +8,7 @@ in base58btc, exactly as libp2p derives IDs for Ed25519 keys (so they read
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from functools import total_ordering
 from pathlib import Path
@@ -196,9 +197,10 @@ class Identity:
             serialization.NoEncryption(),
         )
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # O_EXCL: two processes racing to create the key must not both win.
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A private temporary name, then link(): two processes racing to create the
+        # key cannot both win, and neither can truncate the other's file.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
             os.write(fd, pem)

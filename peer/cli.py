@@ -1,0 +1,135 @@
+"""The `shoal` command line: `shoal id` and `shoal run`.
+
+User mistakes end as one line on stderr, ``shoal: error: ...``, with exit
+status 2 for a bad command line or setting and 1 for a runtime problem (key
+file, data directory, port); never a traceback. A traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import NoReturn
+
+from . import __version__
+from .config import DEFAULT_DATA_DIR, OPTIONS, Config, ConfigError, add_options, build_config
+from .daemon import StartupError, load_identity, run_daemon
+
+__all__ = ["build_parser", "main", "parse_command_line"]
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell convention for "killed by SIGINT"
+
+# The options each command reads (flags and SHOAL_* variables); a variable for an
+# option the command does not use is ignored rather than validated.
+COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "id": ("data_dir", "log_level"),
+    "run": tuple(OPTIONS),
+}
+
+ENV_HELP = """\
+Every option can also be set with its SHOAL_* environment variable (lists are
+comma-separated, e.g. SHOAL_LISTEN=/ip4/0.0.0.0/tcp/31337,/ip6/::/tcp/31337).
+Precedence: command-line flags, overridden by SHOAL_* environment variables
+(what docker users set), else the default. An empty variable counts as unset.
+"""
+MAIN_HELP = ENV_HELP + "\nOptions of a command: shoal COMMAND --help.\n"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one `shoal: error:` line rather than the usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="shoal",
+        description="shoal: a peer-to-peer training daemon (today: the transport layer).",
+        epilog=MAIN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    id_parser = commands.add_parser(
+        "id",
+        help="create this peer's identity key, or show it; prints the peer ID",
+        description=(
+            "Print this peer's ID (just the ID, for scripts), creating the identity key\n"
+            f"(DIR/identity.key, DIR defaulting to {DEFAULT_DATA_DIR}; mode 0600) on first use."
+        ),
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(id_parser, COMMAND_OPTIONS["id"])
+    run_parser = commands.add_parser(
+        "run",
+        help="run the peer until Ctrl+C or SIGTERM",
+        description=(
+            "Start the peer and print the addresses other peers can dial, one per line.\n"
+            "Ctrl+C or SIGTERM shuts it down gracefully; a second Ctrl+C exits at once."
+        ),
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(run_parser, COMMAND_OPTIONS["run"])
+    return parser
+
+
+def parse_command_line(
+    argv: Sequence[str] | None, environ: Mapping[str, str]
+) -> tuple[str | None, Config]:
+    """The command (None when not given) and its effective Config. Raises ConfigError."""
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        return None, Config()
+    return args.command, build_config(COMMAND_OPTIONS[args.command], vars(args), environ)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        command, config = parse_command_line(argv, os.environ)
+    except ConfigError as e:
+        return _fail(e, EXIT_USAGE)
+    if command is None:
+        build_parser().print_help(sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=config.logging_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    try:
+        if command == "id":
+            print(load_identity(config).peer_id, flush=True)
+            return 0
+        _run(run_daemon(config))
+        return 0
+    except ConfigError as e:
+        return _fail(e, EXIT_USAGE)
+    except StartupError as e:
+        return _fail(e, EXIT_RUNTIME)
+    except KeyboardInterrupt:  # Ctrl+C before the daemon's own handler was installed
+        return EXIT_INTERRUPTED
+
+
+def _fail(error: Exception, status: int) -> int:
+    print(f"shoal: error: {error}", file=sys.stderr, flush=True)
+    return status
+
+
+def _run(coro: Coroutine[object, object, None]) -> None:
+    """One event loop for the process (DESIGN.md): uvloop when installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
