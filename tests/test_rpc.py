@@ -61,8 +61,6 @@ async def served(pair):
     @svc.stream("sum_tensors")
     async def sum_tensors(ctx, n):
         # Bidirectional: read n tensors from the caller, answer with their sum.
-        import torch
-
         total = None
         for _ in range(n):
             t = await ctx.recv_tensor()
