@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 from collections import Counter
@@ -26,6 +27,10 @@ from .multiaddr import Multiaddr, MultiaddrError, from_socket_address
 log = logging.getLogger("shoal.transport")
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
+
+# Listen failures that mean "this address family is not available here", as
+# opposed to a real problem such as a port in use, which is always fatal.
+_FAMILY_UNAVAILABLE = {errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT}
 
 DEFAULT_PORT = 31337
 DEFAULT_LISTEN = (f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}", f"/ip6/::/tcp/{DEFAULT_PORT}")
@@ -81,8 +86,12 @@ class Host:
                     backlog=1024,
                 )
             except OSError as e:
-                errors.append(f"{text}: {e.strerror or e}")
-                continue
+                if e.errno in _FAMILY_UNAVAILABLE:
+                    # e.g. no IPv6 inside a container: serve on the other family.
+                    errors.append(f"{text}: {e.strerror or e}")
+                    continue
+                await self.aclose()
+                raise OSError(e.errno, f"cannot listen on {text}: {e.strerror or e}") from None
             self._servers.append(server)
             for sock in server.sockets:
                 bound_host, bound_port = sock.getsockname()[:2]

@@ -361,13 +361,15 @@ class Multiplexer:
             st.recv_window += inc
             self._control.append(HEADER.pack(WINDOW, 0, sid, inc))
 
+    # Local PING and GOAWAY bypass the flood limit: it bounds what the peer makes us
+    # queue, and our own keepalive or shutdown must not fail with a violation.
     def ping(self, opaque: int) -> None:
-        self._queue_control(HEADER.pack(PING, 0, 0, opaque & 0xFFFFFFFF))
+        self._control.append(HEADER.pack(PING, 0, 0, opaque & 0xFFFFFFFF))
 
     def go_away(self, code: int = 0) -> None:
         if not self.local_goaway:
             self.local_goaway = True
-            self._queue_control(HEADER.pack(GOAWAY, 0, 0, code))
+            self._control.append(HEADER.pack(GOAWAY, 0, 0, code))
 
     # --- outbound -----------------------------------------------------------------------------
 
