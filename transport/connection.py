@@ -49,8 +49,12 @@ _now = time.monotonic
 
 _LEN = struct.Struct(">H")
 _TAG = 16
-_RECV_BUFFER = 512 * 1024
 _MIN_FREE = 65535 + 2  # always room for one whole record
+# An idle connection keeps a receive buffer of about one record (so thousands of
+# idle peers stay cheap); it grows when the kernel fills it in one read, i.e. when
+# data is streaming, and shrinks again once the connection is quiet.
+_RECV_BUFFER_IDLE = _MIN_FREE
+_RECV_BUFFER_BUSY = 1024 * 1024
 _WRITE_BATCH = 256 * 1024
 _COPY_SMALL_WRITES = 64 * 1024  # writes up to this size are copied and return at once
 _STREAM_HIGH_WATER = 256 * 1024  # ... while the stream has less than this queued
@@ -80,6 +84,7 @@ class Stream:
         "_eof",
         "_error",
         "_read_waiter",
+        "_write_lost",
         "_write_waiter",
         "handler_task",
         "id",
@@ -98,6 +103,7 @@ class Stream:
         self._error: TransportError | None = None
         self._read_waiter: asyncio.Future[None] | None = None
         self._write_waiter: asyncio.Future[None] | None = None
+        self._write_lost = False  # a reset discarded bytes we had queued
         self.handler_task: asyncio.Task[None] | None = None
 
     @property
@@ -248,18 +254,15 @@ class Stream:
         if small:
             return
         # Zero-copy path: the queue references the caller's buffer until encrypted.
-        while mux.queued_bytes(self.id):
-            self._check_error()
-            waiter = conn._loop.create_future()
-            self._write_waiter = waiter
-            try:
-                await waiter
-            finally:
-                self._write_waiter = None
-        self._check_error()
+        await self.drain()
 
     async def drain(self) -> None:
-        """Wait until everything written so far has been handed to the socket."""
+        """Wait until everything written so far has been handed to the socket.
+
+        A reset that comes after our bytes went out does not fail the write (the
+        remote may reset once it has read all it wanted); one that discarded
+        queued bytes does.
+        """
         mux = self._conn._mux
         while mux.queued_bytes(self.id):
             self._check_error()
@@ -269,6 +272,8 @@ class Stream:
                 await waiter
             finally:
                 self._write_waiter = None
+        if self._write_lost:
+            self._check_error()
 
     async def close(self, *, discard_input: bool = False) -> None:
         """Half-close: the remote reads EOF after all data written so far.
@@ -283,6 +288,7 @@ class Stream:
     def reset(self, reason: str = "reset") -> None:
         """Abort both directions at once; pending reads and writes fail."""
         if self._error is None:
+            self._write_lost = self._conn._mux.queued_bytes(self.id) > 0
             self._conn._reset_stream(self, reason)
             self._fail(StreamReset(f"stream reset locally: {reason}"))
 
@@ -329,7 +335,7 @@ class Connection(asyncio.BufferedProtocol):
         self._mux = Multiplexer(initiator, self.config.mux, head_room=_LEN.size, tail_room=_TAG)
         self._send_cipher = None
         self._recv_cipher = None
-        self._buf = bytearray(_RECV_BUFFER)
+        self._buf = bytearray(_RECV_BUFFER_IDLE)
         self._mv = memoryview(self._buf)
         self._start = 0
         self._end = 0
@@ -495,8 +501,16 @@ class Connection(asyncio.BufferedProtocol):
             self._start, self._end = 0, pending
         return self._mv[self._end :]
 
+    def _resize_buffer(self, size: int) -> None:
+        pending = bytes(self._mv[self._start : self._end])
+        self._buf = bytearray(size)
+        self._buf[: len(pending)] = pending
+        self._mv = memoryview(self._buf)
+        self._start, self._end = 0, len(pending)
+
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
+        filled = self._end == len(self._buf)
         self.bytes_received += nbytes
         self.last_activity = _now()
         try:
@@ -506,6 +520,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._process_records()
         except TransportError as e:
             self._violation(e)
+            return
+        if filled and len(self._buf) < _RECV_BUFFER_BUSY and not self.closed.done():
+            self._resize_buffer(_RECV_BUFFER_BUSY)  # one read filled it: data is streaming
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -613,6 +630,7 @@ class Connection(asyncio.BufferedProtocol):
                     )
                 else:
                     err = StreamReset(f"stream reset by {self._peer_name()}: {event.reason}")
+                stream._write_lost = event.unsent > 0
                 stream._fail(err)
                 if stream.handler_task is not None:
                     stream.handler_task.cancel()  # propagate cancellation to the handler
@@ -711,6 +729,9 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed.done():
             return
         now = _now()
+        quiet = self._start == self._end and now - self.last_activity > 1.0
+        if quiet and len(self._buf) > _RECV_BUFFER_IDLE:
+            self._resize_buffer(_RECV_BUFFER_IDLE)  # give the memory back
         if not self.handshake_done.done():
             log.info(
                 "closing connection from %s: handshake not finished in %.1fs",
@@ -755,6 +776,8 @@ class Connection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         err = ConnectionLost(f"connection to {self._peer_name()} lost: {reason}")
+        for stream in self.streams.values():
+            stream._write_lost = self._mux.queued_bytes(stream.id) > 0
         if not self.handshake_done.done():
             failure = self._failure
             if not isinstance(failure, HandshakeError):  # keep PeerIDMismatch & co. as they are

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ProtocolViolation
 
@@ -44,6 +44,9 @@ class MuxLimits:
     """Per-connection multiplexer limits (all enforced on untrusted input)."""
 
     max_streams: int = 2048  # concurrently open streams opened by the remote side
+    # Both sides assume this much credit on a new stream before any WINDOW frame, so
+    # it is part of the wire protocol: it must be equal on both ends (it is set only
+    # by tests). Larger windows come from auto-tuning, up to max_window.
     initial_window: int = 256 * 1024
     max_window: int = 16 * 1024 * 1024
     max_protocol_len: int = 256
@@ -78,6 +81,7 @@ class StreamWasReset:
     stream_id: int
     reason: str
     refused: bool  # the remote refused the protocol named at open
+    unsent: int = field(default=0, compare=False)  # our queued bytes that were discarded
 
 
 @dataclass(slots=True)
@@ -204,9 +208,10 @@ class Multiplexer:
                 if st is None:
                     self._check_known(sid)
                 else:
+                    unsent = st.queued
                     self._forget_counts(st)
                     refused = bool(flags & FLAG_REFUSED)
-                    events.append(StreamWasReset(sid, reason or "reset by peer", refused))
+                    events.append(StreamWasReset(sid, reason or "reset by peer", refused, unsent))
             elif ftype == PING:
                 if flags & FLAG_ACK:
                     events.append(PongReceived(length))
@@ -494,6 +499,11 @@ class Multiplexer:
             and (st.abandoned or (st.remote_closed and st.recv_buffered <= 0))
         )
         if done and self._streams.pop(st.id, None) is not None:
+            if st.abandoned and not st.remote_closed:
+                # Tell a remote that is still writing that nobody reads any more (as an
+                # HTTP/2 RST_STREAM after the response); our CLOSE went out before it,
+                # so the remote still reads everything we sent.
+                self._control.append(HEADER.pack(RESET, 0, st.id, 15) + b"stream finished")
             self._forget_counts(st)
 
 
