@@ -267,6 +267,14 @@ def _translate(e: BaseException, method: str, peer: object) -> BaseException:
     return e
 
 
+def _abandon(stream: Stream | None, e: BaseException, method: str, peer: object) -> BaseException:
+    """Reset the call's stream (so the handler is cancelled) and give the error to raise."""
+    if stream is not None:
+        cancelled = isinstance(e, asyncio.CancelledError | GeneratorExit)
+        stream.reset("cancelled" if cancelled else "error")
+    return _translate(e, method, peer)
+
+
 async def _open(
     host: Host,
     peer: PeerID | Multiaddr | str,
@@ -305,9 +313,7 @@ async def call(
             result = await c.recv_item()
             return result
     except BaseException as e:
-        if stream is not None:
-            stream.reset("cancelled" if isinstance(e, asyncio.CancelledError) else "error")
-        err = _translate(e, method, peer)
+        err = _abandon(stream, e, method, peer)
         if err is e:
             raise
         raise err from None
@@ -332,11 +338,7 @@ async def stream_call(
             async for item in c:
                 yield item
     except BaseException as e:
-        if c is not None:
-            c.stream.reset(
-                "cancelled" if isinstance(e, asyncio.CancelledError | GeneratorExit) else "error"
-            )
-        err = _translate(e, method, peer)
+        err = _abandon(c.stream if c is not None else None, e, method, peer)
         if err is e:
             raise
         raise err from None
