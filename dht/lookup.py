@@ -1,0 +1,207 @@
+"""Iterative Kademlia lookups of many keys in one traversal.
+
+Each key keeps its own candidate set, but a peer that is among the current best
+candidates of several keys gets ONE request naming all of them (the beam
+search of hivemind, and what makes `get_many` of 20 keys cost about as many
+round trips as one `get`).
+
+Per key, up to `alpha` requests are in flight among its `k` closest
+candidates; the key converges when its `k` closest live candidates have all
+answered (or, for value lookups, when enough holders answered). A request that
+has been pending for `stall_after` seconds stops counting: the lookup moves on
+to the next candidate instead of waiting for a slow peer, and still uses the
+answer if it comes before the hop timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
+
+from .protocol import WireContact
+from .records import Record
+from .routing import node_id
+
+ASKED: Final = 1
+ANSWERED: Final = 2
+FAILED: Final = 3
+
+
+@dataclass(slots=True, eq=False)
+class Candidate:
+    peer_id: PeerID
+    node_id: int
+    addrs: tuple[Multiaddr, ...]
+    # Number of answers between the routing table and this contact: 0 for
+    # contacts from our own table, d + 1 for those learned from a depth-d peer.
+    depth: int
+
+
+@dataclass(slots=True, eq=False)
+class KeyLookup:
+    """The state of one key in a traversal; `key` is set for value lookups."""
+
+    target: int
+    key: str | None = None
+    # Value lookups stop once this many peers returned records (None: never early).
+    quorum: int | None = None
+    candidates: dict[PeerID, Candidate] = field(default_factory=dict)
+    state: dict[PeerID, int] = field(default_factory=dict)
+    answered: list[Candidate] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
+    holders: list[Candidate] = field(default_factory=list)
+    hops: int = 0
+    done: bool = False
+
+    def add(self, cand: Candidate) -> None:
+        old = self.candidates.get(cand.peer_id)
+        if old is None or cand.depth < old.depth:
+            self.candidates[cand.peer_id] = cand
+
+    def best(self, k: int, stalled: set[PeerID]) -> list[Candidate]:
+        """The k closest candidates that neither failed nor stalled."""
+        state = self.state
+        live = (
+            c
+            for c in self.candidates.values()
+            if state.get(c.peer_id) != FAILED and c.peer_id not in stalled
+        )
+        target = self.target
+        return heapq.nsmallest(k, live, key=lambda c: c.node_id ^ target)
+
+    def closest_answered(self, count: int) -> list[Candidate]:
+        target = self.target
+        return heapq.nsmallest(count, self.answered, key=lambda c: c.node_id ^ target)
+
+
+# query(candidate, lookups) -> per lookup, the contacts the peer returned.
+# It raises on any failure (timeout, transport error, garbage); it may also
+# record values in the lookups (value lookups).
+Query = Callable[[Candidate, list[KeyLookup]], Awaitable[list[list[WireContact]]]]
+
+
+async def traverse(
+    lookups: Sequence[KeyLookup],
+    query: Query,
+    *,
+    k: int,
+    alpha: int,
+    stall_after: float,
+    on_failure: Callable[[Candidate, BaseException], None],
+    blocked: Callable[[PeerID], bool],
+    max_in_flight: int = 64,
+) -> None:
+    """Run the lookups to convergence. Every request task is owned here and
+    cancelled before returning."""
+    loop = asyncio.get_running_loop()
+    in_flight: dict[asyncio.Task[list[list[WireContact]]], tuple[Candidate, list[KeyLookup]]] = {}
+    started: dict[PeerID, float] = {}
+    try:
+        while True:
+            now = loop.time()
+            stalled = {p for p, t in started.items() if now - t >= stall_after}
+            active = [lk for lk in lookups if not lk.done]
+            wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
+            order: list[PeerID] = []
+            for lk in active:
+                if lk.quorum is not None and len(lk.holders) >= lk.quorum:
+                    lk.done = True
+                    continue
+                best = lk.best(k, stalled)
+                if all(lk.state.get(c.peer_id) == ANSWERED for c in best):
+                    lk.done = True
+                    continue
+                busy = sum(1 for c in best if lk.state.get(c.peer_id) == ASKED)
+                # Once the alpha closest have answered, the neighbourhood is
+                # found: ask the rest of the k closest at once (the paper's
+                # final round) rather than alpha at a time.
+                width = (
+                    k if all(lk.state.get(c.peer_id) == ANSWERED for c in best[:alpha]) else alpha
+                )
+                for c in best:
+                    if busy >= width:
+                        break
+                    if c.peer_id in lk.state:
+                        continue
+                    busy += 1
+                    entry = wanted.get(c.peer_id)
+                    if entry is None:
+                        wanted[c.peer_id] = (c, [lk])
+                        order.append(c.peer_id)
+                    else:
+                        entry[1].append(lk)
+            # A peer asked for one key is also asked for every other key whose
+            # best candidates it is among: one request, several keys.
+            if wanted and len(active) > 1:
+                best_sets = {id(lk): lk.best(k, stalled) for lk in active if not lk.done}
+                for pid in order:
+                    cand, lks = wanted[pid]
+                    for lk in active:
+                        if lk.done or lk in lks or pid in lk.state:
+                            continue
+                        if any(c.peer_id == pid for c in best_sets[id(lk)]):
+                            lks.append(lk)
+            for pid in order:
+                if len(in_flight) >= max_in_flight:
+                    break
+                cand, lks = wanted[pid]
+                if blocked(pid):
+                    for lk in lks:
+                        lk.state[pid] = FAILED
+                    continue
+                for lk in lks:
+                    lk.state[pid] = ASKED
+                task = loop.create_task(query(cand, lks))
+                in_flight[task] = (cand, lks)
+                started[pid] = loop.time()
+            if not in_flight:
+                if all(lk.done for lk in lookups) or not wanted:
+                    for lk in lookups:
+                        lk.done = True
+                    return
+                continue  # everything wanted was blocked: pick again
+            if all(lk.done for lk in lookups):
+                return
+            # Wake on the next answer, or when the oldest pending request stalls.
+            pending_since = [started[c.peer_id] for c, _ in in_flight.values()]
+            unstalled = [t for t in pending_since if loop.time() - t < stall_after]
+            timeout = (min(unstalled) + stall_after - loop.time()) if unstalled else None
+            done, _ = await asyncio.wait(
+                in_flight, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                cand, lks = in_flight.pop(task)
+                started.pop(cand.peer_id, None)
+                exc = task.exception()
+                if exc is not None:
+                    for lk in lks:
+                        lk.state[cand.peer_id] = FAILED
+                    on_failure(cand, exc)
+                    continue
+                per_key = task.result()
+                for lk, contacts in zip(lks, per_key, strict=True):
+                    lk.state[cand.peer_id] = ANSWERED
+                    lk.answered.append(cand)
+                    lk.hops = max(lk.hops, cand.depth + 1)
+                    for wc in contacts:
+                        if wc.peer_id in lk.candidates or blocked(wc.peer_id):
+                            continue
+                        lk.add(
+                            Candidate(
+                                wc.peer_id,
+                                node_id(wc.peer_id),
+                                wc.addrs,
+                                cand.depth + 1,
+                            )
+                        )
+    finally:
+        for task in in_flight:
+            task.cancel()
+        if in_flight:
+            await asyncio.gather(*in_flight, return_exceptions=True)

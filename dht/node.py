@@ -1,0 +1,674 @@
+"""The DHT node: Kademlia over the transport's RPC.
+
+`DHTNode` answers ping/find_node/find_value/store (see `protocol`), keeps its
+routing table fresh from every request it answers, runs iterative multi-key
+lookups (see `lookup`), stores records on the `replication` closest peers,
+caches what it reads along the lookup path, and republishes the records it
+wrote before they expire. Its background tasks (bucket refresh, republish,
+pings of stale contacts, cache stores) are owned by the node and cancelled in
+`aclose`.
+
+Clocks: the routing table and blacklist use the loop's monotonic clock;
+record expirations are UNIX times (`time.time()`), as in `records`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from shoal.transport import rpc
+from shoal.transport.errors import TransportError
+from shoal.transport.host import Host
+from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
+
+from .lookup import Candidate, KeyLookup, traverse
+from .protocol import (
+    ID_BYTES,
+    DHTProtocolError,
+    WireContact,
+    build_nearest,
+    parse_addrs,
+    parse_ids,
+    parse_keys,
+    parse_nearest,
+    parse_records,
+    parse_stored,
+    parse_values,
+)
+from .records import Record, RecordError, RecordValidator
+from .routing import AddResult, AddStatus, RoutingTable, key_id
+from .storage import LocalStorage, StoredValue, merge_records
+
+log = logging.getLogger("shoal.dht")
+
+DEFAULT_PROTOCOL = "/shoal/dht/1.0.0"
+
+
+class DHTError(Exception):
+    """Base class of DHT errors."""
+
+
+class BootstrapError(DHTError):
+    """None of the bootstrap peers could be reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class DHTValue:
+    """What `DHTNode.get` returns.
+
+    Plain value: `value` is the stored object and `subkeys` None. Dictionary:
+    `value` maps subkey -> object, `subkeys` maps subkey -> (object, expiration),
+    `expiration` is the latest one.
+    """
+
+    value: Any
+    expiration: float
+    subkeys: dict[str, tuple[Any, float]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The outcome of one key of a traversal (for tests and introspection)."""
+
+    target: int
+    closest: list[Candidate]
+    hops: int
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _to_value(stored: StoredValue) -> DHTValue:
+    if stored.plain is not None:
+        return DHTValue(_unpack(stored.plain.value), stored.plain.expiration)
+    subkeys = {sk: (_unpack(r.value), r.expiration) for sk, r in stored.subkeys.items()}
+    return DHTValue({sk: v for sk, (v, _) in subkeys.items()}, stored.expiration, subkeys)
+
+
+class DHTNode:
+    """A Kademlia node on `host`. Create with `await DHTNode.create(host, ...)`."""
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        k: int = 20,
+        alpha: int = 3,
+        replication: int | None = None,
+        hop_timeout: float = 1.0,
+        stall_after: float | None = None,
+        blacklist_for: float = 30.0,
+        value_quorum: int = 3,
+        store_quorum: int = 1,
+        refresh_interval: float = 600.0,
+        republish_interval: float = 3600.0,
+        cache_along_path: bool = True,
+        storage: LocalStorage | None = None,
+        validator: RecordValidator | None = None,
+        protocol: str = DEFAULT_PROTOCOL,
+        max_connections: int | None = None,
+    ) -> None:
+        self.host = host
+        self.peer_id: PeerID = host.peer_id
+        self.k = k
+        self.alpha = alpha
+        self.replication = replication if replication is not None else k
+        self.hop_timeout = hop_timeout
+        # A request pending this long no longer holds up the lookup.
+        self.stall_after = stall_after if stall_after is not None else min(0.25, hop_timeout)
+        self.blacklist_for = blacklist_for
+        self.value_quorum = value_quorum
+        self.store_quorum = store_quorum
+        self.refresh_interval = refresh_interval
+        self.republish_interval = republish_interval
+        self.cache_along_path = cache_along_path
+        self.protocol = protocol
+        self.validator = validator or (storage.validator if storage else RecordValidator())
+        self.storage = storage or LocalStorage(validator=self.validator)
+        self.routing_table = RoutingTable(self.peer_id, k)
+        self._loop = asyncio.get_running_loop()
+        self._blacklist: dict[PeerID, float] = {}
+        # (key, subkey) -> (record, when to republish, UNIX time)
+        self._originated: dict[tuple[str, str | None], tuple[Record, float]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._counters = {
+            "requests_served": 0,
+            "requests_sent": 0,
+            "requests_failed": 0,
+            "garbage_answers": 0,
+            "lookups": 0,
+            "republished": 0,
+            "cached": 0,
+        }
+        self._max_hops = 0
+        # Connections this node dialed, least recently used first; with
+        # `max_connections` the idle ones beyond it are closed, so that many
+        # peers in one process (or a big network) do not exhaust descriptors.
+        self.max_connections = max_connections
+        self._dialed: dict[PeerID, None] = {}
+        self._service = rpc.RpcService(host, protocol)
+        self._service.unary("ping")(self._on_ping)
+        self._service.unary("find_node")(self._on_find_node)
+        self._service.unary("find_value")(self._on_find_value)
+        self._service.unary("store")(self._on_store)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def create(
+        cls,
+        host: Host,
+        *,
+        bootstrap: Iterable[str | Multiaddr] = (),
+        bootstrap_attempts: int = 3,
+        bootstrap_backoff: float = 0.2,
+        start_alone_on_failure: bool = False,
+        **options: Any,
+    ) -> DHTNode:
+        """A started node. With `bootstrap` addresses it joins their network
+        (retrying each `bootstrap_attempts` times with exponential backoff) and
+        raises BootstrapError when none answers, unless `start_alone_on_failure`;
+        with none it starts a new network."""
+        node = cls(host, **options)
+        try:
+            addrs = [str(a) for a in bootstrap]
+            if addrs:
+                try:
+                    await node.bootstrap(
+                        addrs, attempts=bootstrap_attempts, backoff=bootstrap_backoff
+                    )
+                except BootstrapError:
+                    if not start_alone_on_failure:
+                        raise
+                    log.warning("bootstrap failed; starting a new network alone")
+            node._spawn(node._maintenance())
+        except BaseException:
+            await node.aclose()
+            raise
+        return node
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._service.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> DHTNode:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self._closed:
+            coro.close()
+            return
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("DHT background task failed: %r", task.exception())
+
+    # ------------------------------------------------------------------ bootstrap
+
+    async def bootstrap(
+        self, addrs: Sequence[str | Multiaddr], *, attempts: int = 3, backoff: float = 0.2
+    ) -> None:
+        """Join through `addrs`, then fill the table by looking up our own ID and
+        refreshing every bucket."""
+        results = await asyncio.gather(
+            *(self._bootstrap_one(Multiaddr(str(a)), attempts, backoff) for a in addrs)
+        )
+        errors = [r for r in results if r is not None]
+        if len(errors) == len(results):
+            raise BootstrapError(
+                f"could not reach any of {len(addrs)} bootstrap peers after "
+                f"{attempts} attempts each: " + "; ".join(errors)
+            )
+        # Our own ID fills the deep buckets; the far ones fill from the traffic
+        # we answer and from the periodic refresh. Refreshing every bucket here
+        # would make each joiner talk to most of a small network.
+        await self.find_nodes([self.routing_table.local_id])
+
+    async def _bootstrap_one(self, addr: Multiaddr, attempts: int, backoff: float) -> str | None:
+        error = ""
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(backoff * 2 ** (attempt - 1))
+            try:
+                async with asyncio.timeout(self.hop_timeout * 2):
+                    conn = await self.host.connect(addr, timeout=self.hop_timeout)
+                    peer = conn.remote_peer
+                    reply = await rpc.call(
+                        self.host,
+                        peer,
+                        self.protocol,
+                        "ping",
+                        self._hello(),
+                        timeout=self.hop_timeout,
+                    )
+                addrs = self._reply_addrs(peer, reply) or (addr,)
+                self._add_contact(peer, addrs, replace=True)
+                return None
+            except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
+                error = f"{addr}: {type(e).__name__}: {e}"
+                log.debug("bootstrap attempt %d to %s failed: %s", attempt + 1, addr, e)
+        return error
+
+    # ------------------------------------------------------------------ public API
+
+    async def store(
+        self, key: str, value: Any, expiration: float, subkey: str | None = None
+    ) -> bool:
+        """Store `value` (msgpack-able) under `key` (and `subkey`) until `expiration`
+        (UNIX time) on the `replication` closest peers; republished until it expires."""
+        (ok,) = await self.store_many([(key, value, expiration, subkey)])
+        return ok
+
+    async def store_many(
+        self, items: Iterable[tuple[str, Any, float] | tuple[str, Any, float, str | None]]
+    ) -> list[bool]:
+        """Store several values in one traversal; one success flag per item."""
+        records = []
+        for item in items:
+            key, value, expiration = item[0], item[1], item[2]
+            subkey = item[3] if len(item) > 3 else None  # type: ignore[misc]
+            record = Record(key, subkey, _pack(value), float(expiration))
+            if RecordValidator.required_signer(record) == self.peer_id:
+                record = record.sign(self.host.identity)
+            records.append(record)
+        now = time.time()
+        for r in records:
+            self.validator.validate(r, now)  # fail early, with the writer's own error
+            ttl = r.expiration - now
+            self._originated[(r.key, r.subkey)] = (r, now + min(0.8 * ttl, self.republish_interval))
+        self._wake.set()
+        return await self._store_records(records)
+
+    async def get(self, key: str, *, latest: bool = False) -> DHTValue | None:
+        """The value of `key` merged from several replicas, or None.
+
+        `latest`: ask every one of the k closest peers instead of stopping at
+        `value_quorum` holders (slower, but sees a write that reached few peers).
+        """
+        return (await self.get_many([key], latest=latest))[key]
+
+    async def get_many(
+        self, keys: Iterable[str], *, latest: bool = False
+    ) -> dict[str, DHTValue | None]:
+        """Several values in one traversal."""
+        keys = list(dict.fromkeys(keys))
+        found = await self._find_values(keys, latest=latest)
+        return {k: (_to_value(found[k]) if found.get(k) else None) for k in keys}
+
+    async def find_nodes(self, targets: Sequence[int]) -> list[LookupResult]:
+        """Iterative lookups of the k closest peers to each 256-bit target, together."""
+        lookups = [KeyLookup(t) for t in dict.fromkeys(targets)]
+        await self._traverse(lookups, self._query_find_node)
+        return [LookupResult(lk.target, lk.closest_answered(self.k), lk.hops) for lk in lookups]
+
+    async def find_node(self, target: int) -> LookupResult:
+        return (await self.find_nodes([target]))[0]
+
+    def stats(self) -> dict[str, Any]:
+        now = self._loop.time()
+        return {
+            "peer_id": self.peer_id.to_base58(),
+            "routing_table_size": len(self.routing_table),
+            "blacklisted": sum(1 for t in self._blacklist.values() if t > now),
+            "originated_records": len(self._originated),
+            "max_hops": self._max_hops,
+            "storage": self.storage.stats(),
+            **self._counters,
+        }
+
+    def snapshot(self, *, contacts: bool = False) -> dict[str, object]:
+        """The routing table for the status endpoint."""
+        return self.routing_table.snapshot(self._loop.time(), contacts=contacts)
+
+    # ------------------------------------------------------------------ server side
+
+    def _hello(self) -> dict[str, Any]:
+        return {"from": [str(a) for a in self.host.addresses()]}
+
+    def _note_sender(self, peer: PeerID, payload: object) -> dict[str, Any]:
+        """Every request refreshes its sender in the table."""
+        if not isinstance(payload, dict):
+            raise DHTProtocolError("request must be a map")
+        self._counters["requests_served"] += 1
+        raw = payload.get("from", [])
+        try:
+            addrs = parse_addrs(peer, raw)
+        except DHTProtocolError:
+            addrs = ()
+        self._add_contact(peer, addrs, replace=bool(addrs))
+        return payload
+
+    def _add_contact(self, peer: PeerID, addrs: Sequence[Multiaddr], *, replace: bool) -> None:
+        result: AddResult = self.routing_table.add_or_update(
+            peer, addrs, self._loop.time(), replace_addrs=replace
+        )
+        if result.status is AddStatus.NEEDS_PING and result.needs_ping is not None:
+            self._spawn(self._check_alive(result.needs_ping.peer_id, result.needs_ping.addrs))
+
+    async def _check_alive(self, peer: PeerID, addrs: tuple[Multiaddr, ...]) -> None:
+        try:
+            await self._request(peer, addrs, "ping", self._hello())
+            alive = True
+        except (TransportError, TimeoutError, OSError):
+            alive = False
+        self.routing_table.ping_result(peer, alive, self._loop.time())
+
+    def _nearest_for(self, targets: list[int], exclude: PeerID) -> dict[str, Any]:
+        ex = {exclude}
+        return build_nearest(
+            [
+                [(c.peer_id, c.addrs) for c in self.routing_table.nearest(t, self.k, ex)]
+                for t in targets
+            ]
+        )
+
+    async def _on_ping(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        self._note_sender(ctx.peer, payload)
+        return self._hello()
+
+    async def _on_find_node(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        payload = self._note_sender(ctx.peer, payload)
+        return self._nearest_for(parse_ids(payload.get("ids")), ctx.peer)
+
+    async def _on_find_value(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        payload = self._note_sender(ctx.peer, payload)
+        keys = parse_keys(payload.get("keys"))
+        values = self.storage.get_many(keys, time.time())
+        answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
+        answer["values"] = {
+            i: [r.to_wire() for r in values[k].records()] for i, k in enumerate(keys) if k in values
+        }
+        return answer
+
+    async def _on_store(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        payload = self._note_sender(ctx.peer, payload)
+        records = parse_records(payload.get("records"))
+        now = time.time()
+        stored = []
+        for r in records:
+            try:
+                stored.append(self.storage.store(r, now))
+            except RecordError as e:
+                log.debug("refused %s from %s: %s", r.describe(), ctx.peer.short(), e)
+                stored.append(False)
+        return {"stored": stored}
+
+    # ------------------------------------------------------------------ client side
+
+    async def _request(
+        self, peer: PeerID, addrs: Sequence[Multiaddr], method: str, payload: Any
+    ) -> Any:
+        self._counters["requests_sent"] += 1
+        async with asyncio.timeout(self.hop_timeout):
+            if self.host.connection(peer) is None:
+                await self.host.connect(peer, addrs, timeout=self.hop_timeout)
+            if self.max_connections is not None:
+                self._dialed.pop(peer, None)
+                self._dialed[peer] = None
+                self._prune_connections()
+            return await rpc.call(
+                self.host, peer, self.protocol, method, payload, timeout=self.hop_timeout
+            )
+
+    def _prune_connections(self) -> None:
+        assert self.max_connections is not None
+        excess = len(self._dialed) - self.max_connections
+        for peer in list(self._dialed):
+            if excess <= 0:
+                break
+            del self._dialed[peer]
+            excess -= 1
+            conn = self.host.connection(peer)
+            if conn is not None and not conn.streams:
+                self._spawn(self.host.disconnect(peer))
+
+    def _reply_addrs(self, peer: PeerID, reply: object) -> tuple[Multiaddr, ...]:
+        if not isinstance(reply, dict):
+            raise DHTProtocolError("reply must be a map")
+        return parse_addrs(peer, reply.get("from", []))
+
+    def _blocked(self, peer: PeerID) -> bool:
+        until = self._blacklist.get(peer)
+        if until is None:
+            return False
+        if until <= self._loop.time():
+            del self._blacklist[peer]
+            return False
+        return True
+
+    def _on_failure(self, cand: Candidate, exc: BaseException) -> None:
+        self._counters["requests_failed"] += 1
+        now = self._loop.time()
+        if isinstance(exc, DHTProtocolError):
+            self._counters["garbage_answers"] += 1
+            log.info("DHT peer %s answered garbage: %s", cand.peer_id.short(), exc)
+        else:
+            log.debug("DHT request to %s failed: %r", cand.peer_id.short(), exc)
+        self._blacklist[cand.peer_id] = now + self.blacklist_for
+        self.routing_table.mark_failed(cand.peer_id, now)
+        if len(self._blacklist) > 4096:  # bounded: drop expired entries
+            self._blacklist = {p: t for p, t in self._blacklist.items() if t > now}
+
+    def _answered(self, cand: Candidate) -> None:
+        # We reached it at these addresses: it is a verified contact.
+        self._add_contact(cand.peer_id, cand.addrs, replace=False)
+
+    async def _query_find_node(
+        self, cand: Candidate, lookups: list[KeyLookup]
+    ) -> list[list[WireContact]]:
+        ids = [lk.target.to_bytes(ID_BYTES, "big") for lk in lookups]
+        reply = await self._request(
+            cand.peer_id, cand.addrs, "find_node", {**self._hello(), "ids": ids}
+        )
+        _, per_key = parse_nearest(
+            reply, len(ids), self.k, local=self.peer_id, responder=cand.peer_id
+        )
+        self._answered(cand)
+        return per_key
+
+    async def _query_find_value(
+        self, cand: Candidate, lookups: list[KeyLookup]
+    ) -> list[list[WireContact]]:
+        keys = [lk.key for lk in lookups]
+        assert all(k is not None for k in keys)
+        reply = await self._request(
+            cand.peer_id, cand.addrs, "find_value", {**self._hello(), "keys": keys}
+        )
+        response, per_key = parse_nearest(
+            reply, len(keys), self.k, local=self.peer_id, responder=cand.peer_id
+        )
+        values = parse_values(response, keys)  # type: ignore[arg-type]
+        self._answered(cand)
+        for lk in lookups:
+            records = values.get(lk.key)  # type: ignore[arg-type]
+            if records:
+                lk.records.extend(records)
+                lk.holders.append(cand)
+        return per_key
+
+    async def _traverse(self, lookups: list[KeyLookup], query: Any) -> None:
+        if not lookups:
+            return
+        self._counters["lookups"] += len(lookups)
+        blocked = self._blocked
+        for lk in lookups:
+            for c in self.routing_table.nearest(lk.target, self.k):
+                if not blocked(c.peer_id):
+                    lk.add(Candidate(c.peer_id, c.node_id, c.addrs, 0))
+        await traverse(
+            lookups,
+            query,
+            k=self.k,
+            alpha=self.alpha,
+            stall_after=self.stall_after,
+            on_failure=self._on_failure,
+            blocked=blocked,
+            max_in_flight=max(self.alpha, min(64, self.alpha * len(lookups))),
+        )
+        for lk in lookups:
+            self._max_hops = max(self._max_hops, lk.hops)
+
+    async def _find_values(self, keys: list[str], *, latest: bool) -> dict[str, StoredValue]:
+        now = time.time()
+        local = self.storage.get_many(keys, now)
+        lookups = []
+        for key in keys:
+            lk = KeyLookup(key_id(key), key, quorum=None if latest else self.value_quorum)
+            held = local.get(key)
+            if held is not None:
+                lk.records.extend(held.records())
+                lk.holders.append(Candidate(self.peer_id, self.routing_table.local_id, (), 0))
+            lookups.append(lk)
+        await self._traverse(lookups, self._query_find_value)
+        now = time.time()
+        out: dict[str, StoredValue] = {}
+        for lk in lookups:
+            assert lk.key is not None
+            merged = merge_records(lk.key, lk.records, now, self.validator)
+            if merged is None:
+                continue
+            out[lk.key] = merged
+            if self.cache_along_path:
+                self._cache(lk, merged)
+        return out
+
+    def _cache(self, lk: KeyLookup, merged: StoredValue) -> None:
+        """Store what was found at the closest answering peer that lacked it, so
+        that the next reader's lookup ends earlier (Kademlia's caching)."""
+        holders = {c.peer_id for c in lk.holders}
+        lacking = [c for c in lk.closest_answered(self.k) if c.peer_id not in holders]
+        records = [r for r in merged.records() if not self.validator.is_capped(r, time.time())]
+        if lacking and records:
+            self._counters["cached"] += 1
+            self._spawn(self._send_store(lacking[0], records))
+
+    async def _send_store(self, cand: Candidate, records: list[Record]) -> list[bool]:
+        try:
+            reply = await self._request(
+                cand.peer_id,
+                cand.addrs,
+                "store",
+                {**self._hello(), "records": [r.to_wire() for r in records]},
+            )
+            return parse_stored(reply, len(records))
+        except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
+            self._on_failure(cand, e)
+            return [False] * len(records)
+
+    async def _store_records(self, records: list[Record]) -> list[bool]:
+        """Send each record to the `replication` closest peers of its key (us included)."""
+        by_key: dict[str, list[int]] = {}
+        for i, r in enumerate(records):
+            by_key.setdefault(r.key, []).append(i)
+        lookups = [KeyLookup(key_id(key), key) for key in by_key]
+        await self._traverse(lookups, self._query_find_node)
+        local_id = self.routing_table.local_id
+        counts = [0] * len(records)
+        plan: dict[PeerID, tuple[Candidate, list[int]]] = {}
+        now = time.time()
+        for lk in lookups:
+            assert lk.key is not None
+            idxs = by_key[lk.key]
+            closest = lk.closest_answered(self.replication)
+            far = closest[-1].node_id ^ lk.target if len(closest) >= self.replication else None
+            if far is None or (local_id ^ lk.target) < far:
+                # we are among the closest ourselves: keep a replica
+                closest = closest[: self.replication - 1]
+                for i in idxs:
+                    try:
+                        counts[i] += self.storage.store(records[i], now)
+                    except RecordError:
+                        pass
+            for c in closest:
+                plan.setdefault(c.peer_id, (c, []))[1].extend(idxs)
+        sends = list(plan.values())
+        results = await asyncio.gather(
+            *(self._send_store(c, [records[i] for i in idxs]) for c, idxs in sends)
+        )
+        for (_, idxs), oks in zip(sends, results, strict=True):
+            for i, ok in zip(idxs, oks, strict=True):
+                counts[i] += ok
+        return [c >= self.store_quorum for c in counts]
+
+    # ------------------------------------------------------------------ maintenance
+
+    async def _maintenance(self) -> None:
+        """Refresh stale buckets and republish our own records when due."""
+        next_refresh = self._loop.time() + self.refresh_interval
+        while True:
+            now_wall = time.time()
+            due_republish = min((t for _, t in self._originated.values()), default=None)
+            wait = next_refresh - self._loop.time()
+            if due_republish is not None:
+                wait = min(wait, due_republish - now_wall)
+            if wait > 0:
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+                    continue  # something changed: recompute
+                except TimeoutError:
+                    pass
+            await self._republish()
+            if self._loop.time() >= next_refresh:
+                await self._refresh()
+                next_refresh = self._loop.time() + self.refresh_interval
+
+    async def _republish(self) -> None:
+        now = time.time()
+        due = []
+        for name, (record, at) in list(self._originated.items()):
+            if record.expiration <= now:
+                del self._originated[name]
+            elif at <= now:
+                due.append(record)
+                ttl = record.expiration - now
+                self._originated[name] = (record, now + min(0.8 * ttl, self.republish_interval))
+        if due:
+            self._counters["republished"] += len(due)
+            try:
+                await self._store_records(due)
+            except Exception as e:  # a failed round is retried at the next due time
+                log.warning("republishing %d records failed: %r", len(due), e)
+
+    async def _refresh(self) -> None:
+        now = self._loop.time()
+        targets = self.routing_table.buckets_to_refresh(now, self.refresh_interval)
+        if not targets:
+            return
+        try:
+            await self.find_nodes(targets)
+        except Exception as e:
+            log.warning("bucket refresh failed: %r", e)
+            return
+        now = self._loop.time()
+        for t in targets:
+            self.routing_table.touch_bucket_for(t, now)

@@ -1,0 +1,272 @@
+"""DHTNode over real hosts on loopback: store/get, dictionaries, scale, churn, bad peers."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from shoal.dht.node import BootstrapError, DHTNode
+from shoal.dht.records import RecordError, owner_marker
+from shoal.transport.host import Host
+
+# Many peers on one IP: lift the per-IP connection limit meant for the internet.
+HOST_OPTS = {"max_connections_per_ip": 100_000, "max_connections": 100_000, "close_grace": 0.1}
+
+
+@pytest.fixture
+async def swarm(
+    make_host: Callable[..., Any],
+) -> AsyncIterator[Callable[..., Any]]:
+    """Factory of DHT nodes: swarm(n, **options) -> new nodes, each joined via a random
+    earlier one (from `join` when given)."""
+    nodes: list[DHTNode] = []
+
+    async def make(n: int, *, join: list[DHTNode] | None = None, **options: Any) -> list[DHTNode]:
+        options.setdefault("hop_timeout", 0.5)
+        out: list[DHTNode] = []
+        for _ in range(n):
+            host = await make_host(**HOST_OPTS)
+            pool = (join + out) if join is not None else nodes
+            boot = [str(random.choice(pool).host.addresses()[0])] if pool else []
+            node = await DHTNode.create(host, bootstrap=boot, **options)
+            nodes.append(node)
+            out.append(node)
+        return out
+
+    yield make
+    await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
+
+
+async def test_no_bootstrap_starts_new_network(swarm: Callable[..., Any]) -> None:
+    (node,) = await swarm(1)
+    assert len(node.routing_table) == 0
+    assert await node.store("alone", 1, time.time() + 60)
+    got = await node.get("alone")
+    assert got is not None and got.value == 1
+
+
+async def test_store_then_get_from_another_node(swarm: Callable[..., Any]) -> None:
+    nodes = await swarm(5)
+    exp = time.time() + 60
+    assert await nodes[0].store("k", {"x": [1, 2]}, exp)
+    for n in nodes:
+        got = await n.get("k")
+        assert got is not None
+        assert got.value == {"x": [1, 2]}
+        assert got.subkeys is None
+        assert got.expiration == pytest.approx(exp)
+    assert await nodes[3].get("missing") is None
+    assert nodes[2].snapshot()["size"] == 4
+
+
+async def test_dictionary_subkeys_from_several_writers_merge(swarm: Callable[..., Any]) -> None:
+    nodes = await swarm(8)
+    exp = time.time() + 60
+    for i, n in enumerate(nodes[:4]):
+        assert await n.store("peers", f"v{i}", exp + i, subkey=f"w{i}")
+    # an owned subkey, signed by its owner
+    owned = owner_marker(nodes[4].peer_id)
+    assert await nodes[4].store("peers", "mine", exp, subkey=owned)
+    got = await nodes[7].get("peers", latest=True)
+    assert got is not None and got.subkeys is not None
+    assert got.value == {"w0": "v0", "w1": "v1", "w2": "v2", "w3": "v3", owned: "mine"}
+    assert got.subkeys["w3"][1] == pytest.approx(exp + 3)
+    # nobody else can write the owned subkey: refused locally, before any request
+    with pytest.raises(RecordError, match="unsigned"):
+        await nodes[5].store("peers", "forged", exp + 10, subkey=owned)
+
+
+async def test_batched_store_and_get(swarm: Callable[..., Any]) -> None:
+    nodes = await swarm(10)
+    exp = time.time() + 60
+    oks = await nodes[1].store_many([(f"b{i}", i, exp) for i in range(30)])
+    assert all(oks)
+    got = await nodes[8].get_many([f"b{i}" for i in range(30)] + ["nothing"])
+    assert {k: v.value for k, v in got.items() if v is not None} == {f"b{i}": i for i in range(30)}
+    assert got["nothing"] is None
+
+
+async def test_two_hundred_nodes(swarm: Callable[..., Any]) -> None:
+    n = 200
+    t0 = time.perf_counter()
+    # 200 peers all talking to each other would need ~40k descriptors (the
+    # limit here is 20k): each node keeps at most 30 dialed connections.
+    nodes = await swarm(n, max_connections=30)
+    boot_s = time.perf_counter() - t0
+    exp = time.time() + 120
+    keys = [f"key-{i}" for i in range(20)]
+    store_ms = []
+    for key in keys:
+        t = time.perf_counter()
+        assert await random.choice(nodes).store(key, key.upper(), exp)
+        store_ms.append((time.perf_counter() - t) * 1000)
+    get_ms = []
+    for node in nodes:
+        t = time.perf_counter()
+        got = await node.get_many(keys)
+        get_ms.append((time.perf_counter() - t) * 1000)
+        missing = [k for k in keys if got[k] is None or got[k].value != k.upper()]
+        assert not missing, f"{node.peer_id.short()} cannot read {missing}"
+    single_ms = []
+    for node in random.sample(nodes, 50):
+        t = time.perf_counter()
+        assert (await node.get(random.choice(keys))) is not None
+        single_ms.append((time.perf_counter() - t) * 1000)
+    bound = math.log2(n) + 2
+    hops = []
+    for node in random.sample(nodes, 20):
+        for r in await node.find_nodes([random.getrandbits(256) for _ in range(5)]):
+            hops.append(r.hops)
+            assert len(r.closest) == node.k
+    assert max(hops) <= bound
+    assert max(nd.stats()["max_hops"] for nd in nodes) <= bound
+    print(
+        f"\n200 nodes: bootstrap {boot_s:.2f}s, store p50 {statistics.median(store_ms):.2f}ms, "
+        f"get p50 {statistics.median(single_ms):.2f}ms, get_many(20) p50 "
+        f"{statistics.median(get_ms):.2f}ms, hops max {max(hops)} (bound {bound:.1f})"
+    )
+
+
+async def _kill(node: DHTNode) -> None:
+    """Abrupt death: no goodbye, every connection aborted."""
+    node._closed = True
+    for task in list(node._tasks):
+        task.cancel()
+    host = node.host
+    host._closing = True
+    for server in host._servers:
+        server.close()
+    for conn in list(host._all):
+        conn.abort("killed")
+
+
+async def test_churn(swarm: Callable[..., Any]) -> None:
+    nodes = await swarm(64)
+    exp = time.time() + 120
+    keys = [f"churn-{i}" for i in range(20)]
+    for i, key in enumerate(keys):
+        assert await nodes[i].store(key, i, exp)
+    victims = random.sample(nodes, int(0.3 * len(nodes)))
+    for v in victims:
+        await _kill(v)
+    alive = [n for n in nodes if n not in victims]
+    for node in random.sample(alive, 20):
+        for i, key in enumerate(keys):
+            t = time.perf_counter()
+            got = await node.get(key)
+            assert got is not None and got.value == i
+            assert time.perf_counter() - t < 2.0
+    newcomers = await swarm(20, join=alive)
+    for j, node in enumerate(newcomers):
+        got = await node.get_many(keys)
+        assert all(got[k] is not None and got[k].value == i for i, k in enumerate(keys))
+        assert await node.store(f"new-{j}", j, exp)
+    for j in range(20):
+        got = await random.choice(alive + newcomers).get(f"new-{j}")
+        assert got is not None and got.value == j
+
+
+@pytest.mark.parametrize("mode", ["junk", "self1000", "others1000"])
+async def test_garbage_answering_node(swarm: Callable[..., Any], mode: str) -> None:
+    nodes = await swarm(12)
+    bad = nodes[5]
+    me = [bad.peer_id.to_bytes(), [str(a) for a in bad.host.addresses()]]
+
+    async def garbage(ctx: Any, payload: Any) -> Any:
+        if mode == "junk":
+            return {"peers": "nonsense", "nearest": [[7, 7, 7]]}
+        if mode == "self1000":
+            return {"peers": [me] * 1000, "nearest": [list(range(1000))]}
+        other = [nodes[0].peer_id.to_bytes(), [str(a) for a in nodes[0].host.addresses()]]
+        return {"peers": [other] * 1000, "nearest": [[0] * 1000]}
+
+    bad._service.unary("find_node")(garbage)
+    bad._service.unary("find_value")(garbage)
+    exp = time.time() + 60
+    for i, node in enumerate(nodes):
+        if node is bad:
+            continue
+        assert await node.store(f"g{i}", i, exp)
+    for node in nodes:
+        if node is bad:
+            continue
+        got = await node.get_many([f"g{i}" for i in range(12) if nodes[i] is not bad])
+        assert all(v is not None for v in got.values())
+    assert sum(n.stats()["garbage_answers"] for n in nodes) >= 1
+
+
+async def test_bootstrap_unreachable_raises(make_host: Callable[..., Any]) -> None:
+    host: Host = await make_host(**HOST_OPTS)
+    other: Host = await make_host(**HOST_OPTS)
+    dead = str(other.addresses()[0])
+    await other.aclose()
+    t = time.perf_counter()
+    with pytest.raises(BootstrapError, match="could not reach any of 1 bootstrap peers"):
+        await DHTNode.create(host, bootstrap=[dead], bootstrap_backoff=0.05, hop_timeout=0.5)
+    assert time.perf_counter() - t < 5
+    node = await DHTNode.create(
+        host, bootstrap=[dead], bootstrap_backoff=0.01, start_alone_on_failure=True
+    )
+    try:
+        assert len(node.routing_table) == 0
+    finally:
+        await node.aclose()
+
+
+async def test_bootstrap_retries_until_peer_appears(make_host: Callable[..., Any]) -> None:
+    first = await make_host(listen=("/ip4/127.0.0.1/tcp/0",), **HOST_OPTS)
+    port = first.addresses()[0].tcp_endpoint()[1]
+    addr = str(first.addresses()[0])
+    await first.aclose()
+    joiner: Host = await make_host(**HOST_OPTS)
+
+    async def late_start() -> DHTNode:
+        await asyncio.sleep(0.15)
+        from shoal.transport.host import HostConfig
+
+        h = Host(first.identity, HostConfig(listen=(f"/ip4/127.0.0.1/tcp/{port}",), **HOST_OPTS))
+        await h.start()
+        return await DHTNode.create(h)
+
+    async with asyncio.TaskGroup() as tg:
+        seed_task = tg.create_task(late_start())
+        join_task = tg.create_task(
+            DHTNode.create(joiner, bootstrap=[addr], bootstrap_attempts=5, bootstrap_backoff=0.1)
+        )
+    seed, node = seed_task.result(), join_task.result()
+    try:
+        assert seed.peer_id in node.routing_table
+        assert node.peer_id in seed.routing_table
+    finally:
+        await node.aclose()
+        await seed.aclose()
+        await seed.host.aclose()
+
+
+async def test_republish_before_expiry(swarm: Callable[..., Any]) -> None:
+    nodes = await swarm(6)
+    writer = nodes[0]
+    writer.republish_interval = 0.2
+    assert await writer.store("rp", "v", time.time() + 30)
+    before = writer.stats()["republished"]
+    # force the schedule to the short interval
+    for name, (rec, _) in list(writer._originated.items()):
+        writer._originated[name] = (rec, time.time() + 0.1)
+    writer._wake.set()
+    await asyncio.sleep(0.5)
+    assert writer.stats()["republished"] > before
+
+
+async def test_aclose_cancels_background_tasks(swarm: Callable[..., Any]) -> None:
+    (a, _b) = await swarm(2)
+    assert a._tasks
+    await a.aclose()
+    assert not a._tasks
+    await a.aclose()  # idempotent
