@@ -51,6 +51,10 @@ class KeyLookup:
     key: str | None = None
     # Value lookups stop once this many peers returned records (None: never early).
     quorum: int | None = None
+    # Done once this many of the closest live candidates answered (None: all k).
+    # Stores settle early: the store requests themselves then prove which of
+    # the closest candidates are alive, instead of a final find_node round.
+    settle: int | None = None
     candidates: dict[PeerID, Candidate] = field(default_factory=dict)
     state: dict[PeerID, int] = field(default_factory=dict)
     answered: list[Candidate] = field(default_factory=list)
@@ -74,6 +78,13 @@ class KeyLookup:
         )
         target = self.target
         return heapq.nsmallest(k, live, key=lambda c: c.node_id ^ target)
+
+    def closest_live(self, count: int) -> list[Candidate]:
+        """The `count` closest candidates that did not fail (answered or not asked)."""
+        state = self.state
+        target = self.target
+        live = (c for c in self.candidates.values() if state.get(c.peer_id) != FAILED)
+        return heapq.nsmallest(count, live, key=lambda c: c.node_id ^ target)
 
     def closest_answered(self, count: int) -> list[Candidate]:
         target = self.target
@@ -114,7 +125,8 @@ async def traverse(
                     lk.done = True
                     continue
                 best = lk.best(k, stalled)
-                if all(lk.state.get(c.peer_id) == ANSWERED for c in best):
+                need = best if lk.settle is None else best[: lk.settle]
+                if all(lk.state.get(c.peer_id) == ANSWERED for c in need):
                     lk.done = True
                     continue
                 busy = sum(1 for c in best if lk.state.get(c.peer_id) == ASKED)

@@ -50,6 +50,8 @@ from .storage import LocalStorage, StoredValue, merge_records
 log = logging.getLogger("shoal.dht")
 
 DEFAULT_PROTOCOL = "/shoal/dht/1.0.0"
+# Rounds of store requests: each replaces the peers that could not be reached.
+_STORE_ROUNDS = 3
 
 
 class DHTError(Exception):
@@ -156,6 +158,7 @@ class DHTNode:
             "cached": 0,
         }
         self._max_hops = 0
+        self._hello_cache: tuple[float, dict[str, Any]] | None = None
         # Connections this node dialed, least recently used first; with
         # `max_connections` the idle ones beyond it are closed, so that many
         # peers in one process (or a big network) do not exhaust descriptors.
@@ -351,7 +354,11 @@ class DHTNode:
     # ------------------------------------------------------------------ server side
 
     def _hello(self) -> dict[str, Any]:
-        return {"from": [str(a) for a in self.host.addresses()]}
+        # Sent with every request: rebuilt at most once a second, not per call.
+        now = self._loop.time()
+        if self._hello_cache is None or now - self._hello_cache[0] > 1.0:
+            self._hello_cache = (now, {"from": [str(a) for a in self.host.addresses()]})
+        return self._hello_cache[1]
 
     def _note_sender(self, peer: PeerID, payload: object) -> dict[str, Any]:
         """Every request refreshes its sender in the table."""
@@ -570,7 +577,8 @@ class DHTNode:
             self._counters["cached"] += 1
             self._spawn(self._send_store(lacking[0], records))
 
-    async def _send_store(self, cand: Candidate, records: list[Record]) -> list[bool]:
+    async def _send_store(self, cand: Candidate, records: list[Record]) -> list[bool] | None:
+        """Per record, whether `cand` stored it; None when it could not be reached."""
         try:
             reply = await self._request(
                 cand.peer_id,
@@ -581,41 +589,66 @@ class DHTNode:
             return parse_stored(reply, len(records))
         except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
             self._on_failure(cand, e)
-            return [False] * len(records)
+            return None
 
     async def _store_records(self, records: list[Record]) -> list[bool]:
-        """Send each record to the `replication` closest peers of its key (us included)."""
+        """Send each record to the `replication` closest peers of its key (us included).
+
+        The lookup settles once the `alpha` closest candidates answered; the
+        store requests then go to the closest candidates not known dead, and a
+        peer that cannot be reached is replaced by the next closest (up to
+        `_STORE_ROUNDS` rounds). That saves the lookup's final round, which
+        would only have proved the same peers alive.
+        """
         by_key: dict[str, list[int]] = {}
         for i, r in enumerate(records):
             by_key.setdefault(r.key, []).append(i)
-        lookups = [KeyLookup(key_id(key), key) for key in by_key]
+        lookups = [KeyLookup(key_id(key), key, settle=self.alpha) for key in by_key]
         await self._traverse(lookups, self._query_find_node)
         local_id = self.routing_table.local_id
         counts = [0] * len(records)
-        plan: dict[PeerID, tuple[Candidate, list[int]]] = {}
         now = time.time()
+        queue: dict[str, list[Candidate]] = {}
+        missing: dict[str, int] = {}
         for lk in lookups:
             assert lk.key is not None
             idxs = by_key[lk.key]
-            closest = lk.closest_answered(self.replication)
-            far = closest[-1].node_id ^ lk.target if len(closest) >= self.replication else None
-            if far is None or (local_id ^ lk.target) < far:
+            closest = lk.closest_live(2 * self.replication)
+            missing[lk.key] = self.replication
+            near = closest[: self.replication]
+            if len(near) < self.replication or (local_id ^ lk.target) < (
+                near[-1].node_id ^ lk.target
+            ):
                 # we are among the closest ourselves: keep a replica
-                closest = closest[: self.replication - 1]
+                missing[lk.key] -= 1
                 for i in idxs:
                     try:
                         counts[i] += self.storage.store(records[i], now)
                     except RecordError:
                         pass
-            for c in closest:
-                plan.setdefault(c.peer_id, (c, []))[1].extend(idxs)
-        sends = list(plan.values())
-        results = await asyncio.gather(
-            *(self._send_store(c, [records[i] for i in idxs]) for c, idxs in sends)
-        )
-        for (_, idxs), oks in zip(sends, results, strict=True):
-            for i, ok in zip(idxs, oks, strict=True):
-                counts[i] += ok
+            queue[lk.key] = closest
+        for _ in range(_STORE_ROUNDS):
+            plan: dict[PeerID, tuple[Candidate, list[str]]] = {}
+            for key, cands in queue.items():
+                take = cands[: max(0, missing[key])]
+                del cands[: len(take)]
+                for c in take:
+                    plan.setdefault(c.peer_id, (c, []))[1].append(key)
+            if not plan:
+                break
+            sends = [
+                (c, keys, [i for key in keys for i in by_key[key]]) for c, keys in plan.values()
+            ]
+            results = await asyncio.gather(
+                *(self._send_store(c, [records[i] for i in idxs]) for c, _, idxs in sends)
+            )
+            for (_, keys, idxs), oks in zip(sends, results, strict=True):
+                if oks is None:
+                    continue  # unreachable: the next round asks the next closest
+                for key in keys:
+                    missing[key] -= 1
+                for i, ok in zip(idxs, oks, strict=True):
+                    counts[i] += ok
         return [c >= self.store_quorum for c in counts]
 
     # ------------------------------------------------------------------ maintenance

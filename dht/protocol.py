@@ -16,6 +16,7 @@ that a peer answering garbage costs one failed request and one log line.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -44,6 +45,13 @@ class WireContact:
     addrs: tuple[Multiaddr, ...]
 
 
+@functools.lru_cache(maxsize=65536)
+def _peer_id(raw: bytes) -> PeerID:
+    # Interned: the same peers come back in every answer, and a PeerID caches
+    # its base58 form, which address checks compare against.
+    return PeerID(raw)
+
+
 def addrs_to_wire(addrs: list[Multiaddr]) -> list[str]:
     return [str(a) for a in addrs]
 
@@ -54,8 +62,14 @@ def parse_addrs(peer: PeerID, raw: object) -> tuple[Multiaddr, ...]:
         raise DHTProtocolError("addresses must be a list")
     if len(raw) > MAX_ADDRS * 4:
         raise DHTProtocolError(f"{len(raw)} addresses, limit {MAX_ADDRS * 4}")
-    ok = [a for a in raw if isinstance(a, str) and len(a) <= MAX_ADDR_CHARS]
-    return dialable_addrs(peer, ok, MAX_ADDRS)
+    ok = tuple(a for a in raw if isinstance(a, str) and len(a) <= MAX_ADDR_CHARS)
+    return _dialable_cached(peer, ok)
+
+
+@functools.lru_cache(maxsize=16384)
+def _dialable_cached(peer: PeerID, addrs: tuple[str, ...]) -> tuple[Multiaddr, ...]:
+    # The same contacts come back in most answers: check each list once.
+    return dialable_addrs(peer, addrs, MAX_ADDRS)
 
 
 def contact_to_wire(peer_id: PeerID, addrs: tuple[Multiaddr, ...] | list[Multiaddr]) -> list[Any]:
@@ -120,7 +134,7 @@ def parse_nearest(
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)):
             raise DHTProtocolError("a contact must be [peer_id_bytes, [addrs]]")
         try:
-            pid = PeerID(item[0])
+            pid = _peer_id(item[0])
         except ValueError:
             raise DHTProtocolError("a contact has an invalid peer ID") from None
         if pid in seen:

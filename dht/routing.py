@@ -23,6 +23,7 @@ driver owns the clock and tests need no sleeps.
 from __future__ import annotations
 
 import enum
+import functools
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -60,6 +61,7 @@ _SCAN_FACTOR: Final = 4
 
 
 @lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=65536)
 def node_id(peer_id: PeerID) -> int:
     """The 256-bit Kademlia ID of a peer: SHA-256 of its peer ID bytes.
 

@@ -15,6 +15,7 @@ keeps equality, deduplication and signed address records unambiguous.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Iterable, Iterator
@@ -341,25 +342,37 @@ def _raw_text(items: Iterable[object]) -> str:
     return "".join(parts)
 
 
+@functools.lru_cache(maxsize=8192)
+def _parse_checked(text: str) -> tuple[Component, ...]:
+    """Normalized, structure-checked components of `text`. Cached: a DHT sees the
+    same few thousand addresses in every answer, and parsing IPs is slow."""
+    try:
+        components = tuple(_parse_text(text))
+        _check_structure(components)
+    except _Invalid as e:
+        raise MultiaddrError(_quote_text(text), e.reason) from None
+    return components
+
+
+@functools.lru_cache(maxsize=8192)
+def _ip_object(proto: str, value: str) -> IPAddress:
+    return ipaddress.IPv4Address(value) if proto == "ip4" else ipaddress.IPv6Address(value)
+
+
 # ---------------------------------------------------------------- Multiaddr
 
 
 class Multiaddr:
     """An immutable, hashable, validated multiaddr; equal when the normalized components are."""
 
-    __slots__ = ("_components",)
+    __slots__ = ("_components", "_text")
     _components: tuple[Component, ...]
+    _text: str | None
 
     def __init__(self, addr: str | Multiaddr) -> None:
-        if isinstance(addr, Multiaddr):
-            components = addr._components
-        else:
-            try:
-                components = tuple(_parse_text(addr))
-                _check_structure(components)
-            except _Invalid as e:
-                raise MultiaddrError(_quote_text(addr), e.reason) from None
+        components = addr._components if isinstance(addr, Multiaddr) else _parse_checked(addr)
         object.__setattr__(self, "_components", components)
+        object.__setattr__(self, "_text", None)
 
     @classmethod
     def parse(cls, text: str) -> Multiaddr:
@@ -396,6 +409,7 @@ class Multiaddr:
         # For components that are already normalized and structure-checked.
         self = object.__new__(cls)
         object.__setattr__(self, "_components", components)
+        object.__setattr__(self, "_text", None)
         return self
 
     # -- immutability, identity, text
@@ -419,7 +433,11 @@ class Multiaddr:
         return hash(self._components)
 
     def __str__(self) -> str:
-        return "".join(_segment(p, v) for p, v in self._components)
+        text = self._text
+        if text is None:
+            text = "".join(_segment(p, v) for p, v in self._components)
+            object.__setattr__(self, "_text", text)
+        return text
 
     def __repr__(self) -> str:
         return f"Multiaddr({str(self)!r})"
@@ -491,11 +509,9 @@ class Multiaddr:
 
     def _ip(self) -> IPAddress | None:
         proto, value = self._components[0]
-        if proto == "ip4" and value is not None:
-            return ipaddress.IPv4Address(value)
-        if proto == "ip6" and value is not None:
-            return ipaddress.IPv6Address(value)
-        return None
+        if value is None or proto not in ("ip4", "ip6"):
+            return None
+        return _ip_object(proto, value)
 
     # The IP predicates look at the first hop's IP (the relay's for a relayed
     # address); DNS names are not resolved, so they are never true for them.

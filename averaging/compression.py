@@ -1,0 +1,428 @@
+"""Codecs for tensor slices exchanged during all-reduce.
+
+In butterfly all-reduce the owner of a part quantizes its reduced result once
+and forwards the *same bytes* to every member, the owner included. Bit-identical
+state across members therefore only needs `decode` to be a pure function of its
+input bytes, which holds here: every decode step is exact (a float16/bfloat16 to
+float32 widening, an int8 to float32 conversion) or one correctly rounded IEEE
+float32 multiply, and the int8 codec never lets a subnormal reach that multiply,
+so a peer that flushes denormals (torch.set_flush_denormal) still agrees.
+Encoding is deterministic as well (no stochastic rounding, no randomness).
+
+Layouts (all little-endian; the module refuses to load on big-endian hosts
+rather than put native-order bytes on the wire):
+
+- ``none``  (code 0x00): float32, 4 bytes per element.
+- ``fp16``  (code 0x01): IEEE float16, 2 bytes per element.
+- ``bf16``  (code 0x02): bfloat16, 2 bytes per element.
+- ``int8``  (code ``0x10 | log2(block_size)``, 0x18 for the default 256): one
+  float32 scale per block of ``block_size`` elements (the last block may be
+  shorter), all scales first, then one int8 per element.
+
+Each codec knows `encoded_size(n)` exactly, so a receiver checks the length of
+untrusted bytes before decoding and preallocates its buffers. Anything wrong with
+the bytes (length, invalid scale, out-of-range code) raises `CodecError`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from abc import ABC, abstractmethod
+from typing import ClassVar, Final
+
+import numpy as np
+import torch
+
+if sys.byteorder != "little":  # the wire format is little-endian; views are native-order
+    raise ImportError("shoal.averaging.compression supports little-endian hosts only")
+
+__all__ = [
+    "CODECS",
+    "BFloat16Codec",
+    "Codec",
+    "CodecError",
+    "Float16Codec",
+    "Int8BlockCodec",
+    "NoCodec",
+    "get_codec",
+]
+
+
+class CodecError(ValueError):
+    """Bytes that cannot be (de)coded: wrong length, invalid content, non-finite input."""
+
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class Codec(ABC):
+    """Encodes a 1-D contiguous float32 CPU tensor to bytes and back.
+
+    Codecs are stateless and immutable, hence safe to share between threads
+    (large buffers are meant to be coded in `asyncio.to_thread`).
+    """
+
+    name: str
+    code: int
+
+    @abstractmethod
+    def encoded_size(self, n_elements: int) -> int:
+        """Exact number of bytes `encode` produces for `n_elements` float32 values."""
+
+    def encode(self, src: torch.Tensor, out: memoryview | None = None) -> memoryview:
+        """Encode `src` into `out` (exactly `encoded_size` writable bytes) or a new buffer.
+
+        Returns a byte memoryview of the encoded data (`out` itself when given).
+        On error the content of `out` is unspecified.
+        """
+        x = _check_src(src)
+        size = self.encoded_size(x.numel())
+        dst = _dst_view(out, size, self.name)
+        if size:
+            self._encode_into(x, dst)
+        return dst
+
+    def decode(self, data: BytesLike, out: torch.Tensor) -> None:
+        """Fill `out` (1-D contiguous float32 CPU tensor) from `data`.
+
+        `data` must be exactly `encoded_size(out.numel())` bytes. `out` is only
+        written after the bytes have been validated.
+        """
+        y = _check_out(out)
+        mv = _src_view(data, self.name)
+        expected = self.encoded_size(y.numel())
+        if len(mv) != expected:
+            raise CodecError(
+                f"{self.name}: expected {expected} bytes for {y.numel()} elements, got {len(mv)}"
+            )
+        if expected:
+            self._decode_from(mv, y)
+
+    @abstractmethod
+    def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None: ...
+
+    @abstractmethod
+    def _decode_from(self, data: memoryview, out: torch.Tensor) -> None: ...
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and other.code == self.code
+
+    def __hash__(self) -> int:
+        return hash(self.code)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, code={self.code:#04x})"
+
+
+class NoCodec(Codec):
+    """Raw float32: exact. Without `out`, `encode` returns a view of the tensor's
+    own storage (no copy), so the tensor must not change while the bytes are in
+    flight."""
+
+    name = "none"
+    code = 0x00
+
+    def encoded_size(self, n_elements: int) -> int:
+        return 4 * _check_count(n_elements)
+
+    def encode(self, src: torch.Tensor, out: memoryview | None = None) -> memoryview:
+        if out is None:
+            return _tensor_bytes(_check_src(src))
+        return super().encode(src, out)
+
+    def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None:
+        dst[:] = _tensor_bytes(src)
+
+    def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
+        _tensor_bytes(out)[:] = data
+
+
+class _NarrowFloatCodec(Codec):
+    """float32 narrowed to a 2-byte float with round-to-nearest-even.
+
+    Finite values beyond the narrow type's range are clamped to its largest
+    finite value (instead of becoming inf); NaN and +-inf are carried through
+    unchanged, so non-finite state stays visible to the layer that checks it.
+    """
+
+    _dtype: ClassVar[torch.dtype]
+    _max_finite: ClassVar[float]
+
+    def encoded_size(self, n_elements: int) -> int:
+        return 2 * _check_count(n_elements)
+
+    def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None:
+        narrow = torch.frombuffer(dst, dtype=self._dtype)
+        lo, hi = torch.aminmax(src)
+        limit = self._max_finite
+        if -limit <= lo.item() and hi.item() <= limit:  # also False when a NaN is present
+            narrow.copy_(src)
+            return
+        # Rare path (out-of-range or NaN values): clamp finite values, keep NaN/inf.
+        clamped = torch.clamp(src, -limit, limit)
+        narrow.copy_(torch.where(torch.isinf(src), src, clamped))
+
+
+class Float16Codec(_NarrowFloatCodec):
+    """IEEE float16 (about 3 significant digits; |x| > 65504 clamped to +-65504)."""
+
+    name = "fp16"
+    code = 0x01
+    _dtype: ClassVar[torch.dtype] = torch.float16
+    _max_finite: ClassVar[float] = 65504.0
+
+    def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
+        if data.readonly:
+            # torch cannot wrap read-only memory without a warning; numpy can (slower).
+            np.copyto(out.numpy(), np.frombuffer(data, dtype="<f2"))
+        else:
+            out.copy_(torch.frombuffer(data, dtype=torch.float16))
+
+
+class BFloat16Codec(_NarrowFloatCodec):
+    """bfloat16 (float32 range, about 2-3 significant digits)."""
+
+    name = "bf16"
+    code = 0x02
+    _dtype: ClassVar[torch.dtype] = torch.bfloat16
+    _max_finite: ClassVar[float] = float(torch.finfo(torch.bfloat16).max)
+
+    def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
+        if data.readonly:
+            # bfloat16 is the upper half of a float32: widen the bits, no float math.
+            bits = np.frombuffer(data, dtype="<u2")
+            np.left_shift(bits, 16, out=out.numpy().view(np.uint32), dtype=np.uint32)
+        else:
+            out.copy_(torch.frombuffer(data, dtype=torch.bfloat16))
+
+
+# Smallest normal float32: scales below it are flushed to zero so that decoding
+# never multiplies by a subnormal (flush-to-zero peers would disagree).
+_FLT_MIN: Final = np.float32(np.finfo(np.float32).tiny)
+_FLT_MIN_BITS: Final = int(_FLT_MIN.view(np.uint32))
+
+
+def _largest_safe_scale() -> np.float32:
+    """Largest float32 s with 127 * s finite, so a decoded value is never inf."""
+    s = np.float32(np.finfo(np.float32).max) / np.float32(127)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(s * np.float32(127)):
+            s = np.nextafter(s, np.float32(0))
+    return s
+
+
+_MAX_SCALE: Final = _largest_safe_scale()
+_MAX_SCALE_BITS: Final = int(_MAX_SCALE.view(np.uint32))
+_QMAX: Final = 127
+# Elements quantized per step: keeps the float32 temporary (1 MiB) in cache.
+_CHUNK_ELEMENTS: Final = 1 << 18
+
+
+class Int8BlockCodec(Codec):
+    """Symmetric 8-bit quantization with one float32 absmax scale per block.
+
+    scale = absmax / 127 and q = round_half_even(x / scale), so the error is at
+    most scale / 2 = absmax / 254 per element (plus float32 rounding). A scale
+    is stored as float32 rather than float16: it costs 4 / block_size bytes per
+    element (1.6% at 256) and keeps the full float32 range, where float16 would
+    overflow above 65504 and lose tiny gradients. Blocks whose absmax is below
+    127 * FLT_MIN (about 1.5e-36) are sent as zeros. NaN or inf input raises
+    `CodecError`: one NaN would otherwise wipe out its whole block.
+    """
+
+    name: str
+    code: int
+    MIN_BLOCK_SIZE: ClassVar[int] = 1 << 4
+    MAX_BLOCK_SIZE: ClassVar[int] = 1 << 15
+    DEFAULT_BLOCK_SIZE: ClassVar[int] = 256
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if (
+            not isinstance(block_size, int)
+            or isinstance(block_size, bool)
+            or not self.MIN_BLOCK_SIZE <= block_size <= self.MAX_BLOCK_SIZE
+            or block_size & (block_size - 1)
+        ):
+            raise ValueError(
+                f"int8 block size must be a power of two in "
+                f"[{self.MIN_BLOCK_SIZE}, {self.MAX_BLOCK_SIZE}], got {block_size!r}"
+            )
+        self.block_size = block_size
+        # The block size is part of the wire identity: a receiver rebuilds the
+        # codec from the code alone.
+        self.code = 0x10 | (block_size.bit_length() - 1)
+        self.name = "int8" if block_size == self.DEFAULT_BLOCK_SIZE else f"int8-{block_size}"
+
+    def n_blocks(self, n_elements: int) -> int:
+        return -(-_check_count(n_elements) // self.block_size)
+
+    def encoded_size(self, n_elements: int) -> int:
+        return 4 * self.n_blocks(n_elements) + n_elements
+
+    def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None:
+        x = src.numpy()
+        n, bs = x.size, self.block_size
+        nb, n_full = self.n_blocks(n), n // bs
+        raw = np.frombuffer(dst, dtype=np.uint8)
+        scales = raw[: 4 * nb].view("<f4")
+        q = raw[4 * nb :].view(np.int8)
+        rows = max(1, _CHUNK_ELEMENTS // bs)
+        tmp = np.empty((min(rows, n_full) or 1) * bs, dtype=np.float32)
+        for start in range(0, n_full, rows):
+            stop = min(start + rows, n_full)
+            self._quantize_rows(
+                x[start * bs : stop * bs].reshape(-1, bs),
+                scales[start:stop],
+                q[start * bs : stop * bs].reshape(-1, bs),
+                tmp[: (stop - start) * bs].reshape(-1, bs),
+                first_block=start,
+            )
+        if n_full < nb:  # the shorter last block
+            tail = n - n_full * bs
+            self._quantize_rows(
+                x[n_full * bs :].reshape(1, tail),
+                scales[n_full:],
+                q[n_full * bs :].reshape(1, tail),
+                tmp[:tail].reshape(1, tail),
+                first_block=n_full,
+            )
+
+    def _quantize_rows(
+        self,
+        x: np.ndarray,
+        scales: np.ndarray,
+        q: np.ndarray,
+        tmp: np.ndarray,
+        first_block: int,
+    ) -> None:
+        """Quantize rows of `x` (one block each) into `scales` and `q`."""
+        np.abs(x, out=tmp)
+        absmax = tmp.max(axis=1)  # NaN propagates; inf stays inf
+        finite = np.isfinite(absmax)
+        if not finite.all():
+            bad = first_block + int(np.argmin(finite))
+            raise CodecError(f"{self.name}: NaN or inf in input block {bad}")
+        s = absmax / np.float32(_QMAX)
+        np.minimum(s, _MAX_SCALE, out=s)
+        s[s < _FLT_MIN] = 0.0
+        scales[:] = s
+        np.divide(x, np.where(s > 0, s, np.float32(1))[:, None], out=tmp)
+        np.rint(tmp, out=tmp)  # round half to even, like torch.round
+        np.clip(tmp, -_QMAX, _QMAX, out=tmp)
+        np.copyto(q, tmp, casting="unsafe")  # exact: tmp holds integers in [-127, 127]
+
+    def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
+        n, bs = out.numel(), self.block_size
+        nb, n_full = self.n_blocks(n), n // bs
+        raw = np.frombuffer(data, dtype=np.uint8)
+        scales = raw[: 4 * nb].view("<f4")
+        q = raw[4 * nb :].view(np.int8)
+        # Valid scales are +0.0 or in [FLT_MIN, _MAX_SCALE]; for non-negative floats
+        # the bit patterns sort like the values, and NaN, inf and negative numbers
+        # all sort above _MAX_SCALE_BITS, so one integer range check covers it all.
+        bits = scales.view("<u4")
+        valid = (bits == 0) | ((bits >= _FLT_MIN_BITS) & (bits <= _MAX_SCALE_BITS))
+        if not valid.all():
+            bad = int(np.argmin(valid))
+            raise CodecError(f"{self.name}: invalid scale {scales[bad]!r} for block {bad}")
+        if q.min() < -_QMAX:
+            raise CodecError(f"{self.name}: quantized value -128 is outside the symmetric range")
+        y = out.numpy()
+        if n_full:
+            np.multiply(
+                q[: n_full * bs].reshape(-1, bs),
+                scales[:n_full, None],
+                out=y[: n_full * bs].reshape(-1, bs),
+            )
+        if n_full < nb:
+            np.multiply(q[n_full * bs :], scales[n_full], out=y[n_full * bs :])
+
+
+CODECS: Final[dict[str, Codec]] = {
+    c.name: c for c in (NoCodec(), Float16Codec(), BFloat16Codec(), Int8BlockCodec())
+}
+_BY_CODE: Final[dict[int, Codec]] = {c.code: c for c in CODECS.values()}
+_INT8_NAME = re.compile(r"int8-([0-9]{1,5})")
+
+
+def get_codec(name_or_code: str | int) -> Codec:
+    """The codec for a name ("none", "fp16", "bf16", "int8", "int8-64") or wire code.
+
+    Unknown names or codes (which may come off the network) raise `CodecError`.
+    """
+    if isinstance(name_or_code, str):
+        codec = CODECS.get(name_or_code)
+        if codec is not None:
+            return codec
+        m = _INT8_NAME.fullmatch(name_or_code)
+        if m is not None:
+            return _int8_codec(int(m.group(1)), name_or_code)
+    elif isinstance(name_or_code, int) and not isinstance(name_or_code, bool):
+        codec = _BY_CODE.get(name_or_code)
+        if codec is not None:
+            return codec
+        if name_or_code & ~0x0F == 0x10:
+            return _int8_codec(1 << (name_or_code & 0x0F), name_or_code)
+    raise CodecError(f"unknown codec {name_or_code!r}"[:100])
+
+
+def _int8_codec(block_size: int, what: str | int) -> Codec:
+    try:
+        return Int8BlockCodec(block_size)
+    except ValueError:
+        raise CodecError(f"unknown codec {what!r}") from None
+
+
+def _check_count(n_elements: int) -> int:
+    if not isinstance(n_elements, int) or n_elements < 0:
+        raise ValueError(f"element count must be a non-negative int, got {n_elements!r}")
+    return n_elements
+
+
+def _check_flat_float32(t: object, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.layout != torch.strided:
+        raise TypeError(f"{what} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{what} must be 1-D and contiguous, got shape {tuple(t.shape)}")
+    return t.detach()
+
+
+def _check_src(src: torch.Tensor) -> torch.Tensor:
+    return _check_flat_float32(src, "src")
+
+
+def _check_out(out: torch.Tensor) -> torch.Tensor:
+    return _check_flat_float32(out, "out")
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Writable byte view of a contiguous CPU tensor's storage (no copy)."""
+    return memoryview(t.numpy()).cast("B")
+
+
+def _byte_view(buf: BytesLike, name: str) -> memoryview:
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if not mv.c_contiguous:
+        raise CodecError(f"{name}: buffer is not contiguous")
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def _src_view(data: BytesLike, name: str) -> memoryview:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"{name}: data must be bytes-like, got {type(data).__name__}")
+    return _byte_view(data, name)
+
+
+def _dst_view(out: memoryview | None, size: int, name: str) -> memoryview:
+    if out is None:
+        # torch.empty skips the zero fill a bytearray would do.
+        return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+    mv = _byte_view(out, name)
+    if mv.readonly:
+        raise TypeError(f"{name}: output buffer is read-only")
+    if len(mv) != size:
+        raise CodecError(f"{name}: output buffer has {len(mv)} bytes, encoding needs {size}")
+    return mv
