@@ -1,6 +1,7 @@
 """DHT benchmark: N nodes over several processes on loopback.
 
     python bench/dht.py [--nodes 64] [--processes 8] [--ops 200]
+    python bench/dht.py --one-process 1000 [--ops 50]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import statistics
@@ -336,6 +338,66 @@ async def run_workload(kind: str, opts: argparse.Namespace) -> dict[str, Any]:
         await asyncio.gather(*(p.close() for p in procs), return_exceptions=True)
 
 
+async def one_process(opts: argparse.Namespace) -> dict[str, Any]:
+    """`--one-process N`: N nodes in this process (how tests simulate big swarms).
+
+    Joins run 64 at a time, each through up to 3 random nodes that already
+    joined. Each node keeps at most `--max-dialed` connections it dialed (the
+    rest are closed when idle), so N nodes fit in the descriptor limit.
+    """
+    from shoal.dht.node import DHTNode
+    from shoal.transport.host import Host, HostConfig
+    from shoal.transport.identity import Identity
+
+    rng = random.Random(opts.seed)
+    nodes: list[DHTNode] = []
+    hosts: list[Host] = []
+    addrs: list[str] = []
+
+    async def new_node(bootstrap: list[str]) -> None:
+        host = Host(
+            Identity.generate(), HostConfig(listen=LOOPBACK, max_connections_per_ip=100_000)
+        )
+        hosts.append(host)
+        await host.start()
+        node = await DHTNode.create(host, bootstrap=bootstrap, max_connections=opts.max_dialed)
+        nodes.append(node)
+        addrs.append(str(host.addresses()[0]))
+
+    gate = asyncio.Semaphore(64)
+
+    async def join() -> None:
+        async with gate:
+            await new_node(rng.sample(addrs, min(3, len(addrs))))
+
+    try:
+        t0 = time.perf_counter()
+        await new_node([])
+        await asyncio.gather(*(join() for _ in range(opts.one_process - 1)))
+        bootstrap_s = time.perf_counter() - t0
+        rss_after_join = _rss_mb()
+        ok, lat = 0, []
+        for i in range(opts.ops):
+            writer, reader = rng.sample(nodes, 2)
+            await writer.store(f"one/{i}", i, time.time() + EXPIRATION_S)
+            t = time.perf_counter()
+            got = await reader.get(f"one/{i}")
+            lat.append((time.perf_counter() - t) * 1000)
+            ok += got is not None and got.value == i
+        return {
+            "nodes": len(nodes),
+            "bootstrap_s": round(bootstrap_s, 2),
+            "rss_MB": round(max(rss_after_join, _rss_mb()), 1),
+            "get_p50_ms": round(_percentile(lat, 0.5) or 0, 2),
+            "success_rate": ok / opts.ops,
+            "max_hops": max(n.stats()["max_hops"] for n in nodes),
+            "hop_bound": round(math.log2(len(nodes)) + 2, 1),
+        }
+    finally:
+        await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
+        await asyncio.gather(*(h.aclose() for h in hosts), return_exceptions=True)
+
+
 def _hivemind_installed() -> bool:
     try:
         import hivemind  # noqa: F401
@@ -363,6 +425,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", type=int, default=200, help="operations per sequential phase")
     p.add_argument("--warmup", type=int, default=50, help="stores before measuring")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--one-process", type=int, metavar="N", help="instead: N nodes in this one process"
+    )
+    p.add_argument("--max-dialed", type=int, default=6, help="with --one-process")
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     try:
@@ -374,6 +440,10 @@ def main(argv: list[str] | None = None) -> None:
     if opts.worker:
         logging.getLogger().setLevel(logging.WARNING)
         runner(run_worker(opts.worker))
+        return
+    if opts.one_process:
+        logging.getLogger("shoal").setLevel(logging.ERROR)
+        print(json.dumps(runner(one_process(opts)), indent=2))
         return
     print(json.dumps(runner(orchestrate(opts)), indent=2))
 

@@ -52,6 +52,7 @@ class Option:
     metavar: str
     default_text: str  # how the default reads in --help
     repeatable: bool = False  # a list: repeat the flag, or comma-separate (the env var)
+    many: bool = False  # the flag also takes several values at once: --flag A B
 
     @property
     def flag(self) -> str:
@@ -86,6 +87,16 @@ OPTIONS: dict[str, Option] = {
             repeatable=True,
         ),
         Option(
+            "bootstrap",
+            "SHOAL_BOOTSTRAP",
+            "multiaddr of a peer to join the network through (/ip4/.../tcp/N/p2p/ID); "
+            "several may follow the flag; without any, this peer starts a new network",
+            "MULTIADDR",
+            "none: start a new network",
+            repeatable=True,
+            many=True,
+        ),
+        Option(
             "log_level",
             "SHOAL_LOG_LEVEL",
             "log verbosity (" + ", ".join(LOG_LEVELS) + ")",
@@ -103,6 +114,7 @@ class Config:
     data_dir: Path = field(default_factory=lambda: Path(DEFAULT_DATA_DIR).expanduser())
     listen: tuple[Multiaddr, ...] = tuple(Multiaddr(a) for a in DEFAULT_LISTEN)
     announce: tuple[Multiaddr, ...] = ()
+    bootstrap: tuple[Multiaddr, ...] = ()
     log_level: str = "info"
     # Where each value came from ("default", "--listen", "SHOAL_LISTEN", ...), for the
     # start-up log: env-over-flag precedence surprises people, so show it.
@@ -165,7 +177,8 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
             opt.flag,
             dest=name,
             metavar=opt.metavar,
-            action="append" if opt.repeatable else "store",
+            action=("extend" if opt.many else "append") if opt.repeatable else "store",
+            nargs="+" if opt.many else None,
             default=None,
             help=f"{opt.help} [env {opt.env}; default: {opt.default_text}]",
         )
@@ -241,6 +254,19 @@ def _parse_announce(raw: str | Sequence[str], source: str) -> tuple[Multiaddr, .
     return tuple(addrs)
 
 
+def _parse_bootstrap(raw: str | Sequence[str], source: str) -> tuple[Multiaddr, ...]:
+    addrs = _multiaddrs(raw, source)
+    for addr in addrs:
+        # Without /p2p/ID the peer is whoever answers at that address: allowed
+        # (a DNS name for a public swarm), but the daemon warns.
+        if not (addr.is_direct_tcp or addr.is_relayed):
+            raise ConfigError(
+                f"{source}: cannot bootstrap from {addr}: give a peer's address, such as "
+                "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... (a running peer prints it at start)"
+            )
+    return tuple(addrs)
+
+
 def _parse_data_dir(raw: str | Sequence[str], source: str) -> Path:
     assert isinstance(raw, str)
     text = raw.strip()
@@ -264,5 +290,6 @@ _PARSERS = {
     "data_dir": _parse_data_dir,
     "listen": _parse_listen,
     "announce": _parse_announce,
+    "bootstrap": _parse_bootstrap,
     "log_level": _parse_log_level,
 }

@@ -1,8 +1,9 @@
 """The daemon's lifecycle: load the identity, start the subsystems, serve until told to stop.
 
-Today the only subsystem is the transport host; the DHT, the trainer and the
-HTTP status endpoint will be started in `run_daemon` the same way, each pushed
-on the exit stack so that shutdown closes them in reverse order.
+Subsystems so far: the transport host and the DHT node (joined through
+`--bootstrap`, or starting a new network). The trainer and the HTTP status
+endpoint will be started in `run_daemon` the same way, each pushed on the exit
+stack so that shutdown closes them in reverse order.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
+from shoal.dht.node import BootstrapError, DHTNode
 from shoal.transport.host import Host
 from shoal.transport.identity import Identity, IdentityFileError
 
@@ -28,6 +30,9 @@ log = logging.getLogger("shoal.peer")
 # On top of the host's own close_grace: how long shutdown may take before we give up on it.
 SHUTDOWN_SLACK = 5.0
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Joining: each bootstrap peer is tried this many times, waiting 1, 2, 4, ... s between.
+BOOTSTRAP_ATTEMPTS = 6
+BOOTSTRAP_BACKOFF = 1.0
 
 
 class StartupError(Exception):
@@ -108,11 +113,37 @@ async def run_daemon(
             ) from None
         for addr in host.listen_addrs:
             log.info("listening on %s", addr)
+        dht = await _start_dht(host, config)
+        stack.push_async_callback(dht.aclose)
         print_addresses(host, out)
 
         await stop.wait()
         log.info("shutting down")
     log.info("stopped")
+
+
+async def _start_dht(host: Host, config: Config) -> DHTNode:
+    for addr in config.bootstrap:
+        if addr.peer_id is None:
+            log.warning(
+                "bootstrap address %s names no peer ID: whoever answers there is trusted "
+                "as the way in; add /p2p/<ID> to be sure",
+                addr,
+            )
+    if not config.bootstrap:
+        log.info("no bootstrap peers: starting a new network")
+        return await DHTNode.create(host)
+    try:
+        dht = await DHTNode.create(
+            host,
+            bootstrap=config.bootstrap,
+            bootstrap_attempts=BOOTSTRAP_ATTEMPTS,
+            bootstrap_backoff=BOOTSTRAP_BACKOFF,
+        )
+    except BootstrapError as e:
+        raise StartupError(f"{e}; check the --bootstrap (SHOAL_BOOTSTRAP) addresses") from None
+    log.info("joined the network: %d peers known", len(dht.routing_table))
+    return dht
 
 
 async def _close_host(host: Host) -> None:

@@ -385,6 +385,80 @@ async def test_another_process_connects_and_pings(tmp_path: Path) -> None:
             await asyncio.wait_for(asyncio.shield(conn.closed), STOP_TIMEOUT)
 
 
+def test_bootstrap_takes_several_addresses_after_one_flag_and_from_the_env() -> None:
+    a = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWADf7hekRQXQ55CudbEHpoUS6EF5ffbxFgghynqtjpfrD"
+    b = "/dns/boot.example/tcp/31337"
+    _, config = parse_command_line(["run", "--bootstrap", a, b], {})
+    assert config.bootstrap == (Multiaddr(a), Multiaddr(b))
+    _, config = parse_command_line(["run", "--bootstrap", a], {"SHOAL_BOOTSTRAP": f"{b}, {a}"})
+    assert config.bootstrap == (Multiaddr(b), Multiaddr(a))
+    assert config.sources["bootstrap"] == "SHOAL_BOOTSTRAP, overriding --bootstrap"
+    _, config = parse_command_line(["run"], {})
+    assert config.bootstrap == ()
+
+
+@pytest.mark.parametrize(
+    "bad", ["/ip4/1.2.3.4", "/p2p/12D3KooWADf7hekRQXQ55CudbEHpoUS6EF5ffbxFgghynqtjpfrD"]
+)
+def test_bootstrap_needs_a_dialable_address(bad: str) -> None:
+    with pytest.raises(ConfigError, match="--bootstrap"):
+        parse_command_line(["run", "--bootstrap", bad], {})
+
+
+QUERY_DHT = """
+import asyncio, sys, time
+from shoal.dht.node import DHTNode
+from shoal.transport.host import Host, HostConfig
+from shoal.transport.identity import Identity
+
+async def main():
+    async with Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))) as host:
+        dht = await DHTNode.create(host, bootstrap=[sys.argv[1]])
+        await dht.store("cli-test", "hello", time.time() + 60)
+        print(len(dht.routing_table), (await dht.get("cli-test")).value)
+        await dht.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_run_joins_the_network_of_its_bootstrap_peer(tmp_path: Path) -> None:
+    first_home, second_home = tmp_path / "first", tmp_path / "second"
+    first_home.mkdir()
+    second_home.mkdir()
+    with running_peer(first_home, "--listen", LOOPBACK_ANY_PORT) as first:
+        assert "starting a new network" in first.stderr
+        with running_peer(
+            second_home, "--listen", LOOPBACK_ANY_PORT, SHOAL_BOOTSTRAP=first.addresses[0]
+        ) as second:
+            assert "joined the network: 1 peers known" in second.stderr
+            # A third peer joining through the second one finds both in its table.
+            out = subprocess.run(
+                [sys.executable, "-c", QUERY_DHT, second.addresses[0]],
+                capture_output=True, text=True, timeout=60, check=True,
+            )  # fmt: skip
+            assert out.stdout.split() == ["2", "hello"], out.stderr
+
+
+def test_run_with_an_unreachable_bootstrap_peer_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        code = (
+            "import sys; import shoal.peer.daemon as d; d.BOOTSTRAP_ATTEMPTS = 2; "
+            "d.BOOTSTRAP_BACKOFF = 0.05; from shoal.peer.cli import main; "
+            "sys.exit(main(sys.argv[1:]))"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code, "run", "--listen", LOOPBACK_ANY_PORT,
+             "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}"],
+            capture_output=True, text=True, env=cli_env(tmp_path), timeout=60, check=False,
+        )  # fmt: skip
+    line = assert_one_line_error(result, 1)
+    assert f"/ip4/127.0.0.1/tcp/{port}" in line
+    assert "--bootstrap" in line
+
+
 # Replaces the host's shutdown with one that hangs, to see the second Ctrl+C cut it short.
 STUCK_SHUTDOWN = """
 import asyncio, sys

@@ -10,10 +10,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgpack
 import pytest
 
 from shoal.dht.node import BootstrapError, DHTNode
-from shoal.dht.records import RecordError, owner_marker
+from shoal.dht.records import Record, RecordError, owner_marker
+from shoal.transport import rpc
 from shoal.transport.host import Host
 
 # Many peers on one IP: lift the per-IP connection limit meant for the internet.
@@ -270,3 +272,61 @@ async def test_aclose_cancels_background_tasks(swarm: Callable[..., Any]) -> Non
     await a.aclose()
     assert not a._tasks
     await a.aclose()  # idempotent
+
+
+async def _raw_store(sender: DHTNode, target: DHTNode, records: list[Record]) -> list[bool]:
+    """A store request sent as-is, bypassing the sender's own validation (an attacker)."""
+    await sender.host.connect(target.peer_id, target.host.addresses(), timeout=5)
+    reply = await rpc.call(
+        sender.host,
+        target.peer_id,
+        sender.protocol,
+        "store",
+        {
+            "from": [str(a) for a in sender.host.addresses()],
+            "records": [r.to_wire() for r in records],
+        },
+        timeout=5,
+    )
+    return reply["stored"]
+
+
+async def test_fifty_owners_merge_and_a_forged_subkey_is_absent_from_every_read(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(50)
+    exp = time.time() + 120
+    for i, n in enumerate(nodes):
+        assert await n.store("roster", f"hello from {i}", exp, subkey=owner_marker(n.peer_id))
+    # An attacker (not an owner) writes under nodes[0]'s subkey, with a later
+    # expiration, to every node: once signed with its own key, once unsigned.
+    attacker = (await swarm(1))[0]
+    victim = owner_marker(nodes[0].peer_id)
+    forged = Record("roster", victim, msgpack.packb("forged"), exp + 60)
+    for target in nodes:
+        stored = await _raw_store(attacker, target, [forged.sign(attacker.host.identity), forged])
+        assert stored == [False, False]
+    expected = {owner_marker(n.peer_id): f"hello from {i}" for i, n in enumerate(nodes)}
+    for reader in [*nodes, attacker]:
+        got = await reader.get("roster", latest=True)
+        assert got is not None
+        assert got.value == expected
+
+
+async def test_bad_records_over_the_wire_are_refused_or_capped(swarm: Callable[..., Any]) -> None:
+    a, b = await swarm(2)
+    now = time.time()
+    big = Record("big", None, b"x" * (64 * 1024 + 1), now + 60)
+    expired = Record("old", None, msgpack.packb(1), now - 60)
+    far = Record("far", None, msgpack.packb(2), now + 10 * 365 * 86400)
+    owned = owner_marker(a.peer_id)
+    tampered = Record(f"{owned}key", None, msgpack.packb(3), now + 60).sign(a.host.identity)
+    tampered = Record(tampered.key, None, msgpack.packb(4), now + 60, tampered.signature)
+    assert await _raw_store(a, b, [big, expired, far, tampered]) == [False, False, True, False]
+    got = await b.get("far")
+    assert got is not None and got.value == 2
+    # Kept, but served no longer than the maximum TTL (24 h), whatever it claims.
+    assert "far" in b.storage.get_many(["far"], time.time() + 23 * 3600)
+    assert "far" not in b.storage.get_many(["far"], time.time() + 25 * 3600)
+    for key in ("big", "old", f"{owned}key"):
+        assert await b.get(key) is None

@@ -57,7 +57,7 @@ def b58decode(text: str) -> bytes:
 class PeerID:
     """An immutable, hashable, totally ordered peer identifier (Ed25519 keys only)."""
 
-    __slots__ = ("_b58", "_bytes", "_key")
+    __slots__ = ("_b58", "_bytes", "_hash", "_key")
 
     def __init__(self, multihash: bytes) -> None:
         multihash = bytes(multihash)
@@ -72,6 +72,8 @@ class PeerID:
                 f"({len(multihash)} bytes)"
             )
         self._bytes = multihash
+        # Cached: peer IDs key every table and set in the DHT and the host.
+        self._hash = hash(multihash)
         self._b58: str | None = None
         self._key: Ed25519PublicKey | None = None
 
@@ -132,7 +134,7 @@ class PeerID:
         return self._bytes < other._bytes
 
     def __hash__(self) -> int:
-        return hash(self._bytes)
+        return self._hash
 
 
 class IdentityFileError(Exception):
