@@ -1,0 +1,374 @@
+"""State sync: a new or returning peer downloads the current state from peers that hold it.
+
+Holders announce ``{fingerprint, step}`` in the DHT under ``<key>/state`` (one
+owner-signed subkey each, so nobody can announce for someone else). A loader
+picks the newest state (highest step, then the fingerprint most holders
+agree on), asks a holder for its layout, and downloads the raw bytes in
+chunks straight into preallocated tensors. When its source dies or moves on
+midway it resumes at the same offset from another holder of the same
+fingerprint. The result is accepted only if its fingerprint is the announced
+one, so a lying or corrupt source costs a retry, never a bad state.
+
+A server hands out a *snapshot*: a copy of the state taken when the first
+client asks for it, kept while downloads of it may still run, so the swarm
+can go on averaging (and the live tensors on changing) meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shoal.dht.node import DHTNode
+from shoal.dht.records import RecordError, owner_marker, owner_of
+from shoal.transport import rpc
+from shoal.transport.errors import TransportError
+from shoal.transport.identity import PeerID
+
+from .fingerprint import state_fingerprint
+
+log = logging.getLogger("shoal.averaging.state")
+
+DEFAULT_PROTOCOL = "/shoal/state/1.0.0"
+CHUNK_BYTES = 4 * 1024 * 1024
+MAX_TENSORS = 65536
+MAX_TOTAL_BYTES = 1 << 40
+_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}  # fmt: skip
+
+
+class StateSyncError(Exception):
+    """No holder could provide a verified state in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """Tensors plus metadata (msgpack-able; ``step`` orders states)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    metadata: Mapping[str, Any]
+    fingerprint: str
+
+    @property
+    def step(self) -> int:
+        step = self.metadata.get("step", 0)
+        return step if isinstance(step, int) else 0
+
+
+def make_state(tensors: Sequence[torch.Tensor], metadata: Mapping[str, Any]) -> State:
+    return State(tuple(tensors), dict(metadata), state_fingerprint(tensors, metadata))
+
+
+StateProvider = Callable[[], State | None]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    state: State
+    views: list[torch.Tensor]  # uint8 views, one per tensor
+    offsets: list[int]  # start of each tensor in the concatenated bytes
+    total: int
+    taken: float
+    last_used: float = field(default=0.0)
+
+
+class StateServer:
+    """Serves snapshots of `provider()` and announces them in the DHT."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        key: str,
+        provider: StateProvider,
+        *,
+        protocol: str = DEFAULT_PROTOCOL,
+        announce_ttl: float = 60.0,
+        keep_snapshots: int = 2,
+    ) -> None:
+        self.dht = dht
+        self.key = key
+        self.provider = provider
+        self.announce_ttl = announce_ttl
+        self.keep_snapshots = keep_snapshots
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._service = rpc.RpcService(dht.host, protocol)
+        self._service.unary("info")(self._on_info)
+        self._service.stream("fetch")(self._on_fetch)
+        self._announced: tuple[str, float] | None = None
+        self.served_bytes = 0
+
+    async def announce(self) -> bool:
+        """Tell the DHT which state we hold (call after each commit; cheap when unchanged)."""
+        state = self.provider()
+        if state is None:
+            return False
+        now = time.time()
+        if (
+            self._announced is not None
+            and self._announced[0] == state.fingerprint
+            and self._announced[1] - now > self.announce_ttl / 2
+        ):
+            return True
+        expiration = now + self.announce_ttl
+        ok = await self.dht.store(
+            f"{self.key}/state",
+            {"fp": state.fingerprint, "step": state.step},
+            expiration,
+            subkey=owner_marker(self.dht.peer_id),
+        )
+        if ok:
+            self._announced = (state.fingerprint, expiration)
+        return ok
+
+    def close(self) -> None:
+        self._service.close()
+        self._snapshots.clear()
+
+    def _snapshot(self, fingerprint: str | None) -> _Snapshot:
+        now = time.monotonic()
+        if fingerprint is not None and fingerprint in self._snapshots:
+            snap = self._snapshots[fingerprint]
+            snap.last_used = now
+            return snap
+        state = self.provider()
+        if state is None:
+            raise LookupError("this peer holds no state yet")
+        if fingerprint is not None and state.fingerprint != fingerprint:
+            raise LookupError(f"state {fingerprint[:12]} is gone; now at {state.fingerprint[:12]}")
+        snap = self._snapshots.get(state.fingerprint)
+        if snap is None:
+            # A copy: the live tensors change with the next commit, a download must not.
+            copies = tuple(t.detach().to("cpu", copy=True).contiguous() for t in state.tensors)
+            views = [_byte_view(t) for t in copies]
+            offsets, total = [], 0
+            for v in views:
+                offsets.append(total)
+                total += v.numel()
+            snap = _Snapshot(
+                State(copies, state.metadata, state.fingerprint), views, offsets, total, now
+            )
+            self._snapshots[state.fingerprint] = snap
+            while len(self._snapshots) > self.keep_snapshots:
+                oldest = min(self._snapshots.values(), key=lambda s: max(s.taken, s.last_used))
+                del self._snapshots[oldest.state.fingerprint]
+        snap.last_used = now
+        return snap
+
+    async def _on_info(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        snap = self._snapshot(None)
+        return {
+            "fp": snap.state.fingerprint,
+            "metadata": dict(snap.state.metadata),
+            "tensors": [[_dtype_name(t), list(t.shape)] for t in snap.state.tensors],
+            "total": snap.total,
+        }
+
+    async def _on_fetch(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        if not isinstance(payload, dict):
+            raise ValueError("fetch wants a map")
+        fp, offset, length = payload.get("fp"), payload.get("offset"), payload.get("length")
+        if not isinstance(fp, str) or not isinstance(offset, int) or not isinstance(length, int):
+            raise ValueError("fetch wants fp (str), offset and length (int)")
+        snap = self._snapshot(fp)
+        if not 0 <= offset <= offset + length <= snap.total:
+            raise ValueError(f"range {offset}+{length} outside 0..{snap.total}")
+        end = offset + length
+        i = 0
+        while offset < end:
+            while snap.offsets[i] + snap.views[i].numel() <= offset:
+                i += 1
+            start = offset - snap.offsets[i]
+            n = min(end - offset, snap.views[i].numel() - start, CHUNK_BYTES)
+            # Straight from the snapshot's storage: no copy.
+            await ctx.send_tensor(snap.views[i][start : start + n])
+            self.served_bytes += n
+            offset += n
+        yield {"done": end}
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    peer_id: PeerID
+    fingerprint: str
+    step: int
+
+
+async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
+    """Who announced a state for `key`, newest states first."""
+    found = await dht.get(f"{key}/state", latest=True)
+    if found is None or found.subkeys is None:
+        return []
+    holders = []
+    for subkey, (value, _) in found.subkeys.items():
+        try:
+            peer = owner_of(subkey)
+        except RecordError:
+            continue
+        if peer is None or peer == dht.peer_id or not isinstance(value, dict):
+            continue
+        fp, step = value.get("fp"), value.get("step", 0)
+        if isinstance(fp, str) and isinstance(step, int):
+            holders.append(Holder(peer, fp, step))
+    votes: dict[tuple[int, str], int] = {}
+    for h in holders:
+        votes[(h.step, h.fingerprint)] = votes.get((h.step, h.fingerprint), 0) + 1
+    holders.sort(key=lambda h: (-h.step, -votes[(h.step, h.fingerprint)], h.fingerprint))
+    return holders
+
+
+def _allocate(layout: object) -> list[torch.Tensor]:
+    if not isinstance(layout, list) or len(layout) > MAX_TENSORS:
+        raise ValueError("bad tensor layout")
+    out, total = [], 0
+    for item in layout:
+        if not (isinstance(item, list) and len(item) == 2 and item[0] in _DTYPES):
+            raise ValueError("bad tensor layout entry")
+        shape = item[1]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ValueError("bad tensor shape")
+        dtype = _DTYPES[item[0]]
+        total += math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if total > MAX_TOTAL_BYTES:
+            raise ValueError("state too large")
+        out.append(torch.empty(shape, dtype=dtype))
+    return out
+
+
+async def load_state_from_peers(
+    dht: DHTNode,
+    key: str,
+    *,
+    protocol: str = DEFAULT_PROTOCOL,
+    timeout: float = 300.0,
+    request_timeout: float = 30.0,
+    chunk_bytes: int = 64 * 1024 * 1024,
+) -> State:
+    """Download and verify the newest state of `key` from its holders.
+
+    Resumes from another holder of the same fingerprint when a source fails;
+    raises StateSyncError when no holder gives a verified state before `timeout`.
+    """
+    host = dht.host
+    failed: set[PeerID] = set()
+    errors: list[str] = []
+    async with asyncio.timeout(timeout):
+        while True:
+            holders = [h for h in await find_holders(dht, key) if h.peer_id not in failed]
+            if not holders:
+                detail = "; ".join(errors[-3:]) or "nobody announced one"
+                raise StateSyncError(f"no peer could provide the state of {key!r}: {detail}")
+            target = holders[0].fingerprint
+            sources = [h for h in holders if h.fingerprint == target]
+            tensors: list[torch.Tensor] | None = None
+            views: list[torch.Tensor] = []
+            info: dict[str, Any] = {}
+            progress = [0]  # bytes verified-in-order so far; a new source resumes there
+            contributors: list[PeerID] = []
+            for source in sources:
+                contributors.append(source.peer_id)
+                try:
+                    if tensors is None:
+                        info = await rpc.call(
+                            host, source.peer_id, protocol, "info", None, timeout=request_timeout
+                        )
+                        if not isinstance(info, dict) or info.get("fp") != target:
+                            raise LookupError("its state moved on")
+                        tensors = _allocate(info.get("tensors"))
+                        views = [_byte_view(t) for t in tensors]
+                        if sum(v.numel() for v in views) != info.get("total"):
+                            raise ValueError("layout and total disagree")
+                    await _fetch(
+                        host, source.peer_id, protocol, target, views, progress,
+                        chunk_bytes, request_timeout,
+                    )  # fmt: skip
+                    break
+                except (TransportError, TimeoutError, OSError, ValueError, LookupError) as e:
+                    log.info("state download from %s stopped: %r", source.peer_id.short(), e)
+                    errors.append(f"{source.peer_id.short()}: {e}")
+                    failed.add(source.peer_id)
+            if tensors is None or progress[0] != sum(v.numel() for v in views):
+                continue  # every source of that fingerprint failed: try the next state
+            metadata = info.get("metadata")
+            if not isinstance(metadata, dict):
+                metadata = {}
+            got = await asyncio.to_thread(state_fingerprint, tensors, metadata)
+            if got != target:
+                errors.append(f"bytes do not match fingerprint {target[:12]}")
+                failed.update(contributors)
+                continue
+            return State(tuple(tensors), metadata, got)
+
+
+async def _fetch(
+    host: Any,
+    peer: PeerID,
+    protocol: str,
+    fingerprint: str,
+    views: list[torch.Tensor],
+    progress: list[int],
+    chunk_bytes: int,
+    request_timeout: float,
+) -> None:
+    """Download from `progress[0]` to the end, advancing `progress[0]` after each
+    completed request, so that after a failure another source resumes there."""
+    total = sum(v.numel() for v in views)
+    offset = progress[0]
+    starts = []
+    acc = 0
+    for v in views:
+        starts.append(acc)
+        acc += v.numel()
+    while offset < total:
+        length = min(chunk_bytes, total - offset)
+        end = offset + length
+        async with rpc.open_call(
+            host, peer, protocol, "fetch",
+            {"fp": fingerprint, "offset": offset, "length": length},
+            timeout=request_timeout,
+        ) as call:  # fmt: skip
+            await call.close_send()
+            pos = offset
+            i = 0
+            while pos < end:
+                while starts[i] + views[i].numel() <= pos:
+                    i += 1
+                start = pos - starts[i]
+                n = min(end - pos, views[i].numel() - start, CHUNK_BYTES)
+                await call.recv_tensor(out=views[i][start : start + n])
+                pos += n
+            done = await call.recv_item()
+            if not isinstance(done, dict) or done.get("done") != end:
+                raise ValueError("fetch ended out of step")
+        offset = progress[0] = end
+
+
+__all__ = [
+    "DEFAULT_PROTOCOL",
+    "Holder",
+    "State",
+    "StateProvider",
+    "StateServer",
+    "StateSyncError",
+    "find_holders",
+    "load_state_from_peers",
+    "make_state",
+]

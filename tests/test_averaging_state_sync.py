@@ -1,0 +1,152 @@
+"""State sync: download the newest state from its holders, verified, resumable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.averaging.state_sync import (
+    State,
+    StateServer,
+    StateSyncError,
+    find_holders,
+    load_state_from_peers,
+    make_state,
+)
+from shoal.dht.node import DHTNode
+
+HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
+KEY = "exp/params"
+
+
+def sample_state(seed: int, step: int) -> State:
+    g = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.randn(300, 257, generator=g),
+        torch.randn(1000, generator=g).to(torch.bfloat16),
+        torch.arange(10, dtype=torch.int64),
+        torch.empty(0),
+    ]
+    return make_state(tensors, {"step": step, "lr": 0.1})
+
+
+@pytest.fixture
+async def dhts(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
+    nodes: list[DHTNode] = []
+
+    async def make(n: int) -> list[DHTNode]:
+        out = []
+        for _ in range(n):
+            host = await make_host(**HOST_OPTS)
+            boot = [str(nodes[0].host.addresses()[0])] if nodes else []
+            node = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
+            nodes.append(node)
+            out.append(node)
+        return out
+
+    yield make
+    await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
+
+
+def assert_same(a: State, b: State) -> None:
+    assert a.fingerprint == b.fingerprint
+    assert dict(a.metadata) == dict(b.metadata)
+    for x, y in zip(a.tensors, b.tensors, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y)
+
+
+async def test_a_newcomer_downloads_the_newest_state_and_verifies_it(
+    dhts: Callable[..., Any],
+) -> None:
+    old, new = sample_state(1, step=5), sample_state(2, step=9)
+    a, b, c, loader = await dhts(4)
+    servers = [StateServer(a, KEY, lambda: old), StateServer(b, KEY, lambda: new),
+               StateServer(c, KEY, lambda: new)]  # fmt: skip
+    for s in servers:
+        assert await s.announce()
+    holders = await find_holders(loader, KEY)
+    assert [h.step for h in holders] == [9, 9, 5]
+    got = await load_state_from_peers(loader, KEY)
+    assert_same(got, new)
+
+
+async def test_download_resumes_from_another_holder_when_the_source_dies(
+    dhts: Callable[..., Any],
+) -> None:
+    state = sample_state(3, step=1)
+    a, b, loader = await dhts(3)
+    total = sum(t.numel() * t.element_size() for t in state.tensors)
+    chunk = 64 * 1024
+    # Whichever source serves first dies after its second chunk.
+    original = StateServer._on_fetch
+    served_requests: dict[int, int] = {}
+
+    async def dying_fetch(self: StateServer, ctx: Any, payload: Any) -> Any:
+        n = served_requests[id(self)] = served_requests.get(id(self), 0) + 1
+        if n > 2 and not served_requests.get(-1):
+            served_requests[-1] = id(self)
+            await self.dht.host.aclose()
+            raise ConnectionError("killed")
+        async for item in original(self, ctx, payload):
+            yield item
+
+    StateServer._on_fetch = dying_fetch  # type: ignore[method-assign]
+    try:
+        # Handlers are bound when a server is made: patch first.
+        sa, sb = StateServer(a, KEY, lambda: state), StateServer(b, KEY, lambda: state)
+        await sa.announce()
+        await sb.announce()
+        got = await load_state_from_peers(loader, KEY, chunk_bytes=chunk, request_timeout=5)
+    finally:
+        StateServer._on_fetch = original  # type: ignore[method-assign]
+    assert_same(got, state)
+    assert served_requests.get(-1), "the first source never died"
+    # Resumed, not restarted: together they served the state about once.
+    assert sa.served_bytes + sb.served_bytes < total + 2 * chunk
+
+
+async def test_a_source_serving_corrupt_bytes_is_dropped_for_an_honest_one(
+    dhts: Callable[..., Any],
+) -> None:
+    state = sample_state(4, step=3)
+    a, b, loader = await dhts(3)
+    liar, honest = StateServer(a, KEY, lambda: state), StateServer(b, KEY, lambda: state)
+    await liar.announce()
+    await honest.announce()
+    snap = liar._snapshot(None)
+    snap.views[0][100] ^= 0xFF  # its copy rots after the fingerprint was taken
+    got = await load_state_from_peers(loader, KEY, request_timeout=5)
+    assert_same(got, state)
+
+
+async def test_the_state_may_change_during_a_download(dhts: Callable[..., Any]) -> None:
+    live = [sample_state(5, step=1)]
+    a, loader = await dhts(2)
+    original = StateServer._on_fetch
+    first = live[0]
+
+    async def moving_fetch(self: StateServer, ctx: Any, payload: Any) -> Any:
+        async for item in original(self, ctx, payload):
+            live[0] = sample_state(6, step=2)  # the swarm commits a new round meanwhile
+            yield item
+
+    StateServer._on_fetch = moving_fetch  # type: ignore[method-assign]
+    try:
+        server = StateServer(a, KEY, lambda: live[0])
+        await server.announce()
+        got = await load_state_from_peers(loader, KEY, chunk_bytes=64 * 1024)
+    finally:
+        StateServer._on_fetch = original  # type: ignore[method-assign]
+    assert live[0] is not first, "the state never changed"
+    assert_same(got, first)
+
+
+async def test_no_holder_is_a_clear_error(dhts: Callable[..., Any]) -> None:
+    (loader,) = await dhts(1)
+    with pytest.raises(StateSyncError, match="nobody announced"):
+        await load_state_from_peers(loader, KEY, timeout=5)
