@@ -103,12 +103,16 @@ class StateServer:
         protocol: str = DEFAULT_PROTOCOL,
         announce_ttl: float = 60.0,
         keep_snapshots: int = 2,
+        copy: bool = True,
     ) -> None:
+        """`copy=False`: the provider's tensors never change once handed out (it
+        gives frozen copies), so snapshots need not copy them again."""
         self.dht = dht
         self.key = key
         self.provider = provider
         self.announce_ttl = announce_ttl
         self.keep_snapshots = keep_snapshots
+        self.copy = copy
         self._snapshots: dict[str, _Snapshot] = {}
         self._service = rpc.RpcService(dht.host, protocol)
         self._service.unary("info")(self._on_info)
@@ -157,7 +161,10 @@ class StateServer:
         snap = self._snapshots.get(state.fingerprint)
         if snap is None:
             # A copy: the live tensors change with the next commit, a download must not.
-            copies = tuple(t.detach().to("cpu", copy=True).contiguous() for t in state.tensors)
+            copies = tuple(
+                t.detach().to("cpu", copy=True).contiguous() if self.copy else t.contiguous()
+                for t in state.tensors
+            )
             views = [_byte_view(t) for t in copies]
             offsets, total = [], 0
             for v in views:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,8 +122,16 @@ class DHTNode:
         validator: RecordValidator | None = None,
         protocol: str = DEFAULT_PROTOCOL,
         max_connections: int | None = None,
+        serves: Callable[[], bool] | None = None,
+        addresses: Callable[[], Sequence[Multiaddr]] | None = None,
     ) -> None:
+        """`serves`: whether others may use us as a hop and a replica right now
+        (NAT: a private peer does not); while false we are a client: our requests
+        say so and carry no addresses, and nobody adds us to a table. `addresses`:
+        what we advertise in requests (default: the host's addresses)."""
         self.host = host
+        self._serves = serves
+        self._addresses = addresses or host.addresses
         self.peer_id: PeerID = host.peer_id
         self.k = k
         self.alpha = alpha
@@ -357,7 +365,11 @@ class DHTNode:
         # Sent with every request: rebuilt at most once a second, not per call.
         now = self._loop.time()
         if self._hello_cache is None or now - self._hello_cache[0] > 1.0:
-            self._hello_cache = (now, {"from": [str(a) for a in self.host.addresses()]})
+            if self._serves is not None and not self._serves():
+                hello: dict[str, Any] = {"from": [], "client": True}
+            else:
+                hello = {"from": [str(a) for a in self._addresses()]}
+            self._hello_cache = (now, hello)
         return self._hello_cache[1]
 
     def _note_sender(self, peer: PeerID, payload: object) -> dict[str, Any]:
@@ -365,6 +377,8 @@ class DHTNode:
         if not isinstance(payload, dict):
             raise DHTProtocolError("request must be a map")
         self._counters["requests_served"] += 1
+        if payload.get("client") is True:
+            return payload  # a client (e.g. behind NAT): answer it, never route through it
         raw = payload.get("from", [])
         try:
             addrs = parse_addrs(peer, raw)

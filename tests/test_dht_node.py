@@ -199,7 +199,8 @@ async def test_garbage_answering_node(swarm: Callable[..., Any], mode: str) -> N
     for node in nodes:
         if node is bad:
             continue
-        got = await node.get_many([f"g{i}" for i in range(12) if nodes[i] is not bad])
+        # latest=True asks every one of the k closest, so the bad node is asked too
+        got = await node.get_many([f"g{i}" for i in range(12) if nodes[i] is not bad], latest=True)
         assert all(v is not None for v in got.values())
     assert sum(n.stats()["garbage_answers"] for n in nodes) >= 1
 
@@ -330,3 +331,23 @@ async def test_bad_records_over_the_wire_are_refused_or_capped(swarm: Callable[.
     assert "far" not in b.storage.get_many(["far"], time.time() + 25 * 3600)
     for key in ("big", "old", f"{owned}key"):
         assert await b.get(key) is None
+
+
+async def test_a_client_node_reads_and_writes_but_is_never_a_hop(
+    swarm: Callable[..., Any], make_host: Callable[..., Any]
+) -> None:
+    nodes = await swarm(8)
+    host = await make_host(**HOST_OPTS)
+    client = await DHTNode.create(
+        host, bootstrap=[str(nodes[0].host.addresses()[0])], serves=lambda: False, hop_timeout=0.5
+    )
+    try:
+        exp = time.time() + 60
+        assert await client.store("from-client", 1, exp)
+        assert await nodes[0].store("from-server", 2, exp)
+        assert (await client.get("from-server")).value == 2  # type: ignore[union-attr]
+        assert (await nodes[5].get("from-client")).value == 1  # type: ignore[union-attr]
+        assert all(client.peer_id not in n.routing_table for n in nodes)
+        assert len(client.routing_table) >= 7
+    finally:
+        await client.aclose()

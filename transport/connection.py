@@ -51,10 +51,15 @@ _now = time.monotonic
 _LEN = struct.Struct(">H")
 _TAG = 16
 _MIN_FREE = 65535 + 2  # always room for one whole record
-# An idle connection keeps a receive buffer of about one record (so thousands of
-# idle peers stay cheap); it grows when the kernel fills it in one read, i.e. when
-# data is streaming, and shrinks again once the connection is quiet.
-_RECV_BUFFER_IDLE = _MIN_FREE
+# An idle connection keeps a small receive buffer (so thousands of idle peers stay
+# cheap: a DHT node talks to many); it grows when the kernel fills it in one read,
+# i.e. when a large record or a stream is arriving, and shrinks again once the
+# connection is quiet. Growing on a full read also guarantees that a record larger
+# than the buffer always gets room.
+_RECV_BUFFER_IDLE = 4096
+# Records this small are decrypted into their own exact-size buffer instead of a
+# pooled 64 KiB one: RPC traffic is mostly small records.
+_SMALL_RECORD = 2048
 _RECV_BUFFER_BUSY = 1024 * 1024
 _PLAINTEXT_POOL = 64  # reusable record buffers per connection (4 MiB while busy)
 _WRITE_BATCH = 256 * 1024
@@ -233,6 +238,30 @@ class Stream:
     def at_eof(self) -> bool:
         return self._eof and not self._buffered
 
+    async def wait_readable(self) -> None:
+        """Return once a read would not block: data buffered, end of stream, or an error."""
+        while not self._buffered and not self._eof:
+            self._check_error()
+            await self._wait_readable()
+
+    def readinto_nowait(self, buffer: memoryview | bytearray) -> int:
+        """Copy what is already buffered (up to len(buffer)) without waiting; 0 if none.
+
+        With `wait_readable` this lets a caller pick its destination buffer only
+        once data is there (the relayed-connection adapter reads straight into a
+        connection's receive buffer, which may be replaced while it waits).
+        """
+        out = memoryview(buffer).cast("B")
+        n = min(len(out), self._buffered)
+        if not n:
+            self._check_error()
+            return 0
+        pos = 0
+        for part in self._take(n):
+            out[pos : pos + len(part)] = part
+            pos += len(part)
+        return n
+
     # --- writing ------------------------------------------------------------------------------
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -322,9 +351,15 @@ class Connection(asyncio.BufferedProtocol):
         on_stream: Callable[[Stream], None] | None = None,
         on_closed: Callable[[Connection], None] | None = None,
         admit: Callable[[Connection], str | None] | None = None,
+        outbound: bool | None = None,
+        kind: str = "direct",
     ) -> None:
         self.config = config or ConnectionConfig()
+        # `initiator` is the Noise and multiplexer role; `outbound` says who opened the
+        # underlying transport. They differ only for hole punching, where the role is
+        # agreed beforehand (a TCP simultaneous open has no dialer).
         self.initiator = initiator
+        self.outbound = initiator if outbound is None else outbound
         self.serial = next(Connection._ids)
         self._loop = asyncio.get_running_loop()
         self._handshake: SecureHandshake | None = SecureHandshake(
@@ -365,9 +400,24 @@ class Connection(asyncio.BufferedProtocol):
         self._idle_since: float | None = self.created_at
         self._no_streams = asyncio.Event()
         self.superseded = False  # a duplicate connection kept only until its streams end
-        self.kind = "direct"
+        self.kind = kind  # "direct" | "relayed" | "hole-punched"
+        self.relay: PeerID | None = None  # for a relayed connection: the relay's peer ID
+        self._lost_error: ConnectionLost | None = None
+        self._handshake_started = False
 
     # --- public API ---------------------------------------------------------------------------
+
+    def set_role(self, initiator: bool, expected_peer: PeerID | None = None) -> None:
+        """Take the Noise/multiplexer role `initiator` (before the handshake starts).
+
+        For a hole-punched connection that was accepted by our listener although
+        we are the agreed handshake initiator.
+        """
+        if self._handshake is None or self._handshake_started:
+            raise RuntimeError("the handshake role is fixed once the handshake has started")
+        self.initiator = initiator
+        self._handshake = SecureHandshake(self._handshake.identity, initiator, expected_peer)
+        self._mux = Multiplexer(initiator, self.config.mux, head_room=_LEN.size, tail_room=_TAG)
 
     @property
     def is_open(self) -> bool:
@@ -460,7 +510,9 @@ class Connection(asyncio.BufferedProtocol):
         return {
             "peer_id": str(self.remote_peer) if self.remote_peer else None,
             "kind": self.kind,
+            "relay": str(self.relay) if self.relay else None,
             "initiator": self.initiator,
+            "outbound": self.outbound,
             "remote_address": self.remote_address,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
@@ -492,12 +544,13 @@ class Connection(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=_WRITE_BATCH, low=_WRITE_BATCH // 4)
         self._timer = self._loop.call_later(self.config.handshake_timeout, self._on_timer)
         assert self._handshake is not None
+        self._handshake_started = True
         first = self._handshake.start()
         if first:
             self._write_raw(first)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if len(self._buf) - self._end < _MIN_FREE:
+        if len(self._buf) - self._end < min(_MIN_FREE, len(self._buf) // 2):
             # Move the partial record to the front; at most one record is ever moved.
             pending = self._end - self._start
             self._buf[:pending] = self._mv[self._start : self._end]
@@ -525,7 +578,9 @@ class Connection(asyncio.BufferedProtocol):
             self._violation(e)
             return
         if filled and len(self._buf) < _RECV_BUFFER_BUSY and not self.closed.done():
-            self._resize_buffer(_RECV_BUFFER_BUSY)  # one read filled it: data is streaming
+            # One read filled it: a big record or a stream is arriving. Grow to hold
+            # any record at once, then double towards the streaming size.
+            self._resize_buffer(min(_RECV_BUFFER_BUSY, max(_MIN_FREE, 2 * len(self._buf))))
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -538,6 +593,10 @@ class Connection(asyncio.BufferedProtocol):
         return False  # close the transport; streams learn through connection_lost
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, ConnectionLost):
+            # A typed cause from the transport (e.g. a relay that cut the circuit) is what
+            # every stream of this connection fails with.
+            self._lost_error = exc
         if self.close_reason is None:
             self.close_reason = f"connection lost: {exc}" if exc else "closed by peer"
         self._finish(self.close_reason)
@@ -585,7 +644,7 @@ class Connection(asyncio.BufferedProtocol):
                 break
             if n < _TAG:
                 raise ProtocolViolation(f"record of {n} bytes is shorter than its tag")
-            buf_out = self._plaintext_buffer()
+            buf_out = bytearray(n - _TAG) if n - _TAG <= _SMALL_RECORD else self._plaintext_buffer()
             try:
                 size = recv.decrypt_into(mv[pos + 2 : pos + 2 + n], buf_out)
             except HandshakeError:
@@ -805,7 +864,9 @@ class Connection(asyncio.BufferedProtocol):
             return
         if self._timer is not None:
             self._timer.cancel()
-        err = ConnectionLost(f"connection to {self._peer_name()} lost: {reason}")
+        err = self._lost_error or ConnectionLost(
+            f"connection to {self._peer_name()} lost: {reason}"
+        )
         for stream in self.streams.values():
             stream._write_lost = self._mux.queued_bytes(stream.id) > 0
         if not self.handshake_done.done():
@@ -832,7 +893,10 @@ class Connection(asyncio.BufferedProtocol):
             self._on_closed(self)
 
     def _peer_name(self) -> str:
-        addr = f"{self.remote_address[0]}:{self.remote_address[1]}" if self.remote_address else "?"
+        if self.remote_address:
+            addr = f"{self.remote_address[0]}:{self.remote_address[1]}"
+        else:
+            addr = f"relay {self.relay.short()}" if self.relay is not None else "?"
         if self.remote_peer is not None:
             return f"{self.remote_peer.short()}@{addr}"
         return addr

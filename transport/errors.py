@@ -71,3 +71,19 @@ class RpcTimeout(RpcError, TimeoutError):
 
 class UnknownMethod(RemoteError):
     """The remote protocol handler does not know the method."""
+
+
+class RelayError(TransportError):
+    """Base class of circuit relay errors (reservations, relayed connections)."""
+
+
+class ReservationRefused(RelayError):
+    """The relay refused (or dropped) a reservation: limit reached, not public, expired."""
+
+
+class RelayConnectRefused(RelayError, DialError):
+    """The relay would not open a relayed connection to the target (no reservation, limits)."""
+
+
+class RelayLimitExceeded(RelayError, ConnectionLost):
+    """The relay cut a relayed connection that exceeded its byte or duration limit."""

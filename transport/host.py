@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import socket
 from collections import Counter
@@ -27,6 +28,10 @@ from .multiaddr import Multiaddr, MultiaddrError, from_socket_address
 log = logging.getLogger("shoal.transport")
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
+ConnectionCallback = Callable[[Connection], None]
+# A dialer for addresses the host cannot dial itself (e.g. /p2p-circuit through a relay):
+# dial(address, expected peer or None, timeout) -> an authenticated Connection.
+Dialer = Callable[[Multiaddr, "PeerID | None", float], Awaitable[Connection]]
 
 # Listen failures that mean "this address family is not available here", as
 # opposed to a real problem such as a port in use, which is always fatal.
@@ -44,6 +49,10 @@ class HostConfig:
     max_connections: int = 1024
     max_connections_per_ip: int = 32
     close_grace: float = 5.0  # how long shutdown waits for open streams
+    # Dial from the listen port (SO_REUSEPORT on listeners and dialing sockets): the NAT
+    # then maps every outgoing connection to one public port, which peers observe and
+    # which TCP hole punching relies on. NAT traversal (transport.nat) needs it.
+    reuse_port: bool = False
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
 
 
@@ -63,6 +72,12 @@ class Host:
         self._dials: dict[PeerID, asyncio.Future[Connection]] = {}
         self._closing = False
         self._dial_tasks: set[asyncio.Task[Connection]] = set()
+        self._listeners: list[tuple[ConnectionCallback | None, ConnectionCallback | None]] = []
+        self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
+        self._address_provider: Callable[[], list[Multiaddr]] | None = None
+        # Inbound connections we expect from a hole punch: remote IP -> (peer, our
+        # handshake role). The punch fixes the roles over the relay beforehand.
+        self._expected_inbound: dict[str, tuple[PeerID, bool]] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -77,14 +92,21 @@ class Host:
             host, port = endpoint
             family = socket.AF_INET6 if addr.family == "ip6" else socket.AF_INET
             try:
-                server = await loop.create_server(
-                    lambda: self._new_connection(initiator=False),
-                    host,
-                    port,
-                    family=family,
-                    reuse_address=True,
-                    backlog=1024,
-                )
+                if self.config.reuse_port:
+                    server = await loop.create_server(
+                        lambda: self._new_connection(initiator=False),
+                        sock=_reuse_port_listener(family, host, port),
+                        backlog=1024,
+                    )
+                else:
+                    server = await loop.create_server(
+                        lambda: self._new_connection(initiator=False),
+                        host,
+                        port,
+                        family=family,
+                        reuse_address=True,
+                        backlog=1024,
+                    )
             except OSError as e:
                 if e.errno in _FAMILY_UNAVAILABLE:
                     # e.g. no IPv6 inside a container: serve on the other family.
@@ -133,9 +155,23 @@ class Host:
         return list(self._listen_addrs)
 
     def addresses(self, include_loopback: bool = True) -> list[Multiaddr]:
-        """Dialable addresses of this host, each ending in /p2p/<peer id>."""
+        """Dialable addresses of this host, each ending in /p2p/<peer id>.
+
+        What peers are told (the DHT advertises these): `announce` when configured,
+        else the address provider's (NAT traversal: confirmed public addresses and
+        relay addresses) when one is set, else the interface addresses.
+        """
         if self.config.announce:
             return [Multiaddr(a).with_peer_id(self.peer_id) for a in self.config.announce]
+        if self._address_provider is not None:
+            provided = self._address_provider()
+            if not include_loopback:
+                provided = [a for a in provided if not a.is_loopback]
+            return [a.with_peer_id(self.peer_id) for a in dict.fromkeys(provided)]
+        return self.interface_addresses(include_loopback)
+
+    def interface_addresses(self, include_loopback: bool = True) -> list[Multiaddr]:
+        """The listen addresses with 0.0.0.0/:: expanded to this machine's interface IPs."""
         out: list[Multiaddr] = []
         for addr in self._listen_addrs:
             if addr.is_unspecified:
@@ -149,6 +185,79 @@ class Host:
             out = [a for a in out if not a.is_loopback]
         unique = list(dict.fromkeys(out))
         return [a.with_peer_id(self.peer_id) for a in unique]
+
+    def set_address_provider(self, provider: Callable[[], list[Multiaddr]] | None) -> None:
+        """Let `provider()` decide what `addresses()` advertises (None: the default)."""
+        self._address_provider = provider
+
+    # --- extension hooks ----------------------------------------------------------------------
+
+    def add_connection_listener(
+        self, opened: ConnectionCallback | None = None, closed: ConnectionCallback | None = None
+    ) -> Callable[[], None]:
+        """Call `opened(conn)` after every successful handshake (duplicates and relayed
+        connections included) and `closed(conn)` when such a connection ends. The
+        callbacks run synchronously in the event loop and must not block. Returns a
+        function that removes them."""
+        entry = (opened, closed)
+        self._listeners.append(entry)
+
+        def remove() -> None:
+            if entry in self._listeners:
+                self._listeners.remove(entry)
+
+        return remove
+
+    def add_dialer(self, can_dial: Callable[[Multiaddr], bool], dial: Dialer) -> None:
+        """Dial addresses that are not direct TCP (e.g. relayed ones) with `dial`."""
+        self._dialers.append((can_dial, dial))
+
+    def new_connection(
+        self,
+        *,
+        initiator: bool,
+        expected: PeerID | None = None,
+        kind: str = "direct",
+        outbound: bool | None = None,
+    ) -> Connection:
+        """A Connection wired to this host (handlers, limits, events), for a caller that
+        brings its own transport: it calls `conn.connection_made(transport)`."""
+        return self._new_connection(
+            initiator=initiator, expected=expected, kind=kind, outbound=outbound
+        )
+
+    async def dial_from_listen_port(
+        self,
+        endpoint: tuple[str, int],
+        peer: PeerID,
+        *,
+        initiator: bool,
+        kind: str = "hole-punched",
+        timeout: float = 5.0,
+    ) -> Connection:
+        """A TCP connection from our listen port to `endpoint`, with a fixed handshake role.
+
+        Hole punching: both peers dial each other from their listen ports at once; the
+        SYNs open the NAT mappings and the kernel makes one connection out of the two
+        (TCP simultaneous open), so which side "dialed" is meaningless and the role
+        comes from the caller. No fallback to another port: it would not punch.
+        """
+        async with asyncio.timeout(timeout):
+            return await self._dial_one(
+                endpoint, peer, initiator=initiator, kind=kind, reuse="require"
+            )
+
+    def expect_inbound(self, ip: str, peer: PeerID, *, initiator: bool) -> Callable[[], None]:
+        """Until the returned function is called, an inbound connection from `ip` is taken
+        as a hole punch from `peer` in which we play handshake role `initiator`."""
+        entry = (peer, initiator)
+        self._expected_inbound[ip] = entry
+
+        def remove() -> None:
+            if self._expected_inbound.get(ip) == entry:
+                del self._expected_inbound[ip]
+
+        return remove
 
     # --- handlers -------------------------------------------------------------------------------
 
@@ -170,6 +279,11 @@ class Host:
     @property
     def connections(self) -> dict[PeerID, Connection]:
         return dict(self._conns)
+
+    def open_connections(self) -> list[Connection]:
+        """Every open, authenticated connection, duplicates (e.g. a relayed connection
+        being replaced by a direct one) included."""
+        return [c for c in self._all if c.is_open]
 
     def connection(self, peer: PeerID) -> Connection | None:
         conn = self._conns.get(peer)
@@ -263,13 +377,21 @@ class Host:
     ) -> Connection:
         errors = []
         mismatch: PeerIDMismatch | None = None
+        typed: DialError | None = None  # e.g. a relay's refusal: clearer as itself
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        for addr in candidates:
+        # Direct addresses first: a relay is the way of last resort.
+        ordered = [a for a in candidates if not a.is_relayed] + [
+            a for a in candidates if a.is_relayed
+        ]
+        for addr in ordered:
             endpoint = addr.tcp_endpoint()
+            dialer = None
             if endpoint is None:
-                errors.append(f"{addr}: not a direct TCP address")
-                continue
+                dialer = next((d for can, d in self._dialers if can(addr)), None)
+                if dialer is None:
+                    errors.append(f"{addr}: not a direct TCP address")
+                    continue
             expected = addr.peer_id or peer
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -277,6 +399,9 @@ class Host:
                 break
             try:
                 async with asyncio.timeout(remaining):
+                    if dialer is not None:
+                        return await dialer(addr, expected, remaining)
+                    assert endpoint is not None
                     return await self._dial_one(endpoint, expected)
             except TimeoutError:
                 errors.append(f"{addr}: timed out after {timeout:.1f}s")
@@ -284,14 +409,29 @@ class Host:
                 errors.append(f"{addr}: {e}")
                 if isinstance(e, PeerIDMismatch):
                     mismatch = e
+                elif isinstance(e, DialError):
+                    typed = e
                 elif isinstance(e, HandshakeError):
                     log.info("dial %s failed: %s", addr, e)
         if mismatch is not None and len(errors) == 1:
             raise mismatch
+        if typed is not None and len(errors) == 1:
+            raise typed
         who = str(peer) if peer is not None else "peer"
         raise DialError(f"could not connect to {who}: " + "; ".join(errors))
 
-    async def _dial_one(self, endpoint: tuple[str, int], expected: PeerID | None) -> Connection:
+    async def _dial_one(
+        self,
+        endpoint: tuple[str, int],
+        expected: PeerID | None,
+        *,
+        initiator: bool = True,
+        kind: str = "direct",
+        reuse: str = "auto",
+    ) -> Connection:
+        """One TCP dial and handshake. `reuse`: "auto" dials from the listen port when
+        reuse_port is on (another port if that one cannot be used), "require" only from
+        the listen port, "never" from an ephemeral port."""
         if len(self._all) >= self.config.max_connections:
             raise LimitExceeded(f"connection limit ({self.config.max_connections}) reached")
         loop = asyncio.get_running_loop()
@@ -300,21 +440,69 @@ class Host:
 
         def factory() -> Connection:
             nonlocal conn
-            conn = self._new_connection(initiator=True, expected=expected)
+            conn = self._new_connection(
+                initiator=initiator, expected=expected, kind=kind, outbound=True
+            )
             return conn
 
+        local = self._listen_port_for(host) if reuse != "never" else None
+        if reuse == "require" and (local is None or not self.config.reuse_port):
+            raise DialError("dialing from the listen port needs HostConfig(reuse_port=True)")
         try:
-            await loop.create_connection(factory, host, port)
+            sock = None
+            if local is not None and self.config.reuse_port:
+                try:
+                    sock = await _connect_from(local, (host, port))
+                except OSError as e:
+                    # The 4-tuple is taken (a connection to the same endpoint, or one in
+                    # TIME_WAIT): dial from an ephemeral port, unless we must punch.
+                    if reuse == "require" or e.errno not in _TUPLE_TAKEN:
+                        raise
+            if sock is not None:
+                await loop.create_connection(factory, sock=sock)
+            else:
+                await loop.create_connection(factory, host, port)
             assert conn is not None
             await asyncio.shield(conn.handshake_done)
-        except BaseException:
+        except BaseException as e:
             if conn is not None:
                 conn.abort("dial cancelled or failed")
+            if (
+                sock is not None
+                and reuse == "auto"
+                and isinstance(e, HandshakeError)
+                and not isinstance(e, PeerIDMismatch)
+                and conn is not None
+                and conn.bytes_received
+            ):
+                # Both peers dialed each other from their listen ports at the same moment
+                # and the kernel made one connection of the two (simultaneous open), so
+                # both took the initiator role. Dialing from another port cannot collide.
+                log.debug("dial to %s:%d met a simultaneous open; redialing", host, port)
+                return await self._dial_one(endpoint, expected, reuse="never")
             raise
         best = self._conns.get(conn.remote_peer)
         return best if best is not None and best.accepting_streams else conn
 
-    def _new_connection(self, *, initiator: bool, expected: PeerID | None = None) -> Connection:
+    def _listen_port_for(self, host: str) -> tuple[str, int] | None:
+        """The (ip, port) our listener of `host`'s family is bound to, for dialing from it."""
+        try:
+            family = "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
+        except ValueError:
+            return None  # a DNS name: dial normally
+        for addr in self._listen_addrs:
+            if addr.family == family:
+                return addr.tcp_endpoint()
+        return None
+
+    def _new_connection(
+        self,
+        *,
+        initiator: bool,
+        expected: PeerID | None = None,
+        kind: str = "direct",
+        outbound: bool | None = None,
+    ) -> Connection:
         conn = Connection(
             self.identity,
             initiator=initiator,
@@ -323,40 +511,70 @@ class Host:
             on_stream=self._on_stream,
             on_closed=self._on_closed,
             admit=self._admit,
+            outbound=outbound,
+            kind=kind,
         )
         conn.handshake_done.add_done_callback(lambda fut: self._on_handshake(conn, fut))
         return conn
 
     def _admit(self, conn: Connection) -> str | None:
-        ip = conn.remote_address[0] if conn.remote_address else "?"
+        ip = self._ip_key(conn)
         if self._closing:
             return "host is shutting down"
-        if not conn.initiator:
+        if not conn.outbound:
             if len(self._all) >= self.config.max_connections:
                 return f"connection limit ({self.config.max_connections}) reached"
-            if self._per_ip[ip] >= self.config.max_connections_per_ip:
+            if ip is not None and self._per_ip[ip] >= self.config.max_connections_per_ip:
                 return f"per-IP connection limit ({self.config.max_connections_per_ip}) reached"
+            if conn.kind == "direct" and conn.remote_address is not None:
+                expected = self._expected_inbound.get(conn.remote_address[0])
+                if expected is not None:
+                    peer, initiator = expected
+                    conn.set_role(initiator, peer)
+                    conn.kind = "hole-punched"
         self._all.add(conn)
-        self._per_ip[ip] += 1
+        if ip is not None:
+            self._per_ip[ip] += 1
         return None
+
+    @staticmethod
+    def _ip_key(conn: Connection) -> str | None:
+        # Relayed connections all come from the relay: the relay enforces their limits.
+        if conn.kind == "relayed":
+            return None
+        return conn.remote_address[0] if conn.remote_address else "?"
 
     def _on_handshake(self, conn: Connection, fut: asyncio.Future[PeerID]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             return
+        self._register(conn)
+        for opened, _ in list(self._listeners):
+            if opened is not None:
+                try:
+                    opened(conn)
+                except Exception:
+                    log.exception("connection listener failed")
+
+    def _register(self, conn: Connection) -> None:
         peer = conn.remote_peer
         current = self._conns.get(peer)
         if current is None or not current.is_open or current.superseded:
             self._conns[peer] = conn
             return
 
-        # Two connections to one peer (we dialed each other at once). Both sides keep
-        # the one dialed by the smaller peer ID, so they agree without talking.
+        # Two connections to one peer. A direct one beats a relayed one (both sides see
+        # which is which). Otherwise (we dialed each other at once) both sides keep the
+        # one dialed by the smaller peer ID, so they agree without talking.
         def dialer(c: Connection) -> PeerID:
             return self.peer_id if c.initiator else peer
 
-        keep, drop = (current, conn) if dialer(current) <= dialer(conn) else (conn, current)
-        if dialer(current) == dialer(conn):  # same dialer twice: keep the older one
+        current_relayed, new_relayed = current.kind == "relayed", conn.kind == "relayed"
+        if current_relayed != new_relayed:
+            keep, drop = (conn, current) if current_relayed else (current, conn)
+        elif dialer(current) == dialer(conn):  # same dialer twice: keep the older one
             keep, drop = current, conn
+        else:
+            keep, drop = (current, conn) if dialer(current) <= dialer(conn) else (conn, current)
         self._conns[peer] = keep
         drop.superseded = True
         drop._mux.go_away()
@@ -369,18 +587,27 @@ class Host:
     def _on_closed(self, conn: Connection) -> None:
         if conn in self._all:
             self._all.discard(conn)
-            ip = conn.remote_address[0] if conn.remote_address else "?"
-            self._per_ip[ip] -= 1
-            if self._per_ip[ip] <= 0:
-                del self._per_ip[ip]
+            ip = self._ip_key(conn)
+            if ip is not None:
+                self._per_ip[ip] -= 1
+                if self._per_ip[ip] <= 0:
+                    del self._per_ip[ip]
         if conn.remote_peer is not None and self._conns.get(conn.remote_peer) is conn:
             del self._conns[conn.remote_peer]
             # Promote a surviving duplicate, if any, so the peer stays reachable.
-            for other in self._all:
-                if other.remote_peer == conn.remote_peer and other.is_open:
-                    self._conns[conn.remote_peer] = other
-                    other.superseded = False
-                    break
+            survivors = [o for o in self._all if o.remote_peer == conn.remote_peer and o.is_open]
+            survivors.sort(key=lambda o: o.kind == "relayed")  # direct ones first
+            if survivors:
+                self._conns[conn.remote_peer] = survivors[0]
+                survivors[0].superseded = False
+        hs = conn.handshake_done
+        if hs.done() and not hs.cancelled() and hs.exception() is None:
+            for _, closed in list(self._listeners):
+                if closed is not None:
+                    try:
+                        closed(conn)
+                    except Exception:
+                        log.exception("connection listener failed")
 
     def _on_stream(self, stream: Stream) -> None:
         handler = self._handlers.get(stream.protocol)
@@ -407,3 +634,43 @@ class Host:
             stream.reset("handler error")
         else:
             await stream.close(discard_input=True)
+
+
+# connect() errors meaning "this (local, remote) 4-tuple is in use": dial from another port.
+_TUPLE_TAKEN = {errno.EADDRINUSE, errno.EADDRNOTAVAIL}
+
+
+def _reuse_port_listener(family: int, host: str, port: int) -> socket.socket:
+    """A bound listening socket that dialing sockets may share its port with.
+
+    Bound *before* SO_REUSEPORT is set, so that a port already in use (by anyone,
+    another shoal included) still fails the bind, as without reuse_port.
+    """
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _connect_from(local: tuple[str, int], remote: tuple[str, int]) -> socket.socket:
+    """A socket connected to `remote` from the local (ip, port) our listener uses."""
+    family = socket.AF_INET6 if ":" in remote[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(local)
+        await asyncio.get_running_loop().sock_connect(sock, remote)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

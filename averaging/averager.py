@@ -1,0 +1,242 @@
+"""The averaging API a training loop uses: `await averager.step(weight=...)`.
+
+One `Averager` per averaged key (an experiment's parameter group). A step
+forms a group through the DHT (`matchmaking`), runs the fault-tolerant
+all-reduce (`allreduce`) and, when a member fails, retries at once among the
+survivors. The tensors change only on a commit, and then identically on
+every member.
+
+State versions: the version is the number of rounds this peer's state has
+committed (empty before the first). Matchmaking groups only peers with the
+same version, so a peer that missed a commit (it was stopped, cut off, or
+restarted) cannot feed stale data into a round: it is told to re-sync, and
+`step` downloads the state from peers that hold it (`state_sync`) instead.
+A count rather than a hash chain of round IDs: when a swarm larger than the
+target group size splits into several groups, each group commits its own
+round, and the groups must still be able to mix in the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shoal.dht.node import DHTNode
+from shoal.transport.identity import PeerID
+
+from .allreduce import AllReduceConfig, AllReduceService
+from .fingerprint import state_fingerprint
+from .matchmaking import Matchmaker, MatchmakingConfig, MatchmakingError, NeedsResync
+from .state_sync import State, StateServer, StateSyncError, load_state_from_peers
+
+log = logging.getLogger("shoal.averaging")
+
+GENESIS = b""
+
+
+def _version(commits: int) -> bytes:
+    return commits.to_bytes(8, "big") if commits else GENESIS
+
+
+@dataclass
+class AveragerConfig:
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    codec: str = "none"
+    # Immediate retries among the survivors after an aborted round.
+    max_retries: int = 3
+    bandwidth: float = 1.0
+    state_protocol: str = "/shoal/state/1.0.0"
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    committed: bool
+    reason: str = ""
+    group_size: int = 0
+    round_id: bytes | None = None
+    members: tuple[PeerID, ...] = ()
+    attempts: int = 0
+    # After a commit: the state fingerprint every member of the group shares.
+    fingerprint: str | None = None
+    resynced: bool = False
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    # The peer that assembled the group (any member may; it is not special).
+    leader: PeerID | None = None
+
+
+class Averager:
+    """Averages `tensors` (in place) with peers that average the same `key`."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        key: str,
+        tensors: Sequence[torch.Tensor],
+        *,
+        config: AveragerConfig | None = None,
+        metadata: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.dht = dht
+        self.key = key
+        self.tensors = list(tensors)
+        self.config = config or AveragerConfig()
+        self._metadata = metadata or dict
+        self.state_version = GENESIS
+        self.commits = 0
+        self.last_fingerprint: str | None = None
+        self._service = AllReduceService(dht.host, self.config.allreduce)
+        self._matchmaker = Matchmaker(
+            dht, key, self.config.matchmaking, bandwidth=self.config.bandwidth
+        )
+        # The state we serve is the one of our last commit, frozen then: the caller
+        # changes its tensors between rounds.
+        self._state_server = StateServer(
+            dht, key, self._current_state, protocol=self.config.state_protocol, copy=False
+        )
+        self._committed: State | None = None
+        self._closed = False
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._matchmaker.aclose()
+        self._state_server.close()
+        close = getattr(self._service, "aclose", None)
+        if close is not None:
+            await close()
+        else:
+            self._service.close()
+
+    async def __aenter__(self) -> Averager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ state
+
+    def metadata(self) -> dict[str, Any]:
+        return {**self._metadata(), "version": self.state_version.hex(), "commits": self.commits}
+
+    def fingerprint(self) -> str:
+        """The hash of the tensors and metadata as they are now."""
+        return state_fingerprint(self.tensors, self.metadata())
+
+    def _current_state(self) -> State | None:
+        return self._committed  # None before the first commit: nothing worth downloading
+
+    def _freeze(self) -> None:
+        meta = self.metadata()
+        meta.setdefault("step", self.commits)
+        copies = tuple(t.detach().to("cpu", copy=True) for t in self.tensors)
+        self._committed = State(copies, meta, state_fingerprint(copies, meta))
+        self.last_fingerprint = self._committed.fingerprint
+
+    async def load_state_from_peers(self, timeout: float = 300.0) -> bool:
+        """Replace our tensors and version with the newest verified state of the swarm."""
+        try:
+            state = await load_state_from_peers(
+                self.dht, self.key, protocol=self.config.state_protocol, timeout=timeout
+            )
+        except (StateSyncError, TimeoutError) as e:
+            log.warning("could not load the state of %s: %s", self.key, e)
+            return False
+        if len(state.tensors) != len(self.tensors) or any(
+            a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(state.tensors, self.tensors, strict=True)
+        ):
+            log.warning("the swarm's state of %s does not fit our tensors", self.key)
+            return False
+        with torch.no_grad():
+            for dst, src in zip(self.tensors, state.tensors, strict=True):
+                dst.copy_(src)
+        commits = state.metadata.get("commits", 0)
+        self.commits = commits if isinstance(commits, int) and commits >= 0 else 0
+        self.state_version = _version(self.commits)
+        self._freeze()
+        await self._announce_state()
+        log.info("loaded state %s of %s", state.fingerprint[:12], self.key)
+        return True
+
+    async def _announce_state(self) -> None:
+        try:
+            await self._state_server.announce()
+        except Exception as e:  # announcing is best effort; the next commit retries
+            log.debug("announcing state failed: %r", e)
+
+    # ------------------------------------------------------------------ step
+
+    async def step(self, weight: float = 1.0, *, timeout: float | None = None) -> StepResult:
+        """One averaging round: commit (tensors averaged in place) or abort (untouched).
+
+        When our state is behind the swarm's (we missed a commit), the round is
+        not joined: the state is downloaded instead (tensors replaced) and the
+        result says `resynced`, so the caller recomputes its contribution.
+        """
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        exclude: set[PeerID] = set()
+        reason = ""
+        attempts = 0
+        while attempts <= self.config.max_retries:
+            attempts += 1
+            try:
+                group = await self._matchmaker.form_group(
+                    state_version=self.state_version,
+                    exclude=exclude,
+                    deadline=None
+                    if deadline is None
+                    else time.time() + (deadline - time.monotonic()),
+                )
+            except NeedsResync as e:
+                # Our tensors are stale: they must not enter a round. Replace them
+                # with the swarm's state and let the caller redo its work on it.
+                log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, e)
+                ok = await self.load_state_from_peers()
+                why = "re-synced with the swarm" if ok else f"needs re-sync, which failed: {e}"
+                return self._result(False, why, started, attempts, resynced=ok)
+            except (MatchmakingError, TimeoutError) as e:
+                return self._result(False, f"no group: {e}", started, attempts)
+            outcome = await self._service.run(group, self.tensors, weight, codec=self.config.codec)
+            if outcome.committed:
+                self.commits += 1
+                self.state_version = _version(self.commits)
+                self._freeze()
+                await self._announce_state()
+                return StepResult(
+                    True,
+                    "",
+                    group.size,
+                    group.round_id,
+                    group.peer_ids,
+                    attempts,
+                    self.last_fingerprint,
+                    False,
+                    time.monotonic() - started,
+                    outcome.bytes_sent,
+                    leader if isinstance(leader := group.extra.get("leader"), PeerID) else None,
+                )
+            reason = outcome.reason
+            exclude.update(outcome.failed)
+            log.info(
+                "%s: round aborted (%s); retrying without %d peers", self.key, reason, len(exclude)
+            )
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return self._result(False, reason, started, attempts)
+
+    def _result(
+        self, committed: bool, reason: str, started: float, attempts: int, *, resynced: bool = False
+    ) -> StepResult:
+        return StepResult(
+            committed, reason, attempts=attempts, resynced=resynced,
+            seconds=time.monotonic() - started,
+        )  # fmt: skip

@@ -1,0 +1,495 @@
+"""Commit or abort, never half: the decision protocol of one all-reduce round (sans-IO).
+
+`CommitProtocol` is one member's state machine. It takes events in (messages
+from other members, "this peer's connection died", "my data is complete", the
+current time) and gives messages out; a thin asyncio driver in `allreduce.py`
+moves them. Members are group indices; time is whatever monotonic clock the
+driver passes in.
+
+Votes. A member whose data phase completed (it holds every averaged part)
+votes READY; one that cannot complete (a peer died, a codec error, garbage)
+VETOes. A veto is final and public: the member will never vote READY, so no
+COMMIT is possible any more, and everyone may learn it from anyone.
+
+Deciders and ballots. A decision is ``(ballot, commit)``; ballot b belongs to
+member ``b % n``. Member 0 decides at ballot 0 and is the only one who may
+*originate* COMMIT: it does so iff it holds READY from every member. A member
+applies (and relays to everyone) the first decision it receives whose ballot
+is not below the highest ballot it promised.
+
+Takeover. When every member below k is suspected (dead or stalled), member k
+leads: it picks a ballot b it owns above every ballot it has seen, sends
+PREPARE(b) to all non-suspected members and waits for each to answer (or to
+become suspected). A member answers with its status and promises to ignore
+decisions of lower ballots from then on. The leader adopts the decision with
+the highest ballot among the answers; if none has a decision it decides ABORT
+(a leader never originates COMMIT). A leader that meets a higher ballot
+stands back while that ballot's owner is alive.
+
+Why survivors agree. COMMIT exists only if every member voted READY, so a
+veto and a COMMIT never coexist. Suppose a member X applied COMMIT(b0) and a
+later leader decides ABORT at b > b0: every member that answered the leader
+either had no decision when it promised (and then ignores COMMIT(b0)
+forever) or reported one (and the leader would have adopted the highest, not
+ABORT, unless it saw a higher ABORT, which by induction was decided the same
+way). So X did not answer: the leader suspected X, and X is listed in the
+decision's ``failed``. The guarantee is therefore: all members that are not
+in the final decision's ``failed`` set end with the same decision. A member
+that was suspected while it was merely slow (SIGSTOP, a cut link) may have
+decided otherwise; it is named in ``failed``, so the caller retries without
+it, and a state version that moves only on commit keeps a member that missed
+a commit from mixing stale tensors into a later round.
+
+Liveness. Every member heartbeats its status to every other one; nothing
+heard from a member for ``stall_timeout`` makes it suspected (a lost
+connection does so at once). A member that voted READY and cannot learn the
+decision gives up *in doubt* after ``give_up_after`` without any progress at
+all: it keeps its tensors and says so, since others may have committed. A
+member that knows of a veto gives up with a certain ABORT. This is a last
+resort (every failure above is resolved sooner); it is longer than the data
+watchdog (a member that has not voted and received no data for 1.5 x
+``stall_timeout`` vetoes), so a member stuck in its data phase aborts the round
+before anyone gives up on it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = [
+    "NO_VOTE",
+    "READY",
+    "VETO",
+    "CommitProtocol",
+    "Decision",
+    "Send",
+    "Status",
+    "parse_message",
+]
+
+NO_VOTE, READY, VETO = 0, 1, 2
+MAX_REASON = 1000
+MAX_BALLOT = (1 << 31) - 1
+_LOCAL = -1  # ballot of a conclusion reached alone (a give-up): never relayed
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ballot: int
+    commit: bool
+    reason: str  # "" for a commit
+    failed: frozenset[int]  # members the decider believed dead or faulty
+    in_doubt: bool = False  # a give-up after voting READY: others may have committed
+
+
+class Status(NamedTuple):
+    """What a member tells others about itself (heartbeats, votes, decisions, promises)."""
+
+    vote: int
+    reason: str  # its veto reason, or why it knows the round aborted
+    suspects: tuple[int, ...]  # whom its veto blames
+    abort_known: bool  # it knows no COMMIT is possible (a veto, or a decided ABORT)
+    decision: Decision | None
+    promised: int
+    progress: int  # data-phase progress counter (bytes received)
+
+
+class Send(NamedTuple):
+    dest: int
+    message: list[Any]
+    # "heartbeat" (may be dropped while one is in flight), "vote", "prepare",
+    # "decision" (originated here: the driver waits for its delivery), "relay".
+    kind: str
+
+
+def _check_int(v: object, lo: int, hi: int, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"bad {what}: {v!r}"[:120])
+    return v
+
+
+def _check_str(v: object, what: str) -> str:
+    if not isinstance(v, str) or len(v) > MAX_REASON:
+        raise ValueError(f"bad {what}")
+    return v
+
+
+def _check_members(v: object, n: int, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > n:
+        raise ValueError(f"bad {what}")
+    return tuple(sorted({_check_int(i, 0, n - 1, what) for i in v}))
+
+
+def _parse_decision(v: object, n: int) -> Decision | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != 4 or not isinstance(v[1], bool):
+        raise ValueError("bad decision")
+    ballot = _check_int(v[0], 0, MAX_BALLOT, "ballot")
+    return Decision(
+        ballot, v[1], _check_str(v[2], "reason"), frozenset(_check_members(v[3], n, "failed"))
+    )
+
+
+def parse_message(msg: object, n: int) -> tuple[str, Any]:
+    """Validate an untrusted control message: ("S", Status) or ("P", ballot)."""
+    if not isinstance(msg, list) or not msg:
+        raise ValueError("control message must be a non-empty list")
+    if msg[0] == "P" and len(msg) == 2:
+        return "P", _check_int(msg[1], 1, MAX_BALLOT, "ballot")
+    if msg[0] == "S" and len(msg) == 8:
+        _, vote, reason, suspects, ak, decision, promised, progress = msg
+        if not isinstance(ak, bool):
+            raise ValueError("bad abort flag")
+        return "S", Status(
+            _check_int(vote, 0, 2, "vote"),
+            _check_str(reason, "reason"),
+            _check_members(suspects, n, "suspects"),
+            ak,
+            _parse_decision(decision, n),
+            _check_int(promised, 0, MAX_BALLOT, "promised ballot"),
+            _check_int(progress, 0, (1 << 63) - 1, "progress"),
+        )
+    raise ValueError(f"unknown control message {str(msg[0])[:20]!r}")
+
+
+@dataclass(slots=True)
+class _Takeover:
+    ballot: int
+    waiting: set[int]
+    answers: dict[int, Decision | None] = field(default_factory=dict)
+
+
+class CommitProtocol:
+    """One member's view of one round's decision. All methods take the current time."""
+
+    def __init__(
+        self,
+        n: int,
+        me: int,
+        now: float,
+        *,
+        names: list[str] | None = None,
+        heartbeat_interval: float = 1.0,
+        stall_timeout: float = 10.0,
+        decision_timeout: float = 10.0,
+        promised: int = 0,
+    ) -> None:
+        if not 0 <= me < n:
+            raise ValueError("member index out of range")
+        self.n = n
+        self.me = me
+        self.names = names or [f"#{i}" for i in range(n)]
+        self.heartbeat_interval = heartbeat_interval
+        self.stall_timeout = stall_timeout
+        self.decision_timeout = decision_timeout
+        self.watchdog = 1.5 * stall_timeout
+        self.give_up_after = 2 * stall_timeout + decision_timeout
+        self.last_heard = [now] * n
+        self.suspected: dict[int, str] = {}  # member -> why
+        self.vote = NO_VOTE
+        self.veto: tuple[str, tuple[int, ...]] | None = None
+        self.ready_from: set[int] = set()  # other members known to have voted READY
+        self.vetoes: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.abort_known = False
+        self.abort_reason = ""
+        self.promised = promised
+        self._promised_at = now
+        self.max_ballot = promised
+        self.decision: Decision | None = None
+        self.originated = False  # this member decided (as decider or leader), not adopted
+        self.progress = 0
+        self.last_progress = now  # anything changed (ours or anyone's state)
+        self._data_at = now  # our own data progress (the data watchdog's clock)
+        self._views: list[tuple[Any, ...] | None] = [None] * n
+        self._takeover: _Takeover | None = None
+        self._next_heartbeat = now
+        self._last_tick = now
+        self._out: list[Send] = []
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def decided(self) -> bool:
+        return self.decision is not None
+
+    def knows_decided(self, peer: int) -> bool:
+        """`peer` told us it has decided (so it needs no decision message)."""
+        view = self._views[peer]
+        return view is not None and view[2] is not None
+
+    def leader(self) -> int:
+        return next(j for j in range(self.n) if j not in self.suspected)
+
+    def status(self) -> list[Any]:
+        d = self.decision
+        wire = None
+        if d is not None and d.ballot >= 0:
+            wire = [d.ballot, d.commit, d.reason, sorted(d.failed)]
+        aborted = d is not None and not d.commit and not d.in_doubt
+        reason = self.veto[0] if self.veto else (d.reason if aborted and d else self.abort_reason)
+        suspects = list(self.veto[1]) if self.veto else []
+        return ["S", self.vote, reason, suspects, self.abort_known or aborted, wire,
+                self.promised, self.progress]  # fmt: skip
+
+    def take_messages(self) -> list[Send]:
+        out, self._out = self._out, []
+        return out
+
+    def next_deadline(self) -> float:
+        """When `tick` has something to do next (inf once decided)."""
+        if self.decision is not None:
+            return math.inf
+        times = [
+            self._next_heartbeat,
+            self.last_progress + self.give_up_after,
+        ]
+        alive = [
+            self.last_heard[j] for j in range(self.n) if j != self.me and j not in self.suspected
+        ]
+        if alive:
+            times.append(min(alive) + self.stall_timeout)
+        if self.vote == NO_VOTE and not self.abort_known:
+            times.append(self._data_at + self.watchdog)
+        if self._deferring():
+            times.append(self._promised_at + self.decision_timeout)
+        return min(times)
+
+    # --- events -------------------------------------------------------------------------------
+
+    def on_message(self, src: int, kind: str, body: Any, now: float) -> list[Any]:
+        """A parsed control message from member `src`; returns the reply (our status)."""
+        self._heard(src, now)
+        if kind == "P":
+            self._on_prepare(body, now)
+        else:
+            self._absorb(src, body, now)
+        return self.status()
+
+    def on_reply(self, src: int, status: Status | None, now: float, kind: str) -> None:
+        """The answer to a message we sent; None: `src` does not know the round (yet)."""
+        if status is not None:
+            self._heard(src, now)
+            self._absorb(src, status, now)
+        elif kind == "prepare":
+            # A member that has not started the round recorded our promise for when it
+            # does; it has voted nothing and decided nothing.
+            t = self._takeover
+            if t is not None and src in t.waiting:
+                t.waiting.discard(src)
+                t.answers[src] = None
+                self._evaluate(now)
+
+    def heard(self, src: int, now: float) -> None:
+        """Proof of life from data traffic."""
+        self._heard(src, now)
+
+    def set_progress(self, value: int, now: float) -> None:
+        if value != self.progress:
+            self.progress = value
+            self.last_progress = self._data_at = now
+
+    def suspect(self, peer: int, reason: str, now: float) -> None:
+        if peer == self.me or peer in self.suspected or self.decision is not None:
+            return
+        self.suspected[peer] = reason[:MAX_REASON]
+        self.last_progress = now
+        if self._takeover is not None:
+            self._takeover.waiting.discard(peer)
+        self._evaluate(now)
+
+    def ready(self, now: float) -> None:
+        """Our data phase completed: vote READY (to the deciders; heartbeats tell the rest)."""
+        if self.vote != NO_VOTE or self.decision is not None:
+            return
+        self.vote = READY
+        self.last_progress = now
+        for dest in {0, self.leader()} - {self.me}:
+            if dest not in self.suspected:
+                self._out.append(Send(dest, self.status(), "vote"))
+        self._evaluate(now)
+
+    def fail(self, reason: str, suspects: tuple[int, ...] | list[int], now: float) -> None:
+        """Our data phase cannot complete: veto (no-op once READY; a vote is final)."""
+        if self.vote != NO_VOTE or self.decision is not None:
+            return
+        self.vote = VETO
+        self.veto = (reason[:MAX_REASON], tuple(sorted(set(suspects) - {self.me})))
+        self.vetoes[self.me] = self.veto
+        self._know_abort(self.veto[0])
+        self.last_progress = now
+        self._broadcast("vote")
+        self._evaluate(now)
+
+    def tick(self, now: float) -> None:
+        if self.decision is not None:
+            return
+        if now - self._last_tick > max(self.stall_timeout / 2, 2 * self.heartbeat_interval):
+            # We were the ones not running (SIGSTOP, a blocked loop): the silence is ours,
+            # so give everyone a fresh stall_timeout to be heard from again.
+            for j in range(self.n):
+                self.last_heard[j] = max(self.last_heard[j], now)
+            self.last_progress = self._data_at = now
+        self._last_tick = now
+        for j in range(self.n):
+            if j != self.me and j not in self.suspected:
+                silent = now - self.last_heard[j]
+                if now >= self.last_heard[j] + self.stall_timeout:
+                    self.suspect(j, f"stalled (nothing heard for {silent:.1f}s)", now)
+        if self.decision is not None:
+            return
+        if now >= self._next_heartbeat:
+            self._broadcast("heartbeat")
+            self._next_heartbeat = now + self.heartbeat_interval
+        # (Deadlines compared as in next_deadline, so that a tick at the deadline acts.)
+        stuck = now >= self._data_at + self.watchdog
+        if self.vote == NO_VOTE and not self.abort_known and stuck:
+            self.fail(f"no data progress for {now - self._data_at:.1f}s", (), now)
+        if self.decision is None and now >= self.last_progress + self.give_up_after:
+            self._give_up(now)
+        self._evaluate(now)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _heard(self, src: int, now: float) -> None:
+        self.last_heard[src] = max(self.last_heard[src], now)
+
+    def _broadcast(self, kind: str) -> None:
+        status = self.status()
+        for j in range(self.n):
+            if j != self.me and j not in self.suspected:
+                self._out.append(Send(j, status, kind))
+
+    def _know_abort(self, reason: str) -> None:
+        if not self.abort_known:
+            self.abort_known = True
+            self.abort_reason = reason
+
+    def _on_prepare(self, ballot: int, now: float) -> None:
+        self.max_ballot = max(self.max_ballot, ballot)
+        if ballot > self.promised:
+            self.promised = ballot
+            self._promised_at = now
+            self.last_progress = now
+            if self._takeover is not None and self._takeover.ballot < ballot:
+                self._takeover = None  # a higher ballot runs: stand back
+        self._evaluate(now)
+
+    def _absorb(self, src: int, st: Status, now: float) -> None:
+        view = (st.vote, st.progress, st.decision, st.promised, st.abort_known)
+        if view != self._views[src]:
+            self._views[src] = view
+            self.last_progress = now
+        if st.vote == READY:
+            self.ready_from.add(src)
+        elif st.vote == VETO and src not in self.vetoes:
+            self.vetoes[src] = (st.reason, st.suspects)
+            self._know_abort(st.reason)
+        if st.abort_known:
+            self._know_abort(st.reason)
+        self.max_ballot = max(self.max_ballot, st.promised)
+        t = self._takeover
+        if t is not None and src in t.waiting:
+            if st.promised == t.ballot:
+                t.waiting.discard(src)
+                t.answers[src] = st.decision
+            elif st.promised > t.ballot:
+                self._takeover = None
+        if st.decision is not None:
+            self._adopt(st.decision, now)
+        self._evaluate(now)
+
+    def _adopt(self, d: Decision, now: float) -> None:
+        if self.decision is None and d.ballot >= self.promised:
+            self._decide(d, now, originated=False)
+
+    def _decide(self, d: Decision, now: float, *, originated: bool) -> None:
+        self.decision = d
+        self.originated = originated
+        self._takeover = None
+        self.last_progress = now
+        if d.ballot >= 0:
+            status = self.status()
+            kind = "decision" if originated else "relay"
+            for j in range(self.n):
+                # Not to the failed: a stalled member would hold the sender up, and the
+                # survivors do not wait for it.
+                if j == self.me or j in self.suspected or j in d.failed:
+                    continue
+                if not self.knows_decided(j):
+                    self._out.append(Send(j, status, kind))
+
+    def _deferring(self) -> bool:
+        owner = self.promised % self.n
+        return self.promised > 0 and owner != self.me and owner not in self.suspected
+
+    def _failed(self) -> frozenset[int]:
+        failed = set(self.suspected)
+        for _, blamed in self.vetoes.values():
+            failed.update(blamed)
+        return frozenset(failed)
+
+    def _reason(self) -> str:
+        if self.vetoes:
+            return self.vetoes[min(self.vetoes)][0]
+        if self.suspected:
+            j = min(self.suspected)
+            return f"member {self.names[j]} {self.suspected[j]}"
+        return self.abort_reason or "aborted"
+
+    def _evaluate(self, now: float) -> None:
+        if self.decision is not None or self.leader() != self.me:
+            return
+        if self._deferring() and now < self._promised_at + self.decision_timeout:
+            return
+        if self.me == 0 and self.promised == 0:
+            # Ballot 0, the only one that may originate COMMIT.
+            if self.abort_known:
+                self._decide(
+                    Decision(0, False, self._reason(), self._failed()), now, originated=True
+                )
+            elif self.vote == READY and len(self.ready_from) == self.n - 1:
+                self._decide(Decision(0, True, "", self._failed()), now, originated=True)
+            elif any(j not in self.ready_from for j in self.suspected):
+                self._decide(
+                    Decision(0, False, self._reason(), self._failed()), now, originated=True
+                )
+            return
+        if self.vote == NO_VOTE and not self.abort_known:
+            return  # still moving data; a member we need that failed will make us veto
+        t = self._takeover
+        if t is None:
+            ballot = self.max_ballot + 1
+            ballot += (self.me - ballot) % self.n
+            if ballot > MAX_BALLOT:
+                return
+            self.promised = self.max_ballot = ballot
+            self._promised_at = now
+            self.last_progress = now
+            waiting = {j for j in range(self.n) if j != self.me and j not in self.suspected}
+            t = self._takeover = _Takeover(ballot, waiting)
+            for j in sorted(waiting):
+                self._out.append(Send(j, ["P", ballot], "prepare"))
+        if t.waiting:
+            return
+        known = [d for d in t.answers.values() if d is not None]
+        if known:
+            best = max(known, key=lambda d: d.ballot)
+            d = Decision(t.ballot, best.commit, best.reason, best.failed | self._failed())
+        else:
+            d = Decision(t.ballot, False, self._reason(), self._failed())
+        self._decide(d, now, originated=True)
+
+    def _give_up(self, now: float) -> None:
+        failed = self._failed()
+        if self.vote == NO_VOTE:
+            self.fail("no decision reached in time", (), now)
+            if self.decision is not None:
+                return
+        if self.abort_known:
+            self._decide(Decision(_LOCAL, False, self._reason(), failed), now, originated=False)
+        else:
+            why = f"in doubt: voted READY but learned no decision within {self.give_up_after:.0f}s"
+            self._decide(Decision(_LOCAL, False, why, failed, in_doubt=True), now, originated=False)

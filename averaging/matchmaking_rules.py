@@ -1,0 +1,595 @@
+"""Matchmaking rules without I/O: what peers declare, who leads, who is still
+coming, how a crowd splits into groups, whose state is stale, and the leader's
+side of assembling one group.
+
+`matchmaking.Matchmaker` feeds these with what it reads from the DHT and
+receives over RPC, passing the time in; nothing here sleeps, dials or reads a
+clock, so every rule is tested without a network.
+
+Vocabulary:
+
+- A *declaration* is what a peer publishes under ``<key>/matchmaking`` in an
+  owner-signed subkey: its state (looking / busy / syncing / left), its state
+  version, addresses and bandwidth. The record's expiration orders them.
+- The *rank* of a peer is ``sha256(key, version, peer ID)``. Among the peers
+  looking with the same version, the lowest rank leads. The rank changes with
+  every committed round (the version is a hash chain), so leadership rotates
+  and no one can grind a peer ID that always leads.
+- A *suspicion* sets a peer aside until it declares again (a later
+  expiration): a dead peer never does, a live one does at its next round.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from shoal.dht.records import RecordError, owner_marker, owner_of
+from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
+
+from .group import ROUND_ID_BYTES, Group, Member, make_round_id
+
+MAX_VERSION_BYTES = 64
+MAX_ADDRS = 16
+MAX_ADDR_CHARS = 1024
+MAX_BANDWIDTH = 1e15
+MAX_GROUP_SIZE = 1024  # Group.from_wire's default bound
+NONCE_BYTES = 16
+
+
+class PeerState(enum.StrEnum):
+    LOOKING = "looking"  # wants a group now
+    BUSY = "busy"  # in a group (averaging); back soon, perhaps with a new version
+    SYNCING = "syncing"  # told to re-sync: loading state, back soon
+    LEFT = "left"  # closed its matchmaker
+
+
+# ---------------------------------------------------------------------- wire helpers
+
+
+def _version(obj: object, what: str) -> bytes:
+    if not isinstance(obj, bytes) or len(obj) > MAX_VERSION_BYTES:
+        raise ValueError(f"{what} must be at most {MAX_VERSION_BYTES} bytes")
+    return obj
+
+
+def _bandwidth(obj: object) -> float:
+    if isinstance(obj, bool) or not isinstance(obj, int | float):
+        raise ValueError("bandwidth must be a number")
+    value = float(obj)
+    if not 0 <= value < MAX_BANDWIDTH:  # also rejects NaN
+        raise ValueError("bandwidth must be finite and >= 0")
+    return value
+
+
+def _addrs(obj: object) -> tuple[Multiaddr, ...]:
+    """Addresses from untrusted input: a bounded list; unparsable entries are dropped."""
+    if not isinstance(obj, list) or len(obj) > MAX_ADDRS:
+        raise ValueError(f"addrs must be a list of at most {MAX_ADDRS}")
+    out = []
+    for item in obj:
+        if isinstance(item, str) and len(item) <= MAX_ADDR_CHARS:
+            try:
+                out.append(Multiaddr(item))
+            except ValueError:
+                continue
+    return tuple(dict.fromkeys(out))
+
+
+def _peer(obj: object) -> PeerID:
+    if not isinstance(obj, bytes):
+        raise ValueError("peer ID must be bytes")
+    return PeerID(obj)  # ValueError when malformed
+
+
+# ---------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """One peer's matchmaking record, as read from the DHT."""
+
+    peer_id: PeerID
+    state: PeerState
+    state_version: bytes
+    addrs: tuple[Multiaddr, ...] = ()
+    bandwidth: float = 1.0
+    expiration: float = 0.0  # the record's (UNIX time); later means newer
+
+    def to_value(self) -> dict[str, Any]:
+        """The DHT value (the peer is the subkey's owner, the expiration the record's)."""
+        return {
+            "state": str(self.state),
+            "version": self.state_version,
+            "addrs": [str(a) for a in self.addrs[:MAX_ADDRS]],
+            "bandwidth": float(self.bandwidth),
+        }
+
+    @classmethod
+    def from_record(cls, subkey: object, value: object, expiration: object) -> Declaration:
+        """Parse a DHT subkey record; raises ValueError. The DHT has checked the
+        signature of an owned subkey; only a subkey that is exactly an owner
+        marker is a declaration (anybody can write unowned subkeys)."""
+        if not isinstance(subkey, str):
+            raise ValueError("subkey must be a string")
+        try:
+            owner = owner_of(subkey)
+        except RecordError as e:
+            raise ValueError(str(e)) from None
+        if owner is None or subkey != owner_marker(owner):
+            raise ValueError("not an owner-signed declaration")
+        if not isinstance(value, dict):
+            raise ValueError("declaration must be a map")
+        try:
+            state = PeerState(value.get("state"))
+        except ValueError:
+            raise ValueError("unknown declaration state") from None
+        if isinstance(expiration, bool) or not isinstance(expiration, int | float):
+            raise ValueError("expiration must be a number")
+        return cls(
+            owner,
+            state,
+            _version(value.get("version"), "version"),
+            _addrs(value.get("addrs", [])),
+            _bandwidth(value.get("bandwidth", 1.0)),
+            float(expiration),
+        )
+
+
+View = Mapping[PeerID, Declaration]
+
+
+def parse_view(
+    subkeys: Mapping[str, tuple[Any, float]] | None, now: float
+) -> dict[PeerID, Declaration]:
+    """The live declarations among a DHT dictionary's subkeys; anything else is ignored."""
+    view: dict[PeerID, Declaration] = {}
+    for subkey, item in (subkeys or {}).items():
+        try:
+            value, expiration = item
+            decl = Declaration.from_record(subkey, value, expiration)
+        except (ValueError, TypeError):
+            continue
+        if decl.expiration > now:
+            view[decl.peer_id] = decl
+    return view
+
+
+def rank(key: str, version: bytes, peer: PeerID) -> bytes:
+    """The order in which peers of one version are asked to lead (lowest first)."""
+    body = msgpack.packb([key, version, peer.to_bytes()], use_bin_type=True)
+    return hashlib.sha256(b"shoal-matchmaking-rank:" + body).digest()
+
+
+# ---------------------------------------------------------------------- suspicions
+
+
+class Suspicions:
+    """Peers set aside until they declare again.
+
+    A peer is suspected at the expiration of the declaration we last saw from
+    it; any declaration expiring later is newer (owners only ever move their
+    expiration forward), so the peer is back as soon as it re-declares.
+    """
+
+    def __init__(self) -> None:
+        self._until: dict[PeerID, float] = {}
+
+    def add(self, peer: PeerID, seen_expiration: float) -> None:
+        self._until[peer] = max(self._until.get(peer, -math.inf), seen_expiration)
+
+    def allows(self, decl: Declaration) -> bool:
+        return decl.expiration > self._until.get(decl.peer_id, -math.inf)
+
+    def blocks(self, peer: PeerID, now: float) -> bool:
+        """For a peer whose declaration we have not seen: suspected and not yet expired."""
+        return self._until.get(peer, -math.inf) > now
+
+    def prune(self, now: float) -> None:
+        """Forget suspicions whose declarations have expired anyway (bounded memory)."""
+        self._until = {p: t for p, t in self._until.items() if t > now}
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._until
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+# ---------------------------------------------------------------------- group sizes
+
+
+def split_sizes(n: int, target: int, minimum: int) -> list[int]:
+    """Sizes of the groups `n` peers split into: balanced, each <= target and >= minimum.
+
+    20 peers, target 8 -> [7, 7, 6] (not 8, 8, 4: a group that barely reaches
+    the minimum, or misses it, is the first to fail). When no split keeps every
+    group at the minimum, groups of `target` form and the rest waits.
+    """
+    if n < max(1, minimum):
+        return []
+    groups = math.ceil(n / target)  # the fewest groups that keep each <= target
+    if n // groups >= minimum:
+        base, extra = divmod(n, groups)
+        return [base + 1] * extra + [base] * (groups - extra)
+    # No balanced split keeps every group at the minimum: full groups, and the
+    # rest forms one only if it is big enough.
+    full, rest = divmod(n, target)
+    return [target] * full + ([rest] if rest >= minimum else [])
+
+
+# ---------------------------------------------------------------------- one peer's outlook
+
+
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """The rules as seen by one peer in one matchmaking call.
+
+    `excluded`: the caller's hard exclusions (peers it just saw fail).
+    `suspicions`: soft exclusions shared across calls (see `Suspicions`).
+    """
+
+    key: str
+    me: PeerID
+    version: bytes
+    excluded: frozenset[PeerID] = frozenset()
+    suspicions: Suspicions = field(default_factory=Suspicions)
+
+    def usable(self, decl: Declaration) -> bool:
+        return (
+            decl.peer_id != self.me
+            and decl.peer_id not in self.excluded
+            and self.suspicions.allows(decl)
+        )
+
+    def candidates(self, view: View) -> list[Declaration]:
+        """Other peers we may group with now: looking, same version, not set aside."""
+        return [
+            d
+            for d in view.values()
+            if d.state is PeerState.LOOKING and d.state_version == self.version and self.usable(d)
+        ]
+
+    def rank(self, peer: PeerID) -> bytes:
+        return rank(self.key, self.version, peer)
+
+    def leader(self, view: View) -> PeerID:
+        """Who we should join (or `me`: lead)."""
+        best = self.me
+        best_rank = self.rank(self.me)
+        for d in self.candidates(view):
+            r = self.rank(d.peer_id)
+            if r < best_rank:
+                best, best_rank = d.peer_id, r
+        return best
+
+    def version_counts(self, view: View) -> Counter[bytes]:
+        """Versions of the peers looking now (us included). Busy peers are left
+        out: they declared the version they are averaging *from*, which is
+        stale the moment their round commits."""
+        counts: Counter[bytes] = Counter({self.version: 1})
+        for d in view.values():
+            if d.state is PeerState.LOOKING and self.usable(d):
+                counts[d.state_version] += 1
+        return counts
+
+    def resync_target(self, view: View) -> bytes | None:
+        """The version we must load before grouping, None when ours is fine.
+
+        Ours is behind when another version is held by strictly more looking
+        peers (a tie splits nobody's work: each side keeps its own groups).
+        The empty version means "no committed state yet": it never wins
+        against a real one, and it loses to any.
+        """
+        counts = self.version_counts(view)
+        others = [(c, v) for v, c in counts.items() if v not in (self.version, b"")]
+        if not others:
+            return None
+        # most peers first; among equals the smallest version, so every peer picks the same
+        count, best = min(others, key=lambda cv: (-cv[0], cv[1]))
+        if self.version == b"" or count > counts[self.version]:
+            return best
+        return None
+
+    def holders(self, view: View, version: bytes) -> list[Declaration]:
+        return [
+            d
+            for d in view.values()
+            if d.state is PeerState.LOOKING and d.state_version == version and self.usable(d)
+        ]
+
+    def pending(self, view: View, members: Collection[PeerID]) -> set[PeerID]:
+        """Peers a leader should still wait for (up to its matchmaking time).
+
+        Looking with our version and not yet joined; busy (most likely members
+        of the previous round finishing their all-reduce, back in a moment);
+        syncing (loading the state to come back); looking with a version that
+        is about to be told to re-sync toward ours.
+        """
+        counts = self.version_counts(view)
+        mine = counts[self.version]
+        out = set()
+        for d in view.values():
+            if d.peer_id in members or not self.usable(d):
+                continue
+            coming_back = d.state in (PeerState.BUSY, PeerState.SYNCING)
+            ours_soon = d.state is PeerState.LOOKING and (
+                d.state_version == self.version
+                or counts[d.state_version] < mine
+                or (d.state_version == b"" and self.version != b"")
+            )
+            if coming_back or ours_soon:
+                out.add(d.peer_id)
+        return out
+
+    def capacity(self, view: View, members: Collection[PeerID], target: int, minimum: int) -> int:
+        """How many members (us included) to close at: our share of a balanced
+        split when the crowd is larger than `target`, else `target` (a crowd
+        that fits is closed by `pending` and the time windows instead: peers
+        that are busy or syncing are not in it yet)."""
+        crowd = {self.me, *members} | {d.peer_id for d in self.candidates(view)}
+        if len(crowd) <= target:
+            return target
+        sizes = split_sizes(len(crowd), target, minimum)
+        return sizes[0] if sizes else target
+
+
+# ---------------------------------------------------------------------- the leader's side
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    close: bool
+    wake_at: float  # when to look again at the latest (loop time)
+    release: tuple[PeerID, ...] = ()  # joiners to answer "retry" now (their deadline is near)
+
+
+@dataclass(slots=True)
+class _Applicant:
+    member: Member
+    answer_by: float
+
+
+class Gathering:
+    """A leader assembling one group: who joined (in order), and when to close.
+
+    It closes when it reaches its capacity; or, with at least `min_size`
+    members, once nobody else is expected and `min_time` has passed since it
+    began to lead; or at the latest `max_time` after that, or `margin` before
+    the earliest deadline of a joiner (joiners must have their answer before
+    they give up) or of the call. Times are the driver's monotonic clock.
+    """
+
+    def __init__(
+        self,
+        me: Member,
+        *,
+        min_size: int,
+        target: int,
+        min_time: float,
+        max_time: float,
+        margin: float,
+    ) -> None:
+        self.me = me
+        self.min_size = min_size
+        self.capacity = target
+        self.min_time = min_time
+        self.max_time = max_time
+        self.margin = margin
+        self.started: float | None = None
+        # Set by the driver while a peer that is loading the state (syncing) may
+        # still come: the window stays open until then (joiners' deadlines permitting).
+        self.hold_until: float | None = None
+        self._joined: dict[PeerID, _Applicant] = {}
+
+    @property
+    def size(self) -> int:
+        return len(self._joined) + 1
+
+    @property
+    def members(self) -> list[PeerID]:
+        return list(self._joined)
+
+    @property
+    def full(self) -> bool:
+        return self.size >= max(self.capacity, self.min_size)
+
+    def begin(self, now: float) -> None:
+        """We lead from now on (the windows count from the first time)."""
+        if self.started is None:
+            self.started = now
+
+    def admit(self, member: Member, answer_by: float) -> None:
+        self._joined.pop(member.peer_id, None)  # a second request replaces the first
+        self._joined[member.peer_id] = _Applicant(member, answer_by)
+
+    def withdraw(self, peer: PeerID) -> bool:
+        return self._joined.pop(peer, None) is not None
+
+    def clear(self) -> list[PeerID]:
+        peers = list(self._joined)
+        self._joined.clear()
+        return peers
+
+    def _window_end(self) -> float | None:
+        if self.started is None:
+            return None
+        end = self.started + self.max_time
+        return end if self.hold_until is None else max(end, self.hold_until)
+
+    def close_by(self, deadline: float) -> float:
+        """The latest moment to close (when the group is big enough)."""
+        limit = deadline - self.margin
+        window = self._window_end()
+        if window is not None:
+            limit = min(limit, window)
+        for a in self._joined.values():
+            limit = min(limit, a.answer_by - self.margin)
+        return limit
+
+    def decide(self, now: float, *, pending: int, deadline: float) -> Decision:
+        size = self.size
+        if size >= self.min_size:
+            if size >= self.capacity:
+                return Decision(True, now)
+            if self.started is not None:
+                if now >= self.close_by(deadline):
+                    return Decision(True, now)
+                if pending == 0 and now >= self.started + self.min_time:
+                    return Decision(True, now)
+        release = tuple(
+            p for p, a in self._joined.items() if a.answer_by - self.margin <= now
+        ) if size < self.min_size else ()  # fmt: skip
+        wake = deadline
+        for a in self._joined.values():
+            if a.member.peer_id not in release:
+                wake = min(wake, a.answer_by - self.margin)
+        window = self._window_end()
+        if self.started is not None and window is not None:
+            wake = min(wake, window)
+            if now < self.started + self.min_time:
+                wake = min(wake, self.started + self.min_time)
+        for p in release:
+            del self._joined[p]
+        return Decision(False, max(wake, now), release)
+
+    def finalize(self, key: str, version: bytes, nonce: bytes) -> Group:
+        """The group: members ordered by peer ID, the round ID bound to them and the nonce.
+        Round-tripped through the wire form, so the leader holds exactly what
+        every member parses."""
+        members = sorted(
+            [self.me, *(a.member for a in self._joined.values())],
+            key=lambda m: m.peer_id.to_bytes(),
+        )
+        round_id = make_round_id(key, [m.peer_id for m in members], nonce)
+        group = Group(key, round_id, tuple(members), version)
+        return Group.from_wire(group.to_wire(), max_members=MAX_GROUP_SIZE)
+
+
+# ---------------------------------------------------------------------- join messages
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    key: str
+    state_version: bytes
+    addrs: tuple[Multiaddr, ...]
+    bandwidth: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "version": self.state_version,
+            "addrs": [str(a) for a in self.addrs[:MAX_ADDRS]],
+            "bandwidth": float(self.bandwidth),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: object) -> JoinRequest:
+        """Parse an untrusted join request; raises ValueError."""
+        if not isinstance(obj, dict):
+            raise ValueError("join request must be a map")
+        key = obj.get("key")
+        if not isinstance(key, str) or len(key) > 1024:
+            raise ValueError("join request key must be a string")
+        return cls(
+            key,
+            _version(obj.get("version"), "version"),
+            _addrs(obj.get("addrs", [])),
+            _bandwidth(obj.get("bandwidth", 1.0)),
+        )
+
+
+class ReplyKind(enum.StrEnum):
+    ACCEPTED = "accepted"  # here is the group
+    REDIRECT = "redirect"  # I follow someone else: join them
+    BUSY = "busy"  # I am in a group (these are its members)
+    VERSION = "version"  # my state version differs from yours
+    RETRY = "retry"  # not enough members before your deadline: ask again
+    DISBANDED = "disbanded"  # I stopped leading (re-sync, deadline, shutdown)
+    EXCLUDED = "excluded"  # my caller excluded you from this round
+
+
+@dataclass(frozen=True, slots=True)
+class JoinReply:
+    kind: ReplyKind
+    group: Group | None = None
+    nonce: bytes = b""
+    peer: PeerID | None = None  # REDIRECT
+    addrs: tuple[Multiaddr, ...] = ()  # REDIRECT
+    members: tuple[PeerID, ...] = ()  # BUSY: the members of its group
+    age: float = 0.0  # BUSY: seconds since that group formed
+    version: bytes = b""  # VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": str(self.kind)}
+        if self.kind is ReplyKind.ACCEPTED:
+            assert self.group is not None
+            out["group"] = self.group.to_wire()
+            out["nonce"] = self.nonce
+        elif self.kind is ReplyKind.REDIRECT:
+            assert self.peer is not None
+            out["peer"] = self.peer.to_bytes()
+            out["addrs"] = [str(a) for a in self.addrs[:MAX_ADDRS]]
+        elif self.kind is ReplyKind.BUSY:
+            out["members"] = [p.to_bytes() for p in self.members[:MAX_GROUP_SIZE]]
+            out["age"] = float(self.age)
+        elif self.kind is ReplyKind.VERSION:
+            out["version"] = self.version
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: object) -> JoinReply:
+        """Parse an untrusted reply; raises ValueError."""
+        if not isinstance(obj, dict):
+            raise ValueError("join reply must be a map")
+        try:
+            kind = ReplyKind(obj.get("kind"))
+        except ValueError:
+            raise ValueError("unknown join reply kind") from None
+        if kind is ReplyKind.ACCEPTED:
+            nonce = obj.get("nonce")
+            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+                raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
+            group = Group.from_wire(obj.get("group"), max_members=MAX_GROUP_SIZE)
+            return cls(kind, group=group, nonce=nonce)
+        if kind is ReplyKind.REDIRECT:
+            return cls(kind, peer=_peer(obj.get("peer")), addrs=_addrs(obj.get("addrs", [])))
+        if kind is ReplyKind.BUSY:
+            raw = obj.get("members", [])
+            if not isinstance(raw, list) or len(raw) > MAX_GROUP_SIZE:
+                raise ValueError("busy members must be a list")
+            age = obj.get("age", 0.0)
+            if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < 1e9:
+                raise ValueError("busy age must be a number of seconds")
+            return cls(kind, members=tuple(_peer(p) for p in raw), age=float(age))
+        if kind is ReplyKind.VERSION:
+            return cls(kind, version=_version(obj.get("version"), "version"))
+        return cls(kind)
+
+
+def check_group(reply: JoinReply, *, key: str, version: bytes, me: PeerID, leader: PeerID) -> Group:
+    """The group of an ACCEPTED reply if it is one we can be a member of; raises ValueError."""
+    group = reply.group
+    if reply.kind is not ReplyKind.ACCEPTED or group is None:
+        raise ValueError("not an accepted reply")
+    if group.key != key:
+        raise ValueError(f"group is for key {group.key[:64]!r}, not ours")
+    if group.state_version != version:
+        raise ValueError("group state version differs from ours")
+    ids = group.peer_ids
+    if me not in ids or leader not in ids:
+        raise ValueError("group leaves out us or its leader")
+    if len(group.round_id) != ROUND_ID_BYTES or group.round_id != make_round_id(
+        key, ids, reply.nonce
+    ):
+        raise ValueError("round ID does not bind the members and the nonce")
+    return group

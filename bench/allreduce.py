@@ -1,0 +1,363 @@
+"""All-reduce benchmark: shoal's butterfly all-reduce against torch.distributed gloo (and hivemind).
+
+    python bench/allreduce.py [--peers 4] [--sizes 10M,50M] [--rounds 5]
+
+Prints one JSON object on stdout (logs go to stderr):
+
+    {"peers": 4,
+     "sizes": {"10M": {"gloo_s": ..., "hivemind_s": ... | null,
+                       "shoal_s": {"none": ..., "fp16": ..., "int8": ...},
+                       "shoal_wire_bytes": {"none": ..., "int8": ...}}, ...},
+     "kill_to_commit_s": ...}
+
+Every system runs as `--peers` separate processes on 127.0.0.1, each
+averaging its own float32 vector of the given size. Times are medians over
+`--rounds` rounds (after one warm-up round) of the slowest peer's time for
+the round, each round started by the orchestrator at once on every peer.
+`shoal_wire_bytes` is what all peers together put on the wire in one round
+(after compression, before encryption overhead). `kill_to_commit_s` (from
+`--kill-trials` trials with the full Averager: matchmaking, all-reduce, retry):
+time from a kill -9 of one peer in the middle of a round to the next round
+the survivors commit.
+
+Workers talk to the orchestrator in JSON lines (commands on stdin, results on
+stdout) and exit when their stdin closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("bench.allreduce")
+SCRIPT = os.path.abspath(__file__)
+CODECS = ("none", "fp16", "int8")
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vector(rank: int, size: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(size, generator=g)
+
+
+# ---------------------------------------------------------------------- workers
+
+
+async def _lines() -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=16 * 1024 * 1024)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+def _say(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+async def worker_gloo(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    reader = await _lines()
+    _say({"ready": True})
+    cmd = json.loads(await reader.readline())
+    await asyncio.to_thread(
+        dist.init_process_group,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{cmd['port']}",
+        rank=args.rank,
+        world_size=cmd["peers"],
+    )
+    _say({"joined": True})
+    vectors: dict[int, torch.Tensor] = {}
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        size = cmd["size"]
+        if size not in vectors:
+            vectors = {size: _vector(args.rank, size)}
+        t = vectors[size].clone()
+        t0 = time.perf_counter()
+        await asyncio.to_thread(dist.all_reduce, t)
+        _say({"seconds": time.perf_counter() - t0})
+    dist.destroy_process_group()
+
+
+async def worker_shoal(args: argparse.Namespace) -> None:
+    import torch
+
+    from shoal.averaging.allreduce import AllReduceConfig, AllReduceService
+    from shoal.averaging.group import Group, Member, make_round_id
+    from shoal.transport.host import Host, HostConfig
+    from shoal.transport.identity import Identity, PeerID
+    from shoal.transport.multiaddr import Multiaddr
+
+    reader = await _lines()
+    host = Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",)))
+    await host.start()
+    service = AllReduceService(host, AllReduceConfig())
+    _say({"peer": host.peer_id.to_base58(), "addrs": [str(a) for a in host.addresses()]})
+    cmd = json.loads(await reader.readline())
+    members = tuple(
+        Member(PeerID.from_base58(p), tuple(Multiaddr(a) for a in addrs))
+        for p, addrs in cmd["members"]
+    )
+    for m in members:
+        if m.peer_id != host.peer_id and m.peer_id > host.peer_id:
+            await host.connect(m.peer_id, m.addrs)
+    _say({"connected": True})
+    vectors: dict[int, torch.Tensor] = {}
+    try:
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            size = cmd["size"]
+            if size not in vectors:
+                vectors = {size: _vector(args.rank, size)}
+            t = vectors[size].clone()
+            ids = [m.peer_id for m in members]
+            group = Group("bench", make_round_id("bench", ids, cmd["round"].encode()), members)
+            t0 = time.perf_counter()
+            outcome = await service.run(group, [t], weight=1.0, codec=cmd["codec"])
+            _say(
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "committed": outcome.committed,
+                    "reason": outcome.reason,
+                    "bytes_sent": outcome.bytes_sent,
+                }
+            )
+    finally:
+        service.close()
+        await host.aclose()
+
+
+# ---------------------------------------------------------------------- orchestrator
+
+
+class Proc:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def spawn(cls, role: str, rank: int, python: str = sys.executable) -> tuple[Proc, Any]:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = await asyncio.create_subprocess_exec(
+            python, SCRIPT, "--role", role, "--rank", str(rank),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        self = cls(proc)
+        return self, await self.reply()
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def reply(self, timeout: float = 300) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            raise RuntimeError("worker exited")
+        return json.loads(line)
+
+    async def call(self, obj: dict[str, Any]) -> dict[str, Any]:
+        await self.send(obj)
+        return await self.reply()
+
+    async def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 30)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def _rounds(procs: list[Proc], cmd: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
+    """One warm-up round, then `rounds` measured ones; per round the slowest peer's reply."""
+    out = []
+    for r in range(rounds + 1):
+        replies = await asyncio.gather(*(p.call({**cmd, "round": f"{cmd}-{r}"}) for p in procs))
+        bad = [x for x in replies if x.get("committed") is False]
+        if bad:
+            raise RuntimeError(f"round aborted: {bad[0]['reason']}")
+        if r:
+            slowest = max(replies, key=lambda x: x["seconds"])
+            out.append({**slowest, "bytes_sent": sum(x.get("bytes_sent", 0) for x in replies)})
+    return out
+
+
+async def bench_gloo(opts: argparse.Namespace, sizes: dict[str, int]) -> dict[str, float]:
+    spawned = await asyncio.gather(*(Proc.spawn("gloo", r) for r in range(opts.peers)))
+    procs = [p for p, _ in spawned]
+    try:
+        port = _free_port()
+        await asyncio.gather(*(p.call({"port": port, "peers": opts.peers}) for p in procs))
+        result = {}
+        for name, size in sizes.items():
+            runs = await _rounds(procs, {"size": size}, opts.rounds)
+            result[name] = statistics.median(r["seconds"] for r in runs)
+            log.info("gloo %s: %.3f s", name, result[name])
+        return result
+    finally:
+        await asyncio.gather(*(p.close() for p in procs))
+
+
+async def bench_shoal(opts: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:
+    spawned = await asyncio.gather(*(Proc.spawn("shoal", r) for r in range(opts.peers)))
+    procs = [p for p, _ in spawned]
+    members = [[hello["peer"], hello["addrs"]] for _, hello in spawned]
+    try:
+        await asyncio.gather(*(p.call({"members": members}) for p in procs))
+        result: dict[str, Any] = {}
+        for name, size in sizes.items():
+            times, wire = {}, {}
+            for codec in CODECS:
+                runs = await _rounds(procs, {"size": size, "codec": codec}, opts.rounds)
+                times[codec] = statistics.median(r["seconds"] for r in runs)
+                wire[codec] = int(statistics.median(r["bytes_sent"] for r in runs))
+                log.info("shoal %s %s: %.3f s, %d bytes", name, codec, times[codec], wire[codec])
+            result[name] = {"times": times, "wire": wire}
+        return result
+    finally:
+        await asyncio.gather(*(p.close() for p in procs))
+
+
+PEER_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "..", "tests", "averaging_peer.py")
+
+
+async def bench_kill_to_commit(opts: argparse.Namespace) -> list[float]:
+    """Full Averager peers (tests/averaging_peer.py) averaging 10M floats in a loop;
+    kill -9 one mid-round, time until the survivors' next commit without it."""
+    args = ["--size", str(opts.kill_size), "--min-group", "2", "--target-group", "8",
+            "--stall-timeout", "3"]  # fmt: skip
+    procs: list[asyncio.subprocess.Process] = []
+    hello: list[dict[str, Any]] = []
+
+    async def spawn(boot: list[str]) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, PEER_SCRIPT, *args, *boot,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        procs.append(proc)
+        assert proc.stdout is not None
+        hello.append(json.loads(await proc.stdout.readline()))
+
+    async def next_commit(i: int) -> dict[str, Any]:
+        stdout = procs[i].stdout
+        assert stdout is not None
+        while True:
+            r = json.loads(await asyncio.wait_for(stdout.readline(), 120))
+            if r.get("event") == "step" and r["committed"]:
+                return r
+
+    times = []
+    try:
+        await spawn([])
+        for _ in range(opts.peers):
+            await spawn(["--bootstrap", hello[0]["addr"]])
+        alive = list(range(len(procs)))
+        for _ in range(opts.kill_trials):
+            first = await next_commit(alive[-1])
+            victim = alive.pop(0)
+            await asyncio.sleep(first["seconds"] * 0.4)  # inside the next round
+            procs[victim].kill()
+            killed = time.time()
+            dead = hello[victim]["peer"]
+            while dead in (r := await next_commit(alive[-1]))["members"]:
+                pass
+            times.append(r["t"] - killed)
+            log.info("kill -9 to next commit: %.2f s", times[-1])
+            await spawn(["--bootstrap", hello[alive[-1]]["addr"]])
+            alive.append(len(procs) - 1)
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+    return times
+
+
+async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
+    sizes = {s.strip(): _parse_size(s) for s in opts.sizes.split(",")}
+    gloo = await bench_gloo(opts, sizes)
+    shoal = await bench_shoal(opts, sizes)
+    out: dict[str, Any] = {"peers": opts.peers, "sizes": {}}
+    for name in sizes:
+        entry = {
+            "gloo_s": round(gloo[name], 4),
+            "hivemind_s": None,
+            "shoal_s": {c: round(t, 4) for c, t in shoal[name]["times"].items()},
+            "shoal_wire_bytes": {c: shoal[name]["wire"][c] for c in ("none", "int8")},
+        }
+        entry["shoal_none_over_gloo"] = round(entry["shoal_s"]["none"] / entry["gloo_s"], 2)
+        entry["shoal_int8_over_gloo"] = round(entry["shoal_s"]["int8"] / entry["gloo_s"], 2)
+        entry["int8_wire_ratio"] = round(
+            entry["shoal_wire_bytes"]["int8"] / entry["shoal_wire_bytes"]["none"], 3
+        )
+        out["sizes"][name] = entry
+    kills = await bench_kill_to_commit(opts) if opts.kill_trials else []
+    out["kill_to_commit_s"] = round(statistics.median(kills), 3) if kills else None
+    out["kill_to_commit_max_s"] = round(max(kills), 3) if kills else None
+    out["hivemind"] = "not installed" if not _hivemind_installed() else "not measured"
+    return out
+
+
+def _hivemind_installed() -> bool:
+    try:
+        import hivemind  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ROLES = {"gloo": worker_gloo, "shoal": worker_shoal}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--sizes", default="10M,50M")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kill-trials", type=int, default=5)
+    p.add_argument("--kill-size", type=int, default=10_000_000)
+    opts = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    if opts.role:
+        logging.getLogger().setLevel(logging.WARNING)
+        runner(ROLES[opts.role](opts))
+        return
+    print(json.dumps(runner(orchestrate(opts)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Gossip averaging (A9): one partner per round, chosen by a seeded permutation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.averaging.allreduce import AllReduceConfig
+from shoal.averaging.gossip import GossipAverager, GossipConfig, pairing
+from shoal.dht.node import DHTNode
+from shoal.transport.identity import Identity
+
+HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
+
+
+def test_pairing_is_a_matching_every_peer_computes_alike() -> None:
+    peers = [Identity.generate().peer_id for _ in range(7)]
+    for r in range(20):
+        pairs = pairing(peers, "k", r)
+        assert pairing(list(reversed(peers)), "k", r) == pairs  # order of the view is irrelevant
+        assert len(pairs) == 6  # 7 peers: one sits out
+        assert all(pairs[pairs[p]] == p and pairs[p] != p for p in pairs)
+    # partners change from round to round
+    assert (
+        len(
+            {
+                tuple(
+                    sorted((a.to_bytes(), b.to_bytes()) for a, b in pairing(peers, "k", r).items())
+                )
+                for r in range(20)
+            }
+        )
+        > 5
+    )
+
+
+@pytest.fixture
+async def gossipers(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
+    made: list[tuple[DHTNode, GossipAverager]] = []
+
+    async def make(n: int) -> list[tuple[DHTNode, GossipAverager]]:
+        config = GossipConfig(
+            allreduce=AllReduceConfig(stall_timeout=2.0, start_timeout=1.5, decision_timeout=2.0)
+        )
+        for i in range(n):
+            host = await make_host(**HOST_OPTS)
+            boot = [str(made[0][0].host.addresses()[0])] if made else []
+            dht = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
+            value = torch.full((1000,), float(i)) + torch.linspace(0, 1, 1000)
+            made.append((dht, GossipAverager(dht, "exp/gossip", [value], config=config)))
+        await asyncio.gather(*(g.announce() for _, g in made))
+        return made
+
+    yield make
+    for dht, g in made:
+        await g.aclose()
+        await dht.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_a9_sixteen_peers_converge_geometrically_and_kills_lose_nothing(
+    gossipers: Callable[..., Any],
+) -> None:
+    peers = await gossipers(16)
+    alive = list(peers)
+
+    def spread() -> float:
+        values = torch.stack([g.tensors[0] for _, g in alive])
+        return float((values.max(0).values - values.min(0).values).max())
+
+    def total() -> torch.Tensor:
+        return torch.stack([g.tensors[0].double() for _, g in alive]).sum(0)
+
+    spreads = [spread()]
+    killed_at = 20
+    failed_exchanges = 0
+    for r in range(50):
+        if r == killed_at:
+            # two peers die abruptly, mid-exchange: their partners must keep their values
+            victims = alive[3:5]
+            alive = [p for p in alive if p not in victims]
+            before = total()
+            round_task = asyncio.gather(*(g.step(r) for _, g in alive))
+            await asyncio.sleep(0)
+            for dht, _ in victims:
+                await dht.host.aclose()
+            results = await round_task
+            assert torch.allclose(total(), before, rtol=0, atol=1e-3), "a survivor lost or gained"
+        else:
+            before = total()
+            results = await asyncio.gather(*(g.step(r) for _, g in alive))
+            # pairwise means preserve the sum over the peers that are alive
+            assert torch.allclose(total(), before, rtol=0, atol=1e-3)
+        assert all(res.committed or res.partner is None or r >= killed_at for res in results)
+        failed_exchanges += sum(1 for res in results if res.partner and not res.committed)
+        spreads.append(spread())
+    assert failed_exchanges > 0, "the kills never hit an exchange"
+    # geometric shrinkage: every 10 rounds the spread drops by a large factor
+    assert spreads[10] < spreads[0] / 10
+    assert spreads[-1] < spreads[0] * 1e-6

@@ -1,0 +1,304 @@
+"""AutoNAT: are we reachable from the internet? Ask peers to dial us back.
+
+Protocol ``/shoal/autonat/1.0.0`` (client -> server, on a direct connection)::
+
+    -> {"nonce": 16 bytes, "addrs": [addr]}
+    <- {"status": "ok", "addr": addr} | {"status": "failed", "error": str}
+       | {"status": "refused", "error": str}
+
+The server dials back only addresses whose IP is the one it sees the client's
+connection coming from, so nobody can aim its dials at a third party. It dials
+from an ephemeral port (a dial from its listen port would ride the client's
+existing NAT mapping and prove nothing) with a throwaway identity (so the
+dial-back is not mistaken for a second connection between the two peers),
+opens ``/shoal/autonat/dialback/1.0.0`` and sends the nonce::
+
+    -> {"nonce": 16 bytes, "addr": addr}    <- {"ok": bool}
+
+The client counts a success only when the nonce came back through its own
+listener: a server's word alone proves nothing. `ReachabilityTracker` turns
+results into PUBLIC / PRIVATE / UNKNOWN without any I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import ipaddress
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..connection import Connection, ConnectionConfig, Stream
+from ..errors import ProtocolViolation, TransportError
+from ..host import Host
+from ..identity import Identity, PeerID
+from ..multiaddr import Multiaddr
+from . import wire
+from .config import NatConfig
+
+log = logging.getLogger("shoal.transport.nat")
+
+PROTOCOL = "/shoal/autonat/1.0.0"
+DIALBACK_PROTOCOL = "/shoal/autonat/dialback/1.0.0"
+NONCE_LEN = 16
+MAX_DIALBACKS_PER_REQUEST = 4
+
+
+class Reachability(enum.StrEnum):
+    UNKNOWN = "unknown"
+    PUBLIC = "public"
+    PRIVATE = "private"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    server: PeerID
+    addr: Multiaddr | None  # the address that was reached (None for a failure)
+    ok: bool
+    at: float
+    tried: tuple[Multiaddr, ...] = ()
+
+
+class ReachabilityTracker:
+    """The reachability decision from recent dial-back results (sans-IO).
+
+    PUBLIC while some address's latest result is a success (a success is proof: the
+    nonce came back through our listener); PRIVATE once `private_after` of the
+    recent results failed and none succeeded; UNKNOWN before that.
+    """
+
+    def __init__(
+        self,
+        window: int = 4,
+        private_after: int = 1,
+        forced: Reachability | None = None,
+    ) -> None:
+        self._results: deque[ProbeResult] = deque(maxlen=window)
+        self.private_after = private_after
+        self.forced = forced
+        self._confirmed: dict[Multiaddr, float] = {}
+
+    @property
+    def reachability(self) -> Reachability:
+        if self.forced is not None:
+            return self.forced
+        if self._confirmed:
+            return Reachability.PUBLIC
+        failures = sum(1 for r in self._results if not r.ok)
+        return Reachability.PRIVATE if failures >= self.private_after else Reachability.UNKNOWN
+
+    def confirmed(self) -> list[Multiaddr]:
+        """Addresses a dial-back reached, most recently confirmed first."""
+        return sorted(self._confirmed, key=lambda a: -self._confirmed[a])
+
+    def record(self, result: ProbeResult) -> bool:
+        """Add a result; True when the reachability or the confirmed addresses changed."""
+        before = (self.reachability, tuple(self.confirmed()))
+        self._results.append(result)
+        if result.ok and result.addr is not None:
+            self._confirmed[result.addr] = result.at
+        else:
+            for addr in result.tried:  # the latest word on these addresses is "no"
+                self._confirmed.pop(addr, None)
+        return (self.reachability, tuple(self.confirmed())) != before
+
+    def forget(self, keep: Callable[[Multiaddr], bool]) -> bool:
+        """Our addresses changed: drop confirmations of addresses no longer ours (the
+        caller then probes again). The other results stay, so the answer does not
+        flap to UNKNOWN meanwhile. True when that changed anything."""
+        before = (self.reachability, tuple(self.confirmed()))
+        self._confirmed = {a: t for a, t in self._confirmed.items() if keep(a)}
+        return (self.reachability, tuple(self.confirmed())) != before
+
+    @property
+    def results(self) -> list[ProbeResult]:
+        return list(self._results)
+
+
+def _same_ip(addr: Multiaddr, ip: str) -> bool:
+    endpoint = addr.tcp_endpoint()
+    if endpoint is None:
+        return False
+    try:
+        return ipaddress.ip_address(endpoint[0]) == ipaddress.ip_address(ip)
+    except ValueError:
+        return False  # a DNS name: never dialed back (it could point anywhere)
+
+
+class AutoNAT:
+    """Both sides of AutoNAT for one host: serves dial-backs, and probes servers."""
+
+    def __init__(self, host: Host, config: NatConfig) -> None:
+        self.host = host
+        self.config = config
+        self._probe_identity = Identity.generate()  # for dial-backs only, see module doc
+        self._nonces: dict[bytes, asyncio.Future[Multiaddr | None]] = {}
+        self._slots = asyncio.Semaphore(config.autonat_max_concurrent)
+        self._last_request: dict[PeerID, float] = {}
+        self._dialback_conns: set[Connection] = set()
+        self._serving: set[asyncio.Task[object]] = set()  # our handlers, cancelled on close
+        self.served = {"ok": 0, "failed": 0, "refused": 0}
+
+    def start(self) -> None:
+        self.host.set_handler(PROTOCOL, self._serve)
+        self.host.set_handler(DIALBACK_PROTOCOL, self._serve_dialback)
+
+    def close(self) -> None:
+        self.host.remove_handler(PROTOCOL)
+        self.host.remove_handler(DIALBACK_PROTOCOL)
+        for task in list(self._serving):
+            task.cancel()  # a dial-back may be waiting for a SYN that never gets answered
+        for conn in list(self._dialback_conns):
+            conn.abort("shutting down")
+        for fut in self._nonces.values():
+            if not fut.done():
+                fut.set_result(None)
+
+    # --- client --------------------------------------------------------------------------------
+
+    async def probe(self, conn: Connection, addrs: list[Multiaddr]) -> ProbeResult | None:
+        """Ask the peer of `conn` to dial us back at `addrs`; None when it would not try."""
+        loop = asyncio.get_running_loop()
+        nonce = os.urandom(NONCE_LEN)
+        reached: asyncio.Future[Multiaddr | None] = loop.create_future()
+        self._nonces[nonce] = reached
+        server = conn.remote_peer
+        addrs = list(dict.fromkeys(a.without_peer_id() for a in addrs))[: wire.MAX_ADDRS]
+        stream: Stream | None = None
+        try:
+            async with asyncio.timeout(self.config.probe_timeout):
+                stream = await conn.open_stream(PROTOCOL)
+                ms = wire.messages(stream)
+                await ms.send({"nonce": nonce, "addrs": [str(a) for a in addrs]})
+                await stream.close()
+                reply = await wire.recv_map(ms, "autonat reply")
+                stream = None
+            status = wire.get_str(reply, "status", 16)
+            now = loop.time()
+            if status == "ok":
+                if not reached.done() or reached.result() is None:
+                    log.info("autonat: %s claims a dial-back that never arrived", server.short())
+                    return None
+                return ProbeResult(server, reached.result(), True, now, tuple(addrs))
+            if status == "failed":
+                if reached.done() and reached.result() is not None:
+                    # The nonce did arrive (the server gave up waiting for our ack): it worked.
+                    return ProbeResult(server, reached.result(), True, now, tuple(addrs))
+                log.debug("autonat: %s could not dial us back: %s", server.short(), reply)
+                return ProbeResult(server, None, False, now, tuple(addrs))
+            log.debug("autonat: %s refused: %s", server.short(), reply.get("error"))
+            return None
+        except (TransportError, TimeoutError, EOFError) as e:
+            log.debug("autonat probe via %s failed: %s", server.short(), e)
+            return None
+        finally:
+            del self._nonces[nonce]
+            if stream is not None:  # cancelled or failed before the reply: release it
+                stream.reset("autonat probe abandoned")
+
+    async def _serve_dialback(self, stream: Stream) -> None:
+        ms = wire.messages(stream)
+        async with asyncio.timeout(self.config.dialback_timeout * 2):
+            msg = await wire.recv_map(ms, "dial-back")
+            nonce = wire.get_bytes(msg, "nonce", 64)
+            addr = wire.get_addrs({"a": [msg.get("addr")]}, "a")
+            fut = self._nonces.get(nonce)
+            ok = fut is not None
+            if fut is not None and not fut.done():
+                fut.set_result(addr[0] if addr else None)
+            await ms.send({"ok": ok})
+
+    # --- server --------------------------------------------------------------------------------
+
+    async def _serve(self, stream: Stream) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        try:
+            await self._serve_request(stream)
+        finally:
+            self._serving.discard(task)
+
+    async def _serve_request(self, stream: Stream) -> None:
+        conn = stream.connection
+        peer = conn.remote_peer
+        ms = wire.messages(stream)
+        async with asyncio.timeout(self.config.probe_timeout):
+            req = await wire.recv_map(ms, "autonat request")
+            nonce = wire.get_bytes(req, "nonce", 64)
+            if len(nonce) < NONCE_LEN:
+                raise ProtocolViolation("autonat: nonce too short")
+            addrs = wire.get_addrs(req, "addrs")
+            refusal = self._refusal(conn)
+            if refusal is not None:
+                self.served["refused"] += 1
+                await ms.send({"status": "refused", "error": refusal})
+                return
+            assert conn.remote_address is not None
+            ip = conn.remote_address[0]
+            # Only the IP we see the request come from: no dialing third parties.
+            targets = [a for a in addrs if _same_ip(a, ip)][:MAX_DIALBACKS_PER_REQUEST]
+            if not targets:
+                self.served["refused"] += 1
+                await ms.send(
+                    {"status": "refused", "error": f"no address at your observed IP {ip}"}
+                )
+                return
+            errors = []
+            async with self._slots:
+                for target in targets:
+                    try:
+                        await self._dial_back(target, peer, nonce)
+                    except (OSError, TransportError, TimeoutError, EOFError) as e:
+                        errors.append(f"{target}: {type(e).__name__}: {e}")
+                        continue
+                    self.served["ok"] += 1
+                    await ms.send({"status": "ok", "addr": str(target)})
+                    return
+            self.served["failed"] += 1
+            await ms.send({"status": "failed", "error": "; ".join(errors)[:1000]})
+
+    def _refusal(self, conn: Connection) -> str | None:
+        if conn.kind == "relayed" or conn.remote_address is None:
+            return "dial-back needs a direct connection (your IP is unknown through a relay)"
+        now = asyncio.get_running_loop().time()
+        last = self._last_request.get(conn.remote_peer)
+        if last is not None and now - last < self.config.autonat_server_min_interval:
+            return "too many requests"
+        if len(self._last_request) > 4096:  # bounded: forget old entries
+            cutoff = now - self.config.autonat_server_min_interval
+            self._last_request = {p: t for p, t in self._last_request.items() if t > cutoff}
+        self._last_request[conn.remote_peer] = now
+        if self._slots.locked():
+            return "busy"
+        return None
+
+    async def _dial_back(self, addr: Multiaddr, peer: PeerID, nonce: bytes) -> None:
+        endpoint = addr.tcp_endpoint()
+        assert endpoint is not None
+        loop = asyncio.get_running_loop()
+        timeout = self.config.dialback_timeout
+        conn = Connection(
+            self._probe_identity,
+            initiator=True,
+            expected_peer=peer,
+            config=ConnectionConfig(handshake_timeout=timeout, idle_timeout=0),
+        )
+        self._dialback_conns.add(conn)
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.create_connection(lambda: conn, *endpoint)
+                await asyncio.shield(conn.handshake_done)
+                stream = await conn.open_stream(DIALBACK_PROTOCOL)
+                ms = wire.messages(stream)
+                await ms.send({"nonce": nonce, "addr": str(addr)})
+                await stream.close()
+                reply = await wire.recv_map(ms, "dial-back ack")
+                if reply.get("ok") is not True:
+                    raise ProtocolViolation("the peer at that address did not know our nonce")
+        finally:
+            self._dialback_conns.discard(conn)
+            conn.abort("dial-back done")

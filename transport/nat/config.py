@@ -1,0 +1,59 @@
+"""NAT traversal knobs, with defaults meant for the real internet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class RelayLimits:
+    """What a relay grants (circuit relay v2-like); every limit is enforced by the relay."""
+
+    max_reservations: int = 128  # peers that may hold a reservation at once
+    max_reservations_per_ip: int = 8
+    reservation_ttl: float = 3600.0  # a reservation expires unless refreshed
+    max_circuits: int = 256  # relayed connections through this relay at once
+    max_circuits_per_peer: int = 8  # ... per peer, as either end
+    # Relayed connections carry training traffic between peers that cannot punch
+    # (symmetric NATs), so the per-connection limits are generous; a cut connection
+    # is simply redialed through the relay.
+    circuit_duration: float = 3600.0
+    circuit_bytes: int = 4 << 30  # both directions together
+    connect_timeout: float = 5.0  # the target must answer the relay within this
+
+
+@dataclass(frozen=True, slots=True)
+class NatConfig:
+    agent: str = "shoal/0.1"
+    # identify: an observed address is trusted once this many distinct peers report it
+    observed_threshold: int = 2
+    observed_ttl: float = 1800.0
+    identify_timeout: float = 5.0
+
+    # AutoNAT. "public"/"private" skip detection (e.g. a known port forward, or tests).
+    reachability: Literal["auto", "public", "private"] = "auto"
+    dialback_timeout: float = 1.5  # one dial-back (TCP connect + handshake)
+    probe_timeout: float = 8.0  # one whole request, dial-backs included
+    # Conclude PRIVATE after this many failed dial-backs (and none succeeded). A success
+    # is proof (the nonce came back through our listener), so one is enough for PUBLIC.
+    private_after_failures: int = 1
+    probe_window: int = 4  # recent results the decision looks at
+    recheck_unknown: float = 2.0  # probe again this soon while the answer is unknown
+    recheck_interval: float = 300.0  # and this often once it is known
+    autonat_max_concurrent: int = 8  # dial-backs this peer runs for others at once
+    autonat_server_min_interval: float = 1.0  # per requesting peer
+
+    # relays
+    relay_service: bool = True  # serve as a relay while publicly reachable
+    relay_limits: RelayLimits = field(default_factory=RelayLimits)
+    max_relays: int = 2  # reservations a private peer keeps
+    relay_retry: float = 1.0  # first backoff after a failed reservation (doubles, capped)
+    relay_dht_key: str = "_shoal.relays"
+    relay_dht_ttl: float = 600.0
+
+    # hole punching (DCUtR-like, TCP simultaneous open)
+    hole_punching: bool = True
+    punch_attempts: int = 3
+    punch_timeout: float = 2.5  # one attempt: long enough for one SYN retransmission
+    punch_stream_timeout: float = 10.0  # each message of the exchange over the relay

@@ -1,0 +1,568 @@
+"""NatManager: the one entry point of NAT traversal for a host.
+
+It runs identify on every connection, votes on observed addresses, asks peers
+to dial it back (AutoNAT) and decides whether it is public, private or unknown,
+serves as a relay while public, keeps relay reservations while private, punches
+holes through relayed connections, and tells the host (and through it the DHT)
+which addresses to advertise: confirmed public ones and relay addresses only.
+
+    nat = NatManager(host, dht=None, config=NatConfig())
+    await nat.start()
+    ...
+    nat.status()      # reachability, addresses, reservations, connections
+    await nat.aclose()   # before host.aclose()
+
+The host must be built with ``HostConfig(reuse_port=True)`` so that outgoing
+connections leave from the listen port (observed addresses and hole punching
+depend on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from ..connection import Connection
+from ..host import Host
+from ..identity import PeerID
+from ..multiaddr import Multiaddr, MultiaddrError
+from . import autonat, holepunch, relay
+from .autonat import AutoNAT, ProbeResult, Reachability, ReachabilityTracker
+from .config import NatConfig
+from .holepunch import HolePuncher
+from .identify import IdentifyInfo, IdentifyService
+from .observed import ObservedAddresses
+from .relay import RelayService
+from .relay_client import RelayClient
+
+log = logging.getLogger("shoal.transport.nat")
+
+_DHT_LOOKUP_INTERVAL = 30.0
+_DHT_TIMEOUT = 30.0
+_MAX_BACKOFF = 60.0
+
+
+def owner_subkey(peer: PeerID) -> str:
+    """A DHT subkey only `peer` may write (the format of shoal.dht.records.owner_marker;
+    spelled out here because transport/ must not import dht/)."""
+    return f"[owner:{peer.to_base58()}]"
+
+
+class NatManager:
+    def __init__(self, host: Host, dht: Any = None, config: NatConfig | None = None) -> None:
+        self.host = host
+        self._dht = dht
+        self.config = config = config or NatConfig()
+        self._loop = asyncio.get_running_loop()
+        forced = None if config.reachability == "auto" else Reachability(config.reachability)
+        self.tracker = ReachabilityTracker(
+            config.probe_window, config.private_after_failures, forced
+        )
+        self.observed = ObservedAddresses(config.observed_threshold, config.observed_ttl)
+        self.identify = IdentifyService(
+            host,
+            agent=config.agent,
+            timeout=config.identify_timeout,
+            on_identified=self._on_identified,
+        )
+        self.autonat = AutoNAT(host, config)
+        self.relay = RelayService(
+            host,
+            config.relay_limits,
+            accepting=lambda: config.relay_service and self.reachability is Reachability.PUBLIC,
+            addresses=self.confirmed_addresses,
+        )
+        self.relay_client = RelayClient(
+            host, config, on_change=self._notify, known_addresses=self._known_addresses
+        )
+        self.puncher = HolePuncher(host, config, self._punch_addresses)
+        self.peers: dict[PeerID, IdentifyInfo] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._next_probe = 0.0
+        self._probing = False
+        self._unanswered = 0  # probes in a row that no server answered
+        self._probed_at: dict[PeerID, float] = {}
+        self._relay_backoff: dict[PeerID, tuple[float, float]] = {}  # until, last delay
+        self._reserving: set[PeerID] = set()
+        self._dht_relays: dict[PeerID, list[Multiaddr]] = {}
+        self._next_dht_lookup = 0.0
+        self._next_dht_advert = 0.0
+        self._started = False
+        self._closed = False
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self.host.config.reuse_port:
+            log.warning(
+                "NAT traversal without HostConfig(reuse_port=True): observed addresses "
+                "will not match the listen port and hole punching will not work"
+            )
+        self._started = True
+        self.autonat.start()
+        if self.config.relay_service:
+            self.relay.start()
+        self.relay_client.start()
+        if self.config.hole_punching:
+            self.puncher.start()
+        self.host.set_address_provider(self.advertised_addresses)
+        self.identify.start()  # last: it may fire for existing connections at once
+        self._spawn(self._run())
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.host.set_address_provider(None)
+        self.identify.close()
+        self.autonat.close()
+        self.relay.close()
+        self.puncher.close()
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.relay_client.aclose()
+        self._notify()
+
+    async def __aenter__(self) -> NatManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def dht(self) -> Any:
+        """The DHT (a DHTNode, or anything with its store/get) for relay discovery and
+        advertisement; may be set after start(), e.g. once the DHT has bootstrapped."""
+        return self._dht
+
+    @dht.setter
+    def dht(self, dht: Any) -> None:
+        self._dht = dht
+        self._next_dht_lookup = self._next_dht_advert = 0.0
+        self._notify()
+
+    # --- what we know ---------------------------------------------------------------------------
+
+    @property
+    def reachability(self) -> Reachability:
+        return self.tracker.reachability
+
+    def confirmed_addresses(self) -> list[Multiaddr]:
+        """Our addresses that a dial-back reached (with /p2p/ID)."""
+        return [a.with_peer_id(self.host.peer_id) for a in self.tracker.confirmed()]
+
+    def observed_addresses(self) -> list[Multiaddr]:
+        """Addresses enough distinct peers see us at (trusted)."""
+        return self.observed.trusted(self._loop.time())
+
+    def relay_addresses(self) -> list[Multiaddr]:
+        return self.relay_client.circuit_addresses()
+
+    def advertised_addresses(self) -> list[Multiaddr]:
+        """What the host advertises: confirmed public addresses and relay addresses."""
+        out = list(self.confirmed_addresses())
+        if self.tracker.forced is Reachability.PUBLIC:
+            # Declared public (e.g. a forwarded port): trust the interfaces and observers.
+            out += self.observed_addresses()
+            out += [a for a in self.host.interface_addresses() if not a.is_unspecified]
+        if self.reachability is not Reachability.PUBLIC:
+            out += self.relay_addresses()
+        return list(dict.fromkeys(a.with_peer_id(self.host.peer_id) for a in out))
+
+    @property
+    def serves_dht(self) -> bool:
+        """Whether this peer should serve as a DHT hop for others (not while private)."""
+        return self.reachability is not Reachability.PRIVATE
+
+    def connection_kinds(self) -> list[dict[str, object]]:
+        """Every open connection: its kind ("direct" | "relayed" | "hole-punched"), the
+        relay it goes through, and its byte counters."""
+        out = []
+        for conn in self.host.open_connections():
+            peer = conn.remote_peer
+            out.append(
+                {
+                    "peer": str(peer),
+                    "kind": conn.kind,
+                    "primary": self.host.connection(peer) is conn,
+                    "relay": str(conn.relay) if conn.relay else None,
+                    "remote_address": _fmt_addr(conn.remote_address),
+                    "bytes_sent": conn.bytes_sent,
+                    "bytes_received": conn.bytes_received,
+                    "rtt_ms": None if conn.rtt is None else round(conn.rtt * 1000, 3),
+                    "agent": self.peers[peer].agent if peer in self.peers else None,
+                }
+            )
+        return out
+
+    def status(self) -> dict[str, object]:
+        """Everything the status endpoint shows about NAT traversal (JSON-serializable)."""
+        now = self._loop.time()
+        return {
+            "reachability": self.reachability.value,
+            "confirmed_addresses": [str(a) for a in self.confirmed_addresses()],
+            "observed_addresses": [
+                {"addr": str(a), "observers": n, "trusted": n >= self.observed.threshold}
+                for a, n in self.observed.candidates(now)
+            ],
+            "advertised_addresses": [str(a) for a in self.advertised_addresses()],
+            "reservations": [
+                {
+                    "relay": str(r.relay),
+                    "addrs": [str(a) for a in r.addrs],
+                    "expires_in": round(r.expires - now, 1),
+                }
+                for r in self.relay_client.reservations.values()
+            ],
+            "reservation_errors": {
+                str(relay_id): error for relay_id, error in self.relay_client.last_error.items()
+            },
+            "relay_service": {
+                "enabled": self.config.relay_service,
+                "serving": self.config.relay_service and self.reachability is Reachability.PUBLIC,
+                **self.relay.status(),
+            },
+            "autonat": {
+                "results": [
+                    {"server": str(r.server), "ok": r.ok, "addr": str(r.addr) if r.addr else None}
+                    for r in self.tracker.results
+                ],
+                "served": dict(self.autonat.served),
+            },
+            "hole_punching": {
+                "attempts": self.puncher.stats.attempts,
+                "successes": self.puncher.stats.successes,
+                "failures": self.puncher.stats.failures,
+                "last_rtt_ms": None
+                if self.puncher.stats.last_rtt_s is None
+                else round(self.puncher.stats.last_rtt_s * 1000, 2),
+                "results": list(self.puncher.stats.results),
+            },
+            "connections": self.connection_kinds(),
+        }
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait (at most `timeout`) until `predicate()` holds; re-checked on every change."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    self._changed.clear()
+                    try:
+                        async with asyncio.timeout(0.2):  # also catch changes we do not signal
+                            await self._changed.wait()
+                    except TimeoutError:
+                        pass
+        except TimeoutError:
+            return predicate()
+        return True
+
+    # --- events -------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._changed.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self._closed:
+            coro.close()
+            return
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("NAT background task failed: %r", task.exception())
+
+    def _on_identified(self, conn: Connection, info: IdentifyInfo) -> None:
+        peer = conn.remote_peer
+        self.peers[peer] = info
+        if len(self.peers) > 4096:  # forget peers we are no longer connected to
+            connected = self.host.connections
+            self.peers = {p: i for p, i in self.peers.items() if p in connected}
+        now = self._loop.time()
+        if info.observed is not None and self._counts_as_observation(conn):
+            before = self.observed.observed_by(peer, now)
+            trusted_changed = self.observed.record(peer, info.observed, now)
+            if trusted_changed or (before is not None and before != info.observed):
+                log.debug("%s observes us at %s (was %s)", peer.short(), info.observed, before)
+                self._addresses_changed()
+        if (
+            self.reachability is Reachability.UNKNOWN
+            and conn.kind != "relayed"
+            and autonat.PROTOCOL in info.protocols
+        ):
+            self._next_probe = 0.0  # a new server while we do not know: ask it now
+        if (
+            conn.kind == "relayed"
+            and not conn.outbound
+            and self.host.connection(peer) is conn  # not a duplicate on its way out
+            and self.config.hole_punching
+            and holepunch.PROTOCOL in info.protocols
+        ):
+            # We accepted a relayed connection: we start the punch (DCUtR's "B").
+            conn.spawn(self._punch(conn))
+        self._notify()
+
+    def _counts_as_observation(self, conn: Connection) -> bool:
+        """Only connections from our listen port show the mapping others can dial."""
+        if conn.kind == "relayed" or conn.local_address is None:
+            return False
+        if not conn.outbound:
+            return True
+        ports = {a.tcp_endpoint()[1] for a in self.host.listen_addrs if a.tcp_endpoint()}
+        return conn.local_address[1] in ports
+
+    def _addresses_changed(self) -> None:
+        keep = {a for a, _ in self.observed.candidates(self._loop.time())}
+        keep |= {a.without_peer_id() for a in self.host.interface_addresses()}
+        if self.tracker.forget(lambda a: a in keep):
+            self._notify()
+        self._next_probe = 0.0  # re-check now
+        self._wake.set()
+
+    def _known_addresses(self, peer: PeerID) -> list[Multiaddr]:
+        out = list(self._dht_relays.get(peer, []))
+        info = self.peers.get(peer)
+        if info is not None:
+            out += [a for a in info.addrs if a.is_direct_tcp]
+        return out
+
+    def _punch_addresses(self) -> list[Multiaddr]:
+        self._refresh_observations()
+        now = self._loop.time()
+        return list(dict.fromkeys([*self.tracker.confirmed(), *self.observed.best_guess(now)]))
+
+    async def _punch(self, conn: Connection) -> None:
+        await self.puncher.punch(conn)
+        self._notify()
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            now = self._loop.time()
+            waits = [self.config.recheck_interval]
+            if self.tracker.forced is None and not self._probing:
+                if now >= self._next_probe:
+                    if self._start_probe():
+                        waits.append(self.config.probe_timeout)
+                    else:
+                        self._next_probe = now + self.config.recheck_unknown
+                waits.append(self._next_probe - now)
+            waits.append(self._manage_relays(now))
+            waits.append(self._manage_dht(now))
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(max(0.05, min(waits))):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    def _start_probe(self) -> bool:
+        now = self._loop.time()
+        servers = []
+        for peer, conn in self.host.connections.items():
+            info = self.peers.get(peer)
+            if conn.kind == "relayed" or info is None or autonat.PROTOCOL not in info.protocols:
+                continue
+            servers.append((self._probed_at.get(peer, -1e18), peer, conn))
+        if not servers:
+            return False
+        servers.sort(key=lambda s: s[0])
+        _, peer, conn = servers[0]
+        if len(self._probed_at) > 4096:  # bounded: keep the connected peers only
+            self._probed_at = {p: t for p, t in self._probed_at.items() if p in self.peers}
+        self._probed_at[peer] = now
+        self._probing = True
+        self._spawn(self._probe(conn))
+        return True
+
+    def _refresh_observations(self) -> None:
+        """Renew the votes of observers we are still connected to (identify ran once, when
+        the connection opened; the view it gave holds while the connection does)."""
+        now = self._loop.time()
+        for conn, info in list(self.identify.infos.items()):
+            if conn.is_open and info.observed is not None and self._counts_as_observation(conn):
+                self.observed.record(conn.remote_peer, info.observed, now)
+
+    async def _probe(self, conn: Connection) -> None:
+        result: ProbeResult | None = None
+        try:
+            self._refresh_observations()
+            now = self._loop.time()
+            addrs = []
+            seen = self.observed.observed_by(conn.remote_peer, now)
+            if seen is not None:
+                addrs.append(seen)
+            addrs += [a for a, _ in self.observed.candidates(now)]
+            addrs += [
+                a.without_peer_id() for a in self.host.interface_addresses() if not a.is_unspecified
+            ]
+            result = await self.autonat.probe(conn, addrs)
+        finally:
+            self._probing = False
+            now = self._loop.time()
+            if result is None:
+                # Try another server soon, backing off while none will answer.
+                self._unanswered += 1
+                delay = min(self.config.recheck_unknown, 0.5) * 2 ** min(self._unanswered, 10)
+                self._next_probe = now + min(delay, self.config.recheck_interval)
+            else:
+                self._unanswered = 0
+                before = self.reachability
+                if self.tracker.record(result):
+                    self._notify()
+                if self.reachability is not before:
+                    log.info("reachability: %s -> %s", before.value, self.reachability.value)
+                known = self.reachability is not Reachability.UNKNOWN
+                delay = self.config.recheck_interval if known else self.config.recheck_unknown
+                self._next_probe = now + delay
+            self._wake.set()
+
+    # --- relays -------------------------------------------------------------------------------
+
+    def _wants_relays(self) -> bool:
+        return self.reachability is Reachability.PRIVATE
+
+    def _manage_relays(self, now: float) -> float:
+        """Keep `max_relays` reservations while private, none otherwise; the next deadline."""
+        if not self._wants_relays():
+            for relay_id in self.relay_client.holding():
+                self.relay_client.drop(relay_id)
+            return self.config.recheck_interval
+        holding = self.relay_client.holding() | self._reserving
+        want = self.config.max_relays - len(holding)
+        next_retry = self.config.recheck_interval
+        if want <= 0:
+            return next_retry
+        for peer, addrs in self._relay_candidates():
+            if want <= 0:
+                break
+            if peer in holding:
+                continue
+            until, _ = self._relay_backoff.get(peer, (0.0, 0.0))
+            if until > now:
+                next_retry = min(next_retry, until - now)
+                continue
+            want -= 1
+            self._reserving.add(peer)
+            self._spawn(self._reserve(peer, addrs))
+        return next_retry
+
+    def _relay_candidates(self) -> list[tuple[PeerID, list[Multiaddr]]]:
+        out: dict[PeerID, list[Multiaddr]] = {}
+        for peer, conn in self.host.connections.items():
+            info = self.peers.get(peer)
+            if conn.kind != "relayed" and info is not None and relay.HOP_PROTOCOL in info.protocols:
+                out[peer] = [a for a in info.addrs if a.is_direct_tcp]
+        for peer, addrs in self._dht_relays.items():
+            if peer != self.host.peer_id:
+                out.setdefault(peer, addrs)
+        # Peers that advertise a direct (so confirmed public) address first: the others
+        # are probably private themselves and would refuse.
+        return sorted(out.items(), key=lambda kv: not kv[1])
+
+    async def _reserve(self, peer: PeerID, addrs: list[Multiaddr]) -> None:
+        try:
+            await self.relay_client.keep(peer, addrs)
+            self._relay_backoff.pop(peer, None)
+        except Exception as e:
+            _, last = self._relay_backoff.get(peer, (0.0, 0.0))
+            delay = min(_MAX_BACKOFF, max(self.config.relay_retry, last * 2))
+            now = self._loop.time()
+            if len(self._relay_backoff) > 1024:  # bounded: forget the expired ones
+                self._relay_backoff = {
+                    p: (u, d) for p, (u, d) in self._relay_backoff.items() if u > now
+                }
+            self._relay_backoff[peer] = (now + delay, delay)
+            log.info("no reservation on %s (retry in %.0fs): %s", peer.short(), delay, e)
+        finally:
+            self._reserving.discard(peer)
+            self._notify()
+
+    # --- DHT: relay advertisement and discovery ------------------------------------------------
+
+    def _manage_dht(self, now: float) -> float:
+        if self.dht is None:
+            return self.config.recheck_interval
+        if self._wants_relays() and len(self._relay_candidates()) < self.config.max_relays:
+            if now >= self._next_dht_lookup:
+                self._next_dht_lookup = now + _DHT_LOOKUP_INTERVAL
+                self._spawn(self._discover_relays())
+            return max(0.05, self._next_dht_lookup - now)
+        if (
+            self.config.relay_service
+            and self.reachability is Reachability.PUBLIC
+            and self.confirmed_addresses()
+        ):
+            if now >= self._next_dht_advert:
+                self._next_dht_advert = now + self.config.relay_dht_ttl / 2
+                self._spawn(self._advertise_relay())
+            return max(0.05, self._next_dht_advert - now)
+        return self.config.recheck_interval
+
+    async def _advertise_relay(self) -> None:
+        addrs = [str(a) for a in self.confirmed_addresses()]
+        try:
+            async with asyncio.timeout(_DHT_TIMEOUT):
+                await self.dht.store(
+                    self.config.relay_dht_key,
+                    addrs,
+                    time.time() + self.config.relay_dht_ttl,
+                    subkey=owner_subkey(self.host.peer_id),
+                )
+        except Exception as e:
+            self._next_dht_advert = self._loop.time() + 5.0
+            log.info("could not advertise the relay in the DHT: %r", e)
+
+    async def _discover_relays(self) -> None:
+        try:
+            async with asyncio.timeout(_DHT_TIMEOUT):
+                found = await self.dht.get(self.config.relay_dht_key)
+        except Exception as e:
+            log.info("relay lookup in the DHT failed: %r", e)
+            return
+        subkeys = getattr(found, "value", None) if found is not None else None
+        if not isinstance(subkeys, dict):
+            return
+        for subkey, value in list(subkeys.items())[:64]:
+            peer = _owner_of(subkey)
+            if peer is None or peer == self.host.peer_id or not isinstance(value, list):
+                continue
+            addrs = []
+            for raw in value[:8]:
+                try:
+                    addr = Multiaddr(raw) if isinstance(raw, str) else None
+                except MultiaddrError:
+                    addr = None
+                if addr is not None and addr.is_direct_tcp and addr.peer_id in (None, peer):
+                    addrs.append(addr.with_peer_id(peer))
+            if addrs:
+                self._dht_relays.pop(peer, None)
+                self._dht_relays[peer] = addrs
+        while len(self._dht_relays) > 256:  # bounded: the least recently seen go first
+            del self._dht_relays[next(iter(self._dht_relays))]
+        self._notify()
+
+
+def _owner_of(subkey: object) -> PeerID | None:
+    if not isinstance(subkey, str) or not subkey.startswith("[owner:") or not subkey.endswith("]"):
+        return None
+    try:
+        return PeerID.from_base58(subkey[7:-1])
+    except ValueError:
+        return None
+
+
+def _fmt_addr(addr: tuple[str, int] | None) -> str | None:
+    return None if addr is None else f"{addr[0]}:{addr[1]}"
