@@ -67,9 +67,10 @@ def _percentile(values: list[float], q: float) -> float | None:
 class ShoalWorker:
     """Runs this process's nodes; answers one JSON command at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, replication: int | None = None) -> None:
         self.nodes: list[Any] = []
         self.hosts: list[Any] = []
+        self.replication = replication
 
     async def _new_node(self, bootstrap: list[str]) -> Any:
         from shoal.dht.node import DHTNode
@@ -82,7 +83,9 @@ class ShoalWorker:
         )
         await host.start()
         self.hosts.append(host)
-        node = await DHTNode.create(host, bootstrap=bootstrap, bootstrap_backoff=0.1)
+        node = await DHTNode.create(
+            host, bootstrap=bootstrap, bootstrap_backoff=0.1, replication=self.replication
+        )
         self.nodes.append(node)
         return node
 
@@ -139,6 +142,14 @@ class HivemindWorker(ShoalWorker):
         self.nodes.append(node)
         return node
 
+    async def join(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        # One at a time: each hivemind node starts its own p2pd daemon, and dozens
+        # starting at once on a small machine miss hivemind's 15 s start-up limit.
+        t0 = time.perf_counter()
+        for _ in range(cmd["count"]):
+            await self._new_node(cmd["bootstrap"])
+        return {"join_s": time.perf_counter() - t0, "nodes": len(self.nodes)}
+
     async def seed(self, cmd: dict[str, Any]) -> dict[str, Any]:
         node = await self._new_node([])
         maddrs = await node.p2p.get_visible_maddrs()
@@ -165,12 +176,12 @@ class HivemindWorker(ShoalWorker):
             await node.shutdown()
 
 
-async def run_worker(kind: str) -> None:
+async def run_worker(kind: str, replication: int | None = None) -> None:
     try:
         import uvloop  # noqa: F401  (the loop factory below)
     except ImportError:
         pass
-    worker = HivemindWorker() if kind == "hivemind" else ShoalWorker()
+    worker = HivemindWorker() if kind == "hivemind" else ShoalWorker(replication)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -192,12 +203,13 @@ class Proc:
         self.proc = proc
 
     @classmethod
-    async def spawn(cls, kind: str) -> Proc:
+    async def spawn(cls, kind: str, replication: int | None = None) -> Proc:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             SCRIPT,
             "--worker",
             kind,
+            *(["--replication", str(replication)] if replication else []),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             limit=64 * 1024 * 1024,
@@ -244,7 +256,7 @@ def _split(nodes: int, processes: int) -> list[int]:
 
 async def run_workload(kind: str, opts: argparse.Namespace) -> dict[str, Any]:
     counts = _split(opts.nodes, opts.processes)
-    procs = await asyncio.gather(*(Proc.spawn(kind) for _ in counts))
+    procs = await asyncio.gather(*(Proc.spawn(kind, opts.replication) for _ in counts))
     try:
         # The seed lives in the largest process; it counts as one of its nodes.
         seed = (await procs[-1].call({"cmd": "seed"}))["addr"]
@@ -429,6 +441,11 @@ def main(argv: list[str] | None = None) -> None:
         "--one-process", type=int, metavar="N", help="instead: N nodes in this one process"
     )
     p.add_argument("--max-dialed", type=int, default=6, help="with --one-process")
+    p.add_argument(
+        "--replication",
+        type=int,
+        help="shoal's replicas per record (default k = 20; hivemind stores 5)",
+    )
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     try:
@@ -439,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
         runner = asyncio.run
     if opts.worker:
         logging.getLogger().setLevel(logging.WARNING)
-        runner(run_worker(opts.worker))
+        runner(run_worker(opts.worker, opts.replication))
         return
     if opts.one_process:
         logging.getLogger("shoal").setLevel(logging.ERROR)
