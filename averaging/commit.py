@@ -8,23 +8,28 @@ driver passes in.
 
 Votes. A member whose data phase completed (it holds every averaged part)
 votes READY; one that cannot complete (a peer died, a codec error, garbage)
-VETOes. A veto is final and public: the member will never vote READY, so no
-COMMIT is possible any more, and everyone may learn it from anyone.
+VETOes. Votes are final. A veto is public: the vetoer will never vote READY, so
+COMMIT is impossible at every ballot from then on, and anyone who learns of it
+may take any ABORT decision (or, if no decider speaks up within
+``decision_timeout``, abort alone: nothing else can be decided).
 
 Deciders and ballots. A decision is ``(ballot, commit)``; ballot b belongs to
 member ``b % n``. Member 0 decides at ballot 0 and is the only one who may
 *originate* COMMIT: it does so iff it holds READY from every member. A member
-applies (and relays to everyone) the first decision it receives whose ballot
-is not below the highest ballot it promised.
+applies (and relays to everyone not named failed) the first decision it
+receives whose ballot is not below the highest ballot it promised. Every
+message's reply is the receiver's status, decision included, so a decision
+also spreads through heartbeats.
 
 Takeover. When every member below k is suspected (dead or stalled), member k
-leads: it picks a ballot b it owns above every ballot it has seen, sends
-PREPARE(b) to all non-suspected members and waits for each to answer (or to
-become suspected). A member answers with its status and promises to ignore
-decisions of lower ballots from then on. The leader adopts the decision with
-the highest ballot among the answers; if none has a decision it decides ABORT
-(a leader never originates COMMIT). A leader that meets a higher ballot
-stands back while that ballot's owner is alive.
+leads once it has voted: it picks a ballot b it owns above every ballot it has
+seen, sends PREPARE(b) to all non-suspected members and waits for each to
+answer (or to become suspected). A member answers with its status and
+promises to ignore decisions of lower ballots from then on. The leader adopts
+the decision with the highest ballot among the answers; if none has one it
+decides ABORT (a leader never originates COMMIT). A leader that meets a higher
+ballot stands back while that ballot's owner is alive (for at most
+``decision_timeout``).
 
 Why survivors agree. COMMIT exists only if every member voted READY, so a
 veto and a COMMIT never coexist. Suppose a member X applied COMMIT(b0) and a
@@ -33,23 +38,27 @@ either had no decision when it promised (and then ignores COMMIT(b0)
 forever) or reported one (and the leader would have adopted the highest, not
 ABORT, unless it saw a higher ABORT, which by induction was decided the same
 way). So X did not answer: the leader suspected X, and X is listed in the
-decision's ``failed``. The guarantee is therefore: all members that are not
-in the final decision's ``failed`` set end with the same decision. A member
-that was suspected while it was merely slow (SIGSTOP, a cut link) may have
-decided otherwise; it is named in ``failed``, so the caller retries without
-it, and a state version that moves only on commit keeps a member that missed
-a commit from mixing stale tensors into a later round.
+decision's ``failed``. The guarantee: every member not named in the
+highest-ballot decision's ``failed`` ends with that decision, or (only when
+links between live members break) knows it is *in doubt*. With crash failures
+(kill -9, a process that stays stopped) suspicion is accurate and all
+survivors decide alike. A member suspected while merely slow (SIGSTOP, a cut
+link) may have decided otherwise; it is named in ``failed``, so the caller
+retries without it, and a state version that moves only on commit keeps a
+member that missed a commit from mixing stale tensors into a later round.
+(Tested on a simulated network: `tests/test_averaging_allreduce.py`.)
 
 Liveness. Every member heartbeats its status to every other one; nothing
 heard from a member for ``stall_timeout`` makes it suspected (a lost
-connection does so at once). A member that voted READY and cannot learn the
-decision gives up *in doubt* after ``give_up_after`` without any progress at
-all: it keeps its tensors and says so, since others may have committed. A
-member that knows of a veto gives up with a certain ABORT. This is a last
-resort (every failure above is resolved sooner); it is longer than the data
-watchdog (a member that has not voted and received no data for 1.5 x
-``stall_timeout`` vetoes), so a member stuck in its data phase aborts the round
-before anyone gives up on it.
+connection does so at once, an unanswered message after ``decision_timeout``).
+A member that has not voted and received no data for 1.5 x ``stall_timeout``
+vetoes (it is stuck). A member that voted READY and cannot learn the decision
+gives up *in doubt* after ``give_up_after`` without any progress at all: it
+keeps its tensors and says so, since others may have committed. That is a
+last resort, longer than the data watchdog, so a member stuck in its data
+phase aborts the round before anyone gives up on it. A member that resumes
+after being stopped (a long gap between ticks) gives everyone a fresh
+``stall_timeout`` instead of suspecting the whole group.
 """
 
 from __future__ import annotations
@@ -88,9 +97,9 @@ class Status(NamedTuple):
     """What a member tells others about itself (heartbeats, votes, decisions, promises)."""
 
     vote: int
-    reason: str  # its veto reason, or why it knows the round aborted
+    reason: str  # its veto reason, or the veto it knows of
     suspects: tuple[int, ...]  # whom its veto blames
-    abort_known: bool  # it knows no COMMIT is possible (a veto, or a decided ABORT)
+    abort_known: bool  # it knows of a veto: no COMMIT is possible at any ballot
     decision: Decision | None
     promised: int
     progress: int  # data-phase progress counter (bytes received)
@@ -193,13 +202,13 @@ class CommitProtocol:
         self.veto: tuple[str, tuple[int, ...]] | None = None
         self.ready_from: set[int] = set()  # other members known to have voted READY
         self.vetoes: dict[int, tuple[str, tuple[int, ...]]] = {}
-        self.abort_known = False
+        self.abort_known = False  # a veto exists: every decision can only be ABORT
+        self._abort_known_at = math.inf
         self.abort_reason = ""
         self.promised = promised
         self._promised_at = now
         self.max_ballot = promised
         self.decision: Decision | None = None
-        self.originated = False  # this member decided (as decider or leader), not adopted
         self.progress = 0
         self.last_progress = now  # anything changed (ours or anyone's state)
         self._data_at = now  # our own data progress (the data watchdog's clock)
@@ -228,11 +237,10 @@ class CommitProtocol:
         wire = None
         if d is not None and d.ballot >= 0:
             wire = [d.ballot, d.commit, d.reason, sorted(d.failed)]
-        aborted = d is not None and not d.commit and not d.in_doubt
-        reason = self.veto[0] if self.veto else (d.reason if aborted and d else self.abort_reason)
+        reason = self.veto[0] if self.veto else self.abort_reason
         suspects = list(self.veto[1]) if self.veto else []
-        return ["S", self.vote, reason, suspects, self.abort_known or aborted, wire,
-                self.promised, self.progress]  # fmt: skip
+        ak, promised, progress = self.abort_known, self.promised, self.progress
+        return ["S", self.vote, reason, suspects, ak, wire, promised, progress]
 
     def take_messages(self) -> list[Send]:
         out, self._out = self._out, []
@@ -242,10 +250,7 @@ class CommitProtocol:
         """When `tick` has something to do next (inf once decided)."""
         if self.decision is not None:
             return math.inf
-        times = [
-            self._next_heartbeat,
-            self.last_progress + self.give_up_after,
-        ]
+        times = [self.last_progress + self.give_up_after]
         alive = [
             self.last_heard[j] for j in range(self.n) if j != self.me and j not in self.suspected
         ]
@@ -255,7 +260,12 @@ class CommitProtocol:
             times.append(self._data_at + self.watchdog)
         if self._deferring():
             times.append(self._promised_at + self.decision_timeout)
-        return min(times)
+        if self.abort_known:
+            times.append(self._abort_known_at + self.decision_timeout)
+        # A deadline the last tick already passed had nothing to do (e.g. the end of a
+        # deferral while someone else leads): never ask to be woken for it again. The
+        # heartbeat is always due at some point (tick moves it on).
+        return min([self._next_heartbeat, *(t for t in times if t > self._last_tick)])
 
     # --- events -------------------------------------------------------------------------------
 
@@ -294,8 +304,13 @@ class CommitProtocol:
     def suspect(self, peer: int, reason: str, now: float) -> None:
         if peer == self.me or peer in self.suspected or self.decision is not None:
             return
+        leader = self.leader()
         self.suspected[peer] = reason[:MAX_REASON]
         self.last_progress = now
+        if peer == leader and self.leader() != self.me:
+            # Our leader is gone: ask the next one at once (its answer carries a decision
+            # if it has one, e.g. the old leader's, received before it died).
+            self._out.append(Send(self.leader(), self.status(), "vote"))
         if self._takeover is not None:
             self._takeover.waiting.discard(peer)
         self._evaluate(now)
@@ -318,7 +333,7 @@ class CommitProtocol:
         self.vote = VETO
         self.veto = (reason[:MAX_REASON], tuple(sorted(set(suspects) - {self.me})))
         self.vetoes[self.me] = self.veto
-        self._know_abort(self.veto[0])
+        self._know_abort(self.veto[0], now)
         self.last_progress = now
         self._broadcast("vote")
         self._evaluate(now)
@@ -347,6 +362,9 @@ class CommitProtocol:
         stuck = now >= self._data_at + self.watchdog
         if self.vote == NO_VOTE and not self.abort_known and stuck:
             self.fail(f"no data progress for {now - self._data_at:.1f}s", (), now)
+        if self.decision is None and now >= self._abort_known_at + self.decision_timeout:
+            # ABORT is certain; we only waited for a decider's `failed` list. Enough.
+            self._give_up(now)
         if self.decision is None and now >= self.last_progress + self.give_up_after:
             self._give_up(now)
         self._evaluate(now)
@@ -362,10 +380,11 @@ class CommitProtocol:
             if j != self.me and j not in self.suspected:
                 self._out.append(Send(j, status, kind))
 
-    def _know_abort(self, reason: str) -> None:
+    def _know_abort(self, reason: str, now: float) -> None:
         if not self.abort_known:
             self.abort_known = True
             self.abort_reason = reason
+            self._abort_known_at = now
 
     def _on_prepare(self, ballot: int, now: float) -> None:
         self.max_ballot = max(self.max_ballot, ballot)
@@ -386,9 +405,9 @@ class CommitProtocol:
             self.ready_from.add(src)
         elif st.vote == VETO and src not in self.vetoes:
             self.vetoes[src] = (st.reason, st.suspects)
-            self._know_abort(st.reason)
+            self._know_abort(st.reason, now)
         if st.abort_known:
-            self._know_abort(st.reason)
+            self._know_abort(st.reason, now)
         self.max_ballot = max(self.max_ballot, st.promised)
         t = self._takeover
         if t is not None and src in t.waiting:
@@ -398,21 +417,26 @@ class CommitProtocol:
             elif st.promised > t.ballot:
                 self._takeover = None
         if st.decision is not None:
-            self._adopt(st.decision, now)
+            self._adopt(st.decision, now, src)
         self._evaluate(now)
 
-    def _adopt(self, d: Decision, now: float) -> None:
-        if self.decision is None and d.ballot >= self.promised:
-            self._decide(d, now, originated=False)
+    def _adopt(self, d: Decision, now: float, src: int) -> None:
+        # With a veto known, COMMIT exists nowhere: any ABORT is safe to take, whatever
+        # its ballot (it brings the decider's `failed`, which the retry should share).
+        if self.decision is None and (
+            d.ballot >= self.promised or (self.abort_known and not d.commit)
+        ):
+            # Straight from its decider, who tells everyone: nothing to relay. Learned
+            # second-hand, the decider may have died halfway: pass it on.
+            self._decide(d, now, kind=None if src == d.ballot % self.n else "relay")
 
-    def _decide(self, d: Decision, now: float, *, originated: bool) -> None:
+    def _decide(self, d: Decision, now: float, *, kind: str | None) -> None:
+        """Decide `d`; `kind`: how to spread it ("decision": ours, "relay", None)."""
         self.decision = d
-        self.originated = originated
         self._takeover = None
         self.last_progress = now
-        if d.ballot >= 0:
+        if d.ballot >= 0 and kind is not None:
             status = self.status()
-            kind = "decision" if originated else "relay"
             for j in range(self.n):
                 # Not to the failed: a stalled member would hold the sender up, and the
                 # survivors do not wait for it.
@@ -433,7 +457,10 @@ class CommitProtocol:
 
     def _reason(self) -> str:
         if self.vetoes:
-            return self.vetoes[min(self.vetoes)][0]
+            # A veto that blames someone names the cause; the others are its echoes
+            # ("member X stopped the transfer").
+            blaming = [j for j, (_, blamed) in self.vetoes.items() if blamed]
+            return self.vetoes[min(blaming or self.vetoes)][0]
         if self.suspected:
             j = min(self.suspected)
             return f"member {self.names[j]} {self.suspected[j]}"
@@ -448,13 +475,13 @@ class CommitProtocol:
             # Ballot 0, the only one that may originate COMMIT.
             if self.abort_known:
                 self._decide(
-                    Decision(0, False, self._reason(), self._failed()), now, originated=True
+                    Decision(0, False, self._reason(), self._failed()), now, kind="decision"
                 )
             elif self.vote == READY and len(self.ready_from) == self.n - 1:
-                self._decide(Decision(0, True, "", self._failed()), now, originated=True)
+                self._decide(Decision(0, True, "", self._failed()), now, kind="decision")
             elif any(j not in self.ready_from for j in self.suspected):
                 self._decide(
-                    Decision(0, False, self._reason(), self._failed()), now, originated=True
+                    Decision(0, False, self._reason(), self._failed()), now, kind="decision"
                 )
             return
         if self.vote == NO_VOTE and not self.abort_known:
@@ -480,7 +507,7 @@ class CommitProtocol:
             d = Decision(t.ballot, best.commit, best.reason, best.failed | self._failed())
         else:
             d = Decision(t.ballot, False, self._reason(), self._failed())
-        self._decide(d, now, originated=True)
+        self._decide(d, now, kind="decision")
 
     def _give_up(self, now: float) -> None:
         failed = self._failed()
@@ -489,7 +516,7 @@ class CommitProtocol:
             if self.decision is not None:
                 return
         if self.abort_known:
-            self._decide(Decision(_LOCAL, False, self._reason(), failed), now, originated=False)
+            self._decide(Decision(_LOCAL, False, self._reason(), failed), now, kind=None)
         else:
             why = f"in doubt: voted READY but learned no decision within {self.give_up_after:.0f}s"
-            self._decide(Decision(_LOCAL, False, why, failed, in_doubt=True), now, originated=False)
+            self._decide(Decision(_LOCAL, False, why, failed, in_doubt=True), now, kind=None)

@@ -395,7 +395,7 @@ def test_decider_killed_mid_broadcast_survivors_commit_through_relays() -> None:
     net.run(until=60)
     d = assert_survivors_agree(net)
     assert d.commit
-    assert max(net.decided_at.values()) < 0.5  # no takeover was needed
+    assert max(net.decided_at.values()) < 0.2  # no takeover, no heartbeat was needed
 
 
 def test_decider_killed_before_broadcasting_survivors_abort_by_takeover() -> None:
@@ -473,11 +473,10 @@ def test_random_failures_never_split_the_survivors(seed: int) -> None:
             net.freeze(v, t)
         elif mode == "freeze-resume":
             net.freeze(v, t, until=t + rng.uniform(0.5, 10))
+        elif rng.random() < 0.3:
+            net.die_on_decide.add(v)
         else:
-            if rng.random() < 0.3:
-                net.die_on_decide.add(v)
-            else:
-                net.crash_plan[v] = (rng.choice(["decision", "relay", "vote"]), rng.randrange(n))
+            net.crash_plan[v] = (rng.choice(["decision", "relay", "vote"]), rng.randrange(n))
     net.run(until=300)
     d = assert_survivors_agree(net)
     # Bounded: nobody waits longer than detection plus the decision protocol.
@@ -671,13 +670,14 @@ async def test_members_end_bit_identical_near_the_weighted_mean(
     result = assert_identical(tensors)
     assert rel_err(result, weighted_mean(inputs, weights)) <= ERROR_BOUND[codec]
     assert [t.shape for t in tensors[0]] == [t.shape for t in inputs[0]]
-    # Wire bytes: every member sends its contribution to every other part and every
-    # other member its own part, once, encoded.
-    total = sum(t.numel() for t in inputs[0])
-    codec_obj = get_codec(codec)
-    sent = sum(o.bytes_sent for o in outs)
-    payload = 2 * (n - 1) * codec_obj.encoded_size(total // n)
-    assert 0.9 * payload <= sent <= 1.2 * payload + 20_000 * n
+    # Wire bytes: every member sends its contribution to every other part and its own
+    # part to every other member, once, encoded (plus chunk headers and control).
+    plan = Plan.build(sum(t.numel() for t in inputs[0]), [1.0] * n, streams=1, chunk_elements=1024)
+    enc = get_codec(codec).encoded_size
+    part_bytes = [sum(enc(b - a) for a, b in plan.chunks(plan.parts[j])) for j in range(n)]
+    for i, o in enumerate(outs):
+        payload = sum(part_bytes[j] + part_bytes[i] for j in range(n) if j != i)
+        assert payload <= o.bytes_sent <= payload + 13 * 2 * n * 16 + 2000 * n
 
 
 async def test_weights_zero_weight_and_zero_bandwidth_members(cluster: Any) -> None:
@@ -700,6 +700,15 @@ async def test_many_lanes_and_chunks_and_odd_sizes(cluster: Any) -> None:
     committed(await c.run(c.group(bandwidths=[1.0, 5.0, 2.0]), tensors, codec="int8"))
     result = assert_identical(tensors)
     assert rel_err(result, weighted_mean(inputs, [1.0] * 3)) < ERROR_BOUND["int8"]
+
+
+async def test_fewer_elements_than_members_and_nothing_at_all(cluster: Any) -> None:
+    c = await cluster(5)
+    inputs = make_inputs(5, seed=14, shapes=[(3,)])
+    tensors = clone(inputs)
+    committed(await c.run(c.group(), tensors, codec="int8"))
+    assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0] * 5)) < 3e-2
+    committed(await c.run(c.group(), [[] for _ in range(5)]))
 
 
 async def test_float64_and_half_tensors_are_averaged_in_their_dtype(cluster: Any) -> None:
@@ -877,7 +886,7 @@ async def test_decider_dying_mid_broadcast_survivors_still_commit(cluster: Any) 
 
 @pytest.mark.timeout(30)
 async def test_crash_after_commit_decided_but_before_apply(cluster: Any) -> None:
-    c, inputs, tensors, outs = await crash_round(cluster, 3, 2, "before_apply", seed=41)
+    _c, inputs, tensors, outs = await crash_round(cluster, 3, 2, "before_apply", seed=41)
     assert survivors_agree(outs, 2) is True
     assert rel_err(assert_identical(tensors[:2]), weighted_mean(inputs, [1.0] * 3)) < 1e-6
     assert all(torch.equal(a, b) for a, b in zip(tensors[2], inputs[2], strict=True))
@@ -895,7 +904,7 @@ async def test_a_stalled_member_is_detected_within_stall_timeout(
         await asyncio.Event().wait()
 
     stalled.set_handler(PROTO, hang)
-    members = list(c.group().members) + [Member(stalled.peer_id, tuple(stalled.addresses()))]
+    members = [*list(c.group().members), Member(stalled.peer_id, tuple(stalled.addresses()))]
     group = Group("test", make_round_id("test", [m.peer_id for m in members], b"x"), tuple(members))
     inputs = make_inputs(3, seed=50)
     tensors = clone(inputs)
@@ -959,7 +968,7 @@ async def test_a_member_frozen_mid_round_is_given_up_and_survivors_retry(cluster
     try:
         fhost, _ = await asyncio.wrap_future(frozen.ready)
         c = await cluster(3)
-        members = list(c.group().members) + [Member(fhost.peer_id, tuple(fhost.addresses()))]
+        members = [*list(c.group().members), Member(fhost.peer_id, tuple(fhost.addresses()))]
         group = Group(
             "test", make_round_id("test", [m.peer_id for m in members], b"f"), tuple(members)
         )
@@ -975,7 +984,7 @@ async def test_a_member_frozen_mid_round_is_given_up_and_survivors_retry(cluster
         for o in outs:
             assert o.failed == (fhost.peer_id,) and "stalled" in o.reason
         t1 = time.monotonic()
-        await retry_without(c, 3, inputs[:3] + [inputs[3]], tensors[:3] + [tensors[3]])
+        await retry_without(c, 3, [*inputs[:3], inputs[3]], [*tensors[:3], tensors[3]])
         assert time.monotonic() - t1 < 3
     finally:
         frozen.release.set()
@@ -1053,7 +1062,7 @@ async def rogue_setup(cluster: Any, make_host: Any) -> tuple[Cluster, Host, Grou
     c = await cluster(2)
     rogue = await make_host()
     AllReduceService(rogue, AllReduceConfig(**FAST))  # looks alive, runs nothing
-    members = list(c.group().members) + [Member(rogue.peer_id, tuple(rogue.addresses()))]
+    members = [*list(c.group().members), Member(rogue.peer_id, tuple(rogue.addresses()))]
     group = Group("test", make_round_id("test", [m.peer_id for m in members], b"g"), tuple(members))
     plan = Plan.build(3000, [1.0] * 3, streams=1, chunk_elements=AllReduceConfig().chunk_bytes // 4)
     digest = plan.digest(group.round_id, [m.peer_id.to_bytes() for m in members], 0)
@@ -1088,7 +1097,7 @@ async def test_garbage_from_a_member_fails_the_round_with_a_clear_reason(
     c, rogue, group, digest = await rogue_setup(cluster, make_host)
     honest = asyncio.ensure_future(run_honest(c, group))
     request = {"r": group.round_id, "l": 0, "w": 1.0, "p": digest, **header}
-    with pytest.raises(RemoteError, match="BadRequest|AllReduceError"):
+    with pytest.raises(RemoteError, match=r"BadRequest|AllReduceError"):
         async with rpc.open_call(rogue, c.hosts[0].peer_id, PROTO, "d", request, timeout=5) as call:
             for index, nbytes in frames:
                 await call.stream.write(
@@ -1127,7 +1136,7 @@ async def test_traffic_for_an_unknown_round_is_refused_and_harmless(
 
 
 async def test_outsiders_cannot_disturb_a_round(cluster: Any, make_host: Any) -> None:
-    c, rogue, group, digest = await rogue_setup(cluster, make_host)
+    c, _rogue, _group, digest = await rogue_setup(cluster, make_host)
     outsider = await make_host()
     inputs = make_inputs(2, seed=91)
     tensors = clone(inputs)
@@ -1200,7 +1209,6 @@ async def test_throughput_four_members_ten_million_floats(cluster: Any) -> None:
             times.append(time.perf_counter() - t0)
         err = rel_err(tensors[0][0], ref)
         mb = sum(o.bytes_sent for o in outs) / 4 / 1e6
-        print(
-            f"\n4 x 10M float32, {codec}: {min(times):.3f}s, {mb:.1f} MB sent per member, rel err {err:.1e}"
-        )
+        secs = min(times)
+        print(f"\n4 x 10M float32, {codec}: {secs:.3f}s, {mb:.1f} MB sent/member, err {err:.1e}")
         assert err < ERROR_BOUND[codec]
