@@ -18,7 +18,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-LAB_SH = Path(os.environ.get("SHOAL_LAB_SH", REPO.parent / "shared" / "lab" / "lab.sh"))
+
+
+def _find_lab_sh() -> Path:
+    """SHOAL_LAB_SH, else shared/lab/lab.sh beside this checkout or any folder above
+    it, else the workspace's (a clean clone may live elsewhere, e.g. in /tmp)."""
+    if os.environ.get("SHOAL_LAB_SH"):
+        return Path(os.environ["SHOAL_LAB_SH"])
+    candidates = [d / "shared" / "lab" / "lab.sh" for d in REPO.parents]
+    candidates.append(Path("/work/shared/lab/lab.sh"))
+    return next((c for c in candidates if c.exists()), candidates[0])
+
+
+LAB_SH = _find_lab_sh()
 PEER_SCRIPT = Path(__file__).resolve().with_name("nat_peer.py")
 
 # Public addresses of the lab (lab.sh: PUB_NET 198.51.100.0/24).
