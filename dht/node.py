@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from shoal.transport.errors import TransportError
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
+from shoal.transport.tasks import TaskSet
 
 from .lookup import Candidate, KeyLookup, traverse
 from .protocol import (
@@ -153,7 +154,7 @@ class DHTNode:
         self._blacklist: dict[PeerID, float] = {}
         # (key, subkey) -> (record, when to republish, UNIX time)
         self._originated: dict[tuple[str, str | None], tuple[Record, float]] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet(log, "DHT")
         self._wake = asyncio.Event()
         self._closed = False
         self._counters = {
@@ -207,7 +208,7 @@ class DHTNode:
                     if not start_alone_on_failure:
                         raise
                     log.warning("bootstrap failed; starting a new network alone")
-            node._spawn(node._maintenance())
+            node._tasks.spawn(node._maintenance())
         except BaseException:
             await node.aclose()
             raise
@@ -218,29 +219,13 @@ class DHTNode:
             return
         self._closed = True
         self._service.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
 
     async def __aenter__(self) -> DHTNode:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        if self._closed:
-            coro.close()
-            return
-        task = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("DHT background task failed: %r", task.exception())
 
     # ------------------------------------------------------------------ bootstrap
 
@@ -392,7 +377,7 @@ class DHTNode:
             peer, addrs, self._loop.time(), replace_addrs=replace
         )
         if result.status is AddStatus.NEEDS_PING and result.needs_ping is not None:
-            self._spawn(self._check_alive(result.needs_ping.peer_id, result.needs_ping.addrs))
+            self._tasks.spawn(self._check_alive(result.needs_ping.peer_id, result.needs_ping.addrs))
 
     async def _check_alive(self, peer: PeerID, addrs: tuple[Multiaddr, ...]) -> None:
         try:
@@ -469,7 +454,7 @@ class DHTNode:
             excess -= 1
             conn = self.host.connection(peer)
             if conn is not None and not conn.streams:
-                self._spawn(self.host.disconnect(peer))
+                self._tasks.spawn(self.host.disconnect(peer))
 
     def _reply_addrs(self, peer: PeerID, reply: object) -> tuple[Multiaddr, ...]:
         if not isinstance(reply, dict):
@@ -589,7 +574,7 @@ class DHTNode:
         records = [r for r in merged.records() if not self.validator.is_capped(r, time.time())]
         if lacking and records:
             self._counters["cached"] += 1
-            self._spawn(self._send_store(lacking[0], records))
+            self._tasks.spawn(self._send_store(lacking[0], records))
 
     async def _send_store(self, cand: Candidate, records: list[Record]) -> list[bool] | None:
         """Per record, whether `cand` stored it; None when it could not be reached."""

@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 from ..connection import Connection
 from ..host import Host
 from ..identity import PeerID
 from ..multiaddr import Multiaddr, MultiaddrError
+from ..tasks import TaskSet
 from . import autonat, holepunch, relay
 from .autonat import AutoNAT, ProbeResult, Reachability, ReachabilityTracker
 from .config import NatConfig
@@ -80,7 +81,7 @@ class NatManager:
         )
         self.puncher = HolePuncher(host, config, self._punch_addresses)
         self.peers: dict[PeerID, IdentifyInfo] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet(log, "NAT")
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._next_probe = 0.0
@@ -112,7 +113,7 @@ class NatManager:
             self.puncher.start()
         self.host.set_address_provider(self.advertised_addresses)
         self.identify.start()  # last: it may fire for existing connections at once
-        self._spawn(self._run())
+        self._tasks.spawn(self._run())
 
     async def aclose(self) -> None:
         if self._closed:
@@ -123,10 +124,7 @@ class NatManager:
         self.autonat.close()
         self.relay.close()
         self.puncher.close()
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
         await self.relay_client.aclose()
         self._notify()
 
@@ -270,19 +268,6 @@ class NatManager:
         self._wake.set()
         self._changed.set()
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        if self._closed:
-            coro.close()
-            return
-        task = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("NAT background task failed: %r", task.exception())
-
     def _on_identified(self, conn: Connection, info: IdentifyInfo) -> None:
         peer = conn.remote_peer
         self.peers[peer] = info
@@ -384,7 +369,7 @@ class NatManager:
             self._probed_at = {p: t for p, t in self._probed_at.items() if p in self.peers}
         self._probed_at[peer] = now
         self._probing = True
-        self._spawn(self._probe(conn))
+        self._tasks.spawn(self._probe(conn))
         return True
 
     def _refresh_observations(self) -> None:
@@ -456,7 +441,7 @@ class NatManager:
                 continue
             want -= 1
             self._reserving.add(peer)
-            self._spawn(self._reserve(peer, addrs))
+            self._tasks.spawn(self._reserve(peer, addrs))
         return next_retry
 
     def _relay_candidates(self) -> list[tuple[PeerID, list[Multiaddr]]]:
@@ -498,7 +483,7 @@ class NatManager:
         if self._wants_relays() and len(self._relay_candidates()) < self.config.max_relays:
             if now >= self._next_dht_lookup:
                 self._next_dht_lookup = now + _DHT_LOOKUP_INTERVAL
-                self._spawn(self._discover_relays())
+                self._tasks.spawn(self._discover_relays())
             return max(0.05, self._next_dht_lookup - now)
         if (
             self.config.relay_service
@@ -507,7 +492,7 @@ class NatManager:
         ):
             if now >= self._next_dht_advert:
                 self._next_dht_advert = now + self.config.relay_dht_ttl / 2
-                self._spawn(self._advertise_relay())
+                self._tasks.spawn(self._advertise_relay())
             return max(0.05, self._next_dht_advert - now)
         return self.config.recheck_interval
 
