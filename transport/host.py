@@ -316,7 +316,7 @@ class Host:
         timeout = self.config.dial_timeout if timeout is None else timeout
         task = asyncio.get_running_loop().create_task(self._dial_any(peer, candidates, timeout))
         self._dial_tasks.add(task)
-        task.add_done_callback(self._dial_tasks.discard)
+        task.add_done_callback(self._dial_finished)
         if peer is not None:
             self._dials[peer] = task  # type: ignore[assignment]
         try:
@@ -324,6 +324,13 @@ class Host:
         finally:
             if peer is not None and self._dials.get(peer) is task:
                 del self._dials[peer]
+
+    def _dial_finished(self, task: asyncio.Task[Connection]) -> None:
+        self._dial_tasks.discard(task)
+        if not task.cancelled():
+            # Retrieved here: when every caller gave up (timed out) before the dial
+            # failed, nobody else reads the error, and asyncio would log it.
+            task.exception()
 
     async def open_stream(
         self,
