@@ -68,6 +68,9 @@ class Host:
         self._listen_addrs: list[Multiaddr] = []
         self._conns: dict[PeerID, Connection] = {}
         self._all: set[Connection] = set()  # including handshaking and superseded ones
+        # Bytes of connections already closed: the totals must not drop when one closes.
+        self._closed_bytes_sent = 0
+        self._closed_bytes_received = 0
         self._per_ip: Counter[str] = Counter()
         self._dials: dict[PeerID, asyncio.Future[Connection]] = {}
         self._closing = False
@@ -359,9 +362,18 @@ class Host:
         return {
             "peer_id": str(self.peer_id),
             "connections": [c.stats() for c in conns],
-            "bytes_sent": sum(c.bytes_sent for c in self._all),
-            "bytes_received": sum(c.bytes_received for c in self._all),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
         }
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes written to the network since start (every connection, closed ones too)."""
+        return self._closed_bytes_sent + sum(c.bytes_sent for c in self._all)
+
+    @property
+    def bytes_received(self) -> int:
+        return self._closed_bytes_received + sum(c.bytes_received for c in self._all)
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -594,6 +606,8 @@ class Host:
     def _on_closed(self, conn: Connection) -> None:
         if conn in self._all:
             self._all.discard(conn)
+            self._closed_bytes_sent += conn.bytes_sent
+            self._closed_bytes_received += conn.bytes_received
             ip = self._ip_key(conn)
             if ip is not None:
                 self._per_ip[ip] -= 1
