@@ -30,6 +30,7 @@ EXIT_INTERRUPTED = 130  # the shell convention for "killed by SIGINT"
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "id": ("data_dir", "log_level"),
     "run": tuple(OPTIONS),
+    "status": (),  # its URL and --json are plain arguments (status_cli.py)
 }
 
 ENV_HELP = """\
@@ -79,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_options(run_parser, COMMAND_OPTIONS["run"])
+    status_parser = commands.add_parser(
+        "status",
+        help="show a running peer's status (from its HTTP status endpoint)",
+        description=(
+            "Print the status of a running peer: step, loss, connections, the swarm's peers.\n"
+            "URL defaults to SHOAL_STATUS_ADDR (HOST:PORT, as `shoal run --status-addr` takes\n"
+            "it) when set, else http://127.0.0.1:8080."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    status_parser.add_argument(
+        "url", nargs="?", metavar="URL", help="the peer's status endpoint: http://HOST:PORT"
+    )
+    status_parser.add_argument(
+        "--json", action="store_true", help="print the raw /status JSON instead"
+    )
     return parser
 
 
@@ -100,6 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         build_parser().print_help(sys.stderr)
         return EXIT_USAGE
+    if command == "status":
+        from .status_cli import status_command  # not at the top: aiohttp is slow to import
+
+        args = build_parser().parse_args(argv)  # parsed fine above; its arguments are not config
+        return status_command(args.url, sys.stdout, json_output=args.json)
     logging.basicConfig(
         level=config.logging_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

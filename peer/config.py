@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shoal.transport.host import DEFAULT_LISTEN, HostConfig
 from shoal.transport.identity import PeerID
@@ -36,6 +39,14 @@ __all__ = [
 ]
 
 DEFAULT_DATA_DIR = "~/.shoal"
+DEFAULT_EXPERIMENT = "default"
+DEFAULT_TASK = "bytegpt"
+DEFAULT_STRATEGY = "diloco"
+STRATEGIES = ("diloco", "streaming", "noloco")
+DEFAULT_INNER_STEPS = 50
+DEFAULT_STATUS_ADDR = "127.0.0.1:8080"
+DEFAULT_CHECKPOINT_INTERVAL = 300.0
+REACHABILITY_MODES = ("auto", "public", "private")
 IDENTITY_FILE = "identity.key"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -53,6 +64,7 @@ class Option:
     default_text: str  # how the default reads in --help
     repeatable: bool = False  # a list: repeat the flag, or comma-separate (the env var)
     many: bool = False  # the flag also takes several values at once: --flag A B
+    boolean: bool = False  # a switch: --flag alone sets it; the variable takes 1/0, true/false
 
     @property
     def flag(self) -> str:
@@ -103,6 +115,116 @@ OPTIONS: dict[str, Option] = {
             "LEVEL",
             "info",
         ),
+        Option(
+            "config",
+            "SHOAL_CONFIG",
+            "TOML file of options (keys are the option names, e.g. inner_steps = 20); "
+            "flags and SHOAL_* variables override it",
+            "FILE",
+            "none",
+        ),
+        Option(
+            "host_experiment",
+            "SHOAL_HOST_EXPERIMENT",
+            "create the experiment NAME (a signed manifest in the DHT) and train on it; "
+            "other peers join it with --join",
+            "NAME",
+            f"{DEFAULT_EXPERIMENT!r} when neither --join nor --bootstrap is given",
+        ),
+        Option(
+            "join",
+            "SHOAL_JOIN",
+            "join the experiment NAME (or NAME@PEERID, naming its host, as the host prints it) "
+            "found through the --bootstrap peers",
+            "NAME[@PEERID]",
+            f"{DEFAULT_EXPERIMENT!r} when --bootstrap is given",
+        ),
+        Option(
+            "no_train",
+            "SHOAL_NO_TRAIN",
+            "take part in the network (DHT, relay, hole punching) without training: "
+            "a bootstrap or relay peer",
+            "",
+            "off",
+            boolean=True,
+        ),
+        Option(
+            "task",
+            "SHOAL_TASK",
+            "what a hosted experiment trains: a built-in task (bytegpt) or module:factory "
+            "of your own (see the README, Custom tasks)",
+            "TASK",
+            DEFAULT_TASK,
+        ),
+        Option(
+            "task_option",
+            "SHOAL_TASK_OPTIONS",
+            "a task setting of a hosted experiment, e.g. d_model=64; repeat the flag for several",
+            "KEY=VALUE",
+            "the task's defaults",
+            repeatable=True,
+        ),
+        Option(
+            "data",
+            "SHOAL_DATA",
+            "train on this text file or folder instead of the built-in corpus (the Python "
+            "standard library's sources)",
+            "PATH",
+            "the built-in corpus",
+        ),
+        Option(
+            "strategy",
+            "SHOAL_STRATEGY",
+            "how a hosted experiment averages: " + ", ".join(STRATEGIES),
+            "NAME",
+            DEFAULT_STRATEGY,
+        ),
+        Option(
+            "inner_steps",
+            "SHOAL_INNER_STEPS",
+            "local steps between two averaging rounds of a hosted experiment (DiLoCo's H)",
+            "H",
+            str(DEFAULT_INNER_STEPS),
+        ),
+        Option(
+            "strategy_option",
+            "SHOAL_STRATEGY_OPTIONS",
+            "a strategy setting of a hosted experiment, e.g. outer_lr=0.5 or codec=int8; "
+            "repeat the flag for several",
+            "KEY=VALUE",
+            "the strategy's defaults",
+            repeatable=True,
+        ),
+        Option(
+            "status_addr",
+            "SHOAL_STATUS_ADDR",
+            "HOST:PORT of the HTTP status endpoint (/status, /peers, /metrics, /healthz, "
+            "and a page at /); 'off' disables it",
+            "HOST:PORT",
+            DEFAULT_STATUS_ADDR,
+        ),
+        Option(
+            "checkpoint_interval",
+            "SHOAL_CHECKPOINT_INTERVAL",
+            "seconds between checkpoints (one is also written at shutdown)",
+            "SECONDS",
+            str(int(DEFAULT_CHECKPOINT_INTERVAL)),
+        ),
+        Option(
+            "threads",
+            "SHOAL_THREADS",
+            "CPU threads for training",
+            "N",
+            "torch's default (the cores)",
+        ),
+        Option(
+            "reachability",
+            "SHOAL_REACHABILITY",
+            "auto: find out with the help of other peers; public: this address is "
+            "reachable (a forwarded port); private: always use relays",
+            "MODE",
+            "auto",
+        ),
     )
 }
 
@@ -116,6 +238,20 @@ class Config:
     announce: tuple[Multiaddr, ...] = ()
     bootstrap: tuple[Multiaddr, ...] = ()
     log_level: str = "info"
+    config: Path | None = None
+    host_experiment: str | None = None
+    join: str | None = None
+    no_train: bool = False
+    task: str = DEFAULT_TASK
+    task_option: tuple[tuple[str, Any], ...] = ()
+    data: Path | None = None
+    strategy: str = DEFAULT_STRATEGY
+    inner_steps: int = DEFAULT_INNER_STEPS
+    strategy_option: tuple[tuple[str, Any], ...] = ()
+    status_addr: tuple[str, int] | None = ("127.0.0.1", 8080)
+    checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL
+    threads: int | None = None
+    reachability: str = "auto"
     # Where each value came from ("default", "--listen", "SHOAL_LISTEN", ...), for the
     # start-up log: env-over-flag precedence surprises people, so show it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -132,7 +268,32 @@ class Config:
         return HostConfig(
             listen=tuple(str(a) for a in self.listen),
             announce=tuple(str(a) for a in self.announce),
+            # Hole punching dials out from the listening port (NAT traversal).
+            reuse_port=True,
         )
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    def experiment_role(self) -> tuple[str, str] | None:
+        """("host", NAME) or ("join", NAME[@PEERID]); None for a peer that does not train.
+
+        Without --host-experiment or --join: a first peer (no --bootstrap) hosts
+        the default experiment, a peer given --bootstrap joins it.
+        """
+        if self.no_train:
+            return None
+        if self.host_experiment and self.join:
+            raise ConfigError(
+                f"{self._origin('host_experiment')} and {self._origin('join')} exclude each "
+                "other: host a new experiment or join one"
+            )
+        if self.host_experiment:
+            return ("host", self.host_experiment)
+        if self.join:
+            return ("join", self.join)
+        return ("join", DEFAULT_EXPERIMENT) if self.bootstrap else ("host", DEFAULT_EXPERIMENT)
 
     def check_peer_id(self, peer_id: PeerID) -> None:
         """Refuse announce addresses that name another peer (the host would silently replace it)."""
@@ -153,8 +314,15 @@ class Config:
         lines = []
         for name in names:
             value = getattr(self, name)
-            if isinstance(value, tuple):
-                text = ", ".join(str(v) for v in value) or "(none)"
+            if name == "status_addr":
+                text = "off" if value is None else f"{value[0]}:{value[1]}"
+            elif isinstance(value, tuple):
+                text = (
+                    ", ".join(f"{v[0]}={v[1]}" if isinstance(v, tuple) else str(v) for v in value)
+                    or "(none)"
+                )
+            elif value is None:
+                text = "(none)"
             else:
                 text = str(value)
             lines.append(
@@ -173,6 +341,16 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
     """Add the flags of `names` to `parser`; unset flags stay None so precedence can be applied."""
     for name in names:
         opt = OPTIONS[name]
+        if opt.boolean:
+            parser.add_argument(
+                opt.flag,
+                dest=name,
+                action="store_const",
+                const="1",
+                default=None,
+                help=f"{opt.help} [env {opt.env}=1]",
+            )
+            continue
         parser.add_argument(
             opt.flag,
             dest=name,
@@ -190,14 +368,28 @@ def build_config(
     """The Config for options `names`: each from its env var, else its flag, else the default.
 
     An empty or blank environment variable counts as unset (compose files often
-    declare `SHOAL_ANNOUNCE=` with nothing after it). Raises ConfigError.
+    declare `SHOAL_ANNOUNCE=` with nothing after it). A TOML file named by
+    --config (SHOAL_CONFIG) comes under both. Raises ConfigError.
     """
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
+    names = list(names)
+    file_values: dict[str, object] = {}
+    file_origin = ""
+    if "config" in names:
+        path_text = environ.get(OPTIONS["config"].env, "").strip() or flags.get("config")
+        if path_text:
+            file_origin = str(path_text)
+            file_values = _read_toml(Path(str(path_text)).expanduser(), names)
     for name in names:
         opt = OPTIONS[name]
         env_value = environ.get(opt.env, "").strip()
         flag_value = flags.get(name)
+        if not env_value and flag_value is None and name in file_values:
+            raw_file = file_values[name]
+            origin = sources[name] = f"{file_origin} ({name})"
+            values[name] = _PARSERS[name](_toml_text(raw_file), origin)
+            continue
         if env_value:
             raw: str | Sequence[str] = env_value
             origin = opt.env
@@ -212,6 +404,37 @@ def build_config(
 
 
 # --- per-option parsing and validation --------------------------------------------------------
+
+
+def _read_toml(path: Path, names: Sequence[str]) -> dict[str, object]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    known = {n: n for n in names} | {n.replace("_", "-"): n for n in names}
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        if key not in known or key == "config":
+            raise ConfigError(
+                f"config file {path}: unknown option {key!r} (options are the flag names, "
+                "e.g. inner_steps or inner-steps)"
+            )
+        out[known[key]] = value
+    return out
+
+
+def _toml_text(value: object) -> str | list[str]:
+    """A TOML value as the text a flag would carry (the option parsers take text)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    if isinstance(value, dict):
+        return [f"{k}={v}" for k, v in value.items()]
+    return str(value)
 
 
 def _items(raw: str | Sequence[str]) -> list[str]:
@@ -286,10 +509,141 @@ def _parse_log_level(raw: str | Sequence[str], source: str) -> str:
     return level
 
 
+def _parse_config(raw: str | Sequence[str], source: str) -> Path:
+    assert isinstance(raw, str)
+    return Path(raw.strip()).expanduser().absolute()
+
+
+def _parse_name(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    text = raw.strip()
+    name = text.partition("@")[0]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise ConfigError(
+            f"{source}: invalid experiment name {name!r}: 1-64 characters: letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    return text
+
+
+def _parse_bool(raw: str | Sequence[str], source: str) -> bool:
+    assert isinstance(raw, str)
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{source}: expected 1/0, true/false, yes/no; got {raw!r}")
+
+
+def _parse_task(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    text = raw.strip()
+    if not text:
+        raise ConfigError(f"{source}: empty task")
+    return text
+
+
+def _parse_key_values(raw: str | Sequence[str], source: str) -> tuple[tuple[str, Any], ...]:
+    """KEY=VALUE items; values are read as TOML scalars (numbers, booleans), else text."""
+    out: dict[str, Any] = {}
+    for item in _items(raw):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"{source}: expected KEY=VALUE, got {item!r}")
+        out[key] = _scalar(value.strip())
+    return tuple(out.items())
+
+
+def _scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _parse_data(raw: str | Sequence[str], source: str) -> Path:
+    assert isinstance(raw, str)
+    path = Path(raw.strip()).expanduser().absolute()
+    if not path.exists():
+        raise ConfigError(f"{source}: {path} does not exist; give a text file or a folder")
+    return path
+
+
+def _parse_strategy(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    name = raw.strip().lower()
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"{source}: unknown strategy {raw!r}; choose one of {', '.join(STRATEGIES)}"
+        )
+    return name
+
+
+def _positive_int(raw: str | Sequence[str], source: str) -> int:
+    assert isinstance(raw, str)
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{source}: expected a positive whole number, got {raw!r}")
+    return value
+
+
+def _parse_interval(raw: str | Sequence[str], source: str) -> float:
+    assert isinstance(raw, str)
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ConfigError(f"{source}: expected a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _parse_status_addr(raw: str | Sequence[str], source: str) -> tuple[str, int] | None:
+    assert isinstance(raw, str)
+    text = raw.strip()
+    if text.lower() in ("off", "none", "no"):
+        return None
+    from .status import parse_status_addr
+
+    try:
+        return parse_status_addr(text)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e} (or 'off' to disable the endpoint)") from None
+
+
+def _parse_reachability(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    mode = raw.strip().lower()
+    if mode not in REACHABILITY_MODES:
+        raise ConfigError(
+            f"{source}: unknown reachability {raw!r}; choose one of {', '.join(REACHABILITY_MODES)}"
+        )
+    return mode
+
+
 _PARSERS = {
     "data_dir": _parse_data_dir,
     "listen": _parse_listen,
     "announce": _parse_announce,
     "bootstrap": _parse_bootstrap,
     "log_level": _parse_log_level,
+    "config": _parse_config,
+    "host_experiment": _parse_name,
+    "join": _parse_name,
+    "no_train": _parse_bool,
+    "task": _parse_task,
+    "task_option": _parse_key_values,
+    "data": _parse_data,
+    "strategy": _parse_strategy,
+    "inner_steps": _positive_int,
+    "strategy_option": _parse_key_values,
+    "status_addr": _parse_status_addr,
+    "checkpoint_interval": _parse_interval,
+    "threads": _positive_int,
+    "reachability": _parse_reachability,
 }

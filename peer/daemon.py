@@ -1,9 +1,10 @@
 """The daemon's lifecycle: load the identity, start the subsystems, serve until told to stop.
 
-Subsystems so far: the transport host and the DHT node (joined through
-`--bootstrap`, or starting a new network). The trainer and the HTTP status
-endpoint will be started in `run_daemon` the same way, each pushed on the exit
-stack so that shutdown closes them in reverse order.
+In order: the transport host, NAT traversal, the DHT (joined through
+`--bootstrap`, or starting a new network), the HTTP status endpoint, then the
+experiment (hosted or joined, `session.py`) and its training loop. Each is
+pushed on one exit stack, so shutdown closes them in reverse order, and a
+start that fails half-way closes what had started.
 """
 
 from __future__ import annotations
@@ -14,16 +15,28 @@ import logging
 import signal
 import sys
 from collections.abc import Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from shoal.dht.node import BootstrapError, DHTNode
 from shoal.transport.host import Host
 from shoal.transport.identity import Identity, IdentityFileError
+from shoal.transport.nat import NatConfig, NatManager
 
 from . import __version__
 from .config import Config
+from .experiment import register_manifest_validator
+from .progress import Progress
 
-__all__ = ["StartupError", "load_identity", "print_addresses", "run_daemon"]
+if TYPE_CHECKING:
+    from .node import PeerNode
+
+__all__ = [
+    "StartupError",
+    "load_identity",
+    "print_addresses",
+    "print_join_command",
+    "run_daemon",
+]
 
 log = logging.getLogger("shoal.peer")
 
@@ -71,7 +84,10 @@ def print_addresses(host: Host, out: TextIO | None = None) -> None:
     """The dialable addresses on stdout, one per line, so scripts and people can copy them."""
     out = out if out is not None else sys.stdout
     print(f"shoal peer {host.peer_id} is reachable at:", file=out)
-    for addr in host.addresses():
+    # What we listen on, not only what NAT traversal has confirmed so far: until
+    # another peer dialed us back, that list is empty, yet these work locally.
+    addrs = host.addresses() if host.config.announce else host.interface_addresses()
+    for addr in addrs:
         print(addr, file=out)
     print(
         "To connect, another peer dials one of the addresses above "
@@ -87,11 +103,13 @@ async def run_daemon(
     """Run the peer until `stop` is set, or, without one, until SIGINT or SIGTERM.
 
     Raises StartupError (or ConfigError) when it cannot start; returns after a
-    graceful shutdown.
+    graceful shutdown: the round in flight ends, a checkpoint is written, the
+    status endpoint, the DHT, NAT traversal and the transport close in turn.
     """
     log.info("shoal %s starting", __version__)
     for line in config.describe():
         log.info("config: %s", line)
+    role = config.experiment_role()  # a ConfigError here, before anything starts
     async with contextlib.AsyncExitStack() as stack:
         if stop is None:
             # Installed first: Ctrl+C during start-up already means a clean shutdown.
@@ -101,6 +119,10 @@ async def run_daemon(
         identity = load_identity(config)
         config.check_peer_id(identity.peer_id)
         log.info("peer ID %s", identity.peer_id)
+        if config.threads is not None and role is not None:
+            import torch
+
+            torch.set_num_threads(config.threads)
 
         host = Host(identity, config.host_config())
         stack.push_async_callback(_close_host, host)  # before start: closes a partial start too
@@ -113,16 +135,98 @@ async def run_daemon(
             ) from None
         for addr in host.listen_addrs:
             log.info("listening on %s", addr)
-        dht = await _start_dht(host, config)
+        nat = NatManager(host, config=NatConfig(reachability=config.reachability))
+        await nat.start()
+        stack.push_async_callback(nat.aclose)
+        dht = await _start_dht(host, config, nat)
         stack.push_async_callback(dht.aclose)
-        print_addresses(host, out)
+        nat.dht = dht
 
-        await stop.wait()
+        # Imported here: they load torch, which `shoal id` and `shoal status` never need.
+        from .node import PeerNode
+        from .session import SessionError, open_session
+
+        node = PeerNode(config, identity, host, nat, dht)
+        stack.push_async_callback(node.aclose)
+        if config.status_addr is not None:
+            await _start_status(node, config.status_addr, stack)
+
+        if role is not None:
+            try:
+                session = await open_session(config, identity, dht)
+            except SessionError as e:
+                raise StartupError(str(e)) from None
+            node.attach(session)
+        print_addresses(host, out)
+        if node.session is not None:
+            print_join_command(node, config, out)
+        if config.status_addr is not None and node.status_url:
+            print(f"Status: {node.status_url}", file=out or sys.stdout, flush=True)
+
+        progress = Progress()
+        if progress.live:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            stack.enter_context(logging_redirect_tqdm())
+        stack.callback(progress.close)
+        node.start_background(progress)
+        if node.session is not None:
+            await node.train(stop)
+        else:
+            await stop.wait()
         log.info("shutting down")
     log.info("stopped")
 
 
-async def _start_dht(host: Host, config: Config) -> DHTNode:
+async def _start_status(
+    node: PeerNode, addr: tuple[str, int], stack: contextlib.AsyncExitStack
+) -> None:
+    from .metrics import Metrics
+    from .status import StatusServer
+
+    metrics = Metrics(node)
+    server = StatusServer(node, metrics, addr[0], addr[1])
+    try:
+        await server.start()
+    except OSError as e:
+        raise StartupError(
+            f"cannot serve the status endpoint on {addr[0]}:{addr[1]}: {e.strerror or e}; "
+            "is another shoal running? choose another with --status-addr HOST:PORT "
+            "(or SHOAL_STATUS_ADDR; 'off' disables it)"
+        ) from None
+    stack.push_async_callback(server.aclose)
+    node.metrics = metrics
+    node.status_url = server.url
+
+
+def print_join_command(node: PeerNode, config: Config, out: TextIO | None = None) -> None:
+    """How another machine, or another terminal here, joins this experiment."""
+    out = out if out is not None else sys.stdout
+    session = node.session
+    assert session is not None
+    addrs = node.host.interface_addresses(include_loopback=False) or node.host.addresses()
+    if config.announce:
+        addrs = node.host.addresses()
+    ref = session.manifest.ref
+    port = 31338
+    print(f"Experiment {session.manifest.name!r} (id {session.manifest.experiment_id}).", file=out)
+    if addrs:
+        print("To join it from another machine:", file=out)
+        print(f"  shoal run --join {ref} --bootstrap {addrs[0]}", file=out)
+    local = [a for a in node.host.interface_addresses() if a.is_loopback] or addrs
+    if local:
+        ours = config.status_addr[1] if config.status_addr else 0
+        status_port = ours + 1 if ours else 8081
+        print("To join it from another terminal on this machine:", file=out)
+        print(
+            f"  shoal run --join {ref} --bootstrap {local[0]} --data-dir ~/.shoal-2 "
+            f"--listen /ip4/0.0.0.0/tcp/{port} --status-addr 127.0.0.1:{status_port}",
+            file=out,
+        )
+    out.flush()
+
+
+async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
     for addr in config.bootstrap:
         if addr.peer_id is None:
             log.warning(
@@ -132,16 +236,20 @@ async def _start_dht(host: Host, config: Config) -> DHTNode:
             )
     if not config.bootstrap:
         log.info("no bootstrap peers: starting a new network")
-        return await DHTNode.create(host)
+        dht = await DHTNode.create(host, serves=lambda: nat.serves_dht)
+        register_manifest_validator(dht.validator)
+        return dht
     try:
         dht = await DHTNode.create(
             host,
+            serves=lambda: nat.serves_dht,
             bootstrap=config.bootstrap,
             bootstrap_attempts=BOOTSTRAP_ATTEMPTS,
             bootstrap_backoff=BOOTSTRAP_BACKOFF,
         )
     except BootstrapError as e:
         raise StartupError(f"{e}; check the --bootstrap (SHOAL_BOOTSTRAP) addresses") from None
+    register_manifest_validator(dht.validator)
     log.info("joined the network: %d peers known", len(dht.routing_table))
     return dht
 

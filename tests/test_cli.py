@@ -119,7 +119,12 @@ class RunningPeer:
 def running_peer(
     tmp_path: Path, *args: str, code: str | None = None, **env: str
 ) -> Iterator[RunningPeer]:
-    """`shoal run ARGS` (or `python -c CODE run ARGS`), killed at the end if still running."""
+    """`shoal run ARGS` (or `python -c CODE run ARGS`), killed at the end if still running.
+
+    A network-only peer (no training, no status endpoint) unless `env` says otherwise:
+    these tests are about the process and the network (tests/test_daemon_e2e.py trains).
+    """
+    env = {"SHOAL_NO_TRAIN": "1", "SHOAL_STATUS_ADDR": "off", **env}
     stderr_path = tmp_path / f"stderr-{time.monotonic_ns()}.txt"
     launcher = ["-c", code] if code is not None else ["-m", "shoal.peer"]
     with stderr_path.open("wb") as stderr:
@@ -208,7 +213,7 @@ def test_defaults() -> None:
     assert config.data_dir == Path("~/.shoal").expanduser()
     assert config.identity_path == config.data_dir / "identity.key"
     assert config.log_level == "info"
-    assert config.host_config() == HostConfig()
+    assert config.host_config() == HostConfig(reuse_port=True)  # NAT traversal punches from it
 
 
 def test_environment_overrides_flags() -> None:

@@ -1,0 +1,109 @@
+"""Checkpoints: atomic on disk, resumable after a restart.
+
+One file per experiment, ``<data-dir>/checkpoints/<experiment id>/latest.pt``.
+A save writes a temporary file in the same directory, flushes it to disk and
+renames it over the old one, so a crash (or `docker kill`) at any moment
+leaves either the previous checkpoint or the new one, never half of one. The
+previous file is kept as ``previous.pt``: a checkpoint that turns out corrupt
+(a disk error, a hand edit) still leaves something to resume from.
+
+Loading uses `torch.load(weights_only=True)`: a checkpoint is data, never
+code, even if someone else wrote the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "CheckpointStore"]
+
+CHECKPOINT_FORMAT = 1
+LATEST = "latest.pt"
+PREVIOUS = "previous.pt"
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be written or read; the message says what to do."""
+
+
+class CheckpointStore:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @property
+    def latest(self) -> Path:
+        return self.directory / LATEST
+
+    def exists(self) -> bool:
+        return self.latest.exists() or (self.directory / PREVIOUS).exists()
+
+    def save(self, state: dict[str, Any]) -> Path:
+        """Write `state` atomically (blocking: call it from a thread)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(prefix=".latest-", suffix=".tmp", dir=self.directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    torch.save({"format": CHECKPOINT_FORMAT, **state}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if self.latest.exists():
+                    os.replace(self.latest, self.directory / PREVIOUS)
+                os.replace(tmp, self.latest)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            _fsync_dir(self.directory)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot write a checkpoint in {self.directory}: {e.strerror or e}; "
+                "check free space and permissions of the data directory (--data-dir)"
+            ) from None
+        return self.latest
+
+    def load(self) -> dict[str, Any] | None:
+        """The newest readable checkpoint, None when there is none.
+
+        Raises CheckpointError when checkpoints exist but none can be read.
+        """
+        errors = []
+        for name in (LATEST, PREVIOUS):
+            path = self.directory / name
+            if not path.exists():
+                continue
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # torch raises many kinds for a damaged file
+                errors.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+                errors.append(f"{path}: not a shoal checkpoint of format {CHECKPOINT_FORMAT}")
+                continue
+            return state
+        if errors:
+            raise CheckpointError(
+                f"corrupt checkpoint ({errors[0]}); move {self.directory} away to start "
+                "this experiment afresh (or use another --data-dir)"
+            )
+        return None
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename itself must reach the disk, not only the file's bytes.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

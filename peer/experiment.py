@@ -1,0 +1,387 @@
+"""Experiments with no coordinator: a signed manifest in the DHT.
+
+An experiment is described by a `Manifest`: its name, the task and model
+configuration, the hyperparameters, the averaging strategy, the fingerprint
+of the initial state and a format version, signed by the peer that created it
+(the *host*). Once published, nobody is special: the host may leave, and any
+participant keeps the manifest alive in the DHT.
+
+Where it lives: key ``shoal/experiment/<name>``, one subkey per host (the
+host's base58 peer ID), the value being the signed manifest bytes. The subkey
+is deliberately *not* an owner-marked DHT subkey: an owner-marked record can
+only be refreshed by its owner, and the experiment must outlive its host.
+Instead every node refuses, through a validator on the prefix, a record
+whose value is not a manifest signed by the peer its subkey names. A forger
+can then publish only under its own peer ID, which a joiner who names the
+host (``NAME@PEERID``, the form the host prints) never picks, and which makes
+a bare ``NAME`` ambiguous rather than hijacked.
+
+An experiment's identity (`Manifest.experiment_id`) is a hash of the signed
+manifest: the averaging keys, the peers' status reports and the checkpoint
+folder are derived from it, so two experiments with the same name never mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from shoal.dht.node import DHTNode
+from shoal.dht.records import Record, RecordError, RecordValidator
+from shoal.transport.identity import Identity, PeerID
+
+__all__ = [
+    "EXPERIMENT_PREFIX",
+    "MANIFEST_FORMAT",
+    "ExperimentRef",
+    "Manifest",
+    "ManifestError",
+    "find_manifest",
+    "manifest_key",
+    "parse_experiment_ref",
+    "publish_manifest",
+    "register_manifest_validator",
+]
+
+MANIFEST_FORMAT = 1
+EXPERIMENT_PREFIX = "shoal/experiment/"
+MAX_MANIFEST_BYTES = 32 * 1024
+_SIGNING_DOMAIN = b"shoal-manifest:"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RULE = "1-64 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+class ManifestError(ValueError):
+    """A manifest is malformed, forged or of an unsupported format; the message is one line."""
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ManifestError(f"invalid experiment name {name!r}: {NAME_RULE}")
+    return name
+
+
+def manifest_key(name: str) -> str:
+    return EXPERIMENT_PREFIX + check_name(name)
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentRef:
+    """What `--join` names: an experiment name and, optionally, its host's peer ID."""
+
+    name: str
+    host: PeerID | None = None
+
+    def __str__(self) -> str:
+        return self.name if self.host is None else f"{self.name}@{self.host}"
+
+
+def parse_experiment_ref(text: str) -> ExperimentRef:
+    """``NAME`` or ``NAME@PEERID``; raises ManifestError."""
+    name, sep, host = text.strip().partition("@")
+    check_name(name)
+    if not sep:
+        return ExperimentRef(name)
+    try:
+        return ExperimentRef(name, PeerID.from_base58(host))
+    except Exception:
+        raise ManifestError(f"invalid host peer ID {host!r} in {text!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    name: str
+    task: str  # a built-in task name or an importable "module:factory"
+    task_config: dict[str, Any]
+    strategy: str
+    strategy_options: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    seed: int  # model initialization
+    initial_fingerprint: str  # of the initial parameters: every joiner must build the same
+    host: PeerID
+    created: float
+    format: int = MANIFEST_FORMAT
+    signature: bytes = field(default=b"", compare=False)
+
+    @classmethod
+    def create(
+        cls,
+        identity: Identity,
+        *,
+        name: str,
+        task: str,
+        task_config: dict[str, Any],
+        strategy: str,
+        strategy_options: dict[str, Any],
+        hyperparameters: dict[str, Any],
+        seed: int,
+        initial_fingerprint: str,
+        created: float | None = None,
+    ) -> Manifest:
+        unsigned = cls(
+            check_name(name),
+            task,
+            dict(task_config),
+            strategy,
+            dict(strategy_options),
+            dict(hyperparameters),
+            int(seed),
+            initial_fingerprint,
+            identity.peer_id,
+            time.time() if created is None else float(created),
+        )
+        signature = identity.sign(unsigned._signing_payload())
+        signed = Manifest(*(getattr(unsigned, f) for f in _FIELDS), signature=signature)
+        signed.to_bytes()  # fail at creation, not at publication, on an unencodable config
+        return signed
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "name": self.name,
+            "task": self.task,
+            "task_config": self.task_config,
+            "strategy": self.strategy,
+            "strategy_options": self.strategy_options,
+            "hyperparameters": self.hyperparameters,
+            "seed": self.seed,
+            "initial_fingerprint": self.initial_fingerprint,
+            "host": self.host.to_base58(),
+            "created": self.created,
+        }
+
+    def _signing_payload(self) -> bytes:
+        try:
+            body = msgpack.packb(_canonical(self._body()), use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ManifestError(f"the experiment configuration cannot be encoded: {e}") from None
+        return _SIGNING_DOMAIN + body
+
+    def to_bytes(self) -> bytes:
+        data = msgpack.packb(
+            {"body": _canonical(self._body()), "signature": self.signature}, use_bin_type=True
+        )
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"the manifest is {len(data)} bytes, limit {MAX_MANIFEST_BYTES}: "
+                "the task and strategy options are too large"
+            )
+        return data
+
+    @property
+    def experiment_id(self) -> str:
+        """A short stable identity: two manifests with the same name differ here."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
+
+    @property
+    def ref(self) -> ExperimentRef:
+        return ExperimentRef(self.name, self.host)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        """Decode and verify a manifest from the network; only ManifestError escapes."""
+        if not isinstance(data, bytes | bytearray) or len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError("not a manifest (not bytes, or too large)")
+        try:
+            outer = msgpack.unpackb(
+                data, raw=False, strict_map_key=True, max_bin_len=MAX_MANIFEST_BYTES
+            )
+        except Exception as e:
+            raise ManifestError(f"not a manifest: {type(e).__name__}") from None
+        if not isinstance(outer, dict) or set(outer) != {"body", "signature"}:
+            raise ManifestError("not a manifest: expected a signed body")
+        body, signature = outer["body"], outer["signature"]
+        if not isinstance(body, dict) or not isinstance(signature, bytes):
+            raise ManifestError("not a manifest: malformed body or signature")
+        version = body.get("format")
+        if version != MANIFEST_FORMAT:
+            raise ManifestError(
+                f"manifest format {version!r} is not supported by this shoal "
+                f"(it reads format {MANIFEST_FORMAT}); upgrade shoal"
+            )
+        expected = {
+            "format": int,
+            "name": str,
+            "task": str,
+            "task_config": dict,
+            "strategy": str,
+            "strategy_options": dict,
+            "hyperparameters": dict,
+            "seed": int,
+            "initial_fingerprint": str,
+            "host": str,
+            "created": float,
+        }
+        if set(body) != set(expected):
+            raise ManifestError(
+                f"malformed manifest: fields {sorted(set(body) ^ set(expected))} differ"
+            )
+        for key, kind in expected.items():
+            value = body[key]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = body[key] = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ManifestError(f"malformed manifest: {key} is not a {kind.__name__}")
+        if not math.isfinite(body["created"]):
+            raise ManifestError("malformed manifest: created is not finite")
+        try:
+            check_name(body["name"])
+            host = PeerID.from_base58(body["host"])
+        except ManifestError:
+            raise
+        except Exception:
+            raise ManifestError("malformed manifest: host is not a peer ID") from None
+        manifest = cls(
+            body["name"],
+            body["task"],
+            body["task_config"],
+            body["strategy"],
+            body["strategy_options"],
+            body["hyperparameters"],
+            body["seed"],
+            body["initial_fingerprint"],
+            host,
+            body["created"],
+            body["format"],
+            signature,
+        )
+        if not host.verify(signature, manifest._signing_payload()):
+            raise ManifestError(
+                f"forged manifest for experiment {body['name']!r}: the signature is not "
+                f"{host.short()}'s"
+            )
+        return manifest
+
+    def describe(self) -> str:
+        return (
+            f"experiment {self.name!r} (id {self.experiment_id}, host {self.host.short()}, "
+            f"task {self.task}, strategy {self.strategy})"
+        )
+
+
+_FIELDS = (
+    "name",
+    "task",
+    "task_config",
+    "strategy",
+    "strategy_options",
+    "hyperparameters",
+    "seed",
+    "initial_fingerprint",
+    "host",
+    "created",
+    "format",
+)
+
+
+def _canonical(obj: Any) -> Any:
+    """Sorted maps and lists for tuples, so the signed bytes do not depend on dict order."""
+    if isinstance(obj, dict):
+        return {k: _canonical(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, list | tuple):
+        return [_canonical(v) for v in obj]
+    return obj
+
+
+def _check_manifest_record(record: Record) -> None:
+    """DHT validator: under the prefix, only manifests signed by the peer the subkey names."""
+    name = record.key[len(EXPERIMENT_PREFIX) :]
+    if record.subkey is None:
+        raise RecordError(f"{record.describe()}: an experiment is a dictionary of hosts")
+    try:
+        host = PeerID.from_base58(record.subkey)
+    except Exception:
+        raise RecordError(f"{record.describe()}: subkey is not a host peer ID") from None
+    try:
+        data = msgpack.unpackb(record.value, raw=False)
+        manifest = Manifest.from_bytes(data)
+    except ManifestError as e:
+        raise RecordError(f"{record.describe()}: {e}") from None
+    except Exception:
+        raise RecordError(f"{record.describe()}: value is not a manifest") from None
+    if manifest.host != host or manifest.name != name:
+        raise RecordError(f"{record.describe()}: manifest of another host or experiment")
+
+
+def register_manifest_validator(validator: RecordValidator) -> None:
+    """Make a DHT node refuse forged or malformed experiment manifests."""
+    validator.register(EXPERIMENT_PREFIX, _check_manifest_record)
+
+
+# --- publication and discovery ---------------------------------------------------------------
+
+# The DHT's longest TTL; participants refresh the record well before it ends.
+MANIFEST_TTL = 24 * 3600.0
+
+
+async def publish_manifest(dht: DHTNode, manifest: Manifest) -> bool:
+    """Store (or refresh) `manifest` in the DHT; any participant may do this, not only the host."""
+    return await dht.store(
+        manifest_key(manifest.name),
+        manifest.to_bytes(),
+        time.time() + MANIFEST_TTL,
+        subkey=manifest.host.to_base58(),
+    )
+
+
+async def find_manifest(
+    dht: DHTNode, ref: ExperimentRef, *, timeout: float = 20.0, retry_every: float = 1.0
+) -> Manifest:
+    """The manifest `ref` names, verified. Raises ManifestError with a line for the user.
+
+    Retries until `timeout`: a peer that has just joined may not see a record
+    that a peer published a moment ago.
+    """
+    key = manifest_key(ref.name)
+    deadline = time.monotonic() + timeout
+    problems: list[str] = []
+    while True:
+        found = await dht.get(key, latest=True)
+        manifests, problems = _valid_manifests(found.value if found is not None else None)
+        if ref.host is not None:
+            manifests = [m for m in manifests if m.host == ref.host]
+        if len(manifests) == 1:
+            return manifests[0]
+        if len(manifests) > 1:
+            names = ", ".join(f"{ref.name}@{m.host}" for m in manifests)
+            raise ManifestError(
+                f"several peers host an experiment named {ref.name!r}; choose one with "
+                f"--join NAME@PEERID: {names}"
+            )
+        if time.monotonic() + retry_every > deadline:
+            break
+        await asyncio.sleep(retry_every)
+    if problems:
+        raise ManifestError(
+            f"experiment {str(ref)!r} has no valid manifest in the network ({problems[0]}); "
+            "ask its host for the exact --join argument"
+        )
+    hint = "" if ref.host is None else f" hosted by {ref.host.short()}"
+    raise ManifestError(
+        f"unknown experiment {str(ref)!r}{hint}: no peer in the network publishes it; "
+        f"check the name and the --bootstrap address, or host it with --host-experiment {ref.name}"
+    )
+
+
+def _valid_manifests(value: Any) -> tuple[list[Manifest], list[str]]:
+    if not isinstance(value, dict):
+        return [], ([] if value is None else ["the record is not a dictionary of hosts"])
+    manifests, problems = [], []
+    for subkey, data in value.items():
+        try:
+            manifest = Manifest.from_bytes(data)
+        except ManifestError as e:
+            problems.append(str(e))
+            continue
+        if manifest.host.to_base58() != subkey:
+            problems.append("a manifest stored under another host's name")
+            continue
+        manifests.append(manifest)
+    return manifests, problems

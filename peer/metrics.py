@@ -1,0 +1,159 @@
+"""Prometheus metrics of one peer, served at GET /metrics.
+
+Two kinds of series:
+
+- Gauges and totals read from `StatusProvider.status()` at scrape time (a
+  custom collector), so they never drift from /status and cost nothing between
+  scrapes: shoal_step, shoal_loss, shoal_tokens_per_second,
+  shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
+  shoal_dht_peers, shoal_uptime_seconds and
+  shoal_info{peer_id,version,experiment,reachability} (always 1). A value the
+  peer does not know yet (loss before the first step) is left out rather than
+  exported as 0.
+- Events the daemon reports: `observe_round()` feeds shoal_rounds_total{outcome},
+  shoal_round_duration_seconds and shoal_round_group_size (histograms).
+
+Plus the usual process_* and python_* series. Each `Metrics` has its own
+CollectorRegistry, never prometheus_client's global one: several peers may live
+in one process (tests), and each must export only its own numbers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .status import StatusProvider
+
+__all__ = ["CONNECTION_KINDS", "Metrics"]
+
+# Always exported, 0 when there is none, so that a dashboard's series do not vanish.
+CONNECTION_KINDS = ("direct", "relayed", "holepunched")
+ROUND_OUTCOMES = ("committed", "aborted")
+# Averaging rounds take from a fraction of a second (small models, LAN) to minutes.
+ROUND_DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+GROUP_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
+
+
+class Metrics:
+    """The /metrics registry of one peer."""
+
+    def __init__(self, provider: StatusProvider) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatusCollector(provider))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self._rounds = Counter(
+            "shoal_rounds",
+            "Averaging rounds this peer took part in, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ROUND_OUTCOMES:  # exported as 0 before the first round
+            self._rounds.labels(outcome=outcome)
+        self._round_duration = Histogram(
+            "shoal_round_duration_seconds",
+            "Duration of averaging rounds (matchmaking done to outcome known).",
+            buckets=ROUND_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self._round_group_size = Histogram(
+            "shoal_round_group_size",
+            "Number of peers in each averaging round, this one included.",
+            buckets=GROUP_SIZE_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_round(self, outcome: str, duration_s: float, group_size: int) -> None:
+        """Count one averaging round. `outcome` is a short fixed word ("committed", "aborted",
+        ...), never free text: each distinct value is a new time series."""
+        self._rounds.labels(outcome=outcome).inc()
+        self._round_duration.observe(duration_s)
+        self._round_group_size.observe(group_size)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its Content-Type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StatusCollector(Collector):
+    """Turns one `provider.status()` call per scrape into metric families."""
+
+    def __init__(self, provider: StatusProvider) -> None:
+        self.provider = provider
+
+    def describe(self) -> list[Metric]:
+        # Nothing to check at registration: status() may not be ready before the daemon is.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.provider.status()
+        info = InfoMetricFamily("shoal", "This peer: identity, version, experiment, reachability.")
+        info.add_metric(
+            [],
+            {
+                "peer_id": str(status.get("peer_id") or ""),
+                "version": str(status.get("version") or ""),
+                "experiment": str(status.get("experiment") or ""),
+                "reachability": str(status.get("reachability") or "unknown"),
+            },
+        )
+        yield info
+        yield from _gauge("shoal_step", "Training step of this peer.", status.get("step"))
+        yield from _gauge("shoal_loss", "Last training loss of this peer.", status.get("loss"))
+        yield from _gauge(
+            "shoal_tokens_per_second",
+            "Training throughput of this peer.",
+            status.get("tokens_per_s"),
+        )
+        yield from _gauge(
+            "shoal_dht_peers", "Peers in the DHT routing table.", status.get("dht_peers")
+        )
+        yield from _gauge(
+            "shoal_uptime_seconds", "Seconds since the daemon started.", status.get("uptime_s")
+        )
+        for direction in ("sent", "received"):
+            value = status.get(f"bytes_{direction}")
+            if _is_number(value):
+                yield CounterMetricFamily(
+                    f"shoal_bytes_{direction}",
+                    f"Bytes {direction} over every connection since the daemon started.",
+                    value=value,
+                )
+        kinds = Tally(str(c.get("kind")) for c in status.get("connections") or ())
+        connections = GaugeMetricFamily(
+            "shoal_connections", "Open connections to other peers, by kind.", labels=["kind"]
+        )
+        for kind in dict.fromkeys((*CONNECTION_KINDS, *kinds)):
+            connections.add_metric([kind], kinds[kind])
+        yield connections
+
+
+def _gauge(name: str, documentation: str, value: object) -> Iterator[Metric]:
+    if _is_number(value):
+        yield GaugeMetricFamily(name, documentation, value=value)  # type: ignore[arg-type]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,0 +1,287 @@
+"""A running peer as others see it: its status, its reports in the DHT, its history.
+
+`PeerNode` owns the daemon's background chores (the peer report every
+`REPORT_INTERVAL_S` in the DHT, the manifest refresh, the history samples and
+the progress line) and is the `StatusProvider` of the HTTP endpoint.
+
+Peer reports live under ``shoal/x/<experiment id>/peers``, one owner-signed
+subkey per peer (nobody can report for another), with a short TTL so that a
+peer that died drops out of /peers within `REPORT_TTL_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from shoal.dht.node import DHTNode
+from shoal.dht.records import owner_marker, owner_of
+from shoal.transport.host import Host
+from shoal.transport.identity import Identity
+from shoal.transport.nat import NatManager
+from shoal.transport.tasks import TaskSet
+
+from . import __version__
+from .config import Config
+from .experiment import publish_manifest
+
+if TYPE_CHECKING:
+    from shoal.averaging.outer import RoundReport
+
+    from .metrics import Metrics
+    from .progress import Progress
+    from .session import Session
+
+__all__ = ["PeerNode"]
+
+log = logging.getLogger("shoal.peer")
+
+REPORT_INTERVAL_S = 10.0
+REPORT_TTL_S = 45.0
+HISTORY_INTERVAL_S = 2.0
+PROGRESS_INTERVAL_S = 1.0
+MANIFEST_REFRESH_S = 1800.0
+PEERS_CACHE_S = 2.0
+
+_KINDS = {"direct": "direct", "relayed": "relayed", "hole-punched": "holepunched"}
+
+
+class PeerNode:
+    def __init__(
+        self, config: Config, identity: Identity, host: Host, nat: NatManager, dht: DHTNode
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.host = host
+        self.nat = nat
+        self.dht = dht
+        self.session: Session | None = None
+        self.metrics: Metrics | None = None
+        self.status_url: str | None = None
+        self.started = time.time()
+        self._tasks = TaskSet(log, "peer")
+        self._peers_cache: tuple[float, list[dict[str, Any]]] | None = None
+        self._peer_count = 0
+
+    def attach(self, session: Session) -> None:
+        self.session = session
+        session.trainer.on_round = self._on_round
+
+    async def aclose(self) -> None:
+        await self._tasks.aclose()
+        if self.session is not None:
+            await self.session.strategy.aclose()
+            self.session.trainer.close()
+
+    # ------------------------------------------------------------------ running
+
+    def start_background(self, progress: Progress) -> None:
+        self._tasks.spawn(self._sample_history())
+        self._tasks.spawn(self._show_progress(progress))
+        if self.session is not None:
+            self._tasks.spawn(self._report_loop())
+            self._tasks.spawn(self._refresh_manifest())
+
+    async def train(self, stop: asyncio.Event) -> None:
+        assert self.session is not None
+        await self.session.trainer.run(stop)
+
+    def _on_round(self, report: RoundReport) -> None:
+        if self.metrics is not None:
+            outcome = report.outcome.split(":")[0].strip() or "unknown"
+            self.metrics.observe_round(outcome, report.duration_s, report.group_size)
+
+    async def _sample_history(self) -> None:
+        while True:
+            if self.session is not None:
+                s = self.session.trainer.stats
+                s.history.append(
+                    {
+                        "t": time.time(),
+                        "step": s.step,
+                        "loss": s.loss,
+                        "tokens_per_s": s.tokens_per_s,
+                        "bytes_sent": self.host.bytes_sent,
+                        "bytes_received": self.host.bytes_received,
+                    }
+                )
+            await asyncio.sleep(HISTORY_INTERVAL_S)
+
+    async def _show_progress(self, progress: Progress) -> None:
+        if self.session is None:
+            return
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            progress.update(self.status())
+
+    async def _report_loop(self) -> None:
+        assert self.session is not None
+        key = self.session.peers_key
+        subkey = owner_marker(self.identity.peer_id)
+        while True:
+            s = self.session.trainer.stats
+            report = {
+                "step": s.step,
+                "loss": s.loss,
+                "tokens_per_s": s.tokens_per_s,
+                "outer_step": self.session.strategy.outer_steps,
+                "addresses": [str(a) for a in self._addresses()],
+                "t": time.time(),
+            }
+            try:
+                await self.dht.store(key, report, time.time() + REPORT_TTL_S, subkey=subkey)
+            except Exception as e:  # the next report retries
+                log.debug("peer report failed: %r", e)
+            try:
+                await self.peers()  # keeps the peer count of the progress line fresh
+            except Exception as e:
+                log.debug("reading peer reports failed: %r", e)
+            await asyncio.sleep(REPORT_INTERVAL_S)
+
+    async def _refresh_manifest(self) -> None:
+        # Every participant keeps the manifest alive: the host may be gone.
+        assert self.session is not None
+        while True:
+            await asyncio.sleep(MANIFEST_REFRESH_S)
+            try:
+                await publish_manifest(self.dht, self.session.manifest)
+            except Exception as e:
+                log.debug("manifest refresh failed: %r", e)
+
+    def _addresses(self) -> list[Any]:
+        return self.host.addresses() or self.host.interface_addresses()
+
+    # ------------------------------------------------------------------ StatusProvider
+
+    def status(self) -> dict[str, Any]:
+        conns = [
+            {
+                "peer_id": c["peer"],
+                "kind": _KINDS.get(str(c["kind"]), str(c["kind"])),
+                "bytes_sent": c["bytes_sent"],
+                "bytes_received": c["bytes_received"],
+                "rtt_ms": c["rtt_ms"],
+            }
+            for c in self.nat.connection_kinds()
+            if c["primary"]
+        ]
+        out: dict[str, Any] = {
+            "peer_id": str(self.identity.peer_id),
+            "version": __version__,
+            "addresses": [str(a) for a in self._addresses()],
+            "reachability": self.nat.reachability.value,
+            "connections": conns,
+            "dht_peers": len(self.dht.routing_table),
+            "experiment": None,
+            "experiment_id": None,
+            "experiment_peers": self._peer_count,
+            "step": None,
+            "loss": None,
+            "tokens_per_s": None,
+            "last_round": None,
+            "bytes_sent": self.host.bytes_sent,
+            "bytes_received": self.host.bytes_received,
+            "uptime_s": time.time() - self.started,
+            "config": _config_view(self.config),
+        }
+        if self.session is not None:
+            s = self.session.trainer.stats
+            manifest = self.session.manifest
+            last = s.last_round
+            out.update(
+                experiment=manifest.name,
+                experiment_id=manifest.experiment_id,
+                experiment_host=str(manifest.host),
+                strategy=manifest.strategy,
+                task=manifest.task,
+                step=s.step,
+                tokens=s.tokens,
+                loss=s.loss,
+                tokens_per_s=s.tokens_per_s,
+                outer_step=self.session.strategy.outer_steps,
+                rounds=dict(s.rounds),
+                fingerprint=self.session.strategy.fingerprint(),
+                checkpoint_at=s.checkpoint_at,
+                last_round=None
+                if last is None
+                else {
+                    "group_size": last.group_size,
+                    "duration_s": last.duration_s,
+                    "outcome": last.outcome.split(":")[0].strip(),
+                    "detail": last.outcome,
+                    "fingerprint": last.fingerprint,
+                    "outer_step": last.outer_step,
+                    "bytes_sent": last.bytes_sent,
+                    "at": s.last_round_at,
+                    "ago_s": None if s.last_round_at is None else time.time() - s.last_round_at,
+                },
+            )
+        return out
+
+    async def peers(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        if self._peers_cache is not None and now - self._peers_cache[0] < PEERS_CACHE_S:
+            return self._peers_cache[1]
+        out: list[dict[str, Any]] = []
+        if self.session is not None:
+            found = await self.dht.get(self.session.peers_key, latest=True)
+            subkeys = found.subkeys if found is not None and found.subkeys else {}
+            for subkey, (report, _expiration) in subkeys.items():
+                try:
+                    peer = owner_of(subkey)
+                except Exception:
+                    continue
+                if peer is None or not isinstance(report, dict):
+                    continue
+                out.append(
+                    {
+                        "peer_id": str(peer),
+                        "step": _number(report.get("step")),
+                        "loss": _number(report.get("loss")),
+                        "tokens_per_s": _number(report.get("tokens_per_s")),
+                        "outer_step": _number(report.get("outer_step")),
+                        "addresses": [str(a) for a in report.get("addresses", [])][:8],
+                        "updated_at": _number(report.get("t")),
+                        "self": peer == self.identity.peer_id,
+                    }
+                )
+            if not any(p["self"] for p in out):
+                s = self.session.trainer.stats
+                out.append(
+                    {
+                        "peer_id": str(self.identity.peer_id),
+                        "step": s.step,
+                        "loss": s.loss,
+                        "tokens_per_s": s.tokens_per_s,
+                        "outer_step": self.session.strategy.outer_steps,
+                        "addresses": [str(a) for a in self._addresses()],
+                        "updated_at": time.time(),
+                        "self": True,
+                    }
+                )
+        out.sort(key=lambda p: p["peer_id"])
+        self._peer_count = len(out)
+        self._peers_cache = (now, out)
+        return out
+
+    def history(self) -> list[dict[str, Any]]:
+        if self.session is None:
+            return []
+        return list(self.session.trainer.stats.history)
+
+
+def _number(value: object) -> float | int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value
+
+
+def _config_view(config: Config) -> dict[str, str]:
+    """The effective configuration as text (nothing secret is in it: no keys, no tokens)."""
+    out = {}
+    for line in config.describe():
+        name, _, rest = line.partition(" = ")
+        out[name] = rest.rsplit("  [", 1)[0]
+    return out

@@ -1,0 +1,258 @@
+"""One peer's part in one experiment: manifest, task, model, strategy, trainer.
+
+`open_session` turns the configuration into a running setup:
+
+- hosting (``--host-experiment NAME``, or the default run): the manifest is
+  created once and kept in the data directory, so that a restart hosts the
+  *same* experiment (same ID, same checkpoints) rather than a new one;
+- joining (``--join NAME[@PEERID]``): the manifest comes from the DHT,
+  verified; the current state comes from the peers that hold it.
+
+Either way a checkpoint of this experiment in the data directory is resumed,
+and then the swarm's newer state, if there is one, replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shoal.averaging.fingerprint import state_fingerprint
+from shoal.averaging.outer import OuterStrategy, make_strategy, resolve_options
+from shoal.dht.node import DHTNode
+from shoal.dht.records import owner_marker
+from shoal.transport.identity import Identity
+
+from .checkpoint import CheckpointError, CheckpointStore
+from .config import Config
+from .experiment import (
+    Manifest,
+    ManifestError,
+    find_manifest,
+    parse_experiment_ref,
+    publish_manifest,
+)
+from .task import Task, TaskError, load_task, shard_of
+from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
+
+__all__ = ["Session", "SessionError", "open_session"]
+
+log = logging.getLogger("shoal.session")
+
+MANIFESTS_DIR = "experiments"
+# How long a joiner looks for the manifest in the DHT (it may have joined a moment ago).
+FIND_MANIFEST_TIMEOUT = 30.0
+
+
+class SessionError(Exception):
+    """The experiment cannot be set up as configured; the message is one line for the user."""
+
+
+@dataclass
+class Session:
+    manifest: Manifest
+    task: Task
+    trainer: Trainer
+    strategy: OuterStrategy
+    hosting: bool
+    resumed: bool
+    loaded_from_swarm: bool
+
+    @property
+    def averaging_key(self) -> str:
+        return averaging_key(self.manifest)
+
+    @property
+    def peers_key(self) -> str:
+        return peers_key(self.manifest)
+
+
+def averaging_key(manifest: Manifest) -> str:
+    return f"shoal/x/{manifest.experiment_id}/params"
+
+
+def peers_key(manifest: Manifest) -> str:
+    return f"shoal/x/{manifest.experiment_id}/peers"
+
+
+def report_subkey(identity_peer: Any) -> str:
+    return owner_marker(identity_peer)
+
+
+async def open_session(config: Config, identity: Identity, dht: DHTNode) -> Session:
+    role = config.experiment_role()
+    assert role is not None
+    kind, name = role
+    if kind == "host":
+        manifest, task, model = await _host_manifest(config, identity, name)
+    else:
+        manifest = await _find(dht, name)
+        task = await _load_task(manifest.task, manifest.task_config, config.data)
+        model = await asyncio.to_thread(task.make_model, manifest.seed)
+    hosting = manifest.host == identity.peer_id
+    log.info("%s %s", "hosting" if hosting else "joined", manifest.describe())
+    try:
+        await publish_manifest(dht, manifest)
+    except Exception as e:  # the DHT may be just us for now; the refresh task retries
+        log.warning("publishing the manifest failed (will retry): %r", e)
+
+    params = [p for p in model.parameters()]
+    initial = state_fingerprint([p.detach() for p in params], {})
+    try:
+        strategy = make_strategy(
+            manifest.strategy, dht, averaging_key(manifest), params, manifest.strategy_options
+        )
+        hyper = check_hyperparameters(manifest.hyperparameters)
+    except ValueError as e:
+        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
+    shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
+    store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
+    trainer = Trainer(
+        task,
+        model,
+        strategy,
+        hyper,
+        shard=shard,
+        seed=int.from_bytes(identity.peer_id.to_bytes()[-8:], "big") ^ manifest.seed,
+        checkpoints=store,
+        checkpoint_interval=config.checkpoint_interval,
+        checkpoint_extra=lambda: {"experiment_id": manifest.experiment_id},
+    )
+    resumed = False
+    try:
+        state = await asyncio.to_thread(store.load)
+    except CheckpointError as e:
+        raise SessionError(str(e)) from None
+    if state is not None:
+        if state.get("experiment_id") != manifest.experiment_id:
+            raise SessionError(
+                f"the checkpoint in {store.directory} belongs to another experiment; "
+                "move it away or use another --data-dir"
+            )
+        try:
+            trainer.load_state_dict(state)
+        except Exception as e:
+            raise SessionError(
+                f"corrupt checkpoint in {store.directory} ({type(e).__name__}: {e}); move it "
+                "away to start this experiment afresh (or use another --data-dir)"
+            ) from None
+        resumed = True
+        log.info("resumed from checkpoint %s at step %d", store.latest, trainer.stats.step)
+    elif initial != manifest.initial_fingerprint:
+        log.warning(
+            "this machine builds a different initial model than the host (fingerprint %s, "
+            "manifest %s: another torch version?); waiting for the swarm's state",
+            initial[:12],
+            manifest.initial_fingerprint[:12],
+        )
+    # A joiner (or a restarted host) takes the swarm's state when the swarm has one;
+    # a host starting its experiment starts from its own initial parameters.
+    join = not (hosting and not resumed)
+    loaded = await strategy.start(join=join)
+    if loaded:
+        log.info("loaded the swarm's current state (%s)", strategy.fingerprint()[:12])
+    elif not resumed and initial != manifest.initial_fingerprint:
+        await strategy.aclose()
+        raise SessionError(
+            f"cannot start {manifest.describe()}: this peer builds a different initial model "
+            "than the host and no peer serves the current state yet; use the same shoal and "
+            "torch versions as the host, or retry once the swarm has averaged a round"
+        )
+    return Session(manifest, task, trainer, strategy, hosting, resumed, loaded)
+
+
+async def _find(dht: DHTNode, text: str) -> Manifest:
+    try:
+        ref = parse_experiment_ref(text)
+        return await find_manifest(dht, ref, timeout=FIND_MANIFEST_TIMEOUT)
+    except ManifestError as e:
+        raise SessionError(str(e)) from None
+
+
+async def _load_task(spec: str, task_config: dict[str, Any], data: Path | None) -> Task:
+    try:
+        return await asyncio.to_thread(load_task, spec, task_config, data=data)
+    except TaskError as e:
+        raise SessionError(str(e)) from None
+
+
+async def _host_manifest(
+    config: Config, identity: Identity, name: str
+) -> tuple[Manifest, Task, Any]:
+    """This peer's manifest of experiment `name`: the saved one, or a new one."""
+    path = config.data_dir / MANIFESTS_DIR / f"{name}.manifest"
+    if path.exists():
+        try:
+            manifest = Manifest.from_bytes(path.read_bytes())
+        except (OSError, ManifestError) as e:
+            raise SessionError(
+                f"cannot read the saved manifest {path} ({e}); move it away to create "
+                f"experiment {name!r} afresh"
+            ) from None
+        if manifest.host != identity.peer_id:
+            raise SessionError(f"{path} was created by another identity; move it away")
+        _warn_ignored(config, manifest)
+        task = await _load_task(manifest.task, manifest.task_config, config.data)
+        model = await asyncio.to_thread(task.make_model, manifest.seed)
+        return manifest, task, model
+    task = await _load_task(config.task, dict(config.task_option), config.data)
+    # --strategy-option carries the inner optimizer's hyperparameters too (inner_lr=...).
+    given = dict(config.strategy_option)
+    hyper_given = {k: given.pop(k) for k in list(given) if k in DEFAULT_HYPERPARAMETERS}
+    options = {"inner_steps": config.inner_steps, **given}
+    try:
+        options = resolve_options(config.strategy, options)
+        hyperparameters = check_hyperparameters(hyper_given)
+    except ValueError as e:
+        raise SessionError(f"--strategy-option: {e}") from None
+    seed = secrets.randbits(31)
+    model = await asyncio.to_thread(task.make_model, seed)
+    fingerprint = state_fingerprint([p.detach() for p in model.parameters()], {})
+    try:
+        manifest = Manifest.create(
+            identity,
+            name=name,
+            task=config.task,
+            task_config=task.config(),
+            strategy=config.strategy,
+            strategy_options=options,
+            hyperparameters=hyperparameters,
+            seed=seed,
+            initial_fingerprint=fingerprint,
+            created=time.time(),
+        )
+    except ManifestError as e:
+        raise SessionError(str(e)) from None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(manifest.to_bytes())
+        tmp.replace(path)
+    except OSError as e:
+        raise SessionError(
+            f"cannot save the manifest in {path.parent}: {e.strerror or e}"
+        ) from None
+    log.info("created %s", manifest.describe())
+    return manifest, task, model
+
+
+def _warn_ignored(config: Config, manifest: Manifest) -> None:
+    given = [
+        o
+        for o in ("task", "task_option", "strategy", "inner_steps", "strategy_option")
+        if o in config.sources
+    ]
+    if given:
+        log.warning(
+            "experiment %r already exists in %s (created %s): it keeps its own settings; "
+            "ignoring %s (host a new name to change them)",
+            manifest.name,
+            config.data_dir,
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created)),
+            ", ".join("--" + o.replace("_", "-") for o in given),
+        )

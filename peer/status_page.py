@@ -1,0 +1,598 @@
+"""The status page served at GET /: one self-contained HTML document.
+
+No external scripts, styles or fonts and no build step, so it works on an
+offline machine and the server can forbid every other origin (CSP). It polls
+`status`, `peers` and `history` (relative URLs: it also works behind a reverse
+proxy under a path prefix) every 2 s, one round at a time, and draws the loss
+curve and bandwidth on <canvas>. A failed poll is shown in a banner and
+retried; the last data stays on screen, so a daemon restart reads as a short
+"reconnecting".
+
+Everything that comes from other peers (IDs, addresses) is untrusted and goes
+into the DOM through textContent only, never innerHTML.
+
+Stable hooks for tests and scripts: `#peers tbody tr[data-peer-id]` (one row per
+peer), `#loss-curve[data-points]` and `#bandwidth[data-points]` (points drawn),
+`#connections tbody tr`, `#last-round`, `#error` (hidden when all is well),
+`body[data-polls]` (successful polls so far), and the summary values `#peer-id`,
+`#experiment`, `#step`, `#loss`, `#tokens-per-s`, `#reachability`, `#uptime`.
+"""
+
+import base64
+import hashlib
+
+__all__ = ["STATUS_PAGE_CSP", "STATUS_PAGE_HTML"]
+
+STATUS_PAGE_HTML = r"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>shoal</title>
+<link rel="icon" href="data:,">
+<style>
+  :root {
+    --bg: #f4f6f8; --card: #ffffff; --ink: #1d2530; --muted: #6b7785; --line: #e3e8ee;
+    --accent: #0b7285; --good: #2b8a3e; --bad: #c92a2a; --warn: #e67700;
+    --sent: #e8590c; --recv: #1971c2;
+    --mono: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace;
+  }
+  * { box-sizing: border-box; }
+  body {
+    margin: 0; background: var(--bg); color: var(--ink);
+    font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif;
+  }
+  header {
+    display: flex; align-items: center; gap: 16px; flex-wrap: wrap;
+    padding: 12px 24px; background: #102a43; color: #f0f4f8;
+  }
+  header .brand { font-weight: 700; font-size: 18px; letter-spacing: 0.5px; }
+  header .brand span { color: #66d9e8; }
+  header .brand small { font-size: 11px; font-weight: 400; color: #829ab1; margin-left: 4px; }
+  header .who { font-family: var(--mono); font-size: 13px; color: #bcccdc;
+                overflow-wrap: anywhere; flex: 1; min-width: 200px; }
+  .pill { display: inline-flex; align-items: center; gap: 6px; padding: 3px 10px;
+          border-radius: 999px; font-size: 12px; font-weight: 600; background: #243b53; }
+  .pill::before { content: ""; width: 8px; height: 8px; border-radius: 50%; background: #829ab1; }
+  .pill.live::before { background: #51cf66; }
+  .pill.down::before { background: #ff6b6b; }
+  main { max-width: 1280px; margin: 0 auto; padding: 20px 24px 32px; }
+  #error { display: none; margin-bottom: 16px; padding: 10px 14px; border-radius: 8px;
+           background: #fff4e6; border: 1px solid #ffc078; color: #7c3d00; }
+  #error.shown { display: block; }
+  .grid { display: grid; gap: 16px; }
+  .summary { grid-template-columns: repeat(auto-fit, minmax(150px, 1fr)); margin-bottom: 16px; }
+  .summary .wide { grid-column: span 2; }
+  .charts { grid-template-columns: repeat(auto-fit, minmax(420px, 1fr)); margin-bottom: 16px; }
+  .tables { grid-template-columns: minmax(0, 3fr) minmax(0, 2fr); align-items: start; }
+  .scroll { overflow-x: auto; }
+  @media (max-width: 1000px) { .tables { grid-template-columns: 1fr; } }
+  .card { background: var(--card); border: 1px solid var(--line); border-radius: 10px;
+          padding: 14px 16px; box-shadow: 0 1px 2px rgba(16, 42, 67, 0.05); min-width: 0; }
+  .stat .label, .card h2 { font-size: 11px; font-weight: 600; letter-spacing: 0.6px;
+                           text-transform: uppercase; color: var(--muted); margin: 0; }
+  .card h2 { margin-bottom: 10px; display: flex; justify-content: space-between; gap: 8px; }
+  .card h2 .aside { text-transform: none; letter-spacing: 0; font-weight: 400; }
+  .stat .value { font-size: 22px; font-weight: 600; margin-top: 2px; white-space: nowrap;
+                 overflow: hidden; text-overflow: ellipsis; font-variant-numeric: tabular-nums; }
+  .stat .sub { font-size: 12px; color: var(--muted); white-space: nowrap; overflow: hidden;
+               text-overflow: ellipsis; }
+  canvas { display: block; width: 100%; height: 240px; }
+  #bandwidth { height: 220px; }
+  .legend { display: flex; flex-wrap: wrap; gap: 4px 18px; font-size: 12px; color: var(--muted);
+            margin: -4px 0 6px; }
+  .legend b { color: var(--ink); font-weight: 600; }
+  .legend i { display: inline-block; width: 10px; height: 3px; margin-right: 5px;
+              vertical-align: middle; border-radius: 2px; }
+  table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
+  th { text-align: left; font-size: 11px; font-weight: 600; color: var(--muted);
+       text-transform: uppercase; letter-spacing: 0.5px; padding: 6px 8px;
+       border-bottom: 1px solid var(--line); }
+  td { padding: 7px 8px; border-bottom: 1px solid var(--line); vertical-align: top; }
+  tbody tr:last-child td { border-bottom: none; }
+  td.num, th.num { text-align: right; white-space: nowrap; }
+  td.peer { white-space: nowrap; }
+  tr.self td { background: #e3fafc; }
+  tr.stale td { color: var(--muted); }
+  .mono { font-family: var(--mono); font-size: 12.5px; }
+  .addr { font-family: var(--mono); font-size: 11.5px; color: var(--muted);
+          overflow-wrap: anywhere; }
+  td.addr { overflow-wrap: normal; min-width: 150px; }
+  .badge { display: inline-block; padding: 1px 7px; border-radius: 999px; font-size: 11px;
+           font-weight: 600; background: #e9ecef; color: #495057; margin-left: 6px; }
+  .badge.you { background: #0b7285; color: #fff; }
+  .badge.good, .badge.public, .badge.direct { background: #d3f9d8; color: #2b8a3e; }
+  .badge.bad, .badge.private { background: #ffe3e3; color: #c92a2a; }
+  .badge.relayed { background: #fff3bf; color: #8f5f00; }
+  .badge.holepunched { background: #d0ebff; color: #1864ab; }
+  .empty { color: var(--muted); font-style: italic; padding: 10px 8px; }
+  dl.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 14px; margin: 0; }
+  dl.kv dt { color: var(--muted); }
+  dl.kv dd { margin: 0; overflow-wrap: anywhere; font-variant-numeric: tabular-nums; }
+  .side { display: grid; gap: 16px; }
+  ul.plain { list-style: none; margin: 0; padding: 0; }
+  ul.plain li { padding: 2px 0; }
+  details summary { cursor: pointer; color: var(--muted); }
+  footer { color: var(--muted); font-size: 12px; text-align: center; margin-top: 20px; }
+</style>
+</head>
+<body data-polls="0">
+<header>
+  <div class="brand">sh<span>oa</span>l <small id="shoal-version"></small></div>
+  <div class="who">peer <span id="peer-id">…</span></div>
+  <div id="connection-state" class="pill">connecting…</div>
+</header>
+<main>
+  <div id="error" role="alert"></div>
+
+  <section class="grid summary" id="summary">
+    <div class="card stat wide"><div class="label">Experiment</div>
+      <div class="value" id="experiment">—</div><div class="sub" id="version">&nbsp;</div></div>
+    <div class="card stat"><div class="label">Step</div>
+      <div class="value" id="step">—</div><div class="sub" id="step-sub">&nbsp;</div></div>
+    <div class="card stat"><div class="label">Loss</div>
+      <div class="value" id="loss">—</div><div class="sub" id="loss-sub">&nbsp;</div></div>
+    <div class="card stat"><div class="label">Tokens / s</div>
+      <div class="value" id="tokens-per-s">—</div><div class="sub">this peer</div></div>
+    <div class="card stat"><div class="label">Reachability</div>
+      <div class="value" id="reachability">—</div><div class="sub" id="dht-peers">&nbsp;</div></div>
+    <div class="card stat"><div class="label">Uptime</div>
+      <div class="value" id="uptime">—</div><div class="sub" id="updated">&nbsp;</div></div>
+  </section>
+
+  <section class="grid charts">
+    <div class="card">
+      <h2>Loss <span class="aside" id="loss-axis">by step</span></h2>
+      <canvas id="loss-curve" data-points="0" aria-label="loss curve"></canvas>
+    </div>
+    <div class="card">
+      <h2>Bandwidth <span class="aside">bytes per second, all connections</span></h2>
+      <div class="legend"><span><i style="background: var(--sent)"></i>sent
+          <b id="rate-sent">—</b> <span id="total-sent"></span></span>
+        <span><i style="background: var(--recv)"></i>received
+          <b id="rate-received">—</b> <span id="total-received"></span></span></div>
+      <canvas id="bandwidth" data-points="0" aria-label="bandwidth"></canvas>
+    </div>
+  </section>
+
+  <section class="grid tables">
+    <div class="card">
+      <h2>Swarm peers <span class="aside" id="peers-count"></span></h2>
+      <div class="scroll"><table id="peers">
+        <thead><tr><th>Peer</th><th class="num">Step</th><th class="num">Loss</th>
+          <th class="num">Tokens/s</th><th class="num">Seen</th><th>Addresses</th></tr></thead>
+        <tbody></tbody>
+      </table></div>
+      <div class="empty" id="peers-empty">no peers known yet</div>
+    </div>
+    <div class="side">
+      <div class="card" id="last-round">
+        <h2>Last averaging round</h2>
+        <div class="empty">no round yet</div>
+      </div>
+      <div class="card">
+        <h2>Connections <span class="aside" id="connections-count"></span></h2>
+        <div class="scroll"><table id="connections">
+          <thead><tr><th>Peer</th><th>Kind</th><th class="num">Sent</th>
+            <th class="num">Received</th></tr></thead>
+          <tbody></tbody>
+        </table></div>
+        <div class="empty" id="connections-empty">no open connections</div>
+      </div>
+      <div class="card">
+        <h2>Addresses of this peer</h2>
+        <ul class="plain addr" id="addresses"></ul>
+        <details id="config-box" hidden><summary>effective configuration</summary>
+          <dl class="kv mono" id="config"></dl></details>
+      </div>
+    </div>
+  </section>
+  <footer>refreshed every 2 s from <span class="mono">status</span>,
+    <span class="mono">peers</span> and <span class="mono">history</span>;
+    Prometheus metrics at <a href="metrics">metrics</a></footer>
+</main>
+<script>
+"use strict";
+const POLL_MS = 2000;
+const FETCH_TIMEOUT_MS = 4500;  // above the server's 3 s bound on /peers
+const STALE_PEER_S = 120;
+const MAX_PEER_ROWS = 300;
+const COLORS = { loss: "#0b7285", sent: "#e8590c", recv: "#1971c2", grid: "#e9edf2",
+                 axis: "#6b7785", text: "#6b7785" };
+
+const $ = (id) => document.getElementById(id);
+const state = { status: null, peers: null, history: [], lastOk: null, polls: 0 };
+
+function el(tag, props, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(props || {})) {
+    if (v === undefined || v === null) continue;
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else if (k.startsWith("data-") || k === "title") node.setAttribute(k, v);
+    else node[k] = v;
+  }
+  for (const c of children) node.append(c);
+  return node;
+}
+const isNum = (v) => typeof v === "number" && Number.isFinite(v);
+function fmtNum(v, digits) {
+  if (!isNum(v)) return "—";
+  return v.toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: 0 });
+}
+function fmtLoss(v) {
+  if (!isNum(v)) return "—";
+  const a = Math.abs(v);
+  return a !== 0 && (a < 0.001 || a >= 1e5) ? v.toExponential(3) : v.toFixed(4);
+}
+function fmtBytes(n) {
+  if (!isNum(n)) return "—";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i === 0 ? n.toFixed(0) : n.toFixed(n < 10 ? 2 : 1)) + " " + units[i];
+}
+const fmtRate = (n) => (isNum(n) ? fmtBytes(n) + "/s" : "—");
+function fmtDuration(s) {
+  if (!isNum(s)) return "—";
+  s = Math.max(0, Math.floor(s));
+  const d = Math.floor(s / 86400), h = Math.floor(s % 86400 / 3600);
+  const m = Math.floor(s % 3600 / 60), sec = s % 60;
+  const pad = (x) => String(x).padStart(2, "0");
+  if (d) return `${d}d ${h}h`;
+  if (h) return `${h}h ${pad(m)}m`;
+  if (m) return `${m}m ${pad(sec)}s`;
+  return `${sec}s`;
+}
+function fmtAgo(t) {
+  if (!isNum(t)) return "—";
+  const s = Date.now() / 1000 - t;
+  return s < 2 ? "now" : fmtDuration(s) + " ago";
+}
+const shortId = (id, head = 12, tail = 6) => (typeof id === "string" && id.length > head + tail + 2
+  ? id.slice(0, head) + "…" + id.slice(-tail) : String(id ?? "—"));
+const fmtClock = (t) => new Date(t * 1000).toLocaleTimeString("en-GB", { hour12: false });
+
+// --- charts -------------------------------------------------------------------------------
+
+function niceStep(span, count) {
+  const raw = span / Math.max(1, count);
+  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const norm = raw / mag;
+  return (norm < 1.5 ? 1 : norm < 3 ? 2 : norm < 7 ? 5 : 10) * mag;
+}
+function ticks(lo, hi, count) {
+  if (!(hi > lo)) return [lo];
+  const step = niceStep(hi - lo, count);
+  const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(v);
+  return out;
+}
+
+// series: [{points: [[x, y], ...], color, fill}]; returns the number of points drawn.
+function drawChart(canvas, series, opts) {
+  const dpr = window.devicePixelRatio || 1;
+  const w = canvas.clientWidth, h = canvas.clientHeight;
+  if (canvas.width !== Math.round(w * dpr)) canvas.width = Math.round(w * dpr);
+  if (canvas.height !== Math.round(h * dpr)) canvas.height = Math.round(h * dpr);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.clearRect(0, 0, w, h);
+  ctx.font = "11px system-ui, sans-serif";
+  const all = series.flatMap((s) => s.points);
+  if (all.length < 1) {
+    ctx.fillStyle = COLORS.text;
+    ctx.textAlign = "center";
+    ctx.fillText(opts.empty, w / 2, h / 2);
+    return 0;
+  }
+  let [x0, x1] = [Math.min(...all.map((p) => p[0])), Math.max(...all.map((p) => p[0]))];
+  let [y0, y1] = [Math.min(...all.map((p) => p[1])), Math.max(...all.map((p) => p[1]))];
+  if (opts.zeroBased) y0 = Math.min(0, y0);
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  if (y1 === y0) { const pad = Math.abs(y0) * 0.1 || 1; y0 -= pad; y1 += pad; }
+  else { const pad = (y1 - y0) * 0.06; y1 += pad; if (!opts.zeroBased) y0 -= pad; }
+  const yAxis = opts.yAxis ? opts.yAxis(y0, y1) : { ticks: ticks(y0, y1, 5), format: fmtAxis };
+  const yTicks = yAxis.ticks, yFormat = yAxis.format;
+  const left = 12 + Math.max(...yTicks.map((v) => ctx.measureText(yFormat(v)).width));
+  const right = 12, top = 10, bottom = 24;
+  const px = (x) => left + (x - x0) / (x1 - x0) * (w - left - right);
+  const py = (y) => top + (1 - (y - y0) / (y1 - y0)) * (h - top - bottom);
+
+  ctx.lineWidth = 1;
+  ctx.strokeStyle = COLORS.grid;
+  ctx.fillStyle = COLORS.text;
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  for (const v of yTicks) {
+    if (v < y0 || v > y1) continue;
+    const y = Math.round(py(v)) + 0.5;
+    ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(w - right, y); ctx.stroke();
+    ctx.fillText(yFormat(v), left - 6, y);
+  }
+  ctx.textAlign = "center";
+  ctx.textBaseline = "top";
+  const xTicks = ticks(x0, x1, Math.max(2, Math.floor((w - left) / 90)));
+  for (const v of xTicks) {
+    if (v < x0 || v > x1) continue;
+    const x = Math.round(px(v)) + 0.5;
+    ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, h - bottom); ctx.stroke();
+    const label = opts.xFormat(v), half = ctx.measureText(label).width / 2;
+    if (x - half >= 0 && x + half <= w) ctx.fillText(label, x, h - bottom + 6);
+  }
+  ctx.strokeStyle = COLORS.axis;
+  ctx.beginPath(); ctx.moveTo(left, h - bottom + 0.5); ctx.lineTo(w - right, h - bottom + 0.5);
+  ctx.stroke();
+
+  let drawn = 0;
+  for (const s of series) {
+    if (!s.points.length) continue;
+    ctx.lineJoin = "round";
+    if (s.fill) {
+      ctx.beginPath();
+      ctx.moveTo(px(s.points[0][0]), py(Math.max(y0, 0)));
+      for (const [x, y] of s.points) ctx.lineTo(px(x), py(y));
+      ctx.lineTo(px(s.points[s.points.length - 1][0]), py(Math.max(y0, 0)));
+      ctx.closePath();
+      ctx.fillStyle = s.fill;
+      ctx.fill();
+    }
+    ctx.strokeStyle = s.color;
+    ctx.lineWidth = 2;
+    ctx.beginPath();
+    s.points.forEach(([x, y], i) => (i ? ctx.lineTo(px(x), py(y)) : ctx.moveTo(px(x), py(y))));
+    ctx.stroke();
+    if (s.points.length === 1) {  // a single point: a dot, or nothing would show
+      ctx.fillStyle = s.color;
+      ctx.beginPath(); ctx.arc(px(s.points[0][0]), py(s.points[0][1]), 3, 0, 2 * Math.PI);
+      ctx.fill();
+    }
+    drawn += s.points.length;
+  }
+  return drawn;
+}
+
+function lossPoints(history) {
+  const withLoss = history.filter((p) => isNum(p.loss));
+  const byStep = withLoss.length > 0 && withLoss.every((p) => isNum(p.step));
+  return { byStep, points: withLoss.map((p) => [byStep ? p.step : p.t, p.loss]) };
+}
+
+// Bytes/s between consecutive samples; a counter going down means the daemon restarted.
+function bandwidthPoints(history) {
+  const sent = [], recv = [];
+  for (let i = 1; i < history.length; i++) {
+    const a = history[i - 1], b = history[i], dt = b.t - a.t;
+    if (!(dt > 0)) continue;
+    const ds = b.bytes_sent - a.bytes_sent, dr = b.bytes_received - a.bytes_received;
+    if (isNum(ds) && ds >= 0) sent.push([b.t, ds / dt]);
+    if (isNum(dr) && dr >= 0) recv.push([b.t, dr / dt]);
+  }
+  return { sent, recv };
+}
+
+function drawCharts() {
+  const history = state.history;
+  const loss = lossPoints(history);
+  const lossCanvas = $("loss-curve");
+  $("loss-axis").textContent = loss.byStep || !loss.points.length ? "by step" : "by time";
+  lossCanvas.dataset.points = drawChart(
+    lossCanvas,
+    [{ points: loss.points, color: COLORS.loss, fill: "rgba(11, 114, 133, 0.08)" }],
+    { empty: "waiting for the first training step…",
+      xFormat: loss.byStep ? (v) => fmtNum(v, 0) : fmtClock });
+  const bw = bandwidthPoints(history);
+  const bwCanvas = $("bandwidth");
+  bwCanvas.dataset.points = drawChart(
+    bwCanvas,
+    [{ points: bw.sent, color: COLORS.sent }, { points: bw.recv, color: COLORS.recv }],
+    { empty: "waiting for two samples…", zeroBased: true, yAxis: rateAxis,
+      xFormat: fmtClock });
+  setText("rate-sent", fmtRate(bw.sent.at(-1)?.[1]));
+  setText("rate-received", fmtRate(bw.recv.at(-1)?.[1]));
+  if (loss.points.length >= 2) {
+    const first = loss.points[0][1], last = loss.points.at(-1)[1];
+    $("loss-sub").textContent = `${last <= first ? "▼" : "▲"} from ${fmtLoss(first)}`;
+  }
+}
+// Ticks at round numbers of KiB/MiB/..., not at round numbers of bytes (976.6 KiB/s).
+function byteUnit(v) {
+  let unit = 1;
+  while (Math.abs(v) >= 1024 * unit && unit < 1024 ** 4) unit *= 1024;
+  return unit;
+}
+const UNIT_NAMES = { 1: "B", 1024: "KiB", [1024 ** 2]: "MiB", [1024 ** 3]: "GiB",
+                     [1024 ** 4]: "TiB" };
+function rateAxis(lo, hi) {  // every label in the unit of the largest value
+  const unit = byteUnit(hi);
+  return { ticks: ticks(lo / unit, hi / unit, 4).map((v) => v * unit),
+           format: (v) => `${fmtAxis(v / unit)} ${UNIT_NAMES[unit]}/s` };
+}
+function fmtAxis(v) {
+  const a = Math.abs(v);
+  if (a === 0) return "0";
+  if (a >= 1e4 || a < 1e-3) return v.toExponential(1);
+  return String(Number(v.toPrecision(4)));
+}
+
+// --- sections -----------------------------------------------------------------------------
+
+function setText(id, text) { $(id).textContent = text; }
+
+function renderStatus(s) {
+  setText("peer-id", s.peer_id ?? "—");
+  setText("experiment", s.experiment ?? "none yet");
+  setText("version", [s.strategy, s.task].filter((x) => typeof x === "string").join(" · ")
+    || (s.experiment ? "" : "join or host one with shoal run"));
+  setText("shoal-version", s.version ? "v" + s.version : "");
+  setText("step", fmtNum(s.step, 0));
+  setText("loss", fmtLoss(s.loss));
+  setText("tokens-per-s", fmtNum(s.tokens_per_s, 1));
+  setText("reachability", s.reachability ?? "unknown");
+  setText("dht-peers", `${fmtNum(s.dht_peers, 0)} peers in the DHT`);
+  setText("total-sent", `(${fmtBytes(s.bytes_sent)} in all)`);
+  setText("total-received", `(${fmtBytes(s.bytes_received)} in all)`);
+  setText("uptime", fmtDuration(s.uptime_s));
+  document.title = `shoal · step ${fmtNum(s.step, 0)} · ${shortId(s.peer_id)}`;
+
+  const conns = Array.isArray(s.connections) ? s.connections : [];
+  const tbody = $("connections").tBodies[0];
+  tbody.replaceChildren(...conns.map((c) => el("tr", { "data-peer-id": c.peer_id },
+    el("td", { class: "mono peer", title: c.peer_id, text: shortId(c.peer_id, 8, 4) }),
+    el("td", {}, el("span", { class: "badge " + String(c.kind), text: String(c.kind) })),
+    el("td", { class: "num", text: fmtBytes(c.bytes_sent) }),
+    el("td", { class: "num", text: fmtBytes(c.bytes_received) }))));
+  $("connections-empty").hidden = conns.length > 0;
+  setText("connections-count", conns.length ? String(conns.length) : "");
+
+  const addrs = Array.isArray(s.addresses) ? s.addresses : [];
+  $("addresses").replaceChildren(...(addrs.length
+    ? addrs.map((a) => el("li", { text: String(a) }))
+    : [el("li", { class: "empty", text: "none yet" })]));
+
+  const box = $("last-round");
+  const r = s.last_round;
+  const title = el("h2", { text: "Last averaging round" });
+  if (!r) {
+    box.replaceChildren(title, el("div", { class: "empty", text: "no round yet" }));
+  } else {
+    const good = r.outcome === "committed";
+    title.append(el("span", { class: "badge " + (good ? "good" : "bad"),
+                              text: String(r.outcome ?? "?") }));
+    box.replaceChildren(title, el("dl", { class: "kv" },
+      el("dt", { text: "group" }), el("dd", { text: `${fmtNum(r.group_size, 0)} peers` }),
+      el("dt", { text: "duration" }), el("dd", { text: `${fmtNum(r.duration_s, 2)} s` }),
+      el("dt", { text: "fingerprint" }),
+      el("dd", { class: "mono", text: r.fingerprint ?? "—" })));
+  }
+
+  const config = s.config && typeof s.config === "object" ? Object.entries(s.config) : [];
+  $("config-box").hidden = config.length === 0;
+  $("config").replaceChildren(...config.flatMap(([k, v]) =>
+    [el("dt", { text: k }), el("dd", { text: String(v) })]));
+}
+
+// A multiaddr may wrap after a "/" only (<wbr> is not copied with the text).
+const breakable = (text) => text.split(/(?<=\/)/).flatMap((part) => [part, el("wbr")]);
+
+function renderPeers(peers) {
+  const rows = [...peers].sort((a, b) => (b.self === true) - (a.self === true)
+    || (isNum(b.step) ? b.step : -1) - (isNum(a.step) ? a.step : -1)
+    || String(a.peer_id).localeCompare(String(b.peer_id)));
+  const now = Date.now() / 1000;
+  $("peers").tBodies[0].replaceChildren(...rows.slice(0, MAX_PEER_ROWS).map((p) => {
+    const addrs = Array.isArray(p.addresses) ? p.addresses.map(String) : [];
+    // The ID is in the first column already; the full addresses are in the tooltip.
+    const suffix = "/p2p/" + p.peer_id;
+    const shown = addrs.map((a) => (a.endsWith(suffix) ? a.slice(0, -suffix.length) : a));
+    const stale = isNum(p.updated_at) && now - p.updated_at > STALE_PEER_S;
+    const peerCell = el("td", { class: "mono peer", title: p.peer_id, text: shortId(p.peer_id) });
+    if (p.self === true) peerCell.append(el("span", { class: "badge you", text: "this peer" }));
+    const addrCell = el("td", { class: "addr", title: addrs.join("\n") },
+      ...breakable(shown[0] ?? "—"), shown.length > 1 ? ` (+${shown.length - 1} more)` : "");
+    return el("tr", { "data-peer-id": p.peer_id,
+                      class: [p.self === true ? "self" : "", stale ? "stale" : ""].join(" ") },
+      peerCell,
+      el("td", { class: "num", text: fmtNum(p.step, 0) }),
+      el("td", { class: "num", text: fmtLoss(p.loss) }),
+      el("td", { class: "num", text: fmtNum(p.tokens_per_s, 1) }),
+      el("td", { class: "num", text: fmtAgo(p.updated_at) }),
+      addrCell);
+  }));
+  $("peers-empty").hidden = peers.length > 0;
+  setText("peers-count", peers.length > MAX_PEER_ROWS
+    ? `showing ${MAX_PEER_ROWS} of ${peers.length}` : `${peers.length} known`);
+}
+
+// --- polling ------------------------------------------------------------------------------
+
+async function getJSON(path) {
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(), FETCH_TIMEOUT_MS);
+  try {
+    const response = await fetch(path, { signal: abort.signal, cache: "no-store" });
+    let body = null;
+    try { body = await response.json(); } catch (e) { /* not JSON: reported below */ }
+    if (!response.ok || body === null) {
+      throw new Error(body && body.error ? body.error : `HTTP ${response.status}`);
+    }
+    return body;
+  } catch (e) {
+    const why = e.name === "AbortError" ? "no answer in time" : e.message || String(e);
+    throw new Error(`${path}: ${why}`);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+function showErrors(errors) {
+  const banner = $("error");
+  const pill = $("connection-state");
+  if (errors.length) {
+    const allDown = errors.length === 3;
+    banner.textContent = (allDown
+      ? "Cannot reach this peer: is its shoal run still running? Retrying every 2 s. "
+      : "Some data could not be refreshed. ") + "Details: " + errors.join("; ");
+    if (state.lastOk) banner.textContent += `. Last update ${fmtClock(state.lastOk)}.`;
+    banner.classList.add("shown");
+    pill.className = "pill " + (allDown ? "down" : "live");
+    pill.textContent = allDown ? "reconnecting…" : "partly live";
+  } else {
+    banner.classList.remove("shown");
+    banner.textContent = "";
+    pill.className = "pill live";
+    pill.textContent = "live";
+  }
+}
+
+async function poll() {
+  const [status, peers, history] = await Promise.allSettled(
+    [getJSON("status"), getJSON("peers"), getJSON("history")]);
+  const errors = [];
+  const apply = (result, render) => {
+    if (result.status !== "fulfilled") { errors.push(result.reason.message); return; }
+    try { render(result.value); }
+    catch (e) { errors.push("cannot show the data: " + e); }
+  };
+  apply(status, (s) => { state.status = s; renderStatus(s); });
+  apply(peers, (p) => { state.peers = p; renderPeers(Array.isArray(p) ? p : []); });
+  apply(history, (h) => { state.history = Array.isArray(h) ? h : []; drawCharts(); });
+  if (errors.length < 3) {
+    state.lastOk = Date.now() / 1000;
+    setText("updated", "updated " + fmtClock(state.lastOk));
+  }
+  if (!errors.length) document.body.dataset.polls = String(++state.polls);
+  showErrors(errors);
+}
+
+async function loop() {
+  try { await poll(); }
+  catch (e) { showErrors(["unexpected: " + e]); }
+  finally { setTimeout(loop, POLL_MS); }
+}
+
+let resizeTimer = null;
+window.addEventListener("resize", () => {
+  clearTimeout(resizeTimer);
+  resizeTimer = setTimeout(drawCharts, 100);
+});
+loop();
+</script>
+</body>
+</html>
+"""
+
+
+def _script_hash(html: str) -> str:
+    script = html.split("<script>", 1)[1].split("</script>", 1)[0]
+    return "sha256-" + base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+
+
+# The Content-Security-Policy the page is served with: nothing from elsewhere, and no
+# script but this page's own (by hash: inline event handlers, e.g. in markup a peer
+# smuggled into its report, would not run even if it reached the DOM).
+STATUS_PAGE_CSP = (
+    f"default-src 'none'; script-src '{_script_hash(STATUS_PAGE_HTML)}'; "
+    "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)

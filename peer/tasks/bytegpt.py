@@ -1,0 +1,230 @@
+"""The built-in task `bytegpt`: a small byte-level GPT on text that every peer has.
+
+The model is a causal transformer language model over bytes (vocabulary 256,
+so no tokenizer to agree on): token and learned position embeddings, pre-LN
+blocks of causal self-attention and an MLP, and an output layer tied to the
+token embedding. The defaults (about 0.45 M parameters, batches of 8 windows
+of 128 bytes) train a step in a few tens of milliseconds on one CPU core.
+
+The data needs no download: by default the Python sources of the running
+interpreter's standard library (`corpus.stdlib_files`, about 8 MB for Python
+3.11), the same bytes on every machine with the same Python build; a digest
+in the config lets a joiner check that it has them. With ``--data PATH`` the
+task reads the user's text file, or the text files of a folder, instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.peer.task import TaskError
+from shoal.peer.tasks.corpus import DEFAULT_MAX_BYTES, ByteCorpus, random_windows, spaced_windows
+
+__all__ = ["DEFAULT_CONFIG", "VOCAB_SIZE", "ByteGPT", "ByteGPTTask", "make_task"]
+
+VOCAB_SIZE = 256
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "d_model": 128,  # width of the residual stream
+    "n_layers": 2,  # transformer blocks
+    "n_heads": 4,  # attention heads (d_model must be a multiple)
+    "context": 128,  # bytes the model sees; a training window is context + 1 bytes
+    "batch_size": 8,  # windows per training batch (1024 predicted bytes)
+    "data": "stdlib",  # "stdlib": the standard library corpus; "user": each peer's --data
+    "data_digest": "",  # sha256 of the corpus; filled in for "stdlib", checked when given
+    "max_bytes": DEFAULT_MAX_BYTES,  # read at most this much text
+}
+DATA_SOURCES = ("stdlib", "user")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.ln_attention = nn.LayerNorm(d_model)
+        self.attention = CausalSelfAttention(d_model, n_heads)
+        self.ln_mlp = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln_attention(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class ByteGPT(nn.Module):
+    """A GPT over bytes: ``model(inputs)`` maps [batch, length] byte ids to [batch, length, 256]."""
+
+    def __init__(self, *, d_model: int, n_layers: int, n_heads: int, context: int):
+        super().__init__()
+        self.context = context
+        self.token_embedding = nn.Embedding(VOCAB_SIZE, d_model)
+        self.position_embedding = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln_final = nn.LayerNorm(d_model)
+        self._init_parameters(n_layers)
+
+    def _init_parameters(self, n_layers: int) -> None:
+        # GPT-2's scheme: small normal weights, and the projections that add into
+        # the residual stream scaled down by depth so its variance stays put.
+        # The token embedding is smaller still: with the output tied to it, a
+        # byte's own embedding adds about std * d_model to its logit, and at
+        # GPT-2's 0.02 a fresh model would favour repeating its input byte.
+        # At 0.5 / d_model its predictions are uniform: a fresh loss of ln(256).
+        for name, parameter in self.named_parameters():
+            if name == "token_embedding.weight":
+                nn.init.normal_(parameter, std=0.5 / parameter.shape[1])
+            elif name.endswith("bias"):
+                nn.init.zeros_(parameter)
+            elif "ln_" in name:
+                nn.init.ones_(parameter)
+            elif name.endswith(("attention.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layers))
+            else:
+                nn.init.normal_(parameter, std=0.02)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        length = inputs.shape[1]
+        if length > self.context:
+            raise ValueError(f"{length} bytes of input, more than the context of {self.context}")
+        positions = torch.arange(length, device=inputs.device)
+        x = self.token_embedding(inputs) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_final(x) @ self.token_embedding.weight.T
+
+
+class ByteGPTTask:
+    """The `Task` of a byte-level GPT on a `ByteCorpus`; batches are uint8 [batch, context + 1]."""
+
+    name = "bytegpt"
+
+    def __init__(self, settings: dict[str, Any], corpus: ByteCorpus):
+        self.settings = settings
+        self.corpus = corpus
+
+    def config(self) -> dict[str, Any]:
+        return dict(self.settings)
+
+    def make_model(self, seed: int) -> ByteGPT:
+        # Seeded in a forked RNG: deterministic, and the caller's global RNG is left alone.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed % 2**64)
+            return ByteGPT(
+                d_model=self.settings["d_model"],
+                n_layers=self.settings["n_layers"],
+                n_heads=self.settings["n_heads"],
+                context=self.settings["context"],
+            )
+
+    def batches(self, shard: int, num_shards: int, seed: int) -> Iterator[torch.Tensor]:
+        return random_windows(
+            self.corpus.shard(shard, num_shards),
+            window=self.settings["context"] + 1,
+            batch_size=self.settings["batch_size"],
+            seed=seed,
+        )
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        device = next(model.parameters()).device
+        batch = batch.to(device=device, dtype=torch.long)
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
+
+    def batch_tokens(self, batch: torch.Tensor) -> int:
+        return batch.shape[0] * (batch.shape[1] - 1)  # predicted bytes
+
+    def eval_batches(self, count: int) -> list[torch.Tensor]:
+        if count <= 0:
+            return []
+        batch_size = self.settings["batch_size"]
+        windows = spaced_windows(
+            self.corpus.val, window=self.settings["context"] + 1, count=count * batch_size
+        )
+        return list(windows.split(batch_size))
+
+
+def make_task(config: dict[str, Any], data: Path | None = None) -> ByteGPTTask:
+    """The bytegpt task: `config` overrides `DEFAULT_CONFIG`; `data` is the user's --data."""
+    settings = _settings(config, data)
+    window = settings["context"] + 1
+    if settings["data"] == "user":
+        assert data is not None  # _settings checked
+        corpus = ByteCorpus.from_path(data, window=window, max_bytes=settings["max_bytes"])
+    else:
+        corpus = ByteCorpus.from_stdlib(window=window, max_bytes=settings["max_bytes"])
+        if settings["data_digest"] == "":
+            settings["data_digest"] = corpus.digest
+    if settings["data_digest"] not in ("", corpus.digest):
+        remedy = (
+            "run the Python version and build of the experiment's host"
+            if settings["data"] == "stdlib"
+            else "give --data the same text as the host"
+        )
+        raise TaskError(
+            f"the experiment's corpus (digest {settings['data_digest'][:12]}) differs from "
+            f"{corpus.description} here (digest {corpus.digest[:12]}): {remedy}"
+        )
+    return ByteGPTTask(settings, corpus)
+
+
+def _settings(config: dict[str, Any], data: Path | None) -> dict[str, Any]:
+    unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+    if unknown:
+        raise TaskError(
+            f"bytegpt: unknown config key {unknown[0]!r} (known: {', '.join(DEFAULT_CONFIG)})"
+        )
+    settings = dict(DEFAULT_CONFIG)
+    for key, value in config.items():
+        default = DEFAULT_CONFIG[key]
+        if type(value) is not type(default):  # bool is not int here
+            raise TaskError(
+                f"bytegpt: config {key!r} must be of type {type(default).__name__}, got {value!r}"
+            )
+        settings[key] = value
+    for key in ("d_model", "n_layers", "n_heads", "context", "batch_size", "max_bytes"):
+        if settings[key] < 1:
+            raise TaskError(f"bytegpt: config {key!r} must be at least 1, got {settings[key]}")
+    if settings["d_model"] % settings["n_heads"]:
+        raise TaskError(
+            f"bytegpt: d_model ({settings['d_model']}) must be a multiple of "
+            f"n_heads ({settings['n_heads']})"
+        )
+    if settings["data"] not in DATA_SOURCES:
+        raise TaskError(
+            f"bytegpt: config 'data' must be 'stdlib' or 'user', got {settings['data']!r}"
+        )
+    if "data" not in config and data is not None:
+        settings["data"] = "user"  # hosting on the user's text
+    if settings["data"] == "user" and data is None:
+        raise TaskError(
+            "this bytegpt experiment trains on each peer's own text: give --data PATH "
+            "(a text file or a folder of text files)"
+        )
+    if settings["data"] == "stdlib" and data is not None:
+        raise TaskError(
+            "this bytegpt experiment trains on the Python standard library, not on --data: "
+            "leave out --data"
+        )
+    return settings

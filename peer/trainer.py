@@ -1,0 +1,284 @@
+"""The training loop: inner steps in a worker thread, outer rounds in the event loop.
+
+Each inner step (next batch, forward, backward, AdamW) runs in one dedicated
+worker thread, so RPCs, heartbeats and the status endpoint keep flowing while
+torch computes. Between two inner steps, in the event loop, the outer strategy
+(`shoal.averaging.outer`) gets control: the parameters change only there or in
+the worker thread, never both at once.
+
+Checkpoints are snapshotted in the event loop between steps (a copy of every
+tensor, cheap next to a training step) and written by the worker thread, so a
+strategy round running in the background cannot tear them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shoal.averaging.outer import OuterStrategy, RoundReport
+
+from .checkpoint import CheckpointStore
+from .task import Task
+
+__all__ = ["DEFAULT_HYPERPARAMETERS", "Trainer", "TrainerStats", "check_hyperparameters"]
+
+log = logging.getLogger("shoal.trainer")
+
+DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
+    "inner_lr": 1e-3,
+    "weight_decay": 0.1,
+    "warmup_steps": 50,
+    "grad_clip": 1.0,
+    "adam_beta2": 0.95,
+    "num_shards": 64,  # data shards; each peer reads the one its peer ID picks
+}
+
+# Tokens/s is measured over this many seconds of recent steps.
+RATE_WINDOW_S = 20.0
+HISTORY_POINTS = 1000
+# On shutdown, how long a round in flight may take to end (docker stop grants 10 s).
+FINISH_TIMEOUT_S = 4.0
+
+
+def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
+    """Defaults filled in; ValueError naming an unknown or bad value."""
+    out = dict(DEFAULT_HYPERPARAMETERS)
+    for key, value in hyper.items():
+        if key not in DEFAULT_HYPERPARAMETERS:
+            raise ValueError(
+                f"unknown hyperparameter {key!r}; known: {', '.join(DEFAULT_HYPERPARAMETERS)}"
+            )
+        default = DEFAULT_HYPERPARAMETERS[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"hyperparameter {key} must be a number, got {value!r}")
+        if isinstance(default, int) and not isinstance(value, int):
+            raise ValueError(f"hyperparameter {key} must be a whole number, got {value!r}")
+        if value < 0 or (key == "num_shards" and value < 1):
+            raise ValueError(f"hyperparameter {key} must be positive, got {value!r}")
+        out[key] = value
+    return out
+
+
+@dataclass
+class TrainerStats:
+    """What the status endpoint and the progress line show."""
+
+    step: int = 0  # inner steps of this peer, since the experiment started (resumed included)
+    tokens: int = 0
+    loss: float | None = None  # smoothed
+    last_loss: float | None = None
+    tokens_per_s: float | None = None
+    last_round: RoundReport | None = None
+    last_round_at: float | None = None  # UNIX time
+    rounds: collections.Counter[str] = field(default_factory=collections.Counter)
+    checkpoint_at: float | None = None
+    history: collections.deque[dict[str, Any]] = field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS)
+    )
+
+
+class Trainer:
+    def __init__(
+        self,
+        task: Task,
+        model: torch.nn.Module,
+        strategy: OuterStrategy,
+        hyperparameters: dict[str, Any],
+        *,
+        shard: int,
+        seed: int,
+        checkpoints: CheckpointStore | None = None,
+        checkpoint_interval: float = 300.0,
+        checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
+        on_round: Callable[[RoundReport], None] | None = None,
+    ) -> None:
+        self.task = task
+        self.model = model
+        self.strategy = strategy
+        self.hyper = check_hyperparameters(hyperparameters)
+        self.shard = shard
+        self.seed = seed
+        self.checkpoints = checkpoints
+        self.checkpoint_interval = checkpoint_interval
+        self._checkpoint_extra = checkpoint_extra or dict
+        self.on_round = on_round
+        self.stats = TrainerStats()
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=self.hyper["inner_lr"],
+            weight_decay=self.hyper["weight_decay"],
+            betas=(0.9, self.hyper["adam_beta2"]),
+        )
+        # One thread for every touch of the model outside the event loop: inner
+        # steps and checkpoint writes never overlap.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-train")
+        self._batches: Iterator[Any] | None = None
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (tensors copied), safe to write while training goes on."""
+        return _clone(
+            {
+                "model": self.model.state_dict(),
+                "inner_optimizer": self.optimizer.state_dict(),
+                "strategy": self.strategy.state_dict(),
+                "step": self.stats.step,
+                "tokens": self.stats.tokens,
+                "loss": self.stats.loss,
+                **self._checkpoint_extra(),
+            }
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["inner_optimizer"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.stats.step = int(state["step"])
+        self.stats.tokens = int(state["tokens"])
+        loss = state.get("loss")
+        self.stats.loss = float(loss) if isinstance(loss, int | float) else None
+
+    async def save_checkpoint(self) -> None:
+        if self.checkpoints is None:
+            return
+        snapshot = self.state_dict()
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(self._worker, self.checkpoints.save, snapshot)
+        self.stats.checkpoint_at = time.time()
+        log.info("checkpoint written: %s (step %d)", path, self.stats.step)
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Train until `stop` is set; then end the strategy's round, write a checkpoint."""
+        loop = asyncio.get_running_loop()
+        if self._batches is None:
+            num_shards = self.hyper["num_shards"]
+            self._batches = self.task.batches(self.shard, num_shards, self.seed)
+        next_checkpoint = time.monotonic() + self.checkpoint_interval
+        try:
+            while not stop.is_set():
+                loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
+                self._account(loss, tokens)
+                for report in await self._outer(tokens, stop):
+                    self._record_round(report)
+                if time.monotonic() >= next_checkpoint:
+                    await self.save_checkpoint()
+                    next_checkpoint = time.monotonic() + self.checkpoint_interval
+        finally:
+            # Graceful: the round in flight ends (commit or abort) before the state is saved.
+            with contextlib.suppress(Exception):
+                await self.strategy.finish()
+            if stop.is_set():
+                await self.save_checkpoint()
+
+    async def _outer(self, tokens: int, stop: asyncio.Event) -> list[RoundReport]:
+        """The strategy's turn; a shutdown during a round ends the round (within
+        `FINISH_TIMEOUT_S`) instead of waiting for its deadline."""
+        outer = asyncio.ensure_future(self.strategy.after_inner_step(tokens))
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({outer, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not outer.done():
+                log.info("shutdown during an averaging round: ending it")
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(FINISH_TIMEOUT_S):
+                        await self.strategy.finish()
+                        await asyncio.wait({outer})
+            if not outer.done():
+                # The round aborts for us; the others see a failed member and go on.
+                outer.cancel()
+                await asyncio.gather(outer, return_exceptions=True)
+                return []
+            return outer.result()
+        finally:
+            stopped.cancel()
+            if not outer.done():
+                outer.cancel()
+            await asyncio.gather(outer, stopped, return_exceptions=True)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _inner_step(self) -> tuple[float, int]:
+        assert self._batches is not None
+        batch = next(self._batches)
+        step = self.stats.step
+        warmup = self.hyper["warmup_steps"]
+        scale = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.hyper["inner_lr"] * scale
+        self.model.train()
+        loss = self.task.loss(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.hyper["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper["grad_clip"])
+        self.optimizer.step()
+        return float(loss.detach()), int(self.task.batch_tokens(batch))
+
+    def _account(self, loss: float, tokens: int) -> None:
+        s = self.stats
+        s.step += 1
+        s.tokens += tokens
+        s.last_loss = loss
+        if math.isfinite(loss):
+            s.loss = loss if s.loss is None else 0.95 * s.loss + 0.05 * loss
+        now = time.monotonic()
+        self._rate.append((now, tokens))
+        while len(self._rate) > 2 and now - self._rate[0][0] > RATE_WINDOW_S:
+            self._rate.popleft()
+        if len(self._rate) >= 2:
+            span = now - self._rate[0][0]
+            if span > 0:
+                s.tokens_per_s = sum(t for _, t in list(self._rate)[1:]) / span
+
+    def _record_round(self, report: RoundReport) -> None:
+        s = self.stats
+        s.last_round = report
+        s.last_round_at = time.time()
+        s.rounds[report.outcome.split(":")[0]] += 1
+        if report.committed:
+            log.info(
+                "round committed: outer step %d, %d peers, %.2fs, fingerprint %s",
+                report.outer_step,
+                report.group_size,
+                report.duration_s,
+                (report.fingerprint or "")[:16],
+            )
+        else:
+            log.info("round not committed: %s (%.2fs)", report.outcome, report.duration_s)
+        if self.on_round is not None:
+            self.on_round(report)
+
+    def evaluate(self, batches: list[Any]) -> float:
+        """Mean loss over `batches` (blocking: run it in the worker thread)."""
+        self.model.eval()
+        with torch.no_grad():
+            losses = [float(self.task.loss(self.model, b)) for b in batches]
+        return sum(losses) / max(1, len(losses))
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone(v) for v in obj)
+    return obj

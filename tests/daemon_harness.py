@@ -1,0 +1,149 @@
+"""`shoal run` daemons as subprocesses on loopback, for the end-to-end tests.
+
+Each daemon gets its own HOME and data directory, listens on 127.0.0.1 with
+a random port, serves its status endpoint on a random port, and trains a
+tiny model so that rounds come every few seconds. Its stdout (the banner) is
+read in a thread; its stderr (the log) goes to a file the test can search.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Small enough that an inner step takes milliseconds on a loaded 2-core machine.
+TINY_TASK = "d_model=32,n_layers=1,n_heads=2,context=32,batch_size=4"
+START_TIMEOUT = 60.0
+ROUND_RE = re.compile(r"round committed: outer step (\d+), (\d+) peers, [\d.]+s, fingerprint (\w+)")
+
+
+def daemon_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env.update(
+        HOME=str(home),
+        SHOAL_LISTEN="/ip4/127.0.0.1/tcp/0",
+        SHOAL_STATUS_ADDR="127.0.0.1:0",
+        SHOAL_THREADS="1",
+        OMP_NUM_THREADS="1",
+    )
+    env.update(extra)
+    return env
+
+
+class Daemon:
+    """One `shoal run` process."""
+
+    def __init__(self, name: str, workdir: Path, args: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.home = workdir / name
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.data_dir = self.home / ".shoal"
+        self.log_path = self.home / "stderr.log"
+        self.stdout_lines: list[str] = []
+        self._ready = threading.Event()
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "shoal.peer", "run", *args],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=daemon_env(self.home, **env),
+            )
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._reader.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.stdout_lines.append(line)
+            if line.startswith("Status: "):
+                self._ready.set()
+        self._ready.set()  # exited: wake the waiter, which then sees it
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        if not self._ready.wait(timeout) or self.status_url is None:
+            raise AssertionError(f"{self.name} did not start:\n{self.tail()}")
+
+    @property
+    def status_url(self) -> str | None:
+        for line in self.stdout_lines:
+            if line.startswith("Status: "):
+                return line.split(" ", 1)[1].strip()
+        return None
+
+    @property
+    def address(self) -> str:
+        for line in self.stdout_lines:
+            if line.startswith("/ip4/127.0.0.1/"):
+                return line.strip()
+        raise AssertionError(f"{self.name} printed no loopback address: {self.stdout_lines}")
+
+    @property
+    def join_ref(self) -> str:
+        for line in self.stdout_lines:
+            m = re.search(r"--join (\S+)", line)
+            if m:
+                return m.group(1)
+        raise AssertionError(f"{self.name} printed no join command: {self.stdout_lines}")
+
+    def get(self, path: str, timeout: float = 5.0) -> Any:
+        assert self.status_url is not None
+        with urllib.request.urlopen(self.status_url + path, timeout=timeout) as resp:
+            body = resp.read()
+        return json.loads(body) if path != "/metrics" else body.decode()
+
+    def status(self) -> dict[str, Any]:
+        return self.get("/status")  # type: ignore[no-any-return]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 40) -> str:
+        return f"--- {self.name} log tail:\n" + "\n".join(self.log().splitlines()[-lines:])
+
+    def committed_rounds(self) -> dict[int, str]:
+        """outer step -> fingerprint, from the log."""
+        return {int(m.group(1)): m.group(3) for m in ROUND_RE.finditer(self.log())}
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def terminate(self, timeout: float = 20.0) -> tuple[int, float]:
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=timeout)
+        return code, time.monotonic() - started
+
+
+def wait_for(
+    what: str, check: Callable[[], Any], timeout: float, *, every: float = 0.5, debug: Any = None
+) -> Any:
+    """Poll `check` until it returns something truthy; AssertionError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except (OSError, urllib.error.URLError, ValueError, KeyError) as e:
+            last_error = e
+        time.sleep(every)
+    extra = debug() if callable(debug) else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} ({last_error!r})\n{extra}")

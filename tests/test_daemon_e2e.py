@@ -1,0 +1,203 @@
+"""The daemon end to end: separate `shoal run` processes on loopback train one experiment.
+
+The issue's acceptance run: a host and two joiners train with DiLoCo; at least
+three outer rounds commit, and after each one every peer's fingerprint is the
+same; /status, /peers and /metrics carry what they must; a joiner killed with
+kill -9 does not stop the others; a fourth peer joins and catches up; the
+host leaves and the rest go on.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_harness import TINY_TASK, Daemon, wait_for
+
+pytestmark = pytest.mark.slow
+
+STATUS_KEYS = {
+    "peer_id",
+    "version",
+    "addresses",
+    "reachability",
+    "connections",
+    "dht_peers",
+    "experiment",
+    "step",
+    "loss",
+    "tokens_per_s",
+    "last_round",
+    "bytes_sent",
+    "bytes_received",
+    "uptime_s",
+}
+FAST_ROUNDS = {
+    "SHOAL_INNER_STEPS": "10",
+    "SHOAL_TASK_OPTIONS": TINY_TASK,
+    # Short deadlines so that a killed peer costs a few seconds, not the defaults' 30.
+    "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=15,stall_timeout=3",
+}
+
+
+def _debug(*daemons: Daemon) -> str:
+    return "\n".join(d.tail() for d in daemons)
+
+
+def _agree(daemons: list[Daemon], step: int) -> str | None:
+    """The fingerprint every daemon logged for outer `step`, None if not all have it."""
+    prints = {d.committed_rounds().get(step) for d in daemons}
+    if None in prints:
+        return None
+    assert len(prints) == 1, f"fingerprints differ at outer step {step}: {prints}"
+    return prints.pop()
+
+
+@pytest.mark.timeout(420)
+def test_host_and_joiners_train_survive_a_kill_a_join_and_the_host_leaving(
+    tmp_path: Path,
+) -> None:
+    host = Daemon("host", tmp_path, ["--host-experiment", "e2e"], FAST_ROUNDS)
+    daemons = [host]
+    try:
+        host.wait_ready()
+        ref = host.join_ref
+        assert ref.startswith("e2e@12D3KooW")
+        join_args = ["--join", ref, "--bootstrap", host.address]
+        a = Daemon("joiner-a", tmp_path, join_args, {})
+        b = Daemon("joiner-b", tmp_path, join_args, {})
+        daemons += [a, b]
+        for d in (a, b):
+            d.wait_ready()
+        trio = [host, a, b]
+
+        # Three outer rounds with all three peers, identical fingerprints after each.
+        def three_full_rounds() -> list[int]:
+            full = []
+            for d in trio:
+                for step, _ in d.committed_rounds().items():
+                    full.append(step)
+            steps = sorted({s for s in full if all(s in d.committed_rounds() for d in trio)})
+            return steps if len(steps) >= 3 else []
+
+        steps = wait_for("3 rounds on 3 peers", three_full_rounds, 180, debug=lambda: _debug(*trio))
+        for step in steps:
+            assert _agree(trio, step)
+
+        # The status endpoint.
+        status = host.status()
+        assert set(status) >= STATUS_KEYS
+        assert status["experiment"] == "e2e"
+        assert status["step"] > 0 and status["loss"] > 0 and status["tokens_per_s"] > 0
+        assert status["last_round"]["outcome"] == "committed"
+        assert status["last_round"]["group_size"] >= 2
+        assert len(status["last_round"]["fingerprint"]) == 64
+        assert status["bytes_sent"] > 0 and status["bytes_received"] > 0
+        assert status["dht_peers"] >= 2
+        kinds = {c["kind"] for c in status["connections"]}
+        assert kinds <= {"direct", "relayed", "holepunched"} and kinds
+        for conn in status["connections"]:
+            assert {"peer_id", "kind", "bytes_sent", "bytes_received"} <= set(conn)
+        peer_ids = {d.status()["peer_id"] for d in trio}
+        peers = wait_for(
+            "all three in /peers",
+            lambda: (p := host.get("/peers")) and {e["peer_id"] for e in p} >= peer_ids and p,
+            30,
+        )
+        for entry in peers:
+            assert {"peer_id", "step", "tokens_per_s", "addresses"} <= set(entry)
+        metrics = host.get("/metrics")
+        assert "shoal_step " in metrics or "shoal_step{" in metrics
+        assert 'shoal_rounds_total{outcome="committed"}' in metrics
+        assert host.get("/healthz")["ok"] is True
+
+        # kill -9 a joiner: the other two go on committing.
+        b.kill()
+        last = max(_common := set(host.committed_rounds()) & set(a.committed_rounds()))
+        wait_for(
+            "2 more rounds without the killed joiner",
+            lambda: [
+                s for s in set(host.committed_rounds()) & set(a.committed_rounds()) if s > last + 1
+            ],
+            120,
+            debug=lambda: _debug(host, a),
+        )
+        for s in set(host.committed_rounds()) & set(a.committed_rounds()):
+            assert _agree([host, a], s)
+
+        # A fourth peer joins (through the joiner, not the host) and catches up.
+        c = Daemon("joiner-c", tmp_path, ["--join", ref, "--bootstrap", a.address], {})
+        daemons.append(c)
+        c.wait_ready()
+        wait_for(
+            "the new peer commits a round with the others",
+            lambda: (
+                set(c.committed_rounds()) & set(host.committed_rounds()) & set(a.committed_rounds())
+            ),
+            120,
+            debug=lambda: _debug(host, a, c),
+        )
+        for s in set(c.committed_rounds()) & set(a.committed_rounds()):
+            assert _agree([a, c], s)
+
+        # The host leaves gracefully; the two others go on without it.
+        code, took = host.terminate()
+        assert code == 0, host.tail()
+        assert took < 10, f"graceful shutdown took {took:.1f}s"
+        assert (host.data_dir / "checkpoints").exists()
+        after = max(set(a.committed_rounds()) & set(c.committed_rounds()))
+        wait_for(
+            "rounds after the host left",
+            lambda: [
+                s for s in set(a.committed_rounds()) & set(c.committed_rounds()) if s > after + 1
+            ],
+            120,
+            debug=lambda: _debug(a, c),
+        )
+        for s in set(a.committed_rounds()) & set(c.committed_rounds()):
+            assert _agree([a, c], s)
+        for d in (a, c):
+            code, _ = d.terminate()
+            assert code == 0, d.tail()
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+@pytest.mark.timeout(120)
+def test_restart_resumes_from_the_checkpoint_with_the_same_identity(tmp_path: Path) -> None:
+    first = Daemon("peer", tmp_path, ["--host-experiment", "resume"], FAST_ROUNDS)
+    try:
+        first.wait_ready()
+        peer_id = first.status()["peer_id"]
+        wait_for("some steps", lambda: (first.status()["step"] or 0) >= 5, 60)
+        code, _ = first.proc.send_signal(signal.SIGINT) or (first.proc.wait(timeout=20), 0)
+        assert code == 0, first.tail()
+        step_before = max(
+            int(line.rsplit("step ", 1)[1].rstrip(")"))
+            for line in first.log().splitlines()
+            if "checkpoint written" in line
+        )
+    finally:
+        first.kill()
+    second = Daemon("peer", tmp_path, ["--host-experiment", "resume"], FAST_ROUNDS)
+    try:
+        second.wait_ready()
+        status = second.status()
+        assert status["peer_id"] == peer_id
+        assert status["experiment_id"] == first_experiment_id(first)
+        assert "resumed from checkpoint" in second.log()
+        assert status["step"] >= step_before
+    finally:
+        second.kill()
+
+
+def first_experiment_id(d: Daemon) -> str:
+    for line in d.stdout_lines:
+        if line.startswith("Experiment "):
+            return line.split("(id ", 1)[1].rstrip(").")
+    raise AssertionError(d.stdout_lines)

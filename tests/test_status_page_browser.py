@@ -1,0 +1,308 @@
+"""The status page at / in a real headless browser (Debian's chromium, through selenium).
+
+The server runs a fake swarm whose history grows on every poll. The page must
+render the peers and the loss curve, keep up as the history grows, show an
+error (not throw) while the daemon is down, and recover when it is back on the
+same port, and show a peer's untrusted report as text, never as markup. A
+screenshot is kept in test-output/status-page.png.
+
+Skipped when chromium or chromedriver is missing (CI installs both with apt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.peer import __version__
+from shoal.peer.metrics import Metrics
+from shoal.peer.status import StatusServer
+from shoal.transport.identity import Identity
+
+pytestmark = pytest.mark.timeout(90)
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+SCREENSHOT = Path(__file__).resolve().parents[1] / "test-output" / "status-page.png"
+WAIT_TIMEOUT = 15.0  # the page polls every 2 s; a loaded machine may start chromium slowly
+WINDOW_WIDTH, WINDOW_HEIGHT = 1440, 1000
+N_PEERS = 6
+HOSTILE = '<img src=x onerror="document.body.dataset.pwned = 1">'
+
+FIRST_HISTORY_POINTS = 60
+POINTS_PER_POLL = 5
+
+
+class GrowingSwarm:
+    """A peer 60+ steps into training with five others; each /history call adds samples."""
+
+    def __init__(self) -> None:
+        rng = random.Random(7)
+        self.ids = [str(Identity.generate().peer_id) for _ in range(N_PEERS)]
+        self.peer_id = self.ids[0]
+        self.started = time.time() - 3 * 3600 - 754
+        self.t0 = time.time() - 2 * FIRST_HISTORY_POINTS
+        self.noise = [rng.gauss(0, 0.05) for _ in range(2000)]
+        self.traffic = [rng.uniform(0.6, 1.4) for _ in range(2000)]
+        self.points = FIRST_HISTORY_POINTS
+        self.served: list[int] = []  # history lengths served, in order
+        self.hostile_peer = False  # a peer whose DHT report carries markup
+
+    def _loss(self, step: int) -> float:
+        return 1.9 + 3.6 * math.exp(-step / 18) + self.noise[step]
+
+    def _addresses(self, i: int) -> list[str]:
+        pid = self.ids[i]
+        addrs = [f"/ip4/192.0.2.{10 + i}/tcp/31337/p2p/{pid}"]
+        if i % 2:
+            addrs.append(f"/ip4/198.51.100.{i}/tcp/4001/p2p/{self.ids[0]}/p2p-circuit/p2p/{pid}")
+        return addrs
+
+    def status(self) -> dict[str, Any]:
+        step = self.points - 1
+        kinds = ("direct", "holepunched", "relayed", "direct", "direct")
+        return {
+            "peer_id": self.peer_id,
+            "version": __version__,
+            "addresses": [
+                f"/ip4/192.0.2.10/tcp/31337/p2p/{self.peer_id}",
+                f"/ip6/2001:db8::10/tcp/31337/p2p/{self.peer_id}",
+            ],
+            "reachability": "public",
+            "connections": [
+                {
+                    "peer_id": pid,
+                    "kind": kinds[i],
+                    "bytes_sent": 3_100_000 * (i + 1),
+                    "bytes_received": 2_700_000 * (i + 2),
+                }
+                for i, pid in enumerate(self.ids[1:])
+            ],
+            "dht_peers": 11,
+            "experiment": "bytegpt-tiny",
+            "strategy": "diloco",  # an optional key the page shows when present
+            "task": "bytegpt",
+            "step": step,
+            "loss": self._loss(step),
+            "tokens_per_s": 18_432.5,
+            "last_round": {
+                "group_size": 4,
+                "duration_s": 2.31,
+                "outcome": "committed",
+                "fingerprint": "b3f91c07e2d45a60",
+            },
+            "bytes_sent": 3_000_000 * step,
+            "bytes_received": 4_100_000 * step,
+            "uptime_s": time.time() - self.started,
+            "config": {"listen": "/ip4/0.0.0.0/tcp/31337", "status_addr": "127.0.0.1:8080"},
+        }
+
+    async def peers(self) -> list[dict[str, Any]]:
+        now, step = time.time(), self.points - 1
+        hostile = [
+            {
+                "peer_id": HOSTILE,
+                "step": 1,
+                "loss": None,
+                "tokens_per_s": None,
+                "addresses": [HOSTILE],
+                "updated_at": now,
+                "self": False,
+            }
+        ]
+        return (hostile if self.hostile_peer else []) + [
+            {
+                "peer_id": pid,
+                "step": step - 3 * i,
+                "loss": self._loss(step - 3 * i),
+                "tokens_per_s": 18_432.5 - 1500 * i,
+                "addresses": self._addresses(i),
+                "updated_at": now - 4 * i - (400 if i == N_PEERS - 1 else 0),
+                "self": i == 0,
+            }
+            for i, pid in enumerate(self.ids)
+        ]
+
+    def history(self) -> list[dict[str, Any]]:
+        if self.served:
+            self.points += POINTS_PER_POLL
+        self.served.append(self.points)
+        sent = received = 0.0
+        out = []
+        for i in range(self.points):
+            sent += 1_500_000 * self.traffic[i]
+            received += 2_050_000 * self.traffic[-i]
+            out.append(
+                {
+                    "t": self.t0 + 2 * i,
+                    "step": i,
+                    "loss": self._loss(i),
+                    "tokens_per_s": 18_000.0,
+                    "bytes_sent": int(sent),
+                    "bytes_received": int(received),
+                }
+            )
+        return out
+
+
+def _need_browser() -> None:
+    pytest.importorskip("selenium", reason="selenium is not installed (pip install selenium)")
+    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        if shutil.which(path) is None:
+            pytest.skip(f"{path} is missing (apt-get install {package})")
+
+
+def _start_chromium(user_data_dir: Path) -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--window-size={WINDOW_WIDTH},{WINDOW_HEIGHT}",
+        f"--user-data-dir={user_data_dir}",
+    ):
+        options.add_argument(flag)
+    # An explicit driver path: selenium must not go looking for (or download) one.
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    driver.set_page_load_timeout(WAIT_TIMEOUT)
+    driver.set_script_timeout(WAIT_TIMEOUT)
+    return driver
+
+
+@pytest.fixture
+async def browser(tmp_path: Path) -> AsyncIterator[Any]:
+    _need_browser()
+    # Selenium blocks; in a thread, so that the server on this event loop keeps answering.
+    driver = await asyncio.to_thread(_start_chromium, tmp_path / "chromium-profile")
+    try:
+        yield driver
+    finally:
+        await asyncio.to_thread(driver.quit)
+
+
+async def wait_for(driver: Any, script: str, done: Callable[[Any], bool], what: str) -> Any:
+    """Poll the DOM with `script` until `done(value)`; fail naming `what` after WAIT_TIMEOUT."""
+    deadline = time.monotonic() + WAIT_TIMEOUT
+    value = None
+    while time.monotonic() < deadline:
+        value = await asyncio.to_thread(driver.execute_script, script)
+        if done(value):
+            return value
+        await asyncio.sleep(0.1)  # the polling interval of this check, not a synchronization
+    raise AssertionError(f"page never showed {what} within {WAIT_TIMEOUT:g} s; last: {value!r}")
+
+
+def fit_window_to_page(driver: Any) -> None:
+    """Make the window as tall as the page, so that the screenshot shows all of it."""
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(WINDOW_WIDTH, max(WINDOW_HEIGHT, int(height) + 140))
+
+
+PAGE_STATE = """
+const rows = [...document.querySelectorAll('#peers tbody tr')];
+return {
+  rows: rows.map((r) => r.dataset.peerId),
+  selfRows: rows.filter((r) => r.classList.contains('self')).length,
+  lossPoints: Number(document.getElementById('loss-curve').dataset.points),
+  bandwidthPoints: Number(document.getElementById('bandwidth').dataset.points),
+  connections: document.querySelectorAll('#connections tbody tr').length,
+  peerId: document.getElementById('peer-id').textContent,
+  step: document.getElementById('step').textContent,
+  loss: document.getElementById('loss').textContent,
+  experiment: document.getElementById('experiment').textContent,
+  lastRound: document.getElementById('last-round').textContent,
+  error: document.getElementById('error').classList.contains('shown'),
+  errorText: document.getElementById('error').textContent,
+  polls: Number(document.body.dataset.polls),
+  pwned: document.body.dataset.pwned !== undefined,
+  images: document.querySelectorAll('#peers img').length,
+  peersText: document.getElementById('peers').textContent,
+};
+"""
+
+
+async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restart(
+    browser: Any,
+) -> None:
+    swarm = GrowingSwarm()
+    server = StatusServer(swarm, Metrics(swarm), "127.0.0.1", 0)
+    await server.start()
+    try:
+        await asyncio.to_thread(browser.get, server.url + "/")
+
+        # The curve follows the history: at least one refresh after the first load.
+        page = await wait_for(
+            browser,
+            PAGE_STATE,
+            lambda p: (
+                p["lossPoints"] >= FIRST_HISTORY_POINTS + POINTS_PER_POLL
+                and p["lossPoints"] in swarm.served
+                and len(p["rows"]) == N_PEERS
+            ),
+            f"{N_PEERS} peer rows and a loss curve grown past {FIRST_HISTORY_POINTS} points",
+        )
+        assert sorted(page["rows"]) == sorted(swarm.ids)
+        assert page["rows"][0] == swarm.peer_id and page["selfRows"] == 1  # this peer first
+        assert page["bandwidthPoints"] == 2 * (page["lossPoints"] - 1)  # sent + received rates
+        assert page["connections"] == N_PEERS - 1
+        assert page["peerId"] == swarm.peer_id
+        assert page["experiment"] == "bytegpt-tiny"
+        assert page["step"].replace(",", "").isdigit()
+        assert "committed" in page["lastRound"] and "b3f91c07e2d45a60" in page["lastRound"]
+        assert not page["error"], page["errorText"]
+
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(fit_window_to_page, browser)
+        assert await asyncio.to_thread(browser.save_screenshot, str(SCREENSHOT))
+        print(f"\nstatus page screenshot: {SCREENSHOT}")
+
+        # The daemon stops: the page says so instead of breaking.
+        port = int(server.url.rsplit(":", 1)[1])
+        await server.aclose()
+        page = await wait_for(browser, PAGE_STATE, lambda p: p["error"], "the error banner")
+        assert "Cannot reach this peer" in page["errorText"]
+        assert len(page["rows"]) == N_PEERS  # the last data stays on screen
+
+        # It comes back on the same port, with a new peer whose report carries markup:
+        # the page recovers by itself and shows the markup as text.
+        polls_before = page["polls"]
+        swarm.hostile_peer = True
+        server = StatusServer(swarm, Metrics(swarm), "127.0.0.1", port)
+        await server.start()
+        page = await wait_for(
+            browser,
+            PAGE_STATE,
+            lambda p: not p["error"] and p["polls"] > polls_before and len(p["rows"]) > N_PEERS,
+            "recovery after the restart",
+        )
+        assert page["lossPoints"] in swarm.served
+        assert HOSTILE in page["rows"] and HOSTILE in page["peersText"]
+        assert page["images"] == 0 and not page["pwned"]
+
+        logs = await asyncio.to_thread(browser.get_log, "browser")
+        problems = [
+            e["message"]
+            for e in logs
+            if "Uncaught" in e["message"] or "Content Security Policy" in e["message"]
+        ]
+        assert not problems, problems
+    finally:
+        await server.aclose()
