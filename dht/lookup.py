@@ -112,11 +112,15 @@ async def traverse(
     cancelled before returning."""
     loop = asyncio.get_running_loop()
     in_flight: dict[asyncio.Task[list[list[WireContact]]], tuple[Candidate, list[KeyLookup]]] = {}
-    started: dict[PeerID, float] = {}
+    # Keyed by task: one peer may have two requests in flight (asked for one key, then,
+    # before answering, picked for another key by a later round).
+    started: dict[asyncio.Task[list[list[WireContact]]], float] = {}
     try:
         while True:
             now = loop.time()
-            stalled = {p for p, t in started.items() if now - t >= stall_after}
+            stalled = {
+                in_flight[t][0].peer_id for t, ts in started.items() if now - ts >= stall_after
+            }
             active = [lk for lk in lookups if not lk.done]
             wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
             order: list[PeerID] = []
@@ -171,7 +175,7 @@ async def traverse(
                     lk.state[pid] = ASKED
                 task = loop.create_task(query(cand, lks))
                 in_flight[task] = (cand, lks)
-                started[pid] = loop.time()
+                started[task] = loop.time()
             if not in_flight:
                 if all(lk.done for lk in lookups) or not wanted:
                     for lk in lookups:
@@ -181,7 +185,7 @@ async def traverse(
             if all(lk.done for lk in lookups):
                 return
             # Wake on the next answer, or when the oldest pending request stalls.
-            pending_since = [started[c.peer_id] for c, _ in in_flight.values()]
+            pending_since = list(started.values())
             unstalled = [t for t in pending_since if loop.time() - t < stall_after]
             timeout = (min(unstalled) + stall_after - loop.time()) if unstalled else None
             done, _ = await asyncio.wait(
@@ -189,7 +193,7 @@ async def traverse(
             )
             for task in done:
                 cand, lks = in_flight.pop(task)
-                started.pop(cand.peer_id, None)
+                del started[task]
                 exc = task.exception()
                 if exc is not None:
                     for lk in lks:

@@ -30,7 +30,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.tasks import TaskSet
 
-from .lookup import Candidate, KeyLookup, traverse
+from .lookup import FAILED, Candidate, KeyLookup, traverse
 from .protocol import (
     ID_BYTES,
     DHTProtocolError,
@@ -92,6 +92,10 @@ def _pack(value: Any) -> bytes:
 
 def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _never(peer: PeerID) -> bool:
+    return False
 
 
 def _to_value(stored: StoredValue) -> DHTValue:
@@ -165,6 +169,7 @@ class DHTNode:
             "lookups": 0,
             "republished": 0,
             "cached": 0,
+            "value_retries": 0,
         }
         self._max_hops = 0
         self._hello_cache: tuple[float, dict[str, Any]] | None = None
@@ -520,11 +525,13 @@ class DHTNode:
                 lk.holders.append(cand)
         return per_key
 
-    async def _traverse(self, lookups: list[KeyLookup], query: Any) -> None:
+    async def _traverse(
+        self, lookups: list[KeyLookup], query: Any, *, skip_blacklisted: bool = True
+    ) -> None:
         if not lookups:
             return
         self._counters["lookups"] += len(lookups)
-        blocked = self._blocked
+        blocked = self._blocked if skip_blacklisted else _never
         for lk in lookups:
             for c in self.routing_table.nearest(lk.target, self.k):
                 if not blocked(c.peer_id):
@@ -554,6 +561,19 @@ class DHTNode:
                 lk.holders.append(Candidate(self.peer_id, self.routing_table.local_id, (), 0))
             lookups.append(lk)
         await self._traverse(lookups, self._query_find_value)
+        # A key found nowhere while some of the peers asked for it failed (a timeout
+        # on a loaded machine, a GC pause): look once more, asking peers that the
+        # blacklist would skip. A miss is where a second try is worth its cost; in a
+        # healthy network a missing key still costs one traversal.
+        retry = [
+            KeyLookup(lk.target, lk.key, quorum=lk.quorum)
+            for lk in lookups
+            if not lk.records and any(st == FAILED for st in lk.state.values())
+        ]
+        if retry:
+            self._counters["value_retries"] += len(retry)
+            await self._traverse(retry, self._query_find_value, skip_blacklisted=False)
+            lookups += retry
         now = time.time()
         out: dict[str, StoredValue] = {}
         for lk in lookups:

@@ -77,7 +77,7 @@ OPTIONS: dict[str, Option] = {
         Option(
             "data_dir",
             "SHOAL_DATA_DIR",
-            "directory for the identity key and (later) checkpoints",
+            "directory for the identity key, hosted experiments and checkpoints",
             "DIR",
             DEFAULT_DATA_DIR,
         ),
@@ -151,8 +151,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "task",
             "SHOAL_TASK",
-            "what a hosted experiment trains: a built-in task (bytegpt) or module:factory "
-            "of your own (see the README, Custom tasks)",
+            "what a hosted experiment trains: a built-in task (bytegpt), or your own as "
+            "package.module:factory or path/to/file.py:factory (see the README, Tasks)",
             "TASK",
             DEFAULT_TASK,
         ),
@@ -386,9 +386,8 @@ def build_config(
         env_value = environ.get(opt.env, "").strip()
         flag_value = flags.get(name)
         if not env_value and flag_value is None and name in file_values:
-            raw_file = file_values[name]
             origin = sources[name] = f"{file_origin} ({name})"
-            values[name] = _PARSERS[name](_toml_text(raw_file), origin)
+            values[name] = _from_toml(name, file_values[name], origin)
             continue
         if env_value:
             raw: str | Sequence[str] = env_value
@@ -412,7 +411,7 @@ def _read_toml(path: Path, names: Sequence[str]) -> dict[str, object]:
             data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     known = {n: n for n in names} | {n.replace("_", "-"): n for n in names}
     out: dict[str, object] = {}
@@ -424,6 +423,20 @@ def _read_toml(path: Path, names: Sequence[str]) -> dict[str, object]:
             )
         out[known[key]] = value
     return out
+
+
+def _from_toml(name: str, value: object, origin: str) -> object:
+    """An option's value from the TOML file: typed TOML values stay typed where they can."""
+    if _PARSERS[name] is _parse_key_values and isinstance(value, dict):
+        # A table (task_option = {d_model = 64, tie = true}): already typed, and its
+        # strings may hold commas, so it does not go through the KEY=VALUE text.
+        if not all(isinstance(k, str) and k.strip() for k in value):
+            raise ConfigError(f"{origin}: empty key")
+        return tuple(value.items())
+    if isinstance(value, list | dict) and not OPTIONS[name].repeatable:
+        kind = "list" if isinstance(value, list) else "table"
+        raise ConfigError(f"{origin}: expected a single value, got a {kind}")
+    return _PARSERS[name](_toml_text(value), origin)
 
 
 def _toml_text(value: object) -> str | list[str]:
@@ -515,14 +528,31 @@ def _parse_config(raw: str | Sequence[str], source: str) -> Path:
 
 
 def _parse_name(raw: str | Sequence[str], source: str) -> str:
+    """An experiment name to host (NAME: the peer ID is always ours)."""
     assert isinstance(raw, str)
-    text = raw.strip()
-    name = text.partition("@")[0]
+    name = raw.strip()
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
         raise ConfigError(
             f"{source}: invalid experiment name {name!r}: 1-64 characters: letters, digits, "
             "'.', '_' or '-', starting with a letter or digit"
         )
+    return name
+
+
+def _parse_ref(raw: str | Sequence[str], source: str) -> str:
+    """An experiment to join, NAME or NAME@PEERID; checked here so a typo fails at once."""
+    assert isinstance(raw, str)
+    text = raw.strip()
+    name, sep, host = text.partition("@")
+    _parse_name(name, source)
+    if sep:
+        try:
+            PeerID.from_base58(host)
+        except ValueError:
+            raise ConfigError(
+                f"{source}: invalid host peer ID {host!r} in {text!r}: expected "
+                "NAME@12D3KooW..., as the host prints it"
+            ) from None
     return text
 
 
@@ -634,7 +664,7 @@ _PARSERS = {
     "log_level": _parse_log_level,
     "config": _parse_config,
     "host_experiment": _parse_name,
-    "join": _parse_name,
+    "join": _parse_ref,
     "no_train": _parse_bool,
     "task": _parse_task,
     "task_option": _parse_key_values,

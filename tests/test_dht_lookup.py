@@ -1,0 +1,86 @@
+"""The iterative lookup (`dht/lookup.py`) driven by a scripted network, with no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from shoal.dht.lookup import Candidate, KeyLookup, traverse
+from shoal.dht.protocol import WireContact
+from shoal.dht.routing import node_id
+from shoal.transport.identity import Identity, PeerID
+
+
+def _peers(n: int) -> list[PeerID]:
+    return [Identity.generate().peer_id for _ in range(n)]
+
+
+def _cand(peer: PeerID) -> Candidate:
+    return Candidate(peer, node_id(peer), (), 0)
+
+
+async def test_one_peer_may_be_asked_twice_at_once_for_different_keys() -> None:
+    """A slow peer asked for key A, then (by a later round, before it answered) for key
+    B: two requests in flight to one peer must both be tracked (this used to raise
+    KeyError when the first answer came back)."""
+    slow, fast = _peers(2)
+    a = KeyLookup(1, "a")
+    b = KeyLookup(2, "b")
+    a.add(_cand(slow))
+    b.add(_cand(fast))
+    asked: list[tuple[PeerID, list[str | None]]] = []
+
+    async def query(cand: Candidate, lookups: list[KeyLookup]) -> list[list[WireContact]]:
+        asked.append((cand.peer_id, [lk.key for lk in lookups]))
+        if cand.peer_id == fast:
+            # B learns about the slow peer while the slow peer still works on A.
+            return [[WireContact(slow, ())]]
+        await asyncio.sleep(0.05 if lookups[0] is a else 0.01)
+        return [[] for _ in lookups]
+
+    async with asyncio.timeout(5):
+        await traverse(
+            [a, b],
+            query,
+            k=20,
+            alpha=3,
+            stall_after=1.0,
+            on_failure=lambda c, e: None,
+            blocked=lambda p: False,
+        )
+    assert (slow, ["a"]) in asked and (slow, ["b"]) in asked
+    assert a.done and b.done
+    assert {c.peer_id for c in b.answered} == {fast, slow}
+
+
+async def test_a_stalled_peer_stops_holding_the_lookup() -> None:
+    """alpha = 1 and the closest peer does not answer: after `stall_after` the lookup
+    asks the next one instead of waiting for the hop timeout, and finishes."""
+    slow, other = _peers(2)
+    lk = KeyLookup(node_id(slow), "k", quorum=1)  # the slow peer is the closest
+    lk.add(_cand(slow))
+    lk.add(_cand(other))
+    events: list[str] = []
+
+    async def query(cand: Candidate, lookups: list[KeyLookup]) -> Any:
+        if cand.peer_id == slow:
+            events.append("slow asked")
+            await asyncio.sleep(3)
+            events.append("slow answered")
+            return [[]]
+        events.append("other asked")
+        lookups[0].holders.append(cand)  # the other peer holds the value
+        return [[]]
+
+    async with asyncio.timeout(2):
+        await traverse(
+            [lk],
+            query,
+            k=20,
+            alpha=1,
+            stall_after=0.05,
+            on_failure=lambda c, e: None,
+            blocked=lambda p: False,
+        )
+    assert events == ["slow asked", "other asked"]  # done without the slow answer
+    assert lk.done
