@@ -14,8 +14,10 @@ code, even if someone else wrote the file.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ __all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "CheckpointStore"]
 CHECKPOINT_FORMAT = 1
 LATEST = "latest.pt"
 PREVIOUS = "previous.pt"
+
+log = logging.getLogger("shoal.checkpoint")
 
 
 class CheckpointError(Exception):
@@ -42,6 +46,16 @@ class CheckpointStore:
 
     def exists(self) -> bool:
         return self.latest.exists() or (self.directory / PREVIOUS).exists()
+
+    def prepare(self) -> None:
+        """Create the directory now: an unusable data directory fails at start, not at the
+        first save hours later. Raises CheckpointError."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not os.access(self.directory, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise CheckpointError(_cannot_write(self.directory, e)) from None
 
     def save(self, state: dict[str, Any]) -> Path:
         """Write `state` atomically (blocking: call it from a thread)."""
@@ -62,10 +76,7 @@ class CheckpointStore:
                 raise
             _fsync_dir(self.directory)
         except OSError as e:
-            raise CheckpointError(
-                f"cannot write a checkpoint in {self.directory}: {e.strerror or e}; "
-                "check free space and permissions of the data directory (--data-dir)"
-            ) from None
+            raise CheckpointError(_cannot_write(self.directory, e)) from None
         return self.latest
 
     def load(self) -> dict[str, Any] | None:
@@ -79,13 +90,19 @@ class CheckpointStore:
             if not path.exists():
                 continue
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                with warnings.catch_warnings():  # torch warns about odd pickles: noise here
+                    warnings.simplefilter("ignore")
+                    state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # torch raises many kinds for a damaged file
-                errors.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                errors.append(f"{path}: {_load_problem(e)}")
                 continue
             if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
                 errors.append(f"{path}: not a shoal checkpoint of format {CHECKPOINT_FORMAT}")
                 continue
+            if errors:  # resuming from an older state than expected: say why
+                log.warning(
+                    "skipping the unreadable checkpoint %s; resuming from %s", errors[0], path
+                )
             return state
         if errors:
             raise CheckpointError(
@@ -93,6 +110,24 @@ class CheckpointStore:
                 "this experiment afresh (or use another --data-dir)"
             )
         return None
+
+
+def _cannot_write(directory: Path, e: OSError) -> str:
+    return (
+        f"cannot write a checkpoint in {directory}: {e.strerror or e}; "
+        "check free space and permissions of the data directory (--data-dir)"
+    )
+
+
+def _load_problem(e: Exception) -> str:
+    """Why torch could not read a file, in a few words (its own messages run for lines)."""
+    text = str(e).strip()
+    if isinstance(e, EOFError) or not text:
+        return f"empty or truncated file ({type(e).__name__})"
+    if "weights_only" in text:
+        # torch suggests weights_only=False here: never for a file that should be ours.
+        return f"not a checkpoint written by shoal ({type(e).__name__})"
+    return f"{type(e).__name__}: {text.splitlines()[0][:120]}"
 
 
 def _fsync_dir(directory: Path) -> None:

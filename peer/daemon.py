@@ -142,9 +142,9 @@ async def run_daemon(
         stack.push_async_callback(dht.aclose)
         nat.dht = dht
 
-        # Imported here: they load torch, which `shoal id` and `shoal status` never need.
+        # Imported here: session loads torch, which `shoal id`, `shoal status` and a
+        # --no-train peer (a bootstrap or relay on a small machine) never need.
         from .node import PeerNode
-        from .session import SessionError, open_session
 
         node = PeerNode(config, identity, host, nat, dht)
         stack.push_async_callback(node.aclose)
@@ -152,6 +152,8 @@ async def run_daemon(
             await _start_status(node, config.status_addr, stack)
 
         if role is not None:
+            from .session import SessionError, open_session
+
             try:
                 session = await open_session(config, identity, dht)
             except SessionError as e:
@@ -171,7 +173,12 @@ async def run_daemon(
         stack.callback(progress.close)
         node.start_background(progress)
         if node.session is not None:
-            await node.train(stop)
+            from .checkpoint import CheckpointError
+
+            try:
+                await node.train(stop)
+            except CheckpointError as e:  # the disk filled up, or the directory went away
+                raise StartupError(str(e)) from None
         else:
             await stop.wait()
         log.info("shutting down")

@@ -160,7 +160,8 @@ class Manifest:
     def _signing_payload(self) -> bytes:
         try:
             body = msgpack.packb(_canonical(self._body()), use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as e:
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:
+            # RecursionError: a configuration nested hundreds deep (from the network).
             raise ManifestError(f"the experiment configuration cannot be encoded: {e}") from None
         return _SIGNING_DOMAIN + body
 

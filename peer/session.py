@@ -125,6 +125,7 @@ async def open_session(config: Config, identity: Identity, dht: DHTNode) -> Sess
     )
     resumed = False
     try:
+        await asyncio.to_thread(store.prepare)
         state = await asyncio.to_thread(store.load)
     except CheckpointError as e:
         raise SessionError(str(e)) from None
