@@ -133,13 +133,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(load_identity(config).peer_id, flush=True)
             return 0
         _run(run_daemon(config))
-        return 0
+        _exit_now(0)
     except ConfigError as e:
         return _fail(e, EXIT_USAGE)
     except StartupError as e:
         return _fail(e, EXIT_RUNTIME)
     except KeyboardInterrupt:  # Ctrl+C before the daemon's own handler was installed
         return EXIT_INTERRUPTED
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End the process once the daemon has shut down (checkpoint written, peers told).
+
+    Tearing down the interpreter (freeing torch's tensors and modules one object
+    at a time) takes seconds on a slow machine, counted against `docker stop`'s
+    10 s grace period, and has nothing left to save.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _fail(error: Exception, status: int) -> int:

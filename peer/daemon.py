@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from shoal.dht.node import BootstrapError, DHTNode
+from shoal.dht.records import RecordValidator
 from shoal.transport.host import Host
 from shoal.transport.identity import Identity, IdentityFileError
+from shoal.transport.multiaddr import Multiaddr, MultiaddrError
 from shoal.transport.nat import NatConfig, NatManager
 
 from . import __version__
@@ -140,6 +144,7 @@ async def run_daemon(
         stack.push_async_callback(nat.aclose)
         dht = await _start_dht(host, config, nat)
         stack.push_async_callback(dht.aclose)
+        stack.callback(save_known_peers, dht, config.data_dir)  # runs before dht.aclose
         nat.dht = dht
 
         # Imported here: session loads torch, which `shoal id`, `shoal status` and a
@@ -241,24 +246,70 @@ async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
                 "as the way in; add /p2p/<ID> to be sure",
                 addr,
             )
+    validator = RecordValidator()
+    register_manifest_validator(validator)  # before any record can arrive
+    options: dict[str, Any] = {"serves": lambda: nat.serves_dht, "validator": validator}
     if not config.bootstrap:
+        # Peers this one knew when it last ran: a restarted peer (a host that left
+        # its swarm for a moment) finds its swarm again instead of starting alone.
+        known = load_known_peers(config.data_dir)
+        if known:
+            try:
+                dht = await DHTNode.create(host, bootstrap=known, bootstrap_attempts=1, **options)
+                log.info(
+                    "rejoined the network through peers known from the last run: %d peers",
+                    len(dht.routing_table),
+                )
+                return dht
+            except BootstrapError:
+                log.info("none of the %d peers known from the last run answers", len(known))
         log.info("no bootstrap peers: starting a new network")
-        dht = await DHTNode.create(host, serves=lambda: nat.serves_dht)
-        register_manifest_validator(dht.validator)
-        return dht
+        return await DHTNode.create(host, **options)
     try:
         dht = await DHTNode.create(
             host,
-            serves=lambda: nat.serves_dht,
             bootstrap=config.bootstrap,
             bootstrap_attempts=BOOTSTRAP_ATTEMPTS,
             bootstrap_backoff=BOOTSTRAP_BACKOFF,
+            **options,
         )
     except BootstrapError as e:
         raise StartupError(f"{e}; check the --bootstrap (SHOAL_BOOTSTRAP) addresses") from None
-    register_manifest_validator(dht.validator)
     log.info("joined the network: %d peers known", len(dht.routing_table))
     return dht
+
+
+KNOWN_PEERS_FILE = "known-peers.json"
+KNOWN_PEERS_MAX = 16
+
+
+def load_known_peers(data_dir: Path) -> list[Multiaddr]:
+    """Addresses saved by `save_known_peers` (nothing when missing or unreadable)."""
+    try:
+        raw = json.loads((data_dir / KNOWN_PEERS_FILE).read_text())
+        return [Multiaddr(a) for a in raw[:KNOWN_PEERS_MAX] if isinstance(a, str)]
+    except (OSError, ValueError, TypeError, MultiaddrError):
+        return []
+
+
+def save_known_peers(dht: DHTNode, data_dir: Path) -> None:
+    """A few contacts of the routing table, one address each, for the next start."""
+    addrs = []
+    for contact in dht.routing_table:
+        direct = [a for a in contact.addrs if a.is_direct_tcp]
+        if direct:
+            addrs.append(str(direct[0].with_peer_id(contact.peer_id)))
+        if len(addrs) >= KNOWN_PEERS_MAX:
+            break
+    if not addrs:
+        return
+    path = data_dir / KNOWN_PEERS_FILE
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(addrs, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.debug("could not save known peers: %r", e)
 
 
 async def _close_host(host: Host) -> None:
