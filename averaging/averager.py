@@ -14,6 +14,13 @@ restarted) cannot feed stale data into a round: it is told to re-sync, and
 A count rather than a hash chain of round IDs: when a swarm larger than the
 target group size splits into several groups, each group commits its own
 round, and the groups must still be able to mix in the next round.
+
+What is averaged need not be what a joiner downloads. An outer optimizer
+(`diloco`) averages pseudo-gradients but shares global parameters and outer
+momentum: it passes those as `state` (served to joiners, loaded by
+`load_state_from_peers`, covered by the fingerprint) and applies its outer
+step in `on_commit`, which runs right after a commit and before the state is
+frozen, so the state every member serves is the post-step one.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from shoal.transport.identity import PeerID
 from .allreduce import AllReduceConfig, AllReduceService
 from .fingerprint import state_fingerprint
 from .matchmaking import Matchmaker, MatchmakingConfig, MatchmakingError, NeedsResync
+from .matchmaking_rules import PeerState
 from .state_sync import State, StateServer, StateSyncError, load_state_from_peers
 
 log = logging.getLogger("shoal.averaging")
@@ -82,16 +90,26 @@ class Averager:
         *,
         config: AveragerConfig | None = None,
         metadata: Callable[[], dict[str, Any]] | None = None,
+        state: Sequence[torch.Tensor] | None = None,
+        on_commit: Callable[[], None] | None = None,
+        service: AllReduceService | None = None,
     ) -> None:
+        """`state`: the tensors served to joiners and fingerprinted (default: `tensors`).
+        `on_commit`: called right after each commit, before the state is frozen.
+        `service`: an all-reduce service shared by several averagers of one host (one
+        protocol handler per host; it stays open when this averager closes)."""
         self.dht = dht
         self.key = key
         self.tensors = list(tensors)
+        self.state = list(self.tensors if state is None else state)
         self.config = config or AveragerConfig()
         self._metadata = metadata or dict
+        self._on_commit = on_commit
         self.state_version = GENESIS
         self.commits = 0
         self.last_fingerprint: str | None = None
-        self._service = AllReduceService(dht.host, self.config.allreduce)
+        self._own_service = service is None
+        self._service = service or AllReduceService(dht.host, self.config.allreduce)
         self._matchmaker = Matchmaker(
             dht, key, self.config.matchmaking, bandwidth=self.config.bandwidth
         )
@@ -102,6 +120,7 @@ class Averager:
         )
         self._committed: State | None = None
         self._closed = False
+        self._presence_at = -float("inf")  # when we last declared busy between rounds
 
     async def aclose(self) -> None:
         if self._closed:
@@ -109,6 +128,8 @@ class Averager:
         self._closed = True
         await self._matchmaker.aclose()
         self._state_server.close()
+        if not self._own_service:
+            return
         close = getattr(self._service, "aclose", None)
         if close is not None:
             await close()
@@ -127,8 +148,8 @@ class Averager:
         return {**self._metadata(), "version": self.state_version.hex(), "commits": self.commits}
 
     def fingerprint(self) -> str:
-        """The hash of the tensors and metadata as they are now."""
-        return state_fingerprint(self.tensors, self.metadata())
+        """The hash of the state tensors and metadata as they are now."""
+        return state_fingerprint(self.state, self.metadata())
 
     def _current_state(self) -> State | None:
         return self._committed  # None before the first commit: nothing worth downloading
@@ -136,7 +157,7 @@ class Averager:
     def _freeze(self) -> None:
         meta = self.metadata()
         meta.setdefault("step", self.commits)
-        copies = tuple(t.detach().to("cpu", copy=True) for t in self.tensors)
+        copies = tuple(t.detach().to("cpu", copy=True) for t in self.state)
         self._committed = State(copies, meta, state_fingerprint(copies, meta))
         self.last_fingerprint = self._committed.fingerprint
 
@@ -149,14 +170,14 @@ class Averager:
         except (StateSyncError, TimeoutError) as e:
             log.warning("could not load the state of %s: %s", self.key, e)
             return False
-        if len(state.tensors) != len(self.tensors) or any(
+        if len(state.tensors) != len(self.state) or any(
             a.shape != b.shape or a.dtype != b.dtype
-            for a, b in zip(state.tensors, self.tensors, strict=True)
+            for a, b in zip(state.tensors, self.state, strict=True)
         ):
             log.warning("the swarm's state of %s does not fit our tensors", self.key)
             return False
         with torch.no_grad():
-            for dst, src in zip(self.tensors, state.tensors, strict=True):
+            for dst, src in zip(self.state, state.tensors, strict=True):
                 dst.copy_(src)
         commits = state.metadata.get("commits", 0)
         self.commits = commits if isinstance(commits, int) and commits >= 0 else 0
@@ -165,6 +186,42 @@ class Averager:
         await self._announce_state()
         log.info("loaded state %s of %s", state.fingerprint[:12], self.key)
         return True
+
+    async def publish_state(self) -> None:
+        """Serve the state as it is now (a peer that starts the swarm, or resumes from
+        a checkpoint, holds a state worth downloading before its first commit)."""
+        self._freeze()
+        await self._announce_state()
+
+    def restore(self, commits: int) -> None:
+        """Set the commit count (and so the state version) saved in a checkpoint."""
+        if isinstance(commits, bool) or not isinstance(commits, int) or commits < 0:
+            raise ValueError(f"commits must be an int >= 0, got {commits!r}")
+        self.commits = commits
+        self.state_version = _version(commits)
+
+    async def announce_presence(self, timeout: float = 2.0) -> bool:
+        """Declare in the matchmaking records that we take part and will look soon.
+
+        Leaders wait (up to `matchmaking_time`) for peers declared busy, as for
+        members of the previous round still finishing theirs. Declaring so at
+        start, and again between rounds before the declaration expires
+        (`refresh_presence`), keeps a peer that reaches a round a little later
+        than the others from being left out of it (and then told to re-sync),
+        however long the time between rounds.
+        """
+        # (Matchmaker has no public way to declare outside form_group yet.)
+        ok = await self._matchmaker._declare(PeerState.BUSY, self.state_version, timeout=timeout)
+        self._presence_at = time.monotonic()
+        return ok
+
+    async def refresh_presence(self) -> bool:
+        """`announce_presence` when our last declaration is a third of its TTL old (or
+        was left by a round that did not commit); call it between rounds. Cheap otherwise."""
+        age = time.monotonic() - self._presence_at
+        if age < self.config.matchmaking.declaration_ttl / 3:
+            return True
+        return await self.announce_presence()
 
     async def _announce_state(self) -> None:
         try:
@@ -197,6 +254,7 @@ class Averager:
                     else time.time() + (deadline - time.monotonic()),
                 )
             except NeedsResync as e:
+                self._presence_at = -float("inf")  # "syncing" stays declared: redeclare soon
                 # Our tensors are stale: they must not enter a round. Replace them
                 # with the swarm's state and let the caller redo its work on it.
                 log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, e)
@@ -204,11 +262,16 @@ class Averager:
                 why = "re-synced with the swarm" if ok else f"needs re-sync, which failed: {e}"
                 return self._result(False, why, started, attempts, resynced=ok)
             except (MatchmakingError, TimeoutError) as e:
+                self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 return self._result(False, f"no group: {e}", started, attempts)
             outcome = await self._service.run(group, self.tensors, weight, codec=self.config.codec)
+            # form_group declared us busy; after an abort that declaration stays too.
+            self._presence_at = time.monotonic()
             if outcome.committed:
                 self.commits += 1
                 self.state_version = _version(self.commits)
+                if self._on_commit is not None:
+                    self._on_commit()
                 self._freeze()
                 await self._announce_state()
                 return StepResult(

@@ -11,12 +11,16 @@ the reduction overlaps receiving. A member of weight 0 sends no contribution.
 Bit-identical results. Owner j alone computes part j: a weighted sum in member
 order (early chunks of later members wait in a small ring of slots, so the
 order never depends on arrival; uncompressed, in float64 rounded once to
-float32). It encodes the result once, decodes those very bytes into its own
-copy, and sends the same bytes to everyone, who decode them with the same
-pure function. The result does not depend on timing at all.
+float32). It encodes the result once and sends the same bytes to everyone,
+itself included, who decode them with the same pure function. The result does
+not depend on timing at all.
 
-Nothing is written to the caller's tensors before the round commits: results
-go to a separate buffer, copied in only on commit. The decision itself is
+Nothing is written to the caller's tensors before the round commits.
+Uncompressed results go to a separate buffer, copied in on commit. Encoded
+results are validated as they arrive and kept encoded; on commit they are
+decoded straight into the caller's tensor (or, for several tensors, into the
+buffer that is then copied out): a quarter of the bytes to keep, and one pass
+over the tensors instead of two. The decision itself is
 `commit.CommitProtocol`, driven here (`ButterflyRound._drive`).
 
 Wire of a lane (RPC method ``d``, a bidirectional stream): the request is
@@ -93,8 +97,9 @@ FAULT_POINTS = (
 # A chunk: an RPC frame header (length 8, kind TENSOR), then index and byte count.
 _CHUNK = struct.Struct(">IBII")
 _MAX_ERROR_FRAME = 64 * 1024
-_SLOT_BUDGET = 256 * 1024 * 1024  # bytes of receive slots per round, at most
-_THREAD_WORK = 1 << 22  # element-ops of one chunk's reduction above which it runs in a thread
+_SLOT_BUDGET = 64 * 1024 * 1024  # bytes of receive slots per round, at most (window >= 2)
+_REDUCE_PIECE = 1 << 18  # elements summed at a time in float64 (2 MiB: stays in cache)
+_THREAD_WORK = 1 << 23  # element-ops of one chunk's reduction above which it runs in a thread
 _DIAL_WAIT = 1.0  # the larger peer ID waits this long for the smaller one to dial
 
 
@@ -104,7 +109,7 @@ class AllReduceConfig:
     chunking, codec and streams: a mismatch fails the round as a plan mismatch)."""
 
     codec: str = "none"  # compression.get_codec name
-    chunk_bytes: int = 1 << 20  # ~ raw float32 bytes per chunk
+    chunk_bytes: int = 1 << 22  # ~ raw float32 bytes per chunk
     streams_per_peer: int = 1  # parallel streams per pair
     heartbeat_interval: float = 1.0
     stall_timeout: float = 10.0  # nothing heard from a member this long -> it is dead
@@ -347,7 +352,10 @@ class ButterflyRound:
         )
         self.wake = asyncio.Event()
         self.flat = torch.empty(0)
+        self._flat_is_input = False  # flat is a view of the caller's (single) tensor
         self.result = torch.empty(0)
+        # With a codec: (start, end, bytes) of the encoded average, every element once.
+        self._encoded: list[tuple[int, int, memoryview]] = []
         self.bytes_sent = 0
         self.bytes_received = 0
         self.data_bytes_in = 0
@@ -446,6 +454,7 @@ class ButterflyRound:
         if len(ts) == 1 and ts[0].dtype == torch.float32 and ts[0].is_contiguous():
             # Sent straight from the caller's storage, which must not change meanwhile.
             self.flat = ts[0].detach().view(-1)
+            self._flat_is_input = True
         else:
             self.flat = self._take(n_elements)
             if n_elements > 1 << 20:
@@ -460,7 +469,8 @@ class ButterflyRound:
             self.result = self.flat  # the average of one input
             self._complete.set()
             return
-        self.result = self._take(n_elements)
+        if self.raw or not self._flat_is_input:
+            self.result = self._take(n_elements)
         # What we must receive before READY: every lane of every other part's result...
         for j in range(self.n):
             if j == self.me:
@@ -732,23 +742,34 @@ class ButterflyRound:
             await self._hook("after_reduce_scatter")
 
     async def _receive_result(self, j: int, stream: Stream, span: Span) -> None:
-        staging = None
-        if not self.raw:
-            staging = self._take_bytes(self.codec.encoded_size(self.plan.chunk_elements))
-        for c, (a, b) in enumerate(self.plan.chunks(span)):
-            dst = self.result[a:b]
-            if staging is None:
-                self._progress(j, await _read_chunk(stream, c, _bytes_of(dst)))
-            else:
-                enc = staging[: self.codec.encoded_size(b - a)]
-                self._progress(j, await _read_chunk(stream, c, enc))
-                try:
-                    self.codec.decode(enc, dst)
-                except CodecError as e:
-                    raise _Veto(
-                        f"codec error in part {j} from {self.names[j]}: {e}", (j,)
-                    ) from None
+        chunks = self.plan.chunks(span)
+        encoded = None if self.raw else self._encoded_buffers(chunks)
+        stream.reserve(self._wire_bytes(chunks))  # it all has a place to go already
+        for c, (a, b) in enumerate(chunks):
+            if encoded is None:
+                self._progress(j, await _read_chunk(stream, c, _bytes_of(self.result[a:b])))
+                continue
+            self._progress(j, await _read_chunk(stream, c, encoded[c]))
+            try:
+                self.codec.check(encoded[c], b - a)  # decoded on commit
+            except CodecError as e:
+                raise _Veto(f"codec error in part {j} from {self.names[j]}: {e}", (j,)) from None
+            self._encoded.append((a, b, encoded[c]))
         self._done(j)
+
+    def _wire_bytes(self, chunks: list[Span]) -> int:
+        return sum(_CHUNK.size + self.codec.encoded_size(b - a) for a, b in chunks)
+
+    def _encoded_buffers(self, chunks: list[Span]) -> list[memoryview]:
+        """One buffer for the encoded chunks of a lane, cut into one view per chunk."""
+        sizes = [self.codec.encoded_size(b - a) for a, b in chunks]
+        buf = self._take_bytes(sum(sizes))
+        views = []
+        offset = 0
+        for size in sizes:
+            views.append(buf[offset : offset + size])
+            offset += size
+        return views
 
     def _data_error(self, j: int, e: BaseException) -> None:
         """Turn a failed transfer with member j into suspicion and/or a veto."""
@@ -816,10 +837,18 @@ class ButterflyRound:
             self._fail(f"member {name} sent two different weights", (sender,))
             raise BadRequest("inconsistent weight")
         if weight > 0:
-            lane.slots[sender] = [
-                self._take(self.plan.chunk_elements)
-                for _ in range(min(self.window, len(lane.chunks)))
-            ]
+            # Uncompressed, a slot is a float32 chunk; with a codec, the encoded bytes
+            # (checked on arrival, decoded straight into the sum).
+            count = min(self.window, len(lane.chunks))
+            if self.raw:
+                slots: list[Any] = [self._take(self.plan.chunk_elements) for _ in range(count)]
+            else:
+                size = self.codec.encoded_size(self.plan.chunk_elements)
+                slots = [self._take_bytes(size) for _ in range(count)]
+            lane.slots[sender] = slots
+            # As many chunks in flight as we have slots for, from the start: the sender
+            # need not wait for the flow-control window to grow.
+            ctx.stream.reserve(self._wire_bytes(lane.chunks[: len(slots)]))
         lane.attached.advance(lane.attached.value + 1)
         self.state.heard(sender, time.monotonic())
         task = asyncio.current_task()
@@ -860,20 +889,17 @@ class ButterflyRound:
         slots = lane.slots.get(sender)
         counter = lane.received[sender]
         if slots is not None:
-            staging = None
-            if not self.raw:
-                staging = self._take_bytes(self.codec.encoded_size(self.plan.chunk_elements))
             window = len(slots)
             for c, (a, b) in enumerate(lane.chunks):
                 await lane.reduced.wait(c - window + 1)  # its slot is free again
-                dst = slots[c % window][: b - a]
-                if staging is None:
-                    self._progress(sender, await _read_chunk(stream, c, _bytes_of(dst)))
+                if self.raw:
+                    into = _bytes_of(slots[c % window][: b - a])
+                    self._progress(sender, await _read_chunk(stream, c, into))
                 else:
-                    enc = staging[: self.codec.encoded_size(b - a)]
-                    self._progress(sender, await _read_chunk(stream, c, enc))
+                    into = slots[c % window][: self.codec.encoded_size(b - a)]
+                    self._progress(sender, await _read_chunk(stream, c, into))
                     try:
-                        self.codec.decode(enc, dst)
+                        self.codec.check(into, b - a)
                     except CodecError as e:
                         raise _Veto(
                             f"codec error in the contribution of {self.names[sender]}: {e}",
@@ -904,33 +930,20 @@ class ButterflyRound:
         if total <= 0:
             raise _Veto("the total weight of the group is zero")
         order = [(i, weights[i] / total) for i in range(self.n) if weights[i] > 0]
-        acc_full = self._take(self.plan.chunk_elements, torch.float64) if self.raw else None
-        if not self.raw:
-            sizes = [self.codec.encoded_size(b - a) for a, b in lane.chunks]
-            buf = self._take_bytes(sum(sizes))
-            offset = 0
-            for size in sizes:
-                lane.encoded.append(buf[offset : offset + size])
-                offset += size
+        if self.raw:
+            acc_full = self._take(min(self.plan.chunk_elements, _REDUCE_PIECE), torch.float64)
+        else:
+            lane.encoded = self._encoded_buffers(lane.chunks)
+            scratch = self._take(self.plan.chunk_elements)  # the sum, before encoding
         for c, (a, b) in enumerate(lane.chunks):
             for i, _ in order:
                 if i != self.me:
                     await lane.received[i].wait(c + 1)
-            inputs = [
-                (
-                    self.flat[a:b]
-                    if i == self.me
-                    else lane.slots[i][c % len(lane.slots[i])][: b - a],
-                    w,
-                )
-                for i, w in order
-            ]
-            args = (
-                inputs,
-                None if acc_full is None else acc_full[: b - a],
-                self.result[a:b],
-                lane.encoded[c] if lane.encoded else None,
-            )
+            inputs = [(self._input(lane, i, c, a, b), w) for i, w in order]
+            if self.raw:
+                args = (inputs, acc_full, self.result[a:b], None)
+            else:
+                args = (inputs, None, scratch[: b - a], lane.encoded[c])
             if len(order) * (b - a) >= _THREAD_WORK:
                 self._threads += 1
                 try:
@@ -939,36 +952,64 @@ class ButterflyRound:
                     self._threads -= 1
             else:
                 self._reduce_chunk(*args)
+            if not self.raw:
+                self._encoded.append((a, b, lane.encoded[c]))
             lane.reduced.advance(c + 1)
             await asyncio.sleep(0)  # let the streams move between chunks
 
+    def _input(self, lane: _Lane, i: int, c: int, a: int, b: int) -> torch.Tensor | memoryview:
+        """Member i's contribution to chunk c of a lane: our own input, or its slot."""
+        if i == self.me:
+            return self.flat[a:b]
+        slots = lane.slots[i]
+        slot = slots[c % len(slots)]
+        return slot[: b - a] if self.raw else slot[: self.codec.encoded_size(b - a)]
+
     def _reduce_chunk(
         self,
-        inputs: list[tuple[torch.Tensor, float]],
+        inputs: list[tuple[torch.Tensor | memoryview, float]],
         acc: torch.Tensor | None,
         out: torch.Tensor,
         encoded: memoryview | None,
     ) -> None:
         # Member order, always. Uncompressed: float64 accumulation and one rounding to
         # float32 (the error stays near half an ulp of the mean). A lossy codec's error
-        # dwarfs float32 rounding, so there the sum is built in `out` directly (cheaper).
+        # dwarfs float32 rounding, so there the sum is built in `out` directly (cheaper)
+        # and encoded; like everyone else, we decode those bytes on commit. Only we
+        # compute this sum, so how it rounds needs only to be deterministic.
         first, w = inputs[0]
         if acc is not None:
-            acc.copy_(first)
+            # A piece at a time: float64 temporaries the size of a whole chunk would not
+            # stay in cache (and the casts allocate them).
+            step = len(acc)
+            for start in range(0, len(out), step):
+                stop = min(start + step, len(out))
+                part = acc[: stop - start]
+                part.copy_(first[start:stop])
+                if w != 1.0:
+                    part.mul_(w)
+                for x, wx in inputs[1:]:
+                    part.add_(x[start:stop], alpha=wx)
+                out[start:stop].copy_(part)
+            return
+        # With a codec: other members' inputs are checked encoded bytes, decoded
+        # straight into the sum.
+        if isinstance(first, torch.Tensor):
+            torch.mul(first, w, out=out)
+        else:
+            self.codec.decode_checked(first, out)
             if w != 1.0:
-                acc.mul_(w)
-        else:
-            acc = torch.mul(first, w, out=out)
+                out.mul_(w)
         for x, w in inputs[1:]:
-            acc.add_(x, alpha=w)
-        if encoded is None:
-            out.copy_(acc)
-        else:
-            try:
-                self.codec.encode(out, encoded)
-                self.codec.decode(encoded, out)  # our copy is what everyone decodes
-            except CodecError as e:
-                raise _Veto(f"codec error: {e}") from None
+            if isinstance(x, torch.Tensor):
+                out.add_(x, alpha=w)
+            else:
+                self.codec.add_decoded(x, out, w)
+        assert encoded is not None
+        try:
+            self.codec.encode(out, encoded)
+        except CodecError as e:
+            raise _Veto(f"codec error: {e}") from None
 
     # --- READY and commit ---------------------------------------------------------------------
 
@@ -990,19 +1031,31 @@ class ButterflyRound:
             await self._hook("after_ready")
 
     async def _apply(self) -> None:
-        if self.result is self.flat:
+        if self.n == 1:
             return  # a group of one: the average is our own input
         if self.plan.n_elements <= 1 << 20:
-            _copy_out(self.result, self.tensors)
+            self._write_out()
             return
         # A thread cannot be interrupted: if we are cancelled meanwhile, the copy still
         # finishes before the cancellation goes on, so the tensors are never half-written.
-        job = asyncio.ensure_future(asyncio.to_thread(_copy_out, self.result, self.tensors))
+        job = asyncio.ensure_future(asyncio.to_thread(self._write_out))
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
             await job
             raise
+
+    def _write_out(self) -> None:
+        """Put the committed average into the caller's tensors."""
+        with torch.no_grad():
+            if not self.raw:
+                # Checked on arrival (or made here), so decoding cannot fail now.
+                into = self.flat if self._flat_is_input else self.result
+                for a, b, data in self._encoded:
+                    self.codec.decode_checked(data, into[a:b])
+                if self._flat_is_input:
+                    return
+            _copy_out(self.result, self.tensors)
 
 
 def _flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ the bytes (length, invalid scale, out-of-range code) raises `CodecError`.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from abc import ABC, abstractmethod
@@ -90,20 +91,65 @@ class Codec(ABC):
         written after the bytes have been validated.
         """
         y = _check_out(out)
+        mv = self._checked(data, y.numel())
+        if len(mv):
+            self._decode_from(mv, y)
+
+    def check(self, data: BytesLike, n_elements: int) -> None:
+        """Raise `CodecError` unless `data` is a valid encoding of `n_elements` values.
+
+        With `decode_checked`, this splits `decode` in two: validate bytes as they
+        arrive (and fail at once), decode them later, when they are needed.
+        """
+        self._checked(data, n_elements)
+
+    def decode_checked(self, data: BytesLike, out: torch.Tensor) -> None:
+        """`decode` without the validation: only for bytes that `check` accepted for
+        `out.numel()` elements (and that did not change since)."""
+        y = _check_out(out)
         mv = _src_view(data, self.name)
-        expected = self.encoded_size(y.numel())
+        if len(mv) != self.encoded_size(y.numel()):
+            raise CodecError(f"{self.name}: {len(mv)} bytes do not encode {y.numel()} elements")
+        if len(mv):
+            self._decode_from(mv, y)
+
+    def add_decoded(self, data: BytesLike, out: torch.Tensor, weight: float) -> None:
+        """``out += weight * decode(data)``, for bytes that `check` accepted for
+        `out.numel()` elements. Deterministic, but not rounded like a decode followed
+        by an add: for a sum that one party computes (and then encodes)."""
+        y = _check_out(out)
+        mv = _src_view(data, self.name)
+        if len(mv) != self.encoded_size(y.numel()):
+            raise CodecError(f"{self.name}: {len(mv)} bytes do not encode {y.numel()} elements")
+        if len(mv):
+            self._add_decoded(mv, y, weight)
+
+    def _add_decoded(self, data: memoryview, out: torch.Tensor, weight: float) -> None:
+        decoded = torch.empty_like(out)
+        self._decode_from(data, decoded)
+        out.add_(decoded, alpha=weight)
+
+    def _checked(self, data: BytesLike, n_elements: int) -> memoryview:
+        mv = _src_view(data, self.name)
+        expected = self.encoded_size(n_elements)
         if len(mv) != expected:
             raise CodecError(
-                f"{self.name}: expected {expected} bytes for {y.numel()} elements, got {len(mv)}"
+                f"{self.name}: expected {expected} bytes for {n_elements} elements, got {len(mv)}"
             )
         if expected:
-            self._decode_from(mv, y)
+            self._check(mv, n_elements)
+        return mv
+
+    def _check(self, data: memoryview, n_elements: int) -> None:  # noqa: B027 (optional hook)
+        """Validate the content of `data` (of the right length): every byte string of
+        the right length is valid unless a codec says otherwise."""
 
     @abstractmethod
     def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None: ...
 
     @abstractmethod
-    def _decode_from(self, data: memoryview, out: torch.Tensor) -> None: ...
+    def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
+        """Decode `data`, which passed `_check`, into `out`."""
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Codec) and other.code == self.code
@@ -173,11 +219,7 @@ class Float16Codec(_NarrowFloatCodec):
     _max_finite: ClassVar[float] = 65504.0
 
     def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
-        if data.readonly:
-            # torch cannot wrap read-only memory without a warning; numpy can (slower).
-            np.copyto(out.numpy(), np.frombuffer(data, dtype="<f2"))
-        else:
-            out.copy_(torch.frombuffer(data, dtype=torch.float16))
+        out.copy_(torch.frombuffer(_writable(data), dtype=torch.float16))
 
 
 class BFloat16Codec(_NarrowFloatCodec):
@@ -189,12 +231,7 @@ class BFloat16Codec(_NarrowFloatCodec):
     _max_finite: ClassVar[float] = float(torch.finfo(torch.bfloat16).max)
 
     def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
-        if data.readonly:
-            # bfloat16 is the upper half of a float32: widen the bits, no float math.
-            bits = np.frombuffer(data, dtype="<u2")
-            np.left_shift(bits, 16, out=out.numpy().view(np.uint32), dtype=np.uint32)
-        else:
-            out.copy_(torch.frombuffer(data, dtype=torch.bfloat16))
+        out.copy_(torch.frombuffer(_writable(data), dtype=torch.bfloat16))
 
 
 # Smallest normal float32: scales below it are flushed to zero so that decoding
@@ -215,7 +252,8 @@ def _largest_safe_scale() -> np.float32:
 _MAX_SCALE: Final = _largest_safe_scale()
 _MAX_SCALE_BITS: Final = int(_MAX_SCALE.view(np.uint32))
 _QMAX: Final = 127
-# Elements quantized per step: keeps the float32 temporary (1 MiB) in cache.
+# Elements coded per step: bounds the float32 temporary (1 MiB), and is large enough
+# that the fixed cost of each torch call (a few µs) stays small per element.
 _CHUNK_ELEMENTS: Final = 1 << 18
 
 
@@ -260,83 +298,124 @@ class Int8BlockCodec(Codec):
     def encoded_size(self, n_elements: int) -> int:
         return 4 * self.n_blocks(n_elements) + n_elements
 
+    # Whole-buffer torch ops, a chunk of rows at a time: the block maxima and minima,
+    # the division, in-place rounding and the narrowing cast; numpy for the per-block
+    # scales (a small array, where numpy costs less per call). Bit-identical to the
+    # plain numpy formulation (IEEE division, round half to even), and faster: the
+    # fixed cost of each call counts as much as the passes over memory.
+
     def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None:
-        x = src.numpy()
-        n, bs = x.size, self.block_size
+        n, bs = src.numel(), self.block_size
         nb, n_full = self.n_blocks(n), n // bs
-        raw = np.frombuffer(dst, dtype=np.uint8)
-        scales = raw[: 4 * nb].view("<f4")
-        q = raw[4 * nb :].view(np.int8)
+        raw = torch.frombuffer(dst, dtype=torch.uint8)
+        scales = raw[: 4 * nb].view(torch.float32).numpy()
+        q = raw[4 * nb :].view(torch.int8)
         rows = max(1, _CHUNK_ELEMENTS // bs)
-        tmp = np.empty((min(rows, n_full) or 1) * bs, dtype=np.float32)
+        tmp = torch.empty((min(rows, n_full) or 1) * bs, dtype=torch.float32)
         for start in range(0, n_full, rows):
             stop = min(start + rows, n_full)
             self._quantize_rows(
-                x[start * bs : stop * bs].reshape(-1, bs),
+                src[start * bs : stop * bs].view(-1, bs),
                 scales[start:stop],
-                q[start * bs : stop * bs].reshape(-1, bs),
-                tmp[: (stop - start) * bs].reshape(-1, bs),
+                q[start * bs : stop * bs].view(-1, bs),
+                tmp[: (stop - start) * bs].view(-1, bs),
                 first_block=start,
             )
         if n_full < nb:  # the shorter last block
             tail = n - n_full * bs
             self._quantize_rows(
-                x[n_full * bs :].reshape(1, tail),
+                src[n_full * bs :].view(1, tail),
                 scales[n_full:],
-                q[n_full * bs :].reshape(1, tail),
-                tmp[:tail].reshape(1, tail),
+                q[n_full * bs :].view(1, tail),
+                tmp[:tail].view(1, tail),
                 first_block=n_full,
             )
 
     def _quantize_rows(
         self,
-        x: np.ndarray,
+        x: torch.Tensor,
         scales: np.ndarray,
-        q: np.ndarray,
-        tmp: np.ndarray,
+        q: torch.Tensor,
+        tmp: torch.Tensor,
         first_block: int,
     ) -> None:
         """Quantize rows of `x` (one block each) into `scales` and `q`."""
-        np.abs(x, out=tmp)
-        absmax = tmp.max(axis=1)  # NaN propagates; inf stays inf
-        finite = np.isfinite(absmax)
-        if not finite.all():
-            bad = first_block + int(np.argmin(finite))
+        # max(hi, -lo): the absmax without writing |x| anywhere. NaN propagates.
+        absmax = torch.maximum(torch.amax(x, dim=1), torch.amin(x, dim=1).neg_())
+        # Non-negative float32 terms cannot cancel or overflow a float64 sum: it is
+        # finite exactly when every block's absmax is.
+        if not math.isfinite(torch.sum(absmax, dtype=torch.float64).item()):
+            bad = first_block + int(np.argmin(np.isfinite(absmax.numpy())))
             raise CodecError(f"{self.name}: NaN or inf in input block {bad}")
-        s = absmax / np.float32(_QMAX)
+        s = absmax.numpy() / np.float32(_QMAX)
         np.minimum(s, _MAX_SCALE, out=s)
-        s[s < _FLT_MIN] = 0.0
-        scales[:] = s
-        np.divide(x, np.where(s > 0, s, np.float32(1))[:, None], out=tmp)
-        np.rint(tmp, out=tmp)  # round half to even, like torch.round
-        np.clip(tmp, -_QMAX, _QMAX, out=tmp)
-        np.copyto(q, tmp, casting="unsafe")  # exact: tmp holds integers in [-127, 127]
+        normal = s >= _FLT_MIN
+        scales[:] = np.where(normal, s, np.float32(0))  # below FLT_MIN: +0.0 (never -0.0)
+        # A block flushed to zero (all-zero, or tiny) divides by 1.
+        divisor = np.where(normal, s, np.float32(1)).reshape(-1, 1)
+        torch.div(x, torch.from_numpy(divisor), out=tmp)
+        tmp.round_()  # round half to even
+        # No clamp needed: s = fl(absmax / 127) gives |x / s| <= 127 * (1 + 2^-24)^2,
+        # and a scale lowered to _MAX_SCALE is off by a few ulps at most, so every
+        # quotient rounds into [-127, 127]; a block flushed to zero divides by 1
+        # values below 127 * FLT_MIN, which round to 0. The narrowing cast is exact.
+        q.copy_(tmp)
+
+    def _check(self, data: memoryview, n_elements: int) -> None:
+        nb = self.n_blocks(n_elements)
+        raw = np.frombuffer(data, dtype=np.uint8)  # numpy: cheap, and fine with read-only
+        # Valid scales are +0.0 or in [FLT_MIN, _MAX_SCALE]. As unsigned integers,
+        # non-negative floats sort like their values, and NaN, inf and anything with
+        # the sign bit sort above _MAX_SCALE_BITS; subtracting 1 wraps +0.0 to the
+        # top, so the subnormals are exactly what falls below FLT_MIN_BITS - 1.
+        bits = raw[: 4 * nb].view("<u4")
+        if bits.max() > _MAX_SCALE_BITS or (bits - np.uint32(1) < _FLT_MIN_BITS - 1).any():
+            valid = (bits == 0) | ((bits >= _FLT_MIN_BITS) & (bits <= _MAX_SCALE_BITS))
+            bad = int(np.argmin(valid))
+            scale = float(bits[bad : bad + 1].view("<f4")[0])
+            raise CodecError(f"{self.name}: invalid scale {scale!r} for block {bad}")
+        if raw[4 * nb :].view(np.int8).min() < -_QMAX:
+            raise CodecError(f"{self.name}: quantized value -128 is outside the symmetric range")
+
+    def _add_decoded(self, data: memoryview, out: torch.Tensor, weight: float) -> None:
+        # One pass per piece instead of decoding to memory and adding it back:
+        # out += weight * q * scale (addcmul), with q widened in a cache-sized buffer.
+        n, bs = out.numel(), self.block_size
+        nb, n_full = self.n_blocks(n), n // bs
+        raw = torch.frombuffer(_writable(data), dtype=torch.uint8)
+        scales = raw[: 4 * nb].view(torch.float32)
+        q = raw[4 * nb :].view(torch.int8)
+        rows = max(1, _CHUNK_ELEMENTS // bs)
+        tmp = torch.empty((min(rows, n_full) or 1) * bs, dtype=torch.float32)
+        for start in range(0, n_full, rows):
+            stop = min(start + rows, n_full)
+            widened = tmp[: (stop - start) * bs].view(-1, bs)
+            widened.copy_(q[start * bs : stop * bs].view(-1, bs))
+            y = out[start * bs : stop * bs].view(-1, bs)
+            y.addcmul_(widened, scales[start:stop, None], value=weight)
+        if n_full < nb:
+            widened = tmp[: n - n_full * bs]
+            widened.copy_(q[n_full * bs :])
+            out[n_full * bs :].addcmul_(widened, scales[n_full:], value=weight)
 
     def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
         n, bs = out.numel(), self.block_size
         nb, n_full = self.n_blocks(n), n // bs
-        raw = np.frombuffer(data, dtype=np.uint8)
-        scales = raw[: 4 * nb].view("<f4")
-        q = raw[4 * nb :].view(np.int8)
-        # Valid scales are +0.0 or in [FLT_MIN, _MAX_SCALE]; for non-negative floats
-        # the bit patterns sort like the values, and NaN, inf and negative numbers
-        # all sort above _MAX_SCALE_BITS, so one integer range check covers it all.
-        bits = scales.view("<u4")
-        valid = (bits == 0) | ((bits >= _FLT_MIN_BITS) & (bits <= _MAX_SCALE_BITS))
-        if not valid.all():
-            bad = int(np.argmin(valid))
-            raise CodecError(f"{self.name}: invalid scale {scales[bad]!r} for block {bad}")
-        if q.min() < -_QMAX:
-            raise CodecError(f"{self.name}: quantized value -128 is outside the symmetric range")
-        y = out.numpy()
-        if n_full:
-            np.multiply(
-                q[: n_full * bs].reshape(-1, bs),
-                scales[:n_full, None],
-                out=y[: n_full * bs].reshape(-1, bs),
-            )
+        raw = torch.frombuffer(_writable(data), dtype=torch.uint8)
+        scales = raw[: 4 * nb].view(torch.float32)
+        q = raw[4 * nb :].view(torch.int8)
+        # int8 -> float32 is exact, then one correctly rounded float32 multiply per
+        # element: a pure function of the bytes on every IEEE machine.
+        rows = max(1, _CHUNK_ELEMENTS // bs)
+        for start in range(0, n_full, rows):
+            stop = min(start + rows, n_full)
+            y = out[start * bs : stop * bs].view(-1, bs)
+            y.copy_(q[start * bs : stop * bs].view(-1, bs))
+            y.mul_(scales[start:stop, None])
         if n_full < nb:
-            np.multiply(q[n_full * bs :], scales[n_full], out=y[n_full * bs :])
+            y = out[n_full * bs :]
+            y.copy_(q[n_full * bs :])
+            y.mul_(scales[n_full])
 
 
 CODECS: Final[dict[str, Codec]] = {
@@ -396,6 +475,14 @@ def _check_src(src: torch.Tensor) -> torch.Tensor:
 
 def _check_out(out: torch.Tensor) -> torch.Tensor:
     return _check_flat_float32(out, "out")
+
+
+def _writable(data: memoryview) -> memoryview:
+    """`data`, copied if it is read-only: torch cannot wrap read-only memory without a
+    warning. Receive buffers are writable; this is for callers holding bytes. One code
+    path for both keeps decoding a pure function of the bytes, NaN payloads included
+    (numpy and torch widen float16 NaNs differently)."""
+    return memoryview(bytearray(data)) if data.readonly else data
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:

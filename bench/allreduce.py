@@ -1,6 +1,6 @@
 """All-reduce benchmark: shoal's butterfly all-reduce against torch.distributed gloo (and hivemind).
 
-    python bench/allreduce.py [--peers 4] [--sizes 10M,50M] [--rounds 5]
+    python bench/allreduce.py [--peers 4] [--sizes 10M,50M] [--rounds 5] [--codecs none,int8]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -14,8 +14,12 @@ Every system runs as `--peers` separate processes on 127.0.0.1, each
 averaging its own float32 vector of the given size. Times are medians over
 `--rounds` rounds (after one warm-up round) of the slowest peer's time for
 the round, each round started by the orchestrator at once on every peer.
-`shoal_wire_bytes` is what all peers together put on the wire in one round
-(after compression, before encryption overhead). `kill_to_commit_s` (from
+The systems take turns round by round (gloo, then shoal with each codec), so
+that a machine shared with other work loads them alike; beside each ratio of
+medians, `*_paired` is the median of the round-by-round ratios, `cpu_s` the
+median CPU seconds of all peers together per round, and `load_average` the
+machine's load at the end. `shoal_wire_bytes` is what all peers together put
+on the wire in one round (after compression, before encryption overhead). `kill_to_commit_s` (from
 `--kill-trials` trials with the full Averager: matchmaking, all-reduce, retry):
 time from a kill -9 of one peer in the middle of a round to the next round
 the survivors commit.
@@ -31,6 +35,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -71,6 +76,17 @@ async def _lines() -> asyncio.StreamReader:
     return reader
 
 
+def _cpu_now() -> tuple[float, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # all threads, microsecond resolution
+    return usage.ru_utime, usage.ru_stime
+
+
+def _cpu_since(start: tuple[float, float]) -> dict[str, float]:
+    """CPU seconds of this process (all threads) since `start`: total and in the kernel."""
+    user, system = _cpu_now()
+    return {"cpu": user - start[0] + system - start[1], "sys": system - start[1]}
+
+
 def _say(obj: dict[str, Any]) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -96,10 +112,11 @@ async def worker_gloo(args: argparse.Namespace) -> None:
         size = cmd["size"]
         if size not in vectors:
             vectors = {size: _vector(args.rank, size)}
-        t = vectors[size].clone()
-        t0 = time.perf_counter()
+            t = torch.empty(size)
+        t.copy_(vectors[size])  # a fresh input, in memory that is already mapped
+        c0, t0 = _cpu_now(), time.perf_counter()
         await asyncio.to_thread(dist.all_reduce, t)
-        _say({"seconds": time.perf_counter() - t0})
+        _say({"seconds": time.perf_counter() - t0, **_cpu_since(c0)})
     dist.destroy_process_group()
 
 
@@ -115,7 +132,12 @@ async def worker_shoal(args: argparse.Namespace) -> None:
     reader = await _lines()
     host = Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",)))
     await host.start()
-    service = AllReduceService(host, AllReduceConfig())
+    overrides: dict[str, Any] = {}
+    if args.chunk_bytes:
+        overrides["chunk_bytes"] = args.chunk_bytes
+    if args.streams:
+        overrides["streams_per_peer"] = args.streams
+    service = AllReduceService(host, AllReduceConfig(**overrides))
     _say({"peer": host.peer_id.to_base58(), "addrs": [str(a) for a in host.addresses()]})
     cmd = json.loads(await reader.readline())
     members = tuple(
@@ -127,20 +149,33 @@ async def worker_shoal(args: argparse.Namespace) -> None:
             await host.connect(m.peer_id, m.addrs)
     _say({"connected": True})
     vectors: dict[int, torch.Tensor] = {}
+    profiler = None
+    if args.profile_dir:
+        import cProfile
+
+        # The event loop's thread only, on its own CPU clock (preemption by other
+        # processes is not charged); reductions sent to threads are not in it.
+        profiler = cProfile.Profile(time.thread_time)
     try:
         while line := await reader.readline():
             cmd = json.loads(line)
             size = cmd["size"]
             if size not in vectors:
                 vectors = {size: _vector(args.rank, size)}
-            t = vectors[size].clone()
+                t = torch.empty(size)
+            t.copy_(vectors[size])  # a fresh input, in memory that is already mapped
             ids = [m.peer_id for m in members]
             group = Group("bench", make_round_id("bench", ids, cmd["round"].encode()), members)
-            t0 = time.perf_counter()
+            c0, t0 = _cpu_now(), time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             outcome = await service.run(group, [t], weight=1.0, codec=cmd["codec"])
+            if profiler is not None:
+                profiler.disable()
             _say(
                 {
                     "seconds": time.perf_counter() - t0,
+                    **_cpu_since(c0),
                     "committed": outcome.committed,
                     "reason": outcome.reason,
                     "bytes_sent": outcome.bytes_sent,
@@ -149,6 +184,8 @@ async def worker_shoal(args: argparse.Namespace) -> None:
     finally:
         service.close()
         await host.aclose()
+        if profiler is not None:
+            profiler.dump_stats(os.path.join(args.profile_dir, f"shoal-{args.rank}.prof"))
 
 
 # ---------------------------------------------------------------------- orchestrator
@@ -159,10 +196,10 @@ class Proc:
         self.proc = proc
 
     @classmethod
-    async def spawn(cls, role: str, rank: int, python: str = sys.executable) -> tuple[Proc, Any]:
+    async def spawn(cls, role: str, rank: int, *extra: str) -> tuple[Proc, Any]:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = await asyncio.create_subprocess_exec(
-            python, SCRIPT, "--role", role, "--rank", str(rank),
+            sys.executable, SCRIPT, "--role", role, "--rank", str(rank), *extra,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         self = cls(proc)
@@ -194,54 +231,82 @@ class Proc:
             await self.proc.wait()
 
 
-async def _rounds(procs: list[Proc], cmd: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
-    """One warm-up round, then `rounds` measured ones; per round the slowest peer's reply."""
-    out = []
-    for r in range(rounds + 1):
-        replies = await asyncio.gather(*(p.call({**cmd, "round": f"{cmd}-{r}"}) for p in procs))
-        bad = [x for x in replies if x.get("committed") is False]
-        if bad:
-            raise RuntimeError(f"round aborted: {bad[0]['reason']}")
-        if r:
-            slowest = max(replies, key=lambda x: x["seconds"])
-            out.append({**slowest, "bytes_sent": sum(x.get("bytes_sent", 0) for x in replies)})
-    return out
+async def _round(procs: list[Proc], cmd: dict[str, Any]) -> dict[str, Any]:
+    """One round on every peer at once: the slowest peer's reply, with totals over peers."""
+    replies = await asyncio.gather(*(p.call(cmd) for p in procs))
+    bad = [x for x in replies if x.get("committed") is False]
+    if bad:
+        raise RuntimeError(f"round aborted: {bad[0]['reason']}")
+    slowest = max(replies, key=lambda x: x["seconds"])
+    return {
+        **slowest,
+        "bytes_sent": sum(x.get("bytes_sent", 0) for x in replies),
+        "cpu": sum(x["cpu"] for x in replies),
+        "sys": sum(x["sys"] for x in replies),
+    }
 
 
-async def bench_gloo(opts: argparse.Namespace, sizes: dict[str, int]) -> dict[str, float]:
+async def _spawn_gloo(opts: argparse.Namespace) -> list[Proc]:
     spawned = await asyncio.gather(*(Proc.spawn("gloo", r) for r in range(opts.peers)))
     procs = [p for p, _ in spawned]
-    try:
-        port = _free_port()
-        await asyncio.gather(*(p.call({"port": port, "peers": opts.peers}) for p in procs))
-        result = {}
-        for name, size in sizes.items():
-            runs = await _rounds(procs, {"size": size}, opts.rounds)
-            result[name] = statistics.median(r["seconds"] for r in runs)
-            log.info("gloo %s: %.3f s", name, result[name])
-        return result
-    finally:
-        await asyncio.gather(*(p.close() for p in procs))
+    port = _free_port()
+    await asyncio.gather(*(p.call({"port": port, "peers": opts.peers}) for p in procs))
+    return procs
 
 
-async def bench_shoal(opts: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:
-    spawned = await asyncio.gather(*(Proc.spawn("shoal", r) for r in range(opts.peers)))
+async def _spawn_shoal(opts: argparse.Namespace) -> list[Proc]:
+    extra = ["--chunk-bytes", str(opts.chunk_bytes), "--streams", str(opts.streams)]
+    if opts.profile_dir:
+        extra += ["--profile-dir", opts.profile_dir]
+    spawned = await asyncio.gather(*(Proc.spawn("shoal", r, *extra) for r in range(opts.peers)))
     procs = [p for p, _ in spawned]
     members = [[hello["peer"], hello["addrs"]] for _, hello in spawned]
+    await asyncio.gather(*(p.call({"members": members}) for p in procs))
+    return procs
+
+
+async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:
+    """gloo and shoal (every codec) take turns, round after round, so that both see the
+    same background load; per system, the median over `rounds` rounds after a warm-up."""
+    codecs = opts.codecs.split(",")
+    gloo: list[Proc] = []
+    shoal: list[Proc] = []
     try:
-        await asyncio.gather(*(p.call({"members": members}) for p in procs))
+        if opts.gloo:
+            gloo = await _spawn_gloo(opts)
+        shoal = await _spawn_shoal(opts)
         result: dict[str, Any] = {}
         for name, size in sizes.items():
-            times, wire = {}, {}
-            for codec in CODECS:
-                runs = await _rounds(procs, {"size": size, "codec": codec}, opts.rounds)
-                times[codec] = statistics.median(r["seconds"] for r in runs)
-                wire[codec] = int(statistics.median(r["bytes_sent"] for r in runs))
-                log.info("shoal %s %s: %.3f s, %d bytes", name, codec, times[codec], wire[codec])
-            result[name] = {"times": times, "wire": wire}
+            runs: dict[str, list[dict[str, Any]]] = {"gloo": [], **{c: [] for c in codecs}}
+            for r in range(opts.rounds + 1):
+                turn = {}
+                if gloo:
+                    turn["gloo"] = await _round(gloo, {"size": size})
+                for codec in codecs:
+                    cmd = {"size": size, "codec": codec, "round": f"{name}-{codec}-{r}"}
+                    turn[codec] = await _round(shoal, cmd)
+                if r:  # the first turn warms up
+                    for system, reply in turn.items():
+                        runs[system].append(reply)
+            result[name] = {system: _summary(name, system, rs) for system, rs in runs.items() if rs}
         return result
     finally:
-        await asyncio.gather(*(p.close() for p in procs))
+        await asyncio.gather(*(p.close() for p in gloo + shoal))
+
+
+def _summary(name: str, system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {
+        "seconds": statistics.median(r["seconds"] for r in runs),
+        "all_seconds": [round(r["seconds"], 4) for r in runs],
+        "wire": int(statistics.median(r["bytes_sent"] for r in runs)),
+        "cpu": statistics.median(r["cpu"] for r in runs),
+        "sys": statistics.median(r["sys"] for r in runs),
+    }
+    log.info(
+        "%s %s: %.3f s (cpu of all peers %.3f s, %.3f s of it in the kernel), %d bytes",
+        *(system, name, out["seconds"], out["cpu"], out["sys"], out["wire"]),
+    )
+    return out
 
 
 PEER_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "..", "tests", "averaging_peer.py")
@@ -301,26 +366,36 @@ async def bench_kill_to_commit(opts: argparse.Namespace) -> list[float]:
 
 async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
     sizes = {s.strip(): _parse_size(s) for s in opts.sizes.split(",")}
-    gloo = await bench_gloo(opts, sizes)
-    shoal = await bench_shoal(opts, sizes)
+    measured = await bench_interleaved(opts, sizes)
     out: dict[str, Any] = {"peers": opts.peers, "sizes": {}}
     for name in sizes:
-        entry = {
-            "gloo_s": round(gloo[name], 4),
+        m = measured[name]
+        gloo = m.get("gloo")
+        codecs = [c for c in m if c != "gloo"]
+        entry: dict[str, Any] = {
+            "gloo_s": round(gloo["seconds"], 4) if gloo else None,
             "hivemind_s": None,
-            "shoal_s": {c: round(t, 4) for c, t in shoal[name]["times"].items()},
-            "shoal_wire_bytes": {c: shoal[name]["wire"][c] for c in ("none", "int8")},
+            "shoal_s": {c: round(m[c]["seconds"], 4) for c in codecs},
+            "shoal_wire_bytes": {c: m[c]["wire"] for c in ("none", "int8") if c in m},
         }
-        entry["shoal_none_over_gloo"] = round(entry["shoal_s"]["none"] / entry["gloo_s"], 2)
-        entry["shoal_int8_over_gloo"] = round(entry["shoal_s"]["int8"] / entry["gloo_s"], 2)
-        entry["int8_wire_ratio"] = round(
-            entry["shoal_wire_bytes"]["int8"] / entry["shoal_wire_bytes"]["none"], 3
-        )
+        for codec in ("none", "int8"):
+            if codec in m and gloo:
+                entry[f"shoal_{codec}_over_gloo"] = round(m[codec]["seconds"] / gloo["seconds"], 2)
+                # The same, round by round (each shoal round ran right after a gloo round).
+                paired = [
+                    s / g for s, g in zip(m[codec]["all_seconds"], gloo["all_seconds"], strict=True)
+                ]
+                entry[f"shoal_{codec}_over_gloo_paired"] = round(statistics.median(paired), 2)
+        if "none" in m and "int8" in m:
+            entry["int8_wire_ratio"] = round(m["int8"]["wire"] / m["none"]["wire"], 3)
+        entry["cpu_s"] = {system: round(m[system]["cpu"], 3) for system in m}
+        entry["rounds_s"] = {system: m[system]["all_seconds"] for system in m}
         out["sizes"][name] = entry
     kills = await bench_kill_to_commit(opts) if opts.kill_trials else []
     out["kill_to_commit_s"] = round(statistics.median(kills), 3) if kills else None
     out["kill_to_commit_max_s"] = round(max(kills), 3) if kills else None
     out["hivemind"] = "not installed" if not _hivemind_installed() else "not measured"
+    out["load_average"] = [round(x, 2) for x in os.getloadavg()]
     return out
 
 
@@ -342,7 +417,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--sizes", default="10M,50M")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--codecs", default=",".join(CODECS), help="shoal codecs to measure")
+    p.add_argument("--no-gloo", dest="gloo", action="store_false", help="skip the gloo baseline")
     p.add_argument("--kill-trials", type=int, default=5)
+    p.add_argument(
+        "--chunk-bytes", type=int, default=0, help="AllReduceConfig.chunk_bytes (0: default)"
+    )
+    p.add_argument(
+        "--streams", type=int, default=0, help="AllReduceConfig.streams_per_peer (0: default)"
+    )
+    p.add_argument(
+        "--profile-dir",
+        help="cProfile the measured shoal rounds of each worker into DIR/shoal-RANK.prof",
+    )
     p.add_argument("--kill-size", type=int, default=10_000_000)
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")

@@ -5,6 +5,14 @@ our receive buffer, each Noise record is decrypted once into a fresh plaintext
 buffer, and stream data stays a slice of that buffer until the application
 copies it where it wants it. Outgoing messages are built with room for the
 length prefix and AEAD tag and encrypted in place.
+
+Large writes travel as bulk bodies (see `mux`): each body is encrypted straight
+from the application's buffer into a pooled send buffer, and decrypted as one
+piece, up to 256 KiB at a time. On the wire a body is the bare AEAD ciphertext
+(its length was announced by the BULK frame before it), so ordinary records keep
+libp2p-noise framing (a 2-byte length, at most 65535 bytes). A body is longer
+than Noise's 65535-byte message limit, which exists for that framing: AES-GCM and
+ChaCha20-Poly1305 are specified for far longer messages.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from .errors import (
 )
 from .identity import Identity, PeerID
 from .mux import (
+    MAX_BULK_BODY,
     MAX_MESSAGE_PLAINTEXT,
+    BulkIncoming,
     DataReceived,
     GoAwayReceived,
     Multiplexer,
@@ -50,7 +60,7 @@ _now = time.monotonic
 
 _LEN = struct.Struct(">H")
 _TAG = 16
-_MIN_FREE = 65535 + 2  # always room for one whole record
+_MIN_FREE = max(65535 + 2, MAX_BULK_BODY + 16)  # always room for one whole record
 # An idle connection keeps a small receive buffer (so thousands of idle peers stay
 # cheap: a DHT node talks to many); it grows when the kernel fills it in one read,
 # i.e. when a large record or a stream is arriving, and shrinks again once the
@@ -62,7 +72,13 @@ _RECV_BUFFER_IDLE = 4096
 _SMALL_RECORD = 2048
 _RECV_BUFFER_BUSY = 1024 * 1024
 _PLAINTEXT_POOL = 64  # reusable record buffers per connection (4 MiB while busy)
+_BODY_POOL = 8  # reusable bulk body buffers per connection, each way (2 MiB while busy)
+# Queued pieces this large go as bulk bodies: below it, the extra AEAD call and BULK
+# frame cost more than copying into a message.
+_BULK_MIN = 16 * 1024
 _WRITE_BATCH = 256 * 1024
+# After abort(), how long connection_lost may take to be reported before aclose finishes.
+_LOST_REPORT_TIMEOUT = 1.0
 _COPY_SMALL_WRITES = 64 * 1024  # writes up to this size are copied and return at once
 _STREAM_HIGH_WATER = 256 * 1024  # ... while the stream has less than this queued
 
@@ -90,7 +106,11 @@ class Stream:
         "_conn",
         "_eof",
         "_error",
+        "_posted",
+        "_posted_pos",
+        "_posts",
         "_read_waiter",
+        "_reader_woken",
         "_write_lost",
         "_write_waiter",
         "handler_task",
@@ -109,6 +129,12 @@ class Stream:
         self._eof = False
         self._error: TransportError | None = None
         self._read_waiter: asyncio.Future[None] | None = None
+        self._reader_woken = False  # woken, and has not run since
+        # The buffer a reader waits to fill, and how much of it is filled: bulk bodies
+        # are decrypted straight into it (see readexactly_into).
+        self._posted: memoryview | None = None
+        self._posted_pos = 0
+        self._posts = False  # its reader waits with buffers of its own
         self._write_waiter: asyncio.Future[None] | None = None
         self._write_lost = False  # a reset discarded bytes we had queued
         self.handler_task: asyncio.Task[None] | None = None
@@ -142,6 +168,25 @@ class Stream:
         w = self._read_waiter
         if w is not None and not w.done():
             w.set_result(None)
+            self._reader_woken = True
+
+    def _bulk_target(self, n: int) -> memoryview | None:
+        """Where a bulk body of `n` bytes can be decrypted straight to: the unfilled
+        part of the buffer a reader waits on, if nothing is queued before the body."""
+        posted = self._posted
+        if posted is None or self._buffered:
+            return None
+        pos = self._posted_pos
+        if len(posted) - pos < n:
+            return None
+        return posted[pos : pos + n]
+
+    def _filled(self, n: int) -> None:
+        """A body of `n` bytes was decrypted into the posted buffer."""
+        assert self._posted is not None
+        self._posted_pos += n
+        if self._posted_pos == len(self._posted):
+            self._wake_reader()
 
     def _wake_writer(self) -> None:
         w = self._write_waiter
@@ -159,6 +204,7 @@ class Stream:
             await waiter
         finally:
             self._read_waiter = None
+            self._reader_woken = False
 
     def _take(self, n: int) -> list[memoryview]:
         """Remove exactly n buffered bytes (n <= buffered) as a list of slices."""
@@ -223,17 +269,31 @@ class Stream:
         return n
 
     async def readexactly_into(self, buffer: memoryview | bytearray) -> None:
-        """Fill all of `buffer` (e.g. a preallocated tensor) from the stream."""
+        """Fill all of `buffer` (e.g. a preallocated tensor) from the stream.
+
+        While it waits, bulk data is decrypted straight into `buffer` (no copy). If
+        the read fails, the content of `buffer` is unspecified.
+        """
         out = memoryview(buffer).cast("B")
         pos = 0
         total = len(out)
         while pos < total:
-            n = await self.readinto(out[pos:])
-            if n == 0:
+            if self._buffered:
+                pos += self.readinto_nowait(out[pos:])
+                continue
+            if self._eof:
                 raise ProtocolViolation(
                     f"stream {self.protocol} ended after {pos} of {total} bytes"
                 )
-            pos += n
+            self._check_error()
+            self._posted = out
+            self._posted_pos = pos
+            self._posts = True
+            try:
+                await self._wait_readable()
+            finally:
+                pos = self._posted_pos
+                self._posted = None
 
     def at_eof(self) -> bool:
         return self._eof and not self._buffered
@@ -306,6 +366,15 @@ class Stream:
         if self._write_lost:
             self._check_error()
 
+    def reserve(self, nbytes: int) -> None:
+        """Let the remote send up to `nbytes` (capped by the connection's max window)
+        ahead of our reads, from now on: for a reader about to take a large transfer
+        into buffers it already holds, so that the flow-control window does not have to
+        grow round trip by round trip first."""
+        if self._error is None:
+            self._conn._mux.reserve(self.id, nbytes)
+            self._conn._schedule_flush()
+
     async def close(self, *, discard_input: bool = False) -> None:
         """Half-close: the remote reads EOF after all data written so far.
 
@@ -369,11 +438,19 @@ class Connection(asyncio.BufferedProtocol):
         self._on_closed = on_closed
         self._admit = admit
         self._tasks: set[asyncio.Task[None]] = set()
-        self._mux = Multiplexer(initiator, self.config.mux, head_room=_LEN.size, tail_room=_TAG)
+        self._mux = _multiplexer(initiator, self.config)
         self._send_cipher = None
         self._recv_cipher = None
         self._buf = bytearray(_RECV_BUFFER_IDLE)
-        self._plaintext_pool: deque[bytearray] = deque()
+        # Reusable buffers to decrypt records and bodies into, and to encrypt bodies into.
+        self._plaintexts = _BufferPool(MAX_MESSAGE_PLAINTEXT, _PLAINTEXT_POOL)
+        self._bodies_in = _BufferPool(MAX_BULK_BODY, _BODY_POOL)
+        self._bodies_out = _BufferPool(MAX_BULK_BODY + _TAG, _BODY_POOL)
+        self._body: BulkIncoming | None = None  # announced, and next on the wire
+        # Record processing paused for one loop iteration (see _process_records), and
+        # the body it paused for (it pauses once per body).
+        self._resume_pending = False
+        self._paused_for: BulkIncoming | None = None
         self._mv = memoryview(self._buf)
         self._start = 0
         self._end = 0
@@ -417,7 +494,7 @@ class Connection(asyncio.BufferedProtocol):
             raise RuntimeError("the handshake role is fixed once the handshake has started")
         self.initiator = initiator
         self._handshake = SecureHandshake(self._handshake.identity, initiator, expected_peer)
-        self._mux = Multiplexer(initiator, self.config.mux, head_room=_LEN.size, tail_room=_TAG)
+        self._mux = _multiplexer(initiator, self.config)
 
     @property
     def is_open(self) -> bool:
@@ -504,7 +581,16 @@ class Connection(asyncio.BufferedProtocol):
                     await asyncio.shield(self.closed)
             except TimeoutError:
                 self._transport.abort()
-        await asyncio.shield(self.closed)
+        if not self.closed.done():
+            # abort() reports connection_lost on a later loop iteration; should the
+            # event loop never report it (seen with uvloop on a transport that was
+            # closing with unsent data), finish by hand rather than wait forever.
+            try:
+                async with asyncio.timeout(_LOST_REPORT_TIMEOUT):
+                    await asyncio.shield(self.closed)
+            except TimeoutError:
+                log.debug("%s: no connection_lost after abort; finishing", self._peer_name())
+                self._finish(self.close_reason)
 
     def stats(self) -> dict[str, object]:
         return {
@@ -573,7 +659,11 @@ class Connection(asyncio.BufferedProtocol):
             if self._handshake is not None:
                 self._advance_handshake()
             if self._handshake is None:
-                self._process_records()
+                if not self._resume_pending:
+                    self._process_records()
+                elif len(self._buf) - self._end < _MIN_FREE:
+                    # Paused for a reader, but the buffer is filling up: go on now.
+                    self._process_records()
         except TransportError as e:
             self._violation(e)
             return
@@ -638,13 +728,53 @@ class Connection(asyncio.BufferedProtocol):
         recv = self._recv_cipher
         mux = self._mux
         now = _now()
-        while end - pos >= 2:
+        while True:
+            body = self._body
+            if body is not None:
+                size = body.length + _TAG  # no length prefix: BULK announced it
+                if end - pos < size:
+                    break
+                stream = self.streams.get(body.stream_id) if body.deliver else None
+                target = None
+                if stream is not None:
+                    target = stream._bulk_target(body.length)
+                    if (
+                        target is None
+                        and len(buf) - end >= _MIN_FREE  # the socket can go on meanwhile
+                        and stream._posts
+                        and stream._reader_woken
+                        and self._paused_for is not body
+                    ):
+                        # Its reader was just handed the data before this body (say, a
+                        # chunk header) and may now wait for the body with a buffer of
+                        # its own: let it run first, then decrypt straight into that.
+                        self._paused_for = body
+                        self._resume_pending = True
+                        self._loop.call_soon(self._resume_records)
+                        break
+                out = target if target is not None else self._bodies_in.take()
+                try:
+                    recv.decrypt_into(mv[pos : pos + size], out)
+                except HandshakeError:
+                    raise ProtocolViolation("record failed authentication") from None
+                pos += size
+                self._start = pos
+                self._body = None
+                if target is not None:
+                    assert stream is not None
+                    stream._filled(body.length)
+                    self._consumed(body.stream_id, body.length)
+                elif body.deliver:
+                    self._deliver(body.stream_id, memoryview(out)[: body.length])
+                continue
+            if end - pos < 2:
+                break
             n = (buf[pos] << 8) | buf[pos + 1]
             if end - pos - 2 < n:
                 break
             if n < _TAG:
                 raise ProtocolViolation(f"record of {n} bytes is shorter than its tag")
-            buf_out = bytearray(n - _TAG) if n - _TAG <= _SMALL_RECORD else self._plaintext_buffer()
+            buf_out = bytearray(n - _TAG) if n - _TAG <= _SMALL_RECORD else self._plaintexts.take()
             try:
                 size = recv.decrypt_into(mv[pos + 2 : pos + 2 + n], buf_out)
             except HandshakeError:
@@ -653,7 +783,10 @@ class Connection(asyncio.BufferedProtocol):
             pos += 2 + n
             self._start = pos
             for event in mux.receive_message(plaintext, now):
-                self._dispatch(event)
+                if type(event) is BulkIncoming:
+                    self._body = event  # the mux made sure it is the message's last frame
+                else:
+                    self._dispatch(event)
             if self.closed.done():
                 return
         if pos == end:
@@ -664,37 +797,25 @@ class Connection(asyncio.BufferedProtocol):
         if mux.has_output():
             self._schedule_flush()
 
-    def _plaintext_buffer(self) -> bytearray:
-        """A record-sized buffer to decrypt into, reused once nothing references it.
+    def _resume_records(self) -> None:
+        self._resume_pending = False
+        if self.closed.done():
+            return
+        try:
+            self._process_records()
+        except TransportError as e:
+            self._violation(e)
 
-        Stream data stays a slice of its record's plaintext until the application
-        reads it, so a buffer is free again when it has no exported views left
-        (a bytearray with live views refuses to change size). Reusing buffers
-        spares a 64 KiB allocation per record, and with it the page faults of
-        the allocator handing that memory back and forth to the kernel.
-        """
-        pool = self._plaintext_pool
-        for _ in range(min(2, len(pool))):
-            buf = pool[0]
-            pool.rotate(-1)  # round-robin, so one long-unread buffer does not block the rest
-            try:
-                buf.append(0)
-                buf.pop()
-            except BufferError:  # still referenced by unread stream data
-                continue
-            return buf
-        buf = bytearray(MAX_MESSAGE_PLAINTEXT)
-        if len(pool) < _PLAINTEXT_POOL:
-            pool.append(buf)
-        return buf
+    def _deliver(self, stream_id: int, data: memoryview) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream._feed(data)
+        else:  # the application already dropped it: keep the window moving
+            self._mux.reset_stream(stream_id, "stream abandoned")
 
     def _dispatch(self, event: object) -> None:
         if type(event) is DataReceived:
-            stream = self.streams.get(event.stream_id)
-            if stream is not None:
-                stream._feed(event.data)
-            else:  # the application already dropped it: keep the window moving
-                self._mux.reset_stream(event.stream_id, "stream abandoned")
+            self._deliver(event.stream_id, event.data)
         elif type(event) is StreamOpened:
             stream = Stream(self, event.stream_id, event.protocol, False)
             self.streams[event.stream_id] = stream
@@ -749,18 +870,26 @@ class Connection(asyncio.BufferedProtocol):
             return
         mux = self._mux
         encrypt_into = self._send_cipher.encrypt_into
-        batch: list[bytearray] = []
+        batch: list[bytearray | memoryview] = []
         size = 0
         while not self._paused:
-            msg = mux.next_message()
-            if msg is None:
+            out = mux.next_output()
+            if out is None:
                 break
+            msg, body = out
             n = len(msg) - _LEN.size - _TAG
             _LEN.pack_into(msg, 0, n + _TAG)
             mv = memoryview(msg)
             encrypt_into(mv[2 : 2 + n], mv[2:])
             batch.append(msg)
             size += len(msg)
+            if body is not None:
+                # Sealed before the stream's writer learns that it drained: the
+                # application may reuse its buffer as soon as it does.
+                record = memoryview(self._bodies_out.take())[: len(body) + _TAG]
+                encrypt_into(body, record)
+                batch.append(record)
+                size += len(record)
             if size >= _WRITE_BATCH:
                 self.bytes_sent += size
                 transport.writelines(batch)
@@ -820,7 +949,9 @@ class Connection(asyncio.BufferedProtocol):
         quiet = self._start == self._end and now - self.last_activity > 1.0
         if quiet and len(self._buf) > _RECV_BUFFER_IDLE:
             self._resize_buffer(_RECV_BUFFER_IDLE)  # give the memory back
-            self._plaintext_pool.clear()
+            self._plaintexts.clear()
+            self._bodies_in.clear()
+            self._bodies_out.clear()
         if not self.handshake_done.done():
             log.info(
                 "closing connection from %s: handshake not finished in %.1fs",
@@ -900,3 +1031,47 @@ class Connection(asyncio.BufferedProtocol):
         if self.remote_peer is not None:
             return f"{self.remote_peer.short()}@{addr}"
         return addr
+
+
+def _multiplexer(initiator: bool, config: ConnectionConfig) -> Multiplexer:
+    return Multiplexer(
+        initiator, config.mux, head_room=_LEN.size, tail_room=_TAG, bulk_min=_BULK_MIN
+    )
+
+
+class _BufferPool:
+    """Fixed-size byte buffers, reused once nothing references them any more.
+
+    A buffer is free again when it has no exported views left: a bytearray with
+    live views refuses to change size. Received stream data stays a view of its
+    record's plaintext until the application reads it, and the event loop's
+    transport holds a view of a sent buffer until the kernel took it. Reuse spares
+    an allocation per buffer, and with it the page faults of the allocator handing
+    the memory back and forth to the kernel.
+    """
+
+    __slots__ = ("_capacity", "_free", "size")
+
+    def __init__(self, size: int, capacity: int) -> None:
+        self.size = size
+        self._capacity = capacity
+        self._free: deque[bytearray] = deque()
+
+    def take(self) -> bytearray:
+        pool = self._free
+        for _ in range(min(2, len(pool))):
+            buf = pool[0]
+            pool.rotate(-1)  # round-robin, so one long-held buffer does not block the rest
+            try:
+                buf.append(0)
+                buf.pop()
+            except BufferError:  # still referenced
+                continue
+            return buf
+        buf = bytearray(self.size)
+        if len(pool) < self._capacity:
+            pool.append(buf)
+        return buf
+
+    def clear(self) -> None:
+        self._free.clear()

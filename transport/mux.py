@@ -11,6 +11,14 @@ messages, so a message is decoded on its own. A frame is a 10-byte header
 ``type:u8 flags:u8 stream:u32 length:u32`` followed, for OPEN, DATA and RESET,
 by `length` payload bytes (for WINDOW and PING, `length` is the value itself).
 
+Bulk data. A BULK frame (a header only, always the last frame of its message)
+says that the connection's next secure-channel message is `length` bytes
+(1..MAX_BULK_BODY) of the stream's data and nothing else: the *body*. The record
+layer encrypts a body straight from the application's buffer and decrypts it as
+one piece, so a large write costs one body per 256 KiB instead of a message per
+64 KiB, and no copy into a message. Only the sender decides to use BULK
+(`bulk_min`); every receiver accepts it.
+
 Flow control is per stream, credit based (as in yamux and HTTP/2): a sender may
 have at most the receiver's window in flight; the receiver grants more as its
 application consumes data, and doubles a stream's window (up to a limit) when
@@ -34,9 +42,16 @@ HEADER_SIZE = HEADER.size
 MAX_MESSAGE_PLAINTEXT = 65535 - 16  # Noise message limit minus the AEAD tag
 
 DATA, WINDOW, OPEN, CLOSE, RESET, PING, GOAWAY = range(7)
+BULK = 16  # extension frames are numbered from 16
 FLAG_ACK = 0x1  # PING: this is the pong
 FLAG_REFUSED = 0x2  # RESET: the receiver has no handler for the stream's protocol
-_FRAME_NAMES = ("DATA", "WINDOW", "OPEN", "CLOSE", "RESET", "PING", "GOAWAY")
+_FRAME_NAMES = {
+    DATA: "DATA", WINDOW: "WINDOW", OPEN: "OPEN", CLOSE: "CLOSE", RESET: "RESET",
+    PING: "PING", GOAWAY: "GOAWAY", BULK: "BULK",
+}  # fmt: skip
+# Largest bulk body. Part of the wire protocol (a receiver refuses larger ones), and
+# what a receiver must be able to buffer whole, since a body authenticates as one.
+MAX_BULK_BODY = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +100,20 @@ class StreamWasReset:
 
 
 @dataclass(slots=True)
+class BulkIncoming:
+    """The next secure-channel message is a body of `length` bytes for this stream.
+
+    `deliver` is False when nobody will read it (the stream is gone or abandoned):
+    the body is still decrypted, to keep the channel in step, then dropped. Its
+    bytes are already counted against the stream's window.
+    """
+
+    stream_id: int
+    length: int
+    deliver: bool
+
+
+@dataclass(slots=True)
 class PongReceived:
     opaque: int
 
@@ -94,7 +123,15 @@ class GoAwayReceived:
     code: int
 
 
-Event = StreamOpened | DataReceived | StreamEnded | StreamWasReset | PongReceived | GoAwayReceived
+Event = (
+    StreamOpened
+    | DataReceived
+    | BulkIncoming
+    | StreamEnded
+    | StreamWasReset
+    | PongReceived
+    | GoAwayReceived
+)
 
 
 class _Stream:
@@ -137,6 +174,8 @@ class Multiplexer:
     other side even ones, so both can open streams without coordination.
     `head_room`/`tail_room` reserve space around each outgoing message so the
     driver can add the length prefix and encrypt in place without a copy.
+    With `bulk_min` > 0, `next_output` sends a queued piece of at least that many
+    bytes (window permitting) as a BULK body instead of inside messages.
     """
 
     def __init__(
@@ -146,6 +185,7 @@ class Multiplexer:
         *,
         head_room: int = 0,
         tail_room: int = 0,
+        bulk_min: int = 0,
     ) -> None:
         self.limits = limits or MuxLimits()
         self._next_local_id = 1 if initiator else 2
@@ -161,6 +201,7 @@ class Multiplexer:
         self._head = head_room
         self._tail = tail_room
         self._room = MAX_MESSAGE_PLAINTEXT
+        self._bulk_min = bulk_min
         self.local_goaway = False
         self.remote_goaway = False
         self.rtt = 0.0  # smoothed RTT estimate, fed by the driver; drives window growth
@@ -220,6 +261,12 @@ class Multiplexer:
             elif ftype == GOAWAY:
                 self.remote_goaway = True
                 events.append(GoAwayReceived(length))
+            elif ftype == BULK:
+                if pos != end:
+                    raise ProtocolViolation("BULK frame is not the last frame of its message")
+                if not 0 < length <= MAX_BULK_BODY:
+                    raise ProtocolViolation(f"BULK body of {length} bytes")
+                events.append(BulkIncoming(sid, length, self._on_data_length(sid, length)))
             else:
                 raise ProtocolViolation(f"unknown frame type {ftype}")
         return events
@@ -251,15 +298,19 @@ class Multiplexer:
         events.append(StreamOpened(sid, protocol))
 
     def _on_data(self, sid: int, data: memoryview, events: list[Event]) -> None:
+        if self._on_data_length(sid, len(data)) and len(data):
+            events.append(DataReceived(sid, data))
+
+    def _on_data_length(self, sid: int, n: int) -> bool:
+        """Check and count `n` bytes of data for `sid`; False if they are to be dropped."""
         st = self._streams.get(sid)
         if st is None:
             self._check_known(sid)
-            return  # late data for a stream that is gone: drop it
-        n = len(data)
+            return False  # late data for a stream that is gone: drop it
         if st.abandoned:  # nobody will read it: drop (still within the window we granted)
             if n > st.recv_window:
                 raise ProtocolViolation(f"flow-control violation on stream {sid}")
-            return
+            return False
         if st.remote_closed:
             raise ProtocolViolation(f"DATA on stream {sid} after it was closed")
         if n > st.recv_window:
@@ -268,8 +319,7 @@ class Multiplexer:
             )
         st.recv_window -= n
         st.recv_buffered += n
-        if n:
-            events.append(DataReceived(sid, data))
+        return True
 
     def _on_window(self, sid: int, increment: int) -> None:
         st = self._streams.get(sid)
@@ -366,6 +416,19 @@ class Multiplexer:
             st.recv_window += inc
             self._control.append(HEADER.pack(WINDOW, 0, sid, inc))
 
+    def reserve(self, sid: int, n: int) -> None:
+        """Let the remote have `n` bytes in flight on this stream (at most max_window):
+        the application has room for them. Grants the extra credit at once, and keeps
+        the window at that size, so a large transfer skips the window's slow start."""
+        st = self._streams.get(sid)
+        if st is None or st.remote_closed:
+            return
+        grow = min(n, self.limits.max_window) - st.window_max
+        if grow > 0:
+            st.window_max += grow
+            st.recv_window += grow
+            self._control.append(HEADER.pack(WINDOW, 0, sid, grow))
+
     # Local PING and GOAWAY bypass the flood limit: it bounds what the peer makes us
     # queue, and our own keepalive or shutdown must not fail with a violation.
     def ping(self, opaque: int) -> None:
@@ -385,9 +448,21 @@ class Multiplexer:
         """The next plaintext message (with head/tail room), or None when idle.
 
         Control frames go first, then one frame per ready stream in round-robin.
+        Never BULK: for a multiplexer without `bulk_min`.
         """
+        out = self._next_output(False)
+        return None if out is None else out[0]
+
+    def next_output(self) -> tuple[bytearray, memoryview | None] | None:
+        """The next plaintext message and, when it ends with BULK, the body to send
+        right after it as its own message (a view of the application's buffer, to
+        be encrypted before the application reuses it); None when idle."""
+        return self._next_output(self._bulk_min > 0)
+
+    def _next_output(self, bulk: bool) -> tuple[bytearray, memoryview | None] | None:
         if not self._control and not self._ready:
             return None
+        body: memoryview | None = None
         parts: list[bytes | memoryview] = [bytes(self._head)]
         room = self._room
         control = self._control
@@ -404,7 +479,29 @@ class Multiplexer:
             st = self._streams.get(sid)
             if st is None:
                 continue
+            bulk_here = bulk and st.queued and st.send_window >= self._bulk_min
+            if bulk_here and len(st.send_queue[0]) >= self._bulk_min:
+                # The last frame of this message: the body follows as its own message.
+                head = st.send_queue[0]
+                n = min(len(head), st.send_window, MAX_BULK_BODY)
+                parts.append(HEADER.pack(BULK, 0, sid, n))
+                st.send_window -= n
+                st.queued -= n
+                if n == len(head):
+                    body = st.send_queue.popleft()
+                else:
+                    body = head[:n]
+                    st.send_queue[0] = head[n:]
+                if not st.queued:
+                    self._drained.append(sid)
+                    if st.fin_queued:
+                        self._mark_ready(st)  # CLOSE goes in a later message
+                elif st.send_window > 0:
+                    self._mark_ready(st)
+                break
             n = min(room - HEADER_SIZE, st.send_window, st.queued)
+            if bulk_here:
+                n = self._before_bulk_piece(st, n)
             if n > 0:
                 parts.append(HEADER.pack(DATA, 0, sid, n))
                 room -= HEADER_SIZE + n
@@ -436,7 +533,7 @@ class Multiplexer:
             return None
         if self._tail:
             parts.append(bytes(self._tail))
-        return bytearray().join(parts)
+        return bytearray().join(parts), body
 
     def take_drained(self) -> list[int]:
         """Streams whose send queue emptied since the last call (their writers may go on)."""
@@ -466,6 +563,16 @@ class Multiplexer:
         return self._remote_open
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _before_bulk_piece(self, st: _Stream, limit: int) -> int:
+        """How much of at most `limit` bytes to send as DATA so that it stops short of
+        the next queued piece big enough to go as a BULK body (the head is not)."""
+        total = 0
+        for piece in st.send_queue:
+            if len(piece) >= self._bulk_min or total >= limit:
+                break
+            total += len(piece)
+        return min(total, limit)
 
     def _mark_ready(self, st: _Stream) -> None:
         if st.id not in self._in_ready:
@@ -513,7 +620,7 @@ def describe_frame(message: bytes) -> str:
     pos = 0
     while pos + HEADER_SIZE <= len(message):
         ftype, flags, sid, length = HEADER.unpack_from(message, pos)
-        name = _FRAME_NAMES[ftype] if ftype < len(_FRAME_NAMES) else f"?{ftype}"
+        name = _FRAME_NAMES.get(ftype, f"?{ftype}")
         out.append(f"{name}(sid={sid}, flags={flags}, len={length})")
         pos += HEADER_SIZE + (length if ftype in (DATA, OPEN, RESET) else 0)
     return " ".join(out)

@@ -1,0 +1,621 @@
+"""DiLoCo and Streaming DiLoCo outer optimizers over the fault-tolerant `Averager`.
+
+DiLoCo (Douillard et al. 2023). Every peer keeps a copy of the *global*
+parameters and the outer momentum, identical on every peer. It trains its own
+(local) parameters for H inner steps, then the pseudo-gradient ``global -
+local`` is averaged over the group, weighted by the samples behind it, and
+every member applies the same outer step, SGD with Nesterov momentum (the
+paper's lr 0.7, momentum 0.9), to the global parameters, which then replace
+the local ones. The average, the outer step and the state a joiner downloads
+(global parameters and momentum) all change on a commit only, identically on
+every member; the `Averager` runs the outer step in its commit hook, so the
+state it freezes and serves is the post-step one.
+
+When a round aborts (or no group formed by `round_timeout`) nothing changes
+and training goes on; the next attempt is at the next H boundary, with the
+pseudo-gradient then covering 2H steps and weighted by their samples. Not a
+retry a few steps later: `Averager.step` has already retried at once among
+the survivors, so an abort that reaches us means no quorum was there within
+the deadline, and trying again right away would mostly stall training for
+another deadline; waiting for the boundary keeps every peer's rounds on the
+same schedule. A peer whose state is behind (it missed a commit) is told to
+re-sync: it downloads the global parameters and momentum and its local
+parameters restart from them (its last H steps are dropped: they were
+computed from stale globals).
+
+Matchmaking: a leader waits up to `matchmaking_time` for the peers it expects:
+peers declared busy, which every peer is from `start` on (re-declared between
+rounds before the declaration expires), so peers of slightly different speeds
+still meet in one group, and a round with everyone present closes at once
+(after the matchmaker's short minimum). A stalled peer costs the others at most
+that wait per round, and `round_timeout` bounds the whole matchmaking. Rounds
+come every H steps of each peer's own count; a peer out of phase with the
+others (a joiner) waits at its boundary, up to `round_timeout`, for them to
+arrive, and is in phase from the round they share (or, when they moved on
+meanwhile, it re-syncs and joins their round with weight 0, see `_catch_up`).
+
+Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
+communication"). The parameter tensors are split into F fragments balanced by
+size, each averaged under its own key with its own global copy, momentum and
+state version. Fragment i is synchronized every H steps, offset by i*H/F, so
+the traffic is spread over the H steps instead of bursting once. Its round runs
+in the background while the next `overlap_steps` inner steps run; then the
+outer step's result is merged into the local fragment, ``local = a*local +
+(1-a)*global`` (`mixing` a, the paper's 0.5), keeping part of the progress made
+meanwhile. The pseudo-gradients go through the all-reduce quantized, int8 with
+one scale per block of 256 by default (the paper used 4-bit floats; the codecs
+here go down to 8 bits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shoal.dht.node import DHTNode
+
+from .allreduce import AllReduceService
+from .averager import Averager, AveragerConfig, StepResult
+from .outer import (
+    RoundGate,
+    RoundReport,
+    allreduce_config,
+    check_like,
+    copy_into,
+    matchmaking_config,
+    nesterov_outer_step,
+    state_protocol,
+)
+
+log = logging.getLogger("shoal.averaging.diloco")
+
+__all__ = ["DiLoCo", "StreamingDiLoCo", "split_fragments"]
+
+# finish() waits for a round in flight this much beyond its own deadlines.
+FINISH_MARGIN = 5.0
+# A catch-up round after a re-sync is tried only with this much of the round's time left.
+CATCH_UP_MIN_TIME = 1.0
+
+
+def _check_params(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    params = list(params)
+    if not params:
+        raise ValueError("no parameters to optimize")
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.device.type != "cpu":
+            raise TypeError(f"parameter {i} must be a floating-point CPU tensor")
+    return params
+
+
+def _outcome(result: StepResult) -> str:
+    if result.committed:
+        return "committed"
+    if result.resynced:
+        return "resynced"
+    if result.reason.startswith("no group"):
+        return result.reason
+    return f"aborted: {result.reason}"
+
+
+async def _catch_up(
+    averager: Averager, deltas: Sequence[torch.Tensor], timeout: float
+) -> StepResult | None:
+    """Right after a re-sync, join the round the swarm is forming, with weight 0.
+
+    The peer was told to re-sync because others were looking for a group with a
+    newer state; their leader holds the group open a little for a peer that
+    declared it is loading the state. Its pseudo-gradient from the downloaded
+    globals is zero, so it contributes nothing, takes the group's mean and
+    applies the same outer step: it ends this round in step with the swarm,
+    instead of finding it one version ahead again at its next round.
+    """
+    if timeout < CATCH_UP_MIN_TIME:
+        return None
+    for d in deltas:
+        d.zero_()
+    return await averager.step(weight=0.0, timeout=timeout)
+
+
+def _round_bound(opts: Mapping[str, Any]) -> float:
+    """How long a round may take at most: matchmaking, then an all-reduce whose
+    members are dropped after `stall_timeout` of silence (and a decision after that)."""
+    return float(opts["round_timeout"]) + 4 * float(opts["stall_timeout"]) + FINISH_MARGIN
+
+
+def _averager_config(key: str, opts: Mapping[str, Any]) -> AveragerConfig:
+    return AveragerConfig(
+        matchmaking=matchmaking_config(opts),
+        allreduce=allreduce_config(opts),
+        codec=opts["codec"],
+        state_protocol=state_protocol(key),
+    )
+
+
+class DiLoCo:
+    """DiLoCo over `params` (the model's parameters, changed in place)."""
+
+    name = "diloco"
+
+    def __init__(
+        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
+    ) -> None:
+        """`options`: complete and checked (`outer.resolve_options`); use `make_strategy`."""
+        self.dht = dht
+        self.key = key
+        self.options = dict(options)
+        self.params = _check_params(params)
+        self.inner_steps_per_round: int = self.options["inner_steps"]
+        with torch.no_grad():
+            self.globals = [p.detach().clone() for p in self.params]
+        self.momentum = [torch.zeros_like(g) for g in self.globals]
+        self.deltas = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self.averager = Averager(
+            dht,
+            key,
+            self.deltas,
+            config=_averager_config(key, self.options),
+            metadata=self._metadata,
+            state=[*self.globals, *self.momentum],
+            on_commit=self._outer_step,
+        )
+        self.inner_steps = 0  # inner steps taken (since start or as restored)
+        self.samples_since_sync = 0
+        self._restored = False
+        self._gate = RoundGate()
+        self._closed = False
+
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps applied to the global state this peer holds (its commit count)."""
+        return self.averager.commits
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"strategy": self.name, "step": self.averager.commits}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, *, join: bool) -> bool:
+        loaded = False
+        if join:
+            loaded = await self.averager.load_state_from_peers(
+                timeout=self.options["state_timeout"]
+            )
+            if loaded:
+                copy_into(self.params, self.globals)
+        if not loaded:
+            if not self._restored:
+                copy_into(self.globals, self.params)
+            await self.averager.publish_state()
+        await self.averager.announce_presence()
+        return loaded
+
+    async def after_inner_step(self, samples: int) -> list[RoundReport]:
+        self.inner_steps += 1
+        self.samples_since_sync += samples
+        if self._gate.closing:
+            return []
+        with self._gate:
+            if self.inner_steps % self.inner_steps_per_round:
+                # Leaders wait for peers declared busy: stay declared between rounds.
+                await self.averager.refresh_presence()
+                return []
+            return [await self._round()]
+
+    async def finish(self) -> None:
+        if not await self._gate.close(_round_bound(self.options)):
+            log.warning("%s: a round was still running at shutdown", self.key)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.finish()
+        await self.averager.aclose()
+
+    # ------------------------------------------------------------------ the round
+
+    async def _round(self) -> RoundReport:
+        host = self.dht.host
+        sent = host.bytes_sent
+        started = time.monotonic()
+        with torch.no_grad():
+            for d, g, p in zip(self.deltas, self.globals, self.params, strict=True):
+                d.copy_(g - p)
+        timeout = float(self.options["round_timeout"])
+        result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
+        if result.resynced:
+            self.samples_since_sync = 0
+            again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
+            if again is not None and again.committed:
+                result = again
+            copy_into(self.params, self.globals)  # (a commit did it already)
+        if result.committed:
+            self.samples_since_sync = 0  # the outer step already moved globals and params
+        return RoundReport(
+            outer_step=self.outer_steps,
+            committed=result.committed,
+            outcome=_outcome(result),
+            group_size=result.group_size,
+            duration_s=time.monotonic() - started,
+            fingerprint=result.fingerprint,
+            bytes_sent=host.bytes_sent - sent,
+        )
+
+    def _outer_step(self) -> None:
+        """The commit hook: `deltas` hold the group's weighted mean pseudo-gradient."""
+        nesterov_outer_step(
+            self.globals,
+            self.deltas,
+            self.momentum,
+            lr=self.options["outer_lr"],
+            mu=self.options["outer_momentum"],
+        )
+        copy_into(self.params, self.globals)
+
+    # ------------------------------------------------------------------ state
+
+    def fingerprint(self) -> str:
+        return self.averager.fingerprint()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Global parameters, momentum and counters (the local parameters are the model's)."""
+        return {
+            "strategy": self.name,
+            "globals": [g.detach().clone() for g in self.globals],
+            "momentum": [m.detach().clone() for m in self.momentum],
+            "commits": self.averager.commits,
+            "inner_steps": self.inner_steps,
+            "samples_since_sync": self.samples_since_sync,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != self.name:
+            raise ValueError(f"not a {self.name} checkpoint: {state.get('strategy')!r}")
+        globals_ = check_like("globals", state.get("globals"), self.globals)
+        momentum = check_like("momentum", state.get("momentum"), self.momentum)
+        inner, samples = state.get("inner_steps"), state.get("samples_since_sync")
+        if not (isinstance(inner, int) and inner >= 0 and isinstance(samples, int)):
+            raise ValueError("checkpoint counters must be ints >= 0")
+        self.averager.restore(state.get("commits"))  # type: ignore[arg-type]
+        copy_into(self.globals, globals_)
+        copy_into(self.momentum, momentum)
+        self.inner_steps = inner
+        self.samples_since_sync = samples
+        self._restored = True
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
+    """Tensor indices in `count` fragments of about equal total size (largest tensors
+    first, each to the lightest fragment); indices ascending within a fragment,
+    fragments ordered by their first index."""
+    if not 1 <= count <= len(sizes):
+        raise ValueError(f"cannot split {len(sizes)} tensors into {count} fragments")
+    buckets: list[list[int]] = [[] for _ in range(count)]
+    totals = [0] * count
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        lightest = min(range(count), key=lambda b: (totals[b], b))
+        buckets[lightest].append(i)
+        totals[lightest] += sizes[i]
+    return sorted((sorted(b) for b in buckets), key=lambda b: b[0])
+
+
+@dataclass(frozen=True, slots=True)
+class _RoundOutcome:
+    result: StepResult  # the catch-up round's when a re-sync was followed by a commit
+    resynced: bool
+    bytes_sent: int
+    seconds: float
+
+
+_RoundTask = asyncio.Task[_RoundOutcome]
+
+
+@dataclass(eq=False)
+class _Fragment:
+    index: int
+    offset: int  # synchronized at inner steps s > 0 with s % H == offset
+    params: list[torch.Tensor]
+    globals: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    deltas: list[torch.Tensor]
+    averager: Averager | None = None
+    samples: int = 0  # behind the local fragment since its last sync began
+    task: _RoundTask | None = None  # the round in flight
+    weight: int = 0  # the samples the round in flight carries
+    started_at: int = 0  # inner steps taken when the round began
+    finished_at: int | None = None  # ... and when it ended
+    loaded: bool = field(default=False)
+
+
+class StreamingDiLoCo:
+    """Streaming DiLoCo over `params`: fragments synchronized in turn, in the background."""
+
+    name = "streaming"
+
+    def __init__(
+        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
+    ) -> None:
+        self.dht = dht
+        self.key = key
+        self.options = dict(options)
+        self.params = _check_params(params)
+        h = self.inner_steps_per_round = int(self.options["inner_steps"])
+        count = int(self.options["fragments"])
+        if count > len(self.params):
+            raise ValueError(
+                f"option 'fragments' ({count}) exceeds the number of parameter tensors "
+                f"({len(self.params)})"
+            )
+        self.overlap_steps = int(self.options["overlap_steps"])
+        self.mixing = float(self.options["mixing"])
+        self._service = AllReduceService(dht.host, allreduce_config(self.options))
+        self.fragments: list[_Fragment] = []
+        for i, indices in enumerate(split_fragments([p.numel() for p in self.params], count)):
+            local = [self.params[j] for j in indices]
+            with torch.no_grad():
+                globals_ = [p.detach().clone() for p in local]
+            frag = _Fragment(
+                index=i,
+                offset=i * h // count,
+                params=local,
+                globals=globals_,
+                momentum=[torch.zeros_like(g) for g in globals_],
+                deltas=[torch.zeros(p.shape, dtype=torch.float32) for p in local],
+            )
+            fkey = f"{key}/fragment{i}"
+            frag.averager = Averager(
+                dht,
+                fkey,
+                frag.deltas,
+                config=_averager_config(fkey, self.options),
+                metadata=self._metadata_of(frag),
+                state=[*frag.globals, *frag.momentum],
+                on_commit=self._outer_step_of(frag),
+                service=self._service,
+            )
+            self.fragments.append(frag)
+        self.inner_steps = 0
+        # Inner steps that completed while a fragment's round was in flight.
+        self.overlapped_steps = 0
+        self._restored = False
+        self._gate = RoundGate()
+        self._closed = False
+
+    @property
+    def outer_steps(self) -> int:
+        """Fragment outer steps applied to the global state (each covers 1/F of it)."""
+        return sum(self._avg(f).commits for f in self.fragments)
+
+    @staticmethod
+    def _avg(frag: _Fragment) -> Averager:
+        assert frag.averager is not None
+        return frag.averager
+
+    def _metadata_of(self, frag: _Fragment) -> Any:
+        def metadata() -> dict[str, Any]:
+            return {"strategy": self.name, "fragment": frag.index, "step": self._avg(frag).commits}
+
+        return metadata
+
+    def _outer_step_of(self, frag: _Fragment) -> Any:
+        def outer_step() -> None:
+            # Only the fragment's globals and momentum: an inner step may be
+            # running on the local parameters right now (they merge later).
+            nesterov_outer_step(
+                frag.globals,
+                frag.deltas,
+                frag.momentum,
+                lr=self.options["outer_lr"],
+                mu=self.options["outer_momentum"],
+            )
+
+        return outer_step
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, *, join: bool) -> bool:
+        if join:
+            timeout = self.options["state_timeout"]
+            results = await asyncio.gather(
+                *(self._avg(f).load_state_from_peers(timeout=timeout) for f in self.fragments)
+            )
+            for f, ok in zip(self.fragments, results, strict=True):
+                f.loaded = ok
+                if ok:
+                    copy_into(f.params, f.globals)
+        for f in self.fragments:
+            if not f.loaded:
+                if not self._restored:
+                    copy_into(f.globals, f.params)
+                await self._avg(f).publish_state()
+        await asyncio.gather(*(self._avg(f).announce_presence() for f in self.fragments))
+        return all(f.loaded for f in self.fragments)
+
+    async def after_inner_step(self, samples: int) -> list[RoundReport]:
+        self.inner_steps += 1
+        if any(f.task is not None and f.started_at < self.inner_steps for f in self.fragments):
+            self.overlapped_steps += 1
+        reports = []
+        with self._gate:
+            for f in self.fragments:
+                f.samples += samples
+                if not self._gate.closing and f.task is None and self._due(f):
+                    self._start_round(f)
+            for f in self.fragments:
+                if f.task is not None and self.inner_steps >= f.started_at + self.overlap_steps:
+                    reports.append(await self._merge(f))
+            for f in self.fragments:
+                if f.task is None and not self._gate.closing:
+                    await self._avg(f).refresh_presence()
+        return reports
+
+    async def finish(self) -> None:
+        """No new rounds; the rounds in flight end (bounded) and are merged."""
+        if not await self._gate.close(_round_bound(self.options)):
+            log.warning("%s: after_inner_step was still running at shutdown", self.key)
+        for f in self.fragments:
+            if f.task is None:
+                continue
+            done, _ = await asyncio.wait([f.task], timeout=_round_bound(self.options))
+            if done:
+                await self._merge(f)
+            else:
+                await self._cancel(f)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.finish()
+        for f in self.fragments:
+            await self._cancel(f)
+            await self._avg(f).aclose()
+        await self._service.aclose()
+
+    # ------------------------------------------------------------------ rounds
+
+    def _due(self, frag: _Fragment) -> bool:
+        return self.inner_steps % self.inner_steps_per_round == frag.offset
+
+    def _start_round(self, frag: _Fragment) -> None:
+        with torch.no_grad():
+            for d, g, p in zip(frag.deltas, frag.globals, frag.params, strict=True):
+                d.copy_(g - p)
+        frag.weight, frag.samples = frag.samples, 0
+        frag.started_at, frag.finished_at = self.inner_steps, None
+        task = asyncio.get_running_loop().create_task(
+            self._run_round(frag, frag.weight), name=f"{self.key}/fragment{frag.index}"
+        )
+
+        def ended(_: object, frag: _Fragment = frag) -> None:
+            frag.finished_at = self.inner_steps
+
+        task.add_done_callback(ended)
+        frag.task = task
+
+    async def _run_round(self, frag: _Fragment, weight: int) -> _RoundOutcome:
+        host = self.dht.host
+        sent = host.bytes_sent
+        started = time.monotonic()
+        timeout = float(self.options["round_timeout"])
+        result = await self._avg(frag).step(weight=float(weight), timeout=timeout)
+        resynced = result.resynced
+        if resynced:
+            again = await _catch_up(self._avg(frag), frag.deltas, timeout - result.seconds)
+            if again is not None and again.committed:
+                result = again
+        return _RoundOutcome(result, resynced, host.bytes_sent - sent, time.monotonic() - started)
+
+    async def _merge(self, frag: _Fragment) -> RoundReport:
+        """Wait for the fragment's round (bounded by its own deadlines) and merge it."""
+        assert frag.task is not None
+        try:
+            done = await frag.task
+        finally:
+            frag.task = None
+        result = done.result
+        if done.resynced:
+            # The local fragment was trained from stale globals: it restarts from the swarm's.
+            copy_into(frag.params, frag.globals)
+        elif result.committed:
+            a = self.mixing
+            with torch.no_grad():
+                for p, g in zip(frag.params, frag.globals, strict=True):
+                    p.mul_(a).add_(g.to(p.dtype), alpha=1 - a)
+        else:
+            frag.samples += frag.weight  # the next round's pseudo-gradient covers them too
+        return RoundReport(
+            outer_step=self.outer_steps,
+            committed=result.committed,
+            outcome=_outcome(result),
+            group_size=result.group_size,
+            duration_s=done.seconds,
+            fingerprint=result.fingerprint,
+            bytes_sent=done.bytes_sent,
+        )
+
+    async def _cancel(self, frag: _Fragment) -> None:
+        task, frag.task = frag.task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        frag.samples += frag.weight
+
+    # ------------------------------------------------------------------ state
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(b"shoal/streaming-diloco\x00")
+        for f in self.fragments:
+            h.update(self._avg(f).fingerprint().encode())
+        return h.hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per fragment: globals, momentum, commits, samples. A round still in flight
+        is not saved: its samples count as not yet synchronized."""
+        frags = []
+        for f in self.fragments:
+            samples = f.samples
+            if f.task is not None and not _committed(f.task):
+                samples += f.weight
+            frags.append(
+                {
+                    "globals": [g.detach().clone() for g in f.globals],
+                    "momentum": [m.detach().clone() for m in f.momentum],
+                    "commits": self._avg(f).commits,
+                    "samples": samples,
+                }
+            )
+        return {
+            "strategy": self.name,
+            "inner_steps": self.inner_steps,
+            "overlapped_steps": self.overlapped_steps,
+            "fragments": frags,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != self.name:
+            raise ValueError(f"not a {self.name} checkpoint: {state.get('strategy')!r}")
+        frags = state.get("fragments")
+        if not isinstance(frags, list) or len(frags) != len(self.fragments):
+            raise ValueError(f"checkpoint must hold {len(self.fragments)} fragments")
+        inner = state.get("inner_steps")
+        if not isinstance(inner, int) or inner < 0:
+            raise ValueError("checkpoint 'inner_steps' must be an int >= 0")
+        checked = []
+        for f, saved in zip(self.fragments, frags, strict=True):
+            if not isinstance(saved, dict) or not isinstance(saved.get("samples"), int):
+                raise ValueError(f"checkpoint fragment {f.index} is malformed")
+            checked.append(
+                (
+                    check_like("globals", saved.get("globals"), f.globals),
+                    check_like("momentum", saved.get("momentum"), f.momentum),
+                    saved.get("commits"),
+                    saved["samples"],
+                )
+            )
+        for f, (globals_, momentum, commits, samples) in zip(self.fragments, checked, strict=True):
+            self._avg(f).restore(commits)
+            copy_into(f.globals, globals_)
+            copy_into(f.momentum, momentum)
+            f.samples = samples
+        self.inner_steps = inner
+        overlapped = state.get("overlapped_steps", 0)
+        self.overlapped_steps = overlapped if isinstance(overlapped, int) else 0
+        self._restored = True
+
+
+def _committed(task: _RoundTask) -> bool:
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return False
+    return task.result().result.committed

@@ -1,0 +1,276 @@
+"""NoLoCo: DiLoCo without an all-reduce; every outer round averages with one partner.
+
+NoLoCo (Kolehmainen et al. 2025, "No-all-reduce Low Communication training")
+drops DiLoCo's global synchronization: every peer keeps its *own* outer
+parameters and momentum, and in each outer round it averages with one other
+peer picked at random; the replicas stay close because each round pulls a
+peer's outer parameters toward its partner's. Its outer step (as we recall it) is
+``d = a*d - b*mean_pair(pseudo-gradient) - g*(phi - mean_pair(phi)); phi += d``.
+
+What we do, every H inner steps:
+
+1. the peer applies the outer Nesterov step of DiLoCo to its own outer
+   parameters with its own pseudo-gradient (``m = mu*m + g; phi -= lr*(g +
+   mu*m)``, g = phi - local);
+2. it averages the resulting outer parameters, weighted by the samples behind
+   them, with the partner `gossip.pairing` gives it for this outer round
+   (commit-or-abort per pair: both take the weighted mean or both keep their
+   own), and moves toward that mean by `param_mixing` (1: takes it);
+3. the local parameters restart from the outer parameters.
+
+Why the post-step parameters rather than the pair's pseudo-gradients and
+parameters separately, as the paper's formula reads: the outer step is
+linear, so the mean of two post-step parameters is the pair's mean parameters
+moved by the step of the pair's mean pseudo-gradient and mean momentum. Pairwise
+means keep the swarm's sum (with equal weights), so the swarm's mean parameters
+follow DiLoCo's outer Nesterov step on the swarm's mean pseudo-gradient, as
+with the paper's update they follow its momentum step; and one model's worth of
+bytes goes each way per round instead of two. What differs: a peer's momentum
+accumulates its own pseudo-gradients rather than its pairs' means (a noisier
+momentum per replica, which the exchanges average away), and the pull toward
+the partner is not itself carried by the momentum.
+
+No matchmaking, no group: a pair is derived from the participants announced
+in the DHT and the round number alone (`gossip.pairing`), so a slow or gone
+partner costs at most the all-reduce's start timeout and the peer keeps its
+own values for that round. A joiner downloads the outer parameters, momentum
+and round number from any peer (state sync); the replicas differ a little,
+any one is a fine start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from shoal.dht.node import DHTNode
+
+from .fingerprint import state_fingerprint
+from .gossip import GossipAverager, GossipConfig, GossipResult
+from .outer import (
+    RoundGate,
+    RoundReport,
+    allreduce_config,
+    check_like,
+    copy_into,
+    nesterov_outer_step,
+    state_protocol,
+)
+from .state_sync import State, StateServer, StateSyncError, load_state_from_peers, make_state
+
+log = logging.getLogger("shoal.averaging.noloco")
+
+__all__ = ["NoLoCo"]
+
+FINISH_MARGIN = 5.0
+ANNOUNCE_TIMEOUT = 5.0
+
+
+class NoLoCo:
+    """NoLoCo over `params` (the model's parameters, changed in place)."""
+
+    name = "noloco"
+
+    def __init__(
+        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
+    ) -> None:
+        """`options`: complete and checked (`outer.resolve_options`); use `make_strategy`."""
+        self.dht = dht
+        self.key = key
+        self.options = dict(options)
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("no parameters to optimize")
+        for i, p in enumerate(self.params):
+            if not p.is_floating_point() or p.device.type != "cpu":
+                raise TypeError(f"parameter {i} must be a floating-point CPU tensor")
+        self.inner_steps_per_round: int = self.options["inner_steps"]
+        with torch.no_grad():
+            self.outer = [p.detach().clone() for p in self.params]
+        self.momentum = [torch.zeros_like(t) for t in self.outer]
+        self._deltas = [torch.zeros_like(t) for t in self.outer]
+        # What is exchanged: a copy of the post-step outer parameters (float32, the
+        # all-reduce's dtype), sent from its own storage while nothing else writes it.
+        self._mixed = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self.gossip = GossipAverager(
+            dht,
+            key,
+            self._mixed,
+            config=GossipConfig(
+                allreduce=allreduce_config(self.options), codec=self.options["codec"]
+            ),
+        )
+        self.outer_steps = 0  # also the round number that picks partners
+        self.inner_steps = 0
+        self.samples_since_sync = 0
+        self.last_exchange: GossipResult | None = None
+        self._protocol = state_protocol(key)
+        self._frozen: State | None = None
+        self._state_server = StateServer(
+            dht, key, lambda: self._frozen, protocol=self._protocol, copy=False
+        )
+        self._restored = False
+        self._gate = RoundGate()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, *, join: bool) -> bool:
+        loaded = False
+        if join:
+            loaded = await self._load_from_peers()
+        if not loaded and not self._restored:
+            copy_into(self.outer, self.params)
+        await self._publish()
+        await self._announce()
+        return loaded
+
+    async def after_inner_step(self, samples: int) -> list[RoundReport]:
+        self.inner_steps += 1
+        self.samples_since_sync += samples
+        if self._gate.closing:
+            return []
+        with self._gate:
+            if self.inner_steps % self.inner_steps_per_round:
+                # Partners are drawn from the announced participants: stay announced
+                # (a store once per half TTL) however long the time between rounds.
+                await self._announce()
+                return []
+            return [await self._round()]
+
+    async def finish(self) -> None:
+        bound = float(self.options["round_timeout"]) + 4 * float(self.options["stall_timeout"])
+        if not await self._gate.close(bound + FINISH_MARGIN):
+            log.warning("%s: a round was still running at shutdown", self.key)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.finish()
+        await self.gossip.aclose()
+        self._state_server.close()
+
+    # ------------------------------------------------------------------ the round
+
+    async def _round(self) -> RoundReport:
+        host = self.dht.host
+        sent = host.bytes_sent
+        started = time.monotonic()
+        with torch.no_grad():
+            for d, o, p in zip(self._deltas, self.outer, self.params, strict=True):
+                d.copy_(o - p)
+        nesterov_outer_step(
+            self.outer,
+            self._deltas,
+            self.momentum,
+            lr=self.options["outer_lr"],
+            mu=self.options["outer_momentum"],
+        )
+        copy_into(self._mixed, self.outer)
+        round_number = self.outer_steps
+        result = await self.gossip.step(round_number, weight=float(self.samples_since_sync))
+        self.last_exchange = result
+        fingerprint = None
+        if result.committed:
+            fingerprint = await asyncio.to_thread(
+                state_fingerprint, self._mixed, {"round": round_number}
+            )
+            gamma = self.options["param_mixing"]
+            with torch.no_grad():
+                for o, m in zip(self.outer, self._mixed, strict=True):
+                    o.lerp_(m.to(o.dtype), gamma)  # (exactly the mean at 1)
+        copy_into(self.params, self.outer)
+        self.samples_since_sync = 0
+        self.outer_steps += 1
+        await self._publish()
+        if result.committed:
+            outcome = "committed"
+        elif result.partner is None:
+            outcome = f"no group: {result.reason}"
+        else:
+            outcome = f"aborted: {result.reason}"
+        return RoundReport(
+            outer_step=self.outer_steps,
+            committed=result.committed,
+            outcome=outcome,
+            group_size=2 if result.committed else 1,
+            duration_s=time.monotonic() - started,
+            fingerprint=fingerprint,
+            bytes_sent=host.bytes_sent - sent,
+        )
+
+    async def _announce(self) -> None:
+        try:
+            async with asyncio.timeout(ANNOUNCE_TIMEOUT):
+                await self.gossip.announce()
+        except Exception as e:  # best effort: retried at the next inner step
+            log.debug("%s: announcing that we take part failed: %r", self.key, e)
+
+    # ------------------------------------------------------------------ state
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"strategy": self.name, "step": self.outer_steps}
+
+    def fingerprint(self) -> str:
+        """This peer's own outer state (NoLoCo replicas differ by design)."""
+        return state_fingerprint([*self.outer, *self.momentum], self._metadata())
+
+    async def _publish(self) -> None:
+        copies = [t.detach().clone() for t in (*self.outer, *self.momentum)]
+        # (hashing a large state takes a while; nothing writes these copies meanwhile)
+        self._frozen = await asyncio.to_thread(make_state, copies, self._metadata())
+        try:
+            await self._state_server.announce()
+        except Exception as e:  # best effort: the next outer step announces again
+            log.debug("%s: announcing our state failed: %r", self.key, e)
+
+    async def _load_from_peers(self) -> bool:
+        try:
+            state = await load_state_from_peers(
+                self.dht, self.key, protocol=self._protocol, timeout=self.options["state_timeout"]
+            )
+        except (StateSyncError, TimeoutError) as e:
+            log.info("%s: no state loaded from peers: %s", self.key, e)
+            return False
+        n = len(self.outer)
+        mine = [*self.outer, *self.momentum]
+        if len(state.tensors) != 2 * n or any(
+            a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(state.tensors, mine, strict=True)
+        ):
+            log.warning("%s: the swarm's state does not fit our parameters", self.key)
+            return False
+        step = state.metadata.get("step", 0)
+        copy_into(mine, state.tensors)
+        copy_into(self.params, self.outer)
+        self.outer_steps = step if isinstance(step, int) and step >= 0 else 0
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "outer": [t.detach().clone() for t in self.outer],
+            "momentum": [t.detach().clone() for t in self.momentum],
+            "outer_steps": self.outer_steps,
+            "inner_steps": self.inner_steps,
+            "samples_since_sync": self.samples_since_sync,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != self.name:
+            raise ValueError(f"not a {self.name} checkpoint: {state.get('strategy')!r}")
+        outer = check_like("outer", state.get("outer"), self.outer)
+        momentum = check_like("momentum", state.get("momentum"), self.momentum)
+        counters = [state.get(k) for k in ("outer_steps", "inner_steps", "samples_since_sync")]
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counters):
+            raise ValueError("checkpoint counters must be ints >= 0")
+        copy_into(self.outer, outer)
+        copy_into(self.momentum, momentum)
+        self.outer_steps, self.inner_steps, self.samples_since_sync = counters  # type: ignore[assignment]
+        self._restored = True

@@ -1,0 +1,384 @@
+"""Outer optimizers (DiLoCo, Streaming DiLoCo, NoLoCo) over real hosts and DHT nodes on loopback.
+
+The "model" is a few small tensors; an inner step pulls them toward a target of
+the peer's own (so every peer's pseudo-gradient differs), in a worker thread
+like the trainer's inner steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.averaging.diloco import DiLoCo, StreamingDiLoCo, split_fragments
+from shoal.averaging.gossip import pairing
+from shoal.averaging.noloco import NoLoCo
+from shoal.averaging.outer import (
+    DEFAULT_OPTIONS,
+    RoundReport,
+    make_strategy,
+    nesterov_outer_step,
+    resolve_options,
+)
+from shoal.dht.node import DHTNode
+
+HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
+SHAPES = [(40,), (6, 8), (24,), (3, 5)]
+FAST = {"matchmaking_time": 1.0, "round_timeout": 8.0, "stall_timeout": 2.0, "state_timeout": 10.0}
+
+
+def initial_params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+@dataclass
+class Peer:
+    dht: DHTNode
+    params: list[torch.Tensor]
+    strategy: Any
+    target: list[torch.Tensor]
+
+    def inner_step(self, pause: float = 0.0) -> None:
+        """One deterministic 'optimizer step' toward this peer's target."""
+        if pause:
+            time.sleep(pause)
+        with torch.no_grad():
+            for p, t in zip(self.params, self.target, strict=True):
+                p.sub_(0.1 * (p - t))
+
+    async def train(self, steps: int, samples: int = 8, pause: float = 0.0) -> list[RoundReport]:
+        reports = []
+        for _ in range(steps):
+            await asyncio.to_thread(self.inner_step, pause)
+            reports += await self.strategy.after_inner_step(samples)
+        return reports
+
+
+@pytest.fixture
+async def swarm(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
+    made: list[Peer] = []
+
+    async def make(
+        name: str, n: int, options: dict[str, Any], *, seed: int = 0, start: bool = True
+    ) -> list[Peer]:
+        out = []
+        for _ in range(n):
+            host = await make_host(**HOST_OPTS)
+            boot = [str(made[0].dht.host.addresses()[0])] if made else []
+            dht = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
+            params = initial_params(seed)
+            target = initial_params(1000 + len(made))
+            fast = {k: v for k, v in FAST.items() if k in DEFAULT_OPTIONS[name]}
+            strategy = make_strategy(name, dht, "exp/outer", params, {**fast, **options})
+            peer = Peer(dht, params, strategy, target)
+            made.append(peer)
+            out.append(peer)
+        if start:
+            await asyncio.gather(*(p.strategy.start(join=False) for p in out))
+        return out
+
+    yield make
+    for p in made:
+        await p.strategy.aclose()
+    await asyncio.gather(*(p.dht.aclose() for p in made), return_exceptions=True)
+
+
+def weighted_mean_as_the_allreduce(
+    values: list[torch.Tensor], weights: list[float]
+) -> torch.Tensor:
+    """The butterfly's reduction: float64, member order, one rounding to float32."""
+    total = sum(weights)
+    acc = values[0].double()
+    if weights[0] / total != 1.0:
+        acc.mul_(weights[0] / total)
+    for v, w in zip(values[1:], weights[1:], strict=True):
+        acc.add_(v, alpha=w / total)
+    return acc.float()
+
+
+# ---------------------------------------------------------------------- math
+
+
+def test_the_outer_nesterov_step_matches_a_hand_computation() -> None:
+    p = [torch.tensor([1.0, -2.0, 0.5])]
+    m = [torch.tensor([0.5, 0.0, -1.0])]
+    g = [torch.tensor([0.25, 1.0, -0.5])]
+    lr, mu = 0.7, 0.9
+    nesterov_outer_step(p, g, m, lr=lr, mu=mu)
+    m_hand = [0.9 * 0.5 + 0.25, 0.9 * 0.0 + 1.0, 0.9 * -1.0 - 0.5]
+    p_hand = [
+        x - lr * (gi + mu * mi)
+        for x, gi, mi in zip([1.0, -2.0, 0.5], [0.25, 1.0, -0.5], m_hand, strict=True)
+    ]
+    assert torch.allclose(m[0], torch.tensor(m_hand), rtol=0, atol=1e-6)
+    assert torch.allclose(p[0], torch.tensor(p_hand), rtol=0, atol=1e-6)
+
+
+def test_fragments_are_balanced_by_size_and_cover_every_tensor_once() -> None:
+    sizes = [1000, 10, 500, 500, 20, 990]
+    frags = split_fragments(sizes, 3)
+    assert sorted(i for f in frags for i in f) == list(range(len(sizes)))
+    totals = [sum(sizes[i] for i in f) for f in frags]
+    assert max(totals) - min(totals) <= 30
+    with pytest.raises(ValueError):
+        split_fragments(sizes, 7)
+
+
+def test_options_are_checked_and_named() -> None:
+    assert resolve_options("diloco", {})["outer_lr"] == 0.7
+    assert resolve_options("diloco", {})["outer_momentum"] == 0.9
+    assert DEFAULT_OPTIONS["streaming"]["codec"] == "int8"
+    with pytest.raises(ValueError, match="inner_stepz"):
+        resolve_options("diloco", {"inner_stepz": 5})
+    with pytest.raises(ValueError, match="outer_lr"):
+        resolve_options("noloco", {"outer_lr": -1})
+    with pytest.raises(ValueError, match="codec"):
+        resolve_options("streaming", {"codec": "int3"})
+    with pytest.raises(ValueError, match="overlap_steps"):
+        resolve_options("streaming", {"inner_steps": 4, "overlap_steps": 4})
+    with pytest.raises(ValueError, match="outer_momentum"):
+        resolve_options("diloco", {"outer_momentum": 1.0})
+    with pytest.raises(ValueError, match="fragments"):
+        resolve_options("streaming", {"fragments": True})
+    with pytest.raises(ValueError, match="localsgd"):
+        resolve_options("localsgd", {})
+
+
+# ---------------------------------------------------------------------- DiLoCo
+
+
+@pytest.mark.timeout(30)
+async def test_one_peer_one_commit_is_exactly_the_diloco_formula(
+    swarm: Callable[..., Any],
+) -> None:
+    (peer,) = await swarm("diloco", 1, {"inner_steps": 3, "min_group_size": 1})
+    assert isinstance(peer.strategy, DiLoCo)
+    theta0 = [p.clone() for p in peer.params]
+    assert await peer.train(2) == []  # no round before H steps
+    reports = await peer.train(1)
+    assert [r.committed for r in reports] == [True]
+    assert reports[0].outer_step == peer.strategy.outer_steps == 1
+    # local after 3 steps, by hand
+    local = [p.clone() for p in theta0]
+    for _ in range(3):
+        for x, t in zip(local, peer.target, strict=True):
+            x.sub_(0.1 * (x - t))
+    for new, t0, loc in zip(peer.strategy.globals, theta0, local, strict=True):
+        g = t0.double() - loc.double()
+        m = g  # momentum starts at zero
+        expected = t0.double() - 0.7 * (g + 0.9 * m)
+        assert torch.allclose(new.double(), expected, rtol=0, atol=1e-5)
+    assert all(torch.equal(p, g) for p, g in zip(peer.params, peer.strategy.globals, strict=True))
+    assert all(
+        torch.equal(m, d) for m, d in zip(peer.strategy.momentum, peer.strategy.deltas, strict=True)
+    )
+
+
+@pytest.mark.timeout(40)
+async def test_three_peers_commit_bit_identical_states_weighted_by_samples(
+    swarm: Callable[..., Any],
+) -> None:
+    peers = await swarm("diloco", 3, {"inner_steps": 2})
+    samples = [5, 10, 30]  # per inner step: unequal weights
+    for _ in range(2):  # two rounds
+        theta = [p.clone() for p in peers[0].strategy.globals]
+        momentum = [m.clone() for m in peers[0].strategy.momentum]
+        # each peer's pseudo-gradient, computed as the strategy will
+        locals_ = []
+        for peer in peers:
+            loc = [p.clone() for p in peer.params]
+            for _ in range(2):
+                for x, t in zip(loc, peer.target, strict=True):
+                    x.sub_(0.1 * (x - t))
+            locals_.append(loc)
+        results = await asyncio.gather(
+            *(peer.train(2, samples=s) for peer, s in zip(peers, samples, strict=True))
+        )
+        assert all(len(r) == 1 and r[0].committed and r[0].group_size == 3 for r in results)
+        fps = {peer.strategy.fingerprint() for peer in peers}
+        assert len(fps) == 1 and results[0][0].fingerprint in fps
+        for peer in peers[1:]:
+            for a, b in zip(peer.params, peers[0].params, strict=True):
+                assert torch.equal(a, b)
+        # the all-reduce's member order is the peer-ID order
+        order = sorted(range(3), key=lambda i: peers[i].dht.peer_id.to_bytes())
+        for j, t0 in enumerate(theta):
+            deltas = [t0 - locals_[i][j] for i in order]
+            weights = [2.0 * samples[i] for i in order]
+            mean = weighted_mean_as_the_allreduce(deltas, weights)
+            assert torch.equal(peers[0].strategy.deltas[j], mean)
+            m = momentum[j] * 0.9 + mean
+            expected = t0 - 0.7 * mean - 0.7 * 0.9 * m
+            assert torch.allclose(peers[0].strategy.globals[j], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(40)
+async def test_a_joiner_loads_globals_and_momentum_and_a_checkpoint_resumes_exactly(
+    swarm: Callable[..., Any],
+) -> None:
+    peers = await swarm("diloco", 2, {"inner_steps": 2})
+    for _ in range(2):
+        await asyncio.gather(*(p.train(2) for p in peers))
+    reference = peers[0].strategy.fingerprint()
+    assert peers[0].strategy.outer_steps == 2
+    assert any(m.abs().sum() > 0 for m in peers[0].strategy.momentum)
+
+    (joiner,) = await swarm("diloco", 1, {"inner_steps": 2}, seed=7, start=False)
+    assert await joiner.strategy.start(join=True)
+    assert joiner.strategy.fingerprint() == reference
+    assert joiner.strategy.outer_steps == 2
+    for a, b in zip(joiner.params, peers[0].strategy.globals, strict=True):
+        assert torch.equal(a, b)
+
+    # A peer restarted from its checkpoint (state + model) resumes exactly where it was.
+    await peers[1].train(1)  # mid-round: counters matter
+    saved = peers[1].strategy.state_dict()
+    saved_params = [p.clone() for p in peers[1].params]
+    (restarted,) = await swarm("diloco", 1, {"inner_steps": 2}, seed=9, start=False)
+    restarted.strategy.load_state_dict(saved)
+    for p, s in zip(restarted.params, saved_params, strict=True):
+        p.copy_(s)
+    restarted.target = peers[1].target
+    assert restarted.strategy.fingerprint() == peers[1].strategy.fingerprint()
+    assert restarted.strategy.state_dict()["inner_steps"] == 5
+    await peers[1].strategy.aclose()
+    await restarted.strategy.start(join=False)
+    # peers[0] and the joiner are one step behind the restarted peer's schedule
+    await asyncio.gather(peers[0].train(1), joiner.train(1))
+    results = await asyncio.gather(peers[0].train(1), joiner.train(1), restarted.train(1))
+    assert all(r[0].committed and r[0].group_size == 3 for r in results)
+    assert len({p.strategy.fingerprint() for p in (peers[0], joiner, restarted)}) == 1
+
+
+@pytest.mark.timeout(40)
+async def test_peers_of_slightly_different_speeds_meet_in_one_group_every_round(
+    swarm: Callable[..., Any],
+) -> None:
+    """They declared themselves at start (and stay declared between rounds), so the
+    first to arrive waits for the others instead of closing a group without them."""
+    peers = await swarm("diloco", 3, {"inner_steps": 3, "matchmaking_time": 2.0})
+    pauses = [0.0, 0.1, 0.25]  # per inner step: the last arrives ~0.75 s after the first
+    results = await asyncio.gather(
+        *(peer.train(6, pause=pause) for peer, pause in zip(peers, pauses, strict=True))
+    )
+    assert all(
+        [(r.committed, r.group_size) for r in reports] == [(True, 3), (True, 3)]
+        for reports in results
+    )
+    assert len({p.strategy.fingerprint() for p in peers}) == 1
+
+
+@pytest.mark.timeout(40)
+async def test_a_stalled_peer_does_not_hold_the_others_beyond_the_round_timeout(
+    swarm: Callable[..., Any],
+) -> None:
+    opts = {"inner_steps": 2, "matchmaking_time": 1.0, "round_timeout": 4.0}
+    a, b, stalled = await swarm("diloco", 3, opts)
+    first = await asyncio.gather(a.train(2), b.train(2), stalled.train(2))
+    assert all(r[0].committed for r in first)
+    # `stalled` stops calling after_inner_step (its event loop still answers)
+    began = time.monotonic()
+    second = await asyncio.gather(a.train(2), b.train(2))
+    assert time.monotonic() - began < opts["round_timeout"]
+    assert all(r[0].committed and r[0].group_size == 2 for r in second)
+    assert a.strategy.fingerprint() == b.strategy.fingerprint()
+    # When it comes back, its state is behind: it re-syncs to the others' globals and
+    # joins their round at once, with weight 0, so that it is in step again after it.
+    third = await asyncio.gather(a.train(2), b.train(2), stalled.train(2))
+    assert all(r[0].committed and r[0].group_size == 3 for r in third)
+    assert len({p.strategy.fingerprint() for p in (a, b, stalled)}) == 1
+    assert all(torch.equal(x, y) for x, y in zip(stalled.params, a.params, strict=True))
+    assert stalled.strategy.outer_steps == a.strategy.outer_steps == 3
+
+
+# ---------------------------------------------------------------------- Streaming DiLoCo
+
+
+@pytest.mark.timeout(60)
+async def test_streaming_fragments_rotate_commit_identically_and_overlap_inner_steps(
+    swarm: Callable[..., Any],
+) -> None:
+    opts = {"inner_steps": 4, "fragments": 2, "overlap_steps": 2}
+    peers = await swarm("streaming", 3, opts)
+    strategy = peers[0].strategy
+    assert isinstance(strategy, StreamingDiLoCo)
+    assert [f.offset for f in strategy.fragments] == [0, 2]
+    seen: list[list[tuple[tuple[bool, ...], int]]] = [[] for _ in peers]
+    merged_commits: list[list[tuple[int, int]]] = [[] for _ in peers]
+
+    async def run(i: int, peer: Peer) -> None:
+        for _ in range(12):
+            await asyncio.to_thread(peer.inner_step, 0.05)
+            reports = await peer.strategy.after_inner_step(8)
+            assert all(r.committed for r in reports)
+            frags = peer.strategy.fragments
+            seen[i].append((tuple(f.task is not None for f in frags), len(reports)))
+            if reports:  # the fragment that started overlap_steps ago merged now
+                merged = 0 if peer.strategy.inner_steps % 4 == 2 else 1
+                merged_commits[i].append((merged, frags[merged].averager.commits))
+
+    await asyncio.gather(*(run(i, p) for i, p in enumerate(peers)))
+    # Fragment 1 starts at steps 2, 6, 10, fragment 0 at 4, 8, 12; each merges 2 steps later.
+    in_flight = {0: {4, 5, 8, 9, 12}, 1: {2, 3, 6, 7, 10, 11}}
+    expected = [
+        (tuple(step in in_flight[f] for f in (0, 1)), int(step in {4, 6, 8, 10, 12}))
+        for step in range(1, 13)
+    ]
+    assert seen == [expected] * 3
+    # at each merge, the merged fragment has committed every round it started
+    assert merged_commits == [[(1, 1), (0, 1), (1, 2), (0, 2), (1, 3)]] * 3
+    # the last round (fragment 0, from step 12) ends in finish()
+    await asyncio.gather(*(p.strategy.finish() for p in peers))
+    for i in range(2):
+        fps = {p.strategy.fragments[i].averager.fingerprint() for p in peers}
+        assert len(fps) == 1, f"fragment {i} differs between peers"
+    assert {p.strategy.fingerprint() for p in peers} == {strategy.fingerprint()}
+    assert strategy.outer_steps == 6
+    # inner steps ran while rounds were in flight
+    assert all(p.strategy.overlapped_steps > 0 for p in peers)
+
+
+# ---------------------------------------------------------------------- NoLoCo
+
+
+@pytest.mark.timeout(60)
+async def test_noloco_pairs_follow_pairing_and_end_identical_without_a_group(
+    swarm: Callable[..., Any],
+) -> None:
+    peers = await swarm("noloco", 4, {"inner_steps": 2})
+    assert isinstance(peers[0].strategy, NoLoCo)
+    ids = [p.dht.peer_id for p in peers]
+    committed = 0
+    for r in range(3):
+        results = await asyncio.gather(*(p.train(2, samples=4 + i) for i, p in enumerate(peers)))
+        pairs = pairing(ids, "exp/outer", r)
+        for peer, (report,) in zip(peers, results, strict=True):
+            exchange = peer.strategy.last_exchange
+            assert exchange.round == r and exchange.partner == pairs[peer.dht.peer_id]
+            assert report.group_size <= 2
+            if report.committed:
+                committed += 1
+                partner = peers[ids.index(exchange.partner)]
+                other = partner.strategy.last_exchange
+                assert other.committed and other.partner == peer.dht.peer_id
+                for x, y in zip(peer.strategy._mixed, partner.strategy._mixed, strict=True):
+                    assert torch.equal(x, y)
+                # param_mixing 1: both outer params are that mean
+                for x, y in zip(peer.strategy.outer, partner.strategy.outer, strict=True):
+                    assert torch.equal(x, y)
+                assert all(
+                    torch.equal(p, o) for p, o in zip(peer.params, peer.strategy.outer, strict=True)
+                )
+    assert committed == 12  # every peer, every round
+    assert peers[0].strategy.outer_steps == 3
+    # nobody ever looked for a group
+    assert await peers[0].dht.get("exp/outer/matchmaking") is None
+    # replicas stay apart (no all-reduce) but close
+    assert len({p.strategy.fingerprint() for p in peers}) > 1
