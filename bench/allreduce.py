@@ -14,7 +14,7 @@ Every system runs as `--peers` separate processes on 127.0.0.1, each
 averaging its own float32 vector of the given size. Times are medians over
 `--rounds` rounds (after one warm-up round) of the slowest peer's time for
 the round, each round started by the orchestrator at once on every peer.
-The systems take turns round by round (gloo, then shoal with each codec), so
+The systems take turns round by round (a gloo round, then a shoal round), so
 that a machine shared with other work loads them alike; beside each ratio of
 medians, `*_paired` is the median of the round-by-round ratios, `cpu_s` the
 median CPU seconds of all peers together per round, and `load_average` the
@@ -266,8 +266,10 @@ async def _spawn_shoal(opts: argparse.Namespace) -> list[Proc]:
 
 
 async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:
-    """gloo and shoal (every codec) take turns, round after round, so that both see the
-    same background load; per system, the median over `rounds` rounds after a warm-up."""
+    """gloo and shoal take turns, round after round, so that both see the same background
+    load: per size and codec, a gloo round then a shoal round, `rounds` times after a
+    warm-up turn. (Codecs do not alternate from one shoal round to the next: a peer
+    keeps the buffers of its last round for the next one, as in training.)"""
     codecs = opts.codecs.split(",")
     gloo: list[Proc] = []
     shoal: list[Proc] = []
@@ -278,17 +280,20 @@ async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> 
         result: dict[str, Any] = {}
         for name, size in sizes.items():
             runs: dict[str, list[dict[str, Any]]] = {"gloo": [], **{c: [] for c in codecs}}
-            for r in range(opts.rounds + 1):
-                turn = {}
-                if gloo:
-                    turn["gloo"] = await _round(gloo, {"size": size})
-                for codec in codecs:
+            paired: dict[str, list[float]] = {}
+            for codec in codecs:
+                for r in range(opts.rounds + 1):
+                    g = await _round(gloo, {"size": size}) if gloo else None
                     cmd = {"size": size, "codec": codec, "round": f"{name}-{codec}-{r}"}
-                    turn[codec] = await _round(shoal, cmd)
-                if r:  # the first turn warms up
-                    for system, reply in turn.items():
-                        runs[system].append(reply)
+                    s = await _round(shoal, cmd)
+                    if r:  # the first turn warms up
+                        runs[codec].append(s)
+                        if g is not None:
+                            runs["gloo"].append(g)
+                            paired.setdefault(codec, []).append(s["seconds"] / g["seconds"])
             result[name] = {system: _summary(name, system, rs) for system, rs in runs.items() if rs}
+            for codec, ratios in paired.items():
+                result[name][codec]["paired"] = statistics.median(ratios)
         return result
     finally:
         await asyncio.gather(*(p.close() for p in gloo + shoal))
@@ -382,10 +387,7 @@ async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
             if codec in m and gloo:
                 entry[f"shoal_{codec}_over_gloo"] = round(m[codec]["seconds"] / gloo["seconds"], 2)
                 # The same, round by round (each shoal round ran right after a gloo round).
-                paired = [
-                    s / g for s, g in zip(m[codec]["all_seconds"], gloo["all_seconds"], strict=True)
-                ]
-                entry[f"shoal_{codec}_over_gloo_paired"] = round(statistics.median(paired), 2)
+                entry[f"shoal_{codec}_over_gloo_paired"] = round(m[codec]["paired"], 2)
         if "none" in m and "int8" in m:
             entry["int8_wire_ratio"] = round(m["int8"]["wire"] / m["none"]["wire"], 3)
         entry["cpu_s"] = {system: round(m[system]["cpu"], 3) for system in m}
