@@ -28,15 +28,17 @@ network in the event loop, as in the daemon.
 - ``streaming``: `StreamingDiLoCo` (4 fragments, 5 overlapped steps, int8).
 - ``noloco``: `NoLoCo` (one partner per outer round).
 
-Sizing (2 cores, under 15 minutes for the four arms): bytegpt with d_model 64
-and 32 windows of 128 bytes per step (4096 tokens per peer and step; the
-default 8 windows run this CPU at under half the tokens per second and put
-each peer deep in the gradient-noise regime, where any local-update method
-loses most against data parallel), 1000 steps per peer (20 outer rounds of
-H = 50), inner AdamW at lr 2e-3 with 400 warmup steps and a cosine decay to
-10 % (the best of the few settings tried, for the baseline and for DiLoCo
-alike; with the trainer's constant lr and 50 warmup steps DiLoCo's outer
-momentum overshoots early and lags far more).
+Sizing. The four arms take about 23 CPU-minutes: about 12 minutes (estimated)
+when the benchmark has this 2-core machine to itself; on a busy one, use
+`--steps 600`. bytegpt is narrowed to d_model 64 with 32 windows of 128 bytes
+per step (4096 tokens per peer and step): the default 8 windows run this CPU
+at under half the tokens per second, and put each peer deep in the
+gradient-noise regime where any local-update method loses most against data
+parallel. 1000 steps per peer make 20 outer rounds of H = 50. Inner AdamW at
+lr 2e-3, 400 warmup steps, cosine decay to 10 %: the best of the few settings
+tried, for the baseline and for DiLoCo alike (with the trainer's constant lr
+and 50 warmup steps, DiLoCo's outer momentum overshoots early on and it lags
+far more).
 
 Bytes are what the peers' hosts sent (`Host.bytes_sent`, summed over the
 peers, closed connections included), from their start to the end of the arm:
