@@ -133,6 +133,12 @@ class MatchmakingConfig:
     # it is loading the state (told to re-sync), so that it joins this round
     # instead of chasing the next one. Joiners' deadlines still bound the wait.
     resync_grace: float = 5.0
+    # None: wait for a group until the caller's deadline. A number: a leader that
+    # has led this long with nobody joined and nobody else declared at all (no
+    # peer looking, busy or syncing: nobody is coming) gives up at once with
+    # `NobodyElse` instead of waiting out the deadline. For callers whose round
+    # is optional, such as an outer optimizer that trains on while it is alone.
+    give_up_alone_after: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.target_group_size <= MAX_GROUP_SIZE:
@@ -145,10 +151,17 @@ class MatchmakingConfig:
             raise ValueError("join_timeout and declaration_ttl must be positive")
         if not self.protocol.startswith("/"):
             raise ValueError("protocol must look like /shoal/<name>/<version>")
+        if self.give_up_alone_after is not None and self.give_up_alone_after < 0:
+            raise ValueError("give_up_alone_after must be >= 0 (or None)")
 
 
 class MatchmakingError(Exception):
     """No group formed in time (the message says why)."""
+
+
+class NobodyElse(MatchmakingError):
+    """No other peer has declared for this key: nobody to average with (see
+    `MatchmakingConfig.give_up_alone_after`)."""
 
 
 class NeedsResync(MatchmakingError):
@@ -397,6 +410,14 @@ class Matchmaker:
             if syncing:  # when the newest began to sync (its expiration - TTL), plus the grace
                 began = max(d.expiration for d in syncing) - cfg.declaration_ttl
                 gathering.hold_until = now + (began + cfg.resync_grace - time.time())
+            alone_after = cfg.give_up_alone_after
+            if (
+                alone_after is not None
+                and gathering.size == 1
+                and not pending
+                and now >= gathering.started + alone_after
+            ):
+                raise NobodyElse(f"no other peer is averaging {self.key!r}")
             decision = gathering.decide(now, pending=len(pending), deadline=end)
             for peer in decision.release:
                 self._answer(rnd, peer, JoinReply(ReplyKind.RETRY))

@@ -231,6 +231,10 @@ def allreduce_config(opts: Mapping[str, Any]) -> AllReduceConfig:
     )
 
 
+# How long a leader with nobody else declared waits before it gives the round up.
+ALONE_AFTER = 1.0
+
+
 def matchmaking_config(opts: Mapping[str, Any]) -> MatchmakingConfig:
     return MatchmakingConfig(
         min_group_size=opts["min_group_size"],
@@ -239,6 +243,10 @@ def matchmaking_config(opts: Mapping[str, Any]) -> MatchmakingConfig:
         # A follower waits this long for its leader's answer; the leader may wait
         # up to matchmaking_time for slower peers first.
         join_timeout=float(opts["matchmaking_time"]) + 2.0,
+        # A round is optional for an outer optimizer: alone, it trains on instead
+        # of stalling for round_timeout at every boundary. Peers that train are
+        # declared from `start` on, so this only fires when nobody else is there.
+        give_up_alone_after=ALONE_AFTER,
     )
 
 

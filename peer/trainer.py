@@ -114,6 +114,7 @@ class Trainer:
         self._checkpoint_extra = checkpoint_extra or dict
         self.on_round = on_round
         self.stats = TrainerStats()
+        self._alone = False  # the last round found nobody else to average with
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=self.hyper["inner_lr"],
@@ -259,8 +260,13 @@ class Trainer:
                 report.duration_s,
                 (report.fingerprint or "")[:16],
             )
+        elif "no other peer" in report.outcome:
+            # Alone: said once per stretch, not at every boundary.
+            if not self._alone:
+                log.info("no other peer is training this experiment: training alone meanwhile")
         else:
             log.info("round not committed: %s (%.2fs)", report.outcome, report.duration_s)
+        self._alone = "no other peer" in report.outcome
         if self.on_round is not None:
             self.on_round(report)
 

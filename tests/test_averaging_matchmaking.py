@@ -19,6 +19,7 @@ from shoal.averaging.matchmaking import (
     MatchmakingConfig,
     MatchmakingError,
     NeedsResync,
+    NobodyElse,
 )
 from shoal.averaging.matchmaking_rules import (
     Declaration,
@@ -420,6 +421,47 @@ async def test_peers_agree_on_one_group(swarm: Callable[..., Any], n: int) -> No
     assert got is not None
     states = {d.state for d in parse_view(got.subkeys, time.time()).values()}
     assert states == {PeerState.BUSY}
+
+
+@pytest.mark.timeout(30)
+async def test_a_lone_peer_gives_up_at_once_when_asked_to_instead_of_waiting_out_the_deadline(
+    swarm: Callable[..., Any],
+) -> None:
+    (patient,) = await swarm(1)
+    (hasty,) = await swarm(1, MatchmakingConfig(**FAST, give_up_alone_after=0.3), key="other")
+    t0 = time.monotonic()
+    with pytest.raises(NobodyElse, match="no other peer"):
+        await hasty.form_group(state_version=b"v", deadline=time.time() + 20)
+    assert time.monotonic() - t0 < 3.0
+    # Without the option, a lone peer waits for the deadline (peers may still come).
+    t0 = time.monotonic()
+    with pytest.raises(MatchmakingError) as caught:
+        await patient.form_group(state_version=b"v", deadline=time.time() + 2.5)
+    assert not isinstance(caught.value, NobodyElse)
+    assert time.monotonic() - t0 > 2.0
+
+
+@pytest.mark.timeout(30)
+async def test_a_peer_that_may_give_up_alone_still_waits_for_peers_declared_busy(
+    swarm: Callable[..., Any],
+) -> None:
+    """Peers busy with a round (or declared busy while they train) are coming:
+    not being alone, the peer waits for them up to its deadline."""
+    config = MatchmakingConfig(**{**FAST, "matchmaking_time": 8.0}, give_up_alone_after=0.3)
+    a, b, c = await swarm(3, config)
+    (bc,) = assert_agreement([b, c], await form_all([b, c], deadline=time.time() + 10))
+    assert bc.size == 2  # b and c are now declared busy
+
+    async def b_comes_back_later() -> Group:
+        await asyncio.sleep(2.0)
+        return await b.form_group(state_version=b"v", deadline=time.time() + 10)
+
+    t0 = time.monotonic()
+    got_a, got_b = await asyncio.gather(
+        a.form_group(state_version=b"v", deadline=time.time() + 12), b_comes_back_later()
+    )
+    assert got_a == got_b and set(got_a.peer_ids) == {a.peer_id, b.peer_id}
+    assert time.monotonic() - t0 >= 2.0
 
 
 @pytest.mark.timeout(60)

@@ -181,6 +181,25 @@ async def test_one_peer_one_commit_is_exactly_the_diloco_formula(
     )
 
 
+@pytest.mark.timeout(30)
+async def test_a_lone_peer_trains_on_without_waiting_for_the_round_timeout(
+    swarm: Callable[..., Any],
+) -> None:
+    """Nobody else declared: each boundary's round gives up within a second or
+    two (not `round_timeout`), changes nothing, and the next H steps go on."""
+    (peer,) = await swarm("diloco", 1, {"inner_steps": 2})
+    theta0 = [p.clone() for p in peer.strategy.globals]
+    t0 = time.monotonic()
+    reports = await peer.train(6)
+    elapsed = time.monotonic() - t0
+    assert [r.committed for r in reports] == [False, False, False]
+    assert all("no other peer" in r.outcome for r in reports), reports
+    assert all(r.duration_s < 3.0 for r in reports)
+    assert elapsed < FAST["round_timeout"]
+    assert peer.strategy.outer_steps == 0
+    assert all(torch.equal(g, t) for g, t in zip(peer.strategy.globals, theta0, strict=True))
+
+
 @pytest.mark.timeout(40)
 async def test_three_peers_commit_bit_identical_states_weighted_by_samples(
     swarm: Callable[..., Any],
