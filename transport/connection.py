@@ -451,6 +451,11 @@ class Connection(asyncio.BufferedProtocol):
         # the body it paused for (it pauses once per body).
         self._resume_pending = False
         self._paused_for: BulkIncoming | None = None
+        self._reading_paused = False  # the socket waits while a reader gets ready
+        # Bulk body bytes decrypted straight into a reader's buffer, and into a spare
+        # buffer (then copied when read): how well the zero-copy path works.
+        self.bulk_bytes_direct = 0
+        self.bulk_bytes_buffered = 0
         self._mv = memoryview(self._buf)
         self._start = 0
         self._end = 0
@@ -740,7 +745,6 @@ class Connection(asyncio.BufferedProtocol):
                     target = stream._bulk_target(body.length)
                     if (
                         target is None
-                        and len(buf) - end >= _MIN_FREE  # the socket can go on meanwhile
                         and stream._posts
                         and stream._reader_woken
                         and self._paused_for is not body
@@ -748,11 +752,24 @@ class Connection(asyncio.BufferedProtocol):
                         # Its reader was just handed the data before this body (say, a
                         # chunk header) and may now wait for the body with a buffer of
                         # its own: let it run first, then decrypt straight into that.
+                        # Once per body, for one loop iteration. Without room for
+                        # another record, the socket waits too (in the kernel's
+                        # buffer): decrypting into a spare buffer instead would cost
+                        # a copy of every later body of the stream (they queue
+                        # behind this one), which is most bodies at full speed.
                         self._paused_for = body
                         self._resume_pending = True
+                        if len(buf) - end < _MIN_FREE and self._transport is not None:
+                            self._transport.pause_reading()
+                            self._reading_paused = True
                         self._loop.call_soon(self._resume_records)
                         break
-                out = target if target is not None else self._bodies_in.take()
+                if target is not None:
+                    self.bulk_bytes_direct += body.length
+                    out = target
+                else:
+                    self.bulk_bytes_buffered += body.length
+                    out = self._bodies_in.take()
                 try:
                     recv.decrypt_into(mv[pos : pos + size], out)
                 except HandshakeError:
@@ -805,6 +822,11 @@ class Connection(asyncio.BufferedProtocol):
             self._process_records()
         except TransportError as e:
             self._violation(e)
+            return
+        if self._reading_paused and not self._resume_pending and not self.closed.done():
+            self._reading_paused = False
+            if self._transport is not None:
+                self._transport.resume_reading()
 
     def _deliver(self, stream_id: int, data: memoryview) -> None:
         stream = self.streams.get(stream_id)
