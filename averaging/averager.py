@@ -15,6 +15,17 @@ A count rather than a hash chain of round IDs: when a swarm larger than the
 target group size splits into several groups, each group commits its own
 round, and the groups must still be able to mix in the next round.
 
+With ``shared_state`` (an outer optimizer's global parameters: one state the
+whole swarm must hold bit for bit), the version is the commit count followed
+by a hash chain of the round IDs instead, so only peers holding the very same
+state ever group, and two states that went their own ways (two groups, or two
+peers that trained alone) are told apart: the one held by more looking peers
+wins, and among equals the one with more commits, and the others re-sync to
+it. That is what makes a commit by a peer alone safe: with nobody else
+declared for the key (`matchmaking.NobodyElse`), it commits by itself (the
+mean of one input is the input; the commit hook still runs), instead of
+holding its state back until someone comes.
+
 What is averaged need not be what a joiner downloads. An outer optimizer
 (`diloco`) averages pseudo-gradients but shares global parameters and outer
 momentum: it passes those as `state` (served to joiners, loaded by
@@ -25,7 +36,9 @@ frozen, so the state every member serves is the post-step one.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +51,13 @@ from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceConfig, AllReduceService
 from .fingerprint import state_fingerprint
-from .matchmaking import Matchmaker, MatchmakingConfig, MatchmakingError, NeedsResync
+from .matchmaking import (
+    Matchmaker,
+    MatchmakingConfig,
+    MatchmakingError,
+    NeedsResync,
+    NobodyElse,
+)
 from .matchmaking_rules import PeerState
 from .state_sync import State, StateServer, StateSyncError, load_state_from_peers
 
@@ -51,6 +70,37 @@ def _version(commits: int) -> bytes:
     return commits.to_bytes(8, "big") if commits else GENESIS
 
 
+def _chained_version(commits: int, previous: bytes, round_id: bytes) -> bytes:
+    """The version after a commit of a shared state: the commit count (so versions
+    order by progress) and a hash of the previous version and the round's ID."""
+    link = hashlib.sha256(b"shoal/state-version\0" + previous + b"\0" + round_id).digest()
+    return commits.to_bytes(8, "big") + link[:8]
+
+
+def _valid_version(version: bytes, commits: int) -> bool:
+    """A version as peers hold them: empty at 0 commits, else the count (8 bytes),
+    possibly followed by a chain hash (8 bytes)."""
+    if commits == 0:
+        return version == GENESIS
+    return len(version) in (8, 16) and version[:8] == commits.to_bytes(8, "big")
+
+
+def restored_version(commits: object, version: object = None) -> bytes:
+    """The state version a checkpoint's `commits` and `version` (hex, or None for
+    the count alone) stand for; ValueError when they are malformed or disagree."""
+    if isinstance(commits, bool) or not isinstance(commits, int) or commits < 0:
+        raise ValueError(f"commits must be an int >= 0, got {commits!r}")
+    if version is None:
+        return _version(commits)
+    try:
+        held = bytes.fromhex(version)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"version must be hex, got {version!r}") from None
+    if not _valid_version(held, commits):
+        raise ValueError(f"version {version!r} does not fit {commits} commits")
+    return held
+
+
 @dataclass
 class AveragerConfig:
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
@@ -60,6 +110,9 @@ class AveragerConfig:
     max_retries: int = 3
     bandwidth: float = 1.0
     state_protocol: str = "/shoal/state/1.0.0"
+    # One state shared by the whole swarm (see the module docstring): hash-chained
+    # versions, and a peer with nobody else to average with commits alone.
+    shared_state: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +235,14 @@ class Averager:
         commits = state.metadata.get("commits", 0)
         self.commits = commits if isinstance(commits, int) and commits >= 0 else 0
         self.state_version = _version(self.commits)
+        version = state.metadata.get("version")
+        if isinstance(version, str):
+            try:
+                held = bytes.fromhex(version)
+            except ValueError:
+                held = b""
+            if _valid_version(held, self.commits):
+                self.state_version = held  # (a chained version, for a shared state)
         self._freeze()
         await self._announce_state()
         log.info("loaded state %s of %s", state.fingerprint[:12], self.key)
@@ -193,12 +254,12 @@ class Averager:
         self._freeze()
         await self._announce_state()
 
-    def restore(self, commits: int) -> None:
-        """Set the commit count (and so the state version) saved in a checkpoint."""
-        if isinstance(commits, bool) or not isinstance(commits, int) or commits < 0:
-            raise ValueError(f"commits must be an int >= 0, got {commits!r}")
+    def restore(self, commits: int, version: str | None = None) -> None:
+        """Set the commit count and state version saved in a checkpoint (`version`:
+        the hex of `state_version`; without it, the count alone)."""
+        held = restored_version(commits, version)
         self.commits = commits
-        self.state_version = _version(commits)
+        self.state_version = held
 
     async def announce_presence(self, timeout: float = 2.0) -> bool:
         """Declare in the matchmaking records that we take part and will look soon.
@@ -236,7 +297,9 @@ class Averager:
 
         When our state is behind the swarm's (we missed a commit), the round is
         not joined: the state is downloaded instead (tensors replaced) and the
-        result says `resynced`, so the caller recomputes its contribution.
+        result says `resynced`, so the caller recomputes its contribution. With
+        `shared_state`, a peer that finds nobody else declared for the key
+        commits alone (group size 1, reason "alone"; not with weight 0).
         """
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
@@ -261,6 +324,11 @@ class Averager:
                 ok = await self.load_state_from_peers()
                 why = "re-synced with the swarm" if ok else f"needs re-sync, which failed: {e}"
                 return self._result(False, why, started, attempts, resynced=ok)
+            except NobodyElse as e:
+                self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
+                if not self.config.shared_state or not weight > 0:
+                    return self._result(False, f"no group: {e}", started, attempts)
+                return await self._commit_alone(started, attempts)
             except (MatchmakingError, TimeoutError) as e:
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 return self._result(False, f"no group: {e}", started, attempts)
@@ -268,12 +336,7 @@ class Averager:
             # form_group declared us busy; after an abort that declaration stays too.
             self._presence_at = time.monotonic()
             if outcome.committed:
-                self.commits += 1
-                self.state_version = _version(self.commits)
-                if self._on_commit is not None:
-                    self._on_commit()
-                self._freeze()
-                await self._announce_state()
+                await self._commit(group.round_id)
                 return StepResult(
                     True,
                     "",
@@ -295,6 +358,41 @@ class Averager:
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return self._result(False, reason, started, attempts)
+
+    async def _commit(self, round_id: bytes) -> None:
+        """After the tensors hold the round's result: new version, commit hook, freeze."""
+        self.commits += 1
+        if self.config.shared_state:
+            self.state_version = _chained_version(self.commits, self.state_version, round_id)
+        else:
+            self.state_version = _version(self.commits)
+        if self._on_commit is not None:
+            self._on_commit()
+        self._freeze()
+        await self._announce_state()
+
+    async def _commit_alone(self, started: float, attempts: int) -> StepResult:
+        """Nobody else averages this shared state: the mean of our input alone is the
+        input, so commit it as it is. A random round ID makes our version our own:
+        should another peer have committed alone meanwhile, out of our sight, the two
+        states carry different versions and never mix (one side re-syncs)."""
+        round_id = b"alone:" + os.urandom(16)
+        await self._commit(round_id)
+        # Our "looking" declaration names the version we just left: replace it.
+        await self.announce_presence()
+        return StepResult(
+            True,
+            "alone",
+            1,
+            round_id,
+            (self.dht.host.peer_id,),
+            attempts,
+            self.last_fingerprint,
+            False,
+            time.monotonic() - started,
+            0,
+            self.dht.host.peer_id,
+        )
 
     def _result(
         self, committed: bool, reason: str, started: float, attempts: int, *, resynced: bool = False

@@ -62,7 +62,7 @@ import torch
 from shoal.dht.node import DHTNode
 
 from .allreduce import AllReduceService
-from .averager import Averager, AveragerConfig, StepResult
+from .averager import Averager, AveragerConfig, StepResult, restored_version
 from .outer import (
     RoundGate,
     RoundReport,
@@ -135,6 +135,10 @@ def _averager_config(key: str, opts: Mapping[str, Any]) -> AveragerConfig:
         allreduce=allreduce_config(opts),
         codec=opts["codec"],
         state_protocol=state_protocol(key),
+        # The global parameters are one state for the whole swarm: a peer alone
+        # takes its outer steps by itself (DiLoCo with one replica) and a joiner
+        # downloads its progress.
+        shared_state=True,
     )
 
 
@@ -271,6 +275,7 @@ class DiLoCo:
             "globals": [g.detach().clone() for g in self.globals],
             "momentum": [m.detach().clone() for m in self.momentum],
             "commits": self.averager.commits,
+            "version": self.averager.state_version.hex(),
             "inner_steps": self.inner_steps,
             "samples_since_sync": self.samples_since_sync,
         }
@@ -283,7 +288,7 @@ class DiLoCo:
         inner, samples = state.get("inner_steps"), state.get("samples_since_sync")
         if not (isinstance(inner, int) and inner >= 0 and isinstance(samples, int)):
             raise ValueError("checkpoint counters must be ints >= 0")
-        self.averager.restore(state.get("commits"))  # type: ignore[arg-type]
+        self.averager.restore(state.get("commits"), state.get("version"))  # type: ignore[arg-type]
         copy_into(self.globals, globals_)
         copy_into(self.momentum, momentum)
         self.inner_steps = inner
@@ -573,6 +578,7 @@ class StreamingDiLoCo:
                     "globals": [g.detach().clone() for g in f.globals],
                     "momentum": [m.detach().clone() for m in f.momentum],
                     "commits": self._avg(f).commits,
+                    "version": self._avg(f).state_version.hex(),
                     "samples": samples,
                 }
             )
@@ -601,11 +607,16 @@ class StreamingDiLoCo:
                     check_like("globals", saved.get("globals"), f.globals),
                     check_like("momentum", saved.get("momentum"), f.momentum),
                     saved.get("commits"),
+                    saved.get("version"),
                     saved["samples"],
                 )
             )
-        for f, (globals_, momentum, commits, samples) in zip(self.fragments, checked, strict=True):
-            self._avg(f).restore(commits)
+        for _, _, commits, version, _ in checked:
+            restored_version(commits, version)  # all or nothing: check every one first
+        for f, (globals_, momentum, commits, version, samples) in zip(
+            self.fragments, checked, strict=True
+        ):
+            self._avg(f).restore(commits, version)
             copy_into(f.globals, globals_)
             copy_into(f.momentum, momentum)
             f.samples = samples

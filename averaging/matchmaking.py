@@ -415,6 +415,7 @@ class Matchmaker:
                 alone_after is not None
                 and gathering.size == 1
                 and not pending
+                and outlook.alone(rnd.view)
                 and now >= gathering.started + alone_after
             ):
                 raise NobodyElse(f"no other peer is averaging {self.key!r}")
@@ -648,7 +649,7 @@ class Matchmaker:
         confirmed = await self._confirm(rnd, holders[:MAX_PROBES], end)
         if rnd.group is not None or rnd.mode == _Mode.CLOSED:
             return  # joins filled our group while we asked
-        if not confirmed or (outlook.version != b"" and len(confirmed) <= mine):
+        if not confirmed or not outlook.outvoted(len(confirmed), target, mine):
             return
         self._answer_all(rnd, JoinReply(ReplyKind.DISBANDED))
         rnd.mode = _Mode.CLOSED

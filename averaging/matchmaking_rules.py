@@ -45,6 +45,11 @@ MAX_GROUP_SIZE = 1024  # Group.from_wire's default bound
 NONCE_BYTES = 16
 
 
+# A commit count (8 bytes) then a hash chain of round IDs (8 bytes): the versions
+# of a state shared by the whole swarm (`AveragerConfig.shared_state`).
+CHAINED_VERSION_BYTES = 16
+
+
 class PeerState(enum.StrEnum):
     LOOKING = "looking"  # wants a group now
     BUSY = "busy"  # in a group (averaging); back soon, perhaps with a new version
@@ -285,19 +290,43 @@ class Outlook:
         """The version we must load before grouping, None when ours is fine.
 
         Ours is behind when another version is held by strictly more looking
-        peers (a tie splits nobody's work: each side keeps its own groups).
+        peers (a tie splits nobody's work: each side keeps its own groups;
+        except for chained versions, see below).
         The empty version means "no committed state yet": it never wins
         against a real one, and it loses to any.
         """
         counts = self.version_counts(view)
+        mine = counts[self.version]
         others = [(c, v) for v, c in counts.items() if v not in (self.version, b"")]
         if not others:
             return None
+        if len(self.version) == CHAINED_VERSION_BYTES:
+            count, best = max(others)
+            return best if self.outvoted(count, best, mine) else None
         # most peers first; among equals the smallest version, so every peer picks the same
         count, best = min(others, key=lambda cv: (-cv[0], cv[1]))
-        if self.version == b"" or count > counts[self.version]:
+        if self.version == b"" or count > mine:
             return best
         return None
+
+    def outvoted(self, count: int, version: bytes, mine: int) -> bool:
+        """Whether `count` looking peers holding `version` outvote the `mine` that
+        hold ours (us included). More holders win. A shared state (chained
+        versions) must be one, so among equally held versions the one with more
+        commits, then the larger hash, wins: two states that went their own ways
+        (say, two peers that each trained alone) merge again."""
+        if self.version == b"" or count > mine:
+            return True
+        return (
+            len(self.version) == CHAINED_VERSION_BYTES and count == mine and version > self.version
+        )
+
+    def alone(self, view: View) -> bool:
+        """No other usable peer declared looking, busy or syncing: nobody is coming."""
+        return not any(
+            d.state in (PeerState.LOOKING, PeerState.BUSY, PeerState.SYNCING) and self.usable(d)
+            for d in view.values()
+        )
 
     def holders(self, view: View, version: bytes) -> list[Declaration]:
         return [
@@ -325,6 +354,11 @@ class Outlook:
                 d.state_version == self.version
                 or counts[d.state_version] < mine
                 or (d.state_version == b"" and self.version != b"")
+                or (  # a tie our (shared, chained) version wins: see resync_target
+                    len(self.version) == CHAINED_VERSION_BYTES
+                    and counts[d.state_version] == mine
+                    and d.state_version < self.version
+                )
             )
             if coming_back or ours_soon:
                 out.add(d.peer_id)

@@ -114,7 +114,7 @@ class Trainer:
         self._checkpoint_extra = checkpoint_extra or dict
         self.on_round = on_round
         self.stats = TrainerStats()
-        self._alone = False  # the last round found nobody else to average with
+        self._alone = False  # the last round committed alone (nobody else to average with)
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=self.hyper["inner_lr"],
@@ -252,7 +252,12 @@ class Trainer:
         s.last_round = report
         s.last_round_at = time.time()
         s.rounds[report.outcome.split(":")[0]] += 1
-        if report.committed:
+        alone = report.committed and report.group_size == 1
+        if alone:
+            # Said once per stretch, not at every boundary.
+            if not self._alone:
+                log.info("no other peer is training this experiment: taking outer steps alone")
+        elif report.committed:
             log.info(
                 "round committed: outer step %d, %d peers, %.2fs, fingerprint %s",
                 report.outer_step,
@@ -260,13 +265,9 @@ class Trainer:
                 report.duration_s,
                 (report.fingerprint or "")[:16],
             )
-        elif "no other peer" in report.outcome:
-            # Alone: said once per stretch, not at every boundary.
-            if not self._alone:
-                log.info("no other peer is training this experiment: training alone meanwhile")
         else:
             log.info("round not committed: %s (%.2fs)", report.outcome, report.duration_s)
-        self._alone = "no other peer" in report.outcome
+        self._alone = alone
         if self.on_round is not None:
             self.on_round(report)
 

@@ -167,6 +167,50 @@ def test_version_majority_decides_who_resyncs() -> None:
     assert out.resync_target(view) is None
 
 
+def chained(commits: int, tag: int) -> bytes:
+    """A shared state's version: the commit count, then a chain hash (here a tag)."""
+    return commits.to_bytes(8, "big") + tag.to_bytes(8, "big")
+
+
+def test_a_tie_between_shared_state_versions_goes_to_more_commits_then_the_larger_hash() -> None:
+    """Shared states (chained versions) must become one again: among equally held
+    versions every peer picks the same winner, and only the others re-sync."""
+    peers = ids(5)
+    me = peers[0]
+    ahead, behind, sibling = chained(7, 1), chained(5, 9), chained(7, 2)
+    one_each = view_of(decl(peers[1], version=ahead))
+    assert Outlook(KEY, me, behind).resync_target(one_each) == ahead
+    assert Outlook(KEY, me, ahead).resync_target(view_of(decl(peers[1], version=behind))) is None
+    # same commit count, different states: the larger hash wins, on both sides
+    assert Outlook(KEY, me, ahead).resync_target(view_of(decl(peers[1], version=sibling))) == (
+        sibling
+    )
+    assert Outlook(KEY, me, sibling).resync_target(view_of(decl(peers[1], version=ahead))) is None
+    # more holders still win over more commits
+    crowd = view_of(*(decl(p, version=behind) for p in peers[1:4]), decl(peers[4], version=ahead))
+    assert Outlook(KEY, me, ahead).resync_target(crowd) == behind
+    # a peer that will re-sync to our version is coming: a leader waits for it
+    assert Outlook(KEY, me, ahead).pending(view_of(decl(peers[1], version=behind)), []) == {
+        peers[1]
+    }
+    # plain (count) versions keep the old rule: a tie moves nobody
+    assert (
+        Outlook(KEY, me, b"\0" * 7 + b"\5").resync_target(
+            view_of(decl(peers[1], version=b"\0" * 7 + b"\7"))
+        )
+        is None
+    )
+
+
+def test_a_peer_is_alone_only_when_no_other_usable_peer_is_declared_at_all() -> None:
+    p = ids(4)
+    out = Outlook(KEY, p[0], b"v", frozenset({p[3]}))
+    assert out.alone(view_of(decl(p[0])))  # our own declaration does not count
+    assert out.alone(view_of(decl(p[1], PeerState.LEFT), decl(p[3])))  # left, or excluded
+    for state in (PeerState.LOOKING, PeerState.BUSY, PeerState.SYNCING):
+        assert not out.alone(view_of(decl(p[2], state, b"other")))
+
+
 def test_pending_peers_are_those_a_leader_should_wait_for() -> None:
     p = ids(8)
     me = p[0]

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.averaging.averager import restored_version
 from shoal.averaging.diloco import DiLoCo, StreamingDiLoCo, split_fragments
 from shoal.averaging.gossip import pairing
 from shoal.averaging.noloco import NoLoCo
@@ -66,12 +67,20 @@ async def swarm(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., An
     made: list[Peer] = []
 
     async def make(
-        name: str, n: int, options: dict[str, Any], *, seed: int = 0, start: bool = True
+        name: str,
+        n: int,
+        options: dict[str, Any],
+        *,
+        seed: int = 0,
+        start: bool = True,
+        connected: bool = True,
     ) -> list[Peer]:
+        """n new peers; `connected=False`: the first of them starts a DHT of its own."""
         out = []
         for _ in range(n):
             host = await make_host(**HOST_OPTS)
-            boot = [str(made[0].dht.host.addresses()[0])] if made else []
+            boot = [str(made[0].dht.host.addresses()[0])] if made and connected else []
+            connected = True
             dht = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
             params = initial_params(seed)
             target = initial_params(1000 + len(made))
@@ -119,6 +128,16 @@ def test_the_outer_nesterov_step_matches_a_hand_computation() -> None:
     ]
     assert torch.allclose(m[0], torch.tensor(m_hand), rtol=0, atol=1e-6)
     assert torch.allclose(p[0], torch.tensor(p_hand), rtol=0, atol=1e-6)
+
+
+def test_a_checkpointed_state_version_must_fit_its_commit_count() -> None:
+    chained = (3).to_bytes(8, "big") + bytes(range(8))
+    assert restored_version(3, chained.hex()) == chained
+    assert restored_version(3) == (3).to_bytes(8, "big")  # an older checkpoint: the count
+    assert restored_version(0, "") == b""
+    for commits, version in [(4, chained.hex()), (3, "zz"), (3, chained.hex()[:-2]), (-1, None)]:
+        with pytest.raises(ValueError):
+            restored_version(commits, version)
 
 
 def test_fragments_are_balanced_by_size_and_cover_every_tensor_once() -> None:
@@ -182,22 +201,61 @@ async def test_one_peer_one_commit_is_exactly_the_diloco_formula(
 
 
 @pytest.mark.timeout(30)
-async def test_a_lone_peer_trains_on_without_waiting_for_the_round_timeout(
+async def test_a_lone_peer_takes_its_outer_steps_alone_and_a_joiner_gets_its_progress(
     swarm: Callable[..., Any],
 ) -> None:
-    """Nobody else declared: each boundary's round gives up within a second or
-    two (not `round_timeout`), changes nothing, and the next H steps go on."""
+    """Nobody else declared: each boundary's round gives up waiting within a second
+    or two (not `round_timeout`) and commits alone (DiLoCo with one replica), so a
+    peer that joins later downloads the trained globals, not the initial ones."""
     (peer,) = await swarm("diloco", 1, {"inner_steps": 2})
     theta0 = [p.clone() for p in peer.strategy.globals]
     t0 = time.monotonic()
     reports = await peer.train(6)
     elapsed = time.monotonic() - t0
-    assert [r.committed for r in reports] == [False, False, False]
-    assert all("no other peer" in r.outcome for r in reports), reports
+    assert [(r.committed, r.group_size) for r in reports] == [(True, 1)] * 3
     assert all(r.duration_s < 3.0 for r in reports)
     assert elapsed < FAST["round_timeout"]
-    assert peer.strategy.outer_steps == 0
-    assert all(torch.equal(g, t) for g, t in zip(peer.strategy.globals, theta0, strict=True))
+    assert peer.strategy.outer_steps == 3
+    assert not any(torch.equal(g, t) for g, t in zip(peer.strategy.globals, theta0, strict=True))
+    assert all(torch.equal(p, g) for p, g in zip(peer.params, peer.strategy.globals, strict=True))
+
+    (joiner,) = await swarm("diloco", 1, {"inner_steps": 2}, seed=3, start=False)
+    assert await joiner.strategy.start(join=True)
+    assert joiner.strategy.fingerprint() == peer.strategy.fingerprint()
+    for a, b in zip(joiner.params, peer.strategy.globals, strict=True):
+        assert torch.equal(a, b)
+    together = await asyncio.gather(peer.train(2), joiner.train(2))
+    assert [r[0].group_size for r in together] == [2, 2]
+    assert peer.strategy.fingerprint() == joiner.strategy.fingerprint()
+
+
+@pytest.mark.timeout(60)
+async def test_two_peers_that_trained_alone_apart_merge_into_the_state_with_more_commits(
+    swarm: Callable[..., Any],
+) -> None:
+    """Two networks, one peer each, both committing alone: their states differ
+    while their commit counts could match, which is why a shared state's version
+    is hash-chained. Once the networks meet, the peer with fewer commits re-syncs
+    to the other's state (never averaging from different globals), then both
+    commit together."""
+    (a,) = await swarm("diloco", 1, {"inner_steps": 2})
+    (b,) = await swarm("diloco", 1, {"inner_steps": 2}, connected=False)
+    await a.train(4)
+    await b.train(2)
+    assert (a.strategy.outer_steps, b.strategy.outer_steps) == (2, 1)
+    a_version = a.strategy.averager.state_version
+    assert len(a_version) == 16 and a_version != b.strategy.averager.state_version
+    await b.dht.bootstrap([str(a.dht.host.addresses()[0])])
+    for _ in range(6):  # a may still commit alone once before it sees b
+        ra, rb = await asyncio.gather(a.train(2), b.train(2))
+        if ra[-1].group_size == 2:
+            break
+    assert ra[-1].committed and ra[-1].group_size == 2, ra
+    assert rb[-1].committed and rb[-1].group_size == 2, rb
+    assert a.strategy.fingerprint() == b.strategy.fingerprint()
+    assert a.strategy.averager.state_version == b.strategy.averager.state_version
+    assert a.strategy.averager.commits >= 3
+    assert b.strategy.averager.commits == a.strategy.averager.commits
 
 
 @pytest.mark.timeout(40)
