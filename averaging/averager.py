@@ -58,7 +58,6 @@ from .matchmaking import (
     NeedsResync,
     NobodyElse,
 )
-from .matchmaking_rules import PeerState
 from .state_sync import State, StateServer, StateSyncError, load_state_from_peers
 
 log = logging.getLogger("shoal.averaging")
@@ -271,8 +270,7 @@ class Averager:
         than the others from being left out of it (and then told to re-sync),
         however long the time between rounds.
         """
-        # (Matchmaker has no public way to declare outside form_group yet.)
-        ok = await self._matchmaker._declare(PeerState.BUSY, self.state_version, timeout=timeout)
+        ok = await self._matchmaker.declare_busy(self.state_version, timeout=timeout)
         self._presence_at = time.monotonic()
         return ok
 

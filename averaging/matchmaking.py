@@ -313,6 +313,15 @@ class Matchmaker:
         await self._declare(PeerState.BUSY, state_version, timeout=BUSY_STORE_TIMEOUT)
         return group
 
+    async def declare_busy(self, state_version: bytes, *, timeout: float = DHT_TIMEOUT) -> bool:
+        """Declare, outside `form_group`, that we take part and will look soon (as a
+        member of a round does): leaders wait for us (up to `matchmaking_time`) and
+        a peer that would be alone is not. False when the DHT did not take it in
+        time. Not while `form_group` runs (it keeps its own declaration)."""
+        if self._round is not None:
+            raise RuntimeError("form_group is running on this matchmaker")
+        return await self._declare(PeerState.BUSY, state_version, timeout=timeout)
+
     async def aclose(self) -> None:
         """Stop: a running `form_group` raises MatchmakingError, pending joiners
         are answered, and the swarm is told we left (best effort)."""
