@@ -112,15 +112,17 @@ async def traverse(
     cancelled before returning."""
     loop = asyncio.get_running_loop()
     in_flight: dict[asyncio.Task[list[list[WireContact]]], tuple[Candidate, list[KeyLookup]]] = {}
-    # Keyed by task: one peer may have two requests in flight (asked for one key, then,
-    # before answering, picked for another key by a later round).
-    started: dict[asyncio.Task[list[list[WireContact]]], float] = {}
+    # When each request stalls, keyed by task: one peer may have two requests in
+    # flight (asked for one key, then, before answering, picked for another key by a
+    # later round). Deadlines, not start times: `now >= deadline` and the wait
+    # `deadline - now` then agree; with start times, `now - start < stall_after`
+    # could hold while `start + stall_after - now` rounded to 0.0, and the loop
+    # spun on zero timeouts without uvloop's clock advancing.
+    stalls_at: dict[asyncio.Task[list[list[WireContact]]], float] = {}
     try:
         while True:
             now = loop.time()
-            stalled = {
-                in_flight[t][0].peer_id for t, ts in started.items() if now - ts >= stall_after
-            }
+            stalled = {in_flight[t][0].peer_id for t, at in stalls_at.items() if now >= at}
             active = [lk for lk in lookups if not lk.done]
             wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
             order: list[PeerID] = []
@@ -175,7 +177,7 @@ async def traverse(
                     lk.state[pid] = ASKED
                 task = loop.create_task(query(cand, lks))
                 in_flight[task] = (cand, lks)
-                started[task] = loop.time()
+                stalls_at[task] = loop.time() + stall_after
             if not in_flight:
                 if all(lk.done for lk in lookups) or not wanted:
                     for lk in lookups:
@@ -185,15 +187,15 @@ async def traverse(
             if all(lk.done for lk in lookups):
                 return
             # Wake on the next answer, or when the oldest pending request stalls.
-            pending_since = list(started.values())
-            unstalled = [t for t in pending_since if loop.time() - t < stall_after]
-            timeout = (min(unstalled) + stall_after - loop.time()) if unstalled else None
+            now = loop.time()
+            unstalled = [at for at in stalls_at.values() if at > now]
+            timeout = (min(unstalled) - now) if unstalled else None
             done, _ = await asyncio.wait(
                 in_flight, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             for task in done:
                 cand, lks = in_flight.pop(task)
-                del started[task]
+                del stalls_at[task]
                 exc = task.exception()
                 if exc is not None:
                     for lk in lks:

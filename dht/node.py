@@ -24,7 +24,12 @@ from typing import Any
 import msgpack
 
 from shoal.transport import rpc
-from shoal.transport.errors import TransportError
+from shoal.transport.errors import (
+    ConnectionLost,
+    ProtocolNotSupported,
+    StreamReset,
+    TransportError,
+)
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
@@ -170,6 +175,8 @@ class DHTNode:
             "republished": 0,
             "cached": 0,
             "value_retries": 0,
+            "node_retries": 0,
+            "requests_redialed": 0,
         }
         self._max_hops = 0
         self._hello_cache: tuple[float, dict[str, Any]] | None = None
@@ -328,7 +335,29 @@ class DHTNode:
         """Iterative lookups of the k closest peers to each 256-bit target, together."""
         lookups = [KeyLookup(t) for t in dict.fromkeys(targets)]
         await self._traverse(lookups, self._query_find_node)
-        return [LookupResult(lk.target, lk.closest_answered(self.k), lk.hops) for lk in lookups]
+        # Fewer than k peers answered while some failed (a burst of timeouts from a
+        # loaded machine or a GC pause blacklists a whole neighbourhood at once):
+        # look once more, asking the peers the blacklist would skip, and keep the
+        # answers of both traversals. A healthy lookup still costs one traversal.
+        retry = {
+            id(lk): KeyLookup(lk.target)
+            for lk in lookups
+            if len(lk.answered) < self.k and any(st == FAILED for st in lk.state.values())
+        }
+        if retry:
+            self._counters["node_retries"] += len(retry)
+            await self._traverse(
+                list(retry.values()), self._query_find_node, skip_blacklisted=False
+            )
+        results = []
+        for lk in lookups:
+            again = retry.get(id(lk))
+            if again is not None:
+                seen = {c.peer_id for c in lk.answered}
+                lk.answered += [c for c in again.answered if c.peer_id not in seen]
+                lk.hops = max(lk.hops, again.hops)
+            results.append(LookupResult(lk.target, lk.closest_answered(self.k), lk.hops))
+        return results
 
     async def find_node(self, target: int) -> LookupResult:
         return (await self.find_nodes([target]))[0]
@@ -439,15 +468,29 @@ class DHTNode:
     ) -> Any:
         self._counters["requests_sent"] += 1
         async with asyncio.timeout(self.hop_timeout):
-            if self.host.connection(peer) is None:
+            reused = self.host.connection(peer) is not None
+            if not reused:
                 await self.host.connect(peer, addrs, timeout=self.hop_timeout)
             if self.max_connections is not None:
                 self._dialed.pop(peer, None)
                 self._dialed[peer] = None
                 self._prune_connections()
-            return await rpc.call(
-                self.host, peer, self.protocol, method, payload, timeout=self.hop_timeout
-            )
+            try:
+                return await rpc.call(
+                    self.host, peer, self.protocol, method, payload, timeout=self.hop_timeout
+                )
+            except (ConnectionLost, StreamReset) as e:
+                if not reused or isinstance(e, ProtocolNotSupported):
+                    raise
+                # The idle connection we reused was being closed by either side
+                # (connection pruning) as the request went out. That says nothing
+                # about the peer, and every DHT request is idempotent: ask again on
+                # a fresh connection, within the same deadline.
+                self._counters["requests_redialed"] += 1
+                await self.host.connect(peer, addrs, timeout=self.hop_timeout)
+                return await rpc.call(
+                    self.host, peer, self.protocol, method, payload, timeout=self.hop_timeout
+                )
 
     def _prune_connections(self) -> None:
         assert self.max_connections is not None

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "id":
             print(load_identity(config).peer_id, flush=True)
             return 0
-        _run(run_daemon(config))
+        _run(run_daemon(config, freeze_heap=True))
         _exit_now(0)
     except ConfigError as e:
         return _fail(e, EXIT_USAGE)

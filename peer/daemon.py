@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import signal
@@ -102,9 +103,16 @@ def print_addresses(host: Host, out: TextIO | None = None) -> None:
 
 
 async def run_daemon(
-    config: Config, stop: asyncio.Event | None = None, out: TextIO | None = None
+    config: Config,
+    stop: asyncio.Event | None = None,
+    out: TextIO | None = None,
+    *,
+    freeze_heap: bool = False,
 ) -> None:
     """Run the peer until `stop` is set, or, without one, until SIGINT or SIGTERM.
+
+    `freeze_heap` (for a process that is only this peer, as `shoal run`) moves
+    everything allocated during start-up out of the garbage collector's passes.
 
     Raises StartupError (or ConfigError) when it cannot start; returns after a
     graceful shutdown: the round in flight ends, a checkpoint is written, the
@@ -169,6 +177,13 @@ async def run_daemon(
             print_join_command(node, config, out)
         if config.status_addr is not None and node.status_url:
             print(f"Status: {node.status_url}", file=out or sys.stdout, flush=True)
+
+        if freeze_heap:
+            # What start-up allocated (torch's modules, the model, the corpus index)
+            # lives as long as the process: take it out of the collector's reach. A
+            # full collection over it stalled the event loop ~80 ms each time, and
+            # every deadline and heartbeat in flight with it.
+            gc.freeze()
 
         progress = Progress()
         if progress.live:
