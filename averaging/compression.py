@@ -298,68 +298,65 @@ class Int8BlockCodec(Codec):
     def encoded_size(self, n_elements: int) -> int:
         return 4 * self.n_blocks(n_elements) + n_elements
 
-    # Whole-buffer torch ops, a chunk of rows at a time: the block maxima and minima,
-    # the division, in-place rounding and the narrowing cast; numpy for the per-block
-    # scales (a small array, where numpy costs less per call). Bit-identical to the
-    # plain numpy formulation (IEEE division, round half to even), and faster: the
-    # fixed cost of each call counts as much as the passes over memory.
+    # Whole-buffer torch ops: the block maxima and minima over the whole input in one
+    # call each, numpy for the per-block scales (a small array, where numpy costs
+    # less per call), then the division, in-place rounding and the narrowing cast a
+    # chunk of rows at a time (a cache-sized temporary). Bit-identical to the plain
+    # numpy formulation (IEEE division, round half to even), and faster: the fixed
+    # cost of each call (a few µs, slicing included) counts as much as the passes
+    # over memory, so the calls per element are kept few.
 
     def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None:
         n, bs = src.numel(), self.block_size
         nb, n_full = self.n_blocks(n), n // bs
         raw = torch.frombuffer(dst, dtype=torch.uint8)
-        scales = raw[: 4 * nb].view(torch.float32).numpy()
+        divisor = self._scales(src, n_full, raw[: 4 * nb].view(torch.float32).numpy())
         q = raw[4 * nb :].view(torch.int8)
         rows = max(1, _CHUNK_ELEMENTS // bs)
         tmp = torch.empty((min(rows, n_full) or 1) * bs, dtype=torch.float32)
-        for start in range(0, n_full, rows):
-            stop = min(start + rows, n_full)
-            self._quantize_rows(
-                src[start * bs : stop * bs].view(-1, bs),
-                scales[start:stop],
-                q[start * bs : stop * bs].view(-1, bs),
-                tmp[: (stop - start) * bs].view(-1, bs),
-                first_block=start,
-            )
+        if n_full:
+            x_rows, q_rows = src[: n_full * bs].view(n_full, bs), q[: n_full * bs].view(n_full, bs)
+            for start in range(0, n_full, rows):
+                stop = min(start + rows, n_full)
+                t = tmp[: (stop - start) * bs].view(stop - start, bs)
+                torch.div(x_rows[start:stop], divisor[start:stop], out=t)
+                t.round_()  # round half to even
+                q_rows[start:stop].copy_(t)
         if n_full < nb:  # the shorter last block
-            tail = n - n_full * bs
-            self._quantize_rows(
-                src[n_full * bs :].view(1, tail),
-                scales[n_full:],
-                q[n_full * bs :].view(1, tail),
-                tmp[:tail].view(1, tail),
-                first_block=n_full,
-            )
+            t = tmp[: n - n_full * bs]
+            torch.div(src[n_full * bs :], divisor[n_full], out=t)
+            t.round_()
+            q[n_full * bs :].copy_(t)
+        # No clamp needed: s = fl(absmax / 127) gives |x / s| <= 127 * (1 + 2^-24)^2,
+        # and a scale lowered to _MAX_SCALE is off by a few ulps at most, so every
+        # quotient rounds into [-127, 127]; a block flushed to zero divides by 1
+        # values below 127 * FLT_MIN, which round to 0. The narrowing cast is exact.
 
-    def _quantize_rows(
-        self,
-        x: torch.Tensor,
-        scales: np.ndarray,
-        q: torch.Tensor,
-        tmp: torch.Tensor,
-        first_block: int,
-    ) -> None:
-        """Quantize rows of `x` (one block each) into `scales` and `q`."""
-        # max(hi, -lo): the absmax without writing |x| anywhere. NaN propagates.
-        absmax = torch.maximum(torch.amax(x, dim=1), torch.amin(x, dim=1).neg_())
+    def _scales(self, src: torch.Tensor, n_full: int, scales: np.ndarray) -> torch.Tensor:
+        """Write every block's scale into `scales`; return the divisors, one per block
+        (as a column, to broadcast over the rows)."""
+        bs = self.block_size
+        absmax = torch.empty(len(scales), dtype=torch.float32)
+        if n_full:
+            # max(hi, -lo): the absmax without writing |x| anywhere. NaN propagates.
+            rows = src[: n_full * bs].view(n_full, bs)
+            full = absmax[:n_full]
+            torch.amax(rows, dim=1, out=full)
+            torch.maximum(full, torch.amin(rows, dim=1).neg_(), out=full)
+        if n_full < len(scales):
+            tail = src[n_full * bs :]
+            torch.maximum(tail.max(), tail.min().neg(), out=absmax[n_full])
         # Non-negative float32 terms cannot cancel or overflow a float64 sum: it is
         # finite exactly when every block's absmax is.
         if not math.isfinite(torch.sum(absmax, dtype=torch.float64).item()):
-            bad = first_block + int(np.argmin(np.isfinite(absmax.numpy())))
+            bad = int(np.argmin(np.isfinite(absmax.numpy())))
             raise CodecError(f"{self.name}: NaN or inf in input block {bad}")
         s = absmax.numpy() / np.float32(_QMAX)
         np.minimum(s, _MAX_SCALE, out=s)
         normal = s >= _FLT_MIN
         scales[:] = np.where(normal, s, np.float32(0))  # below FLT_MIN: +0.0 (never -0.0)
         # A block flushed to zero (all-zero, or tiny) divides by 1.
-        divisor = np.where(normal, s, np.float32(1)).reshape(-1, 1)
-        torch.div(x, torch.from_numpy(divisor), out=tmp)
-        tmp.round_()  # round half to even
-        # No clamp needed: s = fl(absmax / 127) gives |x / s| <= 127 * (1 + 2^-24)^2,
-        # and a scale lowered to _MAX_SCALE is off by a few ulps at most, so every
-        # quotient rounds into [-127, 127]; a block flushed to zero divides by 1
-        # values below 127 * FLT_MIN, which round to 0. The narrowing cast is exact.
-        q.copy_(tmp)
+        return torch.from_numpy(np.where(normal, s, np.float32(1)).reshape(-1, 1))
 
     def _check(self, data: memoryview, n_elements: int) -> None:
         nb = self.n_blocks(n_elements)

@@ -173,6 +173,35 @@ def test_int8_error_is_at_most_a_254th_of_the_block_absmax(block_size: int) -> N
     assert bool((err <= int8_bound(codec, x)).all())
 
 
+def numpy_int8(x: np.ndarray, block_size: int) -> bytes:
+    """The int8 layout computed the plain way, block by block, in numpy float32."""
+    tiny, qmax = np.finfo(np.float32).tiny, np.float32(127)
+    max_scale = np.float32(F32_MAX) / qmax
+    with np.errstate(over="ignore"):
+        while not np.isfinite(max_scale * qmax):
+            max_scale = np.nextafter(max_scale, np.float32(0))
+    scales, codes = [], []
+    for start in range(0, len(x), block_size):
+        block = x[start : start + block_size]
+        s = min(np.float32(np.abs(block).max()) / qmax, max_scale)
+        s = s if s >= tiny else np.float32(0)
+        scales.append(s)
+        codes.append(np.rint(block / (s if s else np.float32(1))).astype(np.int8))
+    return np.array(scales, "<f4").tobytes() + np.concatenate(codes).tobytes()
+
+
+@pytest.mark.parametrize("block_size", [16, 256, 4096])
+def test_int8_encoding_equals_the_plain_numpy_formulation_bit_for_bit(block_size: int) -> None:
+    # Several of the codec's internal pieces, and a short last block.
+    n = 3 * (1 << 18) + block_size // 2 + 3
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    x *= torch.logspace(-30, 30, n)
+    x[block_size : 2 * block_size] = 0.0
+    x[5 * block_size : 6 * block_size] *= 1e-40  # flushed to zero
+    x[-1] = F32_MAX
+    assert bytes(Int8BlockCodec(block_size).encode(x)) == numpy_int8(x.numpy(), block_size)
+
+
 def test_int8_handles_a_length_that_is_not_a_multiple_of_the_block() -> None:
     codec = Int8BlockCodec(64)
     x = torch.randn(64 * 3 + 5)
