@@ -35,7 +35,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.tasks import TaskSet
 
-from .lookup import FAILED, Candidate, KeyLookup, traverse
+from .lookup import ANSWERED, FAILED, Candidate, KeyLookup, traverse
 from .protocol import (
     ID_BYTES,
     DHTProtocolError,
@@ -335,15 +335,12 @@ class DHTNode:
         """Iterative lookups of the k closest peers to each 256-bit target, together."""
         lookups = [KeyLookup(t) for t in dict.fromkeys(targets)]
         await self._traverse(lookups, self._query_find_node)
-        # Fewer than k peers answered while some failed (a burst of timeouts from a
-        # loaded machine or a GC pause blacklists a whole neighbourhood at once):
-        # look once more, asking the peers the blacklist would skip, and keep the
-        # answers of both traversals. A healthy lookup still costs one traversal.
-        retry = {
-            id(lk): KeyLookup(lk.target)
-            for lk in lookups
-            if len(lk.answered) < self.k and any(st == FAILED for st in lk.state.values())
-        }
+        # Fewer than k peers answered and at least as many failed: more like a burst
+        # of timeouts on our side (a loaded machine, a GC pause), which blacklists a
+        # whole neighbourhood at once, than like dead peers. Look once more, asking
+        # the peers the blacklist would skip, and keep the answers of both. A healthy
+        # lookup, or a small network with a dead peer, still costs one traversal.
+        retry = {id(lk): KeyLookup(lk.target) for lk in lookups if self._mostly_failed(lk)}
         if retry:
             self._counters["node_retries"] += len(retry)
             await self._traverse(
@@ -358,6 +355,11 @@ class DHTNode:
                 lk.hops = max(lk.hops, again.hops)
             results.append(LookupResult(lk.target, lk.closest_answered(self.k), lk.hops))
         return results
+
+    def _mostly_failed(self, lk: KeyLookup) -> bool:
+        # Failed, or still pending when the lookup ended (stalled): not answered.
+        unanswered = sum(1 for state in lk.state.values() if state != ANSWERED)
+        return unanswered > 0 and len(lk.answered) <= unanswered and len(lk.answered) < self.k
 
     async def find_node(self, target: int) -> LookupResult:
         return (await self.find_nodes([target]))[0]

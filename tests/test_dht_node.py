@@ -188,6 +188,18 @@ async def test_a_lookup_whose_requests_all_timed_out_asks_again(
     assert reader.stats()["value_retries"] == 1
 
 
+async def test_a_dead_peer_in_a_small_network_costs_no_second_lookup(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(6)
+    await _kill(nodes[5])
+    (found,) = await nodes[0].find_nodes([random.getrandbits(256)])
+    assert {c.peer_id for c in found.closest} == {n.peer_id for n in nodes[1:5]}
+    stats = nodes[0].stats()
+    assert stats["requests_failed"] >= 1  # it did ask the dead peer
+    assert stats["node_retries"] == 0
+
+
 async def test_a_request_on_a_connection_the_peer_is_closing_is_sent_again(
     swarm: Callable[..., Any],
 ) -> None:
