@@ -132,6 +132,7 @@ class AllReduceService:
             ):
                 raise TypeError("tensors must be floating-point CPU torch tensors")
         codec_obj = get_codec(codec or self.config.codec)
+        await self.prepare(codec_obj.name)
         rid = group.round_id
         if rid in self._rounds or rid in self._finished:
             raise ValueError(f"round {rid.hex()[:12]} was already run here")
@@ -160,6 +161,14 @@ class AllReduceService:
         finally:
             del self._rounds[rid]
             self._remember(rnd)
+
+    async def prepare(self, codec: str | None = None) -> None:
+        """Load what `codec` (default: the configured one) needs, in a thread: the int8
+        codec's compiled loops take about half a second to load the first time in a
+        process, which would otherwise stall the event loop in the middle of a round."""
+        codec_obj = get_codec(codec or self.config.codec)
+        if not codec_obj.prepared:
+            await asyncio.to_thread(codec_obj.prepare)
 
     def close(self) -> None:
         """Stop serving; running rounds abort, pending messages are dropped."""

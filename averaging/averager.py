@@ -301,6 +301,7 @@ class Averager:
         """
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
+        await self._service.prepare(self.config.codec)  # before a group would wait for it
         exclude: set[PeerID] = set()
         reason = ""
         attempts = 0

@@ -26,10 +26,11 @@ the bytes (length, invalid scale, out-of-range code) raises `CodecError`.
 
 from __future__ import annotations
 
-import math
+import functools
 import re
 import sys
 from abc import ABC, abstractmethod
+from types import ModuleType
 from typing import ClassVar, Final
 
 import numpy as np
@@ -70,6 +71,15 @@ class Codec(ABC):
     @abstractmethod
     def encoded_size(self, n_elements: int) -> int:
         """Exact number of bytes `encode` produces for `n_elements` float32 values."""
+
+    @property
+    def prepared(self) -> bool:
+        """Whether coding can start at once (see `prepare`)."""
+        return True
+
+    def prepare(self) -> None:  # noqa: B027 (optional hook)
+        """Load what coding needs, if anything: it may take a second the first time in
+        a process, so an event loop calls this in a thread before its first round."""
 
     def encode(self, src: torch.Tensor, out: memoryview | None = None) -> memoryview:
         """Encode `src` into `out` (exactly `encoded_size` writable bytes) or a new buffer.
@@ -252,9 +262,6 @@ def _largest_safe_scale() -> np.float32:
 _MAX_SCALE: Final = _largest_safe_scale()
 _MAX_SCALE_BITS: Final = int(_MAX_SCALE.view(np.uint32))
 _QMAX: Final = 127
-# Elements coded per step: bounds the float32 temporary (1 MiB), and is large enough
-# that the fixed cost of each torch call (a few µs) stays small per element.
-_CHUNK_ELEMENTS: Final = 1 << 18
 
 
 class Int8BlockCodec(Codec):
@@ -292,71 +299,32 @@ class Int8BlockCodec(Codec):
         self.code = 0x10 | (block_size.bit_length() - 1)
         self.name = "int8" if block_size == self.DEFAULT_BLOCK_SIZE else f"int8-{block_size}"
 
+    @property
+    def prepared(self) -> bool:
+        return _int8_kernels.cache_info().currsize > 0
+
+    def prepare(self) -> None:
+        _int8_kernels()
+
     def n_blocks(self, n_elements: int) -> int:
         return -(-_check_count(n_elements) // self.block_size)
 
     def encoded_size(self, n_elements: int) -> int:
         return 4 * self.n_blocks(n_elements) + n_elements
 
-    # Whole-buffer torch ops: the block maxima and minima over the whole input in one
-    # call each, numpy for the per-block scales (a small array, where numpy costs
-    # less per call), then the division, in-place rounding and the narrowing cast a
-    # chunk of rows at a time (a cache-sized temporary). Bit-identical to the plain
-    # numpy formulation (IEEE division, round half to even), and faster: the fixed
-    # cost of each call (a few µs, slicing included) counts as much as the passes
-    # over memory, so the calls per element are kept few.
+    # The loops are compiled (int8_kernels, with numba: loaded by `prepare` or on first
+    # use, so that a process that never codes int8 does not load it), and compute
+    # exactly the formulation above, element for element.
 
     def _encode_into(self, src: torch.Tensor, dst: memoryview) -> None:
-        n, bs = src.numel(), self.block_size
-        nb, n_full = self.n_blocks(n), n // bs
-        raw = torch.frombuffer(dst, dtype=torch.uint8)
-        divisor = self._scales(src, n_full, raw[: 4 * nb].view(torch.float32).numpy())
-        q = raw[4 * nb :].view(torch.int8)
-        rows = max(1, _CHUNK_ELEMENTS // bs)
-        tmp = torch.empty((min(rows, n_full) or 1) * bs, dtype=torch.float32)
-        if n_full:
-            x_rows, q_rows = src[: n_full * bs].view(n_full, bs), q[: n_full * bs].view(n_full, bs)
-            for start in range(0, n_full, rows):
-                stop = min(start + rows, n_full)
-                t = tmp[: (stop - start) * bs].view(stop - start, bs)
-                torch.div(x_rows[start:stop], divisor[start:stop], out=t)
-                t.round_()  # round half to even
-                q_rows[start:stop].copy_(t)
-        if n_full < nb:  # the shorter last block
-            t = tmp[: n - n_full * bs]
-            torch.div(src[n_full * bs :], divisor[n_full], out=t)
-            t.round_()
-            q[n_full * bs :].copy_(t)
-        # No clamp needed: s = fl(absmax / 127) gives |x / s| <= 127 * (1 + 2^-24)^2,
-        # and a scale lowered to _MAX_SCALE is off by a few ulps at most, so every
-        # quotient rounds into [-127, 127]; a block flushed to zero divides by 1
-        # values below 127 * FLT_MIN, which round to 0. The narrowing cast is exact.
-
-    def _scales(self, src: torch.Tensor, n_full: int, scales: np.ndarray) -> torch.Tensor:
-        """Write every block's scale into `scales`; return the divisors, one per block
-        (as a column, to broadcast over the rows)."""
-        bs = self.block_size
-        absmax = torch.empty(len(scales), dtype=torch.float32)
-        if n_full:
-            # max(hi, -lo): the absmax without writing |x| anywhere. NaN propagates.
-            rows = src[: n_full * bs].view(n_full, bs)
-            full = absmax[:n_full]
-            torch.amax(rows, dim=1, out=full)
-            torch.maximum(full, torch.amin(rows, dim=1).neg_(), out=full)
-        if n_full < len(scales):
-            tail = src[n_full * bs :]
-            torch.maximum(tail.max(), tail.min().neg(), out=absmax[n_full])
-        # Non-negative float32 terms cannot cancel or overflow a float64 sum: it is
-        # finite exactly when every block's absmax is.
-        if not math.isfinite(torch.sum(absmax, dtype=torch.float64).item()):
-            bad = int(np.argmin(np.isfinite(absmax.numpy())))
+        kernels = _int8_kernels()
+        nb = self.n_blocks(src.numel())
+        scales, q = _int8_layout(np.frombuffer(dst, dtype=np.uint8), nb)
+        bad = kernels.encode(src.numpy(), self.block_size, scales, q)
+        if bad >= 0:
             raise CodecError(f"{self.name}: NaN or inf in input block {bad}")
-        s = absmax.numpy() / np.float32(_QMAX)
-        np.minimum(s, _MAX_SCALE, out=s)
-        normal = s >= _FLT_MIN
-        scales[:] = np.where(normal, s, np.float32(0))  # below FLT_MIN: +0.0 (never -0.0)
-        # A block flushed to zero (all-zero, or tiny) divides by 1.
-        return torch.from_numpy(np.where(normal, s, np.float32(1)).reshape(-1, 1))
+        if scales.base is None:  # an unaligned buffer: the scales went to a copy
+            dst[: 4 * nb] = scales.view(np.uint8)
 
     def _check(self, data: memoryview, n_elements: int) -> None:
         nb = self.n_blocks(n_elements)
@@ -375,44 +343,37 @@ class Int8BlockCodec(Codec):
             raise CodecError(f"{self.name}: quantized value -128 is outside the symmetric range")
 
     def _add_decoded(self, data: memoryview, out: torch.Tensor, weight: float) -> None:
-        # One pass per piece instead of decoding to memory and adding it back:
-        # out += weight * q * scale (addcmul), with q widened in a cache-sized buffer.
-        n, bs = out.numel(), self.block_size
-        nb, n_full = self.n_blocks(n), n // bs
-        raw = torch.frombuffer(_writable(data), dtype=torch.uint8)
-        scales = raw[: 4 * nb].view(torch.float32)
-        q = raw[4 * nb :].view(torch.int8)
-        rows = max(1, _CHUNK_ELEMENTS // bs)
-        tmp = torch.empty((min(rows, n_full) or 1) * bs, dtype=torch.float32)
-        for start in range(0, n_full, rows):
-            stop = min(start + rows, n_full)
-            widened = tmp[: (stop - start) * bs].view(-1, bs)
-            widened.copy_(q[start * bs : stop * bs].view(-1, bs))
-            y = out[start * bs : stop * bs].view(-1, bs)
-            y.addcmul_(widened, scales[start:stop, None], value=weight)
-        if n_full < nb:
-            widened = tmp[: n - n_full * bs]
-            widened.copy_(q[n_full * bs :])
-            out[n_full * bs :].addcmul_(widened, scales[n_full:], value=weight)
+        kernels = _int8_kernels()
+        scales, q = self._layout(data, out.numel())
+        kernels.add_decoded(q, scales, self.block_size, out.numpy(), np.float32(weight))
 
     def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
-        n, bs = out.numel(), self.block_size
-        nb, n_full = self.n_blocks(n), n // bs
-        raw = torch.frombuffer(_writable(data), dtype=torch.uint8)
-        scales = raw[: 4 * nb].view(torch.float32)
-        q = raw[4 * nb :].view(torch.int8)
-        # int8 -> float32 is exact, then one correctly rounded float32 multiply per
-        # element: a pure function of the bytes on every IEEE machine.
-        rows = max(1, _CHUNK_ELEMENTS // bs)
-        for start in range(0, n_full, rows):
-            stop = min(start + rows, n_full)
-            y = out[start * bs : stop * bs].view(-1, bs)
-            y.copy_(q[start * bs : stop * bs].view(-1, bs))
-            y.mul_(scales[start:stop, None])
-        if n_full < nb:
-            y = out[n_full * bs :]
-            y.copy_(q[n_full * bs :])
-            y.mul_(scales[n_full])
+        kernels = _int8_kernels()
+        scales, q = self._layout(data, out.numel())
+        kernels.decode(q, scales, self.block_size, out.numpy())
+
+    def _layout(self, data: memoryview, n_elements: int) -> tuple[np.ndarray, np.ndarray]:
+        raw = np.frombuffer(_writable(data), dtype=np.uint8)  # numba wants writable arrays
+        return _int8_layout(raw, self.n_blocks(n_elements))
+
+
+@functools.cache
+def _int8_kernels() -> ModuleType:
+    from . import int8_kernels  # the import lock makes concurrent first uses safe
+
+    return int8_kernels
+
+
+def _int8_layout(raw: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The scales and the codes of an int8 encoding, as views of its bytes (the scales
+    as an aligned copy if the bytes do not start at a multiple of 4)."""
+    head = raw[: 4 * n_blocks]
+    if head.ctypes.data % 4:
+        scales = np.empty(n_blocks, dtype=np.float32)
+        scales.view(np.uint8)[:] = head
+    else:
+        scales = head.view(np.float32)
+    return scales, raw[4 * n_blocks :].view(np.int8)
 
 
 CODECS: Final[dict[str, Codec]] = {

@@ -1,7 +1,8 @@
 """The fast paths of the codecs and of the all-reduce round, held to their plain definitions.
 
-- The int8 codec (whole-buffer torch passes) produces exactly the bytes of the plain
-  numpy formulation of its documented layout, and decodes them to exactly its values.
+- The int8 codec (compiled loops) produces exactly the bytes of the plain numpy
+  formulation of its documented layout, decodes them to exactly its values, and adds
+  them to a sum exactly as documented, whatever the alignment of the buffers.
 - `check` + `decode_checked` are `decode` split in two: the same bytes are refused.
 - `add_decoded` (what an owner sums with) adds weight * decode(bytes), deterministically.
 - A round whose input is one contiguous float32 tensor decodes the encoded average
@@ -12,8 +13,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -87,12 +91,91 @@ def test_int8_bytes_and_values_are_those_of_the_plain_definition(
 
 
 def test_int8_matches_its_definition_on_large_chunked_inputs() -> None:
-    """Beyond one internal piece of rows, with a short last block."""
+    """Many blocks, with a short last block."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn((1 << 19) + 77, generator=g) * torch.rand((1 << 19) + 77, generator=g) * 50
     codec = get_codec("int8")
     data = bytes(codec.encode(x))
     assert data == reference_int8_encode(x.numpy(), 256)
+
+
+@pytest.mark.parametrize("n", [1, 256, 1000, (1 << 18) + 3])
+def test_int8_add_decoded_is_out_plus_decoded_times_weight_in_float32(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    codec = get_codec("int8")
+    data = bytes(codec.encode(torch.randn(n, generator=g) * 40))
+    base = torch.randn(n, generator=g)
+    out = base.clone()
+    codec.add_decoded(bytearray(data), out, 0.3)
+    decoded = reference_int8_decode(data, n, 256)
+    expected = base.numpy() + decoded * np.float32(0.3)  # float32 throughout
+    assert out.numpy().view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_int8_codes_to_and_from_buffers_that_do_not_start_on_a_float(offset: int) -> None:
+    # Receive slots and staging buffers are slices: their scales may be unaligned.
+    codec = get_codec("int8-16")
+    x = torch.randn(1000) * 9
+    expected = bytes(codec.encode(x))
+    backing = bytearray(len(expected) + offset)
+    view = memoryview(backing)[offset:]
+    codec.encode(x, view)
+    assert bytes(view) == expected
+    out, ref = torch.empty(1000), torch.empty(1000)
+    codec.decode(expected, ref)
+    codec.decode(view, out)
+    assert torch.equal(out, ref)
+    summed = torch.ones(1000)
+    codec.add_decoded(view, summed, 1.0)
+    assert torch.equal(summed, torch.ones(1000) + ref)
+
+
+LOAD_WITHOUT_STALLING = """
+import asyncio, json, sys, time
+import uvloop
+from shoal.averaging.allreduce import AllReduceService
+from shoal.averaging.compression import get_codec
+from shoal.transport.host import Host
+from shoal.transport.identity import Identity
+
+async def main():
+    host = Host(Identity.generate())
+    service = AllReduceService(host)
+    lags, stop = [], False
+    async def tick():
+        while not stop:
+            t = time.perf_counter()
+            await asyncio.sleep(0.002)
+            lags.append(time.perf_counter() - t - 0.002)
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)
+    assert not get_codec("int8").prepared
+    start = time.perf_counter()
+    await service.prepare("int8")
+    took = time.perf_counter() - start
+    stop = True
+    await ticker
+    print(json.dumps({"took": took, "lag": max(lags), "prepared": get_codec("int8").prepared}))
+
+uvloop.run(main())
+"""
+
+
+def test_the_int8_codec_loads_its_compiled_loops_without_stalling_the_event_loop() -> None:
+    # A fresh interpreter: the loops are not loaded yet. Loading them inline would stall
+    # the loop for the whole load (heartbeats and deadlines of a round with it).
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_STALLING],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["prepared"]
+    assert report["lag"] < 0.5 * report["took"], report
 
 
 # --- check + decode_checked = decode -----------------------------------------------------------

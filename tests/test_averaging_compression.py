@@ -192,7 +192,7 @@ def numpy_int8(x: np.ndarray, block_size: int) -> bytes:
 
 @pytest.mark.parametrize("block_size", [16, 256, 4096])
 def test_int8_encoding_equals_the_plain_numpy_formulation_bit_for_bit(block_size: int) -> None:
-    # Several of the codec's internal pieces, and a short last block.
+    # Many blocks, a short last block, zero and flushed blocks, the largest float.
     n = 3 * (1 << 18) + block_size // 2 + 3
     x = torch.randn(n, generator=torch.Generator().manual_seed(5))
     x *= torch.logspace(-30, 30, n)
