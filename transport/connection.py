@@ -72,7 +72,15 @@ _RECV_BUFFER_IDLE = 4096
 _SMALL_RECORD = 2048
 _RECV_BUFFER_BUSY = 1024 * 1024
 _PLAINTEXT_POOL = 64  # reusable record buffers per connection (4 MiB while busy)
-_BODY_POOL = 8  # reusable bulk body buffers per connection, each way (2 MiB while busy)
+# Reusable bulk body buffers per connection. Received bodies that no reader posted a
+# buffer for wait in the stream until it is read, so up to a full window of them
+# (max_window / MAX_BULK_BODY = 64) can be out at once: a smaller pool would run
+# dry and allocate (and zero) a fresh buffer per body, which took a quarter of the
+# receiver's CPU in bench/transport.py. The pool keeps only what was in use at once
+# (then up to 16 MiB) and is emptied when the connection goes quiet. Sent bodies
+# are out only until the kernel takes them.
+_BODY_POOL_IN = 64
+_BODY_POOL_OUT = 8
 # Queued pieces this large go as bulk bodies: below it, the extra AEAD call and BULK
 # frame cost more than copying into a message.
 _BULK_MIN = 16 * 1024
@@ -444,8 +452,8 @@ class Connection(asyncio.BufferedProtocol):
         self._buf = bytearray(_RECV_BUFFER_IDLE)
         # Reusable buffers to decrypt records and bodies into, and to encrypt bodies into.
         self._plaintexts = _BufferPool(MAX_MESSAGE_PLAINTEXT, _PLAINTEXT_POOL)
-        self._bodies_in = _BufferPool(MAX_BULK_BODY, _BODY_POOL)
-        self._bodies_out = _BufferPool(MAX_BULK_BODY + _TAG, _BODY_POOL)
+        self._bodies_in = _BufferPool(MAX_BULK_BODY, _BODY_POOL_IN)
+        self._bodies_out = _BufferPool(MAX_BULK_BODY + _TAG, _BODY_POOL_OUT)
         self._body: BulkIncoming | None = None  # announced, and next on the wire
         # Record processing paused for one loop iteration (see _process_records), and
         # the body it paused for (it pauses once per body).
