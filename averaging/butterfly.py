@@ -993,18 +993,13 @@ class ButterflyRound:
                 out[start:stop].copy_(part)
             return
         # With a codec: other members' inputs are checked encoded bytes, decoded
-        # straight into the sum.
-        if isinstance(first, torch.Tensor):
-            torch.mul(first, w, out=out)
-        else:
-            self.codec.decode_checked(first, out)
-            if w != 1.0:
-                out.mul_(w)
-        for x, w in inputs[1:]:
+        # straight into the sum (one pass each; the codec's own loops where it has them).
+        out.zero_()
+        for x, wx in inputs:
             if isinstance(x, torch.Tensor):
-                out.add_(x, alpha=w)
+                self.codec.add_plain(x, out, wx)
             else:
-                self.codec.add_decoded(x, out, w)
+                self.codec.add_decoded(x, out, wx)
         assert encoded is not None
         try:
             self.codec.encode(out, encoded)

@@ -134,6 +134,17 @@ class Codec(ABC):
         if len(mv):
             self._add_decoded(mv, y, weight)
 
+    def add_plain(self, src: torch.Tensor, out: torch.Tensor, weight: float) -> None:
+        """``out += weight * src`` for float32 values that were never encoded (the
+        summing member's own input), in the same kind of arithmetic as `add_decoded`."""
+        x, y = _check_src(src), _check_out(out)
+        if x.numel() != y.numel():
+            raise ValueError(f"src has {x.numel()} elements, out {y.numel()}")
+        self._add_plain(x, y, weight)
+
+    def _add_plain(self, src: torch.Tensor, out: torch.Tensor, weight: float) -> None:
+        out.add_(src, alpha=weight)
+
     def _add_decoded(self, data: memoryview, out: torch.Tensor, weight: float) -> None:
         decoded = torch.empty_like(out)
         self._decode_from(data, decoded)
@@ -346,6 +357,9 @@ class Int8BlockCodec(Codec):
         kernels = _int8_kernels()
         scales, q = self._layout(data, out.numel())
         kernels.add_decoded(q, scales, self.block_size, out.numpy(), np.float32(weight))
+
+    def _add_plain(self, src: torch.Tensor, out: torch.Tensor, weight: float) -> None:
+        _int8_kernels().add_scaled(src.numpy(), out.numpy(), np.float32(weight))
 
     def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
         kernels = _int8_kernels()

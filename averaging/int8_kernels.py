@@ -32,7 +32,7 @@ from numba.core.errors import NumbaWarning
 
 from .compression import _FLT_MIN, _MAX_SCALE
 
-__all__ = ["add_decoded", "decode", "encode"]
+__all__ = ["add_decoded", "add_scaled", "decode", "encode"]
 
 _ABS_MASK: Final = np.uint32(0x7FFFFFFF)
 _INF_BITS: Final = np.uint32(0x7F800000)  # |x| bits at or above this: inf or NaN
@@ -123,3 +123,10 @@ def add_decoded(
         ys = out[lo:hi]
         for i in range(qs.shape[0]):
             ys[i] += (np.float32(qs[i]) * s) * weight
+
+
+@_jit("void(float32[::1], float32[::1], float32)")
+def add_scaled(x: np.ndarray, out: np.ndarray, weight: np.float32) -> None:
+    """out += x * weight, in float32: the summing member's own input."""
+    for i in range(out.shape[0]):
+        out[i] += x[i] * weight

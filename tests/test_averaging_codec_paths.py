@@ -4,7 +4,8 @@
   formulation of its documented layout, decodes them to exactly its values, and adds
   them to a sum exactly as documented, whatever the alignment of the buffers.
 - `check` + `decode_checked` are `decode` split in two: the same bytes are refused.
-- `add_decoded` (what an owner sums with) adds weight * decode(bytes), deterministically.
+- `add_decoded` and `add_plain` (what an owner sums with) add weight * decode(bytes) and
+  weight * its own input, deterministically.
 - A round whose input is one contiguous float32 tensor decodes the encoded average
   straight into that tensor on commit: bit-identical on every member, identical to the
   round over the same values cut into several tensors, and nothing written on abort.
@@ -97,6 +98,25 @@ def test_int8_matches_its_definition_on_large_chunked_inputs() -> None:
     codec = get_codec("int8")
     data = bytes(codec.encode(x))
     assert data == reference_int8_encode(x.numpy(), 256)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp16", "bf16", "none"])
+def test_add_plain_adds_the_weighted_own_input_like_float32_arithmetic(name: str) -> None:
+    # The summing member's own input is added as is (it was never encoded).
+    codec = get_codec(name)
+    g = torch.Generator().manual_seed(7)
+    x, base = torch.randn(3001, generator=g) * 5, torch.randn(3001, generator=g)
+    out = base.clone()
+    codec.add_plain(x, out, 0.3)
+    again = base.clone()
+    codec.add_plain(x, again, 0.3)
+    assert torch.equal(out, again)  # the same bits every time
+    if name == "int8":  # the compiled loop: out + x * w, each step rounded to float32
+        expected = base.numpy() + x.numpy() * np.float32(0.3)
+        assert out.numpy().view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    assert torch.allclose(out.double(), base.double() + 0.3 * x.double(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="elements"):
+        codec.add_plain(x[:10], out, 1.0)
 
 
 @pytest.mark.parametrize("n", [1, 256, 1000, (1 << 18) + 3])
