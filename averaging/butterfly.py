@@ -994,12 +994,11 @@ class ButterflyRound:
             return
         # With a codec: other members' inputs are checked encoded bytes, decoded
         # straight into the sum (one pass each; the codec's own loops where it has them).
-        out.zero_()
-        for x, wx in inputs:
+        for k, (x, wx) in enumerate(inputs):
             if isinstance(x, torch.Tensor):
-                self.codec.add_plain(x, out, wx)
+                self.codec.add_plain(x, out, wx, overwrite=k == 0)
             else:
-                self.codec.add_decoded(x, out, wx)
+                self.codec.add_decoded(x, out, wx, overwrite=k == 0)
         assert encoded is not None
         try:
             self.codec.encode(out, encoded)

@@ -123,29 +123,46 @@ class Codec(ABC):
         if len(mv):
             self._decode_from(mv, y)
 
-    def add_decoded(self, data: BytesLike, out: torch.Tensor, weight: float) -> None:
-        """``out += weight * decode(data)``, for bytes that `check` accepted for
-        `out.numel()` elements. Deterministic, but not rounded like a decode followed
-        by an add: for a sum that one party computes (and then encodes)."""
+    def add_decoded(
+        self, data: BytesLike, out: torch.Tensor, weight: float, *, overwrite: bool = False
+    ) -> None:
+        """``out += weight * decode(data)`` (with `overwrite`: ``out = ...``, whatever
+        `out` held), for bytes that `check` accepted for `out.numel()` elements.
+        Deterministic, but not rounded like a decode followed by an add: for a sum
+        that one party computes (and then encodes)."""
         y = _check_out(out)
         mv = _src_view(data, self.name)
         if len(mv) != self.encoded_size(y.numel()):
             raise CodecError(f"{self.name}: {len(mv)} bytes do not encode {y.numel()} elements")
         if len(mv):
-            self._add_decoded(mv, y, weight)
+            self._add_decoded(mv, y, weight, overwrite)
 
-    def add_plain(self, src: torch.Tensor, out: torch.Tensor, weight: float) -> None:
-        """``out += weight * src`` for float32 values that were never encoded (the
-        summing member's own input), in the same kind of arithmetic as `add_decoded`."""
+    def add_plain(
+        self, src: torch.Tensor, out: torch.Tensor, weight: float, *, overwrite: bool = False
+    ) -> None:
+        """``out += weight * src`` (with `overwrite`: ``out = ...``) for float32 values
+        that were never encoded (the summing member's own input), in the same kind of
+        arithmetic as `add_decoded`."""
         x, y = _check_src(src), _check_out(out)
         if x.numel() != y.numel():
             raise ValueError(f"src has {x.numel()} elements, out {y.numel()}")
-        self._add_plain(x, y, weight)
+        self._add_plain(x, y, weight, overwrite)
 
-    def _add_plain(self, src: torch.Tensor, out: torch.Tensor, weight: float) -> None:
-        out.add_(src, alpha=weight)
+    def _add_plain(
+        self, src: torch.Tensor, out: torch.Tensor, weight: float, overwrite: bool
+    ) -> None:
+        if overwrite:
+            torch.mul(src, weight, out=out)
+        else:
+            out.add_(src, alpha=weight)
 
-    def _add_decoded(self, data: memoryview, out: torch.Tensor, weight: float) -> None:
+    def _add_decoded(
+        self, data: memoryview, out: torch.Tensor, weight: float, overwrite: bool
+    ) -> None:
+        if overwrite:
+            self._decode_from(data, out)
+            out.mul_(weight)
+            return
         decoded = torch.empty_like(out)
         self._decode_from(data, decoded)
         out.add_(decoded, alpha=weight)
@@ -353,13 +370,18 @@ class Int8BlockCodec(Codec):
         if raw[4 * nb :].view(np.int8).min() < -_QMAX:
             raise CodecError(f"{self.name}: quantized value -128 is outside the symmetric range")
 
-    def _add_decoded(self, data: memoryview, out: torch.Tensor, weight: float) -> None:
+    def _add_decoded(
+        self, data: memoryview, out: torch.Tensor, weight: float, overwrite: bool
+    ) -> None:
         kernels = _int8_kernels()
         scales, q = self._layout(data, out.numel())
-        kernels.add_decoded(q, scales, self.block_size, out.numpy(), np.float32(weight))
+        y, w = out.numpy(), np.float32(weight)
+        kernels.add_decoded(q, scales, self.block_size, y, w, not overwrite)
 
-    def _add_plain(self, src: torch.Tensor, out: torch.Tensor, weight: float) -> None:
-        _int8_kernels().add_scaled(src.numpy(), out.numpy(), np.float32(weight))
+    def _add_plain(
+        self, src: torch.Tensor, out: torch.Tensor, weight: float, overwrite: bool
+    ) -> None:
+        _int8_kernels().add_scaled(src.numpy(), out.numpy(), np.float32(weight), not overwrite)
 
     def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
         kernels = _int8_kernels()

@@ -109,11 +109,17 @@ def decode(q: np.ndarray, scales: np.ndarray, block_size: int, out: np.ndarray) 
             ys[i] = np.float32(qs[i]) * s
 
 
-@_jit("void(int8[::1], float32[::1], int64, float32[::1], float32)")
+@_jit("void(int8[::1], float32[::1], int64, float32[::1], float32, boolean)")
 def add_decoded(
-    q: np.ndarray, scales: np.ndarray, block_size: int, out: np.ndarray, weight: np.float32
+    q: np.ndarray,
+    scales: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+    weight: np.float32,
+    accumulate: bool,
 ) -> None:
-    """out += (q * scale) * weight, in float32, in that order."""
+    """out += (q * scale) * weight, in float32, in that order (not accumulating:
+    out = (q * scale) * weight)."""
     n = out.shape[0]
     for b in range(scales.shape[0]):
         lo = b * block_size
@@ -121,12 +127,21 @@ def add_decoded(
         s = scales[b]
         qs = q[lo:hi]
         ys = out[lo:hi]
-        for i in range(qs.shape[0]):
-            ys[i] += (np.float32(qs[i]) * s) * weight
+        if accumulate:
+            for i in range(qs.shape[0]):
+                ys[i] += (np.float32(qs[i]) * s) * weight
+        else:
+            for i in range(qs.shape[0]):
+                ys[i] = (np.float32(qs[i]) * s) * weight
 
 
-@_jit("void(float32[::1], float32[::1], float32)")
-def add_scaled(x: np.ndarray, out: np.ndarray, weight: np.float32) -> None:
-    """out += x * weight, in float32: the summing member's own input."""
-    for i in range(out.shape[0]):
-        out[i] += x[i] * weight
+@_jit("void(float32[::1], float32[::1], float32, boolean)")
+def add_scaled(x: np.ndarray, out: np.ndarray, weight: np.float32, accumulate: bool) -> None:
+    """out += x * weight, in float32 (not accumulating: out = x * weight): the
+    summing member's own input."""
+    if accumulate:
+        for i in range(out.shape[0]):
+            out[i] += x[i] * weight
+    else:
+        for i in range(out.shape[0]):
+            out[i] = x[i] * weight

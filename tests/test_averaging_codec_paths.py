@@ -117,6 +117,10 @@ def test_add_plain_adds_the_weighted_own_input_like_float32_arithmetic(name: str
     assert torch.allclose(out.double(), base.double() + 0.3 * x.double(), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="elements"):
         codec.add_plain(x[:10], out, 1.0)
+    # The first term of a sum overwrites whatever the buffer held.
+    first = torch.full((3001,), float("nan"))
+    codec.add_plain(x, first, 0.3, overwrite=True)
+    assert torch.allclose(first.double(), 0.3 * x.double(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("n", [1, 256, 1000, (1 << 18) + 3])
@@ -130,6 +134,10 @@ def test_int8_add_decoded_is_out_plus_decoded_times_weight_in_float32(n: int) ->
     decoded = reference_int8_decode(data, n, 256)
     expected = base.numpy() + decoded * np.float32(0.3)  # float32 throughout
     assert out.numpy().view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    first = torch.full((n,), float("nan"))  # the first term overwrites what was there
+    codec.add_decoded(bytearray(data), first, 0.3, overwrite=True)
+    expected = decoded * np.float32(0.3)
+    assert first.numpy().view(np.uint32).tolist() == expected.view(np.uint32).tolist()
 
 
 @pytest.mark.parametrize("offset", [1, 2, 3])
