@@ -116,6 +116,7 @@ class GossipAverager:
         return self._participants
 
     async def step(self, round_number: int, weight: float = 1.0) -> GossipResult:
+        await self._service.prepare(self.config.codec)  # before a partner would wait for it
         await self.announce()
         partner = pairing(await self.participants(), self.key, round_number).get(self.dht.peer_id)
         if partner is None:
