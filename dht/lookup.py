@@ -107,10 +107,12 @@ async def traverse(
     on_failure: Callable[[Candidate, BaseException], None],
     blocked: Callable[[PeerID], bool],
     max_in_flight: int = 64,
+    clock: Callable[[], float] | None = None,
 ) -> None:
     """Run the lookups to convergence. Every request task is owned here and
-    cancelled before returning."""
+    cancelled before returning. `clock` (default: the loop's) is for tests."""
     loop = asyncio.get_running_loop()
+    now_fn = clock or loop.time
     in_flight: dict[asyncio.Task[list[list[WireContact]]], tuple[Candidate, list[KeyLookup]]] = {}
     # When each request stalls, keyed by task: one peer may have two requests in
     # flight (asked for one key, then, before answering, picked for another key by a
@@ -121,7 +123,7 @@ async def traverse(
     stalls_at: dict[asyncio.Task[list[list[WireContact]]], float] = {}
     try:
         while True:
-            now = loop.time()
+            now = now_fn()
             stalled = {in_flight[t][0].peer_id for t, at in stalls_at.items() if now >= at}
             active = [lk for lk in lookups if not lk.done]
             wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
@@ -177,7 +179,7 @@ async def traverse(
                     lk.state[pid] = ASKED
                 task = loop.create_task(query(cand, lks))
                 in_flight[task] = (cand, lks)
-                stalls_at[task] = loop.time() + stall_after
+                stalls_at[task] = now_fn() + stall_after
             if not in_flight:
                 if all(lk.done for lk in lookups) or not wanted:
                     for lk in lookups:
@@ -186,10 +188,13 @@ async def traverse(
                 continue  # everything wanted was blocked: pick again
             if all(lk.done for lk in lookups):
                 return
-            # Wake on the next answer, or when the oldest pending request stalls.
-            now = loop.time()
-            unstalled = [at for at in stalls_at.values() if at > now]
-            timeout = (min(unstalled) - now) if unstalled else None
+            # Wake on the next answer, or when the next request that this pass did not
+            # count as stalled does. Decided by the same `stalled` set as the picks
+            # above, not by a second reading of the clock: a deadline that passed in
+            # between was neither acted on nor waited for, and the lookup waited for
+            # the slow peer's answer (a timeout of None) instead of asking the next.
+            pending = [at for t, at in stalls_at.items() if in_flight[t][0].peer_id not in stalled]
+            timeout = max(0.0, min(pending) - now_fn()) if pending else None
             done, _ = await asyncio.wait(
                 in_flight, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )

@@ -39,12 +39,18 @@ def roundtrip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_bound(codec: Int8BlockCodec, x: torch.Tensor) -> torch.Tensor:
-    """Per-element bound absmax/254 of the element's block, plus float32 rounding slack."""
+    """Per-element bound absmax/254 of the element's block, plus float32 rounding slack.
+
+    With s = fl(absmax / 127), q = rint(fl(x / s)) and y = fl(q * s), each of the three
+    roundings is at most 2^-24 relative, on values up to 127 s, so
+    |y - x| <= s/2 + 2 * 127 s * 2^-24 = absmax/254 * (1 + 3.1e-5), and the float32
+    subtraction that measures it adds 2^-24 more: 4e-5 covers all of it. (1e-5 did not:
+    about 1 input in 700 of the test below came out a few ulps over.)"""
     bs = codec.block_size
     pad = (-x.numel()) % bs
     absmax = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, bs).amax(dim=1)
     per_element = absmax.repeat_interleave(bs)[: x.numel()]
-    return per_element / 254 * (1 + 1e-5) + 1.5e-36
+    return per_element / 254 * (1 + 4e-5) + 1.5e-36
 
 
 # --- registry -------------------------------------------------------------------------
@@ -168,7 +174,8 @@ def test_bf16_clamps_values_that_would_round_up_to_inf() -> None:
 @pytest.mark.parametrize("block_size", [16, 64, 256, 1024])
 def test_int8_error_is_at_most_a_254th_of_the_block_absmax(block_size: int) -> None:
     codec = Int8BlockCodec(block_size)
-    x = torch.randn(50_000) * torch.logspace(-3, 3, 50_000)
+    g = torch.Generator().manual_seed(block_size)
+    x = torch.randn(50_000, generator=g) * torch.logspace(-3, 3, 50_000)
     err = (roundtrip(codec, x) - x).abs()
     assert bool((err <= int8_bound(codec, x)).all())
 

@@ -84,3 +84,43 @@ async def test_a_stalled_peer_stops_holding_the_lookup() -> None:
         )
     assert events == ["slow asked", "other asked"]  # done without the slow answer
     assert lk.done
+
+
+async def test_a_deadline_passing_between_two_clock_readings_still_counts_as_a_stall() -> None:
+    """The clock read at the top of a pass (deadline not yet reached) and again to size
+    the wait (deadline passed): the lookup must wake to count the stall, not wait for
+    the slow peer's answer. Scripted clock: this is the race CI once hit."""
+    slow, other = _peers(2)
+    lk = KeyLookup(node_id(slow), "k", quorum=1)
+    lk.add(_cand(slow))
+    lk.add(_cand(other))
+    # pass 1: top, the slow peer's deadline (0.05), the wait; pass 2: top (before the
+    # deadline), the wait (after it); then time moves on.
+    script = iter([0.0, 0.0, 0.0, 0.049, 0.051])
+    later = [0.051]
+
+    def clock() -> float:
+        value = next(script, None)
+        if value is None:
+            later[0] += 0.01
+            value = later[0]
+        return value
+
+    async def query(cand: Candidate, lookups: list[KeyLookup]) -> Any:
+        if cand.peer_id == slow:
+            await asyncio.sleep(30)
+        lookups[0].holders.append(cand)
+        return [[]]
+
+    async with asyncio.timeout(5):
+        await traverse(
+            [lk],
+            query,
+            k=20,
+            alpha=1,
+            stall_after=0.05,
+            on_failure=lambda c, e: None,
+            blocked=lambda p: False,
+            clock=clock,
+        )
+    assert [c.peer_id for c in lk.holders] == [other]
