@@ -6,8 +6,9 @@ Two kinds of series:
   custom collector), so they never drift from /status and cost nothing between
   scrapes: shoal_step, shoal_loss, shoal_tokens_per_second,
   shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
-  shoal_dht_peers, shoal_uptime_seconds and
-  shoal_info{peer_id,version,experiment,reachability} (always 1). A value the
+  shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
+  shoal_device_memory_used_bytes, shoal_device_memory_total_bytes and
+  shoal_info{peer_id,version,experiment,reachability,device} (always 1). A value the
   peer does not know yet (loss before the first step) is left out rather than
   exported as 0.
 - Events the daemon reports: `observe_round()` feeds shoal_rounds_total{outcome},
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -117,6 +118,7 @@ class _StatusCollector(Collector):
                 "version": str(status.get("version") or ""),
                 "experiment": str(status.get("experiment") or ""),
                 "reachability": str(status.get("reachability") or "unknown"),
+                "device": str(device_name(status)),
             },
         )
         yield info
@@ -126,6 +128,23 @@ class _StatusCollector(Collector):
             "shoal_tokens_per_second",
             "Training throughput of this peer.",
             status.get("tokens_per_s"),
+        )
+        yield from _gauge(
+            "shoal_mfu",
+            "Model FLOPs utilization of the training device (0-1; absent when its peak is "
+            "unknown).",
+            status.get("mfu"),
+        )
+        device = status.get("device") or {}
+        yield from _gauge(
+            "shoal_device_memory_used_bytes",
+            "Memory the training holds on its device (the process' RSS on the CPU).",
+            device.get("memory_used_bytes"),
+        )
+        yield from _gauge(
+            "shoal_device_memory_total_bytes",
+            "Memory of the training device.",
+            device.get("memory_total_bytes"),
         )
         yield from _gauge(
             "shoal_dht_peers", "Peers in the DHT routing table.", status.get("dht_peers")
@@ -153,6 +172,11 @@ class _StatusCollector(Collector):
 def _gauge(name: str, documentation: str, value: object) -> Iterator[Metric]:
     if _is_number(value):
         yield GaugeMetricFamily(name, documentation, value=value)  # type: ignore[arg-type]
+
+
+def device_name(status: dict[str, Any]) -> str:
+    device = status.get("device") or {}
+    return f"{device.get('kind')}: {device.get('name')}" if device else ""
 
 
 def _is_number(value: object) -> bool:
