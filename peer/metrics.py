@@ -8,7 +8,8 @@ Two kinds of series:
   shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
   shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
   shoal_device_memory_used_bytes, shoal_device_memory_total_bytes and
-  shoal_info{peer_id,version,experiment,reachability,device} (always 1). A value the
+  shoal_info{peer_id,version,experiment,reachability} and
+  shoal_device_info{kind,name} (always 1). A value the
   peer does not know yet (loss before the first step) is left out rather than
   exported as 0.
 - Events the daemon reports: `observe_round()` feeds shoal_rounds_total{outcome},
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -118,7 +119,6 @@ class _StatusCollector(Collector):
                 "version": str(status.get("version") or ""),
                 "experiment": str(status.get("experiment") or ""),
                 "reachability": str(status.get("reachability") or "unknown"),
-                "device": str(device_name(status)),
             },
         )
         yield info
@@ -136,6 +136,12 @@ class _StatusCollector(Collector):
             status.get("mfu"),
         )
         device = status.get("device") or {}
+        if device:
+            device_info = InfoMetricFamily("shoal_device", "Where this peer trains.")
+            device_info.add_metric(
+                [], {"kind": str(device.get("kind")), "name": str(device.get("name"))}
+            )
+            yield device_info
         yield from _gauge(
             "shoal_device_memory_used_bytes",
             "Memory the training holds on its device (the process' RSS on the CPU).",
@@ -172,11 +178,6 @@ class _StatusCollector(Collector):
 def _gauge(name: str, documentation: str, value: object) -> Iterator[Metric]:
     if _is_number(value):
         yield GaugeMetricFamily(name, documentation, value=value)  # type: ignore[arg-type]
-
-
-def device_name(status: dict[str, Any]) -> str:
-    device = status.get("device") or {}
-    return f"{device.get('kind')}: {device.get('name')}" if device else ""
 
 
 def _is_number(value: object) -> bool:
