@@ -63,12 +63,12 @@ from shoal.dht.node import DHTNode
 
 from .allreduce import AllReduceService
 from .averager import Averager, AveragerConfig, StepResult, restored_version
+from .host_state import check_params, copy_into, delta_into, host_clone, host_zeros
 from .outer import (
     RoundGate,
     RoundReport,
     allreduce_config,
     check_like,
-    copy_into,
     matchmaking_config,
     nesterov_outer_step,
     state_protocol,
@@ -82,16 +82,6 @@ __all__ = ["DiLoCo", "StreamingDiLoCo", "split_fragments"]
 FINISH_MARGIN = 5.0
 # A catch-up round after a re-sync is tried only with this much of the round's time left.
 CATCH_UP_MIN_TIME = 1.0
-
-
-def _check_params(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    params = list(params)
-    if not params:
-        raise ValueError("no parameters to optimize")
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.device.type != "cpu":
-            raise TypeError(f"parameter {i} must be a floating-point CPU tensor")
-    return params
 
 
 def _outcome(result: StepResult) -> str:
@@ -154,12 +144,12 @@ class DiLoCo:
         self.dht = dht
         self.key = key
         self.options = dict(options)
-        self.params = _check_params(params)
+        self.params = check_params(params)
         self.inner_steps_per_round: int = self.options["inner_steps"]
         with torch.no_grad():
-            self.globals = [p.detach().clone() for p in self.params]
+            self.globals = [host_clone(p) for p in self.params]
         self.momentum = [torch.zeros_like(g) for g in self.globals]
-        self.deltas = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self.deltas = [host_zeros(p) for p in self.params]
         self.averager = Averager(
             dht,
             key,
@@ -230,8 +220,7 @@ class DiLoCo:
         sent = host.bytes_sent
         started = time.monotonic()
         with torch.no_grad():
-            for d, g, p in zip(self.deltas, self.globals, self.params, strict=True):
-                d.copy_(g - p)
+            delta_into(self.deltas, self.globals, self.params)
         timeout = float(self.options["round_timeout"])
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
         if result.resynced:
@@ -353,7 +342,7 @@ class StreamingDiLoCo:
         self.dht = dht
         self.key = key
         self.options = dict(options)
-        self.params = _check_params(params)
+        self.params = check_params(params)
         h = self.inner_steps_per_round = int(self.options["inner_steps"])
         count = int(self.options["fragments"])
         if count > len(self.params):
@@ -368,14 +357,14 @@ class StreamingDiLoCo:
         for i, indices in enumerate(split_fragments([p.numel() for p in self.params], count)):
             local = [self.params[j] for j in indices]
             with torch.no_grad():
-                globals_ = [p.detach().clone() for p in local]
+                globals_ = [host_clone(p) for p in local]
             frag = _Fragment(
                 index=i,
                 offset=i * h // count,
                 params=local,
                 globals=globals_,
                 momentum=[torch.zeros_like(g) for g in globals_],
-                deltas=[torch.zeros(p.shape, dtype=torch.float32) for p in local],
+                deltas=[host_zeros(p) for p in local],
             )
             fkey = f"{key}/fragment{i}"
             frag.averager = Averager(
@@ -494,8 +483,7 @@ class StreamingDiLoCo:
 
     def _start_round(self, frag: _Fragment) -> None:
         with torch.no_grad():
-            for d, g, p in zip(frag.deltas, frag.globals, frag.params, strict=True):
-                d.copy_(g - p)
+            delta_into(frag.deltas, frag.globals, frag.params)
         frag.weight, frag.samples = frag.samples, 0
         frag.started_at, frag.finished_at = self.inner_steps, None
         task = asyncio.get_running_loop().create_task(

@@ -52,12 +52,12 @@ from shoal.dht.node import DHTNode
 
 from .fingerprint import state_fingerprint
 from .gossip import GossipAverager, GossipConfig, GossipResult
+from .host_state import check_params, copy_into, delta_into, host_clone, host_zeros
 from .outer import (
     RoundGate,
     RoundReport,
     allreduce_config,
     check_like,
-    copy_into,
     nesterov_outer_step,
     state_protocol,
 )
@@ -83,17 +83,12 @@ class NoLoCo:
         self.dht = dht
         self.key = key
         self.options = dict(options)
-        self.params = list(params)
-        if not self.params:
-            raise ValueError("no parameters to optimize")
-        for i, p in enumerate(self.params):
-            if not p.is_floating_point() or p.device.type != "cpu":
-                raise TypeError(f"parameter {i} must be a floating-point CPU tensor")
+        self.params = check_params(params)
         self.inner_steps_per_round: int = self.options["inner_steps"]
         with torch.no_grad():
-            self.outer = [p.detach().clone() for p in self.params]
-        self.momentum = [torch.zeros_like(t) for t in self.outer]
-        self._deltas = [torch.zeros_like(t) for t in self.outer]
+            self.outer = [host_clone(p) for p in self.params]
+        self.momentum = [host_zeros(p) for p in self.params]
+        self._deltas = [host_zeros(p) for p in self.params]
         # What is exchanged: a copy of the post-step outer parameters (float32, the
         # all-reduce's dtype), sent from its own storage while nothing else writes it.
         self._mixed = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
@@ -163,8 +158,7 @@ class NoLoCo:
         sent = host.bytes_sent
         started = time.monotonic()
         with torch.no_grad():
-            for d, o, p in zip(self._deltas, self.outer, self.params, strict=True):
-                d.copy_(o - p)
+            delta_into(self._deltas, self.outer, self.params)
         nesterov_outer_step(
             self.outer,
             self._deltas,

@@ -281,12 +281,6 @@ class RoundGate:
         return True
 
 
-def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for d, s in zip(dst, src, strict=True):
-            d.copy_(s)
-
-
 def check_like(what: str, got: object, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`got` as a list of tensors shaped like `like` (a checkpoint's entry), else ValueError."""
     if not isinstance(got, list | tuple) or len(got) != len(like):

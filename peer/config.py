@@ -47,6 +47,9 @@ DEFAULT_INNER_STEPS = 50
 DEFAULT_STATUS_ADDR = "127.0.0.1:8080"
 DEFAULT_CHECKPOINT_INTERVAL = 300.0
 REACHABILITY_MODES = ("auto", "public", "private")
+# The arithmetic of an experiment's inner steps (autocast dtype; parameters stay fp32).
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DEVICE_FORM = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 IDENTITY_FILE = "identity.key"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -218,6 +221,23 @@ OPTIONS: dict[str, Option] = {
             "torch's default (the cores)",
         ),
         Option(
+            "device",
+            "SHOAL_DEVICE",
+            "where to train: auto (the first CUDA GPU, else an Apple GPU, else the CPU), "
+            "cpu, cuda, cuda:N or mps",
+            "DEVICE",
+            "auto",
+        ),
+        Option(
+            "precision",
+            "SHOAL_PRECISION",
+            "arithmetic of a hosted experiment's training, one of "
+            + ", ".join(PRECISIONS)
+            + " (every peer uses the experiment's; bf16 suits Ampere and newer GPUs)",
+            "P",
+            "fp32",
+        ),
+        Option(
             "reachability",
             "SHOAL_REACHABILITY",
             "auto: find out with the help of other peers; public: this address is "
@@ -251,6 +271,8 @@ class Config:
     status_addr: tuple[str, int] | None = ("127.0.0.1", 8080)
     checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL
     threads: int | None = None
+    device: str = "auto"
+    precision: str = "fp32"
     reachability: str = "auto"
     # Where each value came from ("default", "--listen", "SHOAL_LISTEN", ...), for the
     # start-up log: env-over-flag precedence surprises people, so show it.
@@ -646,6 +668,28 @@ def _parse_status_addr(raw: str | Sequence[str], source: str) -> tuple[str, int]
         raise ConfigError(f"{source}: {e} (or 'off' to disable the endpoint)") from None
 
 
+def _parse_device(raw: str | Sequence[str], source: str) -> str:
+    # Only the form is checked here (torch-free); whether the machine has the
+    # device is the daemon's question (peer/device.py).
+    assert isinstance(raw, str)
+    text = raw.strip().lower()
+    if not _DEVICE_FORM.fullmatch(text):
+        raise ConfigError(
+            f"{source}: unknown device {raw!r}; choose auto, cpu, cuda, cuda:N or mps"
+        )
+    return text
+
+
+def _parse_precision(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    text = raw.strip().lower()
+    if text not in PRECISIONS:
+        raise ConfigError(
+            f"{source}: unknown precision {raw!r}; choose one of {', '.join(PRECISIONS)}"
+        )
+    return text
+
+
 def _parse_reachability(raw: str | Sequence[str], source: str) -> str:
     assert isinstance(raw, str)
     mode = raw.strip().lower()
@@ -675,5 +719,7 @@ _PARSERS = {
     "status_addr": _parse_status_addr,
     "checkpoint_interval": _parse_interval,
     "threads": _positive_int,
+    "device": _parse_device,
+    "precision": _parse_precision,
     "reachability": _parse_reachability,
 }

@@ -28,7 +28,7 @@ from shoal.transport.multiaddr import Multiaddr, MultiaddrError
 from shoal.transport.nat import NatConfig, NatManager
 
 from . import __version__
-from .config import Config
+from .config import Config, ConfigError
 from .experiment import register_manifest_validator
 from .progress import Progress
 
@@ -135,6 +135,7 @@ async def run_daemon(
             import torch
 
             torch.set_num_threads(config.threads)
+        device, inventory = _choose_device(config) if role is not None else (None, None)
 
         host = Host(identity, config.host_config())
         stack.push_async_callback(_close_host, host)  # before start: closes a partial start too
@@ -168,7 +169,9 @@ async def run_daemon(
             from .session import SessionError, open_session
 
             try:
-                session = await open_session(config, identity, dht)
+                session = await open_session(
+                    config, identity, dht, device=device, inventory=inventory
+                )
             except SessionError as e:
                 raise StartupError(str(e)) from None
             node.attach(session)
@@ -203,6 +206,19 @@ async def run_daemon(
             await stop.wait()
         log.info("shutting down")
     log.info("stopped")
+
+
+def _choose_device(config: Config) -> tuple[Any, Any]:
+    """The training device and what torch sees; ConfigError (one line) when it is absent."""
+    from .device import DeviceError, choose_device, describe, probe_inventory
+
+    inventory = probe_inventory()
+    try:
+        device = choose_device(config.device, inventory)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
+    log.info("training on %s", describe(device, inventory).summary())
+    return device, inventory
 
 
 async def _start_status(

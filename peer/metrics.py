@@ -6,8 +6,10 @@ Two kinds of series:
   custom collector), so they never drift from /status and cost nothing between
   scrapes: shoal_step, shoal_loss, shoal_tokens_per_second,
   shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
-  shoal_dht_peers, shoal_uptime_seconds and
-  shoal_info{peer_id,version,experiment,reachability} (always 1). A value the
+  shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
+  shoal_device_memory_used_bytes, shoal_device_memory_total_bytes and
+  shoal_info{peer_id,version,experiment,reachability} and
+  shoal_device_info{kind,name} (always 1). A value the
   peer does not know yet (loss before the first step) is left out rather than
   exported as 0.
 - Events the daemon reports: `observe_round()` feeds shoal_rounds_total{outcome},
@@ -126,6 +128,29 @@ class _StatusCollector(Collector):
             "shoal_tokens_per_second",
             "Training throughput of this peer.",
             status.get("tokens_per_s"),
+        )
+        yield from _gauge(
+            "shoal_mfu",
+            "Model FLOPs utilization of the training device (0-1; absent when its peak is "
+            "unknown).",
+            status.get("mfu"),
+        )
+        device = status.get("device") or {}
+        if device:
+            device_info = InfoMetricFamily("shoal_device", "Where this peer trains.")
+            device_info.add_metric(
+                [], {"kind": str(device.get("kind")), "name": str(device.get("name"))}
+            )
+            yield device_info
+        yield from _gauge(
+            "shoal_device_memory_used_bytes",
+            "Memory the training holds on its device (the process' RSS on the CPU).",
+            device.get("memory_used_bytes"),
+        )
+        yield from _gauge(
+            "shoal_device_memory_total_bytes",
+            "Memory of the training device.",
+            device.get("memory_total_bytes"),
         )
         yield from _gauge(
             "shoal_dht_peers", "Peers in the DHT routing table.", status.get("dht_peers")

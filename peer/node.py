@@ -180,6 +180,8 @@ class PeerNode:
             "step": None,
             "loss": None,
             "tokens_per_s": None,
+            "device": None,
+            "mfu": None,
             "last_round": None,
             "bytes_sent": self.host.bytes_sent,
             "bytes_received": self.host.bytes_received,
@@ -190,7 +192,10 @@ class PeerNode:
             s = self.session.trainer.stats
             manifest = self.session.manifest
             last = s.last_round
+            device, mfu = self.session.device_status(s.tokens_per_s)
             out.update(
+                device=device,
+                mfu=mfu,
                 experiment=manifest.name,
                 experiment_id=manifest.experiment_id,
                 experiment_host=str(manifest.host),

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.averaging.outer import OuterStrategy, make_strategy, resolve_options
 from shoal.dht.node import DHTNode
@@ -30,6 +32,7 @@ from shoal.transport.identity import Identity
 
 from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
+from .device import DeviceInventory, check_precision, describe, mfu, peak_flops
 from .experiment import (
     Manifest,
     ManifestError,
@@ -62,6 +65,16 @@ class Session:
     hosting: bool
     resumed: bool
     loaded_from_swarm: bool
+    device: torch.device
+    inventory: DeviceInventory
+    precision: str
+
+    def device_status(self, tokens_per_s: float | None) -> tuple[dict[str, Any], float | None]:
+        """/status's `device` object and `mfu` (None when the device's peak is unknown)."""
+        info = describe(self.device, self.inventory)
+        flops_of = getattr(self.task, "flops_per_token", None)
+        flops = flops_of() if callable(flops_of) else None
+        return info.as_json(), mfu(flops, tokens_per_s, peak_flops(info, self.precision))
 
     @property
     def averaging_key(self) -> str:
@@ -84,7 +97,17 @@ def report_subkey(identity_peer: Any) -> str:
     return owner_marker(identity_peer)
 
 
-async def open_session(config: Config, identity: Identity, dht: DHTNode) -> Session:
+async def open_session(
+    config: Config,
+    identity: Identity,
+    dht: DHTNode,
+    *,
+    device: torch.device | None = None,
+    inventory: DeviceInventory | None = None,
+) -> Session:
+    """Set up this peer's experiment, training on `device` (the CPU by default)."""
+    device = device or torch.device("cpu")
+    inventory = inventory or DeviceInventory()
     role = config.experiment_role()
     assert role is not None
     kind, name = role
@@ -101,13 +124,20 @@ async def open_session(config: Config, identity: Identity, dht: DHTNode) -> Sess
     except Exception as e:  # the DHT may be just us for now; the refresh task retries
         log.warning("publishing the manifest failed (will retry): %r", e)
 
+    initial = state_fingerprint([p.detach() for p in model.parameters()], {})
+    try:
+        hyper = check_hyperparameters(manifest.hyperparameters)
+        check_precision(hyper["precision"], device, inventory)
+    except ValueError as e:  # DeviceError included
+        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
+    # On the device before the strategy takes the parameters (it keeps its global
+    # copy on the host, where the wire and the fingerprints are).
+    model = await asyncio.to_thread(model.to, device)
     params = [p for p in model.parameters()]
-    initial = state_fingerprint([p.detach() for p in params], {})
     try:
         strategy = make_strategy(
             manifest.strategy, dht, averaging_key(manifest), params, manifest.strategy_options
         )
-        hyper = check_hyperparameters(manifest.hyperparameters)
     except ValueError as e:
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
     shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
@@ -122,6 +152,8 @@ async def open_session(config: Config, identity: Identity, dht: DHTNode) -> Sess
         checkpoints=store,
         checkpoint_interval=config.checkpoint_interval,
         checkpoint_extra=lambda: {"experiment_id": manifest.experiment_id},
+        device=device,
+        precision=hyper["precision"],
     )
     resumed = False
     try:
@@ -164,7 +196,18 @@ async def open_session(config: Config, identity: Identity, dht: DHTNode) -> Sess
             "than the host and no peer serves the current state yet; use the same shoal and "
             "torch versions as the host, or retry once the swarm has averaged a round"
         )
-    return Session(manifest, task, trainer, strategy, hosting, resumed, loaded)
+    return Session(
+        manifest,
+        task,
+        trainer,
+        strategy,
+        hosting,
+        resumed,
+        loaded,
+        device,
+        inventory,
+        hyper["precision"],
+    )
 
 
 async def _find(dht: DHTNode, text: str) -> Manifest:
@@ -205,10 +248,15 @@ async def _host_manifest(
     # --strategy-option carries the inner optimizer's hyperparameters too (inner_lr=...).
     given = dict(config.strategy_option)
     hyper_given = {k: given.pop(k) for k in list(given) if k in DEFAULT_HYPERPARAMETERS}
+    if config.precision != "fp32":
+        # Only a non-default precision is written: a manifest without one reads as fp32.
+        hyper_given["precision"] = config.precision
     options = {"inner_steps": config.inner_steps, **given}
     try:
         options = resolve_options(config.strategy, options)
         hyperparameters = check_hyperparameters(hyper_given)
+        if hyperparameters["precision"] == "fp32":
+            del hyperparameters["precision"]
     except ValueError as e:
         raise SessionError(f"--strategy-option: {e}") from None
     seed = secrets.randbits(31)
@@ -245,7 +293,7 @@ async def _host_manifest(
 def _warn_ignored(config: Config, manifest: Manifest) -> None:
     given = [
         o
-        for o in ("task", "task_option", "strategy", "inner_steps", "strategy_option")
+        for o in ("task", "task_option", "strategy", "inner_steps", "strategy_option", "precision")
         if o in config.sources
     ]
     if given:

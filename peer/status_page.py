@@ -15,7 +15,7 @@ Stable hooks for tests and scripts: `#peers tbody tr[data-peer-id]` (one row per
 peer), `#loss-curve[data-points]` and `#bandwidth[data-points]` (points drawn),
 `#connections tbody tr`, `#last-round`, `#error` (hidden when all is well),
 `body[data-polls]` (successful polls so far), and the summary values `#peer-id`,
-`#experiment`, `#step`, `#loss`, `#tokens-per-s`, `#reachability`, `#uptime`.
+`#experiment`, `#step`, `#loss`, `#tokens-per-s`, `#device`, `#reachability`, `#uptime`.
 """
 
 import base64
@@ -133,7 +133,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
     <div class="card stat"><div class="label">Loss</div>
       <div class="value" id="loss">—</div><div class="sub" id="loss-sub">&nbsp;</div></div>
     <div class="card stat"><div class="label">Tokens / s</div>
-      <div class="value" id="tokens-per-s">—</div><div class="sub">this peer</div></div>
+      <div class="value" id="tokens-per-s">—</div><div class="sub" id="device">this peer</div></div>
     <div class="card stat"><div class="label">Reachability</div>
       <div class="value" id="reachability">—</div><div class="sub" id="dht-peers">&nbsp;</div></div>
     <div class="card stat"><div class="label">Uptime</div>
@@ -419,6 +419,18 @@ function fmtAxis(v) {
 
 function setText(id, text) { $(id).textContent = text; }
 
+// "cuda · NVIDIA A100 · 9.1 GiB of 80 GiB · MFU 41%": where this peer trains.
+function deviceText(s) {
+  const d = s.device;
+  if (!d || typeof d !== "object") return "this peer";
+  const parts = [d.kind, d.name];
+  if (d.kind !== "cpu" && typeof d.memory_total_bytes === "number") {
+    parts.push(`${fmtBytes(d.memory_used_bytes)} of ${fmtBytes(d.memory_total_bytes)}`);
+  }
+  if (typeof s.mfu === "number") parts.push(`MFU ${(100 * s.mfu).toFixed(1)}%`);
+  return parts.filter((x) => typeof x === "string" && x).join(" · ");
+}
+
 function renderStatus(s) {
   setText("peer-id", s.peer_id ?? "—");
   setText("experiment", s.experiment ?? "none yet");
@@ -428,6 +440,7 @@ function renderStatus(s) {
   setText("step", fmtNum(s.step, 0));
   setText("loss", fmtLoss(s.loss));
   setText("tokens-per-s", fmtNum(s.tokens_per_s, 1));
+  setText("device", deviceText(s));
   setText("reachability", s.reachability ?? "unknown");
   setText("dht-peers", `${fmtNum(s.dht_peers, 0)} peers in the DHT`);
   setText("total-sent", `(${fmtBytes(s.bytes_sent)} in all)`);

@@ -82,6 +82,15 @@ The rules a task must keep:
   trainer reports tokens/s with it and weighs peers' contributions by it.
 - ``eval_batches(count)`` returns the same held-out batches on every peer and
   every call, so validation losses of different peers can be compared.
+- Devices: the trainer moves the model to the peer's device before training
+  and hands ``loss`` batches already copied there (every tensor of a batch
+  that is a tensor, list, tuple or dict); ``batches`` should yield CPU
+  tensors (the trainer pins and copies them) and ``loss`` should not assume a
+  device (use the model's, as ``bytegpt`` does). Forward passes run under
+  autocast at the experiment's ``--precision``.
+- Optional: ``flops_per_token()`` gives the training FLOPs per token
+  (forward + backward), for the model FLOPs utilization (MFU) that /status
+  reports; without it MFU is null.
 - Mistakes of the user (bad config, missing or too little data) raise
   `TaskError` with a one-line message; the daemon shows it as is.
 - The factory may take a while (reading data): the daemon calls `load_task`

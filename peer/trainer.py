@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +29,9 @@ import torch
 from shoal.averaging.outer import OuterStrategy, RoundReport
 
 from .checkpoint import CheckpointStore
+from .config import PRECISIONS
+from .device import autocast
+from .inner import BatchPrefetcher, InnerOptimizer, to_device
 from .task import Task
 
 __all__ = ["DEFAULT_HYPERPARAMETERS", "Trainer", "TrainerStats", "check_hyperparameters"]
@@ -42,7 +45,11 @@ DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
     "grad_clip": 1.0,
     "adam_beta2": 0.95,
     "num_shards": 64,  # data shards; each peer reads the one its peer ID picks
+    # The arithmetic of the inner steps (autocast dtype): every peer of an experiment
+    # uses the same, so that recomputed work (verification) matches.
+    "precision": "fp32",
 }
+
 
 # Tokens/s is measured over this many seconds of recent steps.
 RATE_WINDOW_S = 20.0
@@ -60,6 +67,11 @@ def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
                 f"unknown hyperparameter {key!r}; known: {', '.join(DEFAULT_HYPERPARAMETERS)}"
             )
         default = DEFAULT_HYPERPARAMETERS[key]
+        if key == "precision":
+            if value not in PRECISIONS:
+                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
+            out[key] = value
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"hyperparameter {key} must be a number, got {value!r}")
         if isinstance(default, int) and not isinstance(value, int):
@@ -102,6 +114,8 @@ class Trainer:
         checkpoint_interval: float = 300.0,
         checkpoint_extra: Callable[[], dict[str, Any]] | None = None,
         on_round: Callable[[RoundReport], None] | None = None,
+        device: torch.device | None = None,
+        precision: str = "fp32",
     ) -> None:
         self.task = task
         self.model = model
@@ -115,16 +129,16 @@ class Trainer:
         self.on_round = on_round
         self.stats = TrainerStats()
         self._alone = False  # the last round committed alone (nobody else to average with)
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=self.hyper["inner_lr"],
-            weight_decay=self.hyper["weight_decay"],
-            betas=(0.9, self.hyper["adam_beta2"]),
-        )
+        # The model is already on `device` (the session put it there before the
+        # strategy took its parameters).
+        self.device = device or torch.device("cpu")
+        self.precision = precision
+        self.inner = InnerOptimizer(model, self.hyper, device=self.device, precision=precision)
+        self.optimizer = self.inner.optimizer
         # One thread for every touch of the model outside the event loop: inner
         # steps and checkpoint writes never overlap.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-train")
-        self._batches: Iterator[Any] | None = None
+        self._batches: BatchPrefetcher | None = None
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     # ------------------------------------------------------------------ checkpoints
@@ -135,6 +149,7 @@ class Trainer:
             {
                 "model": self.model.state_dict(),
                 "inner_optimizer": self.optimizer.state_dict(),
+                "grad_scaler": self.inner.scaler.state_dict(),
                 "strategy": self.strategy.state_dict(),
                 "step": self.stats.step,
                 "tokens": self.stats.tokens,
@@ -145,7 +160,10 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["inner_optimizer"])
+        # Tensors are loaded onto this peer's device, whichever device wrote them.
+        self.inner.load_state_dict(
+            {"optimizer": state["inner_optimizer"], "grad_scaler": state.get("grad_scaler")}
+        )
         self.strategy.load_state_dict(state["strategy"])
         self.stats.step = int(state["step"])
         self.stats.tokens = int(state["tokens"])
@@ -168,7 +186,9 @@ class Trainer:
         loop = asyncio.get_running_loop()
         if self._batches is None:
             num_shards = self.hyper["num_shards"]
-            self._batches = self.task.batches(self.shard, num_shards, self.seed)
+            self._batches = BatchPrefetcher(
+                self.task.batches(self.shard, num_shards, self.seed), self.device
+            )
         next_checkpoint = time.monotonic() + self.checkpoint_interval
         try:
             while not stop.is_set():
@@ -213,23 +233,14 @@ class Trainer:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+        if self._batches is not None:
+            self._batches.close()
 
     def _inner_step(self) -> tuple[float, int]:
         assert self._batches is not None
         batch = next(self._batches)
-        step = self.stats.step
-        warmup = self.hyper["warmup_steps"]
-        scale = min(1.0, (step + 1) / warmup) if warmup else 1.0
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.hyper["inner_lr"] * scale
-        self.model.train()
-        loss = self.task.loss(self.model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.hyper["grad_clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hyper["grad_clip"])
-        self.optimizer.step()
-        return float(loss.detach()), int(self.task.batch_tokens(batch))
+        loss = self.inner.step(lambda: self.task.loss(self.model, batch), self.stats.step)
+        return loss, int(self.task.batch_tokens(batch))
 
     def _account(self, loss: float, tokens: int) -> None:
         s = self.stats
@@ -274,14 +285,15 @@ class Trainer:
     def evaluate(self, batches: list[Any]) -> float:
         """Mean loss over `batches` (blocking: run it in the worker thread)."""
         self.model.eval()
-        with torch.no_grad():
-            losses = [float(self.task.loss(self.model, b)) for b in batches]
+        with torch.no_grad(), autocast(self.device, self.precision):
+            losses = [float(self.task.loss(self.model, to_device(b, self.device))) for b in batches]
         return sum(losses) / max(1, len(losses))
 
 
 def _clone(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        # Checkpoints hold host tensors: written on any device, loadable on any other.
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, list):

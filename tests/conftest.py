@@ -14,6 +14,20 @@ from shoal.transport.identity import Identity
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped, with the reason, where torch sees no CUDA GPU."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; torch sees none here")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 def pytest_asyncio_loop_factories(config: object, item: object) -> dict[str, object]:
     return {"uvloop": uvloop.new_event_loop}
 

@@ -98,6 +98,8 @@ def test_host_and_joiners_train_survive_a_kill_a_join_and_the_host_leaving(
         assert len(status["last_round"]["fingerprint"]) == 64
         assert status["bytes_sent"] > 0 and status["bytes_received"] > 0
         assert status["dht_peers"] >= 2
+        assert status["device"]["kind"] == "cpu" and status["device"]["memory_total_bytes"] > 0
+        assert status["mfu"] is None  # a CPU's peak is not known
         kinds = {c["kind"] for c in status["connections"]}
         assert kinds <= {"direct", "relayed", "holepunched"} and kinds
         for conn in status["connections"]:

@@ -74,16 +74,18 @@ async def swarm(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., An
         seed: int = 0,
         start: bool = True,
         connected: bool = True,
+        devices: tuple[str, ...] = (),
     ) -> list[Peer]:
         """n new peers; `connected=False`: the first of them starts a DHT of its own."""
         out = []
-        for _ in range(n):
+        for i in range(n):
+            device = devices[i] if devices else "cpu"
             host = await make_host(**HOST_OPTS)
             boot = [str(made[0].dht.host.addresses()[0])] if made and connected else []
             connected = True
             dht = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
-            params = initial_params(seed)
-            target = initial_params(1000 + len(made))
+            params = [p.to(device) for p in initial_params(seed)]
+            target = [t.to(device) for t in initial_params(1000 + len(made))]
             fast = {k: v for k, v in FAST.items() if k in DEFAULT_OPTIONS[name]}
             strategy = make_strategy(name, dht, "exp/outer", params, {**fast, **options})
             peer = Peer(dht, params, strategy, target)
@@ -256,6 +258,22 @@ async def test_two_peers_that_trained_alone_apart_merge_into_the_state_with_more
     assert a.strategy.averager.state_version == b.strategy.averager.state_version
     assert a.strategy.averager.commits >= 3
     assert b.strategy.averager.commits == a.strategy.averager.commits
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("name", ["diloco", "streaming", "noloco"])
+async def test_a_cuda_peer_and_a_cpu_peer_commit_equal_fingerprints(
+    swarm: Callable[..., Any], name: str
+) -> None:
+    """The state the swarm agrees on lives on the host in float32, whatever trains the model."""
+    options = {"inner_steps": 2, "fragments": 2} if name == "streaming" else {"inner_steps": 2}
+    gpu_peer, cpu_peer = await swarm(name, 2, options, devices=("cuda", "cpu"))
+    for _ in range(3):
+        await asyncio.gather(gpu_peer.train(2), cpu_peer.train(2))
+    assert gpu_peer.strategy.fingerprint() == cpu_peer.strategy.fingerprint()
+    for a, b in zip(gpu_peer.params, cpu_peer.params, strict=True):
+        assert a.device.type == "cuda" and torch.equal(a.cpu(), b)
 
 
 @pytest.mark.timeout(40)

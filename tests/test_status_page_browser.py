@@ -93,6 +93,13 @@ class GrowingSwarm:
             "step": step,
             "loss": self._loss(step),
             "tokens_per_s": 18_432.5,
+            "device": {
+                "kind": "cuda",
+                "name": "NVIDIA A100-SXM4-80GB",
+                "memory_used_bytes": 9 * 2**30,
+                "memory_total_bytes": 80 * 2**30,
+            },
+            "mfu": 0.412,
             "last_round": {
                 "group_size": 4,
                 "duration_s": 2.31,
@@ -227,6 +234,7 @@ return {
   peerId: document.getElementById('peer-id').textContent,
   step: document.getElementById('step').textContent,
   loss: document.getElementById('loss').textContent,
+  device: document.getElementById('device').textContent,
   experiment: document.getElementById('experiment').textContent,
   lastRound: document.getElementById('last-round').textContent,
   error: document.getElementById('error').classList.contains('shown'),
@@ -266,6 +274,7 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert page["peerId"] == swarm.peer_id
         assert page["experiment"] == "bytegpt-tiny"
         assert page["step"].replace(",", "").isdigit()
+        assert "NVIDIA A100" in page["device"] and "MFU 41.2%" in page["device"], page["device"]
         assert "committed" in page["lastRound"] and "b3f91c07e2d45a60" in page["lastRound"]
         assert not page["error"], page["errorText"]
 

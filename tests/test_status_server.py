@@ -74,6 +74,13 @@ class FakeProvider:
             "step": self.step,
             "loss": self.loss,
             "tokens_per_s": 1234.5,
+            "device": {
+                "kind": "cuda",
+                "name": "NVIDIA L4",
+                "memory_used_bytes": 3 * 2**30,
+                "memory_total_bytes": 24 * 2**30,
+            },
+            "mfu": 0.25,
             "last_round": {
                 "group_size": 4,
                 "duration_s": 1.75,
@@ -286,6 +293,10 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
         ("version", __version__),
     )
     assert samples[("shoal_info", info_labels)] == 1
+    assert samples[("shoal_device_info", (("kind", "cuda"), ("name", "NVIDIA L4")))] == 1
+    assert samples[("shoal_mfu", ())] == 0.25
+    assert samples[("shoal_device_memory_used_bytes", ())] == 3 * 2**30
+    assert samples[("shoal_device_memory_total_bytes", ())] == 24 * 2**30
     assert samples[("shoal_rounds_total", (("outcome", "committed"),))] == 2
     assert samples[("shoal_rounds_total", (("outcome", "aborted"),))] == 1
     assert samples[("shoal_round_duration_seconds_count", ())] == 3

@@ -148,9 +148,22 @@ class ByteGPTTask:
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         device = next(model.parameters()).device
-        batch = batch.to(device=device, dtype=torch.long)
+        batch = batch.to(device=device, dtype=torch.long, non_blocking=True)
         logits = model(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per predicted byte (forward + backward, 3x the forward).
+
+        The forward counts 2 FLOPs per multiply-add: the weight matrices
+        (12 d^2 per block, and the output head's 256 d) plus attention's scores
+        and weighted sum (2 * context * d per block, before the causal mask
+        halves what is useful, as PaLM's MFU counts it).
+        """
+        d, layers, context = (self.settings[k] for k in ("d_model", "n_layers", "context"))
+        matmul_params = layers * 12 * d * d + VOCAB_SIZE * d
+        forward = 2 * matmul_params + layers * 2 * context * d
+        return 3.0 * forward
 
     def batch_tokens(self, batch: torch.Tensor) -> int:
         return batch.shape[0] * (batch.shape[1] - 1)  # predicted bytes

@@ -1,0 +1,136 @@
+"""Training throughput of the built-in task per device and precision, CPU fp32 as the baseline.
+
+    python bench/train_step.py [--steps 40] [--warmup 5] [--quick] [--task-option KEY=VALUE ...]
+
+Runs the daemon's own inner step (`shoal.peer.inner`: the prefetcher, autocast,
+AdamW, the fp16 gradient scaler) on every device torch sees (the CPU always;
+each CUDA GPU; an Apple GPU) at every precision, and prints one JSON object:
+
+    {"task": {...}, "parameters": N, "flops_per_token": F,
+     "baseline": "cpu fp32",
+     "runs": [{"device": "cpu", "name": "...", "precision": "fp32",
+               "tokens_per_s": ..., "step_ms_median": ..., "step_ms_p90": ...,
+               "peak_flops": null, "mfu": null, "vs_baseline": 1.0}, ...]}
+
+`vs_baseline` is tokens/s over the CPU fp32 run of the same invocation. MFU is
+model FLOPs per token x tokens/s over the device's peak at that precision
+(`shoal.peer.device.peak_flops`), null where the peak is unknown (CPUs, GPUs
+not in the table). fp16 on the CPU is measured with a few steps only (`--quick`
+skips it): it is the figure behind the daemon refusing fp16 experiments there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from shoal.peer.device import describe, mfu, peak_flops, probe_inventory
+from shoal.peer.inner import BatchPrefetcher, InnerOptimizer
+from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.trainer import check_hyperparameters
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def measure(task: Any, device: torch.device, precision: str, steps: int, warmup: int) -> dict:
+    model = task.make_model(0).to(device)
+    inner = InnerOptimizer(model, check_hyperparameters({}), device=device, precision=precision)
+    batches = BatchPrefetcher(task.batches(0, 1, 0), device)
+    times: list[float] = []
+    tokens = 0
+    try:
+        for i in range(warmup + steps):
+            started = time.perf_counter()
+            batch = next(batches)
+            inner.step(lambda b=batch: task.loss(model, b), i)  # returns the loss: a sync
+            _synchronize(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - started)
+                tokens += task.batch_tokens(batch)
+    finally:
+        batches.close()
+    inventory = probe_inventory()
+    info = describe(device, inventory)
+    tokens_per_s = tokens / sum(times)
+    peak = peak_flops(info, precision)
+    times.sort()
+    return {
+        "device": str(device),
+        "name": info.name,
+        "precision": precision,
+        "steps": steps,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "step_ms_median": round(1e3 * statistics.median(times), 2),
+        "step_ms_p90": round(1e3 * times[int(0.9 * (len(times) - 1))], 2),
+        "peak_flops": peak,
+        "mfu": mfu(task.flops_per_token(), tokens_per_s, peak),
+    }
+
+
+def devices() -> list[torch.device]:
+    found = [torch.device("cpu")]
+    inventory = probe_inventory()
+    found += [torch.device("cuda", i) for i in range(len(inventory.cuda))]
+    if inventory.mps:
+        found.append(torch.device("mps"))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="skip fp16 on the CPU")
+    parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    config = {}
+    for item in args.task_option:
+        key, _, value = item.partition("=")
+        config[key] = int(value)
+    task = make_task(config)
+    runs = []
+    for device in devices():
+        for precision in PRECISIONS:
+            steps = args.steps
+            if device.type == "cpu" and precision == "fp16":
+                if args.quick:
+                    continue
+                steps = max(2, args.steps // 10)  # >10x slower: a few steps tell
+            if device.type == "cuda" and precision == "bf16":
+                major = torch.cuda.get_device_capability(device)[0]
+                if major < 8:
+                    continue
+            runs.append(measure(task, device, precision, steps, args.warmup))
+    baseline = next(r for r in runs if r["device"] == "cpu" and r["precision"] == "fp32")
+    for r in runs:
+        r["vs_baseline"] = round(r["tokens_per_s"] / baseline["tokens_per_s"], 3)
+    model = task.make_model(0)
+    print(
+        json.dumps(
+            {
+                "task": task.config(),
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "flops_per_token": task.flops_per_token(),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "baseline": "cpu fp32",
+                "runs": runs,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
