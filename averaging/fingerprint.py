@@ -9,12 +9,15 @@ count, then for each tensor a length-prefixed msgpack header (dtype, shape,
 byte count) followed by its raw bytes, and finally canonical msgpack of the
 metadata. Two states with different dtypes, shapes, tensor boundaries or
 metadata never produce the same byte stream, so they collide only if SHA-256
-does. Raw bytes are native-order (little-endian on every supported host).
+does. Raw bytes are little-endian whatever the host, and tensors on a device
+are hashed from a host copy, so the same values give the same digest on any
+machine and device (the strategies hash their float32 host state).
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,8 +103,17 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     # uint8 covers every dtype numpy lacks (bfloat16, float8, ...) and bool.
+    if t.element_size() > 1 and sys.byteorder != "little":
+        # Canonical order: the bytes a little-endian host would hash.
+        return memoryview(_little_endian_bytes(t))
     flat = t.contiguous().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy())
+
+
+def _little_endian_bytes(t: torch.Tensor) -> bytes:
+    width = t.element_size()
+    raw = t.contiguous().reshape(-1).view(torch.uint8).reshape(-1, width)
+    return raw.flip(1).contiguous().numpy().tobytes()
 
 
 def _canonical_msgpack(obj: Any) -> bytes:

@@ -202,3 +202,18 @@ def test_real_fingerprints_catch_one_diverged_member() -> None:
     report = compare_fingerprints({p: state_fingerprint(s) for p, s in states.items()})
     assert not report.agreed and report.divergent == ["p2"]
     assert report.majority == state_fingerprint(make_state())
+
+
+def test_a_big_endian_host_would_hash_little_endian_bytes() -> None:
+    """The swap a big-endian host applies turns native bytes into the opposite order:
+    here (little-endian) that gives the big-endian bytes, there the little-endian ones."""
+    import sys
+
+    from shoal.averaging.fingerprint import _little_endian_bytes
+
+    t = torch.tensor([1.0, -2.5, 3.25], dtype=torch.float32)
+    opposite = ">f4" if sys.byteorder == "little" else "<f4"
+    assert _little_endian_bytes(t) == t.numpy().astype(opposite).tobytes()
+    assert _little_endian_bytes(torch.tensor([7], dtype=torch.int16)) == (
+        b"\x00\x07" if sys.byteorder == "little" else b"\x07\x00"
+    )
