@@ -221,9 +221,9 @@ class Manifest:
             "created": float,
         }
         if set(body) != set(expected):
-            raise ManifestError(
-                f"malformed manifest: fields {sorted(set(body) ^ set(expected))} differ"
-            )
+            # (repr: a forged body may have keys of any type, which do not sort together)
+            differ = sorted(set(body) ^ set(expected), key=repr)
+            raise ManifestError(f"malformed manifest: fields {differ} differ"[:300])
         for key, kind in expected.items():
             value = body[key]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):

@@ -175,13 +175,13 @@ def format_status(
         ("uptime", _duration(status.get("uptime_s"))),
         ("last round", _round(status.get("last_round"))),
     ]
-    addresses = [str(a) for a in status.get("addresses") or ()]
+    addresses = [str(a) for a in _items(status.get("addresses"))]
     rows.append(("addresses", addresses[0] if addresses else "none yet"))
     rows.extend(("", a) for a in addresses[1:])
     width = max(len(k) for k, _ in rows)
     lines.extend(f"  {k:<{width}}  {v}" for k, v in rows)
 
-    connections = [c for c in status.get("connections") or () if isinstance(c, Mapping)]
+    connections = [c for c in _items(status.get("connections")) if isinstance(c, Mapping)]
     lines.append("")
     lines.append(f"connections ({len(connections)})")
     lines.extend(
@@ -242,6 +242,11 @@ def _table(header: Sequence[str], rows: list[tuple[str, ...]], right: Sequence[i
         return ("  " + "  ".join(parts)).rstrip()
 
     return [line(header), *(line(r) for r in rows)]
+
+
+def _items(value: object) -> list[Any]:
+    """A list from another peer's JSON, or nothing (it may send anything in its place)."""
+    return value if isinstance(value, list) else []
 
 
 def _num(value: object) -> float | None:

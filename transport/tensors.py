@@ -64,8 +64,8 @@ def validate(header: object, max_bytes: int) -> TensorHeader:
     shape = header.get("shape")
     nbytes = header.get("nbytes")
     lib = header.get("lib", "torch")
-    if dtype not in _ITEMSIZE:
-        raise ValueError(f"unsupported tensor dtype {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:  # (a list is unhashable)
+        raise ValueError(f"unsupported tensor dtype {dtype!r}"[:200])
     if lib not in ("torch", "numpy"):
         raise ValueError(f"unknown tensor library {lib!r}")
     if (

@@ -1,0 +1,358 @@
+"""Fuzz targets: every decoder of untrusted input, with the typed errors it documents.
+
+Each target takes the fuzzer's bytes, feeds them to one decoder the way the
+network (or a file on disk) would, and lets only that decoder's documented
+errors through: anything else escaping is a bug (`run.py` reports it with the
+input, and the input goes into `corpus/<target>/` as a regression case).
+
+Decoders that read from a stream are driven through `BytesStream`, which has
+the end-of-stream behaviour of `shoal.transport.connection.Stream` (a short
+read raises ProtocolViolation) and never blocks, so a coroutine over it runs
+to its end in one `send` (`run_now`) without an event loop.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from shoal.averaging import commit
+from shoal.averaging.compression import CodecError, Int8BlockCodec
+from shoal.averaging.matchmaking_rules import Declaration, parse_view
+from shoal.dht import protocol as dht_protocol
+from shoal.dht.records import Record, RecordError, RecordValidator
+from shoal.peer.checkpoint import CheckpointError, CheckpointStore
+from shoal.peer.experiment import Manifest, ManifestError, parse_experiment_ref
+from shoal.peer.status import parse_status_addr
+from shoal.peer.status_cli import format_status
+from shoal.transport import tensors
+from shoal.transport.errors import HandshakeError, ProtocolViolation
+from shoal.transport.identity import Identity, PeerID
+from shoal.transport.multiaddr import Multiaddr, MultiaddrError
+from shoal.transport.mux import Multiplexer
+from shoal.transport.nat import wire
+from shoal.transport.noise import NoiseHandshakeXX
+from shoal.transport.rpc import MessageStream, RpcLimits
+
+__all__ = ["TARGETS", "Target", "run_now"]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    run: Callable[[bytes], None]
+    allowed: tuple[type[BaseException], ...]  # the decoder's documented errors
+    doc: str
+
+
+class BytesStream:
+    """A stream holding `data` and then its end: reads never wait."""
+
+    protocol = "/fuzz/1.0.0"
+
+    def __init__(self, data: bytes) -> None:
+        self._data = memoryview(data)
+        self._pos = 0
+        self.written: list[bytes] = []
+
+    def at_eof(self) -> bool:
+        return self._pos >= len(self._data)
+
+    async def read(self, max_bytes: int = 65536) -> bytes:
+        out = bytes(self._data[self._pos : self._pos + max_bytes])
+        self._pos += len(out)
+        return out
+
+    async def readexactly(self, n: int) -> bytes:
+        if self._pos + n > len(self._data):
+            have = len(self._data) - self._pos
+            self._pos = len(self._data)
+            raise ProtocolViolation(f"stream ended after {have} of {n} bytes")
+        out = bytes(self._data[self._pos : self._pos + n])
+        self._pos += n
+        return out
+
+    async def readexactly_into(self, buffer: memoryview | bytearray) -> None:
+        out = memoryview(buffer).cast("B")
+        out[:] = await self.readexactly(len(out))
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self.written.append(bytes(data))
+
+
+def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never waits (it reads a BytesStream) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise AssertionError("the decoder waited on something other than its input")
+
+
+def _message(data: bytes) -> Any:
+    """`data` decoded as the RPC layer decodes a message body (None if undecodable)."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    except Exception:
+        return None
+
+
+def _split(data: bytes, parts: int) -> list[bytes]:
+    """`data` cut into `parts` pieces at offsets taken from its first bytes."""
+    head, rest = data[: parts - 1], data[parts - 1 :]
+    out, pos = [], 0
+    for b in head:
+        cut = min(len(rest), pos + b)
+        out.append(rest[pos:cut])
+        pos = cut
+    out.append(rest[pos:])
+    return out + [b""] * (parts - len(out))
+
+
+# ---------------------------------------------------------------- transport
+
+_RESPONDER_KEY = bytes(range(32))
+_INITIATOR_KEY = bytes(range(1, 33))
+
+
+def noise_responder(data: bytes) -> None:
+    """Messages 1 and 3 of a Noise XX handshake, as a listener receives them."""
+    first, third = _split(data, 2)
+    hs = NoiseHandshakeXX(False, _RESPONDER_KEY, ephemeral_private=bytes(range(2, 34)))
+    hs.read_message(first)
+    hs.write_message(b"payload")
+    hs.read_message(third)
+    if hs.complete:
+        hs.split()
+
+
+def noise_initiator(data: bytes) -> None:
+    """Message 2 of a Noise XX handshake, as a dialer receives it."""
+    hs = NoiseHandshakeXX(True, _INITIATOR_KEY, ephemeral_private=bytes(range(3, 35)))
+    hs.write_message()
+    hs.read_message(data)
+    hs.write_message(b"payload")
+
+
+def mux_frames(data: bytes) -> None:
+    """Decrypted messages of a connection, through the multiplexer state machine."""
+    for initiator in (False, True):
+        mux = Multiplexer(initiator)
+        now = 0.0
+        for message in _split(data, 4):
+            mux.receive_message(message, now)
+            now += 0.01
+            while mux.next_output() is not None:
+                pass
+
+
+_RPC_LIMITS = RpcLimits(max_message=1 << 16, max_tensor=1 << 16)
+
+
+def rpc_frames(data: bytes) -> None:
+    """RPC frames on a stream: messages and tensors, in whatever order they come."""
+    stream = MessageStream(BytesStream(data), _RPC_LIMITS)  # type: ignore[arg-type]
+
+    async def read_all() -> None:
+        while not stream.stream.at_eof():
+            kind = data[0] % 2 if data else 0
+            if kind:
+                await stream.recv_tensor()
+            else:
+                await stream.recv()
+
+    run_now(read_all())
+
+
+def tensor_header(data: bytes) -> None:
+    """A tensor frame's header (dtype, shape, sizes) and the buffer it asks for."""
+    header = tensors.validate(_message(data), 1 << 16)
+    tensors.allocate(header)
+
+
+_NAT_FIELDS: tuple[Callable[[dict[str, Any]], object], ...] = (
+    lambda m: wire.get_str(m, "type"),
+    lambda m: wire.get_bytes(m, "nonce"),
+    lambda m: wire.get_number(m, "ttl"),
+    lambda m: wire.get_peer(m, "peer"),
+    lambda m: wire.get_addrs(m, "addrs"),
+    lambda m: wire.get_str_list(m, "protocols", 16),
+)
+
+
+def nat_messages(data: bytes) -> None:
+    """A NAT protocol message (identify, AutoNAT, relay, hole punch): the field readers."""
+    ms = wire.messages(BytesStream(data))  # type: ignore[arg-type]
+
+    async def read_all() -> None:
+        while not ms.stream.at_eof():
+            msg = await wire.recv_map(ms, "fuzz")
+            for read in _NAT_FIELDS:
+                try:
+                    read(msg)
+                except ProtocolViolation:
+                    pass
+
+    run_now(read_all())
+
+
+def multiaddr(data: bytes) -> None:
+    """Multiaddrs in binary (from peers) and text (from users and records) form."""
+    try:
+        addr = Multiaddr.from_bytes(data)
+    except MultiaddrError:
+        pass
+    else:
+        assert Multiaddr.from_bytes(addr.to_bytes()) == addr
+        assert Multiaddr(str(addr)) == addr
+    text = data.decode("utf-8", "replace")
+    try:
+        parsed = Multiaddr(text)
+    except MultiaddrError:
+        return
+    assert Multiaddr(str(parsed)) == parsed
+
+
+def peer_id(data: bytes) -> None:
+    """Peer IDs in binary and base58 form."""
+    try:
+        pid = PeerID(data)
+    except ValueError:
+        pass
+    else:
+        assert PeerID.from_base58(str(pid)) == pid
+    PeerID.from_base58(data.decode("utf-8", "replace"))
+
+
+# ---------------------------------------------------------------- DHT
+
+_LOCAL = Identity.from_seed(b"\x01" * 32).peer_id
+_REMOTE = Identity.from_seed(b"\x02" * 32).peer_id
+_VALIDATOR = RecordValidator()
+
+
+def dht_messages(data: bytes) -> None:
+    """The fields of DHT requests and responses, as node.py reads them."""
+    obj = _message(data)
+    msg = obj if isinstance(obj, dict) else {"x": obj}
+    for parse in (
+        lambda: dht_protocol.parse_ids(msg.get("ids")),
+        lambda: dht_protocol.parse_keys(msg.get("keys")),
+        lambda: dht_protocol.parse_records(msg.get("records")),
+        lambda: dht_protocol.parse_addrs(_REMOTE, msg.get("addrs")),
+        lambda: dht_protocol.parse_nearest(msg, 2, 20, local=_LOCAL, responder=_REMOTE),
+        lambda: dht_protocol.parse_values(msg, ["a", "b"]),
+        lambda: dht_protocol.parse_stored(msg, 2),
+    ):
+        try:
+            parse()
+        except dht_protocol.DHTProtocolError:
+            pass
+
+
+def dht_records(data: bytes) -> None:
+    """A record on the wire, then the checks before it is stored."""
+    record = Record.from_wire(_message(data))
+    _VALIDATOR.validate(record, time.time())
+
+
+# ---------------------------------------------------------------- averaging
+
+_INT8 = Int8BlockCodec()
+
+
+def allreduce_control(data: bytes) -> None:
+    """The commit protocol's control messages (status, ballots) of an all-reduce round."""
+    commit.parse_message(_message(data), 8)
+
+
+def matchmaking_declarations(data: bytes) -> None:
+    """Declarations of peers looking for a group, read from a DHT dictionary."""
+    obj = _message(data)
+    if isinstance(obj, list) and len(obj) == 3:
+        try:
+            Declaration.from_record(*obj)
+        except ValueError:
+            pass
+    if isinstance(obj, dict):
+        parse_view(obj, time.time())
+
+
+def codec_int8(data: bytes) -> None:
+    """int8 block-codec payloads (scales and codes) of a chunk, checked then decoded."""
+    import torch
+
+    n = (data[0] if data else 0) * 3
+    out = torch.empty(n, dtype=torch.float32)
+    _INT8.check(data[1:], n)
+    _INT8.decode_checked(data[1:], out)
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- peer
+
+
+def manifest(data: bytes) -> None:
+    """A signed experiment manifest (from the DHT) and an experiment reference."""
+    try:
+        m = Manifest.from_bytes(data)
+    except ManifestError:
+        pass
+    else:
+        assert Manifest.from_bytes(m.to_bytes()) == m
+    parse_experiment_ref(data.decode("utf-8", "replace"))
+
+
+def checkpoint(data: bytes) -> None:
+    """A checkpoint file on disk (damaged, truncated or forged)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(Path(tmp))
+        store.latest.write_bytes(data)
+        store.load()
+
+
+def status_inputs(data: bytes) -> None:
+    """What the status tools read: --status-addr, and another peer's /status and /peers."""
+    try:
+        parse_status_addr(data.decode("utf-8", "replace"))
+    except ValueError:
+        pass
+    obj = _message(data)
+    status = obj if isinstance(obj, dict) else {"peer_id": obj}
+    peers = obj if isinstance(obj, list) else [status]
+    format_status(status, [p if isinstance(p, dict) else {"x": p} for p in peers], "http://x")
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("noise_responder", noise_responder, (HandshakeError,), noise_responder.__doc__),
+        Target("noise_initiator", noise_initiator, (HandshakeError,), noise_initiator.__doc__),
+        Target("mux_frames", mux_frames, (ProtocolViolation,), mux_frames.__doc__),
+        Target("rpc_frames", rpc_frames, (ProtocolViolation,), rpc_frames.__doc__),
+        Target("tensor_header", tensor_header, (ValueError,), tensor_header.__doc__),
+        Target("nat_messages", nat_messages, (ProtocolViolation,), nat_messages.__doc__),
+        Target("multiaddr", multiaddr, (), multiaddr.__doc__),
+        Target("peer_id", peer_id, (ValueError,), peer_id.__doc__),
+        Target("dht_messages", dht_messages, (), dht_messages.__doc__),
+        Target("dht_records", dht_records, (RecordError,), dht_records.__doc__),
+        Target("allreduce_control", allreduce_control, (ValueError,), allreduce_control.__doc__),
+        Target(
+            "matchmaking_declarations",
+            matchmaking_declarations,
+            (),
+            matchmaking_declarations.__doc__,
+        ),
+        Target("codec_int8", codec_int8, (CodecError,), codec_int8.__doc__),
+        Target("manifest", manifest, (ManifestError,), manifest.__doc__),
+        Target("checkpoint", checkpoint, (CheckpointError,), checkpoint.__doc__),
+        Target("status_inputs", status_inputs, (), status_inputs.__doc__),
+    )
+}
