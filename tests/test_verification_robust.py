@@ -77,13 +77,16 @@ def _train(aggregate, attack: float | None, rounds: int = 12, inner: int = 5) ->
                 loss.backward()
                 opt.step()
             flat = torch.cat(
-                [(g - p.detach()).reshape(-1) for g, p in zip(globals_, model.parameters())]
+                [
+                    (g - p.detach()).reshape(-1)
+                    for g, p in zip(globals_, model.parameters(), strict=True)
+                ]
             )
             deltas.append(flat * attack if i == 3 and attack is not None else flat)
         update = aggregate(deltas, [1.0] * len(deltas))
         offset = 0
         for g in globals_:
-            g -= 0.7 * update[offset : offset + g.numel()].view_as(g)
+            g.sub_(0.7 * update[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     with torch.no_grad():
         for p, g in zip(model.parameters(), globals_, strict=True):

@@ -38,8 +38,8 @@ __all__ = [
     "Signature",
     "SignatureConfig",
     "compare",
-    "flip_threshold",
     "detection_probability",
+    "flip_threshold",
     "sign",
 ]
 

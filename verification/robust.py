@@ -1,4 +1,4 @@
-"""Byzantine-robust aggregation: CenteredClip (Karimireddy et al. 2021; BTARD, Gorbunov et al. 2022).
+"""Byzantine-robust aggregation: CenteredClip (Karimireddy et al. 2021; BTARD 2022).
 
 The weighted mean lets one peer move the average anywhere: a x100 or
 sign-flipped pseudo-gradient dominates it. CenteredClip starts at the
