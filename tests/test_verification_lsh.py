@@ -1,0 +1,131 @@
+"""LSH signatures: the bit disagreement is the binomial of the angle; thresholds; attacks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shoal.verification.lsh import (
+    SignatureConfig,
+    compare,
+    detection_probability,
+    flip_threshold,
+    sign,
+)
+
+CONFIG = SignatureConfig(block=1024, bits_per_block=64)
+
+
+def pair_at_angle(blocks: int, angle: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flat tensors whose every block pair is exactly `angle` apart."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(blocks, CONFIG.block, generator=g, dtype=torch.float64)
+    w = torch.randn(blocks, CONFIG.block, generator=g, dtype=torch.float64)
+    u /= u.norm(dim=1, keepdim=True)
+    w -= (w * u).sum(dim=1, keepdim=True) * u
+    w /= w.norm(dim=1, keepdim=True)
+    v = math.cos(angle) * u + math.sin(angle) * w
+    scale = torch.rand(blocks, 1, generator=g, dtype=torch.float64) * 10 + 0.1
+    return (u * scale).reshape(-1).float(), (v * scale).reshape(-1).float()
+
+
+@pytest.mark.parametrize("angle", [1e-3, 1e-2, 0.1, 1.0])
+def test_bit_disagreement_follows_the_binomial_of_the_angle(angle: float) -> None:
+    blocks = 1600  # 102,400 bits
+    u, v = pair_at_angle(blocks, angle, seed=int(angle * 1e6))
+    result = compare(sign(u, b"seed"), sign(v, b"seed"))
+    n, p = result.bits, angle / math.pi
+    assert n >= 100_000
+    mean, sigma = n * p, math.sqrt(n * p * (1 - p))
+    assert abs(result.flips - mean) <= 3 * sigma, (result.flips, mean, sigma)
+    assert result.mean_log2_norm_gap < 2 / 256  # same norms, up to the quantization
+
+
+def test_identical_tensors_agree_exactly_and_the_seed_changes_every_bit_pattern() -> None:
+    t = torch.randn(5000)
+    a, b = sign(t, b"one"), sign(t.clone(), b"one")
+    assert compare(a, b).flips == 0 and a.bits == b.bits
+    assert sign(t, b"two").bits != a.bits
+    assert a.nbits == 5 * 64 and len(a.bits) == a.nbits // 8
+    with pytest.raises(ValueError, match="do not compare"):
+        compare(a, sign(t, b"two"))
+
+
+def test_a_signature_is_small_and_independent_of_dtype_and_shape() -> None:
+    t = torch.randn(64, 1024)
+    sig = sign(t, b"s")
+    assert len(sig.bits) + len(sig.log_norms) == 64 * (64 // 8 + 2)  # 10 bytes per 1024 values
+    assert sign(t.reshape(-1), b"s") == sig
+    assert compare(sign(t.double(), b"s"), sig).flips == 0
+
+
+def test_thresholds_match_the_binomial_table_of_the_design_note() -> None:
+    # accept iff flips <= t, at a per-check false-positive rate of 1e-6
+    assert flip_threshold(8192, 2e-3, 1e-6) == 19
+    assert flip_threshold(32768, 3e-3, 1e-6) == 61
+    assert flip_threshold(131072, 5e-3, 1e-6) == 281
+    assert detection_probability(32768, 61, 1e-2) > 0.999
+    assert detection_probability(32768, 61, 3e-3) < 1e-6 * 10
+
+
+def test_the_false_positive_rate_holds_for_honest_pairs_at_the_floor() -> None:
+    """2000 pairs exactly at the honest angle: none exceeds a 1e-4 threshold (expected 0.2)."""
+    config = SignatureConfig(block=256, bits_per_block=64)
+    honest = 3e-3
+    t = flip_threshold(64 * 16, honest, 1e-4)
+    g = torch.Generator().manual_seed(5)
+    failures = 0
+    for i in range(2000):
+        u = torch.randn(16, 256, generator=g, dtype=torch.float64)
+        w = torch.randn(16, 256, generator=g, dtype=torch.float64)
+        u /= u.norm(dim=1, keepdim=True)
+        w -= (w * u).sum(dim=1, keepdim=True) * u
+        w /= w.norm(dim=1, keepdim=True)
+        v = math.cos(honest) * u + math.sin(honest) * w
+        seed = i.to_bytes(4, "little")
+        if compare(sign(u, seed, config), sign(v, seed, config)).flips > t:
+            failures += 1
+    assert failures <= 2
+
+
+def test_scaling_passes_the_angle_and_fails_the_norm_test() -> None:
+    t = torch.randn(100_000)
+    a, b = sign(t, b"s"), sign(t * 1.05, b"s")
+    result = compare(a, b)
+    assert result.flips == 0
+    assert result.mean_log2_norm_gap == pytest.approx(math.log2(1.05), abs=2 / 256)
+
+
+def test_zero_blocks_compare_as_far_apart_unless_both_are_zero() -> None:
+    t = torch.randn(4096)
+    zeroed = t.clone()
+    zeroed[:1024] = 0
+    assert compare(sign(zeroed, b"s"), sign(zeroed.clone(), b"s")).mean_log2_norm_gap == 0
+    assert compare(sign(t, b"s"), sign(zeroed, b"s")).mean_log2_norm_gap > 10
+
+
+def _orthogonal_to_projection(x: torch.Tensor, seed: bytes, relative: float) -> torch.Tensor:
+    """x plus noise in the null space of the projection `seed` gives (a known seed)."""
+    from shoal.verification.lsh import _projection
+
+    r = _projection(seed, 0, CONFIG).double()
+    rows = x.reshape(-1, CONFIG.block).double()
+    noise = torch.randn(rows.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    # remove the component in the span of R's columns: what the known hyperplanes see
+    coeffs = torch.linalg.lstsq(r, noise.T).solution
+    noise -= (r @ coeffs).T
+    noise *= relative * rows.norm() / noise.norm()
+    return (rows + noise).reshape(-1).float()
+
+
+def test_a_perturbation_orthogonal_to_a_known_projection_is_caught_by_a_fresh_seed() -> None:
+    x = torch.randn(64 * CONFIG.block)
+    forged = _orthogonal_to_projection(x, b"known", relative=0.05)
+    threshold = flip_threshold(64 * 64, 3e-3, 1e-6)
+    reused = compare(sign(x, b"known"), sign(forged, b"known"))
+    fresh = compare(sign(x, b"drawn after the reveal"), sign(forged, b"drawn after the reveal"))
+    assert reused.flips <= threshold  # the forger escapes a seed it knew in advance
+    assert fresh.flips > threshold  # and is caught by one drawn after it committed
+    assert fresh.angle == pytest.approx(0.05, rel=0.35)

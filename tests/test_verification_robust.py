@@ -1,0 +1,105 @@
+"""CenteredClip: a bounded pull per contribution; DiLoCo survives a peer sending garbage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shoal.peer.tasks.bytegpt import make_task
+from shoal.verification.robust import centered_clip, weighted_mean
+
+TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "context": 32, "batch_size": 8}
+
+
+def honest_updates(n: int, dim: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    centre = torch.randn(dim, generator=g)
+    return [centre + 0.1 * torch.randn(dim, generator=g) for _ in range(n)]
+
+
+def test_without_outliers_it_is_the_weighted_mean() -> None:
+    values = honest_updates(4, 1000, 1)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    tau = 10 * max(float((v - values[0]).norm()) for v in values)  # nobody clipped
+    assert torch.allclose(centered_clip(values, weights, tau=tau), weighted_mean(values, weights))
+
+
+@pytest.mark.parametrize("attack", [100.0, -100.0, float("inf")])
+def test_one_attacker_moves_the_result_by_a_bounded_amount(attack: float) -> None:
+    values = honest_updates(4, 1000, 2)
+    honest_mean = weighted_mean(values[:3], [1.0] * 3)
+    if math.isinf(attack):
+        values[3] = torch.randn(1000) * 1e6  # random and huge
+    else:
+        values[3] = values[3] * attack
+    clipped = centered_clip(values, [1.0] * 4)
+    plain = weighted_mean(values, [1.0] * 4)
+    honest_spread = max(float((v - honest_mean).norm()) for v in values[:3])
+    assert float((clipped - honest_mean).norm()) < 2 * honest_spread
+    assert float((plain - honest_mean).norm()) > 100 * honest_spread
+
+
+def test_the_result_is_deterministic_bit_for_bit() -> None:
+    values = honest_updates(5, 4096, 3)
+    values[1] = values[1] * -30
+    weights = [3.0, 1.0, 1.0, 2.0, 5.0]
+    assert torch.equal(centered_clip(values, weights), centered_clip(values, weights))
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError):
+        centered_clip([], [])
+    with pytest.raises(ValueError):
+        centered_clip([torch.zeros(2)], [1.0], tau=0)
+    with pytest.raises(ValueError):
+        centered_clip([torch.zeros(2)], [0.0])
+
+
+def _train(aggregate, attack: float | None, rounds: int = 12, inner: int = 5) -> float:
+    """DiLoCo with 4 replicas of a tiny bytegpt, in one process; replica 3 may attack."""
+    task = make_task(TINY)
+    model = task.make_model(0)
+    globals_ = [p.detach().clone() for p in model.parameters()]
+    streams = [task.batches(i, 4, 10 + i) for i in range(4)]
+    peers = 3 if attack is None else 4
+    for _ in range(rounds):
+        deltas = []
+        for i in range(peers):
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), globals_, strict=True):
+                    p.copy_(g)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+            for _ in range(inner):
+                loss = task.loss(model, next(streams[i]))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            flat = torch.cat(
+                [
+                    (g - p.detach()).reshape(-1)
+                    for g, p in zip(globals_, model.parameters(), strict=True)
+                ]
+            )
+            deltas.append(flat * attack if i == 3 and attack is not None else flat)
+        update = aggregate(deltas, [1.0] * len(deltas))
+        offset = 0
+        for g in globals_:
+            g.sub_(0.7 * update[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), globals_, strict=True):
+            p.copy_(g)
+        losses = [float(task.loss(model, b)) for b in task.eval_batches(4)]
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attack", [100.0, -100.0])
+def test_diloco_with_centered_clip_trains_through_a_peer_sending_garbage(attack: float) -> None:
+    honest_only = _train(weighted_mean, None)
+    clipped = _train(centered_clip, attack)
+    plain = _train(weighted_mean, attack)
+    assert clipped <= 1.05 * honest_only, (clipped, honest_only)
+    assert not math.isfinite(plain) or plain >= 2 * honest_only, (plain, honest_only)  # control
