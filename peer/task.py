@@ -91,6 +91,13 @@ The rules a task must keep:
 - Optional: ``flops_per_token()`` gives the training FLOPs per token
   (forward + backward), for the model FLOPs utilization (MFU) that /status
   reports; without it MFU is null.
+- Optional, for pipelined experiments (a model split across peers, see
+  `shoal.pipeline`): ``make_stages(seed, count)`` returns the model as
+  `count` modules applied in turn (deterministic like ``make_model``; the
+  first takes what ``stage_inputs(batch)`` gives, the last returns what
+  ``stage_loss(outputs, batch)`` scores). ``bytegpt`` splits its blocks
+  evenly, with the embeddings on the first stage and an untied output layer
+  on the last.
 - Mistakes of the user (bad config, missing or too little data) raise
   `TaskError` with a one-line message; the daemon shows it as is.
 - The factory may take a while (reading data): the daemon calls `load_task`

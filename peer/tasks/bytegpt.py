@@ -76,13 +76,18 @@ class Block(nn.Module):
 class ByteGPT(nn.Module):
     """A GPT over bytes: ``model(inputs)`` maps [batch, length] byte ids to [batch, length, 256]."""
 
-    def __init__(self, *, d_model: int, n_layers: int, n_heads: int, context: int):
+    def __init__(
+        self, *, d_model: int, n_layers: int, n_heads: int, context: int, tied: bool = True
+    ):
         super().__init__()
         self.context = context
         self.token_embedding = nn.Embedding(VOCAB_SIZE, d_model)
         self.position_embedding = nn.Embedding(context, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
         self.ln_final = nn.LayerNorm(d_model)
+        # Pipelined, the output layer lives on the last stage, far from the
+        # embedding on the first: untied, each with its own weights.
+        self.head = None if tied else nn.Linear(d_model, VOCAB_SIZE, bias=False)
         self._init_parameters(n_layers)
 
     def _init_parameters(self, n_layers: int) -> None:
@@ -93,7 +98,7 @@ class ByteGPT(nn.Module):
         # GPT-2's 0.02 a fresh model would favour repeating its input byte.
         # At 0.5 / d_model its predictions are uniform: a fresh loss of ln(256).
         for name, parameter in self.named_parameters():
-            if name == "token_embedding.weight":
+            if name in ("token_embedding.weight", "head.weight"):
                 nn.init.normal_(parameter, std=0.5 / parameter.shape[1])
             elif name.endswith("bias"):
                 nn.init.zeros_(parameter)
@@ -105,14 +110,62 @@ class ByteGPT(nn.Module):
                 nn.init.normal_(parameter, std=0.02)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x)
+
+    def embed(self, inputs: torch.Tensor) -> torch.Tensor:
         length = inputs.shape[1]
         if length > self.context:
             raise ValueError(f"{length} bytes of input, more than the context of {self.context}")
         positions = torch.arange(length, device=inputs.device)
-        x = self.token_embedding(inputs) + self.position_embedding(positions)
+        return self.token_embedding(inputs) + self.position_embedding(positions)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_final(x)
+        return self.head(x) if self.head is not None else x @ self.token_embedding.weight.T
+
+
+class ByteGPTStage(nn.Module):
+    """Blocks [first, last) of an untied ByteGPT, with the embeddings if it is the first
+    stage and the output layer if it is the last: byte ids or hidden states in, hidden
+    states or logits out."""
+
+    def __init__(self, model: ByteGPT, first: int, last: int) -> None:
+        super().__init__()
+        self.is_first = first == 0
+        self.is_last = last == len(model.blocks)
+        self.context = model.context
+        if self.is_first:
+            self.token_embedding = model.token_embedding
+            self.position_embedding = model.position_embedding
+        self.blocks = nn.ModuleList(model.blocks[first:last])
+        if self.is_last:
+            self.ln_final = model.ln_final
+            self.head = model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = ByteGPT.embed(self, x)  # type: ignore[arg-type]
         for block in self.blocks:
             x = block(x)
-        return self.ln_final(x) @ self.token_embedding.weight.T
+        if self.is_last:
+            x = ByteGPT.logits(self, x)  # type: ignore[arg-type]
+        return x
+
+
+def split_layers(n_layers: int, count: int) -> list[tuple[int, int]]:
+    """[first, last) blocks of each of `count` stages, as even as can be (earlier ones larger)."""
+    if not 1 <= count <= n_layers:
+        raise ValueError(f"{count} stages for {n_layers} layers: each stage needs a layer")
+    base, extra = divmod(n_layers, count)
+    bounds, first = [], 0
+    for i in range(count):
+        last = first + base + (1 if i < extra else 0)
+        bounds.append((first, last))
+        first = last
+    return bounds
 
 
 class ByteGPTTask:
@@ -151,6 +204,32 @@ class ByteGPTTask:
         batch = batch.to(device=device, dtype=torch.long, non_blocking=True)
         logits = model(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
+
+    def make_stages(self, seed: int, count: int) -> list[nn.Module]:
+        """The model of `make_stages(seed, 1)` cut into `count` stages (untied output layer):
+        stage 0 takes byte ids, the last returns logits; deterministic like make_model."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed % 2**64)
+            model = ByteGPT(
+                d_model=self.settings["d_model"],
+                n_layers=self.settings["n_layers"],
+                n_heads=self.settings["n_heads"],
+                context=self.settings["context"],
+                tied=False,
+            )
+        return [
+            ByteGPTStage(model, first, last)
+            for first, last in split_layers(self.settings["n_layers"], count)
+        ]
+
+    def stage_inputs(self, batch: torch.Tensor) -> torch.Tensor:
+        """What the first stage takes from a batch: the input bytes."""
+        return batch[:, :-1].long()
+
+    def stage_loss(self, outputs: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        """The loss of the last stage's outputs (logits) on a batch's target bytes."""
+        targets = batch[:, 1:].to(device=outputs.device, dtype=torch.long)
+        return F.cross_entropy(outputs.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
 
     def flops_per_token(self) -> float:
         """Training FLOPs per predicted byte (forward + backward, 3x the forward).
