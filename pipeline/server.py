@@ -146,7 +146,7 @@ class StageServer:
             self._queued -= 1
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
-        key, samples = self._check(payload)
+        _, samples = self._check(payload)
         inputs = await ctx.recv_tensor()
         outputs, seconds = await self._run(self.worker.forward, inputs)
         self.forward_speed.add(samples, seconds)
