@@ -36,6 +36,7 @@ from .config import NatConfig
 from .holepunch import HolePuncher
 from .identify import IdentifyInfo, IdentifyService
 from .observed import ObservedAddresses
+from .reachability import has_public_interface
 from .relay import RelayService
 from .relay_client import RelayClient
 
@@ -60,8 +61,12 @@ class NatManager:
         self._loop = asyncio.get_running_loop()
         forced = None if config.reachability == "auto" else Reachability(config.reachability)
         self.tracker = ReachabilityTracker(
-            config.probe_window, config.private_after_failures, forced
+            config.probe_window,
+            config.private_score,
+            forced,
+            recheck_interval=config.recheck_interval,
         )
+        self.tracker.public_interface = has_public_interface(host.interface_addresses())
         self.observed = ObservedAddresses(config.observed_threshold, config.observed_ttl)
         self.identify = IdentifyService(
             host,
@@ -73,7 +78,10 @@ class NatManager:
         self.relay = RelayService(
             host,
             config.relay_limits,
-            accepting=lambda: config.relay_service and self.reachability is Reachability.PUBLIC,
+            # Not refused for being unconfirmed: a peer with a public interface serves
+            # while AutoNAT has not decided (a bootstrap machine must not go dark for
+            # one slow dial-back).
+            accepting=lambda: config.relay_service and self.tracker.may_serve_relay,
             addresses=self.confirmed_addresses,
         )
         self.relay_client = RelayClient(
@@ -105,6 +113,7 @@ class NatManager:
                 "will not match the listen port and hole punching will not work"
             )
         self._started = True
+        self.tracker.public_interface = has_public_interface(self.host.interface_addresses())
         self.autonat.start()
         if self.config.relay_service:
             self.relay.start()
@@ -225,14 +234,25 @@ class NatManager:
             },
             "relay_service": {
                 "enabled": self.config.relay_service,
-                "serving": self.config.relay_service and self.reachability is Reachability.PUBLIC,
+                "serving": self.config.relay_service and self.tracker.may_serve_relay,
                 **self.relay.status(),
             },
             "autonat": {
                 "results": [
-                    {"server": str(r.server), "ok": r.ok, "addr": str(r.addr) if r.addr else None}
+                    {
+                        "server": str(r.server),
+                        "ok": r.ok,
+                        "outcome": r.kind,
+                        "addr": str(r.addr) if r.addr else None,
+                        "age_s": round(now - r.at, 1),
+                    }
                     for r in self.tracker.results
                 ],
+                "reason": self.tracker.reason,
+                "changed_s_ago": None
+                if self.tracker.changed_at is None
+                else round(now - self.tracker.changed_at, 1),
+                "public_interface": self.tracker.public_interface,
                 "served": dict(self.autonat.served),
             },
             "hole_punching": {
@@ -308,6 +328,7 @@ class NatManager:
         return conn.local_address[1] in ports
 
     def _addresses_changed(self) -> None:
+        self.tracker.public_interface = has_public_interface(self.host.interface_addresses())
         keep = {a for a, _ in self.observed.candidates(self._loop.time())}
         keep |= {a.without_peer_id() for a in self.host.interface_addresses()}
         if self.tracker.forget(lambda a: a in keep):
@@ -408,10 +429,14 @@ class NatManager:
                 if self.tracker.record(result):
                     self._notify()
                 if self.reachability is not before:
-                    log.info("reachability: %s -> %s", before.value, self.reachability.value)
-                known = self.reachability is not Reachability.UNKNOWN
-                delay = self.config.recheck_interval if known else self.config.recheck_unknown
-                self._next_probe = now + delay
+                    # Once per change, with the evidence: which servers said what.
+                    log.info(
+                        "reachability: %s -> %s (%s)",
+                        before.value,
+                        self.reachability.value,
+                        self.tracker.reason,
+                    )
+                self._next_probe = now + self.tracker.next_delay()
             self._wake.set()
 
     # --- relays -------------------------------------------------------------------------------
