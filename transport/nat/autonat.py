@@ -207,9 +207,7 @@ class AutoNAT:
             self.served["failed"] += 1
             # The strongest evidence among the targets: refused > error > timeout.
             reason = next((k for k in ("refused", "error") if k in kinds), "timeout")
-            await ms.send(
-                {"status": "failed", "error": "; ".join(errors)[:1000], "reason": reason}
-            )
+            await ms.send({"status": "failed", "error": "; ".join(errors)[:1000], "reason": reason})
 
     def _refusal(self, conn: Connection) -> str | None:
         if conn.kind == "relayed" or conn.remote_address is None:
