@@ -106,7 +106,9 @@ def run_swarm(prefix: str, workdir: Path, *, load: bool = True, timeout: float =
             b_kinds = _kinds(daemons["b1"], ids)
             result["a_to_c"] = a_kinds.get("c1")
             result["b_to"] = {k: v for k, v in b_kinds.items() if k in ("a1", "c1")}
-            result["pub_reachability"] = daemons["pub"].status().get("reachability")
+            pub_status = daemons["pub"].status()
+            result["pub_reachability"] = pub_status.get("reachability")
+            result["pub_reason"] = pub_status.get("reachability_detail", {}).get("reason")
             result["ok"] = (
                 not result["pub_went_private"]
                 and result["fingerprints_equal"]

@@ -25,6 +25,7 @@ STATUS_KEYS = {
     "version",
     "addresses",
     "reachability",
+    "reachability_detail",
     "connections",
     "dht_peers",
     "experiment",

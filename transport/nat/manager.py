@@ -210,6 +210,28 @@ class NatManager:
             )
         return out
 
+    def reachability_detail(self) -> dict[str, object]:
+        """Why we believe what we believe: the dial-back evidence and the last change."""
+        now = self._loop.time()
+        return {
+            "state": self.reachability.value,
+            "forced": self.tracker.forced is not None,
+            "reason": self.tracker.reason,
+            "changed_s_ago": None
+            if self.tracker.changed_at is None
+            else round(now - self.tracker.changed_at, 1),
+            "public_interface": self.tracker.public_interface,
+            "results": [
+                {
+                    "server": str(r.server),
+                    "outcome": r.kind,
+                    "addr": str(r.addr) if r.addr else None,
+                    "age_s": round(now - r.at, 1),
+                }
+                for r in self.tracker.results
+            ],
+        }
+
     def status(self) -> dict[str, object]:
         """Everything the status endpoint shows about NAT traversal (JSON-serializable)."""
         now = self._loop.time()
@@ -239,20 +261,10 @@ class NatManager:
             },
             "autonat": {
                 "results": [
-                    {
-                        "server": str(r.server),
-                        "ok": r.ok,
-                        "outcome": r.kind,
-                        "addr": str(r.addr) if r.addr else None,
-                        "age_s": round(now - r.at, 1),
-                    }
+                    {"server": str(r.server), "ok": r.ok, "addr": str(r.addr) if r.addr else None}
                     for r in self.tracker.results
                 ],
-                "reason": self.tracker.reason,
-                "changed_s_ago": None
-                if self.tracker.changed_at is None
-                else round(now - self.tracker.changed_at, 1),
-                "public_interface": self.tracker.public_interface,
+                "detail": self.reachability_detail(),
                 "served": dict(self.autonat.served),
             },
             "hole_punching": {
