@@ -13,9 +13,12 @@ in a round of four.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,8 +66,56 @@ def _kinds(d: Daemon, peers: dict[str, str]) -> dict[str, str]:
     }
 
 
-def run_swarm(prefix: str, workdir: Path, *, load: bool = True, timeout: float = 150.0) -> dict:
-    """One run; a dict of what happened (`ok` when everything above held)."""
+_DROP_DIALBACKS = f"iptables {{op}} OUTPUT -p tcp --syn --dport {PORT} ! --sport {PORT} -j DROP"
+
+
+def _allow_dialbacks(lab: Lab) -> None:
+    for ns in ("a1", "c1"):
+        with contextlib.suppress(Exception):
+            lab.sh("exec", lab.ns(ns), *_DROP_DIALBACKS.format(op="-D").split())
+
+
+def _stall(pub: Daemon, times: int) -> None:
+    """Freeze the public host for 2 s, then let it run 0.5 s, `times` times, from the
+    moment it listens: its event loop is mostly stopped while the joiners arrive."""
+    deadline = time.monotonic() + 60
+    while not any("listening on" in line for line in pub.log().splitlines()):
+        if time.monotonic() > deadline or not pub.alive():
+            return
+        time.sleep(0.05)
+    for _ in range(times):
+        if not pub.alive():
+            return
+        os.kill(pub.proc.pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        os.kill(pub.proc.pid, signal.SIGCONT)
+        time.sleep(0.5)
+
+
+def run_swarm(
+    prefix: str,
+    workdir: Path,
+    *,
+    load: int = 2,
+    timeout: float = 150.0,
+    default_task: bool = False,
+    stalls: int = 0,
+    slow_dialbacks: float = 0.0,
+) -> dict:
+    """One run; a dict of what happened (`ok` when everything above held).
+
+    `load`: busy processes during start-up (0: none). `default_task`: the default
+    experiment's model and steps (what users start; a slower start-up) instead of
+    a tiny model. `stalls`: times the public host is frozen for 2 s (SIGSTOP, then
+    SIGCONT for 0.5 s) from the moment it listens: what a start-up that holds the
+    event loop (importing torch, a GC pass, a swapped-out page) does to the
+    dial-backs it asked for, made repeatable. `slow_dialbacks`: for this many
+    seconds from the start, the dial-backs of joiners A and C (outbound SYNs to the
+    host's port from any port but their listen port) are dropped, so they time
+    out: one slow dial-back, on demand."""
+    env = dict(SWARM_ENV)
+    if default_task:
+        del env["SHOAL_TASK_OPTIONS"], env["SHOAL_INNER_STEPS"]
     lab = Lab(prefix)
     lab.sh("up")
     burners: list[subprocess.Popen[bytes]] = []
@@ -73,15 +124,26 @@ def run_swarm(prefix: str, workdir: Path, *, load: bool = True, timeout: float =
     try:
         ids = {name: _identity(workdir, name) for name in ("pub", "a1", "b1", "c1")}
         boot = f"/ip4/{PUB_IP}/tcp/{PORT}/p2p/{ids['pub']}"
-        if load:
-            burn = "import time\nend = time.time() + 40\nwhile time.time() < end: pass"
-            burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(2)]
+        if slow_dialbacks:
+            for ns in ("a1", "c1"):
+                lab.sh("exec", lab.ns(ns), *_DROP_DIALBACKS.format(op="-I").split())
+            timer = threading.Timer(slow_dialbacks, _allow_dialbacks, args=(lab,))
+            timer.daemon = True
+            timer.start()
+        burn = "import time\nend = time.time() + 40\nwhile time.time() < end: pass"
+        burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(load)]
         daemons["pub"] = Daemon(
-            "pub", workdir, ["--host-experiment", EXPERIMENT], SWARM_ENV, netns=lab.ns("pub")
+            "pub", workdir, ["--host-experiment", EXPERIMENT], env, netns=lab.ns("pub")
         )
         for name in ("a1", "b1", "c1"):
             args = ["--bootstrap", boot, "--join", f"{EXPERIMENT}@{ids['pub']}"]
-            daemons[name] = Daemon(name, workdir, args, SWARM_ENV, netns=lab.ns(name))
+            daemons[name] = Daemon(name, workdir, args, env, netns=lab.ns(name))
+        stall_thread = None
+        if stalls:
+            stall_thread = threading.Thread(
+                target=_stall, args=(daemons["pub"], stalls), daemon=True
+            )
+            stall_thread.start()
         result: dict[str, Any] = {"ok": False}
         deadline = started + timeout
         agreed = None
@@ -97,6 +159,8 @@ def run_swarm(prefix: str, workdir: Path, *, load: bool = True, timeout: float =
             if common:
                 step = max(common)
                 agreed = {r[step] for r in rounds}
+        if stall_thread is not None:
+            stall_thread.join(timeout=30)
         pub_log = daemons["pub"].log()
         result["pub_went_private"] = "-> private" in pub_log
         result["seconds"] = round(time.monotonic() - started, 1)
