@@ -207,7 +207,8 @@ class PeerNode:
                 tokens_per_s=s.tokens_per_s,
                 outer_step=self.session.strategy.outer_steps,
                 rounds=dict(s.rounds),
-                fingerprint=self.session.strategy.fingerprint(),
+                # The frozen state's: `fingerprint()` would hash the model on the loop.
+                fingerprint=self.session.strategy.committed_fingerprint,
                 checkpoint_at=s.checkpoint_at,
                 last_round=None
                 if last is None

@@ -188,7 +188,9 @@ async def open_session(
     join = not (hosting and not resumed)
     loaded = await strategy.start(join=join)
     if loaded:
-        log.info("loaded the swarm's current state (%s)", strategy.fingerprint()[:12])
+        log.info(
+            "loaded the swarm's current state (%s)", (strategy.committed_fingerprint or "")[:12]
+        )
     elif not resumed and initial != manifest.initial_fingerprint:
         await strategy.aclose()
         raise SessionError(
