@@ -371,6 +371,21 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     line = assert_one_line_error(result, 1)
     assert f"/ip4/127.0.0.1/tcp/{port}" in line
     assert "--listen" in line
+    suggested = line.split("e.g. --listen", 1)[1]
+    assert f"/tcp/{port}" not in suggested  # never the port that is taken
+    assert "/tcp/0" in suggested
+
+
+def test_a_second_peer_on_the_same_data_directory_stops_naming_the_first(tmp_path: Path) -> None:
+    with running_peer(tmp_path, "--listen", LOOPBACK_ANY_PORT) as first:
+        assert first.addresses  # started: it holds the lock
+        result = shoal("run", "--listen", LOOPBACK_ANY_PORT, env=cli_env(tmp_path))
+        line = assert_one_line_error(result, 1)
+        assert "in use by another shoal" in line and f"pid {first.proc.pid}" in line
+        assert "--data-dir" in line
+    # the first one stopped: the directory is free again
+    with running_peer(tmp_path, "--listen", LOOPBACK_ANY_PORT) as again:
+        assert again.addresses
 
 
 async def test_another_process_connects_and_pings(tmp_path: Path) -> None:
@@ -436,7 +451,7 @@ def test_run_joins_the_network_of_its_bootstrap_peer(tmp_path: Path) -> None:
         with running_peer(
             second_home, "--listen", LOOPBACK_ANY_PORT, SHOAL_BOOTSTRAP=first.addresses[0]
         ) as second:
-            assert "joined the network: 1 peers known" in second.stderr
+            assert "joined the network: 1 peer known" in second.stderr
             # A third peer joining through the second one finds both in its table.
             out = subprocess.run(
                 [sys.executable, "-c", QUERY_DHT, second.addresses[0]],
