@@ -332,6 +332,30 @@ class Config:
         """The flag or variable a value came from, for error messages."""
         return self.sources.get(name, OPTIONS[name].flag).split(",")[0]
 
+    def to_json(self) -> dict[str, object]:
+        """The effective configuration in JSON types, keyed by flag name (for /status):
+        numbers as numbers, lists as lists, KEY=VALUE options as maps, unset as null.
+        `host-experiment` and `join` say what the peer does, defaults included."""
+        out: dict[str, object] = {}
+        for name in OPTIONS:
+            value = getattr(self, name)
+            if name == "status_addr":
+                value = None if value is None else f"{value[0]}:{value[1]}"
+            elif name in ("task_option", "strategy_option"):
+                value = {k: v for k, v in value}
+            elif isinstance(value, tuple):
+                value = [str(v) for v in value]
+            elif isinstance(value, Path):
+                value = str(value)
+            out[OPTIONS[name].flag[2:]] = value
+        try:
+            role = self.experiment_role()
+        except ConfigError:
+            role = None
+        if role is not None:
+            out["host-experiment" if role[0] == "host" else "join"] = role[1]
+        return out
+
     def describe(self, names: Iterable[str] = OPTIONS) -> list[str]:
         """One `name = value  [source]` line per option, for the start-up log."""
         lines = []

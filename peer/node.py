@@ -186,7 +186,7 @@ class PeerNode:
             "bytes_sent": self.host.bytes_sent,
             "bytes_received": self.host.bytes_received,
             "uptime_s": time.time() - self.started,
-            "config": _config_view(self.config),
+            "config": self.config.to_json(),
         }
         if self.session is not None:
             s = self.session.trainer.stats
@@ -282,12 +282,3 @@ def _number(value: object) -> float | int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return value
-
-
-def _config_view(config: Config) -> dict[str, str]:
-    """The effective configuration as text (nothing secret is in it: no keys, no tokens)."""
-    out = {}
-    for line in config.describe():
-        name, _, rest = line.partition(" = ")
-        out[name] = rest.rsplit("  [", 1)[0]
-    return out

@@ -331,3 +331,19 @@ def test_hosting_and_joining_from_the_file_name_the_file(tmp_path: Path) -> None
     path = toml_file(tmp_path, "host_experiment = 'a'\njoin = 'b'\n")
     with pytest.raises(ConfigError, match=str(path)):
         run_config("--config", str(path)).experiment_role()
+
+
+def test_the_status_view_of_the_configuration_has_json_types() -> None:
+    config = run_config(
+        "--inner-steps", "30", "--strategy-option", "outer_lr=0.5", "--status-addr", "off"
+    )
+    view = config.to_json()
+    assert view["inner-steps"] == 30 and view["no-train"] is False
+    assert view["strategy-option"] == {"outer_lr": 0.5}
+    assert view["status-addr"] is None and view["threads"] is None
+    assert view["host-experiment"] == "default"  # what the peer does, default included
+    assert view["join"] is None
+    assert isinstance(view["listen"], list) and isinstance(view["data-dir"], str)
+    import json
+
+    assert json.loads(json.dumps(view)) == view
