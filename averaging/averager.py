@@ -231,7 +231,11 @@ class Averager:
                 self.dht, self.key, protocol=self.config.state_protocol, timeout=timeout
             )
         except (StateSyncError, TimeoutError) as e:
-            log.warning("could not load the state of %s: %s", self.key, e)
+            if "nobody announced" in str(e):
+                # A peer alone (a restart, the first peer): normal, and nothing to do.
+                log.info("no other peer serves the state of %s yet: keeping ours", self.key)
+            else:
+                log.warning("could not load the state of %s: %s", self.key, e)
             return False
         if len(state.tensors) != len(self.state) or any(
             a.shape != b.shape or a.dtype != b.dtype
