@@ -50,8 +50,9 @@ log = logging.getLogger("shoal.peer")
 # On top of the host's own close_grace: how long shutdown may take before we give up on it.
 SHUTDOWN_SLACK = 5.0
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Joining: each bootstrap peer is tried this many times, waiting 1, 2, 4, ... s between.
-BOOTSTRAP_ATTEMPTS = 6
+# Joining: each bootstrap peer is tried this many times, waiting 1, 2, 4, 8 s between
+# (15 s in all: enough for a host started at the same moment; each try is logged).
+BOOTSTRAP_ATTEMPTS = 5
 BOOTSTRAP_BACKOFF = 1.0
 
 

@@ -48,8 +48,9 @@ __all__ = ["Session", "SessionError", "open_session"]
 log = logging.getLogger("shoal.session")
 
 MANIFESTS_DIR = "experiments"
-# How long a joiner looks for the manifest in the DHT (it may have joined a moment ago).
-FIND_MANIFEST_TIMEOUT = 30.0
+# How long a joiner looks for the manifest in the DHT (it may have been published a
+# moment ago; one already there is found at the first lookup).
+FIND_MANIFEST_TIMEOUT = 15.0
 
 
 class SessionError(Exception):

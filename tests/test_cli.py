@@ -486,6 +486,11 @@ def test_run_with_an_unreachable_bootstrap_peer_is_a_clear_error(tmp_path: Path)
     line = assert_one_line_error(result, 1)
     assert f"/ip4/127.0.0.1/tcp/{port}" in line
     assert "--bootstrap" in line
+    # and while it tried, it said so
+    assert "connection refused (nothing listens there yet?) (attempt 1 of 2, next in 0s)" in (
+        result.stderr
+    )
+    assert "(attempt 2 of 2)" in result.stderr
 
 
 # Replaces the host's shutdown with one that hangs, to see the second Ctrl+C cut it short.
