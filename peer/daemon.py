@@ -403,7 +403,11 @@ def _shutdown_on_signals(stop: asyncio.Event) -> Iterator[None]:
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
-        log.warning("%s received: shutting down (press Ctrl+C again to exit at once)", sig.name)
+        log.info(
+            "%s received: shutting down after a last checkpoint (press Ctrl+C again to exit "
+            "at once, without it)",
+            sig.name,
+        )
         # The default disposition, not another loop callback: the second signal must
         # work even when shutdown has the event loop stuck.
         for s in SHUTDOWN_SIGNALS:
