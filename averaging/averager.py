@@ -36,6 +36,7 @@ frozen, so the state every member serves is the post-step one.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -112,6 +113,8 @@ class AveragerConfig:
     # One state shared by the whole swarm (see the module docstring): hash-chained
     # versions, and a peer with nobody else to average with commits alone.
     shared_state: bool = False
+    # The longest a re-sync may take when the step has no deadline of its own.
+    state_timeout: float = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,11 +209,19 @@ class Averager:
     def _current_state(self) -> State | None:
         return self._committed  # None before the first commit: nothing worth downloading
 
-    def _freeze(self) -> None:
+    async def _freeze(self) -> None:
+        """Snapshot the state for the state server: a copy and its hash, in a thread
+        (a whole model's worth of both would stall the event loop). Nothing writes
+        the state meanwhile: its owner awaits the step (or load) that froze it."""
         meta = self.metadata()
         meta.setdefault("step", self.commits)
-        copies = tuple(t.detach().to("cpu", copy=True) for t in self.state)
-        self._committed = State(copies, meta, state_fingerprint(copies, meta))
+        tensors = tuple(self.state)
+
+        def snapshot() -> State:
+            copies = tuple(t.detach().to("cpu", copy=True) for t in tensors)
+            return State(copies, meta, state_fingerprint(copies, meta))
+
+        self._committed = await asyncio.to_thread(snapshot)
         self.last_fingerprint = self._committed.fingerprint
 
     async def load_state_from_peers(self, timeout: float = 300.0) -> bool:
@@ -220,7 +231,11 @@ class Averager:
                 self.dht, self.key, protocol=self.config.state_protocol, timeout=timeout
             )
         except (StateSyncError, TimeoutError) as e:
-            log.warning("could not load the state of %s: %s", self.key, e)
+            if "nobody announced" in str(e):
+                # A peer alone (a restart, the first peer): normal, and nothing to do.
+                log.info("no other peer serves the state of %s yet: keeping ours", self.key)
+            else:
+                log.warning("could not load the state of %s: %s", self.key, e)
             return False
         if len(state.tensors) != len(self.state) or any(
             a.shape != b.shape or a.dtype != b.dtype
@@ -242,7 +257,7 @@ class Averager:
                 held = b""
             if _valid_version(held, self.commits):
                 self.state_version = held  # (a chained version, for a shared state)
-        self._freeze()
+        await self._freeze()
         await self._announce_state()
         log.info("loaded state %s of %s", state.fingerprint[:12], self.key)
         return True
@@ -250,7 +265,7 @@ class Averager:
     async def publish_state(self) -> None:
         """Serve the state as it is now (a peer that starts the swarm, or resumes from
         a checkpoint, holds a state worth downloading before its first commit)."""
-        self._freeze()
+        await self._freeze()
         await self._announce_state()
 
     def restore(self, commits: int, version: str | None = None) -> None:
@@ -320,7 +335,13 @@ class Averager:
                 # Our tensors are stale: they must not enter a round. Replace them
                 # with the swarm's state and let the caller redo its work on it.
                 log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, e)
-                ok = await self.load_state_from_peers()
+                # Within the step's deadline: a re-sync is part of the step.
+                budget = (
+                    self.config.state_timeout
+                    if deadline is None
+                    else max(1.0, deadline - time.monotonic())
+                )
+                ok = await self.load_state_from_peers(timeout=budget)
                 why = "re-synced with the swarm" if ok else f"needs re-sync, which failed: {e}"
                 return self._result(False, why, started, attempts, resynced=ok)
             except NobodyElse as e:
@@ -367,7 +388,7 @@ class Averager:
             self.state_version = _version(self.commits)
         if self._on_commit is not None:
             self._on_commit()
-        self._freeze()
+        await self._freeze()
         await self._announce_state()
 
     async def _commit_alone(self, started: float, attempts: int) -> StepResult:

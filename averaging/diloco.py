@@ -125,6 +125,7 @@ def _averager_config(key: str, opts: Mapping[str, Any]) -> AveragerConfig:
         allreduce=allreduce_config(opts),
         codec=opts["codec"],
         state_protocol=state_protocol(key),
+        state_timeout=opts["state_timeout"],
         # The global parameters are one state for the whole swarm: a peer alone
         # takes its outer steps by itself (DiLoCo with one replica) and a joiner
         # downloads its progress.
@@ -256,6 +257,12 @@ class DiLoCo:
 
     def fingerprint(self) -> str:
         return self.averager.fingerprint()
+
+    @property
+    def committed_fingerprint(self) -> str | None:
+        """The fingerprint of the last committed (or loaded) state, hashed off the event
+        loop when it was frozen: what status endpoints show, at no cost."""
+        return self.averager.last_fingerprint
 
     def state_dict(self) -> dict[str, Any]:
         """Global parameters, momentum and counters (the local parameters are the model's)."""
@@ -551,6 +558,17 @@ class StreamingDiLoCo:
         h = hashlib.sha256(b"shoal/streaming-diloco\x00")
         for f in self.fragments:
             h.update(self._avg(f).fingerprint().encode())
+        return h.hexdigest()
+
+    @property
+    def committed_fingerprint(self) -> str | None:
+        """The fragments' last frozen fingerprints combined (see DiLoCo's)."""
+        prints = [self._avg(f).last_fingerprint for f in self.fragments]
+        if any(p is None for p in prints):
+            return None
+        h = hashlib.sha256(b"shoal/streaming-diloco/committed\x00")
+        for p in prints:
+            h.update(p.encode())  # type: ignore[union-attr]
         return h.hexdigest()
 
     def state_dict(self) -> dict[str, Any]:

@@ -665,8 +665,8 @@ class Matchmaker:
         # Leaders of that version wait a little for a syncing peer.
         await self._declare(PeerState.SYNCING, target, end=end, at_least=0.2)
         raise NeedsResync(
-            f"{len(confirmed)} looking peers hold version {target.hex()[:12] or 'empty'}, "
-            f"{mine} (us included) hold ours {outlook.version.hex()[:12] or 'empty'}: "
+            f"{len(confirmed)} looking peers hold version {_short(target)}, "
+            f"{mine} (us included) hold ours {_short(outlook.version)}: "
             "load the state first",
             version=outlook.version,
             target=target,
@@ -813,3 +813,9 @@ class Matchmaker:
 
 def _fingerprint(view: View) -> set[tuple[PeerID, str, bytes, float]]:
     return {(d.peer_id, d.state, d.state_version, d.expiration) for d in view.values()}
+
+
+def _short(version: bytes) -> str:
+    """A version in a log line: its last 12 hex digits (versions that count commits
+    differ at the end; the leading digits are zeros)."""
+    return version.hex()[-12:] or "empty"

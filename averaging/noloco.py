@@ -211,6 +211,11 @@ class NoLoCo:
     def _metadata(self) -> dict[str, Any]:
         return {"strategy": self.name, "step": self.outer_steps}
 
+    @property
+    def committed_fingerprint(self) -> str | None:
+        """The fingerprint of the state last published (hashed off the event loop)."""
+        return None if self._frozen is None else self._frozen.fingerprint
+
     def fingerprint(self) -> str:
         """This peer's own outer state (NoLoCo replicas differ by design)."""
         return state_fingerprint([*self.outer, *self.momentum], self._metadata())

@@ -80,6 +80,12 @@ class OuterStrategy(Protocol):
 
     def fingerprint(self) -> str: ...
 
+    @property
+    def committed_fingerprint(self) -> str | None:
+        """The last frozen state's fingerprint, computed off the event loop (None before
+        any): what status endpoints read, never hashing the model on the loop."""
+        ...
+
     async def aclose(self) -> None: ...
 
 

@@ -26,6 +26,7 @@ import msgpack
 from shoal.transport import rpc
 from shoal.transport.errors import (
     ConnectionLost,
+    PeerIDMismatch,
     ProtocolNotSupported,
     StreamReset,
     TransportError,
@@ -58,6 +59,19 @@ log = logging.getLogger("shoal.dht")
 DEFAULT_PROTOCOL = "/shoal/dht/1.0.0"
 # Rounds of store requests: each replaces the peers that could not be reached.
 _STORE_ROUNDS = 3
+
+
+def _reason(e: BaseException) -> str:
+    chain: BaseException | None = e
+    while chain is not None:
+        if isinstance(chain, ConnectionRefusedError):
+            return "connection refused (nothing listens there yet?)"
+        chain = chain.__cause__ or chain.__context__
+    if "[Errno 111]" in str(e):  # a DialError that kept only the message of the refusal
+        return "connection refused (nothing listens there yet?)"
+    if isinstance(e, TimeoutError):
+        return "no answer"
+    return f"{type(e).__name__}: {e}"[:200]
 
 
 class DHTError(Exception):
@@ -282,7 +296,18 @@ class DHTNode:
                 return None
             except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
                 error = f"{addr}: {type(e).__name__}: {e}"
-                log.debug("bootstrap attempt %d to %s failed: %s", attempt + 1, addr, e)
+                final = attempt + 1 == attempts or isinstance(e, PeerIDMismatch)
+                # Said while it happens: a joiner must not sit silent for half a minute.
+                log.info(
+                    "bootstrap peer %s: %s (attempt %d of %d%s)",
+                    addr,
+                    _reason(e),
+                    attempt + 1,
+                    attempts,
+                    "" if final else f", next in {backoff * 2**attempt:.0f}s",
+                )
+                if isinstance(e, PeerIDMismatch):
+                    break  # another peer answers there: retrying cannot help
         return error
 
     # ------------------------------------------------------------------ public API

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """The image's HEALTHCHECK: exit 0 when the daemon's GET /healthz answers 200.
 
-The status server listens on SHOAL_STATUS_ADDR (host:port, [v6]:port); inside
-the container it is 0.0.0.0:8080, reached here through loopback. Standard
+The status server listens on the daemon's --status-addr if its command line has
+one (flags take precedence over variables), else on SHOAL_STATUS_ADDR
+(host:port, [v6]:port); inside the container it is 0.0.0.0:8080, reached here
+through loopback. The daemon is the container's process 1. Standard
 library only: the check must not import torch or shoal (it runs every 30 s).
 """
 
@@ -30,8 +32,27 @@ def healthz_url(status_addr: str) -> str | None:
     return f"http://{host}:{port}/healthz"
 
 
+def status_addr_flag(argv: list[str]) -> str | None:
+    """The value of --status-addr in a command line (either form), else None."""
+    for i, arg in enumerate(argv):
+        if arg == "--status-addr" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--status-addr="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def daemon_argv(pid: int = 1) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
 def main() -> int:
-    url = healthz_url(os.environ.get("SHOAL_STATUS_ADDR") or DEFAULT_ADDR)
+    addr = status_addr_flag(daemon_argv()) or os.environ.get("SHOAL_STATUS_ADDR")
+    url = healthz_url(addr or DEFAULT_ADDR)
     if url is None:
         print("healthy: the status endpoint is off, nothing to check")
         return 0

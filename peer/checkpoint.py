@@ -56,6 +56,12 @@ class CheckpointStore:
                 raise PermissionError(13, "Permission denied")
         except OSError as e:
             raise CheckpointError(_cannot_write(self.directory, e)) from None
+        # Half-written checkpoints of a process killed mid-save (a second Ctrl+C):
+        # nobody else writes here (the data directory is locked), so they are stale.
+        for stale in self.directory.glob(".latest-*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                log.info("removed %s, a checkpoint whose writing was interrupted", stale.name)
 
     def save(self, state: dict[str, Any]) -> Path:
         """Write `state` atomically (blocking: call it from a thread)."""

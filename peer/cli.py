@@ -52,7 +52,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shoal",
-        description="shoal: a peer-to-peer training daemon (today: the transport layer).",
+        description=(
+            "shoal: a peer-to-peer training daemon. Peers find each other through a DHT, "
+            "connect through NATs and train one model together (DiLoCo-style averaging), "
+            "with no central server."
+        ),
         epilog=MAIN_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

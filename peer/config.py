@@ -6,9 +6,10 @@ the argparse options, the environment lookup, the validation and the
 option (DHT bootstrap peers, HTTP status port, ...) is one entry plus one
 `Config` field.
 
-Precedence (DESIGN.md): a command-line flag, overridden by its SHOAL_*
-environment variable, else the default. The environment wins because that is
-what docker users set, while the image's command line is fixed.
+Precedence, by the common convention: a command-line flag, else its SHOAL_*
+environment variable, else the TOML file of --config, else the default (a
+leftover `export SHOAL_...` must not silently override what a user types; the
+docker image sets nothing on its command line, so its users lose nothing).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ OPTIONS: dict[str, Option] = {
             "config",
             "SHOAL_CONFIG",
             "TOML file of options (keys are the option names, e.g. inner_steps = 20); "
-            "flags and SHOAL_* variables override it",
+            "flags and SHOAL_* variables take precedence over it",
             "FILE",
             "none",
         ),
@@ -331,6 +332,30 @@ class Config:
         """The flag or variable a value came from, for error messages."""
         return self.sources.get(name, OPTIONS[name].flag).split(",")[0]
 
+    def to_json(self) -> dict[str, object]:
+        """The effective configuration in JSON types, keyed by flag name (for /status):
+        numbers as numbers, lists as lists, KEY=VALUE options as maps, unset as null.
+        `host-experiment` and `join` say what the peer does, defaults included."""
+        out: dict[str, object] = {}
+        for name in OPTIONS:
+            value = getattr(self, name)
+            if name == "status_addr":
+                value = None if value is None else f"{value[0]}:{value[1]}"
+            elif name in ("task_option", "strategy_option"):
+                value = {k: v for k, v in value}
+            elif isinstance(value, tuple):
+                value = [str(v) for v in value]
+            elif isinstance(value, Path):
+                value = str(value)
+            out[OPTIONS[name].flag[2:]] = value
+        try:
+            role = self.experiment_role()
+        except ConfigError:
+            role = None
+        if role is not None:
+            out["host-experiment" if role[0] == "host" else "join"] = role[1]
+        return out
+
     def describe(self, names: Iterable[str] = OPTIONS) -> list[str]:
         """One `name = value  [source]` line per option, for the start-up log."""
         lines = []
@@ -387,11 +412,11 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
 def build_config(
     names: Iterable[str], flags: Mapping[str, object], environ: Mapping[str, str]
 ) -> Config:
-    """The Config for options `names`: each from its env var, else its flag, else the default.
+    """The Config for options `names`: each from its flag, else its env var, else the
+    TOML file named by --config (SHOAL_CONFIG), else the default.
 
     An empty or blank environment variable counts as unset (compose files often
-    declare `SHOAL_ANNOUNCE=` with nothing after it). A TOML file named by
-    --config (SHOAL_CONFIG) comes under both. Raises ConfigError.
+    declare `SHOAL_ANNOUNCE=` with nothing after it). Raises ConfigError.
     """
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
@@ -399,7 +424,7 @@ def build_config(
     file_values: dict[str, object] = {}
     file_origin = ""
     if "config" in names:
-        path_text = environ.get(OPTIONS["config"].env, "").strip() or flags.get("config")
+        path_text = flags.get("config") or environ.get(OPTIONS["config"].env, "").strip()
         if path_text:
             file_origin = str(path_text)
             file_values = _read_toml(Path(str(path_text)).expanduser(), names)
@@ -411,13 +436,13 @@ def build_config(
             origin = sources[name] = f"{file_origin} ({name})"
             values[name] = _from_toml(name, file_values[name], origin)
             continue
-        if env_value:
-            raw: str | Sequence[str] = env_value
-            origin = opt.env
-            sources[name] = origin if flag_value is None else f"{origin}, overriding {opt.flag}"
-        elif flag_value is not None:
-            raw = flag_value  # type: ignore[assignment]
-            origin = sources[name] = opt.flag
+        if flag_value is not None:
+            raw: str | Sequence[str] = flag_value  # type: ignore[assignment]
+            origin = opt.flag
+            sources[name] = origin if not env_value else f"{origin}, overriding {opt.env}"
+        elif env_value:
+            raw = env_value
+            origin = sources[name] = opt.env
         else:
             continue
         values[name] = _PARSERS[name](raw, origin)

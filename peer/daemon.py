@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -49,13 +51,47 @@ log = logging.getLogger("shoal.peer")
 # On top of the host's own close_grace: how long shutdown may take before we give up on it.
 SHUTDOWN_SLACK = 5.0
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Joining: each bootstrap peer is tried this many times, waiting 1, 2, 4, ... s between.
-BOOTSTRAP_ATTEMPTS = 6
+# Joining: each bootstrap peer is tried this many times, waiting 1, 2, 4, 8 s between
+# (15 s in all: enough for a host started at the same moment; each try is logged).
+BOOTSTRAP_ATTEMPTS = 5
 BOOTSTRAP_BACKOFF = 1.0
 
 
 class StartupError(Exception):
     """The daemon cannot run as configured (key file, data dir, port); the message is one line."""
+
+
+LOCK_FILE = ".lock"
+
+
+def lock_data_dir(data_dir: Path) -> TextIO:
+    """Hold an exclusive lock on `data_dir` for this process' lifetime (the open file
+    is the lock; closing it, or the process ending, releases it). StartupError naming
+    the holder's pid when another shoal uses the directory: two processes would
+    share one identity and write over each other's checkpoints."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        handle = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open on purpose)
+    except OSError as e:
+        raise StartupError(
+            f"cannot use data directory {data_dir}: {e.strerror or e}; choose another "
+            "with --data-dir or SHOAL_DATA_DIR"
+        ) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise StartupError(
+            f"data directory {data_dir} is in use by another shoal (pid {holder}); stop "
+            "it, or give this peer its own --data-dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def load_identity(config: Config) -> Identity:
@@ -129,6 +165,7 @@ async def run_daemon(
             stop = asyncio.Event()
             stack.enter_context(_shutdown_on_signals(stop))
 
+        stack.enter_context(lock_data_dir(config.data_dir))
         identity = load_identity(config)
         config.check_peer_id(identity.peer_id)
         log.info("peer ID %s", identity.peer_id)
@@ -145,7 +182,7 @@ async def run_daemon(
         except OSError as e:
             raise StartupError(
                 f"{e}; is another shoal running? choose a free address with --listen "
-                "(or SHOAL_LISTEN), e.g. --listen /ip4/0.0.0.0/tcp/31338"
+                "(or SHOAL_LISTEN), e.g. --listen /ip4/0.0.0.0/tcp/0 (any free port)"
             ) from None
         for addr in host.listen_addrs:
             log.info("listening on %s", addr)
@@ -254,23 +291,30 @@ def print_join_command(node: PeerNode, config: Config, out: TextIO | None = None
     out = out if out is not None else sys.stdout
     session = node.session
     assert session is not None
-    addrs = node.host.interface_addresses(include_loopback=False) or node.host.addresses()
-    if config.announce:
-        addrs = node.host.addresses()
     ref = session.manifest.ref
-    port = 31338
     print(f"Experiment {session.manifest.name!r} (id {session.manifest.experiment_id}).", file=out)
-    if addrs:
+    remote = (
+        node.host.addresses()
+        if config.announce
+        else node.host.interface_addresses(include_loopback=False)
+    )
+    if remote:
         print("To join it from another machine:", file=out)
-        print(f"  shoal run --join {ref} --bootstrap {addrs[0]}", file=out)
-    local = [a for a in node.host.interface_addresses() if a.is_loopback] or addrs
-    if local:
-        ours = config.status_addr[1] if config.status_addr else 0
-        status_port = ours + 1 if ours else 8081
-        print("To join it from another terminal on this machine:", file=out)
+        print(f"  shoal run --join {ref} --bootstrap {remote[0]}", file=out)
+    else:
         print(
-            f"  shoal run --join {ref} --bootstrap {local[0]} --data-dir ~/.shoal-2 "
-            f"--listen /ip4/0.0.0.0/tcp/{port} --status-addr 127.0.0.1:{status_port}",
+            "Other machines cannot reach this peer: it listens on loopback only "
+            "(--listen /ip4/0.0.0.0/tcp/PORT lets them).",
+            file=out,
+        )
+    local = [a for a in node.host.interface_addresses() if a.is_loopback] or remote
+    if local:
+        # A fresh data directory and free ports per run: the same command works in as
+        # many terminals as you open (each peer with its own identity).
+        print("To join it from another terminal on this machine (run it in several):", file=out)
+        print(
+            f'  shoal run --join {ref} --bootstrap {local[0]} --data-dir "$(mktemp -d)" '
+            "--listen /ip4/0.0.0.0/tcp/0 --status-addr 127.0.0.1:0",
             file=out,
         )
     out.flush()
@@ -313,7 +357,8 @@ async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
         )
     except BootstrapError as e:
         raise StartupError(f"{e}; check the --bootstrap (SHOAL_BOOTSTRAP) addresses") from None
-    log.info("joined the network: %d peers known", len(dht.routing_table))
+    known = len(dht.routing_table)
+    log.info("joined the network: %d %s known", known, "peer" if known == 1 else "peers")
     return dht
 
 
@@ -365,7 +410,11 @@ def _shutdown_on_signals(stop: asyncio.Event) -> Iterator[None]:
     loop = asyncio.get_running_loop()
 
     def on_signal(sig: signal.Signals) -> None:
-        log.warning("%s received: shutting down (press Ctrl+C again to exit at once)", sig.name)
+        log.info(
+            "%s received: shutting down after a last checkpoint (press Ctrl+C again to exit "
+            "at once, without it)",
+            sig.name,
+        )
         # The default disposition, not another loop callback: the second signal must
         # work even when shutdown has the event loop stuck.
         for s in SHUTDOWN_SIGNALS:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import re
 import time
@@ -36,6 +37,8 @@ import msgpack
 from shoal.dht.node import DHTNode
 from shoal.dht.records import Record, RecordError, RecordValidator
 from shoal.transport.identity import Identity, PeerID
+
+log = logging.getLogger("shoal.experiment")
 
 __all__ = [
     "EXPERIMENT_PREFIX",
@@ -332,6 +335,9 @@ async def publish_manifest(dht: DHTNode, manifest: Manifest) -> bool:
     )
 
 
+PROGRESS_EVERY = 5.0  # seconds between the "still looking" lines
+
+
 async def find_manifest(
     dht: DHTNode, ref: ExperimentRef, *, timeout: float = 20.0, retry_every: float = 1.0
 ) -> Manifest:
@@ -341,7 +347,9 @@ async def find_manifest(
     that a peer published a moment ago.
     """
     key = manifest_key(ref.name)
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
+    next_word = started + PROGRESS_EVERY
     problems: list[str] = []
     while True:
         found = await dht.get(key, latest=True)
@@ -356,8 +364,18 @@ async def find_manifest(
                 f"several peers host an experiment named {ref.name!r}; choose one with "
                 f"--join NAME@PEERID: {names}"
             )
-        if time.monotonic() + retry_every > deadline:
+        now = time.monotonic()
+        if now + retry_every > deadline:
             break
+        if now >= next_word:  # said while it waits, not only when it gives up
+            log.info(
+                "looking for experiment %r in the network (%.0fs of %.0fs, %d peers known)",
+                str(ref),
+                now - started,
+                timeout,
+                len(dht.routing_table),
+            )
+            next_word = now + PROGRESS_EVERY
         await asyncio.sleep(retry_every)
     if problems:
         raise ManifestError(

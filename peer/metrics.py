@@ -34,6 +34,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import (
@@ -48,6 +49,11 @@ if TYPE_CHECKING:
     from .status import StatusProvider
 
 __all__ = ["CONNECTION_KINDS", "Metrics"]
+
+# Counters and histograms would each export a `*_created` series: a UNIX timestamp
+# under the help text of a count, which dashboards plot as a huge number. Prometheus
+# does not need it (it detects counter resets itself).
+disable_created_metrics()
 
 # Always exported, 0 when there is none, so that a dashboard's series do not vanish.
 CONNECTION_KINDS = ("direct", "relayed", "holepunched")

@@ -187,7 +187,7 @@ class PeerNode:
             "bytes_sent": self.host.bytes_sent,
             "bytes_received": self.host.bytes_received,
             "uptime_s": time.time() - self.started,
-            "config": _config_view(self.config),
+            "config": self.config.to_json(),
         }
         if self.session is not None:
             s = self.session.trainer.stats
@@ -208,7 +208,8 @@ class PeerNode:
                 tokens_per_s=s.tokens_per_s,
                 outer_step=self.session.strategy.outer_steps,
                 rounds=dict(s.rounds),
-                fingerprint=self.session.strategy.fingerprint(),
+                # The frozen state's: `fingerprint()` would hash the model on the loop.
+                fingerprint=self.session.strategy.committed_fingerprint,
                 checkpoint_at=s.checkpoint_at,
                 last_round=None
                 if last is None
@@ -282,12 +283,3 @@ def _number(value: object) -> float | int | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return value
-
-
-def _config_view(config: Config) -> dict[str, str]:
-    """The effective configuration as text (nothing secret is in it: no keys, no tokens)."""
-    out = {}
-    for line in config.describe():
-        name, _, rest = line.partition(" = ")
-        out[name] = rest.rsplit("  [", 1)[0]
-    return out

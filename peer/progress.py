@@ -26,12 +26,14 @@ def describe_progress(status: dict[str, Any]) -> str:
     parts.append(f"loss {loss:.3f}" if isinstance(loss, int | float) else "loss -")
     rate = status.get("tokens_per_s")
     parts.append(f"{rate:,.0f} tok/s" if isinstance(rate, int | float) else "- tok/s")
-    parts.append(f"{status.get('experiment_peers', 0)} peers")
+    parts.append(_peers(status.get("experiment_peers") or 0))
     last = status.get("last_round")
     if isinstance(last, dict):
         ago = last.get("ago_s")
         when = f" {ago:.0f}s ago" if isinstance(ago, int | float) else ""
-        parts.append(f"last sync: {last.get('outcome')}{when} ({last.get('group_size')} peers)")
+        size = last.get("group_size")
+        group = _peers(size) if isinstance(size, int) else "? peers"
+        parts.append(f"last sync: {last.get('outcome')}{when} ({group})")
     else:
         parts.append("last sync: none yet")
     return " | ".join(parts)
@@ -62,3 +64,7 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _peers(n: int) -> str:
+    return f"{n} peer" if n == 1 else f"{n} peers"

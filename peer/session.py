@@ -48,8 +48,9 @@ __all__ = ["Session", "SessionError", "open_session"]
 log = logging.getLogger("shoal.session")
 
 MANIFESTS_DIR = "experiments"
-# How long a joiner looks for the manifest in the DHT (it may have joined a moment ago).
-FIND_MANIFEST_TIMEOUT = 30.0
+# How long a joiner looks for the manifest in the DHT (it may have been published a
+# moment ago; one already there is found at the first lookup).
+FIND_MANIFEST_TIMEOUT = 15.0
 
 
 class SessionError(Exception):
@@ -188,7 +189,9 @@ async def open_session(
     join = not (hosting and not resumed)
     loaded = await strategy.start(join=join)
     if loaded:
-        log.info("loaded the swarm's current state (%s)", strategy.fingerprint()[:12])
+        log.info(
+            "loaded the swarm's current state (%s)", (strategy.committed_fingerprint or "")[:12]
+        )
     elif not resumed and initial != manifest.initial_fingerprint:
         await strategy.aclose()
         raise SessionError(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
 import time
@@ -201,8 +200,10 @@ class Trainer:
                     next_checkpoint = time.monotonic() + self.checkpoint_interval
         finally:
             # Graceful: the round in flight ends (commit or abort) before the state is saved.
-            with contextlib.suppress(Exception):
+            try:
                 await self.strategy.finish()
+            except Exception as e:  # the checkpoint is still written; say what went wrong
+                log.warning("ending the averaging round at shutdown failed: %r", e)
             if stop.is_set():
                 await self.save_checkpoint()
 
@@ -215,10 +216,14 @@ class Trainer:
             await asyncio.wait({outer, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if not outer.done():
                 log.info("shutdown during an averaging round: ending it")
-                with contextlib.suppress(Exception):
+                try:
                     async with asyncio.timeout(FINISH_TIMEOUT_S):
                         await self.strategy.finish()
                         await asyncio.wait({outer})
+                except TimeoutError:
+                    log.info("the round did not end within %.0fs: abandoning it", FINISH_TIMEOUT_S)
+                except Exception as e:
+                    log.warning("ending the averaging round at shutdown failed: %r", e)
             if not outer.done():
                 # The round aborts for us; the others see a failed member and go on.
                 outer.cancel()

@@ -290,3 +290,14 @@ def test_prepare_creates_the_directory(store: CheckpointStore) -> None:
     assert store.directory.is_dir()
     store.prepare()  # idempotent
     assert store.load() is None
+
+
+def test_half_written_checkpoints_of_a_killed_save_are_removed_at_start(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.prepare()
+    stale = store.directory / ".latest-abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    other = store.directory / "notes.txt"
+    other.write_text("keep me")
+    store.prepare()
+    assert not stale.exists() and other.exists()

@@ -162,7 +162,7 @@ def test_id_creates_a_private_key_and_prints_the_same_id_again(tmp_path: Path) -
     assert second.stdout == first.stdout
 
 
-def test_id_defaults_to_home_and_env_overrides_the_flag(tmp_path: Path) -> None:
+def test_id_defaults_to_home_and_the_flag_overrides_the_env(tmp_path: Path) -> None:
     default = shoal("id", env=cli_env(tmp_path))
     assert default.returncode == 0, default.stderr
     assert (tmp_path / ".shoal" / "identity.key").exists()
@@ -172,9 +172,11 @@ def test_id_defaults_to_home_and_env_overrides_the_flag(tmp_path: Path) -> None:
     env = cli_env(tmp_path, SHOAL_DATA_DIR=str(from_env))
     result = shoal("id", "--data-dir", str(from_flag), env=env)
     assert result.returncode == 0, result.stderr
-    assert (from_env / "identity.key").exists()
-    assert not from_flag.exists()
+    assert (from_flag / "identity.key").exists()
+    assert not from_env.exists()
     assert result.stdout != default.stdout  # a new identity in the other directory
+    only_env = shoal("id", env=env)
+    assert only_env.returncode == 0 and (from_env / "identity.key").exists()
 
 
 def test_id_refuses_a_key_readable_by_others(tmp_path: Path) -> None:
@@ -216,7 +218,7 @@ def test_defaults() -> None:
     assert config.host_config() == HostConfig(reuse_port=True)  # NAT traversal punches from it
 
 
-def test_environment_overrides_flags() -> None:
+def test_flags_override_the_environment() -> None:
     argv = [
         "run",
         "--data-dir", "/flag/dir",
@@ -231,14 +233,18 @@ def test_environment_overrides_flags() -> None:
         "UNRELATED": "x",
     }
     _, config = parse_command_line(argv, environ)
+    assert config.data_dir == Path("/flag/dir")
+    assert config.listen == (Multiaddr("/ip4/127.0.0.1/tcp/1"),)
+    assert config.log_level == "debug"
+    assert config.announce == (Multiaddr("/dns/flag.example/tcp/1"),)
+    assert config.sources["listen"] == "--listen, overriding SHOAL_LISTEN"
+    assert config.sources["announce"] == "--announce"
+    assert any("--listen, overriding SHOAL_LISTEN" in line for line in config.describe())
+    # Without the flags, the environment applies.
+    _, config = parse_command_line(["run"], environ)
     assert config.data_dir == Path("/env/dir")
     assert config.listen == (Multiaddr("/ip4/127.0.0.1/tcp/2"), Multiaddr("/ip6/::1/tcp/2"))
-    assert config.log_level == "warning"
-    # No SHOAL_ANNOUNCE: the flag applies.
-    assert config.announce == (Multiaddr("/dns/flag.example/tcp/1"),)
-    assert config.sources["listen"] == "SHOAL_LISTEN, overriding --listen"
-    assert config.sources["announce"] == "--announce"
-    assert any("SHOAL_LISTEN, overriding --listen" in line for line in config.describe())
+    assert config.sources["listen"] == "SHOAL_LISTEN"
 
 
 def test_flags_apply_when_env_is_unset_or_blank() -> None:
@@ -371,6 +377,21 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     line = assert_one_line_error(result, 1)
     assert f"/ip4/127.0.0.1/tcp/{port}" in line
     assert "--listen" in line
+    suggested = line.split("e.g. --listen", 1)[1]
+    assert f"/tcp/{port}" not in suggested  # never the port that is taken
+    assert "/tcp/0" in suggested
+
+
+def test_a_second_peer_on_the_same_data_directory_stops_naming_the_first(tmp_path: Path) -> None:
+    with running_peer(tmp_path, "--listen", LOOPBACK_ANY_PORT) as first:
+        assert first.addresses  # started: it holds the lock
+        result = shoal("run", "--listen", LOOPBACK_ANY_PORT, env=cli_env(tmp_path))
+        line = assert_one_line_error(result, 1)
+        assert "in use by another shoal" in line and f"pid {first.proc.pid}" in line
+        assert "--data-dir" in line
+    # the first one stopped: the directory is free again
+    with running_peer(tmp_path, "--listen", LOOPBACK_ANY_PORT) as again:
+        assert again.addresses
 
 
 async def test_another_process_connects_and_pings(tmp_path: Path) -> None:
@@ -395,9 +416,12 @@ def test_bootstrap_takes_several_addresses_after_one_flag_and_from_the_env() -> 
     b = "/dns/boot.example/tcp/31337"
     _, config = parse_command_line(["run", "--bootstrap", a, b], {})
     assert config.bootstrap == (Multiaddr(a), Multiaddr(b))
-    _, config = parse_command_line(["run", "--bootstrap", a], {"SHOAL_BOOTSTRAP": f"{b}, {a}"})
+    _, config = parse_command_line(["run"], {"SHOAL_BOOTSTRAP": f"{b}, {a}"})
     assert config.bootstrap == (Multiaddr(b), Multiaddr(a))
-    assert config.sources["bootstrap"] == "SHOAL_BOOTSTRAP, overriding --bootstrap"
+    assert config.sources["bootstrap"] == "SHOAL_BOOTSTRAP"
+    _, config = parse_command_line(["run", "--bootstrap", a], {"SHOAL_BOOTSTRAP": f"{b}, {a}"})
+    assert config.bootstrap == (Multiaddr(a),)
+    assert config.sources["bootstrap"] == "--bootstrap, overriding SHOAL_BOOTSTRAP"
     _, config = parse_command_line(["run"], {})
     assert config.bootstrap == ()
 
@@ -436,7 +460,7 @@ def test_run_joins_the_network_of_its_bootstrap_peer(tmp_path: Path) -> None:
         with running_peer(
             second_home, "--listen", LOOPBACK_ANY_PORT, SHOAL_BOOTSTRAP=first.addresses[0]
         ) as second:
-            assert "joined the network: 1 peers known" in second.stderr
+            assert "joined the network: 1 peer known" in second.stderr
             # A third peer joining through the second one finds both in its table.
             out = subprocess.run(
                 [sys.executable, "-c", QUERY_DHT, second.addresses[0]],
@@ -462,6 +486,11 @@ def test_run_with_an_unreachable_bootstrap_peer_is_a_clear_error(tmp_path: Path)
     line = assert_one_line_error(result, 1)
     assert f"/ip4/127.0.0.1/tcp/{port}" in line
     assert "--bootstrap" in line
+    # and while it tried, it said so
+    assert "connection refused (nothing listens there yet?) (attempt 1 of 2, next in 0s)" in (
+        result.stderr
+    )
+    assert "(attempt 2 of 2)" in result.stderr
 
 
 # Replaces the host's shutdown with one that hangs, to see the second Ctrl+C cut it short.

@@ -112,27 +112,29 @@ def test_a_toml_file_sets_options(tmp_path: Path) -> None:
     assert any(f"[{path} (strategy)]" in line for line in config.describe())
 
 
-def test_precedence_is_env_then_flag_then_toml_then_default(tmp_path: Path) -> None:
+def test_precedence_is_flag_then_env_then_toml_then_default(tmp_path: Path) -> None:
     path = toml_file(tmp_path, "inner_steps = 20\nstrategy = 'noloco'\nthreads = 3\n")
     config = run_config(
         "--config", str(path), "--inner-steps", "30", "--strategy", "streaming",
         SHOAL_INNER_STEPS="40",
     )  # fmt: skip
-    assert config.inner_steps == 40  # env over flag over file
-    assert config.sources["inner_steps"] == "SHOAL_INNER_STEPS, overriding --inner-steps"
+    assert config.inner_steps == 30  # flag over env over file
+    assert config.sources["inner_steps"] == "--inner-steps, overriding SHOAL_INNER_STEPS"
     assert config.strategy == "streaming"  # flag over file
     assert config.sources["strategy"] == "--strategy"
     assert config.threads == 3  # file over default
     assert config.task == "bytegpt"  # default
     assert "task" not in config.sources
+    env_only = run_config("--config", str(path), SHOAL_INNER_STEPS="40")
+    assert env_only.inner_steps == 40  # env over file
 
 
-def test_the_config_file_itself_comes_from_env_before_the_flag(tmp_path: Path) -> None:
+def test_the_config_file_itself_comes_from_the_flag_before_the_env(tmp_path: Path) -> None:
     from_flag = toml_file(tmp_path, "inner_steps = 1\n", "flag.toml")
     from_env = toml_file(tmp_path, "inner_steps = 2\n", "env.toml")
     config = run_config("--config", str(from_flag), SHOAL_CONFIG=str(from_env))
-    assert config.inner_steps == 2
-    assert config.config == from_env
+    assert config.inner_steps == 1
+    assert config.config == from_flag
 
 
 def test_a_blank_variable_does_not_hide_the_file(tmp_path: Path) -> None:
@@ -207,12 +209,14 @@ def test_a_repeated_key_keeps_the_last_value() -> None:
     assert config.strategy_option == (("outer_lr", 0.7),)
 
 
-def test_key_values_from_the_environment_replace_the_flags() -> None:
+def test_key_values_from_the_flags_replace_the_environments() -> None:
     config = run_config(
         "--strategy-option", "codec=int8", SHOAL_STRATEGY_OPTIONS="outer_lr=0.5,codec=none"
     )
+    assert config.strategy_option == (("codec", "int8"),)  # replaced, not merged
+    assert config.sources["strategy_option"].startswith("--strategy-option")
+    config = run_config(SHOAL_STRATEGY_OPTIONS="outer_lr=0.5,codec=none")
     assert config.strategy_option == (("outer_lr", 0.5), ("codec", "none"))
-    assert config.sources["strategy_option"].startswith("SHOAL_STRATEGY_OPTIONS")
 
 
 @pytest.mark.parametrize("item", ["d_model", "=3", " =3"])
@@ -235,7 +239,7 @@ def test_no_train_as_a_flag_and_as_a_variable() -> None:
         assert run_config(SHOAL_NO_TRAIN=true).no_train is True
     for false in ("0", "false", "no", "off"):
         assert run_config(SHOAL_NO_TRAIN=false).no_train is False
-    assert run_config("--no-train", SHOAL_NO_TRAIN="0").no_train is False  # env wins
+    assert run_config("--no-train", SHOAL_NO_TRAIN="0").no_train is True  # the flag wins
     assert "SHOAL_NO_TRAIN" in config_error(SHOAL_NO_TRAIN="sometimes")
 
 
@@ -327,3 +331,19 @@ def test_hosting_and_joining_from_the_file_name_the_file(tmp_path: Path) -> None
     path = toml_file(tmp_path, "host_experiment = 'a'\njoin = 'b'\n")
     with pytest.raises(ConfigError, match=str(path)):
         run_config("--config", str(path)).experiment_role()
+
+
+def test_the_status_view_of_the_configuration_has_json_types() -> None:
+    config = run_config(
+        "--inner-steps", "30", "--strategy-option", "outer_lr=0.5", "--status-addr", "off"
+    )
+    view = config.to_json()
+    assert view["inner-steps"] == 30 and view["no-train"] is False
+    assert view["strategy-option"] == {"outer_lr": 0.5}
+    assert view["status-addr"] is None and view["threads"] is None
+    assert view["host-experiment"] == "default"  # what the peer does, default included
+    assert view["join"] is None
+    assert isinstance(view["listen"], list) and isinstance(view["data-dir"], str)
+    import json
+
+    assert json.loads(json.dumps(view)) == view

@@ -9,8 +9,10 @@ host leaves and the rest go on.
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -204,3 +206,41 @@ def first_experiment_id(d: Daemon) -> str:
         if line.startswith("Experiment "):
             return line.split("(id ", 1)[1].rstrip(").")
     raise AssertionError(d.stdout_lines)
+
+
+@pytest.mark.timeout(300)
+def test_the_printed_terminal_command_runs_in_three_terminals_at_once(tmp_path: Path) -> None:
+    """The host's "from another terminal" line, run three times: three identities, one round."""
+    host = Daemon("host", tmp_path, ["--host-experiment", "terminals"], FAST_ROUNDS)
+    daemons = [host]
+    try:
+        host.wait_ready()
+        line = next(
+            host.stdout_lines[i + 1]
+            for i, text in enumerate(host.stdout_lines)
+            if text.startswith("To join it from another terminal")
+        )
+        args = shlex.split(line.strip())
+        assert args[:2] == ["shoal", "run"] and args[args.index("--data-dir") + 1] == "$(mktemp -d)"
+        for i in range(3):
+            # what the shell does with "$(mktemp -d)": a fresh directory per run
+            fresh = tempfile.mkdtemp(dir=tmp_path)
+            run_args = [fresh if a == "$(mktemp -d)" else a for a in args[2:]]
+            daemons.append(Daemon(f"terminal-{i}", tmp_path, run_args, {}))
+        for d in daemons[1:]:
+            d.wait_ready()
+        ids = {d.status()["peer_id"] for d in daemons}
+        assert len(ids) == 4
+
+        def a_round_of_four() -> int | None:
+            common = set(host.committed_rounds())
+            for d in daemons[1:]:
+                common &= set(d.committed_rounds())
+            full = [s for s in common if f"outer step {s}, 4 peers" in host.log()]
+            return max(full) if full else None
+
+        step = wait_for("a round of 4", a_round_of_four, 180, debug=lambda: _debug(*daemons))
+        assert _agree(daemons, step)
+    finally:
+        for d in daemons:
+            d.kill()

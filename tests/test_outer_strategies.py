@@ -477,3 +477,21 @@ async def test_noloco_pairs_follow_pairing_and_end_identical_without_a_group(
     assert await peers[0].dht.get("exp/outer/matchmaking") is None
     # replicas stay apart (no all-reduce) but close
     assert len({p.strategy.fingerprint() for p in peers}) > 1
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("name", ["diloco", "streaming", "noloco"])
+async def test_the_committed_fingerprint_is_ready_without_hashing_on_the_loop(
+    swarm: Callable[..., Any], name: str
+) -> None:
+    """Status endpoints read `committed_fingerprint`: set when the state was frozen
+    (in a thread), equal for the members of a shared state, never None after a round."""
+    options: dict[str, Any] = {"inner_steps": 2}
+    if name == "streaming":
+        options = {"inner_steps": 4, "fragments": 2, "overlap_steps": 1}
+    peers = await swarm(name, 2, options)
+    reports = await asyncio.gather(*(p.train(4) for p in peers))
+    prints = [p.strategy.committed_fingerprint for p in peers]
+    assert all(isinstance(f, str) and len(f) == 64 for f in prints)
+    if name == "diloco":
+        assert prints[0] == prints[1] == reports[0][-1].fingerprint

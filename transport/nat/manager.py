@@ -97,6 +97,7 @@ class NatManager:
         self._unanswered = 0  # probes in a row that no server answered
         self._probed_at: dict[PeerID, float] = {}
         self._relay_backoff: dict[PeerID, tuple[float, float]] = {}  # until, last delay
+        self._relay_errors: dict[PeerID, str] = {}  # the last refusal said, per relay
         self._reserving: set[PeerID] = set()
         self._dht_relays: dict[PeerID, list[Multiaddr]] = {}
         self._next_dht_lookup = 0.0
@@ -498,6 +499,7 @@ class NatManager:
         try:
             await self.relay_client.keep(peer, addrs)
             self._relay_backoff.pop(peer, None)
+            self._relay_errors.pop(peer, None)
         except Exception as e:
             _, last = self._relay_backoff.get(peer, (0.0, 0.0))
             delay = min(_MAX_BACKOFF, max(self.config.relay_retry, last * 2))
@@ -507,7 +509,16 @@ class NatManager:
                     p: (u, d) for p, (u, d) in self._relay_backoff.items() if u > now
                 }
             self._relay_backoff[peer] = (now + delay, delay)
-            log.info("no reservation on %s (retry in %.0fs): %s", peer.short(), delay, e)
+            # Said once per relay and reason; the retries that meet the same answer are
+            # not news (a loopback-only peer meets "not publicly reachable" every time).
+            said = self._relay_errors.get(peer)
+            level = logging.DEBUG if said == str(e) else logging.INFO
+            self._relay_errors[peer] = str(e)
+            if len(self._relay_errors) > 1024:
+                self._relay_errors = {
+                    p: m for p, m in self._relay_errors.items() if p in self.peers
+                }
+            log.log(level, "no reservation on %s (retry in %.0fs): %s", peer.short(), delay, e)
         finally:
             self._reserving.discard(peer)
             self._notify()
