@@ -170,7 +170,13 @@ def run_swarm(
             b_kinds = _kinds(daemons["b1"], ids)
             result["a_to_c"] = a_kinds.get("c1")
             result["b_to"] = {k: v for k, v in b_kinds.items() if k in ("a1", "c1")}
+            # The host ends public: within 30 s of the round (a wrong belief is corrected
+            # within that long), usually long before.
+            until = time.monotonic() + 30
             pub_status = daemons["pub"].status()
+            while pub_status.get("reachability") != "public" and time.monotonic() < until:
+                time.sleep(1.0)
+                pub_status = daemons["pub"].status()
             result["pub_reachability"] = pub_status.get("reachability")
             result["pub_reason"] = pub_status.get("reachability_detail", {}).get("reason")
             result["ok"] = (

@@ -192,22 +192,39 @@ class AutoNAT:
                     {"status": "refused", "error": f"no address at your observed IP {ip}"}
                 )
                 return
-            errors, kinds = [], []
             async with self._slots:
-                for target in targets:
-                    try:
-                        await self._dial_back(target, peer, nonce)
-                    except (OSError, TransportError, TimeoutError, EOFError) as e:
-                        errors.append(f"{target}: {type(e).__name__}: {e}")
-                        kinds.append(dial_failure_kind(e))
-                        continue
-                    self.served["ok"] += 1
-                    await ms.send({"status": "ok", "addr": str(target)})
-                    return
+                reached, errors, kinds = await self._dial_all(targets, peer, nonce)
+            if reached is not None:
+                self.served["ok"] += 1
+                await ms.send({"status": "ok", "addr": str(reached)})
+                return
             self.served["failed"] += 1
             # The strongest evidence among the targets: refused > error > timeout.
             reason = next((k for k in ("refused", "error") if k in kinds), "timeout")
             await ms.send({"status": "failed", "error": "; ".join(errors)[:1000], "reason": reason})
+
+    async def _dial_all(
+        self, targets: list[Multiaddr], peer: PeerID, nonce: bytes
+    ) -> tuple[Multiaddr | None, list[str], list[str]]:
+        """Dial every target at once (the answer comes within one dial-back timeout, not
+        one per address); the first that reaches the peer, or why none did."""
+        tasks = {asyncio.ensure_future(self._dial_back(t, peer, nonce)): t for t in targets}
+        errors: list[str] = []
+        kinds: list[str] = []
+        try:
+            for done in asyncio.as_completed(list(tasks)):
+                try:
+                    target = await done
+                except (OSError, TransportError, TimeoutError, EOFError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    kinds.append(dial_failure_kind(e))
+                    continue
+                return target, errors, kinds
+            return None, errors, kinds
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _refusal(self, conn: Connection) -> str | None:
         if conn.kind == "relayed" or conn.remote_address is None:
@@ -224,7 +241,7 @@ class AutoNAT:
             return "busy"
         return None
 
-    async def _dial_back(self, addr: Multiaddr, peer: PeerID, nonce: bytes) -> None:
+    async def _dial_back(self, addr: Multiaddr, peer: PeerID, nonce: bytes) -> Multiaddr:
         endpoint = addr.tcp_endpoint()
         assert endpoint is not None
         loop = asyncio.get_running_loop()
@@ -247,6 +264,7 @@ class AutoNAT:
                 reply = await wire.recv_map(ms, "dial-back ack")
                 if reply.get("ok") is not True:
                     raise ProtocolViolation("the peer at that address did not know our nonce")
+            return addr
         finally:
             self._dialback_conns.discard(conn)
             conn.abort("dial-back done")

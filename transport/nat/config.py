@@ -39,7 +39,7 @@ class NatConfig:
     dialback_timeout: float = 4.0
     probe_timeout: float = 20.0  # one whole request, dial-backs included
     # The failure weight (refused 1, timeout 1/2) since the last success that makes
-    # PRIVATE; None: 3 with a public interface address, 1 behind a NAT. A success is
+    # PRIVATE; None: 3 with a public interface address, 1/2 behind a NAT. A success is
     # proof (the nonce came back through our listener), so one makes PUBLIC.
     private_score: float | None = None
     probe_window: int = 8  # recent results the decision looks at

@@ -45,6 +45,7 @@ log = logging.getLogger("shoal.transport.nat")
 _DHT_LOOKUP_INTERVAL = 30.0
 _DHT_TIMEOUT = 30.0
 _MAX_BACKOFF = 60.0
+PARALLEL_PROBES = 3  # AutoNAT servers asked at once while reachability is unknown
 
 
 def owner_subkey(peer: PeerID) -> str:
@@ -93,7 +94,7 @@ class NatManager:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._next_probe = 0.0
-        self._probing = False
+        self._probing: set[PeerID] = set()  # servers asked, answer pending
         self._unanswered = 0  # probes in a row that no server answered
         self._probed_at: dict[PeerID, float] = {}
         self._relay_backoff: dict[PeerID, tuple[float, float]] = {}  # until, last delay
@@ -371,13 +372,18 @@ class NatManager:
         while True:
             now = self._loop.time()
             waits = [self.config.recheck_interval]
-            if self.tracker.forced is None and not self._probing:
+            # While we do not know, ask several servers at once: one slow one must not
+            # hold the answer back (each failure alone decides nothing anyway).
+            parallel = PARALLEL_PROBES if self.reachability is Reachability.UNKNOWN else 1
+            if self.tracker.forced is None and len(self._probing) < parallel:
                 if now >= self._next_probe:
-                    if self._start_probe():
-                        waits.append(self.config.probe_timeout)
-                    else:
+                    while len(self._probing) < parallel and self._start_probe():
+                        pass
+                    if not self._probing:  # nobody to ask: look again soon
                         self._next_probe = now + self.config.recheck_unknown
-                waits.append(self._next_probe - now)
+                if self._next_probe > now:
+                    waits.append(self._next_probe - now)
+                # (else: probes are out; their ends wake this loop)
             waits.append(self._manage_relays(now))
             waits.append(self._manage_dht(now))
             self._wake.clear()
@@ -394,7 +400,8 @@ class NatManager:
             info = self.peers.get(peer)
             if conn.kind == "relayed" or info is None or autonat.PROTOCOL not in info.protocols:
                 continue
-            servers.append((self._probed_at.get(peer, -1e18), peer, conn))
+            if peer not in self._probing:
+                servers.append((self._probed_at.get(peer, -1e18), peer, conn))
         if not servers:
             return False
         servers.sort(key=lambda s: s[0])
@@ -402,7 +409,7 @@ class NatManager:
         if len(self._probed_at) > 4096:  # bounded: keep the connected peers only
             self._probed_at = {p: t for p, t in self._probed_at.items() if p in self.peers}
         self._probed_at[peer] = now
-        self._probing = True
+        self._probing.add(peer)
         self._tasks.spawn(self._probe(conn))
         return True
 
@@ -429,7 +436,7 @@ class NatManager:
             ]
             result = await self.autonat.probe(conn, addrs)
         finally:
-            self._probing = False
+            self._probing.discard(conn.remote_peer)
             now = self._loop.time()
             if result is None:
                 # Try another server soon, backing off while none will answer.

@@ -17,8 +17,8 @@ cannot flip it (behind a NAT, one server suffices when it is the only one).
 The bar depends on what we know locally: with an address on a public
 interface (no NAT between us and the internet, as on a bootstrap or relay
 machine) it is 3; with only private
-interface addresses (we are behind a NAT unless a port is forwarded) it is 1,
-so NATed peers still look for relays within a probe or two.
+interface addresses (we are behind a NAT unless a port is forwarded) it is
+1/2, a single failed dial-back, so NATed peers look for relays at once.
 
 Until the evidence decides, the state stays UNKNOWN, and a peer with a public
 interface keeps serving as a relay meanwhile (`may_serve_relay`).
@@ -56,7 +56,7 @@ class Reachability(enum.StrEnum):
 
 OUTCOME_WEIGHTS = {"ok": 0.0, "refused": 1.0, "error": 1.0, "timeout": 0.5}
 PUBLIC_INTERFACE_SCORE = 3.0  # failure weight that makes PRIVATE with a public interface
-NAT_INTERFACE_SCORE = 1.0  # ... with private interface addresses only
+NAT_INTERFACE_SCORE = 0.5  # ... with private interface addresses only: one timeout
 SETTLE_DELAYS = (2.0, 4.0, 8.0, 16.0)  # re-probes after a change (2 + 4 + 8 + 16 = 30 s)
 
 _NON_PUBLIC = tuple(
