@@ -40,6 +40,9 @@ log = logging.getLogger("shoal.peer")
 
 REPORT_INTERVAL_S = 10.0
 REPORT_TTL_S = 45.0
+# A report older than this is a peer that left (live peers report every
+# REPORT_INTERVAL_S; the DHT keeps a record until its TTL, so it cannot say).
+STALE_REPORT_S = 2.5 * REPORT_INTERVAL_S
 HISTORY_INTERVAL_S = 2.0
 PROGRESS_INTERVAL_S = 1.0
 MANIFEST_REFRESH_S = 1800.0
@@ -234,6 +237,7 @@ class PeerNode:
         if self.session is not None:
             found = await self.dht.get(self.session.peers_key, latest=True)
             subkeys = found.subkeys if found is not None and found.subkeys else {}
+            wall = time.time()
             for subkey, (report, _expiration) in subkeys.items():
                 try:
                     peer = owner_of(subkey)
@@ -241,6 +245,11 @@ class PeerNode:
                     continue
                 if peer is None or not isinstance(report, dict):
                     continue
+                if peer == self.identity.peer_id:
+                    continue  # our own row comes from the live stats below, not the DHT
+                updated = _number(report.get("t"))
+                if updated is not None and wall - updated > STALE_REPORT_S:
+                    continue  # it stopped reporting: gone (its record outlives it)
                 out.append(
                     {
                         "peer_id": str(peer),
@@ -253,20 +262,20 @@ class PeerNode:
                         "self": peer == self.identity.peer_id,
                     }
                 )
-            if not any(p["self"] for p in out):
-                s = self.session.trainer.stats
-                out.append(
-                    {
-                        "peer_id": str(self.identity.peer_id),
-                        "step": s.step,
-                        "loss": s.loss,
-                        "tokens_per_s": s.tokens_per_s,
-                        "outer_step": self.session.strategy.outer_steps,
-                        "addresses": [str(a) for a in self._addresses()],
-                        "updated_at": time.time(),
-                        "self": True,
-                    }
-                )
+            # Our own row: what the header shows, now (our DHT record lags behind).
+            s = self.session.trainer.stats
+            out.append(
+                {
+                    "peer_id": str(self.identity.peer_id),
+                    "step": s.step,
+                    "loss": s.loss,
+                    "tokens_per_s": s.tokens_per_s,
+                    "outer_step": self.session.strategy.outer_steps,
+                    "addresses": [str(a) for a in self._addresses()],
+                    "updated_at": time.time(),
+                    "self": True,
+                }
+            )
         out.sort(key=lambda p: p["peer_id"])
         self._peer_count = len(out)
         self._peers_cache = (now, out)
