@@ -153,6 +153,8 @@ class Trainer:
                 "step": self.stats.step,
                 "tokens": self.stats.tokens,
                 "loss": self.stats.loss,
+                # The page's loss curve goes on after a restart instead of starting over.
+                "history": list(self.stats.history),
                 **self._checkpoint_extra(),
             }
         )
@@ -168,6 +170,10 @@ class Trainer:
         self.stats.tokens = int(state["tokens"])
         loss = state.get("loss")
         self.stats.loss = float(loss) if isinstance(loss, int | float) else None
+        history = state.get("history")
+        if isinstance(history, list):
+            self.stats.history.clear()
+            self.stats.history.extend(h for h in history if isinstance(h, dict))
 
     async def save_checkpoint(self) -> None:
         if self.checkpoints is None:

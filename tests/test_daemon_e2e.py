@@ -179,6 +179,12 @@ def test_restart_resumes_from_the_checkpoint_with_the_same_identity(tmp_path: Pa
         first.wait_ready()
         peer_id = first.status()["peer_id"]
         wait_for("some steps", lambda: (first.status()["step"] or 0) >= 5, 60)
+        wait_for(
+            "a history sample with a loss",
+            lambda: any(h.get("loss") is not None for h in first.get("/history")),
+            30,
+        )
+        first_history = first.get("/history")
         code, _ = first.proc.send_signal(signal.SIGINT) or (first.proc.wait(timeout=20), 0)
         assert code == 0, first.tail()
         step_before = max(
@@ -196,6 +202,9 @@ def test_restart_resumes_from_the_checkpoint_with_the_same_identity(tmp_path: Pa
         assert status["experiment_id"] == first_experiment_id(first)
         assert "resumed from checkpoint" in second.log()
         assert status["step"] >= step_before
+        # the page's loss history goes on from where it was, not from scratch
+        history = second.get("/history")
+        assert history[: len(first_history)] == first_history
     finally:
         second.kill()
 
