@@ -63,6 +63,7 @@ class PeerNode:
         self.session: Session | None = None
         self.metrics: Metrics | None = None
         self.status_url: str | None = None
+        self.join_command: str | None = None  # how another peer joins (the page shows it)
         self.started = time.time()
         self._tasks = TaskSet(log, "peer")
         self._peers_cache: tuple[float, list[dict[str, Any]]] | None = None
@@ -180,6 +181,9 @@ class PeerNode:
             "experiment": None,
             "experiment_id": None,
             "experiment_peers": self._peer_count,
+            "outer_step": None,
+            "last_commit_at": None,
+            "join_command": None,
             "step": None,
             "loss": None,
             "tokens_per_s": None,
@@ -209,6 +213,8 @@ class PeerNode:
                 loss=s.loss,
                 tokens_per_s=s.tokens_per_s,
                 outer_step=self.session.strategy.outer_steps,
+                last_commit_at=s.last_commit_at,
+                join_command=self.join_command,
                 rounds=dict(s.rounds),
                 # The frozen state's: `fingerprint()` would hash the model on the loop.
                 fingerprint=self.session.strategy.committed_fingerprint,

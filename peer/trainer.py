@@ -92,6 +92,7 @@ class TrainerStats:
     tokens_per_s: float | None = None
     last_round: RoundReport | None = None
     last_round_at: float | None = None  # UNIX time
+    last_commit_at: float | None = None  # UNIX time of the last committed round
     rounds: collections.Counter[str] = field(default_factory=collections.Counter)
     checkpoint_at: float | None = None
     history: collections.deque[dict[str, Any]] = field(
@@ -273,6 +274,8 @@ class Trainer:
         s = self.stats
         s.last_round = report
         s.last_round_at = time.time()
+        if report.committed:
+            s.last_commit_at = s.last_round_at
         s.rounds[report.outcome.split(":")[0]] += 1
         alone = report.committed and report.group_size == 1
         if alone:
