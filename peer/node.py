@@ -25,6 +25,7 @@ from shoal.transport.tasks import TaskSet
 
 from . import __version__
 from .config import Config
+from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ class PeerNode:
         assert self.session is not None
         key = self.session.peers_key
         subkey = owner_marker(self.identity.peer_id)
+        next_index = 0.0
         while True:
             s = self.session.trainer.stats
             report = {
@@ -138,6 +140,14 @@ class PeerNode:
                 await self.dht.store(key, report, time.time() + REPORT_TTL_S, subkey=subkey)
             except Exception as e:  # the next report retries
                 log.debug("peer report failed: %r", e)
+            if time.monotonic() >= next_index:
+                # The network-wide index `shoal experiments` reads (peer/discovery.py).
+                entry = index_entry(self.session, s.step, s.loss)
+                try:
+                    await self.dht.store(INDEX_KEY, entry, time.time() + INDEX_TTL, subkey=subkey)
+                    next_index = time.monotonic() + INDEX_REFRESH
+                except Exception as e:
+                    log.debug("experiment index entry failed: %r", e)
             try:
                 await self.peers()  # keeps the peer count of the progress line fresh
             except Exception as e:

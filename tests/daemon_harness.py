@@ -41,6 +41,13 @@ def daemon_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def cli_env_path(home: Path) -> dict[str, str]:
+    """The environment of a one-off `shoal` command with its own HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env["HOME"] = str(home)
+    return env
+
+
 class Daemon:
     """One `shoal run` process."""
 
