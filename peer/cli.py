@@ -1,4 +1,4 @@
-"""The `shoal` command line: `shoal id` and `shoal run`.
+"""The `shoal` command line: `shoal id`, `shoal run`, `shoal status`, `shoal experiments`.
 
 User mistakes end as one line on stderr, ``shoal: error: ...``, with exit
 status 2 for a bad command line or setting and 1 for a runtime problem (key
@@ -13,13 +13,15 @@ import logging
 import os
 import sys
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from . import __version__
 from .config import DEFAULT_DATA_DIR, OPTIONS, Config, ConfigError, add_options, build_config
 from .daemon import StartupError, load_identity, run_daemon
 
 __all__ = ["build_parser", "main", "parse_command_line"]
+
+T = TypeVar("T")
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -31,13 +33,14 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "id": ("data_dir", "log_level"),
     "run": tuple(OPTIONS),
     "status": (),  # its URL and --json are plain arguments (status_cli.py)
+    "experiments": ("bootstrap", "data_dir", "log_level"),
 }
 
 ENV_HELP = """\
 Every option can also be set with its SHOAL_* environment variable (lists are
 comma-separated, e.g. SHOAL_LISTEN=/ip4/0.0.0.0/tcp/31337,/ip6/::/tcp/31337).
-Precedence: command-line flags, overridden by SHOAL_* environment variables
-(what docker users set), else the default. An empty variable counts as unset.
+Precedence: command-line flags, then SHOAL_* environment variables, then a
+--config TOML file, then the default. An empty variable counts as unset.
 """
 MAIN_HELP = ENV_HELP + "\nOptions of a command: shoal COMMAND --help.\n"
 
@@ -100,6 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     status_parser.add_argument(
         "--json", action="store_true", help="print the raw /status JSON instead"
     )
+    experiments_parser = commands.add_parser(
+        "experiments",
+        help="list the experiments training in the network, to join one",
+        description=(
+            "List the experiments with live peers in the network: NAME@HOST (what\n"
+            "`shoal run --join` takes; NAME alone when it is unique), task and size,\n"
+            "strategy, peers, the swarm's round, step and loss, age. The network is\n"
+            "reached through --bootstrap, else through the peers the last `shoal run`\n"
+            "with this data directory knew."
+        ),
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(experiments_parser, COMMAND_OPTIONS["experiments"])
+    experiments_parser.add_argument(
+        "--json", action="store_true", help="print one JSON list, for scripts"
+    )
     return parser
 
 
@@ -126,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args = build_parser().parse_args(argv)  # parsed fine above; its arguments are not config
         return status_command(args.url, sys.stdout, json_output=args.json)
+    if command == "experiments":
+        return _experiments(argv, config)
     logging.basicConfig(
         level=config.logging_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -146,6 +168,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _experiments(argv: Sequence[str] | None, config: Config) -> int:
+    from .daemon import load_known_peers
+    from .discovery import experiments_command
+
+    logging.basicConfig(level=max(config.logging_level, logging.WARNING), stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    bootstrap = list(config.bootstrap) or load_known_peers(config.data_dir)
+    status, text = _run(experiments_command(bootstrap, json_output=args.json))
+    (sys.stdout if status == 0 else sys.stderr).write(text)
+    return status
+
+
 def _exit_now(status: int) -> NoReturn:
     """End the process once the daemon has shut down (checkpoint written, peers told).
 
@@ -164,11 +198,10 @@ def _fail(error: Exception, status: int) -> int:
     return status
 
 
-def _run(coro: Coroutine[object, object, None]) -> None:
+def _run(coro: Coroutine[object, object, T]) -> T:
     """One event loop for the process (DESIGN.md): uvloop when installed."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)

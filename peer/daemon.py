@@ -299,8 +299,9 @@ def print_join_command(node: PeerNode, config: Config, out: TextIO | None = None
         else node.host.interface_addresses(include_loopback=False)
     )
     if remote:
+        node.join_command = f"shoal run --join {ref} --bootstrap {remote[0]}"
         print("To join it from another machine:", file=out)
-        print(f"  shoal run --join {ref} --bootstrap {remote[0]}", file=out)
+        print(f"  {node.join_command}", file=out)
     else:
         print(
             "Other machines cannot reach this peer: it listens on loopback only "
@@ -311,12 +312,13 @@ def print_join_command(node: PeerNode, config: Config, out: TextIO | None = None
     if local:
         # A fresh data directory and free ports per run: the same command works in as
         # many terminals as you open (each peer with its own identity).
-        print("To join it from another terminal on this machine (run it in several):", file=out)
-        print(
-            f'  shoal run --join {ref} --bootstrap {local[0]} --data-dir "$(mktemp -d)" '
-            "--listen /ip4/0.0.0.0/tcp/0 --status-addr 127.0.0.1:0",
-            file=out,
+        terminal = (
+            f'shoal run --join {ref} --bootstrap {local[0]} --data-dir "$(mktemp -d)" '
+            "--listen /ip4/0.0.0.0/tcp/0 --status-addr 127.0.0.1:0"
         )
+        node.join_command = node.join_command or terminal
+        print("To join it from another terminal on this machine (run it in several):", file=out)
+        print(f"  {terminal}", file=out)
     out.flush()
 
 

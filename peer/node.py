@@ -25,6 +25,7 @@ from shoal.transport.tasks import TaskSet
 
 from . import __version__
 from .config import Config
+from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ log = logging.getLogger("shoal.peer")
 
 REPORT_INTERVAL_S = 10.0
 REPORT_TTL_S = 45.0
+# A report older than this is a peer that left (live peers report every
+# REPORT_INTERVAL_S; the DHT keeps a record until its TTL, so it cannot say).
+STALE_REPORT_S = 2.5 * REPORT_INTERVAL_S
 HISTORY_INTERVAL_S = 2.0
 PROGRESS_INTERVAL_S = 1.0
 MANIFEST_REFRESH_S = 1800.0
@@ -60,6 +64,7 @@ class PeerNode:
         self.session: Session | None = None
         self.metrics: Metrics | None = None
         self.status_url: str | None = None
+        self.join_command: str | None = None  # how another peer joins (the page shows it)
         self.started = time.time()
         self._tasks = TaskSet(log, "peer")
         self._peers_cache: tuple[float, list[dict[str, Any]]] | None = None
@@ -120,6 +125,7 @@ class PeerNode:
         assert self.session is not None
         key = self.session.peers_key
         subkey = owner_marker(self.identity.peer_id)
+        next_index = 0.0
         while True:
             s = self.session.trainer.stats
             report = {
@@ -134,6 +140,14 @@ class PeerNode:
                 await self.dht.store(key, report, time.time() + REPORT_TTL_S, subkey=subkey)
             except Exception as e:  # the next report retries
                 log.debug("peer report failed: %r", e)
+            if time.monotonic() >= next_index:
+                # The network-wide index `shoal experiments` reads (peer/discovery.py).
+                entry = index_entry(self.session, s.step, s.loss)
+                try:
+                    await self.dht.store(INDEX_KEY, entry, time.time() + INDEX_TTL, subkey=subkey)
+                    next_index = time.monotonic() + INDEX_REFRESH
+                except Exception as e:
+                    log.debug("experiment index entry failed: %r", e)
             try:
                 await self.peers()  # keeps the peer count of the progress line fresh
             except Exception as e:
@@ -178,6 +192,9 @@ class PeerNode:
             "experiment": None,
             "experiment_id": None,
             "experiment_peers": self._peer_count,
+            "outer_step": None,
+            "last_commit_at": None,
+            "join_command": None,
             "step": None,
             "loss": None,
             "tokens_per_s": None,
@@ -207,6 +224,8 @@ class PeerNode:
                 loss=s.loss,
                 tokens_per_s=s.tokens_per_s,
                 outer_step=self.session.strategy.outer_steps,
+                last_commit_at=s.last_commit_at,
+                join_command=self.join_command,
                 rounds=dict(s.rounds),
                 # The frozen state's: `fingerprint()` would hash the model on the loop.
                 fingerprint=self.session.strategy.committed_fingerprint,
@@ -235,6 +254,7 @@ class PeerNode:
         if self.session is not None:
             found = await self.dht.get(self.session.peers_key, latest=True)
             subkeys = found.subkeys if found is not None and found.subkeys else {}
+            wall = time.time()
             for subkey, (report, _expiration) in subkeys.items():
                 try:
                     peer = owner_of(subkey)
@@ -242,6 +262,11 @@ class PeerNode:
                     continue
                 if peer is None or not isinstance(report, dict):
                     continue
+                if peer == self.identity.peer_id:
+                    continue  # our own row comes from the live stats below, not the DHT
+                updated = _number(report.get("t"))
+                if updated is not None and wall - updated > STALE_REPORT_S:
+                    continue  # it stopped reporting: gone (its record outlives it)
                 out.append(
                     {
                         "peer_id": str(peer),
@@ -254,20 +279,20 @@ class PeerNode:
                         "self": peer == self.identity.peer_id,
                     }
                 )
-            if not any(p["self"] for p in out):
-                s = self.session.trainer.stats
-                out.append(
-                    {
-                        "peer_id": str(self.identity.peer_id),
-                        "step": s.step,
-                        "loss": s.loss,
-                        "tokens_per_s": s.tokens_per_s,
-                        "outer_step": self.session.strategy.outer_steps,
-                        "addresses": [str(a) for a in self._addresses()],
-                        "updated_at": time.time(),
-                        "self": True,
-                    }
-                )
+            # Our own row: what the header shows, now (our DHT record lags behind).
+            s = self.session.trainer.stats
+            out.append(
+                {
+                    "peer_id": str(self.identity.peer_id),
+                    "step": s.step,
+                    "loss": s.loss,
+                    "tokens_per_s": s.tokens_per_s,
+                    "outer_step": self.session.strategy.outer_steps,
+                    "addresses": [str(a) for a in self._addresses()],
+                    "updated_at": time.time(),
+                    "self": True,
+                }
+            )
         out.sort(key=lambda p: p["peer_id"])
         self._peer_count = len(out)
         self._peers_cache = (now, out)

@@ -27,6 +27,16 @@ def describe_progress(status: dict[str, Any]) -> str:
     rate = status.get("tokens_per_s")
     parts.append(f"{rate:,.0f} tok/s" if isinstance(rate, int | float) else "- tok/s")
     parts.append(_peers(status.get("experiment_peers") or 0))
+    outer = status.get("outer_step")
+    if isinstance(outer, int):
+        # The swarm's progress: the round its shared state is at, and when it moved.
+        committed = status.get("last_commit_at")
+        ago = (
+            f", committed {max(0.0, time.time() - committed):.0f}s ago"
+            if isinstance(committed, int | float)
+            else ""
+        )
+        parts.append(f"round {outer}{ago}")
     last = status.get("last_round")
     if isinstance(last, dict):
         ago = last.get("ago_s")

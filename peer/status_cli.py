@@ -168,6 +168,7 @@ def format_status(
         ("step", _int(status.get("step"))),
         ("loss", _loss(status.get("loss"))),
         ("tokens/s", _float(status.get("tokens_per_s"), 1)),
+        ("swarm round", _swarm_round(status)),
         ("reachability", _text(status.get("reachability"), "unknown")),
         ("dht peers", _int(status.get("dht_peers"))),
         ("sent", _bytes(status.get("bytes_sent"))),
@@ -242,6 +243,17 @@ def _table(header: Sequence[str], rows: list[tuple[str, ...]], right: Sequence[i
         return ("  " + "  ".join(parts)).rstrip()
 
     return [line(header), *(line(r) for r in rows)]
+
+
+def _swarm_round(status: Mapping[str, Any]) -> str:
+    """The outer step the swarm's state is at, and when this peer last committed."""
+    outer = status.get("outer_step")
+    if isinstance(outer, bool) or not isinstance(outer, int):
+        return "-"
+    committed = status.get("last_commit_at")
+    if isinstance(committed, int | float) and not isinstance(committed, bool):
+        return f"{outer} (committed {_ago(committed, time.time())})"
+    return str(outer)
 
 
 def _items(value: object) -> list[Any]:

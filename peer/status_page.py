@@ -15,7 +15,8 @@ Stable hooks for tests and scripts: `#peers tbody tr[data-peer-id]` (one row per
 peer), `#loss-curve[data-points]` and `#bandwidth[data-points]` (points drawn),
 `#connections tbody tr`, `#last-round`, `#error` (hidden when all is well),
 `body[data-polls]` (successful polls so far), and the summary values `#peer-id`,
-`#experiment`, `#step`, `#loss`, `#tokens-per-s`, `#device`, `#reachability`, `#uptime`.
+`#experiment`, `#swarm-round`, `#step`, `#loss`, `#tokens-per-s`, `#device`,
+`#reachability`, `#uptime`, `#join-command` (the command another peer runs to join).
 """
 
 import base64
@@ -127,7 +128,8 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 
   <section class="grid summary" id="summary">
     <div class="card stat wide"><div class="label">Experiment</div>
-      <div class="value" id="experiment">—</div><div class="sub" id="version">&nbsp;</div></div>
+      <div class="value" id="experiment">—</div><div class="sub" id="version">&nbsp;</div>
+      <div class="sub" id="swarm-round">&nbsp;</div></div>
     <div class="card stat"><div class="label">Step</div>
       <div class="value" id="step">—</div><div class="sub" id="step-sub">&nbsp;</div></div>
     <div class="card stat"><div class="label">Loss</div>
@@ -169,6 +171,10 @@ STATUS_PAGE_HTML = r"""<!doctype html>
       <div class="card" id="last-round">
         <h2>Last averaging round</h2>
         <div class="empty">no round yet</div>
+      </div>
+      <div class="card" id="join-box" hidden>
+        <h2>Join this experiment</h2>
+        <div class="mono" id="join-command"></div>
       </div>
       <div class="card">
         <h2>Connections <span class="aside" id="connections-count"></span></h2>
@@ -431,12 +437,24 @@ function deviceText(s) {
   return parts.filter((x) => typeof x === "string" && x).join(" · ");
 }
 
+// "round 12 · committed 8 s ago": where the swarm's shared state is, and when it moved.
+function swarmRound(s) {
+  if (!isNum(s.outer_step)) return "";
+  const ago = isNum(s.last_commit_at)
+    ? ` · committed ${fmtDuration(Math.max(0, Date.now() / 1000 - s.last_commit_at))} ago` : "";
+  return `round ${fmtNum(s.outer_step, 0)}${ago}`;
+}
+
 function renderStatus(s) {
   setText("peer-id", s.peer_id ?? "—");
   setText("experiment", s.experiment ?? "none yet");
   setText("version", [s.strategy, s.task].filter((x) => typeof x === "string").join(" · ")
     || (s.experiment ? "" : "join or host one with shoal run"));
   setText("shoal-version", s.version ? "v" + s.version : "");
+  setText("swarm-round", swarmRound(s));
+  const join = typeof s.join_command === "string" ? s.join_command : "";
+  $("join-box").hidden = !join;
+  setText("join-command", join);
   setText("step", fmtNum(s.step, 0));
   setText("loss", fmtLoss(s.loss));
   setText("tokens-per-s", fmtNum(s.tokens_per_s, 1));

@@ -92,6 +92,7 @@ class TrainerStats:
     tokens_per_s: float | None = None
     last_round: RoundReport | None = None
     last_round_at: float | None = None  # UNIX time
+    last_commit_at: float | None = None  # UNIX time of the last committed round
     rounds: collections.Counter[str] = field(default_factory=collections.Counter)
     checkpoint_at: float | None = None
     history: collections.deque[dict[str, Any]] = field(
@@ -153,6 +154,8 @@ class Trainer:
                 "step": self.stats.step,
                 "tokens": self.stats.tokens,
                 "loss": self.stats.loss,
+                # The page's loss curve goes on after a restart instead of starting over.
+                "history": list(self.stats.history),
                 **self._checkpoint_extra(),
             }
         )
@@ -168,6 +171,10 @@ class Trainer:
         self.stats.tokens = int(state["tokens"])
         loss = state.get("loss")
         self.stats.loss = float(loss) if isinstance(loss, int | float) else None
+        history = state.get("history")
+        if isinstance(history, list):
+            self.stats.history.clear()
+            self.stats.history.extend(h for h in history if isinstance(h, dict))
 
     async def save_checkpoint(self) -> None:
         if self.checkpoints is None:
@@ -267,6 +274,8 @@ class Trainer:
         s = self.stats
         s.last_round = report
         s.last_round_at = time.time()
+        if report.committed:
+            s.last_commit_at = s.last_round_at
         s.rounds[report.outcome.split(":")[0]] += 1
         alone = report.committed and report.group_size == 1
         if alone:

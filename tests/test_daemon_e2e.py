@@ -9,8 +9,10 @@ host leaves and the rest go on.
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_harness import TINY_TASK, Daemon, wait_for
+from daemon_harness import TINY_TASK, Daemon, cli_env_path, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +182,12 @@ def test_restart_resumes_from_the_checkpoint_with_the_same_identity(tmp_path: Pa
         first.wait_ready()
         peer_id = first.status()["peer_id"]
         wait_for("some steps", lambda: (first.status()["step"] or 0) >= 5, 60)
+        wait_for(
+            "a history sample with a loss",
+            lambda: any(h.get("loss") is not None for h in first.get("/history")),
+            30,
+        )
+        first_history = first.get("/history")
         code, _ = first.proc.send_signal(signal.SIGINT) or (first.proc.wait(timeout=20), 0)
         assert code == 0, first.tail()
         step_before = max(
@@ -197,6 +205,9 @@ def test_restart_resumes_from_the_checkpoint_with_the_same_identity(tmp_path: Pa
         assert status["experiment_id"] == first_experiment_id(first)
         assert "resumed from checkpoint" in second.log()
         assert status["step"] >= step_before
+        # the page's loss history goes on from where it was, not from scratch
+        history = second.get("/history")
+        assert history[: len(first_history)] == first_history
     finally:
         second.kill()
 
@@ -241,6 +252,51 @@ def test_the_printed_terminal_command_runs_in_three_terminals_at_once(tmp_path: 
 
         step = wait_for("a round of 4", a_round_of_four, 180, debug=lambda: _debug(*daemons))
         assert _agree(daemons, step)
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_newcomer_lists_the_experiments_of_the_network_and_joins_one_by_name(
+    tmp_path: Path,
+) -> None:
+    alpha = Daemon("alpha", tmp_path, ["--host-experiment", "alpha"], FAST_ROUNDS)
+    daemons = [alpha]
+    try:
+        alpha.wait_ready()
+        beta = Daemon(
+            "beta",
+            tmp_path,
+            ["--host-experiment", "beta", "--bootstrap", alpha.address],
+            FAST_ROUNDS,
+        )
+        daemons.append(beta)
+        beta.wait_ready()
+        joiner = Daemon("joiner", tmp_path, ["--join", "beta", "--bootstrap", alpha.address], {})
+        daemons.append(joiner)
+        joiner.wait_ready()  # found `beta` by its name alone
+
+        def listing() -> list[dict]:
+            out = subprocess.run(
+                [sys.executable, "-m", "shoal.peer", "experiments", "--json",
+                 "--bootstrap", alpha.address],
+                capture_output=True, text=True, timeout=60, check=True,
+                env=cli_env_path(tmp_path / "newcomer"),
+            )  # fmt: skip
+            rows = json.loads(out.stdout)
+            found = {r["name"]: r for r in rows}
+            ok = "alpha" in found and "beta" in found and found["beta"]["peers"] == 2
+            return rows if ok else []
+
+        rows = wait_for("both experiments listed", listing, 90, debug=lambda: _debug(*daemons))
+        by_name = {r["name"]: r for r in rows}
+        assert by_name["alpha"]["experiment"] == alpha.join_ref
+        assert by_name["beta"]["experiment"] == beta.join_ref
+        for r in rows:
+            assert r["task"] == "bytegpt" and r["strategy"] == "diloco"
+            assert r["task_config"]["d_model"] == 32 and r["step"] is not None
+            assert r["age_s"] >= 0 and r["peers"] >= 1
     finally:
         for d in daemons:
             d.kill()

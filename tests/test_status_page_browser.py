@@ -100,6 +100,10 @@ class GrowingSwarm:
                 "memory_total_bytes": 80 * 2**30,
             },
             "mfu": 0.412,
+            "outer_step": 17,
+            "last_commit_at": time.time() - 8,
+            "join_command": "shoal run --join bytegpt-tiny@12D3KooWabc "
+            "--bootstrap /ip4/192.0.2.10/tcp/31337/p2p/12D3KooWabc",
             "last_round": {
                 "group_size": 4,
                 "duration_s": 2.31,
@@ -235,6 +239,9 @@ return {
   step: document.getElementById('step').textContent,
   loss: document.getElementById('loss').textContent,
   device: document.getElementById('device').textContent,
+  swarmRound: document.getElementById('swarm-round').textContent,
+  joinCommand: document.getElementById('join-command').textContent,
+  joinHidden: document.getElementById('join-box').hidden,
   experiment: document.getElementById('experiment').textContent,
   lastRound: document.getElementById('last-round').textContent,
   error: document.getElementById('error').classList.contains('shown'),
@@ -275,6 +282,8 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert page["experiment"] == "bytegpt-tiny"
         assert page["step"].replace(",", "").isdigit()
         assert "NVIDIA A100" in page["device"] and "MFU 41.2%" in page["device"], page["device"]
+        assert page["swarmRound"].startswith("round 17 · committed "), page["swarmRound"]
+        assert not page["joinHidden"] and page["joinCommand"].startswith("shoal run --join ")
         assert "committed" in page["lastRound"] and "b3f91c07e2d45a60" in page["lastRound"]
         assert not page["error"], page["errorText"]
 

@@ -74,6 +74,8 @@ class FakeProvider:
             "step": self.step,
             "loss": self.loss,
             "tokens_per_s": 1234.5,
+            "outer_step": 12,
+            "last_commit_at": time.time() - 30,
             "device": {
                 "kind": "cuda",
                 "name": "NVIDIA L4",
@@ -469,6 +471,7 @@ async def test_status_command_prints_the_peer_its_connections_and_the_swarm(
     assert any(line.split() == ["step", "40"] for line in lines)
     assert any(line.split() == ["loss", "2.2500"] for line in lines)
     assert any(line.split()[:2] == ["last", "round"] and "committed" in line for line in lines)
+    assert any(line.split()[:4] == ["swarm", "round", "12", "(committed"] for line in lines)
     assert "connections (3)" in out and "peers (4)" in out
     for pid in provider.ids:
         assert pid in out
