@@ -342,7 +342,7 @@ def test_help_documents_every_option_and_its_variable(tmp_path: Path) -> None:
     ]:
         assert flag in text
         assert var in text
-    assert "overridden by SHOAL_* environment variables" in text
+    assert "command-line flags, then SHOAL_* environment variables" in text
 
 
 # --- shoal run ----------------------------------------------------------------------------------
