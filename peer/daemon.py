@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import fcntl
 import gc
+import importlib
 import json
 import logging
 import os
@@ -194,7 +195,13 @@ async def run_daemon(
         nat.dht = dht
 
         # Imported here: session loads torch, which `shoal id`, `shoal status` and a
-        # --no-train peer (a bootstrap or relay on a small machine) never need.
+        # --no-train peer (a bootstrap or relay on a small machine) never need. In a
+        # thread: importing the training stack (averaging, numba's compiled loops)
+        # takes seconds on a loaded machine, and the event loop must keep answering
+        # handshakes meanwhile (a missed dial-back once made a public host conclude
+        # it was private).
+        if role is not None:
+            await asyncio.to_thread(importlib.import_module, "shoal.peer.session")
         from .node import PeerNode
 
         node = PeerNode(config, identity, host, nat, dht)

@@ -186,6 +186,7 @@ class PeerNode:
             "version": __version__,
             "addresses": [str(a) for a in self._addresses()],
             "reachability": self.nat.reachability.value,
+            "reachability_detail": self.nat.reachability_detail(),
             "connections": conns,
             "dht_peers": len(self.dht.routing_table),
             "experiment": None,

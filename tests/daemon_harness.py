@@ -51,8 +51,19 @@ def cli_env_path(home: Path) -> dict[str, str]:
 class Daemon:
     """One `shoal run` process."""
 
-    def __init__(self, name: str, workdir: Path, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        args: list[str],
+        env: dict[str, str],
+        *,
+        netns: str | None = None,
+    ) -> None:
+        """`netns`: run in that network namespace (the NAT lab's), as root."""
         self.name = name
+        self.netns = netns
+        self._in_ns = ["ip", "netns", "exec", netns] if netns else []
         self.home = workdir / name
         self.home.mkdir(parents=True, exist_ok=True)
         self.data_dir = self.home / ".shoal"
@@ -61,7 +72,7 @@ class Daemon:
         self._ready = threading.Event()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "shoal.peer", "run", *args],
+                [*self._in_ns, sys.executable, "-m", "shoal.peer", "run", *args],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 env=daemon_env(self.home, **env),
@@ -91,10 +102,13 @@ class Daemon:
 
     @property
     def address(self) -> str:
+        return self.address_on("127.0.0.1")
+
+    def address_on(self, ip: str) -> str:
         for line in self.stdout_lines:
-            if line.startswith("/ip4/127.0.0.1/"):
+            if line.strip().startswith(f"/ip4/{ip}/"):
                 return line.strip()
-        raise AssertionError(f"{self.name} printed no loopback address: {self.stdout_lines}")
+        raise AssertionError(f"{self.name} printed no address on {ip}: {self.stdout_lines}")
 
     @property
     def join_ref(self) -> str:
@@ -106,8 +120,20 @@ class Daemon:
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         assert self.status_url is not None
-        with urllib.request.urlopen(self.status_url + path, timeout=timeout) as resp:
-            body = resp.read()
+        if self.netns:  # the endpoint is on the namespace's loopback
+            fetch = (
+                "import sys, urllib.request as u; "
+                "sys.stdout.buffer.write(u.urlopen(sys.argv[1]).read())"
+            )
+            body = subprocess.run(
+                [*self._in_ns, sys.executable, "-c", fetch, self.status_url + path],
+                capture_output=True,
+                timeout=timeout + 10,
+                check=True,
+            ).stdout
+        else:
+            with urllib.request.urlopen(self.status_url + path, timeout=timeout) as resp:
+                body = resp.read()
         return json.loads(body) if path != "/metrics" else body.decode()
 
     def status(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ STATUS_KEYS = {
     "version",
     "addresses",
     "reachability",
+    "reachability_detail",
     "connections",
     "dht_peers",
     "experiment",

@@ -8,11 +8,16 @@ import pytest
 from shoal.transport.errors import ProtocolViolation
 from shoal.transport.identity import Identity
 from shoal.transport.multiaddr import Multiaddr
-from shoal.transport.nat.autonat import ProbeResult, Reachability, ReachabilityTracker
 from shoal.transport.nat.config import RelayLimits
 from shoal.transport.nat.holepunch import dial_targets, initiator_delay
 from shoal.transport.nat.identify import IdentifyInfo
 from shoal.transport.nat.observed import ObservedAddresses
+from shoal.transport.nat.reachability import (
+    ProbeResult,
+    Reachability,
+    ReachabilityTracker,
+    has_public_interface,
+)
 from shoal.transport.nat.relay import RelayBook
 
 PEERS = [Identity.generate().peer_id for _ in range(6)]
@@ -59,38 +64,126 @@ def test_the_observer_table_is_bounded() -> None:
 # --- reachability ------------------------------------------------------------------------------
 
 
-def result(ok: bool, server: int = 0, addr: Multiaddr = NAT, at: float = 0.0) -> ProbeResult:
-    return ProbeResult(PEERS[server], addr if ok else None, ok, at, (addr,))
+def result(
+    ok: bool, server: int = 0, addr: Multiaddr = NAT, at: float = 0.0, outcome: str = ""
+) -> ProbeResult:
+    kind = outcome or ("ok" if ok else "refused")
+    return ProbeResult(PEERS[server], addr if ok else None, ok, at, (addr,), kind)
+
+
+def public_host() -> ReachabilityTracker:
+    """A tracker of a machine with a public interface address (a bootstrap or relay)."""
+    t = ReachabilityTracker()
+    t.public_interface = True
+    return t
 
 
 def test_reachability_starts_unknown_and_one_proved_dial_back_makes_it_public() -> None:
-    t = ReachabilityTracker(window=4, private_after=2)
+    t = public_host()
     assert t.reachability is Reachability.UNKNOWN
     assert t.record(result(True))
     assert t.reachability is Reachability.PUBLIC
     assert t.confirmed() == [NAT]
 
 
-def test_failed_dial_backs_make_it_private_and_a_success_wins() -> None:
-    t = ReachabilityTracker(window=4, private_after=2)
-    assert not t.record(result(False, 0))
-    assert t.reachability is Reachability.UNKNOWN  # one failure is not enough here
-    assert t.record(result(False, 1))
+def test_one_timeout_does_not_make_a_public_host_private() -> None:
+    t = public_host()
+    t.record(result(False, 0, outcome="timeout"))
+    assert t.reachability is Reachability.UNKNOWN
+    assert t.may_serve_relay  # unconfirmed, but it keeps serving as a relay
+    t.record(result(False, 1, outcome="timeout"))
+    assert t.reachability is Reachability.UNKNOWN
+
+
+def test_three_failures_from_distinct_servers_make_it_private() -> None:
+    t = public_host()
+    t.record(result(False, 0))
+    t.record(result(False, 0))  # the same server again adds weight, not a second server
+    t.record(result(False, 0))
+    assert t.reachability is Reachability.UNKNOWN
+    t.record(result(False, 1))
     assert t.reachability is Reachability.PRIVATE
-    assert t.record(result(True, 2))  # a success is proof, whatever the failures say
+    assert not t.may_serve_relay
+    assert "4 dial-backs failed" in t.reason and PEERS[1].short() in t.reason
+
+
+def test_timeouts_weigh_half_a_refusal() -> None:
+    t = public_host()
+    for server in range(5):
+        t.record(result(False, server, outcome="timeout"))
+    assert t.reachability is Reachability.UNKNOWN  # 2.5 of 3
+    t.record(result(False, 5, outcome="timeout"))
+    assert t.reachability is Reachability.PRIVATE
+
+
+def test_a_success_after_private_makes_it_public_at_once() -> None:
+    t = public_host()
+    for server in range(3):
+        t.record(result(False, server))
+    assert t.reachability is Reachability.PRIVATE
+    assert t.record(result(True, 3))
     assert t.reachability is Reachability.PUBLIC
 
 
-def test_a_later_failure_on_a_confirmed_address_withdraws_it() -> None:
-    t = ReachabilityTracker(window=4, private_after=1)
+def test_a_confirmed_host_needs_the_same_evidence_to_become_private() -> None:
+    t = public_host()
+    t.record(result(True, 0, NAT))
+    t.record(result(False, 1))
+    t.record(result(False, 2))
+    assert t.reachability is Reachability.PUBLIC  # two failures: not enough against a proof
+    t.record(result(False, 3))
+    assert t.reachability is Reachability.PRIVATE
+    assert t.confirmed() == []
+
+
+def test_behind_a_nat_little_evidence_suffices() -> None:
+    """Only private interface addresses: a NAT is in the way unless a port is forwarded."""
+    t = ReachabilityTracker()
+    assert not t.may_serve_relay
+    t.record(result(False, 0, outcome="timeout"))
+    assert t.reachability is Reachability.PRIVATE  # one server is all there was
+    t.record(result(True, 1))
+    assert t.reachability is Reachability.PUBLIC  # a forwarded port
+
+
+def test_probes_come_soon_after_a_change_then_settle() -> None:
+    t = public_host()
+    assert t.next_delay() == 2.0  # unknown: keep asking
+    t.record(result(True))
+    delays = [t.next_delay() for _ in range(6)]
+    assert delays == [2.0, 4.0, 8.0, 16.0, 300.0, 300.0]  # corrected within 30 s if wrong
+    t.record(result(False, 1))  # contradicts PUBLIC: look again soon
+    assert t.next_delay() == 2.0
+
+
+def test_a_changed_address_drops_its_confirmation() -> None:
+    t = public_host()
     t.record(result(True, 0, NAT))
     t.record(result(True, 1, OTHER))
-    t.record(result(False, 2, NAT))
-    assert t.confirmed() == [OTHER]
+    assert t.confirmed() == [OTHER, NAT] or set(t.confirmed()) == {NAT, OTHER}
+    assert t.forget(lambda a: a != OTHER)
+    assert t.confirmed() == [NAT]
     assert t.reachability is Reachability.PUBLIC
-    assert t.forget(lambda a: a != OTHER)  # OTHER is no longer one of our addresses
-    assert t.confirmed() == []
-    assert t.reachability is Reachability.PRIVATE  # the failure is still on record
+    assert t.forget(lambda a: False)
+    assert t.reachability is Reachability.UNKNOWN  # the caller probes again
+
+
+def test_public_interfaces_are_told_from_private_ones() -> None:
+    assert has_public_interface([Multiaddr("/ip4/198.51.100.10/tcp/1")])
+    assert has_public_interface(
+        [Multiaddr("/ip4/10.0.1.2/tcp/1"), Multiaddr("/ip6/2001:db8::1/tcp/1")]
+    )
+    assert not has_public_interface(
+        [
+            Multiaddr(f"/ip4/{ip}/tcp/1")
+            for ip in ("10.0.1.2", "192.168.1.5", "100.64.3.3", "127.0.0.1")
+        ]
+        + [
+            Multiaddr("/ip6/::1/tcp/1"),
+            Multiaddr("/ip6/fe80::1/tcp/1"),
+            Multiaddr("/ip6/fd00::1/tcp/1"),
+        ]
+    )
 
 
 def test_forced_reachability_ignores_results() -> None:

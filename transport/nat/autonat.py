@@ -3,8 +3,13 @@
 Protocol ``/shoal/autonat/1.0.0`` (client -> server, on a direct connection)::
 
     -> {"nonce": 16 bytes, "addrs": [addr]}
-    <- {"status": "ok", "addr": addr} | {"status": "failed", "error": str}
+    <- {"status": "ok", "addr": addr}
+       | {"status": "failed", "error": str, "reason": "refused" | "timeout" | "error"}
        | {"status": "refused", "error": str}
+
+(`reason` says how the dial-backs failed: a reset is strong evidence that
+nobody listens there, a timeout is weak: a NAT drops the SYN, or the client
+was too busy to finish the handshake in time. Servers before it sent none.)
 
 The server dials back only addresses whose IP is the one it sees the client's
 connection coming from, so nobody can aim its dials at a third party. It dials
@@ -16,20 +21,16 @@ opens ``/shoal/autonat/dialback/1.0.0`` and sends the nonce::
     -> {"nonce": 16 bytes, "addr": addr}    <- {"ok": bool}
 
 The client counts a success only when the nonce came back through its own
-listener: a server's word alone proves nothing. `ReachabilityTracker` turns
-results into PUBLIC / PRIVATE / UNKNOWN without any I/O.
+listener: a server's word alone proves nothing. `reachability.ReachabilityTracker`
+turns results into PUBLIC / PRIVATE / UNKNOWN without any I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import ipaddress
 import logging
 import os
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..connection import Connection, ConnectionConfig, Stream
 from ..errors import ProtocolViolation, TransportError
@@ -38,6 +39,9 @@ from ..identity import Identity, PeerID
 from ..multiaddr import Multiaddr
 from . import wire
 from .config import NatConfig
+from .reachability import ProbeResult, Reachability, ReachabilityTracker
+
+__all__ = ["AutoNAT", "ProbeResult", "Reachability", "ReachabilityTracker", "dial_failure_kind"]
 
 log = logging.getLogger("shoal.transport.nat")
 
@@ -47,75 +51,13 @@ NONCE_LEN = 16
 MAX_DIALBACKS_PER_REQUEST = 4
 
 
-class Reachability(enum.StrEnum):
-    UNKNOWN = "unknown"
-    PUBLIC = "public"
-    PRIVATE = "private"
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    server: PeerID
-    addr: Multiaddr | None  # the address that was reached (None for a failure)
-    ok: bool
-    at: float
-    tried: tuple[Multiaddr, ...] = ()
-
-
-class ReachabilityTracker:
-    """The reachability decision from recent dial-back results (sans-IO).
-
-    PUBLIC while some address's latest result is a success (a success is proof: the
-    nonce came back through our listener); PRIVATE once `private_after` of the
-    recent results failed and none succeeded; UNKNOWN before that.
-    """
-
-    def __init__(
-        self,
-        window: int = 4,
-        private_after: int = 1,
-        forced: Reachability | None = None,
-    ) -> None:
-        self._results: deque[ProbeResult] = deque(maxlen=window)
-        self.private_after = private_after
-        self.forced = forced
-        self._confirmed: dict[Multiaddr, float] = {}
-
-    @property
-    def reachability(self) -> Reachability:
-        if self.forced is not None:
-            return self.forced
-        if self._confirmed:
-            return Reachability.PUBLIC
-        failures = sum(1 for r in self._results if not r.ok)
-        return Reachability.PRIVATE if failures >= self.private_after else Reachability.UNKNOWN
-
-    def confirmed(self) -> list[Multiaddr]:
-        """Addresses a dial-back reached, most recently confirmed first."""
-        return sorted(self._confirmed, key=lambda a: -self._confirmed[a])
-
-    def record(self, result: ProbeResult) -> bool:
-        """Add a result; True when the reachability or the confirmed addresses changed."""
-        before = (self.reachability, tuple(self.confirmed()))
-        self._results.append(result)
-        if result.ok and result.addr is not None:
-            self._confirmed[result.addr] = result.at
-        else:
-            for addr in result.tried:  # the latest word on these addresses is "no"
-                self._confirmed.pop(addr, None)
-        return (self.reachability, tuple(self.confirmed())) != before
-
-    def forget(self, keep: Callable[[Multiaddr], bool]) -> bool:
-        """Our addresses changed: drop confirmations of addresses no longer ours (the
-        caller then probes again). The other results stay, so the answer does not
-        flap to UNKNOWN meanwhile. True when that changed anything."""
-        before = (self.reachability, tuple(self.confirmed()))
-        self._confirmed = {a: t for a, t in self._confirmed.items() if keep(a)}
-        return (self.reachability, tuple(self.confirmed())) != before
-
-    @property
-    def results(self) -> list[ProbeResult]:
-        return list(self._results)
+def dial_failure_kind(e: BaseException) -> str:
+    """How a dial-back failed: "refused" (reset: nobody listens), "timeout", or "error"."""
+    if isinstance(e, ConnectionRefusedError):
+        return "refused"
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    return "error"
 
 
 def _same_ip(addr: Multiaddr, ip: str) -> bool:
@@ -182,13 +124,16 @@ class AutoNAT:
                 if not reached.done() or reached.result() is None:
                     log.info("autonat: %s claims a dial-back that never arrived", server.short())
                     return None
-                return ProbeResult(server, reached.result(), True, now, tuple(addrs))
+                return ProbeResult(server, reached.result(), True, now, tuple(addrs), "ok")
             if status == "failed":
                 if reached.done() and reached.result() is not None:
                     # The nonce did arrive (the server gave up waiting for our ack): it worked.
-                    return ProbeResult(server, reached.result(), True, now, tuple(addrs))
+                    return ProbeResult(server, reached.result(), True, now, tuple(addrs), "ok")
                 log.debug("autonat: %s could not dial us back: %s", server.short(), reply)
-                return ProbeResult(server, None, False, now, tuple(addrs))
+                reason = reply.get("reason")
+                # A server that does not say how it failed: count it as the weak kind.
+                outcome = reason if reason in ("refused", "timeout", "error") else "timeout"
+                return ProbeResult(server, None, False, now, tuple(addrs), outcome)
             log.debug("autonat: %s refused: %s", server.short(), reply.get("error"))
             return None
         except (TransportError, TimeoutError, EOFError) as e:
@@ -247,19 +192,39 @@ class AutoNAT:
                     {"status": "refused", "error": f"no address at your observed IP {ip}"}
                 )
                 return
-            errors = []
             async with self._slots:
-                for target in targets:
-                    try:
-                        await self._dial_back(target, peer, nonce)
-                    except (OSError, TransportError, TimeoutError, EOFError) as e:
-                        errors.append(f"{target}: {type(e).__name__}: {e}")
-                        continue
-                    self.served["ok"] += 1
-                    await ms.send({"status": "ok", "addr": str(target)})
-                    return
+                reached, errors, kinds = await self._dial_all(targets, peer, nonce)
+            if reached is not None:
+                self.served["ok"] += 1
+                await ms.send({"status": "ok", "addr": str(reached)})
+                return
             self.served["failed"] += 1
-            await ms.send({"status": "failed", "error": "; ".join(errors)[:1000]})
+            # The strongest evidence among the targets: refused > error > timeout.
+            reason = next((k for k in ("refused", "error") if k in kinds), "timeout")
+            await ms.send({"status": "failed", "error": "; ".join(errors)[:1000], "reason": reason})
+
+    async def _dial_all(
+        self, targets: list[Multiaddr], peer: PeerID, nonce: bytes
+    ) -> tuple[Multiaddr | None, list[str], list[str]]:
+        """Dial every target at once (the answer comes within one dial-back timeout, not
+        one per address); the first that reaches the peer, or why none did."""
+        tasks = {asyncio.ensure_future(self._dial_back(t, peer, nonce)): t for t in targets}
+        errors: list[str] = []
+        kinds: list[str] = []
+        try:
+            for done in asyncio.as_completed(list(tasks)):
+                try:
+                    target = await done
+                except (OSError, TransportError, TimeoutError, EOFError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    kinds.append(dial_failure_kind(e))
+                    continue
+                return target, errors, kinds
+            return None, errors, kinds
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _refusal(self, conn: Connection) -> str | None:
         if conn.kind == "relayed" or conn.remote_address is None:
@@ -276,7 +241,7 @@ class AutoNAT:
             return "busy"
         return None
 
-    async def _dial_back(self, addr: Multiaddr, peer: PeerID, nonce: bytes) -> None:
+    async def _dial_back(self, addr: Multiaddr, peer: PeerID, nonce: bytes) -> Multiaddr:
         endpoint = addr.tcp_endpoint()
         assert endpoint is not None
         loop = asyncio.get_running_loop()
@@ -299,6 +264,7 @@ class AutoNAT:
                 reply = await wire.recv_map(ms, "dial-back ack")
                 if reply.get("ok") is not True:
                     raise ProtocolViolation("the peer at that address did not know our nonce")
+            return addr
         finally:
             self._dialback_conns.discard(conn)
             conn.abort("dial-back done")

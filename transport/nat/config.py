@@ -33,14 +33,18 @@ class NatConfig:
 
     # AutoNAT. "public"/"private" skip detection (e.g. a known port forward, or tests).
     reachability: Literal["auto", "public", "private"] = "auto"
-    dialback_timeout: float = 1.5  # one dial-back (TCP connect + handshake)
-    probe_timeout: float = 8.0  # one whole request, dial-backs included
-    # Conclude PRIVATE after this many failed dial-backs (and none succeeded). A success
-    # is proof (the nonce came back through our listener), so one is enough for PUBLIC.
-    private_after_failures: int = 1
-    probe_window: int = 4  # recent results the decision looks at
+    # One dial-back (TCP connect + handshake). Generous: the peer being dialed may be
+    # busy (importing torch, building its model) and answer its handshake late; a
+    # timeout is weak evidence anyway (see reachability.py).
+    dialback_timeout: float = 4.0
+    probe_timeout: float = 20.0  # one whole request, dial-backs included
+    # The failure weight (refused 1, timeout 1/2) since the last success that makes
+    # PRIVATE; None: 3 with a public interface address, 1/2 behind a NAT. A success is
+    # proof (the nonce came back through our listener), so one makes PUBLIC.
+    private_score: float | None = None
+    probe_window: int = 8  # recent results the decision looks at
     recheck_unknown: float = 2.0  # probe again this soon while the answer is unknown
-    recheck_interval: float = 300.0  # and this often once it is known
+    recheck_interval: float = 300.0  # and this often once it is known and settled
     autonat_max_concurrent: int = 8  # dial-backs this peer runs for others at once
     autonat_server_min_interval: float = 1.0  # per requesting peer
 

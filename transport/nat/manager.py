@@ -36,6 +36,7 @@ from .config import NatConfig
 from .holepunch import HolePuncher
 from .identify import IdentifyInfo, IdentifyService
 from .observed import ObservedAddresses
+from .reachability import has_public_interface
 from .relay import RelayService
 from .relay_client import RelayClient
 
@@ -44,6 +45,7 @@ log = logging.getLogger("shoal.transport.nat")
 _DHT_LOOKUP_INTERVAL = 30.0
 _DHT_TIMEOUT = 30.0
 _MAX_BACKOFF = 60.0
+PARALLEL_PROBES = 3  # AutoNAT servers asked at once while reachability is unknown
 
 
 def owner_subkey(peer: PeerID) -> str:
@@ -60,8 +62,12 @@ class NatManager:
         self._loop = asyncio.get_running_loop()
         forced = None if config.reachability == "auto" else Reachability(config.reachability)
         self.tracker = ReachabilityTracker(
-            config.probe_window, config.private_after_failures, forced
+            config.probe_window,
+            config.private_score,
+            forced,
+            recheck_interval=config.recheck_interval,
         )
+        self.tracker.public_interface = has_public_interface(host.interface_addresses())
         self.observed = ObservedAddresses(config.observed_threshold, config.observed_ttl)
         self.identify = IdentifyService(
             host,
@@ -73,7 +79,10 @@ class NatManager:
         self.relay = RelayService(
             host,
             config.relay_limits,
-            accepting=lambda: config.relay_service and self.reachability is Reachability.PUBLIC,
+            # Not refused for being unconfirmed: a peer with a public interface serves
+            # while AutoNAT has not decided (a bootstrap machine must not go dark for
+            # one slow dial-back).
+            accepting=lambda: config.relay_service and self.tracker.may_serve_relay,
             addresses=self.confirmed_addresses,
         )
         self.relay_client = RelayClient(
@@ -85,7 +94,7 @@ class NatManager:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._next_probe = 0.0
-        self._probing = False
+        self._probing: set[PeerID] = set()  # servers asked, answer pending
         self._unanswered = 0  # probes in a row that no server answered
         self._probed_at: dict[PeerID, float] = {}
         self._relay_backoff: dict[PeerID, tuple[float, float]] = {}  # until, last delay
@@ -106,6 +115,7 @@ class NatManager:
                 "will not match the listen port and hole punching will not work"
             )
         self._started = True
+        self.tracker.public_interface = has_public_interface(self.host.interface_addresses())
         self.autonat.start()
         if self.config.relay_service:
             self.relay.start()
@@ -202,6 +212,28 @@ class NatManager:
             )
         return out
 
+    def reachability_detail(self) -> dict[str, object]:
+        """Why we believe what we believe: the dial-back evidence and the last change."""
+        now = self._loop.time()
+        return {
+            "state": self.reachability.value,
+            "forced": self.tracker.forced is not None,
+            "reason": self.tracker.reason,
+            "changed_s_ago": None
+            if self.tracker.changed_at is None
+            else round(now - self.tracker.changed_at, 1),
+            "public_interface": self.tracker.public_interface,
+            "results": [
+                {
+                    "server": str(r.server),
+                    "outcome": r.kind,
+                    "addr": str(r.addr) if r.addr else None,
+                    "age_s": round(now - r.at, 1),
+                }
+                for r in self.tracker.results
+            ],
+        }
+
     def status(self) -> dict[str, object]:
         """Everything the status endpoint shows about NAT traversal (JSON-serializable)."""
         now = self._loop.time()
@@ -226,7 +258,7 @@ class NatManager:
             },
             "relay_service": {
                 "enabled": self.config.relay_service,
-                "serving": self.config.relay_service and self.reachability is Reachability.PUBLIC,
+                "serving": self.config.relay_service and self.tracker.may_serve_relay,
                 **self.relay.status(),
             },
             "autonat": {
@@ -234,6 +266,7 @@ class NatManager:
                     {"server": str(r.server), "ok": r.ok, "addr": str(r.addr) if r.addr else None}
                     for r in self.tracker.results
                 ],
+                "detail": self.reachability_detail(),
                 "served": dict(self.autonat.served),
             },
             "hole_punching": {
@@ -309,6 +342,7 @@ class NatManager:
         return conn.local_address[1] in ports
 
     def _addresses_changed(self) -> None:
+        self.tracker.public_interface = has_public_interface(self.host.interface_addresses())
         keep = {a for a, _ in self.observed.candidates(self._loop.time())}
         keep |= {a.without_peer_id() for a in self.host.interface_addresses()}
         if self.tracker.forget(lambda a: a in keep):
@@ -338,13 +372,18 @@ class NatManager:
         while True:
             now = self._loop.time()
             waits = [self.config.recheck_interval]
-            if self.tracker.forced is None and not self._probing:
+            # While we do not know, ask several servers at once: one slow one must not
+            # hold the answer back (each failure alone decides nothing anyway).
+            parallel = PARALLEL_PROBES if self.reachability is Reachability.UNKNOWN else 1
+            if self.tracker.forced is None and len(self._probing) < parallel:
                 if now >= self._next_probe:
-                    if self._start_probe():
-                        waits.append(self.config.probe_timeout)
-                    else:
+                    while len(self._probing) < parallel and self._start_probe():
+                        pass
+                    if not self._probing:  # nobody to ask: look again soon
                         self._next_probe = now + self.config.recheck_unknown
-                waits.append(self._next_probe - now)
+                if self._next_probe > now:
+                    waits.append(self._next_probe - now)
+                # (else: probes are out; their ends wake this loop)
             waits.append(self._manage_relays(now))
             waits.append(self._manage_dht(now))
             self._wake.clear()
@@ -361,7 +400,8 @@ class NatManager:
             info = self.peers.get(peer)
             if conn.kind == "relayed" or info is None or autonat.PROTOCOL not in info.protocols:
                 continue
-            servers.append((self._probed_at.get(peer, -1e18), peer, conn))
+            if peer not in self._probing:
+                servers.append((self._probed_at.get(peer, -1e18), peer, conn))
         if not servers:
             return False
         servers.sort(key=lambda s: s[0])
@@ -369,7 +409,7 @@ class NatManager:
         if len(self._probed_at) > 4096:  # bounded: keep the connected peers only
             self._probed_at = {p: t for p, t in self._probed_at.items() if p in self.peers}
         self._probed_at[peer] = now
-        self._probing = True
+        self._probing.add(peer)
         self._tasks.spawn(self._probe(conn))
         return True
 
@@ -396,7 +436,7 @@ class NatManager:
             ]
             result = await self.autonat.probe(conn, addrs)
         finally:
-            self._probing = False
+            self._probing.discard(conn.remote_peer)
             now = self._loop.time()
             if result is None:
                 # Try another server soon, backing off while none will answer.
@@ -409,10 +449,14 @@ class NatManager:
                 if self.tracker.record(result):
                     self._notify()
                 if self.reachability is not before:
-                    log.info("reachability: %s -> %s", before.value, self.reachability.value)
-                known = self.reachability is not Reachability.UNKNOWN
-                delay = self.config.recheck_interval if known else self.config.recheck_unknown
-                self._next_probe = now + delay
+                    # Once per change, with the evidence: which servers said what.
+                    log.info(
+                        "reachability: %s -> %s (%s)",
+                        before.value,
+                        self.reachability.value,
+                        self.tracker.reason,
+                    )
+                self._next_probe = now + self.tracker.next_delay()
             self._wake.set()
 
     # --- relays -------------------------------------------------------------------------------
