@@ -59,6 +59,8 @@ log = logging.getLogger("shoal.dht")
 DEFAULT_PROTOCOL = "/shoal/dht/1.0.0"
 # Rounds of store requests: each replaces the peers that could not be reached.
 _STORE_ROUNDS = 3
+# A peer whose addresses changed re-announces itself at most this often (seconds).
+ANNOUNCE_INTERVAL = 5.0
 
 
 def _reason(e: BaseException) -> str:
@@ -178,6 +180,8 @@ class DHTNode:
         # (key, subkey) -> (record, when to republish, UNIX time)
         self._originated: dict[tuple[str, str | None], tuple[Record, float]] = {}
         self._tasks = TaskSet(log, "DHT")
+        self._announce_due = False
+        self._announced_at = -ANNOUNCE_INTERVAL
         self._wake = asyncio.Event()
         self._closed = False
         self._counters = {
@@ -459,7 +463,9 @@ class DHTNode:
 
     async def _on_ping(self, ctx: rpc.CallContext, payload: Any) -> Any:
         self._note_sender(ctx.peer, payload)
-        return self._hello()
+        # Our wall clock, for the asker's clock-skew check (`shoal doctor`): records
+        # expire by wall-clock time, so a clock minutes off loses or keeps them wrongly.
+        return {**self._hello(), "t": time.time()}
 
     async def _on_find_node(self, ctx: rpc.CallContext, payload: Any) -> Any:
         payload = self._note_sender(ctx.peer, payload)
@@ -742,8 +748,27 @@ class DHTNode:
 
     # ------------------------------------------------------------------ maintenance
 
+    def addresses_changed(self) -> None:
+        """What we advertise changed (e.g. NAT traversal found us public): tell the
+        peers nearest to us soon, so that they add (or update) us in their tables;
+        until our next request nobody would. At most once per ANNOUNCE_INTERVAL."""
+        self._announce_due = True
+        self._hello_cache = None  # the next request carries the new addresses
+        self._wake.set()
+
+    async def _announce(self) -> None:
+        self._announce_due = False
+        self._announced_at = self._loop.time()
+        if self._serves is not None and not self._serves():
+            return  # a client is in nobody's table
+        try:
+            await self.find_nodes([self.routing_table.local_id])
+        except Exception as e:
+            log.debug("announcing our new addresses failed: %r", e)
+
     async def _maintenance(self) -> None:
-        """Refresh stale buckets and republish our own records when due."""
+        """Refresh stale buckets, republish our own records and announce new addresses
+        when due."""
         next_refresh = self._loop.time() + self.refresh_interval
         while True:
             now_wall = time.time()
@@ -751,6 +776,12 @@ class DHTNode:
             wait = next_refresh - self._loop.time()
             if due_republish is not None:
                 wait = min(wait, due_republish - now_wall)
+            if self._announce_due:
+                announce_at = self._announced_at + ANNOUNCE_INTERVAL
+                if announce_at <= self._loop.time():
+                    await self._announce()
+                    continue
+                wait = min(wait, announce_at - self._loop.time())
             if wait > 0:
                 self._wake.clear()
                 try:

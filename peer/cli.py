@@ -1,4 +1,4 @@
-"""The `shoal` command line: `shoal id`, `shoal run`, `shoal status`, `shoal experiments`.
+"""The `shoal` command line: `shoal id`, `run`, `status`, `experiments` and `doctor`.
 
 User mistakes end as one line on stderr, ``shoal: error: ...``, with exit
 status 2 for a bad command line or setting and 1 for a runtime problem (key
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -34,6 +35,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "run": tuple(OPTIONS),
     "status": (),  # its URL and --json are plain arguments (status_cli.py)
     "experiments": ("bootstrap", "data_dir", "log_level"),
+    "doctor": ("bootstrap", "data_dir", "log_level"),
 }
 
 ENV_HELP = """\
@@ -120,6 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     experiments_parser.add_argument(
         "--json", action="store_true", help="print one JSON list, for scripts"
     )
+    doctor_parser = commands.add_parser(
+        "doctor",
+        help="check whether this machine can take part, and say what to fix",
+        description=(
+            "Diagnose this machine as a peer: bootstrap peers reached (or why not), how\n"
+            "others see it (observed addresses, reachability, whether its NAT allows hole\n"
+            "punching or needs a relay), relays, clock skew against the peers, free disk\n"
+            "in the data directory, torch. Paste the output into a bug report. Exit\n"
+            "status 0 when the peer can take part, 1 when it cannot reach any bootstrap peer."
+        ),
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(doctor_parser, COMMAND_OPTIONS["doctor"])
+    doctor_parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -148,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status_command(args.url, sys.stdout, json_output=args.json)
     if command == "experiments":
         return _experiments(argv, config)
+    if command == "doctor":
+        return _doctor(argv, config)
     logging.basicConfig(
         level=config.logging_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -177,6 +196,23 @@ def _experiments(argv: Sequence[str] | None, config: Config) -> int:
     bootstrap = list(config.bootstrap) or load_known_peers(config.data_dir)
     status, text = _run(experiments_command(bootstrap, json_output=args.json))
     (sys.stdout if status == 0 else sys.stderr).write(text)
+    return status
+
+
+def _doctor(argv: Sequence[str] | None, config: Config) -> int:
+    from .daemon import load_known_peers
+    from .doctor import doctor_command
+
+    logging.basicConfig(level=max(config.logging_level, logging.ERROR), stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    bootstrap = list(config.bootstrap) or load_known_peers(config.data_dir)
+    status, text = _run(doctor_command(bootstrap, config.data_dir, json_output=args.json))
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `shoal doctor | head`: the reader has what it wanted
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status
 
 

@@ -193,6 +193,7 @@ async def run_daemon(
         stack.push_async_callback(dht.aclose)
         stack.callback(save_known_peers, dht, config.data_dir)  # runs before dht.aclose
         nat.dht = dht
+        nat.address_listeners.append(dht.addresses_changed)
 
         # Imported here: session loads torch, which `shoal id`, `shoal status` and a
         # --no-train peer (a bootstrap or relay on a small machine) never need. In a

@@ -433,3 +433,30 @@ async def test_a_client_node_reads_and_writes_but_is_never_a_hop(
         assert len(client.routing_table) >= 7
     finally:
         await client.aclose()
+
+
+async def test_a_peer_that_becomes_dialable_is_added_by_its_neighbours_without_other_traffic(
+    swarm: Callable[..., Any], make_host: Callable[..., Any]
+) -> None:
+    """A peer that joins while its reachability is unknown advertises no address, so
+    nobody adds it; once NAT traversal confirms an address (addresses_changed), it
+    announces itself to its neighbours at once, not at its next bucket refresh."""
+    nodes = await swarm(4)
+    host = await make_host(**HOST_OPTS)
+    advertised: list[Any] = []
+    late = await DHTNode.create(
+        host,
+        bootstrap=[str(nodes[0].host.addresses()[0])],
+        addresses=lambda: advertised,
+        hop_timeout=0.5,
+    )
+    try:
+        assert all(late.peer_id not in n.routing_table for n in nodes)
+        advertised.extend(host.addresses())
+        late.addresses_changed()
+        async with asyncio.timeout(10):
+            # The tables have no change event: poll the condition.
+            while not any(late.peer_id in n.routing_table for n in nodes):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    finally:
+        await late.aclose()

@@ -105,6 +105,10 @@ class NatManager:
         self._next_dht_advert = 0.0
         self._started = False
         self._closed = False
+        # Called when what we advertise changes (reachability decided, a relay reserved):
+        # the DHT tells its neighbours, or nobody adds a peer that became dialable.
+        self.address_listeners: list[Callable[[], None]] = []
+        self._advertised: list[Multiaddr] = []
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -301,6 +305,12 @@ class NatManager:
     def _notify(self) -> None:
         self._wake.set()
         self._changed.set()
+        if self._started and self.address_listeners:
+            advertised = self.advertised_addresses()
+            if advertised != self._advertised:
+                self._advertised = advertised
+                for listener in self.address_listeners:
+                    listener()
 
     def _on_identified(self, conn: Connection, info: IdentifyInfo) -> None:
         peer = conn.remote_peer

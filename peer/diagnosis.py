@@ -1,0 +1,177 @@
+"""What `shoal doctor` concludes from what it measured (sans-I/O: facts in, verdicts out).
+
+Each check gives a verdict ("ok", "warn", "fail"), a line of detail and, when
+something is wrong, what to do. The peer can take part when at least one
+bootstrap peer answered; everything else only makes it better or worse at it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Check", "Facts", "diagnose", "nat_mapping"]
+
+CLOCK_SKEW_LIMIT_S = 30.0
+LOW_DISK_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: str  # "ok", "warn", "fail" or "skip" (could not be checked)
+    detail: str
+    advice: str = ""
+
+    def as_json(self) -> dict[str, str]:
+        return {
+            "check": self.name,
+            "verdict": self.verdict,
+            "detail": self.detail,
+            "advice": self.advice,
+        }
+
+
+@dataclass
+class Facts:
+    bootstrap: list[tuple[str, str | None]] = field(default_factory=list)  # (addr, error)
+    observed: list[tuple[str, str]] = field(default_factory=list)  # (observer IP, our addr)
+    reachability: str = "unknown"
+    reachability_reason: str = ""
+    relays: list[str] = field(default_factory=list)
+    clock_skews_s: list[float] = field(default_factory=list)
+    free_disk_bytes: int | None = None
+    data_dir: str = ""
+    torch: str | None = None
+    threads: int | None = None
+    device: str | None = None
+
+
+def nat_mapping(observed: list[tuple[str, str]]) -> str:
+    """ "consistent" when observers at different IPs see us at the same address (a cone
+    NAT, or none: hole punching can work), "per-destination" when they see different
+    ports (a symmetric NAT: only a relay gets through), "unknown" with fewer than two."""
+    by_ip: dict[str, str] = {}
+    for observer_ip, addr in observed:
+        by_ip.setdefault(observer_ip, addr)
+    if len(by_ip) < 2:
+        return "unknown"
+    return "consistent" if len(set(by_ip.values())) == 1 else "per-destination"
+
+
+def diagnose(f: Facts) -> list[Check]:
+    bootstrap = _bootstrap(f)
+    if bootstrap.verdict == "fail":
+        # Nobody to ask: say so once, not as three more warnings.
+        network = [
+            Check(name, "skip", "not checked: no peer answered")
+            for name in ("reachability", "relays", "clock")
+        ]
+    else:
+        network = [_reachability(f), _relays(f), _clock(f)]
+    return [bootstrap, *network, _disk(f), _torch(f)]
+
+
+def can_take_part(checks: list[Check]) -> bool:
+    return all(c.verdict != "fail" for c in checks)
+
+
+def _bootstrap(f: Facts) -> Check:
+    reached = [a for a, e in f.bootstrap if e is None]
+    if not f.bootstrap:
+        return Check(
+            "bootstrap", "fail", "no bootstrap peer given",
+            "give --bootstrap ADDR: any peer of the network (its `shoal run` prints it)",
+        )  # fmt: skip
+    if not reached:
+        why = "; ".join(f"{a}: {e}" for a, e in f.bootstrap)
+        return Check(
+            "bootstrap", "fail", f"no bootstrap peer answered ({why})",
+            "check the address (a typo, an old port?), that the peer runs, and that no "
+            "firewall blocks the way out",
+        )  # fmt: skip
+    failed = len(f.bootstrap) - len(reached)
+    extra = f"; {failed} did not answer" if failed else ""
+    return Check("bootstrap", "ok", f"reached {len(reached)} of {len(f.bootstrap)}{extra}")
+
+
+def _reachability(f: Facts) -> Check:
+    mapping = nat_mapping(f.observed)
+    seen = ", ".join(sorted({a for _, a in f.observed})) or "nobody reported it yet"
+    if f.reachability == "public":
+        return Check("reachability", "ok", f"public: other peers can dial you ({seen})")
+    if f.reachability == "private":
+        if mapping == "per-destination":
+            return Check(
+                "reachability", "warn",
+                f"private, relay needed: your NAT gives each destination its own port ({seen})",
+                "training works through relays, slower; forward a port to this machine and "
+                "run with --announce /ip4/PUBLIC_IP/tcp/PORT to be dialable",
+            )  # fmt: skip
+        possible = "possible" if mapping == "consistent" else "likely possible"
+        return Check(
+            "reachability", "ok",
+            f"private, hole punching {possible}: your NAT keeps one port for all "
+            f"destinations ({seen})" if mapping == "consistent" else
+            f"private, hole punching {possible} ({seen})",
+        )  # fmt: skip
+    return Check(
+        "reachability", "warn", f"not known yet: {f.reachability_reason or 'no answer'}",
+        "run it again in a minute: it takes a dial-back by another peer",
+    )  # fmt: skip
+
+
+def _relays(f: Facts) -> Check:
+    if f.relays:
+        return Check("relays", "ok", "reserved: " + ", ".join(f.relays))
+    if f.reachability == "private":
+        return Check(
+            "relays", "warn", "none reserved yet",
+            "peers behind NAT need a public peer that relays: is one in the network?",
+        )  # fmt: skip
+    return Check("relays", "ok", "none needed")
+
+
+def _clock(f: Facts) -> Check:
+    if not f.clock_skews_s:
+        return Check("clock", "warn", "no peer told its time", "")
+    skew = sorted(f.clock_skews_s)[len(f.clock_skews_s) // 2]
+    if abs(skew) > CLOCK_SKEW_LIMIT_S:
+        return Check(
+            "clock", "warn", f"this clock is {skew:+.0f}s off the peers'",
+            "enable time synchronization (NTP, e.g. systemd-timesyncd): DHT records "
+            "expire by the clock",
+        )  # fmt: skip
+    return Check("clock", "ok", f"within {abs(skew):.1f}s of the peers'")
+
+
+def _disk(f: Facts) -> Check:
+    if f.free_disk_bytes is None:
+        return Check("disk", "warn", f"cannot tell the free space in {f.data_dir}")
+    gib = f.free_disk_bytes / 2**30
+    if f.free_disk_bytes < LOW_DISK_BYTES:
+        return Check(
+            "disk", "warn", f"{gib:.2f} GiB free in {f.data_dir}",
+            "checkpoints need room: free some, or choose another --data-dir",
+        )  # fmt: skip
+    return Check("disk", "ok", f"{gib:.1f} GiB free in {f.data_dir}")
+
+
+def _torch(f: Facts) -> Check:
+    if f.torch is None:
+        return Check("torch", "fail", "torch is not installed", "pip install torch (README)")
+    return Check("torch", "ok", f"torch {f.torch}, {f.threads} CPU threads, device {f.device}")
+
+
+def as_text(checks: list[Check]) -> str:
+    marks = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "--  "}
+    lines = []
+    for c in checks:
+        lines.append(f"{marks[c.verdict]}  {c.name:<12} {c.detail}")
+        if c.advice:
+            lines.append(f"      {'':<12} -> {c.advice}")
+    return "\n".join(lines) + "\n"
+
+
+def as_json(checks: list[Check]) -> list[dict[str, Any]]:
+    return [c.as_json() for c in checks]

@@ -1,0 +1,156 @@
+"""`shoal doctor`: measure what decides whether this machine can take part, then say so.
+
+It starts a throwaway peer (a fresh identity, a free port, the same NAT
+traversal as `shoal run`), reaches the bootstrap peers, asks them and other
+peers of the network how they see it (observed addresses, dial-backs), waits
+for the reachability decision and, behind a NAT, for a relay, asks the peers'
+clocks, and looks at the disk and torch. `peer/diagnosis.py` turns that into
+verdicts. Exit status 0 when the peer can take part, 1 when no bootstrap peer
+answered (or torch is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.dht.node import DEFAULT_PROTOCOL, DHTNode
+from shoal.transport import rpc
+from shoal.transport.host import Host, HostConfig
+from shoal.transport.identity import Identity
+from shoal.transport.multiaddr import Multiaddr
+from shoal.transport.nat import NatConfig, NatManager
+
+from .diagnosis import Facts, as_json, as_text, can_take_part, diagnose
+
+__all__ = ["doctor_command"]
+
+CONNECT_TIMEOUT = 8.0
+REACHABILITY_WAIT = 25.0
+RELAY_WAIT = 10.0
+MORE_OBSERVERS = 4  # peers besides the bootstrap ones asked how they see us
+
+
+async def _ping_skew(host: Host, peer: Any) -> float | None:
+    sent = time.time()
+    reply = await rpc.call(host, peer, DEFAULT_PROTOCOL, "ping", {"from": [], "client": True})
+    received = time.time()
+    theirs = reply.get("t") if isinstance(reply, dict) else None
+    if isinstance(theirs, bool) or not isinstance(theirs, int | float):
+        return None
+    return (sent + received) / 2 - theirs  # ours minus theirs
+
+
+async def _reach(host: Host, facts: Facts, bootstrap: list[Multiaddr]) -> list[Multiaddr]:
+    reached = []
+    for addr in bootstrap:
+        try:
+            conn = await host.connect(addr, timeout=CONNECT_TIMEOUT)
+        except Exception as e:
+            reason = "connection refused" if "Errno 111" in str(e) else f"{type(e).__name__}: {e}"
+            facts.bootstrap.append((str(addr), reason[:200]))
+            continue
+        facts.bootstrap.append((str(addr), None))
+        reached.append(addr)
+        with contextlib.suppress(Exception):
+            skew = await _ping_skew(host, conn.remote_peer)
+            if skew is not None:
+                facts.clock_skews_s.append(skew)
+    return reached
+
+
+async def _more_observers(host: Host, dht: DHTNode) -> None:
+    """Connect to a few more peers of the network, at other IPs: two observers at
+    different IPs tell a NAT that keeps one port from one that maps per destination."""
+    seen_ips = {c.remote_address[0] for c in host.connections.values() if c.remote_address}
+    asked = 0
+    for contact in list(dht.routing_table):
+        if asked >= MORE_OBSERVERS:
+            break
+        for addr in contact.addrs:
+            endpoint = addr.tcp_endpoint()
+            if endpoint is None or endpoint[0] in seen_ips:
+                continue
+            with contextlib.suppress(Exception):
+                await host.connect(contact.peer_id, [addr], timeout=CONNECT_TIMEOUT)
+                seen_ips.add(endpoint[0])
+                asked += 1
+            break
+
+
+def _observations(host: Host, nat: NatManager) -> list[tuple[str, str]]:
+    now = asyncio.get_running_loop().time()
+    out = []
+    for peer, conn in host.connections.items():
+        if conn.remote_address is None or conn.kind == "relayed":
+            continue
+        seen = nat.observed.observed_by(peer, now)
+        if seen is not None:
+            out.append((conn.remote_address[0], str(seen)))
+    return out
+
+
+def _local_facts(facts: Facts, data_dir: Path) -> None:
+    facts.data_dir = str(data_dir)
+    probe = data_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # not created yet: the disk it would be created on
+    with contextlib.suppress(OSError):
+        facts.free_disk_bytes = shutil.disk_usage(probe).free
+    try:
+        import torch
+    except ImportError:
+        return
+    facts.torch = torch.__version__
+    facts.threads = torch.get_num_threads()
+    facts.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+async def gather_facts(bootstrap: list[Multiaddr], data_dir: Path) -> Facts:
+    facts = Facts()
+    _local_facts(facts, data_dir)
+    host = Host(
+        Identity.generate(),
+        HostConfig(listen=(Multiaddr("/ip4/0.0.0.0/tcp/0"),), reuse_port=True),
+    )
+    await host.start()
+    nat = NatManager(host, config=NatConfig(relay_service=False))
+    await nat.start()
+    try:
+        reached = await _reach(host, facts, bootstrap)
+        if not reached:
+            return facts
+        with contextlib.suppress(Exception):
+            dht = await DHTNode.create(host, bootstrap=reached, serves=lambda: False)
+            try:
+                await _more_observers(host, dht)
+            finally:
+                await dht.aclose()
+        await nat.wait_for(lambda: nat.reachability.value != "unknown", REACHABILITY_WAIT)
+        if nat.reachability.value == "private":
+            await nat.wait_for(lambda: bool(nat.relay_client.reservations), RELAY_WAIT)
+        facts.reachability = nat.reachability.value
+        facts.reachability_reason = nat.tracker.reason
+        facts.relays = [str(a) for a in nat.relay_client.circuit_addresses()]
+        facts.observed = _observations(host, nat)
+        return facts
+    finally:
+        await nat.aclose()
+        await host.aclose()
+
+
+async def doctor_command(
+    bootstrap: list[Multiaddr], data_dir: Path, *, json_output: bool
+) -> tuple[int, str]:
+    """(exit status, text): 0 when the peer can take part."""
+    facts = await gather_facts(bootstrap, data_dir)
+    checks = diagnose(facts)
+    status = 0 if can_take_part(checks) else 1
+    if json_output:
+        return status, json.dumps({"ok": status == 0, "checks": as_json(checks)}) + "\n"
+    return status, as_text(checks)
