@@ -560,6 +560,21 @@ class Connection(asyncio.BufferedProtocol):
         if stream is not None:
             stream.handler_task = task
 
+    def retire(self, grace: float) -> None:
+        """A duplicate of a better connection to the same peer: refuse new streams and
+        close once the streams already open are done (at most `grace` seconds)."""
+        self.superseded = True
+        self._mux.go_away()
+        self._schedule_flush()
+        self.spawn(self.aclose(grace))  # owned, and cancelled on close, by this connection
+
+    def refuse_stream(self, stream: Stream, reason: str, *, unknown_protocol: bool) -> None:
+        """Reset a stream the remote opened that nobody will serve; `unknown_protocol`
+        tells the opener the protocol is not spoken here (vs. a passing refusal)."""
+        self._mux.reset_stream(stream.id, reason, refused=unknown_protocol)
+        self.streams.pop(stream.id, None)
+        self._schedule_flush()
+
     def abort(self, reason: str) -> None:
         """Close at once, failing every stream with ConnectionLost(reason)."""
         if self.close_reason is None:
