@@ -95,8 +95,7 @@ class PeerNode:
 
     def _on_round(self, report: RoundReport) -> None:
         if self.metrics is not None:
-            outcome = report.outcome.split(":")[0].strip() or "unknown"
-            self.metrics.observe_round(outcome, report.duration_s, report.group_size)
+            self.metrics.observe_round(report.outcome.value, report.duration_s, report.group_size)
 
     async def _sample_history(self) -> None:
         while True:
@@ -235,8 +234,8 @@ class PeerNode:
                 else {
                     "group_size": last.group_size,
                     "duration_s": last.duration_s,
-                    "outcome": last.outcome.split(":")[0].strip(),
-                    "detail": last.outcome,
+                    "outcome": last.outcome.value,
+                    "detail": last.describe(),
                     "fingerprint": last.fingerprint,
                     "outer_step": last.outer_step,
                     "bytes_sent": last.bytes_sent,

@@ -23,10 +23,10 @@ from shoal.averaging.noloco import NoLoCo
 from shoal.averaging.outer import (
     DEFAULT_OPTIONS,
     RoundReport,
-    make_strategy,
     nesterov_outer_step,
     resolve_options,
 )
+from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
