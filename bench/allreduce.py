@@ -40,6 +40,7 @@ import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("bench.allreduce")
@@ -475,6 +476,82 @@ async def bench_kill_to_commit(opts: argparse.Namespace) -> list[float]:
     return times
 
 
+def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
+    """`--peers` real daemons (`shoal run`, tests/daemon_harness.py) training a model of
+    about `--loop-lag-size` parameters with DiLoCo, rounds every 2 inner steps, while
+    each daemon's /status is polled 10 times a second; after `--loop-lag-seconds` of
+    rounds, each daemon's own event-loop ticker (/status loop_lag_ms, over the last
+    minute) gives the lag. What is reported is the worst peer's."""
+    import tempfile
+    import threading
+
+    sys.path.insert(0, os.path.join(os.path.dirname(SCRIPT), "..", "tests"))
+    from daemon_harness import Daemon, wait_for
+
+    size = _parse_size(opts.loop_lag_size)
+    d_model = 512
+    n_layers = max(1, round(size / (12 * d_model * d_model)))
+    env = {
+        "SHOAL_TASK_OPTIONS": f"d_model={d_model},n_layers={n_layers},n_heads=8,context=16,"
+        "batch_size=1",
+        "SHOAL_INNER_STEPS": "2",
+        "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=60,stall_timeout=10",
+        "SHOAL_CHECKPOINT_INTERVAL": "100000",
+    }
+    stop = threading.Event()
+    polls = [0]
+
+    def poll(d: Daemon) -> None:
+        while not stop.wait(0.1):
+            try:
+                d.status()
+                polls[0] += 1
+            except OSError:
+                pass
+
+    with tempfile.TemporaryDirectory() as work:
+        host = Daemon("lag-host", Path(work), ["--host-experiment", "lag"], env)
+        daemons = [host]
+        try:
+            host.wait_ready(timeout=300)
+            join = ["--join", host.join_ref, "--bootstrap", host.address]
+            daemons += [Daemon(f"lag-{i}", Path(work), join, env) for i in range(1, opts.peers)]
+            for d in daemons[1:]:
+                d.wait_ready(timeout=300)
+            pollers = [threading.Thread(target=poll, args=(d,), daemon=True) for d in daemons]
+            for t in pollers:
+                t.start()
+
+            def full_rounds() -> int:
+                return sum(1 for r in host.committed_rounds().values() if r)
+
+            def full_round_seen() -> bool:
+                last = host.status().get("last_round") or {}
+                return last.get("group_size") == opts.peers
+
+            wait_for("a round of every peer", full_round_seen, 600, every=1.0)
+            first = full_rounds()
+            started = time.monotonic()
+            time.sleep(opts.loop_lag_seconds)  # the measurement: rounds while polled
+            rounds = full_rounds() - first
+            lags = [d.status()["loop_lag_ms"] for d in daemons]
+            elapsed = time.monotonic() - started
+        finally:
+            stop.set()
+            for d in daemons:
+                d.kill()
+    worst = max(lags, key=lambda lag: lag["p99_ms"])
+    return {
+        "loop_lag_p99_ms": worst["p99_ms"],
+        "loop_lag_max_ms": max(lag["max_ms"] for lag in lags),
+        "loop_lag_p50_ms": worst["p50_ms"],
+        "loop_lag_params": 12 * d_model * d_model * n_layers,
+        "loop_lag_rounds": rounds,
+        "loop_lag_seconds": round(elapsed, 1),
+        "loop_lag_status_polls_per_s": round(polls[0] / max(elapsed, 1e-9), 1),
+    }
+
+
 async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
     sizes = {s.strip(): _parse_size(s) for s in opts.sizes.split(",")}
     measured = await bench_interleaved(opts, sizes)
@@ -505,6 +582,8 @@ async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
         }
         entry["rounds_s"] = {system: m[system]["all_seconds"] for system in m}
         out["sizes"][name] = entry
+    if opts.loop_lag_seconds > 0:
+        out.update(await asyncio.to_thread(bench_loop_lag, opts))
     kills = await bench_kill_to_commit(opts) if opts.kill_trials else []
     out["kill_to_commit_s"] = round(statistics.median(kills), 3) if kills else None
     out["kill_to_commit_max_s"] = round(max(kills), 3) if kills else None
@@ -558,6 +637,13 @@ def main(argv: list[str] | None = None) -> None:
         help="cProfile the measured shoal rounds of each worker into DIR/shoal-RANK.prof",
     )
     p.add_argument("--kill-size", type=int, default=10_000_000)
+    p.add_argument(
+        "--loop-lag-seconds",
+        type=float,
+        default=60.0,
+        help="measure the daemons' event-loop lag over this many seconds of rounds (0: skip)",
+    )
+    p.add_argument("--loop-lag-size", default="50M", help="parameters of the daemons' model")
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     try:
