@@ -62,7 +62,7 @@ from shoal.dht.node import DHTNode
 
 from .allreduce import AllReduceService
 from .averager import Averager, AveragerConfig, StepResult, restored_version
-from .host_state import copy_into, delta_into, host_clone, host_zeros
+from .host_state import copy_into, delta_into, host_clone, host_zeros, numel, off_loop
 from .outer import (
     RoundOutcome,
     RoundReport,
@@ -185,8 +185,8 @@ class DiLoCo(OuterStrategyBase):
 
     async def _round(self) -> RoundReport:
         clock = RoundClock(self.dht)
-        with torch.no_grad():
-            delta_into(self.deltas, self.globals, self.params)
+        size = numel(self.params)
+        await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
         timeout = float(self.options["round_timeout"])
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
         if result.resynced:
@@ -194,7 +194,8 @@ class DiLoCo(OuterStrategyBase):
             again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
             if again is not None and again.committed:
                 result = again
-            copy_into(self.params, self.globals)  # (a commit did it already)
+            # (a commit did it already)
+            await off_loop(lambda: copy_into(self.params, self.globals), size)
         if result.committed:
             self.samples_since_sync = 0  # the outer step already moved globals and params
         return self._report(
@@ -407,7 +408,7 @@ class StreamingDiLoCo(OuterStrategyBase):
             for f in self.fragments:
                 f.samples += samples
                 if not self._gate.closing and f.task is None and self._due(f):
-                    self._start_round(f)
+                    await self._start_round(f)
             for f in self.fragments:
                 if f.task is not None and self.inner_steps >= f.started_at + self.overlap_steps:
                     reports.append(await self._merge(f))
@@ -439,9 +440,10 @@ class StreamingDiLoCo(OuterStrategyBase):
     def _due(self, frag: _Fragment) -> bool:
         return self.inner_steps % self.inner_steps_per_round == frag.offset
 
-    def _start_round(self, frag: _Fragment) -> None:
-        with torch.no_grad():
-            delta_into(frag.deltas, frag.globals, frag.params)
+    async def _start_round(self, frag: _Fragment) -> None:
+        await off_loop(
+            lambda: delta_into(frag.deltas, frag.globals, frag.params), numel(frag.params)
+        )
         frag.weight, frag.samples = frag.samples, 0
         frag.started_at, frag.finished_at = self.inner_steps, None
         task = asyncio.get_running_loop().create_task(
@@ -475,12 +477,15 @@ class StreamingDiLoCo(OuterStrategyBase):
         result = done.result
         if done.resynced:
             # The local fragment was trained from stale globals: it restarts from the swarm's.
-            copy_into(frag.params, frag.globals)
+            await off_loop(lambda: copy_into(frag.params, frag.globals), numel(frag.params))
         elif result.committed:
             a = self.mixing
-            with torch.no_grad():
+
+            def mix() -> None:
                 for p, g in zip(frag.params, frag.globals, strict=True):
                     p.mul_(a).add_(g.to(p.dtype), alpha=1 - a)
+
+            await off_loop(mix, numel(frag.params))
         else:
             frag.samples += frag.weight  # the next round's pseudo-gradient covers them too
         return self._report(

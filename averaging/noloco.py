@@ -51,7 +51,7 @@ from shoal.dht.node import DHTNode
 
 from .fingerprint import state_fingerprint
 from .gossip import GossipAverager, GossipConfig, GossipResult
-from .host_state import copy_into, delta_into, host_clone, host_zeros
+from .host_state import copy_into, delta_into, host_clone, host_zeros, numel, off_loop
 from .outer import (
     RoundOutcome,
     RoundReport,
@@ -127,16 +127,20 @@ class NoLoCo(OuterStrategyBase):
 
     async def _round(self) -> RoundReport:
         clock = RoundClock(self.dht)
-        with torch.no_grad():
+        size = numel(self.params)
+
+        def outer_step() -> None:
             delta_into(self._deltas, self.outer, self.params)
-        nesterov_outer_step(
-            self.outer,
-            self._deltas,
-            self.momentum,
-            lr=self.options["outer_lr"],
-            mu=self.options["outer_momentum"],
-        )
-        copy_into(self._mixed, self.outer)
+            nesterov_outer_step(
+                self.outer,
+                self._deltas,
+                self.momentum,
+                lr=self.options["outer_lr"],
+                mu=self.options["outer_momentum"],
+            )
+            copy_into(self._mixed, self.outer)
+
+        await off_loop(outer_step, size)
         round_number = self.outer_steps
         result = await self.gossip.step(round_number, weight=float(self.samples_since_sync))
         self.last_exchange = result
@@ -145,11 +149,15 @@ class NoLoCo(OuterStrategyBase):
             fingerprint = await asyncio.to_thread(
                 state_fingerprint, self._mixed, {"round": round_number}
             )
-            gamma = self.options["param_mixing"]
-            with torch.no_grad():
+        gamma = self.options["param_mixing"]
+
+        def merge() -> None:
+            if result.committed:
                 for o, m in zip(self.outer, self._mixed, strict=True):
                     o.lerp_(m.to(o.dtype), gamma)  # (exactly the mean at 1)
-        copy_into(self.params, self.outer)
+            copy_into(self.params, self.outer)
+
+        await off_loop(merge, size)
         self.samples_since_sync = 0
         self.outer_steps += 1
         await self._publish()
@@ -190,9 +198,14 @@ class NoLoCo(OuterStrategyBase):
         return state_fingerprint([*self.outer, *self.momentum], self._metadata())
 
     async def _publish(self) -> None:
-        copies = [t.detach().clone() for t in (*self.outer, *self.momentum)]
-        # (hashing a large state takes a while; nothing writes these copies meanwhile)
-        self._frozen = await asyncio.to_thread(make_state, copies, self._metadata())
+        tensors, metadata = (*self.outer, *self.momentum), self._metadata()
+
+        def freeze() -> State:
+            # Copy and hash in a thread (a whole model's worth of both would stall the
+            # event loop); nothing writes the state meanwhile: this round awaits it.
+            return make_state([t.detach().clone() for t in tensors], metadata)
+
+        self._frozen = await asyncio.to_thread(freeze)
         try:
             await self._state_server.announce()
         except Exception as e:  # best effort: the next outer step announces again
