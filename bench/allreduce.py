@@ -38,6 +38,7 @@ import os
 import resource
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -532,7 +533,13 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
             wait_for("a round of every peer", full_round_seen, 600, every=1.0)
             first = full_rounds()
             started = time.monotonic()
-            time.sleep(opts.loop_lag_seconds)  # the measurement: rounds while polled
+            # The baseline, in the same minute: the same ticker in a process that does
+            # nothing else, late only by what the machine's scheduler costs it.
+            baseline = subprocess.run(
+                [sys.executable, SCRIPT, "--role", "ticker", "--loop-lag-seconds",
+                 str(opts.loop_lag_seconds)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
             rounds = full_rounds() - first
             lags = [d.status()["loop_lag_ms"] for d in daemons]
             elapsed = time.monotonic() - started
@@ -541,8 +548,11 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
             for d in daemons:
                 d.kill()
     worst = max(lags, key=lambda lag: lag["p99_ms"])
+    idle = json.loads(baseline.stdout)
     return {
         "loop_lag_p99_ms": worst["p99_ms"],
+        "loop_lag_baseline_p99_ms": idle["p99_ms"],
+        "loop_lag_baseline_max_ms": idle["max_ms"],
         "loop_lag_max_ms": max(lag["max_ms"] for lag in lags),
         "loop_lag_p50_ms": worst["p50_ms"],
         "loop_lag_params": 12 * d_model * d_model * n_layers,
@@ -550,6 +560,17 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
         "loop_lag_seconds": round(elapsed, 1),
         "loop_lag_status_polls_per_s": round(polls[0] / max(elapsed, 1e-9), 1),
     }
+
+
+async def worker_ticker(args: argparse.Namespace) -> None:
+    """The loop-lag baseline: shoal's ticker alone in its process for the given time."""
+    from shoal.peer.loop_lag import LoopLagMonitor
+
+    monitor = LoopLagMonitor(window_s=args.loop_lag_seconds + 1)
+    ticker = asyncio.create_task(monitor.run())
+    await asyncio.sleep(args.loop_lag_seconds)
+    ticker.cancel()
+    _say(monitor.summary(time.monotonic()) or {})
 
 
 async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
@@ -607,7 +628,12 @@ def _hivemind_installed() -> bool:
     return True
 
 
-ROLES = {"gloo": worker_gloo, "shoal": worker_shoal, "hivemind": worker_hivemind}
+ROLES = {
+    "gloo": worker_gloo,
+    "shoal": worker_shoal,
+    "hivemind": worker_hivemind,
+    "ticker": worker_ticker,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
