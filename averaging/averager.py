@@ -52,6 +52,7 @@ from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceConfig, AllReduceService
 from .fingerprint import state_fingerprint
+from .host_state import numel, off_loop
 from .matchmaking import (
     Matchmaker,
     MatchmakingConfig,
@@ -387,7 +388,7 @@ class Averager:
         else:
             self.state_version = _version(self.commits)
         if self._on_commit is not None:
-            self._on_commit()
+            await off_loop(self._on_commit, numel(self.state))
         await self._freeze()
         await self._announce_state()
 

@@ -449,6 +449,10 @@ class ButterflyRound:
         )
 
     async def _prepare(self) -> None:
+        # The lanes first: other members may stream into our part as soon as the round
+        # is registered, and flattening a large input below awaits a thread.
+        if self.n > 1:
+            self._plan_transfers()
         ts = self.tensors
         n_elements = self.plan.n_elements
         if len(ts) == 1 and ts[0].dtype == torch.float32 and ts[0].is_contiguous():
@@ -471,7 +475,12 @@ class ButterflyRound:
             return
         if self.raw or not self._flat_is_input:
             self.result = self._take(n_elements)
-        # What we must receive before READY: every lane of every other part's result...
+        if self._pending == 0:
+            self._complete.set()
+
+    def _plan_transfers(self) -> None:
+        """What we must receive before READY: every lane of every other part's result,
+        and every lane of our own part reduced (which needs everyone's contribution)."""
         for j in range(self.n):
             if j == self.me:
                 continue
@@ -479,7 +488,6 @@ class ButterflyRound:
                 if span[1] > span[0]:
                     self._pending += 1
                     self._need[j] += 1
-        # ... and every lane of our own part reduced (which needs everyone's contribution).
         senders = [i for i in range(self.n) if i != self.me]
         for lane, span in enumerate(self.plan.lanes(self.me)):
             if span[1] > span[0]:
@@ -487,8 +495,6 @@ class ButterflyRound:
                 self._pending += 1
                 for i in senders:
                     self._need[i] += 1
-        if self._pending == 0:
-            self._complete.set()
 
     def _abandon(self) -> None:
         """run() ends without a decision (cancelled, crashed): say so to whoever asks."""

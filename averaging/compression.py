@@ -36,6 +36,8 @@ from typing import ClassVar, Final
 import numpy as np
 import torch
 
+from .int8_format import FLT_MIN_BITS, MAX_SCALE_BITS, QMAX
+
 if sys.byteorder != "little":  # the wire format is little-endian; views are native-order
     raise ImportError("shoal.averaging.compression supports little-endian hosts only")
 
@@ -272,26 +274,6 @@ class BFloat16Codec(_NarrowFloatCodec):
         out.copy_(torch.frombuffer(_writable(data), dtype=torch.bfloat16))
 
 
-# Smallest normal float32: scales below it are flushed to zero so that decoding
-# never multiplies by a subnormal (flush-to-zero peers would disagree).
-_FLT_MIN: Final = np.float32(np.finfo(np.float32).tiny)
-_FLT_MIN_BITS: Final = int(_FLT_MIN.view(np.uint32))
-
-
-def _largest_safe_scale() -> np.float32:
-    """Largest float32 s with 127 * s finite, so a decoded value is never inf."""
-    s = np.float32(np.finfo(np.float32).max) / np.float32(127)
-    with np.errstate(over="ignore"):
-        while not np.isfinite(s * np.float32(127)):
-            s = np.nextafter(s, np.float32(0))
-    return s
-
-
-_MAX_SCALE: Final = _largest_safe_scale()
-_MAX_SCALE_BITS: Final = int(_MAX_SCALE.view(np.uint32))
-_QMAX: Final = 127
-
-
 class Int8BlockCodec(Codec):
     """Symmetric 8-bit quantization with one float32 absmax scale per block.
 
@@ -357,17 +339,17 @@ class Int8BlockCodec(Codec):
     def _check(self, data: memoryview, n_elements: int) -> None:
         nb = self.n_blocks(n_elements)
         raw = np.frombuffer(data, dtype=np.uint8)  # numpy: cheap, and fine with read-only
-        # Valid scales are +0.0 or in [FLT_MIN, _MAX_SCALE]. As unsigned integers,
+        # Valid scales are +0.0 or in [FLT_MIN, MAX_SCALE]. As unsigned integers,
         # non-negative floats sort like their values, and NaN, inf and anything with
-        # the sign bit sort above _MAX_SCALE_BITS; subtracting 1 wraps +0.0 to the
+        # the sign bit sort above MAX_SCALE_BITS; subtracting 1 wraps +0.0 to the
         # top, so the subnormals are exactly what falls below FLT_MIN_BITS - 1.
         bits = raw[: 4 * nb].view("<u4")
-        if bits.max() > _MAX_SCALE_BITS or (bits - np.uint32(1) < _FLT_MIN_BITS - 1).any():
-            valid = (bits == 0) | ((bits >= _FLT_MIN_BITS) & (bits <= _MAX_SCALE_BITS))
+        if bits.max() > MAX_SCALE_BITS or (bits - np.uint32(1) < FLT_MIN_BITS - 1).any():
+            valid = (bits == 0) | ((bits >= FLT_MIN_BITS) & (bits <= MAX_SCALE_BITS))
             bad = int(np.argmin(valid))
             scale = float(bits[bad : bad + 1].view("<f4")[0])
             raise CodecError(f"{self.name}: invalid scale {scale!r} for block {bad}")
-        if raw[4 * nb :].view(np.int8).min() < -_QMAX:
+        if raw[4 * nb :].view(np.int8).min() < -QMAX:
             raise CodecError(f"{self.name}: quantized value -128 is outside the symmetric range")
 
     def _add_decoded(

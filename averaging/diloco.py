@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,9 +62,9 @@ from shoal.dht.node import DHTNode
 
 from .allreduce import AllReduceService
 from .averager import Averager, AveragerConfig, StepResult, restored_version
-from .host_state import check_params, copy_into, delta_into, host_clone, host_zeros
+from .host_state import copy_into, delta_into, host_clone, host_zeros, numel, off_loop
 from .outer import (
-    RoundGate,
+    RoundOutcome,
     RoundReport,
     allreduce_config,
     check_like,
@@ -73,25 +72,25 @@ from .outer import (
     nesterov_outer_step,
     state_protocol,
 )
+from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
 log = logging.getLogger("shoal.averaging.diloco")
 
 __all__ = ["DiLoCo", "StreamingDiLoCo", "split_fragments"]
 
-# finish() waits for a round in flight this much beyond its own deadlines.
-FINISH_MARGIN = 5.0
 # A catch-up round after a re-sync is tried only with this much of the round's time left.
 CATCH_UP_MIN_TIME = 1.0
 
 
-def _outcome(result: StepResult) -> str:
+def _outcome(result: StepResult) -> tuple[RoundOutcome, str]:
+    """The round's outcome and why, from the averager's step."""
     if result.committed:
-        return "committed"
+        return RoundOutcome.COMMITTED, ""
     if result.resynced:
-        return "resynced"
+        return RoundOutcome.RESYNCED, ""
     if result.reason.startswith("no group"):
-        return result.reason
-    return f"aborted: {result.reason}"
+        return RoundOutcome.NO_GROUP, result.reason.removeprefix("no group: ")
+    return RoundOutcome.ABORTED, result.reason
 
 
 async def _catch_up(
@@ -113,12 +112,6 @@ async def _catch_up(
     return await averager.step(weight=0.0, timeout=timeout)
 
 
-def _round_bound(opts: Mapping[str, Any]) -> float:
-    """How long a round may take at most: matchmaking, then an all-reduce whose
-    members are dropped after `stall_timeout` of silence (and a decision after that)."""
-    return float(opts["round_timeout"]) + 4 * float(opts["stall_timeout"]) + FINISH_MARGIN
-
-
 def _averager_config(key: str, opts: Mapping[str, Any]) -> AveragerConfig:
     return AveragerConfig(
         matchmaking=matchmaking_config(opts),
@@ -133,7 +126,7 @@ def _averager_config(key: str, opts: Mapping[str, Any]) -> AveragerConfig:
     )
 
 
-class DiLoCo:
+class DiLoCo(OuterStrategyBase):
     """DiLoCo over `params` (the model's parameters, changed in place)."""
 
     name = "diloco"
@@ -141,12 +134,7 @@ class DiLoCo:
     def __init__(
         self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
     ) -> None:
-        """`options`: complete and checked (`outer.resolve_options`); use `make_strategy`."""
-        self.dht = dht
-        self.key = key
-        self.options = dict(options)
-        self.params = check_params(params)
-        self.inner_steps_per_round: int = self.options["inner_steps"]
+        super().__init__(dht, key, params, options)
         with torch.no_grad():
             self.globals = [host_clone(p) for p in self.params]
         self.momentum = [torch.zeros_like(g) for g in self.globals]
@@ -160,11 +148,6 @@ class DiLoCo:
             state=[*self.globals, *self.momentum],
             on_commit=self._outer_step,
         )
-        self.inner_steps = 0  # inner steps taken (since start or as restored)
-        self.samples_since_sync = 0
-        self._restored = False
-        self._gate = RoundGate()
-        self._closed = False
 
     @property
     def outer_steps(self) -> int:
@@ -191,37 +174,19 @@ class DiLoCo:
         await self.averager.announce_presence()
         return loaded
 
-    async def after_inner_step(self, samples: int) -> list[RoundReport]:
-        self.inner_steps += 1
-        self.samples_since_sync += samples
-        if self._gate.closing:
-            return []
-        with self._gate:
-            if self.inner_steps % self.inner_steps_per_round:
-                # Leaders wait for peers declared busy: stay declared between rounds.
-                await self.averager.refresh_presence()
-                return []
-            return [await self._round()]
+    async def _between_rounds(self) -> None:
+        # Leaders wait for peers declared busy: stay declared between rounds.
+        await self.averager.refresh_presence()
 
-    async def finish(self) -> None:
-        if not await self._gate.close(_round_bound(self.options)):
-            log.warning("%s: a round was still running at shutdown", self.key)
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self.finish()
+    async def _close_parts(self) -> None:
         await self.averager.aclose()
 
     # ------------------------------------------------------------------ the round
 
     async def _round(self) -> RoundReport:
-        host = self.dht.host
-        sent = host.bytes_sent
-        started = time.monotonic()
-        with torch.no_grad():
-            delta_into(self.deltas, self.globals, self.params)
+        clock = RoundClock(self.dht)
+        size = numel(self.params)
+        await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
         timeout = float(self.options["round_timeout"])
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
         if result.resynced:
@@ -229,17 +194,16 @@ class DiLoCo:
             again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
             if again is not None and again.committed:
                 result = again
-            copy_into(self.params, self.globals)  # (a commit did it already)
+            # (a commit did it already)
+            await off_loop(lambda: copy_into(self.params, self.globals), size)
         if result.committed:
             self.samples_since_sync = 0  # the outer step already moved globals and params
-        return RoundReport(
-            outer_step=self.outer_steps,
-            committed=result.committed,
-            outcome=_outcome(result),
+        return self._report(
+            *_outcome(result),
             group_size=result.group_size,
-            duration_s=time.monotonic() - started,
             fingerprint=result.fingerprint,
-            bytes_sent=host.bytes_sent - sent,
+            duration_s=clock.seconds,
+            bytes_sent=clock.bytes_sent,
         )
 
     def _outer_step(self) -> None:
@@ -277,13 +241,10 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("strategy") != self.name:
-            raise ValueError(f"not a {self.name} checkpoint: {state.get('strategy')!r}")
+        self._check_checkpoint(state)
         globals_ = check_like("globals", state.get("globals"), self.globals)
         momentum = check_like("momentum", state.get("momentum"), self.momentum)
-        inner, samples = state.get("inner_steps"), state.get("samples_since_sync")
-        if not (isinstance(inner, int) and inner >= 0 and isinstance(samples, int)):
-            raise ValueError("checkpoint counters must be ints >= 0")
+        inner, samples = checked_counters(state, ("inner_steps", "samples_since_sync"))
         self.averager.restore(state.get("commits"), state.get("version"))  # type: ignore[arg-type]
         copy_into(self.globals, globals_)
         copy_into(self.momentum, momentum)
@@ -338,19 +299,19 @@ class _Fragment:
     loaded: bool = field(default=False)
 
 
-class StreamingDiLoCo:
-    """Streaming DiLoCo over `params`: fragments synchronized in turn, in the background."""
+class StreamingDiLoCo(OuterStrategyBase):
+    """Streaming DiLoCo over `params`: fragments synchronized in turn, in the background.
+
+    Its schedule is its own (a fragment's round starts at its offset and is merged
+    `overlap_steps` later); samples are counted per fragment."""
 
     name = "streaming"
 
     def __init__(
         self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
     ) -> None:
-        self.dht = dht
-        self.key = key
-        self.options = dict(options)
-        self.params = check_params(params)
-        h = self.inner_steps_per_round = int(self.options["inner_steps"])
+        super().__init__(dht, key, params, options)
+        h = self.inner_steps_per_round
         count = int(self.options["fragments"])
         if count > len(self.params):
             raise ValueError(
@@ -385,12 +346,8 @@ class StreamingDiLoCo:
                 service=self._service,
             )
             self.fragments.append(frag)
-        self.inner_steps = 0
         # Inner steps that completed while a fragment's round was in flight.
         self.overlapped_steps = 0
-        self._restored = False
-        self._gate = RoundGate()
-        self._closed = False
 
     @property
     def outer_steps(self) -> int:
@@ -451,7 +408,7 @@ class StreamingDiLoCo:
             for f in self.fragments:
                 f.samples += samples
                 if not self._gate.closing and f.task is None and self._due(f):
-                    self._start_round(f)
+                    await self._start_round(f)
             for f in self.fragments:
                 if f.task is not None and self.inner_steps >= f.started_at + self.overlap_steps:
                     reports.append(await self._merge(f))
@@ -462,22 +419,17 @@ class StreamingDiLoCo:
 
     async def finish(self) -> None:
         """No new rounds; the rounds in flight end (bounded) and are merged."""
-        if not await self._gate.close(_round_bound(self.options)):
-            log.warning("%s: after_inner_step was still running at shutdown", self.key)
+        await super().finish()
         for f in self.fragments:
             if f.task is None:
                 continue
-            done, _ = await asyncio.wait([f.task], timeout=_round_bound(self.options))
+            done, _ = await asyncio.wait([f.task], timeout=round_bound(self.options))
             if done:
                 await self._merge(f)
             else:
                 await self._cancel(f)
 
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self.finish()
+    async def _close_parts(self) -> None:
         for f in self.fragments:
             await self._cancel(f)
             await self._avg(f).aclose()
@@ -488,9 +440,10 @@ class StreamingDiLoCo:
     def _due(self, frag: _Fragment) -> bool:
         return self.inner_steps % self.inner_steps_per_round == frag.offset
 
-    def _start_round(self, frag: _Fragment) -> None:
-        with torch.no_grad():
-            delta_into(frag.deltas, frag.globals, frag.params)
+    async def _start_round(self, frag: _Fragment) -> None:
+        await off_loop(
+            lambda: delta_into(frag.deltas, frag.globals, frag.params), numel(frag.params)
+        )
         frag.weight, frag.samples = frag.samples, 0
         frag.started_at, frag.finished_at = self.inner_steps, None
         task = asyncio.get_running_loop().create_task(
@@ -504,9 +457,7 @@ class StreamingDiLoCo:
         frag.task = task
 
     async def _run_round(self, frag: _Fragment, weight: int) -> _RoundOutcome:
-        host = self.dht.host
-        sent = host.bytes_sent
-        started = time.monotonic()
+        clock = RoundClock(self.dht)
         timeout = float(self.options["round_timeout"])
         result = await self._avg(frag).step(weight=float(weight), timeout=timeout)
         resynced = result.resynced
@@ -514,7 +465,7 @@ class StreamingDiLoCo:
             again = await _catch_up(self._avg(frag), frag.deltas, timeout - result.seconds)
             if again is not None and again.committed:
                 result = again
-        return _RoundOutcome(result, resynced, host.bytes_sent - sent, time.monotonic() - started)
+        return _RoundOutcome(result, resynced, clock.bytes_sent, clock.seconds)
 
     async def _merge(self, frag: _Fragment) -> RoundReport:
         """Wait for the fragment's round (bounded by its own deadlines) and merge it."""
@@ -526,21 +477,22 @@ class StreamingDiLoCo:
         result = done.result
         if done.resynced:
             # The local fragment was trained from stale globals: it restarts from the swarm's.
-            copy_into(frag.params, frag.globals)
+            await off_loop(lambda: copy_into(frag.params, frag.globals), numel(frag.params))
         elif result.committed:
             a = self.mixing
-            with torch.no_grad():
+
+            def mix() -> None:
                 for p, g in zip(frag.params, frag.globals, strict=True):
                     p.mul_(a).add_(g.to(p.dtype), alpha=1 - a)
+
+            await off_loop(mix, numel(frag.params))
         else:
             frag.samples += frag.weight  # the next round's pseudo-gradient covers them too
-        return RoundReport(
-            outer_step=self.outer_steps,
-            committed=result.committed,
-            outcome=_outcome(result),
+        return self._report(
+            *_outcome(result),
             group_size=result.group_size,
-            duration_s=done.seconds,
             fingerprint=result.fingerprint,
+            duration_s=done.seconds,
             bytes_sent=done.bytes_sent,
         )
 
@@ -596,8 +548,7 @@ class StreamingDiLoCo:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("strategy") != self.name:
-            raise ValueError(f"not a {self.name} checkpoint: {state.get('strategy')!r}")
+        self._check_checkpoint(state)
         frags = state.get("fragments")
         if not isinstance(frags, list) or len(frags) != len(self.fragments):
             raise ValueError(f"checkpoint must hold {len(self.fragments)} fragments")

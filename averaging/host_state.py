@@ -11,11 +11,21 @@ and without a staging copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["check_params", "copy_into", "delta_into", "host_clone", "host_zeros"]
+__all__ = [
+    "OFF_LOOP_ELEMENTS",
+    "check_params",
+    "copy_into",
+    "delta_into",
+    "host_clone",
+    "host_zeros",
+    "numel",
+    "off_loop",
+]
 
 
 def check_params(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -84,3 +94,34 @@ def _synchronize(tensors: Sequence[torch.Tensor]) -> None:
             torch.cuda.synchronize(device)
         elif device.type == "mps":
             torch.mps.synchronize()
+
+
+# Above this many elements, whole-state math (pseudo-gradients, outer steps, copies)
+# runs in a thread: on a 50M-parameter model one such pass holds the event loop for
+# tens of milliseconds, which every heartbeat and request of the peer would wait for.
+OFF_LOOP_ELEMENTS = 1 << 20
+
+
+async def off_loop(work: Callable[[], None], elements: int) -> None:
+    """Run `work` (whole-state tensor math) in a thread when it covers more than
+    OFF_LOOP_ELEMENTS elements, else inline. A thread cannot be interrupted: if the
+    caller is cancelled meanwhile, `work` still finishes before the cancellation goes
+    on, so no tensor is left half-written."""
+
+    def run() -> None:
+        with torch.no_grad():  # (grad mode is per thread)
+            work()
+
+    if elements <= OFF_LOOP_ELEMENTS:
+        run()
+        return
+    job = asyncio.ensure_future(asyncio.to_thread(run))
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await job
+        raise
+
+
+def numel(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)

@@ -30,7 +30,8 @@ import numpy as np
 from numba import njit
 from numba.core.errors import NumbaWarning
 
-from .compression import _FLT_MIN, _MAX_SCALE
+from .int8_format import FLT_MIN as _FLT_MIN
+from .int8_format import MAX_SCALE as _MAX_SCALE
 
 __all__ = ["add_decoded", "add_scaled", "decode", "encode"]
 

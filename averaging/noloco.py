@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,9 +51,9 @@ from shoal.dht.node import DHTNode
 
 from .fingerprint import state_fingerprint
 from .gossip import GossipAverager, GossipConfig, GossipResult
-from .host_state import check_params, copy_into, delta_into, host_clone, host_zeros
+from .host_state import copy_into, delta_into, host_clone, host_zeros, numel, off_loop
 from .outer import (
-    RoundGate,
+    RoundOutcome,
     RoundReport,
     allreduce_config,
     check_like,
@@ -62,16 +61,16 @@ from .outer import (
     state_protocol,
 )
 from .state_sync import State, StateServer, StateSyncError, load_state_from_peers, make_state
+from .strategy_base import OuterStrategyBase, RoundClock, checked_counters
 
 log = logging.getLogger("shoal.averaging.noloco")
 
 __all__ = ["NoLoCo"]
 
-FINISH_MARGIN = 5.0
 ANNOUNCE_TIMEOUT = 5.0
 
 
-class NoLoCo:
+class NoLoCo(OuterStrategyBase):
     """NoLoCo over `params` (the model's parameters, changed in place)."""
 
     name = "noloco"
@@ -79,12 +78,7 @@ class NoLoCo:
     def __init__(
         self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
     ) -> None:
-        """`options`: complete and checked (`outer.resolve_options`); use `make_strategy`."""
-        self.dht = dht
-        self.key = key
-        self.options = dict(options)
-        self.params = check_params(params)
-        self.inner_steps_per_round: int = self.options["inner_steps"]
+        super().__init__(dht, key, params, options)
         with torch.no_grad():
             self.outer = [host_clone(p) for p in self.params]
         self.momentum = [host_zeros(p) for p in self.params]
@@ -101,17 +95,12 @@ class NoLoCo:
             ),
         )
         self.outer_steps = 0  # also the round number that picks partners
-        self.inner_steps = 0
-        self.samples_since_sync = 0
         self.last_exchange: GossipResult | None = None
         self._protocol = state_protocol(key)
         self._frozen: State | None = None
         self._state_server = StateServer(
             dht, key, lambda: self._frozen, protocol=self._protocol, copy=False
         )
-        self._restored = False
-        self._gate = RoundGate()
-        self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -125,48 +114,33 @@ class NoLoCo:
         await self._announce()
         return loaded
 
-    async def after_inner_step(self, samples: int) -> list[RoundReport]:
-        self.inner_steps += 1
-        self.samples_since_sync += samples
-        if self._gate.closing:
-            return []
-        with self._gate:
-            if self.inner_steps % self.inner_steps_per_round:
-                # Partners are drawn from the announced participants: stay announced
-                # (a store once per half TTL) however long the time between rounds.
-                await self._announce()
-                return []
-            return [await self._round()]
+    async def _between_rounds(self) -> None:
+        # Partners are drawn from the announced participants: stay announced (a store
+        # once per half TTL) however long the time between rounds.
+        await self._announce()
 
-    async def finish(self) -> None:
-        bound = float(self.options["round_timeout"]) + 4 * float(self.options["stall_timeout"])
-        if not await self._gate.close(bound + FINISH_MARGIN):
-            log.warning("%s: a round was still running at shutdown", self.key)
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        await self.finish()
+    async def _close_parts(self) -> None:
         await self.gossip.aclose()
         self._state_server.close()
 
     # ------------------------------------------------------------------ the round
 
     async def _round(self) -> RoundReport:
-        host = self.dht.host
-        sent = host.bytes_sent
-        started = time.monotonic()
-        with torch.no_grad():
+        clock = RoundClock(self.dht)
+        size = numel(self.params)
+
+        def outer_step() -> None:
             delta_into(self._deltas, self.outer, self.params)
-        nesterov_outer_step(
-            self.outer,
-            self._deltas,
-            self.momentum,
-            lr=self.options["outer_lr"],
-            mu=self.options["outer_momentum"],
-        )
-        copy_into(self._mixed, self.outer)
+            nesterov_outer_step(
+                self.outer,
+                self._deltas,
+                self.momentum,
+                lr=self.options["outer_lr"],
+                mu=self.options["outer_momentum"],
+            )
+            copy_into(self._mixed, self.outer)
+
+        await off_loop(outer_step, size)
         round_number = self.outer_steps
         result = await self.gossip.step(round_number, weight=float(self.samples_since_sync))
         self.last_exchange = result
@@ -175,28 +149,31 @@ class NoLoCo:
             fingerprint = await asyncio.to_thread(
                 state_fingerprint, self._mixed, {"round": round_number}
             )
-            gamma = self.options["param_mixing"]
-            with torch.no_grad():
+        gamma = self.options["param_mixing"]
+
+        def merge() -> None:
+            if result.committed:
                 for o, m in zip(self.outer, self._mixed, strict=True):
                     o.lerp_(m.to(o.dtype), gamma)  # (exactly the mean at 1)
-        copy_into(self.params, self.outer)
+            copy_into(self.params, self.outer)
+
+        await off_loop(merge, size)
         self.samples_since_sync = 0
         self.outer_steps += 1
         await self._publish()
         if result.committed:
-            outcome = "committed"
+            outcome, detail = RoundOutcome.COMMITTED, ""
         elif result.partner is None:
-            outcome = f"no group: {result.reason}"
+            outcome, detail = RoundOutcome.NO_GROUP, result.reason
         else:
-            outcome = f"aborted: {result.reason}"
-        return RoundReport(
-            outer_step=self.outer_steps,
-            committed=result.committed,
-            outcome=outcome,
+            outcome, detail = RoundOutcome.ABORTED, result.reason
+        return self._report(
+            outcome,
+            detail,
             group_size=2 if result.committed else 1,
-            duration_s=time.monotonic() - started,
             fingerprint=fingerprint,
-            bytes_sent=host.bytes_sent - sent,
+            duration_s=clock.seconds,
+            bytes_sent=clock.bytes_sent,
         )
 
     async def _announce(self) -> None:
@@ -221,9 +198,14 @@ class NoLoCo:
         return state_fingerprint([*self.outer, *self.momentum], self._metadata())
 
     async def _publish(self) -> None:
-        copies = [t.detach().clone() for t in (*self.outer, *self.momentum)]
-        # (hashing a large state takes a while; nothing writes these copies meanwhile)
-        self._frozen = await asyncio.to_thread(make_state, copies, self._metadata())
+        tensors, metadata = (*self.outer, *self.momentum), self._metadata()
+
+        def freeze() -> State:
+            # Copy and hash in a thread (a whole model's worth of both would stall the
+            # event loop); nothing writes the state meanwhile: this round awaits it.
+            return make_state([t.detach().clone() for t in tensors], metadata)
+
+        self._frozen = await asyncio.to_thread(freeze)
         try:
             await self._state_server.announce()
         except Exception as e:  # best effort: the next outer step announces again
@@ -262,14 +244,11 @@ class NoLoCo:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("strategy") != self.name:
-            raise ValueError(f"not a {self.name} checkpoint: {state.get('strategy')!r}")
+        self._check_checkpoint(state)
         outer = check_like("outer", state.get("outer"), self.outer)
         momentum = check_like("momentum", state.get("momentum"), self.momentum)
-        counters = [state.get(k) for k in ("outer_steps", "inner_steps", "samples_since_sync")]
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counters):
-            raise ValueError("checkpoint counters must be ints >= 0")
+        counters = checked_counters(state, ("outer_steps", "inner_steps", "samples_since_sync"))
         copy_into(self.outer, outer)
         copy_into(self.momentum, momentum)
-        self.outer_steps, self.inner_steps, self.samples_since_sync = counters  # type: ignore[assignment]
+        self.outer_steps, self.inner_steps, self.samples_since_sync = counters
         self._restored = True

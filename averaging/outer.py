@@ -13,21 +13,22 @@ then synchronizes with other peers and moves the parameters:
   no all-reduce over the swarm (`noloco.NoLoCo`).
 
 Options are plain msgpack-able values (they go into the experiment's
-manifest); `make_strategy` fills in `DEFAULT_OPTIONS` and rejects unknown
-names and bad values with a ValueError that names the option.
+manifest); `resolve_options` fills in `DEFAULT_OPTIONS` and rejects unknown
+names and bad values with a ValueError that names the option. The strategies
+build on `strategy_base.OuterStrategyBase`; `strategies.make_strategy` makes
+one by name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-from shoal.dht.node import DHTNode
 
 from .allreduce import AllReduceConfig
 from .compression import CODECS
@@ -36,22 +37,39 @@ from .matchmaking import MatchmakingConfig
 __all__ = [
     "DEFAULT_OPTIONS",
     "OuterStrategy",
+    "RoundOutcome",
     "RoundReport",
-    "make_strategy",
     "nesterov_outer_step",
     "resolve_options",
 ]
 
 
+class RoundOutcome(enum.Enum):
+    """How a round ended; the value is the word status and metrics show."""
+
+    COMMITTED = "committed"  # the group's result was applied
+    ABORTED = "aborted"  # a group formed but the round did not commit
+    RESYNCED = "resynced"  # our state was behind: we loaded the swarm's instead
+    NO_GROUP = "no group"  # no group formed (alone, or matchmaking failed)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundReport:
     outer_step: int  # outer steps this peer has applied so far (after this round)
-    committed: bool
-    outcome: str  # "committed", "aborted: <reason>", "resynced", "no group: <reason>"
+    outcome: RoundOutcome
+    detail: str  # why, for a round that did not commit ("" otherwise)
     group_size: int
     duration_s: float
     fingerprint: str | None  # shared-state fingerprint after a commit
     bytes_sent: int  # what this host sent while the round ran (its byte counter's delta)
+
+    @property
+    def committed(self) -> bool:
+        return self.outcome is RoundOutcome.COMMITTED
+
+    def describe(self) -> str:
+        """One phrase for logs and status: "aborted: <why>", "committed", ..."""
+        return f"{self.outcome.value}: {self.detail}" if self.detail else self.outcome.value
 
 
 class OuterStrategy(Protocol):
@@ -297,23 +315,3 @@ def check_like(what: str, got: object, like: Sequence[torch.Tensor]) -> list[tor
             raise ValueError(f"checkpoint entry {what!r}[{i}] must be a tensor of {tuple(t.shape)}")
         out.append(g)
     return out
-
-
-def make_strategy(
-    name: str,
-    dht: DHTNode,
-    key: str,
-    params: Sequence[torch.Tensor],
-    options: Mapping[str, Any] | None = None,
-) -> OuterStrategy:
-    """The outer strategy `name` over `params` (the model's parameters, changed in place)."""
-    opts = resolve_options(name, options or {})
-    if name == "noloco":
-        from .noloco import NoLoCo
-
-        return NoLoCo(dht, key, params, opts)
-    from .diloco import DiLoCo, StreamingDiLoCo
-
-    if name == "streaming":
-        return StreamingDiLoCo(dht, key, params, opts)
-    return DiLoCo(dht, key, params, opts)

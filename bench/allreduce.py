@@ -38,8 +38,10 @@ import os
 import resource
 import socket
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("bench.allreduce")
@@ -188,6 +190,71 @@ async def worker_shoal(args: argparse.Namespace) -> None:
             profiler.dump_stats(os.path.join(args.profile_dir, f"shoal-{args.rank}.prof"))
 
 
+async def worker_hivemind(args: argparse.Namespace) -> None:
+    """hivemind 1.1.12's DecentralizedAverager, measured as hivemind's own optimizer
+    uses it with pre-scheduled rounds: the group is formed first (step with
+    require_trigger), then the clock runs from allow_allreduce() to the result."""
+    import hivemind
+    import torch
+    from hivemind.averaging.control import AveragingStage
+
+    reader = await _lines()
+    cmd = json.loads(await reader.readline())
+    dht = await asyncio.to_thread(
+        hivemind.DHT,
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=cmd["initial_peers"],
+    )
+    _say({"maddrs": [str(a) for a in dht.get_visible_maddrs()]})
+    averager: Any = None
+    vector: torch.Tensor | None = None
+    try:
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            size = cmd["size"]
+            if vector is None or vector.numel() != size:
+                if averager is not None:
+                    await asyncio.to_thread(averager.shutdown)
+                vector = _vector(args.rank, size)
+                # In the main thread: hivemind installs signal handlers there.
+                averager = hivemind.averaging.DecentralizedAverager(
+                    [torch.zeros(size)],
+                    dht,
+                    start=True,
+                    prefix=f"bench{size}",
+                    target_group_size=cmd["peers"],
+                    min_group_size=cmd["peers"],
+                    min_matchmaking_time=1.0,
+                )
+            with averager.get_tensors() as tensors:
+                tensors[0].copy_(vector)  # a fresh input, as the other systems get
+            control = averager.step(wait=False, require_trigger=True, timeout=300)
+            # hivemind offers no event for this stage: poll it.
+            while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            _say({"grouped": not control.done()})
+            await reader.readline()  # "go", sent once every peer has its group
+            t0 = time.perf_counter()
+            control.allow_allreduce()
+            gathered = await asyncio.to_thread(control.result)
+            _say(
+                {
+                    "seconds": time.perf_counter() - t0,
+                    # The averaging runs in hivemind's own processes (the averager
+                    # and p2pd): this process's CPU clock does not see it.
+                    "cpu": None,
+                    "sys": None,
+                    "committed": gathered is not None,
+                    "reason": "" if gathered is not None else "hivemind step failed",
+                }
+            )
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
+
+
 # ---------------------------------------------------------------------- orchestrator
 
 
@@ -196,14 +263,15 @@ class Proc:
         self.proc = proc
 
     @classmethod
-    async def spawn(cls, role: str, rank: int, *extra: str) -> tuple[Proc, Any]:
+    async def spawn(cls, role: str, rank: int, *extra: str, ready: bool = True) -> tuple[Proc, Any]:
+        """`ready`: the worker says hello first (else it waits for a command)."""
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, SCRIPT, "--role", role, "--rank", str(rank), *extra,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         self = cls(proc)
-        return self, await self.reply()
+        return self, (await self.reply() if ready else None)
 
     async def send(self, obj: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -234,16 +302,40 @@ class Proc:
 async def _round(procs: list[Proc], cmd: dict[str, Any]) -> dict[str, Any]:
     """One round on every peer at once: the slowest peer's reply, with totals over peers."""
     replies = await asyncio.gather(*(p.call(cmd) for p in procs))
+    return _slowest(replies)
+
+
+async def _round_hivemind(procs: list[Proc], cmd: dict[str, Any]) -> dict[str, Any]:
+    """Every peer forms its group, then all start the all-reduce at once."""
+    grouped = await asyncio.gather(*(p.call({**cmd, "peers": len(procs)}) for p in procs))
+    if not all(g["grouped"] for g in grouped):
+        raise RuntimeError("hivemind: no group formed")
+    return _slowest(await asyncio.gather(*(p.call({"go": True}) for p in procs)))
+
+
+def _slowest(replies: list[dict[str, Any]]) -> dict[str, Any]:
     bad = [x for x in replies if x.get("committed") is False]
     if bad:
         raise RuntimeError(f"round aborted: {bad[0]['reason']}")
     slowest = max(replies, key=lambda x: x["seconds"])
+    cpu_known = all(x["cpu"] is not None for x in replies)
     return {
         **slowest,
         "bytes_sent": sum(x.get("bytes_sent", 0) for x in replies),
-        "cpu": sum(x["cpu"] for x in replies),
-        "sys": sum(x["sys"] for x in replies),
+        "cpu": sum(x["cpu"] for x in replies) if cpu_known else None,
+        "sys": sum(x["sys"] for x in replies) if cpu_known else None,
     }
+
+
+async def _spawn_hivemind(opts: argparse.Namespace) -> list[Proc]:
+    first, _ = await Proc.spawn("hivemind", 0, ready=False)
+    hello = await first.call({"initial_peers": []})
+    rest = await asyncio.gather(
+        *(Proc.spawn("hivemind", r, ready=False) for r in range(1, opts.peers))
+    )
+    procs = [first, *(p for p, _ in rest)]
+    await asyncio.gather(*(p.call({"initial_peers": hello["maddrs"]}) for p in procs[1:]))
+    return procs
 
 
 async def _spawn_gloo(opts: argparse.Namespace) -> list[Proc]:
@@ -273,21 +365,34 @@ async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> 
     codecs = opts.codecs.split(",")
     gloo: list[Proc] = []
     shoal: list[Proc] = []
+    hivemind: list[Proc] = []
     try:
         if opts.gloo:
             gloo = await _spawn_gloo(opts)
         shoal = await _spawn_shoal(opts)
+        if opts.hivemind and _hivemind_installed():
+            hivemind = await _spawn_hivemind(opts)
         result: dict[str, Any] = {}
         for name, size in sizes.items():
-            runs: dict[str, list[dict[str, Any]]] = {"gloo": [], **{c: [] for c in codecs}}
+            runs: dict[str, list[dict[str, Any]]] = {
+                "gloo": [],
+                "hivemind": [],
+                **{c: [] for c in codecs},
+            }
             paired: dict[str, list[float]] = {}
             for codec in codecs:
                 for r in range(opts.rounds + 1):
                     g = await _round(gloo, {"size": size}) if gloo else None
                     cmd = {"size": size, "codec": codec, "round": f"{name}-{codec}-{r}"}
                     s = await _round(shoal, cmd)
+                    # hivemind without compression, beside shoal's "none" turns.
+                    h = None
+                    if hivemind and codec == codecs[0]:
+                        h = await _round_hivemind(hivemind, {"size": size})
                     if r:  # the first turn warms up
                         runs[codec].append(s)
+                        if h is not None:
+                            runs["hivemind"].append(h)
                         if g is not None:
                             runs["gloo"].append(g)
                             paired.setdefault(codec, []).append(s["seconds"] / g["seconds"])
@@ -296,7 +401,7 @@ async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> 
                 result[name][codec]["paired"] = statistics.median(ratios)
         return result
     finally:
-        await asyncio.gather(*(p.close() for p in gloo + shoal))
+        await asyncio.gather(*(p.close() for p in gloo + shoal + hivemind))
 
 
 def _summary(name: str, system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -304,11 +409,14 @@ def _summary(name: str, system: str, runs: list[dict[str, Any]]) -> dict[str, An
         "seconds": statistics.median(r["seconds"] for r in runs),
         "all_seconds": [round(r["seconds"], 4) for r in runs],
         "wire": int(statistics.median(r["bytes_sent"] for r in runs)),
-        "cpu": statistics.median(r["cpu"] for r in runs),
-        "sys": statistics.median(r["sys"] for r in runs),
+        "cpu": None,
+        "sys": None,
     }
+    if all(r["cpu"] is not None for r in runs):
+        out["cpu"] = statistics.median(r["cpu"] for r in runs)
+        out["sys"] = statistics.median(r["sys"] for r in runs)
     log.info(
-        "%s %s: %.3f s (cpu of all peers %.3f s, %.3f s of it in the kernel), %d bytes",
+        "%s %s: %.3f s (cpu of all peers %s s, %s s of it in the kernel), %d bytes",
         *(system, name, out["seconds"], out["cpu"], out["sys"], out["wire"]),
     )
     return out
@@ -369,6 +477,102 @@ async def bench_kill_to_commit(opts: argparse.Namespace) -> list[float]:
     return times
 
 
+def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
+    """`--peers` real daemons (`shoal run`, tests/daemon_harness.py) training a model of
+    about `--loop-lag-size` parameters with DiLoCo, rounds every 2 inner steps, while
+    each daemon's /status is polled 10 times a second; after `--loop-lag-seconds` of
+    rounds, each daemon's own event-loop ticker (/status loop_lag_ms, over the last
+    minute) gives the lag. What is reported is the worst peer's."""
+    import tempfile
+    import threading
+
+    sys.path.insert(0, os.path.join(os.path.dirname(SCRIPT), "..", "tests"))
+    from daemon_harness import Daemon, wait_for
+
+    size = _parse_size(opts.loop_lag_size)
+    d_model = 512
+    n_layers = max(1, round(size / (12 * d_model * d_model)))
+    env = {
+        "SHOAL_TASK_OPTIONS": f"d_model={d_model},n_layers={n_layers},n_heads=8,context=16,"
+        "batch_size=1",
+        "SHOAL_INNER_STEPS": "2",
+        "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=60,stall_timeout=10",
+        "SHOAL_CHECKPOINT_INTERVAL": "100000",
+    }
+    stop = threading.Event()
+    polls = [0]
+
+    def poll(d: Daemon) -> None:
+        while not stop.wait(0.1):
+            try:
+                d.status()
+                polls[0] += 1
+            except OSError:
+                pass
+
+    with tempfile.TemporaryDirectory() as work:
+        host = Daemon("lag-host", Path(work), ["--host-experiment", "lag"], env)
+        daemons = [host]
+        try:
+            host.wait_ready(timeout=300)
+            join = ["--join", host.join_ref, "--bootstrap", host.address]
+            daemons += [Daemon(f"lag-{i}", Path(work), join, env) for i in range(1, opts.peers)]
+            for d in daemons[1:]:
+                d.wait_ready(timeout=300)
+            pollers = [threading.Thread(target=poll, args=(d,), daemon=True) for d in daemons]
+            for t in pollers:
+                t.start()
+
+            def full_rounds() -> int:
+                return sum(1 for r in host.committed_rounds().values() if r)
+
+            def full_round_seen() -> bool:
+                last = host.status().get("last_round") or {}
+                return last.get("group_size") == opts.peers
+
+            wait_for("a round of every peer", full_round_seen, 600, every=1.0)
+            first = full_rounds()
+            started = time.monotonic()
+            # The baseline, in the same minute: the same ticker in a process that does
+            # nothing else, late only by what the machine's scheduler costs it.
+            baseline = subprocess.run(
+                [sys.executable, SCRIPT, "--role", "ticker", "--loop-lag-seconds",
+                 str(opts.loop_lag_seconds)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            rounds = full_rounds() - first
+            lags = [d.status()["loop_lag_ms"] for d in daemons]
+            elapsed = time.monotonic() - started
+        finally:
+            stop.set()
+            for d in daemons:
+                d.kill()
+    worst = max(lags, key=lambda lag: lag["p99_ms"])
+    idle = json.loads(baseline.stdout)
+    return {
+        "loop_lag_p99_ms": worst["p99_ms"],
+        "loop_lag_baseline_p99_ms": idle["p99_ms"],
+        "loop_lag_baseline_max_ms": idle["max_ms"],
+        "loop_lag_max_ms": max(lag["max_ms"] for lag in lags),
+        "loop_lag_p50_ms": worst["p50_ms"],
+        "loop_lag_params": 12 * d_model * d_model * n_layers,
+        "loop_lag_rounds": rounds,
+        "loop_lag_seconds": round(elapsed, 1),
+        "loop_lag_status_polls_per_s": round(polls[0] / max(elapsed, 1e-9), 1),
+    }
+
+
+async def worker_ticker(args: argparse.Namespace) -> None:
+    """The loop-lag baseline: shoal's ticker alone in its process for the given time."""
+    from shoal.peer.loop_lag import LoopLagMonitor
+
+    monitor = LoopLagMonitor(window_s=args.loop_lag_seconds + 1)
+    ticker = asyncio.create_task(monitor.run())
+    await asyncio.sleep(args.loop_lag_seconds)
+    ticker.cancel()
+    _say(monitor.summary(time.monotonic()) or {})
+
+
 async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
     sizes = {s.strip(): _parse_size(s) for s in opts.sizes.split(",")}
     measured = await bench_interleaved(opts, sizes)
@@ -376,10 +580,10 @@ async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
     for name in sizes:
         m = measured[name]
         gloo = m.get("gloo")
-        codecs = [c for c in m if c != "gloo"]
+        codecs = [c for c in m if c not in ("gloo", "hivemind")]
         entry: dict[str, Any] = {
             "gloo_s": round(gloo["seconds"], 4) if gloo else None,
-            "hivemind_s": None,
+            "hivemind_s": round(m["hivemind"]["seconds"], 4) if "hivemind" in m else None,
             "shoal_s": {c: round(m[c]["seconds"], 4) for c in codecs},
             "shoal_wire_bytes": {c: m[c]["wire"] for c in ("none", "int8") if c in m},
         }
@@ -388,15 +592,30 @@ async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
                 entry[f"shoal_{codec}_over_gloo"] = round(m[codec]["seconds"] / gloo["seconds"], 2)
                 # The same, round by round (each shoal round ran right after a gloo round).
                 entry[f"shoal_{codec}_over_gloo_paired"] = round(m[codec]["paired"], 2)
+        for codec in ("none", "int8"):
+            if codec in m and "hivemind" in m:
+                ratio = m[codec]["seconds"] / m["hivemind"]["seconds"]
+                entry[f"shoal_{codec}_over_hivemind"] = round(ratio, 2)
         if "none" in m and "int8" in m:
             entry["int8_wire_ratio"] = round(m["int8"]["wire"] / m["none"]["wire"], 3)
-        entry["cpu_s"] = {system: round(m[system]["cpu"], 3) for system in m}
+        entry["cpu_s"] = {
+            system: None if m[system]["cpu"] is None else round(m[system]["cpu"], 3) for system in m
+        }
         entry["rounds_s"] = {system: m[system]["all_seconds"] for system in m}
         out["sizes"][name] = entry
+    if opts.loop_lag_seconds > 0:
+        out.update(await asyncio.to_thread(bench_loop_lag, opts))
     kills = await bench_kill_to_commit(opts) if opts.kill_trials else []
     out["kill_to_commit_s"] = round(statistics.median(kills), 3) if kills else None
     out["kill_to_commit_max_s"] = round(max(kills), 3) if kills else None
-    out["hivemind"] = "not installed" if not _hivemind_installed() else "not measured"
+    if not _hivemind_installed():
+        out["hivemind"] = "not installed"
+    elif not opts.hivemind:
+        out["hivemind"] = "not measured (--no-hivemind)"
+    else:
+        import hivemind
+
+        out["hivemind"] = f"measured: hivemind {hivemind.__version__} DecentralizedAverager"
     out["load_average"] = [round(x, 2) for x in os.getloadavg()]
     return out
 
@@ -409,7 +628,12 @@ def _hivemind_installed() -> bool:
     return True
 
 
-ROLES = {"gloo": worker_gloo, "shoal": worker_shoal}
+ROLES = {
+    "gloo": worker_gloo,
+    "shoal": worker_shoal,
+    "hivemind": worker_hivemind,
+    "ticker": worker_ticker,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -421,6 +645,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--codecs", default=",".join(CODECS), help="shoal codecs to measure")
     p.add_argument("--no-gloo", dest="gloo", action="store_false", help="skip the gloo baseline")
+    p.add_argument(
+        "--no-hivemind",
+        dest="hivemind",
+        action="store_false",
+        help="skip hivemind (measured when installed: pip install hivemind==1.1.12)",
+    )
     p.add_argument("--kill-trials", type=int, default=5)
     p.add_argument(
         "--chunk-bytes", type=int, default=0, help="AllReduceConfig.chunk_bytes (0: default)"
@@ -433,6 +663,13 @@ def main(argv: list[str] | None = None) -> None:
         help="cProfile the measured shoal rounds of each worker into DIR/shoal-RANK.prof",
     )
     p.add_argument("--kill-size", type=int, default=10_000_000)
+    p.add_argument(
+        "--loop-lag-seconds",
+        type=float,
+        default=60.0,
+        help="measure the daemons' event-loop lag over this many seconds of rounds (0: skip)",
+    )
+    p.add_argument("--loop-lag-size", default="50M", help="parameters of the daemons' model")
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     try:

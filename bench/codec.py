@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from shoal.averaging.compression import _FLT_MIN, _MAX_SCALE, Int8BlockCodec
+from shoal.averaging.compression import Int8BlockCodec
+from shoal.averaging.int8_format import FLT_MIN as _FLT_MIN
+from shoal.averaging.int8_format import MAX_SCALE as _MAX_SCALE
 
 _PIECE = 1 << 18  # elements per torch pass: a cache-sized temporary
 

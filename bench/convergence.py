@@ -103,7 +103,8 @@ import torch
 from shoal.averaging.allreduce import AllReduceConfig, AllReduceService
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.averaging.group import Group, Member, make_round_id
-from shoal.averaging.outer import OuterStrategy, make_strategy
+from shoal.averaging.outer import OuterStrategy
+from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.peer.task import Task, load_task
 from shoal.transport.host import Host, HostConfig
@@ -353,7 +354,7 @@ async def run_strategy(
             for step in range(args.steps):
                 tokens = await peer.run(peer.inner_step)
                 for report in await strategy.after_inner_step(tokens):
-                    outcomes[report.outcome.split(":")[0]] += 1
+                    outcomes[report.outcome.value] += 1
                     round_bytes += report.bytes_sent
                 if peer.rank == 0 and (step + 1) % 100 == 0:
                     progress(

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from shoal.dht.node import BootstrapError, DHTNode
 from shoal.dht.records import RecordValidator
+from shoal.dht.relay_directory import DHTRelayDirectory
 from shoal.transport.host import Host
 from shoal.transport.identity import Identity, IdentityFileError
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
@@ -192,7 +193,7 @@ async def run_daemon(
         dht = await _start_dht(host, config, nat)
         stack.push_async_callback(dht.aclose)
         stack.callback(save_known_peers, dht, config.data_dir)  # runs before dht.aclose
-        nat.dht = dht
+        nat.directory = DHTRelayDirectory(dht)
         nat.address_listeners.append(dht.addresses_changed)
 
         # Imported here: session loads torch, which `shoal id`, `shoal status` and a

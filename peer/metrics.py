@@ -7,6 +7,7 @@ Two kinds of series:
   scrapes: shoal_step, shoal_loss, shoal_tokens_per_second,
   shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
   shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
+  shoal_event_loop_lag_p99_seconds, shoal_event_loop_lag_max_seconds,
   shoal_device_memory_used_bytes, shoal_device_memory_total_bytes and
   shoal_info{peer_id,version,experiment,reachability} and
   shoal_device_info{kind,name} (always 1). A value the
@@ -164,6 +165,14 @@ class _StatusCollector(Collector):
         yield from _gauge(
             "shoal_uptime_seconds", "Seconds since the daemon started.", status.get("uptime_s")
         )
+        lag = status.get("loop_lag_ms") or {}
+        for stat in ("p99", "max"):
+            value = lag.get(f"{stat}_ms")
+            yield from _gauge(
+                f"shoal_event_loop_lag_{stat}_seconds",
+                f"How late a 10 ms ticker on the event loop ran over the last minute ({stat}).",
+                None if value is None else value / 1000,
+            )
         for direction in ("sent", "received"):
             value = status.get(f"bytes_{direction}")
             if _is_number(value):

@@ -27,6 +27,7 @@ from . import __version__
 from .config import Config
 from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
+from .loop_lag import LoopLagMonitor
 
 if TYPE_CHECKING:
     from shoal.averaging.outer import RoundReport
@@ -69,6 +70,7 @@ class PeerNode:
         self._tasks = TaskSet(log, "peer")
         self._peers_cache: tuple[float, list[dict[str, Any]]] | None = None
         self._peer_count = 0
+        self.loop_lag = LoopLagMonitor()
 
     def attach(self, session: Session) -> None:
         self.session = session
@@ -83,6 +85,7 @@ class PeerNode:
     # ------------------------------------------------------------------ running
 
     def start_background(self, progress: Progress) -> None:
+        self._tasks.spawn(self.loop_lag.run())
         self._tasks.spawn(self._sample_history())
         self._tasks.spawn(self._show_progress(progress))
         if self.session is not None:
@@ -95,8 +98,7 @@ class PeerNode:
 
     def _on_round(self, report: RoundReport) -> None:
         if self.metrics is not None:
-            outcome = report.outcome.split(":")[0].strip() or "unknown"
-            self.metrics.observe_round(outcome, report.duration_s, report.group_size)
+            self.metrics.observe_round(report.outcome.value, report.duration_s, report.group_size)
 
     async def _sample_history(self) -> None:
         while True:
@@ -204,6 +206,7 @@ class PeerNode:
             "bytes_sent": self.host.bytes_sent,
             "bytes_received": self.host.bytes_received,
             "uptime_s": time.time() - self.started,
+            "loop_lag_ms": self.loop_lag.summary(time.monotonic()),
             "config": self.config.to_json(),
         }
         if self.session is not None:
@@ -235,8 +238,8 @@ class PeerNode:
                 else {
                     "group_size": last.group_size,
                     "duration_s": last.duration_s,
-                    "outcome": last.outcome.split(":")[0].strip(),
-                    "detail": last.outcome,
+                    "outcome": last.outcome.value,
+                    "detail": last.describe(),
                     "fingerprint": last.fingerprint,
                     "outer_step": last.outer_step,
                     "bytes_sent": last.bytes_sent,

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from shoal.averaging.fingerprint import state_fingerprint
-from shoal.averaging.outer import OuterStrategy, make_strategy, resolve_options
+from shoal.averaging.outer import OuterStrategy, resolve_options
+from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport.identity import Identity

@@ -41,7 +41,9 @@ served as null so that every client's JSON parser accepts them.
     uptime_s        float   seconds since the daemon started
 
 Optional keys: `config` ({option: value as text}, the effective configuration,
-secrets never), and whatever else the daemon finds useful; clients ignore keys
+secrets never), `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event
+loop ran over the last minute, peer/loop_lag.py: p50_ms, p99_ms, max_ms,
+window_s), and whatever else the daemon finds useful; clients ignore keys
 they do not know.
 
 `/peers` (`await StatusProvider.peers()`), a list, this peer included:

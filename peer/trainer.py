@@ -276,7 +276,7 @@ class Trainer:
         s.last_round_at = time.time()
         if report.committed:
             s.last_commit_at = s.last_round_at
-        s.rounds[report.outcome.split(":")[0]] += 1
+        s.rounds[report.outcome.value] += 1
         alone = report.committed and report.group_size == 1
         if alone:
             # Said once per stretch, not at every boundary.
@@ -291,7 +291,7 @@ class Trainer:
                 (report.fingerprint or "")[:16],
             )
         else:
-            log.info("round not committed: %s (%.2fs)", report.outcome, report.duration_s)
+            log.info("round not committed: %s (%.2fs)", report.describe(), report.duration_s)
         self._alone = alone
         if self.on_round is not None:
             self.on_round(report)

@@ -221,6 +221,7 @@ class Peer:
 
     async def cmd_dht_start(self, bootstrap: list[str] = (), **opts: Any) -> dict[str, Any]:  # type: ignore[assignment]
         from shoal.dht.node import DHTNode
+        from shoal.dht.relay_directory import DHTRelayDirectory
 
         s = self.s
         # A private peer is a DHT client: it reads and writes, but is nobody's hop.
@@ -228,7 +229,7 @@ class Peer:
         s.dht = await DHTNode.create(
             s.host, bootstrap=list(bootstrap), serves=lambda: nat.serves_dht, **opts
         )
-        s.nat.dht = s.dht
+        s.nat.directory = DHTRelayDirectory(s.dht)
         return {}
 
     async def cmd_dht_store(self, key: str, value: Any, ttl: float = 600.0) -> dict[str, Any]:

@@ -1213,3 +1213,31 @@ async def test_throughput_four_members_ten_million_floats(cluster: Any) -> None:
         secs = min(times)
         print(f"\n4 x 10M float32, {codec}: {secs:.3f}s, {mb:.1f} MB sent/member, err {err:.1e}")
         assert err < ERROR_BOUND[codec]
+
+
+async def test_streams_that_arrive_while_a_member_still_flattens_its_input_are_served(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's parameters are many tensors; above 2**20 elements a member flattens them
+    in a thread, and the others' streams into its part arrive meanwhile. They must find
+    its lanes (this once aborted every round of every model over 1M parameters with
+    "lane 0 does not exist")."""
+    from shoal.averaging import butterfly
+
+    flatten = butterfly._flatten
+    calls = []
+
+    def slow_first_flatten(ts: list[torch.Tensor], out: torch.Tensor) -> None:
+        calls.append(len(ts))
+        if len(calls) == 1:
+            time.sleep(0.5)  # the first member is slow; the others stream to it meanwhile
+        flatten(ts, out)
+
+    monkeypatch.setattr(butterfly, "_flatten", slow_first_flatten)
+    # (a member says nothing while it prepares: the stall timeout must allow for that)
+    c = await cluster(3, AllReduceConfig(heartbeat_interval=0.05, stall_timeout=5.0))
+    inputs = make_inputs(3, seed=21, shapes=[(1 << 20,), (3, 5)])
+    tensors = clone(inputs)
+    committed(await c.run(c.group(), tensors))
+    assert len(calls) == 3
+    assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0] * 3)) < 1e-6

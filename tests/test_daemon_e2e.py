@@ -105,6 +105,8 @@ def test_host_and_joiners_train_survive_a_kill_a_join_and_the_host_leaving(
         assert status["dht_peers"] >= 2
         assert status["device"]["kind"] == "cpu" and status["device"]["memory_total_bytes"] > 0
         assert status["mfu"] is None  # a CPU's peak is not known
+        lag = status["loop_lag_ms"]  # the event loop's ticker has run since the start
+        assert lag["window_s"] > 0 and 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
         kinds = {c["kind"] for c in status["connections"]}
         assert kinds <= {"direct", "relayed", "holepunched"} and kinds
         for conn in status["connections"]:

@@ -280,25 +280,25 @@ async def test_punched_roles_agree_when_a_listener_accepts_the_connection(make_p
 
 async def test_private_peers_find_relays_through_the_dht(make_peer) -> None:
     from shoal.dht.node import DHTNode
+    from shoal.dht.relay_directory import RELAYS_KEY, DHTRelayDirectory
 
     # p bootstraps the DHT but is no relay; r is a relay that a meets only through the DHT.
     p, np_ = await make_peer(relay_service=False)
     r, nr = await make_peer()
     nodes = [await DHTNode.create(p)]
     try:
-        np_.dht = nodes[0]
+        np_.directory = DHTRelayDirectory(nodes[0])
         nodes.append(await DHTNode.create(r, bootstrap=[dial_addr(p)]))
-        nr.dht = nodes[1]
+        nr.directory = DHTRelayDirectory(nodes[1])
         assert await nr.wait_for(lambda: nr.reachability is Reachability.PUBLIC, 5)
-        key = nr.config.relay_dht_key
         for _ in range(50):  # r's advertisement is in the DHT
-            found = await nodes[1].get(key)
+            found = await nodes[1].get(RELAYS_KEY)
             if found is not None and found.value:
                 break
             await asyncio.sleep(0.1)
         a, na = await make_peer(reachability="private", hole_punching=False)
         nodes.append(await DHTNode.create(a, bootstrap=[dial_addr(p)]))
-        na.dht = nodes[2]
+        na.directory = DHTRelayDirectory(nodes[2])
         assert await na.wait_for(lambda: bool(na.relay_addresses()), 10), na.status()
         (res,) = na.status()["reservations"]
         assert res["relay"] == str(r.peer_id)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.averaging import host_state
 from shoal.averaging.averager import restored_version
 from shoal.averaging.diloco import DiLoCo, StreamingDiLoCo, split_fragments
 from shoal.averaging.gossip import pairing
@@ -23,10 +24,10 @@ from shoal.averaging.noloco import NoLoCo
 from shoal.averaging.outer import (
     DEFAULT_OPTIONS,
     RoundReport,
-    make_strategy,
     nesterov_outer_step,
     resolve_options,
 )
+from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
@@ -172,12 +173,21 @@ def test_options_are_checked_and_named() -> None:
         resolve_options("localsgd", {})
 
 
+@pytest.fixture(params=["inline", "in-threads"])
+def whole_state_math(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The strategies' whole-state math (pseudo-gradients, outer steps, merges) runs
+    inline on small models and in a thread above 2**20 elements, off the event loop:
+    the tests that check results bit for bit run both ways."""
+    if request.param == "in-threads":
+        monkeypatch.setattr(host_state, "OFF_LOOP_ELEMENTS", 0)
+
+
 # ---------------------------------------------------------------------- DiLoCo
 
 
 @pytest.mark.timeout(30)
 async def test_one_peer_one_commit_is_exactly_the_diloco_formula(
-    swarm: Callable[..., Any],
+    swarm: Callable[..., Any], whole_state_math: None
 ) -> None:
     (peer,) = await swarm("diloco", 1, {"inner_steps": 3, "min_group_size": 1})
     assert isinstance(peer.strategy, DiLoCo)
@@ -278,7 +288,7 @@ async def test_a_cuda_peer_and_a_cpu_peer_commit_equal_fingerprints(
 
 @pytest.mark.timeout(40)
 async def test_three_peers_commit_bit_identical_states_weighted_by_samples(
-    swarm: Callable[..., Any],
+    swarm: Callable[..., Any], whole_state_math: None
 ) -> None:
     peers = await swarm("diloco", 3, {"inner_steps": 2})
     samples = [5, 10, 30]  # per inner step: unequal weights
@@ -398,7 +408,7 @@ async def test_a_stalled_peer_does_not_hold_the_others_beyond_the_round_timeout(
 
 @pytest.mark.timeout(60)
 async def test_streaming_fragments_rotate_commit_identically_and_overlap_inner_steps(
-    swarm: Callable[..., Any],
+    swarm: Callable[..., Any], whole_state_math: None
 ) -> None:
     opts = {"inner_steps": 4, "fragments": 2, "overlap_steps": 2}
     peers = await swarm("streaming", 3, opts)
@@ -445,7 +455,7 @@ async def test_streaming_fragments_rotate_commit_identically_and_overlap_inner_s
 
 @pytest.mark.timeout(60)
 async def test_noloco_pairs_follow_pairing_and_end_identical_without_a_group(
-    swarm: Callable[..., Any],
+    swarm: Callable[..., Any], whole_state_math: None
 ) -> None:
     peers = await swarm("noloco", 4, {"inner_steps": 2})
     assert isinstance(peers[0].strategy, NoLoCo)

@@ -83,6 +83,7 @@ class FakeProvider:
                 "memory_total_bytes": 24 * 2**30,
             },
             "mfu": 0.25,
+            "loop_lag_ms": {"p50_ms": 0.4, "p99_ms": 12.5, "max_ms": 80.0, "window_s": 60.0},
             "last_round": {
                 "group_size": 4,
                 "duration_s": 1.75,
@@ -298,6 +299,8 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     assert samples[("shoal_info", info_labels)] == 1
     assert samples[("shoal_device_info", (("kind", "cuda"), ("name", "NVIDIA L4")))] == 1
     assert samples[("shoal_mfu", ())] == 0.25
+    assert samples[("shoal_event_loop_lag_p99_seconds", ())] == 0.0125
+    assert samples[("shoal_event_loop_lag_max_seconds", ())] == 0.08
     assert samples[("shoal_device_memory_used_bytes", ())] == 3 * 2**30
     assert samples[("shoal_device_memory_total_bytes", ())] == 24 * 2**30
     assert samples[("shoal_rounds_total", (("outcome", "committed"),))] == 2

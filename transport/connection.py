@@ -85,6 +85,10 @@ _BODY_POOL_OUT = 8
 # frame cost more than copying into a message.
 _BULK_MIN = 16 * 1024
 _WRITE_BATCH = 256 * 1024
+# Encrypted per turn of the event loop at most (about a millisecond of AES-GCM):
+# a bulk transfer then yields to heartbeats, timers and requests between turns
+# instead of holding the loop for a whole stream window (up to 16 MiB).
+_FLUSH_BUDGET = 2 * 1024 * 1024
 # After abort(), how long connection_lost may take to be reported before aclose finishes.
 _LOST_REPORT_TIMEOUT = 1.0
 _COPY_SMALL_WRITES = 64 * 1024  # writes up to this size are copied and return at once
@@ -560,6 +564,21 @@ class Connection(asyncio.BufferedProtocol):
         if stream is not None:
             stream.handler_task = task
 
+    def retire(self, grace: float) -> None:
+        """A duplicate of a better connection to the same peer: refuse new streams and
+        close once the streams already open are done (at most `grace` seconds)."""
+        self.superseded = True
+        self._mux.go_away()
+        self._schedule_flush()
+        self.spawn(self.aclose(grace))  # owned, and cancelled on close, by this connection
+
+    def refuse_stream(self, stream: Stream, reason: str, *, unknown_protocol: bool) -> None:
+        """Reset a stream the remote opened that nobody will serve; `unknown_protocol`
+        tells the opener the protocol is not spoken here (vs. a passing refusal)."""
+        self._mux.reset_stream(stream.id, reason, refused=unknown_protocol)
+        self.streams.pop(stream.id, None)
+        self._schedule_flush()
+
     def abort(self, reason: str) -> None:
         """Close at once, failing every stream with ConnectionLost(reason)."""
         if self.close_reason is None:
@@ -901,7 +920,7 @@ class Connection(asyncio.BufferedProtocol):
         mux = self._mux
         encrypt_into = self._send_cipher.encrypt_into
         batch: list[bytearray | memoryview] = []
-        size = 0
+        size = flushed = 0
         while not self._paused:
             out = mux.next_output()
             if out is None:
@@ -923,8 +942,12 @@ class Connection(asyncio.BufferedProtocol):
             if size >= _WRITE_BATCH:
                 self.bytes_sent += size
                 transport.writelines(batch)
+                flushed += size
                 batch = []
                 size = 0
+                if flushed >= _FLUSH_BUDGET and mux.has_output():
+                    self._schedule_flush()  # the rest at the next turn
+                    break
         if batch:
             self.bytes_sent += size
             transport.writelines(batch)

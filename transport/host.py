@@ -595,13 +595,7 @@ class Host:
         else:
             keep, drop = (current, conn) if dialer(current) <= dialer(conn) else (conn, current)
         self._conns[peer] = keep
-        drop.superseded = True
-        drop._mux.go_away()
-        drop._schedule_flush()
-        # The duplicate closes once the streams already on it are done.
-        task = asyncio.get_running_loop().create_task(drop.aclose(self.config.close_grace))
-        drop._tasks.add(task)  # owned (and cancelled on close) by the dropped connection
-        task.add_done_callback(drop._tasks.discard)
+        drop.retire(self.config.close_grace)
 
     def _on_closed(self, conn: Connection) -> None:
         if conn in self._all:
@@ -635,9 +629,7 @@ class Host:
         conn = stream.connection
         if handler is None or self._closing:
             reason = "host is shutting down" if handler else f"unknown protocol {stream.protocol}"
-            conn._mux.reset_stream(stream.id, reason, refused=handler is None)
-            conn.streams.pop(stream.id, None)
-            conn._schedule_flush()
+            conn.refuse_stream(stream, reason, unknown_protocol=handler is None)
             return
         conn.spawn(self._run_handler(handler, stream), stream)
 

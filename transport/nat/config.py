@@ -53,7 +53,6 @@ class NatConfig:
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
     max_relays: int = 2  # reservations a private peer keeps
     relay_retry: float = 1.0  # first backoff after a failed reservation (doubles, capped)
-    relay_dht_key: str = "_shoal.relays"
     relay_dht_ttl: float = 600.0
 
     # hole punching (DCUtR-like, TCP simultaneous open)

@@ -6,7 +6,8 @@ serves as a relay while public, keeps relay reservations while private, punches
 holes through relayed connections, and tells the host (and through it the DHT)
 which addresses to advertise: confirmed public ones and relay addresses only.
 
-    nat = NatManager(host, dht=None, config=NatConfig())
+    nat = NatManager(host, config=NatConfig())
+    nat.directory = DHTRelayDirectory(dht)   # once the DHT runs: relays listed there
     await nat.start()
     ...
     nat.status()      # reachability, addresses, reservations, connections
@@ -21,18 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
-from typing import Any
 
 from ..connection import Connection
 from ..host import Host
 from ..identity import PeerID
-from ..multiaddr import Multiaddr, MultiaddrError
+from ..multiaddr import Multiaddr
 from ..tasks import TaskSet
 from . import autonat, holepunch, relay
 from .autonat import AutoNAT, ProbeResult, Reachability, ReachabilityTracker
 from .config import NatConfig
+from .directory import RelayDirectory
 from .holepunch import HolePuncher
 from .identify import IdentifyInfo, IdentifyService
 from .observed import ObservedAddresses
@@ -48,16 +48,17 @@ _MAX_BACKOFF = 60.0
 PARALLEL_PROBES = 3  # AutoNAT servers asked at once while reachability is unknown
 
 
-def owner_subkey(peer: PeerID) -> str:
-    """A DHT subkey only `peer` may write (the format of shoal.dht.records.owner_marker;
-    spelled out here because transport/ must not import dht/)."""
-    return f"[owner:{peer.to_base58()}]"
-
-
 class NatManager:
-    def __init__(self, host: Host, dht: Any = None, config: NatConfig | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        directory: RelayDirectory | None = None,
+        config: NatConfig | None = None,
+    ) -> None:
+        """`directory`: where relays are advertised and found (the DHT's, see
+        `shoal.dht.relay_directory`); may be set later, once the DHT has bootstrapped."""
         self.host = host
-        self._dht = dht
+        self._directory = directory
         self.config = config = config or NatConfig()
         self._loop = asyncio.get_running_loop()
         forced = None if config.reachability == "auto" else Reachability(config.reachability)
@@ -151,14 +152,13 @@ class NatManager:
         await self.aclose()
 
     @property
-    def dht(self) -> Any:
-        """The DHT (a DHTNode, or anything with its store/get) for relay discovery and
-        advertisement; may be set after start(), e.g. once the DHT has bootstrapped."""
-        return self._dht
+    def directory(self) -> RelayDirectory | None:
+        """Where relays are advertised and found; may be set after start()."""
+        return self._directory
 
-    @dht.setter
-    def dht(self, dht: Any) -> None:
-        self._dht = dht
+    @directory.setter
+    def directory(self, directory: RelayDirectory | None) -> None:
+        self._directory = directory
         self._next_dht_lookup = self._next_dht_advert = 0.0
         self._notify()
 
@@ -540,10 +540,10 @@ class NatManager:
             self._reserving.discard(peer)
             self._notify()
 
-    # --- DHT: relay advertisement and discovery ------------------------------------------------
+    # --- the directory: relay advertisement and discovery ------------------------------------
 
     def _manage_dht(self, now: float) -> float:
-        if self.dht is None:
+        if self._directory is None:
             return self.config.recheck_interval
         if self._wants_relays() and len(self._relay_candidates()) < self.config.max_relays:
             if now >= self._next_dht_lookup:
@@ -562,56 +562,39 @@ class NatManager:
         return self.config.recheck_interval
 
     async def _advertise_relay(self) -> None:
-        addrs = [str(a) for a in self.confirmed_addresses()]
+        assert self._directory is not None
         try:
             async with asyncio.timeout(_DHT_TIMEOUT):
-                await self.dht.store(
-                    self.config.relay_dht_key,
-                    addrs,
-                    time.time() + self.config.relay_dht_ttl,
-                    subkey=owner_subkey(self.host.peer_id),
+                await self._directory.advertise(
+                    self.host.peer_id, self.confirmed_addresses(), self.config.relay_dht_ttl
                 )
         except Exception as e:
             self._next_dht_advert = self._loop.time() + 5.0
-            log.info("could not advertise the relay in the DHT: %r", e)
+            log.info("could not advertise the relay: %r", e)
 
     async def _discover_relays(self) -> None:
+        assert self._directory is not None
         try:
             async with asyncio.timeout(_DHT_TIMEOUT):
-                found = await self.dht.get(self.config.relay_dht_key)
+                listed = await self._directory.find()
         except Exception as e:
-            log.info("relay lookup in the DHT failed: %r", e)
+            log.info("relay lookup failed: %r", e)
             return
-        subkeys = getattr(found, "value", None) if found is not None else None
-        if not isinstance(subkeys, dict):
-            return
-        for subkey, value in list(subkeys.items())[:64]:
-            peer = _owner_of(subkey)
-            if peer is None or peer == self.host.peer_id or not isinstance(value, list):
+        for peer, advertised in list(listed.items())[:64]:
+            if peer == self.host.peer_id:
                 continue
-            addrs = []
-            for raw in value[:8]:
-                try:
-                    addr = Multiaddr(raw) if isinstance(raw, str) else None
-                except MultiaddrError:
-                    addr = None
-                if addr is not None and addr.is_direct_tcp and addr.peer_id in (None, peer):
-                    addrs.append(addr.with_peer_id(peer))
+            # Untrusted entries: only direct TCP addresses of the peer they name.
+            addrs = [
+                a.with_peer_id(peer)
+                for a in advertised[:8]
+                if a.is_direct_tcp and a.peer_id in (None, peer)
+            ]
             if addrs:
                 self._dht_relays.pop(peer, None)
                 self._dht_relays[peer] = addrs
         while len(self._dht_relays) > 256:  # bounded: the least recently seen go first
             del self._dht_relays[next(iter(self._dht_relays))]
         self._notify()
-
-
-def _owner_of(subkey: object) -> PeerID | None:
-    if not isinstance(subkey, str) or not subkey.startswith("[owner:") or not subkey.endswith("]"):
-        return None
-    try:
-        return PeerID.from_base58(subkey[7:-1])
-    except ValueError:
-        return None
 
 
 def _fmt_addr(addr: tuple[str, int] | None) -> str | None:

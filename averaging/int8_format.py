@@ -1,0 +1,29 @@
+"""The numbers that define the int8 block codec's scales, shared by the codec
+(compression.py) and its compiled kernels (int8_kernels.py)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+
+__all__ = ["FLT_MIN", "FLT_MIN_BITS", "MAX_SCALE", "MAX_SCALE_BITS", "QMAX"]
+
+# Smallest normal float32: scales below it are flushed to zero so that decoding
+# never multiplies by a subnormal (flush-to-zero peers would disagree).
+FLT_MIN: Final = np.float32(np.finfo(np.float32).tiny)
+FLT_MIN_BITS: Final = int(FLT_MIN.view(np.uint32))
+QMAX: Final = 127  # codes are in [-127, 127]
+
+
+def _largest_safe_scale() -> np.float32:
+    """Largest float32 s with 127 * s finite, so a decoded value is never inf."""
+    s = np.float32(np.finfo(np.float32).max) / np.float32(QMAX)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(s * np.float32(QMAX)):
+            s = np.nextafter(s, np.float32(0))
+    return s
+
+
+MAX_SCALE: Final = _largest_safe_scale()
+MAX_SCALE_BITS: Final = int(MAX_SCALE.view(np.uint32))
