@@ -62,7 +62,7 @@ from shoal.dht.node import DHTNode
 
 from .allreduce import AllReduceService
 from .averager import Averager, AveragerConfig, StepResult, restored_version
-from .host_state import copy_into, delta_into, host_clone, host_zeros, numel, off_loop
+from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
 from .outer import (
     RoundOutcome,
     RoundReport,
@@ -138,11 +138,12 @@ class DiLoCo(OuterStrategyBase):
         with torch.no_grad():
             self.globals = [host_clone(p) for p in self.params]
         self.momentum = [torch.zeros_like(g) for g in self.globals]
-        self.deltas = [host_zeros(p) for p in self.params]
+        # The pseudo-gradients in one buffer, averaged in place (views for the math).
+        self._delta_buffer, self.deltas = host_flat_zeros(self.params)
         self.averager = Averager(
             dht,
             key,
-            self.deltas,
+            [self._delta_buffer],
             config=_averager_config(key, self.options),
             metadata=self._metadata,
             state=[*self.globals, *self.momentum],
@@ -332,13 +333,14 @@ class StreamingDiLoCo(OuterStrategyBase):
                 params=local,
                 globals=globals_,
                 momentum=[torch.zeros_like(g) for g in globals_],
-                deltas=[host_zeros(p) for p in local],
+                deltas=[],
             )
+            delta_buffer, frag.deltas = host_flat_zeros(local)
             fkey = f"{key}/fragment{i}"
             frag.averager = Averager(
                 dht,
                 fkey,
-                frag.deltas,
+                [delta_buffer],
                 config=_averager_config(fkey, self.options),
                 metadata=self._metadata_of(frag),
                 state=[*frag.globals, *frag.momentum],

@@ -22,6 +22,7 @@ __all__ = [
     "copy_into",
     "delta_into",
     "host_clone",
+    "host_flat_zeros",
     "host_zeros",
     "numel",
     "off_loop",
@@ -56,6 +57,19 @@ def host_clone(p: torch.Tensor) -> torch.Tensor:
 def host_zeros(p: torch.Tensor) -> torch.Tensor:
     """Float32 host zeros shaped like `p` (pinned when `p` is on a CUDA device)."""
     return _pinned(torch.zeros(p.shape, dtype=torch.float32), p)
+
+
+def host_flat_zeros(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One float32 host buffer for all of `params` (pinned for a CUDA model) and a view
+    of it shaped like each: the all-reduce sends and writes the buffer in place (no
+    flattening copy on the way out, no copy back on the way in), the strategy's math
+    works on the views."""
+    flat = _pinned(torch.zeros(sum(p.numel() for p in params), dtype=torch.float32), params[0])
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return flat, views
 
 
 def delta_into(

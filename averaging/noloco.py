@@ -51,7 +51,15 @@ from shoal.dht.node import DHTNode
 
 from .fingerprint import state_fingerprint
 from .gossip import GossipAverager, GossipConfig, GossipResult
-from .host_state import copy_into, delta_into, host_clone, host_zeros, numel, off_loop
+from .host_state import (
+    copy_into,
+    delta_into,
+    host_clone,
+    host_flat_zeros,
+    host_zeros,
+    numel,
+    off_loop,
+)
 from .outer import (
     RoundOutcome,
     RoundReport,
@@ -85,11 +93,11 @@ class NoLoCo(OuterStrategyBase):
         self._deltas = [host_zeros(p) for p in self.params]
         # What is exchanged: a copy of the post-step outer parameters (float32, the
         # all-reduce's dtype), sent from its own storage while nothing else writes it.
-        self._mixed = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        mixed_buffer, self._mixed = host_flat_zeros(self.params)
         self.gossip = GossipAverager(
             dht,
             key,
-            self._mixed,
+            [mixed_buffer],
             config=GossipConfig(
                 allreduce=allreduce_config(self.options), codec=self.options["codec"]
             ),

@@ -8,7 +8,16 @@ Prints one JSON object on stdout (logs go to stderr):
      "sizes": {"10M": {"gloo_s": ..., "hivemind_s": ... | null,
                        "shoal_s": {"none": ..., "fp16": ..., "int8": ...},
                        "shoal_wire_bytes": {"none": ..., "int8": ...}}, ...},
-     "kill_to_commit_s": ...}
+     "kill_to_commit_s": ...,
+     "loop_lag_p99_ms": ..., "loop_lag_baseline_p99_ms": ..., ...}
+
+hivemind (1.1.12's DecentralizedAverager, `pip install hivemind==1.1.12`) is
+measured in the same run when it is installed: the group formed first, then
+timed from allow_allreduce() to the result, as hivemind's optimizer schedules
+rounds (`hivemind_s`, `shoal_none_over_hivemind`). `loop_lag_p99_ms` comes from
+`--peers` real daemons training a `--loop-lag-size` model while /status is
+polled 10 times a second (see bench_loop_lag); the baseline is the same ticker
+in an idle process during the same minute.
 
 Every system runs as `--peers` separate processes on 127.0.0.1, each
 averaging its own float32 vector of the given size. Times are medians over

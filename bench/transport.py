@@ -464,6 +464,16 @@ class ShoalClient:
             # loaded p50 mostly measures queueing; one caller shows the round trip itself.
             rate, lat = await run(req["unloaded_seconds"], 1)
             out["unloaded"] = {"calls_per_s": round(rate, 1), **_percentiles(lat)}
+            # One caller again, while a bulk stream fills the same connection: do small
+            # calls wait behind it? (tests/test_host.py checks only that they finish)
+            bulk = asyncio.create_task(self._one_stream(req["bulk_bytes"]))
+            during: list[float] = []
+            while not bulk.done():
+                t0 = perf()
+                await rpc.call(host, peer, RPC_PROTO, "echo", payload)
+                during.append(perf() - t0)
+            await bulk
+            out["during_bulk"] = {"calls": len(during), **_percentiles(during)}
         return out
 
 
@@ -841,6 +851,7 @@ async def bench_transfers(opts: argparse.Namespace, mon: LoadMonitor) -> dict[st
             "runs": opts.runs,
             "payload_bytes": opts.rpc_payload,
             "unloaded_seconds": 1.0,
+            "bulk_bytes": 1 << 30,
         }
         r = await mon.measure("rpc", client.request(**rpc_cmd, profile=None))
         out["rpc_calls_per_s"] = round(statistics.median(r["rates"]), 1)
@@ -853,6 +864,9 @@ async def bench_transfers(opts: argparse.Namespace, mon: LoadMonitor) -> dict[st
         out["rpc_1caller_calls_per_s"] = r["unloaded"]["calls_per_s"]
         out["rpc_1caller_p50_ms"] = r["unloaded"]["p50_ms"]
         out["rpc_1caller_p99_ms"] = r["unloaded"]["p99_ms"]
+        out["rpc_during_bulk_p50_ms"] = r["during_bulk"]["p50_ms"]
+        out["rpc_during_bulk_p99_ms"] = r["during_bulk"]["p99_ms"]
+        out["rpc_during_bulk_calls"] = r["during_bulk"]["calls"]
 
         # Profiles come from separate, shorter runs: cProfile slows the code it watches.
         stream = out["shoal_stream_MBps"]

@@ -81,11 +81,13 @@ async def test_a9_sixteen_peers_converge_geometrically_and_kills_lose_nothing(
     spreads = [spread()]
     killed_at = 20
     failed_exchanges = 0
+    dead: set[Any] = set()
     for r in range(50):
         if r == killed_at:
             # two peers die abruptly, mid-exchange: their partners must keep their values
             victims = alive[3:5]
             alive = [p for p in alive if p not in victims]
+            dead |= {dht.peer_id for dht, _ in victims}
             before = total()
             round_task = asyncio.gather(*(g.step(r) for _, g in alive))
             await asyncio.sleep(0)
@@ -99,6 +101,8 @@ async def test_a9_sixteen_peers_converge_geometrically_and_kills_lose_nothing(
             # pairwise means preserve the sum over the peers that are alive
             assert torch.allclose(total(), before, rtol=0, atol=1e-3)
         assert all(res.committed or res.partner is None or r >= killed_at for res in results)
+        if r > killed_at:  # nobody commits an exchange with a peer that is gone
+            assert not [res for res in results if res.committed and res.partner in dead]
         failed_exchanges += sum(1 for res in results if res.partner and not res.committed)
         spreads.append(spread())
     assert failed_exchanges > 0, "the kills never hit an exchange"

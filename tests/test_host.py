@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import time
 
 import pytest
+from waiting import eventually
 
 from shoal.transport.connection import ConnectionConfig
 from shoal.transport.errors import (
@@ -36,7 +36,7 @@ async def test_addresses_carry_the_peer_id_and_a_dial_meets_that_peer(pair) -> N
     assert str(addr).startswith("/ip4/127.0.0.1/tcp/")
     conn = await a.connect(addr)
     assert conn.remote_peer == b.peer_id
-    await asyncio.sleep(0.05)
+    await eventually(lambda: a.peer_id in b.connections, "b has the connection too")
     assert b.connections[a.peer_id].remote_peer == a.peer_id
 
 
@@ -132,42 +132,37 @@ async def test_small_calls_are_not_starved_by_a_bulk_transfer(pair) -> None:
     await a.connect(b.addresses()[0])
     bulk = await a.open_stream(b.peer_id, "/shoal/sink/1.0.0")
     block = os.urandom(8 << 20)
-    calls_done = asyncio.Event()
+    calls_done, flowing = asyncio.Event(), asyncio.Event()
 
     async def transfer() -> int:
-        # At least 200 MB, and still going for as long as the small calls run.
+        # At least 200 MB, and still going for as long as the small calls run: were they
+        # starved, they would never finish and neither would this.
         sent = 0
         while sent < 200_000_000 or not calls_done.is_set():
             await bulk.write(block)
             sent += len(block)
+            flowing.set()
         await bulk.close()
         return sent
 
     bulk_task = asyncio.create_task(transfer())
-    await asyncio.sleep(0.05)  # the transfer is under way
-    latencies = []
+    await flowing.wait()
     for _ in range(100):
-        t0 = time.perf_counter()
         s = await a.open_stream(b.peer_id, ECHO)
         await s.write(b"ping")
-        await s.readexactly(4)
+        assert await s.readexactly(4) == b"ping"
         s.reset("done")
-        latencies.append(time.perf_counter() - t0)
     calls_done.set()
     assert await bulk_task >= 200_000_000
-    latencies.sort()
-    p99 = latencies[98]
-    assert p99 < 0.050, f"p99 {p99 * 1000:.1f} ms"
+    # (their latency meanwhile is a benchmark figure: bench/transport.py rpc_during_bulk_*)
 
 
 async def test_simultaneous_dials_end_with_one_connection(pair) -> None:
     a, b = pair
     await asyncio.gather(a.connect(b.addresses()[0]), b.connect(a.addresses()[0]))
-    for _ in range(100):
-        if len(a._all) == 1 and len(b._all) == 1:
-            break
-        await asyncio.sleep(0.02)
-    assert len(a._all) == 1 and len(b._all) == 1
+    await eventually(
+        lambda: len(a._all) == 1 and len(b._all) == 1, "the duplicate connection is closed"
+    )
     kept_a, kept_b = a.connections[b.peer_id], b.connections[a.peer_id]
     assert kept_a.local_address == kept_b.remote_address  # the same TCP connection
     b.set_handler(ECHO, echo)
@@ -222,12 +217,10 @@ async def test_a_peer_that_stops_answering_is_declared_dead(make_host) -> None:
     a = await make_host(connection=cfg)
     b = await make_host()
     conn = await a.connect(b.addresses()[0])
-    await asyncio.sleep(0.05)
+    await eventually(lambda: a.peer_id in b.connections, "b has the connection")
     b.connections[a.peer_id]._transport.pause_reading()  # b freezes: no pongs
-    t0 = time.monotonic()
     await asyncio.wait_for(asyncio.shield(conn.closed), 3)
-    assert time.monotonic() - t0 < 1.5
-    assert "unresponsive" in conn.close_reason
+    assert "unresponsive" in conn.close_reason  # the pings' verdict, not the idle timer
     assert b.peer_id not in a.connections
 
 
@@ -243,21 +236,25 @@ async def test_idle_connections_are_closed(make_host) -> None:
 async def test_shutdown_drains_open_streams_then_closes(pair) -> None:
     a, b = pair
 
+    reading, finish = asyncio.Event(), asyncio.Event()
+
     async def slow(stream) -> None:
         data = await stream.readexactly(3)
-        await asyncio.sleep(0.3)
+        reading.set()
+        await finish.wait()
         await stream.write(data)
 
     b.set_handler("/shoal/slow/1.0.0", slow)
     s = await a.open_stream(b.addresses()[0], "/shoal/slow/1.0.0")
     await s.write(b"abc")
-    await asyncio.sleep(0.05)
+    await reading.wait()  # the stream is open and being served
     closing = asyncio.create_task(b.aclose())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: b._closing, "b's shutdown has begun")
     with pytest.raises((ConnectionLost, DialError, ProtocolNotSupported, StreamReset)):
         s2 = await a.open_stream(b.peer_id, "/shoal/slow/1.0.0")
         await s2.write(b"xyz")
         await s2.readexactly(3)
+    finish.set()
     assert await s.readexactly(3) == b"abc"  # the open stream finished
     await asyncio.wait_for(closing, 5)
     assert not b.connections
@@ -279,15 +276,16 @@ async def test_a_remote_reset_fails_the_local_reader(pair) -> None:
 
 async def test_closing_the_connection_fails_every_stream(pair) -> None:
     a, b = pair
-    hold = asyncio.Event()
+    hold, held = asyncio.Event(), asyncio.Event()
 
     async def holder(stream) -> None:
+        held.set()
         await hold.wait()
 
     b.set_handler("/shoal/hold/1.0.0", holder)
     s = await a.open_stream(b.addresses()[0], "/shoal/hold/1.0.0")
     await s.write(b"x")
-    await asyncio.sleep(0.05)
+    await held.wait()  # b serves the stream
     b.connections[a.peer_id].abort("test")
     with pytest.raises(ConnectionLost):
         await asyncio.wait_for(s.read(), 3)

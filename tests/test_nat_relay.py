@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from waiting import eventually
 
 from shoal.transport import rpc
 from shoal.transport.connection import Connection
@@ -105,7 +106,7 @@ async def test_a_private_peer_is_reachable_at_its_relay_address(make_peer) -> No
     conn = await c.connect(addr)
     assert conn.kind == "relayed" and conn.relay == r.peer_id
     assert conn.remote_peer == a.peer_id  # authenticated end to end by the handshake
-    await asyncio.sleep(0.05)
+    await eventually(lambda: a.connection(c.peer_id) is not None, "a has the connection too")
     back = a.connection(c.peer_id)
     assert back is not None and back.kind == "relayed" and back.relay == r.peer_id
     s = await c.open_stream(a.peer_id, ECHO)
@@ -179,7 +180,7 @@ async def test_a_relayed_connection_over_its_byte_limit_is_cut_with_a_clear_erro
     _, nr, a, _, addr = await relay_and_private(make_peer, RelayLimits(circuit_bytes=1_000_000))
     c, _ = await make_peer(hole_punching=False)
     conn = await c.connect(addr)
-    await asyncio.sleep(0.05)
+    await eventually(lambda: a.connection(c.peer_id) is not None, "a has the relayed connection")
     far = a.connection(c.peer_id)
     assert far is not None
     with pytest.raises(RelayLimitExceeded, match="more than 1000000 bytes relayed"):
@@ -269,7 +270,7 @@ async def test_punched_roles_agree_when_a_listener_accepts_the_connection(make_p
     finally:
         remove()
     assert conn.kind == "hole-punched" and not conn.initiator and conn.outbound
-    await asyncio.sleep(0.05)
+    await eventually(lambda: a.connection(b.peer_id) is not None, "a has the punched connection")
     far: Connection | None = a.connection(b.peer_id)
     assert far is not None and far.kind == "hole-punched" and far.initiator and not far.outbound
     s = await b.open_stream(a.peer_id, ECHO)
@@ -280,7 +281,7 @@ async def test_punched_roles_agree_when_a_listener_accepts_the_connection(make_p
 
 async def test_private_peers_find_relays_through_the_dht(make_peer) -> None:
     from shoal.dht.node import DHTNode
-    from shoal.dht.relay_directory import RELAYS_KEY, DHTRelayDirectory
+    from shoal.dht.relay_directory import DHTRelayDirectory
 
     # p bootstraps the DHT but is no relay; r is a relay that a meets only through the DHT.
     p, np_ = await make_peer(relay_service=False)
@@ -291,11 +292,13 @@ async def test_private_peers_find_relays_through_the_dht(make_peer) -> None:
         nodes.append(await DHTNode.create(r, bootstrap=[dial_addr(p)]))
         nr.directory = DHTRelayDirectory(nodes[1])
         assert await nr.wait_for(lambda: nr.reachability is Reachability.PUBLIC, 5)
-        for _ in range(50):  # r's advertisement is in the DHT
-            found = await nodes[1].get(RELAYS_KEY)
-            if found is not None and found.value:
+        listed = DHTRelayDirectory(nodes[1])
+        for _ in range(50):  # r's advertisement is in the DHT (asked, not polled for free)
+            if r.peer_id in await listed.find():
                 break
             await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the relay never listed itself in the DHT")
         a, na = await make_peer(reachability="private", hole_punching=False)
         nodes.append(await DHTNode.create(a, bootstrap=[dial_addr(p)]))
         na.directory = DHTRelayDirectory(nodes[2])
@@ -321,11 +324,11 @@ async def test_shutting_down_mid_transfer_leaves_no_task_behind() -> None:
     assert await na.wait_for(lambda: bool(na.relay_addresses()), 5)
     await c.connect(na.relay_addresses()[0])
     transfer = asyncio.create_task(send_through(c, a.peer_id, [os.urandom(1 << 20)] * 500))
-    await asyncio.sleep(0.2)  # mid-transfer, maybe mid-punch
+    await eventually(lambda: c.bytes_sent > 4 << 20, "the transfer is under way")
     for host, nat in made:
         await nat.aclose()
         await host.aclose()
     with pytest.raises((ConnectionLost, StreamReset)):
         await transfer
-    await asyncio.sleep(0.05)
-    assert asyncio.all_tasks() == {asyncio.current_task()}
+    me = asyncio.current_task()
+    await eventually(lambda: asyncio.all_tasks() == {me}, "no task of the hosts is left")

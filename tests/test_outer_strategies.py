@@ -505,3 +505,23 @@ async def test_the_committed_fingerprint_is_ready_without_hashing_on_the_loop(
     assert all(isinstance(f, str) and len(f) == 64 for f in prints)
     if name == "diloco":
         assert prints[0] == prints[1] == reports[0][-1].fingerprint
+
+
+@pytest.mark.parametrize("name", ["diloco", "streaming"])
+async def test_pseudo_gradients_are_averaged_in_place_from_one_buffer(
+    swarm: Callable[..., Any], name: str
+) -> None:
+    """The all-reduce sends one contiguous float32 buffer as it is and writes the
+    result back into it: no flattening copy out, no copy back (a model's worth each)."""
+    (peer,) = await swarm(name, 1, {"inner_steps": 8, "min_group_size": 1})
+    strategy = peer.strategy
+    if isinstance(strategy, StreamingDiLoCo):
+        pairs = [(f.averager, f.deltas) for f in strategy.fragments]
+    else:
+        pairs = [(strategy.averager, strategy.deltas)]
+    for averager, deltas in pairs:
+        (buffer,) = averager.tensors
+        assert buffer.dtype == torch.float32 and buffer.is_contiguous()
+        assert buffer.numel() == sum(d.numel() for d in deltas)
+        base = buffer.untyped_storage().data_ptr()
+        assert all(d.untyped_storage().data_ptr() == base for d in deltas)
