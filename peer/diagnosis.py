@@ -45,6 +45,8 @@ class Facts:
     torch: str | None = None
     threads: int | None = None
     device: str | None = None
+    # Hole punches tried to NATed peers: (peer, None when it punched, else why not).
+    punches: list[tuple[str, str | None]] = field(default_factory=list)
 
 
 def nat_mapping(observed: list[tuple[str, str]]) -> str:
@@ -65,10 +67,10 @@ def diagnose(f: Facts) -> list[Check]:
         # Nobody to ask: say so once, not as three more warnings.
         network = [
             Check(name, "skip", "not checked: no peer answered")
-            for name in ("reachability", "relays", "clock")
+            for name in ("reachability", "hole punch", "relays", "clock")
         ]
     else:
-        network = [_reachability(f), _relays(f), _clock(f)]
+        network = [_reachability(f), _hole_punch(f), _relays(f), _clock(f)]
     return [bootstrap, *network, _disk(f), _torch(f)]
 
 
@@ -118,6 +120,25 @@ def _reachability(f: Facts) -> Check:
     return Check(
         "reachability", "warn", f"not known yet: {f.reachability_reason or 'no answer'}",
         "run it again in a minute: it takes a dial-back by another peer",
+    )  # fmt: skip
+
+
+def _hole_punch(f: Facts) -> Check:
+    if f.reachability != "private":
+        return Check("hole punch", "ok", "not needed: others dial you directly")
+    if not f.punches:
+        return Check(
+            "hole punch", "skip",
+            "not tried: no NATed peer found in the network's experiments to punch to",
+        )  # fmt: skip
+    worked = [peer for peer, why in f.punches if why is None]
+    if worked:
+        return Check("hole punch", "ok", f"a direct connection to {worked[0]} (a NATed peer)")
+    why = "; ".join(f"{peer}: {reason}" for peer, reason in f.punches)
+    return Check(
+        "hole punch", "warn", f"failed ({why})",
+        "peers behind NAT reach you through relays only (slower); a port forward to "
+        "this machine with --announce /ip4/PUBLIC_IP/tcp/PORT makes you directly dialable",
     )  # fmt: skip
 
 

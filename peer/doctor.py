@@ -20,19 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from shoal.dht.node import DEFAULT_PROTOCOL, DHTNode
+from shoal.dht.records import owner_of
 from shoal.transport import rpc
 from shoal.transport.host import Host, HostConfig
-from shoal.transport.identity import Identity
+from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.nat import NatConfig, NatManager
 
 from .diagnosis import Facts, as_json, as_text, can_take_part, diagnose
+from .discovery import list_experiments
 
 __all__ = ["doctor_command"]
 
 CONNECT_TIMEOUT = 8.0
 REACHABILITY_WAIT = 25.0
 RELAY_WAIT = 10.0
+PUNCH_WAIT = 12.0  # a punch: the relayed connection, then DCUtR's attempts
+PUNCH_TARGETS = 2  # NATed peers a punch is tried to, at most
 MORE_OBSERVERS = 4  # peers besides the bootstrap ones asked how they see us
 
 
@@ -83,6 +87,47 @@ async def _more_observers(host: Host, dht: DHTNode) -> None:
             break
 
 
+async def _natted_peers(dht: DHTNode, me: PeerID) -> list[tuple[PeerID, Multiaddr]]:
+    """Peers of the network's experiments that are reachable only through a relay
+    (their reports list relayed addresses): what a punch can be tried to."""
+    out: dict[PeerID, Multiaddr] = {}
+    for row in (await list_experiments(dht))[:3]:
+        found = await dht.get(f"shoal/x/{row['id']}/peers", latest=True)
+        for subkey, (report, _) in ((found.subkeys or {}) if found else {}).items():
+            with contextlib.suppress(Exception):
+                peer = owner_of(subkey)
+                addrs = [Multiaddr(a) for a in report.get("addresses", [])[:8]]
+                relayed = [a for a in addrs if a.is_relayed]
+                if peer is not None and peer != me and relayed and len(relayed) == len(addrs):
+                    out.setdefault(peer, relayed[0])
+    return list(out.items())[:PUNCH_TARGETS]
+
+
+async def _try_punch(host: Host, nat: NatManager, dht: DHTNode, facts: Facts) -> None:
+    """Connect to a NATed peer through its relay and wait for the hole punch (DCUtR) that
+    its side starts: whether a direct connection between two NATed peers works here."""
+    try:
+        targets = await _natted_peers(dht, host.peer_id)
+    except Exception:  # the DHT did not answer: nothing to try
+        return
+    for peer, addr in targets:
+        name = peer.short()
+        try:
+            await host.connect(addr, timeout=CONNECT_TIMEOUT)
+        except Exception as e:
+            facts.punches.append((name, f"its relay did not connect us: {type(e).__name__}"))
+            continue
+
+        def punched(peer: PeerID = peer) -> bool:
+            conn = host.connection(peer)
+            return conn is not None and conn.kind == "hole-punched"
+
+        if await nat.wait_for(punched, PUNCH_WAIT):
+            facts.punches.append((name, None))
+            return
+        facts.punches.append((name, "no direct connection: traffic stays relayed"))
+
+
 def _observations(host: Host, nat: NatManager) -> list[tuple[str, str]]:
     now = asyncio.get_running_loop().time()
     out = []
@@ -121,16 +166,14 @@ async def gather_facts(bootstrap: list[Multiaddr], data_dir: Path) -> Facts:
     await host.start()
     nat = NatManager(host, config=NatConfig(relay_service=False))
     await nat.start()
+    dht: DHTNode | None = None
     try:
         reached = await _reach(host, facts, bootstrap)
         if not reached:
             return facts
         with contextlib.suppress(Exception):
             dht = await DHTNode.create(host, bootstrap=reached, serves=lambda: False)
-            try:
-                await _more_observers(host, dht)
-            finally:
-                await dht.aclose()
+            await _more_observers(host, dht)
         await nat.wait_for(lambda: nat.reachability.value != "unknown", REACHABILITY_WAIT)
         if nat.reachability.value == "private":
             await nat.wait_for(lambda: bool(nat.relay_client.reservations), RELAY_WAIT)
@@ -138,8 +181,12 @@ async def gather_facts(bootstrap: list[Multiaddr], data_dir: Path) -> Facts:
         facts.reachability_reason = nat.tracker.reason
         facts.relays = [str(a) for a in nat.relay_client.circuit_addresses()]
         facts.observed = _observations(host, nat)
+        if facts.reachability == "private" and dht is not None:
+            await _try_punch(host, nat, dht, facts)
         return facts
     finally:
+        if dht is not None:
+            await dht.aclose()
         await nat.aclose()
         await host.aclose()
 

@@ -2,8 +2,10 @@
 
 The lab test runs the doctor behind the namespace lab's three kinds of
 router: on the public host it says public; behind NAT A (MASQUERADE, which
-keeps a port for every destination) "private, hole punching possible"; behind
-NAT B (--random-fully, a new port per destination) "private, relay needed".
+keeps a port for every destination) "private, hole punching possible" and it
+punches a direct connection to a training peer behind NAT C; behind NAT B
+(--random-fully, a new port per destination) "private, relay needed", and the
+punch fails.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_harness import Daemon, cli_env_path, wait_for
+from daemon_harness import TINY_TASK, Daemon, cli_env_path, wait_for
 from lab import PUB_IP, Lab, lab_unavailable
 
 from shoal.peer.diagnosis import Facts, can_take_part, diagnose, nat_mapping
@@ -34,7 +36,7 @@ def test_no_bootstrap_peer_answering_means_it_cannot_take_part() -> None:
     assert "connection refused" in bootstrap.detail and bootstrap.advice
     # What needs a peer is not checked, rather than reported as three more problems.
     assert {c.name: c.verdict for c in checks if c.verdict == "skip"}.keys() == {
-        "reachability", "relays", "clock",
+        "reachability", "hole punch", "relays", "clock",
     }  # fmt: skip
 
 
@@ -65,6 +67,11 @@ def test_reachability_verdicts_say_what_works() -> None:
     skewed = Facts(**base, clock_skews_s=[120.0, 119.0, 121.0])
     assert verdicts(skewed)["clock"][0] == "warn" and "+120s" in verdicts(skewed)["clock"][1]
     assert can_take_part(diagnose(relay))
+    punched = Facts(**{**base, "reachability": "private", "punches": [("…abc", None)]})
+    assert verdicts(punched)["hole punch"][0] == "ok"
+    failed = Facts(**{**base, "reachability": "private", "punches": [("…abc", "relayed")]})
+    assert verdicts(failed)["hole punch"][0] == "warn"
+    assert verdicts(Facts(**base, reachability="private"))["hole punch"][0] == "skip"
 
 
 @pytest.mark.lab
@@ -76,8 +83,9 @@ def test_doctor_behind_each_kind_of_router(tmp_path: Path) -> None:
     daemons = []
     try:
         env = {"SHOAL_NO_TRAIN": "1"}
-        pub = Daemon("pub", tmp_path, ["--listen", "/ip4/0.0.0.0/tcp/4001"], env,
-                     netns=lab.ns("pub"))  # fmt: skip
+        train = {"SHOAL_TASK_OPTIONS": TINY_TASK, "SHOAL_INNER_STEPS": "10"}
+        pub = Daemon("pub", tmp_path, ["--listen", "/ip4/0.0.0.0/tcp/4001", "--host-experiment",
+                     "lab"], train, netns=lab.ns("pub"))  # fmt: skip
         daemons.append(pub)
         pub.wait_ready()
         boot = pub.address_on(PUB_IP)
@@ -93,6 +101,18 @@ def test_doctor_behind_each_kind_of_router(tmp_path: Path) -> None:
         # it knows itself public.
         wait_for("it to be public", lambda: other.status()["reachability"] == "public", 60)
         wait_for("the bootstrap peer to list it", lambda: pub.status()["dht_peers"] >= 1, 30)
+        # A training peer behind NAT C (MASQUERADE): what the others punch a hole to. Told
+        # it is private: the second public peer sits on router C and could reach its LAN.
+        natted = Daemon("c1", tmp_path, ["--listen", "/ip4/0.0.0.0/tcp/4003", "--bootstrap",
+                        boot, "--join", pub.join_ref, "--reachability", "private"], train,
+                        netns=lab.ns("c1"))  # fmt: skip
+        daemons.append(natted)
+        natted.wait_ready()
+        wait_for(
+            "the NATed peer to hold a relay address",
+            lambda: any("p2p-circuit" in a for a in natted.status()["addresses"]),
+            60,
+        )
         found = {}
         for ns in ("pub", "a1", "b1"):
             out = subprocess.run(
@@ -108,6 +128,8 @@ def test_doctor_behind_each_kind_of_router(tmp_path: Path) -> None:
         assert found["a1"]["reachability"]["detail"].startswith("private, hole punching possible")
         assert found["b1"]["reachability"]["detail"].startswith("private, relay needed")
         assert found["b1"]["relays"]["verdict"] == "ok"  # it got a reservation on the public peer
+        assert found["a1"]["hole punch"]["verdict"] == "ok", found["a1"]["hole punch"]
+        assert found["b1"]["hole punch"]["verdict"] == "warn", found["b1"]["hole punch"]
     finally:
         for d in daemons:
             d.kill()
