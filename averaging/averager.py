@@ -60,6 +60,7 @@ from .matchmaking import (
     NeedsResync,
     NobodyElse,
 )
+from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
 from .state_sync import State, StateServer, StateSyncError, load_state_from_peers
 
 log = logging.getLogger("shoal.averaging")
@@ -110,7 +111,7 @@ class AveragerConfig:
     # Immediate retries among the survivors after an aborted round.
     max_retries: int = 3
     bandwidth: float = 1.0
-    state_protocol: str = "/shoal/state/1.0.0"
+    state_protocol: str = STATE_PROTOCOL
     # One state shared by the whole swarm (see the module docstring): hash-chained
     # versions, and a peer with nobody else to average with commits alone.
     shared_state: bool = False

@@ -33,6 +33,7 @@ import torch
 from .allreduce import AllReduceConfig
 from .compression import CODECS
 from .matchmaking import MatchmakingConfig
+from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -276,7 +277,7 @@ def matchmaking_config(opts: Mapping[str, Any]) -> MatchmakingConfig:
 
 def state_protocol(key: str) -> str:
     """One state server per key on a host: the key is part of the protocol name."""
-    return f"/shoal/state/1.0.0/{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return f"{STATE_PROTOCOL}/{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 class RoundGate:

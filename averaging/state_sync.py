@@ -36,7 +36,8 @@ from .fingerprint import state_fingerprint
 
 log = logging.getLogger("shoal.averaging.state")
 
-DEFAULT_PROTOCOL = "/shoal/state/1.0.0"
+# 1.1.0: the bytes of a fetch travel as rpc chunks (1.0.0 framed each piece as a tensor).
+DEFAULT_PROTOCOL = "/shoal/state/1.1.0"
 CHUNK_BYTES = 4 * 1024 * 1024
 MAX_TENSORS = 65536
 MAX_TOTAL_BYTES = 1 << 40
@@ -74,6 +75,27 @@ StateProvider = Callable[[], State | None]
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _pieces(
+    starts: Sequence[int], views: Sequence[torch.Tensor], offset: int, end: int
+) -> list[tuple[int, int, int]]:
+    """Bytes offset..end of the concatenated views as (view, start, length) pieces of at
+    most CHUNK_BYTES, never across a view's end: the chunks of one fetch, in order."""
+    pieces = []
+    i = 0
+    while offset < end:
+        while starts[i] + views[i].numel() <= offset:
+            i += 1
+        start = offset - starts[i]
+        n = min(end - offset, views[i].numel() - start, CHUNK_BYTES)
+        pieces.append((i, start, n))
+        offset += n
+    return pieces
+
+
+def _bytes_of(view: torch.Tensor) -> memoryview:
+    return memoryview(view.numpy())
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -199,16 +221,10 @@ class StateServer:
         if not 0 <= offset <= offset + length <= snap.total:
             raise ValueError(f"range {offset}+{length} outside 0..{snap.total}")
         end = offset + length
-        i = 0
-        while offset < end:
-            while snap.offsets[i] + snap.views[i].numel() <= offset:
-                i += 1
-            start = offset - snap.offsets[i]
-            n = min(end - offset, snap.views[i].numel() - start, CHUNK_BYTES)
+        for index, (i, start, n) in enumerate(_pieces(snap.offsets, snap.views, offset, end)):
             # Straight from the snapshot's storage: no copy.
-            await ctx.send_tensor(snap.views[i][start : start + n])
+            await ctx.send_chunk(index, _bytes_of(snap.views[i][start : start + n]))
             self.served_bytes += n
-            offset += n
         yield {"done": end}
 
 
@@ -353,15 +369,8 @@ async def _fetch(
             timeout=request_timeout,
         ) as call:  # fmt: skip
             await call.close_send()
-            pos = offset
-            i = 0
-            while pos < end:
-                while starts[i] + views[i].numel() <= pos:
-                    i += 1
-                start = pos - starts[i]
-                n = min(end - pos, views[i].numel() - start, CHUNK_BYTES)
-                await call.recv_tensor(out=views[i][start : start + n])
-                pos += n
+            for index, (i, start, n) in enumerate(_pieces(starts, views, offset, end)):
+                await call.recv_chunk_into(index, _bytes_of(views[i][start : start + n]))
             done = await call.recv_item()
             if not isinstance(done, dict) or done.get("done") != end:
                 raise ValueError("fetch ended out of step")

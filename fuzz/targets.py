@@ -32,7 +32,7 @@ from shoal.peer.experiment import Manifest, ManifestError, parse_experiment_ref
 from shoal.peer.status import parse_status_addr
 from shoal.peer.status_cli import format_status
 from shoal.transport import tensors
-from shoal.transport.errors import HandshakeError, ProtocolViolation
+from shoal.transport.errors import HandshakeError, ProtocolViolation, StreamTruncated
 from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
 from shoal.transport.mux import Multiplexer
@@ -73,7 +73,7 @@ class BytesStream:
         if self._pos + n > len(self._data):
             have = len(self._data) - self._pos
             self._pos = len(self._data)
-            raise ProtocolViolation(f"stream ended after {have} of {n} bytes")
+            raise StreamTruncated(f"stream ended after {have} of {n} bytes")
         out = bytes(self._data[self._pos : self._pos + n])
         self._pos += n
         return out

@@ -68,6 +68,21 @@ async def served(pair):
         await ctx.send_tensor(total)
         yield "done"
 
+    @svc.stream("chunks")
+    async def chunks(ctx, sizes):
+        # Echo: read one chunk per size into a posted buffer, answer with the same chunks.
+        bufs = [bytearray(n) for n in sizes]
+        for i, buf in enumerate(bufs):
+            await ctx.recv_chunk_into(i, memoryview(buf))
+        for i, buf in enumerate(bufs):
+            await ctx.send_chunk(i, memoryview(buf))
+        yield "done"
+
+    @svc.stream("refuse_chunks")
+    async def refuse_chunks(ctx, _):
+        raise LookupError("no such part")
+        yield  # a streaming handler
+
     await client.connect(server.addresses()[0])
     return client, server, svc
 
@@ -257,6 +272,41 @@ async def test_a_call_can_dial_by_address(pair) -> None:
         return payload
 
     assert await rpc.call(client, server.addresses()[0], PROTO, "echo", "hi") == "hi"
+
+
+async def test_chunks_land_in_the_buffers_posted_for_them(served) -> None:
+    client, server, _ = served
+    payloads = [bytes(range(256)) * 7, b"", b"x" * 70001]
+    async with rpc.open_call(
+        client, server.peer_id, PROTO, "chunks", [len(p) for p in payloads]
+    ) as call:
+        for i, p in enumerate(payloads):
+            assert await call.send_chunk(i, memoryview(p)) == rpc.CHUNK.size + len(p)
+        await call.close_send()
+        echoed = [bytearray(len(p)) for p in payloads]
+        for i, buf in enumerate(echoed):
+            await call.recv_chunk_into(i, memoryview(buf))
+        assert await call.recv_item() == "done"
+    assert [bytes(b) for b in echoed] == payloads
+
+
+async def test_a_chunk_out_of_order_or_of_another_size_is_a_protocol_violation(served) -> None:
+    client, server, _ = served
+    for index, size in ((1, 4), (0, 5)):
+        with pytest.raises(ProtocolViolation):
+            async with rpc.open_call(client, server.peer_id, PROTO, "chunks", [4]) as call:
+                await call.send_chunk(0, memoryview(b"abcd"))
+                await call.close_send()
+                await call.recv_chunk_into(index, memoryview(bytearray(size)))
+
+
+async def test_an_error_where_a_chunk_was_due_is_the_handlers_typed_error(served) -> None:
+    client, server, _ = served
+    async with rpc.open_call(client, server.peer_id, PROTO, "refuse_chunks", None) as call:
+        await call.close_send()
+        with pytest.raises(RemoteError) as err:
+            await call.recv_chunk_into(0, memoryview(bytearray(8)))
+    assert err.value.kind == "LookupError" and "no such part" in err.value.message
 
 
 def test_importing_the_transport_does_not_import_torch() -> None:

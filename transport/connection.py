@@ -34,6 +34,7 @@ from .errors import (
     ProtocolViolation,
     StreamClosed,
     StreamReset,
+    StreamTruncated,
     TransportError,
 )
 from .identity import Identity, PeerID
@@ -252,10 +253,10 @@ class Stream:
         return bytes(self._take(n)[0])
 
     async def readexactly(self, n: int) -> bytes:
-        """Exactly n bytes; raises ProtocolViolation if the stream ends first."""
+        """Exactly n bytes; raises StreamTruncated if the stream ends first."""
         while self._buffered < n:
             if self._eof:
-                raise ProtocolViolation(
+                raise StreamTruncated(
                     f"stream {self.protocol} ended after {self._buffered} of {n} bytes"
                 )
             self._check_error()
@@ -294,9 +295,7 @@ class Stream:
                 pos += self.readinto_nowait(out[pos:])
                 continue
             if self._eof:
-                raise ProtocolViolation(
-                    f"stream {self.protocol} ended after {pos} of {total} bytes"
-                )
+                raise StreamTruncated(f"stream {self.protocol} ended after {pos} of {total} bytes")
             self._check_error()
             self._posted = out
             self._posted_pos = pos

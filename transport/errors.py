@@ -16,6 +16,10 @@ class ProtocolViolation(TransportError):
     """The remote side broke the wire protocol (bad frame, oversized message, ...)."""
 
 
+class StreamTruncated(ProtocolViolation):
+    """The stream ended (EOF) in the middle of a read that needed more bytes."""
+
+
 class HandshakeError(TransportError):
     """The secure handshake failed: bad message, bad signature, wrong peer, timeout."""
 

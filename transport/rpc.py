@@ -7,6 +7,13 @@ bytes (kind TENSOR). The first client message is ``[method, timeout_s, payload]`
 the server answers ``[OK, result]`` (once for unary calls, once per item for
 streams) or ``[ERR, [kind, message]]``, then half-closes.
 
+Bulk data (the all-reduce's parts, state downloads) travels as *chunks*: a
+TENSOR frame whose 8-byte body is ``index:u32 nbytes:u32``, followed by the
+raw bytes. Both sides know every chunk's index and size in advance, so a chunk
+is read straight into a buffer posted for it, and anything else (another
+index, another size) is a protocol violation. An ``ERR`` message where a chunk
+was due becomes the RemoteError it carries.
+
 Deadlines travel as a relative timeout (no clock agreement needed); the server
 runs the handler under it. Cancelling the caller resets the stream, which
 cancels the handler on the other side.
@@ -31,6 +38,7 @@ from .errors import (
     RemoteError,
     RpcTimeout,
     StreamReset,
+    StreamTruncated,
     TransportError,
     UnknownMethod,
 )
@@ -41,6 +49,8 @@ from .multiaddr import Multiaddr
 log = logging.getLogger("shoal.transport.rpc")
 
 FRAME = struct.Struct(">IB")
+CHUNK = struct.Struct(">IBII")  # FRAME (length 8, kind TENSOR), then index and byte count
+_CHUNK_BODY = struct.Struct(">II")
 MSG, TENSOR = 0, 1
 OK, ERR = 0, 1
 DEFAULT_MAX_MESSAGE = 16 * 1024 * 1024
@@ -87,6 +97,34 @@ class MessageStream:
         body = msgpack.packb(header, use_bin_type=True)
         await self.stream.write(FRAME.pack(len(body), TENSOR) + body)
         await self.stream.write(view)
+
+    async def send_chunk(self, index: int, payload: memoryview) -> int:
+        """Chunk `index`: its header, then `payload` straight from its buffer.
+        Returns the bytes written."""
+        await self.stream.write(CHUNK.pack(8, TENSOR, index, len(payload)))
+        await self.stream.write(payload)
+        return CHUNK.size + len(payload)
+
+    async def recv_chunk_into(self, index: int, into: memoryview) -> int:
+        """Read chunk `index`, of exactly len(into) bytes, into `into`; returns the
+        bytes read. The remote handler's error, sent instead, raises as RemoteError."""
+        length, kind = FRAME.unpack(await self.stream.readexactly(FRAME.size))
+        if kind == MSG:
+            if length > self.limits.max_message:
+                raise ProtocolViolation(f"message of {length} bytes where chunk {index} was due")
+            msg = _unpack(await self.stream.readexactly(length))
+            if isinstance(msg, list) and len(msg) == 2 and msg[0] == ERR:
+                _raise_remote(msg[1])
+            raise ProtocolViolation(f"a message where chunk {index} was due")
+        if kind != TENSOR or length != _CHUNK_BODY.size:
+            raise ProtocolViolation(f"bad chunk frame (kind {kind}, length {length})")
+        got_index, nbytes = _CHUNK_BODY.unpack(await self.stream.readexactly(_CHUNK_BODY.size))
+        if got_index != index:
+            raise ProtocolViolation(f"chunk {got_index} where chunk {index} was due")
+        if nbytes != len(into):
+            raise ProtocolViolation(f"chunk {index} has {nbytes} bytes, {len(into)} were due")
+        await self.stream.readexactly_into(into)
+        return CHUNK.size + nbytes
 
     async def _read_frame(self) -> tuple[int, bytes] | None:
         head = await self.stream.readexactly(FRAME.size) if not self.stream.at_eof() else b""
@@ -262,7 +300,7 @@ def _translate(e: BaseException, method: str, peer: object) -> BaseException:
         return RpcTimeout(f"{method} on {peer} timed out")
     if isinstance(e, StreamReset) and not isinstance(e, UnknownMethod):
         return e
-    if isinstance(e, ProtocolViolation) and "ended after" in str(e):
+    if isinstance(e, StreamTruncated):
         return ConnectionLost(f"{method} on {peer}: {e}")
     return e
 
