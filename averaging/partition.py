@@ -89,8 +89,11 @@ class Plan:
         step = self.chunk_elements
         return [(a, min(a + step, end)) for a in range(start, end, step)]
 
-    def digest(self, round_id: bytes, peers: Sequence[bytes], codec_code: int) -> bytes:
-        """16 bytes that differ whenever two members would not exchange compatible data."""
+    def digest(
+        self, round_id: bytes, peers: Sequence[bytes], codec_code: int, extra: bytes = b""
+    ) -> bytes:
+        """16 bytes that differ whenever two members would not exchange compatible data
+        (`extra`: more that must agree, e.g. a reduction other than the mean)."""
         h = hashlib.sha256(b"shoal/allreduce-plan/v1\x00")
         h.update(
             struct.pack(
@@ -106,4 +109,6 @@ class Plan:
         for peer, (start, end) in zip(peers, self.parts, strict=True):
             h.update(struct.pack(">HQQ", len(peer), start, end))
             h.update(peer)
+        if extra:
+            h.update(b"\x00extra" + extra)
         return h.digest()[:16]

@@ -1,0 +1,472 @@
+"""The data plane of one all-reduce round: our side of every lane.
+
+Between every ordered pair of members (i, j) there are ``streams_per_peer``
+lanes. On each, member i sends its slice of part j (its *contribution*, in
+chunks, encoded with the round's codec) and owner j answers on the same stream
+with the reduced chunks as soon as each is final. `DataPlane` runs both sides
+for this member: `run` drives our contributions to the other parts and
+receives their results; `serve_lane` runs in the RPC handler of another
+member's stream into our part. What can be reduced, and in which order, is
+`reducer.LaneReducer`; what a failure means is `round_errors.classify`.
+
+Wire of a lane (RPC method ``d``, a bidirectional stream): the request is
+``{"r": round_id, "l": lane, "w": weight, "p": plan digest}``; then the
+contribution chunks (`rpc` chunks: index and size are the ones the plan says),
+then half-close; the owner answers with the result chunks of that lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from shoal.transport import rpc
+from shoal.transport.identity import PeerID
+from shoal.transport.rpc import CallContext
+
+from .buffers import RoundBuffers, bytes_of
+from .compression import Codec, CodecError
+from .partition import Plan, Span
+from .reducer import ChunkJob, LaneReducer, Reduction, float64_scratch
+from .round_errors import Action, Side, Veto, classify, first_of
+
+__all__ = ["AllReduceError", "BadRequest", "DataPlane", "NotAMember", "RoundOver", "RoundSide"]
+
+_THREAD_WORK = 1 << 23  # element-ops of one chunk's reduction above which it runs in a thread
+
+
+class AllReduceError(Exception):
+    """A request the all-reduce service refused (crosses the wire as RemoteError.kind)."""
+
+
+class UnknownRound(AllReduceError):
+    """The round did not start here within `start_timeout`."""
+
+
+class RoundOver(AllReduceError):
+    """The round already ended here (aborted or decided)."""
+
+
+class NotAMember(AllReduceError):
+    """The requester is not a member of the round."""
+
+
+class BadRequest(AllReduceError):
+    """A malformed request, or one the plan does not allow."""
+
+
+class RoundSide(Protocol):
+    """What the data plane needs from the round that drives it."""
+
+    def fail(self, reason: str, blame: tuple[int, ...] = ()) -> None: ...
+    def suspect(self, j: int, reason: str) -> None: ...
+    def heard(self, j: int, nbytes: int) -> None: ...
+    def over(self) -> bool: ...
+    async def connect(self, j: int) -> None: ...
+    async def hook(self, point: str) -> None: ...
+
+
+class _Counter:
+    """A monotonic counter tasks can wait on (chunks received, chunks reduced)."""
+
+    __slots__ = ("_waiters", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    def advance(self, value: int) -> None:
+        self.value = value
+        if self._waiters:
+            keep = []
+            for target, fut in self._waiters:
+                if target <= value:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    keep.append((target, fut))
+            self._waiters = keep
+
+    async def wait(self, target: int) -> None:
+        if self.value >= target:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, fut))
+        await fut
+
+
+class _Lane:
+    """Owner side of one lane of our part: the reducer, its receive slots, its signals."""
+
+    def __init__(self, reducer: LaneReducer) -> None:
+        self.reducer = reducer
+        self.slots: dict[int, list[Any]] = {}
+        self.changed = asyncio.Event()  # a sender attached or a contribution arrived
+        self.reduced = _Counter()  # mirrors reducer.reduced, for tasks to wait on
+        self.encoded: list[memoryview] = []  # with a codec: the result's bytes, per chunk
+
+
+@dataclass(frozen=True, slots=True)
+class RoundInfo:
+    """Who is in the round and what it averages (the same on every member)."""
+
+    round_id: bytes
+    me: int
+    peers: list[PeerID]
+    names: list[str]
+    plan: Plan
+    digest: bytes
+    weight: float
+    window: int
+    protocol: str
+
+
+class DataPlane:
+    """Our contributions out, the other members' contributions in, our part reduced."""
+
+    def __init__(
+        self,
+        host: Any,
+        info: RoundInfo,
+        codec: Codec,
+        reduction: Reduction,
+        buffers: RoundBuffers,
+        side: RoundSide,
+    ) -> None:
+        self.host = host
+        self.info = info
+        self.codec = codec
+        self.raw = codec.name == "none"
+        self.reduction = reduction
+        self.buffers = buffers
+        self.side = side
+        self.n = len(info.peers)
+        self._index = {p: i for i, p in enumerate(info.peers)}
+        self.flat = torch.empty(0)  # our input, set by run()
+        self.result = torch.empty(0)  # uncompressed: the whole average
+        # With a codec: (start, end, bytes) of the encoded average, every element once.
+        self.encoded: list[tuple[int, int, memoryview]] = []
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.complete = asyncio.Event()  # everything we need before READY is here
+        self._pending = 0  # result lanes to receive + own lanes to reduce
+        self._need: Counter[int] = Counter()  # per peer: pending items that need it
+        self._lanes: dict[int, _Lane] = {}
+        self._attached: set[tuple[int, int]] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._contrib_pending = 0
+        self._mid_rs_done = False
+        self._plan_transfers()
+
+    def _plan_transfers(self) -> None:
+        """What we must have before READY: every lane of every other part's result,
+        and every lane of our own part reduced (which needs everyone's contribution).
+        Planned when the round registers: streams into our part may come at once."""
+        info, plan = self.info, self.info.plan
+        if self.n == 1:
+            return
+        for j in range(self.n):
+            if j != info.me:
+                for span in plan.lanes(j):
+                    if span[1] > span[0]:
+                        self._pending += 1
+                        self._need[j] += 1
+        senders = [i for i in range(self.n) if i != info.me]
+        for lane, span in enumerate(plan.lanes(info.me)):
+            if span[1] > span[0]:
+                reducer = LaneReducer(info.me, plan.chunks(span), senders, info.window, info.weight)
+                self._lanes[lane] = _Lane(reducer)
+                self._pending += 1
+                for i in senders:
+                    self._need[i] += 1
+
+    def needs(self, j: int) -> bool:
+        """Do we still wait for data that needs member j?"""
+        return self._need[j] > 0 and not self.complete.is_set()
+
+    def _done(self, j: int | None) -> None:
+        """One pending item finished (`j`: the peer it needed, None: all of them)."""
+        for i in range(self.n) if j is None else (j,):
+            if i != self.info.me:
+                self._need[i] -= 1
+        self._pending -= 1
+        if self._pending == 0:
+            self.complete.set()
+
+    def close_handlers(self) -> None:
+        for task in list(self._handlers):
+            task.cancel()
+
+    def _handle(self, j: int, side: Side, e: BaseException) -> None:
+        verdict = classify(e, side, self.info.names[j])
+        if verdict.action is Action.RAISE:
+            raise e
+        if verdict.action is Action.SUSPECT:
+            self.side.suspect(j, verdict.reason)
+        elif verdict.action is Action.VETO or (
+            verdict.action is Action.VETO_IF_NEEDED and self.needs(j)
+        ):
+            blame = (j,) if verdict.blame else getattr(e, "blame", ())
+            self.side.fail(verdict.reason, blame)
+
+    def _wire_bytes(self, chunks: list[Span]) -> int:
+        return sum(rpc.CHUNK.size + self.codec.encoded_size(b - a) for a, b in chunks)
+
+    # --- our side of the other members' parts -------------------------------------------------
+
+    async def run(self, flat: torch.Tensor, result: torch.Tensor) -> None:
+        """Send our contributions, receive the others' results, reduce our part."""
+        self.flat, self.result = flat, result
+        if self._pending == 0:
+            self.complete.set()
+        async with asyncio.TaskGroup() as tg:
+            for j in range(self.n):
+                if j == self.info.me:
+                    continue
+                for lane, span in enumerate(self.info.plan.lanes(j)):
+                    if span[1] > span[0]:
+                        self._contrib_pending += 1
+                        tg.create_task(self._exchange(j, lane, span))
+            for lane in self._lanes.values():
+                tg.create_task(self._reduce(lane))
+
+    async def _exchange(self, j: int, lane: int, span: Span) -> None:
+        """Send our contribution to lane `lane` of part j; receive that lane's result."""
+        info = self.info
+        header = {"r": info.round_id, "l": lane, "w": info.weight, "p": info.digest}
+        try:
+            await self.side.connect(j)
+            async with (
+                rpc.open_call(
+                    self.host, info.peers[j], info.protocol, "d", header, timeout=None
+                ) as call,
+                asyncio.TaskGroup() as tg,
+            ):
+                tg.create_task(self._send_contribution(call, span))
+                tg.create_task(self._receive_result(j, call, span))
+        except BaseExceptionGroup as eg:
+            self._handle(j, Side.SEND, first_of(eg))
+        except Exception as e:
+            self._handle(j, Side.SEND, e)
+
+    async def _send_contribution(self, call: rpc.MessageStream, span: Span) -> None:
+        plan = self.info.plan
+        chunks = plan.chunks(span) if self.info.weight > 0 else []
+        staging = None
+        if not self.raw and chunks:
+            staging = self.buffers.take_bytes(self.codec.encoded_size(plan.chunk_elements))
+        for c, (a, b) in enumerate(chunks):
+            if staging is None:
+                payload = bytes_of(self.flat[a:b])
+            else:
+                payload = staging[: self.codec.encoded_size(b - a)]
+                try:
+                    self.codec.encode(self.flat[a:b], payload)
+                except CodecError as e:
+                    raise Veto(f"codec error: {e}") from None
+            sent = await call.send_chunk(c, payload)  # (not `+= await`: tasks interleave)
+            self.bytes_sent += sent
+            if not self._mid_rs_done:
+                self._mid_rs_done = True
+                await self.side.hook("mid_reduce_scatter")
+        await call.stream.close()
+        self._contrib_pending -= 1
+        if self._contrib_pending == 0:
+            await self.side.hook("after_reduce_scatter")
+
+    async def _receive_result(self, j: int, call: rpc.MessageStream, span: Span) -> None:
+        chunks = self.info.plan.chunks(span)
+        encoded = None
+        if not self.raw:
+            encoded = self.buffers.split_bytes([self.codec.encoded_size(b - a) for a, b in chunks])
+        call.stream.reserve(self._wire_bytes(chunks))  # it all has a place to go already
+        for c, (a, b) in enumerate(chunks):
+            into = bytes_of(self.result[a:b]) if encoded is None else encoded[c]
+            nbytes = await call.recv_chunk_into(c, into)
+            self.bytes_received += nbytes
+            self.side.heard(j, nbytes)
+            if encoded is not None:
+                try:
+                    self.codec.check(encoded[c], b - a)  # decoded on commit
+                except CodecError as e:
+                    raise Veto(
+                        f"codec error in part {j} from {self.info.names[j]}: {e}", (j,)
+                    ) from None
+                self.encoded.append((a, b, encoded[c]))
+        self._done(j)
+
+    # --- the owner's side: our part -----------------------------------------------------------
+
+    def _check_request(self, sender: int, header: dict[str, Any]) -> tuple[_Lane, float]:
+        lane_index, weight, digest = header.get("l"), header.get("w"), header.get("p")
+        problem = None
+        if digest != self.info.digest:
+            problem = "plan mismatch (different tensor sizes, bandwidths, codec or chunking)"
+        elif isinstance(weight, bool) or not isinstance(weight, int | float):
+            problem = f"weight {weight!r} is not a number"
+        elif not math.isfinite(weight) or weight < 0:
+            problem = f"weight {weight!r} is not a finite number >= 0"
+        elif (
+            isinstance(lane_index, bool)
+            or not isinstance(lane_index, int)
+            or lane_index not in self._lanes
+        ):
+            problem = f"lane {lane_index!r} does not exist"
+        elif (sender, lane_index) in self._attached:
+            problem = f"second stream for lane {lane_index}"
+        if problem is None:
+            assert isinstance(lane_index, int) and isinstance(weight, int | float)
+            problem = self._lanes[lane_index].reducer.attach(sender, float(weight))
+        if problem is not None:
+            self.side.fail(
+                f"member {self.info.names[sender]} sent a bad request: {problem}", (sender,)
+            )
+            raise BadRequest(problem)
+        assert isinstance(lane_index, int)
+        self._attached.add((sender, lane_index))
+        return self._lanes[lane_index], float(weight)  # type: ignore[arg-type]
+
+    async def serve_lane(self, ctx: CallContext, header: dict[str, Any]) -> None:
+        """A member's stream into one lane of our part (runs in the host's handler task)."""
+        info = self.info
+        sender = self._index.get(ctx.peer)
+        if sender is None or sender == info.me:
+            raise NotAMember(
+                f"{ctx.peer.short()} is not a member of round {info.round_id.hex()[:12]}"
+            )
+        if self.side.over():
+            raise RoundOver(f"round {info.round_id.hex()[:12]} is over here")
+        lane, weight = self._check_request(sender, header)
+        if weight > 0:
+            # Uncompressed, a slot is a float32 chunk; with a codec, the encoded bytes
+            # (checked on arrival, decoded straight into the sum).
+            count = min(lane.reducer.window, len(lane.reducer.chunks))
+            chunk_elements = info.plan.chunk_elements
+            if self.raw:
+                slots: list[Any] = [self.buffers.take(chunk_elements) for _ in range(count)]
+            else:
+                size = self.codec.encoded_size(chunk_elements)
+                slots = [self.buffers.take_bytes(size) for _ in range(count)]
+            lane.slots[sender] = slots
+            # As many chunks in flight as we have slots for, from the start: the sender
+            # need not wait for the flow-control window to grow.
+            ctx.stream.reserve(self._wire_bytes(lane.reducer.chunks[:count]))
+        lane.changed.set()
+        self.side.heard(sender, 0)
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._receive_contribution(ctx, sender, lane))
+                tg.create_task(self._send_result(ctx, lane))
+        except BaseExceptionGroup as eg:
+            e = first_of(eg)
+            if isinstance(e, asyncio.CancelledError):
+                raise e from None
+            self._handle(sender, Side.SERVE, e)
+            raise AllReduceError(str(e)) from None
+        finally:
+            self._handlers.discard(task)
+
+    async def _receive_contribution(self, ctx: CallContext, sender: int, lane: _Lane) -> None:
+        slots = lane.slots.get(sender)
+        if slots is None:
+            return  # weight 0: it contributes nothing
+        reducer = lane.reducer
+        for c, (a, b) in enumerate(reducer.chunks):
+            await lane.reduced.wait(reducer.slot_free_after(c))
+            slot = slots[reducer.slot(c)]
+            size = b - a if self.raw else self.codec.encoded_size(b - a)
+            into = bytes_of(slot[:size]) if self.raw else slot[:size]
+            nbytes = await ctx.recv_chunk_into(c, into)
+            self.bytes_received += nbytes
+            self.side.heard(sender, nbytes)
+            if not self.raw:
+                try:
+                    self.codec.check(into, b - a)
+                except CodecError as e:
+                    name = self.info.names[sender]
+                    raise Veto(
+                        f"codec error in the contribution of {name}: {e}", (sender,)
+                    ) from None
+            reducer.arrived(sender, c)
+            lane.changed.set()
+
+    async def _send_result(self, ctx: CallContext, lane: _Lane) -> None:
+        for c, (a, b) in enumerate(lane.reducer.chunks):
+            await lane.reduced.wait(c + 1)
+            payload = bytes_of(self.result[a:b]) if self.raw else lane.encoded[c]
+            sent = await ctx.send_chunk(c, payload)
+            self.bytes_sent += sent
+
+    async def _reduce(self, lane: _Lane) -> None:
+        try:
+            await self._reduce_lane(lane)
+        except Veto as e:
+            self.side.fail(e.reason, e.blame)
+            return
+        self._done(None)
+
+    async def _reduce_lane(self, lane: _Lane) -> None:
+        reducer = lane.reducer
+        chunk_elements = self.info.plan.chunk_elements
+        acc = scratch = None
+        if self.raw:
+            acc = self.buffers.take(float64_scratch(chunk_elements), torch.float64)
+        else:
+            sizes = [self.codec.encoded_size(b - a) for a, b in reducer.chunks]
+            lane.encoded = self.buffers.split_bytes(sizes)
+            scratch = self.buffers.take(chunk_elements)  # the sum, before encoding
+        while not reducer.complete:
+            lane.changed.clear()
+            job = reducer.next_job()
+            if job is None:
+                await lane.changed.wait()
+                continue
+            await self._run_job(lane, job, acc, scratch)
+            reducer.finished(job.index)
+            lane.reduced.advance(reducer.reduced)
+            await asyncio.sleep(0)  # let the streams move between chunks
+
+    async def _run_job(
+        self, lane: _Lane, job: ChunkJob, acc: torch.Tensor | None, scratch: torch.Tensor | None
+    ) -> None:
+        a, b = job.span
+        inputs = [(self._input(lane, i, job.index, a, b), w) for i, w in job.order]
+        out = self.result[a:b] if scratch is None else scratch[: b - a]
+        encoded = None if scratch is None else lane.encoded[job.index]
+        if len(inputs) * (b - a) >= _THREAD_WORK:
+            await self.buffers.in_thread(self._reduce_chunk, inputs, out, acc, encoded)
+        else:
+            self._reduce_chunk(inputs, out, acc, encoded)
+        if encoded is not None:
+            self.encoded.append((a, b, encoded))
+
+    def _input(self, lane: _Lane, i: int, c: int, a: int, b: int) -> torch.Tensor | memoryview:
+        """Member i's contribution to chunk c of a lane: our own input, or its slot."""
+        if i == self.info.me:
+            return self.flat[a:b]
+        slot = lane.slots[i][lane.reducer.slot(c)]
+        return slot[: b - a] if self.raw else slot[: self.codec.encoded_size(b - a)]
+
+    def _reduce_chunk(
+        self,
+        inputs: list[tuple[torch.Tensor | memoryview, float]],
+        out: torch.Tensor,
+        acc: torch.Tensor | None,
+        encoded: memoryview | None,
+    ) -> None:
+        # Only we compute this part, so how it rounds needs only to be deterministic;
+        # with a codec we encode it once and, like everyone else, decode it on commit.
+        self.reduction.reduce(inputs, out, self.codec, acc)
+        if encoded is not None:
+            try:
+                self.codec.encode(out, encoded)
+            except CodecError as e:
+                raise Veto(f"codec error: {e}") from None
