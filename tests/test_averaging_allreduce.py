@@ -1245,3 +1245,32 @@ async def test_streams_that_arrive_while_a_member_still_flattens_its_input_are_s
     committed(await c.run(c.group(), tensors))
     assert len(calls) == 3
     assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0] * 3)) < 1e-6
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_a_centered_clip_round_is_bit_identical_and_bounds_a_scaled_contribution(
+    cluster: Any, codec: str
+) -> None:
+    """The reduction is pluggable: with CenteredClip every owner clips its part, members
+    still end bit-identical, and a member sending 100x its update cannot drag the
+    average (the weighted mean would move by ~20x)."""
+    c = await cluster(5, AllReduceConfig(reduction="centered_clip", chunk_bytes=4096, **FAST))
+    inputs = [
+        [torch.full((3000,), 1.0) + 0.01 * t for t in ts] for ts in make_inputs(5, 3, [(3000,)])
+    ]
+    inputs[4] = [t * -100.0 for t in inputs[4]]
+    tensors = clone(inputs)
+    committed(await c.run(c.group(), tensors, codec=codec))
+    result = assert_identical(tensors)
+    assert (result - 1.0).abs().max() < 0.5
+
+
+async def test_members_that_disagree_on_the_reduction_fail_as_a_plan_mismatch(
+    cluster: Any,
+) -> None:
+    c = await cluster(
+        2, configs=[AllReduceConfig(**FAST), AllReduceConfig(reduction="centered_clip", **FAST)]
+    )
+    outs = await c.run(c.group(), clone(make_inputs(2, 4)))
+    assert all(isinstance(o, AllReduceOutcome) and not o.committed for o in outs)
+    assert any("plan mismatch" in o.reason for o in outs)  # type: ignore[union-attr]
