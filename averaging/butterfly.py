@@ -193,8 +193,6 @@ class ButterflyRound:
     ) -> None:
         self.cfg = cfg = config
         self.host = host
-        self._spawn = spawn
-        self._wait_connection = wait_connection
         self.group = group
         self.round_id = group.round_id
         self.tensors = tensors
@@ -217,22 +215,17 @@ class ButterflyRound:
             promised=early,
         )
         self.wake = asyncio.Event()
+        self.link = ControlLink(host, cfg, group, self.state, spawn, wait_connection, self.wake)
         self._buffers = RoundBuffers(pool)
         # Planned now: other members may stream into our part as soon as we registered.
         self.data = DataPlane(host, info, codec, make_reduction(cfg.reduction), self._buffers, self)
-        self.flat = torch.empty(0)
-        self.result = torch.empty(0)
-        self._flat_is_input = False  # flat is a view of the caller's (single) tensor
-        self.control_sent = 0
+        self.io = RoundTensors(tensors, self.plan.n_elements, codec, self._buffers)
         self.control_received = 0
         self.data_bytes_in = 0
         self._seen_suspects: set[int] = set()
-        self._hb_inflight: set[int] = set()
-        self._connected: set[int] = set()  # peers we have had a connection to
         self._data_task: asyncio.Task[None] | None = None
         self._vote_task: asyncio.Task[None] | None = None
         self._voting = False  # READY is being delivered: run() lets the vote task finish
-        self._decision_sends: list[Send] = []
         self._crash: BaseException | None = None
         self._closed = False
 
@@ -242,11 +235,15 @@ class ButterflyRound:
         started = time.monotonic()
         try:
             try:
-                await self._prepare()
+                await self.io.prepare(single=self.n == 1)
+                if self.n == 1:
+                    self.data.complete.set()  # a group of one: the average is our input
                 await self.hook("start")
                 async with asyncio.TaskGroup() as tg:
                     if self.n > 1:
-                        self._data_task = tg.create_task(self.data.run(self.flat, self.result))
+                        self._data_task = tg.create_task(
+                            self.data.run(self.io.flat, self.io.result)
+                        )
                     self._vote_task = tg.create_task(self._vote_when_complete())
                     await self._drive()
                     if self._data_task is not None:
@@ -270,32 +267,14 @@ class ButterflyRound:
         finally:
             self._buffers.give_back()
 
-    async def _prepare(self) -> None:
-        ts = self.tensors
-        n_elements = self.plan.n_elements
-        if len(ts) == 1 and ts[0].dtype == torch.float32 and ts[0].is_contiguous():
-            # Sent straight from the caller's storage, which must not change meanwhile.
-            self.flat = ts[0].detach().view(-1)
-            self._flat_is_input = True
-        else:
-            self.flat = self._buffers.take(n_elements)
-            if n_elements > _IN_THREAD:
-                await self._buffers.in_thread(_flatten, ts, self.flat)
-            else:
-                _flatten(ts, self.flat)
-        self.result = self.flat  # a group of one: the average is our own input
-        if self.n == 1:
-            self.data.complete.set()
-        elif self.codec.name == "none" or not self._flat_is_input:
-            self.result = self._buffers.take(n_elements)
-
     async def _conclude(self, started: float) -> AllReduceOutcome:
         decision = self.state.decision
         assert decision is not None
         log.debug("%s: decided %s", self.names[self.me], decision)
         if decision.commit:
             await self.hook("before_apply")
-            await self._apply()
+            if self.n > 1:
+                await self.io.apply(self.data.encoded)
         failed = tuple(self.peers[j] for j in sorted(decision.failed) if j != self.me)
         if not decision.commit:
             log.info(
@@ -309,7 +288,7 @@ class ButterflyRound:
             reason=decision.reason,
             group=self.group,
             failed=failed,
-            bytes_sent=self.data.bytes_sent + self.control_sent,
+            bytes_sent=self.data.bytes_sent + self.link.control_sent,
             bytes_received=self.data.bytes_received + self.control_received,
             seconds=time.monotonic() - started,
             in_doubt=decision.in_doubt,
@@ -373,19 +352,7 @@ class ButterflyRound:
         return self._closed or st.abort_known or st.decision is not None
 
     async def connect(self, j: int) -> None:
-        peer = self.peers[j]
-        if self.host.connection(peer) is None:
-            # Both sides of a pair reach for a connection at the start of a round. The
-            # host keeps the connection dialed by the smaller peer ID and closes the
-            # other once its streams end (or after its close grace, killing them), so
-            # the larger ID first gives the smaller one a moment to dial. Not later: a
-            # connection that went away means the peer left, and a dial says so fast.
-            if j not in self._connected and self.host.peer_id > peer:
-                await self._wait_connection(peer, _DIAL_WAIT)
-            if self.host.connection(peer) is None:
-                addrs = self.group.members[j].addrs
-                await self.host.connect(peer, addrs, timeout=self.cfg.stall_timeout)
-        self._connected.add(j)
+        await self.link.connect(j)
 
     # --- routed here by the service -----------------------------------------------------------
 
@@ -420,9 +387,9 @@ class ButterflyRound:
             st.tick(now)
             self._react(now)
             if st.decision is not None:
-                await self._finish_broadcast()
+                await self.link.deliver_decision(self.hook)
                 return
-            self._flush()
+            self.link.flush()
             delay = st.next_deadline() - time.monotonic()
             try:
                 async with asyncio.timeout(max(delay, 0.001)):
@@ -442,7 +409,71 @@ class ButterflyRound:
                 self._data_task.cancel()
             self._close_handlers()
 
-    def _flush(self) -> list[asyncio.Task[None]]:
+    # --- READY and commit ---------------------------------------------------------------------
+
+    async def _vote_when_complete(self) -> None:
+        await self.data.complete.wait()
+        log.debug("%s: data phase complete", self.names[self.me])
+        if self.state.abort_known or self.state.decision is not None:
+            return
+        await self.hook("before_ready")
+        self.state.ready(time.monotonic())
+        # Delivered from here, not by the driver, so that "after_ready" means delivered.
+        self._voting = True
+        sends = self.link.flush()
+        self.wake.set()
+        if sends:
+            await asyncio.wait(sends)
+        await self.hook("after_ready")
+
+
+class ControlLink:
+    """Control messages of one round: connections to the members, the commit
+    protocol's queued messages sent (a heartbeat at a time per member), replies fed
+    back to it, and failures turned into suspicion."""
+
+    def __init__(
+        self,
+        host: Host,
+        cfg: AllReduceConfig,
+        group: Group,
+        state: CommitProtocol,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        wait_connection: Callable[[PeerID, float], Awaitable[None]],
+        wake: asyncio.Event,
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.group = group
+        self.state = state
+        self.round_id = group.round_id
+        self.peers = group.peer_ids
+        self.names = [p.short() for p in self.peers]
+        self.n = group.size
+        self._spawn = spawn
+        self._wait_connection = wait_connection
+        self.wake = wake
+        self.control_sent = 0
+        self._hb_inflight: set[int] = set()
+        self._connected: set[int] = set()  # peers we have had a connection to
+        self._decision_sends: list[Send] = []
+
+    async def connect(self, j: int) -> None:
+        peer = self.peers[j]
+        if self.host.connection(peer) is None:
+            # Both sides of a pair reach for a connection at the start of a round. The
+            # host keeps the connection dialed by the smaller peer ID and closes the
+            # other once its streams end (or after its close grace, killing them), so
+            # the larger ID first gives the smaller one a moment to dial. Not later: a
+            # connection that went away means the peer left, and a dial says so fast.
+            if j not in self._connected and self.host.peer_id > peer:
+                await self._wait_connection(peer, _DIAL_WAIT)
+            if self.host.connection(peer) is None:
+                addrs = self.group.members[j].addrs
+                await self.host.connect(peer, addrs, timeout=self.cfg.stall_timeout)
+        self._connected.add(j)
+
+    def flush(self) -> list[asyncio.Task[None]]:
         """Send what the state machine queued; returns the sends worth waiting for."""
         waited = []
         for s in self.state.take_messages():
@@ -458,16 +489,16 @@ class ButterflyRound:
                 waited.append(task)
         return waited
 
-    async def _finish_broadcast(self) -> None:
+    async def deliver_decision(self, hook: Callable[[str], Awaitable[None]]) -> None:
         """The decider waits until its decision is delivered (or the target found dead):
         a decider that returned and exited at once could leave everyone in doubt."""
-        self._flush()
+        self.flush()
         decision, self._decision_sends = self._decision_sends, []
         sends = [self._spawn(self._send(s)) for s in decision]
         for delivered, send in enumerate(asyncio.as_completed(sends), 1):
             await send
             if delivered == len(sends) // 2:
-                await self.hook("decider_mid_broadcast")
+                await hook("decider_mid_broadcast")
 
     async def _send(self, s: Send) -> None:
         peer = self.peers[s.dest]
@@ -504,47 +535,59 @@ class ButterflyRound:
                 return
         self.state.on_reply(s.dest, status, time.monotonic(), s.kind)
 
-    # --- READY and commit ---------------------------------------------------------------------
 
-    async def _vote_when_complete(self) -> None:
-        await self.data.complete.wait()
-        log.debug("%s: data phase complete", self.names[self.me])
-        if self.state.abort_known or self.state.decision is not None:
-            return
-        await self.hook("before_ready")
-        self.state.ready(time.monotonic())
-        # Delivered from here, not by the driver, so that "after_ready" means delivered.
-        self._voting = True
-        sends = self._flush()
-        self.wake.set()
-        if sends:
-            await asyncio.wait(sends)
-        await self.hook("after_ready")
+class RoundTensors:
+    """The caller's tensors, as the round sends them and receives their average."""
 
-    async def _apply(self) -> None:
-        if self.n == 1:
-            return  # a group of one: the average is our own input
-        if self.plan.n_elements <= _IN_THREAD:
-            self._write_out()
+    def __init__(
+        self, tensors: list[torch.Tensor], n_elements: int, codec: Codec, buffers: RoundBuffers
+    ) -> None:
+        self.tensors = tensors
+        self.n_elements = n_elements
+        self.codec = codec
+        self._buffers = buffers
+        self.flat = torch.empty(0)  # what we send
+        self.result = torch.empty(0)  # uncompressed: where the average arrives
+        self.flat_is_input = False  # flat is a view of the caller's (single) tensor
+
+    async def prepare(self, single: bool) -> None:
+        ts = self.tensors
+        if len(ts) == 1 and ts[0].dtype == torch.float32 and ts[0].is_contiguous():
+            # Sent straight from the caller's storage, which must not change meanwhile.
+            self.flat = ts[0].detach().view(-1)
+            self.flat_is_input = True
+        else:
+            self.flat = self._buffers.take(self.n_elements)
+            if self.n_elements > _IN_THREAD:
+                await self._buffers.in_thread(_flatten, ts, self.flat)
+            else:
+                _flatten(ts, self.flat)
+        self.result = self.flat  # a group of one: the average is our own input
+        if not single and (self.codec.name == "none" or not self.flat_is_input):
+            self.result = self._buffers.take(self.n_elements)
+
+    async def apply(self, encoded: list[tuple[int, int, memoryview]]) -> None:
+        """Write the committed average into the caller's tensors."""
+        if self.n_elements <= _IN_THREAD:
+            self._write_out(encoded)
             return
         # A thread cannot be interrupted: if we are cancelled meanwhile, the copy still
         # finishes before the cancellation goes on, so the tensors are never half-written.
-        job = asyncio.ensure_future(asyncio.to_thread(self._write_out))
+        job = asyncio.ensure_future(asyncio.to_thread(self._write_out, encoded))
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
             await job
             raise
 
-    def _write_out(self) -> None:
-        """Put the committed average into the caller's tensors."""
+    def _write_out(self, encoded: list[tuple[int, int, memoryview]]) -> None:
         with torch.no_grad():
             if self.codec.name != "none":
                 # Checked on arrival (or made here), so decoding cannot fail now.
-                into = self.flat if self._flat_is_input else self.result
-                for a, b, data in self.data.encoded:
+                into = self.flat if self.flat_is_input else self.result
+                for a, b, data in encoded:
                     self.codec.decode_checked(data, into[a:b])
-                if self._flat_is_input:
+                if self.flat_is_input:
                     return
             _copy_out(self.result, self.tensors)
 

@@ -32,7 +32,7 @@ from shoal.transport.rpc import CallContext
 from .buffers import RoundBuffers, bytes_of
 from .compression import Codec, CodecError
 from .partition import Plan, Span
-from .reducer import ChunkJob, LaneReducer, Reduction, float64_scratch
+from .reducer import ChunkJob, LaneReducer, Reduction, float64_scratch, reduce_chunk
 from .round_errors import Action, Side, Veto, classify, first_of
 
 __all__ = ["AllReduceError", "BadRequest", "DataPlane", "NotAMember", "RoundOver", "RoundSide"]
@@ -154,36 +154,15 @@ class DataPlane:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.complete = asyncio.Event()  # everything we need before READY is here
-        self._pending = 0  # result lanes to receive + own lanes to reduce
-        self._need: Counter[int] = Counter()  # per peer: pending items that need it
-        self._lanes: dict[int, _Lane] = {}
+        # Planned now: streams into our part may come as soon as the round registered.
+        # Pending: result lanes to receive + own lanes to reduce; per peer: those that
+        # need it.
+        self._pending, self._need, reducers = plan_transfers(info)
+        self._lanes = {lane: _Lane(r) for lane, r in reducers.items()}
         self._attached: set[tuple[int, int]] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
         self._contrib_pending = 0
         self._mid_rs_done = False
-        self._plan_transfers()
-
-    def _plan_transfers(self) -> None:
-        """What we must have before READY: every lane of every other part's result,
-        and every lane of our own part reduced (which needs everyone's contribution).
-        Planned when the round registers: streams into our part may come at once."""
-        info, plan = self.info, self.info.plan
-        if self.n == 1:
-            return
-        for j in range(self.n):
-            if j != info.me:
-                for span in plan.lanes(j):
-                    if span[1] > span[0]:
-                        self._pending += 1
-                        self._need[j] += 1
-        senders = [i for i in range(self.n) if i != info.me]
-        for lane, span in enumerate(plan.lanes(info.me)):
-            if span[1] > span[0]:
-                reducer = LaneReducer(info.me, plan.chunks(span), senders, info.window, info.weight)
-                self._lanes[lane] = _Lane(reducer)
-                self._pending += 1
-                for i in senders:
-                    self._need[i] += 1
 
     def needs(self, j: int) -> bool:
         """Do we still wait for data that needs member j?"""
@@ -303,22 +282,9 @@ class DataPlane:
     # --- the owner's side: our part -----------------------------------------------------------
 
     def _check_request(self, sender: int, header: dict[str, Any]) -> tuple[_Lane, float]:
-        lane_index, weight, digest = header.get("l"), header.get("w"), header.get("p")
-        problem = None
-        if digest != self.info.digest:
-            problem = "plan mismatch (different tensor sizes, bandwidths, codec or chunking)"
-        elif isinstance(weight, bool) or not isinstance(weight, int | float):
-            problem = f"weight {weight!r} is not a number"
-        elif not math.isfinite(weight) or weight < 0:
-            problem = f"weight {weight!r} is not a finite number >= 0"
-        elif (
-            isinstance(lane_index, bool)
-            or not isinstance(lane_index, int)
-            or lane_index not in self._lanes
-        ):
-            problem = f"lane {lane_index!r} does not exist"
-        elif (sender, lane_index) in self._attached:
-            problem = f"second stream for lane {lane_index}"
+        lane_index, weight = header.get("l"), header.get("w")
+        again = isinstance(lane_index, int) and (sender, lane_index) in self._attached
+        problem = request_problem(self.info, header, set(self._lanes), again)
         if problem is None:
             assert isinstance(lane_index, int) and isinstance(weight, int | float)
             problem = self._lanes[lane_index].reducer.attach(sender, float(weight))
@@ -327,9 +293,9 @@ class DataPlane:
                 f"member {self.info.names[sender]} sent a bad request: {problem}", (sender,)
             )
             raise BadRequest(problem)
-        assert isinstance(lane_index, int)
+        assert isinstance(lane_index, int) and isinstance(weight, int | float)
         self._attached.add((sender, lane_index))
-        return self._lanes[lane_index], float(weight)  # type: ignore[arg-type]
+        return self._lanes[lane_index], float(weight)
 
     async def serve_lane(self, ctx: CallContext, header: dict[str, Any]) -> None:
         """A member's stream into one lane of our part (runs in the host's handler task)."""
@@ -441,10 +407,11 @@ class DataPlane:
         inputs = [(self._input(lane, i, job.index, a, b), w) for i, w in job.order]
         out = self.result[a:b] if scratch is None else scratch[: b - a]
         encoded = None if scratch is None else lane.encoded[job.index]
+        args = (self.reduction, self.codec, inputs, out, acc, encoded)
         if len(inputs) * (b - a) >= _THREAD_WORK:
-            await self.buffers.in_thread(self._reduce_chunk, inputs, out, acc, encoded)
+            await self.buffers.in_thread(reduce_chunk, *args)
         else:
-            self._reduce_chunk(inputs, out, acc, encoded)
+            reduce_chunk(*args)
         if encoded is not None:
             self.encoded.append((a, b, encoded))
 
@@ -455,18 +422,46 @@ class DataPlane:
         slot = lane.slots[i][lane.reducer.slot(c)]
         return slot[: b - a] if self.raw else slot[: self.codec.encoded_size(b - a)]
 
-    def _reduce_chunk(
-        self,
-        inputs: list[tuple[torch.Tensor | memoryview, float]],
-        out: torch.Tensor,
-        acc: torch.Tensor | None,
-        encoded: memoryview | None,
-    ) -> None:
-        # Only we compute this part, so how it rounds needs only to be deterministic;
-        # with a codec we encode it once and, like everyone else, decode it on commit.
-        self.reduction.reduce(inputs, out, self.codec, acc)
-        if encoded is not None:
-            try:
-                self.codec.encode(out, encoded)
-            except CodecError as e:
-                raise Veto(f"codec error: {e}") from None
+
+def plan_transfers(info: RoundInfo) -> tuple[int, Counter[int], dict[int, LaneReducer]]:
+    """What a member must have before READY: every lane of every other part's result,
+    and every lane of its own part reduced (which needs everyone's contribution).
+    Returns the number of such items, per member the items that need it, and the
+    reducers of the member's own lanes."""
+    plan, n = info.plan, len(info.peers)
+    pending, need, reducers = 0, Counter[int](), {}
+    if n == 1:
+        return pending, need, reducers
+    for j in range(n):
+        if j != info.me:
+            for span in plan.lanes(j):
+                if span[1] > span[0]:
+                    pending += 1
+                    need[j] += 1
+    senders = [i for i in range(n) if i != info.me]
+    for lane, span in enumerate(plan.lanes(info.me)):
+        if span[1] > span[0]:
+            reducers[lane] = LaneReducer(info.me, plan.chunks(span), senders, info.window,
+                                         info.weight)  # fmt: skip
+            pending += 1
+            for i in senders:
+                need[i] += 1
+    return pending, need, reducers
+
+
+def request_problem(
+    info: RoundInfo, header: dict[str, Any], lanes: set[int], second_stream: bool
+) -> str | None:
+    """What is wrong with a member's request to stream into one lane of our part."""
+    lane_index, weight = header.get("l"), header.get("w")
+    if header.get("p") != info.digest:
+        return "plan mismatch (different tensor sizes, bandwidths, codec or chunking)"
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        return f"weight {weight!r} is not a number"
+    if not math.isfinite(weight) or weight < 0:
+        return f"weight {weight!r} is not a finite number >= 0"
+    if isinstance(lane_index, bool) or not isinstance(lane_index, int) or lane_index not in lanes:
+        return f"lane {lane_index!r} does not exist"
+    if second_stream:
+        return f"second stream for lane {lane_index}"
+    return None

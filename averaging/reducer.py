@@ -24,7 +24,7 @@ import torch
 
 from shoal.verification.robust import centered_clip
 
-from .compression import Codec
+from .compression import Codec, CodecError
 from .partition import Span
 from .round_errors import Veto
 
@@ -37,6 +37,7 @@ __all__ = [
     "Reduction",
     "WeightedMean",
     "make_reduction",
+    "reduce_chunk",
 ]
 
 # One member's contribution to a chunk: our own float32 input, another member's
@@ -209,6 +210,25 @@ class CenteredClip(Reduction):
                 values.append(plain)
         weights = [w for _, w in inputs]
         out.copy_(centered_clip(values, weights, iterations=self.iterations))
+
+
+def reduce_chunk(
+    reduction: Reduction,
+    codec: Codec,
+    inputs: Sequence[tuple[Input, float]],
+    out: torch.Tensor,
+    acc: torch.Tensor | None,
+    encoded: memoryview | None,
+) -> None:
+    """Reduce one chunk into `out`; with a codec, encode it into `encoded` (only the
+    owner computes a part, so how it rounds needs only to be deterministic; like
+    everyone else, the owner decodes those bytes on commit)."""
+    reduction.reduce(inputs, out, codec, acc)
+    if encoded is not None:
+        try:
+            codec.encode(out, encoded)
+        except CodecError as e:
+            raise Veto(f"codec error: {e}") from None
 
 
 REDUCTIONS: dict[str, type[Reduction]] = {"mean": WeightedMean, "centered_clip": CenteredClip}
