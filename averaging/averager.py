@@ -51,6 +51,7 @@ from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceConfig, AllReduceService
+from .deadline import Deadline
 from .fingerprint import state_fingerprint
 from .host_state import numel, off_loop
 from .matchmaking import (
@@ -226,11 +227,17 @@ class Averager:
         self._committed = await asyncio.to_thread(snapshot)
         self.last_fingerprint = self._committed.fingerprint
 
-    async def load_state_from_peers(self, timeout: float = 300.0) -> bool:
-        """Replace our tensors and version with the newest verified state of the swarm."""
+    async def load_state_from_peers(
+        self, timeout: float = 300.0, *, deadline: Deadline | None = None
+    ) -> bool:
+        """Replace our tensors and version with the newest verified state of the swarm,
+        by the `deadline` (default: `timeout` seconds from now)."""
         try:
             state = await load_state_from_peers(
-                self.dht, self.key, protocol=self.config.state_protocol, timeout=timeout
+                self.dht,
+                self.key,
+                protocol=self.config.state_protocol,
+                deadline=deadline or Deadline.after(timeout),
             )
         except (StateSyncError, TimeoutError) as e:
             if "nobody announced" in str(e):
@@ -317,7 +324,7 @@ class Averager:
         commits alone (group size 1, reason "alone"; not with weight 0).
         """
         started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
+        deadline = Deadline.after(timeout)
         await self._service.prepare(self.config.codec)  # before a group would wait for it
         exclude: set[PeerID] = set()
         reason = ""
@@ -326,24 +333,19 @@ class Averager:
             attempts += 1
             try:
                 group = await self._matchmaker.form_group(
-                    state_version=self.state_version,
-                    exclude=exclude,
-                    deadline=None
-                    if deadline is None
-                    else time.time() + (deadline - time.monotonic()),
+                    state_version=self.state_version, exclude=exclude, deadline=deadline
                 )
             except NeedsResync as e:
                 self._presence_at = -float("inf")  # "syncing" stays declared: redeclare soon
                 # Our tensors are stale: they must not enter a round. Replace them
                 # with the swarm's state and let the caller redo its work on it.
                 log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, e)
-                # Within the step's deadline: a re-sync is part of the step.
-                budget = (
-                    self.config.state_timeout
-                    if deadline is None
-                    else max(1.0, deadline - time.monotonic())
-                )
-                ok = await self.load_state_from_peers(timeout=budget)
+                # Within the step's deadline (a re-sync is part of the step), and at
+                # least a second to try.
+                budget = deadline.within(self.config.state_timeout)
+                if (budget.remaining() or 0.0) < 1.0:
+                    budget = Deadline.after(1.0)
+                ok = await self.load_state_from_peers(deadline=budget)
                 why = "re-synced with the swarm" if ok else f"needs re-sync, which failed: {e}"
                 return self._result(False, why, started, attempts, resynced=ok)
             except NobodyElse as e:
@@ -377,7 +379,7 @@ class Averager:
             log.info(
                 "%s: round aborted (%s); retrying without %d peers", self.key, reason, len(exclude)
             )
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline.expired():
                 break
         return self._result(False, reason, started, attempts)
 

@@ -78,6 +78,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.rpc import CallContext
 
+from .deadline import Deadline
 from .group import Group, Member
 from .matchmaking_rules import (
     MAX_ADDRS,
@@ -259,15 +260,15 @@ class Matchmaker:
         *,
         state_version: bytes,
         exclude: Collection[PeerID] = (),
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
     ) -> Group:
         """The group agreed with other peers (us included), equal on every member.
 
-        `exclude`: peers the caller just saw fail; they are left out at once
-        (and set aside until they declare again). `deadline`: UNIX time (like
-        DHT expirations); None means ``matchmaking_time + join_timeout`` from
-        now. Raises MatchmakingError when no group of ``min_group_size`` formed
-        by then, NeedsResync when our `state_version` is behind the swarm's.
+        `exclude`: peers the caller just saw fail; they are left out at once (and
+        set aside until they declare again). `deadline`: when to give up (loop
+        time); None means ``matchmaking_time + join_timeout`` from now. Raises
+        MatchmakingError when no group of ``min_group_size`` formed by then,
+        NeedsResync when our `state_version` is behind the swarm's.
         """
         if self._closing.is_set():
             raise MatchmakingError("matchmaker is closed")
@@ -276,10 +277,10 @@ class Matchmaker:
         if not isinstance(state_version, bytes) or len(state_version) > MAX_VERSION_BYTES:
             raise ValueError(f"state_version must be bytes of at most {MAX_VERSION_BYTES}")
         cfg = self.config
-        wall = time.time()
-        if deadline is None:
-            deadline = wall + cfg.matchmaking_time + cfg.join_timeout
-        end = self._loop.time() + (deadline - wall)
+        if deadline is None or deadline.at is None:
+            deadline = Deadline.after(cfg.matchmaking_time + cfg.join_timeout)
+        assert deadline.at is not None
+        end = deadline.at
         me = Member(self.peer_id, self._addrs(), self.bandwidth)
         outlook = Outlook(
             self.key,

@@ -32,6 +32,7 @@ from shoal.transport import rpc
 from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 
+from .deadline import Deadline
 from .fingerprint import state_fingerprint
 
 log = logging.getLogger("shoal.averaging.state")
@@ -282,18 +283,20 @@ async def load_state_from_peers(
     *,
     protocol: str = DEFAULT_PROTOCOL,
     timeout: float = 300.0,
+    deadline: Deadline | None = None,
     request_timeout: float = 30.0,
     chunk_bytes: int = 64 * 1024 * 1024,
 ) -> State:
     """Download and verify the newest state of `key` from its holders.
 
     Resumes from another holder of the same fingerprint when a source fails;
-    raises StateSyncError when no holder gives a verified state before `timeout`.
+    raises StateSyncError when no holder gives a verified state before the
+    `deadline` (default: `timeout` seconds from now).
     """
     host = dht.host
     failed: set[PeerID] = set()
     errors: list[str] = []
-    async with asyncio.timeout(timeout):
+    async with (deadline or Deadline.after(timeout)).scope():
         while True:
             holders = [h for h in await find_holders(dht, key) if h.peer_id not in failed]
             if not holders:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shoal.averaging.deadline import Deadline
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.matchmaking import (
     Matchmaker,
@@ -451,7 +452,7 @@ async def wait_until(cond: Callable[[], bool], timeout: float) -> None:
 async def test_peers_agree_on_one_group(swarm: Callable[..., Any], n: int) -> None:
     makers = await swarm(n)
     t0 = time.monotonic()
-    results = await form_all(makers, deadline=time.time() + 10)
+    results = await form_all(makers, deadline=Deadline.after(10))
     elapsed = time.monotonic() - t0
     (group,) = assert_agreement(makers, results)
     assert set(group.peer_ids) == {m.peer_id for m in makers}
@@ -475,12 +476,12 @@ async def test_a_lone_peer_gives_up_at_once_when_asked_to_instead_of_waiting_out
     (hasty,) = await swarm(1, MatchmakingConfig(**FAST, give_up_alone_after=0.3), key="other")
     t0 = time.monotonic()
     with pytest.raises(NobodyElse, match="no other peer"):
-        await hasty.form_group(state_version=b"v", deadline=time.time() + 20)
+        await hasty.form_group(state_version=b"v", deadline=Deadline.after(20))
     assert time.monotonic() - t0 < 3.0
     # Without the option, a lone peer waits for the deadline (peers may still come).
     t0 = time.monotonic()
     with pytest.raises(MatchmakingError) as caught:
-        await patient.form_group(state_version=b"v", deadline=time.time() + 2.5)
+        await patient.form_group(state_version=b"v", deadline=Deadline.after(2.5))
     assert not isinstance(caught.value, NobodyElse)
     assert time.monotonic() - t0 > 2.0
 
@@ -493,16 +494,16 @@ async def test_a_peer_that_may_give_up_alone_still_waits_for_peers_declared_busy
     not being alone, the peer waits for them up to its deadline."""
     config = MatchmakingConfig(**{**FAST, "matchmaking_time": 8.0}, give_up_alone_after=0.3)
     a, b, c = await swarm(3, config)
-    (bc,) = assert_agreement([b, c], await form_all([b, c], deadline=time.time() + 10))
+    (bc,) = assert_agreement([b, c], await form_all([b, c], deadline=Deadline.after(10)))
     assert bc.size == 2  # b and c are now declared busy
 
     async def b_comes_back_later() -> Group:
         await asyncio.sleep(2.0)
-        return await b.form_group(state_version=b"v", deadline=time.time() + 10)
+        return await b.form_group(state_version=b"v", deadline=Deadline.after(10))
 
     t0 = time.monotonic()
     got_a, got_b = await asyncio.gather(
-        a.form_group(state_version=b"v", deadline=time.time() + 12), b_comes_back_later()
+        a.form_group(state_version=b"v", deadline=Deadline.after(12)), b_comes_back_later()
     )
     assert got_a == got_b and set(got_a.peer_ids) == {a.peer_id, b.peer_id}
     assert time.monotonic() - t0 >= 2.0
@@ -514,7 +515,7 @@ async def test_twenty_peers_split_into_groups_of_at_most_target(
 ) -> None:
     config = MatchmakingConfig(**{**FAST, "target_group_size": 8, "min_group_size": 3})
     makers = await swarm(20, config)
-    results = await form_all(makers, deadline=time.time() + 15)
+    results = await form_all(makers, deadline=Deadline.after(15))
     groups = assert_agreement(makers, results)
     sizes = sorted(g.size for g in groups)
     assert sum(sizes) == 20
@@ -560,16 +561,16 @@ async def test_a_minority_version_must_resync_and_is_never_grouped(
 
     async def stale(m: Matchmaker) -> Group:
         try:
-            await m.form_group(state_version=b"old", deadline=time.time() + 10)
+            await m.form_group(state_version=b"old", deadline=Deadline.after(10))
         except NeedsResync as e:
             told.append(e)
             # "load the state", then ask again: admitted in the same round, because
             # the leader holds its group open for a peer that declared it is syncing
-            return await m.form_group(state_version=e.target, deadline=time.time() + 10)
+            return await m.form_group(state_version=e.target, deadline=Deadline.after(10))
         raise AssertionError("a stale peer was grouped with its stale version")
 
     results = await asyncio.gather(
-        *(m.form_group(state_version=b"new", deadline=time.time() + 10) for m in makers[:4]),
+        *(m.form_group(state_version=b"new", deadline=Deadline.after(10)) for m in makers[:4]),
         *(stale(m) for m in makers[4:]),
         return_exceptions=True,
     )
@@ -590,7 +591,7 @@ async def test_a_version_tie_makes_two_groups_never_a_mixed_one(
     versions = [b"a", b"b", b"a", b"b"]
     results = await asyncio.gather(
         *(
-            m.form_group(state_version=v, deadline=time.time() + 10)
+            m.form_group(state_version=v, deadline=Deadline.after(10))
             for m, v in zip(makers, versions, strict=True)
         ),
         return_exceptions=True,
@@ -608,7 +609,7 @@ async def test_min_group_size_not_reached_raises_by_the_deadline(
 ) -> None:
     makers = await swarm(3, MatchmakingConfig(**{**FAST, "min_group_size": 4}))
     t0 = time.monotonic()
-    results = await form_all(makers, deadline=time.time() + 1.5)
+    results = await form_all(makers, deadline=Deadline.after(1.5))
     elapsed = time.monotonic() - t0
     for r in results:
         assert isinstance(r, MatchmakingError) and not isinstance(r, NeedsResync), r
@@ -621,9 +622,9 @@ async def test_excluded_peers_are_left_out(swarm: Callable[..., Any]) -> None:
     makers = await swarm(4)
     outcast = makers[3]
     res = await asyncio.gather(
-        *(m.form_group(state_version=b"v", exclude={outcast.peer_id}, deadline=time.time() + 5)
+        *(m.form_group(state_version=b"v", exclude={outcast.peer_id}, deadline=Deadline.after(5))
           for m in makers[:3]),
-        outcast.form_group(state_version=b"v", deadline=time.time() + 2),
+        outcast.form_group(state_version=b"v", deadline=Deadline.after(2)),
         return_exceptions=True,
     )  # fmt: skip
     (group,) = assert_agreement(makers[:3], list(res[:3]))
@@ -742,7 +743,7 @@ async def test_garbage_joins_and_forged_declarations_break_nothing(
             assert set(hello) == {"state", "version"}
         return errors
 
-    results, errors = await asyncio.gather(form_all(makers, deadline=time.time() + 10), junk())
+    results, errors = await asyncio.gather(form_all(makers, deadline=Deadline.after(10)), junk())
     assert errors == 8 * 3
     (group,) = assert_agreement(makers, results)
     assert group.size == 3 and node.peer_id not in group.peer_ids
@@ -753,8 +754,8 @@ async def test_aclose_stops_a_running_call_and_answers_joiners(
     swarm: Callable[..., Any],
 ) -> None:
     a, b = await swarm(2, MatchmakingConfig(**{**FAST, "min_group_size": 3}))
-    ta = asyncio.ensure_future(a.form_group(state_version=b"v", deadline=time.time() + 20))
-    tb = asyncio.ensure_future(b.form_group(state_version=b"v", deadline=time.time() + 20))
+    ta = asyncio.ensure_future(a.form_group(state_version=b"v", deadline=Deadline.after(20)))
+    tb = asyncio.ensure_future(b.form_group(state_version=b"v", deadline=Deadline.after(20)))
     await wait_until(lambda: max(a.stats()["gathered"], b.stats()["gathered"]) == 2, 10)
     t0 = time.monotonic()
     await asyncio.gather(a.aclose(), b.aclose())
@@ -805,7 +806,7 @@ async def test_dead_peers_declarations_neither_outvote_nor_stall_the_living(
     for m in dead:
         await kill(m)
     t0 = time.monotonic()
-    results = await form_all(living, version=b"new", deadline=time.time() + 10)
+    results = await form_all(living, version=b"new", deadline=Deadline.after(10))
     elapsed = time.monotonic() - t0
     (group,) = assert_agreement(living, results)  # no NeedsResync: the majority is dead
     assert group.size == 3
@@ -832,7 +833,7 @@ async def test_killing_the_assembler_again_and_again(swarm: Callable[..., Any]) 
         while True:
             try:
                 g = await m.form_group(
-                    state_version=versions[m.peer_id], exclude=exclude, deadline=time.time() + 8
+                    state_version=versions[m.peer_id], exclude=exclude, deadline=Deadline.after(8)
                 )
             except NeedsResync as e:
                 versions[m.peer_id] = e.target

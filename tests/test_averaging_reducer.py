@@ -1,6 +1,7 @@
 """The pieces of an all-reduce round that need no network: the lane reducer (which
 chunk can be reduced, in which order), the pluggable reductions, and the one table
-that says what an error means on each side of a round."""
+that says what an error means on each side of a round; and the deadline that every
+stage of a step (matchmaking, the round, a re-sync) shares."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from shoal.averaging.compression import get_codec
+from shoal.averaging.deadline import Deadline
 from shoal.averaging.reducer import CenteredClip, LaneReducer, WeightedMean, make_reduction
 from shoal.averaging.round_errors import Action, Side, Veto, classify
 from shoal.transport.errors import (
@@ -168,3 +170,19 @@ def test_a_timeout_of_a_control_message_reads_as_stalled() -> None:
 def test_a_veto_keeps_its_reason_and_blame() -> None:
     verdict = classify(Veto("codec error in part 2", (2,)), Side.SEND, "p")
     assert verdict.action is Action.VETO and verdict.reason == "codec error in part 2"
+
+
+async def test_a_deadline_is_a_point_in_loop_time_shared_by_every_stage() -> None:
+    loop = asyncio.get_running_loop()
+    d = Deadline.after(5.0)
+    assert d.at is not None and abs(d.at - (loop.time() + 5.0)) < 0.5
+    assert not d.expired() and 4.0 < (d.remaining() or 0) <= 5.0
+    assert d.within(1.0).at < d.at  # type: ignore[operator]  # the earlier one wins
+    assert d.within(60.0) == d
+    assert Deadline.never().remaining() is None and not Deadline.never().expired()
+    assert Deadline.never().within(2.0).at is not None
+    passed = Deadline.after(0.0)
+    assert passed.expired() and passed.remaining() == 0.0
+    with pytest.raises(TimeoutError):
+        async with passed.scope():
+            await asyncio.Event().wait()  # never set: only the deadline ends it
