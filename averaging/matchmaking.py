@@ -66,7 +66,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -213,6 +213,100 @@ class _Round:
     def failed(self, why: str) -> None:
         self.failures = [*self.failures[-15:], why]
 
+    def conclude(self, group: Group, leader: PeerID) -> None:
+        group.extra["leader"] = leader
+        self.group = group
+        self.mode = _Mode.CLOSED
+        self.changed.set()
+
+    def answer(self, peer: PeerID, reply: JoinReply) -> None:
+        """Answer one pending join (and take the joiner out of the gathering)."""
+        fut = self.waiters.pop(peer, None)
+        self.gathering.withdraw(peer)
+        if fut is not None and not fut.done():
+            fut.set_result(reply.to_wire())
+
+    def answer_all(self, reply: JoinReply) -> None:
+        wire = reply.to_wire()
+        for fut in self.waiters.values():
+            if not fut.done():
+                fut.set_result(wire)
+        self.waiters.clear()
+        self.gathering.clear()
+
+
+class Declarer:
+    """Our declaration in the DHT (owner-signed subkey of ``<key>/matchmaking``) and
+    reading everyone's: the matchmaker's only DHT traffic."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        dht_key: str,
+        config: MatchmakingConfig,
+        bandwidth: float,
+        abortable: Callable[[Awaitable[Any]], Awaitable[Any]],
+    ) -> None:
+        self.dht = dht
+        self.host = dht.host
+        self.peer_id = dht.peer_id
+        self.dht_key = dht_key
+        self.config = config
+        self.bandwidth = bandwidth
+        self._abortable = abortable
+        self._subkey = owner_marker(self.peer_id)
+        self._loop = asyncio.get_running_loop()
+        self._expiration = 0.0
+        self.declared_at = -float("inf")  # loop time of our last declaration
+        self.declared: tuple[PeerState, bytes] = (PeerState.LEFT, b"")  # what it said
+
+    def addrs(self) -> tuple[Multiaddr, ...]:
+        return tuple(self.host.addresses())[:MAX_ADDRS]
+
+    async def poll(
+        self, previous: dict[PeerID, Declaration], end: float
+    ) -> dict[PeerID, Declaration]:
+        """The current declarations; the previous view when the DHT does not answer in time."""
+        timeout = min(DHT_TIMEOUT, end - self._loop.time())
+        if timeout <= 0:
+            return previous
+        try:
+            async with asyncio.timeout(timeout):
+                value = await self._abortable(self.dht.get(self.dht_key, latest=True))
+        except (TimeoutError, DHTError, TransportError, OSError) as e:
+            log.debug("%s: reading declarations failed: %r", self.dht_key, e)
+            return previous
+        return parse_view(value.subkeys if value is not None else None, time.time())
+
+    async def declare(
+        self,
+        state: PeerState,
+        version: bytes,
+        *,
+        end: float | None = None,
+        timeout: float = DHT_TIMEOUT,
+        at_least: float = 0.0,
+    ) -> bool:
+        """Store our declaration; False when the DHT did not take it in time."""
+        if end is not None:
+            timeout = max(min(timeout, end - self._loop.time()), at_least)
+        if timeout <= 0:
+            return False
+        # Strictly later than our previous one: the later expiration wins everywhere.
+        expiration = max(time.time() + self.config.declaration_ttl, self._expiration + 1e-3)
+        self._expiration = expiration
+        self.declared_at = self._loop.time()
+        self.declared = (state, version)
+        decl = Declaration(self.peer_id, state, version, self.addrs(), self.bandwidth)
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.dht.store(
+                    self.dht_key, decl.to_value(), expiration, subkey=self._subkey
+                )
+        except (TimeoutError, DHTError, TransportError, OSError, RecordError) as e:
+            log.debug("%s: declaring %s failed: %r", self.dht_key, state, e)
+            return False
+
 
 class Matchmaker:
     """Forms averaging groups for `key` over `dht`; one `form_group` at a time."""
@@ -232,7 +326,6 @@ class Matchmaker:
         self.config = config or MatchmakingConfig()
         self.bandwidth = float(bandwidth)
         self.dht_key = f"{key}/matchmaking"
-        self._subkey = owner_marker(self.peer_id)
         # One handler per protocol name on a host: the key is part of the name,
         # so that several matchmakers (keys) can share a host.
         tag = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -246,10 +339,8 @@ class Matchmaker:
         self._idle.set()
         self._closing = asyncio.Event()
         self._last_group: tuple[tuple[PeerID, ...], float] = ((), 0.0)  # members, loop time
-        self._declared_exp = 0.0
-        self._declared_at = -float("inf")
-        self._declared: tuple[PeerState, bytes] = (PeerState.LEFT, b"")
         self._loop = asyncio.get_running_loop()
+        self.declarer = Declarer(dht, self.dht_key, self.config, self.bandwidth, self._abortable)
         ttl = self.config.declaration_ttl
         self._poll_max = min(1.0, max(0.05, self.config.min_matchmaking_time / 2), ttl / 4)
 
@@ -281,7 +372,7 @@ class Matchmaker:
             deadline = Deadline.after(cfg.matchmaking_time + cfg.join_timeout)
         assert deadline.at is not None
         end = deadline.at
-        me = Member(self.peer_id, self._addrs(), self.bandwidth)
+        me = Member(self.peer_id, self.declarer.addrs(), self.bandwidth)
         outlook = Outlook(
             self.key,
             self.peer_id,
@@ -304,14 +395,14 @@ class Matchmaker:
             group = await self._run(rnd, end)
         finally:
             if rnd.mode != _Mode.CLOSED or rnd.waiters:
-                self._answer_all(rnd, JoinReply(ReplyKind.DISBANDED))
+                rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
             rnd.mode = _Mode.CLOSED
             self._round = None
             self._idle.set()
             self._suspicions.prune(time.time())
         # Nobody should wait for us as a leader now, nor count our version: it
         # is stale the moment this round commits.
-        await self._declare(PeerState.BUSY, state_version, timeout=BUSY_STORE_TIMEOUT)
+        await self.declarer.declare(PeerState.BUSY, state_version, timeout=BUSY_STORE_TIMEOUT)
         return group
 
     async def declare_busy(self, state_version: bytes, *, timeout: float = DHT_TIMEOUT) -> bool:
@@ -321,7 +412,7 @@ class Matchmaker:
         time. Not while `form_group` runs (it keeps its own declaration)."""
         if self._round is not None:
             raise RuntimeError("form_group is running on this matchmaker")
-        return await self._declare(PeerState.BUSY, state_version, timeout=timeout)
+        return await self.declarer.declare(PeerState.BUSY, state_version, timeout=timeout)
 
     async def aclose(self) -> None:
         """Stop: a running `form_group` raises MatchmakingError, pending joiners
@@ -331,7 +422,7 @@ class Matchmaker:
         self._closing.set()
         rnd = self._round
         if rnd is not None:
-            self._answer_all(rnd, JoinReply(ReplyKind.DISBANDED))
+            rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
             rnd.changed.set()
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT):
@@ -340,7 +431,7 @@ class Matchmaker:
             log.warning("form_group did not stop within %s s", CLOSE_TIMEOUT)
         self._service.close()
         try:
-            await self._declare(PeerState.LEFT, b"", timeout=1.0)
+            await self.declarer.declare(PeerState.LEFT, b"", timeout=1.0)
         except Exception as e:  # best effort: the DHT may be closing too
             log.debug("%s: declaring that we left failed: %r", self.key, e)
 
@@ -360,11 +451,11 @@ class Matchmaker:
         cfg = self.config
         # Look before declaring: a peer whose state is behind must never
         # appear as looking with it (leaders would wait for it, peers count it).
-        rnd.view = await self._poll(rnd, end)
+        rnd.view = await self.declarer.poll(rnd.view, end)
         self._note_excluded(rnd)
         if rnd.group is None:  # (joins may have filled the group meanwhile)
             await self._check_version(rnd, end)
-            await self._declare(PeerState.LOOKING, outlook.version, end=end)
+            await self.declarer.declare(PeerState.LOOKING, outlook.version, end=end)
         backoff = 0
         next_poll = self._loop.time() + FIRST_POLL
         while True:
@@ -376,15 +467,15 @@ class Matchmaker:
             if now >= end:
                 raise MatchmakingError(self._failure(rnd))
             if now >= next_poll:
-                view = await self._poll(rnd, end)
+                view = await self.declarer.poll(rnd.view, end)
                 if rnd.group is not None:
                     continue  # a join filled the group meanwhile
                 backoff = 0 if _fingerprint(view) != _fingerprint(rnd.view) else backoff + 1
                 rnd.view = view
                 self._note_excluded(rnd)
                 await self._check_version(rnd, end)
-                if self._loop.time() - self._declared_at > cfg.declaration_ttl / 3:
-                    await self._declare(PeerState.LOOKING, outlook.version, end=end)
+                if self._loop.time() - self.declarer.declared_at > cfg.declaration_ttl / 3:
+                    await self.declarer.declare(PeerState.LOOKING, outlook.version, end=end)
                 next_poll = self._loop.time() + min(self._poll_max, FIRST_POLL * 2**backoff)
                 if rnd.group is not None:
                     continue
@@ -431,7 +522,7 @@ class Matchmaker:
                 raise NobodyElse(f"no other peer is averaging {self.key!r}")
             decision = gathering.decide(now, pending=len(pending), deadline=end)
             for peer in decision.release:
-                self._answer(rnd, peer, JoinReply(ReplyKind.RETRY))
+                rnd.answer(peer, JoinReply(ReplyKind.RETRY))
             if decision.close:
                 self._close(rnd)
                 continue
@@ -450,7 +541,7 @@ class Matchmaker:
         # From now on joiners go to our leader; those we held go there too.
         rnd.mode = _Mode.FOLLOW
         rnd.following = (target, addrs)
-        self._answer_all(rnd, JoinReply(ReplyKind.REDIRECT, peer=target, addrs=addrs))
+        rnd.answer_all(JoinReply(ReplyKind.REDIRECT, peer=target, addrs=addrs))
         try:
             for _ in range(MAX_REDIRECTS + 1):
                 reply = await self._send_join(rnd, target, addrs, end)
@@ -535,7 +626,7 @@ class Matchmaker:
         if until - self._loop.time() < ANSWER_MARGIN:
             return JoinReply(ReplyKind.RETRY)  # no time left: the loop ends the call
         request = JoinRequest(
-            self.key, rnd.outlook.version, self._addrs(), self.bandwidth
+            self.key, rnd.outlook.version, self.declarer.addrs(), self.bandwidth
         ).to_wire()
 
         async def call() -> Any:
@@ -580,7 +671,7 @@ class Matchmaker:
             return JoinReply(ReplyKind.REDIRECT, peer=leader, addrs=addrs).to_wire()
         timeout = ctx.timeout if ctx.timeout is not None else self.config.join_timeout
         fut: asyncio.Future[dict[str, Any]] = self._loop.create_future()
-        self._answer(rnd, peer, JoinReply(ReplyKind.RETRY))  # a repeated request replaces one
+        rnd.answer(peer, JoinReply(ReplyKind.RETRY))  # a repeated request replaces one
         rnd.gathering.admit(
             Member(peer, request.addrs, request.bandwidth), self._loop.time() + timeout
         )
@@ -603,8 +694,12 @@ class Matchmaker:
         """Our latest declaration, so that a peer can tell it is current (not a dead peer's)."""
         if not isinstance(payload, dict) or payload.get("key") != self.key:
             raise ValueError("hello must name our key")
-        state, version = self._declared
+        state, version = self.declarer.declared
         return {"state": str(state), "version": version}
+
+    def _conclude(self, rnd: _Round, group: Group, leader: PeerID) -> None:
+        rnd.conclude(group, leader)
+        self._last_group = (group.peer_ids, self._loop.time())
 
     def _close(self, rnd: _Round) -> None:
         """Settle the group and answer every pending join with it."""
@@ -617,27 +712,6 @@ class Matchmaker:
                 fut.set_result(reply)
         rnd.waiters.clear()
         log.debug("%s: closed group %s of %d", self.key, group.round_id.hex()[:12], group.size)
-
-    def _conclude(self, rnd: _Round, group: Group, leader: PeerID) -> None:
-        group.extra["leader"] = leader
-        rnd.group = group
-        rnd.mode = _Mode.CLOSED
-        self._last_group = (group.peer_ids, self._loop.time())
-        rnd.changed.set()
-
-    def _answer(self, rnd: _Round, peer: PeerID, reply: JoinReply) -> None:
-        fut = rnd.waiters.pop(peer, None)
-        rnd.gathering.withdraw(peer)
-        if fut is not None and not fut.done():
-            fut.set_result(reply.to_wire())
-
-    def _answer_all(self, rnd: _Round, reply: JoinReply) -> None:
-        wire = reply.to_wire()
-        for fut in rnd.waiters.values():
-            if not fut.done():
-                fut.set_result(wire)
-        rnd.waiters.clear()
-        rnd.gathering.clear()
 
     # ------------------------------------------------------------------ helpers
 
@@ -661,10 +735,10 @@ class Matchmaker:
             return  # joins filled our group while we asked
         if not confirmed or not outlook.outvoted(len(confirmed), target, mine):
             return
-        self._answer_all(rnd, JoinReply(ReplyKind.DISBANDED))
+        rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
         rnd.mode = _Mode.CLOSED
         # Leaders of that version wait a little for a syncing peer.
-        await self._declare(PeerState.SYNCING, target, end=end, at_least=0.2)
+        await self.declarer.declare(PeerState.SYNCING, target, end=end, at_least=0.2)
         raise NeedsResync(
             f"{len(confirmed)} looking peers hold version {_short(target)}, "
             f"{mine} (us included) hold ours {_short(outlook.version)}: "
@@ -742,51 +816,6 @@ class Matchmaker:
         if rnd.failures:
             why += "; failed: " + ", ".join(dict.fromkeys(rnd.failures[-5:]))
         return why + ")"
-
-    def _addrs(self) -> tuple[Multiaddr, ...]:
-        return tuple(self.host.addresses())[:MAX_ADDRS]
-
-    async def _poll(self, rnd: _Round, end: float) -> dict[PeerID, Declaration]:
-        """The current declarations; the previous view when the DHT does not answer in time."""
-        timeout = min(DHT_TIMEOUT, end - self._loop.time())
-        if timeout <= 0:
-            return rnd.view
-        try:
-            async with asyncio.timeout(timeout):
-                value = await self._abortable(self.dht.get(self.dht_key, latest=True))
-        except (TimeoutError, DHTError, TransportError, OSError) as e:
-            log.debug("%s: reading declarations failed: %r", self.key, e)
-            return rnd.view
-        return parse_view(value.subkeys if value is not None else None, time.time())
-
-    async def _declare(
-        self,
-        state: PeerState,
-        version: bytes,
-        *,
-        end: float | None = None,
-        timeout: float = DHT_TIMEOUT,
-        at_least: float = 0.0,
-    ) -> bool:
-        """Store our declaration; False when the DHT did not take it in time."""
-        if end is not None:
-            timeout = max(min(timeout, end - self._loop.time()), at_least)
-        if timeout <= 0:
-            return False
-        # Strictly later than our previous one: the later expiration wins everywhere.
-        expiration = max(time.time() + self.config.declaration_ttl, self._declared_exp + 1e-3)
-        self._declared_exp = expiration
-        self._declared_at = self._loop.time()
-        self._declared = (state, version)
-        decl = Declaration(self.peer_id, state, version, self._addrs(), self.bandwidth)
-        try:
-            async with asyncio.timeout(timeout):
-                return await self.dht.store(
-                    self.dht_key, decl.to_value(), expiration, subkey=self._subkey
-                )
-        except (TimeoutError, DHTError, TransportError, OSError, RecordError) as e:
-            log.debug("%s: declaring %s failed: %r", self.key, state, e)
-            return False
 
     async def _pause(self, seconds: float, end: float) -> None:
         until = min(end, self._loop.time() + seconds)
