@@ -530,7 +530,7 @@ async def test_a_new_group_forms_quickly_when_the_leader_dies(swarm: Callable[..
     # The leader will never close on its own: it waits for six.
     leader.config = MatchmakingConfig(**{**FAST, "min_group_size": 6, "matchmaking_time": 20.0})
     others = [m for m in makers if m is not leader]
-    deadline = time.time() + 15
+    deadline = Deadline.after(15)
     lead_task = asyncio.ensure_future(leader.form_group(state_version=b"v", deadline=deadline))
     tasks = [
         asyncio.ensure_future(m.form_group(state_version=b"v", deadline=deadline)) for m in others
@@ -801,7 +801,7 @@ async def test_dead_peers_declarations_neither_outvote_nor_stall_the_living(
         # killed while looking: 4 with an "old" version (more than the living
         # hold of theirs), 2 with the living's version (leaders would wait for them)
         version = b"old" if i < 4 else b"new"
-        value = Declaration(m.peer_id, PeerState.LOOKING, version, m._addrs()).to_value()
+        value = Declaration(m.peer_id, PeerState.LOOKING, version, m.declarer.addrs()).to_value()
         assert await m.dht.store(f"{KEY}/matchmaking", value, exp, subkey=owner_marker(m.peer_id))
     for m in dead:
         await kill(m)
