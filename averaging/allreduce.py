@@ -119,18 +119,7 @@ class AllReduceService:
             raise RuntimeError("the all-reduce service is closed")
         if self.host.peer_id not in group.peer_ids:
             raise ValueError("this host is not a member of the group")
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise TypeError("weight must be a number")
-        if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
-        tensors = list(tensors)
-        for t in tensors:
-            if (
-                not isinstance(t, torch.Tensor)
-                or not t.is_floating_point()
-                or t.device.type != "cpu"
-            ):
-                raise TypeError("tensors must be floating-point CPU torch tensors")
+        tensors = _checked_inputs(tensors, weight)
         codec_obj = get_codec(codec or self.config.codec)
         await self.prepare(codec_obj.name)
         rid = group.round_id
@@ -307,3 +296,16 @@ class AllReduceService:
             return  # a duplicate went away; the peer is still connected
         for rnd in list(self._rounds.values()):
             rnd.peer_lost(peer, conn.close_reason or "connection closed")
+
+
+def _checked_inputs(tensors: Sequence[torch.Tensor], weight: float) -> list[torch.Tensor]:
+    """The tensors as a list; raises for a weight or tensors `run` cannot average."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise TypeError("weight must be a number")
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+    tensors = list(tensors)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.device.type != "cpu":
+            raise TypeError("tensors must be floating-point CPU torch tensors")
+    return tensors

@@ -336,17 +336,7 @@ class Averager:
                     state_version=self.state_version, exclude=exclude, deadline=deadline
                 )
             except NeedsResync as e:
-                self._presence_at = -float("inf")  # "syncing" stays declared: redeclare soon
-                # Our tensors are stale: they must not enter a round. Replace them
-                # with the swarm's state and let the caller redo its work on it.
-                log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, e)
-                # Within the step's deadline (a re-sync is part of the step), and at
-                # least a second to try.
-                budget = deadline.within(self.config.state_timeout)
-                if (budget.remaining() or 0.0) < 1.0:
-                    budget = Deadline.after(1.0)
-                ok = await self.load_state_from_peers(deadline=budget)
-                why = "re-synced with the swarm" if ok else f"needs re-sync, which failed: {e}"
+                ok, why = await self._resync(e, deadline)
                 return self._result(False, why, started, attempts, resynced=ok)
             except NobodyElse as e:
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
@@ -382,6 +372,19 @@ class Averager:
             if deadline.expired():
                 break
         return self._result(False, reason, started, attempts)
+
+    async def _resync(self, behind: NeedsResync, deadline: Deadline) -> tuple[bool, str]:
+        """Our tensors are stale: they must not enter a round. Replace them with the
+        swarm's state (the caller redoes its work on it); (done, why)."""
+        self._presence_at = -float("inf")  # "syncing" stays declared: redeclare soon
+        log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, behind)
+        # Within the step's deadline (a re-sync is part of the step), and at least a
+        # second to try.
+        budget = deadline.within(self.config.state_timeout)
+        if (budget.remaining() or 0.0) < 1.0:
+            budget = Deadline.after(1.0)
+        ok = await self.load_state_from_peers(deadline=budget)
+        return ok, "re-synced with the swarm" if ok else f"needs re-sync, which failed: {behind}"
 
     async def _commit(self, round_id: bytes) -> None:
         """After the tensors hold the round's result: new version, commit hook, freeze."""
