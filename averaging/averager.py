@@ -62,7 +62,7 @@ from .matchmaking import (
     NobodyElse,
 )
 from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
-from .state_sync import State, StateServer, StateSyncError, load_state_from_peers
+from .state_sync import NoHolders, State, StateServer, StateSyncError, load_state_from_peers
 
 log = logging.getLogger("shoal.averaging")
 
@@ -239,12 +239,12 @@ class Averager:
                 protocol=self.config.state_protocol,
                 deadline=deadline or Deadline.after(timeout),
             )
+        except NoHolders:
+            # A peer alone (a restart, the first peer): normal, and nothing to do.
+            log.info("no other peer serves the state of %s yet: keeping ours", self.key)
+            return False
         except (StateSyncError, TimeoutError) as e:
-            if "nobody announced" in str(e):
-                # A peer alone (a restart, the first peer): normal, and nothing to do.
-                log.info("no other peer serves the state of %s yet: keeping ours", self.key)
-            else:
-                log.warning("could not load the state of %s: %s", self.key, e)
+            log.warning("could not load the state of %s: %s", self.key, e)
             return False
         if len(state.tensors) != len(self.state) or any(
             a.shape != b.shape or a.dtype != b.dtype

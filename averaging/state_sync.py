@@ -53,6 +53,11 @@ class StateSyncError(Exception):
     """No holder could provide a verified state in time."""
 
 
+class NoHolders(StateSyncError):
+    """Nobody announces a state for the key: a peer alone (the first one, or a
+    restart of a swarm of one), not a failure."""
+
+
 @dataclass(frozen=True, slots=True)
 class State:
     """Tensors plus metadata (msgpack-able; ``step`` orders states)."""
@@ -290,58 +295,91 @@ async def load_state_from_peers(
     """Download and verify the newest state of `key` from its holders.
 
     Resumes from another holder of the same fingerprint when a source fails;
-    raises StateSyncError when no holder gives a verified state before the
-    `deadline` (default: `timeout` seconds from now).
+    raises NoHolders when nobody announces a state, StateSyncError when no
+    holder gives a verified state before the `deadline` (default: `timeout`
+    seconds from now).
     """
-    host = dht.host
     failed: set[PeerID] = set()
     errors: list[str] = []
     async with (deadline or Deadline.after(timeout)).scope():
         while True:
             holders = [h for h in await find_holders(dht, key) if h.peer_id not in failed]
+            if not holders and not errors:
+                raise NoHolders(f"no peer could provide the state of {key!r}: nobody announced one")
             if not holders:
-                detail = "; ".join(errors[-3:]) or "nobody announced one"
+                detail = "; ".join(errors[-3:])
                 raise StateSyncError(f"no peer could provide the state of {key!r}: {detail}")
             target = holders[0].fingerprint
-            sources = [h for h in holders if h.fingerprint == target]
-            tensors: list[torch.Tensor] | None = None
-            views: list[torch.Tensor] = []
-            info: dict[str, Any] = {}
-            progress = [0]  # bytes verified-in-order so far; a new source resumes there
-            contributors: list[PeerID] = []
-            for source in sources:
-                contributors.append(source.peer_id)
+            download = _Download(dht.host, protocol, target, request_timeout, chunk_bytes)
+            for source in (h for h in holders if h.fingerprint == target):
                 try:
-                    if tensors is None:
-                        info = await rpc.call(
-                            host, source.peer_id, protocol, "info", None, timeout=request_timeout
-                        )
-                        if not isinstance(info, dict) or info.get("fp") != target:
-                            raise LookupError("its state moved on")
-                        tensors = _allocate(info.get("tensors"))
-                        views = [_byte_view(t) for t in tensors]
-                        if sum(v.numel() for v in views) != info.get("total"):
-                            raise ValueError("layout and total disagree")
-                    await _fetch(
-                        host, source.peer_id, protocol, target, views, progress,
-                        chunk_bytes, request_timeout,
-                    )  # fmt: skip
+                    await download.from_source(source.peer_id)
                     break
                 except (TransportError, TimeoutError, OSError, ValueError, LookupError) as e:
                     log.info("state download from %s stopped: %r", source.peer_id.short(), e)
                     errors.append(f"{source.peer_id.short()}: {e}")
                     failed.add(source.peer_id)
-            if tensors is None or progress[0] != sum(v.numel() for v in views):
+            if not download.complete:
                 continue  # every source of that fingerprint failed: try the next state
-            metadata = info.get("metadata")
-            if not isinstance(metadata, dict):
-                metadata = {}
-            got = await asyncio.to_thread(state_fingerprint, tensors, metadata)
-            if got != target:
+            state = await download.verified()
+            if state is None:
                 errors.append(f"bytes do not match fingerprint {target[:12]}")
-                failed.update(contributors)
+                failed.update(download.contributors)
                 continue
-            return State(tuple(tensors), metadata, got)
+            return state
+
+
+class _Download:
+    """One state (one fingerprint) downloaded from its holders in turn: a source
+    that fails is replaced by the next, which resumes where it stopped."""
+
+    def __init__(
+        self, host: Any, protocol: str, fingerprint: str, request_timeout: float, chunk_bytes: int
+    ) -> None:
+        self.host = host
+        self.protocol = protocol
+        self.fingerprint = fingerprint
+        self.request_timeout = request_timeout
+        self.chunk_bytes = chunk_bytes
+        self.tensors: list[torch.Tensor] | None = None
+        self.views: list[torch.Tensor] = []
+        self.info: dict[str, Any] = {}
+        self.progress = [0]  # bytes verified-in-order so far; a new source resumes there
+        self.contributors: list[PeerID] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.tensors is not None and self.progress[0] == sum(v.numel() for v in self.views)
+
+    async def from_source(self, peer: PeerID) -> None:
+        """Download the rest from `peer` (its layout first, from the first source)."""
+        self.contributors.append(peer)
+        if self.tensors is None:
+            info = await rpc.call(
+                self.host, peer, self.protocol, "info", None, timeout=self.request_timeout
+            )
+            if not isinstance(info, dict) or info.get("fp") != self.fingerprint:
+                raise LookupError("its state moved on")
+            tensors = _allocate(info.get("tensors"))
+            views = [_byte_view(t) for t in tensors]
+            if sum(v.numel() for v in views) != info.get("total"):
+                raise ValueError("layout and total disagree")
+            self.tensors, self.views, self.info = tensors, views, info
+        await _fetch(
+            self.host, peer, self.protocol, self.fingerprint, self.views, self.progress,
+            self.chunk_bytes, self.request_timeout,
+        )  # fmt: skip
+
+    async def verified(self) -> State | None:
+        """The downloaded state, or None when its bytes do not match the fingerprint."""
+        assert self.tensors is not None
+        metadata = self.info.get("metadata")
+        if not isinstance(metadata, dict):
+            metadata = {}
+        got = await asyncio.to_thread(state_fingerprint, self.tensors, metadata)
+        if got != self.fingerprint:
+            return None
+        return State(tuple(self.tensors), metadata, got)
 
 
 async def _fetch(
@@ -383,6 +421,7 @@ async def _fetch(
 __all__ = [
     "DEFAULT_PROTOCOL",
     "Holder",
+    "NoHolders",
     "State",
     "StateProvider",
     "StateServer",

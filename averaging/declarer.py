@@ -1,0 +1,96 @@
+"""Our matchmaking declaration in the DHT (an owner-signed subkey of
+``<key>/matchmaking``) and reading everyone's: the matchmaker's only DHT traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from shoal.dht.node import DHTError, DHTNode
+from shoal.dht.records import RecordError, owner_marker
+from shoal.transport.errors import TransportError
+from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
+
+from .matchmaking_rules import MAX_ADDRS, Declaration, PeerState, parse_view
+
+log = logging.getLogger("shoal.averaging.matchmaking")
+
+# Each DHT read or write of one call is bounded by this (and by the call's deadline).
+DHT_TIMEOUT = 2.0
+
+
+class Declarer:
+    """Our declaration in the DHT (owner-signed subkey of ``<key>/matchmaking``) and
+    reading everyone's: the matchmaker's only DHT traffic."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        dht_key: str,
+        declaration_ttl: float,
+        bandwidth: float,
+        abortable: Callable[[Awaitable[Any]], Awaitable[Any]],
+    ) -> None:
+        self.dht = dht
+        self.host = dht.host
+        self.peer_id = dht.peer_id
+        self.dht_key = dht_key
+        self.declaration_ttl = declaration_ttl
+        self.bandwidth = bandwidth
+        self._abortable = abortable
+        self._subkey = owner_marker(self.peer_id)
+        self._loop = asyncio.get_running_loop()
+        self._expiration = 0.0
+        self.declared_at = -float("inf")  # loop time of our last declaration
+        self.declared: tuple[PeerState, bytes] = (PeerState.LEFT, b"")  # what it said
+
+    def addrs(self) -> tuple[Multiaddr, ...]:
+        return tuple(self.host.addresses())[:MAX_ADDRS]
+
+    async def poll(
+        self, previous: dict[PeerID, Declaration], end: float
+    ) -> dict[PeerID, Declaration]:
+        """The current declarations; the previous view when the DHT does not answer in time."""
+        timeout = min(DHT_TIMEOUT, end - self._loop.time())
+        if timeout <= 0:
+            return previous
+        try:
+            async with asyncio.timeout(timeout):
+                value = await self._abortable(self.dht.get(self.dht_key, latest=True))
+        except (TimeoutError, DHTError, TransportError, OSError) as e:
+            log.debug("%s: reading declarations failed: %r", self.dht_key, e)
+            return previous
+        return parse_view(value.subkeys if value is not None else None, time.time())
+
+    async def declare(
+        self,
+        state: PeerState,
+        version: bytes,
+        *,
+        end: float | None = None,
+        timeout: float = DHT_TIMEOUT,
+        at_least: float = 0.0,
+    ) -> bool:
+        """Store our declaration; False when the DHT did not take it in time."""
+        if end is not None:
+            timeout = max(min(timeout, end - self._loop.time()), at_least)
+        if timeout <= 0:
+            return False
+        # Strictly later than our previous one: the later expiration wins everywhere.
+        expiration = max(time.time() + self.declaration_ttl, self._expiration + 1e-3)
+        self._expiration = expiration
+        self.declared_at = self._loop.time()
+        self.declared = (state, version)
+        decl = Declaration(self.peer_id, state, version, self.addrs(), self.bandwidth)
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.dht.store(
+                    self.dht_key, decl.to_value(), expiration, subkey=self._subkey
+                )
+        except (TimeoutError, DHTError, TransportError, OSError, RecordError) as e:
+            log.debug("%s: declaring %s failed: %r", self.dht_key, state, e)
+            return False

@@ -1,0 +1,180 @@
+"""The matchmaker's settings (`MatchmakingConfig`), the state one
+`Matchmaker.form_group` call shares between its loop, its join client and its
+join server (`Round`), and the matchmaker's shutdown signal (`Closing`)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
+
+from .group import Group
+from .matchmaking_rules import MAX_GROUP_SIZE, Declaration, Gathering, JoinReply, Outlook
+
+T = TypeVar("T")
+
+
+@dataclass
+class MatchmakingConfig:
+    min_group_size: int = 2
+    target_group_size: int = 16
+    matchmaking_time: float = 3.0  # how long to look for peers before the group is closed
+    join_timeout: float = 5.0  # how long a follower waits for its leader's answer
+    declaration_ttl: float = 30.0
+    protocol: str = "/shoal/matchmaking/1.0.0"
+    # A leader closes this soon when every peer it knows of has joined (and
+    # nobody busy or syncing may still come); `matchmaking_time` bounds the wait.
+    min_matchmaking_time: float = 0.5
+    # A leader holds its group open up to this long after a peer declared that
+    # it is loading the state (told to re-sync), so that it joins this round
+    # instead of chasing the next one. Joiners' deadlines still bound the wait.
+    resync_grace: float = 5.0
+    # None: wait for a group until the caller's deadline. A number: a leader that
+    # has led this long with nobody joined and nobody else declared at all (no
+    # peer looking, busy or syncing: nobody is coming) gives up at once with
+    # `NobodyElse` instead of waiting out the deadline. For callers whose round
+    # is optional, such as an outer optimizer that trains on while it is alone.
+    give_up_alone_after: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_group_size <= self.target_group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
+        if self.min_matchmaking_time < 0 or self.matchmaking_time <= 0:
+            raise ValueError("matchmaking times must be positive")
+        # A short matchmaking_time shortens the minimum too (callers often set only the former).
+        self.min_matchmaking_time = min(self.min_matchmaking_time, self.matchmaking_time)
+        if self.join_timeout <= 0 or self.declaration_ttl <= 0 or self.resync_grace < 0:
+            raise ValueError("join_timeout and declaration_ttl must be positive")
+        if not self.protocol.startswith("/"):
+            raise ValueError("protocol must look like /shoal/<name>/<version>")
+        if self.give_up_alone_after is not None and self.give_up_alone_after < 0:
+            raise ValueError("give_up_alone_after must be >= 0 (or None)")
+
+
+class MatchmakingError(Exception):
+    """No group formed in time (the message says why)."""
+
+
+class Mode(enum.StrEnum):
+    LEAD = "lead"  # taking joins (also before our first decision)
+    FOLLOW = "follow"  # our join is pending at `Round.following`
+    CLOSED = "closed"  # the group is settled (or the call ended)
+
+
+class Round:
+    """The state of one `form_group` call, shared by its loop and the join handler."""
+
+    def __init__(self, outlook: Outlook, gathering: Gathering, declaration_ttl: float) -> None:
+        self.outlook = outlook
+        self.gathering = gathering
+        self.declaration_ttl = declaration_ttl
+        self.mode = Mode.LEAD
+        self.following: tuple[PeerID, tuple[Multiaddr, ...]] | None = None
+        # one pending join per member of the gathering, answered together
+        self.waiters: dict[PeerID, asyncio.Future[dict[str, Any]]] = {}
+        self.changed = asyncio.Event()
+        self.group: Group | None = None
+        self.view: dict[PeerID, Declaration] = {}
+        self.failures: list[str] = []  # why joins failed, for the error message
+        self.probed: set[tuple[PeerID, float]] = set()  # declarations already confirmed
+        self.poll_backoff = 0  # unchanged reads in a row: polls slow down
+
+    def failed(self, why: str) -> None:
+        self.failures = [*self.failures[-15:], why]
+
+    def conclude(self, group: Group, leader: PeerID) -> None:
+        group.extra["leader"] = leader
+        self.group = group
+        self.mode = Mode.CLOSED
+        self.changed.set()
+
+    def answer(self, peer: PeerID, reply: JoinReply) -> None:
+        """Answer one pending join (and take the joiner out of the gathering)."""
+        fut = self.waiters.pop(peer, None)
+        self.gathering.withdraw(peer)
+        if fut is not None and not fut.done():
+            fut.set_result(reply.to_wire())
+
+    def answer_all(self, reply: JoinReply) -> None:
+        wire = reply.to_wire()
+        for fut in self.waiters.values():
+            if not fut.done():
+                fut.set_result(wire)
+        self.waiters.clear()
+        self.gathering.clear()
+
+    # ------------------------------------------------------------------ set aside
+
+    def suspect(self, peer: PeerID) -> None:
+        """Set `peer` aside until it declares again."""
+        decl = self.view.get(peer)
+        seen = decl.expiration if decl is not None else time.time() + self.declaration_ttl
+        self.outlook.suspicions.add(peer, seen)
+
+    def may_join(self, peer: PeerID) -> bool:
+        if peer in self.outlook.excluded:
+            return False
+        decl = self.view.get(peer)
+        if decl is not None:
+            return self.outlook.suspicions.allows(decl)
+        return not self.outlook.suspicions.blocks(peer, time.time())
+
+    def note_excluded(self) -> None:
+        """The caller's exclusions stay set aside in later calls, until they declare again."""
+        for p in self.outlook.excluded:
+            decl = self.view.get(p)
+            if decl is not None:
+                self.outlook.suspicions.add(p, decl.expiration)
+
+    def failure(self, min_group_size: int) -> str:
+        """Why no group formed, for the error message."""
+        seen = len(self.outlook.candidates(self.view))
+        why = f"no group of {min_group_size} by the deadline"
+        why += f" ({seen} other peers looking with our version, {self.gathering.size} gathered"
+        if self.failures:
+            why += "; failed: " + ", ".join(dict.fromkeys(self.failures[-5:]))
+        return why + ")"
+
+
+class Closing:
+    """The matchmaker's shutdown: everything it awaits is abandoned when it closes."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def pause(self, seconds: float, end: float) -> None:
+        """Sleep `seconds` (at most until `end`), or until the matchmaker closes."""
+        until = min(end, self._loop.time() + seconds)
+        try:
+            async with asyncio.timeout_at(until):
+                await self._event.wait()
+        except TimeoutError:
+            pass
+
+    async def abortable(self, aw: Awaitable[T]) -> T:
+        """Await `aw`, abandoning it (MatchmakingError) when the matchmaker closes."""
+        task = asyncio.ensure_future(aw)
+        closing = asyncio.ensure_future(self._event.wait())
+        try:
+            await asyncio.wait((task, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise MatchmakingError("matchmaker is closed")
+        return task.result()
