@@ -47,7 +47,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .status import StatusProvider
+    from .status_provider import StatusProvider
 
 __all__ = ["CONNECTION_KINDS", "Metrics"]
 

@@ -73,11 +73,12 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from .status_page import STATUS_PAGE_CSP, STATUS_PAGE_HTML
+from .status_provider import StatusProvider
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -126,23 +127,6 @@ PAGE_HEADERS = {
     "Cache-Control": "no-store",
 }
 NO_CACHE_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
-
-
-class StatusProvider(Protocol):
-    """What the daemon gives the status endpoint (schemas in the module docstring).
-
-    `status()` and `history()` run on the event loop: they must only read
-    in-memory state (microseconds). The server encodes history in a thread from a
-    copy of the list, so a sample, once appended, must not be changed. `peers()`
-    may ask the DHT, but should serve from a cache the daemon refreshes; the
-    server cancels it after `peers_timeout`.
-    """
-
-    def status(self) -> dict[str, Any]: ...
-
-    async def peers(self) -> list[dict[str, Any]]: ...
-
-    def history(self) -> list[dict[str, Any]]: ...
 
 
 class StatusServer:

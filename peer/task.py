@@ -118,6 +118,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgpack
 
+from .task_error import TaskError
+
 if TYPE_CHECKING:  # torch is imported by the tasks themselves, not by whoever imports this
     import torch
 
@@ -129,10 +131,6 @@ __all__ = [
     "load_task",
     "shard_of",
 ]
-
-
-class TaskError(Exception):
-    """A user-facing problem with a task (spec, config or data); the message is one line."""
 
 
 @runtime_checkable

@@ -13,7 +13,6 @@ from shoal.averaging.state_sync import (
     NoHolders,
     State,
     StateServer,
-    StateSyncError,
     find_holders,
     load_state_from_peers,
     make_state,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.peer.task import TaskError
+from shoal.peer.task_error import TaskError
 from shoal.peer.tasks.corpus import DEFAULT_MAX_BYTES, ByteCorpus, random_windows, spaced_windows
 
 __all__ = ["DEFAULT_CONFIG", "VOCAB_SIZE", "ByteGPT", "ByteGPTTask", "make_task"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from shoal.peer.task import TaskError
+from shoal.peer.task_error import TaskError
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
