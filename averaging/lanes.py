@@ -37,7 +37,10 @@ from .round_errors import Action, Side, Veto, classify, first_of
 
 __all__ = ["AllReduceError", "BadRequest", "DataPlane", "NotAMember", "RoundOver", "RoundSide"]
 
-_THREAD_WORK = 1 << 23  # element-ops of one chunk's reduction above which it runs in a thread
+# Element-ops of one chunk's reduction above which it runs in a thread: a default
+# chunk (1M elements) from 4 members is 4M element-ops, 2-5 ms of CPU, which on
+# the loop stalled everything else (seen up to 50 ms on a loaded machine).
+_THREAD_WORK = 1 << 20
 
 
 class AllReduceError(Exception):

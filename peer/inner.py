@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .device import autocast
+from .priority import lower_this_thread
 
 __all__ = ["BatchPrefetcher", "InnerOptimizer", "map_tensors", "to_device"]
 
@@ -57,6 +58,7 @@ class BatchPrefetcher:
         self._thread.start()
 
     def _fill(self) -> None:
+        lower_this_thread()  # like the training thread it feeds
         try:
             for drawn in self._source:
                 batch = map_tensors(drawn, lambda t: t.pin_memory()) if self._pin else drawn

@@ -31,6 +31,7 @@ from .checkpoint import CheckpointStore
 from .config import PRECISIONS
 from .device import autocast
 from .inner import BatchPrefetcher, InnerOptimizer, to_device
+from .priority import lower_this_thread
 from .task import Task
 
 __all__ = ["DEFAULT_HYPERPARAMETERS", "Trainer", "TrainerStats", "check_hyperparameters"]
@@ -136,8 +137,11 @@ class Trainer:
         self.inner = InnerOptimizer(model, self.hyper, device=self.device, precision=precision)
         self.optimizer = self.inner.optimizer
         # One thread for every touch of the model outside the event loop: inner
-        # steps and checkpoint writes never overlap.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-train")
+        # steps and checkpoint writes never overlap. It runs below the loop's
+        # priority (priority.py): rounds and heartbeats first.
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="shoal-train", initializer=lower_this_thread
+        )
         self._batches: BatchPrefetcher | None = None
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
