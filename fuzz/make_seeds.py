@@ -33,6 +33,10 @@ from shoal.transport.multiaddr import Multiaddr  # noqa: E402
 from shoal.transport.mux import Multiplexer  # noqa: E402
 from shoal.transport.noise import NoiseHandshakeXX  # noqa: E402
 from shoal.transport.rpc import pack_message  # noqa: E402
+from shoal.verification.commitment import Commitment  # noqa: E402
+from shoal.verification.disputes import Dispute  # noqa: E402
+from shoal.verification.evidence import Result, Verdict  # noqa: E402
+from shoal.verification.referees import RoundDraw, seed_commit  # noqa: E402
 
 ME = Identity.from_seed(b"\x07" * 32)
 ADDR = Multiaddr(f"/ip4/198.51.100.10/tcp/31337/p2p/{ME.peer_id}")
@@ -88,6 +92,34 @@ def manifest() -> bytes:
         created=1.7e9,
     )
     return m.to_bytes()
+
+
+def conviction() -> tuple[bytes, bytes, bytes]:
+    """A checked conviction from a round of 4, a commitment and a verdict."""
+    ids = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
+    secrets = {i.peer_id: bytes([i.peer_id.to_bytes()[-1]]) * 32 for i in ids}
+    digest = bytes(32)
+
+    def commit(me: Identity) -> Commitment:
+        ckpts = (digest, digest)
+        c = Commitment("exp", me.peer_id, 3, digest, digest, 4, 2, ckpts, digest, 1, b"",
+                       seed_commit(secrets[me.peer_id]))  # fmt: skip
+        return c.signed(me)
+
+    commitments = [commit(i) for i in ids]
+    draw = RoundDraw.from_reveals(commitments, secrets)
+    dispute = Dispute(commitments[0], draw)
+    by_peer = {i.peer_id: i for i in ids}
+    for referee in dispute.referees[:2]:
+        verdict = Verdict(referee, dispute.digest, dispute.segment, digest, Result.FAIL, 9, 64)
+        dispute.add(verdict.signed(by_peer[referee]))
+    evidence = dispute.evidence(commitments, secrets)
+    verdict = evidence.verdicts[0]
+    return (
+        evidence.encode(),
+        commitments[1].encode(),
+        msgpack.packb(verdict.to_wire(), use_bin_type=True),
+    )
 
 
 def seeds() -> dict[str, list[bytes]]:
@@ -162,6 +194,7 @@ def seeds() -> dict[str, list[bytes]]:
         "manifest": [manifest(), b"default@" + str(ME.peer_id).encode()],
         "checkpoint": [checkpoint()],
         "status_inputs": [b"127.0.0.1:8080", msgpack.packb(status, use_bin_type=True)],
+        "verification_evidence": list(conviction()),
     }
 
 

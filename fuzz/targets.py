@@ -39,6 +39,8 @@ from shoal.transport.mux import Multiplexer
 from shoal.transport.nat import wire
 from shoal.transport.noise import NoiseHandshakeXX
 from shoal.transport.rpc import MessageStream, RpcLimits
+from shoal.verification.commitment import Commitment, CommitmentError
+from shoal.verification.evidence import Evidence, EvidenceError, Verdict
 
 __all__ = ["TARGETS", "Target", "run_now"]
 
@@ -330,6 +332,21 @@ def status_inputs(data: bytes) -> None:
     format_status(status, [p if isinstance(p, dict) else {"x": p} for p in peers], "http://x")
 
 
+def verification_evidence(data: bytes) -> None:
+    """A conviction from the DHT (then its offline check), a commitment, a verdict."""
+    try:
+        Evidence.decode(data).check()
+    except EvidenceError:
+        pass
+    try:
+        c = Commitment.decode(data)
+    except CommitmentError:
+        pass
+    else:
+        assert Commitment.decode(c.encode()) == c
+    Verdict.from_wire(_message(data))
+
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -354,5 +371,11 @@ TARGETS: dict[str, Target] = {
         Target("manifest", manifest, (ManifestError,), manifest.__doc__),
         Target("checkpoint", checkpoint, (CheckpointError,), checkpoint.__doc__),
         Target("status_inputs", status_inputs, (), status_inputs.__doc__),
+        Target(
+            "verification_evidence",
+            verification_evidence,
+            (EvidenceError,),
+            verification_evidence.__doc__,
+        ),
     )
 }

@@ -19,7 +19,7 @@ of bitwise equality.
 - **Norms**: SimHash is blind to scale, so each block also keeps log2 of its
   L2 norm, quantized to 1/256 (int16); the norm test bounds the mean
   difference.
-- **The seed is drawn after the prover committed** (see `verification.audit`):
+- **The seed is drawn after the prover revealed** (`referees.RoundDraw.lsh_seed`):
   perturbations orthogonal to a known projection pass a fixed seed, never a
   fresh one.
 """

@@ -1,0 +1,121 @@
+"""Convictions in the DHT and the ban list every peer derives from them.
+
+A conviction (`Evidence`) is published under ``<experiment>/convictions``, in
+a subkey named after the convicted peer and owned by the publisher (so no one
+can overwrite or erase another's copy). Every peer reads them, checks each
+offline (`Evidence.check`) and bans the convicted peer: matchmaking, state sync
+and pipelines refuse it. Forged or altered bundles are dropped, and so is a
+bundle of another experiment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from shoal.dht.node import DHTError, DHTNode
+from shoal.dht.records import RecordError, owner_marker
+from shoal.transport.errors import TransportError
+from shoal.transport.identity import PeerID
+
+from .evidence import Evidence, EvidenceError
+
+__all__ = ["BAN_TTL", "BanList", "Conviction", "convictions_key", "fetch", "publish"]
+
+log = logging.getLogger("shoal.verification.bans")
+
+BAN_TTL = 7 * 24 * 3600.0  # how long a published conviction is kept (capped by the DHT)
+
+
+def convictions_key(experiment: str) -> str:
+    return f"{experiment}/convictions"
+
+
+@dataclass(frozen=True)
+class Conviction:
+    peer: PeerID
+    round: int
+    referees: tuple[PeerID, ...]  # who accused
+    at: float  # UNIX time we learned of it
+
+    def to_status(self) -> dict[str, object]:
+        return {
+            "peer": str(self.peer),
+            "round": self.round,
+            "accusers": [str(r) for r in self.referees],
+            "at": round(self.at, 3),
+        }
+
+
+class BanList:
+    """The peers this peer refuses, each with the conviction that proves it."""
+
+    def __init__(self, experiment: str) -> None:
+        self.experiment = experiment
+        self._convictions: dict[PeerID, Conviction] = {}
+        self.rejected = 0  # bundles that did not check
+
+    def consider(self, evidence: Evidence, now: float | None = None) -> PeerID | None:
+        """Ban the peer `evidence` convicts, once it checks; None (and nothing
+        banned) when it does not or belongs to another experiment."""
+        if evidence.commitment.experiment != self.experiment:
+            self.rejected += 1
+            return None
+        try:
+            peer = evidence.check()
+        except EvidenceError as e:
+            log.warning("a conviction of %s does not check: %s", evidence.prover.short(), e)
+            self.rejected += 1
+            return None
+        if peer not in self._convictions:
+            accusers = tuple(v.verifier for v in evidence.verdicts if v.accuses)
+            when = time.time() if now is None else now
+            self._convictions[peer] = Conviction(peer, evidence.commitment.round, accusers, when)
+            log.warning("%s is banned: convicted by %d referees", peer.short(), len(accusers))
+        return peer
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._convictions
+
+    def __len__(self) -> int:
+        return len(self._convictions)
+
+    @property
+    def banned(self) -> frozenset[PeerID]:
+        return frozenset(self._convictions)
+
+    def convictions(self) -> list[Conviction]:
+        return sorted(self._convictions.values(), key=lambda c: c.at)
+
+
+async def publish(dht: DHTNode, evidence: Evidence, *, ttl: float = BAN_TTL) -> bool:
+    """Store a conviction in the DHT (under our own subkey for that peer)."""
+    key = convictions_key(evidence.commitment.experiment)
+    subkey = f"{evidence.prover.to_base58()}{owner_marker(dht.peer_id)}"
+    try:
+        return await dht.store(key, evidence.encode(), time.time() + ttl, subkey=subkey)
+    except (DHTError, TransportError, RecordError, OSError) as e:
+        log.info("publishing the conviction of %s failed: %r", evidence.prover.short(), e)
+        return False
+
+
+async def fetch(dht: DHTNode, experiment: str) -> list[Evidence]:
+    """The convictions published for `experiment` that decode (not yet checked:
+    `BanList.consider` does that)."""
+    try:
+        value = await dht.get(convictions_key(experiment), latest=True)
+    except (DHTError, TransportError, OSError) as e:
+        log.debug("reading convictions failed: %r", e)
+        return []
+    if value is None or not value.subkeys:
+        return []
+    out = []
+    for raw, _expiration in value.subkeys.values():
+        if not isinstance(raw, bytes):
+            continue
+        try:
+            out.append(Evidence.decode(raw))
+        except EvidenceError as e:
+            log.info("an undecodable conviction in the DHT: %s", e)
+    return out

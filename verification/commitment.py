@@ -1,0 +1,243 @@
+"""What a peer commits to with its contribution to a round, before anyone can
+check it: a signed `Commitment`, and Merkle trees over the parts it sends.
+
+A commitment binds the prover to its whole inner run: the global state it
+started from (`start`), its starting inner-optimizer state (`optimizer`), a
+hash of its parameters and optimizer state every `every` inner steps
+(`checkpoints`; the last one is after `steps`), the Merkle root of its
+pseudo-gradient over the all-reduce's parts (`delta_root`: each part's owner
+checks the part it received against it), the previous round's commitment
+(`previous`: a chain, so a peer cannot rewrite its history) and the hash of a
+secret it reveals after every member committed (`seed_commit`: the round's
+shared randomness, `verification.referees`, which nobody can steer).
+
+Everything is encoded canonically (msgpack of a fixed-order list) and signed
+with the prover's identity key under a domain tag, so a commitment checks
+offline from its own bytes: `Commitment.decode(data)` refuses any commitment
+whose signature does not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+
+from shoal.transport.identity import Identity, PeerID
+
+__all__ = [
+    "HASH_BYTES",
+    "Commitment",
+    "CommitmentError",
+    "MerkleTree",
+    "leaf_hash",
+    "verify_inclusion",
+]
+
+HASH_BYTES = 32
+MAX_CHECKPOINTS = 4096
+MAX_TEXT = 256
+_TAG = b"shoal/commitment/1\0"
+_LEAF = b"\x00"
+_NODE = b"\x01"
+
+
+class CommitmentError(ValueError):
+    """A commitment (or a proof) that does not decode or does not verify."""
+
+
+def leaf_hash(data: bytes | memoryview) -> bytes:
+    """The hash of one part as a Merkle leaf (domain-separated from inner nodes,
+    so that no inner node can pass for a leaf)."""
+    return hashlib.sha256(_LEAF + bytes(data)).digest()
+
+
+def _node(left: bytes, right: bytes) -> bytes:
+    return hashlib.sha256(_NODE + left + right).digest()
+
+
+class MerkleTree:
+    """A Merkle tree over the hashes of parts (`leaf_hash`), in part order.
+
+    A level with an odd count carries its last node up unchanged (no
+    duplication, so no two leaf lists share a root).
+    """
+
+    def __init__(self, leaves: Sequence[bytes]) -> None:
+        if not leaves:
+            raise ValueError("a Merkle tree needs at least one leaf")
+        self.levels: list[list[bytes]] = [list(leaves)]
+        while len(self.levels[-1]) > 1:
+            below = self.levels[-1]
+            above = [_node(below[i], below[i + 1]) for i in range(0, len(below) - 1, 2)]
+            if len(below) % 2:
+                above.append(below[-1])
+            self.levels.append(above)
+
+    @property
+    def root(self) -> bytes:
+        return self.levels[-1][0]
+
+    def proof(self, index: int) -> list[bytes]:
+        """The sibling hashes from leaf `index` up (levels where it has none are skipped)."""
+        if not 0 <= index < len(self.levels[0]):
+            raise IndexError(index)
+        path = []
+        for level in self.levels[:-1]:
+            sibling = index ^ 1
+            if sibling < len(level):
+                path.append(level[sibling])
+            index //= 2
+        return path
+
+
+def verify_inclusion(
+    root: bytes, leaf: bytes, index: int, count: int, proof: Sequence[bytes]
+) -> bool:
+    """Whether `leaf` is leaf `index` of the `count` leaves under `root`."""
+    if not 0 <= index < count:
+        return False
+    node, width, used = leaf, count, 0
+    while width > 1:
+        sibling = index ^ 1
+        if sibling < width:
+            if used >= len(proof):
+                return False
+            other = proof[used]
+            used += 1
+            node = _node(other, node) if index % 2 else _node(node, other)
+        index //= 2
+        width = (width + 1) // 2
+    return used == len(proof) and node == root
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """One peer's signed account of its work for one round (fields: module docstring).
+
+    `round` is the state version the work started from, as a commit count: the
+    same number on every member of the round.
+    """
+
+    experiment: str
+    prover: PeerID
+    round: int
+    start: bytes
+    optimizer: bytes
+    steps: int
+    every: int
+    checkpoints: tuple[bytes, ...]
+    delta_root: bytes
+    parts: int
+    previous: bytes
+    seed_commit: bytes
+    signature: bytes = field(default=b"", compare=False)
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise CommitmentError(problem)
+
+    def _problem(self) -> str | None:
+        if not isinstance(self.experiment, str) or len(self.experiment) > MAX_TEXT:
+            return "bad experiment name"
+        ints = (self.round, self.steps, self.every, self.parts)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
+            return "counts must be integers"
+        if self.round < 0 or self.steps < 1 or self.every < 1 or self.parts < 1:
+            return "round >= 0, steps, every and parts >= 1"
+        if len(self.checkpoints) != self.segments or len(self.checkpoints) > MAX_CHECKPOINTS:
+            return f"{self.segments} checkpoints expected, {len(self.checkpoints)} given"
+        hashes = (self.start, self.optimizer, self.delta_root, self.seed_commit, *self.checkpoints)
+        if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
+            return f"hashes must be {HASH_BYTES} bytes"
+        if not isinstance(self.previous, bytes) or len(self.previous) not in (0, HASH_BYTES):
+            return "previous must be a commitment digest or empty (the first round)"
+        return None
+
+    @property
+    def segments(self) -> int:
+        """Inner-run segments of `every` steps (the last may be shorter)."""
+        return -(-self.steps // self.every)
+
+    def segment_bounds(self, index: int) -> tuple[int, int]:
+        """The inner steps [first, end) of segment `index`."""
+        if not 0 <= index < self.segments:
+            raise IndexError(index)
+        return index * self.every, min(self.steps, (index + 1) * self.every)
+
+    def segment_start(self, index: int) -> bytes:
+        """The hash the state at the start of segment `index` must have: the
+        global state and starting optimizer for segment 0, else a checkpoint."""
+        if index == 0:
+            return hashlib.sha256(self.start + self.optimizer).digest()
+        return self.checkpoints[index - 1]
+
+    # ------------------------------------------------------------------ wire
+
+    def body(self) -> bytes:
+        """The canonical bytes that are signed (everything but the signature)."""
+        return msgpack.packb(
+            [
+                self.experiment,
+                self.prover.to_bytes(),
+                self.round,
+                self.start,
+                self.optimizer,
+                self.steps,
+                self.every,
+                list(self.checkpoints),
+                self.delta_root,
+                self.parts,
+                self.previous,
+                self.seed_commit,
+            ],
+            use_bin_type=True,
+        )
+
+    def digest(self) -> bytes:
+        """What names this commitment (the next round's `previous`, verdicts, evidence)."""
+        return hashlib.sha256(self.body()).digest()
+
+    def signed(self, identity: Identity) -> Commitment:
+        if identity.peer_id != self.prover:
+            raise CommitmentError("only the prover signs its commitment")
+        return _replace_signature(self, identity.sign(_TAG + self.body()))
+
+    def verifies(self) -> bool:
+        return self.prover.verify(self.signature, _TAG + self.body())
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.body(), self.signature], use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Commitment:
+        """A commitment from `encode`'s bytes; CommitmentError unless well formed
+        and signed by its prover."""
+        try:
+            body, signature = msgpack.unpackb(data, raw=False, max_bin_len=1 << 20)
+            fields = msgpack.unpackb(body, raw=False, max_array_len=MAX_CHECKPOINTS + 16)
+            (experiment, prover, rnd, start, optimizer, steps, every, checkpoints,
+             delta_root, parts, previous, seed_commit) = fields  # fmt: skip
+            commitment = cls(
+                experiment, PeerID(prover), rnd, start, optimizer, steps, every,
+                tuple(checkpoints), delta_root, parts, previous, seed_commit, signature,
+            )  # fmt: skip
+        except CommitmentError:
+            raise
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as e:
+            raise CommitmentError(f"malformed commitment: {e}") from None
+        if not isinstance(signature, bytes) or not commitment.verifies():
+            raise CommitmentError("the commitment's signature does not verify")
+        if commitment.body() != body:
+            raise CommitmentError("the commitment is not in canonical form")
+        return commitment
+
+
+def _replace_signature(c: Commitment, signature: bytes) -> Commitment:
+    return Commitment(
+        c.experiment, c.prover, c.round, c.start, c.optimizer, c.steps, c.every,
+        c.checkpoints, c.delta_root, c.parts, c.previous, c.seed_commit, signature,
+    )  # fmt: skip
