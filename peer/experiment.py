@@ -185,6 +185,12 @@ class Manifest:
         return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
 
     @property
+    def namespace(self) -> str:
+        """What names the experiment in the DHT (its keys' prefix) and in
+        commitments and convictions."""
+        return f"shoal/x/{self.experiment_id}"
+
+    @property
     def ref(self) -> ExperimentRef:
         return ExperimentRef(self.name, self.host)
 

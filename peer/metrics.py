@@ -181,6 +181,18 @@ class _StatusCollector(Collector):
                     f"Bytes {direction} over every connection since the daemon started.",
                     value=value,
                 )
+        verification = status.get("verification")
+        if isinstance(verification, dict):
+            yield GaugeMetricFamily(
+                "shoal_banned_peers",
+                "Peers this peer refuses: convicted of cheating by evidence it checked.",
+                value=len(verification.get("banned") or ()),
+            )
+            yield CounterMetricFamily(
+                "shoal_convictions",
+                "Convictions of this experiment that this peer checked and enforces.",
+                value=len(verification.get("convictions") or ()),
+            )
         kinds = Tally(str(c.get("kind")) for c in status.get("connections") or ())
         connections = GaugeMetricFamily(
             "shoal_connections", "Open connections to other peers, by kind.", labels=["kind"]

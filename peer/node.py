@@ -24,6 +24,7 @@ from shoal.transport.nat import NatManager
 from shoal.transport.tasks import TaskSet
 
 from . import __version__
+from .ban_watch import BanWatcher
 from .config import Config
 from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
@@ -71,6 +72,7 @@ class PeerNode:
         self._peers_cache: tuple[float, list[dict[str, Any]]] | None = None
         self._peer_count = 0
         self.loop_lag = LoopLagMonitor()
+        self.bans: BanWatcher | None = None  # once there is an experiment
 
     def attach(self, session: Session) -> None:
         self.session = session
@@ -91,6 +93,8 @@ class PeerNode:
         if self.session is not None:
             self._tasks.spawn(self._report_loop())
             self._tasks.spawn(self._refresh_manifest())
+            self.bans = BanWatcher(self.dht, self.session.manifest.namespace)
+            self._tasks.spawn(self.bans.run())
 
     async def train(self, stop: asyncio.Event) -> None:
         assert self.session is not None
@@ -208,6 +212,7 @@ class PeerNode:
             "uptime_s": time.time() - self.started,
             "loop_lag_ms": self.loop_lag.summary(time.monotonic()),
             "config": self.config.to_json(),
+            "verification": self.bans.status() if self.bans is not None else None,
         }
         if self.session is not None:
             s = self.session.trainer.stats

@@ -88,11 +88,11 @@ class Session:
 
 
 def averaging_key(manifest: Manifest) -> str:
-    return f"shoal/x/{manifest.experiment_id}/params"
+    return f"{manifest.namespace}/params"
 
 
 def peers_key(manifest: Manifest) -> str:
-    return f"shoal/x/{manifest.experiment_id}/peers"
+    return f"{manifest.namespace}/peers"
 
 
 def report_subkey(identity_peer: Any) -> str:

@@ -13,6 +13,7 @@ from shoal.transport.connection import ConnectionConfig
 from shoal.transport.errors import (
     ConnectionLost,
     DialError,
+    PeerBlocked,
     PeerIDMismatch,
     ProtocolNotSupported,
     StreamReset,
@@ -38,6 +39,36 @@ async def test_addresses_carry_the_peer_id_and_a_dial_meets_that_peer(pair) -> N
     assert conn.remote_peer == b.peer_id
     await eventually(lambda: a.peer_id in b.connections, "b has the connection too")
     assert b.connections[a.peer_id].remote_peer == a.peer_id
+
+
+async def test_a_blocked_peer_gets_no_connection_either_way(pair, make_host) -> None:
+    a, b = pair
+    b.set_handler(ECHO, echo)
+    await a.connect(b.addresses()[0])
+    await eventually(lambda: a.peer_id in b.connections, "b has the connection too")
+    a.block(b.peer_id, "convicted")
+    # The open connection closes at once, on both sides.
+    await eventually(lambda: b.peer_id not in a.connections, "a dropped it")
+    await eventually(lambda: a.peer_id not in b.connections, "b saw it close")
+    assert a.blocked() == {b.peer_id: "convicted"}
+    # a dials neither by peer ID nor by an address that turns out to be b's.
+    with pytest.raises(PeerBlocked):
+        await a.connect(b.peer_id, b.addresses())
+    with pytest.raises(PeerBlocked):
+        await a.connect(str(b.addresses()[0]).rsplit("/p2p/", 1)[0])
+    # b's dials reach the handshake, then a closes them: no stream ever opens.
+    with pytest.raises((ConnectionLost, DialError)):
+        conn = await b.connect(a.addresses()[0])
+        await eventually(lambda: not conn.is_open, "a closed b's connection")
+        await b.open_stream(a.peer_id, ECHO)
+    assert b.peer_id not in a.connections
+    # Everyone else still gets through.
+    c = await make_host()
+    a.set_handler(ECHO, echo)
+    stream = await c.open_stream(a.addresses()[0], ECHO)
+    await stream.write(b"still open to others")
+    assert await stream.readexactly(20) == b"still open to others"
+    await stream.close()
 
 
 async def test_a_stream_carries_bytes_both_ways_and_half_closes(pair) -> None:

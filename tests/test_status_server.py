@@ -94,6 +94,14 @@ class FakeProvider:
             "bytes_received": 654_321,
             "uptime_s": time.time() - self.started,
             "config": {"listen": "/ip4/127.0.0.1/tcp/31337", "status_addr": "127.0.0.1:8080"},
+            "verification": {
+                "banned": [self.ids[3]],
+                "convictions": [
+                    {"peer": self.ids[3], "round": 9, "accusers": self.ids[1:3], "at": 1.0}
+                ],
+                "convicted_self": False,
+                "rejected_evidence": 0,
+            },
         }
 
     async def peers(self) -> list[dict[str, Any]]:
@@ -308,6 +316,8 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     assert samples[("shoal_round_duration_seconds_count", ())] == 3
     assert samples[("shoal_round_duration_seconds_bucket", (("le", "2.5"),))] == 2
     assert samples[("shoal_round_group_size_sum", ())] == 9
+    assert samples[("shoal_banned_peers", ())] == 1
+    assert samples[("shoal_convictions_total", ())] == 1
     assert any(name == "process_resident_memory_bytes" for name, _ in samples)
 
 

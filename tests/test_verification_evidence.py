@@ -4,16 +4,15 @@ who audits it, how three referees decide, and evidence anyone checks offline."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from verification_round import EXPERIMENT, Round, commit, conviction, h, identities
 
 from shoal.dht.node import DHTNode
-from shoal.transport.identity import Identity, PeerID
 from shoal.verification.bans import BanList, fetch, publish
 from shoal.verification.commitment import (
     Commitment,
@@ -23,72 +22,10 @@ from shoal.verification.commitment import (
     verify_inclusion,
 )
 from shoal.verification.disputes import Dispute, Ledger, Outcome
-from shoal.verification.evidence import Evidence, EvidenceError, Result, Verdict
-from shoal.verification.referees import RoundDraw, new_secret, seed_commit
+from shoal.verification.evidence import Evidence, EvidenceError, Result
+from shoal.verification.referees import RoundDraw, new_secret
 
 pytestmark = pytest.mark.timeout(60)
-
-EXPERIMENT = "exp"
-
-
-def h(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
-
-
-def identities(n: int, salt: str = "") -> list[Identity]:
-    return [Identity.from_seed(h(f"{salt}peer{i}")) for i in range(n)]
-
-
-def commit(
-    me: Identity, secret: bytes, *, rnd: int = 7, steps: int = 6, every: int = 2
-) -> Commitment:
-    segments = -(-steps // every)
-    return Commitment(
-        EXPERIMENT,
-        me.peer_id,
-        rnd,
-        start=h("global"),
-        optimizer=h(f"opt {me.peer_id}"),
-        steps=steps,
-        every=every,
-        checkpoints=tuple(h(f"{me.peer_id} ckpt {i}") for i in range(segments)),
-        delta_root=MerkleTree([leaf_hash(b"part a"), leaf_hash(b"part b")]).root,
-        parts=2,
-        previous=b"",
-        seed_commit=seed_commit(secret),
-    ).signed(me)
-
-
-class Round:
-    """One round of `n` members that committed and revealed their secrets."""
-
-    def __init__(
-        self, n: int, *, rnd: int = 7, salt: str = "", also: tuple[Identity, ...] = ()
-    ) -> None:
-        self.ids = identities(n, salt) + list(also)
-        self.by_peer = {i.peer_id: i for i in self.ids}
-        self.secrets = {i.peer_id: new_secret() for i in self.ids}
-        self.commitments = [commit(i, self.secrets[i.peer_id], rnd=rnd) for i in self.ids]
-        self.draw = RoundDraw.from_reveals(self.commitments, self.secrets)
-
-    def of(self, peer: PeerID) -> Commitment:
-        return next(c for c in self.commitments if c.prover == peer)
-
-    def verdict(self, referee: PeerID, c: Commitment, result: Result) -> Verdict:
-        segment = self.draw.segment(c.prover, c.segments)
-        return Verdict(referee, c.digest(), segment, h("revealed"), result).signed(
-            self.by_peer[referee]
-        )
-
-    def dispute(self, prover: PeerID, results: list[Result]) -> Dispute:
-        c = self.of(prover)
-        dispute = Dispute(c, self.draw)
-        for referee, result in zip(dispute.referees, results, strict=False):
-            if dispute.outcome is not Outcome.OPEN:
-                break
-            dispute.add(self.verdict(referee, c, result))
-        return dispute
-
 
 # ---------------------------------------------------------------------- Merkle
 
@@ -302,12 +239,6 @@ def test_one_lying_referee_of_three_never_convicts_an_honest_prover(liar_seat: i
 
 
 # ---------------------------------------------------------------------- evidence
-
-
-def conviction(r: Round) -> Evidence:
-    d = r.dispute(r.ids[0].peer_id, [Result.FAIL, Result.FAIL])
-    assert d.outcome is Outcome.CONVICTED
-    return d.evidence(r.commitments, r.secrets)
 
 
 def test_a_forged_or_altered_bundle_is_rejected() -> None:

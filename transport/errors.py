@@ -32,6 +32,10 @@ class DialError(TransportError):
     """No connection could be made to the peer at any of the given addresses."""
 
 
+class PeerBlocked(DialError):
+    """The peer is blocked on this host (`Host.block`): no connection with it either way."""
+
+
 class PeerIDMismatch(HandshakeError, DialError):
     """The address named one peer ID and the handshake met another."""
 

@@ -18,6 +18,7 @@ from .errors import (
     DialError,
     HandshakeError,
     LimitExceeded,
+    PeerBlocked,
     PeerIDMismatch,
     TransportError,
 )
@@ -68,6 +69,7 @@ class Host:
         self._listen_addrs: list[Multiaddr] = []
         self._conns: dict[PeerID, Connection] = {}
         self._all: set[Connection] = set()  # including handshaking and superseded ones
+        self._blocked: dict[PeerID, str] = {}  # peer -> why (Host.block)
         # Bytes of connections already closed: the totals must not drop when one closes.
         self._closed_bytes_sent = 0
         self._closed_bytes_received = 0
@@ -305,6 +307,8 @@ class Host:
         /p2p/ID is checked against the ID the handshake meets.
         """
         peer, candidates = self._resolve(target, addrs)
+        if peer is not None and peer in self._blocked:
+            raise PeerBlocked(f"{peer.short()} is blocked: {self._blocked[peer]}")
         if peer is not None:
             existing = self.connection(peer)
             if existing is not None:
@@ -351,6 +355,20 @@ class Host:
         if conn is None:
             raise ConnectionLost(f"not connected to {peer}")
         return await conn.ping(timeout)
+
+    def block(self, peer: PeerID, reason: str) -> None:
+        """Refuse every connection with `peer` from now on, both ways (a connection
+        gate, as libp2p's): dials raise PeerBlocked, its inbound connections close
+        after the handshake names it, and the open one closes now. For peers convicted
+        of cheating: nothing built on this host needs to check for them."""
+        self._blocked[peer] = reason
+        for conn in list(self._all):
+            if conn.remote_peer == peer:
+                conn.abort(f"peer blocked: {reason}")
+
+    def blocked(self) -> dict[PeerID, str]:
+        """The blocked peers and why."""
+        return dict(self._blocked)
 
     async def disconnect(self, peer: PeerID) -> None:
         conn = self._conns.get(peer)
@@ -500,6 +518,8 @@ class Host:
                 log.debug("dial to %s:%d met a simultaneous open; redialing", host, port)
                 return await self._dial_one(endpoint, expected, reuse="never")
             raise
+        if conn.remote_peer in self._blocked:  # dialed by address, and it named a blocked peer
+            raise PeerBlocked(f"{conn.remote_peer.short()} is blocked")
         best = self._conns.get(conn.remote_peer)
         return best if best is not None and best.accepting_streams else conn
 
@@ -565,6 +585,10 @@ class Host:
 
     def _on_handshake(self, conn: Connection, fut: asyncio.Future[PeerID]) -> None:
         if fut.cancelled() or fut.exception() is not None:
+            return
+        reason = self._blocked.get(conn.remote_peer)
+        if reason is not None:
+            conn.abort(f"peer blocked: {reason}")
             return
         self._register(conn)
         for opened, _ in list(self._listeners):

@@ -1,0 +1,81 @@
+"""A round of members that committed and revealed their secrets, for the
+verification tests: commitments, verdicts, disputes and convictions."""
+
+from __future__ import annotations
+
+import hashlib
+
+from shoal.transport.identity import Identity, PeerID
+from shoal.verification.commitment import Commitment, MerkleTree, leaf_hash
+from shoal.verification.disputes import Dispute, Outcome
+from shoal.verification.evidence import Evidence, Result, Verdict
+from shoal.verification.referees import RoundDraw, new_secret, seed_commit
+
+EXPERIMENT = "exp"
+
+
+def h(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def identities(n: int, salt: str = "") -> list[Identity]:
+    return [Identity.from_seed(h(f"{salt}peer{i}")) for i in range(n)]
+
+
+def commit(
+    me: Identity, secret: bytes, *, rnd: int = 7, steps: int = 6, every: int = 2
+) -> Commitment:
+    segments = -(-steps // every)
+    return Commitment(
+        EXPERIMENT,
+        me.peer_id,
+        rnd,
+        start=h("global"),
+        optimizer=h(f"opt {me.peer_id}"),
+        steps=steps,
+        every=every,
+        checkpoints=tuple(h(f"{me.peer_id} ckpt {i}") for i in range(segments)),
+        delta_root=MerkleTree([leaf_hash(b"part a"), leaf_hash(b"part b")]).root,
+        parts=2,
+        previous=b"",
+        seed_commit=seed_commit(secret),
+    ).signed(me)
+
+
+class Round:
+    """One round of `n` members that committed and revealed their secrets."""
+
+    def __init__(
+        self, n: int, *, rnd: int = 7, salt: str = "", also: tuple[Identity, ...] = ()
+    ) -> None:
+        """`n` members made from seeds (`salt` varies them), plus the identities `also`."""
+        self.ids = identities(n, salt) + list(also)
+        self.by_peer = {i.peer_id: i for i in self.ids}
+        self.secrets = {i.peer_id: new_secret() for i in self.ids}
+        self.commitments = [commit(i, self.secrets[i.peer_id], rnd=rnd) for i in self.ids]
+        self.draw = RoundDraw.from_reveals(self.commitments, self.secrets)
+
+    def of(self, peer: PeerID) -> Commitment:
+        return next(c for c in self.commitments if c.prover == peer)
+
+    def verdict(self, referee: PeerID, c: Commitment, result: Result) -> Verdict:
+        segment = self.draw.segment(c.prover, c.segments)
+        return Verdict(referee, c.digest(), segment, h("revealed"), result).signed(
+            self.by_peer[referee]
+        )
+
+    def dispute(self, prover: PeerID, results: list[Result]) -> Dispute:
+        c = self.of(prover)
+        dispute = Dispute(c, self.draw)
+        for referee, result in zip(dispute.referees, results, strict=False):
+            if dispute.outcome is not Outcome.OPEN:
+                break
+            dispute.add(self.verdict(referee, c, result))
+        return dispute
+
+
+def conviction(r: Round, prover: PeerID | None = None) -> Evidence:
+    """A checked conviction of `prover` (default: the first member) by two referees."""
+    d = r.dispute(prover or r.ids[0].peer_id, [Result.FAIL, Result.FAIL])
+    assert d.outcome is Outcome.CONVICTED
+    return d.evidence(r.commitments, r.secrets)
