@@ -1,0 +1,131 @@
+"""Re-running a segment of a peer's inner run, as an audit does: the same
+batches, the same step code, from the committed start state.
+
+The batches a peer trains on in a round are a deterministic function of
+(experiment, peer ID, round) (`round_batch_seed`) and of the step within the
+round, so an auditor regenerates exactly the ones of the segment it re-runs
+(`segment_batches`). The step is the trainer's own (`inner.InnerOptimizer`):
+the warmup schedule, clipping and precision match. A state (`SegmentState`:
+parameters and inner-optimizer state) has one digest, which is what a
+commitment's checkpoints hold.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.transport.identity import PeerID
+
+from .inner import InnerOptimizer
+from .task import Task
+
+__all__ = ["SegmentRunner", "SegmentState", "delta", "round_batch_seed", "segment_batches"]
+
+_BATCH_TAG = b"shoal/batches/1\0"
+_STATE_TAG = b"shoal/segment-state/1\0"
+
+
+def round_batch_seed(experiment: str, peer: PeerID, round_index: int) -> int:
+    """The seed of `peer`'s batches in round `round_index` of `experiment`."""
+    h = hashlib.sha256(_BATCH_TAG + experiment.encode() + b"\0" + peer.to_bytes())
+    h.update(round_index.to_bytes(8, "big"))
+    return int.from_bytes(h.digest()[:8], "big") >> 1
+
+
+def segment_batches(
+    task: Task, shard: int, num_shards: int, seed: int, first: int, count: int
+) -> list[Any]:
+    """Batches `first` to `first + count` of the stream `task.batches(shard, num_shards, seed)`."""
+    stream = task.batches(shard, num_shards, seed)
+    for _ in range(first):
+        next(stream)
+    return [next(stream) for _ in range(count)]
+
+
+@dataclass
+class SegmentState:
+    """Parameters (float32, on the CPU) and the inner optimizer's state at a step."""
+
+    params: list[torch.Tensor]
+    optimizer: dict[str, Any]
+
+    def digest(self) -> bytes:
+        """The hash a commitment's checkpoint holds: every parameter's bytes, then
+        the optimizer's per-parameter state (step, moments) in parameter order."""
+        h = hashlib.sha256(_STATE_TAG)
+        for p in self.params:
+            _update(h, p)
+        state = self.optimizer["optimizer"]["state"]
+        for index in sorted(state):
+            for name in sorted(state[index]):
+                value = state[index][name]
+                h.update(name.encode() + b"\0")
+                _update(h, value if isinstance(value, torch.Tensor) else torch.tensor(value))
+        return h.digest()
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([p.reshape(-1) for p in self.params])
+
+
+def _update(h: Any, t: torch.Tensor) -> None:
+    t = t.detach().to("cpu").contiguous()
+    h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+class SegmentRunner:
+    """Runs inner steps of `task` from a given state, with the trainer's step code."""
+
+    def __init__(
+        self,
+        task: Task,
+        hyper: dict[str, Any],
+        *,
+        device: torch.device | None = None,
+        precision: str = "fp32",
+        model_seed: int = 0,
+    ) -> None:
+        self.task = task
+        self.device = device or torch.device("cpu")
+        self.model = task.make_model(model_seed).to(self.device)
+        self.inner = InnerOptimizer(self.model, hyper, device=self.device, precision=precision)
+
+    def capture(self) -> SegmentState:
+        """The model's and optimizer's state now, copied to the CPU."""
+        params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model.parameters()]
+        return SegmentState(params, _to_cpu(copy.deepcopy(self.inner.state_dict())))
+
+    def load(self, state: SegmentState) -> None:
+        with torch.no_grad():
+            for p, s in zip(self.model.parameters(), state.params, strict=True):
+                p.copy_(s)
+        self.inner.load_state_dict(copy.deepcopy(state.optimizer))
+
+    def run(self, start: SegmentState, batches: Iterable[Any], first_step: int) -> SegmentState:
+        """The state after one inner step per batch from `start`; steps are numbered
+        from `first_step` (the learning-rate warmup depends on it)."""
+        self.load(start)
+        for i, batch in enumerate(batches):
+            self.inner.step(lambda b=batch: self.task.loss(self.model, b), first_step + i)
+        return self.capture()
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def delta(start: SegmentState, end: SegmentState) -> torch.Tensor:
+    """What a segment moved the parameters by (start minus end, flat), as a pseudo-gradient."""
+    return start.flat() - end.flat()
