@@ -269,9 +269,10 @@ class Matchmaker:
     def _new_round(self, version: bytes, exclude: Collection[PeerID]) -> Round:
         cfg = self.config
         me = Member(self.peer_id, self.declarer.addrs(), self.bandwidth)
-        outlook = Outlook(
-            self.key, self.peer_id, version, frozenset(exclude) - {self.peer_id}, self._suspicions
-        )
+        # Peers blocked on the host (convicted cheaters) are left out like the
+        # caller's exclusions: nobody waits for them, follows them or admits them.
+        excluded = (frozenset(exclude) | frozenset(self.host.blocked())) - {self.peer_id}
+        outlook = Outlook(self.key, self.peer_id, version, excluded, self._suspicions)
         gathering = Gathering(
             me,
             min_size=cfg.min_group_size,

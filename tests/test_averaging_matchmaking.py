@@ -632,6 +632,22 @@ async def test_excluded_peers_are_left_out(swarm: Callable[..., Any]) -> None:
     assert isinstance(res[3], MatchmakingError)
 
 
+async def test_peers_blocked_on_the_host_are_left_out(swarm: Callable[..., Any]) -> None:
+    # A convicted peer (blocked by peer/ban_watch.py) is excluded without the caller asking.
+    makers = await swarm(4)
+    outcast = makers[3]
+    for m in makers[:3]:
+        m.host.block(outcast.peer_id, "convicted")
+    res = await asyncio.gather(
+        *(m.form_group(state_version=b"v", deadline=Deadline.after(5)) for m in makers[:3]),
+        outcast.form_group(state_version=b"v", deadline=Deadline.after(2)),
+        return_exceptions=True,
+    )
+    (group,) = assert_agreement(makers[:3], list(res[:3]))
+    assert outcast.peer_id not in group.peer_ids
+    assert isinstance(res[3], MatchmakingError)
+
+
 @pytest.mark.timeout(40)
 async def test_a_late_peer_is_admitted_at_the_next_round(swarm: Callable[..., Any]) -> None:
     config = MatchmakingConfig(**{**FAST, "matchmaking_time": 1.5})
