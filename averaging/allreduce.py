@@ -38,6 +38,7 @@ from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.rpc import CallContext, RpcLimits, RpcService
 
+from .attestation import Attestor
 from .butterfly import (
     FAULT_POINTS,
     AllReduceConfig,
@@ -106,9 +107,14 @@ class AllReduceService:
         weight: float,
         *,
         codec: str | None = None,
+        attestor: Attestor | None = None,
     ) -> AllReduceOutcome:
         """Average `tensors` with the group, weighted by `weight` (e.g. the samples behind
         this member's values; 0: contribute nothing, still receive the result).
+
+        With an `attestor` every contribution travels with its sender's signed
+        commitment and is checked against it chunk by chunk (`attestation`); the
+        outcome carries the members' commitments. Every member must use one.
 
         On commit the averages are written in place, bit-identical on every member; on
         abort the tensors are untouched and `failed` names the members to retry
@@ -140,6 +146,7 @@ class AllReduceService:
             float(weight),
             codec_obj,
             early,
+            attestor,
         )
         self._rounds[rid] = rnd
         arrival = self._arrivals.pop(rid, None)

@@ -51,6 +51,7 @@ from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceConfig, AllReduceService
+from .attestation import Attestor
 from .deadline import Deadline
 from .fingerprint import state_fingerprint
 from .host_state import numel, off_loop
@@ -179,6 +180,8 @@ class Averager:
         self._committed: State | None = None
         self._closed = False
         self._presence_at = -float("inf")  # when we last declared busy between rounds
+        # Verified experiments: contributions travel with commitments (`attestation`).
+        self.attestor: Attestor | None = None
 
     async def aclose(self) -> None:
         if self._closed:
@@ -346,11 +349,15 @@ class Averager:
             except (MatchmakingError, TimeoutError) as e:
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 return self._result(False, f"no group: {e}", started, attempts)
-            outcome = await self._service.run(group, self.tensors, weight, codec=self.config.codec)
+            outcome = await self._service.run(
+                group, self.tensors, weight, codec=self.config.codec, attestor=self.attestor
+            )
             # form_group declared us busy; after an abort that declaration stays too.
             self._presence_at = time.monotonic()
             if outcome.committed:
                 await self._commit(group.round_id)
+                if self.attestor is not None:
+                    self.attestor.on_commit(group, outcome.commitments)
                 return StepResult(
                     True,
                     "",

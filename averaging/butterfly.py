@@ -38,7 +38,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,7 +48,9 @@ from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.rpc import CallContext
+from shoal.verification.commitment import Commitment
 
+from .attestation import Attestor, ReceivedCommitments, RoundAttestation, chunk_leaves
 from .buffers import BufferPool, RoundBuffers
 from .commit import READY, CommitProtocol, Send, Status, parse_message
 from .compression import Codec
@@ -151,10 +153,12 @@ class AllReduceOutcome:
     # never learned the decision. Its tensors are untouched; it must not assume it
     # holds the group's state.
     in_doubt: bool = False
+    # With an attestor: the commitments we received with contributions, and ours.
+    commitments: dict[PeerID, Commitment] = field(default_factory=dict)
 
 
 def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int, codec: Codec,
-                weight: float) -> RoundInfo:  # fmt: skip
+                weight: float, attested: bool) -> RoundInfo:  # fmt: skip
     peers = group.peer_ids
     plan = Plan.build(
         n_elements,
@@ -163,6 +167,8 @@ def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int,
         chunk_elements=max(1, cfg.chunk_bytes // 4),
     )
     extra = b"" if cfg.reduction == "mean" else cfg.reduction.encode()
+    if attested:  # members that check commitments never average with ones that do not
+        extra += b"/attested"
     digest = plan.digest(group.round_id, [p.to_bytes() for p in peers], codec.code, extra)
     per_slot = plan.chunk_elements * 4 * max(1, (group.size - 1) * cfg.streams_per_peer)
     window = max(2, min(cfg.window_chunks, _SLOT_BUDGET // per_slot))
@@ -190,6 +196,7 @@ class ButterflyRound:
         weight: float,
         codec: Codec,
         early: int,
+        attestor: Attestor | None = None,
     ) -> None:
         self.cfg = cfg = config
         self.host = host
@@ -202,8 +209,11 @@ class ButterflyRound:
         self.peers = group.peer_ids
         self.index = {p: i for i, p in enumerate(self.peers)}
         self.names = [p.short() for p in self.peers]
-        info = _round_info(host, cfg, group, sum(t.numel() for t in tensors), codec, weight)
+        n_elements = sum(t.numel() for t in tensors)
+        info = _round_info(host, cfg, group, n_elements, codec, weight, attestor is not None)
         self.plan = info.plan
+        self.attestor = attestor
+        self.weight = weight
         self.state = CommitProtocol(
             self.n,
             self.me,
@@ -218,7 +228,12 @@ class ButterflyRound:
         self.link = ControlLink(host, cfg, group, self.state, spawn, wait_connection, self.wake)
         self._buffers = RoundBuffers(pool)
         # Planned now: other members may stream into our part as soon as we registered.
-        self.data = DataPlane(host, info, codec, make_reduction(cfg.reduction), self._buffers, self)
+        received = (
+            None if attestor is None else ReceivedCommitments(attestor, group, self.plan, self.me)
+        )
+        self.data = DataPlane(
+            host, info, codec, make_reduction(cfg.reduction), self._buffers, self, received
+        )
         self.io = RoundTensors(tensors, self.plan.n_elements, codec, self._buffers)
         self.control_received = 0
         self.data_bytes_in = 0
@@ -236,6 +251,7 @@ class ButterflyRound:
         try:
             try:
                 await self.io.prepare(single=self.n == 1)
+                await self._attest()
                 if self.n == 1:
                     self.data.complete.set()  # a group of one: the average is our input
                 await self.hook("start")
@@ -267,6 +283,24 @@ class ButterflyRound:
         finally:
             self._buffers.give_back()
 
+    async def _attest(self) -> None:
+        """Sign our commitment to what we send (its leaves hashed in a thread)."""
+        if self.attestor is None or self.n == 1 or not self.weight > 0:
+            return
+        leaves = await self._buffers.in_thread(chunk_leaves, self.plan, self.io.flat, self.codec)
+        self.data.attestation = RoundAttestation.make(
+            self.attestor, self.group, self.plan, leaves, self.weight
+        )
+
+    def _commitments(self) -> dict[PeerID, Commitment]:
+        received = self.data.received
+        if received is None:
+            return {}
+        out = dict(received.by_member)
+        if self.data.attestation is not None:
+            out[self.host.peer_id] = self.data.attestation.commitment
+        return out
+
     async def _conclude(self, started: float) -> AllReduceOutcome:
         decision = self.state.decision
         assert decision is not None
@@ -292,6 +326,7 @@ class ButterflyRound:
             bytes_received=self.data.bytes_received + self.control_received,
             seconds=time.monotonic() - started,
             in_doubt=decision.in_doubt,
+            commitments=self._commitments(),
         )
 
     def _abandon(self) -> None:

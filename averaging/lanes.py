@@ -29,6 +29,7 @@ from shoal.transport import rpc
 from shoal.transport.identity import PeerID
 from shoal.transport.rpc import CallContext
 
+from .attestation import ReceivedCommitments, RoundAttestation
 from .buffers import RoundBuffers, bytes_of
 from .compression import Codec, CodecError
 from .partition import Plan, Span
@@ -41,6 +42,8 @@ __all__ = ["AllReduceError", "BadRequest", "DataPlane", "NotAMember", "RoundOver
 # chunk (1M elements) from 4 members is 4M element-ops, 2-5 ms of CPU, which on
 # the loop stalled everything else (seen up to 50 ms on a loaded machine).
 _THREAD_WORK = 1 << 20
+# Bytes of a received chunk above which its commitment check (SHA-256) runs in a thread.
+_HASH_IN_THREAD = 1 << 18
 
 
 class AllReduceError(Exception):
@@ -140,6 +143,7 @@ class DataPlane:
         reduction: Reduction,
         buffers: RoundBuffers,
         side: RoundSide,
+        received: ReceivedCommitments | None = None,
     ) -> None:
         self.host = host
         self.info = info
@@ -166,6 +170,10 @@ class DataPlane:
         self._handlers: set[asyncio.Task[Any]] = set()
         self._contrib_pending = 0
         self._mid_rs_done = False
+        # Verified rounds: our commitment and proofs (set before run), and the owner's
+        # check of what arrives.
+        self.attestation: RoundAttestation | None = None
+        self.received = received
 
     def needs(self, j: int) -> bool:
         """Do we still wait for data that needs member j?"""
@@ -221,6 +229,8 @@ class DataPlane:
         """Send our contribution to lane `lane` of part j; receive that lane's result."""
         info = self.info
         header = {"r": info.round_id, "l": lane, "w": info.weight, "p": info.digest}
+        if self.attestation is not None:
+            header.update(self.attestation.header(j, lane))
         try:
             await self.side.connect(j)
             async with (
@@ -288,6 +298,9 @@ class DataPlane:
         lane_index, weight = header.get("l"), header.get("w")
         again = isinstance(lane_index, int) and (sender, lane_index) in self._attached
         problem = request_problem(self.info, header, set(self._lanes), again)
+        if problem is None and self.received is not None:
+            assert isinstance(lane_index, int) and isinstance(weight, int | float)
+            problem = self.received.attach(sender, lane_index, header, float(weight))
         if problem is None:
             assert isinstance(lane_index, int) and isinstance(weight, int | float)
             problem = self._lanes[lane_index].reducer.attach(sender, float(weight))
@@ -364,8 +377,23 @@ class DataPlane:
                     raise Veto(
                         f"codec error in the contribution of {name}: {e}", (sender,)
                     ) from None
+            if self.received is not None:
+                await self._check_committed(sender, lane, c, into)
             reducer.arrived(sender, c)
             lane.changed.set()
+
+    async def _check_committed(self, sender: int, lane: _Lane, c: int, payload: memoryview) -> None:
+        """Veto a chunk that is not the one its sender committed to."""
+        assert self.received is not None
+        index = next(i for i, x in self._lanes.items() if x is lane)
+        check = self.received.check_chunk
+        if len(payload) >= _HASH_IN_THREAD:
+            ok = await self.buffers.in_thread(check, sender, index, c, payload)
+        else:
+            ok = check(sender, index, c, payload)
+        if not ok:
+            name = self.info.names[sender]
+            raise Veto(f"the contribution of {name} does not match its commitment", (sender,))
 
     async def _send_result(self, ctx: CallContext, lane: _Lane) -> None:
         for c, (a, b) in enumerate(lane.reducer.chunks):

@@ -102,7 +102,7 @@ def conviction() -> tuple[bytes, bytes, bytes]:
 
     def commit(me: Identity) -> Commitment:
         ckpts = (digest, digest)
-        c = Commitment("exp", me.peer_id, 3, digest, digest, 4, 2, ckpts, digest, 1, b"",
+        c = Commitment("exp", me.peer_id, 3, digest, digest, 0, 4, 2, ckpts, digest, 1, b"",
                        seed_commit(secrets[me.peer_id]))  # fmt: skip
         return c.signed(me)
 

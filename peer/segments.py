@@ -21,14 +21,24 @@ from typing import Any
 import torch
 
 from shoal.transport.identity import PeerID
+from shoal.verification.commitment import state_digest
 
 from .inner import InnerOptimizer
 from .task import Task
 
-__all__ = ["SegmentRunner", "SegmentState", "delta", "round_batch_seed", "segment_batches"]
+__all__ = [
+    "SegmentRunner",
+    "SegmentState",
+    "delta",
+    "optimizer_hash",
+    "params_hash",
+    "round_batch_seed",
+    "segment_batches",
+]
 
 _BATCH_TAG = b"shoal/batches/1\0"
-_STATE_TAG = b"shoal/segment-state/1\0"
+_PARAMS_TAG = b"shoal/params/1\0"
+_OPTIMIZER_TAG = b"shoal/optimizer/1\0"
 
 
 def round_batch_seed(experiment: str, peer: PeerID, round_index: int) -> int:
@@ -56,21 +66,31 @@ class SegmentState:
     optimizer: dict[str, Any]
 
     def digest(self) -> bytes:
-        """The hash a commitment's checkpoint holds: every parameter's bytes, then
-        the optimizer's per-parameter state (step, moments) in parameter order."""
-        h = hashlib.sha256(_STATE_TAG)
-        for p in self.params:
-            _update(h, p)
-        state = self.optimizer["optimizer"]["state"]
-        for index in sorted(state):
-            for name in sorted(state[index]):
-                value = state[index][name]
-                h.update(name.encode() + b"\0")
-                _update(h, value if isinstance(value, torch.Tensor) else torch.tensor(value))
-        return h.digest()
+        """The hash a commitment's checkpoint holds (`commitment.state_digest`)."""
+        return state_digest(params_hash(self.params), optimizer_hash(self.optimizer))
 
     def flat(self) -> torch.Tensor:
         return torch.cat([p.reshape(-1) for p in self.params])
+
+
+def params_hash(params: Iterable[torch.Tensor]) -> bytes:
+    """Every parameter's float32 bytes, in order (as on the CPU, from any device)."""
+    h = hashlib.sha256(_PARAMS_TAG)
+    for p in params:
+        _update(h, p.detach().to(torch.float32))
+    return h.digest()
+
+
+def optimizer_hash(state_dict: dict[str, Any]) -> bytes:
+    """The inner optimizer's per-parameter state (step, moments) in parameter order."""
+    h = hashlib.sha256(_OPTIMIZER_TAG)
+    state = state_dict["optimizer"]["state"]
+    for index in sorted(state):
+        for name in sorted(state[index]):
+            value = state[index][name]
+            h.update(name.encode() + b"\0")
+            _update(h, value if isinstance(value, torch.Tensor) else torch.tensor(value))
+    return h.digest()
 
 
 def _update(h: Any, t: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ def commit(
         rnd,
         start=h("global"),
         optimizer=h(f"opt {me.peer_id}"),
+        first_step=100,
         steps=steps,
         every=every,
         checkpoints=tuple(h(f"{me.peer_id} ckpt {i}") for i in range(segments)),

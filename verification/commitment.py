@@ -2,9 +2,10 @@
 check it: a signed `Commitment`, and Merkle trees over the parts it sends.
 
 A commitment binds the prover to its whole inner run: the global state it
-started from (`start`), its starting inner-optimizer state (`optimizer`), a
-hash of its parameters and optimizer state every `every` inner steps
-(`checkpoints`; the last one is after `steps`), the Merkle root of its
+started from (`start`), its starting inner-optimizer state (`optimizer`), the
+index of its first inner step (`first_step`: the learning-rate warmup depends
+on it), a hash of its parameters and optimizer state every `every` inner steps
+(`checkpoints`, each a `state_digest`; the last one is after `steps`), the Merkle root of its
 pseudo-gradient over the all-reduce's parts (`delta_root`: each part's owner
 checks the part it received against it), the previous round's commitment
 (`previous`: a chain, so a peer cannot rewrite its history) and the hash of a
@@ -33,6 +34,7 @@ __all__ = [
     "CommitmentError",
     "MerkleTree",
     "leaf_hash",
+    "state_digest",
     "verify_inclusion",
 ]
 
@@ -40,6 +42,7 @@ HASH_BYTES = 32
 MAX_CHECKPOINTS = 4096
 MAX_TEXT = 256
 _TAG = b"shoal/commitment/1\0"
+_STATE_TAG = b"shoal/state/1\0"
 _LEAF = b"\x00"
 _NODE = b"\x01"
 
@@ -52,6 +55,13 @@ def leaf_hash(data: bytes | memoryview) -> bytes:
     """The hash of one part as a Merkle leaf (domain-separated from inner nodes,
     so that no inner node can pass for a leaf)."""
     return hashlib.sha256(_LEAF + bytes(data)).digest()
+
+
+def state_digest(params: bytes, optimizer: bytes) -> bytes:
+    """The hash of a training state from the hashes of its parameters and of its
+    optimizer state: a checkpoint. Two hashes, so a reveal can send the
+    parameters alone with the optimizer's hash (what an audit compares)."""
+    return hashlib.sha256(_STATE_TAG + params + optimizer).digest()
 
 
 def _node(left: bytes, right: bytes) -> bytes:
@@ -126,6 +136,7 @@ class Commitment:
     round: int
     start: bytes
     optimizer: bytes
+    first_step: int
     steps: int
     every: int
     checkpoints: tuple[bytes, ...]
@@ -143,11 +154,17 @@ class Commitment:
     def _problem(self) -> str | None:
         if not isinstance(self.experiment, str) or len(self.experiment) > MAX_TEXT:
             return "bad experiment name"
-        ints = (self.round, self.steps, self.every, self.parts)
+        ints = (self.round, self.first_step, self.steps, self.every, self.parts)
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in ints):
             return "counts must be integers"
-        if self.round < 0 or self.steps < 1 or self.every < 1 or self.parts < 1:
-            return "round >= 0, steps, every and parts >= 1"
+        if (
+            self.round < 0
+            or self.first_step < 0
+            or self.steps < 1
+            or self.every < 1
+            or self.parts < 1
+        ):
+            return "round, first_step >= 0; steps, every and parts >= 1"
         if len(self.checkpoints) != self.segments or len(self.checkpoints) > MAX_CHECKPOINTS:
             return f"{self.segments} checkpoints expected, {len(self.checkpoints)} given"
         hashes = (self.start, self.optimizer, self.delta_root, self.seed_commit, *self.checkpoints)
@@ -163,7 +180,7 @@ class Commitment:
         return -(-self.steps // self.every)
 
     def segment_bounds(self, index: int) -> tuple[int, int]:
-        """The inner steps [first, end) of segment `index`."""
+        """The inner steps [first, end) of segment `index`, counted within the round."""
         if not 0 <= index < self.segments:
             raise IndexError(index)
         return index * self.every, min(self.steps, (index + 1) * self.every)
@@ -172,7 +189,7 @@ class Commitment:
         """The hash the state at the start of segment `index` must have: the
         global state and starting optimizer for segment 0, else a checkpoint."""
         if index == 0:
-            return hashlib.sha256(self.start + self.optimizer).digest()
+            return state_digest(self.start, self.optimizer)
         return self.checkpoints[index - 1]
 
     # ------------------------------------------------------------------ wire
@@ -186,6 +203,7 @@ class Commitment:
                 self.round,
                 self.start,
                 self.optimizer,
+                self.first_step,
                 self.steps,
                 self.every,
                 list(self.checkpoints),
@@ -219,10 +237,10 @@ class Commitment:
         try:
             body, signature = msgpack.unpackb(data, raw=False, max_bin_len=1 << 20)
             fields = msgpack.unpackb(body, raw=False, max_array_len=MAX_CHECKPOINTS + 16)
-            (experiment, prover, rnd, start, optimizer, steps, every, checkpoints,
-             delta_root, parts, previous, seed_commit) = fields  # fmt: skip
+            (experiment, prover, rnd, start, optimizer, first_step, steps, every,
+             checkpoints, delta_root, parts, previous, seed_commit) = fields  # fmt: skip
             commitment = cls(
-                experiment, PeerID(prover), rnd, start, optimizer, steps, every,
+                experiment, PeerID(prover), rnd, start, optimizer, first_step, steps, every,
                 tuple(checkpoints), delta_root, parts, previous, seed_commit, signature,
             )  # fmt: skip
         except CommitmentError:
@@ -238,6 +256,6 @@ class Commitment:
 
 def _replace_signature(c: Commitment, signature: bytes) -> Commitment:
     return Commitment(
-        c.experiment, c.prover, c.round, c.start, c.optimizer, c.steps, c.every,
+        c.experiment, c.prover, c.round, c.start, c.optimizer, c.first_step, c.steps, c.every,
         c.checkpoints, c.delta_root, c.parts, c.previous, c.seed_commit, signature,
     )  # fmt: skip

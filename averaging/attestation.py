@@ -1,0 +1,187 @@
+"""Contributions bound to commitments: what a part owner checks of what it receives.
+
+With an `Attestor` (verified experiments), every member that contributes to a
+round signs a `verification.Commitment` whose `delta_root` is the Merkle root
+over its contribution's chunks *as sent* (encoded with the round's codec, in
+the plan's global chunk order). The commitment travels in the header of each
+lane, with the Merkle proofs of that lane's chunks; the owner of the part
+hashes every chunk as it arrives and checks it against the root, and refuses a
+commitment its `Attestor` does not accept (another experiment, round or start
+state, or more weight than the committed steps can carry). A member that sends
+something other than what it committed to is vetoed out of the round, named.
+
+After the round, the prover reveals its inner run to auditors; the root ties
+what it sent to its final state (`Attestor` owners re-derive it there). The
+chunks' leaves are computed by the sender before any byte moves (one extra
+encoding pass over the contribution, in a thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shoal.transport.identity import PeerID
+from shoal.verification.commitment import (
+    Commitment,
+    CommitmentError,
+    MerkleTree,
+    leaf_hash,
+    verify_inclusion,
+)
+
+from .buffers import bytes_of
+from .compression import Codec
+from .group import Group
+from .partition import Plan, Span
+
+__all__ = [
+    "Attestor",
+    "ReceivedCommitments",
+    "RoundAttestation",
+    "chunk_leaves",
+    "global_chunks",
+    "lane_offset",
+]
+
+MAX_PROOF = 64  # hashes per proof (a tree of 2**64 chunks)
+
+
+class Attestor(Protocol):
+    """What verifies contributions for a round: the peer layer implements it."""
+
+    def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
+        """Our signed commitment for this round's contribution."""
+        ...
+
+    def accept(self, group: Group, commitment: Commitment, weight: float) -> str | None:
+        """Why a member's commitment (already signed by it) is refused, or None."""
+        ...
+
+    def on_commit(self, group: Group, commitments: Mapping[PeerID, Commitment]) -> None:
+        """The round committed with these members' commitments (ours included)."""
+        ...
+
+
+def global_chunks(plan: Plan) -> list[Span]:
+    """Every chunk of the plan in the one global order the Merkle leaves follow:
+    by owner, by lane, by chunk."""
+    return [c for j in range(len(plan.parts)) for lane in plan.lanes(j) for c in plan.chunks(lane)]
+
+
+def lane_offset(plan: Plan, owner: int, lane: int) -> int:
+    """The global index of the first chunk of lane `lane` of `owner`'s part."""
+    before = sum(len(plan.chunks(span)) for j in range(owner) for span in plan.lanes(j))
+    return before + sum(len(plan.chunks(span)) for span in plan.lanes(owner)[:lane])
+
+
+def chunk_leaves(plan: Plan, flat: torch.Tensor, codec: Codec) -> list[bytes]:
+    """The leaf hash of each chunk of `flat` as the lanes send it (blocking)."""
+    spans = global_chunks(plan)
+    if codec.name == "none":
+        return [leaf_hash(bytes_of(flat[a:b])) for a, b in spans]
+    staging = memoryview(bytearray(codec.encoded_size(plan.chunk_elements)))
+    leaves = []
+    for a, b in spans:
+        payload = staging[: codec.encoded_size(b - a)]
+        codec.encode(flat[a:b], payload)
+        leaves.append(leaf_hash(payload))
+    return leaves
+
+
+@dataclass
+class RoundAttestation:
+    """Our commitment for a round and the proofs that go with each lane."""
+
+    plan: Plan
+    commitment: Commitment
+    tree: MerkleTree
+    encoded: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.encoded = self.commitment.encode()
+
+    @classmethod
+    def make(
+        cls, attestor: Attestor, group: Group, plan: Plan, leaves: Sequence[bytes], weight: float
+    ) -> RoundAttestation:
+        tree = MerkleTree(leaves)
+        commitment = attestor.commit(group, tree.root, len(leaves), weight)
+        return cls(plan, commitment, tree)
+
+    def header(self, owner: int, lane: int) -> dict[str, object]:
+        """What the lane's request carries: the commitment and the lane's proofs."""
+        first = lane_offset(self.plan, owner, lane)
+        count = len(self.plan.chunks(self.plan.lanes(owner)[lane]))
+        return {"c": self.encoded, "m": [self.tree.proof(first + i) for i in range(count)]}
+
+
+@dataclass
+class _Attested:
+    commitment: Commitment
+    proofs: list[list[bytes]]
+    first: int  # global index of the lane's first chunk
+
+
+class ReceivedCommitments:
+    """The owner's side: members' commitments, and every chunk checked against them."""
+
+    def __init__(self, attestor: Attestor, group: Group, plan: Plan, me: int) -> None:
+        self.attestor = attestor
+        self.group = group
+        self.plan = plan
+        self.me = me  # the owner of the part these lanes carry
+        self.by_member: dict[PeerID, Commitment] = {}
+        self._lanes: dict[tuple[int, int], _Attested] = {}
+
+    def attach(
+        self, sender: int, lane: int, header: dict[str, object], weight: float
+    ) -> str | None:
+        """Check a lane's request; why it is refused, or None."""
+        if not weight > 0:
+            return None  # contributes nothing: nothing to commit to
+        raw, proofs = header.get("c"), header.get("m")
+        if not isinstance(raw, bytes):
+            return "no commitment with the contribution"
+        try:
+            commitment = Commitment.decode(raw)
+        except CommitmentError as e:
+            return f"bad commitment: {e}"
+        peer = self.group.peer_ids[sender]
+        if commitment.prover != peer:
+            return "a commitment of another peer"
+        if commitment.parts != len(global_chunks(self.plan)):
+            return "the commitment's part count does not match the plan"
+        known = self.by_member.get(peer)
+        if known is not None and known.digest() != commitment.digest():
+            return "two different commitments for one round"
+        count = len(self.plan.chunks(self.plan.lanes(self.me)[lane]))
+        if not (
+            isinstance(proofs, list)
+            and len(proofs) == count
+            and all(isinstance(p, list) and len(p) <= MAX_PROOF for p in proofs)
+            and all(isinstance(x, bytes) for p in proofs for x in p)
+        ):
+            return "malformed Merkle proofs"
+        problem = self.attestor.accept(self.group, commitment, weight)
+        if problem is not None:
+            return problem
+        self.by_member[peer] = commitment
+        self._lanes[(sender, lane)] = _Attested(
+            commitment, proofs, lane_offset(self.plan, self.me, lane)
+        )
+        return None
+
+    def check_chunk(self, sender: int, lane: int, index: int, payload: memoryview) -> bool:
+        """Whether chunk `index` of a lane is what its sender committed to (blocking:
+        it hashes the chunk)."""
+        attested = self._lanes.get((sender, lane))
+        if attested is None:
+            return False
+        c = attested.commitment
+        proof = attested.proofs[index]
+        return verify_inclusion(c.delta_root, leaf_hash(payload), attested.first + index,
+                                c.parts, proof)  # fmt: skip

@@ -1,0 +1,155 @@
+"""Verified all-reduce rounds: every contribution travels with its sender's signed
+commitment, and the owner of each part checks every chunk it receives against the
+commitment's Merkle root. A member that sends anything else, or a commitment its
+peers refuse, is vetoed out of the round by name; the others commit without it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.averaging.allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
+from shoal.averaging.attestation import global_chunks
+from shoal.averaging.group import Group, Member, make_round_id
+from shoal.averaging.partition import Plan
+from shoal.transport.host import Host
+from shoal.transport.identity import PeerID
+from shoal.verification.commitment import Commitment, MerkleTree, leaf_hash
+from shoal.verification.referees import new_secret, seed_commit
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = {"heartbeat_interval": 0.05, "stall_timeout": 1.0, "decision_timeout": 1.0}
+
+
+def h(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+class Attestor:
+    """Commits to what the round hands it (or, `lying`, to other bytes), and accepts
+    commitments of round 7 that started from the same global state."""
+
+    def __init__(self, host: Host, *, start: str = "global", lying: bool = False) -> None:
+        self.host = host
+        self.start = h(start)
+        self.lying = lying
+
+    def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
+        if self.lying:
+            delta_root = MerkleTree([leaf_hash(b"other bytes %d" % i) for i in range(parts)]).root
+        return Commitment(
+            "exp", self.host.peer_id, 7, self.start, h("optimizer"), 0, 6, 3,
+            (h("a"), h("b")), delta_root, parts, b"", seed_commit(new_secret()),
+        ).signed(self.host.identity)  # fmt: skip
+
+    def accept(self, group: Group, commitment: Commitment, weight: float) -> str | None:
+        if commitment.round != 7:
+            return "a commitment for another round"
+        if commitment.start != self.start:
+            return "work started from another global state"
+        return None
+
+    def on_commit(self, group: Group, commitments: Mapping[PeerID, Commitment]) -> None:
+        pass  # (called by the Averager, not by the service)
+
+
+@pytest.fixture
+async def services(make_host: Callable[..., Any]) -> Any:
+    made: list[AllReduceService] = []
+
+    async def make(n: int, **config: Any) -> tuple[list[Host], list[AllReduceService]]:
+        hosts = [await make_host(close_grace=0.5) for _ in range(n)]
+        cfg = AllReduceConfig(**{**FAST, **config})
+        made.extend(AllReduceService(host, cfg) for host in hosts)
+        return hosts, made[-n:]
+
+    yield make
+    await asyncio.gather(*(s.aclose() for s in made), return_exceptions=True)
+
+
+def group_of(hosts: list[Host]) -> Group:
+    members = tuple(Member(h.peer_id, tuple(h.addresses()), 1.0) for h in hosts)
+    return Group(
+        "test", make_round_id("test", [m.peer_id for m in members], os.urandom(16)), members
+    )
+
+
+async def run(
+    services: list[AllReduceService], attestors: list[Attestor], group: Group, codec: str
+) -> tuple[list[AllReduceOutcome], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5000, generator=g) for _ in services]
+    outs = await asyncio.gather(
+        *(
+            s.run(group, [t], 1.0, codec=codec, attestor=a)
+            for s, t, a in zip(services, tensors, attestors, strict=True)
+        )
+    )
+    return list(outs), tensors
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_honest_members_commit_bit_identical_and_learn_every_commitment(
+    services: Any, codec: str
+) -> None:
+    hosts, svcs = await services(4, chunk_bytes=4096, streams_per_peer=2)
+    attestors = [Attestor(host) for host in hosts]
+    outs, tensors = await run(svcs, attestors, group_of(hosts), codec)
+    assert all(o.committed for o in outs), [o.reason for o in outs]
+    assert all(torch.equal(t, tensors[0]) for t in tensors)
+    everyone = {h.peer_id for h in hosts}
+    for o in outs:
+        assert set(o.commitments) == everyone
+        # The same commitment reached every member (one per prover, several chunks each).
+        assert {p: c.digest() for p, c in o.commitments.items()} == {
+            p: c.digest() for p, c in outs[0].commitments.items()
+        }
+        plan = Plan.build(5000, [1.0] * 4, streams=2, chunk_elements=1024)
+        assert o.commitments[hosts[0].peer_id].parts == len(global_chunks(plan)) > 4
+
+
+async def test_a_member_that_sends_other_bytes_than_it_committed_to_is_named_and_left_out(
+    services: Any,
+) -> None:
+    hosts, svcs = await services(4, chunk_bytes=4096)
+    attestors = [Attestor(host, lying=i == 2) for i, host in enumerate(hosts)]
+    outs, _ = await run(svcs, attestors, group_of(hosts), "none")
+    assert not any(o.committed for o in outs)
+    honest = [o for i, o in enumerate(outs) if i != 2]
+    assert all(o.failed == (hosts[2].peer_id,) for o in honest), [o.failed for o in honest]
+    assert any("does not match its commitment" in o.reason for o in honest)
+    # The others commit without it.
+    outs, _ = await run(svcs[:2] + svcs[3:], attestors[:2] + attestors[3:],
+                              group_of(hosts[:2] + hosts[3:]), "none")  # fmt: skip
+    assert all(o.committed and len(o.commitments) == 3 for o in outs)
+
+
+async def test_a_commitment_from_another_start_state_is_refused(services: Any) -> None:
+    """Members check that a contribution was computed from the round's global state.
+    (Whoever vetoes first is blamed: the odd one out blames an honest member as readily
+    as they blame it; matchmaking's state versions keep such a member out before.)"""
+    hosts, svcs = await services(4)
+    attestors = [
+        Attestor(host, start="stale" if i == 0 else "global") for i, host in enumerate(hosts)
+    ]
+    outs, _ = await run(svcs, attestors, group_of(hosts), "none")
+    assert not any(o.committed for o in outs)
+    assert all("another global state" in o.reason for o in outs), [o.reason for o in outs]
+
+
+async def test_a_member_without_an_attestor_cannot_join_a_verified_round(services: Any) -> None:
+    hosts, svcs = await services(2)
+    g = group_of(hosts)
+    outs = await asyncio.gather(
+        svcs[0].run(g, [torch.ones(100)], 1.0, attestor=Attestor(hosts[0])),
+        svcs[1].run(g, [torch.ones(100)], 1.0),
+    )
+    assert not any(o.committed for o in outs)
+    assert any("plan mismatch" in o.reason for o in outs)
