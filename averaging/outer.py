@@ -33,6 +33,7 @@ import torch
 from .allreduce import AllReduceConfig
 from .compression import CODECS
 from .matchmaking import MatchmakingConfig
+from .reducer import REDUCTIONS
 from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
 
 __all__ = [
@@ -166,6 +167,34 @@ _GROUP_CHECKS: dict[str, tuple[_Check, str]] = {
     "matchmaking_time": (_number(0, lo_open=True), "a number of seconds > 0"),
 }
 
+def _reduction(v: Any) -> bool:
+    return v == "auto" or v in REDUCTIONS
+
+
+# Verification (`shoal.verification`, run by the peer): off unless a manifest says so,
+# so that experiments created before it keep running as they were.
+_VERIFY_DEFAULTS: dict[str, Any] = {
+    "verify": False,
+    "audit_rate": 0.05,  # audit probability per contribution
+    "audit_probation_rate": 0.5,  # for peers new in our sight
+    "audit_segment_steps": 3,  # inner steps per checkpoint: what one audit re-runs
+    "audit_threshold_angle": 3.2e-3,  # 4x the calibrated fp32 honest floor
+    # How owners reduce their part: auto is CenteredClip when verifying, else the mean.
+    "reduction": "auto",
+}
+_VERIFY_CHECKS: dict[str, tuple[_Check, str]] = {
+    "verify": (lambda v: isinstance(v, bool), "true or false"),
+    "audit_rate": (_number(0, 1), "a number in [0, 1]"),
+    "audit_probation_rate": (_number(0, 1), "a number in [0, 1]"),
+    "audit_segment_steps": (_integer(1, 4096), "an int in 1..4096"),
+    "audit_threshold_angle": (_number(0, 3.2, lo_open=True), "an angle in (0, 3.2] radians"),
+    "reduction": (_reduction, f"auto or one of {sorted(REDUCTIONS)}"),
+}
+# Strategies that cannot verify accept only verify = false.
+_NO_VERIFY: dict[str, tuple[_Check, str]] = {
+    "verify": (lambda v: v is False, "false (verification needs the diloco strategy)"),
+}
+
 _DILOCO_DEFAULTS: dict[str, Any] = {
     "inner_steps": 50,
     "outer_lr": 0.7,  # DiLoCo paper
@@ -184,12 +213,14 @@ _DILOCO_DEFAULTS: dict[str, Any] = {
     "round_timeout": 30.0,
     "stall_timeout": 5.0,
     "state_timeout": 120.0,
+    **_VERIFY_DEFAULTS,
 }
 
 DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "diloco": _DILOCO_DEFAULTS,
     "streaming": {
-        **_DILOCO_DEFAULTS,
+        **{k: v for k, v in _DILOCO_DEFAULTS.items() if k not in _VERIFY_DEFAULTS},
+        "verify": False,
         "fragments": 4,
         "overlap_steps": 5,
         "mixing": 0.5,  # local = mixing*local + (1-mixing)*global at the merge (paper: 0.5)
@@ -204,20 +235,23 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
         "round_timeout": 30.0,
         "stall_timeout": 5.0,
         "state_timeout": 120.0,
+        "verify": False,
     },
 }
 
 _CHECKS: dict[str, dict[str, tuple[_Check, str]]] = {
-    "diloco": {**_SHARED_CHECKS, **_GROUP_CHECKS},
+    "diloco": {**_SHARED_CHECKS, **_GROUP_CHECKS, **_VERIFY_CHECKS},
     "streaming": {
         **_SHARED_CHECKS,
         **_GROUP_CHECKS,
+        **_NO_VERIFY,
         "fragments": (_integer(1, 1024), "an int in 1..1024"),
         "overlap_steps": (_integer(0), "an int >= 0"),
         "mixing": (_number(0, 1), "a number in [0, 1]"),
     },
     "noloco": {
         **_SHARED_CHECKS,
+        **_NO_VERIFY,
         "param_mixing": (_number(0, 1), "a number in [0, 1]"),
     },
 }
@@ -247,8 +281,12 @@ def resolve_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
 def allreduce_config(opts: Mapping[str, Any]) -> AllReduceConfig:
     """Silence for `stall_timeout` drops a member; the round's other waits follow it."""
     stall = float(opts["stall_timeout"])
+    reduction = opts.get("reduction", "auto")
+    if reduction == "auto":
+        reduction = "centered_clip" if opts.get("verify") else "mean"
     return AllReduceConfig(
         codec=opts["codec"],
+        reduction=reduction,
         stall_timeout=stall,
         decision_timeout=stall,
         start_timeout=stall,

@@ -56,17 +56,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 from typing import Any
 
 import torch
+import verification_swarm
 
 from shoal.peer.segments import SegmentRunner, SegmentState, delta, segment_batches
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.peer.trainer import DEFAULT_HYPERPARAMETERS, check_hyperparameters
+from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy, judge
+from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Result
 from shoal.verification.lsh import SignatureConfig, compare, flip_threshold, sign
+from shoal.verification.referees import RoundDraw, seed_commit
 
 FALSE_POSITIVE_TARGET = 1e-6
 FIRST_STEP = 1000  # past the warmup
@@ -86,13 +91,14 @@ class Segments:
     """Runs segments of the built-in task from fixed start states, with the product's
     re-execution code (`peer.segments.SegmentRunner`: the trainer's own inner step)."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, precision: str = "fp32") -> None:
         self.task = make_task({})
         self.steps = steps
+        self.precision = precision
         # Past warmup, at 8x the default rate: the size of a tuned run's steps.
         lr = 8 * DEFAULT_HYPERPARAMETERS["inner_lr"]
         self.hyper = check_hyperparameters({"inner_lr": lr})
-        self.previous = SegmentRunner(self.task, self.hyper).capture()
+        self.previous = self._runner().capture()
         # The "current global state": one segment past the initial parameters.
         self.start = self._run(self.previous, shard=63, seed=99, steps=steps)
 
@@ -106,7 +112,7 @@ class Segments:
         permute: bool = False,
         noise: float = 0.0,
     ) -> SegmentState:
-        runner = SegmentRunner(self.task, self.hyper)
+        runner = self._runner()
         batches = segment_batches(self.task, shard, 64, seed, first=0, count=steps)
         g = torch.Generator().manual_seed(seed)
         if permute:
@@ -120,6 +126,9 @@ class Segments:
                 for p in runner.model.parameters():
                     p.add_(torch.randn(p.shape, generator=g) * noise * p.norm() / p.numel() ** 0.5)
         return runner.capture()
+
+    def _runner(self) -> SegmentRunner:
+        return SegmentRunner(self.task, self.hyper, precision=self.precision)
 
     def delta(self, shard: int, seed: int, **kw: Any) -> torch.Tensor:
         start = kw.pop("start", self.start)
@@ -158,7 +167,37 @@ class Segments:
         raise ValueError(name)
 
 
-def main() -> None:
+def rounds_to_ban(detection: float, rate: float, runs: int, members: int = 4) -> dict[str, Any]:
+    """Rounds until a cheater is convicted, over `runs` seeded swarms of `members`: each
+    round's draw is the product's (`RoundDraw` from fresh secrets and signed
+    commitments), and each referee catches the cheat with probability `detection`
+    (measured above); a conviction needs the auditor and one more of the two other
+    referees. The ban follows within one DHT refresh (10 s), inside the next round."""
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in range(members)]
+    cheater = ids[0].peer_id
+    found = []
+    for run in range(runs):
+        rng = random.Random(run)
+        for rnd in range(1, 10_000):
+            secrets = {i.peer_id: rng.randbytes(32) for i in ids}
+            commitments = [_commitment(i, rnd, secrets[i.peer_id]) for i in ids]
+            draw = RoundDraw.from_reveals(commitments, secrets)
+            auditor_fails = draw.audited(cheater, rate) and rng.random() < detection
+            if auditor_fails and (rng.random() < detection or rng.random() < detection):
+                found.append(rnd)
+                break
+    found.sort()
+    return {"median": statistics.median(found), "p90": found[int(0.9 * (len(found) - 1))],
+            "runs": runs, "audit_rate": rate, "members": members}  # fmt: skip
+
+
+def _commitment(me: Identity, rnd: int, secret: bytes) -> Commitment:
+    h = bytes(32)
+    return Commitment("bench", me.peer_id, rnd, h, h, 0, 3, 3, (h,), h, 1, b"",
+                      seed_commit(secret)).signed(me)  # fmt: skip
+
+
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", action="store_true", required=True)
     parser.add_argument("--pairs", type=int, default=60, help="honest re-executions")
@@ -167,30 +206,65 @@ def main() -> None:
     parser.add_argument(
         "--margin", type=float, default=4.0, help="threshold angle over the honest floor"
     )
-    args = parser.parse_args()
-    config = SignatureConfig()
-    segments = Segments(args.steps)
+    parser.add_argument("--precision", default="fp32", help="fp32 or bf16 (autocast on the CPU)")
+    parser.add_argument("--ban-runs", type=int, default=201, help="seeded swarms for rounds_to_ban")
+    parser.add_argument(
+        "--overhead-seconds",
+        type=float,
+        default=180.0,
+        help="seconds per arm of the swarm run with verification on and off (0: skip it)",
+    )
+    return parser.parse_args()
 
-    honest_angles, honest_gaps, honest = [], [], {}
-    for i in range(args.pairs):
+
+def calibrate(
+    segments: Segments, pairs: int, margin: float, config: SignatureConfig
+) -> tuple[dict[str, Any], AuditPolicy, list[torch.Tensor]]:
+    """The honest floor over `pairs` honest re-executions, and the policy it gives."""
+    angles, gaps, honest = [], [], []
+    for i in range(pairs):
         a, b = segments.honest_pair(shard=i % 64, seed=1000 + i)
-        honest[i] = a
+        honest.append(a)
         result = compare(sign(a, b"h%d" % i, config), sign(b, b"h%d" % i, config))
-        honest_angles.append(result.angle)
-        honest_gaps.append(result.mean_log2_norm_gap)
-    bits = compare(sign(a, b"x", config), sign(a, b"x", config)).bits
-    floor = max(honest_angles)
-    threshold_angle = max(args.margin * floor, 1e-4)
-    t = flip_threshold(bits, threshold_angle, FALSE_POSITIVE_TARGET)
-    norm_limit = max(4 * max(honest_gaps), 4 / 256)  # 4 quantization steps at least
-
+        angles.append(result.angle)
+        gaps.append(result.mean_log2_norm_gap)
+    bits = compare(sign(honest[0], b"x", config), sign(honest[0], b"x", config)).bits
+    floor = max(angles)
+    threshold_angle = max(margin * floor, 1e-4)
+    norm_limit = max(4 * max(gaps), 4 / 256)  # 4 quantization steps at least
     # What an audit would use with these thresholds (the product's judgment).
     policy = AuditPolicy(
-        segment_steps=args.steps,
+        segment_steps=segments.steps,
         threshold_angle=threshold_angle,
         norm_gap_limit=norm_limit,
         false_positive_rate=FALSE_POSITIVE_TARGET,
     )
+    out = {
+        "honest_floor_angle": floor,
+        "honest_floor_norm_gap": max(gaps),
+        "honest_angles": {
+            "median": statistics.median(angles),
+            "p90": sorted(angles)[int(0.9 * (len(angles) - 1))],
+            "max": floor,
+        },
+        "threshold_angle": threshold_angle,
+        "product_threshold_angle": AuditPolicy().threshold_angle,
+        "flip_threshold": flip_threshold(bits, threshold_angle, FALSE_POSITIVE_TARGET),
+        "norm_gap_limit": norm_limit,
+        "bits": bits,
+    }
+    return out, policy, honest
+
+
+def detect(
+    segments: Segments,
+    policy: AuditPolicy,
+    config: SignatureConfig,
+    honest: list[torch.Tensor],
+    pairs: int,
+    trials: int,
+) -> dict[str, Any]:
+    """False positives on fresh honest pairs, and how often each cheat is caught."""
 
     def passes(x: torch.Tensor, y: torch.Tensor, seed: bytes) -> tuple[bool, float]:
         verdict = judge(x, y, seed, policy, config)
@@ -198,54 +272,60 @@ def main() -> None:
 
     false_positives = sum(
         not passes(*segments.honest_pair(shard=i % 64, seed=5000 + i), b"fp%d" % i)[0]
-        for i in range(args.pairs)
+        for i in range(pairs)
     )
     detection, angles = {}, {}
     for cheat in CHEATS:
         caught, seen = 0, []
-        for j in range(args.trials):
+        for j in range(trials):
             ref = honest[j % len(honest)]
             shard, seed = j % 64, 1000 + (j % len(honest))
-            forged = segments.cheat(cheat, shard, seed, ref)
-            ok, angle = passes(ref, forged, b"c%d%s" % (j, cheat.encode()))
+            ok, angle = passes(
+                ref, segments.cheat(cheat, shard, seed, ref), b"c%d%s" % (j, cheat.encode())
+            )
             caught += not ok
             seen.append(angle)
-        detection[cheat] = caught / args.trials
+        detection[cheat] = caught / trials
         angles[cheat] = statistics.median(seen)
-    print(
-        json.dumps(
-            {
-                "honest_floor_angle": floor,
-                "honest_floor_norm_gap": max(honest_gaps),
-                "honest_angles": {
-                    "median": statistics.median(honest_angles),
-                    "p90": sorted(honest_angles)[int(0.9 * (len(honest_angles) - 1))],
-                    "max": floor,
-                },
-                "threshold_angle": threshold_angle,
-                "product_threshold_angle": AuditPolicy().threshold_angle,
-                "flip_threshold": t,
-                "norm_gap_limit": norm_limit,
-                "bits": bits,
-                "false_positive_rate": {
-                    "observed": false_positives / args.pairs,
-                    "audits": args.pairs,
-                    "target_per_check": FALSE_POSITIVE_TARGET,
-                },
-                "detection": detection,
-                "angles": angles,
-                "settings": {
-                    "task": segments.task.config()["d_model"],
-                    "steps": args.steps,
-                    "pairs": args.pairs,
-                    "trials": args.trials,
-                    "threads": torch.get_num_threads(),
-                    "elements": int(a.numel()),
-                    "pi": math.pi,
-                },
-            }
-        )
+    return {
+        "false_positive_rate": {
+            "observed": false_positives / pairs,
+            "audits": pairs,
+            "target_per_check": FALSE_POSITIVE_TARGET,
+        },
+        "detection": detection,
+        "angles": angles,
+    }
+
+
+def main() -> None:
+    args = _args()
+    config = SignatureConfig()
+    segments = Segments(args.steps, args.precision)
+    out, policy, honest = calibrate(segments, args.pairs, args.margin, config)
+    out.update(detect(segments, policy, config, honest, args.pairs, args.trials))
+    ban = rounds_to_ban(out["detection"]["noise_1e-2"], AuditPolicy().rate, args.ban_runs)
+    overhead: dict[str, Any] = {}
+    if args.overhead_seconds > 0:
+        overhead = verification_swarm.measure(args.overhead_seconds, peers=4)
+    out.update(
+        rounds_to_ban=ban["median"],
+        rounds_to_ban_detail=ban,
+        compute_overhead=overhead.get("compute_overhead"),
+        bytes_overhead=overhead.get("bytes_overhead"),
+        overhead_detail=overhead,
+        settings={
+            "precision": args.precision,
+            "task": segments.task.config()["d_model"],
+            "steps": args.steps,
+            "pairs": args.pairs,
+            "trials": args.trials,
+            "threads": torch.get_num_threads(),
+            "elements": int(honest[0].numel()),
+            "pi": math.pi,
+        },
     )
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

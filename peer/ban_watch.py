@@ -17,6 +17,7 @@ import random
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 from shoal.verification.bans import BanList, fetch
+from shoal.verification.evidence import Evidence
 
 __all__ = ["BAN_REFRESH_S", "BanWatcher"]
 
@@ -43,10 +44,17 @@ class BanWatcher:
         for evidence in await fetch(self.dht, self.experiment):
             if evidence.prover in self.bans:
                 continue
-            peer = self.bans.consider(evidence)
-            if peer is None:
-                continue
-            new.append(peer)
+            peer = self.enforce(evidence)
+            if peer is not None:
+                new.append(peer)
+        return new
+
+    def enforce(self, evidence: Evidence) -> PeerID | None:
+        """Ban the peer `evidence` convicts, once it checks (refused by our host from
+        then on); the peer, or None when the evidence does not check."""
+        known = evidence.prover in self.bans
+        peer = self.bans.consider(evidence)
+        if peer is not None and not known:
             if peer == self.dht.peer_id:
                 self.convicted_self = True
                 log.error(
@@ -57,7 +65,7 @@ class BanWatcher:
                 )
             else:
                 self.dht.host.block(peer, f"convicted in round {evidence.commitment.round}")
-        return new
+        return peer
 
     async def run(self) -> None:
         """Refresh until cancelled (with jitter, so peers do not read all at once)."""

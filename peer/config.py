@@ -239,6 +239,14 @@ OPTIONS: dict[str, Option] = {
             "fp32",
         ),
         Option(
+            "verify",
+            "SHOAL_VERIFY",
+            "on: a hosted experiment audits its contributors' work (commitments, "
+            "re-executed segments, bans; CenteredClip averaging); off: peers trust each other",
+            "on|off",
+            "on (diloco; other strategies: off)",
+        ),
+        Option(
             "reachability",
             "SHOAL_REACHABILITY",
             "auto: find out with the help of other peers; public: this address is "
@@ -274,6 +282,7 @@ class Config:
     threads: int | None = None
     device: str = "auto"
     precision: str = "fp32"
+    verify: str = "auto"  # auto: on for strategies that support it
     reachability: str = "auto"
     # Where each value came from ("default", "--listen", "SHOAL_LISTEN", ...), for the
     # start-up log: env-over-flag precedence surprises people, so show it.
@@ -715,6 +724,14 @@ def _parse_precision(raw: str | Sequence[str], source: str) -> str:
     return text
 
 
+def _parse_verify(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    text = raw.strip().lower()
+    if text not in ("on", "off", "auto"):
+        raise ConfigError(f"{source}: --verify takes on or off, got {raw!r}")
+    return text
+
+
 def _parse_reachability(raw: str | Sequence[str], source: str) -> str:
     assert isinstance(raw, str)
     mode = raw.strip().lower()
@@ -746,5 +763,6 @@ _PARSERS = {
     "threads": _positive_int,
     "device": _parse_device,
     "precision": _parse_precision,
+    "verify": _parse_verify,
     "reachability": _parse_reachability,
 }

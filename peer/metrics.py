@@ -193,6 +193,15 @@ class _StatusCollector(Collector):
                 "Convictions of this experiment that this peer checked and enforces.",
                 value=len(verification.get("convictions") or ()),
             )
+            audits = CounterMetricFamily(
+                "shoal_audits",
+                "Audits this peer ran as a referee of others' work, by result.",
+                labels=["result"],
+            )
+            for result in ("passed", "failed"):
+                count = verification.get(f"audits_{result}", 0)
+                audits.add_metric([result], count if _is_number(count) else 0)
+            yield audits
         kinds = Tally(str(c.get("kind")) for c in status.get("connections") or ())
         connections = GaugeMetricFamily(
             "shoal_connections", "Open connections to other peers, by kind.", labels=["kind"]

@@ -81,6 +81,8 @@ class PeerNode:
     async def aclose(self) -> None:
         await self._tasks.aclose()
         if self.session is not None:
+            if self.session.verifier is not None:
+                self.session.verifier.close()
             await self.session.strategy.aclose()
             self.session.trainer.close()
 
@@ -93,7 +95,7 @@ class PeerNode:
         if self.session is not None:
             self._tasks.spawn(self._report_loop())
             self._tasks.spawn(self._refresh_manifest())
-            self.bans = BanWatcher(self.dht, self.session.manifest.namespace)
+            self.bans = self.session.bans
             self._tasks.spawn(self.bans.run())
 
     async def train(self, stop: asyncio.Event) -> None:
@@ -212,7 +214,7 @@ class PeerNode:
             "uptime_s": time.time() - self.started,
             "loop_lag_ms": self.loop_lag.summary(time.monotonic()),
             "config": self.config.to_json(),
-            "verification": self.bans.status() if self.bans is not None else None,
+            "verification": self._verification_status(),
         }
         if self.session is not None:
             s = self.session.trainer.stats
@@ -252,6 +254,14 @@ class PeerNode:
                     "ago_s": None if s.last_round_at is None else time.time() - s.last_round_at,
                 },
             )
+        return out
+
+    def _verification_status(self) -> dict[str, Any] | None:
+        if self.bans is None:
+            return None
+        out: dict[str, Any] = {"enabled": False, **self.bans.status()}
+        if self.session is not None and self.session.verifier is not None:
+            out.update(enabled=True, **self.session.verifier.status())
         return out
 
     async def peers(self) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from .task import Task
 __all__ = [
     "SegmentRunner",
     "SegmentState",
+    "capture",
     "delta",
     "optimizer_hash",
     "params_hash",
@@ -118,8 +119,7 @@ class SegmentRunner:
 
     def capture(self) -> SegmentState:
         """The model's and optimizer's state now, copied to the CPU."""
-        params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model.parameters()]
-        return SegmentState(params, _to_cpu(copy.deepcopy(self.inner.state_dict())))
+        return capture(self.model, self.inner)
 
     def load(self, state: SegmentState) -> None:
         with torch.no_grad():
@@ -134,6 +134,12 @@ class SegmentRunner:
         for i, batch in enumerate(batches):
             self.inner.step(lambda b=batch: self.task.loss(self.model, b), first_step + i)
         return self.capture()
+
+
+def capture(model: torch.nn.Module, inner: InnerOptimizer) -> SegmentState:
+    """The model's parameters and the inner optimizer's state, copied to the CPU."""
+    params = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
+    return SegmentState(params, _to_cpu(copy.deepcopy(inner.state_dict())))
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -30,7 +30,9 @@ from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport.identity import Identity
+from shoal.verification.audit import AuditPolicy
 
+from .ban_watch import BanWatcher
 from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
 from .device import DeviceInventory, check_precision, describe, mfu, peak_flops
@@ -43,6 +45,8 @@ from .experiment import (
 )
 from .task import Task, TaskError, load_task, shard_of
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
+from .verifier import Verifier
+from .work_log import VerifiedWork, WorkLog
 
 __all__ = ["Session", "SessionError", "open_session"]
 
@@ -52,6 +56,9 @@ MANIFESTS_DIR = "experiments"
 # How long a joiner looks for the manifest in the DHT (it may have been published a
 # moment ago; one already there is found at the first lookup).
 FIND_MANIFEST_TIMEOUT = 15.0
+# The audit threshold of experiments in bf16 or fp16 (fp32's is the option's default).
+REDUCED_PRECISION_THRESHOLD = 2e-2
+VERIFYING_STRATEGIES = ("diloco",)
 
 
 class SessionError(Exception):
@@ -70,6 +77,8 @@ class Session:
     device: torch.device
     inventory: DeviceInventory
     precision: str
+    bans: BanWatcher
+    verifier: Verifier | None = None  # a verified experiment's audits
 
     def device_status(self, tokens_per_s: float | None) -> tuple[dict[str, Any], float | None]:
         """/status's `device` object and `mfu` (None when the device's peak is unknown)."""
@@ -144,6 +153,17 @@ async def open_session(
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
     shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
     store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
+    verified = bool(getattr(strategy, "options", {}).get("verify"))
+    work = None
+    if verified:
+        policy = audit_policy(strategy.options)  # type: ignore[attr-defined]
+        work = VerifiedWork(
+            WorkLog(policy.segment_steps),
+            manifest.namespace,
+            identity.peer_id,
+            shard,
+            lambda: strategy.outer_steps,
+        )
     trainer = Trainer(
         task,
         model,
@@ -156,7 +176,12 @@ async def open_session(
         checkpoint_extra=lambda: {"experiment_id": manifest.experiment_id},
         device=device,
         precision=hyper["precision"],
+        work=work,
     )
+    bans = BanWatcher(dht, manifest.namespace)
+    verifier = None
+    if work is not None:
+        verifier = _verifier(dht, identity, task, hyper, strategy, work, trainer, bans)
     resumed = False
     try:
         await asyncio.to_thread(store.prepare)
@@ -211,7 +236,49 @@ async def open_session(
         device,
         inventory,
         hyper["precision"],
+        bans,
+        verifier,
     )
+
+
+def audit_policy(options: dict[str, Any]) -> AuditPolicy:
+    """The manifest's audit settings (strategy options) as a policy."""
+    return AuditPolicy(
+        rate=options["audit_rate"],
+        probation_rate=options["audit_probation_rate"],
+        segment_steps=options["audit_segment_steps"],
+        threshold_angle=options["audit_threshold_angle"],
+    )
+
+
+def _verifier(
+    dht: DHTNode,
+    identity: Identity,
+    task: Task,
+    hyper: dict[str, Any],
+    strategy: Any,
+    work: VerifiedWork,
+    trainer: Trainer,
+    bans: BanWatcher,
+) -> Verifier:
+    """The verifier of a verified experiment, hooked into the strategy's all-reduce."""
+    averager = strategy.averager
+    allreduce = averager.config.allreduce
+    verifier = Verifier(
+        dht,
+        identity,
+        task=task,
+        hyper=hyper,
+        policy=audit_policy(strategy.options),
+        work=work,
+        model=trainer.model,
+        inner=trainer.inner,
+        bans=bans,
+        shape=(allreduce.streams_per_peer, allreduce.chunk_bytes, averager.config.codec),
+        precision=hyper["precision"],
+    )
+    averager.attestor = verifier
+    return verifier
 
 
 async def _find(dht: DHTNode, text: str) -> Manifest:
@@ -255,7 +322,7 @@ async def _host_manifest(
     if config.precision != "fp32":
         # Only a non-default precision is written: a manifest without one reads as fp32.
         hyper_given["precision"] = config.precision
-    options = {"inner_steps": config.inner_steps, **given}
+    options = verification_options(config, {"inner_steps": config.inner_steps, **given})
     try:
         options = resolve_options(config.strategy, options)
         hyperparameters = check_hyperparameters(hyper_given)
@@ -294,10 +361,32 @@ async def _host_manifest(
     return manifest, task, model
 
 
+def verification_options(config: Config, options: dict[str, Any]) -> dict[str, Any]:
+    """A new experiment's strategy options with its verification policy: `--verify`
+    (auto: on for the strategies that can verify), and in bf16 or fp16 the wider
+    audit threshold that precision needs, unless the options set them."""
+    out = dict(options)
+    if "verify" not in out:
+        out["verify"] = config.verify == "on" or (
+            config.verify == "auto" and config.strategy in VERIFYING_STRATEGIES
+        )
+    if out["verify"] and config.precision != "fp32":
+        out.setdefault("audit_threshold_angle", REDUCED_PRECISION_THRESHOLD)
+    return out
+
+
 def _warn_ignored(config: Config, manifest: Manifest) -> None:
     given = [
         o
-        for o in ("task", "task_option", "strategy", "inner_steps", "strategy_option", "precision")
+        for o in (
+            "task",
+            "task_option",
+            "strategy",
+            "inner_steps",
+            "strategy_option",
+            "precision",
+            "verify",
+        )
         if o in config.sources
     ]
     if given:

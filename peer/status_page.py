@@ -16,7 +16,8 @@ peer), `#loss-curve[data-points]` and `#bandwidth[data-points]` (points drawn),
 `#connections tbody tr`, `#last-round`, `#error` (hidden when all is well),
 `body[data-polls]` (successful polls so far), and the summary values `#peer-id`,
 `#experiment`, `#swarm-round`, `#step`, `#loss`, `#tokens-per-s`, `#device`,
-`#reachability`, `#uptime`, `#join-command` (the command another peer runs to join).
+`#reachability`, `#uptime`, `#join-command` (the command another peer runs to join),
+`#verification` with `#bans tbody tr[data-peer-id]` (one row per banned peer).
 """
 
 import base64
@@ -171,6 +172,15 @@ STATUS_PAGE_HTML = r"""<!doctype html>
       <div class="card" id="last-round">
         <h2>Last averaging round</h2>
         <div class="empty">no round yet</div>
+      </div>
+      <div class="card" id="verification" hidden>
+        <h2>Verification <span class="aside" id="audits"></span></h2>
+        <div id="self-convicted" class="badge bad" hidden>this peer was convicted</div>
+        <div class="scroll"><table id="bans">
+          <thead><tr><th>Banned peer</th><th class="num">Round</th><th>Accused by</th></tr></thead>
+          <tbody></tbody>
+        </table></div>
+        <div class="empty" id="bans-empty">nobody banned</div>
       </div>
       <div class="card" id="join-box" hidden>
         <h2>Join this experiment</h2>
@@ -445,6 +455,27 @@ function swarmRound(s) {
   return `round ${fmtNum(s.outer_step, 0)}${ago}`;
 }
 
+// Audits this peer ran, who is banned (with the accusers), and whether we are on probation.
+function renderVerification(v) {
+  const box = $("verification");
+  box.hidden = !v || typeof v !== "object";
+  if (box.hidden) return;
+  const audits = v.enabled
+    ? `${fmtNum(v.audits_done ?? 0, 0)} audits · ${fmtNum(v.audits_failed ?? 0, 0)} failed`
+      + (v.probation ? " · on probation" : "")
+    : "off for this experiment";
+  setText("audits", audits);
+  $("self-convicted").hidden = !v.convicted_self;
+  const convictions = Array.isArray(v.convictions) ? v.convictions : [];
+  $("bans").tBodies[0].replaceChildren(...convictions.map((c) =>
+    el("tr", { "data-peer-id": String(c.peer) },
+      el("td", { class: "mono peer", title: String(c.peer), text: shortId(String(c.peer), 8, 4) }),
+      el("td", { class: "num", text: fmtNum(c.round, 0) }),
+      el("td", { class: "mono", text: (Array.isArray(c.accusers) ? c.accusers : [])
+        .map((a) => shortId(String(a), 4, 4)).join(", ") }))));
+  $("bans-empty").hidden = convictions.length > 0;
+}
+
 function renderStatus(s) {
   setText("peer-id", s.peer_id ?? "—");
   setText("experiment", s.experiment ?? "none yet");
@@ -480,6 +511,8 @@ function renderStatus(s) {
   $("addresses").replaceChildren(...(addrs.length
     ? addrs.map((a) => el("li", { text: String(a) }))
     : [el("li", { class: "empty", text: "none yet" })]));
+
+  renderVerification(s.verification);
 
   const box = $("last-round");
   const r = s.last_round;

@@ -32,7 +32,9 @@ from .config import PRECISIONS
 from .device import autocast
 from .inner import BatchPrefetcher, InnerOptimizer, to_device
 from .priority import lower_this_thread
+from .segments import round_batch_seed
 from .task import Task
+from .work_log import VerifiedWork
 
 __all__ = ["DEFAULT_HYPERPARAMETERS", "Trainer", "TrainerStats", "check_hyperparameters"]
 
@@ -117,7 +119,10 @@ class Trainer:
         on_round: Callable[[RoundReport], None] | None = None,
         device: torch.device | None = None,
         precision: str = "fp32",
+        work: VerifiedWork | None = None,
     ) -> None:
+        """`work`: train verifiably (verified experiments): each round's batches are
+        drawn from (experiment, peer, round) and the run is logged for audits."""
         self.task = task
         self.model = model
         self.strategy = strategy
@@ -143,6 +148,7 @@ class Trainer:
             max_workers=1, thread_name_prefix="shoal-train", initializer=lower_this_thread
         )
         self._batches: BatchPrefetcher | None = None
+        self.work = work
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     # ------------------------------------------------------------------ checkpoints
@@ -194,7 +200,9 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Train until `stop` is set; then end the strategy's round, write a checkpoint."""
         loop = asyncio.get_running_loop()
-        if self._batches is None:
+        if self.work is not None:
+            await loop.run_in_executor(self._worker, self._begin_work)
+        elif self._batches is None:
             num_shards = self.hyper["num_shards"]
             self._batches = BatchPrefetcher(
                 self.task.batches(self.shard, num_shards, self.seed), self.device
@@ -206,6 +214,8 @@ class Trainer:
                 self._account(loss, tokens)
                 for report in await self._outer(tokens, stop):
                     self._record_round(report)
+                if self._new_work_round():
+                    await loop.run_in_executor(self._worker, self._begin_work)
                 if time.monotonic() >= next_checkpoint:
                     await self.save_checkpoint()
                     next_checkpoint = time.monotonic() + self.checkpoint_interval
@@ -256,7 +266,28 @@ class Trainer:
         assert self._batches is not None
         batch = next(self._batches)
         loss = self.inner.step(lambda: self.task.loss(self.model, batch), self.stats.step)
-        return loss, int(self.task.batch_tokens(batch))
+        tokens = int(self.task.batch_tokens(batch))
+        if self.work is not None:
+            self.work.log.after_step(self.model, self.inner, tokens)
+        return loss, tokens
+
+    def _new_work_round(self) -> bool:
+        """Whether the strategy moved to another state version (a commit or re-sync)."""
+        if self.work is None:
+            return False
+        current = self.work.log.current
+        return current is None or current.round != self.work.round_of()
+
+    def _begin_work(self) -> None:
+        """A verified round's work starts: its own batch stream, a log from here."""
+        assert self.work is not None
+        round_index = self.work.round_of()
+        if self._batches is not None:
+            self._batches.close()
+        seed = round_batch_seed(self.work.experiment, self.work.peer, round_index)
+        batches = self.task.batches(self.shard, self.hyper["num_shards"], seed)
+        self._batches = BatchPrefetcher(batches, self.device)
+        self.work.log.begin(round_index, self.stats.step, self.model, self.inner)
 
     def _account(self, loss: float, tokens: int) -> None:
         s = self.stats

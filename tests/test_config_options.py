@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.averaging.outer import allreduce_config, resolve_options
 from shoal.peer.cli import parse_command_line
 from shoal.peer.config import (
     DEFAULT_CHECKPOINT_INTERVAL,
@@ -17,6 +18,7 @@ from shoal.peer.config import (
     Config,
     ConfigError,
 )
+from shoal.peer.session import verification_options
 from shoal.transport.multiaddr import Multiaddr
 
 BOOT = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWADf7hekRQXQ55CudbEHpoUS6EF5ffbxFgghynqtjpfrD"
@@ -347,3 +349,39 @@ def test_the_status_view_of_the_configuration_has_json_types() -> None:
     import json
 
     assert json.loads(json.dumps(view)) == view
+
+
+# --- verification -------------------------------------------------------------------------------
+
+
+def test_new_diloco_experiments_verify_unless_told_not_to() -> None:
+    """`--verify` decides a new experiment's policy; the manifest then carries it (an
+    experiment made before verification existed has no `verify` and runs without)."""
+    base = {"inner_steps": 50}
+    assert verification_options(run_config(), base)["verify"] is True
+    assert verification_options(run_config("--verify", "off"), base)["verify"] is False
+    assert verification_options(run_config("--strategy", "streaming"), base)["verify"] is False
+    assert verification_options(run_config(SHOAL_VERIFY="on"), base)["verify"] is True
+    explicit = verification_options(run_config("--verify", "on"), {**base, "verify": False})
+    assert explicit["verify"] is False  # --strategy-option verify=false wins
+    bf16 = verification_options(run_config("--precision", "bf16"), base)
+    assert bf16["audit_threshold_angle"] > resolve_options("diloco", {})["audit_threshold_angle"]
+    assert resolve_options("diloco", {})["verify"] is False  # a manifest without the key
+    assert "verify takes on or off" in config_error("--verify", "maybe")
+
+
+def test_verification_options_are_checked_and_need_diloco() -> None:
+    opts = resolve_options("diloco", {"verify": True, "audit_rate": 0.1})
+    assert opts["audit_rate"] == 0.1 and opts["audit_segment_steps"] == 3
+    for bad in ({"audit_rate": 2}, {"audit_segment_steps": 0}, {"reduction": "median"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            resolve_options("diloco", bad)
+    with pytest.raises(ValueError, match="needs the diloco strategy"):
+        resolve_options("streaming", {"verify": True})
+    # Verifying rounds average with CenteredClip unless told otherwise.
+    assert (
+        allreduce_config(resolve_options("diloco", {"verify": True})).reduction == "centered_clip"
+    )
+    assert allreduce_config(resolve_options("diloco", {})).reduction == "mean"
+    plain = resolve_options("diloco", {"verify": True, "reduction": "mean"})
+    assert allreduce_config(plain).reduction == "mean"

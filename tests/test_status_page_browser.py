@@ -114,6 +114,19 @@ class GrowingSwarm:
             "bytes_received": 4_100_000 * step,
             "uptime_s": time.time() - self.started,
             "config": {"listen": "/ip4/0.0.0.0/tcp/31337", "status_addr": "127.0.0.1:8080"},
+            "verification": {
+                "enabled": True,
+                "audits_done": 12,
+                "audits_passed": 11,
+                "audits_failed": 1,
+                "probation": False,
+                "banned": [BANNED],
+                "convictions": [
+                    {"peer": BANNED, "round": 9, "accusers": self.ids[1:3], "at": 1.0}
+                ],
+                "convicted_self": False,
+                "rejected_evidence": 0,
+            },
         }
 
     async def peers(self) -> list[dict[str, Any]]:
@@ -250,8 +263,13 @@ return {
   pwned: document.body.dataset.pwned !== undefined,
   images: document.querySelectorAll('#peers img').length,
   peersText: document.getElementById('peers').textContent,
+  bans: [...document.querySelectorAll('#bans tbody tr')].map((r) => r.dataset.peerId),
+  audits: document.getElementById('audits').textContent,
 };
 """
+
+
+BANNED = "12D3KooWCheaterCheaterCheaterCheaterCheaterCheaterCheat"
 
 
 async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restart(
@@ -285,6 +303,7 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert page["swarmRound"].startswith("round 17 · committed "), page["swarmRound"]
         assert not page["joinHidden"] and page["joinCommand"].startswith("shoal run --join ")
         assert "committed" in page["lastRound"] and "b3f91c07e2d45a60" in page["lastRound"]
+        assert page["bans"] == [BANNED] and page["audits"] == "12 audits · 1 failed"
         assert not page["error"], page["errorText"]
 
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

@@ -101,6 +101,11 @@ class FakeProvider:
                 ],
                 "convicted_self": False,
                 "rejected_evidence": 0,
+                "enabled": True,
+                "audits_done": 7,
+                "audits_passed": 6,
+                "audits_failed": 1,
+                "probation": False,
             },
         }
 
@@ -318,6 +323,8 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     assert samples[("shoal_round_group_size_sum", ())] == 9
     assert samples[("shoal_banned_peers", ())] == 1
     assert samples[("shoal_convictions_total", ())] == 1
+    assert samples[("shoal_audits_total", (("result", "passed"),))] == 6
+    assert samples[("shoal_audits_total", (("result", "failed"),))] == 1
     assert any(name == "process_resident_memory_bytes" for name, _ in samples)
 
 

@@ -1,0 +1,228 @@
+"""One committed round as a member sees it for audits, and the check of one segment.
+
+After a round commits, every member publishes its commitment and the secret
+behind its `seed_commit` in the DHT (`publish_record`, under the round's key,
+in a subkey only it can write), then reads the others' (`gather`) until every
+member's secret is there or the wait ends: the round's draw
+(`verification.referees.RoundDraw`) then says who audits whom. Commitments
+also came with the contributions (`averaging.attestation`); the DHT carries
+them to members that own no part, and one member's two different commitments
+for one round are not accepted.
+
+`check_segment` is the audit itself (blocking; a thread runs it): the reveal
+against the commitment's hashes, the pseudo-gradient that was sent against the
+revealed final state (the same chunks and codec as the round, so the Merkle
+root must match bit for bit), the start against the global state, then the
+segment re-run on the prover's batches and compared by LSH with the seed
+drawn after the reveal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from shoal.averaging.attestation import chunk_leaves
+from shoal.averaging.compression import get_codec
+from shoal.averaging.group import Group
+from shoal.averaging.partition import Plan
+from shoal.dht.node import DHTNode
+from shoal.dht.records import owner_marker
+from shoal.transport.identity import PeerID
+from shoal.verification.audit import AuditPolicy, judge
+from shoal.verification.commitment import Commitment, CommitmentError, MerkleTree
+from shoal.verification.evidence import Result
+from shoal.verification.referees import SECRET_BYTES, RoundDraw, seed_commit
+
+from .reveals import Reveal
+from .segments import SegmentRunner, params_hash, round_batch_seed, segment_batches
+from .task import Task, shard_of
+
+__all__ = ["AuditRound", "Finding", "RoundShape", "check_segment", "gather", "publish_record"]
+
+log = logging.getLogger("shoal.audits")
+
+RECORD_TTL = 900.0
+GATHER_POLL_S = 0.5
+
+
+def records_key(namespace: str, round_index: int) -> str:
+    return f"{namespace}/work/{round_index}"
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """How the round's all-reduce cut and encoded the contributions."""
+
+    bandwidths: tuple[float, ...]
+    streams: int
+    chunk_elements: int
+    codec: str
+
+    @classmethod
+    def of(cls, group: Group, streams: int, chunk_bytes: int, codec: str) -> RoundShape:
+        bws = tuple(m.bandwidth for m in group.members)
+        return cls(bws, streams, max(1, chunk_bytes // 4), codec)
+
+    def delta_root(self, flat: torch.Tensor) -> bytes:
+        plan = Plan.build(
+            flat.numel(), self.bandwidths, streams=self.streams, chunk_elements=self.chunk_elements
+        )
+        return MerkleTree(chunk_leaves(plan, flat, get_codec(self.codec))).root
+
+
+@dataclass
+class AuditRound:
+    """A committed round's commitments, secrets and draw, as this member knows them."""
+
+    round: int
+    shape: RoundShape
+    commitments: dict[PeerID, Commitment]
+    secrets: dict[PeerID, bytes]
+    draw: RoundDraw
+    start_params: list[torch.Tensor]  # the global state the round's work started from
+    committed_at: float = 0.0  # monotonic time of the commit here
+
+    def learn(self, wire: object) -> None:
+        """Take secrets another member saw (`secrets_to_wire`): one that matches its
+        commitment fills a gap of ours, so a late DHT read on either side does not
+        leave two members with different draws."""
+        if not isinstance(wire, list) or len(wire) > len(self.commitments):
+            return
+        added = False
+        for item in wire:
+            if not (isinstance(item, list) and len(item) == 2):
+                continue
+            peer_raw, secret = item
+            if not isinstance(peer_raw, bytes) or not isinstance(secret, bytes):
+                continue
+            try:
+                peer = PeerID(peer_raw)
+            except ValueError:
+                continue
+            c = self.commitments.get(peer)
+            if c is not None and peer not in self.secrets and seed_commit(secret) == c.seed_commit:
+                self.secrets[peer] = secret
+                added = True
+        if added:
+            self.draw = RoundDraw.from_reveals(list(self.commitments.values()), self.secrets)
+
+    def secrets_to_wire(self) -> list[list[bytes]]:
+        return [[p.to_bytes(), s] for p, s in self.secrets.items()]
+
+
+async def publish_record(
+    dht: DHTNode, namespace: str, commitment: Commitment, secret: bytes
+) -> bool:
+    """Our commitment and secret for the round, where the other members look."""
+    value = msgpack.packb([commitment.encode(), secret], use_bin_type=True)
+    try:
+        return await dht.store(
+            records_key(namespace, commitment.round),
+            value,
+            time.time() + RECORD_TTL,
+            subkey=owner_marker(dht.peer_id),
+        )
+    except Exception as e:  # best effort: the others then see us withhold
+        log.info("publishing our round record failed: %r", e)
+        return False
+
+
+def _parse(raw: object) -> tuple[Commitment, bytes] | None:
+    try:
+        data, secret = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else (None, None)
+        if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
+            return None
+        return Commitment.decode(data), secret
+    except (CommitmentError, ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError):
+        return None
+
+
+async def gather(
+    dht: DHTNode,
+    namespace: str,
+    round_index: int,
+    known: Mapping[PeerID, Commitment],
+    members: Sequence[PeerID],
+    timeout: float,
+) -> tuple[dict[PeerID, Commitment], dict[PeerID, bytes]]:
+    """The round's commitments and matching secrets from the DHT, for `members`
+    (commitments already `known` must not change), until all are there or `timeout`."""
+    commitments = dict(known)
+    secrets: dict[PeerID, bytes] = {}
+    wanted = set(members)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = await dht.get(records_key(namespace, round_index), latest=True)
+        except Exception as e:  # a failed read is retried until the deadline
+            log.debug("reading round records failed: %r", e)
+            value = None
+        for raw, _expiration in value.subkeys.values() if value and value.subkeys else ():
+            parsed = _parse(raw)
+            if parsed is None:
+                continue
+            c, secret = parsed
+            if c.prover not in wanted or c.round != round_index:
+                continue
+            if c.prover in commitments and commitments[c.prover].digest() != c.digest():
+                log.warning("%s published another commitment than it sent", c.prover.short())
+                continue
+            commitments[c.prover] = c
+            if seed_commit(secret) == c.seed_commit:
+                secrets[c.prover] = secret
+        if wanted <= secrets.keys() or time.monotonic() >= deadline:
+            return commitments, secrets
+        await asyncio.sleep(GATHER_POLL_S)
+
+
+@dataclass(frozen=True)
+class Finding:
+    result: Result
+    why: str
+    flips: int = 0
+    bits: int = 0
+    norm_gap: float = 0.0
+
+
+def check_segment(
+    runner: SegmentRunner,
+    task: Task,
+    num_shards: int,
+    namespace: str,
+    rnd: AuditRound,
+    commitment: Commitment,
+    segment: int,
+    reveal: Reveal,
+    lsh_seed: bytes,
+    policy: AuditPolicy,
+) -> Finding:
+    """Audit `segment` of `commitment` from what its prover revealed (blocking)."""
+    problem = reveal.problem(commitment, segment)
+    if problem is not None:
+        return Finding(Result.BAD_REVEAL, problem)
+    if commitment.start != params_hash(rnd.start_params):
+        return Finding(Result.FAIL, "the work did not start from the round's global state")
+    globals_flat = torch.cat([p.reshape(-1) for p in rnd.start_params])
+    final_flat = torch.cat([p.reshape(-1) for p in reveal.final_params])
+    if rnd.shape.delta_root(globals_flat - final_flat) != commitment.delta_root:
+        return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")
+    first, end = commitment.segment_bounds(segment)
+    prover = commitment.prover
+    seed = round_batch_seed(namespace, prover, commitment.round)
+    shard = shard_of(prover.to_bytes(), num_shards)
+    batches = segment_batches(task, shard, num_shards, seed, first, end - first)
+    recomputed = runner.run(reveal.start, batches, commitment.first_step + first)
+    start_flat = reveal.start.flat()
+    revealed_end = torch.cat([p.reshape(-1) for p in reveal.end_params])
+    j = judge(start_flat - revealed_end, start_flat - recomputed.flat(), lsh_seed, policy)
+    c = j.comparison
+    gap = c.mean_log2_norm_gap
+    why = f"{c.flips} of {c.bits} bits differ (limit {j.flip_limit}), norm gap {gap:.4f}"
+    return Finding(j.result, why, c.flips, c.bits, float(c.mean_log2_norm_gap))

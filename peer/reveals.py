@@ -1,0 +1,195 @@
+"""What a prover reveals of one segment of its work, on the wire and checked.
+
+A `Reveal` holds the state at the segment's start (parameters and the inner
+optimizer's per-parameter state), the parameters at its end with the hash of
+the optimizer state there, and the parameters at the end of the whole run with
+the hash of its optimizer state (they tie the pseudo-gradient that was sent,
+`Commitment.delta_root`, to the run). `problem` checks every part against the
+commitment's hashes, so nothing unrevealed or altered reaches the re-run.
+
+Wire (RPC method ``reveal`` of `PROTOCOL`, a stream): the request is
+``{"round", "segment", "secrets"}`` (the round's secrets as the asker knows
+them, so both compute the same draw); the answer is a header item ``{"params": n, "keys":
+[[param index, name], ...], "end_opt", "final_opt"}``, then the tensors (start
+parameters, start optimizer state in `keys` order, end parameters, final
+parameters), then ``{"done": true}``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.transport import rpc
+from shoal.transport.host import Host
+from shoal.transport.identity import PeerID
+from shoal.verification.commitment import HASH_BYTES, Commitment, state_digest
+
+from .segments import (
+    SegmentRunner,
+    SegmentState,
+    optimizer_hash,
+    params_hash,
+    round_batch_seed,
+    segment_batches,
+)
+from .task import Task
+from .work_log import RoundWork, VerifiedWork
+
+__all__ = ["PROTOCOL", "Replay", "Reveal", "fetch_reveal", "reveal_of", "send_reveal"]
+
+PROTOCOL = "/shoal/audit/1.0.0"
+MAX_KEYS = 1 << 16
+
+
+@dataclass
+class Reveal:
+    start: SegmentState
+    end_params: list[torch.Tensor]
+    end_optimizer: bytes  # optimizer_hash at the segment's end
+    final_params: list[torch.Tensor]
+    final_optimizer: bytes  # optimizer_hash at the run's end
+
+    def end_digest(self) -> bytes:
+        return state_digest(params_hash(self.end_params), self.end_optimizer)
+
+    def problem(self, commitment: Commitment, segment: int) -> str | None:
+        """Why this is not what `commitment` committed to for `segment`, or None."""
+        if self.start.digest() != commitment.segment_start(segment):
+            return "the revealed start state does not match the commitment"
+        if self.end_digest() != commitment.checkpoints[segment]:
+            return "the revealed end state does not match the commitment"
+        final = state_digest(params_hash(self.final_params), self.final_optimizer)
+        if final != commitment.checkpoints[-1]:
+            return "the revealed final state does not match the commitment"
+        shapes = [p.shape for p in self.start.params]
+        if any([p.shape for p in ps] != shapes for ps in (self.end_params, self.final_params)):
+            return "revealed parameters of different shapes"
+        return None
+
+
+def _optimizer_tensors(state: SegmentState) -> tuple[list[list[Any]], list[torch.Tensor]]:
+    per_param = state.optimizer["optimizer"]["state"]
+    keys = [[i, name] for i in sorted(per_param) for name in sorted(per_param[i])]
+    return keys, [torch.as_tensor(per_param[i][name]) for i, name in keys]
+
+
+async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
+    """Answer a reveal request (the handler yields `{"done": True}` after this)."""
+    keys, opt = _optimizer_tensors(reveal.start)
+    await ctx.send_item(
+        {
+            "params": len(reveal.start.params),
+            "keys": keys,
+            "end_opt": reveal.end_optimizer,
+            "final_opt": reveal.final_optimizer,
+        }
+    )
+    for t in [*reveal.start.params, *opt, *reveal.end_params, *reveal.final_params]:
+        await ctx.send_tensor(t.detach().contiguous())
+
+
+async def fetch_reveal(
+    host: Host,
+    prover: PeerID,
+    round_index: int,
+    segment: int,
+    template: dict[str, Any],
+    *,
+    timeout: float,
+    secrets: list[list[bytes]] | None = None,
+) -> Reveal:
+    """Ask `prover` to reveal `segment` of its work in `round_index`. `template`: an
+    `InnerOptimizer.state_dict()` whose param groups the revealed state takes.
+    Raises (transport, remote or ValueError) when nothing well formed came."""
+    async with rpc.open_call(
+        host, prover, PROTOCOL, "reveal",
+        {"round": round_index, "segment": segment, "secrets": secrets or []},
+        timeout=timeout,
+    ) as call:  # fmt: skip
+        await call.close_send()
+        head = await call.recv_item()
+        n, keys, end_opt, final_opt = _header(head)
+        start = [await call.recv_tensor() for _ in range(n)]
+        opt = [await call.recv_tensor() for _ in keys]
+        end = [await call.recv_tensor() for _ in range(n)]
+        final = [await call.recv_tensor() for _ in range(n)]
+        done = await call.recv_item()
+        if not isinstance(done, dict) or done.get("done") is not True:
+            raise ValueError("the reveal ended out of step")
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    for (i, name), t in zip(keys, opt, strict=True):
+        per_param.setdefault(i, {})[name] = t
+    optimizer = {
+        "optimizer": {
+            "state": per_param,
+            "param_groups": copy.deepcopy(template["optimizer"]["param_groups"]),
+        },
+        "grad_scaler": copy.deepcopy(template.get("grad_scaler")),
+    }
+    if any(t.dtype != torch.float32 for t in [*start, *end, *final]):
+        raise ValueError("revealed parameters must be float32")
+    return Reveal(SegmentState(start, optimizer), end, end_opt, final, final_opt)
+
+
+def _header(head: object) -> tuple[int, list[tuple[int, str]], bytes, bytes]:
+    if not isinstance(head, dict):
+        raise ValueError("a reveal starts with its header")
+    n, keys = head.get("params"), head.get("keys")
+    end_opt, final_opt = head.get("end_opt"), head.get("final_opt")
+    if not isinstance(n, int) or not 0 < n <= MAX_KEYS:
+        raise ValueError("bad parameter count")
+    if not isinstance(keys, list) or len(keys) > MAX_KEYS:
+        raise ValueError("bad optimizer keys")
+    parsed = []
+    for k in keys:
+        if not (isinstance(k, list) and len(k) == 2 and isinstance(k[0], int)):
+            raise ValueError("bad optimizer key")
+        if not isinstance(k[1], str):
+            raise ValueError("bad optimizer key")
+        parsed.append((k[0], k[1]))
+    for h in (end_opt, final_opt):
+        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            raise ValueError("bad optimizer hash")
+    assert isinstance(end_opt, bytes) and isinstance(final_opt, bytes)
+    return n, parsed, end_opt, final_opt
+
+
+def reveal_of(start: SegmentState, end: SegmentState, final: SegmentState) -> Reveal:
+    """The reveal of a segment from the prover's kept (or re-run) states."""
+    return Reveal(
+        start,
+        end.params,
+        optimizer_hash(end.optimizer),
+        final.params,
+        optimizer_hash(final.optimizer),
+    )
+
+
+@dataclass
+class Replay:
+    """The prover's own states, kept or re-run from the last kept one (on this machine,
+    bit for bit: the result is checked against the committed hash)."""
+
+    runner: SegmentRunner
+    task: Task
+    work: VerifiedWork
+    num_shards: int
+
+    def state_after(self, work: RoundWork, step: int) -> SegmentState:
+        """Our state after `step` steps of `work` (blocking)."""
+        with self.work.log.lock:
+            kept = work.state_at(step)
+            start, from_state = work.nearest_before(step)
+        if kept is not None:
+            return kept
+        seed = round_batch_seed(self.work.experiment, self.work.peer, work.round)
+        shard, shards = self.work.shard, self.num_shards
+        batches = segment_batches(self.task, shard, shards, seed, start, step - start)
+        state = self.runner.run(from_state, batches, work.first_step + start)
+        if state.digest() != work.digest_at(step):
+            raise RuntimeError(f"re-running our own steps {start}..{step} did not reproduce them")
+        return state

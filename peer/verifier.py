@@ -1,0 +1,425 @@
+"""Verification in the daemon: commit to our work, audit others', convict cheaters.
+
+`Verifier` is the `averaging.attestation.Attestor` of a verified experiment:
+- `commit`: our signed commitment for the round's contribution (the work log
+  sealed, a fresh secret behind `seed_commit`);
+- `accept`: a member's commitment must name this experiment and round, start
+  from the same global state as ours, use the experiment's checkpoint spacing,
+  and carry no more weight than its steps can;
+- `on_commit`: after the round, publish our secret, gather everyone's, draw,
+  and run the audits this peer was drawn for.
+
+An audit asks the prover to `reveal` the segment, checks and re-runs it
+(`audit_round.check_segment`), and signs a verdict. An accusation opens a
+`verification.Dispute`: the next two referees are asked for their `verdict`
+(each fetches the reveal and re-runs the segment itself); a majority convicts,
+and the evidence is published in the DHT and enforced here at once (every
+other peer enforces it at its next ban refresh, `ban_watch`). New peers are
+audited at the probation rate for their first `PROBATION_ROUNDS` rounds in our
+sight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from shoal.averaging.group import Group
+from shoal.dht.node import DHTNode
+from shoal.transport import rpc
+from shoal.transport.errors import RemoteError
+from shoal.transport.identity import Identity, PeerID
+from shoal.verification.audit import AuditPolicy
+from shoal.verification.bans import publish
+from shoal.verification.commitment import Commitment
+from shoal.verification.disputes import Dispute, Outcome
+from shoal.verification.evidence import Evidence, EvidenceError, Result, Verdict
+from shoal.verification.referees import RoundDraw, new_secret, seed_commit
+
+from .audit_round import AuditRound, RoundShape, check_segment, gather, publish_record
+from .ban_watch import BanWatcher
+from .inner import InnerOptimizer
+from .priority import lower_this_thread
+from .reveals import PROTOCOL, Replay, Reveal, fetch_reveal, reveal_of, send_reveal
+from .segments import SegmentRunner
+from .task import Task
+from .work_log import RoundWork, VerifiedWork
+
+__all__ = ["PROBATION_ROUNDS", "Verifier"]
+
+log = logging.getLogger("shoal.verifier")
+
+PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
+GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
+REVEAL_TIMEOUT = 60.0
+VERDICT_TIMEOUT = 180.0  # a referee fetches a reveal and re-runs a segment
+KEEP_ROUNDS = 4
+NOTIFY_TIMEOUT = 5.0
+
+
+class Verifier:
+    """A verified experiment's commitments, audits and disputes on this peer."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        identity: Identity,
+        *,
+        task: Task,
+        hyper: dict[str, Any],
+        policy: AuditPolicy,
+        work: VerifiedWork,
+        model: torch.nn.Module,
+        inner: InnerOptimizer,
+        bans: BanWatcher,
+        shape: tuple[int, int, str],  # the all-reduce's streams, chunk bytes, codec
+        precision: str = "fp32",
+    ) -> None:
+        self.dht = dht
+        self.identity = identity
+        self.me = identity.peer_id
+        self.task = task
+        self.num_shards = int(hyper["num_shards"])
+        self.policy = policy
+        self.work = work
+        self.namespace = work.experiment
+        self._model, self._inner = model, inner
+        self.bans = bans
+        self._shape = shape
+        # Audits and reveals re-run steps on a model of their own, one at a time,
+        # below the training thread's priority.
+        self.runner = SegmentRunner(task, hyper, precision=precision)
+        self._template = self.runner.inner.state_dict()
+        self._pool = ThreadPoolExecutor(1, "shoal-audit", initializer=lower_this_thread)
+        self._secrets: dict[int, bytes] = {}
+        self._previous = b""  # our last commitment's digest (the chain)
+        self._rounds: dict[int, asyncio.Future[AuditRound | None]] = {}
+        self._seen: Counter[PeerID] = Counter()  # committed rounds per peer, in our sight
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.counts: Counter[str] = Counter()
+        self.disputes: Counter[str] = Counter()
+        self._service = rpc.RpcService(dht.host, PROTOCOL)
+        self._service.stream("reveal")(self._on_reveal)
+        self._service.unary("verdict")(self._on_verdict)
+        self._service.unary("convicted")(self._on_convicted)
+
+    def close(self) -> None:
+        self._service.close()
+        for task in self._tasks:
+            task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ Attestor
+
+    def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
+        """(In a thread, while the trainer waits for the round.)"""
+        work = self.work.log.seal(self._model, self._inner)
+        secret = new_secret()
+        self._secrets[work.round] = secret
+        commitment = Commitment(
+            self.namespace, self.me, work.round, work.start_params, work.start_optimizer,
+            work.first_step, work.steps, work.every, work.commit_checkpoints(), delta_root,
+            parts, self._previous, seed_commit(secret),
+        ).signed(self.identity)  # fmt: skip
+        return commitment
+
+    def accept(self, group: Group, commitment: Commitment, weight: float) -> str | None:
+        work = self.work.log.current
+        if work is None:
+            return "we hold no work to compare with"
+        c = commitment
+        if c.experiment != self.namespace or c.round != work.round:
+            return f"a commitment for {c.experiment} round {c.round}, not round {work.round}"
+        if c.start != work.start_params:
+            return "work started from another global state"
+        if c.every != self.policy.segment_steps:
+            return f"checkpoints every {c.every} steps, not {self.policy.segment_steps}"
+        if work.tokens_per_step and weight > c.steps * work.tokens_per_step:
+            return f"weight {weight:.0f} is more than {c.steps} steps can carry"
+        return None
+
+    def on_commit(self, group: Group, commitments: Mapping[PeerID, Commitment]) -> None:
+        mine = commitments.get(self.me)
+        if mine is None:
+            return  # we contributed nothing (weight 0): nothing to reveal, not drawn
+        self._previous = mine.digest()
+        for peer in commitments:
+            self._seen[peer] += 1
+        future: asyncio.Future[AuditRound | None] = asyncio.get_running_loop().create_future()
+        self._rounds[mine.round] = future
+        for old in sorted(self._rounds)[:-KEEP_ROUNDS]:
+            del self._rounds[old]
+        self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ after a round
+
+    async def _after_round(
+        self,
+        group: Group,
+        commitments: dict[PeerID, Commitment],
+        mine: Commitment,
+        future: asyncio.Future[AuditRound | None],
+        committed_at: float,
+    ) -> None:
+        try:
+            rnd = await self._gather(group, commitments, mine, committed_at)
+        except Exception as e:
+            log.warning("round %d: gathering the members' secrets failed: %r", mine.round, e)
+            rnd = None
+        if not future.done():
+            future.set_result(rnd)
+        if rnd is None:
+            return
+        drawn = [
+            p
+            for p in rnd.draw.members
+            if p != self.me
+            and rnd.draw.audited(p, self._rate(p))
+            and rnd.draw.referees(p)[:1] == (self.me,)
+        ]
+        for prover in drawn:
+            await self._audit_as_auditor(rnd, prover)
+
+    async def _gather(
+        self,
+        group: Group,
+        commitments: dict[PeerID, Commitment],
+        mine: Commitment,
+        committed_at: float,
+    ) -> AuditRound | None:
+        secret = self._secrets.pop(mine.round)
+        await publish_record(self.dht, self.namespace, mine, secret)
+        members = list(group.peer_ids)
+        commitments, secrets = await gather(
+            self.dht, self.namespace, mine.round, commitments, members, GATHER_TIMEOUT
+        )
+        secrets[self.me] = secret
+        draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
+        if draw.withheld:
+            self.counts["withheld"] += len(draw.withheld)
+            log.info(
+                "round %d: %d members withheld their secret: %s",
+                mine.round,
+                len(draw.withheld),
+                ", ".join(p.short() for p in draw.withheld),
+            )
+        work = self.work.log.get(mine.round)
+        if work is None or 0 not in work.snapshots:
+            return None
+        streams, chunk_bytes, codec = self._shape
+        return AuditRound(
+            mine.round,
+            RoundShape.of(group, streams, chunk_bytes, codec),
+            commitments,
+            secrets,
+            draw,
+            work.snapshots[0].params,
+            committed_at,
+        )
+
+    def _rate(self, peer: PeerID) -> float:
+        if self._seen[peer] <= PROBATION_ROUNDS:
+            return max(self.policy.rate, self.policy.probation_rate)
+        return self.policy.rate
+
+    @property
+    def on_probation(self) -> bool:
+        """Whether the others still audit us at the probation rate (in our own sight)."""
+        return self._seen[self.me] <= PROBATION_ROUNDS
+
+    # ------------------------------------------------------------------ auditing
+
+    async def _audit(self, rnd: AuditRound, prover: PeerID) -> Verdict | None:
+        """Our signed verdict on `prover`'s drawn segment; None when we asked too late
+        (the prover no longer has to keep its work: no verdict either way)."""
+        c = rnd.commitments[prover]
+        segment = rnd.draw.segment(prover, c.segments)
+        self.counts["audits_done"] += 1
+        try:
+            reveal = await fetch_reveal(
+                self.dht.host, prover, rnd.round, segment, self._template,
+                timeout=REVEAL_TIMEOUT, secrets=rnd.secrets_to_wire(),
+            )  # fmt: skip
+        except RemoteError as e:
+            late = time.monotonic() - rnd.committed_at > self.work.log.retain_s / 2
+            if e.kind == "LookupError" and late:
+                log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
+                self.counts["audits_done"] -= 1
+                return None
+            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
+            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
+            return self._count(verdict.signed(self.identity))
+        except Exception as e:
+            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
+            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
+            return self._count(verdict.signed(self.identity))
+        seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
+        loop = asyncio.get_running_loop()
+        finding = await loop.run_in_executor(
+            self._pool, check_segment, self.runner, self.task, self.num_shards,
+            self.namespace, rnd, c, segment, reveal, seed, self.policy,
+        )  # fmt: skip
+        revealed = b"" if finding.result is Result.BAD_REVEAL else reveal.end_digest()
+        log.log(
+            logging.INFO if finding.result is Result.PASS else logging.WARNING,
+            "audit of %s, round %d, segment %d: %s (%s)",
+            prover.short(), rnd.round, segment, finding.result, finding.why,
+        )  # fmt: skip
+        verdict = Verdict(
+            self.me, c.digest(), segment, revealed, finding.result,
+            finding.flips, finding.bits, finding.norm_gap,
+        )  # fmt: skip
+        return self._count(verdict.signed(self.identity))
+
+    def _count(self, verdict: Verdict) -> Verdict:
+        self.counts["audits_failed" if verdict.accuses else "audits_passed"] += 1
+        return verdict
+
+    async def _audit_as_auditor(self, rnd: AuditRound, prover: PeerID) -> None:
+        c = rnd.commitments[prover]
+        dispute = Dispute(c, rnd.draw)
+        try:
+            verdict = await self._audit(rnd, prover)
+        except Exception as e:
+            log.warning("auditing %s failed: %r", prover.short(), e)
+            return
+        if verdict is None:
+            return
+        dispute.add(verdict)
+        if dispute.outcome is Outcome.OPEN:
+            accusation = dispute.verdicts[self.me]
+            asked = dispute.waiting_for()
+            replies = await asyncio.gather(
+                *(self._ask_referee(r, rnd, prover, accusation) for r in asked)
+            )
+            for verdict in replies:
+                if verdict is not None and dispute.outcome is Outcome.OPEN:
+                    try:
+                        dispute.add(verdict)
+                    except EvidenceError as e:
+                        log.warning("a referee's verdict does not check: %s", e)
+        self.disputes[str(dispute.outcome)] += 1
+        if dispute.outcome is Outcome.CONVICTED:
+            await self._convict(rnd, dispute)
+
+    async def _ask_referee(
+        self, referee: PeerID, rnd: AuditRound, prover: PeerID, accusation: Verdict
+    ) -> Verdict | None:
+        payload = {
+            "round": rnd.round,
+            "prover": prover.to_bytes(),
+            "accusation": accusation.to_wire(),
+            "secrets": rnd.secrets_to_wire(),
+        }
+        try:
+            reply = await rpc.call(
+                self.dht.host, referee, PROTOCOL, "verdict", payload, timeout=VERDICT_TIMEOUT
+            )
+            return Verdict.from_wire(reply)
+        except Exception as e:
+            log.info("referee %s gave no verdict: %r", referee.short(), e)
+            return None
+
+    async def _convict(self, rnd: AuditRound, dispute: Dispute) -> None:
+        evidence = dispute.evidence(list(rnd.commitments.values()), rnd.secrets)
+        prover = dispute.commitment.prover
+        log.warning("%s convicted of cheating in round %d", prover.short(), rnd.round)
+        await publish(self.dht, evidence)
+        # The convicted peer hears it from us before we refuse it: once every peer
+        # refuses it, it could not read the DHT to learn why.
+        try:
+            await rpc.call(self.dht.host, prover, PROTOCOL, "convicted", evidence.encode(),
+                           timeout=NOTIFY_TIMEOUT)  # fmt: skip
+        except Exception as e:
+            log.debug("telling %s of its conviction failed: %r", prover.short(), e)
+        self.bans.enforce(evidence)
+
+    # ------------------------------------------------------------------ serving
+
+    async def _round(self, round_index: int) -> AuditRound | None:
+        future = self._rounds.get(round_index)
+        if future is None:
+            return None
+        return await asyncio.wait_for(asyncio.shield(future), GATHER_TIMEOUT + 10)
+
+    async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        if not isinstance(payload, dict):
+            raise ValueError("bad reveal request")
+        round_index, segment = payload.get("round"), payload.get("segment")
+        if not isinstance(round_index, int) or not isinstance(segment, int):
+            raise ValueError("bad reveal request")
+        rnd = await self._round(round_index)
+        mine = None if rnd is None else rnd.commitments.get(self.me)
+        work = self.work.log.get(round_index)
+        if rnd is None or mine is None or work is None:
+            raise LookupError(f"no work of round {round_index} here")
+        rnd.learn(payload.get("secrets"))
+        if ctx.peer not in rnd.draw.referees(self.me):
+            raise PermissionError("only this round's referees of our work may ask")
+        if segment != rnd.draw.segment(self.me, mine.segments):
+            raise PermissionError("not the segment drawn")
+        loop = asyncio.get_running_loop()
+        reveal = await loop.run_in_executor(self._pool, self._reveal, work, mine, segment)
+        await send_reveal(ctx, reveal)
+        yield {"done": True}
+
+    def _reveal(self, work: RoundWork, mine: Commitment, segment: int) -> Reveal:
+        first, end = mine.segment_bounds(segment)
+        replay = Replay(self.runner, self.task, self.work, self.num_shards)
+        return reveal_of(replay.state_after(work, first), replay.state_after(work, end),
+                         replay.state_after(work, work.steps))  # fmt: skip
+
+    async def _on_verdict(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        """A referee's verdict, asked for by the auditor who accused."""
+        if not isinstance(payload, dict) or not isinstance(payload.get("prover"), bytes):
+            raise ValueError("bad verdict request")
+        round_index, prover = payload.get("round"), PeerID(payload["prover"])
+        accusation = Verdict.from_wire(payload.get("accusation"))
+        if not isinstance(round_index, int):
+            raise ValueError("bad verdict request")
+        rnd = await self._round(round_index)
+        if rnd is None or prover not in rnd.commitments:
+            raise LookupError(f"no commitment of {prover.short()} in round {round_index} here")
+        rnd.learn(payload.get("secrets"))
+        referees = rnd.draw.referees(prover)
+        if self.me not in referees[1:] or accusation.verifier != referees[0]:
+            raise PermissionError("not a dispute we referee")
+        if not accusation.accuses or accusation.commitment != rnd.commitments[prover].digest():
+            raise PermissionError("no accusation of this commitment")
+        verdict = await self._audit(rnd, prover)
+        if verdict is None:
+            raise LookupError("the prover no longer keeps this round's work")
+        return verdict.to_wire()
+
+    async def _on_convicted(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        """Evidence of our own conviction (checked like any other)."""
+        if not isinstance(payload, bytes):
+            raise ValueError("bad evidence")
+        evidence = Evidence.decode(payload)
+        if evidence.prover != self.me:
+            raise ValueError("evidence against another peer")
+        return self.bans.enforce(evidence) is not None
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "audits_done": self.counts["audits_done"],
+            "audits_passed": self.counts["audits_passed"],
+            "audits_failed": self.counts["audits_failed"],
+            "disputes": dict(self.disputes),
+            "withheld": self.counts["withheld"],
+            "probation": self.on_probation,
+        }

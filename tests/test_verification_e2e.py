@@ -1,0 +1,80 @@
+"""End to end: four `shoal run` daemons on a verified experiment (the default for a
+new DiLoCo experiment), one of them running tampered code (tests/cheater). The
+honest peers audit its work, convict it by a majority of referees, publish the
+evidence, and refuse it; they keep training together, committing equal
+fingerprints; the cheater's own status says it was convicted."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .daemon_harness import TINY_TASK, Daemon, wait_for
+
+CHEATER_CODE = Path(__file__).parent / "cheater"
+ROUNDS = {
+    "SHOAL_INNER_STEPS": "10",
+    "SHOAL_TASK_OPTIONS": TINY_TASK,
+    "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=20,stall_timeout=3",
+}
+
+
+def _verification(d: Daemon) -> dict[str, Any]:
+    v = d.status().get("verification")
+    assert isinstance(v, dict), v
+    return v
+
+
+@pytest.mark.timeout(420)
+def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on(
+    tmp_path: Path,
+) -> None:
+    host = Daemon("host", tmp_path, ["--host-experiment", "verified"], ROUNDS)
+    peers = [host]
+    try:
+        host.wait_ready()
+        join = ["--join", host.join_ref, "--bootstrap", host.address]
+        peers += [Daemon(f"honest-{i}", tmp_path, join, {}) for i in (1, 2)]
+        path = os.pathsep.join(filter(None, [str(CHEATER_CODE), os.environ.get("PYTHONPATH")]))
+        cheater = Daemon("cheater", tmp_path, join, {"PYTHONPATH": path})
+        peers.append(cheater)
+        for d in peers:
+            d.wait_ready()
+        honest = peers[:3]
+        cheater_id = cheater.status()["peer_id"]
+        assert all(_verification(d)["enabled"] for d in peers)
+
+        def everyone_refuses_it() -> bool:
+            return all(_verification(d)["banned"] == [cheater_id] for d in honest)
+
+        wait_for("the honest peers to ban the cheater", everyone_refuses_it, 300,
+                 debug=lambda: "\n".join(d.tail(60) for d in peers))  # fmt: skip
+        wait_for("the cheater to learn of its conviction",
+                 lambda: _verification(cheater)["convicted_self"], 30)  # fmt: skip
+
+        # The conviction came from audits and a majority of referees.
+        audits = [_verification(d) for d in honest]
+        assert sum(a["audits_failed"] for a in audits) >= 2, audits
+        conviction = audits[0]["convictions"][0]
+        assert conviction["peer"] == cheater_id and len(conviction["accusers"]) >= 2
+        assert all(a["convicted_self"] is False for a in audits)
+
+        # The honest peers go on without it, with equal fingerprints.
+        start = max(d.status()["outer_step"] for d in honest)
+
+        def honest_rounds_agree() -> bool:
+            rounds = [d.committed_rounds() for d in honest]
+            later = [s for s in rounds[0] if s > start + 1 and all(s in r for r in rounds)]
+            return any(len({r[s] for r in rounds}) == 1 for s in later)
+
+        wait_for("honest rounds after the ban", honest_rounds_agree, 120,
+                 debug=lambda: "\n".join(d.tail(30) for d in honest))  # fmt: skip
+        for d in honest:
+            last = d.status()["last_round"]
+            assert last is None or last["group_size"] <= 3
+    finally:
+        for d in peers:
+            d.kill()

@@ -1,0 +1,157 @@
+"""A peer's log of its own work and the audit of one segment of it.
+
+The trainer's steps are logged into checkpoints that a commitment carries; a
+reveal built from the log matches the commitment; an audit of an honest reveal
+passes, and every way a reveal can lie is named: altered states, a
+pseudo-gradient that is not the run's, a start that is not the global state.
+A log kept under a small memory budget re-runs the states it dropped and gets
+them bit for bit."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from shoal.averaging.group import Group, Member, make_round_id
+from shoal.peer.audit_round import AuditRound, RoundShape, check_segment
+from shoal.peer.reveals import Replay, Reveal, reveal_of
+from shoal.peer.segments import SegmentRunner, round_batch_seed
+from shoal.peer.task import load_task, shard_of
+from shoal.peer.trainer import check_hyperparameters
+from shoal.peer.work_log import VerifiedWork, WorkLog
+from shoal.transport.identity import Identity
+from shoal.verification.audit import AuditPolicy
+from shoal.verification.commitment import Commitment
+from shoal.verification.evidence import Result
+from shoal.verification.referees import RoundDraw, new_secret, seed_commit
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "shoal/x/test"
+ROUND = 3
+SHARDS = 8
+EVERY = 3
+STEPS = 8  # two full segments and a sealed tail of 2
+
+
+@pytest.fixture(scope="module")
+def task():  # type: ignore[no-untyped-def]
+    return load_task("bytegpt", {"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16,
+                                 "batch_size": 2})  # fmt: skip
+
+
+def train(task, me: Identity, log: WorkLog, hyper):  # type: ignore[no-untyped-def]
+    """What the trainer does in one verified round: its round's batches, logged steps."""
+    runner = SegmentRunner(task, hyper)
+    model, inner = runner.model, runner.inner
+    log.begin(ROUND, 40, model, inner)
+    batches = task.batches(shard_of(me.peer_id.to_bytes(), SHARDS), SHARDS,
+                           round_batch_seed(NS, me.peer_id, ROUND))  # fmt: skip
+    for i in range(STEPS):
+        batch = next(batches)
+        inner.step(lambda b=batch: task.loss(model, b), 40 + i)
+        log.after_step(model, inner, int(task.batch_tokens(batch)))
+    return log.seal(model, inner), model
+
+
+def setup(task, retain_bytes: int = 1 << 30):  # type: ignore[no-untyped-def]
+    hyper = check_hyperparameters({"warmup_steps": 0})
+    me = Identity.from_seed(hashlib.sha256(b"prover").digest())
+    log = WorkLog(EVERY, retain_bytes=retain_bytes)
+    work, model = train(task, me, log, hyper)
+    group = Group("k", make_round_id("k", [me.peer_id], b"n"), (Member(me.peer_id),))
+    shape = RoundShape.of(group, 1, 4096, "none")
+    start = work.snapshots[0]
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    secret = new_secret()
+    c = Commitment(
+        NS, me.peer_id, ROUND, work.start_params, work.start_optimizer, work.first_step,
+        work.steps, EVERY, work.commit_checkpoints(), shape.delta_root(start.flat() - final),
+        1, b"", seed_commit(secret),
+    ).signed(me)  # fmt: skip
+    verified = VerifiedWork(log, NS, me.peer_id, shard_of(me.peer_id.to_bytes(), SHARDS),
+                            lambda: ROUND)  # fmt: skip
+    rnd = AuditRound(ROUND, shape, {me.peer_id: c}, {me.peer_id: secret},
+                     RoundDraw.from_reveals([c], {me.peer_id: secret}), start.params)  # fmt: skip
+    return hyper, work, verified, c, rnd
+
+
+def reveal(task, hyper, work, verified, c: Commitment, segment: int) -> Reveal:  # type: ignore[no-untyped-def]
+    replay = Replay(SegmentRunner(task, hyper), task, verified, SHARDS)
+    first, end = c.segment_bounds(segment)
+    return reveal_of(replay.state_after(work, first), replay.state_after(work, end),
+                     replay.state_after(work, work.steps))  # fmt: skip
+
+
+def audit(task, hyper, rnd, c, segment, r: Reveal):  # type: ignore[no-untyped-def]
+    return check_segment(SegmentRunner(task, hyper), task, SHARDS, NS, rnd, c, segment, r,
+                         b"seed", AuditPolicy())  # fmt: skip
+
+
+def test_the_log_holds_a_checkpoint_every_k_steps_and_a_sealed_end(task) -> None:  # type: ignore[no-untyped-def]
+    _, work, _, c, _ = setup(task)
+    assert c.segments == 3 and c.segment_bounds(2) == (6, 8)
+    assert len(work.checkpoints) == 2 and work.sealed is not None and work.sealed[0] == 8
+    assert work.digest_at(0) == c.segment_start(0)
+    assert [work.digest_at(s) for s in (3, 6, 8)] == list(c.checkpoints)
+
+
+@pytest.mark.parametrize("segment", [0, 1, 2])
+def test_an_honest_reveal_matches_the_commitment_and_passes_its_audit(task, segment: int) -> None:  # type: ignore[no-untyped-def]
+    hyper, work, verified, c, rnd = setup(task)
+    r = reveal(task, hyper, work, verified, c, segment)
+    assert r.problem(c, segment) is None
+    finding = audit(task, hyper, rnd, c, segment, r)
+    assert finding.result is Result.PASS and finding.flips == 0, finding
+
+
+def test_every_lie_in_a_reveal_is_named(task) -> None:  # type: ignore[no-untyped-def]
+    hyper, work, verified, c, rnd = setup(task)
+    honest = reveal(task, hyper, work, verified, c, 1)
+
+    def altered(**kw) -> Reveal:  # type: ignore[no-untyped-def]
+        fields = dict(honest.__dict__)
+        fields.update(kw)
+        return Reveal(**fields)
+
+    bumped = [p.clone() for p in honest.end_params]
+    bumped[0][0] += 1e-3
+    assert "end state" in (altered(end_params=bumped).problem(c, 1) or "")
+    assert "final state" in (altered(final_optimizer=b"\0" * 32).problem(c, 1) or "")
+    start = type(honest.start)([p.clone() for p in honest.start.params], honest.start.optimizer)
+    start.params[1][0] += 1e-3
+    assert "start state" in (altered(start=start).problem(c, 1) or "")
+    assert audit(task, hyper, rnd, c, 1, altered(end_params=bumped)).result is Result.BAD_REVEAL
+    # A commitment whose pseudo-gradient root is not the run's (honest states, other bytes sent).
+    other = Commitment(**{**c.__dict__, "delta_root": hashlib.sha256(b"x").digest(),
+                          "signature": b""})  # fmt: skip
+    finding = audit(task, hyper, rnd, other, 1, honest)
+    assert finding.result is Result.FAIL and "pseudo-gradient" in finding.why
+    # Work that did not start from the round's global state.
+    stale = AuditRound(**{**rnd.__dict__, "start_params": [p + 1 for p in rnd.start_params]})
+    finding = audit(task, hyper, stale, c, 1, honest)
+    assert finding.result is Result.FAIL and "global state" in finding.why
+
+
+def test_states_dropped_under_a_small_budget_are_re_run_bit_for_bit(task) -> None:  # type: ignore[no-untyped-def]
+    hyper, work, verified, c, rnd = setup(task, retain_bytes=1)
+    assert sorted(work.snapshots) == [0]  # only the start is always kept
+    for segment in range(c.segments):
+        r = reveal(task, hyper, work, verified, c, segment)
+        assert r.problem(c, segment) is None
+        assert audit(task, hyper, rnd, c, segment, r).result is Result.PASS
+
+
+def test_a_round_is_kept_for_the_retention_window(task) -> None:  # type: ignore[no-untyped-def]
+    hyper = check_hyperparameters({})
+    runner = SegmentRunner(task, hyper)
+    log = WorkLog(EVERY, keep_rounds=1, retain_s=3600)
+    for r in range(4):
+        log.begin(r, 0, runner.model, runner.inner)
+    assert all(log.get(r) is not None for r in range(4))  # none ended an hour ago
+    log = WorkLog(EVERY, keep_rounds=2, retain_s=0)
+    for r in range(4):
+        log.begin(r, 0, runner.model, runner.inner)
+    assert [r for r in range(4) if log.get(r) is not None] == [2, 3]
