@@ -167,6 +167,7 @@ _GROUP_CHECKS: dict[str, tuple[_Check, str]] = {
     "matchmaking_time": (_number(0, lo_open=True), "a number of seconds > 0"),
 }
 
+
 def _reduction(v: Any) -> bool:
     return v == "auto" or v in REDUCTIONS
 

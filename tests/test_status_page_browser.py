@@ -121,9 +121,7 @@ class GrowingSwarm:
                 "audits_failed": 1,
                 "probation": False,
                 "banned": [BANNED],
-                "convictions": [
-                    {"peer": BANNED, "round": 9, "accusers": self.ids[1:3], "at": 1.0}
-                ],
+                "convictions": [{"peer": BANNED, "round": 9, "accusers": self.ids[1:3], "at": 1.0}],
                 "convicted_self": False,
                 "rejected_evidence": 0,
             },
