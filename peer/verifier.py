@@ -9,14 +9,11 @@
 - `on_commit`: after the round, publish our secret, gather everyone's, draw,
   and run the audits this peer was drawn for.
 
-An audit asks the prover to `reveal` the segment, checks and re-runs it
-(`audit_round.check_segment`), and signs a verdict. An accusation opens a
-`verification.Dispute`: the next two referees are asked for their `verdict`
-(each fetches the reveal and re-runs the segment itself); a majority convicts,
-and the evidence is published in the DHT and enforced here at once (every
-other peer enforces it at its next ban refresh, `ban_watch`). New peers are
-audited at the probation rate for their first `PROBATION_ROUNDS` rounds in our
-sight.
+The audits themselves are the `referee`'s; the verifier serves the RPCs of a
+round: `reveal` (our work, to its referees), `verdict` (a referee's, to the
+auditor who accused) and `convicted` (evidence of our own conviction). New
+peers are audited at the probation rate for their first `PROBATION_ROUNDS`
+rounds in our sight.
 """
 
 from __future__ import annotations
@@ -34,20 +31,18 @@ import torch
 from shoal.averaging.group import Group
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
-from shoal.transport.errors import RemoteError
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.audit import AuditPolicy
-from shoal.verification.bans import publish
 from shoal.verification.commitment import Commitment
-from shoal.verification.disputes import Dispute, Outcome
-from shoal.verification.evidence import Evidence, EvidenceError, Result, Verdict
+from shoal.verification.evidence import Evidence, Verdict
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
-from .audit_round import AuditRound, RoundShape, check_segment, gather, publish_record
+from .audit_round import AuditRound, RoundShape, gather, publish_record
 from .ban_watch import BanWatcher
 from .inner import InnerOptimizer
 from .priority import lower_this_thread
-from .reveals import PROTOCOL, Replay, Reveal, fetch_reveal, reveal_of, send_reveal
+from .referee import Referee
+from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
 from .task import Task
 from .work_log import RoundWork, VerifiedWork
@@ -58,10 +53,7 @@ log = logging.getLogger("shoal.verifier")
 
 PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
 GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
-REVEAL_TIMEOUT = 60.0
-VERDICT_TIMEOUT = 180.0  # a referee fetches a reveal and re-runs a segment
 KEEP_ROUNDS = 4
-NOTIFY_TIMEOUT = 5.0
 
 
 class Verifier:
@@ -96,15 +88,18 @@ class Verifier:
         # Audits and reveals re-run steps on a model of their own, one at a time,
         # below the training thread's priority.
         self.runner = SegmentRunner(task, hyper, precision=precision)
-        self._template = self.runner.inner.state_dict()
         self._pool = ThreadPoolExecutor(1, "shoal-audit", initializer=lower_this_thread)
+        self.referee = Referee(
+            dht, identity, task=task, num_shards=self.num_shards, namespace=self.namespace,
+            policy=policy, runner=self.runner, pool=self._pool, bans=bans,
+            retain_s=work.log.retain_s,
+        )  # fmt: skip
         self._secrets: dict[int, bytes] = {}
         self._previous = b""  # our last commitment's digest (the chain)
         self._rounds: dict[int, asyncio.Future[AuditRound | None]] = {}
         self._seen: Counter[PeerID] = Counter()  # committed rounds per peer, in our sight
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.counts: Counter[str] = Counter()
-        self.disputes: Counter[str] = Counter()
+        self.withheld = 0
         self._service = rpc.RpcService(dht.host, PROTOCOL)
         self._service.stream("reveal")(self._on_reveal)
         self._service.unary("verdict")(self._on_verdict)
@@ -190,7 +185,7 @@ class Verifier:
             and rnd.draw.referees(p)[:1] == (self.me,)
         ]
         for prover in drawn:
-            await self._audit_as_auditor(rnd, prover)
+            await self.referee.audit_as_auditor(rnd, prover)
 
     async def _gather(
         self,
@@ -208,7 +203,7 @@ class Verifier:
         secrets[self.me] = secret
         draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
         if draw.withheld:
-            self.counts["withheld"] += len(draw.withheld)
+            self.withheld += len(draw.withheld)
             log.info(
                 "round %d: %d members withheld their secret: %s",
                 mine.round,
@@ -240,111 +235,6 @@ class Verifier:
         return self._seen[self.me] <= PROBATION_ROUNDS
 
     # ------------------------------------------------------------------ auditing
-
-    async def _audit(self, rnd: AuditRound, prover: PeerID) -> Verdict | None:
-        """Our signed verdict on `prover`'s drawn segment; None when we asked too late
-        (the prover no longer has to keep its work: no verdict either way)."""
-        c = rnd.commitments[prover]
-        segment = rnd.draw.segment(prover, c.segments)
-        self.counts["audits_done"] += 1
-        try:
-            reveal = await fetch_reveal(
-                self.dht.host, prover, rnd.round, segment, self._template,
-                timeout=REVEAL_TIMEOUT, secrets=rnd.secrets_to_wire(),
-            )  # fmt: skip
-        except RemoteError as e:
-            late = time.monotonic() - rnd.committed_at > self.work.log.retain_s / 2
-            if e.kind == "LookupError" and late:
-                log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
-                self.counts["audits_done"] -= 1
-                return None
-            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
-            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
-            return self._count(verdict.signed(self.identity))
-        except Exception as e:
-            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
-            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
-            return self._count(verdict.signed(self.identity))
-        seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
-        loop = asyncio.get_running_loop()
-        finding = await loop.run_in_executor(
-            self._pool, check_segment, self.runner, self.task, self.num_shards,
-            self.namespace, rnd, c, segment, reveal, seed, self.policy,
-        )  # fmt: skip
-        revealed = b"" if finding.result is Result.BAD_REVEAL else reveal.end_digest()
-        log.log(
-            logging.INFO if finding.result is Result.PASS else logging.WARNING,
-            "audit of %s, round %d, segment %d: %s (%s)",
-            prover.short(), rnd.round, segment, finding.result, finding.why,
-        )  # fmt: skip
-        verdict = Verdict(
-            self.me, c.digest(), segment, revealed, finding.result,
-            finding.flips, finding.bits, finding.norm_gap,
-        )  # fmt: skip
-        return self._count(verdict.signed(self.identity))
-
-    def _count(self, verdict: Verdict) -> Verdict:
-        self.counts["audits_failed" if verdict.accuses else "audits_passed"] += 1
-        return verdict
-
-    async def _audit_as_auditor(self, rnd: AuditRound, prover: PeerID) -> None:
-        c = rnd.commitments[prover]
-        dispute = Dispute(c, rnd.draw)
-        try:
-            verdict = await self._audit(rnd, prover)
-        except Exception as e:
-            log.warning("auditing %s failed: %r", prover.short(), e)
-            return
-        if verdict is None:
-            return
-        dispute.add(verdict)
-        if dispute.outcome is Outcome.OPEN:
-            accusation = dispute.verdicts[self.me]
-            asked = dispute.waiting_for()
-            replies = await asyncio.gather(
-                *(self._ask_referee(r, rnd, prover, accusation) for r in asked)
-            )
-            for verdict in replies:
-                if verdict is not None and dispute.outcome is Outcome.OPEN:
-                    try:
-                        dispute.add(verdict)
-                    except EvidenceError as e:
-                        log.warning("a referee's verdict does not check: %s", e)
-        self.disputes[str(dispute.outcome)] += 1
-        if dispute.outcome is Outcome.CONVICTED:
-            await self._convict(rnd, dispute)
-
-    async def _ask_referee(
-        self, referee: PeerID, rnd: AuditRound, prover: PeerID, accusation: Verdict
-    ) -> Verdict | None:
-        payload = {
-            "round": rnd.round,
-            "prover": prover.to_bytes(),
-            "accusation": accusation.to_wire(),
-            "secrets": rnd.secrets_to_wire(),
-        }
-        try:
-            reply = await rpc.call(
-                self.dht.host, referee, PROTOCOL, "verdict", payload, timeout=VERDICT_TIMEOUT
-            )
-            return Verdict.from_wire(reply)
-        except Exception as e:
-            log.info("referee %s gave no verdict: %r", referee.short(), e)
-            return None
-
-    async def _convict(self, rnd: AuditRound, dispute: Dispute) -> None:
-        evidence = dispute.evidence(list(rnd.commitments.values()), rnd.secrets)
-        prover = dispute.commitment.prover
-        log.warning("%s convicted of cheating in round %d", prover.short(), rnd.round)
-        await publish(self.dht, evidence)
-        # The convicted peer hears it from us before we refuse it: once every peer
-        # refuses it, it could not read the DHT to learn why.
-        try:
-            await rpc.call(self.dht.host, prover, PROTOCOL, "convicted", evidence.encode(),
-                           timeout=NOTIFY_TIMEOUT)  # fmt: skip
-        except Exception as e:
-            log.debug("telling %s of its conviction failed: %r", prover.short(), e)
-        self.bans.enforce(evidence)
 
     # ------------------------------------------------------------------ serving
 
@@ -398,7 +288,7 @@ class Verifier:
             raise PermissionError("not a dispute we referee")
         if not accusation.accuses or accusation.commitment != rnd.commitments[prover].digest():
             raise PermissionError("no accusation of this commitment")
-        verdict = await self._audit(rnd, prover)
+        verdict = await self.referee.audit(rnd, prover)
         if verdict is None:
             raise LookupError("the prover no longer keeps this round's work")
         return verdict.to_wire()
@@ -415,11 +305,12 @@ class Verifier:
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict[str, Any]:
+        counts = self.referee.counts
         return {
-            "audits_done": self.counts["audits_done"],
-            "audits_passed": self.counts["audits_passed"],
-            "audits_failed": self.counts["audits_failed"],
-            "disputes": dict(self.disputes),
-            "withheld": self.counts["withheld"],
+            "audits_done": counts["audits_done"],
+            "audits_passed": counts["audits_passed"],
+            "audits_failed": counts["audits_failed"],
+            "disputes": dict(self.referee.disputes),
+            "withheld": self.withheld,
             "probation": self.on_probation,
         }

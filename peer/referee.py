@@ -1,0 +1,179 @@
+"""This peer as a referee of others' work: audits, disputes and convictions.
+
+An audit asks the prover to `reveal` the drawn segment, checks and re-runs it
+(`audit_round.check_segment`, in the audit thread) and signs a verdict. The
+auditor's accusation opens a `verification.Dispute`: the next two referees are
+asked for their `verdict` (each fetches the reveal and re-runs the segment
+itself); a majority convicts, and the evidence is published in the DHT, handed
+to the convicted peer, and enforced here at once (every other peer enforces it
+at its next ban refresh, `ban_watch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+from shoal.dht.node import DHTNode
+from shoal.transport import rpc
+from shoal.transport.errors import RemoteError
+from shoal.transport.identity import Identity, PeerID
+from shoal.verification.audit import AuditPolicy
+from shoal.verification.bans import publish
+from shoal.verification.disputes import Dispute, Outcome
+from shoal.verification.evidence import EvidenceError, Result, Verdict
+
+from .audit_round import AuditRound, check_segment
+from .ban_watch import BanWatcher
+from .reveals import PROTOCOL, fetch_reveal
+from .segments import SegmentRunner
+from .task import Task
+
+__all__ = ["Referee"]
+
+log = logging.getLogger("shoal.verifier")
+
+REVEAL_TIMEOUT = 60.0
+VERDICT_TIMEOUT = 180.0  # a referee fetches a reveal and re-runs a segment
+NOTIFY_TIMEOUT = 5.0
+
+
+class Referee:
+    """Audits and disputes run by this peer, with what they found."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        identity: Identity,
+        *,
+        task: Task,
+        num_shards: int,
+        namespace: str,
+        policy: AuditPolicy,
+        runner: SegmentRunner,
+        pool: ThreadPoolExecutor,
+        bans: BanWatcher,
+        retain_s: float,
+    ) -> None:
+        self.dht = dht
+        self.identity = identity
+        self.me = identity.peer_id
+        self.task = task
+        self.num_shards = num_shards
+        self.namespace = namespace
+        self.policy = policy
+        self.runner = runner
+        self.template = runner.inner.state_dict()
+        self.pool = pool
+        self.bans = bans
+        self.retain_s = retain_s  # how long provers keep their work
+        self.counts: Counter[str] = Counter()
+        self.disputes: Counter[str] = Counter()
+
+    async def audit(self, rnd: AuditRound, prover: PeerID) -> Verdict | None:
+        """Our signed verdict on `prover`'s drawn segment; None when we asked too late
+        (the prover no longer has to keep its work: no verdict either way)."""
+        c = rnd.commitments[prover]
+        segment = rnd.draw.segment(prover, c.segments)
+        self.counts["audits_done"] += 1
+        try:
+            reveal = await fetch_reveal(
+                self.dht.host, prover, rnd.round, segment, self.template,
+                timeout=REVEAL_TIMEOUT, secrets=rnd.secrets_to_wire(),
+            )  # fmt: skip
+        except RemoteError as e:
+            late = time.monotonic() - rnd.committed_at > self.retain_s / 2
+            if e.kind == "LookupError" and late:
+                log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
+                self.counts["audits_done"] -= 1
+                return None
+            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
+            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
+            return self._count(verdict.signed(self.identity))
+        except Exception as e:
+            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
+            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
+            return self._count(verdict.signed(self.identity))
+        seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
+        loop = asyncio.get_running_loop()
+        finding = await loop.run_in_executor(
+            self.pool, check_segment, self.runner, self.task, self.num_shards,
+            self.namespace, rnd, c, segment, reveal, seed, self.policy,
+        )  # fmt: skip
+        revealed = b"" if finding.result is Result.BAD_REVEAL else reveal.end_digest()
+        log.log(
+            logging.INFO if finding.result is Result.PASS else logging.WARNING,
+            "audit of %s, round %d, segment %d: %s (%s)",
+            prover.short(), rnd.round, segment, finding.result, finding.why,
+        )  # fmt: skip
+        verdict = Verdict(
+            self.me, c.digest(), segment, revealed, finding.result,
+            finding.flips, finding.bits, finding.norm_gap,
+        )  # fmt: skip
+        return self._count(verdict.signed(self.identity))
+
+    def _count(self, verdict: Verdict) -> Verdict:
+        self.counts["audits_failed" if verdict.accuses else "audits_passed"] += 1
+        return verdict
+
+    async def audit_as_auditor(self, rnd: AuditRound, prover: PeerID) -> None:
+        c = rnd.commitments[prover]
+        dispute = Dispute(c, rnd.draw)
+        try:
+            verdict = await self.audit(rnd, prover)
+        except Exception as e:
+            log.warning("auditing %s failed: %r", prover.short(), e)
+            return
+        if verdict is None:
+            return
+        dispute.add(verdict)
+        if dispute.outcome is Outcome.OPEN:
+            accusation = dispute.verdicts[self.me]
+            asked = dispute.waiting_for()
+            replies = await asyncio.gather(
+                *(self._ask_referee(r, rnd, prover, accusation) for r in asked)
+            )
+            for verdict in replies:
+                if verdict is not None and dispute.outcome is Outcome.OPEN:
+                    try:
+                        dispute.add(verdict)
+                    except EvidenceError as e:
+                        log.warning("a referee's verdict does not check: %s", e)
+        self.disputes[str(dispute.outcome)] += 1
+        if dispute.outcome is Outcome.CONVICTED:
+            await self._convict(rnd, dispute)
+
+    async def _ask_referee(
+        self, referee: PeerID, rnd: AuditRound, prover: PeerID, accusation: Verdict
+    ) -> Verdict | None:
+        payload = {
+            "round": rnd.round,
+            "prover": prover.to_bytes(),
+            "accusation": accusation.to_wire(),
+            "secrets": rnd.secrets_to_wire(),
+        }
+        try:
+            reply = await rpc.call(
+                self.dht.host, referee, PROTOCOL, "verdict", payload, timeout=VERDICT_TIMEOUT
+            )
+            return Verdict.from_wire(reply)
+        except Exception as e:
+            log.info("referee %s gave no verdict: %r", referee.short(), e)
+            return None
+
+    async def _convict(self, rnd: AuditRound, dispute: Dispute) -> None:
+        evidence = dispute.evidence(list(rnd.commitments.values()), rnd.secrets)
+        prover = dispute.commitment.prover
+        log.warning("%s convicted of cheating in round %d", prover.short(), rnd.round)
+        await publish(self.dht, evidence)
+        # The convicted peer hears it from us before we refuse it: once every peer
+        # refuses it, it could not read the DHT to learn why.
+        try:
+            await rpc.call(self.dht.host, prover, PROTOCOL, "convicted", evidence.encode(),
+                           timeout=NOTIFY_TIMEOUT)  # fmt: skip
+        except Exception as e:
+            log.debug("telling %s of its conviction failed: %r", prover.short(), e)
+        self.bans.enforce(evidence)
