@@ -182,6 +182,7 @@ class Averager:
         self._presence_at = -float("inf")  # when we last declared busy between rounds
         # Verified experiments: contributions travel with commitments (`attestation`).
         self.attestor: Attestor | None = None
+        self._shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -329,7 +330,9 @@ class Averager:
         started = time.monotonic()
         deadline = Deadline.after(timeout)
         await self._service.prepare(self.config.codec)  # before a group would wait for it
-        exclude: set[PeerID] = set()
+        now = time.monotonic()
+        self._shunned = {p: until for p, until in self._shunned.items() if until > now}
+        exclude: set[PeerID] = set(self._shunned)
         reason = ""
         attempts = 0
         while attempts <= self.config.max_retries:
@@ -379,6 +382,11 @@ class Averager:
             if deadline.expired():
                 break
         return self._result(False, reason, started, attempts)
+
+    def shun(self, peer: PeerID, seconds: float) -> None:
+        """Leave `peer` out of our groups for `seconds` (e.g. it withheld what a
+        verified round owes the others; not a ban: nothing proves it to third parties)."""
+        self._shunned[peer] = max(self._shunned.get(peer, 0.0), time.monotonic() + seconds)
 
     async def _resync(self, behind: NeedsResync, deadline: Deadline) -> tuple[bool, str]:
         """Our tensors are stale: they must not enter a round. Replace them with the

@@ -1,6 +1,7 @@
 """LSH verification of training segments: the honest floor, thresholds, detection per cheat.
 
     python bench/verification.py --calibrate [--pairs 60] [--steps 3] [--trials 10] [--margin 4]
+        [--precision fp32|bf16] [--ban-runs 201] [--overhead-seconds 180]
 
 A *segment* is `--steps` inner steps of the built-in task (bytegpt, the
 daemon's default size and its inner optimizer) from a given start state on the
@@ -20,6 +21,13 @@ Prints one JSON object:
      "product_threshold_angle": what audits use by default (verification.audit),
      "norm_gap_limit": ..., "bits": B, "false_positive_rate": {"observed", "audits"},
      "detection": {cheat: share of trials caught}, "angles": {cheat: median angle},
+     "rounds_to_ban": median rounds until a 1e-2 noise cheater is convicted at the
+         default audit rate (the product's draws over --ban-runs seeded swarms of 4,
+         each referee catching it at the measured detection rate),
+     "compute_overhead", "bytes_overhead": 1 - tokens/s on / off, and bytes sent per
+         committed round on / off - 1, from 4 `shoal run` daemons trained with
+         verification on and then off for --overhead-seconds each
+         (`bench/verification_swarm.py`; 0 skips it),
      "settings": {...}}
 
 Cheats, each on a fresh segment: `sign_flip`, `scale_x30`, `random` (same

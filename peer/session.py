@@ -276,6 +276,7 @@ def _verifier(
         bans=bans,
         shape=(allreduce.streams_per_peer, allreduce.chunk_bytes, averager.config.codec),
         precision=hyper["precision"],
+        shun=averager.shun,
     )
     averager.attestor = verifier
     return verifier

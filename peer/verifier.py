@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +54,8 @@ log = logging.getLogger("shoal.verifier")
 PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
 GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
 KEEP_ROUNDS = 4
+MAX_REVEALS = 2  # per round and referee (one retry)
+WITHHELD_SHUN_S = 600.0  # how long a member that withheld its secret is left out
 
 
 class Verifier:
@@ -73,7 +75,10 @@ class Verifier:
         bans: BanWatcher,
         shape: tuple[int, int, str],  # the all-reduce's streams, chunk bytes, codec
         precision: str = "fp32",
+        shun: Callable[[PeerID, float], None] | None = None,
     ) -> None:
+        """`shun(peer, seconds)`: leave a peer out of our rounds for a while (one that
+        withheld its secret)."""
         self.dht = dht
         self.identity = identity
         self.me = identity.peer_id
@@ -100,6 +105,11 @@ class Verifier:
         self._seen: Counter[PeerID] = Counter()  # committed rounds per peer, in our sight
         self._tasks: set[asyncio.Task[Any]] = set()
         self.withheld = 0
+        self._shun = shun
+        # What one round may cost us, whoever asks: one verdict per (round, prover),
+        # re-used for every asker, and at most two reveals per (round, referee).
+        self._verdicts: dict[tuple[int, PeerID], asyncio.Future[Verdict | None]] = {}
+        self._revealed: Counter[tuple[int, PeerID]] = Counter()
         self._service = rpc.RpcService(dht.host, PROTOCOL)
         self._service.stream("reveal")(self._on_reveal)
         self._service.unary("verdict")(self._on_verdict)
@@ -126,17 +136,18 @@ class Verifier:
         return commitment
 
     def accept(self, group: Group, commitment: Commitment, weight: float) -> str | None:
-        work = self.work.log.current
-        if work is None:
-            return "we hold no work to compare with"
         c = commitment
-        if c.experiment != self.namespace or c.round != work.round:
-            return f"a commitment for {c.experiment} round {c.round}, not round {work.round}"
-        if c.start != work.start_params:
+        version = self.work.round_of()
+        if c.experiment != self.namespace or c.round != version:
+            return f"a commitment for {c.experiment} round {c.round}, not round {version}"
+        work = self.work.log.current
+        # (Without work of this round, right after a re-sync, we cannot check the start:
+        # the members that did work check it.)
+        if work is not None and work.round == version and c.start != work.start_params:
             return "work started from another global state"
         if c.every != self.policy.segment_steps:
             return f"checkpoints every {c.every} steps, not {self.policy.segment_steps}"
-        if work.tokens_per_step and weight > c.steps * work.tokens_per_step:
+        if work is not None and work.tokens_per_step and weight > c.steps * work.tokens_per_step:
             return f"weight {weight:.0f} is more than {c.steps} steps can carry"
         return None
 
@@ -151,6 +162,9 @@ class Verifier:
         self._rounds[mine.round] = future
         for old in sorted(self._rounds)[:-KEEP_ROUNDS]:
             del self._rounds[old]
+        oldest = min(self._rounds)
+        self._verdicts = {k: v for k, v in self._verdicts.items() if k[0] >= oldest}
+        self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
         self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))
 
     def _spawn(self, coro: Any) -> None:
@@ -203,7 +217,12 @@ class Verifier:
         secrets[self.me] = secret
         draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
         if draw.withheld:
+            # Its work cannot be proven wrong to anyone (a draw without every secret
+            # convicts nobody), so we stop averaging with it for a while instead.
             self.withheld += len(draw.withheld)
+            for peer in draw.withheld:
+                if self._shun is not None and peer != self.me:
+                    self._shun(peer, WITHHELD_SHUN_S)
             log.info(
                 "round %d: %d members withheld their secret: %s",
                 mine.round,
@@ -260,6 +279,9 @@ class Verifier:
             raise PermissionError("only this round's referees of our work may ask")
         if segment != rnd.draw.segment(self.me, mine.segments):
             raise PermissionError("not the segment drawn")
+        self._revealed[(round_index, ctx.peer)] += 1
+        if self._revealed[(round_index, ctx.peer)] > MAX_REVEALS:
+            raise PermissionError("this referee had our reveal already")
         loop = asyncio.get_running_loop()
         reveal = await loop.run_in_executor(self._pool, self._reveal, work, mine, segment)
         await send_reveal(ctx, reveal)
@@ -288,7 +310,11 @@ class Verifier:
             raise PermissionError("not a dispute we referee")
         if not accusation.accuses or accusation.commitment != rnd.commitments[prover].digest():
             raise PermissionError("no accusation of this commitment")
-        verdict = await self.referee.audit(rnd, prover)
+        key = (round_index, prover)
+        job = self._verdicts.get(key)
+        if job is None:
+            job = self._verdicts[key] = asyncio.ensure_future(self.referee.audit(rnd, prover))
+        verdict = await asyncio.shield(job)
         if verdict is None:
             raise LookupError("the prover no longer keeps this round's work")
         return verdict.to_wire()
