@@ -1,7 +1,7 @@
 """LSH verification of training segments: the honest floor, thresholds, detection per cheat.
 
     python bench/verification.py --calibrate [--pairs 60] [--steps 3] [--trials 10] [--margin 4]
-        [--precision fp32|bf16] [--ban-runs 201] [--overhead-seconds 180]
+        [--fp-pairs N] [--precision fp32|bf16] [--ban-runs 201] [--overhead-seconds 180]
 
 A *segment* is `--steps` inner steps of the built-in task (bytegpt, the
 daemon's default size and its inner optimizer) from a given start state on the
@@ -19,6 +19,8 @@ Prints one JSON object:
      "honest_angles": {"median", "p90", "max"},
      "threshold_angle": --margin (4) x the floor (at least 1e-4), "flip_threshold": t,
      "product_threshold_angle": what audits use by default (verification.audit),
+     "product_false_positives": {"failures", "audits"}: every calibration pair judged
+         with the daemon's default policy (`--pairs 10000` for 10,000 honest audits),
      "norm_gap_limit": ..., "bits": B, "false_positive_rate": {"observed", "audits"},
      "detection": {cheat: share of trials caught}, "angles": {cheat: median angle},
      "rounds_to_ban": median rounds until a 1e-2 noise cheater is convicted at the
@@ -209,6 +211,9 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", action="store_true", required=True)
     parser.add_argument("--pairs", type=int, default=60, help="honest re-executions")
+    parser.add_argument(
+        "--fp-pairs", type=int, default=None, help="fresh honest pairs at the derived threshold"
+    )
     parser.add_argument("--steps", type=int, default=3, help="inner steps per segment")
     parser.add_argument("--trials", type=int, default=10, help="segments per cheat")
     parser.add_argument(
@@ -230,12 +235,16 @@ def calibrate(
 ) -> tuple[dict[str, Any], AuditPolicy, list[torch.Tensor]]:
     """The honest floor over `pairs` honest re-executions, and the policy it gives."""
     angles, gaps, honest = [], [], []
+    product = AuditPolicy()  # what the daemon's audits use
+    product_failures = 0
     for i in range(pairs):
         a, b = segments.honest_pair(shard=i % 64, seed=1000 + i)
-        honest.append(a)
+        if len(honest) < 64:
+            honest.append(a)
         result = compare(sign(a, b"h%d" % i, config), sign(b, b"h%d" % i, config))
         angles.append(result.angle)
         gaps.append(result.mean_log2_norm_gap)
+        product_failures += judge(a, b, b"p%d" % i, product, config).result is not Result.PASS
     bits = compare(sign(honest[0], b"x", config), sign(honest[0], b"x", config)).bits
     floor = max(angles)
     threshold_angle = max(margin * floor, 1e-4)
@@ -260,6 +269,8 @@ def calibrate(
         "flip_threshold": flip_threshold(bits, threshold_angle, FALSE_POSITIVE_TARGET),
         "norm_gap_limit": norm_limit,
         "bits": bits,
+        # Every honest pair judged as the daemon's audits judge (its default policy).
+        "product_false_positives": {"failures": product_failures, "audits": pairs},
     }
     return out, policy, honest
 
@@ -297,7 +308,7 @@ def detect(
         angles[cheat] = statistics.median(seen)
     return {
         "false_positive_rate": {
-            "observed": false_positives / pairs,
+            "observed": false_positives / max(1, pairs),
             "audits": pairs,
             "target_per_check": FALSE_POSITIVE_TARGET,
         },
@@ -311,7 +322,8 @@ def main() -> None:
     config = SignatureConfig()
     segments = Segments(args.steps, args.precision)
     out, policy, honest = calibrate(segments, args.pairs, args.margin, config)
-    out.update(detect(segments, policy, config, honest, args.pairs, args.trials))
+    fp_pairs = args.pairs if args.fp_pairs is None else args.fp_pairs
+    out.update(detect(segments, policy, config, honest, fp_pairs, args.trials))
     ban = rounds_to_ban(out["detection"]["noise_1e-2"], AuditPolicy().rate, args.ban_runs)
     overhead: dict[str, Any] = {}
     if args.overhead_seconds > 0:
