@@ -23,7 +23,7 @@ from shoal.transport.errors import RemoteError
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.bans import publish
-from shoal.verification.disputes import Dispute, Outcome
+from shoal.verification.disputes import Dispute, Ledger, Outcome
 from shoal.verification.evidence import EvidenceError, Result, Verdict
 
 from .audit_round import AuditRound, check_segment
@@ -72,6 +72,9 @@ class Referee:
         self.retain_s = retain_s  # how long provers keep their work
         self.counts: Counter[str] = Counter()
         self.disputes: Counter[str] = Counter()
+        # Strikes of accusers that a majority overruled, as far as we saw.
+        self.ledger = Ledger()
+        self._confirming: set[tuple[int, PeerID]] = set()
 
     async def audit(self, rnd: AuditRound, prover: PeerID) -> Verdict | None:
         """Our signed verdict on `prover`'s drawn segment; None when we asked too late
@@ -134,7 +137,7 @@ class Referee:
             accusation = dispute.verdicts[self.me]
             asked = dispute.waiting_for()
             replies = await asyncio.gather(
-                *(self._ask_referee(r, rnd, prover, accusation) for r in asked)
+                *(self.ask_referee(r, rnd, prover, accusation) for r in asked)
             )
             for verdict in replies:
                 if verdict is not None and dispute.outcome is Outcome.OPEN:
@@ -143,10 +146,11 @@ class Referee:
                     except EvidenceError as e:
                         log.warning("a referee's verdict does not check: %s", e)
         self.disputes[str(dispute.outcome)] += 1
+        self.ledger.record(dispute)
         if dispute.outcome is Outcome.CONVICTED:
             await self._convict(rnd, dispute)
 
-    async def _ask_referee(
+    async def ask_referee(
         self, referee: PeerID, rnd: AuditRound, prover: PeerID, accusation: Verdict
     ) -> Verdict | None:
         payload = {
@@ -177,3 +181,38 @@ class Referee:
         except Exception as e:
             log.debug("telling %s of its conviction failed: %r", prover.short(), e)
         self.bans.enforce(evidence)
+
+    async def confirm_acquittal(
+        self, rnd: AuditRound, prover: PeerID, accusation: Verdict, ours: Verdict
+    ) -> None:
+        """We cleared a prover someone accused: ask the third referee for its verdict
+        (what the accuser got, or will); if it clears the prover too, the majority
+        overruled the accuser, and it gets a strike here. An accuser with
+        `MAX_STRIKES` strikes starts no more disputes with us (`may_accuse`) and is
+        audited at the probation rate."""
+        key = (rnd.round, prover)
+        if ours.accuses or key in self._confirming:
+            return
+        self._confirming.add(key)
+        others = [r for r in rnd.draw.referees(prover)[1:] if r != self.me]
+        theirs = await self.ask_referee(others[0], rnd, prover, accusation) if others else None
+        if theirs is None:
+            return
+        dispute = Dispute(rnd.commitments[prover], rnd.draw)
+        try:
+            for verdict in (accusation, ours, theirs):
+                if dispute.outcome is Outcome.OPEN:
+                    dispute.add(verdict)
+        except EvidenceError as e:
+            log.warning("a dispute's verdicts do not check: %s", e)
+            return
+        if dispute.outcome is Outcome.ACQUITTED:
+            self.ledger.record(dispute)
+            log.warning(
+                "%s accused %s falsely in round %d (strike %d)",
+                accusation.verifier.short(), prover.short(), rnd.round,
+                self.ledger.strikes[accusation.verifier],
+            )  # fmt: skip
+
+    def may_accuse(self, peer: PeerID) -> bool:
+        return self.ledger.may_referee(peer)

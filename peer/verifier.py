@@ -105,6 +105,7 @@ class Verifier:
         self._seen: Counter[PeerID] = Counter()  # committed rounds per peer, in our sight
         self._tasks: set[asyncio.Task[Any]] = set()
         self.withheld = 0
+        self.ignored_accusations = 0
         self._shun = shun
         # What one round may cost us, whoever asks: one verdict per (round, prover),
         # re-used for every asker, and at most two reveals per (round, referee).
@@ -244,7 +245,7 @@ class Verifier:
         )
 
     def _rate(self, peer: PeerID) -> float:
-        if self._seen[peer] <= PROBATION_ROUNDS:
+        if self._seen[peer] <= PROBATION_ROUNDS or not self.referee.may_accuse(peer):
             return max(self.policy.rate, self.policy.probation_rate)
         return self.policy.rate
 
@@ -310,6 +311,9 @@ class Verifier:
             raise PermissionError("not a dispute we referee")
         if not accusation.accuses or accusation.commitment != rnd.commitments[prover].digest():
             raise PermissionError("no accusation of this commitment")
+        if not self.referee.may_accuse(accusation.verifier):
+            self.ignored_accusations += 1
+            raise PermissionError("the accuser lost its refereeing: too many false accusations")
         key = (round_index, prover)
         job = self._verdicts.get(key)
         if job is None:
@@ -317,6 +321,7 @@ class Verifier:
         verdict = await asyncio.shield(job)
         if verdict is None:
             raise LookupError("the prover no longer keeps this round's work")
+        self._spawn(self.referee.confirm_acquittal(rnd, prover, accusation, verdict))
         return verdict.to_wire()
 
     async def _on_convicted(self, ctx: rpc.CallContext, payload: Any) -> Any:
@@ -339,4 +344,7 @@ class Verifier:
             "disputes": dict(self.referee.disputes),
             "withheld": self.withheld,
             "probation": self.on_probation,
+            # Accusers overruled by a majority, as this peer saw it.
+            "strikes": {str(p): n for p, n in self.referee.ledger.strikes.items()},
+            "ignored_accusations": self.ignored_accusations,
         }

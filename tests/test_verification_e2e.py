@@ -15,6 +15,7 @@ import pytest
 from .daemon_harness import TINY_TASK, Daemon, wait_for
 
 CHEATER_CODE = Path(__file__).parent / "cheater"
+LIAR_CODE = Path(__file__).parent / "liar"
 ROUNDS = {
     "SHOAL_INNER_STEPS": "10",
     "SHOAL_TASK_OPTIONS": TINY_TASK,
@@ -28,6 +29,10 @@ def _verification(d: Daemon) -> dict[str, Any]:
     return v
 
 
+def _tampered(code: Path) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
+
+
 @pytest.mark.timeout(420)
 def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on(
     tmp_path: Path,
@@ -38,8 +43,7 @@ def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on
         host.wait_ready()
         join = ["--join", host.join_ref, "--bootstrap", host.address]
         peers += [Daemon(f"honest-{i}", tmp_path, join, {}) for i in (1, 2)]
-        path = os.pathsep.join(filter(None, [str(CHEATER_CODE), os.environ.get("PYTHONPATH")]))
-        cheater = Daemon("cheater", tmp_path, join, {"PYTHONPATH": path})
+        cheater = Daemon("cheater", tmp_path, join, _tampered(CHEATER_CODE))
         peers.append(cheater)
         for d in peers:
             d.wait_ready()
@@ -75,6 +79,42 @@ def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on
         for d in honest:
             last = d.status()["last_round"]
             assert last is None or last["group_size"] <= 3
+    finally:
+        for d in peers:
+            d.kill()
+
+
+@pytest.mark.timeout(420)
+def test_a_referee_that_accuses_everyone_convicts_nobody_and_loses_its_refereeing(
+    tmp_path: Path,
+) -> None:
+    """One peer fails every prover it audits. The two other referees of each dispute
+    clear the honest prover: nobody is convicted, and every honest referee counts
+    the liar's strikes until, at three, it refuses the liar's accusations."""
+    host = Daemon("host", tmp_path, ["--host-experiment", "verified"], ROUNDS)
+    peers = [host]
+    try:
+        host.wait_ready()
+        join = ["--join", host.join_ref, "--bootstrap", host.address]
+        peers += [Daemon(f"honest-{i}", tmp_path, join, {}) for i in (1, 2)]
+        liar = Daemon("liar", tmp_path, join, _tampered(LIAR_CODE))
+        peers.append(liar)
+        for d in peers:
+            d.wait_ready()
+        honest = peers[:3]
+        liar_id = liar.status()["peer_id"]
+
+        def refused_at_last() -> bool:
+            states = [_verification(d) for d in honest]
+            return any(v["ignored_accusations"] > 0 for v in states)
+
+        wait_for("an honest referee to refuse the liar's accusations", refused_at_last, 300,
+                 debug=lambda: "\n".join(d.tail(40) for d in peers))  # fmt: skip
+        states = [_verification(d) for d in peers]
+        assert all(v["banned"] == [] and v["convictions"] == [] for v in states), states
+        assert max(v["strikes"].get(liar_id, 0) for v in states[:3]) >= 3, states
+        assert all(set(v["strikes"]) <= {liar_id} for v in states[:3]), states
+        assert _verification(liar)["audits_failed"] >= 3
     finally:
         for d in peers:
             d.kill()
