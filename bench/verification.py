@@ -101,8 +101,10 @@ class Segments:
     """Runs segments of the built-in task from fixed start states, with the product's
     re-execution code (`peer.segments.SegmentRunner`: the trainer's own inner step)."""
 
-    def __init__(self, steps: int, precision: str = "fp32") -> None:
-        self.task = make_task({})
+    def __init__(
+        self, steps: int, precision: str = "fp32", task_config: dict[str, Any] | None = None
+    ) -> None:
+        self.task = make_task(task_config or {})
         self.steps = steps
         self.precision = precision
         # Past warmup, at 8x the default rate: the size of a tuned run's steps.
@@ -220,6 +222,13 @@ def _args() -> argparse.Namespace:
         "--margin", type=float, default=4.0, help="threshold angle over the honest floor"
     )
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16 (autocast on the CPU)")
+    parser.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="a bytegpt setting other than the daemon's default (e.g. d_model=64)",
+    )
     parser.add_argument("--ban-runs", type=int, default=201, help="seeded swarms for rounds_to_ban")
     parser.add_argument(
         "--overhead-seconds",
@@ -304,8 +313,8 @@ def detect(
             )
             caught += not ok
             seen.append(angle)
-        detection[cheat] = caught / trials
-        angles[cheat] = statistics.median(seen)
+        detection[cheat] = caught / max(1, trials)
+        angles[cheat] = statistics.median(seen) if seen else None
     return {
         "false_positive_rate": {
             "observed": false_positives / max(1, pairs),
@@ -320,23 +329,26 @@ def detect(
 def main() -> None:
     args = _args()
     config = SignatureConfig()
-    segments = Segments(args.steps, args.precision)
+    task_config = {k: int(v) for k, v in (o.split("=", 1) for o in args.task_option)}
+    segments = Segments(args.steps, args.precision, task_config)
     out, policy, honest = calibrate(segments, args.pairs, args.margin, config)
     fp_pairs = args.pairs if args.fp_pairs is None else args.fp_pairs
     out.update(detect(segments, policy, config, honest, fp_pairs, args.trials))
-    ban = rounds_to_ban(out["detection"]["noise_1e-2"], AuditPolicy().rate, args.ban_runs)
+    ban: dict[str, Any] = {}
+    if args.ban_runs > 0:
+        ban = rounds_to_ban(out["detection"]["noise_1e-2"], AuditPolicy().rate, args.ban_runs)
     overhead: dict[str, Any] = {}
     if args.overhead_seconds > 0:
         overhead = verification_swarm.measure(args.overhead_seconds, peers=4)
     out.update(
-        rounds_to_ban=ban["median"],
+        rounds_to_ban=ban.get("median"),
         rounds_to_ban_detail=ban,
         compute_overhead=overhead.get("compute_overhead"),
         bytes_overhead=overhead.get("bytes_overhead"),
         overhead_detail=overhead,
         settings={
             "precision": args.precision,
-            "task": segments.task.config()["d_model"],
+            "task": segments.task.config(),
             "steps": args.steps,
             "pairs": args.pairs,
             "trials": args.trials,

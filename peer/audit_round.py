@@ -48,7 +48,7 @@ __all__ = ["AuditRound", "Finding", "RoundShape", "check_segment", "gather", "pu
 
 log = logging.getLogger("shoal.audits")
 
-RECORD_TTL = 900.0
+RECORD_TTL = 300.0  # the records serve the draw right after a commit
 GATHER_POLL_S = 0.5
 
 

@@ -93,9 +93,12 @@ class BatchPrefetcher:
             raise item
         return to_device(item, self._device)
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Stop drawing batches; `wait=False` leaves the thread to end by itself (within
+        0.2 s), for a caller that must not stall (the trainer switching streams)."""
         self._stopped.set()
-        self._thread.join(timeout=5.0)
+        if wait:
+            self._thread.join(timeout=5.0)
 
 
 class InnerOptimizer:

@@ -97,7 +97,7 @@ def optimizer_hash(state_dict: dict[str, Any]) -> bytes:
 def _update(h: Any, t: torch.Tensor) -> None:
     t = t.detach().to("cpu").contiguous()
     h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())  # hashed in place, not copied
 
 
 class SegmentRunner:

@@ -283,7 +283,7 @@ class Trainer:
         assert self.work is not None
         round_index = self.work.round_of()
         if self._batches is not None:
-            self._batches.close()
+            self._batches.close(wait=False)
         seed = round_batch_seed(self.work.experiment, self.work.peer, round_index)
         batches = self.task.batches(self.shard, self.hyper["num_shards"], seed)
         self._batches = BatchPrefetcher(batches, self.device)
