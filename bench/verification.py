@@ -29,7 +29,8 @@ Prints one JSON object:
      "compute_overhead", "bytes_overhead": 1 - tokens/s on / off, and bytes sent per
          committed round on / off - 1, from 4 `shoal run` daemons trained with
          verification on and then off for --overhead-seconds each
-         (`bench/verification_swarm.py`; 0 skips it),
+         (`bench/verification_swarm.py`; 0 skips it); "bytes_overhead_expected": the
+         same with the audits of the window replaced by the expected number,
      "settings": {...}}
 
 Cheats, each on a fresh segment: `sign_flip`, `scale_x30`, `random` (same
@@ -345,6 +346,7 @@ def main() -> None:
         rounds_to_ban_detail=ban,
         compute_overhead=overhead.get("compute_overhead"),
         bytes_overhead=overhead.get("bytes_overhead"),
+        bytes_overhead_expected=overhead.get("bytes_overhead_expected"),
         overhead_detail=overhead,
         settings={
             "precision": args.precision,

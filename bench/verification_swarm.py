@@ -134,16 +134,36 @@ def run_arm(verify: bool, peers: int, seconds: float, workdir: Path) -> dict[str
     }
 
 
-def measure(seconds: float, peers: int) -> dict[str, Any]:
+def reveal_bytes() -> int:
+    """What one audit's reveal moves: the segment's start parameters and the two Adam
+    moments, its end parameters and the run's final parameters (float32)."""
+    from shoal.peer.tasks.bytegpt import make_task
+
+    params = sum(p.numel() for p in make_task({}).make_model(0).parameters())
+    return 5 * 4 * params
+
+
+def measure(seconds: float, peers: int, rate: float = 0.05) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="shoal-verify-bench-"))
     try:
         on = run_arm(True, peers, seconds, workdir)
         off = run_arm(False, peers, seconds, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    # How many audits fall in a window is a matter of luck (Poisson, about rate x peers
+    # per round): the expectation replaces the audits seen by the audits expected.
+    per_audit = reveal_bytes()
+    rest = (
+        on["bytes_per_round"]
+        - off["bytes_per_round"]
+        - on["audits"] * per_audit / max(1, on["rounds"])
+    )
+    expected = rest + rate * peers * per_audit
     return {
         "compute_overhead": 1 - on["tokens_per_s"] / off["tokens_per_s"],
         "bytes_overhead": on["bytes_per_round"] / off["bytes_per_round"] - 1,
+        "bytes_overhead_expected": expected / off["bytes_per_round"],
+        "reveal_bytes": per_audit,
         "on": on,
         "off": off,
         "peers": peers,

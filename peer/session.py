@@ -151,37 +151,12 @@ async def open_session(
         )
     except ValueError as e:
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
-    shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
     store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
-    verified = bool(getattr(strategy, "options", {}).get("verify"))
-    work = None
-    if verified:
-        policy = audit_policy(strategy.options)  # type: ignore[attr-defined]
-        work = VerifiedWork(
-            WorkLog(policy.segment_steps),
-            manifest.namespace,
-            identity.peer_id,
-            shard,
-            lambda: strategy.outer_steps,
-        )
-    trainer = Trainer(
-        task,
-        model,
-        strategy,
-        hyper,
-        shard=shard,
-        seed=int.from_bytes(identity.peer_id.to_bytes()[-8:], "big") ^ manifest.seed,
-        checkpoints=store,
-        checkpoint_interval=config.checkpoint_interval,
-        checkpoint_extra=lambda: {"experiment_id": manifest.experiment_id},
-        device=device,
-        precision=hyper["precision"],
-        work=work,
-    )
+    trainer = _trainer(config, identity, manifest, task, model, strategy, hyper, store, device)
     bans = BanWatcher(dht, manifest.namespace)
     verifier = None
-    if work is not None:
-        verifier = _verifier(dht, identity, task, hyper, strategy, work, trainer, bans)
+    if trainer.work is not None:
+        verifier = _verifier(dht, identity, task, hyper, strategy, trainer.work, trainer, bans)
     resumed = False
     try:
         await asyncio.to_thread(store.prepare)
@@ -238,6 +213,45 @@ async def open_session(
         hyper["precision"],
         bans,
         verifier,
+    )
+
+
+def _trainer(
+    config: Config,
+    identity: Identity,
+    manifest: Manifest,
+    task: Task,
+    model: torch.nn.Module,
+    strategy: OuterStrategy,
+    hyper: dict[str, Any],
+    store: CheckpointStore,
+    device: torch.device,
+) -> Trainer:
+    """The trainer (logging its work for audits when the experiment verifies)."""
+    shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
+    options = getattr(strategy, "options", {})
+    work = None
+    if options.get("verify"):
+        work = VerifiedWork(
+            WorkLog(audit_policy(options).segment_steps),
+            manifest.namespace,
+            identity.peer_id,
+            shard,
+            lambda: strategy.outer_steps,
+        )
+    return Trainer(
+        task,
+        model,
+        strategy,
+        hyper,
+        shard=shard,
+        seed=int.from_bytes(identity.peer_id.to_bytes()[-8:], "big") ^ manifest.seed,
+        checkpoints=store,
+        checkpoint_interval=config.checkpoint_interval,
+        checkpoint_extra=lambda: {"experiment_id": manifest.experiment_id},
+        device=device,
+        precision=hyper["precision"],
+        work=work,
     )
 
 
