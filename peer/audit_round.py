@@ -50,6 +50,7 @@ log = logging.getLogger("shoal.audits")
 
 RECORD_TTL = 300.0  # the records serve the draw right after a commit
 GATHER_POLL_S = 0.5
+UNKNOWN_GRACE_S = 5.0
 
 
 def records_key(namespace: str, round_index: int) -> str:
@@ -151,13 +152,17 @@ async def gather(
     known: Mapping[PeerID, Commitment],
     members: Sequence[PeerID],
     timeout: float,
+    have: Mapping[PeerID, bytes] | None = None,
 ) -> tuple[dict[PeerID, Commitment], dict[PeerID, bytes]]:
     """The round's commitments and matching secrets from the DHT, for `members`
-    (commitments already `known` must not change), until all are there or `timeout`."""
+    (commitments already `known` must not change): until every member that committed
+    has its secret there, or `timeout`. A member whose commitment we never saw may
+    have contributed nothing (weight 0): it is waited for `UNKNOWN_GRACE_S` only."""
     commitments = dict(known)
-    secrets: dict[PeerID, bytes] = {}
+    secrets: dict[PeerID, bytes] = dict(have or {})  # ours, say
     wanted = set(members)
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
         try:
             value = await dht.get(records_key(namespace, round_index), latest=True)
@@ -177,7 +182,9 @@ async def gather(
             commitments[c.prover] = c
             if seed_commit(secret) == c.seed_commit:
                 secrets[c.prover] = secret
-        if wanted <= secrets.keys() or time.monotonic() >= deadline:
+        now = time.monotonic()
+        everyone = wanted <= commitments.keys() or now - started >= UNKNOWN_GRACE_S
+        if (everyone and commitments.keys() <= secrets.keys()) or now >= deadline:
             return commitments, secrets
         await asyncio.sleep(GATHER_POLL_S)
 

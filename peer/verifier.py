@@ -213,9 +213,9 @@ class Verifier:
         await publish_record(self.dht, self.namespace, mine, secret)
         members = list(group.peer_ids)
         commitments, secrets = await gather(
-            self.dht, self.namespace, mine.round, commitments, members, GATHER_TIMEOUT
-        )
-        secrets[self.me] = secret
+            self.dht, self.namespace, mine.round, commitments, members, GATHER_TIMEOUT,
+            {self.me: secret},
+        )  # fmt: skip
         draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
         if draw.withheld:
             # Its work cannot be proven wrong to anyone (a draw without every secret
