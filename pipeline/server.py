@@ -5,7 +5,8 @@ request names its stage, so one peer could serve several. Each request is a
 bidirectional call: a header (stage, idempotency key, samples), the input
 tensor (and for a backward the output gradient), then the answer: a header
 with what the peer measured (compute seconds, requests queued behind it) and
-the result tensor. Requests are computed one at a time in a worker thread, in
+the result tensor. Activations and gradients travel under the codec the request
+names (`wire`: int8 by default, or none). Requests are computed one at a time in a worker thread, in
 arrival order; the event loop only moves bytes.
 
 The stage record (`shoal/x/<experiment>/stage/<s>`, subkey: this peer's owner
@@ -24,11 +25,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from shoal.averaging.compression import Codec
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport import rpc
 
 from .stage import StageWorker
+from .wire import codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["RECORD_REFRESH", "RECORD_TTL", "StageServer", "pipeline_protocol", "stage_key"]
 
@@ -75,6 +78,7 @@ class StageServer:
         self.forward_speed = _Speed()
         self.backward_speed = _Speed()
         self.served = {"forward": 0, "backward": 0}
+        self.bytes_sent = 0  # activation and gradient payloads, as sent
         self._queued = 0
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
         self._service = rpc.RpcService(dht.host, pipeline_protocol(experiment))
@@ -120,7 +124,7 @@ class StageServer:
             await asyncio.sleep(RECORD_REFRESH)
             await self.announce()
 
-    def _check(self, payload: Any) -> tuple[Any, int]:
+    def _check(self, payload: Any) -> tuple[Any, int, Codec, list[bool]]:
         if not isinstance(payload, dict) or payload.get("stage") != self.stage:
             raise ValueError(f"this peer serves stage {self.stage}")
         samples = payload.get("samples")
@@ -129,7 +133,11 @@ class StageServer:
         key = payload.get("key")
         if not isinstance(key, str | bytes) or len(key) > 200:
             raise ValueError("key must be a short string")
-        return key, samples
+        codec = codec_of(payload.get("codec", "none"))
+        enc = payload.get("enc", [])
+        if not isinstance(enc, list) or not all(isinstance(e, bool) for e in enc):
+            raise ValueError("enc must list booleans")
+        return key, samples, codec, enc
 
     async def _run(self, fn: Any, *args: Any) -> tuple[Any, float]:
         self._queued += 1
@@ -146,18 +154,20 @@ class StageServer:
             self._queued -= 1
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
-        _, samples = self._check(payload)
-        inputs = await ctx.recv_tensor()
+        _, samples, codec, enc = self._check(payload)
+        inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
         outputs, seconds = await self._run(self.worker.forward, inputs)
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
-        yield {"seconds": seconds, "queue": self._queued, "version": self.version}
-        await ctx.send_tensor(outputs.contiguous())
+        yield {"seconds": seconds, "queue": self._queued, "version": self.version,
+               "enc": encodes(codec, outputs)}  # fmt: skip
+        self.bytes_sent += await send_tensor(ctx, outputs, codec)
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
-        key, samples = self._check(payload)
-        inputs = await ctx.recv_tensor()
-        grad_outputs = await ctx.recv_tensor()
+        key, samples, codec, enc = self._check(payload)
+        enc = enc + [False] * (2 - len(enc))
+        inputs = await recv_tensor(ctx, codec, enc[0])
+        grad_outputs = await recv_tensor(ctx, codec, enc[1])
         grad_inputs, seconds = await self._run(
             self.worker.backward, key, inputs, grad_outputs, samples
         )
@@ -168,6 +178,7 @@ class StageServer:
             "queue": self._queued,
             "version": self.version,
             "grad": grad_inputs is not None,
+            "enc": grad_inputs is not None and encodes(codec, grad_inputs),
         }
         if grad_inputs is not None:
-            await ctx.send_tensor(grad_inputs.contiguous())
+            self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)

@@ -34,6 +34,7 @@ from shoal.transport.identity import PeerID
 
 from .balancer import NoPeerAvailable, StageBalancer
 from .server import pipeline_protocol, stage_key
+from .wire import codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["PipelineTrainer", "StageFailed"]
 
@@ -49,6 +50,7 @@ class TrainerCounters:
     microbatches: int = 0
     retries: int = 0
     requests: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    bytes_sent: int = 0  # tensor payloads to stages, as sent (encoded or not)
 
 
 class PipelineTrainer:
@@ -60,13 +62,16 @@ class PipelineTrainer:
         *,
         deadline: float = 30.0,
         attempts: int = 5,
+        codec: str = "int8",
     ) -> None:
+        """`codec`: how activations and gradients travel (`wire`; "none" for exact)."""
         self.dht = dht
         self.experiment = experiment
         self.protocol = pipeline_protocol(experiment)
         self.balancers = [StageBalancer() for _ in range(stages)]
         self.deadline = deadline
         self.attempts = attempts
+        self.codec = codec_of(codec)
         self.counters = TrainerCounters()
         self.ledger: dict[str, PeerID] = {}  # backward key -> the peer that applied it
         self._name = str(dht.peer_id)[-12:]
@@ -162,15 +167,17 @@ class PipelineTrainer:
         samples: int,
         tensors: list[torch.Tensor],
     ) -> tuple[Any, dict[str, Any]]:
-        payload = {"stage": stage, "key": key, "samples": samples}
+        enc = [encodes(self.codec, t) for t in tensors]
+        payload = {"stage": stage, "key": key, "samples": samples, "codec": self.codec.name,
+                   "enc": enc}  # fmt: skip
         async with rpc.open_call(
             self.dht.host, peer, self.protocol, method, payload, timeout=self.deadline
         ) as call:
             for t in tensors:
-                await call.send_tensor(t.detach().contiguous())
+                self.counters.bytes_sent += await send_tensor(call, t, self.codec)
             meta = await call.recv_item()
             if not isinstance(meta, dict):
                 raise ValueError("malformed stage answer")
             if method == "backward" and not meta.get("grad"):
                 return None, meta
-            return await call.recv_tensor(), meta
+            return await recv_tensor(call, self.codec, meta.get("enc") is True), meta
