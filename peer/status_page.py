@@ -100,6 +100,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   .addr { font-family: var(--mono); font-size: 11.5px; color: var(--muted);
           overflow-wrap: anywhere; }
   td.addr { overflow-wrap: normal; min-width: 150px; }
+  [hidden] { display: none !important; }  /* over any display a class sets */
   .badge { display: inline-block; padding: 1px 7px; border-radius: 999px; font-size: 11px;
            font-weight: 600; background: #e9ecef; color: #495057; margin-left: 6px; }
   .badge.you { background: #0b7285; color: #fff; }

@@ -168,10 +168,12 @@ class Verifier:
         self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
         self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """A task of ours: cancelled by `close`."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ after a round
 
@@ -317,7 +319,7 @@ class Verifier:
         key = (round_index, prover)
         job = self._verdicts.get(key)
         if job is None:
-            job = self._verdicts[key] = asyncio.ensure_future(self.referee.audit(rnd, prover))
+            job = self._verdicts[key] = self._spawn(self.referee.audit(rnd, prover))
         verdict = await asyncio.shield(job)
         if verdict is None:
             raise LookupError("the prover no longer keeps this round's work")

@@ -263,6 +263,8 @@ return {
   peersText: document.getElementById('peers').textContent,
   bans: [...document.querySelectorAll('#bans tbody tr')].map((r) => r.dataset.peerId),
   audits: document.getElementById('audits').textContent,
+  selfConvictedShown: getComputedStyle(document.getElementById('self-convicted')).display
+    !== 'none',
 };
 """
 
@@ -302,6 +304,7 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert not page["joinHidden"] and page["joinCommand"].startswith("shoal run --join ")
         assert "committed" in page["lastRound"] and "b3f91c07e2d45a60" in page["lastRound"]
         assert page["bans"] == [BANNED] and page["audits"] == "12 audits · 1 failed"
+        assert not page["selfConvictedShown"]  # shown only to a convicted peer
         assert not page["error"], page["errorText"]
 
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
