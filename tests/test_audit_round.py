@@ -1,0 +1,94 @@
+"""After a verified round commits, the members' secrets meet in the DHT
+(peer/audit_round.py): every member draws the same, a member that contributed
+nothing is not waited for, one that committed and withholds is, up to the
+deadline, and a member's two different commitments for one round are not
+accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from verification_round import commit
+
+from shoal.dht.node import DHTNode
+from shoal.peer import audit_round
+from shoal.peer.audit_round import gather, publish_record
+from shoal.transport.host import Host
+from shoal.verification.referees import RoundDraw, new_secret
+
+pytestmark = pytest.mark.timeout(60)
+ROUND = 7
+NS = "exp"
+
+
+@pytest.fixture
+async def nodes(make_host: Callable[..., Any]) -> AsyncIterator[list[DHTNode]]:
+    made: list[DHTNode] = []
+    for _ in range(4):
+        host: Host = await make_host()
+        boot = [str(made[0].host.addresses()[0])] if made else []
+        made.append(await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0))
+    yield made
+    await asyncio.gather(*(n.aclose() for n in made), return_exceptions=True)
+
+
+async def test_members_gather_the_same_secrets_and_draw_the_same(nodes: list[DHTNode]) -> None:
+    secrets = {n.peer_id: new_secret() for n in nodes}
+    mine = {n.peer_id: commit(n.host.identity, secrets[n.peer_id], rnd=ROUND) for n in nodes}
+    await asyncio.gather(
+        *(publish_record(n, NS, mine[n.peer_id], secrets[n.peer_id]) for n in nodes)
+    )
+    members = [n.peer_id for n in nodes]
+    views = await asyncio.gather(
+        *(gather(n, NS, ROUND, {n.peer_id: mine[n.peer_id]}, members, 10.0) for n in nodes)
+    )
+    for commitments, found in views:
+        assert commitments == mine and found == secrets
+    draws = {RoundDraw.from_reveals(list(c.values()), s).seed for c, s in views}
+    assert len(draws) == 1
+
+
+async def test_a_member_without_a_commitment_is_waited_for_briefly_one_with_one_fully(
+    nodes: list[DHTNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audit_round, "UNKNOWN_GRACE_S", 1.0)
+    a, b, _idle, silent = nodes  # _idle never publishes
+    secrets = {n.peer_id: new_secret() for n in nodes}
+    mine = {n.peer_id: commit(n.host.identity, secrets[n.peer_id], rnd=ROUND) for n in nodes}
+    for n in (a, b):
+        await publish_record(n, NS, mine[n.peer_id], secrets[n.peer_id])
+    members = [n.peer_id for n in nodes]
+
+    # `idle` contributed nothing (weight 0) and `silent` withholds: with no commitment
+    # of either known, the gather ends after the grace, not the deadline.
+    started = time.monotonic()
+    commitments, found = await gather(
+        a, NS, ROUND, {}, members, 20.0, {a.peer_id: secrets[a.peer_id]}
+    )
+    assert 1.0 <= time.monotonic() - started < 10.0
+    assert set(found) == set(commitments) == {a.peer_id, b.peer_id}
+
+    # `silent`'s commitment came with its contribution: it is waited for to the end,
+    # and the draw then names it as withholding.
+    started = time.monotonic()
+    commitments, found = await gather(a, NS, ROUND, {silent.peer_id: mine[silent.peer_id]},
+                                      members, 3.0)  # fmt: skip
+    assert time.monotonic() - started >= 3.0
+    draw = RoundDraw.from_reveals(list(commitments.values()), found)
+    assert draw.withheld == frozenset({silent.peer_id})
+
+
+async def test_a_second_commitment_of_a_member_for_the_round_is_not_taken(
+    nodes: list[DHTNode],
+) -> None:
+    a, b = nodes[:2]
+    sent = commit(b.host.identity, new_secret(), rnd=ROUND)  # what came with its bytes
+    other_secret = new_secret()
+    other = commit(b.host.identity, other_secret, rnd=ROUND, steps=9)
+    await publish_record(b, NS, other, other_secret)
+    commitments, found = await gather(a, NS, ROUND, {b.peer_id: sent}, [b.peer_id], 1.0)
+    assert commitments[b.peer_id] == sent and b.peer_id not in found
