@@ -85,6 +85,13 @@ class StageWorker:
         self._answers.clear()
         return out
 
+    def give_back(self, taken: Gradients) -> None:
+        """Put gradients taken for a step that did not happen back into the sums."""
+        with torch.no_grad():
+            for acc, total in zip(self._sums, taken.sums, strict=True):
+                acc.add_(total)
+        self._samples += taken.samples
+
     @property
     def samples(self) -> int:
         return self._samples

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -9,10 +10,12 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker
+from shoal.pipeline.stage_optimizer import StageOptimizer
 from shoal.pipeline.trainer import PipelineTrainer
 
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
@@ -132,6 +135,96 @@ async def test_int8_activations_and_gradients_are_4x_smaller_and_train_the_same(
         assert approx == pytest.approx(exact, rel=1e-2)
         assert float(torch.nn.functional.cosine_similarity(g32, g8, dim=0)) > 0.99
     finally:
+        for server in servers:
+            await server.aclose()
+        for n in nodes:
+            await n.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_a_stage_step_leaves_every_peer_of_a_stage_with_the_same_parameters(
+    make_host: Callable[..., Any],
+) -> None:
+    """Two stages of two peers each: microbatches land on either peer of a stage; the
+    stage's step averages the gradients (weighted by samples) and applies AdamW on every
+    peer: the peers of a stage end with equal fingerprints, and their parameters are
+    the ones one process gets from the same microbatches and optimizer."""
+    task = make_task(TINY)
+    stages = task.make_stages(5, 2)
+    trainer_dht, servers, nodes = await make_swarm(make_host, stages, per_stage=2)
+    hyper = {"lr": 1e-2, "weight_decay": 0.1}
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0)
+    optimizers = [
+        StageOptimizer(srv.dht, EXPERIMENT, srv.stage, srv.worker, hyper=hyper, matchmaking=mm)
+        for srv in servers
+    ]
+    try:
+        trainer = PipelineTrainer(trainer_dht, EXPERIMENT, 2, deadline=10.0, codec="none")
+        await trainer.refresh()
+        local = [copy.deepcopy(m) for m in stages]
+        reference = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in local]
+        batches = task.batches(0, 1, 0)
+        for step in range(2):
+            total = 0
+            for mb in range(6):
+                batch = next(batches)
+                await trainer.run(
+                    step * 6 + mb,
+                    task.stage_inputs(batch),
+                    lambda y, b=batch: task.stage_loss(y, b),
+                )
+                y = task.stage_inputs(batch)
+                for m in local:
+                    y = m(y)
+                (task.stage_loss(y, batch) * len(batch)).backward()  # summed over samples
+                total += len(batch)
+            for m, opt in zip(local, reference, strict=True):
+                for p in m.parameters():
+                    p.grad /= total
+                opt.step()
+                opt.zero_grad()
+            results = await asyncio.gather(*(o.step(timeout=30.0) for o in optimizers))
+            assert all(r.committed and r.group_size == 2 for r in results), results
+        for s in range(2):
+            mine = [o for o, srv in zip(optimizers, servers, strict=True) if srv.stage == s]
+            assert mine[0].fingerprint() == mine[1].fingerprint() and mine[0].version == 2
+            for got, want in zip(mine[0].params, local[s].parameters(), strict=True):
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    finally:
+        await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
+        for server in servers:
+            await server.aclose()
+        for n in nodes:
+            await n.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_step_that_finds_no_group_gives_the_gradients_back(
+    make_host: Callable[..., Any],
+) -> None:
+    task = make_task(TINY)
+    stages = task.make_stages(5, 1)
+    trainer_dht, servers, nodes = await make_swarm(make_host, stages, per_stage=1)
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=0.5)
+    lonely = StageOptimizer(servers[0].dht, EXPERIMENT, 0, servers[0].worker,
+                            hyper={"lr": 1e-2}, matchmaking=mm)  # fmt: skip
+    try:
+        trainer = PipelineTrainer(trainer_dht, EXPERIMENT, 1, deadline=10.0, codec="none")
+        await trainer.refresh()
+        batches = task.batches(0, 1, 0)
+        for mb in range(4):
+            batch = next(batches)
+            await trainer.run(
+                mb, task.stage_inputs(batch), lambda y, b=batch: task.stage_loss(y, b)
+            )
+        before = servers[0].worker.samples
+        assert before > 0
+        fingerprint = lonely.fingerprint()
+        result = await lonely.step(timeout=2.0)  # alone in its stage: no group
+        assert not result.committed
+        assert servers[0].worker.samples == before and lonely.fingerprint() == fingerprint
+    finally:
+        await lonely.aclose()
         for server in servers:
             await server.aclose()
         for n in nodes:
