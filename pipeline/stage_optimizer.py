@@ -106,6 +106,11 @@ class StageOptimizer:
             self.worker.give_back(taken)
         return result
 
+    async def sync(self, timeout: float) -> bool:
+        """Download the stage's current state (parameters, moments, step) from its peers:
+        before serving, for a peer that joins the stage or missed a step."""
+        return await self.averager.load_state_from_peers(timeout)
+
     def _apply(self) -> None:
         """The commit hook (in a thread): `gradients` hold the stage's mean gradient."""
         with torch.no_grad():

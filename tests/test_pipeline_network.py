@@ -190,6 +190,12 @@ async def test_a_stage_step_leaves_every_peer_of_a_stage_with_the_same_parameter
             assert mine[0].fingerprint() == mine[1].fingerprint() and mine[0].version == 2
             for got, want in zip(mine[0].params, local[s].parameters(), strict=True):
                 assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+        # A peer that joins stage 1 takes its state before it serves: the same bits.
+        joiner = StageOptimizer(nodes[1], EXPERIMENT, 1, StageWorker(copy.deepcopy(stages[1])),
+                                hyper=hyper, matchmaking=mm)  # fmt: skip
+        optimizers.append(joiner)
+        assert await joiner.sync(timeout=20.0)
+        assert joiner.version == 2 and joiner.fingerprint() == optimizers[-2].fingerprint()
     finally:
         await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
         for server in servers:
