@@ -43,6 +43,13 @@ async def make_swarm(make_host: Callable[..., Any], stages: list[torch.nn.Module
     return trainer_dht, servers, nodes
 
 
+async def close_swarm(servers: list[StageServer], nodes: list[DHTNode]) -> None:
+    for server in servers:
+        await server.aclose()
+    for n in nodes:
+        await n.aclose()
+
+
 @pytest.mark.timeout(90)
 async def test_microbatches_through_served_stages_count_once_and_survive_a_dead_peer(
     make_host: Callable[..., Any],
@@ -96,10 +103,7 @@ async def test_microbatches_through_served_stages_count_once_and_survive_a_dead_
             survivor.dht.peer_id
         }
     finally:
-        for server in servers:
-            await server.aclose()
-        for n in nodes:
-            await n.aclose()
+        await close_swarm(servers, nodes)
 
 
 @pytest.mark.timeout(90)
@@ -135,10 +139,7 @@ async def test_int8_activations_and_gradients_are_4x_smaller_and_train_the_same(
         assert approx == pytest.approx(exact, rel=1e-2)
         assert float(torch.nn.functional.cosine_similarity(g32, g8, dim=0)) > 0.99
     finally:
-        for server in servers:
-            await server.aclose()
-        for n in nodes:
-            await n.aclose()
+        await close_swarm(servers, nodes)
 
 
 @pytest.mark.timeout(120)
@@ -203,10 +204,7 @@ async def test_a_stage_step_leaves_every_peer_of_a_stage_with_the_same_parameter
         assert joiner.version == 2 and joiner.fingerprint() == optimizers[-2].fingerprint()
     finally:
         await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
-        for server in servers:
-            await server.aclose()
-        for n in nodes:
-            await n.aclose()
+        await close_swarm(servers, nodes)
 
 
 @pytest.mark.timeout(60)
@@ -236,7 +234,4 @@ async def test_a_stage_step_that_finds_no_group_gives_the_gradients_back(
         assert servers[0].worker.samples == before and lonely.fingerprint() == fingerprint
     finally:
         await lonely.aclose()
-        for server in servers:
-            await server.aclose()
-        for n in nodes:
-            await n.aclose()
+        await close_swarm(servers, nodes)
