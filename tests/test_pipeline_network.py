@@ -13,10 +13,12 @@ import torch
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
 from shoal.peer.tasks.bytegpt import make_task
+from shoal.pipeline.progress import STALE_S, Report, StageProgress, samples_at
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.stage_optimizer import StageOptimizer
 from shoal.pipeline.trainer import PipelineTrainer
+from shoal.transport.identity import Identity
 
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
 TINY = {"d_model": 32, "n_layers": 3, "n_heads": 2, "context": 32, "batch_size": 4}
@@ -234,4 +236,57 @@ async def test_a_stage_step_that_finds_no_group_gives_the_gradients_back(
         assert servers[0].worker.samples == before and lonely.fingerprint() == fingerprint
     finally:
         await lonely.aclose()
+        await close_swarm(servers, nodes)
+
+
+def test_only_fresh_reports_of_the_same_version_count() -> None:
+    peers = [Identity.generate().peer_id for _ in range(3)]
+    now = 1000.0
+    reports = [
+        Report(peers[0], 8, 3, now - 1),
+        Report(peers[1], 4, 3, now - 2),
+        Report(peers[2], 16, 2, now - 1),  # still at the previous version
+        Report(peers[2], 16, 3, now - STALE_S - 1),  # a peer that went silent
+    ]
+    assert samples_at(reports, 3, now) == 12
+    assert samples_at(reports, 2, now) == 16
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_steps_when_its_peers_together_hold_the_global_batch(
+    make_host: Callable[..., Any],
+) -> None:
+    task = make_task(TINY)
+    stages = task.make_stages(5, 1)
+    trainer_dht, servers, nodes = await make_swarm(make_host, stages, per_stage=2)
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0)
+    optimizers = [
+        StageOptimizer(srv.dht, EXPERIMENT, 0, srv.worker, hyper={"lr": 1e-2}, matchmaking=mm)
+        for srv in servers
+    ]
+    progress = [StageProgress(srv.dht, EXPERIMENT, 0, global_batch=16) for srv in servers]
+    try:
+        trainer = PipelineTrainer(trainer_dht, EXPERIMENT, 1, deadline=10.0, codec="none")
+        await trainer.refresh()
+        batches = task.batches(0, 1, 0)
+
+        async def ready() -> list[bool]:
+            return list(await asyncio.gather(*(
+                p.ready(srv.worker.samples, o.version)
+                for p, srv, o in zip(progress, servers, optimizers, strict=True)
+            )))  # fmt: skip
+
+        for mb in range(4):  # 4 samples each: the global batch after the fourth
+            assert await ready() == [False, False]
+            batch = next(batches)
+            await trainer.run(
+                mb, task.stage_inputs(batch), lambda y, b=batch: task.stage_loss(y, b)
+            )
+        assert await ready() == [True, True]
+        results = await asyncio.gather(*(o.step(timeout=30.0) for o in optimizers))
+        assert all(r.committed for r in results)
+        assert optimizers[0].fingerprint() == optimizers[1].fingerprint()
+        assert await ready() == [False, False]  # the next version starts from nothing
+    finally:
+        await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
         await close_swarm(servers, nodes)
