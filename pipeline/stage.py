@@ -16,6 +16,7 @@ nothing.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -44,10 +45,13 @@ class StageWorker:
         self._sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self._samples = 0
         self._answers: OrderedDict[Hashable, torch.Tensor | None] = OrderedDict()
+        # Held by every computation and by the optimizer step (`StageOptimizer`), which
+        # run in different threads: a request never sees half-updated parameters.
+        self.lock = threading.Lock()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The stage's outputs for `inputs` (no graph kept)."""
-        with torch.no_grad():
+        with self.lock, torch.no_grad():
             return self.module(inputs.to(self.device))
 
     def backward(
@@ -55,6 +59,12 @@ class StageWorker:
     ) -> torch.Tensor | None:
         """Recompute the forward, backpropagate `grad_outputs`; the input gradient
         (None for integer inputs such as token ids). Applied once per `key`."""
+        with self.lock:
+            return self._backward(key, inputs, grad_outputs, samples)
+
+    def _backward(
+        self, key: Hashable, inputs: torch.Tensor, grad_outputs: torch.Tensor, samples: int
+    ) -> torch.Tensor | None:
         if key in self._answers:
             return self._answers[key]
         x = inputs.to(self.device)
@@ -78,16 +88,19 @@ class StageWorker:
 
     def take_gradients(self) -> Gradients:
         """What was accumulated since the last call; the accumulators start again at zero."""
-        out = Gradients([s.clone() for s in self._sums], self._samples, frozenset(self._answers))
-        for s in self._sums:
-            s.zero_()
-        self._samples = 0
-        self._answers.clear()
-        return out
+        with self.lock:
+            out = Gradients(
+                [s.clone() for s in self._sums], self._samples, frozenset(self._answers)
+            )
+            for s in self._sums:
+                s.zero_()
+            self._samples = 0
+            self._answers.clear()
+            return out
 
     def give_back(self, taken: Gradients) -> None:
         """Put gradients taken for a step that did not happen back into the sums."""
-        with torch.no_grad():
+        with self.lock, torch.no_grad():
             for acc, total in zip(self._sums, taken.sums, strict=True):
                 acc.add_(total)
         self._samples += taken.samples

@@ -112,13 +112,15 @@ class StageOptimizer:
         return await self.averager.load_state_from_peers(timeout)
 
     def _apply(self) -> None:
-        """The commit hook (in a thread): `gradients` hold the stage's mean gradient."""
-        with torch.no_grad():
-            for p, g in zip(self.params, self.gradients, strict=True):
-                p.grad = g.to(p.device, copy=True)
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        """The commit hook (in a thread): `gradients` hold the stage's mean gradient.
+        Under the worker's lock: no request computes with half-stepped parameters."""
+        with self.worker.lock:
+            with torch.no_grad():
+                for p, g in zip(self.params, self.gradients, strict=True):
+                    p.grad = g.to(p.device, copy=True)
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
 
     def fingerprint(self) -> str:
         return self.averager.fingerprint()
