@@ -40,6 +40,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -136,6 +137,8 @@ class StepResult:
     bytes_sent: int = 0
     # The peer that assembled the group (any member may; it is not special).
     leader: PeerID | None = None
+    # The weight each member contributed with (empty when unknown: we own no part).
+    weights: dict[PeerID, float] = field(default_factory=dict)
 
 
 class Averager:
@@ -182,6 +185,9 @@ class Averager:
         self._presence_at = -float("inf")  # when we last declared busy between rounds
         # Verified experiments: contributions travel with commitments (`attestation`).
         self.attestor: Attestor | None = None
+        # Taken while a downloaded state is written into `state`, for owners whose other
+        # threads read it (a stage server computing with the parameters).
+        self.state_lock: threading.Lock | None = None
         self._shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
 
     async def aclose(self) -> None:
@@ -256,9 +262,7 @@ class Averager:
         ):
             log.warning("the swarm's state of %s does not fit our tensors", self.key)
             return False
-        with torch.no_grad():
-            for dst, src in zip(self.state, state.tensors, strict=True):
-                dst.copy_(src)
+        await self._replace_state(state.tensors)
         commits = state.metadata.get("commits", 0)
         self.commits = commits if isinstance(commits, int) and commits >= 0 else 0
         self.state_version = _version(self.commits)
@@ -348,7 +352,7 @@ class Averager:
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 if not self.config.shared_state or not weight > 0:
                     return self._result(False, f"no group: {e}", started, attempts)
-                return await self._commit_alone(started, attempts)
+                return await self._commit_alone(started, attempts, weight)
             except (MatchmakingError, TimeoutError) as e:
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 return self._result(False, f"no group: {e}", started, attempts)
@@ -373,6 +377,7 @@ class Averager:
                     time.monotonic() - started,
                     outcome.bytes_sent,
                     leader if isinstance(leader := group.extra.get("leader"), PeerID) else None,
+                    outcome.weights,
                 )
             reason = outcome.reason
             exclude.update(outcome.failed)
@@ -401,6 +406,23 @@ class Averager:
         ok = await self.load_state_from_peers(deadline=budget)
         return ok, "re-synced with the swarm" if ok else f"needs re-sync, which failed: {behind}"
 
+    async def _replace_state(self, tensors: Sequence[torch.Tensor]) -> None:
+        def copy() -> None:
+            with torch.no_grad():
+                for dst, src in zip(self.state, tensors, strict=True):
+                    dst.copy_(src)
+
+        if self.state_lock is None:
+            copy()
+            return
+
+        def locked() -> None:
+            with self.state_lock:  # type: ignore[union-attr]
+                copy()
+
+        # In a thread: the lock's holder may compute for a while, the loop must not wait.
+        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(locked)))
+
     async def _commit(self, round_id: bytes) -> None:
         """After the tensors hold the round's result: new version, commit hook, freeze."""
         self.commits += 1
@@ -413,7 +435,7 @@ class Averager:
         await self._freeze()
         await self._announce_state()
 
-    async def _commit_alone(self, started: float, attempts: int) -> StepResult:
+    async def _commit_alone(self, started: float, attempts: int, weight: float) -> StepResult:
         """Nobody else averages this shared state: the mean of our input alone is the
         input, so commit it as it is. A random round ID makes our version our own:
         should another peer have committed alone meanwhile, out of our sight, the two
@@ -434,6 +456,7 @@ class Averager:
             time.monotonic() - started,
             0,
             self.dht.host.peer_id,
+            {self.dht.host.peer_id: weight},
         )
 
     def _result(

@@ -155,6 +155,8 @@ class AllReduceOutcome:
     in_doubt: bool = False
     # With an attestor: the commitments we received with contributions, and ours.
     commitments: dict[PeerID, Commitment] = field(default_factory=dict)
+    # After a commit: the weight each member contributed with (as our part received them).
+    weights: dict[PeerID, float] = field(default_factory=dict)
 
 
 def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int, codec: Codec,
@@ -327,7 +329,13 @@ class ButterflyRound:
             seconds=time.monotonic() - started,
             in_doubt=decision.in_doubt,
             commitments=self._commitments(),
+            weights=self._weights() if decision.commit else {},
         )
+
+    def _weights(self) -> dict[PeerID, float]:
+        if self.n == 1:
+            return {self.host.peer_id: self.weight}
+        return {self.peers[j]: w for j, w in self.data.weights().items()}
 
     def _abandon(self) -> None:
         """run() ends without a decision (cancelled, crashed): say so to whoever asks."""

@@ -204,6 +204,14 @@ class DataPlane:
             blame = (j,) if verdict.blame else getattr(e, "blame", ())
             self.side.fail(verdict.reason, blame)
 
+    def weights(self) -> dict[int, float]:
+        """The members' weights as our lanes received them (member index -> weight;
+        every sender attaches to every lane, so any complete lane knows them all)."""
+        for lane in self._lanes.values():
+            if lane.reducer.attached_all:
+                return dict(lane.reducer.weights)
+        return {}
+
     def _wire_bytes(self, chunks: list[Span]) -> int:
         return sum(rpc.CHUNK.size + self.codec.encoded_size(b - a) for a, b in chunks)
 

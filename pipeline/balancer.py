@@ -153,6 +153,15 @@ class StageBalancer:
         state.returning = True
         return state.ban_seconds
 
+    def expected_seconds(self, peer: Hashable, samples: int, *, backward: bool = False) -> float:
+        """How long a request to `peer` should take at its measured speed, behind the
+        requests it reported queued (for the request's deadline)."""
+        state = self._peers.get(peer)
+        if state is None:
+            return 0.0
+        cost = samples * (BACKWARD_COST if backward else 1.0)
+        return cost * (1 + state.queue + state.in_flight) / state.throughput
+
     def throughput(self, peer: Hashable) -> float | None:
         state = self._peers.get(peer)
         return None if state is None else state.throughput

@@ -6,8 +6,16 @@ bidirectional call: a header (stage, idempotency key, samples), the input
 tensor (and for a backward the output gradient), then the answer: a header
 with what the peer measured (compute seconds, requests queued behind it) and
 the result tensor. Activations and gradients travel under the codec the request
-names (`wire`: int8 by default, or none). Requests are computed one at a time in a worker thread, in
-arrival order; the event loop only moves bytes.
+names (`wire`: int8 by default, or none). Every answer also carries the stage
+version, for a backward the epoch its gradients went into, and the peer's last
+committed steps with their members, from which trainers learn which of their
+microbatches a step included.
+
+Requests are computed in a worker thread, in arrival order; requests of one
+kind that wait together (several trainers, or one trainer's concurrent
+microbatches) are computed as one batch, up to `MAX_BATCH_SAMPLES`. The event
+loop only moves bytes. While the peer re-syncs its state (it missed a step) it
+refuses requests, so trainers go to its stage's other peers at once.
 
 The stage record (`shoal/x/<experiment>/stage/<s>`, subkey: this peer's owner
 marker) carries the peer's addresses, throughput for forward and backward
@@ -22,15 +30,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from shoal.averaging.compression import Codec
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport import rpc
 
-from .stage import StageWorker
+from .stage import BackwardRequest, StageWorker
+from .stage_optimizer import StepRecord
 from .wire import codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["RECORD_REFRESH", "RECORD_TTL", "StageServer", "pipeline_protocol", "stage_key"]
@@ -38,6 +51,7 @@ __all__ = ["RECORD_REFRESH", "RECORD_TTL", "StageServer", "pipeline_protocol", "
 log = logging.getLogger("shoal.pipeline")
 
 RECORD_TTL = 60.0
+MAX_BATCH_SAMPLES = 256
 RECORD_REFRESH = 15.0
 _EMA = 0.1
 
@@ -66,6 +80,20 @@ class _Speed:
         return self._ema / self._weight if self._weight else None
 
 
+@dataclass
+class _Job:
+    kind: str  # "forward" | "backward"
+    request: Any  # the inputs tensor, or a BackwardRequest
+    samples: int
+    done: asyncio.Future[tuple[Any, float]] = field(repr=False, default=None)  # type: ignore[assignment]
+
+    def fits(self, other: _Job) -> bool:
+        """Whether the two can be computed in one batch."""
+        a = self.request if self.kind == "forward" else self.request[1]
+        b = other.request if other.kind == "forward" else other.request[1]
+        return self.kind == other.kind and a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
+
+
 class StageServer:
     """Serves `worker`'s stage of `experiment` on `dht.host`."""
 
@@ -75,35 +103,58 @@ class StageServer:
         self.stage = stage
         self.worker = worker
         self.version = 0  # optimizer steps applied to the stage's parameters
+        self.steps: Sequence[StepRecord] = ()  # the last committed steps (StageOptimizer.steps)
+        self.serving = True  # False while the state is re-synced: requests are refused
         self.forward_speed = _Speed()
         self.backward_speed = _Speed()
         self.served = {"forward": 0, "backward": 0}
+        self.batches = 0  # computations run (several requests may share one)
         self.bytes_sent = 0  # activation and gradient payloads, as sent
-        self._queued = 0
+        self.on_backward: Callable[[], None] | None = None  # after each applied backward
+        self._jobs: list[_Job] = []
+        self._wake = asyncio.Event()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
         self._service = rpc.RpcService(dht.host, pipeline_protocol(experiment))
         self._service.stream("forward")(self._forward)
         self._service.stream("backward")(self._backward)
-        self._announcer: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        """Announce the stage and serve (the caller has the state it must serve with)."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._compute_loop())]
         await self.announce()
-        self._announcer = asyncio.get_running_loop().create_task(self._announce_loop())
+        self._tasks.append(loop.create_task(self._announce_loop()))
 
     async def aclose(self) -> None:
-        if self._announcer is not None:
-            self._announcer.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._announcer
+                await task
         self._service.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
+        for job in self._jobs:
+            if not job.done.done():
+                job.done.set_exception(ConnectionError("the stage server closed"))
+        with contextlib.suppress(Exception):
+            await self.dht.store(
+                stage_key(self.experiment, self.stage),
+                None,
+                time.time() + RECORD_TTL,
+                subkey=owner_marker(self.dht.peer_id),
+            )
+
+    @property
+    def queued(self) -> int:
+        return len(self._jobs)
 
     def record(self) -> dict[str, Any]:
         return {
             "addrs": [a.to_bytes() for a in self.dht.host.addresses()][:8],
             "fwd": self.forward_speed.value,
             "bwd": self.backward_speed.value,
-            "queue": self._queued,
+            "queue": self.queued,
             "version": self.version,
             "t": time.time(),
         }
@@ -125,6 +176,8 @@ class StageServer:
             await self.announce()
 
     def _check(self, payload: Any) -> tuple[Any, int, Codec, list[bool]]:
+        if not self.serving:
+            raise ConnectionRefusedError("this peer is re-syncing its stage's state")
         if not isinstance(payload, dict) or payload.get("stage") != self.stage:
             raise ValueError(f"this peer serves stage {self.stage}")
         samples = payload.get("samples")
@@ -139,28 +192,70 @@ class StageServer:
             raise ValueError("enc must list booleans")
         return key, samples, codec, enc
 
-    async def _run(self, fn: Any, *args: Any) -> tuple[Any, float]:
-        self._queued += 1
-        try:
-            loop = asyncio.get_running_loop()
+    async def _submit(self, job: _Job) -> tuple[Any, float]:
+        job.done = asyncio.get_running_loop().create_future()
+        self._jobs.append(job)
+        self._wake.set()
+        return await job.done
 
-            def timed() -> tuple[Any, float]:
-                started = time.perf_counter()
-                result = fn(*args)
-                return result, time.perf_counter() - started
+    async def _compute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._jobs:
+                batch = self._take_batch()
+                if not batch:
+                    continue
+                try:
+                    results, seconds = await loop.run_in_executor(
+                        self._compute, _run, self.worker, batch
+                    )
+                except Exception as e:  # a request the module cannot compute: fail them all
+                    for job in batch:
+                        if not job.done.done():
+                            job.done.set_exception(e)
+                    continue
+                self.batches += 1
+                total = sum(job.samples for job in batch)
+                for job, result in zip(batch, results, strict=True):
+                    if not job.done.done():
+                        job.done.set_result((result, seconds * job.samples / total))
 
-            return await loop.run_in_executor(self._compute, timed)
-        finally:
-            self._queued -= 1
+    def _take_batch(self) -> list[_Job]:
+        """The first waiting job and those of its kind that fit with it, in order.
+        Jobs whose callers gave up are dropped: a backward not computed is not
+        counted, and its trainer sends it to another peer."""
+        self._jobs = [j for j in self._jobs if not j.done.done()]
+        if not self._jobs:
+            return []
+        first = self._jobs[0]
+        batch, rest, samples = [], [], 0
+        for job in self._jobs:
+            if job.fits(first) and samples + job.samples <= max(MAX_BATCH_SAMPLES, first.samples):
+                batch.append(job)
+                samples += job.samples
+            else:
+                rest.append(job)
+        self._jobs = rest
+        return batch
+
+    def _meta(self, seconds: float) -> dict[str, Any]:
+        return {
+            "seconds": seconds,
+            "queue": self.queued,
+            "version": self.version,
+            "steps": [[r.version, [p.to_bytes() for p in r.members]] for r in self.steps],
+        }
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         _, samples, codec, enc = self._check(payload)
         inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
-        outputs, seconds = await self._run(self.worker.forward, inputs)
+        _check_batch(inputs, samples)
+        outputs, seconds = await self._submit(_Job("forward", inputs, samples))
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
-        yield {"seconds": seconds, "queue": self._queued, "version": self.version,
-               "enc": encodes(codec, outputs)}  # fmt: skip
+        yield {**self._meta(seconds), "enc": encodes(codec, outputs)}
         self.bytes_sent += await send_tensor(ctx, outputs, codec)
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
@@ -168,17 +263,33 @@ class StageServer:
         enc = enc + [False] * (2 - len(enc))
         inputs = await recv_tensor(ctx, codec, enc[0])
         grad_outputs = await recv_tensor(ctx, codec, enc[1])
-        grad_inputs, seconds = await self._run(
-            self.worker.backward, key, inputs, grad_outputs, samples
-        )
+        _check_batch(inputs, samples)
+        request: BackwardRequest = (key, inputs, grad_outputs, samples)
+        (grad_inputs, epoch), seconds = await self._submit(_Job("backward", request, samples))
         self.backward_speed.add(samples, seconds)
         self.served["backward"] += 1
+        if self.on_backward is not None:
+            self.on_backward()
         yield {
-            "seconds": seconds,
-            "queue": self._queued,
-            "version": self.version,
+            **self._meta(seconds),
+            "epoch": epoch,
             "grad": grad_inputs is not None,
             "enc": grad_inputs is not None and encodes(codec, grad_inputs),
         }
         if grad_inputs is not None:
             self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
+
+
+def _check_batch(inputs: torch.Tensor, samples: int) -> None:
+    if inputs.dim() < 1 or inputs.shape[0] != samples:
+        raise ValueError("the inputs' first dimension must be the request's samples")
+
+
+def _run(worker: StageWorker, batch: list[_Job]) -> tuple[list[Any], float]:
+    """A batch of one kind through the worker (in the compute thread), timed."""
+    started = time.perf_counter()
+    if batch[0].kind == "forward":
+        results: list[Any] = worker.forward_many([job.request for job in batch])
+    else:
+        results = worker.backward_many([job.request for job in batch])
+    return results, time.perf_counter() - started

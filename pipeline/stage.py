@@ -9,9 +9,14 @@ and a peer that dies between the two loses nothing.
 Parameter gradients accumulate weighted by the microbatch's samples, so that
 the stage's all-reduce (a mean weighted by samples) gives the gradient of the
 mean loss over the global batch whichever peers served which microbatch.
-Backward requests are idempotent by key: a retry of one already applied (the
-answer was lost on the way) returns the same input gradient and accumulates
-nothing.
+
+Gradients accumulate per *epoch*: the stage version whose optimizer step they
+go into. While the step from version v is being averaged, new backwards
+accumulate for v + 1, and each answer says which epoch it went into, so a
+trainer knows which step has to include it (and replays it elsewhere when that
+step committed without this peer). Backward requests are idempotent by key: a
+retry of one already applied (the answer was lost on the way) returns the same
+input gradient and accumulates nothing.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Gradients", "StageWorker"]
+__all__ = ["BackwardRequest", "Gradients", "StageWorker"]
 
-RETAINED_ANSWERS = 4096  # backward answers kept for retries (per accumulation round)
+RETAINED_ANSWERS = 4096  # backward answers kept for retries
+
+# (idempotency key, the stage's inputs, gradient of its outputs, samples)
+BackwardRequest = tuple[Hashable, torch.Tensor, torch.Tensor, int]
 
 
 @dataclass
@@ -35,6 +43,14 @@ class Gradients:
     sums: list[torch.Tensor]  # sum over its microbatches of samples x parameter gradient
     samples: int
     keys: frozenset[Hashable]  # the backward requests counted in it
+    epoch: int = 0  # the stage version whose step they are for
+
+
+@dataclass
+class _Bucket:
+    sums: list[torch.Tensor]
+    samples: int = 0
+    keys: set[Hashable] = field(default_factory=set)
 
 
 class StageWorker:
@@ -42,69 +58,131 @@ class StageWorker:
         self.module = module
         self.device = device or torch.device("cpu")
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self._samples = 0
-        self._answers: OrderedDict[Hashable, torch.Tensor | None] = OrderedDict()
-        # Held by every computation and by the optimizer step (`StageOptimizer`), which
-        # run in different threads: a request never sees half-updated parameters.
+        self.epoch = 0  # where backwards accumulate now
+        self._buckets: dict[int, _Bucket] = {}
+        self._answers: OrderedDict[Hashable, tuple[torch.Tensor | None, int]] = OrderedDict()
+        # Held by every computation, by the optimizer step (`StageOptimizer`) and by
+        # a state download, which run in different threads: a request never sees
+        # half-updated parameters.
         self.lock = threading.Lock()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The stage's outputs for `inputs` (no graph kept)."""
+        return self.forward_many([inputs])[0]
+
+    def forward_many(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The outputs of several requests, computed as one batch (samples are
+        independent: the stage's layers never mix samples)."""
         with self.lock, torch.no_grad():
-            return self.module(inputs.to(self.device))
+            if len(inputs) == 1:
+                return [self.module(inputs[0].to(self.device))]
+            outputs = self.module(torch.cat([x.to(self.device) for x in inputs]))
+            return list(outputs.split([len(x) for x in inputs]))
 
     def backward(
         self, key: Hashable, inputs: torch.Tensor, grad_outputs: torch.Tensor, samples: int
     ) -> torch.Tensor | None:
         """Recompute the forward, backpropagate `grad_outputs`; the input gradient
         (None for integer inputs such as token ids). Applied once per `key`."""
+        return self.backward_many([(key, inputs, grad_outputs, samples)])[0][0]
+
+    def backward_many(
+        self, requests: list[BackwardRequest]
+    ) -> list[tuple[torch.Tensor | None, int]]:
+        """Several backwards computed as one batch; per request its input gradient
+        and the epoch its parameter gradients went into."""
         with self.lock:
-            return self._backward(key, inputs, grad_outputs, samples)
+            fresh: dict[Hashable, BackwardRequest] = {}
+            for request in requests:
+                if request[0] not in self._answers:
+                    fresh.setdefault(request[0], request)
+            if fresh:
+                bucket = self._bucket(self.epoch)
+                answers = self._backward(list(fresh.values()), bucket)
+                for key, answer in zip(fresh, answers, strict=True):
+                    bucket.keys.add(key)
+                    self._answers[key] = (answer, self.epoch)
+                while len(self._answers) > RETAINED_ANSWERS:
+                    self._answers.popitem(last=False)
+            return [self._answers[request[0]] for request in requests]
+
+    def _bucket(self, epoch: int) -> _Bucket:
+        if epoch not in self._buckets:
+            self._buckets[epoch] = _Bucket([torch.zeros_like(p) for p in self.params])
+        return self._buckets[epoch]
 
     def _backward(
-        self, key: Hashable, inputs: torch.Tensor, grad_outputs: torch.Tensor, samples: int
-    ) -> torch.Tensor | None:
-        if key in self._answers:
-            return self._answers[key]
-        x = inputs.to(self.device)
+        self, requests: list[BackwardRequest], into: _Bucket
+    ) -> list[torch.Tensor | None]:
+        """Backpropagate requests as one batch. Each output gradient is scaled by its
+        request's samples first, so that the parameter gradients add up as the sum of
+        samples x gradient (the weighting of the stage's mean), and the input
+        gradients are scaled back."""
+        alone = len(requests) == 1
+        x = torch.cat([r[1].to(self.device) for r in requests])
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
         for p in self.params:
             p.grad = None
         outputs = self.module(x)
-        outputs.backward(grad_outputs.to(device=self.device, dtype=outputs.dtype))
+        grads = torch.cat(
+            [
+                r[2].to(device=self.device, dtype=outputs.dtype) * (1 if alone else r[3])
+                for r in requests
+            ]
+        )
+        outputs.backward(grads)
         with torch.no_grad():
-            for acc, p in zip(self._sums, self.params, strict=True):
+            for acc, p in zip(into.sums, self.params, strict=True):
                 if p.grad is not None:
-                    acc.add_(p.grad, alpha=samples)
+                    acc.add_(p.grad, alpha=requests[0][3] if alone else 1)
                 p.grad = None
-        self._samples += samples
-        answer = x.grad.detach() if x.is_floating_point() else None
-        self._answers[key] = answer
-        while len(self._answers) > RETAINED_ANSWERS:
-            self._answers.popitem(last=False)
-        return answer
+        into.samples += sum(r[3] for r in requests)
+        if not x.is_floating_point():
+            return [None] * len(requests)
+        parts = x.grad.detach().split([len(r[1]) for r in requests])
+        return [g if alone else g / r[3] for g, r in zip(parts, requests, strict=True)]
 
-    def take_gradients(self) -> Gradients:
-        """What was accumulated since the last call; the accumulators start again at zero."""
+    def take_gradients(self, epoch: int | None = None) -> Gradients:
+        """The gradients accumulated for `epoch` (default: the current one); from now
+        on backwards accumulate for the epoch after it."""
         with self.lock:
-            out = Gradients(
-                [s.clone() for s in self._sums], self._samples, frozenset(self._answers)
+            epoch = self.epoch if epoch is None else epoch
+            bucket = self._buckets.pop(epoch, None) or _Bucket(
+                [torch.zeros_like(p) for p in self.params]
             )
-            for s in self._sums:
-                s.zero_()
-            self._samples = 0
-            self._answers.clear()
-            return out
+            self.epoch = max(self.epoch, epoch + 1)
+            return Gradients(bucket.sums, bucket.samples, frozenset(bucket.keys), epoch)
 
     def give_back(self, taken: Gradients) -> None:
-        """Put gradients taken for a step that did not happen back into the sums."""
+        """Gradients taken for a step that did not happen (nobody committed it): they,
+        and what arrives from now on, are again for the step from `taken.epoch`."""
         with self.lock, torch.no_grad():
-            for acc, total in zip(self._sums, taken.sums, strict=True):
+            bucket = self._bucket(taken.epoch)
+            for acc, total in zip(bucket.sums, taken.sums, strict=True):
                 acc.add_(total)
-        self._samples += taken.samples
+            bucket.samples += taken.samples
+            bucket.keys |= taken.keys
+            self.epoch = taken.epoch
+
+    def drop_before(self, epoch: int) -> int:
+        """Forget gradients for steps before `epoch` (the stage took those steps without
+        this peer: its trainers replay them elsewhere); the samples dropped."""
+        with self.lock:
+            dropped = 0
+            for e in [e for e in self._buckets if e < epoch]:
+                bucket = self._buckets.pop(e)
+                dropped += bucket.samples
+                for key in bucket.keys:  # a replay here must count again
+                    self._answers.pop(key, None)
+            self.epoch = max(self.epoch, epoch)
+            return dropped
+
+    def samples_for(self, epoch: int) -> int:
+        bucket = self._buckets.get(epoch)
+        return 0 if bucket is None else bucket.samples
 
     @property
     def samples(self) -> int:
-        return self._samples
+        """Samples accumulated for the current epoch."""
+        return self.samples_for(self.epoch)

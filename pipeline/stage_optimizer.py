@@ -12,12 +12,15 @@ The stage's state (parameters, AdamW moments and step count) is the averager's
 shared state: versioned by commits, served to a peer that joins the stage or
 missed a step (it downloads it before it takes traffic again), fingerprinted.
 A round that aborts gives the gradients back to the worker: nothing is lost,
-the next step carries them.
+the next step carries them. Each committed step is logged with its members, so
+the trainers learn which of their microbatches it included (`StepRecord`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,10 +30,22 @@ from shoal.averaging.host_state import host_flat_zeros, numel, off_loop
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.outer import state_protocol
 from shoal.dht.node import DHTNode
+from shoal.transport.identity import PeerID
 
 from .stage import StageWorker
 
-__all__ = ["StageOptimizer", "stage_averaging_key"]
+__all__ = ["STEP_LOG", "StageOptimizer", "StepRecord", "stage_averaging_key"]
+
+STEP_LOG = 8  # the last steps whose members a peer tells trainers about
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Which peers' gradients the stage's step from `version` averaged."""
+
+    version: int
+    members: tuple[PeerID, ...]
+    samples: int | None  # the step's global batch, all members' samples (None: unknown)
 
 
 def stage_averaging_key(experiment: str, stage: int) -> str:
@@ -84,6 +99,11 @@ class StageOptimizer:
             state=[*self.params, *moments],
             on_commit=self._apply,
         )
+        self.averager.state_lock = worker.lock  # a download never meets a request half-way
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_LOG)
+        self.committed_samples = 0  # samples of ours that went into committed steps
+        self.step_samples: dict[int, int] = {}  # version stepped from -> the step's samples
+        self.dropped_samples = 0  # samples of ours whose step went on without us
 
     @property
     def version(self) -> int:
@@ -91,9 +111,16 @@ class StageOptimizer:
         return self.averager.commits
 
     async def step(self, timeout: float) -> StepResult:
-        """Average the gradients accumulated here with the stage's other peers and
-        take the optimizer step (on commit); on abort they go back to the worker."""
-        taken = self.worker.take_gradients()
+        """Average the gradients accumulated here for the current version with the
+        stage's other peers and take the optimizer step (on commit).
+
+        When nobody committed, the gradients go back to the worker for the next
+        try. When the stage stepped without us (we were behind and re-synced
+        instead), they are dropped: they were computed for a step that is gone, and
+        the trainers replay those microbatches on peers that took part.
+        """
+        version = self.version
+        taken = self.worker.take_gradients(version)
         scale = 1.0 / max(1, taken.samples)
 
         def load() -> None:
@@ -102,14 +129,25 @@ class StageOptimizer:
 
         await off_loop(load, numel(self.params))
         result = await self.averager.step(weight=float(taken.samples), timeout=timeout)
-        if not result.committed and taken.samples:
+        if result.committed:
+            self.committed_samples += taken.samples
+            total = round(sum(result.weights.values())) if result.weights else None
+            self.steps.append(StepRecord(version, tuple(result.members), total))
+            if total is not None:
+                self.step_samples[version] = total
+        elif self.version != version:
+            self.dropped_samples += taken.samples + self.worker.drop_before(self.version)
+        else:
             self.worker.give_back(taken)
         return result
 
     async def sync(self, timeout: float) -> bool:
         """Download the stage's current state (parameters, moments, step) from its peers:
-        before serving, for a peer that joins the stage or missed a step."""
-        return await self.averager.load_state_from_peers(timeout)
+        before serving, for a peer that joins the stage or missed a step. Gradients
+        for steps taken without us are dropped (their trainers replay them)."""
+        loaded = await self.averager.load_state_from_peers(timeout)
+        self.dropped_samples += self.worker.drop_before(self.version)
+        return loaded
 
     def _apply(self) -> None:
         """The commit hook (in a thread): `gradients` hold the stage's mean gradient.

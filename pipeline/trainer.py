@@ -4,21 +4,26 @@ A trainer sends each microbatch forward through stage 0 .. n-1, computes the
 loss of the last stage's outputs locally, and sends the output gradient back
 through stage n-1 .. 0. Per stage and direction it asks that stage's
 `StageBalancer` for a peer; a request that fails or outlives its deadline bans
-that peer (with backoff) and goes to another peer of the same stage. The
-trainer holds every stage's inputs of the microbatch until its backward is
-done, and a backward recomputes the forward, so a peer that dies loses
-nothing but time.
+that peer (with backoff) and goes to another peer of the same stage. A
+microbatch remembers how far it got (`Microbatch`): after a failure it resumes
+there, so a backward already applied is never sent again to another peer.
 
-Each request carries an idempotency key (`<trainer>/<microbatch>/<stage>`); a
-peer applies a backward key once. `ledger` records which peer applied each
-backward, so that the stage's averaging round can replay the microbatches a
-peer that died before the round took with it.
+Deadlines adapt: a request may take `DEADLINE_FACTOR` times what the chosen
+peer's measured speed and reported queue predict, plus `DEADLINE_SLACK` for the
+network, between `DEADLINE_MIN` and the trainer's `deadline`.
+
+Each backward carries an idempotency key (`<trainer>/<microbatch>/<stage>`); a
+peer applies a key once. The `MicrobatchLedger` keeps each applied backward's
+tensors until a stage peer's step log says whether the step it was for
+included the peer that applied it; when it did not, the backward is replayed on
+a peer of the stage: every microbatch counts exactly once, whoever dies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,12 +38,17 @@ from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 
 from .balancer import NoPeerAvailable, StageBalancer
+from .ledger import Applied, MicrobatchLedger
 from .server import pipeline_protocol, stage_key
 from .wire import codec_of, encodes, recv_tensor, send_tensor
 
-__all__ = ["PipelineTrainer", "StageFailed"]
+__all__ = ["Microbatch", "PipelineTrainer", "StageFailed"]
 
 log = logging.getLogger("shoal.pipeline")
+
+DEADLINE_FACTOR = 4.0
+DEADLINE_SLACK = 2.0
+DEADLINE_MIN = 3.0
 
 
 class StageFailed(Exception):
@@ -48,9 +58,27 @@ class StageFailed(Exception):
 @dataclass
 class TrainerCounters:
     microbatches: int = 0
+    samples: int = 0
     retries: int = 0
     requests: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
     bytes_sent: int = 0  # tensor payloads to stages, as sent (encoded or not)
+
+
+@dataclass
+class Microbatch:
+    """One microbatch on its way through the stages, resumable after a failure."""
+
+    id: int
+    inputs: torch.Tensor
+    loss_of: Callable[[torch.Tensor], torch.Tensor]
+    stage_inputs: list[torch.Tensor] = field(default_factory=list)
+    grad: torch.Tensor | None = None  # the gradient to send to the next stage back
+    backward_from: int | None = None  # the stage whose backward is next
+    loss: float | None = None
+
+    @property
+    def samples(self) -> int:
+        return int(self.inputs.shape[0])
 
 
 class PipelineTrainer:
@@ -73,13 +101,23 @@ class PipelineTrainer:
         self.attempts = attempts
         self.codec = codec_of(codec)
         self.counters = TrainerCounters()
-        self.ledger: dict[str, PeerID] = {}  # backward key -> the peer that applied it
-        self._name = str(dht.peer_id)[-12:]
+        self.ledger = MicrobatchLedger(stages)
+        self.versions = [0] * stages  # the newest version seen per stage
+        self.stage_peers: list[list[PeerID]] = [[] for _ in range(stages)]
+        self.served_by: dict[PeerID, int] = {}  # requests answered, per peer
+        # A nonce per trainer run: keys of a restarted trainer never meet old answers.
+        self._name = f"{str(dht.peer_id)[-8:]}.{secrets.token_hex(4)}"
+        self._announced: dict[PeerID, float] = {}
+        self._replays: set[asyncio.Task[None]] = set()
+
+    @property
+    def stages(self) -> int:
+        return len(self.balancers)
 
     async def refresh(self) -> list[int]:
         """Read every stage's records from the DHT; the number of peers per stage."""
         found = await self.dht.get_many(
-            [stage_key(self.experiment, s) for s in range(len(self.balancers))], latest=True
+            [stage_key(self.experiment, s) for s in range(self.stages)], latest=True
         )
         counts = []
         for s, balancer in enumerate(self.balancers):
@@ -87,10 +125,18 @@ class PipelineTrainer:
             peers = []
             for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
                 peer = owner_of(subkey)
-                if peer is not None and isinstance(record, dict):
-                    speed = record.get("fwd")
-                    peers.append((peer, speed if isinstance(speed, int | float) else None))
+                if peer is None or not isinstance(record, dict):
+                    continue  # (None: a peer that stopped serving)
+                speed, version, at = record.get("fwd"), record.get("version"), record.get("t")
+                peers.append((peer, speed if isinstance(speed, int | float) else None))
+                if isinstance(version, int) and not isinstance(version, bool):
+                    self.versions[s] = max(self.versions[s], version)
+                if isinstance(at, int | float) and at > self._announced.get(peer, at):
+                    balancer.reannounced(peer)  # a newer record: it says it is back
+                if isinstance(at, int | float):
+                    self._announced[peer] = at
             balancer.set_peers(peers)
+            self.stage_peers[s] = [p for p, _ in peers]
             counts.append(len(peers))
         return counts
 
@@ -101,25 +147,84 @@ class PipelineTrainer:
         loss_of: Callable[[torch.Tensor], torch.Tensor],
     ) -> float:
         """One microbatch through every stage and back; its loss."""
-        samples = int(inputs.shape[0])
-        stage_inputs = []
-        x = inputs
-        for s in range(len(self.balancers)):
-            stage_inputs.append(x)
-            x = await self._request(s, "forward", f"{microbatch}", samples, [x])
-        outputs = x.detach().requires_grad_(True)
-        loss = loss_of(outputs)
-        loss.backward()
-        grad = outputs.grad
-        for s in reversed(range(len(self.balancers))):
-            key = f"{self._name}/{microbatch}/{s}"
-            grad = await self._request(s, "backward", key, samples, [stage_inputs[s], grad])
+        return await self.resume(Microbatch(microbatch, inputs, loss_of))
+
+    async def resume(self, mb: Microbatch) -> float:
+        """Take `mb` on from where it stopped (StageFailed: it stops again there)."""
+        if mb.backward_from is None:
+            x = mb.stage_inputs[-1] if mb.stage_inputs else mb.inputs
+            while len(mb.stage_inputs) < self.stages:
+                s = len(mb.stage_inputs)
+                y, _ = await self._request(s, "forward", f"{mb.id}", mb.samples, [x])
+                mb.stage_inputs.append(x)
+                x = y
+            outputs = x.detach().requires_grad_(True)
+            loss = mb.loss_of(outputs)
+            loss.backward()
+            mb.grad, mb.loss, mb.backward_from = outputs.grad, float(loss.detach()), self.stages - 1
+        while mb.backward_from is not None and mb.backward_from >= 0:
+            s = mb.backward_from
+            key = f"{self._name}/{mb.id}/{s}"
+            tensors = [mb.stage_inputs[s], mb.grad]
+            grad, _, _ = await self._backward(s, key, mb.samples, tensors)
+            mb.grad, mb.backward_from = grad, s - 1
         self.counters.microbatches += 1
-        return float(loss.detach())
+        self.counters.samples += mb.samples
+        assert mb.loss is not None
+        return mb.loss
+
+    async def _backward(
+        self, stage: int, key: str, samples: int, tensors: list[torch.Tensor]
+    ) -> tuple[Any, dict[str, Any], PeerID]:
+        grad, meta, peer = await self._request_from(stage, "backward", key, samples, tensors)
+        epoch = meta.get("epoch")
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            applied = Applied(stage, key, peer, epoch, tensors[0], tensors[1], samples)
+            self.ledger.applied(applied)
+        self._settle(stage, meta)
+        return grad, meta, peer
+
+    def _settle(self, stage: int, meta: dict[str, Any]) -> None:
+        """What a stage peer's step log settles; replay what a step went without."""
+        steps = []
+        for item in meta.get("steps", ()) if isinstance(meta.get("steps"), list) else ():
+            try:
+                version, members = item
+                steps.append((int(version), frozenset(PeerID(bytes(m)) for m in members)))
+            except (TypeError, ValueError):
+                continue
+        for entry in self.ledger.resolve(stage, steps, self.versions[stage]):
+            log.info("stage %d step %d went without %s: replaying %s", stage, entry.epoch,
+                     str(entry.peer)[-8:], entry.key)  # fmt: skip
+            task = asyncio.get_running_loop().create_task(self._replay(entry))
+            self._replays.add(task)
+            task.add_done_callback(self._replays.discard)
+
+    async def _replay(self, entry: Applied) -> None:
+        while True:
+            try:
+                await self._backward(
+                    entry.stage, entry.key, entry.samples, [entry.inputs, entry.grad_outputs]
+                )
+                return
+            except StageFailed as e:
+                log.info("replaying %s: %s; trying again", entry.key, e)
+                await asyncio.sleep(1.0)
+
+    async def settled(self) -> None:
+        """Wait for the replays under way."""
+        while self._replays:
+            await asyncio.gather(*list(self._replays), return_exceptions=True)
 
     async def _request(
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
-    ) -> Any:
+    ) -> tuple[Any, dict[str, Any]]:
+        result, meta, _ = await self._request_from(stage, method, key, samples, tensors)
+        return result, meta
+
+    async def _request_from(
+        self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
+    ) -> tuple[Any, dict[str, Any], PeerID]:
         balancer = self.balancers[stage]
         backward = method == "backward"
         for attempt in range(self.attempts):
@@ -131,31 +236,28 @@ class PipelineTrainer:
                     await asyncio.sleep(0.2 * (attempt + 1))
                     continue
                 raise StageFailed(f"no peer serves stage {stage}") from None
+            expected = balancer.expected_seconds(peer, samples, backward=backward)
+            deadline = min(
+                self.deadline, max(DEADLINE_MIN, DEADLINE_FACTOR * expected + DEADLINE_SLACK)
+            )
             try:
-                result, meta = await self._call(peer, stage, method, key, samples, tensors)
+                result, meta = await self._call(
+                    peer, stage, method, key, samples, tensors, deadline
+                )
             except (TransportError, TimeoutError, OSError, ValueError) as e:
                 banned = balancer.failed(peer, time.monotonic())
                 self.counters.retries += 1
-                log.info(
-                    "stage %d %s on %s failed (%s); banned for %.0fs, trying another peer",
-                    stage,
-                    method,
-                    str(peer)[-8:],
-                    type(e).__name__,
-                    banned,
-                )
+                log.info("stage %d %s on %s failed (%s); banned for %.0fs, trying another peer",
+                         stage, method, str(peer)[-8:], type(e).__name__, banned)  # fmt: skip
                 continue
-            balancer.succeeded(
-                peer,
-                samples,
-                float(meta.get("seconds", 0.0)),
-                queue=int(meta.get("queue", 0)),
-                backward=backward,
-            )
+            balancer.succeeded(peer, samples, float(meta.get("seconds", 0.0)),
+                               queue=int(meta.get("queue", 0)), backward=backward)  # fmt: skip
+            version = meta.get("version")
+            if isinstance(version, int) and not isinstance(version, bool):
+                self.versions[stage] = max(self.versions[stage], version)
             self.counters.requests[method] += 1
-            if backward:
-                self.ledger[key] = peer
-            return result
+            self.served_by[peer] = self.served_by.get(peer, 0) + 1
+            return result, meta, peer
         raise StageFailed(f"stage {stage} {method}: {self.attempts} attempts failed")
 
     async def _call(
@@ -166,13 +268,17 @@ class PipelineTrainer:
         key: str,
         samples: int,
         tensors: list[torch.Tensor],
+        deadline: float,
     ) -> tuple[Any, dict[str, Any]]:
         enc = [encodes(self.codec, t) for t in tensors]
         payload = {"stage": stage, "key": key, "samples": samples, "codec": self.codec.name,
                    "enc": enc}  # fmt: skip
-        async with rpc.open_call(
-            self.dht.host, peer, self.protocol, method, payload, timeout=self.deadline
-        ) as call:
+        async with (
+            asyncio.timeout(deadline),
+            rpc.open_call(
+                self.dht.host, peer, self.protocol, method, payload, timeout=deadline
+            ) as call,
+        ):
             for t in tensors:
                 self.counters.bytes_sent += await send_tensor(call, t, self.codec)
             meta = await call.recv_item()

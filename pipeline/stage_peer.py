@@ -1,0 +1,191 @@
+"""One peer's service of one stage: serve requests, step with the stage's peers, re-sync.
+
+`StagePeer` is the thin asyncio driver over the stage's parts: the worker
+(`stage`), the RPC server and its DHT record (`server`), the stage's optimizer
+step over the fault-tolerant all-reduce (`stage_optimizer`) and the progress
+reports (`progress`). Its loop, every `POLL_S` (`NEAR_POLL_S` when the stage's peers together hold
+half the global batch) or as soon as a backward landed here:
+
+- reports how many samples this peer holds gradients for, at which version;
+- when another peer of the stage reports a newer version, this peer missed a
+  step: it stops serving, downloads the stage's state, and serves again;
+- when the fresh reports at our version add up to the global batch, it takes
+  the step together with the stage's other peers.
+
+It declares itself to the stage's matchmaking between steps, so that the
+leader of a step waits for it (a peer a moment late joins the step rather than
+being left out of it and re-syncing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shoal.averaging.matchmaking import MatchmakingConfig
+from shoal.dht.node import DHTNode
+
+from .progress import STALE_S, StageProgress, samples_at
+from .server import StageServer
+from .stage import StageWorker
+from .stage_optimizer import StageOptimizer
+
+__all__ = ["StagePeer"]
+
+log = logging.getLogger("shoal.pipeline")
+
+POLL_S = 1.0  # the stage's reports are read this often...
+NEAR_POLL_S = 0.1  # ...and this often once its peers hold most of the global batch
+NEAR = 0.5
+REPORT_EVERY_S = 5.0  # an unchanged report is renewed this often (STALE_S is 30 s)
+
+
+class StagePeer:
+    """Serves stage `stage` of `experiment` with `module` (the stage's layers)."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        experiment: str,
+        stage: int,
+        module: torch.nn.Module,
+        *,
+        hyper: Mapping[str, Any],
+        global_batch: int,
+        device: torch.device | None = None,
+        matchmaking_time: float = 3.0,
+        step_timeout: float = 30.0,
+        sync_timeout: float = 120.0,
+    ) -> None:
+        self.stage = stage
+        self.worker = StageWorker(module, device=device)
+        self.server = StageServer(dht, experiment, stage, self.worker)
+        matchmaking = MatchmakingConfig(
+            min_group_size=1,
+            target_group_size=64,
+            matchmaking_time=matchmaking_time,
+            # The stage's peers are all declared (they refresh their presence): a
+            # leader closes the group as soon as they have joined.
+            min_matchmaking_time=0.05,
+            give_up_alone_after=1.0,
+        )
+        self.optimizer = StageOptimizer(
+            dht, experiment, stage, self.worker, hyper=hyper, matchmaking=matchmaking
+        )
+        self.progress = StageProgress(dht, experiment, stage, global_batch)
+        self.server.steps = self.optimizer.steps
+        self.step_timeout = step_timeout
+        self.sync_timeout = sync_timeout
+        self.steps_failed = 0
+        self.syncs = 0
+        self._changed = asyncio.Event()
+        self.server.on_backward = self._changed.set
+        self._task: asyncio.Task[None] | None = None
+        self._reported: tuple[int, int, float] = (-1, -1, 0.0)  # samples, version, when
+        self._near = False  # the stage is close to its next step: poll faster
+
+    @property
+    def version(self) -> int:
+        return self.optimizer.version
+
+    @property
+    def ready(self) -> bool:
+        """Started and serving (not re-syncing)."""
+        return self._task is not None and self.server.serving
+
+    async def start(self, *, sync: bool = True) -> None:
+        """Download the stage's state from its peers (`sync`; none when it is the
+        first), then announce and serve."""
+        if sync:
+            await self.optimizer.sync(self.sync_timeout)
+        self.server.version = self.version
+        await self.optimizer.averager.announce_presence()
+        await self.server.start()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.server.aclose()
+        await self.optimizer.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(NEAR_POLL_S if self._near else POLL_S):
+                    await self._changed.wait()
+            self._changed.clear()
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the DHT or a round failed: the next tick retries
+                log.info("stage %d: %r", self.stage, e)
+                await asyncio.sleep(NEAR_POLL_S)
+
+    async def tick(self) -> None:
+        """One pass of the loop: report, catch up, or step."""
+        version = self.version
+        samples = self.worker.samples_for(version)
+        now = time.time()
+        if (samples, version) != self._reported[:2] or now - self._reported[2] > REPORT_EVERY_S:
+            await self.progress.report(samples, version)
+            self._reported = (samples, version, now)
+        reports = await self.progress.reports()
+        fresh = [r for r in reports if now - r.at <= STALE_S]
+        if any(r.version > version for r in fresh):
+            await self.catch_up()
+            return
+        await self.optimizer.averager.refresh_presence()
+        others = [r for r in reports if r.peer != self.server.dht.peer_id]
+        held = samples_at(others, version, now) + samples
+        self._near = held >= NEAR * self.progress.global_batch
+        if held >= self.progress.global_batch:
+            await self.step()
+
+    async def step(self) -> None:
+        result = await self.optimizer.step(self.step_timeout)
+        if result.committed:
+            log.debug(
+                "stage %d: step %d with %d peers", self.stage, self.version, result.group_size
+            )
+        else:
+            self.steps_failed += 1
+            log.info(
+                "stage %d: step from %d did not commit (%s)",
+                self.stage,
+                self.version - 0,
+                result.reason,
+            )
+        await self._publish()
+
+    async def catch_up(self) -> None:
+        """We missed a step: stop serving until we hold the stage's current state."""
+        self.server.serving = False
+        try:
+            log.info(
+                "stage %d: behind the stage's peers at version %d; re-syncing",
+                self.stage,
+                self.version,
+            )
+            await self.optimizer.sync(self.sync_timeout)
+            self.syncs += 1
+        finally:
+            self.server.serving = True
+        await self._publish()
+
+    async def _publish(self) -> None:
+        """Our new version in the stage record and in a fresh progress report."""
+        self.server.version = self.version
+        await self.server.announce()
+        samples = self.worker.samples_for(self.version)
+        await self.progress.report(samples, self.version)
+        self._reported = (samples, self.version, time.time())

@@ -1,0 +1,143 @@
+"""A trainer's loop: microbatches from its data, several in flight, paced by the stages.
+
+The stages step when their peers together hold the experiment's global batch
+(`stage_peer`). A trainer alone would otherwise race ahead of them and every
+microbatch would be computed on parameters ever more steps old, so a trainer
+starts microbatches only while what it started since it joined stays within
+`lag + 1` global batches of the steps the slowest stage has taken since then.
+With `lag` 0 and one trainer, every step takes exactly the next global batch
+of the trainer's data, in order: training is the same as in one process. With
+`lag` 1 the next batch flows while the stages average the last one, so their
+peers never wait for the all-reduce.
+
+A microbatch that no peer of some stage could take stays in the loop and
+resumes where it stopped once the stage has peers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .trainer import Microbatch, PipelineTrainer, StageFailed
+
+__all__ = ["TrainerLoop"]
+
+log = logging.getLogger("shoal.pipeline")
+
+REFRESH_S = 5.0  # the stage records are read this often (and whenever paced)
+PACED_POLL_S = 0.1
+LOSS_EMA = 0.05
+
+
+class TrainerLoop:
+    def __init__(
+        self,
+        trainer: PipelineTrainer,
+        batches: Iterator[Any],
+        *,
+        inputs_of: Callable[[Any], torch.Tensor],
+        loss_of: Callable[[torch.Tensor, Any], torch.Tensor],
+        global_batch: int,
+        lag: int = 1,
+        concurrency: int | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.batches = batches
+        self.inputs_of = inputs_of
+        self.loss_of = loss_of
+        self.global_batch = global_batch
+        self.lag = lag
+        self.concurrency = concurrency or 2 * trainer.stages
+        self.started_samples = 0
+        self.base: int | None = None  # the slowest stage's version when we started
+        self.loss: float | None = None  # an EMA of the microbatches' losses
+        self.last_loss: float | None = None
+        self.on_microbatch: Callable[[Microbatch], None] | None = None
+        self._next_id = 0
+        self._refreshed = -float("inf")
+        self._retry: list[Microbatch] = []
+
+    @property
+    def version(self) -> int:
+        """The slowest stage's version: the optimizer steps the whole model has taken."""
+        return min(self.trainer.versions)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps since this loop started."""
+        return 0 if self.base is None else self.version - self.base
+
+    async def run(self, stop: asyncio.Event | None = None, *, steps: int | None = None) -> None:
+        """Train until `stop` is set or the stages took `steps` steps since the start."""
+        stop = stop or asyncio.Event()
+        await self._refresh(force=True)
+        self.base = self.version
+        workers = [
+            asyncio.ensure_future(self._worker(stop, steps)) for _ in range(self.concurrency)
+        ]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            for w in workers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await w
+
+    def _done(self, stop: asyncio.Event, steps: int | None) -> bool:
+        return stop.is_set() or (steps is not None and self.steps >= steps)
+
+    async def _worker(self, stop: asyncio.Event, steps: int | None) -> None:
+        while not self._done(stop, steps):
+            mb = self._retry.pop(0) if self._retry else await self._next(stop, steps)
+            if mb is None:
+                return
+            try:
+                await self.trainer.resume(mb)
+            except StageFailed as e:
+                log.info("microbatch %d waits for its stage: %s", mb.id, e)
+                self._retry.append(mb)
+                await asyncio.sleep(1.0)
+                await self._refresh(force=True)
+                continue
+            assert mb.loss is not None
+            self.last_loss = mb.loss
+            self.loss = (
+                mb.loss if self.loss is None else (1 - LOSS_EMA) * self.loss + LOSS_EMA * mb.loss
+            )
+            if self.on_microbatch is not None:
+                self.on_microbatch(mb)
+            await self._refresh()
+
+    async def _next(self, stop: asyncio.Event, steps: int | None) -> Microbatch | None:
+        """The next microbatch of our data, once the pace allows it (None: done)."""
+        while not self._done(stop, steps):
+            assert self.base is not None
+            allowed = (self.version - self.base + 1 + self.lag) * self.global_batch
+            if self.started_samples < allowed:
+                batch = next(self.batches)
+                mb = Microbatch(
+                    self._next_id, self.inputs_of(batch), lambda y, b=batch: self.loss_of(y, b)
+                )
+                self._next_id += 1
+                self.started_samples += mb.samples
+                return mb
+            await asyncio.sleep(PACED_POLL_S)
+            await self._refresh(every=PACED_POLL_S)
+        return None
+
+    async def _refresh(self, *, force: bool = False, every: float = REFRESH_S) -> None:
+        now = time.monotonic()
+        if force or now - self._refreshed >= every:
+            self._refreshed = now
+            try:
+                await self.trainer.refresh()
+            except Exception as e:  # the DHT will answer next time
+                log.debug("reading the stage records failed: %r", e)

@@ -1,0 +1,73 @@
+"""A pipelined swarm in one process: stage peers step together, trainers pace and replay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.peer.tasks.bytegpt import make_task
+
+from .pipeline_swarm import TINY, Swarm, loop_for
+
+
+def single_process(
+    task: Any, stages: list[torch.nn.Module], steps: int, per_step: int
+) -> list[float]:
+    """The same model, data order, global batch and AdamW in one process."""
+    params = [p for s in stages for p in s.parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.999))
+    batches = task.batches(0, 1, 0)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(per_step):
+            batch = next(batches)
+            y = task.stage_inputs(batch)
+            for s in stages:
+                y = s(y)
+            loss = task.stage_loss(y, batch)
+            (loss / per_step).backward()
+            losses.append(float(loss.detach()))
+        opt.step()
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_a_three_stage_swarm_trains_like_one_process(make_host: Callable[..., Any]) -> None:
+    """3 stages x 2 peers, one trainer, no compression, 300 steps: the last steps' loss is
+    within 2% of one process's; every stage's peers hold equal parameters; every
+    step took exactly the global batch."""
+    task = make_task(TINY)
+    steps, per_step, global_batch = 300, 2, 8
+    stages = task.make_stages(7, 3)
+    reference = single_process(task, [s for s in task.make_stages(7, 3)], steps, per_step)
+    swarm = Swarm(make_host)
+    try:
+        for s, module in enumerate(stages):
+            for _ in range(2):
+                await swarm.stage_peer(s, module, global_batch=global_batch)
+        trainer = await swarm.trainer(3, codec="none")
+        loop = loop_for(trainer, task, shard=0, global_batch=global_batch, lag=0)
+        losses: list[float] = []
+        loop.on_microbatch = lambda mb: losses.append(mb.loss)
+        started = time.monotonic()
+        await loop.run(steps=steps)
+        print(f"{steps} steps in {time.monotonic() - started:.1f}s")
+        tail = sum(losses[-40:]) / 40
+        tail_ref = sum(reference[-40:]) / 40
+        assert reference[-1] < reference[0] - 1.0
+        assert tail == pytest.approx(tail_ref, rel=0.02)
+        for s in range(3):
+            peers = swarm.of_stage(s)
+            assert len({p.optimizer.fingerprint() for p in peers}) == 1
+            assert {p.version for p in peers} == {steps}
+            done = {v: n for p in peers for v, n in p.optimizer.step_samples.items()}
+            assert done == dict.fromkeys(range(steps), global_batch)
+        assert trainer.counters.samples == steps * global_batch
+    finally:
+        await swarm.aclose()
