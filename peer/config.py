@@ -44,6 +44,7 @@ DEFAULT_EXPERIMENT = "default"
 DEFAULT_TASK = "bytegpt"
 DEFAULT_STRATEGY = "diloco"
 STRATEGIES = ("diloco", "streaming", "noloco")
+ROLES = ("auto", "trainer", "stage")  # (pipeline.options.ROLES; config stays torch-free)
 DEFAULT_INNER_STEPS = 50
 DEFAULT_STATUS_ADDR = "127.0.0.1:8080"
 DEFAULT_CHECKPOINT_INTERVAL = 300.0
@@ -200,6 +201,30 @@ OPTIONS: dict[str, Option] = {
             repeatable=True,
         ),
         Option(
+            "pipeline_stages",
+            "SHOAL_PIPELINE_STAGES",
+            "split a hosted experiment's model into N stages served by different peers "
+            "(a SWARM pipeline: for models too large for one peer); pipeline settings "
+            "such as global_batch=256 or codec=none go in --strategy-option",
+            "N",
+            "off: every peer holds the whole model",
+        ),
+        Option(
+            "role",
+            "SHOAL_ROLE",
+            "in a pipelined experiment: stage (serve a stage), trainer (drive microbatches of "
+            "this peer's data through the stages) or auto (both)",
+            "ROLE",
+            "auto",
+        ),
+        Option(
+            "stage",
+            "SHOAL_STAGE",
+            "in a pipelined experiment: serve stage K (0 is the first)",
+            "K",
+            "the stage with the least capacity",
+        ),
+        Option(
             "status_addr",
             "SHOAL_STATUS_ADDR",
             "HOST:PORT of the HTTP status endpoint (/status, /peers, /metrics, /healthz, "
@@ -277,6 +302,9 @@ class Config:
     strategy: str = DEFAULT_STRATEGY
     inner_steps: int = DEFAULT_INNER_STEPS
     strategy_option: tuple[tuple[str, Any], ...] = ()
+    pipeline_stages: int | None = None
+    role: str = "auto"
+    stage: int | None = None
     status_addr: tuple[str, int] | None = ("127.0.0.1", 8080)
     checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL
     threads: int | None = None
@@ -678,6 +706,32 @@ def _positive_int(raw: str | Sequence[str], source: str) -> int:
     return value
 
 
+def _parse_stages(raw: str | Sequence[str], source: str) -> int:
+    value = _positive_int(raw, source)
+    if value < 2:
+        raise ConfigError(f"{source}: a pipeline has at least 2 stages, got {value}")
+    return value
+
+
+def _parse_stage(raw: str | Sequence[str], source: str) -> int:
+    assert isinstance(raw, str)
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{source}: expected a stage number (0, 1, ...), got {raw!r}")
+    return value
+
+
+def _parse_role(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    text = raw.strip().lower()
+    if text not in ROLES:
+        raise ConfigError(f"{source}: unknown role {raw!r}; choose one of {', '.join(ROLES)}")
+    return text
+
+
 def _parse_interval(raw: str | Sequence[str], source: str) -> float:
     assert isinstance(raw, str)
     try:
@@ -758,6 +812,9 @@ _PARSERS = {
     "strategy": _parse_strategy,
     "inner_steps": _positive_int,
     "strategy_option": _parse_key_values,
+    "pipeline_stages": _parse_stages,
+    "role": _parse_role,
+    "stage": _parse_stage,
     "status_addr": _parse_status_addr,
     "checkpoint_interval": _parse_interval,
     "threads": _positive_int,

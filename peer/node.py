@@ -215,7 +215,10 @@ class PeerNode:
             "loop_lag_ms": self.loop_lag.summary(time.monotonic()),
             "config": self.config.to_json(),
             "verification": self._verification_status(),
+            "pipeline": None,
         }
+        if self.session is not None and self.session.pipeline is not None:
+            out["pipeline"] = self.session.pipeline.status()
         if self.session is not None:
             s = self.session.trainer.stats
             manifest = self.session.manifest

@@ -29,6 +29,7 @@ from shoal.averaging.outer import OuterStrategy, resolve_options
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
+from shoal.pipeline.options import PIPELINE_STRATEGY, resolve_pipeline_options
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 
@@ -43,6 +44,7 @@ from .experiment import (
     parse_experiment_ref,
     publish_manifest,
 )
+from .pipeline_run import PipelineRun, pipeline_fingerprint
 from .task import Task, TaskError, load_task, shard_of
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .verifier import Verifier
@@ -79,6 +81,8 @@ class Session:
     precision: str
     bans: BanWatcher
     verifier: Verifier | None = None  # a verified experiment's audits
+    # A pipelined experiment's run; it then also stands as `trainer` and `strategy`.
+    pipeline: PipelineRun | None = None
 
     def device_status(self, tokens_per_s: float | None) -> tuple[dict[str, Any], float | None]:
         """/status's `device` object and `mfu` (None when the device's peak is unknown)."""
@@ -127,7 +131,12 @@ async def open_session(
     else:
         manifest = await _find(dht, name)
         task = await _load_task(manifest.task, manifest.task_config, config.data)
-        model = await asyncio.to_thread(task.make_model, manifest.seed)
+        model = None
+        if manifest.strategy != PIPELINE_STRATEGY:  # (a pipeline never builds the whole model)
+            model = await asyncio.to_thread(task.make_model, manifest.seed)
+    if manifest.strategy == PIPELINE_STRATEGY:
+        return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
+    assert model is not None
     hosting = manifest.host == identity.peer_id
     log.info("%s %s", "hosting" if hosting else "joined", manifest.describe())
     try:
@@ -213,6 +222,57 @@ async def open_session(
         hyper["precision"],
         bans,
         verifier,
+    )
+
+
+async def _pipeline_session(
+    config: Config,
+    identity: Identity,
+    dht: DHTNode,
+    manifest: Manifest,
+    task: Task,
+    device: torch.device,
+    inventory: DeviceInventory,
+) -> Session:
+    """A pipelined experiment: this peer serves a stage and/or drives microbatches."""
+    hosting = manifest.host == identity.peer_id
+    log.info("%s %s", "hosting" if hosting else "joined", manifest.describe())
+    try:
+        await publish_manifest(dht, manifest)
+    except Exception as e:  # the DHT may be just us for now; the refresh task retries
+        log.warning("publishing the manifest failed (will retry): %r", e)
+    if not hasattr(task, "make_stages"):
+        raise SessionError(f"task {manifest.task} cannot be split into pipeline stages")
+    try:
+        hyper = check_hyperparameters(manifest.hyperparameters)
+        check_precision(hyper["precision"], device, inventory)
+        run = PipelineRun(
+            dht,
+            identity,
+            manifest,
+            task,
+            hyper,
+            role=config.role,
+            stage=config.stage,
+            device=device,
+        )
+    except ValueError as e:
+        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
+    await run.start(sync=not hosting)
+    return Session(
+        manifest,
+        task,
+        run,  # type: ignore[arg-type]
+        run,  # type: ignore[arg-type]
+        hosting,
+        False,
+        run.stage_peer is not None and run.stage_peer.syncs > 0,
+        device,
+        inventory,
+        hyper["precision"],
+        BanWatcher(dht, manifest.namespace),
+        None,
+        run,
     )
 
 
@@ -328,6 +388,8 @@ async def _host_manifest(
             raise SessionError(f"{path} was created by another identity; move it away")
         _warn_ignored(config, manifest)
         task = await _load_task(manifest.task, manifest.task_config, config.data)
+        if manifest.strategy == PIPELINE_STRATEGY:
+            return manifest, task, None
         model = await asyncio.to_thread(task.make_model, manifest.seed)
         return manifest, task, model
     task = await _load_task(config.task, dict(config.task_option), config.data)
@@ -337,24 +399,39 @@ async def _host_manifest(
     if config.precision != "fp32":
         # Only a non-default precision is written: a manifest without one reads as fp32.
         hyper_given["precision"] = config.precision
-    options = verification_options(config, {"inner_steps": config.inner_steps, **given})
+    strategy = PIPELINE_STRATEGY if config.pipeline_stages else config.strategy
     try:
-        options = resolve_options(config.strategy, options)
+        if config.pipeline_stages:
+            if not hasattr(task, "make_stages"):
+                raise SessionError(f"task {config.task} cannot be split into pipeline stages")
+            batch_size = int(task.config().get("batch_size", 1))
+            options = resolve_pipeline_options(
+                {"stages": config.pipeline_stages, **given}, batch_size
+            )
+        else:
+            options = verification_options(config, {"inner_steps": config.inner_steps, **given})
+            options = resolve_options(config.strategy, options)
         hyperparameters = check_hyperparameters(hyper_given)
         if hyperparameters["precision"] == "fp32":
             del hyperparameters["precision"]
     except ValueError as e:
         raise SessionError(f"--strategy-option: {e}") from None
     seed = secrets.randbits(31)
-    model = await asyncio.to_thread(task.make_model, seed)
-    fingerprint = state_fingerprint([p.detach() for p in model.parameters()], {})
+    model = None
+    if config.pipeline_stages:
+        fingerprint = await asyncio.to_thread(
+            pipeline_fingerprint, task, seed, config.pipeline_stages
+        )
+    else:
+        model = await asyncio.to_thread(task.make_model, seed)
+        fingerprint = state_fingerprint([p.detach() for p in model.parameters()], {})
     try:
         manifest = Manifest.create(
             identity,
             name=name,
             task=config.task,
             task_config=task.config(),
-            strategy=config.strategy,
+            strategy=strategy,
             strategy_options=options,
             hyperparameters=hyperparameters,
             seed=seed,
@@ -401,6 +478,7 @@ def _warn_ignored(config: Config, manifest: Manifest) -> None:
             "strategy_option",
             "precision",
             "verify",
+            "pipeline_stages",
         )
         if o in config.sources
     ]

@@ -46,8 +46,15 @@ loop ran over the last minute, peer/loop_lag.py: p50_ms, p99_ms, max_ms,
 window_s), `verification` (obj|null, null before the experiment starts:
 `banned` [peer IDs this peer refuses], `convictions` [{peer, round, accusers,
 at}], `convicted_self` bool, `rejected_evidence` int: forged or altered
-bundles seen; peer/ban_watch.py), and whatever else the daemon finds useful;
-clients ignore keys they do not know.
+bundles seen; peer/ban_watch.py), `pipeline` (obj|null, null unless the
+experiment is pipelined: `stage` int|null (the stage this peer serves),
+`trainer` bool (it drives microbatches), `stages` [{stage, peers, throughput
+(training samples/s, null until measured), peer_ids, version}], `microbatches`
+int (driven by a trainer; served backwards for a stage-only peer), `served`
+{forward, backward}, `version`, `serving`, `syncs`, `retries`, `replayed`;
+peer/pipeline_run.py; a trainer's `step` and `loss` are then its optimizer
+steps and training loss), and whatever else the daemon finds useful; clients
+ignore keys they do not know.
 
 `/peers` (`await StatusProvider.peers()`), a list, this peer included:
 

@@ -148,6 +148,9 @@ class StageBalancer:
         if state is None:
             return 0.0
         state.in_flight = max(0, state.in_flight - 1)
+        if state.banned_until > now:
+            # Requests sent before the ban fail with it: one fault, not several.
+            return state.banned_until - now
         state.ban_seconds = min(self.ban_max, state.ban_seconds * 2 or self.ban_base)
         state.banned_until = now + state.ban_seconds
         state.returning = True

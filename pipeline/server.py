@@ -105,6 +105,9 @@ class StageServer:
         self.version = 0  # optimizer steps applied to the stage's parameters
         self.steps: Sequence[StepRecord] = ()  # the last committed steps (StageOptimizer.steps)
         self.serving = True  # False while the state is re-synced: requests are refused
+        # When it (re)started serving: a trainer that banned this peer lifts the ban
+        # when this changes (a restart, a re-sync done), not at every refresh.
+        self.since = time.time()
         self.forward_speed = _Speed()
         self.backward_speed = _Speed()
         self.served = {"forward": 0, "backward": 0}
@@ -156,6 +159,7 @@ class StageServer:
             "bwd": self.backward_speed.value,
             "queue": self.queued,
             "version": self.version,
+            "since": self.since,
             "t": time.time(),
         }
 
@@ -212,6 +216,8 @@ class StageServer:
                         self._compute, _run, self.worker, batch
                     )
                 except Exception as e:  # a request the module cannot compute: fail them all
+                    log.info("stage %d: a %s batch of %d failed: %r (%s)", self.stage,
+                             batch[0].kind, len(batch), e, _describe(batch))  # fmt: skip
                     for job in batch:
                         if not job.done.done():
                             job.done.set_exception(e)
@@ -248,21 +254,25 @@ class StageServer:
             "steps": [[r.version, [p.to_bytes() for p in r.members]] for r in self.steps],
         }
 
-    async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
-        _, samples, codec, enc = self._check(payload)
-        inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
+    async def compute_forward(
+        self, inputs: torch.Tensor, samples: int
+    ) -> tuple[Any, dict[str, Any]]:
+        """A forward request's outputs and the answer's header (over RPC, or for a
+        trainer in this very process, which calls it directly)."""
+        if not self.serving:
+            raise ConnectionRefusedError("this peer is re-syncing its stage's state")
         _check_batch(inputs, samples)
         outputs, seconds = await self._submit(_Job("forward", inputs, samples))
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
-        yield {**self._meta(seconds), "enc": encodes(codec, outputs)}
-        self.bytes_sent += await send_tensor(ctx, outputs, codec)
+        return outputs, self._meta(seconds)
 
-    async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
-        key, samples, codec, enc = self._check(payload)
-        enc = enc + [False] * (2 - len(enc))
-        inputs = await recv_tensor(ctx, codec, enc[0])
-        grad_outputs = await recv_tensor(ctx, codec, enc[1])
+    async def compute_backward(
+        self, key: Any, inputs: torch.Tensor, grad_outputs: torch.Tensor, samples: int
+    ) -> tuple[Any, dict[str, Any]]:
+        """A backward request's input gradient (None for token ids) and the answer's header."""
+        if not self.serving:
+            raise ConnectionRefusedError("this peer is re-syncing its stage's state")
         _check_batch(inputs, samples)
         request: BackwardRequest = (key, inputs, grad_outputs, samples)
         (grad_inputs, epoch), seconds = await self._submit(_Job("backward", request, samples))
@@ -270,14 +280,29 @@ class StageServer:
         self.served["backward"] += 1
         if self.on_backward is not None:
             self.on_backward()
-        yield {
-            **self._meta(seconds),
-            "epoch": epoch,
-            "grad": grad_inputs is not None,
-            "enc": grad_inputs is not None and encodes(codec, grad_inputs),
-        }
+        return grad_inputs, {**self._meta(seconds), "epoch": epoch, "grad": grad_inputs is not None}
+
+    async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
+        _, samples, codec, enc = self._check(payload)
+        inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
+        outputs, meta = await self.compute_forward(inputs, samples)
+        yield {**meta, "enc": encodes(codec, outputs)}
+        self.bytes_sent += await send_tensor(ctx, outputs, codec)
+
+    async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
+        key, samples, codec, enc = self._check(payload)
+        enc = enc + [False] * (2 - len(enc))
+        inputs = await recv_tensor(ctx, codec, enc[0])
+        grad_outputs = await recv_tensor(ctx, codec, enc[1])
+        grad_inputs, meta = await self.compute_backward(key, inputs, grad_outputs, samples)
+        yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
         if grad_inputs is not None:
             self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
+
+
+def _describe(batch: list[_Job]) -> str:
+    tensors = [j.request if j.kind == "forward" else j.request[1] for j in batch]
+    return ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
 
 
 def _check_batch(inputs: torch.Tensor, samples: int) -> None:

@@ -67,6 +67,7 @@ class StageOptimizer:
         codec: str = "none",
     ) -> None:
         self.worker = worker
+        self.hyper = dict(hyper)
         self.params = worker.params
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -153,6 +154,11 @@ class StageOptimizer:
         """The commit hook (in a thread): `gradients` hold the stage's mean gradient.
         Under the worker's lock: no request computes with half-stepped parameters."""
         with self.worker.lock:
+            # Linear warmup by the step's number: the same on every peer of the stage.
+            warmup = int(self.hyper.get("warmup_steps", 0))
+            scale = min(1.0, self.version / warmup) if warmup > 0 else 1.0  # (counts this step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.hyper["lr"] * scale
             with torch.no_grad():
                 for p, g in zip(self.params, self.gradients, strict=True):
                     p.grad = g.to(p.device, copy=True)

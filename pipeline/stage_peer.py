@@ -180,6 +180,7 @@ class StagePeer:
             self.syncs += 1
         finally:
             self.server.serving = True
+            self.server.since = time.time()
         await self._publish()
 
     async def _publish(self) -> None:

@@ -39,7 +39,7 @@ from shoal.transport.identity import PeerID
 
 from .balancer import NoPeerAvailable, StageBalancer
 from .ledger import Applied, MicrobatchLedger
-from .server import pipeline_protocol, stage_key
+from .server import StageServer, pipeline_protocol, stage_key
 from .wire import codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["Microbatch", "PipelineTrainer", "StageFailed"]
@@ -71,10 +71,11 @@ class Microbatch:
     id: int
     inputs: torch.Tensor
     loss_of: Callable[[torch.Tensor], torch.Tensor]
-    stage_inputs: list[torch.Tensor] = field(default_factory=list)
+    stage_inputs: list[torch.Tensor] = field(default_factory=list)  # as far as it got
     grad: torch.Tensor | None = None  # the gradient to send to the next stage back
     backward_from: int | None = None  # the stage whose backward is next
     loss: float | None = None
+    batch: Any = None  # what the data gave (inputs and targets), for the caller
 
     @property
     def samples(self) -> int:
@@ -108,6 +109,7 @@ class PipelineTrainer:
         # A nonce per trainer run: keys of a restarted trainer never meet old answers.
         self._name = f"{str(dht.peer_id)[-8:]}.{secrets.token_hex(4)}"
         self._announced: dict[PeerID, float] = {}
+        self.local: dict[int, StageServer] = {}  # stages this process serves: called directly
         self._replays: set[asyncio.Task[None]] = set()
 
     @property
@@ -127,14 +129,18 @@ class PipelineTrainer:
                 peer = owner_of(subkey)
                 if peer is None or not isinstance(record, dict):
                     continue  # (None: a peer that stopped serving)
-                speed, version, at = record.get("fwd"), record.get("version"), record.get("t")
+                speed, version, since = (
+                    record.get("fwd"),
+                    record.get("version"),
+                    record.get("since"),
+                )
                 peers.append((peer, speed if isinstance(speed, int | float) else None))
                 if isinstance(version, int) and not isinstance(version, bool):
                     self.versions[s] = max(self.versions[s], version)
-                if isinstance(at, int | float) and at > self._announced.get(peer, at):
-                    balancer.reannounced(peer)  # a newer record: it says it is back
-                if isinstance(at, int | float):
-                    self._announced[peer] = at
+                if isinstance(since, int | float):
+                    if since > self._announced.get(peer, since):
+                        balancer.reannounced(peer)  # it restarted or re-synced: back
+                    self._announced[peer] = since
             balancer.set_peers(peers)
             self.stage_peers[s] = [p for p, _ in peers]
             counts.append(len(peers))
@@ -152,12 +158,18 @@ class PipelineTrainer:
     async def resume(self, mb: Microbatch) -> float:
         """Take `mb` on from where it stopped (StageFailed: it stops again there)."""
         if mb.backward_from is None:
-            x = mb.stage_inputs[-1] if mb.stage_inputs else mb.inputs
-            while len(mb.stage_inputs) < self.stages:
-                s = len(mb.stage_inputs)
-                y, _ = await self._request(s, "forward", f"{mb.id}", mb.samples, [x])
-                mb.stage_inputs.append(x)
-                x = y
+            if not mb.stage_inputs:
+                mb.stage_inputs.append(mb.inputs)
+            x = None
+            while x is None:
+                s = len(mb.stage_inputs) - 1
+                y, _ = await self._request(
+                    s, "forward", f"{mb.id}", mb.samples, [mb.stage_inputs[s]]
+                )
+                if s == self.stages - 1:
+                    x = y
+                else:
+                    mb.stage_inputs.append(y)
             outputs = x.detach().requires_grad_(True)
             loss = mb.loss_of(outputs)
             loss.backward()
@@ -247,8 +259,8 @@ class PipelineTrainer:
             except (TransportError, TimeoutError, OSError, ValueError) as e:
                 banned = balancer.failed(peer, time.monotonic())
                 self.counters.retries += 1
-                log.info("stage %d %s on %s failed (%s); banned for %.0fs, trying another peer",
-                         stage, method, str(peer)[-8:], type(e).__name__, banned)  # fmt: skip
+                log.info("stage %d %s on %s failed (%s: %s); banned for %.0fs, trying another peer",
+                         stage, method, str(peer)[-8:], type(e).__name__, e, banned)  # fmt: skip
                 continue
             balancer.succeeded(peer, samples, float(meta.get("seconds", 0.0)),
                                queue=int(meta.get("queue", 0)), backward=backward)  # fmt: skip
@@ -270,6 +282,12 @@ class PipelineTrainer:
         tensors: list[torch.Tensor],
         deadline: float,
     ) -> tuple[Any, dict[str, Any]]:
+        local = self.local.get(stage)
+        if local is not None and peer == self.dht.peer_id:  # our own stage: no wire
+            async with asyncio.timeout(deadline):
+                if method == "forward":
+                    return await local.compute_forward(tensors[0], samples)
+                return await local.compute_backward(key, tensors[0], tensors[1], samples)
         enc = [encodes(self.codec, t) for t in tensors]
         payload = {"stage": stage, "key": key, "samples": samples, "codec": self.codec.name,
                    "enc": enc}  # fmt: skip

@@ -34,6 +34,7 @@ log = logging.getLogger("shoal.pipeline")
 REFRESH_S = 5.0  # the stage records are read this often (and whenever paced)
 PACED_POLL_S = 0.1
 LOSS_EMA = 0.05
+WARN_EVERY_S = 30.0
 
 
 class TrainerLoop:
@@ -63,6 +64,7 @@ class TrainerLoop:
         self._next_id = 0
         self._refreshed = -float("inf")
         self._retry: list[Microbatch] = []
+        self._warned = -float("inf")
 
     @property
     def version(self) -> int:
@@ -102,7 +104,10 @@ class TrainerLoop:
             try:
                 await self.trainer.resume(mb)
             except StageFailed as e:
-                log.info("microbatch %d waits for its stage: %s", mb.id, e)
+                now = time.monotonic()
+                if now - self._warned >= WARN_EVERY_S:
+                    self._warned = now
+                    log.info("microbatches wait: %s", e)
                 self._retry.append(mb)
                 await asyncio.sleep(1.0)
                 await self._refresh(force=True)
@@ -124,7 +129,10 @@ class TrainerLoop:
             if self.started_samples < allowed:
                 batch = next(self.batches)
                 mb = Microbatch(
-                    self._next_id, self.inputs_of(batch), lambda y, b=batch: self.loss_of(y, b)
+                    self._next_id,
+                    self.inputs_of(batch),
+                    lambda y, b=batch: self.loss_of(y, b),
+                    batch=batch,
                 )
                 self._next_id += 1
                 self.started_samples += mb.samples

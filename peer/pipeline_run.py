@@ -1,0 +1,247 @@
+"""A peer's part in a pipelined experiment: the stage it serves, the microbatches it drives.
+
+`PipelineRun` stands where a data-parallel peer has its `Trainer` and outer
+strategy, so the daemon, the status endpoint and the peer reports treat both
+kinds of experiment alike (`step`, `loss`, `outer_step`, `fingerprint`,
+`run`, `aclose`).
+
+Roles (``--role``): ``stage`` serves one stage of the model; ``trainer`` drives
+microbatches of its own data shard through every stage without serving one;
+``auto`` (the default) does both. The stage is ``--stage K`` or, by default,
+the one with the least capacity in the stage records when the peer starts. A
+peer downloads its stage's state from the stage's peers before it announces
+itself (the first peer of a stage starts from the manifest's seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shoal.averaging.fingerprint import state_fingerprint
+from shoal.dht.node import DHTNode
+from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
+from shoal.pipeline.stage_peer import StagePeer
+from shoal.pipeline.trainer import Microbatch, PipelineTrainer
+from shoal.pipeline.trainer_loop import TrainerLoop
+from shoal.transport.identity import Identity
+
+from .experiment import Manifest
+from .task import Task, shard_of
+from .trainer import RATE_WINDOW_S, TrainerStats
+
+__all__ = ["PipelineRun", "pipeline_fingerprint"]
+
+log = logging.getLogger("shoal.pipeline")
+
+DIRECTORY_REFRESH_S = 5.0
+
+
+STEPS_SHOWN = 256
+
+
+def _last(steps: dict[int, int]) -> dict[str, int]:
+    versions = sorted(steps)[-STEPS_SHOWN:]
+    return {str(v): steps[v] for v in versions}
+
+
+def pipeline_fingerprint(task: Task, seed: int, stages: int) -> str:
+    """The initial model's fingerprint, over every stage's parameters in order."""
+    modules = task.make_stages(seed, stages)  # type: ignore[attr-defined]
+    return state_fingerprint([p.detach() for m in modules for p in m.parameters()], {})
+
+
+class PipelineRun:
+    def __init__(
+        self,
+        dht: DHTNode,
+        identity: Identity,
+        manifest: Manifest,
+        task: Task,
+        hyper: dict[str, Any],
+        *,
+        role: str,
+        stage: int | None,
+        device: torch.device,
+    ) -> None:
+        self.dht = dht
+        self.manifest = manifest
+        self.task = task
+        self.options = manifest.strategy_options
+        self.stages = int(self.options["stages"])
+        self.hyper = hyper
+        self.role = role
+        self.wanted_stage = stage
+        self.device = device
+        self.stats = TrainerStats()
+        self.on_round: Callable[[Any], None] | None = None  # (no averaging rounds of its own)
+        self.stage_peer: StagePeer | None = None
+        self.loop: TrainerLoop | None = None
+        self.directory: list[list[StageRecord]] = [[] for _ in range(self.stages)]
+        self._shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
+        self._seed = int.from_bytes(identity.peer_id.to_bytes()[-8:], "big") ^ manifest.seed
+        self._done: collections.deque[tuple[float, int]] = collections.deque()
+        self._tokens_per_sample = 1
+        if stage is not None and not 0 <= stage < self.stages:
+            raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self, *, sync: bool) -> None:
+        """Serve a stage (roles auto and stage) and set up the trainer (auto, trainer)."""
+        await self.refresh_directory()
+        if self.role in ("auto", "stage"):
+            k = self.wanted_stage
+            if k is None:
+                k = least_capacity_stage(self.directory)
+            modules = await asyncio.to_thread(
+                self.task.make_stages, self.manifest.seed, self.stages
+            )  # type: ignore[attr-defined]
+            module = await asyncio.to_thread(modules[k].to, self.device)
+            del modules
+            peer = StagePeer(
+                self.dht,
+                self.manifest.namespace,
+                k,
+                module,
+                hyper={
+                    "lr": self.hyper["inner_lr"],
+                    "weight_decay": self.hyper["weight_decay"],
+                    "adam_beta2": self.hyper["adam_beta2"],
+                    "warmup_steps": self.hyper["warmup_steps"],
+                },
+                global_batch=int(self.options["global_batch"]),
+                device=self.device,
+            )
+            # A stage some peer already serves has a state to download first.
+            await peer.start(sync=sync or bool(self.directory[k]))
+            self.stage_peer = peer
+            log.info("serving stage %d of %d (version %d)", k, self.stages, peer.version)
+        if self.role in ("auto", "trainer"):
+            trainer = PipelineTrainer(
+                self.dht, self.manifest.namespace, self.stages, codec=str(self.options["codec"])
+            )
+            if self.stage_peer is not None:
+                trainer.local[self.stage_peer.stage] = self.stage_peer.server
+            self.loop = TrainerLoop(
+                trainer,
+                self.task.batches(self._shard, self.hyper["num_shards"], self._seed),
+                inputs_of=self.task.stage_inputs,  # type: ignore[attr-defined]
+                loss_of=self.task.stage_loss,  # type: ignore[attr-defined]
+                global_batch=int(self.options["global_batch"]),
+                lag=int(self.options["lag"]),
+            )
+            self.loop.on_microbatch = self._microbatch_done
+
+    async def refresh_directory(self) -> None:
+        try:
+            self.directory = await read_stages(self.dht, self.manifest.namespace, self.stages)
+        except Exception as e:  # the next refresh tries again
+            log.debug("reading the stage records failed: %r", e)
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Drive microbatches (a trainer) and keep the directory fresh, until `stop`."""
+        refresher = asyncio.ensure_future(self._refresh_loop(stop))
+        try:
+            if self.loop is not None:
+                await self.loop.run(stop)
+            else:
+                await stop.wait()
+        finally:
+            refresher.cancel()
+
+    async def _refresh_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.refresh_directory()
+            self._update_step()
+            await asyncio.sleep(DIRECTORY_REFRESH_S)
+
+    def _microbatch_done(self, mb: Microbatch) -> None:
+        now = time.monotonic()
+        tokens = int(self.task.batch_tokens(mb.batch)) if mb.batch is not None else mb.samples
+        self.stats.tokens += tokens
+        self._done.append((now, tokens))
+        while self._done and now - self._done[0][0] > RATE_WINDOW_S:
+            self._done.popleft()
+        span = now - self._done[0][0] if len(self._done) > 1 else 0.0
+        if span > 0:
+            self.stats.tokens_per_s = sum(t for _, t in list(self._done)[1:]) / span
+        assert self.loop is not None
+        self.stats.loss, self.stats.last_loss = self.loop.loss, self.loop.last_loss
+        self._update_step()
+
+    def _update_step(self) -> None:
+        self.stats.step = self.outer_steps
+
+    # ------------------------------------------------------------------ what the node shows
+
+    @property
+    def outer_steps(self) -> int:
+        """Optimizer steps: the slowest stage's for a trainer, else our stage's."""
+        if self.loop is not None:
+            return self.loop.version
+        return self.stage_peer.version if self.stage_peer is not None else 0
+
+    @property
+    def committed_fingerprint(self) -> str | None:
+        return (
+            None if self.stage_peer is None else self.stage_peer.optimizer.averager.last_fingerprint
+        )
+
+    def status(self) -> dict[str, Any]:
+        """/status's `pipeline` object."""
+        peer, loop = self.stage_peer, self.loop
+        stages = []
+        for s, records in enumerate(self.directory):
+            speeds = [r.samples_per_s for r in records if r.samples_per_s]
+            stages.append({
+                "stage": s,
+                "peers": len(records),
+                "throughput": sum(speeds) if speeds else None,
+                "peer_ids": [str(r.peer) for r in records],
+                "version": max((r.version for r in records), default=None),
+            })  # fmt: skip
+        served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
+        driven = loop.trainer.counters.microbatches if loop is not None else 0
+        return {
+            "stage": None if peer is None else peer.stage,
+            "trainer": loop is not None,
+            "role": self.role,
+            "stages": stages,
+            "microbatches": driven if loop is not None else served["backward"],
+            "served": served,
+            "version": None if peer is None else peer.version,
+            "serving": None if peer is None else peer.server.serving,
+            "syncs": None if peer is None else peer.syncs,
+            "retries": None if loop is None else loop.trainer.counters.retries,
+            "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
+            # Exactly-once accounting, for whoever checks it: samples this trainer
+            # completed; a stage peer's step sizes (version -> samples, the last
+            # STEPS_SHOWN) and the samples it holds for steps not taken yet.
+            "samples": None if loop is None else loop.trainer.counters.samples,
+            "step_samples": None if peer is None else _last(peer.optimizer.step_samples),
+            "pending_samples": None
+            if peer is None
+            else peer.worker.samples_for(peer.version) + peer.worker.samples_for(peer.version + 1),
+        }
+
+    def close(self) -> None:
+        """(The trainer's synchronous close: nothing to do here.)"""
+
+    async def aclose(self) -> None:
+        if self.loop is not None:
+            try:  # replays under way, if the stages still answer
+                async with asyncio.timeout(10.0):
+                    await self.loop.trainer.settled()
+            except TimeoutError:
+                log.info("leaving with microbatch replays unfinished")
+        if self.stage_peer is not None:
+            await self.stage_peer.aclose()

@@ -1,0 +1,49 @@
+"""A pipelined experiment's settings, as its manifest records them (strategy "pipeline")."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shoal.averaging.compression import CODECS
+
+__all__ = ["PIPELINE_STRATEGY", "ROLES", "resolve_pipeline_options"]
+
+PIPELINE_STRATEGY = "pipeline"
+ROLES = ("auto", "trainer", "stage")
+MAX_STAGES = 64
+
+DEFAULTS: dict[str, Any] = {
+    "stages": 3,
+    # Samples per optimizer step, over all trainers (None: 8 of the task's batches).
+    "global_batch": None,
+    # Global batches a trainer may start ahead of the slowest stage's steps (0: every
+    # step takes exactly the next global batch, as in one process).
+    "lag": 1,
+    "codec": "int8",  # activations and gradients between stages
+}
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_pipeline_options(options: Mapping[str, Any], batch_size: int) -> dict[str, Any]:
+    """`DEFAULTS` overridden by `options`, checked; ValueError names the bad one."""
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(
+            f"unknown pipeline option {sorted(unknown)[0]!r}; known: {sorted(DEFAULTS)}"
+        )
+    out = {**DEFAULTS, **options}
+    if out["global_batch"] is None:
+        out["global_batch"] = 8 * batch_size
+    if not (_int(out["stages"]) and 2 <= out["stages"] <= MAX_STAGES):
+        raise ValueError(f"pipeline stages must be a whole number from 2 to {MAX_STAGES}")
+    if not (_int(out["global_batch"]) and out["global_batch"] >= batch_size):
+        raise ValueError(f"global_batch must be a whole number >= the batch size ({batch_size})")
+    if not (_int(out["lag"]) and 0 <= out["lag"] <= 4):
+        raise ValueError("lag must be a whole number from 0 to 4")
+    if out["codec"] not in CODECS:
+        raise ValueError(f"codec must be one of {', '.join(CODECS)}")
+    return out
