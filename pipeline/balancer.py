@@ -83,9 +83,13 @@ class StageBalancer:
                 del self._peers[peer]
         # Just below the minimum: a newcomer gets the next request, then competes.
         floor = self._min_virtual_time() - 1e-9
+        # Unannounced and unmeasured, a newcomer is taken for a typical peer of the stage
+        # (not for the prior: one request at a made-up speed would put it far behind).
+        known = sorted(s.throughput for s in self._peers.values() if s.ema_weight > 0)
+        typical = known[len(known) // 2] if known else self.prior
         for peer, announced in listed.items():
             if peer not in self._peers:
-                prior = announced if announced and announced > 0 else self.prior
+                prior = announced if announced and announced > 0 else typical
                 self._peers[peer] = _Peer(virtual_time=floor, throughput=prior)
 
     def reannounced(self, peer: Hashable) -> None:

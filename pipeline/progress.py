@@ -22,7 +22,7 @@ from shoal.transport.identity import PeerID
 __all__ = ["Report", "StageProgress", "progress_key", "samples_at"]
 
 PROGRESS_TTL = 60.0
-STALE_S = 30.0
+STALE_S = 10.0  # stage peers renew their report every 3 s
 
 
 def progress_key(experiment: str, stage: int) -> str:

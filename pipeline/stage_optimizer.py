@@ -136,7 +136,7 @@ class StageOptimizer:
             self.steps.append(StepRecord(version, tuple(result.members), total))
             if total is not None:
                 self.step_samples[version] = total
-        elif self.version != version:
+        elif result.resynced or self.version != version:
             self.dropped_samples += taken.samples + self.worker.drop_before(self.version)
         else:
             self.worker.give_back(taken)

@@ -14,7 +14,9 @@ half the global batch) or as soon as a backward landed here:
 
 It declares itself to the stage's matchmaking between steps, so that the
 leader of a step waits for it (a peer a moment late joins the step rather than
-being left out of it and re-syncing).
+being left out of it and re-syncing). A step's group must hold a majority of
+the peers that reported at its version lately, so the stage never splits into
+two groups that each step alone.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ log = logging.getLogger("shoal.pipeline")
 POLL_S = 1.0  # the stage's reports are read this often...
 NEAR_POLL_S = 0.1  # ...and this often once its peers hold most of the global batch
 NEAR = 0.5
-REPORT_EVERY_S = 5.0  # an unchanged report is renewed this often (STALE_S is 30 s)
+REPORT_EVERY_S = 3.0  # an unchanged report is renewed this often (STALE_S is 10 s)
 
 
 class StagePeer:
@@ -75,6 +77,7 @@ class StagePeer:
             min_matchmaking_time=0.05,
             give_up_alone_after=1.0,
         )
+        self.matchmaking = matchmaking  # (its min_group_size is set before each step)
         self.optimizer = StageOptimizer(
             dht, experiment, stage, self.worker, hyper=hyper, matchmaking=matchmaking
         )
@@ -145,10 +148,15 @@ class StagePeer:
             await self.catch_up()
             return
         await self.optimizer.averager.refresh_presence()
-        others = [r for r in reports if r.peer != self.server.dht.peer_id]
+        others = [r for r in fresh if r.peer != self.server.dht.peer_id]
         held = samples_at(others, version, now) + samples
         self._near = held >= NEAR * self.progress.global_batch
         if held >= self.progress.global_batch:
+            # A step needs a majority of the stage's live peers: two groups can then
+            # never both commit the same version apart (a split the swarm would have
+            # to undo, and the microbatches of the losing side with it).
+            live = 1 + sum(1 for r in others if r.version == version)
+            self.matchmaking.min_group_size = live // 2 + 1
             await self.step()
 
     async def step(self) -> None:
