@@ -13,6 +13,10 @@ Two kinds of series:
   shoal_device_info{kind,name} (always 1). A value the
   peer does not know yet (loss before the first step) is left out rather than
   exported as 0.
+- A pipelined experiment's stages: shoal_pipeline_stage_peers{stage},
+  shoal_pipeline_stage_throughput{stage}, shoal_pipeline_stage_server{stage,
+  peer_id} (1 per serving peer), shoal_pipeline_serving_stage and
+  shoal_pipeline_microbatches_total.
 - Events the daemon reports: `observe_round()` feeds shoal_rounds_total{outcome},
   shoal_round_duration_seconds and shoal_round_group_size (histograms).
 
@@ -202,6 +206,9 @@ class _StatusCollector(Collector):
                 count = verification.get(f"audits_{result}", 0)
                 audits.add_metric([result], count if _is_number(count) else 0)
             yield audits
+        pipeline = status.get("pipeline")
+        if isinstance(pipeline, dict):
+            yield from _pipeline_metrics(pipeline)
         kinds = Tally(str(c.get("kind")) for c in status.get("connections") or ())
         connections = GaugeMetricFamily(
             "shoal_connections", "Open connections to other peers, by kind.", labels=["kind"]
@@ -209,6 +216,42 @@ class _StatusCollector(Collector):
         for kind in dict.fromkeys((*CONNECTION_KINDS, *kinds)):
             connections.add_metric([kind], kinds[kind])
         yield connections
+
+
+def _pipeline_metrics(pipeline: dict[str, object]) -> Iterator[Metric]:
+    """A pipelined experiment: the stages, who serves them, what this peer did."""
+    stages = [s for s in pipeline.get("stages") or () if isinstance(s, dict)]  # type: ignore[attr-defined]
+    peers = GaugeMetricFamily(
+        "shoal_pipeline_stage_peers", "Peers serving each stage of the pipeline.", labels=["stage"]
+    )
+    speed = GaugeMetricFamily(
+        "shoal_pipeline_stage_throughput",
+        "Training samples per second each stage's peers can take together (as they measure).",
+        labels=["stage"],
+    )
+    servers = GaugeMetricFamily(
+        "shoal_pipeline_stage_server",
+        "1 for each peer serving a stage.",
+        labels=["stage", "peer_id"],
+    )
+    for stage in stages:
+        label = str(stage.get("stage"))
+        peers.add_metric([label], len(stage.get("peer_ids") or ()))
+        if _is_number(stage.get("throughput")):
+            speed.add_metric([label], stage["throughput"])
+        for peer in stage.get("peer_ids") or ():
+            servers.add_metric([label, str(peer)], 1)
+    yield from (peers, speed, servers)
+    yield from _gauge(
+        "shoal_pipeline_serving_stage", "The stage this peer serves.", pipeline.get("stage")
+    )
+    count = pipeline.get("microbatches")
+    if _is_number(count):
+        yield CounterMetricFamily(
+            "shoal_pipeline_microbatches",
+            "Microbatches this peer drove through the pipeline (a trainer) or served.",
+            value=count,  # type: ignore[arg-type]
+        )
 
 
 def _gauge(name: str, documentation: str, value: object) -> Iterator[Metric]:

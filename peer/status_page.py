@@ -17,7 +17,9 @@ peer), `#loss-curve[data-points]` and `#bandwidth[data-points]` (points drawn),
 `body[data-polls]` (successful polls so far), and the summary values `#peer-id`,
 `#experiment`, `#swarm-round`, `#step`, `#loss`, `#tokens-per-s`, `#device`,
 `#reachability`, `#uptime`, `#join-command` (the command another peer runs to join),
-`#verification` with `#bans tbody tr[data-peer-id]` (one row per banned peer).
+`#verification` with `#bans tbody tr[data-peer-id]` (one row per banned peer),
+`#pipeline` with `#stages tbody tr[data-stage]` (one row per stage of a
+pipelined experiment).
 """
 
 import base64
@@ -173,6 +175,14 @@ STATUS_PAGE_HTML = r"""<!doctype html>
       <div class="card" id="last-round">
         <h2>Last averaging round</h2>
         <div class="empty">no round yet</div>
+      </div>
+      <div class="card" id="pipeline" hidden>
+        <h2>Pipeline <span class="aside" id="pipeline-role"></span></h2>
+        <div class="scroll"><table id="stages">
+          <thead><tr><th>Stage</th><th class="num">Peers</th><th class="num">Samples/s</th>
+            <th>Served by</th></tr></thead>
+          <tbody></tbody>
+        </table></div>
       </div>
       <div class="card" id="verification" hidden>
         <h2>Verification <span class="aside" id="audits"></span></h2>
@@ -477,6 +487,26 @@ function renderVerification(v) {
   $("bans-empty").hidden = convictions.length > 0;
 }
 
+// A pipelined experiment: each stage, its peers (ours marked) and what they can take.
+function renderPipeline(p, self) {
+  const box = $("pipeline");
+  box.hidden = !p || typeof p !== "object";
+  if (box.hidden) return;
+  const role = [p.stage === null || p.stage === undefined ? null : `serving stage ${p.stage}`,
+    p.trainer ? "training" : null].filter(Boolean).join(" · ");
+  setText("pipeline-role", `${role} · ${fmtNum(p.microbatches ?? 0, 0)} microbatches`);
+  const stages = Array.isArray(p.stages) ? p.stages : [];
+  $("stages").tBodies[0].replaceChildren(...stages.map((st) => {
+    const ids = Array.isArray(st.peer_ids) ? st.peer_ids.map(String) : [];
+    return el("tr", { "data-stage": String(st.stage) },
+      el("td", { class: "num", text: fmtNum(st.stage, 0) }),
+      el("td", { class: "num", text: fmtNum(st.peers, 0) }),
+      el("td", { class: "num", text: fmtNum(st.throughput, 1) }),
+      el("td", { class: "mono", text: ids.map((id) => shortId(id, 4, 4)
+        + (id === self ? " (this peer)" : "")).join(", ") || "nobody" }));
+  }));
+}
+
 function renderStatus(s) {
   setText("peer-id", s.peer_id ?? "—");
   setText("experiment", s.experiment ?? "none yet");
@@ -514,6 +544,7 @@ function renderStatus(s) {
     : [el("li", { class: "empty", text: "none yet" })]));
 
   renderVerification(s.verification);
+  renderPipeline(s.pipeline, s.peer_id);
 
   const box = $("last-round");
   const r = s.last_round;

@@ -125,6 +125,15 @@ class GrowingSwarm:
                 "convicted_self": False,
                 "rejected_evidence": 0,
             },
+            "pipeline": {
+                "stage": 1,
+                "trainer": True,
+                "stages": [
+                    {"stage": 0, "peers": 2, "throughput": 410.5, "peer_ids": self.ids[1:3]},
+                    {"stage": 1, "peers": 1, "throughput": None, "peer_ids": [HOSTILE]},
+                ],
+                "microbatches": 57,
+            },
         }
 
     async def peers(self) -> list[dict[str, Any]]:
@@ -263,6 +272,8 @@ return {
   peersText: document.getElementById('peers').textContent,
   bans: [...document.querySelectorAll('#bans tbody tr')].map((r) => r.dataset.peerId),
   audits: document.getElementById('audits').textContent,
+  stages: [...document.querySelectorAll('#stages tbody tr')].map((r) => r.textContent),
+  pipelineRole: document.getElementById('pipeline-role').textContent,
   selfConvictedShown: getComputedStyle(document.getElementById('self-convicted')).display
     !== 'none',
 };
@@ -305,6 +316,8 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert "committed" in page["lastRound"] and "b3f91c07e2d45a60" in page["lastRound"]
         assert page["bans"] == [BANNED] and page["audits"] == "12 audits · 1 failed"
         assert not page["selfConvictedShown"]  # shown only to a convicted peer
+        assert len(page["stages"]) == 2 and "410.5" in page["stages"][0]
+        assert page["pipelineRole"] == "serving stage 1 · training · 57 microbatches"
         assert not page["error"], page["errorText"]
 
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

@@ -107,6 +107,15 @@ class FakeProvider:
                 "audits_failed": 1,
                 "probation": False,
             },
+            "pipeline": {
+                "stage": 1,
+                "trainer": True,
+                "stages": [
+                    {"stage": 0, "peers": 2, "throughput": 410.5, "peer_ids": self.ids[1:3]},
+                    {"stage": 1, "peers": 1, "throughput": None, "peer_ids": [self.peer_id]},
+                ],
+                "microbatches": 57,
+            },
         }
 
     async def peers(self) -> list[dict[str, Any]]:
@@ -326,6 +335,14 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     assert samples[("shoal_audits_total", (("result", "passed"),))] == 6
     assert samples[("shoal_audits_total", (("result", "failed"),))] == 1
     assert any(name == "process_resident_memory_bytes" for name, _ in samples)
+    # A pipelined experiment: its stages and who serves them.
+    assert samples[("shoal_pipeline_stage_peers", (("stage", "0"),))] == 2
+    assert samples[("shoal_pipeline_stage_throughput", (("stage", "0"),))] == 410.5
+    assert ("shoal_pipeline_stage_throughput", (("stage", "1"),)) not in samples  # not measured
+    server_row = ("shoal_pipeline_stage_server", (("peer_id", provider.peer_id), ("stage", "1")))
+    assert samples[server_row] == 1
+    assert samples[("shoal_pipeline_serving_stage", ())] == 1
+    assert samples[("shoal_pipeline_microbatches_total", ())] == 57
 
 
 async def test_metrics_leave_out_values_not_known_yet(provider: FakeProvider) -> None:
