@@ -52,6 +52,7 @@ log = logging.getLogger("shoal.pipeline")
 
 RECORD_TTL = 60.0
 MAX_BATCH_SAMPLES = 256
+BEHIND_WAIT_S = 3.0
 RECORD_REFRESH = 15.0
 _EMA = 0.1
 
@@ -114,6 +115,8 @@ class StageServer:
         self.batches = 0  # computations run (several requests may share one)
         self.bytes_sent = 0  # activation and gradient payloads, as sent
         self.on_backward: Callable[[], None] | None = None  # after each applied backward
+        self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
+        self._version_changed = asyncio.Event()
         self._jobs: list[_Job] = []
         self._wake = asyncio.Event()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
@@ -195,6 +198,27 @@ class StageServer:
         if not isinstance(enc, list) or not all(isinstance(e, bool) for e in enc):
             raise ValueError("enc must list booleans")
         return key, samples, codec, enc
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        self._version_changed.set()
+        self._version_changed = asyncio.Event()
+
+    async def _check_version(self, payload: Any) -> None:
+        """Refuse a request whose trainer knows a newer version of the stage than ours:
+        we missed a step and must re-sync first. A step of ours about to commit (the
+        trainer heard of it from a faster peer) is waited for, up to `BEHIND_WAIT_S`."""
+        known = payload.get("version", 0) if isinstance(payload, dict) else 0
+        if not isinstance(known, int) or known <= self.version:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(BEHIND_WAIT_S):
+                while known > self.version:
+                    await self._version_changed.wait()
+        if known > self.version:
+            if self.on_behind is not None:
+                self.on_behind()
+            raise ConnectionRefusedError(f"this peer is behind its stage (version {self.version})")
 
     async def _submit(self, job: _Job) -> tuple[Any, float]:
         job.done = asyncio.get_running_loop().create_future()
@@ -284,6 +308,7 @@ class StageServer:
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         _, samples, codec, enc = self._check(payload)
+        await self._check_version(payload)
         inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
         outputs, meta = await self.compute_forward(inputs, samples)
         yield {**meta, "enc": encodes(codec, outputs)}
@@ -291,6 +316,7 @@ class StageServer:
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
+        await self._check_version(payload)
         enc = enc + [False] * (2 - len(enc))
         inputs = await recv_tensor(ctx, codec, enc[0])
         grad_outputs = await recv_tensor(ctx, codec, enc[1])

@@ -89,6 +89,7 @@ class StagePeer:
         self.syncs = 0
         self._changed = asyncio.Event()
         self.server.on_backward = self._changed.set
+        self.server.on_behind = self._changed.set  # look at the reports now: catch up
         self._task: asyncio.Task[None] | None = None
         self._reported: tuple[int, int, float] = (-1, -1, 0.0)  # samples, version, when
         self._near = False  # the stage is close to its next step: poll faster
@@ -107,7 +108,7 @@ class StagePeer:
         first), then announce and serve."""
         if sync:
             await self.optimizer.sync(self.sync_timeout)
-        self.server.version = self.version
+        self.server.set_version(self.version)
         await self.optimizer.averager.announce_presence()
         await self.server.start()
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -193,7 +194,7 @@ class StagePeer:
 
     async def _publish(self) -> None:
         """Our new version in the stage record and in a fresh progress report."""
-        self.server.version = self.version
+        self.server.set_version(self.version)
         await self.server.announce()
         samples = self.worker.samples_for(self.version)
         await self.progress.report(samples, self.version)

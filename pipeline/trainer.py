@@ -289,8 +289,10 @@ class PipelineTrainer:
                     return await local.compute_forward(tensors[0], samples)
                 return await local.compute_backward(key, tensors[0], tensors[1], samples)
         enc = [encodes(self.codec, t) for t in tensors]
+        # The newest version we know of the stage: a peer behind it refuses (it missed a
+        # step and must re-sync before it serves again).
         payload = {"stage": stage, "key": key, "samples": samples, "codec": self.codec.name,
-                   "enc": enc}  # fmt: skip
+                   "enc": enc, "version": self.versions[stage]}  # fmt: skip
         async with (
             asyncio.timeout(deadline),
             rpc.open_call(

@@ -7,6 +7,8 @@ the trainer runs in the test process, so its counters can be read at the end.
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,61 +99,121 @@ def test_a_host_and_five_joiners_train_a_three_stage_pipeline_through_a_kill(
         stop_all(daemons)
 
 
-@pytest.mark.timeout(240)
-async def test_a_stage_peer_killed_mid_run_loses_no_microbatch_and_counts_none_twice(
-    tmp_path: Path, make_host: Callable[..., Any]
-) -> None:
-    """Six `--role stage` daemons (2 per stage) and a trainer in this process with lag 0:
-    a stage peer is killed with SIGKILL mid-run; after the run, every stage's step
-    sizes plus the samples its peers still hold add up to exactly the samples the
-    trainer completed."""
-    env = {**PIPE_ENV, "SHOAL_STRATEGY_OPTIONS": "lag=0,codec=none"}
-    host = Daemon("host", tmp_path, ["--host-experiment", "once", "--pipeline-stages", "3",
-                                      "--role", "stage", "--stage", "0"], env)  # fmt: skip
-    daemons = [host]
-    dht = None
-    try:
-        await asyncio.to_thread(host.wait_ready)
-        join = ["--join", host.join_ref, "--bootstrap", host.address, "--role", "stage"]
+class StageSwarm:
+    """Six `--role stage` daemons (2 per stage; the first hosts) and a trainer in this
+    process with lag 0, so that its counters can be read at the end."""
+
+    def __init__(self, tmp_path: Path, name: str) -> None:
+        env = {**PIPE_ENV, "SHOAL_STRATEGY_OPTIONS": "lag=0,codec=none"}
+        host_args = ["--host-experiment", name, "--pipeline-stages", "3", "--role", "stage"]
+        self.host = Daemon("host", tmp_path, [*host_args, "--stage", "0"], env)
+        self.daemons = [self.host]
+        self.tmp_path, self.env = tmp_path, env
+        self.dht: DHTNode | None = None
+
+    async def start(self, make_host: Callable[..., Any]) -> None:
+        await asyncio.to_thread(self.host.wait_ready)
+        join = ["--join", self.host.join_ref, "--bootstrap", self.host.address, "--role", "stage"]
         for k in (0, 1, 1, 2, 2):
-            daemons.append(
-                Daemon(f"stage{k}-{len(daemons)}", tmp_path, [*join, "--stage", str(k)], env)
-            )
-        for d in daemons[1:]:
+            name = f"stage{k}-{len(self.daemons)}"
+            self.daemons.append(Daemon(name, self.tmp_path, [*join, "--stage", str(k)], self.env))
+        for d in self.daemons[1:]:
             await asyncio.to_thread(d.wait_ready)
-        dht = await DHTNode.create(await make_host(), bootstrap=[host.address])
-        manifest = await find_manifest(dht, parse_experiment_ref(host.join_ref), timeout=15)
+        self.dht = await DHTNode.create(await make_host(), bootstrap=[self.host.address])
+        ref = parse_experiment_ref(self.host.join_ref)
+        manifest = await find_manifest(self.dht, ref, timeout=15)
         task = make_task(manifest.task_config)
-        trainer = PipelineTrainer(dht, manifest.namespace, 3, codec="none")
-        global_batch = manifest.strategy_options["global_batch"]
-        loop = TrainerLoop(trainer, task.batches(0, 1, 0), inputs_of=task.stage_inputs,
-                           loss_of=task.stage_loss, global_batch=global_batch, lag=0)  # fmt: skip
-        run = asyncio.ensure_future(loop.run(steps=14))
-        while loop.steps < 4:
+        self.trainer = PipelineTrainer(self.dht, manifest.namespace, 3, codec="none")
+        self.global_batch = manifest.strategy_options["global_batch"]
+        self.loop = TrainerLoop(
+            self.trainer,
+            task.batches(0, 1, 0),
+            inputs_of=task.stage_inputs,
+            loss_of=task.stage_loss,
+            global_batch=self.global_batch,
+            lag=0,
+        )
+
+    async def until_steps(self, run: asyncio.Future[None], steps: int) -> None:
+        while self.loop.steps < steps:
             assert not run.done(), run.exception()
             await asyncio.sleep(0.1)
-        victim = daemons[2]  # a stage-1 peer
-        victim.kill()
-        await asyncio.wait_for(run, 150)
-        await asyncio.wait_for(trainer.settled(), 60)
-        survivors = [d for d in daemons if d is not victim]
+
+    async def check_accounting(self, peers: list[Daemon]) -> None:
+        """Every stage's step sizes plus the samples its peers hold for steps to come add
+        up to exactly the samples the trainer completed: none lost, none counted twice."""
+        await asyncio.wait_for(self.trainer.settled(), 60)
 
         def accounted() -> list[int] | None:
             totals = []
             for s in range(3):
-                peers = [pipeline_of(d) for d in survivors]
-                peers = [p for p in peers if p["stage"] == s]
+                of_stage = [p for p in (pipeline_of(d) for d in peers) if p["stage"] == s]
                 steps: dict[str, int] = {}
-                for p in peers:
+                for p in of_stage:
                     steps.update(p["step_samples"])
-                totals.append(sum(steps.values()) + sum(p["pending_samples"] for p in peers))
-            return totals if totals == [trainer.counters.samples] * 3 else None
+                totals.append(sum(steps.values()) + sum(p["pending_samples"] for p in of_stage))
+            return totals if totals == [self.trainer.counters.samples] * 3 else None
 
         await asyncio.to_thread(wait_for, "every stage to account for every sample", accounted,
-                                30, debug=tails(survivors))  # fmt: skip
-        assert trainer.counters.samples >= 14 * global_batch
-        assert trainer.counters.retries > 0  # the victim's requests failed and went elsewhere
+                                30, debug=tails(peers))  # fmt: skip
+
+    async def aclose(self) -> None:
+        if self.dht is not None:
+            await self.dht.aclose()
+        stop_all(self.daemons)
+
+
+@pytest.mark.timeout(240)
+async def test_a_stage_peer_killed_mid_run_loses_no_microbatch_and_counts_none_twice(
+    tmp_path: Path, make_host: Callable[..., Any]
+) -> None:
+    swarm = StageSwarm(tmp_path, "once")
+    try:
+        await swarm.start(make_host)
+        run = asyncio.ensure_future(swarm.loop.run(steps=14))
+        await swarm.until_steps(run, 4)
+        victim = swarm.daemons[2]  # a stage-1 peer
+        victim.kill()
+        await asyncio.wait_for(run, 150)
+        await swarm.check_accounting([d for d in swarm.daemons if d is not victim])
+        assert swarm.trainer.counters.samples >= 14 * swarm.global_batch
+        assert swarm.trainer.counters.retries > 0  # the victim's requests went elsewhere
     finally:
-        if dht is not None:
-            await dht.aclose()
-        stop_all(daemons)
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(240)
+async def test_a_stopped_stage_peer_is_routed_around_and_resyncs_before_serving_again(
+    tmp_path: Path, make_host: Callable[..., Any]
+) -> None:
+    """SIGSTOP a stage peer: training goes on without it (its stage steps once its
+    progress report goes stale); after SIGCONT it downloads the stage's state before
+    it serves again, and no microbatch is lost or counted twice."""
+    swarm = StageSwarm(tmp_path, "stopped")
+    try:
+        await swarm.start(make_host)
+        run = asyncio.ensure_future(swarm.loop.run(steps=40))
+        await swarm.until_steps(run, 4)
+        victim = swarm.daemons[2]  # a stage-1 peer
+        victim.proc.send_signal(signal.SIGSTOP)
+        stopped_at = swarm.loop.steps
+        # Report stale (10 s) + a step's matchmaking: the stage goes on alone.
+        started = time.monotonic()
+        await swarm.until_steps(run, stopped_at + 3)
+        assert time.monotonic() - started < 10 + 15
+        victim.proc.send_signal(signal.SIGCONT)
+        synced = await asyncio.to_thread(
+            wait_for, "the woken peer to re-sync", lambda: pipeline_of(victim)["syncs"] >= 1, 30
+        )
+        assert synced
+        served = pipeline_of(victim)["served"]["backward"]
+        await swarm.until_steps(run, swarm.loop.steps + 5)
+        await asyncio.to_thread(
+            wait_for, "the woken peer to serve again",
+            lambda: pipeline_of(victim)["served"]["backward"] > served, 30,
+        )  # fmt: skip
+        await asyncio.wait_for(run, 150)
+        await swarm.check_accounting(swarm.daemons)
+    finally:
+        swarm.daemons[2].proc.send_signal(signal.SIGCONT)
+        await swarm.aclose()
