@@ -25,11 +25,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from shoal.averaging.averager import StepResult
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
 
@@ -91,6 +92,7 @@ class StagePeer:
         self.server.on_backward = self._changed.set
         self.server.on_behind = self._changed.set  # look at the reports now: catch up
         self._task: asyncio.Task[None] | None = None
+        self.on_step: Callable[[StepResult], None] | None = None  # after each committed step
         self._reported: tuple[int, int, float] = (-1, -1, 0.0)  # samples, version, when
         self._near = False  # the stage is close to its next step: poll faster
 
@@ -162,6 +164,8 @@ class StagePeer:
 
     async def step(self) -> None:
         result = await self.optimizer.step(self.step_timeout)
+        if result.committed and self.on_step is not None:
+            self.on_step(result)
         if result.committed:
             log.debug(
                 "stage %d: step %d with %d peers", self.stage, self.version, result.group_size

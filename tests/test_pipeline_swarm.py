@@ -71,3 +71,61 @@ async def test_a_three_stage_swarm_trains_like_one_process(make_host: Callable[.
         assert trainer.counters.samples == steps * global_batch
     finally:
         await swarm.aclose()
+
+
+def kill(host: Any) -> None:
+    """Tear a host down at once, as the kernel closes a killed process' sockets."""
+    host._closing = True
+    for server in host._servers:
+        server.close()
+    for conn in list(host._all):
+        conn.abort("killed")
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.timeout(120)
+async def test_a_stage_peer_killed_in_the_stage_all_reduce_does_not_stop_the_step(
+    make_host: Callable[..., Any],
+) -> None:
+    """Three peers serve one stage; one dies in the middle of the stage's third step
+    (it holds its averaged part, has not voted): the other two commit that step without
+    it, every step
+    leaves the stage's live peers with the same parameters, and every sample the
+    trainer completed is in exactly one step (the victim's are replayed)."""
+    task = make_task(TINY)
+    (module,) = task.make_stages(3, 1)
+    swarm = Swarm(make_host)
+    try:
+        peers = [await swarm.stage_peer(0, module, global_batch=8) for _ in range(3)]
+        victim, survivors = peers[0], peers[1:]
+        prints: dict[int, set[str]] = {}
+        for peer in survivors:
+
+            def record(result: Any, peer: Any = peer) -> None:
+                prints.setdefault(peer.version, set()).add(peer.optimizer.fingerprint())
+
+            peer.on_step = record
+
+        async def die_in_third_step(point: str) -> None:
+            if point == "before_ready" and victim.version == 2:
+                kill(victim.server.dht.host)
+                raise Killed(point)
+
+        victim.optimizer.averager.config.allreduce.fault_hook = die_in_third_step
+        trainer = await swarm.trainer(1, codec="none")
+        loop = loop_for(trainer, task, shard=0, global_batch=8, lag=0, concurrency=4)
+        await loop.run(steps=8)
+        await trainer.settled()
+        assert victim.version == 2  # it died in its third step
+        assert all(p.version >= 8 for p in survivors)
+        assert 3 in prints and all(len(fps) == 1 for fps in prints.values()), prints
+        steps: dict[int, int] = {}
+        for p in survivors:
+            steps.update(p.optimizer.step_samples)
+        pending = sum(p.worker.samples_for(p.version) for p in survivors)
+        assert sum(steps.values()) + pending == trainer.counters.samples
+    finally:
+        await swarm.aclose()
