@@ -134,15 +134,10 @@ async def open_session(
         model = None
         if manifest.strategy != PIPELINE_STRATEGY:  # (a pipeline never builds the whole model)
             model = await asyncio.to_thread(task.make_model, manifest.seed)
+    hosting = await _announce(dht, identity, manifest)
     if manifest.strategy == PIPELINE_STRATEGY:
         return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
     assert model is not None
-    hosting = manifest.host == identity.peer_id
-    log.info("%s %s", "hosting" if hosting else "joined", manifest.describe())
-    try:
-        await publish_manifest(dht, manifest)
-    except Exception as e:  # the DHT may be just us for now; the refresh task retries
-        log.warning("publishing the manifest failed (will retry): %r", e)
 
     initial = state_fingerprint([p.detach() for p in model.parameters()], {})
     try:
@@ -225,6 +220,17 @@ async def open_session(
     )
 
 
+async def _announce(dht: DHTNode, identity: Identity, manifest: Manifest) -> bool:
+    """Log what we take part in and publish its manifest; whether we host it."""
+    hosting = manifest.host == identity.peer_id
+    log.info("%s %s", "hosting" if hosting else "joined", manifest.describe())
+    try:
+        await publish_manifest(dht, manifest)
+    except Exception as e:  # the DHT may be just us for now; the refresh task retries
+        log.warning("publishing the manifest failed (will retry): %r", e)
+    return hosting
+
+
 async def _pipeline_session(
     config: Config,
     identity: Identity,
@@ -236,11 +242,6 @@ async def _pipeline_session(
 ) -> Session:
     """A pipelined experiment: this peer serves a stage and/or drives microbatches."""
     hosting = manifest.host == identity.peer_id
-    log.info("%s %s", "hosting" if hosting else "joined", manifest.describe())
-    try:
-        await publish_manifest(dht, manifest)
-    except Exception as e:  # the DHT may be just us for now; the refresh task retries
-        log.warning("publishing the manifest failed (will retry): %r", e)
     if not hasattr(task, "make_stages"):
         raise SessionError(f"task {manifest.task} cannot be split into pipeline stages")
     try:
@@ -393,35 +394,19 @@ async def _host_manifest(
         model = await asyncio.to_thread(task.make_model, manifest.seed)
         return manifest, task, model
     task = await _load_task(config.task, dict(config.task_option), config.data)
-    # --strategy-option carries the inner optimizer's hyperparameters too (inner_lr=...).
-    given = dict(config.strategy_option)
-    hyper_given = {k: given.pop(k) for k in list(given) if k in DEFAULT_HYPERPARAMETERS}
-    if config.precision != "fp32":
-        # Only a non-default precision is written: a manifest without one reads as fp32.
-        hyper_given["precision"] = config.precision
-    strategy = PIPELINE_STRATEGY if config.pipeline_stages else config.strategy
-    try:
-        if config.pipeline_stages:
-            if not hasattr(task, "make_stages"):
-                raise SessionError(f"task {config.task} cannot be split into pipeline stages")
-            batch_size = int(task.config().get("batch_size", 1))
-            options = resolve_pipeline_options(
-                {"stages": config.pipeline_stages, **given}, batch_size
-            )
-        else:
-            options = verification_options(config, {"inner_steps": config.inner_steps, **given})
-            options = resolve_options(config.strategy, options)
-        hyperparameters = check_hyperparameters(hyper_given)
-        if hyperparameters["precision"] == "fp32":
-            del hyperparameters["precision"]
-    except ValueError as e:
-        raise SessionError(f"--strategy-option: {e}") from None
+    strategy, options, hyperparameters = _new_settings(config, task)
     seed = secrets.randbits(31)
     model = None
     if config.pipeline_stages:
-        fingerprint = await asyncio.to_thread(
-            pipeline_fingerprint, task, seed, config.pipeline_stages
-        )
+        try:
+            fingerprint = await asyncio.to_thread(
+                pipeline_fingerprint, task, seed, config.pipeline_stages
+            )
+        except ValueError as e:  # e.g. more stages than the model has layers
+            raise SessionError(
+                f"--pipeline-stages {config.pipeline_stages}: {e} (a larger model: "
+                "--task-option n_layers=N)"
+            ) from None
     else:
         model = await asyncio.to_thread(task.make_model, seed)
         fingerprint = state_fingerprint([p.detach() for p in model.parameters()], {})
@@ -451,6 +436,34 @@ async def _host_manifest(
         ) from None
     log.info("created %s", manifest.describe())
     return manifest, task, model
+
+
+def _new_settings(config: Config, task: Task) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A new experiment's strategy, its options and the hyperparameters, from the flags."""
+    # --strategy-option carries the inner optimizer's hyperparameters too (inner_lr=...).
+    given = dict(config.strategy_option)
+    hyper_given = {k: given.pop(k) for k in list(given) if k in DEFAULT_HYPERPARAMETERS}
+    if config.precision != "fp32":
+        # Only a non-default precision is written: a manifest without one reads as fp32.
+        hyper_given["precision"] = config.precision
+    strategy = PIPELINE_STRATEGY if config.pipeline_stages else config.strategy
+    try:
+        if config.pipeline_stages:
+            if not hasattr(task, "make_stages"):
+                raise SessionError(f"task {config.task} cannot be split into pipeline stages")
+            batch_size = int(task.config().get("batch_size", 1))
+            options = resolve_pipeline_options(
+                {"stages": config.pipeline_stages, **given}, batch_size
+            )
+        else:
+            options = verification_options(config, {"inner_steps": config.inner_steps, **given})
+            options = resolve_options(config.strategy, options)
+        hyperparameters = check_hyperparameters(hyper_given)
+        if hyperparameters["precision"] == "fp32":
+            del hyperparameters["precision"]
+    except ValueError as e:
+        raise SessionError(f"--strategy-option: {e}") from None
+    return strategy, options, hyperparameters
 
 
 def verification_options(config: Config, options: dict[str, Any]) -> dict[str, Any]:
