@@ -107,7 +107,7 @@ class PipelineRun:
             del modules
             peer = StagePeer(
                 self.dht,
-                self.manifest.namespace,
+                self.manifest.experiment_id,
                 k,
                 module,
                 hyper={
@@ -125,7 +125,7 @@ class PipelineRun:
             log.info("serving stage %d of %d (version %d)", k, self.stages, peer.version)
         if self.role in ("auto", "trainer"):
             trainer = PipelineTrainer(
-                self.dht, self.manifest.namespace, self.stages, codec=str(self.options["codec"])
+                self.dht, self.manifest.experiment_id, self.stages, codec=str(self.options["codec"])
             )
             if self.stage_peer is not None:
                 trainer.local[self.stage_peer.stage] = self.stage_peer.server
@@ -141,7 +141,7 @@ class PipelineRun:
 
     async def refresh_directory(self) -> None:
         try:
-            self.directory = await read_stages(self.dht, self.manifest.namespace, self.stages)
+            self.directory = await read_stages(self.dht, self.manifest.experiment_id, self.stages)
         except Exception as e:  # the next refresh tries again
             log.debug("reading the stage records failed: %r", e)
 

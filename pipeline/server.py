@@ -116,6 +116,7 @@ class StageServer:
         self.bytes_sent = 0  # activation and gradient payloads, as sent
         self.on_backward: Callable[[], None] | None = None  # after each applied backward
         self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
+        self.on_flush: Callable[[], None] | None = None  # a trainer waits on our step
         self._version_changed = asyncio.Event()
         self._jobs: list[_Job] = []
         self._wake = asyncio.Event()
@@ -123,6 +124,7 @@ class StageServer:
         self._service = rpc.RpcService(dht.host, pipeline_protocol(experiment))
         self._service.stream("forward")(self._forward)
         self._service.stream("backward")(self._backward)
+        self._service.unary("flush")(self._flush)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -324,6 +326,16 @@ class StageServer:
         yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
         if grad_inputs is not None:
             self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
+
+    async def _flush(self, ctx: rpc.CallContext, payload: Any) -> bool:
+        """A trainer waits for this stage's step and has nothing more to send: step with
+        what the stage holds (its other microbatches died with a peer; the trainer
+        replays them once it sees the step went without that peer)."""
+        version = payload.get("version") if isinstance(payload, dict) else None
+        if version != self.version or not self.serving or self.on_flush is None:
+            return False
+        self.on_flush()
+        return True
 
 
 def _describe(batch: list[_Job]) -> str:

@@ -10,7 +10,8 @@ half the global batch) or as soon as a backward landed here:
 - when another peer of the stage reports a newer version, this peer missed a
   step: it stops serving, downloads the stage's state, and serves again;
 - when the fresh reports at our version add up to the global batch, it takes
-  the step together with the stage's other peers.
+  the step together with the stage's other peers; also with less, when a trainer
+  that waits for this step asks (`flush`: what is missing died with a peer).
 
 It declares itself to the stage's matchmaking between steps, so that the
 leader of a step waits for it (a peer a moment late joins the step rather than
@@ -91,6 +92,8 @@ class StagePeer:
         self._changed = asyncio.Event()
         self.server.on_backward = self._changed.set
         self.server.on_behind = self._changed.set  # look at the reports now: catch up
+        self.server.on_flush = self._flush_asked
+        self._flush = False
         self._task: asyncio.Task[None] | None = None
         self.on_step: Callable[[StepResult], None] | None = None  # after each committed step
         self._reported: tuple[int, int, float] = (-1, -1, 0.0)  # samples, version, when
@@ -154,13 +157,18 @@ class StagePeer:
         others = [r for r in fresh if r.peer != self.server.dht.peer_id]
         held = samples_at(others, version, now) + samples
         self._near = held >= NEAR * self.progress.global_batch
-        if held >= self.progress.global_batch:
+        flush, self._flush = self._flush, False
+        if held >= self.progress.global_batch or (flush and held > 0):
             # A step needs a majority of the stage's live peers: two groups can then
             # never both commit the same version apart (a split the swarm would have
             # to undo, and the microbatches of the losing side with it).
             live = 1 + sum(1 for r in others if r.version == version)
             self.matchmaking.min_group_size = live // 2 + 1
             await self.step()
+
+    def _flush_asked(self) -> None:
+        self._flush = True
+        self._changed.set()
 
     async def step(self) -> None:
         result = await self.optimizer.step(self.step_timeout)

@@ -228,6 +228,24 @@ class PipelineTrainer:
         while self._replays:
             await asyncio.gather(*list(self._replays), return_exceptions=True)
 
+    async def flush(self, stage: int) -> int:
+        """Ask every peer of `stage` to step with what it holds (we wait for that step
+        and have sent everything); how many agreed."""
+        version = self.versions[stage]
+
+        async def ask(peer: PeerID) -> bool:
+            try:
+                return bool(await rpc.call(self.dht.host, peer, self.protocol, "flush",
+                                           {"version": version}, timeout=5.0))  # fmt: skip
+            except (TransportError, OSError, TimeoutError):
+                return False
+
+        local = self.local.get(stage)
+        if local is not None and local.on_flush is not None and local.version == version:
+            local.on_flush()
+        remote = [p for p in self.stage_peers[stage] if p != self.dht.peer_id]
+        return sum(await asyncio.gather(*(ask(p) for p in remote)))
+
     async def _request(
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
     ) -> tuple[Any, dict[str, Any]]:

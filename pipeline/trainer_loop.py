@@ -11,7 +11,9 @@ of the trainer's data, in order: training is the same as in one process. With
 peers never wait for the all-reduce.
 
 A microbatch that no peer of some stage could take stays in the loop and
-resumes where it stopped once the stage has peers again.
+resumes where it stopped once the stage has peers again. A trainer that waits
+for a stage's step with nothing left in flight (with `lag` 0, part of the
+batch died with a peer) asks that stage to step with what it holds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ REFRESH_S = 5.0  # the stage records are read this often (and whenever paced)
 PACED_POLL_S = 0.1
 LOSS_EMA = 0.05
 WARN_EVERY_S = 30.0
+FLUSH_AFTER_S = 3.0  # paced this long with nothing in flight: ask the slowest stage to step
 
 
 class TrainerLoop:
@@ -65,6 +68,7 @@ class TrainerLoop:
         self._refreshed = -float("inf")
         self._retry: list[Microbatch] = []
         self._warned = -float("inf")
+        self._paced_since: float | None = None
 
     @property
     def version(self) -> int:
@@ -136,10 +140,31 @@ class TrainerLoop:
                 )
                 self._next_id += 1
                 self.started_samples += mb.samples
+                self._paced_since = None
                 return mb
+            if self._paced_since is None:
+                self._paced_since = time.monotonic()
             await asyncio.sleep(PACED_POLL_S)
             await self._refresh(every=PACED_POLL_S)
+            await self._flush_if_stuck()
         return None
+
+    async def _flush_if_stuck(self) -> None:
+        """Everything sent has come back and the slowest stage still has not stepped:
+        part of its batch died with a peer. Ask it to step with what it has."""
+        now = time.monotonic()
+        if self._paced_since is None or now - self._paced_since < FLUSH_AFTER_S:
+            return
+        if self.started_samples - self.trainer.counters.samples > 0 or self._retry:
+            return  # microbatches still on their way
+        self._paced_since = now
+        slowest = min(self.trainer.versions)
+        for s, version in enumerate(self.trainer.versions):
+            if version == slowest:
+                agreed = await self.trainer.flush(s)
+                log.info(
+                    "stage %d has not stepped from %d: asked %d peers to step", s, version, agreed
+                )
 
     async def _refresh(self, *, force: bool = False, every: float = REFRESH_S) -> None:
         now = time.monotonic()
