@@ -41,6 +41,7 @@ from shoal.averaging.compression import Codec
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport import rpc
+from shoal.transport.identity import PeerID
 
 from .stage import BackwardRequest, StageWorker
 from .stage_optimizer import StepRecord
@@ -117,6 +118,8 @@ class StageServer:
         self.on_backward: Callable[[], None] | None = None  # after each applied backward
         self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
         self.on_flush: Callable[[], None] | None = None  # a trainer waits on our step
+        self.on_progress: Callable[[PeerID, int, int], None] | None = None  # a peer's push
+        self.protocol = pipeline_protocol(experiment)
         self._version_changed = asyncio.Event()
         self._jobs: list[_Job] = []
         self._wake = asyncio.Event()
@@ -125,6 +128,7 @@ class StageServer:
         self._service.stream("forward")(self._forward)
         self._service.stream("backward")(self._backward)
         self._service.unary("flush")(self._flush)
+        self._service.unary("progress")(self._progress)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -336,6 +340,17 @@ class StageServer:
             return False
         self.on_flush()
         return True
+
+    async def _progress(self, ctx: rpc.CallContext, payload: Any) -> None:
+        """A peer of our stage tells its progress: samples held at its version."""
+        if not isinstance(payload, dict):
+            raise ValueError("progress is a map")
+        samples, version = payload.get("samples"), payload.get("version")
+        for v in (samples, version):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError("samples and version are whole numbers")
+        if self.on_progress is not None:
+            self.on_progress(ctx.peer, samples, version)
 
 
 def _describe(batch: list[_Job]) -> str:

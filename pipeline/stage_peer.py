@@ -6,7 +6,9 @@ step over the fault-tolerant all-reduce (`stage_optimizer`) and the progress
 reports (`progress`). Its loop, every `POLL_S` (`NEAR_POLL_S` when the stage's peers together hold
 half the global batch) or as soon as a backward landed here:
 
-- reports how many samples this peer holds gradients for, at which version;
+- reports how many samples this peer holds gradients for, at which version:
+  in the DHT (for peers that join the stage) and pushed straight to the
+  stage's other peers (so they know at once when the batch is complete);
 - when another peer of the stage reports a newer version, this peer missed a
   step: it stops serving, downloads the stage's state, and serves again;
 - when the fresh reports at our version add up to the global batch, it takes
@@ -34,8 +36,10 @@ import torch
 from shoal.averaging.averager import StepResult
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
+from shoal.transport import rpc
+from shoal.transport.identity import PeerID
 
-from .progress import STALE_S, StageProgress, samples_at
+from .progress import STALE_S, Report, StageProgress, samples_at
 from .server import StageServer
 from .stage import StageWorker
 from .stage_optimizer import StageOptimizer
@@ -47,6 +51,7 @@ log = logging.getLogger("shoal.pipeline")
 POLL_S = 1.0  # the stage's reports are read this often...
 NEAR_POLL_S = 0.1  # ...and this often once its peers hold most of the global batch
 NEAR = 0.5
+DHT_READ_S = 1.0  # the stage's reports in the DHT are read this often (peers also push)
 REPORT_EVERY_S = 3.0  # an unchanged report is renewed this often (STALE_S is 10 s)
 
 
@@ -98,6 +103,11 @@ class StagePeer:
         self.on_step: Callable[[StepResult], None] | None = None  # after each committed step
         self._reported: tuple[int, int, float] = (-1, -1, 0.0)  # samples, version, when
         self._near = False  # the stage is close to its next step: poll faster
+        self._stored: list[Report] = []  # the stage's reports in the DHT, as last read
+        self._read_at = -float("inf")
+        self._heard: dict[PeerID, Report] = {}  # reports stage peers pushed to us
+        self._pushing: set[PeerID] = set()
+        self.server.on_progress = self._heard_from
 
     @property
     def version(self) -> int:
@@ -145,11 +155,18 @@ class StagePeer:
         version = self.version
         samples = self.worker.samples_for(version)
         now = time.time()
-        if (samples, version) != self._reported[:2] or now - self._reported[2] > REPORT_EVERY_S:
+        changed = (samples, version) != self._reported[:2]
+        if changed and version == self._reported[1] and now - self._reported[2] < REPORT_EVERY_S:
+            self._reported = (samples, version, self._reported[2])  # the partners hear it
+        elif changed or now - self._reported[2] > REPORT_EVERY_S:
             await self.progress.report(samples, version)
             self._reported = (samples, version, now)
-        reports = await self.progress.reports()
-        fresh = [r for r in reports if now - r.at <= STALE_S]
+        if changed:
+            self._push(samples, version)
+        if changed or now - self._read_at >= DHT_READ_S:
+            self._stored = await self.progress.reports()
+            self._read_at = now
+        fresh = [r for r in self._merged() if now - r.at <= STALE_S]
         if any(r.version > version for r in fresh):
             await self.catch_up()
             return
@@ -165,6 +182,37 @@ class StagePeer:
             live = 1 + sum(1 for r in others if r.version == version)
             self.matchmaking.min_group_size = live // 2 + 1
             await self.step()
+
+    def _merged(self) -> list[Report]:
+        """Each stage peer's newest report: from the DHT, or pushed to us directly."""
+        newest: dict[PeerID, Report] = {}
+        for r in [*self._stored, *self._heard.values()]:
+            if r.peer not in newest or r.at > newest[r.peer].at:
+                newest[r.peer] = r
+        return list(newest.values())
+
+    def _heard_from(self, peer: PeerID, samples: int, version: int) -> None:
+        """A stage peer pushed its progress (the server's `progress` call)."""
+        if any(r.peer == peer for r in self._stored):  # strangers are not stage peers
+            self._heard[peer] = Report(peer, samples, version, time.time())
+            self._changed.set()
+
+    def _push(self, samples: int, version: int) -> None:
+        """Tell the stage's other peers our progress at once (the DHT carries it to
+        them only when they next read it): they learn without delay that the stage
+        holds its global batch."""
+        me = self.server.dht.peer_id
+        now = time.time()
+        for r in self._merged():
+            if r.peer != me and now - r.at <= STALE_S and r.peer not in self._pushing:
+                self._pushing.add(r.peer)
+                task = asyncio.get_running_loop().create_task(self._send(r.peer, samples, version))
+                task.add_done_callback(lambda _, p=r.peer: self._pushing.discard(p))
+
+    async def _send(self, peer: PeerID, samples: int, version: int) -> None:
+        with contextlib.suppress(Exception):  # the DHT report is the fallback
+            await rpc.call(self.server.dht.host, peer, self.server.protocol, "progress",
+                           {"samples": samples, "version": version}, timeout=2.0)  # fmt: skip
 
     def _flush_asked(self) -> None:
         self._flush = True
