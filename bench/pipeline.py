@@ -1,0 +1,466 @@
+"""Pipeline throughput: a trainer's samples/s through stage peers, against their capacity.
+
+    python bench/pipeline.py [--stages 3] [--peers-per-stage 2] [--speeds 1] [--seconds 20]
+        [--warmup 20] [--microbatch 8] [--codec int8] [--global-batch 128] [--lag 1]
+        [--concurrency 16] [--seconds-per-sample 0.005] [--profile FILE]
+
+Prints one JSON object on stdout (logs go to stderr):
+
+    {"stages": 3, "peers": 6, "samples_per_s": ..., "capacity_bound_samples_per_s": ...,
+     "efficiency": samples_per_s / capacity_bound_samples_per_s,
+     "after_kill_efficiency": the same over a window starting --settle seconds after one
+         peer of stage --kill-stage was killed, against the survivors' capacity bound,
+     "activation_bytes_per_sample": {"int8": ..., "none": ..., "ratio": none / int8},
+     "single_process_samples_per_s": the same stages and microbatches in one process,
+     "single_process_compute_only_samples_per_s": the same without the artificial delays,
+     "cold_start_efficiency": the first --warmup seconds from fresh peers, ...,
+     "diagnostics": {...}}
+
+Everything runs in this process on loopback, as the tests' in-process swarm does: one
+DHT node and host per stage peer (`StagePeer`: the stage server, its optimizer step over
+the stage's all-reduce, its progress reports) and one for the trainer (`PipelineTrainer`
+driven by a `TrainerLoop`), all on one event loop; each stage server computes in its own
+thread. The model is the bytegpt task's (`make_task`, `make_stages`: real layers, so
+the activations on the wire are real), `--d-model` wide with one block per stage.
+
+Accelerator compute is modelled by an artificial delay (`Paced`): a stage module
+sleeps `samples x --seconds-per-sample / speed` for a forward, 2.5 times that when it
+builds a graph (a backward request recomputes the forward and backpropagates: the
+balancer's `BACKWARD_COST`), in its server's compute thread, so a peer's speed is
+well defined and the peers compute in parallel (the real layers add their own, small,
+CPU time). `--speeds` lists the peers' speeds (cycled over the peers, stage by stage).
+
+Capacity bound: a stage's capacity is the sum over its peers of the samples/s each can
+take through a forward and a backward request, 1 / (1/fwd + 1/bwd), where fwd and bwd
+are the peer's own MEASURED speeds: its server's forward and backward EMAs (samples/s
+over the compute time of its requests, what it announces in its DHT record), read at
+the end of the window. The pipeline's bound is the slowest stage's capacity: every
+sample goes through every stage. With speeds 1 that is peers_per_stage / (3.5 x
+--seconds-per-sample) plus the real layers' time. Throughput is the samples of the
+microbatches completed (forward through every stage, backward through every stage)
+within the window, over its length; the window starts after --warmup seconds.
+
+After the window one peer of `--kill-stage` (its first) is killed as by a crash (its
+host closed under its requests and rounds, then its tasks): the trainer bans it and
+retries on the stage's other peers, the stage's step goes on without it. The second
+window starts --settle seconds later.
+
+`activation_bytes_per_sample`: tensor payloads on the wire per sample, both ways (the
+trainer's requests and the servers' answers: byte ids into stage 0, hidden states
+between stages through the trainer, logits out of the last stage, and the gradients
+back), measured over microbatches sent with a trainer of each codec after the windows.
+`single_process_samples_per_s`: the stages chained in one process with one device's
+artificial delays at speed 1 (a forward with a graph costs 2.5 units: no recomputation),
+forward, backward and an AdamW step every global batch, as many seconds as a window.
+
+`diagnostics`, per window: each peer's share of the window spent computing
+(`utilization`), the mean microbatches in flight, `paced_share` (how often the loop
+could start no microbatch: it had started `(steps + 1 + lag) x global_batch`), the
+steps taken and their samples (`step_samples`), `step_latency` (medians: from a stage's
+peers holding the global batch to its commit, and on to the trainer seeing it), the
+event loop's lag (a 10 ms ticker's lateness), the trainer's retries; and the
+balancers' throughput estimates. `--profile FILE`: cProfile of the event loop's thread
+over the first window.
+
+What it showed (this 2-core machine, shared; 3 stages x 2 peers, defaults): efficiency
+0.44-0.59, after_kill_efficiency 0.69-0.82, activation bytes 75,904 per sample in int8
+against 295,936 in float32 (3.9x), single process 21-24 samples/s against a pipeline
+bound of ~100. Three causes, each confirmed by patching it out in a scratch copy (0.94
+and 0.90 with all three):
+- the loop paces by `steps x global_batch`, but a step takes all its peers hold, often
+  more than the global batch: the first steps' overshoots (152, 168, 160, ...) eat the
+  lag's global batch, then every step takes exactly 128 and `paced_share` is ~0.97: at
+  lag 1 the pipeline drains at every step, as at lag 0;
+- the balancer prices a fresh stage's first requests at its 1 sample/s prior: a peer
+  tried first stays behind by that many seconds of virtual time, and computes next to
+  nothing for tens of seconds (`utilization` [0.715, 0.008] from a cold start);
+- the event loop waits on the stage worker's lock (held by the compute thread for a
+  whole batch): `take_gradients` at each step (up to 614 ms measured) and the commit
+  hook (`off_loop` runs it inline below 1M elements), stalling every request in the
+  process meanwhile (the ticker's p99 lateness reached 100-200 ms in some windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import cProfile
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from shoal.dht.node import DHTNode
+from shoal.peer.tasks.bytegpt import make_task
+from shoal.pipeline.balancer import BACKWARD_COST
+from shoal.pipeline.stage_peer import StagePeer
+from shoal.pipeline.trainer import PipelineTrainer
+from shoal.pipeline.trainer_loop import TrainerLoop
+from shoal.transport.host import Host, HostConfig
+from shoal.transport.identity import Identity
+
+log = logging.getLogger("bench.pipeline")
+
+EXPERIMENT = "bench-pipe"
+HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
+
+
+class Paced(torch.nn.Module):
+    """A stage module at an artificial speed (see the module's docstring)."""
+
+    def __init__(self, inner: torch.nn.Module, seconds_per_sample: float, speed: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.seconds_per_sample = seconds_per_sample
+        self.speed = speed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cost = BACKWARD_COST if torch.is_grad_enabled() else 1.0
+        if self.seconds_per_sample > 0:
+            time.sleep(x.shape[0] * cost * self.seconds_per_sample / self.speed)
+        return self.inner(x)
+
+
+class Bench:
+    def __init__(self, opts: argparse.Namespace) -> None:
+        self.opts = opts
+        config = {
+            "d_model": opts.d_model,
+            "n_layers": opts.stages,
+            "n_heads": max(1, opts.d_model // 32),
+            "context": opts.context,
+            "batch_size": opts.microbatch,
+        }
+        self.task = make_task(config)
+        self.modules = self.task.make_stages(0, opts.stages)
+        self.nodes: list[DHTNode] = []
+        self.peers: list[StagePeer] = []
+        self.speeds: dict[int, float] = {}  # id(peer) -> its artificial speed
+        self.lags: list[float] = []
+        self.step_events: dict[int, dict[int, dict[str, float]]] = {}
+
+    async def node(self) -> DHTNode:
+        host = Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",), **HOST_OPTS))
+        await host.start()
+        boot = [str(self.nodes[0].host.addresses()[0])] if self.nodes else []
+        made = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
+        self.nodes.append(made)
+        return made
+
+    async def start(self) -> None:
+        o = self.opts
+        speeds = [float(s) for s in o.speeds.split(",")]
+        i = 0
+        for s, module in enumerate(self.modules):
+            for _ in range(o.peers_per_stage):
+                speed = speeds[i % len(speeds)]
+                i += 1
+                paced = Paced(copy.deepcopy(module), o.seconds_per_sample, speed)
+                peer = StagePeer(await self.node(), EXPERIMENT, s, paced,
+                                 hyper={"lr": 1e-3}, global_batch=o.global_batch)  # fmt: skip
+                await peer.start(sync=False)
+                self.peers.append(peer)
+                self.speeds[id(peer)] = speed
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(p.aclose() for p in self.peers), return_exceptions=True)
+        for n in self.nodes:
+            with contextlib.suppress(Exception):
+                await n.aclose()
+            with contextlib.suppress(Exception):
+                await n.host.aclose()
+
+    def of_stage(self, stage: int) -> list[StagePeer]:
+        return [p for p in self.peers if p.stage == stage]
+
+    # ------------------------------------------------------------------ measuring
+
+    def capacity(self) -> tuple[float, list[float]]:
+        """The pipeline's bound and each stage's capacity, from the servers' EMAs."""
+        stages = []
+        for s in range(self.opts.stages):
+            total = 0.0
+            for p in self.of_stage(s):
+                fwd, bwd = p.server.forward_speed.value, p.server.backward_speed.value
+                if fwd and bwd:
+                    total += 1.0 / (1.0 / fwd + 1.0 / bwd)
+            stages.append(total)
+        return min(stages), stages
+
+    async def step_monitor(self, trainer: PipelineTrainer) -> None:
+        """Per stage and version: when its peers' gradients first added up to the global
+        batch, when the first of them committed the step, when the trainer saw it."""
+        while True:
+            now = time.monotonic()
+            for s in range(self.opts.stages):
+                alive = self.of_stage(s)
+                if not alive:
+                    continue
+                low, high = min(p.version for p in alive), max(p.version for p in alive)
+                events = self.step_events.setdefault(s, {})
+                held = sum(p.worker.samples_for(low) for p in alive)
+                if held >= self.opts.global_batch:
+                    events.setdefault(low, {}).setdefault("full", now)
+                for v in range(low, high):
+                    events.setdefault(v, {}).setdefault("committed", now)
+                for v in range(trainer.versions[s]):
+                    if v in events:
+                        events[v].setdefault("seen", now)
+            await asyncio.sleep(0.01)
+
+    def step_latency(self, since: float) -> dict[str, Any]:
+        """Medians over the steps since `since` (monotonic) of full -> committed -> seen."""
+        commit, seen = [], []
+        for events in self.step_events.values():
+            for e in events.values():
+                if e.get("full", -1.0) >= since and "committed" in e:
+                    commit.append(e["committed"] - e["full"])
+                    if "seen" in e:
+                        seen.append(e["seen"] - e["committed"])
+        return {
+            "full_to_commit_s": round(statistics.median(commit), 3) if commit else None,
+            "commit_to_trainer_s": round(statistics.median(seen), 3) if seen else None,
+            "steps": len(commit),
+        }
+
+    async def ticker(self) -> None:
+        """The event loop's lateness on a 10 ms sleep, appended to `lags`."""
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.01)
+            self.lags.append(time.perf_counter() - before - 0.01)
+
+    async def window(
+        self, trainer: PipelineTrainer, loop: TrainerLoop, seconds: float
+    ) -> dict[str, Any]:
+        """Completed samples/s over `seconds`, against the capacity bound at the end."""
+        busy_before = {id(p): self._busy(p) for p in self.peers}
+        versions_before = [max((p.version for p in self.of_stage(s)), default=0)
+                           for s in range(self.opts.stages)]  # fmt: skip
+        self.lags.clear()
+        in_flight = []
+        samples, started = trainer.counters.samples, time.monotonic()
+        retries = trainer.counters.retries
+        paced = []
+        g = self.opts.global_batch
+        while (elapsed := time.monotonic() - started) < seconds:
+            in_flight.append(
+                (loop.started_samples - trainer.counters.samples) / self.opts.microbatch
+            )
+            if loop.base is not None:  # the loop may start no microbatch now
+                paced.append(loop.started_samples >= (loop.steps + 1 + loop.lag) * g)
+            await asyncio.sleep(0.05)
+        rate = (trainer.counters.samples - samples) / elapsed
+        bound, stages = self.capacity()
+        utilization = {}
+        for s in range(self.opts.stages):
+            utilization[s] = [
+                round((self._busy(p) - busy_before.get(id(p), 0.0)) / elapsed, 3)
+                for p in self.of_stage(s)
+            ]
+        lags = sorted(self.lags) or [0.0]
+        return {
+            "samples_per_s": rate,
+            "capacity_bound_samples_per_s": bound,
+            "efficiency": rate / bound if bound else None,
+            "stage_capacity_samples_per_s": [round(c, 2) for c in stages],
+            "utilization": utilization,
+            "mean_in_flight": round(statistics.fmean(in_flight), 2) if in_flight else None,
+            "paced_share": round(statistics.fmean(paced), 3) if paced else None,
+            "steps": [
+                max((p.version for p in self.of_stage(s)), default=0) - v
+                for s, v in enumerate(versions_before)
+            ],
+            "step_samples": [self._step_samples(s, v) for s, v in enumerate(versions_before)],
+            "retries": trainer.counters.retries - retries,
+            "step_latency": self.step_latency(started),
+            "loop_lag_ms": {
+                "p50": round(1000 * lags[len(lags) // 2], 2),
+                "p99": round(1000 * lags[int(len(lags) * 0.99)], 2),
+            },
+            "seconds": round(elapsed, 2),
+        }
+
+    def _step_samples(self, stage: int, since: int) -> list[int]:
+        """The samples of each of `stage`'s steps from version `since` on."""
+        merged: dict[int, int] = {}
+        for p in self.of_stage(stage):
+            merged.update(p.optimizer.step_samples)
+        return [n for v, n in sorted(merged.items()) if v >= since]
+
+    def _busy(self, p: StagePeer) -> float:
+        """Compute seconds `p` spent on the requests it served (at its EMA speeds)."""
+        fwd, bwd = p.server.forward_speed.value, p.server.backward_speed.value
+        m = self.opts.microbatch
+        busy = p.server.served["forward"] * m / fwd if fwd else 0.0
+        return busy + (p.server.served["backward"] * m / bwd if bwd else 0.0)
+
+    async def kill(self, stage: int) -> StagePeer:
+        """As by a crash: the host closes under its requests and rounds, then its tasks stop."""
+        victim = self.of_stage(stage)[0]
+        await victim.server.dht.host.aclose()
+        await victim.aclose()
+        self.peers.remove(victim)
+        return victim
+
+    async def wire_bytes(self, codec: str, microbatches: int = 4) -> float:
+        """Tensor payload bytes on the wire per sample, both ways, under `codec`."""
+        trainer = PipelineTrainer(self.nodes[0], EXPERIMENT, self.opts.stages, codec=codec)
+        await trainer.refresh()
+        before = sum(p.server.bytes_sent for p in self.peers)
+        batches = self.task.batches(0, 1, 7)
+        samples = 0
+        for mb in range(microbatches):
+            batch = next(batches)
+            await trainer.run(mb, self.task.stage_inputs(batch),
+                              lambda y, b=batch: self.task.stage_loss(y, b))  # fmt: skip
+            samples += len(batch)
+        sent = trainer.counters.bytes_sent + sum(p.server.bytes_sent for p in self.peers) - before
+        return sent / samples
+
+
+def single_process(task: Any, modules: list[torch.nn.Module], opts: argparse.Namespace,
+                   seconds_per_sample: float) -> float:  # fmt: skip
+    """Samples/s of the stages chained in one process (one device at speed 1)."""
+    stages = [Paced(copy.deepcopy(m), seconds_per_sample, 1.0) for m in modules]
+    params = [p for s in stages for p in s.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    batches = task.batches(0, 1, 3)
+    per_step = max(1, opts.global_batch // opts.microbatch)
+    samples, started, done = 0, 0.0, 0
+    while True:
+        if done == 2:  # after two microbatches of warm-up
+            samples, started = 0, time.perf_counter()
+        elif done > 2 and time.perf_counter() - started >= opts.single_seconds:
+            return samples / (time.perf_counter() - started)
+        batch = next(batches)
+        y = task.stage_inputs(batch)
+        for s in stages:
+            y = s(y)
+        (task.stage_loss(y, batch) / per_step).backward()
+        samples += len(batch)
+        done += 1
+        if done % per_step == 0:
+            opt.step()
+            opt.zero_grad()
+
+
+async def run(opts: argparse.Namespace) -> dict[str, Any]:
+    bench = Bench(opts)
+    ticker = asyncio.ensure_future(bench.ticker())
+    try:
+        await bench.start()
+        trainer_dht = await bench.node()
+        trainer = PipelineTrainer(trainer_dht, EXPERIMENT, opts.stages, codec=opts.codec)
+        loop = TrainerLoop(
+            trainer,
+            bench.task.batches(0, 1, 0),
+            inputs_of=bench.task.stage_inputs,
+            loss_of=bench.task.stage_loss,
+            global_batch=opts.global_batch,
+            lag=opts.lag,
+            concurrency=opts.concurrency,
+        )
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(loop.run(stop))
+        monitor = asyncio.ensure_future(bench.step_monitor(trainer))
+        log.info("cold start: %.0f s", opts.warmup)
+        cold = await bench.window(trainer, loop, opts.warmup)
+        log.info("cold start: %s", cold)
+        profiler = cProfile.Profile() if opts.profile else None
+        if profiler is not None:
+            profiler.enable()
+        first = await bench.window(trainer, loop, opts.seconds)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(opts.profile)
+        log.info("window: %s", first)
+        victim = await bench.kill(opts.kill_stage)
+        log.info("killed a peer of stage %d; %.0f s to settle", victim.stage, opts.settle)
+        await bench.window(trainer, loop, opts.settle)
+        after = await bench.window(trainer, loop, opts.seconds)
+        log.info("after the kill: %s", after)
+        stop.set()
+        await running
+        await trainer.settled()
+        monitor.cancel()
+        wire = {codec: await bench.wire_bytes(codec) for codec in ("int8", "none")}
+        balancers = [
+            {str(p)[-8:]: round(b.throughput(p) or 0.0, 1) for p in b.peers()}
+            for b in trainer.balancers
+        ]
+    finally:
+        ticker.cancel()
+        await bench.aclose()
+    alone = single_process(bench.task, bench.modules, opts, opts.seconds_per_sample)
+    compute_only = single_process(bench.task, bench.modules, opts, 0.0)
+    return {
+        "stages": opts.stages,
+        "peers": opts.stages * opts.peers_per_stage,
+        "samples_per_s": round(first["samples_per_s"], 2),
+        "capacity_bound_samples_per_s": round(first["capacity_bound_samples_per_s"], 2),
+        "efficiency": round(first["efficiency"], 3),
+        "after_kill_samples_per_s": round(after["samples_per_s"], 2),
+        "after_kill_capacity_bound_samples_per_s": round(after["capacity_bound_samples_per_s"], 2),
+        "after_kill_efficiency": round(after["efficiency"], 3),
+        "activation_bytes_per_sample": {
+            "int8": round(wire["int8"]),
+            "none": round(wire["none"]),
+            "ratio": round(wire["none"] / wire["int8"], 2),
+        },
+        "single_process_samples_per_s": round(alone, 2),
+        "single_process_compute_only_samples_per_s": round(compute_only, 2),
+        "cold_start_efficiency": round(cold["efficiency"], 3),
+        "targets": {"efficiency": 0.85, "after_kill_efficiency": 0.8, "ratio": 3.5},
+        "diagnostics": {
+            "cold_start": cold,
+            "window": first,
+            "after_kill": after,
+            "balancer_throughputs": balancers,
+        },
+        "settings": {k: v for k, v in vars(opts).items() if k != "profile"},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--peers-per-stage", type=int, default=2)
+    p.add_argument("--speeds", default="1", help="the peers' speeds, comma-separated, cycled")
+    p.add_argument("--seconds", type=float, default=20.0, help="each measured window")
+    p.add_argument("--warmup", type=float, default=20.0, help="from fresh peers to the window")
+    p.add_argument("--settle", type=float, default=5.0, help="from the kill to its window")
+    p.add_argument("--microbatch", type=int, default=8, help="samples per microbatch")
+    p.add_argument("--codec", default="int8", help="activations on the wire (int8, none, ...)")
+    p.add_argument("--global-batch", type=int, default=128, help="samples per stage step")
+    p.add_argument("--lag", type=int, default=1, help="TrainerLoop lag (global batches)")
+    p.add_argument("--concurrency", type=int, default=16, help="microbatches in flight")
+    p.add_argument("--seconds-per-sample", type=float, default=0.005,
+                   help="artificial forward time of a sample at speed 1")  # fmt: skip
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--kill-stage", type=int, default=1)
+    p.add_argument("--single-seconds", type=float, default=10.0)
+    p.add_argument("--profile", help="cProfile the event loop's thread over the window")
+    opts = p.parse_args(argv)
+    if not 0 <= opts.kill_stage < opts.stages or opts.peers_per_stage < 2:
+        p.error("--kill-stage must name a stage, and a stage needs 2 peers to survive a kill")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    logging.getLogger("shoal").setLevel(logging.WARNING)
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    print(json.dumps(runner(run(opts))))
+
+
+if __name__ == "__main__":
+    main()
