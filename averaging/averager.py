@@ -431,7 +431,10 @@ class Averager:
         else:
             self.state_version = _version(self.commits)
         if self._on_commit is not None:
-            await off_loop(self._on_commit, numel(self.state))
+            if self.state_lock is not None:  # the hook takes it: never on the loop
+                await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._on_commit)))
+            else:
+                await off_loop(self._on_commit, numel(self.state))
         await self._freeze()
         await self._announce_state()
 

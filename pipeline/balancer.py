@@ -144,7 +144,12 @@ class StageBalancer:
         speed = cost / max(seconds, 1e-6)
         state.ema = (1 - self.alpha) * state.ema + self.alpha * speed
         state.ema_weight = (1 - self.alpha) * state.ema_weight + self.alpha
-        state.throughput = state.ema / state.ema_weight
+        old, state.throughput = state.throughput, state.ema / state.ema_weight
+        # The work queued on it was priced at the old speed: reprice its lead over the
+        # stage (a first request priced at a made-up prior must not idle it for long).
+        floor = self._min_virtual_time()
+        if state.virtual_time > floor:
+            state.virtual_time = floor + (state.virtual_time - floor) * old / state.throughput
 
     def failed(self, peer: Hashable, now: float) -> float:
         """A request to `peer` failed or timed out: ban it; returns the ban's length."""

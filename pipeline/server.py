@@ -281,7 +281,9 @@ class StageServer:
             "seconds": seconds,
             "queue": self.queued,
             "version": self.version,
-            "steps": [[r.version, [p.to_bytes() for p in r.members]] for r in self.steps],
+            "steps": [
+                [r.version, [p.to_bytes() for p in r.members], r.samples] for r in self.steps
+            ],
         }
 
     async def compute_forward(

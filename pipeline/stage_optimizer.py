@@ -18,6 +18,7 @@ the trainers learn which of their microbatches it included (`StepRecord`).
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,7 +122,8 @@ class StageOptimizer:
         the trainers replay those microbatches on peers that took part.
         """
         version = self.version
-        taken = self.worker.take_gradients(version)
+        # (In threads: they wait for the worker's lock, which a computation may hold.)
+        taken = await asyncio.to_thread(self.worker.take_gradients, version)
         scale = 1.0 / max(1, taken.samples)
 
         def load() -> None:
@@ -137,9 +139,10 @@ class StageOptimizer:
             if total is not None:
                 self.step_samples[version] = total
         elif result.resynced or self.version != version:
-            self.dropped_samples += taken.samples + self.worker.drop_before(self.version)
+            dropped = await asyncio.to_thread(self.worker.drop_before, self.version)
+            self.dropped_samples += taken.samples + dropped
         else:
-            self.worker.give_back(taken)
+            await asyncio.to_thread(self.worker.give_back, taken)
         return result
 
     async def sync(self, timeout: float) -> bool:
@@ -147,7 +150,7 @@ class StageOptimizer:
         before serving, for a peer that joins the stage or missed a step. Gradients
         for steps taken without us are dropped (their trainers replay them)."""
         loaded = await self.averager.load_state_from_peers(timeout)
-        self.dropped_samples += self.worker.drop_before(self.version)
+        self.dropped_samples += await asyncio.to_thread(self.worker.drop_before, self.version)
         return loaded
 
     def _apply(self) -> None:

@@ -104,6 +104,8 @@ class PipelineTrainer:
         self.counters = TrainerCounters()
         self.ledger = MicrobatchLedger(stages)
         self.versions = [0] * stages  # the newest version seen per stage
+        # Samples each stage's steps took (version stepped from -> samples), as step logs tell.
+        self.step_sizes: list[dict[int, int]] = [{} for _ in range(stages)]
         self.stage_peers: list[list[PeerID]] = [[] for _ in range(stages)]
         self.served_by: dict[PeerID, int] = {}  # requests answered, per peer
         # A nonce per trainer run: keys of a restarted trainer never meet old answers.
@@ -201,10 +203,12 @@ class PipelineTrainer:
         steps = []
         for item in meta.get("steps", ()) if isinstance(meta.get("steps"), list) else ():
             try:
-                version, members = item
+                version, members, size = item
                 steps.append((int(version), frozenset(PeerID(bytes(m)) for m in members)))
             except (TypeError, ValueError):
                 continue
+            if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+                self.step_sizes[stage][int(version)] = size
         for entry in self.ledger.resolve(stage, steps, self.versions[stage]):
             log.info("stage %d step %d went without %s: replaying %s", stage, entry.epoch,
                      str(entry.peer)[-8:], entry.key)  # fmt: skip
@@ -222,6 +226,14 @@ class PipelineTrainer:
             except StageFailed as e:
                 log.info("replaying %s: %s; trying again", entry.key, e)
                 await asyncio.sleep(1.0)
+
+    def stepped(self, stage: int, since: int, typical: int) -> int:
+        """Samples `stage` stepped from version `since` on (`typical` for a step whose
+        size no answer told us)."""
+        sizes = self.step_sizes[stage]
+        for v in [v for v in sizes if v < since - 64]:
+            del sizes[v]  # (bounded memory)
+        return sum(sizes.get(v, typical) for v in range(since, self.versions[stage]))
 
     async def settled(self) -> None:
         """Wait for the replays under way."""

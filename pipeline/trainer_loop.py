@@ -129,7 +129,13 @@ class TrainerLoop:
         """The next microbatch of our data, once the pace allows it (None: done)."""
         while not self._done(stop, steps):
             assert self.base is not None
-            allowed = (self.version - self.base + 1 + self.lag) * self.global_batch
+            # Steps take all their peers hold, often more than a global batch: pace by
+            # the samples the slowest stage stepped, not by its steps.
+            stepped = min(
+                self.trainer.stepped(s, self.base, self.global_batch)
+                for s in range(self.trainer.stages)
+            )
+            allowed = stepped + (1 + self.lag) * self.global_batch
             if self.started_samples < allowed:
                 batch = next(self.batches)
                 mb = Microbatch(

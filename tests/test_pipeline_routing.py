@@ -137,13 +137,6 @@ async def test_a_stage_s_work_goes_to_its_peers_in_proportion_to_their_speed(
     assert efficiency > 0.25  # a sanity bound only: the figure belongs to bench/pipeline.py
 
 
-@pytest.mark.xfail(
-    reason="StageBalancer charges the first requests to a peer at the prior throughput "
-    "(1 sample/s when no peer of the stage is measured yet): the seconds of virtual time "
-    "this puts on the peers tried first stay until the others catch up at their real "
-    "speed (about that many seconds of real time, when they are busy)",
-    strict=False,
-)
 @pytest.mark.timeout(60)
 async def test_fresh_peers_are_shared_by_speed_from_the_start(
     make_host: Callable[..., Any],
