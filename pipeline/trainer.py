@@ -228,12 +228,13 @@ class PipelineTrainer:
                 await asyncio.sleep(1.0)
 
     def stepped(self, stage: int, since: int, typical: int) -> int:
-        """Samples `stage` stepped from version `since` on (`typical` for a step whose
-        size no answer told us)."""
+        """Samples `stage` stepped from version `since` on, counting a step as at least
+        `typical` (a step whose size no answer told us; a smaller one, taken when a
+        trainer asked, must not hold trainers back further)."""
         sizes = self.step_sizes[stage]
         for v in [v for v in sizes if v < since - 64]:
             del sizes[v]  # (bounded memory)
-        return sum(sizes.get(v, typical) for v in range(since, self.versions[stage]))
+        return sum(max(sizes.get(v, 0), typical) for v in range(since, self.versions[stage]))
 
     async def settled(self) -> None:
         """Wait for the replays under way."""
