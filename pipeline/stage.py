@@ -59,6 +59,9 @@ class StageWorker:
         self.device = device or torch.device("cpu")
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.epoch = 0  # where backwards accumulate now
+        # The stage version the parameters hold (set under `lock` by whoever changes
+        # them; None while a download replaces them): what audits recompute at.
+        self.version: int | None = 0
         self._buckets: dict[int, _Bucket] = {}
         self._answers: OrderedDict[Hashable, tuple[torch.Tensor | None, int]] = OrderedDict()
         # Held by every computation, by the optimizer step (`StageOptimizer`) and by

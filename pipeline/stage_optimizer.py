@@ -132,6 +132,8 @@ class StageOptimizer:
 
         await off_loop(load, numel(self.params))
         result = await self.averager.step(weight=float(taken.samples), timeout=timeout)
+        if result.resynced:
+            self.worker.version = self.version  # (the averager downloaded the state)
         if result.committed:
             self.committed_samples += taken.samples
             total = round(sum(result.weights.values())) if result.weights else None
@@ -149,7 +151,9 @@ class StageOptimizer:
         """Download the stage's current state (parameters, moments, step) from its peers:
         before serving, for a peer that joins the stage or missed a step. Gradients
         for steps taken without us are dropped (their trainers replay them)."""
+        self.worker.version = None  # (answers computed meanwhile are not auditable)
         loaded = await self.averager.load_state_from_peers(timeout)
+        self.worker.version = self.version
         self.dropped_samples += await asyncio.to_thread(self.worker.drop_before, self.version)
         return loaded
 
@@ -168,6 +172,7 @@ class StageOptimizer:
             self.optimizer.step()
             for p in self.params:
                 p.grad = None
+            self.worker.version = self.version  # (the commit counted this step already)
 
     def fingerprint(self) -> str:
         return self.averager.fingerprint()
