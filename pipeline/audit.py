@@ -112,6 +112,14 @@ class OutputStore:
             return None
         return wire_roundtrip(kept[1], kept[2])
 
+    def full(self, digest: bytes) -> torch.Tensor | None:
+        """The full-precision result (None once forgotten)."""
+        kept = self._kept.get(digest)
+        return None if kept is None else kept[1]
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._kept
+
     def __len__(self) -> int:
         return len(self._kept)
 

@@ -68,6 +68,7 @@ class StageBalancer:
         self.ban_max = ban_max
         self._rng = rng or random.Random()
         self._peers: dict[Hashable, _Peer] = {}
+        self._excluded: set[Hashable] = set()  # convicted or caught cheating: never again
 
     # -- what the DHT says
 
@@ -77,7 +78,7 @@ class StageBalancer:
         Known peers keep their measurements; new ones enter at the minimum
         virtual time, so they are tried at once; peers no longer listed go.
         """
-        listed = dict(peers)
+        listed = {p: s for p, s in peers if p not in self._excluded}
         for peer in list(self._peers):
             if peer not in listed:
                 del self._peers[peer]
@@ -97,6 +98,11 @@ class StageBalancer:
         state = self._peers.get(peer)
         if state is not None:
             state.banned_until = 0.0
+
+    def exclude(self, peer: Hashable) -> None:
+        """Never route to `peer` again (it was convicted of cheating)."""
+        self._excluded.add(peer)
+        self._peers.pop(peer, None)
 
     # -- routing
 

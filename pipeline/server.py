@@ -43,6 +43,8 @@ from shoal.dht.records import owner_marker
 from shoal.transport import rpc
 from shoal.transport.identity import PeerID
 
+from .audit import AuditRequest, seal
+from .audit_service import AuditService
 from .stage import BackwardRequest, StageWorker
 from .stage_optimizer import StepRecord
 from .wire import codec_of, encodes, recv_tensor, send_tensor
@@ -87,6 +89,8 @@ class _Job:
     kind: str  # "forward" | "backward"
     request: Any  # the inputs tensor, or a BackwardRequest
     samples: int
+    audit: AuditRequest | None = None  # seal the answer (the request asked for a commitment)
+    sealed: bytes | None = None  # its commitment, made in the compute thread
     done: asyncio.Future[tuple[Any, float]] = field(repr=False, default=None)  # type: ignore[assignment]
 
     def fits(self, other: _Job) -> bool:
@@ -129,6 +133,8 @@ class StageServer:
         self._service.stream("backward")(self._backward)
         self._service.unary("flush")(self._flush)
         self._service.unary("progress")(self._progress)
+        # Audits: commitments kept answers, recomputations for trainers, convictions read.
+        self.audits = AuditService(self, self._service)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -187,6 +193,8 @@ class StageServer:
         while True:
             await asyncio.sleep(RECORD_REFRESH)
             await self.announce()
+            # Convicted peers are blocked: our stage's all-reduce leaves them out.
+            await self.audits.bans.refresh()
 
     def _check(self, payload: Any) -> tuple[Any, int, Codec, list[bool]]:
         if not self.serving:
@@ -243,7 +251,7 @@ class StageServer:
                     continue
                 try:
                     results, seconds = await loop.run_in_executor(
-                        self._compute, _run, self.worker, batch
+                        self._compute, _run, self.worker, batch, self._seal
                     )
                 except Exception as e:  # a request the module cannot compute: fail them all
                     log.info("stage %d: a %s batch of %d failed: %r (%s)", self.stage,
@@ -276,6 +284,18 @@ class StageServer:
         self._jobs = rest
         return batch
 
+    def _seal(self, job: _Job, version: int | None, result: Any) -> None:
+        """In the compute thread: the commitment of a job's answer (when it asked)."""
+        if job.audit is None or version is None:
+            return
+        request = job.request
+        inputs = (request,) if job.kind == "forward" else (request[1], request[2])
+        commitment = seal(self.dht.host.identity, self.experiment, self.stage, job.kind,
+                          version, job.audit, inputs, result)  # fmt: skip
+        job.sealed = commitment.encode()
+        if result is not None:
+            self.audits.keep(commitment, result)
+
     def _meta(self, seconds: float) -> dict[str, Any]:
         return {
             "seconds": seconds,
@@ -287,38 +307,46 @@ class StageServer:
         }
 
     async def compute_forward(
-        self, inputs: torch.Tensor, samples: int
+        self, inputs: torch.Tensor, samples: int, audit: AuditRequest | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """A forward request's outputs and the answer's header (over RPC, or for a
         trainer in this very process, which calls it directly)."""
         if not self.serving:
             raise ConnectionRefusedError("this peer is re-syncing its stage's state")
         _check_batch(inputs, samples)
-        outputs, seconds = await self._submit(_Job("forward", inputs, samples))
+        job = _Job("forward", inputs, samples, audit)
+        outputs, seconds = await self._submit(job)
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
-        return outputs, self._meta(seconds)
+        return outputs, self._meta(seconds) | _sealed(job)
 
     async def compute_backward(
-        self, key: Any, inputs: torch.Tensor, grad_outputs: torch.Tensor, samples: int
+        self,
+        key: Any,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        samples: int,
+        audit: AuditRequest | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """A backward request's input gradient (None for token ids) and the answer's header."""
         if not self.serving:
             raise ConnectionRefusedError("this peer is re-syncing its stage's state")
         _check_batch(inputs, samples)
         request: BackwardRequest = (key, inputs, grad_outputs, samples)
-        (grad_inputs, epoch), seconds = await self._submit(_Job("backward", request, samples))
+        job = _Job("backward", request, samples, audit)
+        (grad_inputs, epoch), seconds = await self._submit(job)
         self.backward_speed.add(samples, seconds)
         self.served["backward"] += 1
         if self.on_backward is not None:
             self.on_backward()
-        return grad_inputs, {**self._meta(seconds), "epoch": epoch, "grad": grad_inputs is not None}
+        meta = {**self._meta(seconds), "epoch": epoch, "grad": grad_inputs is not None}
+        return grad_inputs, meta | _sealed(job)
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
-        _, samples, codec, enc = self._check(payload)
+        key, samples, codec, enc = self._check(payload)
         await self._check_version(payload)
         inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
-        outputs, meta = await self.compute_forward(inputs, samples)
+        outputs, meta = await self.compute_forward(inputs, samples, _audit(payload, key, codec))
         yield {**meta, "enc": encodes(codec, outputs)}
         self.bytes_sent += await send_tensor(ctx, outputs, codec)
 
@@ -328,7 +356,8 @@ class StageServer:
         enc = enc + [False] * (2 - len(enc))
         inputs = await recv_tensor(ctx, codec, enc[0])
         grad_outputs = await recv_tensor(ctx, codec, enc[1])
-        grad_inputs, meta = await self.compute_backward(key, inputs, grad_outputs, samples)
+        audit = _audit(payload, key, codec)
+        grad_inputs, meta = await self.compute_backward(key, inputs, grad_outputs, samples, audit)
         yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
         if grad_inputs is not None:
             self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
@@ -355,6 +384,20 @@ class StageServer:
             self.on_progress(ctx.peer, samples, version)
 
 
+def _audit(payload: dict[str, Any], key: Any, codec: Codec) -> AuditRequest | None:
+    """What a request asks for its answer's commitment: a nonce's hash (none: no seal)."""
+    nonce = payload.get("nonce")
+    if nonce is None:
+        return None
+    if not isinstance(nonce, bytes) or len(nonce) != 32 or not isinstance(key, str):
+        raise ValueError("nonce must be 32 bytes and key a string")
+    return AuditRequest(key, nonce, codec)
+
+
+def _sealed(job: _Job) -> dict[str, Any]:
+    return {} if job.sealed is None else {"commitment": job.sealed}
+
+
 def _describe(batch: list[_Job]) -> str:
     tensors = [j.request if j.kind == "forward" else j.request[1] for j in batch]
     return ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
@@ -365,11 +408,28 @@ def _check_batch(inputs: torch.Tensor, samples: int) -> None:
         raise ValueError("the inputs' first dimension must be the request's samples")
 
 
-def _run(worker: StageWorker, batch: list[_Job]) -> tuple[list[Any], float]:
-    """A batch of one kind through the worker (in the compute thread), timed."""
+def _run(
+    worker: StageWorker, batch: list[_Job], seal: Callable[[_Job, int | None, Any], None]
+) -> tuple[list[Any], float]:
+    """A batch of one kind through the worker (in the compute thread), timed; then the
+    answers that asked for one are sealed with the version they were computed at."""
     started = time.perf_counter()
     if batch[0].kind == "forward":
-        results: list[Any] = worker.forward_many([job.request for job in batch])
+        with worker.lock:  # (re-entered by forward_many: the version is the computation's)
+            version = worker.version
+            results: list[Any] = worker.forward_many([job.request for job in batch])
+        answers = results
     else:
-        results = worker.backward_many([job.request for job in batch])
-    return results, time.perf_counter() - started
+        with worker.lock:
+            version = worker.version
+            # A retry's answer is the old one, computed at a version we may not hold now.
+            retried = {job.request[0] for job in batch if worker.answered(job.request[0])}
+            results = worker.backward_many([job.request for job in batch])
+        answers = [grad for grad, _ in results]
+        for job in batch:
+            if job.request[0] in retried:
+                job.audit = None
+    seconds = time.perf_counter() - started
+    for job, answer in zip(batch, answers, strict=True):
+        seal(job, version, answer)
+    return results, seconds

@@ -67,7 +67,7 @@ class StageWorker:
         # Held by every computation, by the optimizer step (`StageOptimizer`) and by
         # a state download, which run in different threads: a request never sees
         # half-updated parameters.
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The stage's outputs for `inputs` (no graph kept)."""
@@ -81,6 +81,10 @@ class StageWorker:
                 return [self.module(inputs[0].to(self.device))]
             outputs = self.module(torch.cat([x.to(self.device) for x in inputs]))
             return list(outputs.split([len(x) for x in inputs]))
+
+    def answered(self, key: Hashable) -> bool:
+        """Whether a backward of `key` was applied already (a retry gets its old answer)."""
+        return key in self._answers
 
     def backward(
         self, key: Hashable, inputs: torch.Tensor, grad_outputs: torch.Tensor, samples: int

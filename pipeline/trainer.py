@@ -36,7 +36,9 @@ from shoal.dht.records import owner_of
 from shoal.transport import rpc
 from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
+from shoal.verification.stage_audit import StageAuditPolicy
 
+from .auditor import Answer, TrainerAuditor
 from .balancer import NoPeerAvailable, StageBalancer
 from .ledger import Applied, MicrobatchLedger
 from .server import StageServer, pipeline_protocol, stage_key
@@ -74,6 +76,7 @@ class Microbatch:
     stage_inputs: list[torch.Tensor] = field(default_factory=list)  # as far as it got
     grad: torch.Tensor | None = None  # the gradient to send to the next stage back
     backward_from: int | None = None  # the stage whose backward is next
+    forward_peers: dict[int, PeerID] = field(default_factory=dict)  # who served each forward
     loss: float | None = None
     batch: Any = None  # what the data gave (inputs and targets), for the caller
 
@@ -92,8 +95,10 @@ class PipelineTrainer:
         deadline: float = 30.0,
         attempts: int = 5,
         codec: str = "int8",
+        audit: StageAuditPolicy | None = None,
     ) -> None:
-        """`codec`: how activations and gradients travel (`wire`; "none" for exact)."""
+        """`codec`: how activations and gradients travel (`wire`; "none" for exact).
+        `audit`: audit the stage peers' answers under this policy (None: no audits)."""
         self.dht = dht
         self.experiment = experiment
         self.protocol = pipeline_protocol(experiment)
@@ -113,13 +118,41 @@ class PipelineTrainer:
         self._announced: dict[PeerID, float] = {}
         self.local: dict[int, StageServer] = {}  # stages this process serves: called directly
         self._replays: set[asyncio.Task[None]] = set()
+        self.auditor: TrainerAuditor | None = None
+        if audit is not None:
+            self.auditor = TrainerAuditor(dht, experiment, self.protocol, self.codec,
+                                          policy=audit, candidates=self._candidates)  # fmt: skip
+            self.auditor.bans.on_ban = self._exclude
+            self.auditor.on_distrust = self._exclude
 
     @property
     def stages(self) -> int:
         return len(self.balancers)
 
+    def _candidates(self, stage: int) -> list[PeerID]:
+        return list(self.stage_peers[stage])
+
+    def _exclude(self, peer: PeerID) -> None:
+        """A convicted (or caught) stage peer: no request goes to it from now on."""
+        for balancer in self.balancers:
+            balancer.exclude(peer)
+        for peers in self.stage_peers:
+            if peer in peers:
+                peers.remove(peer)
+
+    def _tainted(self, mb: Microbatch) -> int | None:
+        """The first stage whose forward of `mb` a peer since banned computed."""
+        if self.auditor is None:
+            return None
+        bad = self.auditor.bans.bans.banned | self.auditor.distrusted
+        stages = [s for s, p in mb.forward_peers.items() if p in bad]
+        return min(stages) if stages else None
+
     async def refresh(self) -> list[int]:
-        """Read every stage's records from the DHT; the number of peers per stage."""
+        """Read every stage's records (and the convictions) from the DHT; the number of
+        peers per stage."""
+        if self.auditor is not None:
+            await self.auditor.bans.refresh()
         found = await self.dht.get_many(
             [stage_key(self.experiment, s) for s in range(self.stages)], latest=True
         )
@@ -143,6 +176,9 @@ class PipelineTrainer:
                     if since > self._announced.get(peer, since):
                         balancer.reannounced(peer)  # it restarted or re-synced: back
                     self._announced[peer] = since
+            if self.auditor is not None:
+                bad = self.auditor.bans.bans.banned | self.auditor.distrusted
+                peers = [(p, speed) for p, speed in peers if p not in bad]
             balancer.set_peers(peers)
             self.stage_peers[s] = [p for p, _ in peers]
             counts.append(len(peers))
@@ -165,13 +201,20 @@ class PipelineTrainer:
             x = None
             while x is None:
                 s = len(mb.stage_inputs) - 1
-                y, _ = await self._request(
+                y, _, peer = await self._request_from(
                     s, "forward", f"{mb.id}", mb.samples, [mb.stage_inputs[s]]
                 )
+                mb.forward_peers[s] = peer
                 if s == self.stages - 1:
                     x = y
                 else:
                     mb.stage_inputs.append(y)
+                if x is not None and (bad := self._tainted(mb)) is not None:
+                    # A peer convicted meanwhile computed part of it: from there again.
+                    log.info("microbatch %s: re-running its forward from stage %d", mb.id, bad)
+                    del mb.stage_inputs[bad + 1 :]
+                    mb.forward_peers = {k: v for k, v in mb.forward_peers.items() if k < bad}
+                    x = None
             outputs = x.detach().requires_grad_(True)
             loss = mb.loss_of(outputs)
             loss.backward()
@@ -283,9 +326,12 @@ class PipelineTrainer:
             deadline = min(
                 self.deadline, max(DEADLINE_MIN, DEADLINE_FACTOR * expected + DEADLINE_SLACK)
             )
+            nonce = None
+            if self.auditor is not None and peer != self.dht.peer_id:
+                nonce = TrainerAuditor.new_nonce()
             try:
                 result, meta = await self._call(
-                    peer, stage, method, key, samples, tensors, deadline
+                    peer, stage, method, key, samples, tensors, deadline, nonce
                 )
             except (TransportError, TimeoutError, OSError, ValueError) as e:
                 banned = balancer.failed(peer, time.monotonic())
@@ -300,6 +346,9 @@ class PipelineTrainer:
                 self.versions[stage] = max(self.versions[stage], version)
             self.counters.requests[method] += 1
             self.served_by[peer] = self.served_by.get(peer, 0) + 1
+            if self.auditor is not None and nonce is not None:
+                self.auditor.answered(Answer(stage, method, key, peer, nonce[0], meta,
+                                             tuple(tensors), result))  # fmt: skip
             return result, meta, peer
         raise StageFailed(f"stage {stage} {method}: {self.attempts} attempts failed")
 
@@ -312,6 +361,7 @@ class PipelineTrainer:
         samples: int,
         tensors: list[torch.Tensor],
         deadline: float,
+        nonce: tuple[bytes, bytes] | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         local = self.local.get(stage)
         if local is not None and peer == self.dht.peer_id:  # our own stage: no wire
@@ -324,6 +374,8 @@ class PipelineTrainer:
         # step and must re-sync before it serves again).
         payload = {"stage": stage, "key": key, "samples": samples, "codec": self.codec.name,
                    "enc": enc, "version": self.versions[stage]}  # fmt: skip
+        if nonce is not None:  # the answer carries a commitment we may audit
+            payload["nonce"] = nonce[1]
         async with (
             asyncio.timeout(deadline),
             rpc.open_call(

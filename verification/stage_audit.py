@@ -341,7 +341,7 @@ class StageDispute:
         """Whom to ask next (None once decided or nobody is left)."""
         if self.outcome is not StageOutcome.OPEN:
             return None
-        for peer in self.order:
+        for peer in self.order[: 2 * REFEREES]:  # (no further: `StageEvidence.check`)
             if peer not in self.verdicts and peer not in self.skipped:
                 return peer
         self.outcome = self._decide(final=True)

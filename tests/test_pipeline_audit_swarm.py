@@ -1,0 +1,87 @@
+"""Audits in a pipelined swarm on loopback: a stage peer that adds 1e-2 noise to its
+outputs is convicted, every trainer and its stage's peers stop dealing with it, and
+training goes on without it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.peer.tasks.bytegpt import make_task
+from shoal.verification.stage_audit import StageAuditPolicy
+
+from .pipeline_swarm import TINY, Swarm, loop_for
+from .waiting import eventually
+
+
+def make_cheater(worker: Any) -> None:
+    """Outputs with relative noise 1e-2 (the subtlest cheat the audits must catch)."""
+    honest = worker.forward_many
+
+    def noisy(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for y in honest(inputs):
+            noise = torch.randn_like(y)
+            out.append(y + noise * (0.01 * y.norm() / noise.norm()))
+        return out
+
+    worker.forward_many = noisy
+
+
+@pytest.mark.timeout(90)
+async def test_a_cheating_stage_peer_is_convicted_and_routed_around(
+    make_host: Callable[..., Any],
+) -> None:
+    task = make_task(TINY)
+    stages = task.make_stages(7, 2)
+    global_batch = 32  # (8 microbatches per step: referees are mostly at the prover's version)
+    swarm = Swarm(make_host)
+    try:
+        await swarm.stage_peer(0, stages[0], global_batch=global_batch)
+        honest = [await swarm.stage_peer(1, stages[1], global_batch=global_batch)
+                  for _ in range(3)]  # fmt: skip
+        cheater = await swarm.stage_peer(1, stages[1], global_batch=global_batch)
+        make_cheater(cheater.worker)
+        bad = cheater.server.dht.peer_id
+        policy = StageAuditPolicy()  # (new peers are on probation: audited at 0.5)
+        trainers = [await swarm.trainer(2, audit=policy) for _ in range(2)]
+        loops = [loop_for(t, task, shard=0, seed=i, global_batch=global_batch, lag=1)
+                 for i, t in enumerate(trainers)]  # fmt: skip
+        runs = [asyncio.create_task(loop.run(steps=10_000)) for loop in loops]
+        try:
+            await eventually(
+                lambda: any(bad in t.auditor.bans for t in trainers), "a conviction", 40
+            )
+            convicted_by = next(t for t in trainers if bad in t.auditor.bans)
+            assert convicted_by.auditor.outcomes["convicted"] >= 1
+            await eventually(lambda: convicted_by.auditor.bans.published >= 1, "published", 10)
+            # The other trainer and the stage's peers learn it from the DHT.
+            for peer in honest:
+                await peer.server.audits.bans.refresh()
+                assert bad in peer.server.dht.host.blocked()
+            await eventually(lambda: all(bad in t.auditor.bans for t in trainers), "both know", 15)
+            served = {t: t.served_by.get(bad, 0) for t in trainers}
+            samples = [t.counters.samples for t in trainers]
+            more = sum(samples) + 2 * global_batch
+            await eventually(lambda: sum(t.counters.samples for t in trainers) >= more,
+                             "training goes on", 30)  # fmt: skip
+        finally:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+        for t in trainers:
+            assert bad not in t.balancers[1].peers()
+            assert t.served_by.get(bad, 0) == served[t]  # no request since
+            assert t.auditor.outcomes["acquitted"] == 0  # (no honest peer was accused)
+        for peer in honest:
+            assert peer.server.audits.counts["audited"] >= 1
+        # No conviction of an honest peer anywhere.
+        assert all(t.auditor.bans.bans.banned == {bad} for t in trainers)
+    finally:
+        for t in [t for t in locals().get("trainers", [])]:
+            await t.auditor.aclose()
+        await swarm.aclose()
