@@ -198,6 +198,7 @@ class AuditService:
     async def _ask_signature(
         self, commitment: StageCommitment, nonce: bytes, like: Signature
     ) -> Signature | None:
+        self.bytes_sent += 100  # (the request: digest, nonce, framing)
         try:
             answer = await rpc.call(self.server.dht.host, commitment.prover, self.server.protocol,
                                     "reveal", {"digest": commitment.digest(), "nonce": nonce},

@@ -21,6 +21,7 @@ asked again by this trainer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -101,7 +102,8 @@ class TrainerAuditor:
         self.passes: Counter[PeerID] = Counter()
         self.strikes: Counter[PeerID] = Counter()
         self.outcomes: Counter[str] = Counter()
-        self.bytes_sent = 0  # tensors and signatures sent to referees
+        self.bytes_sent = 0  # tensors and signatures sent to referees, verdicts back
+        self.commitment_bytes = 0  # nonce hashes in requests and commitments in answers
         self._rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -118,6 +120,9 @@ class TrainerAuditor:
 
     def answered(self, answer: Answer) -> bool:
         """An answer arrived: audit it (in the background) or not; whether it is audited."""
+        commitment = answer.meta.get("commitment")
+        # (The nonce's hash in the request, the commitment in the answer.)
+        self.commitment_bytes += 34 + (len(commitment) if isinstance(commitment, bytes) else 0)
         if answer.peer in self.bans or self._rng.random() >= self.rate(answer.peer):
             return False
         task = asyncio.get_running_loop().create_task(self._audit(answer))
@@ -214,6 +219,8 @@ class TrainerAuditor:
             return None
         if not isinstance(reply, dict) or "verdict" not in reply:
             return None
+        with contextlib.suppress(TypeError):
+            self.bytes_sent += sum(len(part) for part in reply["verdict"])
         try:
             verdict = Verdict.from_wire(reply["verdict"])
         except EvidenceError:
