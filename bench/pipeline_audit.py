@@ -144,7 +144,8 @@ async def _window(trainer: PipelineTrainer, swarm: Swarm, task: Any, o: Any, sec
 
 
 async def throughput(o: Any) -> dict[str, Any]:
-    task = make_task({"d_model": o.d_model, "n_layers": o.stages, "n_heads": max(1, o.d_model // 64),
+    heads = max(1, o.d_model // 64)
+    task = make_task({"d_model": o.d_model, "n_layers": o.stages, "n_heads": heads,
                       "context": o.context, "batch_size": o.microbatch})  # fmt: skip
     modules = task.make_stages(0, o.stages)
     swarm = Swarm()
@@ -188,7 +189,7 @@ async def throughput(o: Any) -> dict[str, Any]:
         / total("on", "pipeline_bytes"),
         "bytes": {
             n: {k: total(n, k) for k in ("pipeline_bytes", "verification_bytes")} for n in windows
-        },  # fmt: skip
+        },
         "audit_outcomes": outcomes,
         "referee_counts": referees,
     }
@@ -204,7 +205,7 @@ def detection(o: Any) -> dict[str, Any]:
     batches = task.batches(0, 1, 0)
     policy = StageAuditPolicy()
     caught = {"full": 0, "wire": 0}
-    for i in range(o.trials):
+    for _ in range(o.trials):
         x = wire_roundtrip(stages[0](task.stage_inputs(next(batches))).detach(), INT8)
         z = recompute(worker, 0, "forward", x)
         noise = torch.randn_like(z)
