@@ -100,6 +100,8 @@ class TrainerAuditor:
         self.distrusted: set[PeerID] = set()  # answered against its commitment: ours alone
         self.on_distrust: Callable[[PeerID], None] | None = None
         self.passes: Counter[PeerID] = Counter()
+        self.answers: Counter[PeerID] = Counter()  # answers got, audited or not
+        self.unsealed: Counter[PeerID] = Counter()  # answers without a commitment
         self.strikes: Counter[PeerID] = Counter()
         self.outcomes: Counter[str] = Counter()
         self.bytes_sent = 0  # tensors and signatures sent to referees, verdicts back
@@ -123,6 +125,15 @@ class TrainerAuditor:
         commitment = answer.meta.get("commitment")
         # (The nonce's hash in the request, the commitment in the answer.)
         self.commitment_bytes += 34 + (len(commitment) if isinstance(commitment, bytes) else 0)
+        self.answers[answer.peer] += 1
+        if not isinstance(commitment, bytes):
+            # Legitimately unsealed: a retried backward (answered before, at a version
+            # it may have left) or one computed while the peer downloaded its state.
+            self.unsealed[answer.peer] += 1
+            self.outcomes["unsealed"] += 1
+            if self.unsealed[answer.peer] > max(5, 0.2 * self.answers[answer.peer]):
+                self._distrust(answer, "too few commitments")
+            return False
         if answer.peer in self.bans or self._rng.random() >= self.rate(answer.peer):
             return False
         task = asyncio.get_running_loop().create_task(self._audit(answer))
@@ -142,30 +153,31 @@ class TrainerAuditor:
 
     def _commitment(self, answer: Answer) -> StageCommitment | None:
         """The answer's commitment when it is the request's and matches the received
-        tensor; None (and this trainer stops routing to the peer) otherwise."""
+        tensor; None otherwise (and this trainer stops routing to a peer whose
+        commitment contradicts its answer, or that seals too few of its answers)."""
         try:
             c = StageCommitment.decode(answer.meta.get("commitment"))
         except EvidenceError:
-            c = None
+            self._distrust(answer, "a malformed commitment")
+            return None
         received = answer.received if answer.received is not None else torch.zeros(0)
-        ok = (
-            c is not None
-            and c.prover == answer.peer
-            and (c.experiment, c.stage, c.direction, c.key) ==
-                (self.experiment, answer.stage, answer.direction, answer.key)
-            and c.nonce_commit == nonce_commit(answer.nonce)
-            and c.codec == self.codec.name
-            and tensor_hash(received) == c.output
-        )  # fmt: skip
-        if not ok:
-            log.warning("%s answered %s against its commitment: not routing to it",
-                        answer.peer.short(), answer.key)  # fmt: skip
-            self.distrusted.add(answer.peer)
-            self.outcomes["mismatch"] += 1
-            if self.on_distrust is not None:
-                self.on_distrust(answer.peer)
+        ours = (self.experiment, answer.stage, answer.direction, answer.key, answer.peer,
+                nonce_commit(answer.nonce), self.codec.name)  # fmt: skip
+        if (c.experiment, c.stage, c.direction, c.key, c.prover, c.nonce_commit, c.codec) != ours:
+            self._distrust(answer, "a commitment to another request")
+            return None
+        if tensor_hash(received) != c.output:
+            self._distrust(answer, "an answer other than the one it committed to")
             return None
         return c
+
+    def _distrust(self, answer: Answer, why: str) -> None:
+        log.warning("%s answered %s with %s: not routing to it", answer.peer.short(),
+                    answer.key, why)  # fmt: skip
+        self.distrusted.add(answer.peer)
+        self.outcomes["mismatch"] += 1
+        if self.on_distrust is not None:
+            self.on_distrust(answer.peer)
 
     async def _audit(self, answer: Answer) -> None:
         c = self._commitment(answer)

@@ -186,7 +186,10 @@ class StagePeer:
     def _merged(self) -> list[Report]:
         """Each stage peer's newest report: from the DHT, or pushed to us directly."""
         newest: dict[PeerID, Report] = {}
+        blocked = self.server.dht.host.blocked()  # (convicted: its reports are no one's)
         for r in [*self._stored, *self._heard.values()]:
+            if r.peer in blocked:
+                continue
             if r.peer not in newest or r.at > newest[r.peer].at:
                 newest[r.peer] = r
         return list(newest.values())
