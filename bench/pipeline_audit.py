@@ -173,8 +173,8 @@ async def throughput(o: Any) -> dict[str, Any]:
                 windows[name].append(w)
         await on.auditor.settled()
         outcomes = dict(on.auditor.outcomes)
-        referees = {k: sum(p.server.audits.counts[k] for p in swarm.peers)
-                    for k in ("audited", "passed", "failed", "cannot")}  # fmt: skip
+        counts = ("sealed", "unsealed", "audited", "passed", "failed", "cannot")
+        referees = {k: sum(p.server.audits.counts[k] for p in swarm.peers) for k in counts}
         await on.auditor.aclose()
     finally:
         await swarm.aclose()

@@ -88,7 +88,14 @@ class AuditService:
         self.store = OutputStore()
         self.commitments: dict[bytes, StageCommitment] = {}
         self.bans = StageBans(server.dht, server.experiment)
-        self.counts = {"sealed": 0, "audited": 0, "passed": 0, "failed": 0, "cannot": 0}
+        self.counts = {
+            "sealed": 0,
+            "unsealed": 0,
+            "audited": 0,
+            "passed": 0,
+            "failed": 0,
+            "cannot": 0,
+        }
         self.bytes_sent = 0  # signatures and reveals we sent
         service.stream("audit")(self._audit)
         service.unary("reveal")(self._reveal)

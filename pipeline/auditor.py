@@ -60,6 +60,10 @@ __all__ = ["Answer", "TrainerAuditor"]
 log = logging.getLogger("shoal.pipeline.audit")
 
 AUDIT_TIMEOUT_S = 30.0
+# A peer may leave this many answers (and this share of them) unsealed before we stop
+# routing to it: more would let it cheat on the answers it chose not to seal.
+UNSEALED_FREE = 10
+UNSEALED_SHARE = 0.25
 
 
 @dataclass
@@ -131,7 +135,9 @@ class TrainerAuditor:
             # it may have left) or one computed while the peer downloaded its state.
             self.unsealed[answer.peer] += 1
             self.outcomes["unsealed"] += 1
-            if self.unsealed[answer.peer] > max(5, 0.2 * self.answers[answer.peer]):
+            if self.unsealed[answer.peer] > max(
+                UNSEALED_FREE, UNSEALED_SHARE * self.answers[answer.peer]
+            ):
                 self._distrust(answer, "too few commitments")
             return False
         if answer.peer in self.bans or self._rng.random() >= self.rate(answer.peer):

@@ -90,7 +90,8 @@ class _Job:
     request: Any  # the inputs tensor, or a BackwardRequest
     samples: int
     audit: AuditRequest | None = None  # seal the answer (the request asked for a commitment)
-    sealed: bytes | None = None  # its commitment, made in the compute thread
+    sealed: bytes | None = None  # its commitment (made in the sealing thread)
+    retried: bool = False  # a backward answered before: its old answer is not sealed
     done: asyncio.Future[tuple[Any, float]] = field(repr=False, default=None)  # type: ignore[assignment]
 
     def fits(self, other: _Job) -> bool:
@@ -128,6 +129,8 @@ class StageServer:
         self._jobs: list[_Job] = []
         self._wake = asyncio.Event()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-seal{stage}")
+        self._sealing: set[asyncio.Task[None]] = set()
         self._service = rpc.RpcService(dht.host, pipeline_protocol(experiment))
         self._service.stream("forward")(self._forward)
         self._service.stream("backward")(self._backward)
@@ -145,13 +148,14 @@ class StageServer:
         self._tasks.append(loop.create_task(self._announce_loop()))
 
     async def aclose(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._sealing]:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._service.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
+        self._sealer.shutdown(wait=False, cancel_futures=True)
         for job in self._jobs:
             if not job.done.done():
                 job.done.set_exception(ConnectionError("the stage server closed"))
@@ -250,8 +254,8 @@ class StageServer:
                 if not batch:
                     continue
                 try:
-                    results, seconds = await loop.run_in_executor(
-                        self._compute, _run, self.worker, batch, self._seal
+                    results, seconds, version = await loop.run_in_executor(
+                        self._compute, _run, self.worker, batch
                     )
                 except Exception as e:  # a request the module cannot compute: fail them all
                     log.info("stage %d: a %s batch of %d failed: %r (%s)", self.stage,
@@ -261,10 +265,27 @@ class StageServer:
                             job.done.set_exception(e)
                     continue
                 self.batches += 1
-                total = sum(job.samples for job in batch)
-                for job, result in zip(batch, results, strict=True):
-                    if not job.done.done():
-                        job.done.set_result((result, seconds * job.samples / total))
+                if any(job.audit is not None for job in batch):
+                    # Sealed off the compute thread: the next batch need not wait for it.
+                    task = loop.create_task(self._seal_batch(batch, results, seconds, version))
+                    self._sealing.add(task)
+                    task.add_done_callback(self._sealing.discard)
+                else:
+                    _answer(batch, results, seconds)
+
+    async def _seal_batch(
+        self, batch: list[_Job], results: list[Any], seconds: float, version: int | None
+    ) -> None:
+        answers = results if batch[0].kind == "forward" else [grad for grad, _ in results]
+
+        def seal_all() -> None:
+            for job, answer in zip(batch, answers, strict=True):
+                self._seal(job, version, answer)
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._sealer, seal_all)
+        finally:
+            _answer(batch, results, seconds)
 
     def _take_batch(self) -> list[_Job]:
         """The first waiting job and those of its kind that fit with it, in order.
@@ -286,7 +307,10 @@ class StageServer:
 
     def _seal(self, job: _Job, version: int | None, result: Any) -> None:
         """In the compute thread: the commitment of a job's answer (when it asked)."""
-        if job.audit is None or version is None:
+        if job.audit is None:
+            return
+        if version is None or job.retried:
+            self.audits.counts["unsealed"] += 1
             return
         request = job.request
         inputs = (request,) if job.kind == "forward" else (request[1], request[2])
@@ -408,28 +432,28 @@ def _check_batch(inputs: torch.Tensor, samples: int) -> None:
         raise ValueError("the inputs' first dimension must be the request's samples")
 
 
-def _run(
-    worker: StageWorker, batch: list[_Job], seal: Callable[[_Job, int | None, Any], None]
-) -> tuple[list[Any], float]:
-    """A batch of one kind through the worker (in the compute thread), timed; then the
-    answers that asked for one are sealed with the version they were computed at."""
+def _answer(batch: list[_Job], results: list[Any], seconds: float) -> None:
+    total = sum(job.samples for job in batch)
+    for job, result in zip(batch, results, strict=True):
+        if not job.done.done():
+            job.done.set_result((result, seconds * job.samples / total))
+
+
+def _run(worker: StageWorker, batch: list[_Job]) -> tuple[list[Any], float, int | None]:
+    """A batch of one kind through the worker (in the compute thread), timed, with the
+    version of the weights it was computed with (None: unknown, mid-download)."""
     started = time.perf_counter()
     if batch[0].kind == "forward":
         with worker.lock:  # (re-entered by forward_many: the version is the computation's)
             version = worker.version
             results: list[Any] = worker.forward_many([job.request for job in batch])
-        answers = results
     else:
         with worker.lock:
             version = worker.version
             # A retry's answer is the old one, computed at a version we may not hold now.
             retried = {job.request[0] for job in batch if worker.answered(job.request[0])}
             results = worker.backward_many([job.request for job in batch])
-        answers = [grad for grad, _ in results]
         for job in batch:
             if job.request[0] in retried:
-                job.audit = None
-    seconds = time.perf_counter() - started
-    for job, answer in zip(batch, answers, strict=True):
-        seal(job, version, answer)
-    return results, seconds
+                job.retried = True
+    return results, time.perf_counter() - started, version

@@ -152,8 +152,10 @@ class StageOptimizer:
         before serving, for a peer that joins the stage or missed a step. Gradients
         for steps taken without us are dropped (their trainers replay them)."""
         self.worker.version = None  # (answers computed meanwhile are not auditable)
-        loaded = await self.averager.load_state_from_peers(timeout)
-        self.worker.version = self.version
+        try:
+            loaded = await self.averager.load_state_from_peers(timeout)
+        finally:
+            self.worker.version = self.version
         self.dropped_samples += await asyncio.to_thread(self.worker.drop_before, self.version)
         return loaded
 
