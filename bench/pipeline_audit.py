@@ -1,8 +1,9 @@
 """Stage audits: their cost in throughput and bytes, and how surely and fast they convict.
 
     python bench/pipeline_audit.py [--stages 2] [--peers-per-stage 4] [--seconds 15]
-        [--rounds 2] [--d-model 256] [--context 64] [--microbatch 8]
-        [--seconds-per-sample 0.004] [--observers 20] [--trials 300] [--honest 10000]
+        [--rounds 3] [--d-model 256] [--context 64] [--microbatch 8]
+        [--seconds-per-sample 0.05]
+        [--concurrency 16] [--observers 20] [--trials 300] [--honest 10000]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -41,6 +42,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -121,7 +123,8 @@ def _verification_bytes(trainer: PipelineTrainer, swarm: Swarm) -> int:
 async def _window(trainer: PipelineTrainer, swarm: Swarm, task: Any, o: Any, seconds: float,
                   seed: int) -> dict[str, float]:  # fmt: skip
     loop = TrainerLoop(trainer, task.batches(0, 1, seed), inputs_of=task.stage_inputs,
-                       loss_of=task.stage_loss, global_batch=o.global_batch, lag=1)  # fmt: skip
+                       loss_of=task.stage_loss, global_batch=o.global_batch, lag=1,
+                       concurrency=o.concurrency)  # fmt: skip
     stop = asyncio.Event()
     running = asyncio.ensure_future(loop.run(stop))
     await asyncio.sleep(2.0)  # (the loop fills the pipeline)
@@ -157,25 +160,44 @@ async def throughput(o: Any) -> dict[str, Any]:
                                  hyper={"lr": 1e-3}, global_batch=o.global_batch)  # fmt: skip
                 await peer.start(sync=False)
                 swarm.peers.append(peer)
-        off = PipelineTrainer(await swarm.node(), EXPERIMENT, o.stages)
-        on = PipelineTrainer(await swarm.node(), EXPERIMENT, o.stages, audit=StageAuditPolicy())
-        await off.refresh()
-        await on.refresh()
+        off_node, on_node = await swarm.node(), await swarm.node()
+        passes: Counter[Any] = Counter()
+        on: PipelineTrainer | None = None
+
+        async def trainer(audits: bool) -> PipelineTrainer:
+            # A fresh trainer per window: its microbatch keys are new (a new loop on an old
+            # trainer would reuse keys, which stage peers answer once). Audit records carry
+            # over: probation, once over, stays over.
+            nonlocal on
+            if not audits:
+                made = PipelineTrainer(off_node, EXPERIMENT, o.stages)
+            else:
+                if on is not None and on.auditor is not None:
+                    await on.auditor.settled()
+                    passes.update(on.auditor.passes)
+                made = PipelineTrainer(on_node, EXPERIMENT, o.stages, audit=StageAuditPolicy())
+                assert made.auditor is not None
+                made.auditor.passes = passes.copy()
+                outcomes.update(on.auditor.outcomes if on and on.auditor else {})
+                on = made
+            await made.refresh()
+            return made
+
+        outcomes: Counter[str] = Counter()
         log.info("warmup (probation) with audits")
-        await _window(on, swarm, task, o, o.seconds, seed=99)
-        assert on.auditor is not None
-        await on.auditor.settled()
+        await _window(await trainer(True), swarm, task, o, o.seconds, seed=99)
         windows: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
         for r in range(o.rounds):
-            for name, trainer in (("off", off), ("on", on)):
-                w = await _window(trainer, swarm, task, o, o.seconds, seed=r)
+            for name in ("off", "on"):
+                t = await trainer(name == "on")
+                w = await _window(t, swarm, task, o, o.seconds, seed=r)
                 log.info("%s: %s", name, w)
                 windows[name].append(w)
+        assert on is not None and on.auditor is not None
         await on.auditor.settled()
-        outcomes = dict(on.auditor.outcomes)
+        outcomes.update(on.auditor.outcomes)
         counts = ("sealed", "unsealed", "audited", "passed", "failed", "cannot")
         referees = {k: sum(p.server.audits.counts[k] for p in swarm.peers) for k in counts}
-        await on.auditor.aclose()
     finally:
         await swarm.aclose()
 
@@ -190,7 +212,7 @@ async def throughput(o: Any) -> dict[str, Any]:
         "bytes": {
             n: {k: total(n, k) for k in ("pipeline_bytes", "verification_bytes")} for n in windows
         },
-        "audit_outcomes": outcomes,
+        "audit_outcomes": dict(outcomes),
         "referee_counts": referees,
     }
 
@@ -322,12 +344,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--peers-per-stage", type=int, default=4)
     p.add_argument("--seconds", type=float, default=15.0, help="each measured window")
-    p.add_argument("--rounds", type=int, default=2, help="off/on window pairs")
+    p.add_argument("--rounds", type=int, default=3, help="off/on window pairs")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--microbatch", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--seconds-per-sample", type=float, default=0.004)
+    p.add_argument("--seconds-per-sample", type=float, default=0.05)
+    p.add_argument("--concurrency", type=int, default=16, help="microbatches in flight")
     p.add_argument("--observers", type=int, default=20)
     p.add_argument("--trials", type=int, default=300)
     p.add_argument("--honest", type=int, default=10_000)

@@ -5,7 +5,9 @@ RPCs on the stage's protocol (`server.pipeline_protocol`):
 - ``audit`` (stream; a trainer asks a referee): the prover's commitment, the
   revealed nonce, the trainer's signature of the answer it received (under
   this referee's seed), then the request's tensors as the prover decoded them.
-  The referee checks the commitment, the nonce and the inputs' hash, recomputes
+  The referee says at once whether it holds the claimed version (``{"ready": true}``,
+  or ``{"cannot": ...}`` before any tensor is sent); then it checks the commitment,
+  the nonce and the inputs' hash, recomputes
   the request alone at the claimed version (``{"cannot": ...}`` when it does
   not hold that version), asks the prover for its signature of the full-
   precision result under the same seed (``reveal``), and compares both: the
@@ -151,6 +153,12 @@ class AuditService:
         if commitment.prover == server.dht.peer_id:
             raise ValueError("a prover does not referee itself")
         backward = commitment.direction == "backward"
+        if server.worker.version != commitment.version:
+            # Said before the tensors come: a referee at another version costs no bytes.
+            self.counts["cannot"] += 1
+            yield {"cannot": f"not at version {commitment.version}"}
+            return
+        yield {"ready": True}
         enc = payload.get("enc", [])
         enc = [bool(e) for e in enc] + [False] * 2
         inputs = await recv_tensor(ctx, codec, enc[0])
@@ -188,10 +196,14 @@ class AuditService:
         )
         claimed = signature_from_wire(sig, mine_received)
         prover_sig = await self._ask_signature(commitment, nonce, mine_full)
-        if claimed is not None and prover_sig is not None:
-            on_wire = judge_signatures(claimed, mine_received, self.policy)
+        on_wire = None if claimed is None else judge_signatures(claimed, mine_received, self.policy)
+        if on_wire is not None and on_wire.result is Result.PASS:
+            if prover_sig is None:
+                # The prover is gone (a crash after answering is no cheat): what the
+                # trainer used agrees, the full precision cannot be checked.
+                return on_wire
             full = judge_signatures(prover_sig, mine_full, self.policy)
-            if on_wire.result is Result.PASS and full.result is Result.PASS:
+            if full.result is Result.PASS:
                 return full
         # Someone's signature disagrees: the prover's kept result decides.
         revealed = await self._ask_full(commitment, nonce)

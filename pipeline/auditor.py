@@ -229,9 +229,11 @@ class TrainerAuditor:
                 ) as call,  # fmt: skip
             ):
                 self.bytes_sent += len(sig.bits) + len(sig.log_norms) + 200
-                for t in sent:
-                    self.bytes_sent += await send_tensor(call, t, self.codec)
                 reply = await call.recv_item()
+                if isinstance(reply, dict) and reply.get("ready") is True:
+                    for t in sent:
+                        self.bytes_sent += await send_tensor(call, t, self.codec)
+                    reply = await call.recv_item()
         except (TransportError, OSError, TimeoutError, ValueError) as e:
             log.info("referee %s: %r", referee.short(), e)
             return None

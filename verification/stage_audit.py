@@ -96,7 +96,8 @@ def tensor_hash(t: torch.Tensor) -> bytes:
         t = t.to(torch.float32)
     t = t.contiguous()
     h = hashlib.sha256(_TENSOR_TAG + str(t.dtype).encode() + repr(tuple(t.shape)).encode())
-    h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if t.numel():
+        h.update(t.view(-1).view(torch.uint8).numpy())  # (hashed in place, not copied)
     return h.digest()
 
 
