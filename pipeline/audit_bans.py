@@ -47,6 +47,9 @@ class StageBans:
     def __contains__(self, peer: object) -> bool:
         return peer in self.bans
 
+    def __len__(self) -> int:
+        return len(self.bans)
+
     def enforce(self, evidence: StageEvidence) -> PeerID | None:
         """Ban the peer `evidence` convicts once it checks (None when it does not)."""
         known = evidence.prover in self.bans

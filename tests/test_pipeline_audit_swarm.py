@@ -85,3 +85,42 @@ async def test_a_cheating_stage_peer_is_convicted_and_routed_around(
         for t in [t for t in locals().get("trainers", [])]:
             await t.auditor.aclose()
         await swarm.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_trainer_lying_about_what_it_received_convicts_nobody(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every answer audited with a signature of something else than the answer: each
+    referee then judges the prover's own revealed result, and every audit passes."""
+    import shoal.pipeline.auditor as auditor_module
+
+    honest_signature = auditor_module.token_signature
+
+    def lying(t: torch.Tensor, seed: bytes, policy: StageAuditPolicy) -> Any:
+        return honest_signature(t * 1.1 + 0.01, seed, policy)
+
+    monkeypatch.setattr(auditor_module, "token_signature", lying)
+    task = make_task(TINY)
+    stages = task.make_stages(7, 2)
+    swarm = Swarm(make_host)
+    trainer = None
+    try:
+        await swarm.stage_peer(0, stages[0], global_batch=10_000)
+        peers = [await swarm.stage_peer(1, stages[1], global_batch=10_000) for _ in range(4)]
+        trainer = await swarm.trainer(2, audit=StageAuditPolicy(rate=1.0, probation_rate=1.0))
+        await trainer.refresh()
+        batches = task.batches(0, 1, 0)
+        for i in range(4):
+            batch = next(batches)
+            await trainer.run(i, task.stage_inputs(batch), lambda y, b=batch: task.stage_loss(y, b))
+        assert trainer.auditor is not None
+        await trainer.auditor.settled()
+        outcomes = trainer.auditor.outcomes
+        assert outcomes["passed"] >= 8 and outcomes["convicted"] == 0, outcomes
+        assert len(trainer.auditor.bans) == 0 and not trainer.auditor.distrusted
+        assert sum(p.server.audits.counts["failed"] for p in peers) == 0
+    finally:
+        if trainer is not None and trainer.auditor is not None:
+            await trainer.auditor.aclose()
+        await swarm.aclose()
