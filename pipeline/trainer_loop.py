@@ -33,7 +33,7 @@ __all__ = ["TrainerLoop"]
 
 log = logging.getLogger("shoal.pipeline")
 
-REFRESH_S = 5.0  # the stage records are read this often (and whenever paced)
+REFRESH_S = 2.0  # the stage records are read this often (and whenever paced)
 PACED_POLL_S = 0.1
 LOSS_EMA = 0.05
 WARN_EVERY_S = 30.0
