@@ -111,7 +111,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   .badge.you { background: #0b7285; color: #fff; }
   .badge.good, .badge.public, .badge.direct { background: #d3f9d8; color: #2b8a3e; }
   .badge.bad, .badge.private { background: #ffe3e3; color: #c92a2a; }
-  .badge.relayed { background: #fff3bf; color: #8f5f00; }
+  .badge.relayed, .badge.warn { background: #fff3bf; color: #8f5f00; }
   .badge.holepunched { background: #d0ebff; color: #1864ab; }
   .empty { color: var(--muted); font-style: italic; padding: 10px 8px; }
   dl.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 14px; margin: 0; }
@@ -156,6 +156,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   .peer-box.banned { border-left-color: var(--warn); background: #fff9db; }
   .peer-box.convicted { border-left-color: var(--bad); background: #fff5f5; }
   .pipe-empty { color: var(--muted); font-style: italic; font-size: 12px; }
+  #join-command { overflow-wrap: anywhere; }
   #pipeline-bans { margin: 6px 0 0; font-size: 12px; }
   #pipeline-bans li { padding: 1px 0; }
 </style>
@@ -542,9 +543,9 @@ function renderPipeline(p, self, convicted) {
   box.hidden = !p || typeof p !== "object";
   if (box.hidden) return;
   const role = [p.stage === null || p.stage === undefined ? null : `serving stage ${p.stage}`,
-    p.trainer ? "training" : null, p.role === "monitor" ? "monitor" : null]
-    .filter(Boolean).join(" · ");
-  setText("pipeline-role", `${role} · ${fmtNum(p.microbatches ?? 0, 0)} microbatches`);
+    p.trainer ? "training" : null].filter(Boolean).join(" · ");
+  setText("pipeline-role", p.role === "monitor" ? "monitor: serves no stage, drives no microbatch"
+    : `${role} · ${fmtNum(p.microbatches ?? 0, 0)} microbatches`);
   const stages = Array.isArray(p.stages) ? p.stages : [];
   $("stages").tBodies[0].replaceChildren(...stages.map((st) => {
     const ids = Array.isArray(st.peer_ids) ? st.peer_ids.map(String) : [];
@@ -586,11 +587,12 @@ function peerBox(srv, self, convicted, maxFlow) {
   if (srv.self || id === self) head.append(el("span", { class: "badge you", text: "this peer" }));
   if (convicted.has(id)) head.append(el("span", { class: "badge bad", text: "convicted" }));
   if (srv.banned) {
-    head.append(el("span", { class: "badge bad", text: `banned ${fmtNum(srv.ban_s, 0)} s` }));
+    head.append(el("span", { class: "badge warn", text: `banned ${fmtNum(srv.ban_s, 0)} s`,
+                             title: "a request to it failed: this trainer routes around it" }));
   }
   if (stale) head.append(el("span", { class: "badge", text: "silent" }));
-  const row = (label, value) => el("div", { class: "row" }, el("span", { text: label }),
-    el("b", { text: value }));
+  const row = (label, value, title) => el("div", { class: "row", title },
+    el("span", { text: label }), el("b", { text: value }));
   const measured = isNum(srv.measured) ? ` (${fmtNum(srv.measured, 0)} here)` : "";
   const queue = fmtNum(srv.queue, 0) + (isNum(srv.in_flight) ? ` · ${srv.in_flight} ours` : "");
   const share = isNum(srv.flow) && maxFlow > 0 ? Math.round(100 * srv.flow / maxFlow) : 0;
@@ -599,10 +601,12 @@ function peerBox(srv, self, convicted, maxFlow) {
   return el("div", { class: classes.filter(Boolean).join(" "), "data-peer-id": id,
                      "data-flow": isNum(srv.flow) ? srv.flow.toFixed(2) : null },
     head,
-    row("samples/s", fmtNum(srv.throughput, 0) + measured),
-    row("queue", queue),
-    row("version", fmtNum(srv.version, 0)),
-    row("flow", isNum(srv.flow) ? `${fmtNum(srv.flow, 1)} req/s` : "—"),
+    row("samples/s", fmtNum(srv.throughput, 0) + measured,
+        "training samples/s the peer measures on its work (what this trainer measures)"),
+    row("queue", queue, "requests waiting at the peer (this trainer's in flight to it)"),
+    row("version", fmtNum(srv.version, 0), "optimizer steps of the stage it serves"),
+    row("flow", isNum(srv.flow) ? `${fmtNum(srv.flow, 1)} req/s` : "—",
+        "forward and backward requests per second between it and this peer"),
     bar);
 }
 
@@ -652,7 +656,9 @@ function drawPipeline(p, stages, self, convicted) {
   drawing.dataset.peers = String(peers);
   setText("pipeline-flow", isNum(flow.microbatches_per_s)
     ? `${fmtNum(flow.microbatches_per_s, 1)} microbatches/s over the last `
-      + `${fmtNum(flow.window_s, 0)} s` : "");
+      + `${fmtNum(flow.window_s, 0)} s`
+    : p.trainer || isNum(p.stage) ? "" : "the stages' records only: trainers and stage peers "
+      + "show the flow through them");
   const bans = Array.isArray(p.bans) ? p.bans : [];
   const inPipeline = new Set(stages.flatMap((st) => (Array.isArray(st.servers) ? st.servers : [])
     .map((s) => String(s.peer_id))));
