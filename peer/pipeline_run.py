@@ -29,6 +29,9 @@ import torch
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.dht.node import DHTNode
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
+from shoal.pipeline.mover import StageMover
+from shoal.pipeline.options import DEFAULTS
+from shoal.pipeline.rebalance import RebalancePolicy
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import Microbatch, PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
@@ -86,6 +89,7 @@ class PipelineRun:
         self.on_round: Callable[[Any], None] | None = None  # (no averaging rounds of its own)
         self.stage_peer: StagePeer | None = None
         self.loop: TrainerLoop | None = None
+        self.mover: StageMover | None = None  # (a stage peer whose stage is not pinned)
         self.directory: list[list[StageRecord]] = [[] for _ in range(self.stages)]
         self._shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
         self._seed = int.from_bytes(identity.peer_id.to_bytes()[-8:], "big") ^ manifest.seed
@@ -104,29 +108,21 @@ class PipelineRun:
             k = self.wanted_stage
             if k is None:
                 k = least_capacity_stage(self.directory)
-            modules = await asyncio.to_thread(
-                self.task.make_stages, self.manifest.seed, self.stages
-            )  # type: ignore[attr-defined]
-            module = await asyncio.to_thread(modules[k].to, self.device)
-            del modules
-            peer = StagePeer(
-                self.dht,
-                self.manifest.experiment_id,
-                k,
-                module,
-                hyper={
-                    "lr": self.hyper["inner_lr"],
-                    "weight_decay": self.hyper["weight_decay"],
-                    "adam_beta2": self.hyper["adam_beta2"],
-                    "warmup_steps": self.hyper["warmup_steps"],
-                },
-                global_batch=int(self.options["global_batch"]),
-                device=self.device,
-            )
+            peer = await self._make_stage_peer(k)
             # A stage some peer already serves has a state to download first.
             await peer.start(sync=sync or bool(self.directory[k]))
             self.stage_peer = peer
             log.info("serving stage %d of %d (version %d)", k, self.stages, peer.version)
+            period = float(self.options.get("rebalance_s", DEFAULTS["rebalance_s"]))
+            if period > 0 and self.wanted_stage is None:  # (a pinned stage stays)
+                policy = RebalancePolicy(
+                    period_s=period,
+                    min_peers=int(self.options.get("min_stage_peers", 1)),
+                )
+                self.mover = StageMover(
+                    self.dht, self.manifest.experiment_id, self.stages, peer,
+                    self._make_stage_peer, policy=policy, on_moved=self._moved,
+                )  # fmt: skip
         if self.role in ("auto", "trainer"):
             trainer = PipelineTrainer(
                 self.dht, self.manifest.experiment_id, self.stages, codec=str(self.options["codec"])
@@ -143,6 +139,34 @@ class PipelineRun:
             )
             self.loop.on_microbatch = self._microbatch_done
 
+    async def _make_stage_peer(self, k: int) -> StagePeer:
+        """A peer for stage `k`, built from the manifest's seed (not started)."""
+        modules = await asyncio.to_thread(self.task.make_stages, self.manifest.seed, self.stages)  # type: ignore[attr-defined]
+        module = await asyncio.to_thread(modules[k].to, self.device)
+        del modules
+        return StagePeer(
+            self.dht,
+            self.manifest.experiment_id,
+            k,
+            module,
+            hyper={
+                "lr": self.hyper["inner_lr"],
+                "weight_decay": self.hyper["weight_decay"],
+                "adam_beta2": self.hyper["adam_beta2"],
+                "warmup_steps": self.hyper["warmup_steps"],
+            },
+            global_batch=int(self.options["global_batch"]),
+            device=self.device,
+        )
+
+    def _moved(self, old: StagePeer, new: StagePeer) -> None:
+        """The mover moved us from `old`'s stage to `new`'s: our own trainer calls
+        the new stage directly, and the old one over the wire like anyone."""
+        self.stage_peer = new
+        if self.loop is not None:
+            self.loop.trainer.local.pop(old.stage, None)
+            self.loop.trainer.local[new.stage] = new.server
+
     async def refresh_directory(self) -> None:
         try:
             self.directory = await read_stages(self.dht, self.manifest.experiment_id, self.stages)
@@ -153,14 +177,17 @@ class PipelineRun:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Drive microbatches (a trainer) and keep the directory fresh, until `stop`."""
-        refresher = asyncio.ensure_future(self._refresh_loop(stop))
+        background = [asyncio.ensure_future(self._refresh_loop(stop))]
+        if self.mover is not None:
+            background.append(asyncio.ensure_future(self.mover.run(stop)))
         try:
             if self.loop is not None:
                 await self.loop.run(stop)
             else:
                 await stop.wait()
         finally:
-            refresher.cancel()
+            for task in background:
+                task.cancel()
 
     async def _refresh_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -224,6 +251,8 @@ class PipelineRun:
             "served": served,
             "version": None if peer is None else peer.version,
             "serving": None if peer is None else peer.server.serving,
+            # Moves to the stage that limited the pipeline: [from, to, UNIX time].
+            "moves": None if self.mover is None else [list(m) for m in self.mover.moves],
             "syncs": None if peer is None else peer.syncs,
             "retries": None if loop is None else loop.trainer.counters.retries,
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +107,12 @@ class StageServer:
         self.version = 0  # optimizer steps applied to the stage's parameters
         self.steps: Sequence[StepRecord] = ()  # the last committed steps (StageOptimizer.steps)
         self.serving = True  # False while the state is re-synced: requests are refused
+        # Leaving the stage (a move to another): new requests are refused, the record
+        # withdrawn; the requests taken finish (`drained`).
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         # When it (re)started serving: a trainer that banned this peer lifts the ban
         # when this changes (a restart, a re-sync done), not at every refresh.
         self.since = time.time()
@@ -124,15 +130,18 @@ class StageServer:
         self._jobs: list[_Job] = []
         self._wake = asyncio.Event()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
-        self._service = rpc.RpcService(dht.host, pipeline_protocol(experiment))
-        self._service.stream("forward")(self._forward)
-        self._service.stream("backward")(self._backward)
-        self._service.unary("flush")(self._flush)
-        self._service.unary("progress")(self._progress)
+        # Registered at `start`: a peer moving between stages builds its next stage's
+        # server while the last one still serves (one service per protocol and host).
+        self._service: rpc.RpcService | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Announce the stage and serve (the caller has the state it must serve with)."""
+        self._service = rpc.RpcService(self.dht.host, self.protocol)
+        self._service.stream("forward")(self._forward)
+        self._service.stream("backward")(self._backward)
+        self._service.unary("flush")(self._flush)
+        self._service.unary("progress")(self._progress)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._compute_loop())]
         await self.announce()
@@ -144,7 +153,8 @@ class StageServer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._service.close()
+        if self._service is not None:
+            self._service.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
         for job in self._jobs:
             if not job.done.done():
@@ -169,6 +179,7 @@ class StageServer:
             "queue": self.queued,
             "version": self.version,
             "since": self.since,
+            "ready": self.serving,
             "t": time.time(),
         }
 
@@ -176,7 +187,7 @@ class StageServer:
         try:
             await self.dht.store(
                 stage_key(self.experiment, self.stage),
-                self.record(),
+                None if self.draining else self.record(),
                 time.time() + RECORD_TTL,
                 subkey=owner_marker(self.dht.peer_id),
             )
@@ -188,9 +199,40 @@ class StageServer:
             await asyncio.sleep(RECORD_REFRESH)
             await self.announce()
 
-    def _check(self, payload: Any) -> tuple[Any, int, Codec, list[bool]]:
+    def _refuse_if_unavailable(self) -> None:
+        if self.draining:
+            raise ConnectionRefusedError("this peer is leaving its stage")
         if not self.serving:
             raise ConnectionRefusedError("this peer is re-syncing its stage's state")
+
+    async def drain(self) -> None:
+        """Stop taking requests and withdraw the record (a move to another stage);
+        the requests already taken finish: `wait_drained`."""
+        self.draining = True
+        await self.announce()
+
+    def undrain(self) -> None:
+        """Take requests again (a move given up)."""
+        self.draining = False
+
+    async def wait_drained(self) -> None:
+        """Until no request taken is left (computing, or its answer being sent)."""
+        await self._idle.wait()
+
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        self._refuse_if_unavailable()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _check(self, payload: Any) -> tuple[Any, int, Codec, list[bool]]:
+        self._refuse_if_unavailable()
         if not isinstance(payload, dict) or payload.get("stage") != self.stage:
             raise ValueError(f"this peer serves stage {self.stage}")
         samples = payload.get("samples")
@@ -209,6 +251,11 @@ class StageServer:
         self.version = version
         self._version_changed.set()
         self._version_changed = asyncio.Event()
+
+    async def wait_version_after(self, version: int) -> None:
+        """Until the stage stepped (or re-synced) past `version`."""
+        while self.version <= version:
+            await self._version_changed.wait()
 
     async def _check_version(self, payload: Any) -> None:
         """Refuse a request whose trainer knows a newer version of the stage than ours:
@@ -291,10 +338,9 @@ class StageServer:
     ) -> tuple[Any, dict[str, Any]]:
         """A forward request's outputs and the answer's header (over RPC, or for a
         trainer in this very process, which calls it directly)."""
-        if not self.serving:
-            raise ConnectionRefusedError("this peer is re-syncing its stage's state")
-        _check_batch(inputs, samples)
-        outputs, seconds = await self._submit(_Job("forward", inputs, samples))
+        with self._request():
+            _check_batch(inputs, samples)
+            outputs, seconds = await self._submit(_Job("forward", inputs, samples))
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
         return outputs, self._meta(seconds)
@@ -303,11 +349,10 @@ class StageServer:
         self, key: Any, inputs: torch.Tensor, grad_outputs: torch.Tensor, samples: int
     ) -> tuple[Any, dict[str, Any]]:
         """A backward request's input gradient (None for token ids) and the answer's header."""
-        if not self.serving:
-            raise ConnectionRefusedError("this peer is re-syncing its stage's state")
-        _check_batch(inputs, samples)
-        request: BackwardRequest = (key, inputs, grad_outputs, samples)
-        (grad_inputs, epoch), seconds = await self._submit(_Job("backward", request, samples))
+        with self._request():
+            _check_batch(inputs, samples)
+            request: BackwardRequest = (key, inputs, grad_outputs, samples)
+            (grad_inputs, epoch), seconds = await self._submit(_Job("backward", request, samples))
         self.backward_speed.add(samples, seconds)
         self.served["backward"] += 1
         if self.on_backward is not None:
@@ -316,22 +361,24 @@ class StageServer:
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         _, samples, codec, enc = self._check(payload)
-        await self._check_version(payload)
-        inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
-        outputs, meta = await self.compute_forward(inputs, samples)
-        yield {**meta, "enc": encodes(codec, outputs)}
-        self.bytes_sent += await send_tensor(ctx, outputs, codec)
+        with self._request():
+            await self._check_version(payload)
+            inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
+            outputs, meta = await self.compute_forward(inputs, samples)
+            yield {**meta, "enc": encodes(codec, outputs)}
+            self.bytes_sent += await send_tensor(ctx, outputs, codec)
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
-        await self._check_version(payload)
-        enc = enc + [False] * (2 - len(enc))
-        inputs = await recv_tensor(ctx, codec, enc[0])
-        grad_outputs = await recv_tensor(ctx, codec, enc[1])
-        grad_inputs, meta = await self.compute_backward(key, inputs, grad_outputs, samples)
-        yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
-        if grad_inputs is not None:
-            self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
+        with self._request():
+            await self._check_version(payload)
+            enc = enc + [False] * (2 - len(enc))
+            inputs = await recv_tensor(ctx, codec, enc[0])
+            grad_outputs = await recv_tensor(ctx, codec, enc[1])
+            grad_inputs, meta = await self.compute_backward(key, inputs, grad_outputs, samples)
+            yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
+            if grad_inputs is not None:
+                self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
 
     async def _flush(self, ctx: rpc.CallContext, payload: Any) -> bool:
         """A trainer waits for this stage's step and has nothing more to send: step with

@@ -128,6 +128,12 @@ class StagePeer:
         await self.server.start()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    @property
+    def held_samples(self) -> int:
+        """Samples we hold gradients for that no step took yet (this version's and,
+        arrived during a step, the next one's)."""
+        return self.worker.samples_for(self.version) + self.worker.samples_for(self.version + 1)
+
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()

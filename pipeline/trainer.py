@@ -131,6 +131,8 @@ class PipelineTrainer:
                 peer = owner_of(subkey)
                 if peer is None or not isinstance(record, dict):
                     continue  # (None: a peer that stopped serving)
+                if record.get("ready", True) is False:
+                    continue  # arriving or re-syncing: it would refuse
                 speed, version, since = (
                     record.get("fwd"),
                     record.get("version"),
