@@ -7,8 +7,10 @@ kinds of experiment alike (`step`, `loss`, `outer_step`, `fingerprint`,
 
 Roles (``--role``): ``stage`` serves one stage of the model; ``trainer`` drives
 microbatches of its own data shard through every stage without serving one;
-``auto`` (the default) does both. The stage is ``--stage K`` or, by default,
-the one with the least capacity in the stage records when the peer starts. A
+``auto`` (the default) does both; ``monitor`` does neither (it keeps the
+experiment and shows its pipeline: a bootstrap peer). The stage is ``--stage
+K`` or, by default, the one with the least capacity in the stage records when
+the peer starts. A
 peer downloads its stage's state from the stage's peers before it announces
 itself (the first peer of a stage starts from the manifest's seed).
 """
@@ -36,6 +38,7 @@ from shoal.pipeline.trainer_loop import TrainerLoop
 from shoal.transport.identity import Identity
 
 from .experiment import Manifest
+from .pipeline_status import PipelineStatus
 from .task import Task, shard_of
 from .trainer import RATE_WINDOW_S, TrainerStats
 
@@ -92,6 +95,7 @@ class PipelineRun:
         self._seed = int.from_bytes(identity.peer_id.to_bytes()[-8:], "big") ^ manifest.seed
         self._done: collections.deque[tuple[float, int]] = collections.deque()
         self._tokens_per_sample = 1
+        self._view = PipelineStatus()  # the richer keys of status(): servers, flow, bans
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
 
@@ -238,7 +242,7 @@ class PipelineRun:
             })  # fmt: skip
         served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
         driven = loop.trainer.counters.microbatches if loop is not None else 0
-        return {
+        out = {
             "stage": None if peer is None else peer.stage,
             "trainer": loop is not None,
             "role": self.role,
@@ -261,6 +265,13 @@ class PipelineRun:
             if peer is None
             else peer.worker.samples_for(peer.version) + peer.worker.samples_for(peer.version + 1),
         }
+        return self._view.extend(
+            out,
+            self_id=self.dht.peer_id,
+            directory=self.directory,
+            trainer=None if loop is None else loop.trainer,
+            server=None if peer is None else peer.server,
+        )
 
     def close(self) -> None:
         """(The trainer's synchronous close: nothing to do here.)"""
