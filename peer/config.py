@@ -44,7 +44,7 @@ DEFAULT_EXPERIMENT = "default"
 DEFAULT_TASK = "bytegpt"
 DEFAULT_STRATEGY = "diloco"
 STRATEGIES = ("diloco", "streaming", "noloco")
-# (pipeline.options.ROLES, and monitor; config stays torch-free)
+# (pipeline.options.ROLES; config stays torch-free)
 ROLES = ("auto", "trainer", "stage", "monitor")
 DEFAULT_INNER_STEPS = 50
 DEFAULT_STATUS_ADDR = "127.0.0.1:8080"

@@ -101,7 +101,7 @@ class PipelineRun:
 
     # ------------------------------------------------------------------ start
 
-    async def start(self, *, sync: bool) -> None:
+    async def start(self) -> None:
         """Serve a stage (roles auto and stage) and set up the trainer (auto, trainer)."""
         await self.refresh_directory()
         if self.role in ("auto", "stage"):
@@ -109,8 +109,11 @@ class PipelineRun:
             if k is None:
                 k = least_capacity_stage(self.directory)
             peer = await self._make_stage_peer(k)
-            # A stage some peer already serves has a state to download first.
-            await peer.start(sync=sync or bool(self.directory[k]))
+            # A stage some peer already serves has a state to download first; the first
+            # peer of a stage starts from the manifest's seed (waiting for holders that
+            # cannot exist cost each such joiner ~10 s). Should the records have been
+            # missed, the peer's loop sees the stage's newer version and re-syncs.
+            await peer.start(sync=bool(self.directory[k]))
             self.stage_peer = peer
             log.info("serving stage %d of %d (version %d)", k, self.stages, peer.version)
             period = float(self.options.get("rebalance_s", DEFAULTS["rebalance_s"]))

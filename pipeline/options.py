@@ -10,7 +10,7 @@ from shoal.averaging.compression import CODECS
 __all__ = ["PIPELINE_STRATEGY", "ROLES", "resolve_pipeline_options"]
 
 PIPELINE_STRATEGY = "pipeline"
-ROLES = ("auto", "trainer", "stage")
+ROLES = ("auto", "trainer", "stage", "monitor")
 MAX_STAGES = 64
 
 DEFAULTS: dict[str, Any] = {
