@@ -55,11 +55,17 @@ RECORD_TTL = 60.0
 MAX_BATCH_SAMPLES = 256
 BEHIND_WAIT_S = 3.0
 RECORD_REFRESH = 15.0
+TRAINER_SEEN_S = 30.0  # a trainer silent this long is not told of our steps any more
 _EMA = 0.1
 
 
 def pipeline_protocol(experiment: str) -> str:
     return f"/shoal/pipeline/{experiment}/1.0.0"
+
+
+def trainer_protocol(experiment: str) -> str:
+    """Where trainers hear of stage steps (`StageServer.push_step`)."""
+    return f"/shoal/pipeline-trainer/{experiment}/1.0.0"
 
 
 def stage_key(experiment: str, stage: int) -> str:
@@ -125,6 +131,9 @@ class StageServer:
         self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
         self.on_flush: Callable[[], None] | None = None  # a trainer waits on our step
         self.on_progress: Callable[[PeerID, int, int], None] | None = None  # a peer's push
+        # Trainers that sent us requests lately (-> when): told of each step at once.
+        self.trainers: dict[PeerID, float] = {}
+        self._pushes: set[asyncio.Task[None]] = set()
         self.protocol = pipeline_protocol(experiment)
         self._version_changed = asyncio.Event()
         self._jobs: list[_Job] = []
@@ -148,7 +157,7 @@ class StageServer:
         self._tasks.append(loop.create_task(self._announce_loop()))
 
     async def aclose(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._pushes]:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -323,15 +332,37 @@ class StageServer:
         self._jobs = rest
         return batch
 
+    def _step_log(self) -> list[list[Any]]:
+        return [[r.version, [p.to_bytes() for p in r.members], r.samples] for r in self.steps]
+
     def _meta(self, seconds: float) -> dict[str, Any]:
         return {
             "seconds": seconds,
             "queue": self.queued,
             "version": self.version,
-            "steps": [
-                [r.version, [p.to_bytes() for p in r.members], r.samples] for r in self.steps
-            ],
+            "steps": self._step_log(),
         }
+
+    def push_step(self) -> None:
+        """Tell the trainers that sent us requests lately our new version and step log
+        (they would otherwise learn it from the DHT record, a poll later: a trainer
+        waiting on this step is idle until then)."""
+        now = time.monotonic()
+        for peer, seen in list(self.trainers.items()):
+            if now - seen > TRAINER_SEEN_S:
+                del self.trainers[peer]
+        message = {"stage": self.stage, "version": self.version, "steps": self._step_log()}
+        loop = asyncio.get_running_loop()
+        for peer in self.trainers:
+            if peer != self.dht.peer_id:  # (our own trainer calls us directly)
+                task = loop.create_task(self._push(peer, message))
+                self._pushes.add(task)
+                task.add_done_callback(self._pushes.discard)
+
+    async def _push(self, peer: PeerID, message: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):  # the DHT record is the fallback
+            await rpc.call(self.dht.host, peer, trainer_protocol(self.experiment), "stepped",
+                           message, timeout=2.0)  # fmt: skip
 
     async def compute_forward(
         self, inputs: torch.Tensor, samples: int
@@ -361,6 +392,7 @@ class StageServer:
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         _, samples, codec, enc = self._check(payload)
+        self.trainers[ctx.peer] = time.monotonic()
         with self._request():
             await self._check_version(payload)
             inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
@@ -370,6 +402,7 @@ class StageServer:
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
+        self.trainers[ctx.peer] = time.monotonic()
         with self._request():
             await self._check_version(payload)
             enc = enc + [False] * (2 - len(enc))

@@ -261,6 +261,7 @@ class StagePeer:
     async def _publish(self) -> None:
         """Our new version in the stage record and in a fresh progress report."""
         self.server.set_version(self.version)
+        self.server.push_step()
         await self.server.announce()
         samples = self.worker.samples_for(self.version)
         await self.progress.report(samples, self.version)

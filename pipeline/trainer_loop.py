@@ -150,7 +150,9 @@ class TrainerLoop:
                 return mb
             if self._paced_since is None:
                 self._paced_since = time.monotonic()
-            await asyncio.sleep(PACED_POLL_S)
+            with contextlib.suppress(TimeoutError):  # a stage's step, pushed to us
+                async with asyncio.timeout(PACED_POLL_S):
+                    await self.trainer.changed.wait()
             await self._refresh(every=PACED_POLL_S)
             await self._flush_if_stuck()
         return None

@@ -3,6 +3,7 @@ every stage's peers with their numbers, the microbatch flow, and the trainer's b
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,12 @@ async def test_the_status_shows_each_peer_the_flow_through_it_and_the_peers_rout
         directory = await read_stages(trainer.dht, EXPERIMENT, 2)
         extend(1000.0)  # the counters before: all zero
         await loop.run(steps=3)
-        directory = await read_stages(trainer.dht, EXPERIMENT, 2)
+        # (Stage peers tell trainers of a step before their DHT record says it.)
+        async with asyncio.timeout(10):
+            while True:
+                directory = await read_stages(trainer.dht, EXPERIMENT, 2)
+                if all(r.version == 3 for records in directory for r in records):
+                    break
         status = extend(1004.0)
 
         # PipelineRun's keys stay as they were; a stage row it lacked is added.
