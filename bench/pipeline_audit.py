@@ -1,7 +1,7 @@
 """Stage audits: their cost in throughput and bytes, and how surely and fast they convict.
 
     python bench/pipeline_audit.py [--stages 2] [--peers-per-stage 4] [--seconds 15]
-        [--rounds 3] [--d-model 256] [--context 64] [--microbatch 8]
+        [--rounds 3] [--fill 10] [--d-model 256] [--context 64] [--microbatch 8]
         [--seconds-per-sample 0.05]
         [--concurrency 16] [--observers 20] [--trials 300] [--honest 10000]
 
@@ -132,7 +132,7 @@ async def _window(trainer: PipelineTrainer, swarm: Swarm, task: Any, o: Any, sec
                        concurrency=o.concurrency)  # fmt: skip
     stop = asyncio.Event()
     running = asyncio.ensure_future(loop.run(stop))
-    await asyncio.sleep(2.0)  # (the loop fills the pipeline)
+    await asyncio.sleep(o.fill)  # (the loop fills the pipeline: a fresh trainer ramps up)
     samples, pipe = trainer.counters.samples, _pipeline_bytes(trainer, swarm)
     ver, wire = _verification_bytes(trainer, swarm), _wire_bytes(swarm)
     started = time.monotonic()
@@ -169,18 +169,22 @@ async def throughput(o: Any) -> dict[str, Any]:
         off_node, on_node = await swarm.node(), await swarm.node()
         passes: Counter[Any] = Counter()
         on: PipelineTrainer | None = None
+        off: PipelineTrainer | None = None
 
         async def trainer(audits: bool) -> PipelineTrainer:
             # A fresh trainer per window: its microbatch keys are new (a new loop on an old
             # trainer would reuse keys, which stage peers answer once). Audit records carry
             # over: probation, once over, stays over.
-            nonlocal on
+            nonlocal on, off
             if not audits:
-                made = PipelineTrainer(off_node, EXPERIMENT, o.stages)
+                if off is not None:
+                    off.close()  # (one trainer service per host)
+                made = off = PipelineTrainer(off_node, EXPERIMENT, o.stages)
             else:
                 if on is not None and on.auditor is not None:
                     await on.auditor.settled()
                     passes.update(on.auditor.passes)
+                    on.close()
                 made = PipelineTrainer(on_node, EXPERIMENT, o.stages, audit=StageAuditPolicy())
                 assert made.auditor is not None
                 made.auditor.passes = passes.copy()
@@ -355,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--peers-per-stage", type=int, default=4)
     p.add_argument("--seconds", type=float, default=15.0, help="each measured window")
     p.add_argument("--rounds", type=int, default=3, help="off/on window pairs")
+    p.add_argument("--fill", type=float, default=10.0, help="seconds before each window")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--microbatch", type=int, default=8)

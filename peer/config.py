@@ -44,7 +44,8 @@ DEFAULT_EXPERIMENT = "default"
 DEFAULT_TASK = "bytegpt"
 DEFAULT_STRATEGY = "diloco"
 STRATEGIES = ("diloco", "streaming", "noloco")
-ROLES = ("auto", "trainer", "stage")  # (pipeline.options.ROLES; config stays torch-free)
+# (pipeline.options.ROLES; config stays torch-free)
+ROLES = ("auto", "trainer", "stage", "monitor")
 DEFAULT_INNER_STEPS = 50
 DEFAULT_STATUS_ADDR = "127.0.0.1:8080"
 DEFAULT_CHECKPOINT_INTERVAL = 300.0
@@ -213,7 +214,8 @@ OPTIONS: dict[str, Option] = {
             "role",
             "SHOAL_ROLE",
             "in a pipelined experiment: stage (serve a stage), trainer (drive microbatches of "
-            "this peer's data through the stages) or auto (both)",
+            "this peer's data through the stages), auto (both) or monitor (neither: keep the "
+            "experiment and show its pipeline, e.g. a bootstrap peer hosting it)",
             "ROLE",
             "auto",
         ),

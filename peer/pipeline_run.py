@@ -7,8 +7,10 @@ kinds of experiment alike (`step`, `loss`, `outer_step`, `fingerprint`,
 
 Roles (``--role``): ``stage`` serves one stage of the model; ``trainer`` drives
 microbatches of its own data shard through every stage without serving one;
-``auto`` (the default) does both. The stage is ``--stage K`` or, by default,
-the one with the least capacity in the stage records when the peer starts. A
+``auto`` (the default) does both; ``monitor`` does neither (it keeps the
+experiment and shows its pipeline: a bootstrap peer). The stage is ``--stage
+K`` or, by default, the one with the least capacity in the stage records when
+the peer starts. A
 peer downloads its stage's state from the stage's peers before it announces
 itself (the first peer of a stage starts from the manifest's seed).
 """
@@ -27,12 +29,16 @@ import torch
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.dht.node import DHTNode
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
+from shoal.pipeline.mover import StageMover
+from shoal.pipeline.options import DEFAULTS
+from shoal.pipeline.rebalance import RebalancePolicy
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import Microbatch, PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
 from shoal.transport.identity import Identity
 
 from .experiment import Manifest
+from .pipeline_status import PipelineStatus
 from .task import Task, shard_of
 from .trainer import RATE_WINDOW_S, TrainerStats
 
@@ -83,46 +89,43 @@ class PipelineRun:
         self.on_round: Callable[[Any], None] | None = None  # (no averaging rounds of its own)
         self.stage_peer: StagePeer | None = None
         self.loop: TrainerLoop | None = None
+        self.mover: StageMover | None = None  # (a stage peer whose stage is not pinned)
         self.directory: list[list[StageRecord]] = [[] for _ in range(self.stages)]
         self._shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
         self._seed = int.from_bytes(identity.peer_id.to_bytes()[-8:], "big") ^ manifest.seed
         self._done: collections.deque[tuple[float, int]] = collections.deque()
         self._tokens_per_sample = 1
+        self._view = PipelineStatus()  # the richer keys of status(): servers, flow, bans
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
 
     # ------------------------------------------------------------------ start
 
-    async def start(self, *, sync: bool) -> None:
+    async def start(self) -> None:
         """Serve a stage (roles auto and stage) and set up the trainer (auto, trainer)."""
         await self.refresh_directory()
         if self.role in ("auto", "stage"):
             k = self.wanted_stage
             if k is None:
                 k = least_capacity_stage(self.directory)
-            modules = await asyncio.to_thread(
-                self.task.make_stages, self.manifest.seed, self.stages
-            )  # type: ignore[attr-defined]
-            module = await asyncio.to_thread(modules[k].to, self.device)
-            del modules
-            peer = StagePeer(
-                self.dht,
-                self.manifest.experiment_id,
-                k,
-                module,
-                hyper={
-                    "lr": self.hyper["inner_lr"],
-                    "weight_decay": self.hyper["weight_decay"],
-                    "adam_beta2": self.hyper["adam_beta2"],
-                    "warmup_steps": self.hyper["warmup_steps"],
-                },
-                global_batch=int(self.options["global_batch"]),
-                device=self.device,
-            )
-            # A stage some peer already serves has a state to download first.
-            await peer.start(sync=sync or bool(self.directory[k]))
+            peer = await self._make_stage_peer(k)
+            # A stage some peer already serves has a state to download first; the first
+            # peer of a stage starts from the manifest's seed (waiting for holders that
+            # cannot exist cost each such joiner ~10 s). Should the records have been
+            # missed, the peer's loop sees the stage's newer version and re-syncs.
+            await peer.start(sync=bool(self.directory[k]))
             self.stage_peer = peer
             log.info("serving stage %d of %d (version %d)", k, self.stages, peer.version)
+            period = float(self.options.get("rebalance_s", DEFAULTS["rebalance_s"]))
+            if period > 0 and self.wanted_stage is None:  # (a pinned stage stays)
+                policy = RebalancePolicy(
+                    period_s=period,
+                    min_peers=int(self.options.get("min_stage_peers", 1)),
+                )
+                self.mover = StageMover(
+                    self.dht, self.manifest.experiment_id, self.stages, peer,
+                    self._make_stage_peer, policy=policy, on_moved=self._moved,
+                )  # fmt: skip
         if self.role in ("auto", "trainer"):
             trainer = PipelineTrainer(
                 self.dht, self.manifest.experiment_id, self.stages, codec=str(self.options["codec"])
@@ -139,6 +142,34 @@ class PipelineRun:
             )
             self.loop.on_microbatch = self._microbatch_done
 
+    async def _make_stage_peer(self, k: int) -> StagePeer:
+        """A peer for stage `k`, built from the manifest's seed (not started)."""
+        modules = await asyncio.to_thread(self.task.make_stages, self.manifest.seed, self.stages)  # type: ignore[attr-defined]
+        module = await asyncio.to_thread(modules[k].to, self.device)
+        del modules
+        return StagePeer(
+            self.dht,
+            self.manifest.experiment_id,
+            k,
+            module,
+            hyper={
+                "lr": self.hyper["inner_lr"],
+                "weight_decay": self.hyper["weight_decay"],
+                "adam_beta2": self.hyper["adam_beta2"],
+                "warmup_steps": self.hyper["warmup_steps"],
+            },
+            global_batch=int(self.options["global_batch"]),
+            device=self.device,
+        )
+
+    def _moved(self, old: StagePeer, new: StagePeer) -> None:
+        """The mover moved us from `old`'s stage to `new`'s: our own trainer calls
+        the new stage directly, and the old one over the wire like anyone."""
+        self.stage_peer = new
+        if self.loop is not None:
+            self.loop.trainer.local.pop(old.stage, None)
+            self.loop.trainer.local[new.stage] = new.server
+
     async def refresh_directory(self) -> None:
         try:
             self.directory = await read_stages(self.dht, self.manifest.experiment_id, self.stages)
@@ -149,14 +180,17 @@ class PipelineRun:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Drive microbatches (a trainer) and keep the directory fresh, until `stop`."""
-        refresher = asyncio.ensure_future(self._refresh_loop(stop))
+        background = [asyncio.ensure_future(self._refresh_loop(stop))]
+        if self.mover is not None:
+            background.append(asyncio.ensure_future(self.mover.run(stop)))
         try:
             if self.loop is not None:
                 await self.loop.run(stop)
             else:
                 await stop.wait()
         finally:
-            refresher.cancel()
+            for task in background:
+                task.cancel()
 
     async def _refresh_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -211,7 +245,7 @@ class PipelineRun:
             })  # fmt: skip
         served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
         driven = loop.trainer.counters.microbatches if loop is not None else 0
-        return {
+        out = {
             "stage": None if peer is None else peer.stage,
             "trainer": loop is not None,
             "role": self.role,
@@ -220,6 +254,8 @@ class PipelineRun:
             "served": served,
             "version": None if peer is None else peer.version,
             "serving": None if peer is None else peer.server.serving,
+            # Moves to the stage that limited the pipeline: [from, to, UNIX time].
+            "moves": None if self.mover is None else [list(m) for m in self.mover.moves],
             "syncs": None if peer is None else peer.syncs,
             "retries": None if loop is None else loop.trainer.counters.retries,
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
@@ -232,6 +268,13 @@ class PipelineRun:
             if peer is None
             else peer.worker.samples_for(peer.version) + peer.worker.samples_for(peer.version + 1),
         }
+        return self._view.extend(
+            out,
+            self_id=self.dht.peer_id,
+            directory=self.directory,
+            trainer=None if loop is None else loop.trainer,
+            server=None if peer is None else peer.server,
+        )
 
     def close(self) -> None:
         """(The trainer's synchronous close: nothing to do here.)"""

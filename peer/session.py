@@ -259,7 +259,7 @@ async def _pipeline_session(
         )
     except ValueError as e:
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
-    await run.start(sync=not hosting)
+    await run.start()
     return Session(
         manifest,
         task,

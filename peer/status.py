@@ -53,8 +53,11 @@ experiment is pipelined: `stage` int|null (the stage this peer serves),
 int (driven by a trainer; served backwards for a stage-only peer), `served`
 {forward, backward}, `version`, `serving`, `syncs`, `retries`, `replayed`;
 peer/pipeline_run.py; a trainer's `step` and `loss` are then its optimizer
-steps and training loss), and whatever else the daemon finds useful; clients
-ignore keys they do not know.
+steps and training loss; for the page's drawing, `stages[].servers` (each
+peer of the stage: throughput, queue, version, requests/s between it and this
+peer, banned), `flow` (microbatches/s and requests/s per stage over the last
+seconds) and `bans` (peers this trainer routes around): peer/pipeline_status.py),
+and whatever else the daemon finds useful; clients ignore keys they do not know.
 
 `/peers` (`await StatusProvider.peers()`), a list, this peer included:
 

@@ -19,7 +19,10 @@ peer), `#loss-curve[data-points]` and `#bandwidth[data-points]` (points drawn),
 `#reachability`, `#uptime`, `#join-command` (the command another peer runs to join),
 `#verification` with `#bans tbody tr[data-peer-id]` (one row per banned peer),
 `#pipeline` with `#stages tbody tr[data-stage]` (one row per stage of a
-pipelined experiment).
+pipelined experiment) and the drawing `#pipeline-drawing[data-stages][data-peers]`:
+`.stage-column[data-stage]` columns of `.peer-box[data-peer-id]` boxes (classes
+`self`, `banned`, `convicted`, `stale`; `data-flow`: requests/s), with
+`#pipeline-bans li[data-peer-id]` (peers routed around, and convicted ones).
 """
 
 import base64
@@ -108,7 +111,7 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   .badge.you { background: #0b7285; color: #fff; }
   .badge.good, .badge.public, .badge.direct { background: #d3f9d8; color: #2b8a3e; }
   .badge.bad, .badge.private { background: #ffe3e3; color: #c92a2a; }
-  .badge.relayed { background: #fff3bf; color: #8f5f00; }
+  .badge.relayed, .badge.warn { background: #fff3bf; color: #8f5f00; }
   .badge.holepunched { background: #d0ebff; color: #1864ab; }
   .empty { color: var(--muted); font-style: italic; padding: 10px 8px; }
   dl.kv { display: grid; grid-template-columns: max-content 1fr; gap: 4px 14px; margin: 0; }
@@ -119,6 +122,43 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   ul.plain li { padding: 2px 0; }
   details summary { cursor: pointer; color: var(--muted); }
   footer { color: var(--muted); font-size: 12px; text-align: center; margin-top: 20px; }
+  /* The pipeline: stages as columns of peer boxes, links animated by the microbatch flow. */
+  #pipeline { margin-bottom: 16px; }
+  .pipe { display: flex; align-items: stretch; gap: 0; overflow-x: auto; padding: 4px 0 8px; }
+  .pipe-col { flex: 1 1 0; min-width: 170px; display: flex; flex-direction: column; gap: 8px; }
+  .pipe-col.ends { flex: 0 0 150px; min-width: 150px; justify-content: center; }
+  .pipe-col h3 { margin: 0; font-size: 12px; font-weight: 600; color: var(--ink); }
+  .pipe-col h3 small { display: block; font-weight: 400; color: var(--muted); }
+  .pipe-link { flex: 0 0 46px; display: flex; flex-direction: column; justify-content: center;
+               gap: 10px; padding: 0 6px; }
+  .pipe-link i { display: block; height: 8px; border-radius: 4px; background: var(--line); }
+  .pipe-link i.live { animation: march linear infinite;
+    background: radial-gradient(circle, var(--accent) 2.5px, transparent 3px) 0 50% / 12px 8px
+                repeat-x, var(--line); }
+  .pipe-link i.back.live { animation-name: march-back;
+    background: radial-gradient(circle, var(--recv) 2.5px, transparent 3px) 0 50% / 12px 8px
+                repeat-x, var(--line); }
+  @keyframes march { from { background-position: 0 50%, 0 0; }
+                     to { background-position: 12px 50%, 0 0; } }
+  @keyframes march-back { from { background-position: 12px 50%, 0 0; }
+                          to { background-position: 0 50%, 0 0; } }
+  .peer-box { border: 1px solid var(--line); border-left: 4px solid var(--accent);
+              border-radius: 8px; padding: 6px 8px; font-size: 12px; background: #fbfcfd;
+              font-variant-numeric: tabular-nums; }
+  .peer-box .id { font-family: var(--mono); font-size: 12px; font-weight: 600; }
+  .peer-box .row { display: flex; justify-content: space-between; gap: 6px; color: var(--muted); }
+  .peer-box .row b { color: var(--ink); font-weight: 600; }
+  .peer-box .bar { height: 4px; border-radius: 2px; background: var(--line); margin-top: 4px; }
+  .peer-box .bar span { display: block; height: 100%; border-radius: 2px;
+                        background: var(--accent); transition: width 0.8s ease; }
+  .peer-box.self { background: #e3fafc; }
+  .peer-box.stale { border-left-color: #adb5bd; color: var(--muted); }
+  .peer-box.banned { border-left-color: var(--warn); background: #fff9db; }
+  .peer-box.convicted { border-left-color: var(--bad); background: #fff5f5; }
+  .pipe-empty { color: var(--muted); font-style: italic; font-size: 12px; }
+  #join-command { overflow-wrap: anywhere; }
+  #pipeline-bans { margin: 6px 0 0; font-size: 12px; }
+  #pipeline-bans li { padding: 1px 0; }
 </style>
 </head>
 <body data-polls="0">
@@ -161,6 +201,23 @@ STATUS_PAGE_HTML = r"""<!doctype html>
     </div>
   </section>
 
+  <section class="card" id="pipeline" hidden>
+    <h2>Pipeline <span class="aside" id="pipeline-role"></span></h2>
+    <div class="legend"><span id="pipeline-flow"></span>
+      <span><i style="background: var(--accent)"></i>forward</span>
+      <span><i style="background: var(--recv)"></i>backward</span>
+      <span><i style="background: var(--warn)"></i>routed around</span>
+      <span><i style="background: var(--bad)"></i>convicted</span></div>
+    <div class="pipe" id="pipeline-drawing" data-stages="0" data-peers="0"></div>
+    <ul class="plain" id="pipeline-bans"></ul>
+    <details><summary>stages as a table</summary>
+      <div class="scroll"><table id="stages">
+        <thead><tr><th>Stage</th><th class="num">Peers</th><th class="num">Samples/s</th>
+          <th>Served by</th></tr></thead>
+        <tbody></tbody>
+      </table></div></details>
+  </section>
+
   <section class="grid tables">
     <div class="card">
       <h2>Swarm peers <span class="aside" id="peers-count"></span></h2>
@@ -175,14 +232,6 @@ STATUS_PAGE_HTML = r"""<!doctype html>
       <div class="card" id="last-round">
         <h2>Last averaging round</h2>
         <div class="empty">no round yet</div>
-      </div>
-      <div class="card" id="pipeline" hidden>
-        <h2>Pipeline <span class="aside" id="pipeline-role"></span></h2>
-        <div class="scroll"><table id="stages">
-          <thead><tr><th>Stage</th><th class="num">Peers</th><th class="num">Samples/s</th>
-            <th>Served by</th></tr></thead>
-          <tbody></tbody>
-        </table></div>
       </div>
       <div class="card" id="verification" hidden>
         <h2>Verification <span class="aside" id="audits"></span></h2>
@@ -487,14 +536,16 @@ function renderVerification(v) {
   $("bans-empty").hidden = convictions.length > 0;
 }
 
-// A pipelined experiment: each stage, its peers (ours marked) and what they can take.
-function renderPipeline(p, self) {
+// A pipelined experiment: each stage, its peers (ours marked) and what they can take,
+// drawn as columns of peer boxes; links between them move with the microbatch flow.
+function renderPipeline(p, self, convicted) {
   const box = $("pipeline");
   box.hidden = !p || typeof p !== "object";
   if (box.hidden) return;
   const role = [p.stage === null || p.stage === undefined ? null : `serving stage ${p.stage}`,
     p.trainer ? "training" : null].filter(Boolean).join(" · ");
-  setText("pipeline-role", `${role} · ${fmtNum(p.microbatches ?? 0, 0)} microbatches`);
+  setText("pipeline-role", p.role === "monitor" ? "monitor: serves no stage, drives no microbatch"
+    : `${role} · ${fmtNum(p.microbatches ?? 0, 0)} microbatches`);
   const stages = Array.isArray(p.stages) ? p.stages : [];
   $("stages").tBodies[0].replaceChildren(...stages.map((st) => {
     const ids = Array.isArray(st.peer_ids) ? st.peer_ids.map(String) : [];
@@ -505,6 +556,121 @@ function renderPipeline(p, self) {
       el("td", { class: "mono", text: ids.map((id) => shortId(id, 4, 4)
         + (id === self ? " (this peer)" : "")).join(", ") || "nobody" }));
   }));
+  drawPipeline(p, stages, self, convicted);
+}
+
+const STALE_RECORD_S = 35;  // a stage record is refreshed every 15 s
+
+function flowLink(rate) {  // forward dots left to right, backward right to left
+  const link = el("div", { class: "pipe-link", title: isNum(rate)
+    ? `${fmtNum(rate, 1)} requests/s (forward and backward)` : "no flow measured here" });
+  for (const dir of ["fwd", "back"]) {
+    const lane = el("i", { class: dir + (isNum(rate) && rate > 0 ? " live" : "") });
+    // Faster with more flow: 2.4 s per dot at 1 request/s, 0.3 s at 64.
+    if (isNum(rate) && rate > 0) {
+      lane.style.animationDuration = `${Math.min(3, Math.max(0.3, 2.4 / Math.sqrt(rate)))}s`;
+    }
+    link.append(lane);
+  }
+  return link;
+}
+
+// Peer IDs all start alike (12D3KooW...): their ends tell them apart, as in the logs.
+const peerTail = (id) => (id.length > 10 ? "…" + id.slice(-8) : id);
+
+function peerBox(srv, self, convicted, maxFlow) {
+  const id = String(srv.peer_id);
+  const stale = !isNum(srv.age_s) || srv.age_s > STALE_RECORD_S;
+  const classes = ["peer-box", srv.self || id === self ? "self" : "", stale ? "stale" : "",
+    srv.banned ? "banned" : "", convicted.has(id) ? "convicted" : ""];
+  const head = el("div", { class: "id", title: id, text: peerTail(id) });
+  if (srv.self || id === self) head.append(el("span", { class: "badge you", text: "this peer" }));
+  if (convicted.has(id)) head.append(el("span", { class: "badge bad", text: "convicted" }));
+  if (srv.banned) {
+    head.append(el("span", { class: "badge warn", text: `banned ${fmtNum(srv.ban_s, 0)} s`,
+                             title: "a request to it failed: this trainer routes around it" }));
+  }
+  if (stale) head.append(el("span", { class: "badge", text: "silent" }));
+  const row = (label, value, title) => el("div", { class: "row", title },
+    el("span", { text: label }), el("b", { text: value }));
+  const measured = isNum(srv.measured) ? ` (${fmtNum(srv.measured, 0)} here)` : "";
+  const queue = fmtNum(srv.queue, 0) + (isNum(srv.in_flight) ? ` · ${srv.in_flight} ours` : "");
+  const share = isNum(srv.flow) && maxFlow > 0 ? Math.round(100 * srv.flow / maxFlow) : 0;
+  const bar = el("div", { class: "bar" }, el("span"));
+  bar.firstChild.style.width = `${share}%`;
+  return el("div", { class: classes.filter(Boolean).join(" "), "data-peer-id": id,
+                     "data-flow": isNum(srv.flow) ? srv.flow.toFixed(2) : null },
+    head,
+    row("samples/s", fmtNum(srv.throughput, 0) + measured,
+        "training samples/s the peer measures on its work (what this trainer measures)"),
+    row("queue", queue, "requests waiting at the peer (this trainer's in flight to it)"),
+    row("version", fmtNum(srv.version, 0), "optimizer steps of the stage it serves"),
+    row("flow", isNum(srv.flow) ? `${fmtNum(srv.flow, 1)} req/s` : "—",
+        "forward and backward requests per second between it and this peer"),
+    bar);
+}
+
+function drawPipeline(p, stages, self, convicted) {
+  const drawing = $("pipeline-drawing");
+  const flow = p.flow && typeof p.flow === "object" ? p.flow : {};
+  const stageFlow = new Map((Array.isArray(flow.stages) ? flow.stages : [])
+    .map((f) => [f.stage, f.requests_per_s]));
+  const parts = [];
+  let peers = 0;
+  if (p.trainer) {
+    parts.push(el("div", { class: "pipe-col ends" },
+      el("h3", { text: "this trainer" }),
+      el("div", { class: "peer-box self" },
+        el("div", { class: "row" }, el("span", { text: "microbatches/s" }),
+          el("b", { text: fmtNum(flow.microbatches_per_s, 1) })),
+        el("div", { class: "row" }, el("span", { text: "samples/s" }),
+          el("b", { text: fmtNum(flow.samples_per_s, 1) })))));
+  }
+  stages.forEach((st, i) => {
+    const servers = Array.isArray(st.servers) ? st.servers : [];
+    const flows = servers.map((s) => (isNum(s.flow) ? s.flow : 0));
+    const maxFlow = Math.max(0, ...flows);
+    let rate = stageFlow.get(st.stage);
+    if (!isNum(rate) && servers.some((s) => isNum(s.flow))) rate = flows.reduce((a, b) => a + b, 0);
+    if (p.trainer || i > 0) parts.push(flowLink(rate));
+    const col = el("div", { class: "pipe-col stage-column", "data-stage": String(st.stage) },
+      el("h3", { text: `stage ${fmtNum(st.stage, 0)}` },
+        el("small", { text: `${fmtNum(st.peers, 0)} peers · ${fmtNum(st.throughput, 0)} samples/s`
+          + (isNum(st.version) ? ` · v${st.version}` : "") })));
+    const ids = Array.isArray(st.peer_ids) ? st.peer_ids : [];
+    const shown = servers.length ? servers
+      : ids.map((id) => ({ peer_id: id, self: id === self, age_s: 0 }));
+    for (const srv of shown) col.append(peerBox(srv, self, convicted, maxFlow));
+    if (!shown.length) col.append(el("div", { class: "pipe-empty", text: "nobody serves it" }));
+    peers += shown.length;
+    parts.push(col);
+  });
+  if (p.trainer && stages.length) parts.push(flowLink(stageFlow.get(stages.at(-1).stage)));
+  if (p.trainer) {
+    parts.push(el("div", { class: "pipe-col ends" }, el("h3", { text: "loss" }),
+      el("div", { class: "peer-box self" }, el("div", { class: "row" },
+        el("span", { text: "this trainer" }), el("b", { text: fmtLoss(state.status?.loss) })))));
+  }
+  drawing.replaceChildren(...parts);
+  drawing.dataset.stages = String(stages.length);
+  drawing.dataset.peers = String(peers);
+  setText("pipeline-flow", isNum(flow.microbatches_per_s)
+    ? `${fmtNum(flow.microbatches_per_s, 1)} microbatches/s over the last `
+      + `${fmtNum(flow.window_s, 0)} s`
+    : p.trainer || isNum(p.stage) ? "" : "the stages' records only: trainers and stage peers "
+      + "show the flow through them");
+  const bans = Array.isArray(p.bans) ? p.bans : [];
+  const inPipeline = new Set(stages.flatMap((st) => (Array.isArray(st.servers) ? st.servers : [])
+    .map((s) => String(s.peer_id))));
+  const convictedHere = [...convicted].filter((id) => inPipeline.has(id));
+  $("pipeline-bans").replaceChildren(
+    ...bans.map((b) => el("li", { "data-peer-id": String(b.peer_id), class: "routing" },
+      "routing around ", el("span", { class: "mono", title: String(b.peer_id),
+                                      text: peerTail(String(b.peer_id)) }),
+      ` (stage ${fmtNum(b.stage, 0)}) for ${fmtNum(b.ban_s, 0)} s more: a request to it failed`)),
+    ...convictedHere.map((id) => el("li", { "data-peer-id": id, class: "convicted" },
+      el("span", { class: "mono", title: id, text: peerTail(id) }),
+      " is convicted (verification): banned")));
 }
 
 function renderStatus(s) {
@@ -544,7 +710,9 @@ function renderStatus(s) {
     : [el("li", { class: "empty", text: "none yet" })]));
 
   renderVerification(s.verification);
-  renderPipeline(s.pipeline, s.peer_id);
+  const v = s.verification;
+  const convicted = new Set(v && Array.isArray(v.banned) ? v.banned.map(String) : []);
+  renderPipeline(s.pipeline, s.peer_id, convicted);
 
   const box = $("last-round");
   const r = s.last_round;

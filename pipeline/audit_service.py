@@ -82,9 +82,7 @@ def signature_from_wire(obj: Any, like: Signature) -> Signature | None:
 class AuditService:
     """The audit RPCs of `server` and what they need: kept answers, the ban list."""
 
-    def __init__(
-        self, server: StageServer, service: rpc.RpcService, policy: StageAuditPolicy | None = None
-    ) -> None:
+    def __init__(self, server: StageServer, policy: StageAuditPolicy | None = None) -> None:
         self.server = server
         self.policy = policy or StageAuditPolicy()
         self.store = OutputStore()
@@ -99,6 +97,9 @@ class AuditService:
             "cannot": 0,
         }
         self.bytes_sent = 0  # signatures and reveals we sent
+
+    def register(self, service: rpc.RpcService) -> None:
+        """Serve the audit RPCs on the stage's protocol."""
         service.stream("audit")(self._audit)
         service.unary("reveal")(self._reveal)
         service.stream("reveal_full")(self._reveal_full)

@@ -31,6 +31,9 @@ class StageRecord:
     queue: int
     version: int
     at: float  # UNIX time of the record
+    # False: announced but not taking requests yet (arriving by a move, re-syncing);
+    # it counts toward the stage's capacity, trainers do not route to it.
+    ready: bool = True
 
     @property
     def samples_per_s(self) -> float | None:
@@ -49,7 +52,8 @@ class StageRecord:
             return None
         if not isinstance(at, int | float) or not isinstance(queue, int):
             return None
-        return StageRecord(peer, _speed(fwd), _speed(bwd), max(0, queue), version, float(at))
+        ready = value.get("ready", True) is not False
+        return StageRecord(peer, _speed(fwd), _speed(bwd), max(0, queue), version, float(at), ready)
 
 
 def _speed(value: Any) -> float | None:

@@ -10,7 +10,7 @@ from shoal.averaging.compression import CODECS
 __all__ = ["PIPELINE_STRATEGY", "ROLES", "resolve_pipeline_options"]
 
 PIPELINE_STRATEGY = "pipeline"
-ROLES = ("auto", "trainer", "stage")
+ROLES = ("auto", "trainer", "stage", "monitor")
 MAX_STAGES = 64
 
 DEFAULTS: dict[str, Any] = {
@@ -21,6 +21,10 @@ DEFAULTS: dict[str, Any] = {
     # step takes exactly the next global batch, as in one process).
     "lag": 1,
     "codec": "int8",  # activations and gradients between stages
+    # Stage peers look this often for a stage that limits the pipeline more than
+    # theirs, and move there (`rebalance`); 0: never (a peer stays where it joined).
+    "rebalance_s": 30.0,
+    "min_stage_peers": 1,  # a move never leaves a stage with fewer peers
 }
 
 
@@ -44,6 +48,13 @@ def resolve_pipeline_options(options: Mapping[str, Any], batch_size: int) -> dic
         raise ValueError(f"global_batch must be a whole number >= the batch size ({batch_size})")
     if not (_int(out["lag"]) and 0 <= out["lag"] <= 4):
         raise ValueError("lag must be a whole number from 0 to 4")
+    rebalance = out["rebalance_s"]
+    if isinstance(rebalance, bool) or not isinstance(rebalance, int | float):
+        raise ValueError("rebalance_s must be a number of seconds (0: never)")
+    if not (rebalance == 0 or 1 <= rebalance <= 86400):
+        raise ValueError("rebalance_s must be 0 (never) or from 1 to 86400 seconds")
+    if not (_int(out["min_stage_peers"]) and out["min_stage_peers"] >= 1):
+        raise ValueError("min_stage_peers must be a whole number >= 1")
     if out["codec"] not in CODECS:
         raise ValueError(f"codec must be one of {', '.join(CODECS)}")
     return out

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,11 +57,17 @@ RECORD_TTL = 60.0
 MAX_BATCH_SAMPLES = 256
 BEHIND_WAIT_S = 3.0
 RECORD_REFRESH = 15.0
+TRAINER_SEEN_S = 30.0  # a trainer silent this long is not told of our steps any more
 _EMA = 0.1
 
 
 def pipeline_protocol(experiment: str) -> str:
     return f"/shoal/pipeline/{experiment}/1.0.0"
+
+
+def trainer_protocol(experiment: str) -> str:
+    """Where trainers hear of stage steps (`StageServer.push_step`)."""
+    return f"/shoal/pipeline-trainer/{experiment}/1.0.0"
 
 
 def stage_key(experiment: str, stage: int) -> str:
@@ -112,6 +118,12 @@ class StageServer:
         self.version = 0  # optimizer steps applied to the stage's parameters
         self.steps: Sequence[StepRecord] = ()  # the last committed steps (StageOptimizer.steps)
         self.serving = True  # False while the state is re-synced: requests are refused
+        # Leaving the stage (a move to another): new requests are refused, the record
+        # withdrawn; the requests taken finish (`drained`).
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         # When it (re)started serving: a trainer that banned this peer lifts the ban
         # when this changes (a restart, a re-sync done), not at every refresh.
         self.since = time.time()
@@ -124,6 +136,9 @@ class StageServer:
         self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
         self.on_flush: Callable[[], None] | None = None  # a trainer waits on our step
         self.on_progress: Callable[[PeerID, int, int], None] | None = None  # a peer's push
+        # Trainers that sent us requests lately (-> when): told of each step at once.
+        self.trainers: dict[PeerID, float] = {}
+        self._pushes: set[asyncio.Task[None]] = set()
         self.protocol = pipeline_protocol(experiment)
         self._version_changed = asyncio.Event()
         self._jobs: list[_Job] = []
@@ -131,29 +146,34 @@ class StageServer:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-seal{stage}")
         self._sealing: set[asyncio.Task[None]] = set()
-        self._service = rpc.RpcService(dht.host, pipeline_protocol(experiment))
-        self._service.stream("forward")(self._forward)
-        self._service.stream("backward")(self._backward)
-        self._service.unary("flush")(self._flush)
-        self._service.unary("progress")(self._progress)
-        # Audits: commitments kept answers, recomputations for trainers, convictions read.
-        self.audits = AuditService(self, self._service)
+        # Registered at `start`: a peer moving between stages builds its next stage's
+        # server while the last one still serves (one service per protocol and host).
+        self._service: rpc.RpcService | None = None
+        # Audits: commitments, kept answers, recomputations for trainers, convictions read.
+        self.audits = AuditService(self)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Announce the stage and serve (the caller has the state it must serve with)."""
+        self._service = rpc.RpcService(self.dht.host, self.protocol)
+        self._service.stream("forward")(self._forward)
+        self._service.stream("backward")(self._backward)
+        self._service.unary("flush")(self._flush)
+        self._service.unary("progress")(self._progress)
+        self.audits.register(self._service)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._compute_loop())]
         await self.announce()
         self._tasks.append(loop.create_task(self._announce_loop()))
 
     async def aclose(self) -> None:
-        for task in [*self._tasks, *self._sealing]:
+        for task in [*self._tasks, *self._pushes, *self._sealing]:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._service.close()
+        if self._service is not None:
+            self._service.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
         self._sealer.shutdown(wait=False, cancel_futures=True)
         for job in self._jobs:
@@ -179,6 +199,7 @@ class StageServer:
             "queue": self.queued,
             "version": self.version,
             "since": self.since,
+            "ready": self.serving,
             "t": time.time(),
         }
 
@@ -186,7 +207,7 @@ class StageServer:
         try:
             await self.dht.store(
                 stage_key(self.experiment, self.stage),
-                self.record(),
+                None if self.draining else self.record(),
                 time.time() + RECORD_TTL,
                 subkey=owner_marker(self.dht.peer_id),
             )
@@ -200,9 +221,40 @@ class StageServer:
             # Convicted peers are blocked: our stage's all-reduce leaves them out.
             await self.audits.bans.refresh()
 
-    def _check(self, payload: Any) -> tuple[Any, int, Codec, list[bool]]:
+    def _refuse_if_unavailable(self) -> None:
+        if self.draining:
+            raise ConnectionRefusedError("this peer is leaving its stage")
         if not self.serving:
             raise ConnectionRefusedError("this peer is re-syncing its stage's state")
+
+    async def drain(self) -> None:
+        """Stop taking requests and withdraw the record (a move to another stage);
+        the requests already taken finish: `wait_drained`."""
+        self.draining = True
+        await self.announce()
+
+    def undrain(self) -> None:
+        """Take requests again (a move given up)."""
+        self.draining = False
+
+    async def wait_drained(self) -> None:
+        """Until no request taken is left (computing, or its answer being sent)."""
+        await self._idle.wait()
+
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        self._refuse_if_unavailable()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def _check(self, payload: Any) -> tuple[Any, int, Codec, list[bool]]:
+        self._refuse_if_unavailable()
         if not isinstance(payload, dict) or payload.get("stage") != self.stage:
             raise ValueError(f"this peer serves stage {self.stage}")
         samples = payload.get("samples")
@@ -221,6 +273,11 @@ class StageServer:
         self.version = version
         self._version_changed.set()
         self._version_changed = asyncio.Event()
+
+    async def wait_version_after(self, version: int) -> None:
+        """Until the stage stepped (or re-synced) past `version`."""
+        while self.version <= version:
+            await self._version_changed.wait()
 
     async def _check_version(self, payload: Any) -> None:
         """Refuse a request whose trainer knows a newer version of the stage than ours:
@@ -320,26 +377,47 @@ class StageServer:
         if result is not None:
             self.audits.keep(commitment, result)
 
+    def _step_log(self) -> list[list[Any]]:
+        return [[r.version, [p.to_bytes() for p in r.members], r.samples] for r in self.steps]
+
     def _meta(self, seconds: float) -> dict[str, Any]:
         return {
             "seconds": seconds,
             "queue": self.queued,
             "version": self.version,
-            "steps": [
-                [r.version, [p.to_bytes() for p in r.members], r.samples] for r in self.steps
-            ],
+            "steps": self._step_log(),
         }
+
+    def push_step(self) -> None:
+        """Tell the trainers that sent us requests lately our new version and step log
+        (they would otherwise learn it from the DHT record, a poll later: a trainer
+        waiting on this step is idle until then)."""
+        now = time.monotonic()
+        for peer, seen in list(self.trainers.items()):
+            if now - seen > TRAINER_SEEN_S:
+                del self.trainers[peer]
+        message = {"stage": self.stage, "version": self.version, "steps": self._step_log()}
+        loop = asyncio.get_running_loop()
+        for peer in self.trainers:
+            if peer != self.dht.peer_id:  # (our own trainer calls us directly)
+                task = loop.create_task(self._push(peer, message))
+                self._pushes.add(task)
+                task.add_done_callback(self._pushes.discard)
+
+    async def _push(self, peer: PeerID, message: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):  # the DHT record is the fallback
+            await rpc.call(self.dht.host, peer, trainer_protocol(self.experiment), "stepped",
+                           message, timeout=2.0)  # fmt: skip
 
     async def compute_forward(
         self, inputs: torch.Tensor, samples: int, audit: AuditRequest | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """A forward request's outputs and the answer's header (over RPC, or for a
         trainer in this very process, which calls it directly)."""
-        if not self.serving:
-            raise ConnectionRefusedError("this peer is re-syncing its stage's state")
-        _check_batch(inputs, samples)
-        job = _Job("forward", inputs, samples, audit)
-        outputs, seconds = await self._submit(job)
+        with self._request():
+            _check_batch(inputs, samples)
+            job = _Job("forward", inputs, samples, audit)
+            outputs, seconds = await self._submit(job)
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
         return outputs, self._meta(seconds) | _sealed(job)
@@ -353,12 +431,11 @@ class StageServer:
         audit: AuditRequest | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """A backward request's input gradient (None for token ids) and the answer's header."""
-        if not self.serving:
-            raise ConnectionRefusedError("this peer is re-syncing its stage's state")
-        _check_batch(inputs, samples)
-        request: BackwardRequest = (key, inputs, grad_outputs, samples)
-        job = _Job("backward", request, samples, audit)
-        (grad_inputs, epoch), seconds = await self._submit(job)
+        with self._request():
+            _check_batch(inputs, samples)
+            request: BackwardRequest = (key, inputs, grad_outputs, samples)
+            job = _Job("backward", request, samples, audit)
+            (grad_inputs, epoch), seconds = await self._submit(job)
         self.backward_speed.add(samples, seconds)
         self.served["backward"] += 1
         if self.on_backward is not None:
@@ -368,23 +445,30 @@ class StageServer:
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
-        await self._check_version(payload)
-        inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
-        outputs, meta = await self.compute_forward(inputs, samples, _audit(payload, key, codec))
-        yield {**meta, "enc": encodes(codec, outputs)}
-        self.bytes_sent += await send_tensor(ctx, outputs, codec)
+        self.trainers[ctx.peer] = time.monotonic()
+        with self._request():
+            await self._check_version(payload)
+            inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
+            audit = _audit(payload, key, codec)
+            outputs, meta = await self.compute_forward(inputs, samples, audit)
+            yield {**meta, "enc": encodes(codec, outputs)}
+            self.bytes_sent += await send_tensor(ctx, outputs, codec)
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
-        await self._check_version(payload)
-        enc = enc + [False] * (2 - len(enc))
-        inputs = await recv_tensor(ctx, codec, enc[0])
-        grad_outputs = await recv_tensor(ctx, codec, enc[1])
-        audit = _audit(payload, key, codec)
-        grad_inputs, meta = await self.compute_backward(key, inputs, grad_outputs, samples, audit)
-        yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
-        if grad_inputs is not None:
-            self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
+        self.trainers[ctx.peer] = time.monotonic()
+        with self._request():
+            await self._check_version(payload)
+            enc = enc + [False] * (2 - len(enc))
+            inputs = await recv_tensor(ctx, codec, enc[0])
+            grad_outputs = await recv_tensor(ctx, codec, enc[1])
+            audit = _audit(payload, key, codec)
+            grad_inputs, meta = await self.compute_backward(
+                key, inputs, grad_outputs, samples, audit
+            )
+            yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
+            if grad_inputs is not None:
+                self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
 
     async def _flush(self, ctx: rpc.CallContext, payload: Any) -> bool:
         """A trainer waits for this stage's step and has nothing more to send: step with

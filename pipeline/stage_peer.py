@@ -37,6 +37,7 @@ from shoal.averaging.averager import StepResult
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
+from shoal.transport.errors import ConnectionLost, DialError, ProtocolNotSupported
 from shoal.transport.identity import PeerID
 
 from .progress import STALE_S, Report, StageProgress, samples_at
@@ -107,6 +108,9 @@ class StagePeer:
         self._read_at = -float("inf")
         self._heard: dict[PeerID, Report] = {}  # reports stage peers pushed to us
         self._pushing: set[PeerID] = set()
+        # Stage peers our push found gone (-> when): their reports until then do not
+        # count, so a peer that died does not hold the stage's quorum for STALE_S.
+        self._gone: dict[PeerID, float] = {}
         self.server.on_progress = self._heard_from
 
     @property
@@ -127,6 +131,12 @@ class StagePeer:
         await self.optimizer.averager.announce_presence()
         await self.server.start()
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    @property
+    def held_samples(self) -> int:
+        """Samples we hold gradients for that no step took yet (this version's and,
+        arrived during a step, the next one's)."""
+        return self.worker.samples_for(self.version) + self.worker.samples_for(self.version + 1)
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -166,7 +176,11 @@ class StagePeer:
         if changed or now - self._read_at >= DHT_READ_S:
             self._stored = await self.progress.reports()
             self._read_at = now
-        fresh = [r for r in self._merged() if now - r.at <= STALE_S]
+        fresh = [
+            r
+            for r in self._merged()
+            if now - r.at <= STALE_S and r.at > self._gone.get(r.peer, -float("inf"))
+        ]
         if any(r.version > version for r in fresh):
             await self.catch_up()
             return
@@ -213,9 +227,16 @@ class StagePeer:
                 task.add_done_callback(lambda _, p=r.peer: self._pushing.discard(p))
 
     async def _send(self, peer: PeerID, samples: int, version: int) -> None:
-        with contextlib.suppress(Exception):  # the DHT report is the fallback
+        try:
             await rpc.call(self.server.dht.host, peer, self.server.protocol, "progress",
                            {"samples": samples, "version": version}, timeout=2.0)  # fmt: skip
+        except (DialError, ConnectionLost, ProtocolNotSupported):
+            # Not a slow peer (a timeout says nothing): one that cannot be reached or
+            # no longer serves the pipeline. A report of its own brings it back.
+            self._gone[peer] = time.time()
+            self._changed.set()
+        except Exception:  # the DHT report is the fallback
+            pass
 
     def _flush_asked(self) -> None:
         self._flush = True
@@ -258,6 +279,7 @@ class StagePeer:
     async def _publish(self) -> None:
         """Our new version in the stage record and in a fresh progress report."""
         self.server.set_version(self.version)
+        self.server.push_step()
         await self.server.announce()
         samples = self.worker.samples_for(self.version)
         await self.progress.report(samples, self.version)

@@ -41,7 +41,7 @@ from shoal.verification.stage_audit import StageAuditPolicy
 from .auditor import Answer, TrainerAuditor
 from .balancer import NoPeerAvailable, StageBalancer
 from .ledger import Applied, MicrobatchLedger
-from .server import StageServer, pipeline_protocol, stage_key
+from .server import StageServer, pipeline_protocol, stage_key, trainer_protocol
 from .wire import codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["Microbatch", "PipelineTrainer", "StageFailed"]
@@ -118,12 +118,45 @@ class PipelineTrainer:
         self._announced: dict[PeerID, float] = {}
         self.local: dict[int, StageServer] = {}  # stages this process serves: called directly
         self._replays: set[asyncio.Task[None]] = set()
+        # Stage peers push their steps to us (`StageServer.push_step`); `changed` wakes
+        # whoever waits for one.
+        self._changed = asyncio.Event()
+        self._service = rpc.RpcService(dht.host, trainer_protocol(experiment))
+        self._service.unary("stepped")(self._stepped)
         self.auditor: TrainerAuditor | None = None
         if audit is not None:
             self.auditor = TrainerAuditor(dht, experiment, self.protocol, self.codec,
                                           policy=audit, candidates=self._candidates)  # fmt: skip
             self.auditor.bans.on_ban = self._exclude
             self.auditor.on_distrust = self._exclude
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set when a stage peer tells us of a step (a fresh event after each)."""
+        return self._changed
+
+    async def _stepped(self, ctx: rpc.CallContext, payload: Any) -> bool:
+        """A stage peer stepped: its new version and step log, as in an answer's header.
+        Only from peers the stage records list (a stranger could otherwise make us
+        believe in versions that send every honest peer re-syncing)."""
+        stage = payload.get("stage") if isinstance(payload, dict) else None
+        version = payload.get("version") if isinstance(payload, dict) else None
+        if not (
+            isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage < self.stages
+        ):
+            return False
+        if ctx.peer not in self.stage_peers[stage]:
+            return False
+        if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+            self.versions[stage] = max(self.versions[stage], version)
+        self._settle(stage, payload)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return True
+
+    def close(self) -> None:
+        """Stop hearing of steps (the trainer is done)."""
+        self._service.close()
 
     @property
     def stages(self) -> int:
@@ -164,6 +197,8 @@ class PipelineTrainer:
                 peer = owner_of(subkey)
                 if peer is None or not isinstance(record, dict):
                     continue  # (None: a peer that stopped serving)
+                if record.get("ready", True) is False:
+                    continue  # arriving or re-syncing: it would refuse
                 speed, version, since = (
                     record.get("fwd"),
                     record.get("version"),

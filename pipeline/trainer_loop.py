@@ -33,7 +33,7 @@ __all__ = ["TrainerLoop"]
 
 log = logging.getLogger("shoal.pipeline")
 
-REFRESH_S = 5.0  # the stage records are read this often (and whenever paced)
+REFRESH_S = 2.0  # the stage records are read this often (and whenever paced)
 PACED_POLL_S = 0.1
 LOSS_EMA = 0.05
 WARN_EVERY_S = 30.0
@@ -150,7 +150,9 @@ class TrainerLoop:
                 return mb
             if self._paced_since is None:
                 self._paced_since = time.monotonic()
-            await asyncio.sleep(PACED_POLL_S)
+            with contextlib.suppress(TimeoutError):  # a stage's step, pushed to us
+                async with asyncio.timeout(PACED_POLL_S):
+                    await self.trainer.changed.wait()
             await self._refresh(every=PACED_POLL_S)
             await self._flush_if_stuck()
         return None

@@ -385,3 +385,13 @@ def test_verification_options_are_checked_and_need_diloco() -> None:
     assert allreduce_config(resolve_options("diloco", {})).reduction == "mean"
     plain = resolve_options("diloco", {"verify": True, "reduction": "mean"})
     assert allreduce_config(plain).reduction == "mean"
+
+
+def test_pipeline_roles_include_a_monitor_that_serves_and_trains_nothing() -> None:
+    """`--role monitor` (e.g. a bootstrap peer hosting a pipelined experiment); a role
+    the daemon does not know is refused, naming the ones it does."""
+    assert run_config("--role", "monitor").role == "monitor"
+    assert run_config(SHOAL_ROLE="Stage").role == "stage"
+    with pytest.raises(ConfigError) as caught:
+        run_config("--role", "observer")
+    assert "auto, trainer, stage, monitor" in str(caught.value)

@@ -99,6 +99,42 @@ def test_a_host_and_five_joiners_train_a_three_stage_pipeline_through_a_kill(
         stop_all(daemons)
 
 
+@pytest.mark.timeout(180)
+def test_a_peer_with_no_pinned_stage_moves_to_the_stage_that_limits_the_pipeline(
+    tmp_path: Path,
+) -> None:
+    """Two stages: the host (role auto, its stage chosen, not pinned) and three pinned
+    peers serve stage 0, one pinned peer serves stage 1. With `rebalance_s=2` the host
+    moves to stage 1: its status shows the move and the new stage, its own trainer now
+    calls stage 1 directly, and the pipeline keeps stepping. (With two pinned peers the
+    move would leave stage 0 below stage 1's capacity here, whose peers are faster:
+    not a move the rules allow.)"""
+    env = {**PIPE_ENV, "SHOAL_STRATEGY_OPTIONS": "rebalance_s=2,inner_lr=3e-3"}
+    host = Daemon("host", tmp_path, ["--host-experiment", "pipe", "--pipeline-stages", "2"],
+                  env)  # fmt: skip
+    daemons = [host]
+    try:
+        host.wait_ready()
+        assert pipeline_of(host)["stage"] == 0
+        join = ["--join", host.join_ref, "--bootstrap", host.address, "--role", "stage"]
+        for i, stage in enumerate((0, 0, 0, 1)):
+            peer = Daemon(f"pinned-{i}", tmp_path, [*join, "--stage", str(stage)], PIPE_ENV)
+            daemons.append(peer)
+            peer.wait_ready()
+        moved = wait_for("the host's move to stage 1",
+                         lambda: (p := pipeline_of(host))["moves"] and p, 90,
+                         debug=tails(daemons))  # fmt: skip
+        assert moved["stage"] == 1 and [m[:2] for m in moved["moves"]] == [[0, 1]]
+        assert all(pipeline_of(d)["moves"] is None for d in daemons[1:])  # pinned: they stay
+        steps = host.status()["step"]
+        wait_for("5 more steps after the move", lambda: host.status()["step"] >= steps + 5, 60,
+                 debug=tails(daemons))  # fmt: skip
+        assert pipeline_of(host)["served"]["backward"] > 0
+        assert pipeline_of(host)["moves"] == moved["moves"]  # (and it stays)
+    finally:
+        stop_all(daemons)
+
+
 class StageSwarm:
     """Six `--role stage` daemons (2 per stage; the first hosts) and a trainer in this
     process with lag 0, so that its counters can be read at the end."""

@@ -129,11 +129,60 @@ class GrowingSwarm:
                 "stage": 1,
                 "trainer": True,
                 "stages": [
-                    {"stage": 0, "peers": 2, "throughput": 410.5, "peer_ids": self.ids[1:3]},
-                    {"stage": 1, "peers": 1, "throughput": None, "peer_ids": [HOSTILE]},
+                    {
+                        "stage": 0,
+                        "peers": 2,
+                        "throughput": 410.5,
+                        "peer_ids": self.ids[1:3],
+                        "servers": [
+                            self._server(self.ids[1], 19.5),
+                            self._server(self.ids[2], 0.0, banned=True),
+                            self._server(BANNED, 0.0),
+                        ],
+                    },
+                    {
+                        "stage": 1,
+                        "peers": 2,
+                        "throughput": None,
+                        "peer_ids": [HOSTILE, self.peer_id],
+                        "servers": [
+                            self._server(HOSTILE, 7.25),
+                            self._server(self.peer_id, 12.0, own=True),
+                        ],
+                    },
                 ],
                 "microbatches": 57,
+                "flow": {
+                    "window_s": 10.2,
+                    "microbatches_per_s": 9.75,
+                    "samples_per_s": 39.0,
+                    "stages": [
+                        {"stage": 0, "requests_per_s": 19.5},
+                        {"stage": 1, "requests_per_s": 19.25},
+                    ],
+                    "served_per_s": {"forward": 6.0, "backward": 6.0},
+                },
+                "bans": [{"peer_id": self.ids[2], "stage": 0, "ban_s": 13.2}],
             },
+        }
+
+    @staticmethod
+    def _server(
+        peer_id: str, flow: float, *, banned: bool = False, own: bool = False
+    ) -> dict[str, Any]:
+        """A peer box of the pipeline drawing (peer/pipeline_status.py's schema)."""
+        return {
+            "peer_id": peer_id,
+            "self": own,
+            "throughput": 1680.9,
+            "measured": None if own else 2096.2,
+            "queue": 2,
+            "in_flight": None if own else 1,
+            "version": 82,
+            "flow": flow,
+            "banned": banned,
+            "ban_s": 13.2 if banned else None,
+            "age_s": 4.5,
         }
 
     async def peers(self) -> list[dict[str, Any]]:
@@ -274,6 +323,24 @@ return {
   audits: document.getElementById('audits').textContent,
   stages: [...document.querySelectorAll('#stages tbody tr')].map((r) => r.textContent),
   pipelineRole: document.getElementById('pipeline-role').textContent,
+  drawing: (() => {
+    const d = document.getElementById('pipeline-drawing');
+    return {
+      stages: Number(d.dataset.stages),
+      columns: [...d.querySelectorAll('.stage-column')].map((c) => ({
+        stage: c.dataset.stage,
+        boxes: [...c.querySelectorAll('.peer-box')].map((b) => ({
+          id: b.dataset.peerId, classes: [...b.classList].sort(), flow: b.dataset.flow,
+          text: b.textContent,
+        })),
+      })),
+      liveLinks: d.querySelectorAll('.pipe-link i.live').length,
+      width: d.getBoundingClientRect().width,
+    };
+  })(),
+  pipelineFlow: document.getElementById('pipeline-flow').textContent,
+  pipelineBans: [...document.querySelectorAll('#pipeline-bans li')].map(
+    (li) => [li.dataset.peerId, li.className]),
   selfConvictedShown: getComputedStyle(document.getElementById('self-convicted')).display
     !== 'none',
 };
@@ -318,6 +385,22 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert not page["selfConvictedShown"]  # shown only to a convicted peer
         assert len(page["stages"]) == 2 and "410.5" in page["stages"][0]
         assert page["pipelineRole"] == "serving stage 1 · training · 57 microbatches"
+        # The drawing: a column per stage, a box per peer with its numbers and state.
+        drawing = page["drawing"]
+        assert drawing["stages"] == 2 and [c["stage"] for c in drawing["columns"]] == ["0", "1"]
+        first, second = (c["boxes"] for c in drawing["columns"])
+        assert [b["id"] for b in first] == [swarm.ids[1], swarm.ids[2], BANNED]
+        assert [b["id"] for b in second] == [HOSTILE, swarm.peer_id]
+        assert first[0]["classes"] == ["peer-box"] and first[0]["flow"] == "19.50"
+        assert "banned" in first[1]["classes"] and "banned 13 s" in first[1]["text"]
+        assert "convicted" in first[2]["classes"]  # verification's ban, shown in its stage
+        assert "self" in second[1]["classes"] and "this peer" in second[1]["text"]
+        assert "1,681" in first[0]["text"] and "19.5 req/s" in first[0]["text"]
+        assert HOSTILE[-8:] in second[0]["text"]  # the markup, as text
+        assert drawing["liveLinks"] == 6  # trainer -> 0 -> 1 -> loss, both directions
+        assert drawing["width"] > 600  # a full-width card, not squeezed into the side column
+        assert page["pipelineFlow"] == "9.8 microbatches/s over the last 10 s"
+        assert page["pipelineBans"] == [[swarm.ids[2], "routing"], [BANNED, "convicted"]]
         assert not page["error"], page["errorText"]
 
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -387,3 +388,82 @@ def container_set(engine: Engine, label: str) -> Iterator[ContainerSet]:
         yield containers
     finally:
         containers.close()
+
+
+# --- compose --------------------------------------------------------------------------------------
+
+
+class ComposeProject:
+    """docker-compose on docker/compose.yaml with `profile`, under a unique project name;
+    each service of `status_ports` (service -> the variable setting its published status
+    port) gets a free port of 127.0.0.1."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        profile: str,
+        status_ports: Mapping[str, str],
+        env: Mapping[str, str],
+    ) -> None:
+        self.engine = engine
+        self.profile = profile
+        self.name = f"shoal-test-{uuid.uuid4().hex[:6]}"
+        self.ports = {service: _free_port() for service in status_ports}
+        self.env = {
+            **env,
+            **{variable: str(self.ports[s]) for s, variable in status_ports.items()},
+        }
+
+    def run(self, *args: str, timeout: float = CALL_TIMEOUT, check: bool = True) -> str:
+        command = [*(compose_command() or []), "--project-name", self.name]
+        command += ["--file", str(COMPOSE_FILE), "--profile", self.profile, *args]
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**_without_shoal_variables(), **self.env},
+            check=False,
+        )
+        if check and done.returncode != 0:
+            raise EngineError(f"{' '.join(command)}: {done.returncode}\n{done.stderr.strip()}")
+        return done.stdout.strip()
+
+    def container(self, service: str) -> str:
+        return self.run("ps", "--quiet", service).splitlines()[0]
+
+    def status(self, service: str) -> dict[str, Any]:
+        if service in self.ports:
+            return get_json(f"http://127.0.0.1:{self.ports[service]}/status")  # type: ignore[no-any-return]
+        # Behind the NAT nothing is published: ask from inside its network namespace.
+        fetch = (
+            "import sys, urllib.request; "
+            "sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8080/status', "
+            "timeout=3).read().decode())"
+        )
+        out = self.engine.out("exec", self.container(service), "python3", "-c", fetch)
+        return json.loads(out)  # type: ignore[no-any-return]
+
+    def logs(self) -> str:
+        return self.run("logs", "--no-color", "--tail", "40", check=False)
+
+    def down(self) -> None:
+        """Remove the project's containers, networks and volumes, whatever state they are in."""
+        self.run("down", "--volumes", "--timeout", "10", timeout=120, check=False)
+        # A container sharing another's network namespace can make the first `down`
+        # fail to remove that other one (podman); clear what is left by label.
+        label = f"label=com.docker.compose.project={self.name}"
+        left = self.engine.out("ps", "--all", "--quiet", "--filter", label).split()
+        if left:
+            self.engine.run("rm", "--force", "--volumes", *left, check=False)
+            self.run("down", "--volumes", "--timeout", "10", timeout=120, check=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _without_shoal_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}

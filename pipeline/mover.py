@@ -1,0 +1,145 @@
+"""Moving a stage peer to the stage that limits the pipeline: the asyncio driver of
+`rebalance.Rebalancer`.
+
+Every wake-up (a jittered period, or the re-check of a candidate move) reads
+every stage's records and asks the rebalancer. A move:
+
+1. says where we go: a record in the target stage that is not `ready` (it
+   counts toward that stage's capacity, so other peers do not follow us
+   there; trainers do not route to it);
+2. drains the stage we leave: no new request, its record withdrawn (so its
+   other peers stay put), the requests taken finish, and we stay for the
+   step that takes the gradients we hold (up to `drain_timeout`: after that
+   they go, and their trainers replay them elsewhere);
+3. closes it, downloads the target stage's state, verified against the
+   fingerprint its holders announce (`StageOptimizer.sync`), and announces
+   the new stage ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+from shoal.dht.node import DHTNode
+from shoal.dht.records import owner_marker
+
+from .directory import StageRecord, read_stages
+from .rebalance import RebalancePolicy, Rebalancer
+from .server import RECORD_TTL, stage_key
+from .stage_peer import StagePeer
+
+__all__ = ["StageMover"]
+
+log = logging.getLogger("shoal.pipeline")
+
+
+class StageMover:
+    """Keeps `peer` on the stage where it helps most, by `policy`.
+
+    `make_peer(stage)` builds (does not start) a `StagePeer` for another stage;
+    `on_moved(old, new)` runs once the new one serves."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        experiment: str,
+        stages: int,
+        peer: StagePeer,
+        make_peer: Callable[[int], Awaitable[StagePeer]],
+        *,
+        policy: RebalancePolicy | None = None,
+        on_moved: Callable[[StagePeer, StagePeer], None] | None = None,
+        sync_timeout: float = 120.0,
+        drain_timeout: float | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.dht = dht
+        self.experiment = experiment
+        self.stages = stages
+        self.peer = peer
+        self.make_peer = make_peer
+        self.policy = policy or RebalancePolicy()
+        self.on_moved = on_moved
+        self.sync_timeout = sync_timeout
+        # Staying for our gradients' step is worth a part of a period, not more.
+        self.drain_timeout = self.policy.period_s / 3 if drain_timeout is None else drain_timeout
+        self.rebalancer = Rebalancer(self.policy, time.monotonic(), rng)
+        self.moves: list[tuple[int, int, float]] = []  # (from, to, UNIX time)
+        self.failed_moves = 0
+        self.moving = False
+
+    def _mine(self) -> StageRecord:
+        server = self.peer.server
+        return StageRecord(
+            self.dht.peer_id,
+            server.forward_speed.value,
+            server.backward_speed.value,
+            server.queued,
+            self.peer.version,
+            time.time(),
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            delay = max(0.0, self.rebalancer.wake_at - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await stop.wait()
+            if stop.is_set():
+                return
+            try:
+                records = await read_stages(self.dht, self.experiment, self.stages)
+            except Exception as e:  # the next wake-up reads again
+                log.debug("reading the stage records failed: %r", e)
+                self.rebalancer.wake_at = time.monotonic() + self.policy.period_s
+                continue
+            decision = self.rebalancer.wake(
+                time.monotonic(), records, self._mine(), self.peer.stage
+            )
+            if decision.target is not None:
+                await self.move(decision.target, records[decision.target])
+                self.rebalancer.moved(time.monotonic())
+
+    async def move(self, target: int, target_records: list[StageRecord]) -> None:
+        """Move our peer to stage `target`."""
+        old = self.peer
+        log.info("moving from stage %d to stage %d (it limits the pipeline)", old.stage, target)
+        self.moving = True
+        try:
+            await self._say_arriving(target, target_records)
+            await old.server.drain()
+            await self._drain(old)
+            # Closed before the next stage's peer exists: the two would share the host's
+            # all-reduce and pipeline protocols, which closing the old one unregisters.
+            await old.aclose()
+            new = await self.make_peer(target)
+            # The download is verified against the fingerprint the stage's holders
+            # announce; one that fails leaves us behind the stage, and the peer's own
+            # loop re-syncs before it serves (as for any peer that missed a step).
+            await new.start(sync=True)
+            self.peer = new
+            self.moves.append((old.stage, target, time.time()))
+            if self.on_moved is not None:
+                self.on_moved(old, new)
+            log.info("now serving stage %d (version %d)", target, new.version)
+        finally:
+            self.moving = False
+
+    async def _drain(self, old: StagePeer) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.drain_timeout):
+                await old.server.wait_drained()
+                while old.held_samples > 0:
+                    await old.server.wait_version_after(old.version)
+
+    async def _say_arriving(self, target: int, records: list[StageRecord]) -> None:
+        now = time.time()
+        version = max((r.version for r in records), default=0)
+        value = {"version": version, "since": now, "ready": False, "t": now}
+        await self.dht.store(stage_key(self.experiment, target), value, now + RECORD_TTL,
+                             subkey=owner_marker(self.dht.peer_id))  # fmt: skip

@@ -1,0 +1,126 @@
+"""Stage peers that move to the stage limiting the pipeline, in-process on loopback:
+the drain, the state download, the new stage served (`pipeline/mover.py`).
+
+Peers compute at an artificial, equal speed (`Paced`, as in the routing tests), so
+a stage's capacity is its number of peers. How much throughput a move gains is a
+performance figure: `bench/rebalance.py` measures it."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import pytest
+from waiting import eventually
+
+from shoal.peer.tasks.bytegpt import make_task
+from shoal.pipeline.mover import StageMover
+from shoal.pipeline.rebalance import RebalancePolicy
+from shoal.pipeline.server import StageServer
+from shoal.pipeline.stage import StageWorker
+from shoal.pipeline.stage_peer import StagePeer
+
+from .pipeline_swarm import EXPERIMENT, TINY, Swarm, loop_for
+from .test_pipeline_routing import Paced
+
+SECONDS_PER_SAMPLE = 0.002
+GLOBAL_BATCH = 16
+
+
+async def test_a_draining_server_finishes_what_it_took_and_refuses_the_rest(make_host) -> None:
+    swarm = Swarm(make_host)
+    try:
+        task = make_task(TINY)
+        (module,) = task.make_stages(0, 1)
+        server = StageServer(await swarm.node(), EXPERIMENT, 0, StageWorker(Paced(module, 0.05, 1)))
+        await server.start()
+        inputs = task.stage_inputs(next(task.batches(0, 1, 0)))
+        taken = asyncio.ensure_future(server.compute_forward(inputs, inputs.shape[0]))
+        await eventually(lambda: server.queued == 0 and server._in_flight, "the request computing")
+        await server.drain()
+        with pytest.raises(ConnectionRefusedError, match="leaving"):
+            await server.compute_forward(inputs, inputs.shape[0])
+        outputs, _ = await taken  # the request taken before the drain is answered
+        assert outputs.shape[0] == inputs.shape[0]
+        async with asyncio.timeout(5):
+            await server.wait_drained()
+        await server.aclose()
+    finally:
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_a_peer_moves_to_the_starved_stage_and_serves_it_in_step(make_host) -> None:
+    """Stages [3, 1]: one of stage 0's peers moves to stage 1 within 2.5 rebalance
+    periods plus the state download; stage 0 keeps two serving peers throughout; the
+    mover serves stage 1 with its peers' very parameters, and training goes on."""
+    task = make_task(TINY)
+    modules = [Paced(m, SECONDS_PER_SAMPLE, 1.0) for m in task.make_stages(5, 2)]
+    swarm = Swarm(make_host)
+    policy = RebalancePolicy(period_s=2.0, hold_periods=100)
+    stop = asyncio.Event()
+    movers: list[StageMover] = []
+    try:
+        for stage in (0, 0, 0, 1):
+            await swarm.stage_peer(stage, modules[stage], global_batch=GLOBAL_BATCH)
+
+        def factory(peer: StagePeer):
+            async def make(stage: int) -> StagePeer:
+                return StagePeer(peer.server.dht, EXPERIMENT, stage,
+                                 copy.deepcopy(modules[stage]), hyper={"lr": 3e-3},
+                                 global_batch=GLOBAL_BATCH)  # fmt: skip
+
+            return make
+
+        movers = [
+            StageMover(
+                swarm.nodes[i],
+                EXPERIMENT,
+                2,
+                peer,
+                factory(peer),
+                policy=policy,
+                rng=random.Random(i),
+            )
+            for i, peer in enumerate(swarm.of_stage(0))
+        ]
+        trainer = await swarm.trainer(2, codec="none")
+        loop = loop_for(trainer, task, shard=0, global_batch=GLOBAL_BATCH, lag=1)
+        training = asyncio.ensure_future(loop.run(stop))
+        await eventually(lambda: loop.version >= 1, "a first step", timeout=30)
+
+        serving_stage0: list[int] = []
+
+        def watch() -> bool:
+            serving = [m for m in movers if m.peer.stage == 0 and not m.peer.server.draining]
+            serving_stage0.append(len(serving))
+            return any(m.moves for m in movers)
+
+        started = asyncio.get_running_loop().time()
+        moving = [asyncio.ensure_future(m.run(stop)) for m in movers]
+        limit = 2.5 * policy.period_s * (1 + policy.jitter) + 10  # + the drain and download
+        await eventually(watch, "a move", timeout=limit + 5)
+        assert asyncio.get_running_loop().time() - started <= limit
+        assert min(serving_stage0) >= 2  # a move leaves stage 0 two of its three peers
+        (moved,) = [m for m in movers if m.moves]
+        assert moved.moves[0][:2] == (0, 1) and moved.peer.stage == 1
+
+        stage1 = [p for p in swarm.peers if p.stage == 1]
+        newcomer = moved.peer
+        # The newcomer serves, and the stage's next steps include it.
+        await eventually(lambda: newcomer.server.served["backward"] > 0, "served", timeout=20)
+        version = newcomer.version
+        await eventually(lambda: newcomer.version >= version + 2, "two more steps", timeout=30)
+        stop.set()
+        await asyncio.gather(training, *moving)
+        # Training stopped: the stage's peers settle on one version, with equal states.
+        await eventually(lambda: stage1[0].version == newcomer.version, "one version", timeout=10)
+        assert newcomer.optimizer.fingerprint() == stage1[0].optimizer.fingerprint()
+        assert sum(len(m.moves) for m in movers) == 1  # and the others stayed
+    finally:
+        stop.set()
+        for m in movers:
+            if m.peer not in swarm.peers:
+                swarm.peers.append(m.peer)
+        await swarm.aclose()
