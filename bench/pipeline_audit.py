@@ -28,6 +28,19 @@ Prints one JSON object on stdout (logs go to stderr):
 - `propagation`: `--observers` trainers refreshing at the trainer loop's period
   (`trainer_loop.REFRESH_S`, random phases); a conviction is published; the share that
   banned the peer within 2 periods, and the slowest.
+
+What it showed (this 2-core machine, shared with other jobs; defaults: 2 stages x 4
+peers, d_model 256, 64 tokens x 8 samples per microbatch, 0.05 s per sample, so the
+pipeline runs near its capacity of ~23 samples/s): throughput_ratio 0.983 (21.2 against
+21.5 samples/s), verification_bytes_ratio 0.027 (0.009 of all bytes on the wire, the
+stages' all-reduce included), detection of 1e-2 noise 300/300 (full precision and on
+the int8 wire), 0 failures in 10,000 honest audits, conviction_within_150 0.99927
+(Monte Carlo 0.999), 20/20 trainers banned a published conviction within 2 refresh
+periods (the slowest after 1.85 s of 2 s). Earlier runs: bytes ratio 0.018-0.028
+(the audits drawn vary); the throughput ratio is noise-dominated (0.98-1.0) when the
+pipeline is saturated; a pipeline bound by the shared CPU instead (0.004 s per sample)
+lost ~15% to audits then (hashing and signing on the same 2 cores), before sealing
+moved off the compute thread.
 """
 
 from __future__ import annotations
