@@ -1,6 +1,7 @@
 """Audits in a pipelined swarm on loopback: a stage peer that adds 1e-2 noise to its
-outputs is convicted, every trainer and its stage's peers stop dealing with it, and
-training goes on without it."""
+outputs is convicted, every trainer and its stage's peers stop dealing with it (its
+stage steps without it), and training goes on; a trainer that lies about what it
+received convicts nobody."""
 
 from __future__ import annotations
 
@@ -64,11 +65,17 @@ async def test_a_cheating_stage_peer_is_convicted_and_routed_around(
                 await peer.server.audits.bans.refresh()
                 assert bad in peer.server.dht.host.blocked()
             await eventually(lambda: all(bad in t.auditor.bans for t in trainers), "both know", 15)
+            blocked_at = min(p.version for p in honest)
             served = {t: t.served_by.get(bad, 0) for t in trainers}
             samples = [t.counters.samples for t in trainers]
             more = sum(samples) + 2 * global_batch
             await eventually(lambda: sum(t.counters.samples for t in trainers) >= more,
                              "training goes on", 30)  # fmt: skip
+
+            def stepped() -> bool:  # every honest peer took a step since the block
+                return all(any(r.version > blocked_at for r in p.optimizer.steps) for p in honest)
+
+            await eventually(stepped, "the stage steps on", 30)
         finally:
             for run in runs:
                 run.cancel()
@@ -79,6 +86,9 @@ async def test_a_cheating_stage_peer_is_convicted_and_routed_around(
             assert t.auditor.outcomes["acquitted"] == 0  # (no honest peer was accused)
         for peer in honest:
             assert peer.server.audits.counts["audited"] >= 1
+            # Its open round's gradients are left out: the stage steps without it.
+            later = [r for r in peer.optimizer.steps if r.version > blocked_at]
+            assert later and all(bad not in r.members for r in later)
         # No conviction of an honest peer anywhere.
         assert all(t.auditor.bans.bans.banned == {bad} for t in trainers)
     finally:
