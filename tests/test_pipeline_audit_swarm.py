@@ -84,6 +84,9 @@ async def test_a_cheating_stage_peer_is_convicted_and_routed_around(
             assert bad not in t.balancers[1].peers()
             assert t.served_by.get(bad, 0) == served[t]  # no request since
             assert t.auditor.outcomes["acquitted"] == 0  # (no honest peer was accused)
+        if cheater.server.served["backward"]:
+            # Its backwards of the round it was cut out of are replayed on honest peers.
+            assert sum(t.ledger.replayed[1] for t in trainers) > 0
         for peer in honest:
             assert peer.server.audits.counts["audited"] >= 1
             # Its open round's gradients are left out: the stage steps without it.
