@@ -89,7 +89,9 @@ async def _row(
         "strategy_options": manifest.strategy_options,
         "precision": manifest.hyperparameters.get("precision", "fp32"),
         "verification": manifest.strategy_options.get("verify"),
-        "pipeline": manifest.task_config.get("pipeline_stages"),
+        "pipeline": manifest.strategy_options.get("stages")
+        if manifest.strategy == "pipeline"
+        else None,
         "peers": len({p for p, e in entries if e.get("id") == manifest.experiment_id}),
         "round": int(max(rounds)) if rounds else None,
         "step": int(max(steps)) if steps else None,

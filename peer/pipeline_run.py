@@ -36,6 +36,7 @@ from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import Microbatch, PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
 from shoal.transport.identity import Identity
+from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest
 from .pipeline_status import PipelineStatus
@@ -127,9 +128,10 @@ class PipelineRun:
                     self._make_stage_peer, policy=policy, on_moved=self._moved,
                 )  # fmt: skip
         if self.role in ("auto", "trainer"):
-            trainer = PipelineTrainer(
-                self.dht, self.manifest.experiment_id, self.stages, codec=str(self.options["codec"])
-            )
+            # (A manifest from before stage audits has no `verify`: none.)
+            audit = StageAuditPolicy() if self.options.get("verify", False) else None
+            trainer = PipelineTrainer(self.dht, self.manifest.experiment_id, self.stages,
+                                      codec=str(self.options["codec"]), audit=audit)  # fmt: skip
             if self.stage_peer is not None:
                 trainer.local[self.stage_peer.stage] = self.stage_peer.server
             self.loop = TrainerLoop(
@@ -254,6 +256,7 @@ class PipelineRun:
             "served": served,
             "version": None if peer is None else peer.version,
             "serving": None if peer is None else peer.server.serving,
+            "audits": self._audits(),
             # Moves to the stage that limited the pipeline: [from, to, UNIX time].
             "moves": None if self.mover is None else [list(m) for m in self.mover.moves],
             "syncs": None if peer is None else peer.syncs,
@@ -275,6 +278,18 @@ class PipelineRun:
             trainer=None if loop is None else loop.trainer,
             server=None if peer is None else peer.server,
         )
+
+    def _audits(self) -> dict[str, Any] | None:
+        """What this trainer's audits of stage answers found (None: it audits none)."""
+        auditor = None if self.loop is None else self.loop.trainer.auditor
+        if auditor is None:
+            return None
+        return {
+            "outcomes": dict(auditor.outcomes),  # audited answers by outcome, unsealed ones
+            "convicted": sorted(str(p) for p in auditor.bans.bans.banned),
+            "distrusted": sorted(str(p) for p in auditor.distrusted),
+            "bytes": auditor.bytes_sent + auditor.commitment_bytes,
+        }
 
     def close(self) -> None:
         """(The trainer's synchronous close: nothing to do here.)"""

@@ -452,6 +452,9 @@ def _new_settings(config: Config, task: Task) -> tuple[str, dict[str, Any], dict
             if not hasattr(task, "make_stages"):
                 raise SessionError(f"task {config.task} cannot be split into pipeline stages")
             batch_size = int(task.config().get("batch_size", 1))
+            # Stage audits are calibrated for float32 (--verify on insists).
+            given.setdefault("verify", config.verify == "on" or (
+                config.verify == "auto" and config.precision == "fp32"))  # fmt: skip
             options = resolve_pipeline_options(
                 {"stages": config.pipeline_stages, **given}, batch_size
             )

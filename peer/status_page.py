@@ -712,6 +712,9 @@ function renderStatus(s) {
   renderVerification(s.verification);
   const v = s.verification;
   const convicted = new Set(v && Array.isArray(v.banned) ? v.banned.map(String) : []);
+  const audits = s.pipeline && s.pipeline.audits;  // stage peers this trainer's audits convicted
+  for (const id of audits && Array.isArray(audits.convicted) ? audits.convicted : [])
+    convicted.add(String(id));
   renderPipeline(s.pipeline, s.peer_id, convicted);
 
   const box = $("last-round");

@@ -25,6 +25,9 @@ DEFAULTS: dict[str, Any] = {
     # theirs, and move there (`rebalance`); 0: never (a peer stays where it joined).
     "rebalance_s": 30.0,
     "min_stage_peers": 1,  # a move never leaves a stage with fewer peers
+    # Trainers audit stage peers' answers (`pipeline/auditor.py`): a cheater is
+    # convicted, banned and its work re-run. Calibrated for float32.
+    "verify": True,
 }
 
 
@@ -53,6 +56,8 @@ def resolve_pipeline_options(options: Mapping[str, Any], batch_size: int) -> dic
         raise ValueError("rebalance_s must be a number of seconds (0: never)")
     if not (rebalance == 0 or 1 <= rebalance <= 86400):
         raise ValueError("rebalance_s must be 0 (never) or from 1 to 86400 seconds")
+    if not isinstance(out["verify"], bool):
+        raise ValueError("verify must be true or false")
     if not (_int(out["min_stage_peers"]) and out["min_stage_peers"] >= 1):
         raise ValueError("min_stage_peers must be a whole number >= 1")
     if out["codec"] not in CODECS:
