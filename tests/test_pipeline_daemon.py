@@ -161,6 +161,23 @@ class StageSwarm:
         task = make_task(manifest.task_config)
         self.trainer = PipelineTrainer(self.dht, manifest.experiment_id, 3, codec="none")
         self.global_batch = manifest.strategy_options["global_batch"]
+        # A gate before every request of the trainer (`hold_while_holding`): the samples
+        # of the requests waiting at it.
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.waiting = 0
+        request = self.trainer._request_from
+
+        async def gated(stage: int, method: str, key: str, samples: int, tensors: Any) -> Any:
+            if not self.gate.is_set():
+                self.waiting += samples
+                try:
+                    await self.gate.wait()
+                finally:
+                    self.waiting -= samples
+            return await request(stage, method, key, samples, tensors)
+
+        self.trainer._request_from = gated  # type: ignore[method-assign]
         self.loop = TrainerLoop(
             self.trainer,
             task.batches(0, 1, 0),
@@ -169,6 +186,26 @@ class StageSwarm:
             global_batch=self.global_batch,
             lag=0,
         )
+
+    async def hold_while_holding(self, peer: Daemon) -> None:
+        """Stop the trainer's requests at a moment `peer` holds gradients for a step not
+        taken yet: with no backward coming, its stage cannot step, so the gradients are
+        still held when the caller kills it (`release` lets the requests go on)."""
+        while True:
+            await asyncio.to_thread(wait_for, "the peer to hold gradients",
+                                    lambda: pipeline_of(peer)["pending_samples"] > 0, 30,
+                                    every=0.02)  # fmt: skip
+            self.gate.clear()
+            # The requests already sent come back (one more step may happen on them).
+            await asyncio.to_thread(wait_for, "the requests in flight to come back",
+                                    lambda: self.waiting >= self.loop.started_samples
+                                    - self.trainer.counters.samples, 30)  # fmt: skip
+            if pipeline_of(peer)["pending_samples"] > 0:
+                return
+            self.gate.set()
+
+    def release(self) -> None:
+        self.gate.set()
 
     async def until_steps(self, run: asyncio.Future[None], steps: int) -> None:
         while self.loop.steps < steps:
@@ -209,10 +246,9 @@ async def test_a_stage_peer_killed_mid_run_loses_no_microbatch_and_counts_none_t
         run = asyncio.ensure_future(swarm.loop.run(steps=14))
         await swarm.until_steps(run, 4)
         victim = swarm.daemons[2]  # a stage-1 peer, killed while it holds gradients
-        await asyncio.to_thread(wait_for, "the victim to hold gradients",
-                                lambda: pipeline_of(victim)["pending_samples"] > 0, 30,
-                                every=0.02)  # fmt: skip
+        await swarm.hold_while_holding(victim)
         victim.kill()
+        swarm.release()
         await asyncio.wait_for(run, 150)
         await swarm.check_accounting([d for d in swarm.daemons if d is not victim])
         assert swarm.trainer.counters.samples >= 14 * swarm.global_batch

@@ -52,9 +52,9 @@ async def test_a_draining_server_finishes_what_it_took_and_refuses_the_rest(make
 
 @pytest.mark.timeout(90)
 async def test_a_peer_moves_to_the_starved_stage_and_serves_it_in_step(make_host) -> None:
-    """Stages [3, 1]: one of stage 0's peers moves to stage 1 within 2.5 rebalance
-    periods plus the state download; stage 0 keeps two serving peers throughout; the
-    mover serves stage 1 with its peers' very parameters, and training goes on."""
+    """Stages [3, 1]: one of stage 0's peers moves to stage 1; stage 0 keeps two serving
+    peers throughout; the mover serves stage 1 with its peers' very parameters, and
+    training goes on."""
     task = make_task(TINY)
     modules = [Paced(m, SECONDS_PER_SAMPLE, 1.0) for m in task.make_stages(5, 2)]
     swarm = Swarm(make_host)
@@ -97,11 +97,9 @@ async def test_a_peer_moves_to_the_starved_stage_and_serves_it_in_step(make_host
             serving_stage0.append(len(serving))
             return any(m.moves for m in movers)
 
-        started = asyncio.get_running_loop().time()
         moving = [asyncio.ensure_future(m.run(stop)) for m in movers]
-        limit = 2.5 * policy.period_s * (1 + policy.jitter) + 10  # + the drain and download
-        await eventually(watch, "a move", timeout=limit + 5)
-        assert asyncio.get_running_loop().time() - started <= limit
+        # (How soon is a performance figure: bench/rebalance.py, within 2.5 periods.)
+        await eventually(watch, "a move", timeout=60)
         assert min(serving_stage0) >= 2  # a move leaves stage 0 two of its three peers
         (moved,) = [m for m in movers if m.moves]
         assert moved.moves[0][:2] == (0, 1) and moved.peer.stage == 1
