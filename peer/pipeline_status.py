@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
-from shoal.pipeline.balancer import BACKWARD_COST, StageBalancer
+from shoal.pipeline.balancer import BACKWARD_COST, PeerView, StageBalancer
 from shoal.pipeline.directory import StageRecord
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.trainer import PipelineTrainer
@@ -142,7 +142,7 @@ class PipelineStatus:
         now: float,
         wall: float,
     ) -> list[dict[str, Any]]:
-        routing = _routing_table(balancer)
+        routing = balancer.snapshot() if balancer is not None else {}
         listed: dict[Hashable, StageRecord | None] = {r.peer: r for r in records}
         for peer in routing:
             listed.setdefault(peer, None)
@@ -156,17 +156,16 @@ class PipelineStatus:
                 "self": peer == self_id,
                 "throughput": None if record is None else record.samples_per_s,
                 "measured": _measured(state),
-                "queue": _attr(state, "queue", None if record is None else record.queue),
-                "in_flight": _attr(state, "in_flight", None),
+                "queue": state.queue if state else None if record is None else record.queue,
+                "in_flight": None if state is None else state.in_flight,
                 "version": None if record is None else record.version,
                 "flow": self._rates.rate(f"peer:{peer}") if state is not None else None,
                 "banned": False,
                 "ban_s": None,
                 "age_s": None if record is None else max(0.0, wall - record.at),
             }
-            banned_until = _attr(state, "banned_until", 0.0)
-            if isinstance(banned_until, float) and banned_until > now:
-                box["banned"], box["ban_s"] = True, banned_until - now
+            if state is not None and state.banned_until > now:
+                box["banned"], box["ban_s"] = True, state.banned_until - now
             if peer == self_id and own is not None:
                 box.update(queue=own.queued, version=own.version,
                            flow=self._rates.rate("served"))  # fmt: skip
@@ -212,22 +211,8 @@ def _counters(trainer: PipelineTrainer | None, server: StageServer | None) -> di
     return out
 
 
-def _routing_table(balancer: StageBalancer | None) -> Mapping[Hashable, Any]:
-    # The balancer's per-peer state (queue reported, requests in flight, ban, measured
-    # speed). It has no public snapshot, so its table is read field by field, each
-    # with a fallback: the status must not break when the balancer changes.
-    table = getattr(balancer, "_peers", None)
-    return table if isinstance(table, Mapping) else {}
-
-
-def _attr(state: Any, name: str, default: Any) -> Any:
-    value = getattr(state, name, default) if state is not None else default
-    return default if value is None else value
-
-
-def _measured(state: Any) -> float | None:
+def _measured(view: PeerView | None) -> float | None:
     """Training samples/s the balancer measured (None while it only has a prior)."""
-    if state is None or not _attr(state, "ema_weight", 0.0):
+    if view is None or view.measured is None:
         return None
-    speed = _attr(state, "throughput", None)
-    return speed / TRAINING_SAMPLE_COST if isinstance(speed, float) else None
+    return view.measured / TRAINING_SAMPLE_COST

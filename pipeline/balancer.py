@@ -50,6 +50,16 @@ class _Peer:
     returning: bool = False  # banned: re-enters at the others' minimum, not with a credit
 
 
+@dataclass(frozen=True)
+class PeerView:
+    """What the balancer knows of one peer, for status pages."""
+
+    measured: float | None  # work units/s it measured (None: only a prior so far)
+    queue: int  # requests the peer last said were queued behind ours
+    in_flight: int  # our requests to it not answered yet
+    banned_until: float  # (monotonic time; 0: not banned)
+
+
 class StageBalancer:
     """Routes the requests of one stage among the peers that serve it."""
 
@@ -98,6 +108,15 @@ class StageBalancer:
         state = self._peers.get(peer)
         if state is not None:
             state.banned_until = 0.0
+
+    def snapshot(self) -> dict[Hashable, PeerView]:
+        """Every routed peer's view (a copy)."""
+        return {
+            peer: PeerView(
+                s.throughput if s.ema_weight > 0 else None, s.queue, s.in_flight, s.banned_until
+            )
+            for peer, s in self._peers.items()
+        }
 
     def exclude(self, peer: Hashable) -> None:
         """Never route to `peer` again (it was convicted of cheating)."""
