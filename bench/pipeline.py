@@ -92,12 +92,14 @@ import logging
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shoal.averaging.compression import CODECS, get_codec
 from shoal.dht.node import DHTNode
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.tasks.bytegpt import VOCAB_SIZE, make_task
 from shoal.pipeline.balancer import BACKWARD_COST
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import PipelineTrainer
@@ -109,6 +111,7 @@ log = logging.getLogger("bench.pipeline")
 
 EXPERIMENT = "bench-pipe"
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
+LOSS_TOLERANCE = 0.03  # a codec converges: its loss after the same steps within 3% of float32
 
 
 class Paced(torch.nn.Module):
@@ -127,17 +130,24 @@ class Paced(torch.nn.Module):
         return self.inner(x)
 
 
+def task_config(opts: argparse.Namespace, bottleneck: int = 0) -> dict[str, Any]:
+    return {
+        "d_model": opts.d_model,
+        "n_layers": opts.stages,
+        "n_heads": max(1, opts.d_model // 32),
+        "context": opts.context,
+        "batch_size": opts.microbatch,
+        "bottleneck": bottleneck,
+    }
+
+
 class Bench:
-    def __init__(self, opts: argparse.Namespace) -> None:
+    def __init__(
+        self, opts: argparse.Namespace, experiment: str = EXPERIMENT, bottleneck: int = 0
+    ) -> None:
         self.opts = opts
-        config = {
-            "d_model": opts.d_model,
-            "n_layers": opts.stages,
-            "n_heads": max(1, opts.d_model // 32),
-            "context": opts.context,
-            "batch_size": opts.microbatch,
-        }
-        self.task = make_task(config)
+        self.experiment = experiment
+        self.task = make_task(task_config(opts, bottleneck))
         self.modules = self.task.make_stages(0, opts.stages)
         self.nodes: list[DHTNode] = []
         self.peers: list[StagePeer] = []
@@ -162,7 +172,7 @@ class Bench:
                 speed = speeds[i % len(speeds)]
                 i += 1
                 paced = Paced(copy.deepcopy(module), o.seconds_per_sample, speed)
-                peer = StagePeer(await self.node(), EXPERIMENT, s, paced,
+                peer = StagePeer(await self.node(), self.experiment, s, paced,
                                  hyper={"lr": 1e-3}, global_batch=o.global_batch)  # fmt: skip
                 await peer.start(sync=False)
                 self.peers.append(peer)
@@ -309,20 +319,127 @@ class Bench:
         self.peers.remove(victim)
         return victim
 
-    async def wire_bytes(self, codec: str, microbatches: int = 4) -> float:
-        """Tensor payload bytes on the wire per sample, both ways, under `codec`."""
-        trainer = PipelineTrainer(self.nodes[0], EXPERIMENT, self.opts.stages, codec=codec)
-        await trainer.refresh()
-        before = sum(p.server.bytes_sent for p in self.peers)
-        batches = self.task.batches(0, 1, 7)
-        samples = 0
-        for mb in range(microbatches):
-            batch = next(batches)
-            await trainer.run(mb, self.task.stage_inputs(batch),
-                              lambda y, b=batch: self.task.stage_loss(y, b))  # fmt: skip
-            samples += len(batch)
-        sent = trainer.counters.bytes_sent + sum(p.server.bytes_sent for p in self.peers) - before
-        return sent / samples
+    def eval_loss(self, count: int) -> float:
+        """The mean loss of the stages' current parameters (one peer of each, chained
+        in this process) on `count` held-out batches of the task."""
+        modules = [self.of_stage(s)[0].worker for s in range(self.opts.stages)]
+        losses = []
+        for batch in self.task.eval_batches(count):
+            y = self.task.stage_inputs(batch)
+            for worker in modules:
+                y = worker.forward(y)
+            losses.append(float(self.task.stage_loss(y, batch)))
+        return statistics.fmean(losses)
+
+    def outside_bytes_per_sample(self, codec: str) -> float:
+        """Of the wire's tensor payloads per sample, what is not a stage boundary's: the
+        byte ids into stage 0 (int64, sent plain with the forward and again with the
+        backward) and the logits out of the last stage and their gradient back (under
+        `codec`, whose encoded size is exact)."""
+        m, t = self.opts.microbatch, self.opts.context
+        ids = 2 * t * torch.zeros((), dtype=torch.long).element_size()
+        logits = 2 * get_codec(codec).encoded_size(m * t * VOCAB_SIZE) / m
+        return ids + logits
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A compression the codec comparison runs: the wire codec of activations and
+    gradients, and the task's bottleneck between stages (0: none)."""
+
+    name: str
+    wire: str
+    bottleneck: int = 0
+
+
+def parse_codecs(text: str) -> list[CodecSpec]:
+    """`--codecs`: comma-separated WIRE or WIRE+bottleneckR (e.g. int8+bottleneck12); the
+    float32 reference ("none") comes first, added when missing."""
+    specs = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        wire, _, rest = name.partition("+")
+        rank = 0
+        if rest:
+            if not rest.startswith("bottleneck") or not rest[len("bottleneck") :].isdigit():
+                raise ValueError(f"bad codec {name!r}: expected WIRE or WIRE+bottleneckR")
+            rank = int(rest[len("bottleneck") :])
+        if wire not in CODECS:
+            raise ValueError(f"bad codec {name!r}: the wire codec is one of {', '.join(CODECS)}")
+        specs.append(CodecSpec(name, wire, rank))
+    if not any(s.name == "none" for s in specs):
+        specs.insert(0, CodecSpec("none", "none"))
+    return sorted(specs, key=lambda s: s.name != "none")
+
+
+async def codec_run(opts: argparse.Namespace, spec: CodecSpec, index: int) -> dict[str, Any]:
+    """`--convergence-steps` optimizer steps under `spec` through a fresh swarm (one peer
+    per stage, no artificial delay, lag 0: every step takes the next global batch of the
+    same data from the same initial parameters, as one process would): the held-out
+    loss after them and the tensor bytes on the wire per sample."""
+    o = copy.copy(opts)
+    o.peers_per_stage, o.seconds_per_sample, o.speeds = 1, 0.0, "1"
+    o.global_batch = opts.convergence_global_batch
+    bench = Bench(o, f"bench-codec-{index}", spec.bottleneck)
+    try:
+        await bench.start()
+        trainer = PipelineTrainer(await bench.node(), bench.experiment, o.stages, codec=spec.wire)
+        loop = TrainerLoop(
+            trainer,
+            bench.task.batches(0, 1, 0),
+            inputs_of=bench.task.stage_inputs,
+            loss_of=bench.task.stage_loss,
+            global_batch=o.global_batch,
+            lag=0,
+            concurrency=opts.concurrency,
+        )
+        started = time.monotonic()
+        await loop.run(steps=opts.convergence_steps)
+        await trainer.settled()
+        seconds = time.monotonic() - started
+        sent = trainer.counters.bytes_sent + sum(p.server.bytes_sent for p in bench.peers)
+        wire = sent / trainer.counters.samples
+        loss = await asyncio.to_thread(bench.eval_loss, opts.eval_batches)
+        versions = [p.version for p in bench.peers]
+    finally:
+        await bench.aclose()
+    return {
+        "activation_bytes_per_sample": wire - bench.outside_bytes_per_sample(spec.wire),
+        "wire_bytes_per_sample": wire,
+        "loss_after_n_steps": loss,
+        "train_loss_ema": loop.loss,
+        "stage_versions": versions,
+        "retries": trainer.counters.retries,
+        "seconds": round(seconds, 1),
+    }
+
+
+async def compare_codecs(opts: argparse.Namespace) -> dict[str, Any]:
+    """Per codec: activation bytes per sample, and the loss after the same steps."""
+    runs = {}
+    for i, spec in enumerate(parse_codecs(opts.codecs)):
+        log.info("codec %s: %d steps", spec.name, opts.convergence_steps)
+        runs[spec.name] = await codec_run(opts, spec, i)
+        log.info("codec %s: %s", spec.name, runs[spec.name])
+    ref = runs["none"]
+    activation = {n: round(r["activation_bytes_per_sample"]) for n, r in runs.items()}
+    wire = {n: round(r["wire_bytes_per_sample"]) for n, r in runs.items()}
+    loss = {n: round(r["loss_after_n_steps"], 4) for n, r in runs.items()}
+    ratio = {n: round(ref["activation_bytes_per_sample"] / r["activation_bytes_per_sample"], 2)
+             for n, r in runs.items()}  # fmt: skip
+    relative = {n: round(r["loss_after_n_steps"] / ref["loss_after_n_steps"] - 1, 4)
+                for n, r in runs.items()}  # fmt: skip
+    converging = [n for n in runs if relative[n] <= LOSS_TOLERANCE]
+    best = max(converging, key=lambda n: ratio[n])
+    return {
+        "activation_bytes_per_sample": {**activation, "ratio": ratio},
+        "wire_bytes_per_sample": {
+            **wire,
+            "ratio": {n: round(wire["none"] / w, 2) for n, w in wire.items()},
+        },
+        "loss_after_n_steps": {**loss, "steps": opts.convergence_steps, "relative": relative},
+        "best_codec": {"name": best, "ratio": ratio[best], "loss_relative": relative[best]},
+        "codec_runs": runs,
+    }
 
 
 def single_process(task: Any, modules: list[torch.nn.Module], opts: argparse.Namespace,
