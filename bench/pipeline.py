@@ -111,6 +111,7 @@ log = logging.getLogger("bench.pipeline")
 
 EXPERIMENT = "bench-pipe"
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
+DEFAULT_CODECS = "none,int8,int8+bottleneck8"
 LOSS_TOLERANCE = 0.03  # a codec converges: its loss after the same steps within 3% of float32
 
 
@@ -379,6 +380,7 @@ async def codec_run(opts: argparse.Namespace, spec: CodecSpec, index: int) -> di
     o = copy.copy(opts)
     o.peers_per_stage, o.seconds_per_sample, o.speeds = 1, 0.0, "1"
     o.global_batch = opts.convergence_global_batch
+    o.d_model = opts.convergence_d_model
     bench = Bench(o, f"bench-codec-{index}", spec.bottleneck)
     try:
         await bench.start()
@@ -507,7 +509,6 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         await running
         await trainer.settled()
         monitor.cancel()
-        wire = {codec: await bench.wire_bytes(codec) for codec in ("int8", "none")}
         balancers = [
             {str(p)[-8:]: round(b.throughput(p) or 0.0, 1) for p in b.peers()}
             for b in trainer.balancers
@@ -526,15 +527,10 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         "after_kill_samples_per_s": round(after["samples_per_s"], 2),
         "after_kill_capacity_bound_samples_per_s": round(after["capacity_bound_samples_per_s"], 2),
         "after_kill_efficiency": round(after["efficiency"], 3),
-        "activation_bytes_per_sample": {
-            "int8": round(wire["int8"]),
-            "none": round(wire["none"]),
-            "ratio": round(wire["none"] / wire["int8"], 2),
-        },
         "single_process_samples_per_s": round(alone, 2),
         "single_process_compute_only_samples_per_s": round(compute_only, 2),
         "cold_start_efficiency": round(cold["efficiency"], 3),
-        "targets": {"efficiency": 0.85, "after_kill_efficiency": 0.8, "ratio": 3.5},
+        "targets": {"efficiency": 0.85, "after_kill_efficiency": 0.8},
         "diagnostics": {
             "cold_start": cold,
             "window": first,
@@ -543,6 +539,15 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
         },
         "settings": {k: v for k, v in vars(opts).items() if k != "profile"},
     }
+
+
+async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
+    """The throughput windows (unless --only-codecs), then the codec comparison."""
+    out = {} if opts.only_codecs else await run(opts)
+    codecs = await compare_codecs(opts)
+    out["targets"] = {**out.get("targets", {}), "activation_ratio": 20.0,
+                      "loss_relative": LOSS_TOLERANCE}  # fmt: skip
+    return {**out, **codecs, "settings": {k: v for k, v in vars(opts).items() if k != "profile"}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -565,6 +570,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kill-stage", type=int, default=1)
     p.add_argument("--single-seconds", type=float, default=10.0)
     p.add_argument("--profile", help="cProfile the event loop's thread over the window")
+    p.add_argument("--codecs", default=DEFAULT_CODECS,
+                   help="compared: WIRE or WIRE+bottleneckR, comma-separated")  # fmt: skip
+    p.add_argument("--convergence-steps", type=int, default=100,
+                   help="optimizer steps of each codec's run")  # fmt: skip
+    p.add_argument("--convergence-global-batch", type=int, default=64)
+    p.add_argument("--convergence-d-model", type=int, default=128,
+                   help="the model's width in the codec comparison (bytegpt's default)")  # fmt: skip
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches of the loss")
+    p.add_argument("--only-codecs", action="store_true", help="skip the throughput windows")
     opts = p.parse_args(argv)
     if not 0 <= opts.kill_stage < opts.stages or opts.peers_per_stage < 2:
         p.error("--kill-stage must name a stage, and a stage needs 2 peers to survive a kill")
@@ -576,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
         runner: Any = uvloop.run
     except ImportError:
         runner = asyncio.run
-    print(json.dumps(runner(run(opts))))
+    print(json.dumps(runner(main_async(opts))))
 
 
 if __name__ == "__main__":

@@ -320,7 +320,8 @@ class StageServer:
         inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
         outputs, meta = await self.compute_forward(inputs, samples)
         yield {**meta, "enc": encodes(codec, outputs)}
-        self.bytes_sent += await send_tensor(ctx, outputs, codec)
+        sent = await send_tensor(ctx, outputs, codec)  # (`+= await` loses concurrent adds)
+        self.bytes_sent += sent
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
@@ -331,7 +332,8 @@ class StageServer:
         grad_inputs, meta = await self.compute_backward(key, inputs, grad_outputs, samples)
         yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
         if grad_inputs is not None:
-            self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
+            sent = await send_tensor(ctx, grad_inputs, codec)
+            self.bytes_sent += sent
 
     async def _flush(self, ctx: rpc.CallContext, payload: Any) -> bool:
         """A trainer waits for this stage's step and has nothing more to send: step with
