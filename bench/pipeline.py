@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="optimizer steps of each codec's run")  # fmt: skip
     p.add_argument("--convergence-global-batch", type=int, default=64)
     p.add_argument("--convergence-d-model", type=int, default=128,
-                   help="the model's width in the codec comparison (bytegpt's default)")  # fmt: skip
+                   help="the codec comparison model's width")  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches of the loss")
     p.add_argument("--only-codecs", action="store_true", help="skip the throughput windows")
     opts = p.parse_args(argv)
