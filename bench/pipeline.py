@@ -3,6 +3,8 @@
     python bench/pipeline.py [--stages 3] [--peers-per-stage 2] [--speeds 1] [--seconds 20]
         [--warmup 20] [--microbatch 8] [--codec int8] [--global-batch 128] [--lag 1]
         [--concurrency 16] [--seconds-per-sample 0.005] [--profile FILE]
+        [--codecs none,int8,bf16,bf16+bottleneck12] [--convergence-steps 200]
+        [--convergence-global-batch 64] [--convergence-d-model 128] [--only-codecs]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -10,11 +12,15 @@ Prints one JSON object on stdout (logs go to stderr):
      "efficiency": samples_per_s / capacity_bound_samples_per_s,
      "after_kill_efficiency": the same over a window starting --settle seconds after one
          peer of stage --kill-stage was killed, against the survivors' capacity bound,
-     "activation_bytes_per_sample": {"int8": ..., "none": ..., "ratio": none / int8},
      "single_process_samples_per_s": the same stages and microbatches in one process,
      "single_process_compute_only_samples_per_s": the same without the artificial delays,
      "cold_start_efficiency": the first --warmup seconds from fresh peers, ...,
-     "diagnostics": {...}}
+     "diagnostics": {...},
+     "activation_bytes_per_sample": {CODEC: ..., ..., "ratio": {CODEC: none / CODEC}},
+     "wire_bytes_per_sample": {CODEC: ..., ..., "ratio": {...}},
+     "loss_after_n_steps": {CODEC: ..., ..., "steps": n, "relative": {CODEC: loss / none - 1}},
+     "best_codec": {"name", "ratio", "loss_relative"}: the highest ratio within 3% of none,
+     "codec_runs": {CODEC: {...}}}
 
 Everything runs in this process on loopback, as the tests' in-process swarm does: one
 DHT node and host per stage peer (`StagePeer`: the stage server, its optimizer step over
@@ -45,10 +51,23 @@ host closed under its requests and rounds, then its tasks): the trainer bans it 
 retries on the stage's other peers, the stage's step goes on without it. The second
 window starts --settle seconds later.
 
-`activation_bytes_per_sample`: tensor payloads on the wire per sample, both ways (the
-trainer's requests and the servers' answers: byte ids into stage 0, hidden states
-between stages through the trainer, logits out of the last stage, and the gradients
-back), measured over microbatches sent with a trainer of each codec after the windows.
+The codec comparison (`--codecs`, after the windows; alone with `--only-codecs`): per
+codec, a fresh swarm of one peer per stage (no artificial delay) of a
+`--convergence-d-model` wide model trains `--convergence-steps` optimizer steps of
+`--convergence-global-batch` samples at lag 0 (every step takes the next global batch,
+as one process would), from the same initial parameters (seed 0) on the same batches
+(seed 0). A codec is a wire codec (`none` is float32, the reference), optionally with
+bytegpt's bottleneck between stages: `bf16+bottleneck12` is config "bottleneck" 12
+(`make_stages`: the hidden states between stages are 12 coordinates plus the byte ids)
+under bf16. `loss_after_n_steps`: the mean loss on --eval-batches held-out batches
+after the steps. `wire_bytes_per_sample`: all tensor payloads on the wire per sample
+during the run, both ways (the trainer's requests and the servers' answers, as sent).
+`activation_bytes_per_sample`: the part of them that crosses stage boundaries, both
+ways: hidden states from a stage through the trainer to the next, again with each
+backward (the stage recomputes its forward), and their gradients back; that is the wire
+bytes less the byte ids into stage 0 (int64, twice) and the logits out of the last stage
+and their gradient back (their size under the codec is exact: `encoded_size`), which
+the trainer's loss needs whatever the stages send each other.
 `single_process_samples_per_s`: the stages chained in one process with one device's
 artificial delays at speed 1 (a forward with a graph costs 2.5 units: no recomputation),
 forward, backward and an AdamW step every global batch, as many seconds as a window.
@@ -111,7 +130,7 @@ log = logging.getLogger("bench.pipeline")
 
 EXPERIMENT = "bench-pipe"
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
-DEFAULT_CODECS = "none,int8,int8+bottleneck8"
+DEFAULT_CODECS = "none,int8,bf16,bf16+bottleneck12"
 LOSS_TOLERANCE = 0.03  # a codec converges: its loss after the same steps within 3% of float32
 
 
@@ -572,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", help="cProfile the event loop's thread over the window")
     p.add_argument("--codecs", default=DEFAULT_CODECS,
                    help="compared: WIRE or WIRE+bottleneckR, comma-separated")  # fmt: skip
-    p.add_argument("--convergence-steps", type=int, default=100,
+    p.add_argument("--convergence-steps", type=int, default=200,
                    help="optimizer steps of each codec's run")  # fmt: skip
     p.add_argument("--convergence-global-batch", type=int, default=64)
     p.add_argument("--convergence-d-model", type=int, default=128,
