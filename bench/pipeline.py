@@ -4,7 +4,7 @@
         [--warmup 20] [--microbatch 8] [--codec int8] [--global-batch 128] [--lag 1]
         [--concurrency 16] [--seconds-per-sample 0.005] [--profile FILE]
         [--codecs none,int8,bf16,bf16+bottleneck12] [--convergence-steps 200]
-        [--convergence-global-batch 64] [--convergence-d-model 128] [--only-codecs]
+        [--convergence-global-batch 128] [--convergence-d-model 128] [--only-codecs]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="compared: WIRE or WIRE+bottleneckR, comma-separated")  # fmt: skip
     p.add_argument("--convergence-steps", type=int, default=200,
                    help="optimizer steps of each codec's run")  # fmt: skip
-    p.add_argument("--convergence-global-batch", type=int, default=64)
+    p.add_argument("--convergence-global-batch", type=int, default=128)
     p.add_argument("--convergence-d-model", type=int, default=128,
                    help="the codec comparison model's width")  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches of the loss")
