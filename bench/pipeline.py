@@ -100,14 +100,16 @@ and 0.90 with all three):
 
 The codec comparison (defaults: d_model 128, 3 stages, 200 steps of 128 samples):
 activation bytes per sample 327,680 in float32, 83,200 in int8 (3.94x), 163,840 in bf16
-(2x), 15,744 in bf16+bottleneck12 (20.8x); held-out loss after the 200 steps 2.5646,
-2.5595, 2.5638, 2.5751 (+0.4%). Earlier in training the bottleneck lags: +3.5% after
-100 steps of 64 samples, +6.3% after 200 of 64 (when int8 was -5.6% and bf16 +1.6%: in
-that phase, the loss plateau's end, one seed's loss after n steps varies by several %
-between codecs that hardly differ), and one in-process run of 200 steps of 128 had it
-at -2.7%. Without the per-stage embeddings of the ids (the plain bottleneck, d_model 64,
-R 12, int8) it was +8.6% after 200 steps of 128, in process. The wire's bytes are
-dominated by the logits then: all tensor bytes only 5.6x fewer than float32's.
+(2x), 15,744 in bf16+bottleneck12 (20.8x); held-out loss after the 200 steps 2.5667,
+2.5575, 2.5662, 2.4913 (-2.9%) in one run, 2.5646, 2.5595, 2.5638, 2.5751 (+0.4%) in
+another (float32 and bf16 repeat within 0.1%; the bottleneck's run varies more).
+Earlier in training the bottleneck lags: +3.5% after 100 steps of 64 samples, +6.3%
+after 200 of 64 (when int8 was -5.6% and bf16 +1.6%: in that phase, the loss plateau's
+end, one seed's loss after n steps varies by several % between codecs that hardly
+differ); an in-process run of 200 steps of 128 had it at -2.7%. Without the per-stage
+embeddings of the ids (the plain bottleneck, d_model 64, R 12, int8) it was +8.6% after
+200 steps of 128, in process. The wire's bytes are then dominated by the logits (the
+trainer computes the loss): all tensor bytes only 5.6x fewer than float32's.
 """
 
 from __future__ import annotations
