@@ -136,7 +136,8 @@ class AuditService:
     async def _reveal_full(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         _, full, _ = self._kept(payload, ctx.peer)
         yield {"ok": True}
-        self.bytes_sent += await send_tensor(ctx, full, codec_of("none"))
+        sent = await send_tensor(ctx, full, codec_of("none"))
+        self.bytes_sent += sent
 
     # -- the referee's side
 

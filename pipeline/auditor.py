@@ -232,7 +232,8 @@ class TrainerAuditor:
                 reply = await call.recv_item()
                 if isinstance(reply, dict) and reply.get("ready") is True:
                     for t in sent:
-                        self.bytes_sent += await send_tensor(call, t, self.codec)
+                        sent = await send_tensor(call, t, self.codec)
+                        self.bytes_sent += sent
                     reply = await call.recv_item()
         except (TransportError, OSError, TimeoutError, ValueError) as e:
             log.info("referee %s: %r", referee.short(), e)

@@ -20,7 +20,10 @@ DEFAULTS: dict[str, Any] = {
     # Global batches a trainer may start ahead of the slowest stage's steps (0: every
     # step takes exactly the next global batch, as in one process).
     "lag": 1,
-    "codec": "int8",  # activations and gradients between stages
+    # Activations and gradients between stages (`wire`). With a task's bottleneck
+    # between stages (bytegpt: config "bottleneck"), bf16 on its few coordinates is
+    # ~20x fewer bytes than float32 (bench/pipeline.py's codec comparison).
+    "codec": "int8",
     # Stage peers look this often for a stage that limits the pipeline more than
     # theirs, and move there (`rebalance`); 0: never (a peer stays where it joined).
     "rebalance_s": 30.0,

@@ -452,7 +452,8 @@ class StageServer:
             audit = _audit(payload, key, codec)
             outputs, meta = await self.compute_forward(inputs, samples, audit)
             yield {**meta, "enc": encodes(codec, outputs)}
-            self.bytes_sent += await send_tensor(ctx, outputs, codec)
+            sent = await send_tensor(ctx, outputs, codec)  # (`+= await` loses concurrent adds)
+            self.bytes_sent += sent
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
@@ -468,7 +469,8 @@ class StageServer:
             )
             yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
             if grad_inputs is not None:
-                self.bytes_sent += await send_tensor(ctx, grad_inputs, codec)
+                sent = await send_tensor(ctx, grad_inputs, codec)
+                self.bytes_sent += sent
 
     async def _flush(self, ctx: rpc.CallContext, payload: Any) -> bool:
         """A trainer waits for this stage's step and has nothing more to send: step with

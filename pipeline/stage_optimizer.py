@@ -156,7 +156,8 @@ class StageOptimizer:
             loaded = await self.averager.load_state_from_peers(timeout)
         finally:
             self.worker.version = self.version
-        self.dropped_samples += await asyncio.to_thread(self.worker.drop_before, self.version)
+        dropped = await asyncio.to_thread(self.worker.drop_before, self.version)
+        self.dropped_samples += dropped
         return loaded
 
     def _apply(self) -> None:

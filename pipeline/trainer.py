@@ -418,7 +418,8 @@ class PipelineTrainer:
             ) as call,
         ):
             for t in tensors:
-                self.counters.bytes_sent += await send_tensor(call, t, self.codec)
+                sent = await send_tensor(call, t, self.codec)  # (`+= await` loses adds)
+                self.counters.bytes_sent += sent
             meta = await call.recv_item()
             if not isinstance(meta, dict):
                 raise ValueError("malformed stage answer")

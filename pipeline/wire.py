@@ -3,27 +3,51 @@ all-reduce's codecs (`averaging.compression`: blockwise int8 by default for
 pipelines, fp16, bf16, or none), everything else sent as it is.
 
 A float tensor under a codec other than `none` travels as a small message
-``{"shape", "dtype"}`` followed by one RPC chunk of the encoded bytes, whose size
-the receiver knows from the shape (so it reads them straight into place and a
+``{"shape", "dtype", "tail"}`` followed by one RPC chunk of the encoded bytes, whose
+size the receiver knows from the shape (so it reads them straight into place and a
 peer cannot make it allocate more); an integer tensor (byte IDs into stage 0)
 or any tensor under `none` travels as a plain RPC tensor. Both sides agree on
 the codec from the request's header (``"codec"``); the request also says which
 of its tensors are encoded (``"enc"``), and the answer's header whether its
 result is.
+
+A tensor whose last channel holds only whole numbers from 0 to 255 sends that
+channel exactly, one byte per value, after the codec's bytes of the other
+channels (``"tail": "ids"``), and one whose last channel is all zeros sends no
+bytes for it (``"zeros"``): the token IDs a stage with a bottleneck passes on
+with its narrow hidden states (`shoal.peer.tasks.bytegpt`), which blockwise int8
+would round off (a block's scale makes steps of about max/127), and the zero
+gradient that comes back for them. Any tensor may take these paths: they are
+lossless for that channel, so whether one applies is decided by the values alone.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shoal.averaging.compression import CODECS, Codec, get_codec
+from shoal.averaging.compression import CODECS, Codec, CodecError, get_codec
 from shoal.transport.rpc import MessageStream
 
-__all__ = ["MAX_ELEMENTS", "codec_of", "encodes", "recv_tensor", "send_tensor"]
+__all__ = [
+    "MAX_ELEMENTS",
+    "Encoded",
+    "codec_of",
+    "decode_tensor",
+    "encode_tensor",
+    "encodes",
+    "exact_tail",
+    "parse_header",
+    "recv_tensor",
+    "send_tensor",
+]
 
 MAX_ELEMENTS = 1 << 30
+MAX_ID = 255  # the exact channel's values fit a byte
+_TAILS = (None, "ids", "zeros")
 _DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
@@ -39,6 +63,84 @@ def encodes(codec: Codec, t: torch.Tensor) -> bool:
     return codec.name != "none" and t.is_floating_point()
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """What an encoded tensor's header says, checked: the receiver sizes its buffer by it."""
+
+    shape: list[int]
+    dtype: torch.dtype
+    tail: str | None  # the last channel: "ids" (exactly, a byte per value), "zeros" (no bytes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def payload_size(self, codec: Codec) -> int:
+        if self.tail is None:
+            return codec.encoded_size(self.numel)
+        rows = self.numel // self.shape[-1]
+        return codec.encoded_size(self.numel - rows) + (rows if self.tail == "ids" else 0)
+
+    def header(self) -> dict[str, Any]:
+        return {"shape": self.shape, "dtype": str(self.dtype), "tail": self.tail}
+
+
+def encode_tensor(t: torch.Tensor, codec: Codec) -> tuple[Encoded, bytes | memoryview]:
+    """A float tensor's header and payload under `codec`."""
+    t = t.detach()
+    head = Encoded(list(t.shape), t.dtype, exact_tail(t))
+    t = t.to("cpu", torch.float32)
+    if head.tail is None:
+        return head, codec.encode(t.contiguous().view(-1))
+    body = codec.encode(t[..., :-1].contiguous().view(-1))
+    if head.tail == "zeros":
+        return head, body
+    tail = t[..., -1].to(torch.uint8).contiguous().view(-1)
+    payload = bytearray(len(body) + tail.numel())
+    payload[: len(body)] = body
+    payload[len(body) :] = tail.numpy().tobytes()
+    return head, payload
+
+
+def decode_tensor(
+    head: Encoded, data: bytes | bytearray | memoryview, codec: Codec
+) -> torch.Tensor:
+    """The tensor `encode_tensor` encoded (CodecError for bytes that cannot be)."""
+    if len(data) != head.payload_size(codec):
+        raise CodecError(f"{len(data)} bytes for a tensor of {head.payload_size(codec)}")
+    if head.tail is None:
+        out = torch.empty(head.numel, dtype=torch.float32)
+        codec.decode_checked(data, out)
+        return out.view(head.shape).to(head.dtype)
+    shape, rows = head.shape, head.numel // head.shape[-1]
+    body_size = codec.encoded_size(head.numel - rows)
+    body = torch.empty(head.numel - rows, dtype=torch.float32)
+    codec.decode_checked(memoryview(data)[:body_size], body)
+    out = torch.empty(shape, dtype=torch.float32)
+    out[..., :-1] = body.view(*shape[:-1], shape[-1] - 1)
+    if head.tail == "zeros":
+        out[..., -1] = 0.0
+    else:
+        tail = torch.frombuffer(bytearray(memoryview(data)[body_size:]), dtype=torch.uint8)
+        out[..., -1] = tail.view(shape[:-1])
+    return out.to(head.dtype)
+
+
+def exact_tail(t: torch.Tensor) -> str | None:
+    """How `t`'s last channel travels apart from the codec, exactly: "zeros" when it is
+    all zeros (no bytes), "ids" when it holds only whole numbers from 0 to MAX_ID (a
+    byte each), None otherwise (or when there is no other channel)."""
+    if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
+        return None
+    tail = t[..., -1]
+    if not torch.equal(tail, tail.round()):
+        return None
+    low, high = tail.aminmax()
+    if low == 0 and high == 0:
+        return "zeros"
+    return "ids" if low >= 0 and high <= MAX_ID else None
+
+
 async def send_tensor(stream: MessageStream, t: torch.Tensor, codec: Codec) -> int:
     """Send `t` (encoded when `encodes(codec, t)`); the payload bytes."""
     t = t.detach()
@@ -46,10 +148,9 @@ async def send_tensor(stream: MessageStream, t: torch.Tensor, codec: Codec) -> i
         t = t.contiguous()
         await stream.send_tensor(t)
         return t.numel() * t.element_size()
-    await stream.send({"shape": list(t.shape), "dtype": str(t.dtype)})
-    flat = t.to("cpu", torch.float32).contiguous().view(-1)
-    payload = codec.encode(flat)
-    await stream.send_chunk(0, payload)
+    head, payload = encode_tensor(t, codec)
+    await stream.send(head.header())
+    await stream.send_chunk(0, memoryview(payload))
     return len(payload)
 
 
@@ -57,21 +158,14 @@ async def recv_tensor(stream: MessageStream, codec: Codec, encoded: bool) -> tor
     """The next tensor (`encoded`: as `send_tensor` sends a float under `codec`)."""
     if not encoded:
         return await stream.recv_tensor()
-    head = await stream.recv()
-    shape, dtype = _header(head)
-    n = 1
-    for d in shape:
-        n *= d
-    if n > MAX_ELEMENTS:
-        raise ValueError("tensor too large")
-    data = bytearray(codec.encoded_size(n))
+    head = parse_header(await stream.recv())
+    data = bytearray(head.payload_size(codec))
     await stream.recv_chunk_into(0, memoryview(data))
-    out = torch.empty(n, dtype=torch.float32)
-    codec.decode_checked(memoryview(data), out)
-    return out.view(shape).to(dtype)
+    return decode_tensor(head, data, codec)
 
 
-def _header(head: Any) -> tuple[list[int], torch.dtype]:
+def parse_header(head: Any) -> Encoded:
+    """An encoded tensor's header, checked (ValueError): at most MAX_ELEMENTS elements."""
     if not isinstance(head, dict):
         raise ValueError("an encoded tensor starts with its shape")
     shape, dtype = head.get("shape"), head.get("dtype")
@@ -79,6 +173,11 @@ def _header(head: Any) -> tuple[list[int], torch.dtype]:
         raise ValueError("bad tensor shape")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValueError("bad tensor shape")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError("tensor too large")
     if dtype not in _DTYPES:
         raise ValueError(f"bad tensor dtype {dtype!r}")
-    return shape, _DTYPES[dtype]
+    tail = head.get("tail")
+    if tail not in _TAILS or (tail is not None and (len(shape) < 2 or shape[-1] < 2)):
+        raise ValueError("bad exact tail")
+    return Encoded(shape, _DTYPES[dtype], tail)
