@@ -147,6 +147,25 @@ DEFAULT_CODECS = "none,int8,bf16,bf16+bottleneck12"
 LOSS_TOLERANCE = 0.03  # a codec converges: its loss after the same steps within 3% of float32
 
 
+async def loopback_node(nodes: list[DHTNode]) -> DHTNode:
+    """A DHT node on a fresh loopback host, bootstrapped from the first of `nodes`
+    (appended to them)."""
+    host = Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",), **HOST_OPTS))
+    await host.start()
+    boot = [str(nodes[0].host.addresses()[0])] if nodes else []
+    made = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
+    nodes.append(made)
+    return made
+
+
+async def close_nodes(nodes: list[DHTNode]) -> None:
+    for n in nodes:
+        with contextlib.suppress(Exception):
+            await n.aclose()
+        with contextlib.suppress(Exception):
+            await n.host.aclose()
+
+
 class Paced(torch.nn.Module):
     """A stage module at an artificial speed (see the module's docstring)."""
 
@@ -189,12 +208,7 @@ class Bench:
         self.step_events: dict[int, dict[int, dict[str, float]]] = {}
 
     async def node(self) -> DHTNode:
-        host = Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",), **HOST_OPTS))
-        await host.start()
-        boot = [str(self.nodes[0].host.addresses()[0])] if self.nodes else []
-        made = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
-        self.nodes.append(made)
-        return made
+        return await loopback_node(self.nodes)
 
     async def start(self) -> None:
         o = self.opts
@@ -213,11 +227,7 @@ class Bench:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(p.aclose() for p in self.peers), return_exceptions=True)
-        for n in self.nodes:
-            with contextlib.suppress(Exception):
-                await n.aclose()
-            with contextlib.suppress(Exception):
-                await n.host.aclose()
+        await close_nodes(self.nodes)
 
     def of_stage(self, stage: int) -> list[StagePeer]:
         return [p for p in self.peers if p.stage == stage]

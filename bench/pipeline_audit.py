@@ -60,16 +60,15 @@ from typing import Any
 
 import torch
 
+from pipeline import Paced, close_nodes, loopback_node  # bench/pipeline.py
 from shoal.averaging.compression import get_codec
 from shoal.dht.node import DHTNode
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.pipeline.audit import AuditRequest, recompute, seal, wire_roundtrip
-from shoal.pipeline.balancer import BACKWARD_COST
 from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import PipelineTrainer
 from shoal.pipeline.trainer_loop import REFRESH_S, TrainerLoop
-from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
 from shoal.verification.evidence import Result
 from shoal.verification.stage_audit import (
@@ -87,40 +86,17 @@ HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
 INT8 = get_codec("int8")
 
 
-class Paced(torch.nn.Module):
-    """A stage module that takes `seconds_per_sample` per sample (2.5x with a graph)."""
-
-    def __init__(self, inner: torch.nn.Module, seconds_per_sample: float) -> None:
-        super().__init__()
-        self.inner = inner
-        self.seconds_per_sample = seconds_per_sample
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cost = BACKWARD_COST if torch.is_grad_enabled() else 1.0
-        time.sleep(x.shape[0] * cost * self.seconds_per_sample)
-        return self.inner(x)
-
-
 class Swarm:
     def __init__(self) -> None:
         self.nodes: list[DHTNode] = []
         self.peers: list[StagePeer] = []
 
     async def node(self) -> DHTNode:
-        host = Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",), **HOST_OPTS))
-        await host.start()
-        boot = [str(self.nodes[0].host.addresses()[0])] if self.nodes else []
-        made = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
-        self.nodes.append(made)
-        return made
+        return await loopback_node(self.nodes)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(p.aclose() for p in self.peers), return_exceptions=True)
-        for n in self.nodes:
-            with contextlib.suppress(Exception):
-                await n.aclose()
-            with contextlib.suppress(Exception):
-                await n.host.aclose()
+        await close_nodes(self.nodes)
 
 
 def _pipeline_bytes(trainer: PipelineTrainer, swarm: Swarm) -> int:
@@ -175,7 +151,7 @@ async def throughput(o: Any) -> dict[str, Any]:
         for s, module in enumerate(modules):
             for _ in range(o.peers_per_stage):
                 peer = StagePeer(await swarm.node(), EXPERIMENT, s,
-                                 Paced(copy.deepcopy(module), o.seconds_per_sample),
+                                 Paced(copy.deepcopy(module), o.seconds_per_sample, 1.0),
                                  hyper={"lr": 1e-3}, global_batch=o.global_batch)  # fmt: skip
                 await peer.start(sync=False)
                 swarm.peers.append(peer)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import copy
 import json
 import logging
@@ -40,7 +39,7 @@ import sys
 import time
 from typing import Any
 
-from pipeline import Paced  # bench/pipeline.py
+from pipeline import Paced, close_nodes, loopback_node  # bench/pipeline.py
 from shoal.dht.node import DHTNode
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.pipeline.directory import least_capacity_stage, read_stages
@@ -49,8 +48,6 @@ from shoal.pipeline.rebalance import RebalancePolicy
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
-from shoal.transport.host import Host, HostConfig
-from shoal.transport.identity import Identity
 
 log = logging.getLogger("bench.rebalance")
 
@@ -76,12 +73,7 @@ class Swarm:
         self.min_serving = [10**9] * STAGES
 
     async def node(self) -> DHTNode:
-        host = Host(Identity.generate(), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",), **HOST_OPTS))
-        await host.start()
-        boot = [str(self.nodes[0].host.addresses()[0])] if self.nodes else []
-        made = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
-        self.nodes.append(made)
-        return made
+        return await loopback_node(self.nodes)
 
     def _factory(self, dht: DHTNode, speed: float):  # type: ignore[no-untyped-def]
         async def make(stage: int) -> StagePeer:
@@ -135,11 +127,7 @@ class Swarm:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await asyncio.gather(*(m.peer.aclose() for m in self.movers), return_exceptions=True)
-        for n in self.nodes:
-            with contextlib.suppress(Exception):
-                await n.aclose()
-            with contextlib.suppress(Exception):
-                await n.host.aclose()
+        await close_nodes(self.nodes)
 
 
 async def rate(trainer: PipelineTrainer, seconds: float) -> float:
