@@ -47,6 +47,7 @@ from .audit import AuditRequest, seal
 from .audit_service import AuditService
 from .stage import BackwardRequest, StageWorker
 from .stage_optimizer import StepRecord
+from .step_push import StepPush
 from .wire import codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["RECORD_REFRESH", "RECORD_TTL", "StageServer", "pipeline_protocol", "stage_key"]
@@ -57,17 +58,11 @@ RECORD_TTL = 60.0
 MAX_BATCH_SAMPLES = 256
 BEHIND_WAIT_S = 3.0
 RECORD_REFRESH = 15.0
-TRAINER_SEEN_S = 30.0  # a trainer silent this long is not told of our steps any more
 _EMA = 0.1
 
 
 def pipeline_protocol(experiment: str) -> str:
     return f"/shoal/pipeline/{experiment}/1.0.0"
-
-
-def trainer_protocol(experiment: str) -> str:
-    """Where trainers hear of stage steps (`StageServer.push_step`)."""
-    return f"/shoal/pipeline-trainer/{experiment}/1.0.0"
 
 
 def stage_key(experiment: str, stage: int) -> str:
@@ -137,8 +132,7 @@ class StageServer:
         self.on_flush: Callable[[], None] | None = None  # a trainer waits on our step
         self.on_progress: Callable[[PeerID, int, int], None] | None = None  # a peer's push
         # Trainers that sent us requests lately (-> when): told of each step at once.
-        self.trainers: dict[PeerID, float] = {}
-        self._pushes: set[asyncio.Task[None]] = set()
+        self.step_push = StepPush(dht.host, experiment)
         self.protocol = pipeline_protocol(experiment)
         self._version_changed = asyncio.Event()
         self._jobs: list[_Job] = []
@@ -167,7 +161,8 @@ class StageServer:
         self._tasks.append(loop.create_task(self._announce_loop()))
 
     async def aclose(self) -> None:
-        for task in [*self._tasks, *self._pushes, *self._sealing]:
+        self.step_push.close()
+        for task in [*self._tasks, *self._sealing]:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -390,24 +385,9 @@ class StageServer:
 
     def push_step(self) -> None:
         """Tell the trainers that sent us requests lately our new version and step log
-        (they would otherwise learn it from the DHT record, a poll later: a trainer
-        waiting on this step is idle until then)."""
-        now = time.monotonic()
-        for peer, seen in list(self.trainers.items()):
-            if now - seen > TRAINER_SEEN_S:
-                del self.trainers[peer]
-        message = {"stage": self.stage, "version": self.version, "steps": self._step_log()}
-        loop = asyncio.get_running_loop()
-        for peer in self.trainers:
-            if peer != self.dht.peer_id:  # (our own trainer calls us directly)
-                task = loop.create_task(self._push(peer, message))
-                self._pushes.add(task)
-                task.add_done_callback(self._pushes.discard)
-
-    async def _push(self, peer: PeerID, message: dict[str, Any]) -> None:
-        with contextlib.suppress(Exception):  # the DHT record is the fallback
-            await rpc.call(self.dht.host, peer, trainer_protocol(self.experiment), "stepped",
-                           message, timeout=2.0)  # fmt: skip
+        (`step_push`: a trainer waiting on this step is idle until it knows)."""
+        self.step_push.push({"stage": self.stage, "version": self.version,
+                             "steps": self._step_log()})  # fmt: skip
 
     async def compute_forward(
         self, inputs: torch.Tensor, samples: int, audit: AuditRequest | None = None
@@ -445,7 +425,7 @@ class StageServer:
 
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
-        self.trainers[ctx.peer] = time.monotonic()
+        self.step_push.heard_from(ctx.peer)
         with self._request():
             await self._check_version(payload)
             inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
@@ -457,7 +437,7 @@ class StageServer:
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
-        self.trainers[ctx.peer] = time.monotonic()
+        self.step_push.heard_from(ctx.peer)
         with self._request():
             await self._check_version(payload)
             enc = enc + [False] * (2 - len(enc))

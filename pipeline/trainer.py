@@ -41,7 +41,8 @@ from shoal.verification.stage_audit import StageAuditPolicy
 from .auditor import Answer, TrainerAuditor
 from .balancer import NoPeerAvailable, StageBalancer
 from .ledger import Applied, MicrobatchLedger
-from .server import StageServer, pipeline_protocol, stage_key, trainer_protocol
+from .server import StageServer, pipeline_protocol, stage_key
+from .step_push import trainer_protocol
 from .wire import codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["Microbatch", "PipelineTrainer", "StageFailed"]

@@ -1,0 +1,65 @@
+"""A stage peer telling trainers of its steps at once.
+
+A trainer waiting for a stage's step (it paces itself by the steps) would
+otherwise learn of it from the stage's DHT record, one poll later. A stage
+server remembers the trainers that sent it requests lately and, after each
+step, sends each its new version and step log (the `stepped` call of
+`trainer_protocol`); a trainer takes it from a peer the stage records list
+(`PipelineTrainer._stepped`). Best effort: the DHT record stays the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from shoal.transport import rpc
+from shoal.transport.host import Host
+from shoal.transport.identity import PeerID
+
+__all__ = ["TRAINER_SEEN_S", "StepPush", "trainer_protocol"]
+
+TRAINER_SEEN_S = 30.0  # a trainer silent this long is not told of our steps any more
+PUSH_TIMEOUT_S = 2.0
+
+
+def trainer_protocol(experiment: str) -> str:
+    """Where trainers hear of stage steps."""
+    return f"/shoal/pipeline-trainer/{experiment}/1.0.0"
+
+
+class StepPush:
+    """The trainers a stage server heard from lately, and the pushes to them."""
+
+    def __init__(self, host: Host, experiment: str) -> None:
+        self.host = host
+        self.protocol = trainer_protocol(experiment)
+        self.trainers: dict[PeerID, float] = {}  # -> when it last sent us a request
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def heard_from(self, peer: PeerID) -> None:
+        self.trainers[peer] = time.monotonic()
+
+    def push(self, message: dict[str, Any]) -> None:
+        """Send `message` to every trainer heard from within TRAINER_SEEN_S."""
+        now = time.monotonic()
+        for peer, seen in list(self.trainers.items()):
+            if now - seen > TRAINER_SEEN_S:
+                del self.trainers[peer]
+        loop = asyncio.get_running_loop()
+        for peer in self.trainers:
+            if peer != self.host.peer_id:  # (our own trainer calls us directly)
+                task = loop.create_task(self._send(peer, message))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, peer: PeerID, message: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):  # the DHT record is the fallback
+            await rpc.call(self.host, peer, self.protocol, "stepped", message,
+                           timeout=PUSH_TIMEOUT_S)  # fmt: skip
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
