@@ -170,10 +170,9 @@ class AuditService:
             self.counts["cannot"] += 1
             yield {"cannot": "the inputs do not match the commitment"}
             return
-        loop = asyncio.get_running_loop()
         # (On the stage's compute thread: audits queue behind training work, never beside it.)
         args = (server.worker, commitment.version, commitment.direction, inputs, grads)
-        z = await loop.run_in_executor(server._compute, recompute, *args)
+        z = await server.compute.in_thread(recompute, *args)
         if z is None:
             self.counts["cannot"] += 1
             yield {"cannot": f"not at version {commitment.version}"}

@@ -13,7 +13,7 @@ microbatches a step included.
 
 Requests are computed in a worker thread, in arrival order; requests of one
 kind that wait together (several trainers, or one trainer's concurrent
-microbatches) are computed as one batch, up to `MAX_BATCH_SAMPLES`. The event
+microbatches) are computed as one batch (`compute_queue`). The event
 loop only moves bytes. While the peer re-syncs its state (it missed a step) it
 refuses requests, so trainers go to its stage's other peers at once.
 
@@ -31,8 +31,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from shoal.transport.identity import PeerID
 
 from .audit import AuditRequest, seal
 from .audit_service import AuditService
+from .compute_queue import ComputeQueue, Job
 from .stage import BackwardRequest, StageWorker
 from .stage_optimizer import StepRecord
 from .step_push import StepPush
@@ -55,7 +54,6 @@ __all__ = ["RECORD_REFRESH", "RECORD_TTL", "StageServer", "pipeline_protocol", "
 log = logging.getLogger("shoal.pipeline")
 
 RECORD_TTL = 60.0
-MAX_BATCH_SAMPLES = 256
 BEHIND_WAIT_S = 3.0
 RECORD_REFRESH = 15.0
 _EMA = 0.1
@@ -85,23 +83,6 @@ class _Speed:
         return self._ema / self._weight if self._weight else None
 
 
-@dataclass
-class _Job:
-    kind: str  # "forward" | "backward"
-    request: Any  # the inputs tensor, or a BackwardRequest
-    samples: int
-    audit: AuditRequest | None = None  # seal the answer (the request asked for a commitment)
-    sealed: bytes | None = None  # its commitment (made in the sealing thread)
-    retried: bool = False  # a backward answered before: its old answer is not sealed
-    done: asyncio.Future[tuple[Any, float]] = field(repr=False, default=None)  # type: ignore[assignment]
-
-    def fits(self, other: _Job) -> bool:
-        """Whether the two can be computed in one batch."""
-        a = self.request if self.kind == "forward" else self.request[1]
-        b = other.request if other.kind == "forward" else other.request[1]
-        return self.kind == other.kind and a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
-
-
 class StageServer:
     """Serves `worker`'s stage of `experiment` on `dht.host`."""
 
@@ -125,7 +106,6 @@ class StageServer:
         self.forward_speed = _Speed()
         self.backward_speed = _Speed()
         self.served = {"forward": 0, "backward": 0}
-        self.batches = 0  # computations run (several requests may share one)
         self.bytes_sent = 0  # activation and gradient payloads, as sent
         self.on_backward: Callable[[], None] | None = None  # after each applied backward
         self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
@@ -135,11 +115,7 @@ class StageServer:
         self.step_push = StepPush(dht.host, experiment)
         self.protocol = pipeline_protocol(experiment)
         self._version_changed = asyncio.Event()
-        self._jobs: list[_Job] = []
-        self._wake = asyncio.Event()
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
-        self._sealer = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-seal{stage}")
-        self._sealing: set[asyncio.Task[None]] = set()
+        self.compute = ComputeQueue(worker, stage, self._seal)
         # Registered at `start`: a peer moving between stages builds its next stage's
         # server while the last one still serves (one service per protocol and host).
         self._service: rpc.RpcService | None = None
@@ -156,24 +132,20 @@ class StageServer:
         self._service.unary("progress")(self._progress)
         self.audits.register(self._service)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._compute_loop())]
+        self._tasks = [loop.create_task(self.compute.run())]
         await self.announce()
         self._tasks.append(loop.create_task(self._announce_loop()))
 
     async def aclose(self) -> None:
         self.step_push.close()
-        for task in [*self._tasks, *self._sealing]:
+        for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._service is not None:
             self._service.close()
-        self._compute.shutdown(wait=False, cancel_futures=True)
-        self._sealer.shutdown(wait=False, cancel_futures=True)
-        for job in self._jobs:
-            if not job.done.done():
-                job.done.set_exception(ConnectionError("the stage server closed"))
+        self.compute.close()
         with contextlib.suppress(Exception):
             await self.dht.store(
                 stage_key(self.experiment, self.stage),
@@ -184,7 +156,12 @@ class StageServer:
 
     @property
     def queued(self) -> int:
-        return len(self._jobs)
+        return self.compute.queued
+
+    @property
+    def batches(self) -> int:
+        """Computations run (several requests may share one)."""
+        return self.compute.batches
 
     def record(self) -> dict[str, Any]:
         return {
@@ -290,74 +267,7 @@ class StageServer:
                 self.on_behind()
             raise ConnectionRefusedError(f"this peer is behind its stage (version {self.version})")
 
-    async def _submit(self, job: _Job) -> tuple[Any, float]:
-        job.done = asyncio.get_running_loop().create_future()
-        self._jobs.append(job)
-        self._wake.set()
-        return await job.done
-
-    async def _compute_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._jobs:
-                batch = self._take_batch()
-                if not batch:
-                    continue
-                try:
-                    results, seconds, version = await loop.run_in_executor(
-                        self._compute, _run, self.worker, batch
-                    )
-                except Exception as e:  # a request the module cannot compute: fail them all
-                    log.info("stage %d: a %s batch of %d failed: %r (%s)", self.stage,
-                             batch[0].kind, len(batch), e, _describe(batch))  # fmt: skip
-                    for job in batch:
-                        if not job.done.done():
-                            job.done.set_exception(e)
-                    continue
-                self.batches += 1
-                if any(job.audit is not None for job in batch):
-                    # Sealed off the compute thread: the next batch need not wait for it.
-                    task = loop.create_task(self._seal_batch(batch, results, seconds, version))
-                    self._sealing.add(task)
-                    task.add_done_callback(self._sealing.discard)
-                else:
-                    _answer(batch, results, seconds)
-
-    async def _seal_batch(
-        self, batch: list[_Job], results: list[Any], seconds: float, version: int | None
-    ) -> None:
-        answers = results if batch[0].kind == "forward" else [grad for grad, _ in results]
-
-        def seal_all() -> None:
-            for job, answer in zip(batch, answers, strict=True):
-                self._seal(job, version, answer)
-
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._sealer, seal_all)
-        finally:
-            _answer(batch, results, seconds)
-
-    def _take_batch(self) -> list[_Job]:
-        """The first waiting job and those of its kind that fit with it, in order.
-        Jobs whose callers gave up are dropped: a backward not computed is not
-        counted, and its trainer sends it to another peer."""
-        self._jobs = [j for j in self._jobs if not j.done.done()]
-        if not self._jobs:
-            return []
-        first = self._jobs[0]
-        batch, rest, samples = [], [], 0
-        for job in self._jobs:
-            if job.fits(first) and samples + job.samples <= max(MAX_BATCH_SAMPLES, first.samples):
-                batch.append(job)
-                samples += job.samples
-            else:
-                rest.append(job)
-        self._jobs = rest
-        return batch
-
-    def _seal(self, job: _Job, version: int | None, result: Any) -> None:
+    def _seal(self, job: Job, version: int | None, result: Any) -> None:
         """In the compute thread: the commitment of a job's answer (when it asked)."""
         if job.audit is None:
             return
@@ -396,8 +306,8 @@ class StageServer:
         trainer in this very process, which calls it directly)."""
         with self._request():
             _check_batch(inputs, samples)
-            job = _Job("forward", inputs, samples, audit)
-            outputs, seconds = await self._submit(job)
+            job = Job("forward", inputs, samples, audit)
+            outputs, seconds = await self.compute.submit(job)
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
         return outputs, self._meta(seconds) | _sealed(job)
@@ -414,8 +324,8 @@ class StageServer:
         with self._request():
             _check_batch(inputs, samples)
             request: BackwardRequest = (key, inputs, grad_outputs, samples)
-            job = _Job("backward", request, samples, audit)
-            (grad_inputs, epoch), seconds = await self._submit(job)
+            job = Job("backward", request, samples, audit)
+            (grad_inputs, epoch), seconds = await self.compute.submit(job)
         self.backward_speed.add(samples, seconds)
         self.served["backward"] += 1
         if self.on_backward is not None:
@@ -484,42 +394,10 @@ def _audit(payload: dict[str, Any], key: Any, codec: Codec) -> AuditRequest | No
     return AuditRequest(key, nonce, codec)
 
 
-def _sealed(job: _Job) -> dict[str, Any]:
+def _sealed(job: Job) -> dict[str, Any]:
     return {} if job.sealed is None else {"commitment": job.sealed}
-
-
-def _describe(batch: list[_Job]) -> str:
-    tensors = [j.request if j.kind == "forward" else j.request[1] for j in batch]
-    return ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
 
 
 def _check_batch(inputs: torch.Tensor, samples: int) -> None:
     if inputs.dim() < 1 or inputs.shape[0] != samples:
         raise ValueError("the inputs' first dimension must be the request's samples")
-
-
-def _answer(batch: list[_Job], results: list[Any], seconds: float) -> None:
-    total = sum(job.samples for job in batch)
-    for job, result in zip(batch, results, strict=True):
-        if not job.done.done():
-            job.done.set_result((result, seconds * job.samples / total))
-
-
-def _run(worker: StageWorker, batch: list[_Job]) -> tuple[list[Any], float, int | None]:
-    """A batch of one kind through the worker (in the compute thread), timed, with the
-    version of the weights it was computed with (None: unknown, mid-download)."""
-    started = time.perf_counter()
-    if batch[0].kind == "forward":
-        with worker.lock:  # (re-entered by forward_many: the version is the computation's)
-            version = worker.version
-            results: list[Any] = worker.forward_many([job.request for job in batch])
-    else:
-        with worker.lock:
-            version = worker.version
-            # A retry's answer is the old one, computed at a version we may not hold now.
-            retried = {job.request[0] for job in batch if worker.answered(job.request[0])}
-            results = worker.backward_many([job.request for job in batch])
-        for job in batch:
-            if job.request[0] in retried:
-                job.retried = True
-    return results, time.perf_counter() - started, version
