@@ -265,9 +265,10 @@ async def test_a_stopped_stage_peer_is_routed_around_and_resyncs_before_serving_
     progress report goes stale); after SIGCONT it downloads the stage's state before
     it serves again, and no microbatch is lost or counted twice."""
     swarm = StageSwarm(tmp_path, "stopped")
+    stop = asyncio.Event()  # (no step budget: how soon the peer is back varies)
     try:
         await swarm.start(make_host)
-        run = asyncio.ensure_future(swarm.loop.run(steps=40))
+        run = asyncio.ensure_future(swarm.loop.run(stop))
         await swarm.until_steps(run, 4)
         victim = swarm.daemons[2]  # a stage-1 peer
         victim.proc.send_signal(signal.SIGSTOP)
@@ -287,8 +288,10 @@ async def test_a_stopped_stage_peer_is_routed_around_and_resyncs_before_serving_
             wait_for, "the woken peer to serve again",
             lambda: pipeline_of(victim)["served"]["backward"] > served, 30,
         )  # fmt: skip
-        await asyncio.wait_for(run, 150)
+        stop.set()
+        await asyncio.wait_for(run, 60)
         await swarm.check_accounting(swarm.daemons)
     finally:
+        stop.set()
         swarm.daemons[2].proc.send_signal(signal.SIGCONT)
         await swarm.aclose()
