@@ -170,6 +170,9 @@ class Averager:
         self.state_version = GENESIS
         self.commits = 0
         self.last_fingerprint: str | None = None
+        # The commit count of the state `last_fingerprint` hashes: `commits` counts a
+        # commit before its hook and freeze finish, so the two differ meanwhile.
+        self.last_fingerprint_commits: int | None = None
         self._own_service = service is None
         self._service = service or AllReduceService(dht.host, self.config.allreduce)
         self._matchmaker = Matchmaker(
@@ -236,6 +239,7 @@ class Averager:
 
         self._committed = await asyncio.to_thread(snapshot)
         self.last_fingerprint = self._committed.fingerprint
+        self.last_fingerprint_commits = self.commits
 
     async def load_state_from_peers(
         self, timeout: float = 300.0, *, deadline: Deadline | None = None

@@ -255,6 +255,11 @@ class PipelineRun:
             "microbatches": driven if loop is not None else served["backward"],
             "served": served,
             "version": None if peer is None else peer.version,
+            # The version the top-level `fingerprint` hashes (it lags `version` while a
+            # step is applied): compare fingerprints of peers at one fingerprint_version.
+            "fingerprint_version": None
+            if peer is None
+            else peer.optimizer.averager.last_fingerprint_commits,
             "serving": None if peer is None else peer.server.serving,
             "audits": self._audits(),
             # Moves to the stage that limited the pipeline: [from, to, UNIX time].

@@ -51,7 +51,9 @@ experiment is pipelined: `stage` int|null (the stage this peer serves),
 `trainer` bool (it drives microbatches), `stages` [{stage, peers, throughput
 (training samples/s, null until measured), peer_ids, version}], `microbatches`
 int (driven by a trainer; served backwards for a stage-only peer), `served`
-{forward, backward}, `version`, `serving`, `syncs`, `retries`, `replayed`;
+{forward, backward}, `version`, `fingerprint_version` (the version the
+top-level `fingerprint` hashes; it lags `version` while a step is applied),
+`serving`, `syncs`, `retries`, `replayed`;
 peer/pipeline_run.py; a trainer's `step` and `loss` are then its optimizer
 steps and training loss; for the page's drawing, `stages[].servers` (each
 peer of the stage: throughput, queue, version, requests/s between it and this
