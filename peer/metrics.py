@@ -4,7 +4,7 @@ Two kinds of series:
 
 - Gauges and totals read from `StatusProvider.status()` at scrape time (a
   custom collector), so they never drift from /status and cost nothing between
-  scrapes: shoal_step, shoal_loss, shoal_tokens_per_second,
+  scrapes: shoal_step, shoal_loss, shoal_val_loss, shoal_tokens_per_second,
   shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
   shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
   shoal_event_loop_lag_p99_seconds, shoal_event_loop_lag_max_seconds,
@@ -135,6 +135,12 @@ class _StatusCollector(Collector):
         yield info
         yield from _gauge("shoal_step", "Training step of this peer.", status.get("step"))
         yield from _gauge("shoal_loss", "Last training loss of this peer.", status.get("loss"))
+        yield from _gauge(
+            "shoal_val_loss",
+            "Mean loss of the model after the last round on the task's held-out batches "
+            "(the same on every peer).",
+            status.get("val_loss"),
+        )
         yield from _gauge(
             "shoal_tokens_per_second",
             "Training throughput of this peer.",

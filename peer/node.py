@@ -1,8 +1,10 @@
 """A running peer as others see it: its status, its reports in the DHT, its history.
 
 `PeerNode` owns the daemon's background chores (the peer report every
-`REPORT_INTERVAL_S` in the DHT, the manifest refresh, the history samples and
-the progress line) and is the `StatusProvider` of the HTTP endpoint.
+`REPORT_INTERVAL_S` in the DHT, the manifest refresh, the history samples, the
+swarm's history (peer/swarm_history.py, from the reports every
+`SWARM_SAMPLE_INTERVAL_S`) and the progress line) and is the `StatusProvider`
+of the HTTP endpoint.
 
 Peer reports live under ``shoal/x/<experiment id>/peers``, one owner-signed
 subkey per peer (nobody can report for another), with a short TTL so that a
@@ -29,6 +31,7 @@ from .config import Config
 from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
 from .loop_lag import LoopLagMonitor
+from .swarm_history import SwarmHistory
 
 if TYPE_CHECKING:
     from shoal.averaging.outer import RoundReport
@@ -47,6 +50,8 @@ REPORT_TTL_S = 45.0
 # REPORT_INTERVAL_S; the DHT keeps a record until its TTL, so it cannot say).
 STALE_REPORT_S = 2.5 * REPORT_INTERVAL_S
 HISTORY_INTERVAL_S = 2.0
+# The swarm's history: one read of the peer reports (usually /peers' cache) per period.
+SWARM_SAMPLE_INTERVAL_S = 15.0
 PROGRESS_INTERVAL_S = 1.0
 MANIFEST_REFRESH_S = 1800.0
 PEERS_CACHE_S = 2.0
@@ -73,6 +78,7 @@ class PeerNode:
         self._peer_count = 0
         self.loop_lag = LoopLagMonitor()
         self.bans: BanWatcher | None = None  # once there is an experiment
+        self.swarm_history = SwarmHistory()
 
     def attach(self, session: Session) -> None:
         self.session = session
@@ -94,6 +100,7 @@ class PeerNode:
         self._tasks.spawn(self._show_progress(progress))
         if self.session is not None:
             self._tasks.spawn(self._report_loop())
+            self._tasks.spawn(self._sample_swarm())
             self._tasks.spawn(self._refresh_manifest())
             self.bans = self.session.bans
             self._tasks.spawn(self.bans.run())
@@ -115,12 +122,21 @@ class PeerNode:
                         "t": time.time(),
                         "step": s.step,
                         "loss": s.loss,
+                        "val_loss": s.val_loss,
                         "tokens_per_s": s.tokens_per_s,
                         "bytes_sent": self.host.bytes_sent,
                         "bytes_received": self.host.bytes_received,
                     }
                 )
             await asyncio.sleep(HISTORY_INTERVAL_S)
+
+    async def _sample_swarm(self) -> None:
+        while True:
+            try:
+                self.swarm_history.record(await self.peers())
+            except Exception as e:  # the next period retries
+                log.debug("sampling the swarm's reports failed: %r", e)
+            await asyncio.sleep(SWARM_SAMPLE_INTERVAL_S)
 
     async def _show_progress(self, progress: Progress) -> None:
         if self.session is None:
@@ -139,6 +155,7 @@ class PeerNode:
             report = {
                 "step": s.step,
                 "loss": s.loss,
+                "val_loss": s.val_loss,
                 "tokens_per_s": s.tokens_per_s,
                 "outer_step": self.session.strategy.outer_steps,
                 "addresses": [str(a) for a in self._addresses()],
@@ -205,6 +222,7 @@ class PeerNode:
             "join_command": None,
             "step": None,
             "loss": None,
+            "val_loss": None,
             "tokens_per_s": None,
             "device": None,
             "mfu": None,
@@ -235,6 +253,8 @@ class PeerNode:
                 step=s.step,
                 tokens=s.tokens,
                 loss=s.loss,
+                val_loss=s.val_loss,
+                val_loss_at=s.val_loss_at,
                 tokens_per_s=s.tokens_per_s,
                 outer_step=self.session.strategy.outer_steps,
                 last_commit_at=s.last_commit_at,
@@ -293,6 +313,7 @@ class PeerNode:
                         "peer_id": str(peer),
                         "step": _number(report.get("step")),
                         "loss": _number(report.get("loss")),
+                        "val_loss": _number(report.get("val_loss")),
                         "tokens_per_s": _number(report.get("tokens_per_s")),
                         "outer_step": _number(report.get("outer_step")),
                         "addresses": [str(a) for a in report.get("addresses", [])][:8],
@@ -307,6 +328,7 @@ class PeerNode:
                     "peer_id": str(self.identity.peer_id),
                     "step": s.step,
                     "loss": s.loss,
+                    "val_loss": s.val_loss,
                     "tokens_per_s": s.tokens_per_s,
                     "outer_step": self.session.strategy.outer_steps,
                     "addresses": [str(a) for a in self._addresses()],
@@ -323,6 +345,9 @@ class PeerNode:
         if self.session is None:
             return []
         return list(self.session.trainer.stats.history)
+
+    def swarm(self) -> dict[str, Any]:
+        return {"peers": self.swarm_history.snapshot(), "self": str(self.identity.peer_id)}
 
 
 def _number(value: object) -> float | int | None:

@@ -6,6 +6,7 @@ Default 127.0.0.1:8080 (`--status-addr` to change); read-only, GET only.
     GET /status    this peer (schema below)
     GET /peers     the experiment's peers as seen through the DHT (schema below)
     GET /history   recent samples of this peer for the page's curves (schema below)
+    GET /swarm     every peer's reported losses over time, for the swarm's curves (below)
     GET /metrics   Prometheus exposition (peer/metrics.py)
     GET /healthz   liveness for containers: 200 {"ok": true, "uptime_s": float}, the
                    seconds since this endpoint started (it asks the provider nothing)
@@ -30,6 +31,13 @@ served as null so that every client's JSON parser accepts them.
     experiment      str|null  the experiment this peer trains (null: none yet)
     step            int|null  this peer's training step
     loss            float|null  this peer's last (smoothed) training loss
+    val_loss        float|null  the mean loss over the task's held-out batches (the same
+                                on every peer, so peers compare), scored after a round
+                                that changed the model: the swarm's global parameters
+                                for DiLoCo, the peer's own for NoLoCo and Streaming
+                                DiLoCo; at most every 30 s and 5% of the time; null
+                                before the first such round and in pipelined experiments
+                                (peer/validation.py)
     tokens_per_s    float|null  this peer's training throughput
     last_round      obj|null  the last averaging round this peer took part in:
         group_size      int
@@ -40,7 +48,7 @@ served as null so that every client's JSON parser accepts them.
     bytes_received  int
     uptime_s        float   seconds since the daemon started
 
-Optional keys: `config` ({option: value as text}, the effective configuration,
+Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored), `config` ({option: value as text}, the effective configuration,
 secrets never), `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event
 loop ran over the last minute, peer/loop_lag.py: p50_ms, p99_ms, max_ms,
 window_s), `verification` (obj|null, null before the experiment starts:
@@ -63,14 +71,26 @@ and whatever else the daemon finds useful; clients ignore keys they do not know.
 
 `/peers` (`await StatusProvider.peers()`), a list, this peer included:
 
-    peer_id, step (int|null), loss (float|null), tokens_per_s (float|null),
-    addresses ([str]), updated_at (UNIX time of the peer's last DHT report, float),
+    peer_id, step (int|null), loss (float|null), val_loss (float|null, as in /status),
+    tokens_per_s (float|null), addresses ([str]), updated_at (UNIX time of the peer's last DHT report, float),
     self (bool: this peer's own entry)
 
 `/history` (`StatusProvider.history()`), oldest first, bounded (~1000 points):
 
-    t (UNIX time), step (int|null), loss (float|null), tokens_per_s (float|null),
+    t (UNIX time), step (int|null), loss (float|null), val_loss (float|null: the latest
+    score at t, repeated until the next), tokens_per_s (float|null),
     bytes_sent (int), bytes_received (int)   (totals: the page derives rates)
+
+`/swarm` (`StatusProvider.swarm()`): what the experiment's peers reported over time,
+sampled from their DHT reports every 15 s (peer/swarm_history.py), this peer included:
+
+    {"peers": {peer_id: [{t, step, loss, val_loss}, ...]}, "self": peer_id}
+
+Each series is oldest first, t the report's UNIX time (the reporting peer's clock,
+never after ours), values as in /peers (null when unknown). Bounded: 64 peers
+(a new one replaces the one heard from longest ago), 240 points per peer (older
+points thinned out as it fills), 24 h; a peer that left keeps its series until
+it ages out.
 
 Errors are JSON `{"error": "..."}` with a 4xx/5xx status; a bug in a provider is
 logged here with its traceback and reaches the client as a 500 without one.
@@ -122,6 +142,7 @@ STATUS_KEYS = (
     "experiment",
     "step",
     "loss",
+    "val_loss",
     "tokens_per_s",
     "last_round",
     "bytes_sent",
@@ -176,6 +197,7 @@ class StatusServer:
         app.router.add_get("/status", self._status)
         app.router.add_get("/peers", self._peers)
         app.router.add_get("/history", self._history)
+        app.router.add_get("/swarm", self._swarm)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         runner = web.AppRunner(
@@ -237,6 +259,11 @@ class StatusServer:
         # (the daemon appends to its history on this loop meanwhile).
         history = list(self.provider.history())
         return _json_text_response(await asyncio.to_thread(_json_text, history))
+
+    async def _swarm(self, request: web.Request) -> web.StreamResponse:
+        # Up to 64 x 240 points: encoded in a thread, like /history (snapshot() copies).
+        swarm = self.provider.swarm()
+        return _json_text_response(await asyncio.to_thread(_json_text, swarm))
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         body, content_type = self.metrics.render()

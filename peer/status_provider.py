@@ -9,9 +9,9 @@ from typing import Any, Protocol
 class StatusProvider(Protocol):
     """What the daemon gives the status endpoint (schemas in the module docstring).
 
-    `status()` and `history()` run on the event loop: they must only read
-    in-memory state (microseconds). The server encodes history in a thread from a
-    copy of the list, so a sample, once appended, must not be changed. `peers()`
+    `status()`, `history()` and `swarm()` run on the event loop: they must only
+    read in-memory state (microseconds). The server encodes history and swarm in a
+    thread from copies of the lists, so a sample, once appended, must not be changed. `peers()`
     may ask the DHT, but should serve from a cache the daemon refreshes; the
     server cancels it after `peers_timeout`.
     """
@@ -21,3 +21,5 @@ class StatusProvider(Protocol):
     async def peers(self) -> list[dict[str, Any]]: ...
 
     def history(self) -> list[dict[str, Any]]: ...
+
+    def swarm(self) -> dict[str, Any]: ...

@@ -34,6 +34,7 @@ from .inner import BatchPrefetcher, InnerOptimizer, to_device
 from .priority import lower_this_thread
 from .segments import round_batch_seed
 from .task import Task
+from .validation import Validation, changes_the_model
 from .work_log import VerifiedWork
 
 __all__ = ["DEFAULT_HYPERPARAMETERS", "Trainer", "TrainerStats", "check_hyperparameters"]
@@ -98,6 +99,9 @@ class TrainerStats:
     last_commit_at: float | None = None  # UNIX time of the last committed round
     rounds: collections.Counter[str] = field(default_factory=collections.Counter)
     checkpoint_at: float | None = None
+    # The mean loss over the task's held-out batches after a round (peer/validation.py).
+    val_loss: float | None = None
+    val_loss_at: float | None = None  # UNIX time
     history: collections.deque[dict[str, Any]] = field(
         default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS)
     )
@@ -120,9 +124,12 @@ class Trainer:
         device: torch.device | None = None,
         precision: str = "fp32",
         work: VerifiedWork | None = None,
+        validation: Validation | None = None,
     ) -> None:
         """`work`: train verifiably (verified experiments): each round's batches are
-        drawn from (experiment, peer, round) and the run is logged for audits."""
+        drawn from (experiment, peer, round) and the run is logged for audits.
+        `validation`: how the model is scored after rounds (default: the task's
+        8 held-out batches, bounded in time; `Validation(task, batches=0)`: never)."""
         self.task = task
         self.model = model
         self.strategy = strategy
@@ -134,6 +141,7 @@ class Trainer:
         self._checkpoint_extra = checkpoint_extra or dict
         self.on_round = on_round
         self.stats = TrainerStats()
+        self.validation = validation or Validation(task)
         self._alone = False  # the last round committed alone (nobody else to average with)
         # The model is already on `device` (the session put it there before the
         # strategy took its parameters).
@@ -164,6 +172,7 @@ class Trainer:
                 "step": self.stats.step,
                 "tokens": self.stats.tokens,
                 "loss": self.stats.loss,
+                "val_loss": self.stats.val_loss,
                 # The page's loss curve goes on after a restart instead of starting over.
                 "history": list(self.stats.history),
                 **self._checkpoint_extra(),
@@ -181,6 +190,8 @@ class Trainer:
         self.stats.tokens = int(state["tokens"])
         loss = state.get("loss")
         self.stats.loss = float(loss) if isinstance(loss, int | float) else None
+        val_loss = state.get("val_loss")
+        self.stats.val_loss = float(val_loss) if isinstance(val_loss, int | float) else None
         history = state.get("history")
         if isinstance(history, list):
             self.stats.history.clear()
@@ -212,8 +223,11 @@ class Trainer:
             while not stop.is_set():
                 loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
                 self._account(loss, tokens)
-                for report in await self._outer(tokens, stop):
+                reports = await self._outer(tokens, stop)
+                for report in reports:
                     self._record_round(report)
+                if changes_the_model(reports):
+                    await self.validate()
                 if self._new_work_round():
                     await loop.run_in_executor(self._worker, self._begin_work)
                 if time.monotonic() >= next_checkpoint:
@@ -331,11 +345,40 @@ class Trainer:
         if self.on_round is not None:
             self.on_round(report)
 
+    async def validate(self, *, force: bool = False) -> float | None:
+        """Score the model on the held-out batches in the worker thread (between two inner
+        steps: the parameters stay as the round left them) when the schedule allows it, or
+        always with `force`; sets `stats.val_loss`. The loss, None when skipped or failed."""
+        schedule = self.validation.schedule
+        assert schedule is not None
+        started = time.monotonic()
+        if not self.validation.enabled or not (force or schedule.due(started)):
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            loss = await loop.run_in_executor(
+                self._worker, lambda: self.evaluate(self.validation.held_out())
+            )
+        except Exception as e:  # a task's bug must not stop training; said, retried later
+            log.warning("validation loss failed: %r", e)
+            return None
+        finally:
+            schedule.ran(started, time.monotonic())
+        self.stats.val_loss, self.stats.val_loss_at = loss, time.time()
+        log.info("validation loss %.4f (%d held-out batches)", loss, self.validation.batches)
+        return loss
+
     def evaluate(self, batches: list[Any]) -> float:
         """Mean loss over `batches` (blocking: run it in the worker thread)."""
+        training = self.model.training
         self.model.eval()
-        with torch.no_grad(), autocast(self.device, self.precision):
-            losses = [float(self.task.loss(self.model, to_device(b, self.device))) for b in batches]
+        try:
+            with torch.no_grad(), autocast(self.device, self.precision):
+                losses = [
+                    float(self.task.loss(self.model, to_device(b, self.device))) for b in batches
+                ]
+        finally:
+            self.model.train(training)
         return sum(losses) / max(1, len(losses))
 
 

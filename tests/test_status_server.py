@@ -42,6 +42,7 @@ class FakeProvider:
         self.peer_id = self.ids[0]
         self.started = time.time() - 95.0
         self.loss: float | None = 2.25
+        self.val_loss: float | None = 2.5
         self.step: int | None = 40
         self.status_calls = 0
         self.peers_calls = 0
@@ -73,6 +74,7 @@ class FakeProvider:
             "experiment": "bytegpt-tiny",
             "step": self.step,
             "loss": self.loss,
+            "val_loss": self.val_loss,
             "tokens_per_s": 1234.5,
             "outer_step": 12,
             "last_commit_at": time.time() - 30,
@@ -126,6 +128,7 @@ class FakeProvider:
                 "peer_id": pid,
                 "step": 40 - i,
                 "loss": 2.25 + 0.01 * i,
+                "val_loss": None if i == 3 else 2.5 + 0.01 * i,  # an older peer: none
                 "tokens_per_s": 1200.0 + i,
                 "addresses": self.addresses(pid, 31337 + i),
                 "updated_at": now - 3 * i,
@@ -141,12 +144,26 @@ class FakeProvider:
                 "t": t0 + 2 * i,
                 "step": i,
                 "loss": 5.0 * math.exp(-i / 20) + 1.0,
+                "val_loss": None if i < 10 else 5.2 * math.exp(-(i // 10) / 2) + 1.0,
                 "tokens_per_s": 1200.0,
                 "bytes_sent": 3000 * i,
                 "bytes_received": 5000 * i,
             }
             for i in range(41)
         ]
+
+    def swarm(self) -> dict[str, Any]:
+        # What the daemon's SwarmHistory gives: a series per peer, one that left included.
+        series = {
+            pid: [
+                {"t": self.started + 15 * k, "step": 10 * k, "loss": 3.0 - 0.1 * k - 0.01 * i,
+                 "val_loss": None if k < 2 else 3.1 - 0.1 * k}
+                for k in range(5 - i)
+            ]
+            for i, pid in enumerate(self.ids)
+        }
+        series[self.ids[1]][-1]["loss"] = math.nan  # a diverged peer
+        return {"peers": series, "self": self.peer_id}
 
 
 class HangingPeersProvider(FakeProvider):
@@ -232,6 +249,7 @@ async def test_status_has_every_documented_key_with_its_type(
     assert isinstance(status["experiment"], str)
     assert isinstance(status["step"], int)
     assert isinstance(status["loss"], float) and isinstance(status["tokens_per_s"], float)
+    assert isinstance(status["val_loss"], float)
     assert status["last_round"].keys() == {"group_size", "duration_s", "outcome", "fingerprint"}
     assert isinstance(status["bytes_sent"], int) and isinstance(status["bytes_received"], int)
     assert isinstance(status["uptime_s"], float) and status["uptime_s"] >= 95
@@ -261,6 +279,7 @@ async def test_peers_lists_the_swarm_with_step_throughput_and_addresses(
             "peer_id",
             "step",
             "loss",
+            "val_loss",
             "tokens_per_s",
             "addresses",
             "updated_at",
@@ -283,10 +302,28 @@ async def test_history_is_the_providers_samples(
         "t",
         "step",
         "loss",
+        "val_loss",
         "tokens_per_s",
         "bytes_sent",
         "bytes_received",
     }
+
+
+async def test_swarm_is_every_peers_series_with_non_finite_values_as_null(
+    server: StatusServer, http: aiohttp.ClientSession, provider: FakeProvider
+) -> None:
+    status_code, content_type, body = await get(http, server.url + "/swarm")
+    assert (status_code, content_type) == (200, "application/json")
+    assert "NaN" not in body
+    swarm = json.loads(body)
+    assert swarm["self"] == provider.peer_id
+    assert list(swarm["peers"]) == provider.ids
+    expected = provider.swarm()["peers"]
+    for pid, series in swarm["peers"].items():
+        assert all(p.keys() == {"t", "step", "loss", "val_loss"} for p in series)
+        assert [p["t"] for p in series] == sorted(p["t"] for p in series)  # oldest first
+        assert [p["val_loss"] for p in series] == [p["val_loss"] for p in expected[pid]]
+    assert swarm["peers"][provider.ids[1]][-1]["loss"] is None
 
 
 async def test_metrics_are_prometheus_text_read_from_the_status(
@@ -305,6 +342,7 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     assert not [name for name, _ in samples if name.endswith("_created")]  # timestamps, not counts
     assert samples[("shoal_step", ())] == 40
     assert samples[("shoal_loss", ())] == 2.25
+    assert samples[("shoal_val_loss", ())] == 2.5
     assert samples[("shoal_tokens_per_second", ())] == 1234.5
     assert samples[("shoal_bytes_sent_total", ())] == 123_456
     assert samples[("shoal_bytes_received_total", ())] == 654_321
@@ -346,10 +384,11 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
 
 
 async def test_metrics_leave_out_values_not_known_yet(provider: FakeProvider) -> None:
-    provider.loss = None
+    provider.loss = provider.val_loss = None
     provider.step = None
     names = {f.name for f in text_string_to_metric_families(Metrics(provider).render()[0].decode())}
     assert "shoal_loss" not in names and "shoal_step" not in names
+    assert "shoal_val_loss" not in names  # before the first round that changed the model
     assert "shoal_tokens_per_second" in names
     assert "shoal_rounds" in names  # zero before the first round, not missing
 
