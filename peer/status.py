@@ -48,8 +48,8 @@ served as null so that every client's JSON parser accepts them.
     bytes_received  int
     uptime_s        float   seconds since the daemon started
 
-Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored), `config` ({option: value as text}, the effective configuration,
-secrets never), `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event
+Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored),
+`config` ({option: value as text}, the effective configuration, secrets never), `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event
 loop ran over the last minute, peer/loop_lag.py: p50_ms, p99_ms, max_ms,
 window_s), `verification` (obj|null, null before the experiment starts:
 `banned` [peer IDs this peer refuses], `convictions` [{peer, round, accusers,
@@ -72,7 +72,8 @@ and whatever else the daemon finds useful; clients ignore keys they do not know.
 `/peers` (`await StatusProvider.peers()`), a list, this peer included:
 
     peer_id, step (int|null), loss (float|null), val_loss (float|null, as in /status),
-    tokens_per_s (float|null), addresses ([str]), updated_at (UNIX time of the peer's last DHT report, float),
+    tokens_per_s (float|null), addresses ([str]),
+    updated_at (UNIX time of the peer's last DHT report, float),
     self (bool: this peer's own entry)
 
 `/history` (`StatusProvider.history()`), oldest first, bounded (~1000 points):

@@ -79,9 +79,9 @@ class SwarmHistory:
 
     def _add(self, peer: str, reported: float, now: float, row: Mapping[str, Any]) -> bool:
         series = self._series.get(peer)
-        if series is not None and series.last_report is not None:
-            if reported <= series.last_report:
-                return False  # the same report read again (or an older one)
+        last_report = None if series is None else series.last_report
+        if last_report is not None and reported <= last_report:
+            return False  # the same report read again (or an older one)
         # A peer's clock may run ahead of ours: never a point in our future.
         t = min(reported, now)
         if series is not None and series.points and t <= series.points[-1]["t"]:

@@ -27,8 +27,8 @@ __all__ = [
     "DEFAULT_VALIDATION_BATCHES",
     "DEFAULT_VALIDATION_INTERVAL_S",
     "DEFAULT_VALIDATION_SHARE",
-    "ValidationSchedule",
     "Validation",
+    "ValidationSchedule",
     "changes_the_model",
 ]
 
@@ -94,7 +94,7 @@ class Validation:
         return self.batches > 0
 
     def held_out(self) -> list[Any]:
-        """The task's `eval_batches(batches)`, the same on every call (blocking: not on the loop)."""
+        """The task's `eval_batches(batches)`, the same every call (blocking: not on the loop)."""
         if self._held_out is None:
             self._held_out = list(self.task.eval_batches(self.batches))
         return self._held_out

@@ -156,8 +156,12 @@ class FakeProvider:
         # What the daemon's SwarmHistory gives: a series per peer, one that left included.
         series = {
             pid: [
-                {"t": self.started + 15 * k, "step": 10 * k, "loss": 3.0 - 0.1 * k - 0.01 * i,
-                 "val_loss": None if k < 2 else 3.1 - 0.1 * k}
+                {
+                    "t": self.started + 15 * k,
+                    "step": 10 * k,
+                    "loss": 3.0 - 0.1 * k - 0.01 * i,
+                    "val_loss": None if k < 2 else 3.1 - 0.1 * k,
+                }
                 for k in range(5 - i)
             ]
             for i, pid in enumerate(self.ids)

@@ -9,6 +9,7 @@ replaces the one heard from longest ago.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -84,7 +85,7 @@ def test_a_full_series_thins_its_older_half_and_keeps_the_recent_one_whole() -> 
     assert steps[0] == 0  # the start of the run is still there
     assert steps[-1] == 39 and steps[-3:] == [37, 38, 39]  # the recent past at full resolution
     assert steps == sorted(steps)
-    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
     assert gaps == sorted(gaps, reverse=True)  # ever coarser towards the start
 
 
@@ -110,7 +111,9 @@ def test_points_age_out_and_a_peer_that_left_stays_until_its_last_point_does() -
 def test_a_new_peer_beyond_max_peers_replaces_the_one_heard_from_longest_ago() -> None:
     clock = Clock()
     history = SwarmHistory(max_peers=3, clock=clock)
-    history.record([row("quiet", clock.now - 60, 1), row("a", clock.now, 1), row("b", clock.now, 1)])
+    history.record(
+        [row("quiet", clock.now - 60, 1), row("a", clock.now, 1), row("b", clock.now, 1)]
+    )
     clock.now += 15
     history.record([row("a", clock.now, 2), row("b", clock.now, 2), row("new", clock.now, 1)])
     assert sorted(history.snapshot()) == ["a", "b", "new"]
