@@ -3,8 +3,12 @@
 No external scripts, styles or fonts and no build step, so it works on an
 offline machine and the server can forbid every other origin (CSP). It polls
 `status`, `peers` and `history` (relative URLs: it also works behind a reverse
-proxy under a path prefix) every 2 s, one round at a time, and draws the loss
-curve and bandwidth on <canvas>. A failed poll is shown in a banner and
+proxy under a path prefix) every 2 s, one round at a time, and `swarm` every
+10 s (it is sampled every 15 s), and draws on <canvas> this peer's loss curve,
+its bandwidth and the swarm's loss curves (every peer's training loss over
+time, this peer's line highlighted, the validation loss as dots on a dashed
+line; the legend names the 8 peers shown in colour, this one first, and counts
+the others, drawn in grey). A failed poll is shown in a banner and
 retried; the last data stays on screen, so a daemon restart reads as a short
 "reconnecting".
 
@@ -13,6 +17,10 @@ into the DOM through textContent only, never innerHTML.
 
 Stable hooks for tests and scripts: `#peers tbody tr[data-peer-id]` (one row per
 peer), `#loss-curve[data-points]` and `#bandwidth[data-points]` (points drawn),
+`#swarm-curve[data-peers][data-points][data-val-points]` (series and points
+drawn: training loss, validation loss) with `#swarm-legend li[data-peer-id]`
+(one per peer drawn in colour; class `self` for this one, `left` for a peer
+whose reports stopped) and `#swarm-legend li.others[data-count]`, `#val-loss`,
 `#connections tbody tr`, `#last-round`, `#error` (hidden when all is well),
 `body[data-polls]` (successful polls so far), and the summary values `#peer-id`,
 `#experiment`, `#swarm-round`, `#step`, `#loss`, `#tokens-per-s`, `#device`,
@@ -86,6 +94,19 @@ STATUS_PAGE_HTML = r"""<!doctype html>
                text-overflow: ellipsis; }
   canvas { display: block; width: 100%; height: 240px; }
   #bandwidth { height: 220px; }
+  #swarm { margin-bottom: 16px; }
+  #swarm-curve { height: 300px; }
+  .legend i.dashed { height: 0; border-top: 2px dashed var(--muted); border-radius: 0; }
+  .legend i.dot { width: 8px; height: 8px; border-radius: 50%; background: var(--muted); }
+  ul.swarm-legend { list-style: none; margin: 8px 0 0; padding: 0; display: flex;
+                    flex-wrap: wrap; gap: 4px 16px; font-size: 12px; color: var(--muted); }
+  ul.swarm-legend li { white-space: nowrap; font-variant-numeric: tabular-nums; }
+  ul.swarm-legend li i { display: inline-block; width: 14px; height: 3px; margin-right: 5px;
+                         vertical-align: middle; border-radius: 2px; }
+  ul.swarm-legend li.self { color: var(--ink); font-weight: 600; }
+  ul.swarm-legend li.self i { height: 5px; }
+  ul.swarm-legend li.left { opacity: 0.65; }
+  ul.swarm-legend b { color: var(--ink); font-weight: 600; }
   .legend { display: flex; flex-wrap: wrap; gap: 4px 18px; font-size: 12px; color: var(--muted);
             margin: -4px 0 6px; }
   .legend b { color: var(--ink); font-weight: 600; }
@@ -177,7 +198,10 @@ STATUS_PAGE_HTML = r"""<!doctype html>
     <div class="card stat"><div class="label">Step</div>
       <div class="value" id="step">—</div><div class="sub" id="step-sub">&nbsp;</div></div>
     <div class="card stat"><div class="label">Loss</div>
-      <div class="value" id="loss">—</div><div class="sub" id="loss-sub">&nbsp;</div></div>
+      <div class="value" id="loss">—</div><div class="sub" id="loss-sub">&nbsp;</div>
+      <div class="sub" id="val-loss"
+           title="mean loss over the task's held-out batches, scored after a round">&nbsp;</div>
+    </div>
     <div class="card stat"><div class="label">Tokens / s</div>
       <div class="value" id="tokens-per-s">—</div><div class="sub" id="device">this peer</div></div>
     <div class="card stat"><div class="label">Reachability</div>
@@ -199,6 +223,16 @@ STATUS_PAGE_HTML = r"""<!doctype html>
           <b id="rate-received">—</b> <span id="total-received"></span></span></div>
       <canvas id="bandwidth" data-points="0" aria-label="bandwidth"></canvas>
     </div>
+  </section>
+
+  <section class="card" id="swarm">
+    <h2>Swarm loss <span class="aside" id="swarm-aside">every peer's reports over time</span></h2>
+    <div class="legend"><span><i style="background: var(--accent)"></i>training loss</span>
+      <span><i class="dashed"></i><i class="dot"></i>validation loss (held-out batches, the
+        same on every peer)</span></div>
+    <canvas id="swarm-curve" data-peers="0" data-points="0" data-val-points="0"
+            aria-label="the swarm's loss curves"></canvas>
+    <ul class="swarm-legend" id="swarm-legend"></ul>
   </section>
 
   <section class="card" id="pipeline" hidden>
@@ -223,7 +257,8 @@ STATUS_PAGE_HTML = r"""<!doctype html>
       <h2>Swarm peers <span class="aside" id="peers-count"></span></h2>
       <div class="scroll"><table id="peers">
         <thead><tr><th>Peer</th><th class="num">Step</th><th class="num">Loss</th>
-          <th class="num">Tokens/s</th><th class="num">Seen</th><th>Addresses</th></tr></thead>
+          <th class="num">Val loss</th><th class="num">Tokens/s</th><th class="num">Seen</th>
+          <th>Addresses</th></tr></thead>
         <tbody></tbody>
       </table></div>
       <div class="empty" id="peers-empty">no peers known yet</div>
@@ -264,7 +299,8 @@ STATUS_PAGE_HTML = r"""<!doctype html>
     </div>
   </section>
   <footer>refreshed every 2 s from <span class="mono">status</span>,
-    <span class="mono">peers</span> and <span class="mono">history</span>;
+    <span class="mono">peers</span> and <span class="mono">history</span>, every 10 s from
+    <span class="mono">swarm</span>;
     Prometheus metrics at <a href="metrics">metrics</a></footer>
 </main>
 <script>
@@ -274,10 +310,17 @@ const FETCH_TIMEOUT_MS = 4500;  // above the server's 3 s bound on /peers
 const STALE_PEER_S = 120;
 const MAX_PEER_ROWS = 300;
 const COLORS = { loss: "#0b7285", sent: "#e8590c", recv: "#1971c2", grid: "#e9edf2",
-                 axis: "#6b7785", text: "#6b7785" };
+                 axis: "#6b7785", text: "#6b7785", others: "#ced4da" };
+const SWARM_POLL_MS = 10000;  // the daemon samples the swarm every 15 s
+const SWARM_COLOURED = 8;  // peers drawn in colour and named in the legend, this one first
+const SWARM_LIVE_S = 60;  // a series whose last point is older than this: the peer left
+// This peer's colour first, then colours far apart for the others.
+const SWARM_PALETTE = ["#0b7285", "#e8590c", "#7048e8", "#2b8a3e", "#d6336c", "#1971c2",
+                       "#f59f00", "#495057"];
 
 const $ = (id) => document.getElementById(id);
-const state = { status: null, peers: null, history: [], lastOk: null, polls: 0 };
+const state = { status: null, peers: null, history: [], swarm: null, swarmAt: 0, lastOk: null,
+                polls: 0 };
 
 function el(tag, props, ...children) {
   const node = document.createElement(tag);
@@ -414,14 +457,19 @@ function drawChart(canvas, series, opts) {
       ctx.fill();
     }
     ctx.strokeStyle = s.color;
-    ctx.lineWidth = 2;
+    ctx.lineWidth = s.width ?? 2;
+    ctx.setLineDash(s.dash ?? []);
     ctx.beginPath();
     s.points.forEach(([x, y], i) => (i ? ctx.lineTo(px(x), py(y)) : ctx.moveTo(px(x), py(y))));
     ctx.stroke();
-    if (s.points.length === 1) {  // a single point: a dot, or nothing would show
-      ctx.fillStyle = s.color;
-      ctx.beginPath(); ctx.arc(px(s.points[0][0]), py(s.points[0][1]), 3, 0, 2 * Math.PI);
-      ctx.fill();
+    ctx.setLineDash([]);
+    if (s.markers || s.points.length === 1) {  // a single point: a dot, or nothing would show
+      const r = s.markers ? s.markers : 3;
+      for (const [x, y] of s.markers ? s.points : s.points.slice(0, 1)) {
+        ctx.beginPath(); ctx.arc(px(x), py(y), r, 0, 2 * Math.PI);
+        ctx.fillStyle = s.color; ctx.fill();
+        if (s.markers) { ctx.lineWidth = 1.5; ctx.strokeStyle = "#fff"; ctx.stroke(); }
+      }
     }
     drawn += s.points.length;
   }
@@ -471,6 +519,79 @@ function drawCharts() {
     $("loss-sub").textContent = `${last <= first ? "▼" : "▲"} from ${fmtLoss(first)}`;
   }
 }
+// /swarm as one entry per peer: its training loss and validation loss over time (a
+// validation loss is repeated in every report until the next: drawn where it changed).
+function swarmPeers(swarm) {
+  const series = swarm && swarm.peers && typeof swarm.peers === "object" ? swarm.peers : {};
+  const self = swarm ? String(swarm.self) : "";
+  const peers = Object.entries(series).filter(([, pts]) => Array.isArray(pts)).map(([id, pts]) => {
+    const train = [], val = [];
+    let lastVal = null, lastT = -Infinity, lastStep = null;
+    for (const p of pts) {
+      if (!p || !isNum(p.t)) continue;
+      lastT = Math.max(lastT, p.t);
+      if (isNum(p.step)) lastStep = p.step;
+      if (isNum(p.loss)) train.push([p.t, p.loss]);
+      if (isNum(p.val_loss) && p.val_loss !== lastVal) val.push([p.t, p.val_loss]);
+      if (isNum(p.val_loss)) lastVal = p.val_loss;
+    }
+    return { id, self: id === self, train, val, lastT, step: lastStep,
+             loss: train.at(-1)?.[1], valLoss: lastVal };
+  });
+  const newest = Math.max(-Infinity, ...peers.map((p) => p.lastT));
+  for (const p of peers) p.left = !p.self && newest - p.lastT > SWARM_LIVE_S;
+  // This peer, then the peers still reporting, furthest trained first: a stable order.
+  peers.sort((a, b) => (b.self - a.self) || (a.left - b.left)
+    || (isNum(b.step) ? b.step : -1) - (isNum(a.step) ? a.step : -1) || a.id.localeCompare(b.id));
+  return peers;
+}
+
+function drawSwarm() {
+  const peers = swarmPeers(state.swarm);
+  const coloured = peers.slice(0, SWARM_COLOURED);
+  const others = peers.slice(SWARM_COLOURED);
+  let palette = 1;
+  for (const p of coloured) p.color = p.self ? SWARM_PALETTE[0] : SWARM_PALETTE[palette++];
+  for (const p of others) p.color = COLORS.others;
+  // Drawn bottom up: the others in grey, the named peers, this peer; validation on top.
+  const order = [...others, ...coloured.filter((p) => !p.self), ...coloured.filter((p) => p.self)];
+  const series = [
+    ...order.map((p) => ({ points: p.train, color: p.color, width: p.self ? 3 : 1.5 })),
+    ...order.map((p) => ({ points: p.val, color: p.color, dash: [5, 4], width: 1.5,
+                           markers: p.self ? 4.5 : 3.5 })),
+  ];
+  const canvas = $("swarm-curve");
+  drawChart(canvas, series, { empty: "waiting for the swarm's reports (sampled every 15 s)…",
+                              xFormat: fmtClock });
+  canvas.dataset.peers = String(peers.filter((p) => p.train.length || p.val.length).length);
+  canvas.dataset.points = String(peers.reduce((n, p) => n + p.train.length, 0));
+  canvas.dataset.valPoints = String(peers.reduce((n, p) => n + p.val.length, 0));
+  const items = coloured.map((p) => {
+    const swatch = el("i");
+    swatch.style.background = p.color;
+    const item = el("li", { "data-peer-id": p.id,
+                            title: p.id + (p.left ? " (stopped reporting)" : ""),
+                            class: [p.self ? "self" : "", p.left ? "left" : ""].join(" ").trim() },
+      swatch, el("span", { class: "mono", text: p.self ? "this peer" : peerTail(p.id) }),
+      " ", el("b", { text: fmtLoss(p.loss) }));
+    if (isNum(p.valLoss)) item.append(" · val ", el("b", { text: fmtLoss(p.valLoss) }));
+    if (p.left) item.append(" · left");
+    return item;
+  });
+  if (others.length) {
+    const swatch = el("i");
+    swatch.style.background = COLORS.others;
+    items.push(el("li", { class: "others", "data-count": String(others.length),
+                          title: others.map((p) => p.id).join("\n") },
+      swatch, `+${others.length} other peer${others.length > 1 ? "s" : ""}`));
+  }
+  $("swarm-legend").replaceChildren(...items);
+  const live = peers.filter((p) => !p.left).length;
+  setText("swarm-aside", peers.length
+    ? `${live} reporting` + (peers.length > live ? `, ${peers.length - live} left` : "")
+    : "every peer's reports over time");
+}
+
 // Ticks at round numbers of KiB/MiB/..., not at round numbers of bytes (976.6 KiB/s).
 function byteUnit(v) {
   let unit = 1;
@@ -685,6 +806,8 @@ function renderStatus(s) {
   setText("join-command", join);
   setText("step", fmtNum(s.step, 0));
   setText("loss", fmtLoss(s.loss));
+  setText("val-loss", isNum(s.val_loss) ? `validation ${fmtLoss(s.val_loss)}`
+    : s.pipeline ? "" : "validation after the first round");
   setText("tokens-per-s", fmtNum(s.tokens_per_s, 1));
   setText("device", deviceText(s));
   setText("reachability", s.reachability ?? "unknown");
@@ -762,6 +885,7 @@ function renderPeers(peers) {
       peerCell,
       el("td", { class: "num", text: fmtNum(p.step, 0) }),
       el("td", { class: "num", text: fmtLoss(p.loss) }),
+      el("td", { class: "num", text: fmtLoss(p.val_loss) }),
       el("td", { class: "num", text: fmtNum(p.tokens_per_s, 1) }),
       el("td", { class: "num", text: fmtAgo(p.updated_at) }),
       addrCell);
@@ -792,11 +916,11 @@ async function getJSON(path) {
   }
 }
 
-function showErrors(errors) {
+function showErrors(errors, asked) {
   const banner = $("error");
   const pill = $("connection-state");
   if (errors.length) {
-    const allDown = errors.length === 3;
+    const allDown = errors.length === asked;
     banner.textContent = (allDown
       ? "Cannot reach this peer: is its shoal run still running? Retrying every 2 s. "
       : "Some data could not be refreshed. ") + "Details: " + errors.join("; ");
@@ -813,8 +937,12 @@ function showErrors(errors) {
 }
 
 async function poll() {
-  const [status, peers, history] = await Promise.allSettled(
-    [getJSON("status"), getJSON("peers"), getJSON("history")]);
+  // The swarm's history changes every 15 s and may be large: fetched every 10 s only.
+  const swarmDue = Date.now() - state.swarmAt >= SWARM_POLL_MS;
+  const [status, peers, history, swarm] = await Promise.allSettled(
+    [getJSON("status"), getJSON("peers"), getJSON("history"),
+     swarmDue ? getJSON("swarm") : Promise.resolve(null)]);
+  const asked = swarmDue ? 4 : 3;
   const errors = [];
   const apply = (result, render) => {
     if (result.status !== "fulfilled") { errors.push(result.reason.message); return; }
@@ -824,24 +952,27 @@ async function poll() {
   apply(status, (s) => { state.status = s; renderStatus(s); });
   apply(peers, (p) => { state.peers = p; renderPeers(Array.isArray(p) ? p : []); });
   apply(history, (h) => { state.history = Array.isArray(h) ? h : []; drawCharts(); });
-  if (errors.length < 3) {
+  if (swarmDue) {
+    apply(swarm, (w) => { state.swarm = w; state.swarmAt = Date.now(); drawSwarm(); });
+  }
+  if (errors.length < asked) {
     state.lastOk = Date.now() / 1000;
     setText("updated", "updated " + fmtClock(state.lastOk));
   }
   if (!errors.length) document.body.dataset.polls = String(++state.polls);
-  showErrors(errors);
+  showErrors(errors, asked);
 }
 
 async function loop() {
   try { await poll(); }
-  catch (e) { showErrors(["unexpected: " + e]); }
+  catch (e) { showErrors(["unexpected: " + e], 0); }
   finally { setTimeout(loop, POLL_MS); }
 }
 
 let resizeTimer = null;
 window.addEventListener("resize", () => {
   clearTimeout(resizeTimer);
-  resizeTimer = setTimeout(drawCharts, 100);
+  resizeTimer = setTimeout(() => { drawCharts(); drawSwarm(); }, 100);
 });
 loop();
 </script>

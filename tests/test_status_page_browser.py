@@ -1,7 +1,9 @@
 """The status page at / in a real headless browser (Debian's chromium, through selenium).
 
 The server runs a fake swarm whose history grows on every poll. The page must
-render the peers and the loss curve, keep up as the history grows, show an
+render the peers, the loss curve and the swarm's loss curves (a line per peer,
+the validation loss where it changed, a legend of the first 8 peers and a count
+of the others), keep up as the history grows, show an
 error (not throw) while the daemon is down, and recover when it is back on the
 same port, and show a peer's untrusted report as text, never as markup. A
 screenshot is kept in test-output/status-page.png.
@@ -39,6 +41,9 @@ HOSTILE = '<img src=x onerror="document.body.dataset.pwned = 1">'
 
 FIRST_HISTORY_POINTS = 60
 POINTS_PER_POLL = 5
+SWARM_EXTRA_PEERS = 6  # in /swarm beyond the N_PEERS of /peers: one left, all beyond the legend
+SWARM_POINTS = 40  # per peer, 15 s apart
+SWARM_COLOURED = 8  # the page names this many peers in its legend
 
 
 class GrowingSwarm:
@@ -55,6 +60,10 @@ class GrowingSwarm:
         self.points = FIRST_HISTORY_POINTS
         self.served: list[int] = []  # history lengths served, in order
         self.hostile_peer = False  # a peer whose DHT report carries markup
+        self.swarm_ids = self.ids + [
+            str(Identity.generate().peer_id) for _ in range(SWARM_EXTRA_PEERS)
+        ]
+        self.swarm_served: list[dict[str, Any]] = []
 
     def _loss(self, step: int) -> float:
         return 1.9 + 3.6 * math.exp(-step / 18) + self.noise[step]
@@ -92,6 +101,7 @@ class GrowingSwarm:
             "task": "bytegpt",
             "step": step,
             "loss": self._loss(step),
+            "val_loss": 2.0412,
             "tokens_per_s": 18_432.5,
             "device": {
                 "kind": "cuda",
@@ -203,6 +213,7 @@ class GrowingSwarm:
                 "peer_id": pid,
                 "step": step - 3 * i,
                 "loss": self._loss(step - 3 * i),
+                "val_loss": 2.0412 if i < 3 else None,  # the others: no round yet
                 "tokens_per_s": 18_432.5 - 1500 * i,
                 "addresses": self._addresses(i),
                 "updated_at": now - 4 * i - (400 if i == N_PEERS - 1 else 0),
@@ -210,6 +221,28 @@ class GrowingSwarm:
             }
             for i, pid in enumerate(self.ids)
         ]
+
+    def swarm(self) -> dict[str, Any]:
+        """SwarmHistory's shape: every peer 15 s apart, its validation loss repeated in every
+        report until the next round's (a new value every 4 points); the last extra peer left
+        10 minutes ago; the hostile peer (once there) reports markup as its ID."""
+        now = time.time()
+        peers: dict[str, list[dict[str, Any]]] = {}
+        ids = self.swarm_ids + ([HOSTILE] if self.hostile_peer else [])
+        for i, pid in enumerate(ids):
+            end = now - (600 if i == len(self.swarm_ids) - 1 else 0)
+            peers[pid] = [
+                {
+                    "t": end - 15 * (SWARM_POINTS - 1 - k),
+                    "step": 5 * k,
+                    "loss": self._loss(5 * k // 3) + 0.02 * i,
+                    "val_loss": None if k < 4 else round(self._loss(k // 4 * 4), 4) + 0.1,
+                }
+                for k in range(i, SWARM_POINTS)  # of different lengths: they joined later
+            ]
+        served = {"peers": peers, "self": self.peer_id}
+        self.swarm_served.append(served)
+        return served
 
     def history(self) -> list[dict[str, Any]]:
         if self.served:
@@ -302,6 +335,21 @@ return {
   rows: rows.map((r) => r.dataset.peerId),
   selfRows: rows.filter((r) => r.classList.contains('self')).length,
   lossPoints: Number(document.getElementById('loss-curve').dataset.points),
+  swarm: (() => {
+    const c = document.getElementById('swarm-curve');
+    const legend = [...document.querySelectorAll('#swarm-legend li[data-peer-id]')];
+    const others = document.querySelector('#swarm-legend li.others');
+    return {
+      peers: Number(c.dataset.peers), points: Number(c.dataset.points),
+      valPoints: Number(c.dataset.valPoints), height: c.getBoundingClientRect().height,
+      legend: legend.map((li) => li.dataset.peerId),
+      legendClasses: legend.map((li) => li.className),
+      legendText: legend.map((li) => li.textContent),
+      others: others ? Number(others.dataset.count) : 0,
+      aside: document.getElementById('swarm-aside').textContent,
+    };
+  })(),
+  valLoss: document.getElementById('val-loss').textContent,
   bandwidthPoints: Number(document.getElementById('bandwidth').dataset.points),
   connections: document.querySelectorAll('#connections tbody tr').length,
   peerId: document.getElementById('peer-id').textContent,
@@ -371,6 +419,27 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
             f"{N_PEERS} peer rows and a loss curve grown past {FIRST_HISTORY_POINTS} points",
         )
         assert sorted(page["rows"]) == sorted(swarm.ids)
+        # The swarm's curves: every peer's line, the validation loss where it changed.
+        served = swarm.swarm_served[-1]["peers"]
+        drawn = page["swarm"]
+        assert drawn["peers"] == len(served) == N_PEERS + SWARM_EXTRA_PEERS
+        assert drawn["points"] == sum(len(series) for series in served.values())
+        changes = sum(
+            len({p["val_loss"] for p in series if p["val_loss"] is not None})
+            for series in served.values()
+        )
+        assert drawn["valPoints"] == changes and changes > 0
+        assert drawn["height"] >= 200
+        assert len(drawn["legend"]) == SWARM_COLOURED and drawn["legend"][0] == swarm.peer_id
+        assert drawn["legendClasses"][0] == "self" and drawn["legendText"][0].startswith(
+            "this peer"
+        )
+        assert " · val " in drawn["legendText"][0]
+        assert drawn["others"] == len(served) - SWARM_COLOURED
+        assert drawn["aside"] == f"{len(served) - 1} reporting, 1 left"
+        assert page["valLoss"] == "validation 2.0412"
+        assert "2.0412" in page["peersText"]  # the Val loss column
+
         assert page["rows"][0] == swarm.peer_id and page["selfRows"] == 1  # this peer first
         assert page["bandwidthPoints"] == 2 * (page["lossPoints"] - 1)  # sent + received rates
         assert page["connections"] == N_PEERS - 1
@@ -429,6 +498,12 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         )
         assert page["lossPoints"] in swarm.served
         assert HOSTILE in page["rows"] and HOSTILE in page["peersText"]
+        await wait_for(
+            browser,
+            PAGE_STATE,
+            lambda p: p["swarm"]["peers"] == N_PEERS + SWARM_EXTRA_PEERS + 1,
+            "the hostile peer's series in the swarm's curves (fetched every 10 s)",
+        )
         assert page["images"] == 0 and not page["pwned"]
 
         logs = await asyncio.to_thread(browser.get_log, "browser")
