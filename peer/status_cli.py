@@ -167,6 +167,7 @@ def format_status(
         ("experiment", _text(status.get("experiment"), "none yet")),
         ("step", _int(status.get("step"))),
         ("loss", _loss(status.get("loss"))),
+        ("val loss", _loss(status.get("val_loss"))),
         ("tokens/s", _float(status.get("tokens_per_s"), 1)),
         ("swarm round", _swarm_round(status)),
         ("reachability", _text(status.get("reachability"), "unknown")),
@@ -211,19 +212,20 @@ def format_status(
         ordered = sorted(peers, key=lambda p: (not p.get("self"), -(_num(p.get("step")) or -1)))
         lines.extend(
             _table(
-                ("PEER", "STEP", "LOSS", "TOKENS/S", "SEEN", "ADDRESSES"),
+                ("PEER", "STEP", "LOSS", "VAL LOSS", "TOKENS/S", "SEEN", "ADDRESSES"),
                 [
                     (
                         _text(p.get("peer_id")) + (" (this peer)" if p.get("self") else ""),
                         _int(p.get("step")),
                         _loss(p.get("loss")),
+                        _loss(p.get("val_loss")),
                         _float(p.get("tokens_per_s"), 1),
                         _ago(p.get("updated_at"), now),
                         _addresses(p.get("addresses"), p.get("peer_id")),
                     )
                     for p in ordered
                 ],
-                right=(1, 2, 3, 4),
+                right=(1, 2, 3, 4, 5),
             )
             or ["  none known yet"]
         )
