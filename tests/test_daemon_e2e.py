@@ -2,8 +2,9 @@
 
 The issue's acceptance run: a host and two joiners train with DiLoCo; at least
 three outer rounds commit, and after each one every peer's fingerprint is the
-same; /status, /peers and /metrics carry what they must; a joiner killed with
-kill -9 does not stop the others; a fourth peer joins and catches up; the
+same; /status, /peers and /metrics carry what they must, the validation loss
+included; /swarm has every peer's series, and keeps a peer killed with kill -9,
+which does not stop the others; a fourth peer joins and catches up; the
 host leaves and the rest go on.
 """
 
@@ -35,6 +36,7 @@ STATUS_KEYS = {
     "experiment",
     "step",
     "loss",
+    "val_loss",
     "tokens_per_s",
     "last_round",
     "bytes_sent",
@@ -118,13 +120,33 @@ def test_host_and_joiners_train_survive_a_kill_a_join_and_the_host_leaving(
             30,
         )
         for entry in peers:
-            assert {"peer_id", "step", "tokens_per_s", "addresses"} <= set(entry)
+            assert {"peer_id", "step", "tokens_per_s", "addresses", "val_loss"} <= set(entry)
+        # The validation loss: scored after the first commit, reported everywhere.
+        assert isinstance(status["val_loss"], float) and 0 < status["val_loss"] < 10
+        assert any(isinstance(h.get("val_loss"), float) for h in host.get("/history"))
+        wait_for(
+            "every peer's val_loss in /peers (reports every 10 s)",
+            lambda: all(isinstance(e["val_loss"], float) for e in host.get("/peers")),
+            30,
+        )
+        # The swarm's history: a series per peer, sampled from their reports.
+        swarm = wait_for(
+            "a point of every peer in /swarm (sampled every 15 s)",
+            lambda: (w := host.get("/swarm")) and set(w["peers"]) >= peer_ids and w,
+            40,
+        )
+        assert swarm["self"] == status["peer_id"]
+        for series in swarm["peers"].values():
+            assert series and all(p.keys() == {"t", "step", "loss", "val_loss"} for p in series)
+            assert [p["t"] for p in series] == sorted(p["t"] for p in series)
         metrics = host.get("/metrics")
         assert "shoal_step " in metrics or "shoal_step{" in metrics
+        assert "shoal_val_loss " in metrics
         assert 'shoal_rounds_total{outcome="committed"}' in metrics
         assert host.get("/healthz")["ok"] is True
 
         # kill -9 a joiner: the other two go on committing.
+        killed = b.status()["peer_id"]
         b.kill()
         last = max(_common := set(host.committed_rounds()) & set(a.committed_rounds()))
         wait_for(
@@ -137,6 +159,7 @@ def test_host_and_joiners_train_survive_a_kill_a_join_and_the_host_leaving(
         )
         for s in set(host.committed_rounds()) & set(a.committed_rounds()):
             assert _agree([host, a], s)
+        assert killed in host.get("/swarm")["peers"]  # its curve stays on the page
 
         # A fourth peer joins (through the joiner, not the host) and catches up.
         c = Daemon("joiner-c", tmp_path, ["--join", ref, "--bootstrap", a.address], {})
