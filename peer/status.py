@@ -7,7 +7,8 @@ Default 127.0.0.1:8080 (`--status-addr` to change); read-only, GET only.
     GET /peers     the experiment's peers as seen through the DHT (schema below)
     GET /history   recent samples of this peer for the page's curves (schema below)
     GET /swarm     every peer's reported losses over time, for the swarm's curves (below)
-    GET /metrics   Prometheus exposition (peer/metrics.py)
+    GET /metrics   Prometheus exposition (peer/metrics.py; e.g. shoal_loss, and shoal_val_loss:
+                   /status's val_loss, left out while it is null)
     GET /healthz   liveness for containers: 200 {"ok": true, "uptime_s": float}, the
                    seconds since this endpoint started (it asks the provider nothing)
 
