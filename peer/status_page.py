@@ -807,7 +807,7 @@ function renderStatus(s) {
   setText("step", fmtNum(s.step, 0));
   setText("loss", fmtLoss(s.loss));
   setText("val-loss", isNum(s.val_loss) ? `validation ${fmtLoss(s.val_loss)}`
-    : s.pipeline ? "" : "validation after the first round");
+    : s.pipeline || !s.experiment ? "" : "validation after the first round");
   setText("tokens-per-s", fmtNum(s.tokens_per_s, 1));
   setText("device", deviceText(s));
   setText("reachability", s.reachability ?? "unknown");
