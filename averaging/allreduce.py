@@ -28,7 +28,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -108,6 +108,7 @@ class AllReduceService:
         *,
         codec: str | None = None,
         attestor: Attestor | None = None,
+        stall_timeout: float | None = None,
     ) -> AllReduceOutcome:
         """Average `tensors` with the group, weighted by `weight` (e.g. the samples behind
         this member's values; 0: contribute nothing, still receive the result).
@@ -120,6 +121,8 @@ class AllReduceService:
         abort the tensors are untouched and `failed` names the members to retry
         without. They must not change while this runs (they are sent from their own
         storage). Raises only for bad arguments, cancellation, or a fault hook's crash.
+        `stall_timeout`: this round's (adaptive deadlines), for the configured stall and
+        decision timeouts.
         """
         if self._closed:
             raise RuntimeError("the all-reduce service is closed")
@@ -135,9 +138,12 @@ class AllReduceService:
         entry = self._early.pop(rid, None)
         if entry is not None and entry[0] in group.peer_ids:
             early = entry[1]
+        config = self.config
+        if stall_timeout is not None:
+            config = replace(config, stall_timeout=stall_timeout, decision_timeout=stall_timeout)
         rnd = ButterflyRound(
             self.host,
-            self.config,
+            config,
             self._pool,
             self._spawn,
             self._wait_connection,

@@ -43,7 +43,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ from shoal.transport.identity import PeerID
 from .allreduce import AllReduceConfig, AllReduceService
 from .attestation import Attestor
 from .deadline import Deadline
+from .deadlines import AveragerDeadlines
 from .fingerprint import state_fingerprint
 from .host_state import numel, off_loop
 from .matchmaking import (
@@ -120,6 +121,9 @@ class AveragerConfig:
     shared_state: bool = False
     # The longest a re-sync may take when the step has no deadline of its own.
     state_timeout: float = 120.0
+    # Deadlines from measured link rates and RTTs (`deadlines.AdaptiveDeadlines`), the
+    # configured ones (matchmaking, stall, state, the step's timeout) as floors.
+    adaptive_deadlines: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +169,8 @@ class Averager:
         self.tensors = list(tensors)
         self.state = list(self.tensors if state is None else state)
         self.config = config or AveragerConfig()
+        if self.config.adaptive_deadlines:  # its matchmaking deadlines are ours to change
+            self.config = replace(self.config, matchmaking=replace(self.config.matchmaking))
         self._metadata = metadata or dict
         self._on_commit = on_commit
         self.state_version = GENESIS
@@ -192,6 +198,12 @@ class Averager:
         # threads read it (a stage server computing with the parameters).
         self.state_lock: threading.Lock | None = None
         self._shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
+        self.deadlines: AveragerDeadlines | None = None
+        if self.config.adaptive_deadlines:
+            c = self.config
+            self.deadlines = AveragerDeadlines(
+                c.matchmaking, c.allreduce, c.state_timeout, self.tensors, self.state
+            )
 
     async def aclose(self) -> None:
         if self._closed:
@@ -246,6 +258,7 @@ class Averager:
     ) -> bool:
         """Replace our tensors and version with the newest verified state of the swarm,
         by the `deadline` (default: `timeout` seconds from now)."""
+        started = time.monotonic()
         try:
             state = await load_state_from_peers(
                 self.dht,
@@ -266,6 +279,8 @@ class Averager:
         ):
             log.warning("the swarm's state of %s does not fit our tensors", self.key)
             return False
+        if self.deadlines is not None:
+            self.deadlines.observe_download(state.tensors, time.monotonic() - started)
         await self._replace_state(state.tensors)
         commits = state.metadata.get("commits", 0)
         self.commits = commits if isinstance(commits, int) and commits >= 0 else 0
@@ -336,6 +351,12 @@ class Averager:
         commits alone (group size 1, reason "alone"; not with weight 0).
         """
         started = time.monotonic()
+        stall = None
+        if self.deadlines is not None:
+            adaptive = self.deadlines.next_round()
+            stall = adaptive.stall_timeout
+            if timeout is not None:  # (its floor is 0: what the links add to ours)
+                timeout += adaptive.round_timeout
         deadline = Deadline.after(timeout)
         await self._service.prepare(self.config.codec)  # before a group would wait for it
         now = time.monotonic()
@@ -361,8 +382,17 @@ class Averager:
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 return self._result(False, f"no group: {e}", started, attempts)
             outcome = await self._service.run(
-                group, self.tensors, weight, codec=self.config.codec, attestor=self.attestor
+                group,
+                self.tensors,
+                weight,
+                codec=self.config.codec,
+                attestor=self.attestor,
+                stall_timeout=stall,
             )
+            if self.deadlines is not None:
+                self.deadlines.observe_round(
+                    self.dht.host, group, outcome.bytes_received, outcome.seconds
+                )
             # form_group declared us busy; after an abort that declaration stays too.
             self._presence_at = time.monotonic()
             if outcome.committed:
@@ -392,6 +422,12 @@ class Averager:
                 break
         return self._result(False, reason, started, attempts)
 
+    @property
+    def state_timeout(self) -> float:
+        """How long a state download may take: configured, or adaptive (from the state's
+        size at the measured rate, the configured value as a floor)."""
+        return self.config.state_timeout if self.deadlines is None else self.deadlines.state_timeout
+
     def shun(self, peer: PeerID, seconds: float) -> None:
         """Leave `peer` out of our groups for `seconds` (e.g. it withheld what a
         verified round owes the others; not a ban: nothing proves it to third parties)."""
@@ -404,7 +440,7 @@ class Averager:
         log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, behind)
         # Within the step's deadline (a re-sync is part of the step), and at least a
         # second to try.
-        budget = deadline.within(self.config.state_timeout)
+        budget = deadline.within(self.state_timeout)
         if (budget.remaining() or 0.0) < 1.0:
             budget = Deadline.after(1.0)
         ok = await self.load_state_from_peers(deadline=budget)

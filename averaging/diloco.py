@@ -119,6 +119,7 @@ def _averager_config(key: str, opts: Mapping[str, Any]) -> AveragerConfig:
         codec=opts["codec"],
         state_protocol=state_protocol(key),
         state_timeout=opts["state_timeout"],
+        adaptive_deadlines=opts["deadlines"] == "adaptive",
         # The global parameters are one state for the whole swarm: a peer alone
         # takes its outer steps by itself (DiLoCo with one replica) and a joiner
         # downloads its progress.
@@ -163,9 +164,7 @@ class DiLoCo(OuterStrategyBase):
     async def start(self, *, join: bool) -> bool:
         loaded = False
         if join:
-            loaded = await self.averager.load_state_from_peers(
-                timeout=self.options["state_timeout"]
-            )
+            loaded = await self.averager.load_state_from_peers(timeout=self.averager.state_timeout)
             if loaded:
                 copy_into(self.params, self.globals)
         if not loaded:
@@ -385,9 +384,11 @@ class StreamingDiLoCo(OuterStrategyBase):
 
     async def start(self, *, join: bool) -> bool:
         if join:
-            timeout = self.options["state_timeout"]
             results = await asyncio.gather(
-                *(self._avg(f).load_state_from_peers(timeout=timeout) for f in self.fragments)
+                *(
+                    self._avg(f).load_state_from_peers(timeout=self._avg(f).state_timeout)
+                    for f in self.fragments
+                )
             )
             for f, ok in zip(self.fragments, results, strict=True):
                 f.loaded = ok

@@ -160,6 +160,7 @@ _SHARED_CHECKS: dict[str, tuple[_Check, str]] = {
     "round_timeout": (_number(0, lo_open=True), "a number of seconds > 0"),
     "stall_timeout": (_number(0, lo_open=True), "a number of seconds > 0"),
     "state_timeout": (_number(0, lo_open=True), "a number of seconds > 0"),
+    "deadlines": (lambda v: v in ("adaptive", "fixed"), "adaptive or fixed"),
 }
 _GROUP_CHECKS: dict[str, tuple[_Check, str]] = {
     "min_group_size": (_integer(1, 1024), "an int in 1..1024"),
@@ -214,6 +215,9 @@ _DILOCO_DEFAULTS: dict[str, Any] = {
     "round_timeout": 30.0,
     "stall_timeout": 5.0,
     "state_timeout": 120.0,
+    # adaptive: the timeouts above are floors, raised by what the links measured
+    # (averaging/deadlines.py); fixed: they are used as they are.
+    "deadlines": "adaptive",
     **_VERIFY_DEFAULTS,
 }
 
@@ -236,6 +240,7 @@ DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
         "round_timeout": 30.0,
         "stall_timeout": 5.0,
         "state_timeout": 120.0,
+        "deadlines": "adaptive",
         "verify": False,
     },
 }

@@ -126,6 +126,7 @@ async def traverse(
             now = now_fn()
             stalled = {in_flight[t][0].peer_id for t, at in stalls_at.items() if now >= at}
             active = [lk for lk in lookups if not lk.done]
+            waiting = {id(lk) for _, lks in in_flight.values() for lk in lks}
             wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
             order: list[PeerID] = []
             for lk in active:
@@ -134,7 +135,12 @@ async def traverse(
                     continue
                 best = lk.best(k, stalled)
                 need = best if lk.settle is None else best[: lk.settle]
-                if all(lk.state.get(c.peer_id) == ANSWERED for c in need):
+                # Converged: its best live candidates answered. Not while every one of
+                # them is a slow peer still expected to answer (a far link: all of
+                # them stalled, none to move on to): then it waits for them.
+                if all(lk.state.get(c.peer_id) == ANSWERED for c in need) and (
+                    need or id(lk) not in waiting
+                ):
                     lk.done = True
                     continue
                 busy = sum(1 for c in best if lk.state.get(c.peer_id) == ASKED)

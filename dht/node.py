@@ -61,6 +61,12 @@ DEFAULT_PROTOCOL = "/shoal/dht/1.0.0"
 _STORE_ROUNDS = 3
 # A peer whose addresses changed re-announces itself at most this often (seconds).
 ANNOUNCE_INTERVAL = 5.0
+# A request's deadline on a far link, in RTTs of the link: on a connection (a stream,
+# its protocol, the answer, with room for queueing) and with a dial first (TCP and
+# Noise too); never past MAX_HOP_TIMEOUT, never under `hop_timeout`.
+REQUEST_RTTS = 4
+DIAL_RTTS = 8
+MAX_HOP_TIMEOUT = 10.0
 
 
 def _reason(e: BaseException) -> str:
@@ -500,18 +506,17 @@ class DHTNode:
         self, peer: PeerID, addrs: Sequence[Multiaddr], method: str, payload: Any
     ) -> Any:
         self._counters["requests_sent"] += 1
-        async with asyncio.timeout(self.hop_timeout):
+        hop = self._hop_timeout(peer)
+        async with asyncio.timeout(hop):
             reused = self.host.connection(peer) is not None
             if not reused:
-                await self.host.connect(peer, addrs, timeout=self.hop_timeout)
+                await self.host.connect(peer, addrs, timeout=hop)
             if self.max_connections is not None:
                 self._dialed.pop(peer, None)
                 self._dialed[peer] = None
                 self._prune_connections()
             try:
-                return await rpc.call(
-                    self.host, peer, self.protocol, method, payload, timeout=self.hop_timeout
-                )
+                return await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
             except (ConnectionLost, StreamReset) as e:
                 if not reused or isinstance(e, ProtocolNotSupported):
                     raise
@@ -520,10 +525,25 @@ class DHTNode:
                 # about the peer, and every DHT request is idempotent: ask again on
                 # a fresh connection, within the same deadline.
                 self._counters["requests_redialed"] += 1
-                await self.host.connect(peer, addrs, timeout=self.hop_timeout)
-                return await rpc.call(
-                    self.host, peer, self.protocol, method, payload, timeout=self.hop_timeout
-                )
+                await self.host.connect(peer, addrs, timeout=hop)
+                return await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+
+    def _hop_timeout(self, peer: PeerID) -> float:
+        """`hop_timeout`, or longer for a far peer: a request on a connection takes a
+        few RTTs (a stream, its protocol, the answer), a dial a few more (TCP, Noise).
+        The RTT is the connection's, else the median of our other connections' (our
+        own access link is usually what makes everyone far)."""
+        conn = self.host.connection(peer)
+        rtt = conn.rtt if conn is not None else None
+        if rtt is None:
+            rtt = self._typical_rtt()
+        rtts = REQUEST_RTTS if conn is not None else DIAL_RTTS
+        return min(max(self.hop_timeout, rtts * rtt + 0.25), MAX_HOP_TIMEOUT)
+
+    def _typical_rtt(self) -> float:
+        """The median RTT of our connections (0 before any is measured)."""
+        known = sorted(c.rtt for c in self.host.connections.values() if c.rtt is not None)
+        return known[len(known) // 2] if known else 0.0
 
     def _prune_connections(self) -> None:
         assert self.max_connections is not None
@@ -617,7 +637,7 @@ class DHTNode:
             query,
             k=self.k,
             alpha=self.alpha,
-            stall_after=self.stall_after,
+            stall_after=max(self.stall_after, 2 * self._typical_rtt()),
             on_failure=self._on_failure,
             blocked=blocked,
             max_in_flight=max(self.alpha, min(64, self.alpha * len(lookups))),

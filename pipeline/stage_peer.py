@@ -244,6 +244,11 @@ class StagePeer:
 
     async def step(self) -> None:
         result = await self.optimizer.step(self.step_timeout)
+        if result.resynced:
+            # The round found the stage ahead and downloaded its state (as `catch_up`
+            # does): a fresh peer for the trainers, whose bans of us lift.
+            self.syncs += 1
+            self.server.since = time.time()
         if result.committed and self.on_step is not None:
             self.on_step(result)
         if result.committed:

@@ -86,6 +86,28 @@ async def test_a_stalled_peer_stops_holding_the_lookup() -> None:
     assert lk.done
 
 
+async def test_when_every_candidate_is_slow_the_lookup_waits_for_their_answers() -> None:
+    """A far link: the only peer known (a bootstrap behind 300 ms of RTT) answers after
+    `stall_after`. Stalled, it no longer holds up the lookup, but with nobody to move
+    on to, the lookup waits for its answer instead of ending empty-handed (a joiner
+    once found no experiment this way)."""
+    (far,) = _peers(1)
+    lk = KeyLookup(1, "k", quorum=1)
+    lk.add(_cand(far))
+
+    async def query(cand: Candidate, lookups: list[KeyLookup]) -> Any:
+        await asyncio.sleep(0.2)
+        lookups[0].holders.append(cand)
+        return [[]]
+
+    async with asyncio.timeout(5):
+        await traverse(
+            [lk], query, k=20, alpha=3, stall_after=0.02,
+            on_failure=lambda c, e: None, blocked=lambda p: False,
+        )  # fmt: skip
+    assert lk.done and [c.peer_id for c in lk.holders] == [far]
+
+
 async def test_a_deadline_passing_between_two_clock_readings_still_counts_as_a_stall() -> None:
     """The clock read at the top of a pass (deadline not yet reached) and again to size
     the wait (deadline passed): the lookup must wake to count the stall, not wait for

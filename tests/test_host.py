@@ -243,6 +243,17 @@ async def test_ping_measures_the_round_trip(pair) -> None:
     assert 0 < rtt < 0.1
 
 
+async def test_both_sides_know_the_round_trip_right_after_the_handshake(pair) -> None:
+    """Deadlines on a connection follow its RTT (the DHT's requests on a far link): it is
+    measured at once, not at the first keepalive ping of a quiet connection (15 s)."""
+    a, b = pair
+    conn = await a.connect(b.addresses()[0])
+    await eventually(lambda: a.peer_id in b.connections, "b has the connection")
+    back = b.connections[a.peer_id]
+    await eventually(lambda: conn.rtt is not None and back.rtt is not None, "both RTTs", 2.0)
+    assert 0 < conn.rtt < 0.1 and 0 < back.rtt < 0.1  # type: ignore[operator]
+
+
 async def test_a_peer_that_stops_answering_is_declared_dead(make_host) -> None:
     cfg = ConnectionConfig(ping_interval=0.1, ping_timeout=0.5)
     a = await make_host(connection=cfg)

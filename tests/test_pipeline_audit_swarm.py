@@ -83,7 +83,10 @@ async def test_a_cheating_stage_peer_is_convicted_and_routed_around(
         for t in trainers:
             assert bad not in t.balancers[1].peers()
             assert t.served_by.get(bad, 0) == served[t]  # no request since
-            assert t.auditor.outcomes["acquitted"] == 0  # (no honest peer was accused)
+            # No honest referee accused anyone: an honest peer is acquitted only when the
+            # cheater, drawn as its first referee, accused it (and that costs it a strike).
+            assert set(t.auditor.strikes) <= {bad}, t.auditor.strikes
+            assert t.auditor.outcomes["acquitted"] == t.auditor.strikes[bad]
         if cheater.server.served["backward"]:
             # Its backwards of the round it was cut out of are replayed on honest peers.
             assert sum(t.ledger.replayed[1] for t in trainers) > 0

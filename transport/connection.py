@@ -751,6 +751,11 @@ class Connection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self._arm_timer()
+        # A first RTT at once (keepalive pings start only when the connection is quiet):
+        # the deadlines of requests on it follow the RTT (the DHT's, for one).
+        opaque = next(self._ping_ids) & 0xFFFFFFFF
+        self._pings[opaque] = (_now(), self._loop.create_future())
+        self._mux.ping(opaque)
         self.handshake_done.set_result(self.remote_peer)
         self._flush()
 

@@ -1,0 +1,284 @@
+"""Time to loss over shaped internet links: data parallel against low-communication training.
+
+    sudo python bench/wan.py [DATA] [--rate-mbit 50] [--delay-ms 25] [--budget-s 180]
+        [--arms gloo,shoal_dp,diloco,streaming,noloco] [--peers 4] [--plot bench/wan.png]
+
+Four peers, each in its own network namespace behind a shaped access link (bench/
+wan_lab.py: `--rate-mbit` up and down per peer, `--delay-ms` one way between any two
+peers), train the convergence benchmark's model on its data (bench/convergence.py:
+bytegpt at d_model 32, 32 windows of 128 bytes per step and peer, each peer its own
+shard, AdamW, clipping) for the same wall-clock budget per arm:
+
+- ``gloo``: synchronous data parallel with torch.distributed's gloo all-reduce, what
+  a user would otherwise pick;
+- ``shoal_dp``: the same through shoal's fault-tolerant all-reduce;
+- ``diloco``, ``streaming``, ``noloco``: the outer strategies with the daemon's
+  default options (H = `--inner-steps`).
+
+Every `--snapshot-s` each peer keeps a copy of the model its arm would ship (the
+global parameters for DiLoCo and Streaming DiLoCo, every replica for NoLoCo, the
+replica for data parallel) with the bytes its link carried. After the runs, the
+snapshots' validation loss (the task's held-out batches, as in bench/convergence.py)
+gives the curves. The target is gloo data parallel's final validation loss.
+
+Prints one JSON object on stdout (progress goes to stderr):
+
+    {"target_val_loss": ..., "arms": {ARM: {"final_val_loss", "time_to_target_s",
+     "bytes", "steps", "curve": [{"t", "val_loss", "bytes"}, ...], ...}},
+     "diloco_time_to_target_fraction": ..., "diloco_ends_lower": ..., "settings": {...}}
+
+and writes a PNG (`--plot`) of validation loss against wall-clock time and against
+bytes sent. `bytes` are what the peers' links sent (IP packets, every protocol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convergence import ARM_TUNING, DEFAULT_DATA, MODEL_SEED, TASK_CONFIG
+from wan_lab import WanLab
+
+from shoal.peer.task import load_task
+
+ARMS = ("gloo", "shoal_dp", "diloco", "streaming", "noloco")
+WORKER = Path(__file__).resolve().with_name("wan_worker.py")
+# Each arm's peak inner lr as tuned by bench/convergence.py (data parallel: its baseline).
+PEAK_LR = {
+    "gloo": ARM_TUNING["baseline"].inner_lr,
+    "shoal_dp": ARM_TUNING["baseline"].inner_lr,
+    "diloco": ARM_TUNING["diloco"].inner_lr,
+    "streaming": ARM_TUNING["streaming"].inner_lr,
+    "noloco": ARM_TUNING["noloco"].inner_lr,
+}
+
+
+def progress(message: str, *args: Any) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] " + message % args, file=sys.stderr, flush=True)
+
+
+def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> list[dict]:
+    """Start the arm's peers in their namespaces, start them together, collect results."""
+    run_dir.mkdir(parents=True)
+    procs = []
+    for rank in range(args.peers):
+        spec = {
+            "arm": arm,
+            "rank": rank,
+            "peers": args.peers,
+            "addresses": [lab.address(k) for k in range(args.peers)],
+            "run_dir": str(run_dir),
+            "budget_s": args.budget_s,
+            "snapshot_s": args.snapshot_s,
+            "inner_steps": args.inner_steps,
+            "data": str(args.data.resolve()),
+            "task_config": json.loads(args.task_config),
+            "tuning": {"inner_lr": args.lr[arm], "warmup_frac": args.warmup_frac},
+            "min_lr": args.min_lr,
+            "weight_decay": 0.1,
+            "grad_clip": 1.0,
+        }
+        path = run_dir / f"spec-{rank}.json"
+        path.write_text(json.dumps(spec))
+        log = open(run_dir / f"log-{rank}.txt", "wb")  # noqa: SIM115 (closed with the process)
+        cmd = ["ip", "netns", "exec", lab.ns(rank), sys.executable, str(WORKER), str(path)]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=log), log))
+    try:
+        wait_ready(run_dir, args.peers, procs)
+        (run_dir / "go").write_text(repr(time.monotonic() + 0.5))
+        for proc, _ in procs:
+            proc.wait(timeout=args.budget_s + 180)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    failed = [k for k, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        tail = (run_dir / f"log-{failed[0]}.txt").read_text()[-3000:]
+        raise RuntimeError(f"{arm}: peers {failed} failed:\n{tail}")
+    return [torch.load(run_dir / f"result-{k}.pt") for k in range(args.peers)]
+
+
+def wait_ready(run_dir: Path, peers: int, procs: list[Any], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((run_dir / f"ready-{k}").exists() for k in range(peers)):
+        for k, (proc, _) in enumerate(procs):
+            if proc.poll() is not None:
+                tail = (run_dir / f"log-{k}.txt").read_text()[-3000:]
+                raise RuntimeError(f"peer {k} exited during setup:\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("peers did not get ready")
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------- evaluation
+
+
+def curve(task: Any, results: list[dict], evals: list[Any], per_replica: bool) -> list[dict]:
+    """Validation loss and bytes sent (all peers) at each snapshot index every peer has."""
+    model = task.make_model(MODEL_SEED)
+    model.eval()
+
+    def loss_of(tensors: list[torch.Tensor]) -> float:
+        with torch.no_grad():
+            for p, t in zip(model.parameters(), tensors, strict=True):
+                p.copy_(t)
+            return sum(float(task.loss(model, b)) for b in evals) / len(evals)
+
+    count = min(len(r["snapshots"]) for r in results)
+    points = []
+    for i in range(count):
+        snaps = [r["snapshots"][i] for r in results]
+        replicas = snaps if per_replica else snaps[:1]
+        val = sum(loss_of(s["params"]) for s in replicas) / len(replicas)
+        points.append({
+            "t": round(max(s["t"] for s in snaps), 2),
+            "val_loss": val,
+            "bytes": sum(
+                s["sent"] - r["snapshots"][0]["sent"] for s, r in zip(snaps, results, strict=True)
+            ),
+            "steps": snaps[0]["steps"],
+        })  # fmt: skip
+    return points
+
+
+def time_to(points: list[dict], target: float) -> float | None:
+    """When the curve first reached `target` (linear between snapshots), or None."""
+    for a, b in itertools.pairwise(points):
+        if b["val_loss"] <= target:
+            if a["val_loss"] <= target:
+                return a["t"]
+            frac = (a["val_loss"] - target) / (a["val_loss"] - b["val_loss"])
+            return round(a["t"] + frac * (b["t"] - a["t"]), 2)
+    return None
+
+
+def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, Any]:
+    evals = task.eval_batches(args.eval_batches)
+    arms: dict[str, dict[str, Any]] = {}
+    for arm, results in raw.items():
+        points = curve(task, results, evals, per_replica=arm == "noloco")
+        extra = {k: v for k, v in results[0].items() if k not in ("snapshots", "rank")}
+        arms[arm] = {
+            "final_val_loss": points[-1]["val_loss"],
+            "bytes": points[-1]["bytes"],
+            "steps": [r["steps"] for r in results],
+            **extra,
+            "curve": points,
+        }
+    target = arms["gloo"]["final_val_loss"] if "gloo" in arms else None
+    out: dict[str, Any] = {"target_val_loss": target}
+    for a in arms.values():
+        a["time_to_target_s"] = None if target is None else time_to(a["curve"], target)
+    if target is not None and "diloco" in arms:
+        reach = arms["diloco"]["time_to_target_s"]
+        out["diloco_time_to_target_fraction"] = None if reach is None else reach / args.budget_s
+        out["diloco_ends_lower"] = arms["diloco"]["final_val_loss"] < target
+        out["diloco_meets_targets"] = bool(
+            reach is not None and reach <= args.budget_s / 3 and out["diloco_ends_lower"]
+        )
+    out["arms"] = arms
+    return out
+
+
+def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for arm, a in result["arms"].items():
+        xs = [p["t"] for p in a["curve"]]
+        ys = [p["val_loss"] for p in a["curve"]]
+        by_time.plot(xs, ys, label=arm)
+        by_bytes.plot([max(p["bytes"], 1) / 1e6 for p in a["curve"]], ys, label=arm)
+    if result["target_val_loss"] is not None:
+        for ax in (by_time, by_bytes):
+            ax.axhline(result["target_val_loss"], color="grey", ls=":", lw=1, label="target")
+    by_time.set(xlabel="wall-clock (s)", ylabel="validation loss (nats/byte)")
+    by_bytes.set(xlabel="MB sent by all peers", xscale="log")
+    link = f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way"
+    by_time.set_title(f"{args.peers} peers, {link}")
+    by_bytes.set_title("validation loss against bytes sent")
+    for ax in (by_time, by_bytes):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("data", nargs="?", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {ARMS}")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--rate-mbit", type=float, default=50.0, help="each peer's link, each way")
+    p.add_argument("--delay-ms", type=float, default=25.0, help="one way, between two peers")
+    p.add_argument("--budget-s", type=float, default=180.0, help="wall-clock per arm")
+    p.add_argument("--snapshot-s", type=float, default=6.0)
+    p.add_argument("--inner-steps", type=int, default=50, help="H of the outer strategies")
+    p.add_argument("--warmup-frac", type=float, default=0.1, help="of the budget")
+    p.add_argument("--min-lr", type=float, default=0.1, help="cosine floor, fraction of peak")
+    p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--task-config", default=json.dumps(TASK_CONFIG))
+    p.add_argument("--plot", type=Path, default=Path(__file__).resolve().with_name("wan.png"))
+    p.add_argument("--keep", action="store_true", help="keep the run directory")
+    for arm in ARMS:
+        p.add_argument(f"--{arm.replace('_', '-')}-lr", type=float, default=PEAK_LR[arm])
+    args = p.parse_args(argv)
+    args.arms = [a for a in args.arms.split(",") if a]
+    if unknown := set(args.arms) - set(ARMS):
+        p.error(f"unknown arms {sorted(unknown)}")
+    args.lr = {arm: getattr(args, f"{arm}_lr") for arm in ARMS}
+    return args
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.monotonic()
+    torch.set_num_threads(1)  # (2 threads beside busy processes run 10x slower here)
+    task = load_task("bytegpt", json.loads(args.task_config), data=args.data.resolve())
+    n_params = sum(p.numel() for p in task.make_model(MODEL_SEED).parameters())
+    run_root = Path(tempfile.mkdtemp(prefix="shoal-wan-"))
+    raw: dict[str, list[dict]] = {}
+    with WanLab(args.peers, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms) as lab:
+        lab.wait_reachable()
+        for arm in args.arms:
+            progress("arm %s: %d peers, %.0f s", arm, args.peers, args.budget_s)
+            raw[arm] = run_arm(arm, lab, args, run_root / arm)
+            progress("arm %s: steps %s", arm, [r["steps"] for r in raw[arm]])
+    progress("evaluating the snapshots")
+    result = summarize(task, raw, args)
+    if not args.keep:
+        subprocess.run(["rm", "-rf", str(run_root)], check=False)
+    plot(result, args.plot, args)
+    result["plot"] = str(args.plot)
+    result["settings"] = {
+        "model": task.config() | {"parameters": n_params},
+        "data": str(args.data),
+        **{k: v for k, v in vars(args).items() if k not in ("data", "plot", "arms")},
+        "arms": args.arms,
+        "cpus": os.cpu_count(),
+    }
+    result["wall_s"] = round(time.monotonic() - began, 1)
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(parse())), flush=True)
