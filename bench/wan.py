@@ -205,12 +205,13 @@ def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
         xs = [p["t"] for p in a["curve"]]
         ys = [p["val_loss"] for p in a["curve"]]
         by_time.plot(xs, ys, label=arm)
-        by_bytes.plot([max(p["bytes"], 1) / 1e6 for p in a["curve"]], ys, label=arm)
+        by_bytes.plot([p["bytes"] / 1e6 for p in a["curve"]], ys, label=arm)
     if result["target_val_loss"] is not None:
         for ax in (by_time, by_bytes):
             ax.axhline(result["target_val_loss"], color="grey", ls=":", lw=1, label="target")
     by_time.set(xlabel="wall-clock (s)", ylabel="validation loss (nats/byte)")
-    by_bytes.set(xlabel="MB sent by all peers", xscale="log")
+    by_bytes.set(xlabel="MB sent by all peers (log above 0.1 MB)")
+    by_bytes.set_xscale("symlog", linthresh=0.1)
     link = f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way"
     by_time.set_title(f"{args.peers} peers, {link}")
     by_bytes.set_title("validation loss against bytes sent")
