@@ -149,6 +149,23 @@ def progress(message: str, *args: Any) -> None:
 # ---------------------------------------------------------------------- one peer
 
 
+def forward_backward(
+    task: Task,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Any,
+    losses: list[float],
+) -> int:
+    """One batch's gradients into the parameters (the loss appended to `losses`); its tokens."""
+    batch = next(batches)
+    model.train()
+    loss = task.loss(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    losses.append(float(loss.detach()))
+    return int(task.batch_tokens(batch))
+
+
 @dataclass
 class Peer:
     """A host, a DHT node, a model, its inner optimizer and its data shard."""
@@ -188,13 +205,7 @@ class Peer:
             group["lr"] = t.inner_lr * scale
 
     def forward_backward(self) -> int:
-        batch = next(self.batches)
-        self.model.train()
-        loss = self.task.loss(self.model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.losses.append(float(loss.detach()))
-        return int(self.task.batch_tokens(batch))
+        return forward_backward(self.task, self.model, self.optimizer, self.batches, self.losses)
 
     def apply(self) -> None:
         self._set_lr()

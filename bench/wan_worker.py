@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence import MODEL_SEED, streaming_globals
+from convergence import MODEL_SEED, forward_backward, streaming_globals
 
 from shoal.averaging.allreduce import AllReduceConfig, AllReduceService
 from shoal.averaging.group import Group, Member, make_round_id
@@ -133,13 +133,7 @@ class Worker:
     # ------------------------------------------------------------ one step
 
     def forward_backward(self) -> int:
-        batch = next(self.batches)
-        self.model.train()
-        loss = self.task.loss(self.model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.losses.append(float(loss.detach()))
-        return int(self.task.batch_tokens(batch))
+        return forward_backward(self.task, self.model, self.optimizer, self.batches, self.losses)
 
     def apply(self, elapsed: float) -> None:
         self.set_lr(elapsed)
