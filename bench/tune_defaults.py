@@ -246,7 +246,10 @@ def main() -> None:
     if args.no_defaults:
         configs = [c for c in configs if c[0] != "defaults"]
     start = time.monotonic()
-    results = [run_config(task, name, hyper, args, evals) for name, hyper in configs]
+    results = []
+    for name, hyper in configs:
+        results.append(run_config(task, name, hyper, args, evals))
+        log.info("result %s", json.dumps(results[-1]))  # a long sweep stopped early keeps these
     by_name = {r["name"]: r for r in results}
     ranked = [r for r in results if r["val_loss"] is not None]
     out = {
