@@ -467,6 +467,10 @@ def _new_settings(config: Config, task: Task) -> tuple[str, dict[str, Any], dict
         # optimizer keeps the legacy lr and warmup, untuned (it has no lr schedule).
         base = {} if config.pipeline_stages else DEFAULT_HYPERPARAMETERS
         hyperparameters = check_hyperparameters({**base, **hyper_given})
+        if config.pipeline_stages and hyperparameters["lr_schedule"] != "constant":
+            raise ValueError(
+                "a pipeline's stage optimizer has no lr_schedule (warmup, then constant)"
+            )
         if hyperparameters["precision"] == "fp32":
             del hyperparameters["precision"]
     except ValueError as e:

@@ -16,7 +16,7 @@ import torch
 
 from shoal.peer.config import Config
 from shoal.peer.inner import LR_SCHEDULES, InnerOptimizer, learning_rate_scale
-from shoal.peer.session import _new_settings
+from shoal.peer.session import SessionError, _new_settings
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.peer.trainer import (
     DEFAULT_HYPERPARAMETERS,
@@ -144,3 +144,5 @@ def test_a_new_pipeline_experiment_keeps_the_legacy_stage_optimizer_rates(tmp_pa
     _, _, hyper = _new_settings(Config(pipeline_stages=2), task)
     assert hyper["inner_lr"] == LEGACY_HYPERPARAMETERS["inner_lr"]
     assert hyper["warmup_steps"] == LEGACY_HYPERPARAMETERS["warmup_steps"]
+    with pytest.raises(SessionError, match="no lr_schedule"):
+        _new_settings(Config(pipeline_stages=2, strategy_option=(("lr_schedule", "wsd"),)), task)
