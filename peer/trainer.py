@@ -50,7 +50,7 @@ log = logging.getLogger("shoal.trainer")
 # the default experiment (DiLoCo, H = 50, bytegpt at its default size) with
 # bench/tune_defaults.py: see the README, "Hyperparameters".
 DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
-    "inner_lr": 8e-3,  # peak lr of the inner AdamW
+    "inner_lr": 1.6e-2,  # peak lr of the inner AdamW
     "weight_decay": 0.1,
     "warmup_steps": 400,
     # The lr after warmup (peer/inner.py, `learning_rate_scale`): "constant", "cosine",
@@ -58,7 +58,7 @@ DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
     # lr_floor x inner_lr at inner step `total_steps` (the experiment's planned inner
     # steps per peer) and stay there for as long as the swarm goes on.
     "lr_schedule": "cosine",
-    "total_steps": 3000,
+    "total_steps": 2000,
     "lr_floor": 0.1,
     "grad_clip": 1.0,
     "adam_beta2": 0.95,
