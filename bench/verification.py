@@ -76,7 +76,7 @@ import verification_swarm
 
 from shoal.peer.segments import SegmentRunner, SegmentState, delta, segment_batches
 from shoal.peer.tasks.bytegpt import make_task
-from shoal.peer.trainer import DEFAULT_HYPERPARAMETERS, check_hyperparameters
+from shoal.peer.trainer import LEGACY_HYPERPARAMETERS, check_hyperparameters
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy, judge
 from shoal.verification.commitment import Commitment
@@ -108,8 +108,8 @@ class Segments:
         self.task = make_task(task_config or {})
         self.steps = steps
         self.precision = precision
-        # Past warmup, at 8x the default rate: the size of a tuned run's steps.
-        lr = 8 * DEFAULT_HYPERPARAMETERS["inner_lr"]
+        # Past warmup, at 8e-3 (8x the former default rate): the size of a tuned run's steps.
+        lr = 8 * LEGACY_HYPERPARAMETERS["inner_lr"]
         self.hyper = check_hyperparameters({"inner_lr": lr})
         self.previous = self._runner().capture()
         # The "current global state": one segment past the initial parameters.

@@ -6,12 +6,20 @@ pinned host memory, and the training thread copies them with
 ``non_blocking=True`` (the copy overlaps the kernels queued before it).
 `InnerOptimizer` runs one step: forward under autocast at the experiment's
 precision, backward (through a gradient scaler for fp16, whose range is too
-narrow for small gradients), clipping, AdamW with linear warmup. Parameters and
-optimizer state stay float32 whatever the precision.
+narrow for small gradients), clipping, AdamW at the learning rate of
+`learning_rate_scale`. Parameters and optimizer state stay float32 whatever the
+precision.
+
+The learning-rate schedule is a pure function of the inner step number and the
+manifest's hyperparameters, so every peer (and an auditor replaying a segment)
+computes the same rate at the same step. A swarm has no known end: the decaying
+schedules decay over a planned length (`total_steps` inner steps per peer) and
+then stay flat at `lr_floor` for as long as the swarm goes on.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -22,7 +30,52 @@ import torch
 from .device import autocast
 from .priority import lower_this_thread
 
-__all__ = ["BatchPrefetcher", "InnerOptimizer", "map_tensors", "to_device"]
+__all__ = [
+    "LR_SCHEDULES",
+    "WSD_DECAY_FRACTION",
+    "BatchPrefetcher",
+    "InnerOptimizer",
+    "learning_rate_scale",
+    "map_tensors",
+    "to_device",
+]
+
+# constant: linear warmup, then the peak rate for ever (the schedule of manifests
+#   without `lr_schedule`).
+# cosine: warmup, then a half cosine from the peak down to `lr_floor` x peak at
+#   step `total_steps`, flat at the floor after.
+# wsd (warmup-stable-decay): warmup, the peak until the last `WSD_DECAY_FRACTION`
+#   of the steps before `total_steps`, then a linear decay to the floor, flat after.
+# inverse_sqrt: warmup, then peak x sqrt(warmup / step), never below the floor
+#   (needs no planned length).
+LR_SCHEDULES = ("constant", "cosine", "wsd", "inverse_sqrt")
+WSD_DECAY_FRACTION = 0.2
+
+
+def learning_rate_scale(hyper: dict[str, Any], step_index: int) -> float:
+    """The inner lr at inner step `step_index` (from 0), as a fraction of `inner_lr`.
+
+    `hyper` as `check_hyperparameters` returns it (a missing `lr_schedule` reads
+    as "constant", what manifests before it meant)."""
+    warmup = hyper["warmup_steps"]
+    step = step_index + 1  # steps taken once this one is
+    if warmup and step < warmup:
+        return step / warmup
+    schedule = hyper.get("lr_schedule", "constant")
+    if schedule == "constant":
+        return 1.0
+    floor = hyper["lr_floor"]
+    if schedule == "inverse_sqrt":
+        return max(floor, math.sqrt(max(warmup, 1) / step))
+    total = hyper["total_steps"]
+    if schedule == "cosine":
+        progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        decay = max(1, round(WSD_DECAY_FRACTION * (total - warmup)))
+        progress = min(1.0, max(0.0, (step - (total - decay)) / decay))
+        return 1.0 - (1.0 - floor) * progress
+    raise ValueError(f"unknown lr_schedule {schedule!r}; known: {', '.join(LR_SCHEDULES)}")
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -102,7 +155,7 @@ class BatchPrefetcher:
 
 
 class InnerOptimizer:
-    """AdamW with warmup, clipping and the experiment's precision, on the model's device."""
+    """AdamW with the lr schedule, clipping and the experiment's precision, on its device."""
 
     def __init__(
         self,
@@ -127,8 +180,7 @@ class InnerOptimizer:
 
     def step(self, loss_of: Callable[[], torch.Tensor], step_index: int) -> float:
         """One inner step; `loss_of()` runs the forward pass (under autocast). The loss."""
-        warmup = self.hyper["warmup_steps"]
-        scale = min(1.0, (step_index + 1) / warmup) if warmup else 1.0
+        scale = learning_rate_scale(self.hyper, step_index)
         for group in self.optimizer.param_groups:
             group["lr"] = self.hyper["inner_lr"] * scale
         self.model.train()

@@ -461,7 +461,16 @@ def _new_settings(config: Config, task: Task) -> tuple[str, dict[str, Any], dict
         else:
             options = verification_options(config, {"inner_steps": config.inner_steps, **given})
             options = resolve_options(config.strategy, options)
-        hyperparameters = check_hyperparameters(hyper_given)
+        # A new experiment writes every hyperparameter out, at today's defaults (a
+        # manifest without a key means that key's legacy value). The defaults were
+        # tuned for the inner optimizer of the outer strategies; the pipeline's stage
+        # optimizer keeps the legacy lr and warmup, untuned (it has no lr schedule).
+        base = {} if config.pipeline_stages else DEFAULT_HYPERPARAMETERS
+        hyperparameters = check_hyperparameters({**base, **hyper_given})
+        if config.pipeline_stages and hyperparameters["lr_schedule"] != "constant":
+            raise ValueError(
+                "a pipeline's stage optimizer has no lr_schedule (warmup, then constant)"
+            )
         if hyperparameters["precision"] == "fp32":
             del hyperparameters["precision"]
     except ValueError as e:

@@ -30,27 +30,53 @@ from shoal.averaging.outer import OuterStrategy, RoundReport
 from .checkpoint import CheckpointStore
 from .config import PRECISIONS
 from .device import autocast
-from .inner import BatchPrefetcher, InnerOptimizer, to_device
+from .inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
 from .priority import lower_this_thread
 from .segments import round_batch_seed
 from .task import Task
 from .validation import Validation, changes_the_model
 from .work_log import VerifiedWork
 
-__all__ = ["DEFAULT_HYPERPARAMETERS", "Trainer", "TrainerStats", "check_hyperparameters"]
+__all__ = [
+    "DEFAULT_HYPERPARAMETERS",
+    "LEGACY_HYPERPARAMETERS",
+    "Trainer",
+    "TrainerStats",
+    "check_hyperparameters",
+]
 
 log = logging.getLogger("shoal.trainer")
 
+# What a new experiment's manifest gets (session.py writes them all out). Tuned for
+# the default experiment (DiLoCo, H = 50, bytegpt at its default size) with
+# bench/tune_defaults.py: see the README, "Hyperparameters".
 DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
-    "inner_lr": 1e-3,
+    "inner_lr": 1.6e-2,  # peak lr of the inner AdamW
     "weight_decay": 0.1,
-    "warmup_steps": 50,
+    "warmup_steps": 400,
+    # The lr after warmup (peer/inner.py, `learning_rate_scale`): "constant", "cosine",
+    # "wsd" (warmup-stable-decay) or "inverse_sqrt"; the decaying ones reach
+    # lr_floor x inner_lr at inner step `total_steps` (the experiment's planned inner
+    # steps per peer) and stay there for as long as the swarm goes on.
+    "lr_schedule": "cosine",
+    "total_steps": 2000,
+    "lr_floor": 0.1,
     "grad_clip": 1.0,
     "adam_beta2": 0.95,
     "num_shards": 64,  # data shards; each peer reads the one its peer ID picks
     # The arithmetic of the inner steps (autocast dtype): every peer of an experiment
     # uses the same, so that recomputed work (verification) matches.
     "precision": "fp32",
+}
+
+# What a manifest without a key means: the value it had when such manifests were
+# written, so that an experiment created before a default changed trains on as it
+# did (its peers must agree). The other keys' defaults never changed.
+LEGACY_HYPERPARAMETERS: dict[str, Any] = {
+    **DEFAULT_HYPERPARAMETERS,
+    "inner_lr": 1e-3,
+    "warmup_steps": 50,
+    "lr_schedule": "constant",
 }
 
 
@@ -62,8 +88,10 @@ FINISH_TIMEOUT_S = 4.0
 
 
 def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
-    """Defaults filled in; ValueError naming an unknown or bad value."""
-    out = dict(DEFAULT_HYPERPARAMETERS)
+    """`hyper` with the missing keys filled in (`LEGACY_HYPERPARAMETERS`: what a manifest
+    without them meant; a new experiment passes `DEFAULT_HYPERPARAMETERS` under its
+    own); ValueError naming an unknown or bad value."""
+    out = dict(LEGACY_HYPERPARAMETERS)
     for key, value in hyper.items():
         if key not in DEFAULT_HYPERPARAMETERS:
             raise ValueError(
@@ -75,13 +103,27 @@ def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
             out[key] = value
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if key == "lr_schedule":
+            if value not in LR_SCHEDULES:
+                raise ValueError(
+                    f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {value!r}"
+                )
+            out[key] = value
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
             raise ValueError(f"hyperparameter {key} must be a number, got {value!r}")
         if isinstance(default, int) and not isinstance(value, int):
             raise ValueError(f"hyperparameter {key} must be a whole number, got {value!r}")
-        if value < 0 or (key == "num_shards" and value < 1):
+        if value < 0 or (key in ("num_shards", "total_steps") and value < 1):
             raise ValueError(f"hyperparameter {key} must be positive, got {value!r}")
+        if key == "lr_floor" and value > 1:
+            raise ValueError(f"lr_floor is a fraction of inner_lr (0 to 1), got {value!r}")
         out[key] = value
+    if out["lr_schedule"] in ("cosine", "wsd") and out["total_steps"] <= out["warmup_steps"]:
+        raise ValueError(
+            f"total_steps ({out['total_steps']}) must exceed warmup_steps "
+            f"({out['warmup_steps']}) for the {out['lr_schedule']} schedule to decay"
+        )
     return out
 
 
