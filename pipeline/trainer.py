@@ -191,9 +191,16 @@ class PipelineTrainer:
             [stage_key(self.experiment, s) for s in range(self.stages)], latest=True
         )
         counts = []
+        now = time.monotonic()
         for s, balancer in enumerate(self.balancers):
             value = found.get(stage_key(self.experiment, s))
             peers = []
+            # The stage's version is the newest among peers we may still call: a dead
+            # peer's record (until its TTL) must not keep the stage at a version only it
+            # reached, which its survivors could never serve (they would refuse as
+            # behind forever). Its microbatches of that step are replayed (the ledger).
+            views = balancer.snapshot()
+            live_versions: list[int] = []
             for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
                 peer = owner_of(subkey)
                 if peer is None or not isinstance(record, dict):
@@ -206,8 +213,10 @@ class PipelineTrainer:
                     record.get("since"),
                 )
                 peers.append((peer, speed if isinstance(speed, int | float) else None))
-                if isinstance(version, int) and not isinstance(version, bool):
-                    self.versions[s] = max(self.versions[s], version)
+                view = views.get(peer)
+                banned = view is not None and view.banned_until > now
+                if isinstance(version, int) and not isinstance(version, bool) and not banned:
+                    live_versions.append(version)
                 if isinstance(since, int | float):
                     if since > self._announced.get(peer, since):
                         balancer.reannounced(peer)  # it restarted or re-synced: back
@@ -215,6 +224,8 @@ class PipelineTrainer:
             if self.auditor is not None:
                 bad = self.auditor.bans.bans.banned | self.auditor.distrusted
                 peers = [(p, speed) for p, speed in peers if p not in bad]
+            if live_versions:
+                self.versions[s] = max(live_versions)
             balancer.set_peers(peers)
             self.stage_peers[s] = [p for p, _ in peers]
             counts.append(len(peers))
