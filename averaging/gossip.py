@@ -12,6 +12,11 @@ Participants announce themselves in the DHT under ``<key>/gossip`` (one
 owner-signed subkey each, refreshed while they take part). A peer whose
 partner is not looking this round (it left, or sees another list) ends the
 exchange at the all-reduce's start timeout and keeps its value.
+
+With `adaptive` deadlines a pair's stall timeout grows with what earlier exchanges
+measured of the links (`deadlines.AdaptiveDeadlines`; the configured one is the
+floor): on a slow link a partner silent while its half crosses the wire is not
+taken for dead.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from shoal.dht.records import RecordError, owner_marker, owner_of
 from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceConfig, AllReduceService
+from .deadlines import AdaptiveDeadlines, Deadlines, nbytes
 from .group import Group, Member, make_round_id
 
 
@@ -41,6 +47,8 @@ class GossipConfig:
     announce_ttl: float = 30.0
     # Participants are re-read from the DHT at most this often.
     refresh_interval: float = 2.0
+    # The stall timeout is a floor, raised by the links' measured rate and RTT.
+    adaptive: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +94,22 @@ class GossipAverager:
         self._participants: list[PeerID] = []
         self._read_at = -1e9
         self._announced_until = 0.0
+        self.deadlines: AdaptiveDeadlines | None = None
+        if self.config.adaptive:
+            stall = self.config.allreduce.stall_timeout
+            self.deadlines = AdaptiveDeadlines(
+                Deadlines(0.0, 0.0, 0.0, stall, 0.0),
+                payload_bytes=nbytes(self.tensors),
+                state_bytes=0,  # (a gossip round downloads no state)
+                chunk_bytes=self.config.allreduce.chunk_bytes,
+            )
+
+    @property
+    def stall_timeout(self) -> float:
+        """The next exchange's stall timeout."""
+        if self.deadlines is None:
+            return self.config.allreduce.stall_timeout
+        return self.deadlines.deadlines(2).stall_timeout
 
     async def aclose(self) -> None:
         if self._own_service:
@@ -128,7 +152,13 @@ class GossipAverager:
         )
         nonce = f"gossip:{round_number}".encode()
         group = Group(self.key, make_round_id(self.key, pair, nonce), members)
-        outcome = await self._service.run(group, self.tensors, weight, codec=self.config.codec)
+        outcome = await self._service.run(
+            group, self.tensors, weight, codec=self.config.codec, stall_timeout=self.stall_timeout
+        )
+        if self.deadlines is not None:
+            self.deadlines.observe_transfer(outcome.bytes_received, outcome.seconds)
+            connection = self.dht.host.connection(partner)
+            self.deadlines.observe_rtt(connection.rtt if connection is not None else None)
         if not outcome.committed:
             # Its declaration may be stale: read the list again next round.
             self._read_at = -1e9

@@ -99,7 +99,9 @@ class NoLoCo(OuterStrategyBase):
             key,
             [mixed_buffer],
             config=GossipConfig(
-                allreduce=allreduce_config(self.options), codec=self.options["codec"]
+                allreduce=allreduce_config(self.options),
+                codec=self.options["codec"],
+                adaptive=self.options["deadlines"] == "adaptive",
             ),
         )
         self.outer_steps = 0  # also the round number that picks partners

@@ -109,3 +109,36 @@ async def test_a9_sixteen_peers_converge_geometrically_and_kills_lose_nothing(
     # geometric shrinkage: every 10 rounds the spread drops by a large factor
     assert spreads[10] < spreads[0] / 10
     assert spreads[-1] < spreads[0] * 1e-6
+
+
+@pytest.mark.timeout(30)
+async def test_adaptive_pairs_time_their_stall_by_what_their_exchanges_measured(
+    make_host: Callable[..., Any],
+) -> None:
+    """With adaptive deadlines, each exchange measures the link (rate, the partner's
+    RTT); the next exchange's stall timeout follows it, never below the configured one."""
+    floor = 5.0
+    config = GossipConfig(allreduce=AllReduceConfig(stall_timeout=floor), adaptive=True)
+    pair: list[tuple[DHTNode, GossipAverager]] = []
+    try:
+        for i in range(2):
+            host = await make_host(**HOST_OPTS)
+            boot = [str(pair[0][0].host.addresses()[0])] if pair else []
+            dht = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
+            value = torch.full((256 * 1024,), float(i))  # 1 MB: enough to rate the link
+            pair.append((dht, GossipAverager(dht, "exp/adaptive", [value], config=config)))
+        await asyncio.gather(*(g.announce() for _, g in pair))
+        gossipers = [g for _, g in pair]
+        assert all(g.stall_timeout == floor for g in gossipers)  # nothing measured yet
+        results = await asyncio.gather(*(g.step(0) for g in gossipers))
+        assert all(r.committed for r in results)
+        for g in gossipers:
+            assert g.deadlines is not None and g.deadlines.rate is not None
+            assert g.stall_timeout >= floor  # loopback is fast: the floor holds
+            # The same pair on a 1 Mbit/s link: its 512 KB half takes ~4 s to cross.
+            g.deadlines.observe_transfer(512 * 1024, 4.2)
+            assert g.stall_timeout > 2 * floor
+    finally:
+        for dht, g in pair:
+            await g.aclose()
+            await dht.aclose()
