@@ -263,6 +263,7 @@ class PeerNode:
                 # The frozen state's: `fingerprint()` would hash the model on the loop.
                 fingerprint=self.session.strategy.committed_fingerprint,
                 checkpoint_at=s.checkpoint_at,
+                checkpoint_error=s.checkpoint_error,
                 last_round=None
                 if last is None
                 else {

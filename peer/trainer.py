@@ -27,7 +27,7 @@ import torch
 
 from shoal.averaging.outer import OuterStrategy, RoundReport
 
-from .checkpoint import CheckpointStore
+from .checkpoint import CheckpointError, CheckpointStore
 from .config import PRECISIONS
 from .device import autocast
 from .inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
@@ -141,6 +141,9 @@ class TrainerStats:
     last_commit_at: float | None = None  # UNIX time of the last committed round
     rounds: collections.Counter[str] = field(default_factory=collections.Counter)
     checkpoint_at: float | None = None
+    # Why the last periodic checkpoint could not be written (None: it was); training
+    # goes on, the last good checkpoint stays on disk.
+    checkpoint_error: str | None = None
     # The mean loss over the task's held-out batches after a round (peer/validation.py).
     val_loss: float | None = None
     val_loss_at: float | None = None  # UNIX time
@@ -248,6 +251,22 @@ class Trainer:
         self.stats.checkpoint_at = time.time()
         log.info("checkpoint written: %s (step %d)", path, self.stats.step)
 
+    async def _periodic_checkpoint(self) -> None:
+        """A checkpoint during training. One that cannot be written (a full disk, a
+        directory gone read-only) does not stop training: the last good checkpoint
+        stays (saves are atomic), one WARNING says why, and the next interval tries
+        again; the error is in /status until a save succeeds."""
+        try:
+            await self.save_checkpoint()
+        except CheckpointError as e:
+            if str(e) != self.stats.checkpoint_error:  # one line per new problem, not per try
+                log.warning("checkpoint not written, training goes on: %s", e)
+            self.stats.checkpoint_error = str(e)
+            return
+        if self.stats.checkpoint_error is not None:
+            log.info("checkpoints are written again")
+            self.stats.checkpoint_error = None
+
     # ------------------------------------------------------------------ loop
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -273,7 +292,7 @@ class Trainer:
                 if self._new_work_round():
                     await loop.run_in_executor(self._worker, self._begin_work)
                 if time.monotonic() >= next_checkpoint:
-                    await self.save_checkpoint()
+                    await self._periodic_checkpoint()
                     next_checkpoint = time.monotonic() + self.checkpoint_interval
         finally:
             # Graceful: the round in flight ends (commit or abort) before the state is saved.
