@@ -230,7 +230,8 @@ def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
     by_bytes.set_xscale("symlog", linthresh=0.1)
     by_bytes.set_xlim(left=0)
     link = f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way"
-    by_time.set_title(f"{args.peers} peers, {link}")
+    width = json.loads(args.task_config).get("d_model", "?")
+    by_time.set_title(f"{args.peers} peers, {link}, d_model {width}")
     by_bytes.set_title("validation loss against bytes sent")
     for ax in (by_time, by_bytes):
         ax.grid(alpha=0.3)
