@@ -8,6 +8,7 @@ read in a thread; its stderr (the log) goes to a file the test can search.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -26,6 +27,21 @@ from typing import Any
 TINY_TASK = "d_model=32,n_layers=1,n_heads=2,context=32,batch_size=4"
 START_TIMEOUT = 60.0
 ROUND_RE = re.compile(r"round committed: outer step (\d+), (\d+) peers, [\d.]+s, fingerprint (\w+)")
+
+
+PR_SET_PDEATHSIG = 1
+# Resolved here, in the parent: the child between fork and exec only calls it (a
+# dlopen there could wait on a loader lock another thread held at the fork).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def die_with_parent() -> None:
+    """(preexec_fn) SIGKILL this child when the process that started it dies: a test
+    run killed mid-test (pytest-timeout ends it with os._exit, no cleanup) must not
+    leave daemons training on, slowing every test after it on a 2-core machine.
+    Linux fires it when the *thread* that forked exits: start children from a thread
+    that outlives them (the test's own). It only calls prctl, async-signal-safe."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def daemon_env(home: Path, **extra: str) -> dict[str, str]:
@@ -76,6 +92,7 @@ class Daemon:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 env=daemon_env(self.home, **env),
+                preexec_fn=die_with_parent,  # noqa: PLW1509 (prctl only: see its doc)
             )
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()

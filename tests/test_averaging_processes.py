@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import die_with_parent
 
 PEER_SCRIPT = str(Path(__file__).with_name("averaging_peer.py"))
 
@@ -37,6 +38,7 @@ class Peer:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
+                preexec_fn=die_with_parent,  # noqa: PLW1509 (prctl only: see its doc)
             )
         self._buf = b""
         self.reports: list[dict[str, Any]] = []

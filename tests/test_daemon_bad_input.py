@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_harness import TINY_TASK, Daemon, daemon_env
+from daemon_harness import TINY_TASK, Daemon, daemon_env, die_with_parent
 
 # The daemon with short waits: the manifest search and the bootstrap retries
 # would otherwise take 30 s each before failing. Only for the cases that wait:
@@ -78,6 +78,7 @@ class Run:
                 stderr=err,
                 stdin=subprocess.DEVNULL,
                 env=daemon_env(home, **env),
+                preexec_fn=die_with_parent,  # noqa: PLW1509 (prctl only: see its doc)
             )
 
     def outcome(self, timeout: float = RUN_TIMEOUT) -> Outcome:
