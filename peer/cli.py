@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -177,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "id":
             print(load_identity(config).peer_id, flush=True)
             return 0
+        # A crash in native code (torch, a wheel's extension) then leaves every
+        # thread's traceback in the log instead of a daemon that vanished silently.
+        faulthandler.enable(file=sys.stderr, all_threads=True)
         _run(run_daemon(config, freeze_heap=True))
         _exit_now(0)
     except ConfigError as e:

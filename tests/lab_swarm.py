@@ -151,7 +151,9 @@ def run_swarm(
             time.sleep(1.0)
             if not all(d.alive() for d in daemons.values()):
                 result["error"] = "a daemon exited: " + ", ".join(
-                    f"{n}: {d.tail(5)}" for n, d in daemons.items() if not d.alive()
+                    f"{n} (exit code {d.proc.returncode}): {d.tail(5)}"
+                    for n, d in daemons.items()
+                    if not d.alive()
                 )
                 break
             rounds = [_four_peer_rounds(d) for d in daemons.values()]
@@ -187,7 +189,7 @@ def run_swarm(
                 and result["pub_reachability"] == "public"
             )
         if not result["ok"]:
-            result["logs"] = "\n".join(d.tail(25) for d in daemons.values())
+            result["logs"] = "\n".join(d.tail(60) for d in daemons.values())
         return result
     finally:
         for b in burners:
