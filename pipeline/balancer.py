@@ -48,6 +48,7 @@ class _Peer:
     ban_seconds: float = 0.0
     in_flight: int = 0
     returning: bool = False  # banned: re-enters at the others' minimum, not with a credit
+    failing: bool = False  # failed, and neither answered nor re-announced itself since
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class PeerView:
     queue: int  # requests the peer last said were queued behind ours
     in_flight: int  # our requests to it not answered yet
     banned_until: float  # (monotonic time; 0: not banned)
+    failing: bool = False  # its last request failed (a ban that ran out is not an answer)
 
 
 class StageBalancer:
@@ -108,12 +110,17 @@ class StageBalancer:
         state = self._peers.get(peer)
         if state is not None:
             state.banned_until = 0.0
+            state.failing = False
 
     def snapshot(self) -> dict[Hashable, PeerView]:
         """Every routed peer's view (a copy)."""
         return {
             peer: PeerView(
-                s.throughput if s.ema_weight > 0 else None, s.queue, s.in_flight, s.banned_until
+                s.throughput if s.ema_weight > 0 else None,
+                s.queue,
+                s.in_flight,
+                s.banned_until,
+                s.failing,
             )
             for peer, s in self._peers.items()
         }
@@ -165,6 +172,7 @@ class StageBalancer:
         state.in_flight = max(0, state.in_flight - 1)
         state.queue = max(0, queue)
         state.ban_seconds = 0.0
+        state.failing = False
         cost = samples * (BACKWARD_COST if backward else 1.0)
         speed = cost / max(seconds, 1e-6)
         state.ema = (1 - self.alpha) * state.ema + self.alpha * speed
@@ -182,6 +190,7 @@ class StageBalancer:
         if state is None:
             return 0.0
         state.in_flight = max(0, state.in_flight - 1)
+        state.failing = True
         if state.banned_until > now:
             # Requests sent before the ban fail with it: one fault, not several.
             return state.banned_until - now

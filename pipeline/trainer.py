@@ -34,7 +34,7 @@ import torch
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_of
 from shoal.transport import rpc
-from shoal.transport.errors import TransportError
+from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.identity import PeerID
 from shoal.verification.stage_audit import StageAuditPolicy
 
@@ -199,6 +199,8 @@ class PipelineTrainer:
             # peer's record (until its TTL) must not keep the stage at a version only it
             # reached, which its survivors could never serve (they would refuse as
             # behind forever). Its microbatches of that step are replayed (the ledger).
+            # A peer whose last request failed stays out when its ban runs out: only an
+            # answer or a newer record of its own says that it is back.
             views = balancer.snapshot()
             live_versions: list[int] = []
             for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
@@ -214,7 +216,7 @@ class PipelineTrainer:
                 )
                 peers.append((peer, speed if isinstance(speed, int | float) else None))
                 view = views.get(peer)
-                banned = view is not None and view.banned_until > now
+                banned = view is not None and (view.banned_until > now or view.failing)
                 if isinstance(version, int) and not isinstance(version, bool) and not banned:
                     live_versions.append(version)
                 if isinstance(since, int | float):
@@ -340,7 +342,12 @@ class PipelineTrainer:
             try:
                 return bool(await rpc.call(self.dht.host, peer, self.protocol, "flush",
                                            {"version": version}, timeout=5.0))  # fmt: skip
+            except RemoteError:  # it answered: alive
+                return False
             except (TransportError, OSError, TimeoutError):
+                # As a request would: its record no longer holds the stage's version up
+                # (with nothing left to send, this call is how a dead peer is found).
+                self.balancers[stage].failed(peer, time.monotonic())
                 return False
 
         local = self.local.get(stage)

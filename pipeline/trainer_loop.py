@@ -10,6 +10,11 @@ of the trainer's data, in order: training is the same as in one process. With
 `lag` 1 the next batch flows while the stages average the last one, so their
 peers never wait for the all-reduce.
 
+A stage whose every peer died loses its state: the peer that serves it next
+starts from its own parameters, at an older version. Pacing then counts from
+the stage's new version (re-based, with what is still in flight), and the
+loop's step count keeps what it had counted before.
+
 A microbatch that no peer of some stage could take stays in the loop and
 resumes where it stopped once the stage has peers again. A trainer that waits
 for a stage's step with nothing left in flight (with `lag` 0, part of the
@@ -60,7 +65,10 @@ class TrainerLoop:
         self.lag = lag
         self.concurrency = concurrency or 2 * trainer.stages
         self.started_samples = 0
-        self.base: int | None = None  # the slowest stage's version when we started
+        self.base: int | None = None  # the slowest stage's version pacing counts from
+        self._peak = 0  # the slowest stage's newest version since `base`
+        self._steps_before = 0  # steps counted before the last re-base
+        self._completed_base = 0  # the trainer's completed samples at the last re-base
         self.loss: float | None = None  # an EMA of the microbatches' losses
         self.last_loss: float | None = None
         self.on_microbatch: Callable[[Microbatch], None] | None = None
@@ -78,13 +86,41 @@ class TrainerLoop:
     @property
     def steps(self) -> int:
         """Optimizer steps since this loop started."""
-        return 0 if self.base is None else self.version - self.base
+        if self.base is None:
+            return 0
+        return self._steps_before + max(0, self.version - self.base)
+
+    @property
+    def in_flight(self) -> int:
+        """Samples started and not completed yet."""
+        return self.started_samples - (self.trainer.counters.samples - self._completed_base)
+
+    def _rebase_if_regressed(self) -> None:
+        """Pace from the slowest stage's version again if it went back (a stage lost
+        its state): pacing by steps from a version above the stage's would wait for
+        steps it can never take."""
+        version = self.version
+        if self.base is None:
+            return
+        if version >= self._peak:
+            self._peak = version
+            return
+        log.warning(
+            "a stage went back from version %d to %d (its state was lost with its peers): "
+            "training on from there",
+            self._peak,
+            version,
+        )
+        self._steps_before += max(0, self._peak - self.base)
+        self.started_samples = self.in_flight
+        self._completed_base = self.trainer.counters.samples
+        self.base = self._peak = version
 
     async def run(self, stop: asyncio.Event | None = None, *, steps: int | None = None) -> None:
         """Train until `stop` is set or the stages took `steps` steps since the start."""
         stop = stop or asyncio.Event()
         await self._refresh(force=True)
-        self.base = self.version
+        self.base = self._peak = self.version
         workers = [
             asyncio.ensure_future(self._worker(stop, steps)) for _ in range(self.concurrency)
         ]
@@ -163,7 +199,7 @@ class TrainerLoop:
         now = time.monotonic()
         if self._paced_since is None or now - self._paced_since < FLUSH_AFTER_S:
             return
-        if self.started_samples - self.trainer.counters.samples > 0 or self._retry:
+        if self.in_flight > 0 or self._retry:
             return  # microbatches still on their way
         self._paced_since = now
         slowest = min(self.trainer.versions)
@@ -182,3 +218,4 @@ class TrainerLoop:
                 await self.trainer.refresh()
             except Exception as e:  # the DHT will answer next time
                 log.debug("reading the stage records failed: %r", e)
+            self._rebase_if_regressed()

@@ -82,6 +82,31 @@ async def test_a_peer_not_ready_is_neither_called_nor_counted(
 
 
 @pytest.mark.timeout(30)
+async def test_a_failed_peer_does_not_count_again_when_its_ban_runs_out(
+    make_host: Callable[..., Any],
+) -> None:
+    """A ban of 15 s is shorter than a record's TTL of 60 s: a dead peer's version must
+    not come back with the end of its ban, only with an answer or a newer record."""
+    swarm = Swarm(make_host)
+    try:
+        trainer = PipelineTrainer(await swarm.node(), EXPERIMENT, 1, codec="none")
+        await _announced(swarm, 2)
+        dead = await _announced(swarm, 6)
+        await trainer.refresh()
+        balancer = trainer.balancers[0]
+        balancer.failed(dead.dht.peer_id, time.monotonic() - 3600.0)  # a ban long over
+        assert balancer.snapshot()[dead.dht.peer_id].banned_until < time.monotonic()
+        await trainer.refresh()
+        assert trainer.versions[0] == 2
+
+        balancer.succeeded(dead.dht.peer_id, 1, 0.01)  # it answered after all
+        await trainer.refresh()
+        assert trainer.versions[0] == 6
+    finally:
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(30)
 async def test_when_every_peer_is_banned_the_stage_keeps_its_last_known_version(
     make_host: Callable[..., Any],
 ) -> None:
