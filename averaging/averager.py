@@ -143,6 +143,8 @@ class StepResult:
     leader: PeerID | None = None
     # The weight each member contributed with (empty when unknown: we own no part).
     weights: dict[PeerID, float] = field(default_factory=dict)
+    # Groups this step formed whose round aborted (our input counted in none of them).
+    aborted_rounds: tuple[bytes, ...] = ()
 
 
 class Averager:
@@ -198,6 +200,7 @@ class Averager:
         # threads read it (a stage server computing with the parameters).
         self.state_lock: threading.Lock | None = None
         self._shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
+        self._aborted: list[bytes] = []  # the current step's groups that aborted
         self.deadlines: AveragerDeadlines | None = None
         if self.config.adaptive_deadlines:
             c = self.config
@@ -364,6 +367,7 @@ class Averager:
         exclude: set[PeerID] = set(self._shunned)
         reason = ""
         attempts = 0
+        self._aborted = []
         while attempts <= self.config.max_retries:
             attempts += 1
             try:
@@ -412,8 +416,10 @@ class Averager:
                     outcome.bytes_sent,
                     leader if isinstance(leader := group.extra.get("leader"), PeerID) else None,
                     outcome.weights,
+                    tuple(self._aborted),
                 )
             reason = outcome.reason
+            self._aborted.append(group.round_id)
             exclude.update(outcome.failed)
             log.info(
                 "%s: round aborted (%s); retrying without %d peers", self.key, reason, len(exclude)
@@ -507,5 +513,5 @@ class Averager:
     ) -> StepResult:
         return StepResult(
             committed, reason, attempts=attempts, resynced=resynced,
-            seconds=time.monotonic() - started,
+            seconds=time.monotonic() - started, aborted_rounds=tuple(self._aborted),
         )  # fmt: skip

@@ -189,8 +189,11 @@ class DiLoCo(OuterStrategyBase):
         await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
         timeout = float(self.options["round_timeout"])
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
+        contribution = (self.synced_at_step, self.inner_steps)
         if result.resynced:
+            contribution = (self.inner_steps, self.inner_steps)  # our work was dropped
             self.samples_since_sync = 0
+            self.synced_at_step = self.inner_steps
             again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
             if again is not None and again.committed:
                 result = again
@@ -198,12 +201,15 @@ class DiLoCo(OuterStrategyBase):
             await off_loop(lambda: copy_into(self.params, self.globals), size)
         if result.committed:
             self.samples_since_sync = 0  # the outer step already moved globals and params
+            self.synced_at_step = self.inner_steps
         return self._report(
             *_outcome(result),
             group_size=result.group_size,
             fingerprint=result.fingerprint,
             duration_s=clock.seconds,
             bytes_sent=clock.bytes_sent,
+            result=result,
+            contribution=contribution,
         )
 
     def _outer_step(self) -> None:
@@ -250,6 +256,7 @@ class DiLoCo(OuterStrategyBase):
         copy_into(self.momentum, momentum)
         self.inner_steps = inner
         self.samples_since_sync = samples
+        self.synced_at_step = inner  # (this process's ledger counts from here)
         self._restored = True
 
 
@@ -497,6 +504,7 @@ class StreamingDiLoCo(OuterStrategyBase):
             fingerprint=result.fingerprint,
             duration_s=done.seconds,
             bytes_sent=done.bytes_sent,
+            result=result,
         )
 
     async def _cancel(self, frag: _Fragment) -> None:

@@ -64,6 +64,14 @@ class RoundReport:
     duration_s: float
     fingerprint: str | None  # shared-state fingerprint after a commit
     bytes_sent: int  # what this host sent while the round ran (its byte counter's delta)
+    # The ledger of the round (what a soak checks across peers): the group's round ID
+    # (hex) and members, the peers whose input the result holds, the inner steps
+    # (after, through] our input covered, and the groups that aborted before it.
+    round_id: str | None = None
+    members: tuple[str, ...] = ()
+    included: tuple[str, ...] = ()
+    contribution: tuple[int, int] | None = None
+    aborted_rounds: tuple[str, ...] = ()
 
     @property
     def committed(self) -> bool:

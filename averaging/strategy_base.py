@@ -19,6 +19,7 @@ import torch
 
 from shoal.dht.node import DHTNode
 
+from .averager import StepResult
 from .host_state import check_params
 from .outer import RoundGate, RoundOutcome, RoundReport
 
@@ -76,6 +77,7 @@ class OuterStrategyBase:
         self.inner_steps_per_round = int(self.options["inner_steps"])
         self.inner_steps = 0  # inner steps taken (since start or as restored)
         self.samples_since_sync = 0  # samples behind the state last synchronized
+        self.synced_at_step = 0  # `inner_steps` then: our input covers the steps after
         self._restored = False  # load_state_dict ran: start from the checkpoint
         self._gate = RoundGate()
         self._closed = False
@@ -132,7 +134,19 @@ class OuterStrategyBase:
         fingerprint: str | None,
         duration_s: float,
         bytes_sent: int,
+        result: StepResult | None = None,
+        contribution: tuple[int, int] | None = None,
     ) -> RoundReport:
+        """`result`: the averager's step the round was (its ledger goes in the report);
+        `contribution`: the inner steps (after, through] our input covered."""
+        ledger: dict[str, Any] = {}
+        if result is not None:
+            ledger = {
+                "round_id": None if result.round_id is None else result.round_id.hex(),
+                "members": tuple(str(p) for p in result.members),
+                "included": tuple(sorted(str(p) for p, w in result.weights.items() if w > 0)),
+                "aborted_rounds": tuple(r.hex() for r in result.aborted_rounds),
+            }
         return RoundReport(
             outer_step=self.outer_steps,  # type: ignore[attr-defined]  # each strategy's
             outcome=outcome,
@@ -141,6 +155,8 @@ class OuterStrategyBase:
             duration_s=duration_s,
             fingerprint=fingerprint,
             bytes_sent=bytes_sent,
+            contribution=contribution,
+            **ledger,
         )
 
 

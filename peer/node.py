@@ -31,6 +31,7 @@ from .config import Config
 from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
 from .loop_lag import LoopLagMonitor
+from .round_ledger import LEDGER_FILE, RoundLedger
 from .swarm_history import SwarmHistory
 
 if TYPE_CHECKING:
@@ -79,10 +80,12 @@ class PeerNode:
         self.loop_lag = LoopLagMonitor()
         self.bans: BanWatcher | None = None  # once there is an experiment
         self.swarm_history = SwarmHistory()
+        self.ledger: RoundLedger | None = None  # once there is an experiment
 
     def attach(self, session: Session) -> None:
         self.session = session
         session.trainer.on_round = self._on_round
+        self.ledger = RoundLedger(self.config.data_dir / LEDGER_FILE, str(self.identity.peer_id))
 
     async def aclose(self) -> None:
         await self._tasks.aclose()
@@ -110,6 +113,8 @@ class PeerNode:
         await self.session.trainer.run(stop)
 
     def _on_round(self, report: RoundReport) -> None:
+        if self.ledger is not None and (report.round_id is not None or report.aborted_rounds):
+            self.ledger.record(report)
         if self.metrics is not None:
             self.metrics.observe_round(report.outcome.value, report.duration_s, report.group_size)
 

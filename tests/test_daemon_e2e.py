@@ -23,6 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from daemon_harness import TINY_TASK, Daemon, cli_env_path, wait_for
 
+from shoal.peer.round_ledger import LEDGER_FILE, audit_rounds, read_ledger
+
 pytestmark = pytest.mark.slow
 
 STATUS_KEYS = {
@@ -195,6 +197,14 @@ def test_host_and_joiners_train_survive_a_kill_a_join_and_the_host_leaving(
         for d in (a, c):
             code, _ = d.terminate()
             assert code == 0, d.tail()
+
+        # The round ledgers of all four, the killed one's included, agree: every
+        # committed round has one fingerprint and no input was counted twice.
+        entries = [e for d in daemons for e in read_ledger(d.data_dir / LEDGER_FILE)]
+        audit = audit_rounds(entries)
+        assert audit["commits"] >= 6 and audit["fingerprint_mismatches"] == 0, audit
+        assert audit["double_counted"] == 0, audit
+        assert all(read_ledger(d.data_dir / LEDGER_FILE) for d in daemons)
     finally:
         for d in daemons:
             d.kill()
