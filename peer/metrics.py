@@ -142,6 +142,12 @@ class _StatusCollector(Collector):
             status.get("val_loss"),
         )
         yield from _gauge(
+            "shoal_clock_skew_seconds",
+            "This peer's clock minus the median of connected peers' clocks (rounds and DHT "
+            "records need it within 30 s).",
+            status.get("clock_skew_s"),
+        )
+        yield from _gauge(
             "shoal_tokens_per_second",
             "Training throughput of this peer.",
             status.get("tokens_per_s"),

@@ -27,6 +27,7 @@ from shoal.transport.tasks import TaskSet
 
 from . import __version__
 from .ban_watch import BanWatcher
+from .clock_watch import ClockWatch
 from .config import Config
 from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
@@ -81,6 +82,7 @@ class PeerNode:
         self.bans: BanWatcher | None = None  # once there is an experiment
         self.swarm_history = SwarmHistory()
         self.ledger: RoundLedger | None = None  # once there is an experiment
+        self.clock = ClockWatch(host)
 
     def attach(self, session: Session) -> None:
         self.session = session
@@ -99,6 +101,7 @@ class PeerNode:
 
     def start_background(self, progress: Progress) -> None:
         self._tasks.spawn(self.loop_lag.run())
+        self._tasks.spawn(self.clock.run())
         self._tasks.spawn(self._sample_history())
         self._tasks.spawn(self._show_progress(progress))
         if self.session is not None:
@@ -236,6 +239,8 @@ class PeerNode:
             "bytes_received": self.host.bytes_received,
             "uptime_s": time.time() - self.started,
             "loop_lag_ms": self.loop_lag.summary(time.monotonic()),
+            # Ours minus the median of connected peers' clocks (None: not measured yet).
+            "clock_skew_s": None if self.clock.skew_s is None else round(self.clock.skew_s, 1),
             "config": self.config.to_json(),
             "verification": self._verification_status(),
             "pipeline": None,
