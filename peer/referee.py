@@ -7,6 +7,14 @@ asked for their `verdict` (each fetches the reveal and re-runs the segment
 itself); a majority convicts, and the evidence is published in the DHT, handed
 to the convicted peer, and enforced here at once (every other peer enforces it
 at its next ban refresh, `ban_watch`).
+
+Only what was revealed convicts: a reveal that does not match its commitment or
+whose re-run disagrees. A prover that cannot be reached, or no longer has its
+work (a process that was killed and restarted), gives no verdict either way: it
+is tried again for `REVEAL_TIMEOUT`, then left out of our rounds for
+`WITHHELD_SHUN_S`. A referee's word that nothing came cannot be checked by
+anyone else, so it must not ban: two referees could frame any peer with it, and
+every crash of an honest peer would end in a ban.
 """
 
 from __future__ import annotations
@@ -15,11 +23,18 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
-from shoal.transport.errors import RemoteError
+from shoal.transport.errors import (
+    ConnectionLost,
+    DialError,
+    RemoteError,
+    StreamReset,
+    TransportError,
+)
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.bans import publish
@@ -28,7 +43,7 @@ from shoal.verification.evidence import EvidenceError, Result, Verdict
 
 from .audit_round import AuditRound, check_segment
 from .ban_watch import BanWatcher
-from .reveals import PROTOCOL, fetch_reveal
+from .reveals import PROTOCOL, Reveal, fetch_reveal
 from .segments import SegmentRunner
 from .task import Task
 
@@ -37,6 +52,8 @@ __all__ = ["Referee"]
 log = logging.getLogger("shoal.verifier")
 
 REVEAL_TIMEOUT = 60.0
+REVEAL_RETRY_S = 3.0
+WITHHELD_SHUN_S = 600.0  # how long a prover that did not reveal is left out of our rounds
 VERDICT_TIMEOUT = 180.0  # a referee fetches a reveal and re-runs a segment
 NOTIFY_TIMEOUT = 5.0
 
@@ -57,6 +74,7 @@ class Referee:
         pool: ThreadPoolExecutor,
         bans: BanWatcher,
         retain_s: float,
+        shun: Callable[[PeerID, float], None] | None = None,
     ) -> None:
         self.dht = dht
         self.identity = identity
@@ -70,6 +88,7 @@ class Referee:
         self.pool = pool
         self.bans = bans
         self.retain_s = retain_s  # how long provers keep their work
+        self.shun = shun  # leave a peer out of our rounds for a while
         self.counts: Counter[str] = Counter()
         self.disputes: Counter[str] = Counter()
         # Strikes of accusers that a majority overruled, as far as we saw.
@@ -83,23 +102,27 @@ class Referee:
         segment = rnd.draw.segment(prover, c.segments)
         self.counts["audits_done"] += 1
         try:
-            reveal = await fetch_reveal(
-                self.dht.host, prover, rnd.round, segment, self.template,
-                timeout=REVEAL_TIMEOUT, secrets=rnd.secrets_to_wire(),
-            )  # fmt: skip
-        except RemoteError as e:
+            reveal = await self._fetch(rnd, prover, segment)
+        except ValueError as e:  # it answered, with something that is no reveal
+            log.warning("%s revealed round %d malformed: %s", prover.short(), rnd.round, e)
+            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
+            return self._count(verdict.signed(self.identity))
+        except (RemoteError, TransportError, OSError, TimeoutError) as e:
+            # Unreachable, or without its work (a restart loses it): what an honest
+            # peer that crashed looks like, and nothing a third party could check (a
+            # referee's word that no reveal came would let two referees frame anyone).
+            # No verdict: the prover is left out of our rounds for a while instead.
+            self.counts["audits_done"] -= 1
             late = time.monotonic() - rnd.committed_at > self.retain_s / 2
-            if e.kind == "LookupError" and late:
+            if isinstance(e, RemoteError) and e.kind == "LookupError" and late:
                 log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
-                self.counts["audits_done"] -= 1
                 return None
-            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
-            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
-            return self._count(verdict.signed(self.identity))
-        except Exception as e:
-            log.warning("%s did not reveal round %d: %r", prover.short(), rnd.round, e)
-            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
-            return self._count(verdict.signed(self.identity))
+            self.counts["reveals_missing"] += 1
+            log.info("%s did not reveal round %d (%r): no verdict; left out of our rounds "
+                     "for %.0f s", prover.short(), rnd.round, e, WITHHELD_SHUN_S)  # fmt: skip
+            if self.shun is not None:
+                self.shun(prover, WITHHELD_SHUN_S)
+            return None
         seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
         loop = asyncio.get_running_loop()
         finding = await loop.run_in_executor(
@@ -117,6 +140,22 @@ class Referee:
             finding.flips, finding.bits, finding.norm_gap,
         )  # fmt: skip
         return self._count(verdict.signed(self.identity))
+
+    async def _fetch(self, rnd: AuditRound, prover: PeerID, segment: int) -> Reveal:
+        """The prover's reveal; a prover that cannot be reached is tried again until
+        `REVEAL_TIMEOUT` (a restart takes seconds; its checkpoint keeps its identity)."""
+        deadline = time.monotonic() + REVEAL_TIMEOUT
+        while True:
+            try:
+                return await fetch_reveal(
+                    self.dht.host, prover, rnd.round, segment, self.template,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    secrets=rnd.secrets_to_wire(),
+                )  # fmt: skip
+            except (DialError, ConnectionLost, StreamReset):
+                if time.monotonic() + REVEAL_RETRY_S >= deadline:
+                    raise
+                await asyncio.sleep(REVEAL_RETRY_S)
 
     def _count(self, verdict: Verdict) -> Verdict:
         self.counts["audits_failed" if verdict.accuses else "audits_passed"] += 1

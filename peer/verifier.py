@@ -41,7 +41,7 @@ from .audit_round import AuditRound, RoundShape, gather, publish_record
 from .ban_watch import BanWatcher
 from .inner import InnerOptimizer
 from .priority import lower_this_thread
-from .referee import Referee
+from .referee import WITHHELD_SHUN_S, Referee
 from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
 from .task import Task
@@ -55,7 +55,6 @@ PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
 GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
 KEEP_ROUNDS = 4
 MAX_REVEALS = 2  # per round and referee (one retry)
-WITHHELD_SHUN_S = 600.0  # how long a member that withheld its secret is left out
 
 
 class Verifier:
@@ -97,7 +96,7 @@ class Verifier:
         self.referee = Referee(
             dht, identity, task=task, num_shards=self.num_shards, namespace=self.namespace,
             policy=policy, runner=self.runner, pool=self._pool, bans=bans,
-            retain_s=work.log.retain_s,
+            retain_s=work.log.retain_s, shun=shun,
         )  # fmt: skip
         self._secrets: dict[int, bytes] = {}
         self._previous = b""  # our last commitment's digest (the chain)

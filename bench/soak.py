@@ -1,0 +1,479 @@
+"""Soak: ten peers train through churn, partitions, loss and wrong clocks, and nothing
+they agreed on is lost (root only: network namespaces).
+
+    sudo python bench/soak.py --minutes 60 [--seed 1] [--tiny] [--workdir DIR]
+
+Ten `shoal run` processes in the NAT lab (bench/soak_lab.py: three public, seven
+behind three NAT routers, one of them symmetric) train the default experiment
+(`--tiny`: a small model and short deadlines, for CI) while a seeded chaos
+schedule acts every 0.5-5 s:
+
+- kill -9 a peer, restarted 2-15 s later with the same data directory;
+- SIGSTOP a peer for 1-20 s, then SIGCONT;
+- restart a peer gracefully (SIGTERM, start again);
+- partition two namespaces for 5-30 s (every packet between them dropped);
+- drop 1-20% of what a namespace receives for 10-60 s;
+- restart a peer with its wall clock 2-10 minutes off, for 30-90 s.
+
+At most two peers are down (killed, stopped or restarting) at once, and one
+starts at a time (importing torch takes seconds of both cores).
+
+Checked throughout and at the end:
+
+- every round that committed has one fingerprint among its members, and no
+  input is counted in two committed rounds (the peers' round ledgers,
+  `<data dir>/rounds.jsonl`, read together: peer/round_ledger.py);
+- every checkpoint on disk loads (every 20 s, each file on its own);
+- the gap between commits of two or more peers stays bounded;
+- RSS and open descriptors of each process do not grow (a least-squares slope
+  per process lifetime of 2 minutes or more, after its first minute).
+
+Prints one JSON object: `minutes`, `kills`, `stops`, `restarts`, `partitions`,
+`losses`, `clock_offsets`, `commits`, `fingerprint_mismatches`,
+`double_counted`, `corrupt_checkpoints`, `max_commit_gap_s`,
+`rss_growth_MB_per_hour`, `fd_growth_per_hour` (medians over the lifetimes
+measured; `..._max` the largest), `false_convictions` (peers convicted of
+cheating: none cheats here), `log_errors` (ERROR lines in the peers' logs), and
+details. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import itertools
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_lab import PeerProcess, SoakLab, wait_until
+
+from shoal.peer.round_ledger import LEDGER_FILE, audit_rounds, read_ledger
+
+EXPERIMENT = "soak"
+LAYOUT = [("pub", 4001), ("pub", 4002), ("pub", 4003), ("a1", 4001), ("a1", 4002),
+          ("a1", 4003), ("b1", 4001), ("b1", 4002), ("c1", 4001), ("c1", 4002)]  # fmt: skip
+TINY = {
+    "SHOAL_TASK_OPTIONS": "d_model=32,n_layers=1,n_heads=2,context=32,batch_size=4",
+    "SHOAL_INNER_STEPS": "10",
+    "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=15,stall_timeout=3",
+}
+MAX_DOWN = 2
+START_SPACING_S = 8.0  # one torch import at a time
+SAMPLE_EVERY_S = 5.0
+CHECKPOINT_EVERY_S = 20.0
+WARMUP_S = 60.0
+MIN_SPAN_S = 120.0
+CONVICTED = re.compile(r"(\S+) convicted of cheating in round")
+ACTIONS = {"kill": 3, "stop": 3, "restart": 2, "partition": 2, "loss": 2, "clock": 1}
+
+
+def log(msg: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _identity(home: Path) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "shoal.peer", "id"],
+        env={"HOME": str(home), "SHOAL_DATA_DIR": str(home / ".shoal"), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return out.stdout.strip()
+
+
+def make_peers(lab: SoakLab, workdir: Path, n: int, env: dict[str, str]) -> list[PeerProcess]:
+    layout = LAYOUT[:n]
+    homes = [workdir / f"p{i}-{ns}" for i, (ns, _) in enumerate(layout)]
+    ids = [_identity(h) for h in homes]
+    public = [i for i, (ns, _) in enumerate(layout) if ns == "pub"]
+    boot = [f"/ip4/198.51.100.10/tcp/{layout[i][1]}/p2p/{ids[i]}" for i in public]
+    peers = []
+    for i, ((ns, port), home) in enumerate(zip(layout, homes, strict=True)):
+        if i == 0:
+            args = ["--host-experiment", EXPERIMENT]
+        else:
+            args = ["--join", f"{EXPERIMENT}@{ids[0]}", "--bootstrap", *boot]
+        peers.append(PeerProcess(f"p{i}-{ns}", ns, lab.ns(ns), port, 8100 + i, home, args, env))
+    return peers
+
+
+class Chaos:
+    """The seeded schedule of faults, and what undoes each one in time."""
+
+    def __init__(self, lab: SoakLab, peers: list[PeerProcess], rng: random.Random) -> None:
+        self.lab = lab
+        self.peers = peers
+        self.rng = rng
+        self.counts = dict.fromkeys(["kills", "stops", "restarts", "partitions", "losses",
+                                     "clock_offsets"], 0)  # fmt: skip
+        self._due: list[tuple[float, int, str, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.down: set[str] = set()  # killed, stopped or waiting to start
+        self._last_start = -float("inf")
+        self._faults: dict[str, Callable[[], None]] = {}  # active network faults -> undo
+        self.events: list[tuple[float, str]] = []
+
+    def later(self, delay: float, what: str, action: Callable[[], None]) -> None:
+        heapq.heappush(self._due, (time.monotonic() + delay, next(self._seq), what, action))
+
+    def note(self, what: str) -> None:
+        self.events.append((time.time(), what))
+        log(what)
+
+    def run_due(self) -> None:
+        now = time.monotonic()
+        while self._due and self._due[0][0] <= now:
+            _, _, _what, action = heapq.heappop(self._due)
+            action()
+
+    def act(self) -> None:
+        kinds, weights = zip(*ACTIONS.items(), strict=True)
+        kind = self.rng.choices(kinds, weights)[0]
+        up = [p for p in self.peers if p.name not in self.down and p.alive]
+        if kind in ("kill", "stop", "restart", "clock") and (len(self.down) >= MAX_DOWN or not up):
+            kind = self.rng.choice(["partition", "loss"])
+        getattr(self, f"_{kind}")(up)
+
+    def _start(self, peer: PeerProcess, clock: float = 0.0) -> None:
+        """Start `peer` once no other start is under way (one torch import at a time)."""
+        if time.monotonic() - self._last_start < START_SPACING_S:
+            self.later(2.0, f"start {peer.name}", lambda: self._start(peer, clock))
+            return
+        self._last_start = time.monotonic()
+        peer.start(clock_offset_s=clock)
+        self.down.discard(peer.name)
+        self.note(f"started {peer.name}" + (f" with its clock {clock:+.0f} s off" if clock else ""))
+
+    def _kill(self, up: list[PeerProcess]) -> None:
+        peer = self.rng.choice(up)
+        peer.kill()
+        self.down.add(peer.name)
+        self.counts["kills"] += 1
+        self.note(f"kill -9 {peer.name}")
+        self.later(self.rng.uniform(2, 15), "restart", lambda: self._start(peer))
+
+    def _stop(self, up: list[PeerProcess]) -> None:
+        peer = self.rng.choice(up)
+        peer.signal(signal.SIGSTOP)
+        peer.stopped = True
+        self.down.add(peer.name)
+        self.counts["stops"] += 1
+        seconds = self.rng.uniform(1, 20)
+        self.note(f"SIGSTOP {peer.name} for {seconds:.1f} s")
+
+        def cont() -> None:
+            peer.signal(signal.SIGCONT)
+            peer.stopped = False
+            self.down.discard(peer.name)
+
+        self.later(seconds, "cont", cont)
+
+    def _restart(self, up: list[PeerProcess], clock: float = 0.0) -> None:
+        peer = self.rng.choice(up)
+        self.down.add(peer.name)
+        code = peer.terminate()
+        self.counts["restarts"] += 1
+        self.note(f"restart {peer.name} (exit code {code})")
+        self._start(peer, clock)
+
+    def _clock(self, up: list[PeerProcess]) -> None:
+        offset = self.rng.choice([-1, 1]) * self.rng.uniform(120, 600)
+        peer = self.rng.choice(up)
+        self.down.add(peer.name)
+        code = peer.terminate()
+        self.counts["clock_offsets"] += 1
+        self.note(f"restart {peer.name} (exit code {code}) with a wrong clock")
+        self._start(peer, offset)
+
+        def fix() -> None:
+            if peer.alive and peer.clock_offset_s and peer.name not in self.down:
+                self.down.add(peer.name)
+                code = peer.terminate()
+                self.note(f"restart {peer.name} (exit code {code}) with its clock right")
+                self._start(peer)
+            elif peer.clock_offset_s:
+                self.later(5.0, "fix clock", fix)
+
+        self.later(self.rng.uniform(30, 90), "fix clock", fix)
+
+    def _network_fault(self, key: str, undo: Callable[[], None], seconds: float) -> None:
+        self._faults[key] = undo
+
+        def end() -> None:
+            if self._faults.pop(key, None) is not None:
+                undo()
+                self.note(f"ended {key}")
+
+        self.later(seconds, key, end)
+
+    def _partition(self, _: list[PeerProcess]) -> None:
+        a, b = sorted(self.rng.sample(["pub", "a1", "b1", "c1"], 2))
+        key = f"partition {a}|{b}"
+        if key in self._faults or sum(k.startswith("partition") for k in self._faults) >= 2:
+            return
+        seconds = self.rng.uniform(5, 30)
+        self._network_fault(key, self.lab.partition(a, b), seconds)
+        self.counts["partitions"] += 1
+        self.note(f"{key} for {seconds:.1f} s")
+
+    def _loss(self, _: list[PeerProcess]) -> None:
+        ns = self.rng.choice(["pub", "a1", "b1", "c1"])
+        key = f"loss {ns}"
+        if key in self._faults:
+            return
+        p, seconds = self.rng.uniform(0.01, 0.2), self.rng.uniform(10, 60)
+        self._network_fault(key, self.lab.loss(ns, p), seconds)
+        self.counts["losses"] += 1
+        self.note(f"{key}: {p:.0%} for {seconds:.1f} s")
+
+    def calm(self) -> None:
+        """End every fault now: network faults undone, stopped peers continued, peers
+        that are down started (a wrong clock stays until its own restart)."""
+        for key, undo in list(self._faults.items()):
+            undo()
+            del self._faults[key]
+        for p in self.peers:
+            if p.stopped:
+                p.signal(signal.SIGCONT)
+                p.stopped = False
+        self._due.clear()
+        for p in self.peers:
+            if not p.alive:
+                p.start()
+        self.down.clear()
+
+
+class Checks:
+    """The invariants measured while the soak runs (from another thread)."""
+
+    def __init__(self, peers: list[PeerProcess]) -> None:
+        self.peers = peers
+        self.corrupt: dict[str, str] = {}  # file@mtime -> why
+        self.checkpoint_loads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        next_checkpoints = time.monotonic() + CHECKPOINT_EVERY_S
+        while not self._stop.wait(SAMPLE_EVERY_S):
+            now = time.monotonic()
+            for p in self.peers:
+                p.sample(now)
+            if now >= next_checkpoints:
+                self.check_checkpoints()
+                next_checkpoints = now + CHECKPOINT_EVERY_S
+
+    def check_checkpoints(self) -> None:
+        for p in self.peers:
+            for path in sorted((p.data_dir / "checkpoints").rglob("*.pt")):
+                try:
+                    mtime = path.stat().st_mtime
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        state = torch.load(path, map_location="cpu", weights_only=True)
+                except FileNotFoundError:
+                    continue  # replaced between the listing and the read
+                except Exception as e:
+                    self.corrupt[f"{path}@{mtime}"] = f"{type(e).__name__}: {e}"[:200]
+                    continue
+                if not isinstance(state, dict) or "format" not in state:
+                    self.corrupt[f"{path}@{mtime}"] = "not a shoal checkpoint"
+                self.checkpoint_loads += 1
+
+
+def slope_per_hour(series: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (t, y) in units of y per hour."""
+    n = len(series)
+    mt = sum(t for t, _ in series) / n
+    my = sum(y for _, y in series) / n
+    var = sum((t - mt) ** 2 for t, _ in series)
+    return 0.0 if var == 0 else 3600 * sum((t - mt) * (y - my) for t, y in series) / var
+
+
+def growth(peers: list[PeerProcess]) -> dict[str, Any]:
+    rss, fds = [], []
+    for p in peers:
+        for life in p.lifetimes:
+            if not life:
+                continue
+            start = life[0][0]
+            measured = [s for s in life if s[0] - start >= WARMUP_S]
+            if len(measured) < 3 or measured[-1][0] - measured[0][0] < MIN_SPAN_S:
+                continue
+            rss.append(slope_per_hour([(t, m) for t, m, _ in measured]))
+            fds.append(slope_per_hour([(t, float(f)) for t, _, f in measured]))
+
+    def median(xs: list[float]) -> float | None:
+        return None if not xs else round(sorted(xs)[len(xs) // 2], 1)
+
+    return {
+        "rss_growth_MB_per_hour": median(rss),
+        "fd_growth_per_hour": median(fds),
+        "rss_growth_MB_per_hour_max": None if not rss else round(max(rss), 1),
+        "fd_growth_per_hour_max": None if not fds else round(max(fds), 1),
+        "lifetimes_measured": len(rss),
+    }
+
+
+def commit_gaps(entries: list[dict[str, Any]], end: float) -> tuple[float | None, float | None]:
+    """(seconds from the first commit of 2+ peers to ..., the largest gap between two
+    such commits or from the last one to `end`)."""
+    times: dict[str, float] = {}
+    for e in entries:
+        rid, t = e.get("round"), e.get("real_t")
+        if e.get("outcome") == "committed" and len(e.get("members") or ()) >= 2 and rid:
+            times[rid] = min(times.get(rid, t), t)
+    ordered = sorted(times.values())
+    if not ordered:
+        return None, None
+    gaps = [b - a for a, b in itertools.pairwise(ordered)] + [end - ordered[-1]]
+    return ordered[0], round(max(gaps), 1)
+
+
+def real_times(peer: PeerProcess, entries: list[dict[str, Any]]) -> None:
+    """A peer with a wrong clock wrote wrong times: each entry gets `real_t`, its time
+    less the offset of the process lifetime that wrote it."""
+    lives = peer.started_at  # (real start, offset), in order
+    for e in entries:
+        t = float(e.get("t", 0.0))
+        e["real_t"] = t
+        for i, (began, offset) in enumerate(lives):
+            ends = lives[i + 1][0] if i + 1 < len(lives) else float("inf")
+            if began - 1.0 <= t - offset < ends:
+                e["real_t"] = t - offset
+                break
+
+
+def log_findings(peers: list[PeerProcess]) -> dict[str, Any]:
+    """What the logs say that the ledgers do not: convictions (no peer cheats here, so
+    every one is false) and ERROR lines (each a bug or an unhandled remote input)."""
+    convicted, errors = set(), Counter()
+    for p in peers:
+        text = p.log_path.read_text(errors="replace")
+        convicted.update(CONVICTED.findall(text))
+        for line in text.splitlines():
+            if " ERROR " in line:
+                errors[line.split(" ERROR ", 1)[1][:80]] += 1
+    return {
+        "false_convictions": len(convicted),
+        "log_errors": sum(errors.values()),
+        "log_error_kinds": dict(errors.most_common(5)),
+    }
+
+
+def run_chaos(chaos: Chaos, rng: random.Random, minutes: float) -> None:
+    started = time.monotonic()
+    next_action = started
+    while time.monotonic() - started < minutes * 60:
+        chaos.run_due()
+        if time.monotonic() >= next_action:
+            chaos.act()
+            next_action = time.monotonic() + rng.uniform(0.5, 5.0)
+        time.sleep(0.1)
+
+
+def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any]:
+    env = {"SHOAL_CHECKPOINT_INTERVAL": "15", "SHOAL_THREADS": "1", "OMP_NUM_THREADS": "1",
+           **(TINY if args.tiny else {})}  # fmt: skip
+    peers = make_peers(lab, workdir, args.peers, env)
+    checks = Checks(peers)
+    try:
+        rng = random.Random(args.seed)
+        chaos = Chaos(lab, peers, rng)
+        for p in peers:
+            p.start()
+            time.sleep(1.0 if p is peers[0] else 0.2)
+        checks.start()
+        log(f"{len(peers)} peers started in {workdir}; waiting for the first round of 2+")
+        began = time.time()
+        wait_until(lambda: _ledger_commits(peers) > 0, 240)
+        log(f"first commit after {time.time() - began:.0f} s; chaos for {args.minutes} min")
+        run_chaos(chaos, rng, args.minutes)
+        chaos.calm()
+        log(f"faults over; {args.settle_s:.0f} s to settle")
+        time.sleep(args.settle_s)
+        end = time.time()
+        codes = {p.name: p.terminate() for p in peers}
+        checks.stop()
+        checks.check_checkpoints()
+    finally:
+        checks.stop()
+        for p in peers:
+            with contextlib.suppress(Exception):
+                p.kill()
+    entries: list[dict[str, Any]] = []
+    for p in peers:
+        mine = read_ledger(p.data_dir / LEDGER_FILE)
+        real_times(p, mine)
+        entries += mine
+    first, max_gap = commit_gaps(entries, end)
+    return {
+        "minutes": args.minutes,
+        **chaos.counts,
+        **audit_rounds(entries),
+        "corrupt_checkpoints": len(checks.corrupt),
+        "max_commit_gap_s": max_gap,
+        **growth(peers),
+        **log_findings(peers),
+        "checkpoint_loads": checks.checkpoint_loads,
+        "ledger_entries": len(entries),
+        "first_commit_after_s": None if first is None else round(first - began, 1),
+        "exit_codes": codes,
+        "corrupt": list(checks.corrupt.items())[:10],
+        "seed": args.seed,
+        "peers": len(peers),
+        "tiny": args.tiny,
+        "workdir": str(workdir),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--peers", type=int, default=10, choices=range(4, 11))
+    ap.add_argument("--tiny", action="store_true", help="a small model and short deadlines")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--settle-s", type=float, default=20.0, help="fault-free time at the end")
+    args = ap.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shoal-soak-"))
+    lab = SoakLab()
+    lab.up()
+    try:
+        result = soak(args, lab, workdir)
+    finally:
+        lab.down()
+    print(json.dumps(result))
+
+
+def _ledger_commits(peers: list[PeerProcess]) -> int:
+    entries = [e for p in peers for e in read_ledger(p.data_dir / LEDGER_FILE)]
+    return sum(
+        1 for e in entries if e.get("outcome") == "committed" and len(e.get("members") or ()) > 1
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A prover that cannot reveal its work (unreachable, or restarted without it) is not
+convicted: a referee's word that nothing came is no evidence anyone could check.
+It is tried again for a while, then left out of the referee's rounds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import shoal.peer.referee as referee_mod
+from shoal.peer.referee import WITHHELD_SHUN_S, Referee
+from shoal.peer.reveals import PROTOCOL
+from shoal.transport import rpc
+from shoal.transport.identity import Identity, PeerID
+
+from .verification_round import commit, identities
+
+
+def referee(host: Any, shunned: list[tuple[PeerID, float]]) -> Referee:
+    me = Identity.generate()
+    dht = SimpleNamespace(host=host)
+    # Only what an audit touches before any reveal arrives: no segment is re-run here.
+    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
+    return Referee(
+        dht, me, task=None, num_shards=1, namespace="exp", policy=None, runner=runner,
+        pool=None, bans=None, retain_s=3600.0, shun=lambda p, s: shunned.append((p, s)),
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+def audit_round(prover: Identity) -> Any:
+    c = commit(prover, b"s" * 32)
+    return SimpleNamespace(
+        round=c.round, commitments={prover.peer_id: c}, committed_at=time.monotonic(),
+        draw=SimpleNamespace(segment=lambda _p, _n: 0), secrets_to_wire=list,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+async def test_an_unreachable_prover_is_retried_then_left_out_not_convicted(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(referee_mod, "REVEAL_TIMEOUT", 1.0)
+    monkeypatch.setattr(referee_mod, "REVEAL_RETRY_S", 0.2)
+    tries = []
+    real_fetch = referee_mod.fetch_reveal
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        tries.append(time.monotonic())
+        return await real_fetch(*args, **kwargs)
+
+    monkeypatch.setattr(referee_mod, "fetch_reveal", counted)
+    shunned: list[tuple[PeerID, float]] = []
+    ref = referee(await make_host(), shunned)
+    (gone,) = identities(1, "gone")  # no address known: every dial fails at once
+    assert await ref.audit(audit_round(gone), gone.peer_id) is None
+    assert len(tries) >= 3, "gave up without trying again"
+    assert shunned == [(gone.peer_id, WITHHELD_SHUN_S)]
+    assert ref.counts["reveals_missing"] == 1
+    assert ref.counts["audits_failed"] == 0 and ref.counts["audits_done"] == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_prover_that_lost_its_work_in_a_restart_is_left_out_not_convicted(
+    make_host: Callable[..., Any],
+) -> None:
+    prover_host = await make_host()
+    service = rpc.RpcService(prover_host, PROTOCOL)
+
+    @service.stream("reveal")
+    async def no_work(ctx: Any, payload: Any) -> Any:
+        raise LookupError("no work of round 7 here")
+        yield  # (stream handlers are async generators)
+
+    shunned: list[tuple[PeerID, float]] = []
+    host = await make_host()
+    await host.connect(prover_host.addresses()[0])
+    ref = referee(host, shunned)
+    prover = SimpleNamespace(peer_id=prover_host.peer_id)
+    rnd = audit_round(identities(1, "p")[0])
+    rnd.commitments = {prover_host.peer_id: next(iter(rnd.commitments.values()))}
+    assert await ref.audit(rnd, prover.peer_id) is None
+    assert shunned == [(prover_host.peer_id, WITHHELD_SHUN_S)]
+    assert ref.counts["audits_failed"] == 0
