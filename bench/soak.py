@@ -55,6 +55,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,8 @@ def _identity(home: Path) -> str:
 def make_peers(lab: SoakLab, workdir: Path, n: int, env: dict[str, str]) -> list[PeerProcess]:
     layout = LAYOUT[:n]
     homes = [workdir / f"p{i}-{ns}" for i, (ns, _) in enumerate(layout)]
-    ids = [_identity(h) for h in homes]
+    with ThreadPoolExecutor(len(homes)) as pool:
+        ids = list(pool.map(_identity, homes))
     public = [i for i, (ns, _) in enumerate(layout) if ns == "pub"]
     boot = [f"/ip4/198.51.100.10/tcp/{layout[i][1]}/p2p/{ids[i]}" for i in public]
     peers = []
@@ -366,6 +368,25 @@ def real_times(peer: PeerProcess, entries: list[dict[str, Any]]) -> None:
                 break
 
 
+def stop_all(peers: list[PeerProcess], timeout: float = 30.0) -> dict[str, int | None]:
+    """SIGTERM to every peer at once (each writes its checkpoint on the way out); the
+    exit codes (None: killed after `timeout`)."""
+    for p in peers:
+        p.signal(signal.SIGCONT)
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    codes: dict[str, int | None] = {}
+    for p in peers:
+        if p.proc is None:
+            continue
+        try:
+            codes[p.name] = p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes[p.name] = None
+    return codes
+
+
 def log_findings(peers: list[PeerProcess]) -> dict[str, Any]:
     """What the logs say that the ledgers do not: convictions (no peer cheats here, so
     every one is false) and ERROR lines (each a bug or an unhandled remote input)."""
@@ -415,7 +436,7 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         log(f"faults over; {args.settle_s:.0f} s to settle")
         time.sleep(args.settle_s)
         end = time.time()
-        codes = {p.name: p.terminate() for p in peers}
+        codes = stop_all(peers)
         checks.stop()
         checks.check_checkpoints()
     finally:
