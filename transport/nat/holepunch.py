@@ -172,7 +172,7 @@ class HolePuncher:
                 try:
                     async with asyncio.timeout(self.config.punch_stream_timeout):
                         msg = await wire.recv_map(ms, "dcutr connect")
-                except EOFError:
+                except (EOFError, TimeoutError):  # done, or the initiator went silent
                     break
                 if msg.get("type") != "connect":
                     raise ProtocolViolation("dcutr: expected connect")
