@@ -478,9 +478,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small model and short deadlines")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--settle-s", type=float, default=20.0, help="fault-free time at the end")
+    ap.add_argument("--prefix", default="soak-", help="of the lab's namespaces")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shoal-soak-"))
-    lab = SoakLab()
+    lab = SoakLab(args.prefix)
     lab.up()
     try:
         result = soak(args, lab, workdir)
