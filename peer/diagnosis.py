@@ -42,6 +42,9 @@ class Facts:
     clock_skews_s: list[float] = field(default_factory=list)
     free_disk_bytes: int | None = None
     data_dir: str = ""
+    # Why a file could not be written, fsynced and removed in the data directory (None: it
+    # could): a read-only or full file system stops checkpoints.
+    unwritable: str | None = None
     torch: str | None = None
     threads: int | None = None
     device: str | None = None
@@ -167,6 +170,12 @@ def _clock(f: Facts) -> Check:
 
 
 def _disk(f: Facts) -> Check:
+    if f.unwritable is not None:
+        return Check(
+            "disk", "fail", f"cannot write in {f.data_dir}: {f.unwritable}",
+            "checkpoints are written there: make it writable (a read-only mount, "
+            "permissions, a full disk), or choose another --data-dir",
+        )  # fmt: skip
     if f.free_disk_bytes is None:
         return Check("disk", "warn", f"cannot tell the free space in {f.data_dir}")
     gib = f.free_disk_bytes / 2**30

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -140,6 +141,24 @@ def _observations(host: Host, nat: NatManager) -> list[tuple[str, str]]:
     return out
 
 
+def _write_probe(directory: Path) -> str | None:
+    """Write, fsync and remove a small file in `directory` (what a checkpoint does);
+    why it failed, or None."""
+    path = directory / f".shoal-doctor-{os.getpid()}.tmp"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def _local_facts(facts: Facts, data_dir: Path) -> None:
     facts.data_dir = str(data_dir)
     probe = data_dir
@@ -147,6 +166,7 @@ def _local_facts(facts: Facts, data_dir: Path) -> None:
         probe = probe.parent  # not created yet: the disk it would be created on
     with contextlib.suppress(OSError):
         facts.free_disk_bytes = shutil.disk_usage(probe).free
+    facts.unwritable = _write_probe(probe)
     try:
         import torch
     except ImportError:

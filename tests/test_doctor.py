@@ -22,6 +22,7 @@ from daemon_harness import TINY_TASK, Daemon, cli_env_path, wait_for
 from lab import PUB_IP, Lab, lab_unavailable
 
 from shoal.peer.diagnosis import Facts, can_take_part, diagnose, nat_mapping
+from shoal.peer.doctor import _write_probe
 
 
 def verdicts(facts: Facts) -> dict[str, tuple[str, str]]:
@@ -134,3 +135,18 @@ def test_doctor_behind_each_kind_of_router(tmp_path: Path) -> None:
         for d in daemons:
             d.kill()
         lab.sh("down")
+
+
+def test_a_data_directory_that_cannot_be_written_fails_the_disk_check(tmp_path: Path) -> None:
+    ok = Facts(torch="2.13", free_disk_bytes=10 << 30, data_dir=str(tmp_path))
+    assert verdicts(ok)["disk"][0] == "ok"
+    full = Facts(torch="2.13", free_disk_bytes=0, data_dir="/d", unwritable="No space left")
+    verdict, detail = verdicts(full)["disk"]
+    assert verdict == "fail" and "No space left" in detail
+
+
+def test_the_write_probe_writes_in_the_data_directory_and_leaves_nothing(tmp_path: Path) -> None:
+    assert _write_probe(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    assert _write_probe(tmp_path / "file") is not None  # (works as root too: not a dir)
