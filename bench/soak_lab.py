@@ -18,6 +18,7 @@ and removed when the fault ends (and with the namespaces by `lab.sh down`):
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -42,6 +43,18 @@ CLOCK_SHIM = Path(__file__).resolve().with_name("soak_clock")
 
 class LabError(Exception):
     pass
+
+
+# Resolved here, in the parent: between fork and exec the child only calls it.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """(preexec_fn) SIGKILL the peer when the soak's thread that started it dies: an
+    interrupted soak must not leave ten daemons training. Peers are started from the
+    soak's main thread, which outlives them."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def find_lab_sh() -> Path:
@@ -172,6 +185,7 @@ class PeerProcess:
                 ["ip", "netns", "exec", self.netns, sys.executable, "-m", "shoal.peer", "run",
                  *self.args],
                 stdout=subprocess.DEVNULL, stderr=log, env=env,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 (prctl only)
             )  # fmt: skip
         self.starts += 1
         self.started_at.append((time.time(), clock_offset_s))
