@@ -51,9 +51,13 @@ from .mux import (
     StreamOpened,
     StreamWasReset,
 )
+from .remote_log import RemoteEvents
 from .secure import SecureHandshake
 
 log = logging.getLogger("shoal.transport")
+# Refusals, handshake timeouts and violations: a remote peer decides how many.
+# (The default for connections made outside a Host; each Host has its own.)
+_remote_events = RemoteEvents(log)
 
 # uvloop's loop.time() has millisecond resolution (cached per iteration): too coarse
 # for loopback RTTs and window tuning, so measurements use the monotonic clock.
@@ -438,8 +442,11 @@ class Connection(asyncio.BufferedProtocol):
         admit: Callable[[Connection], str | None] | None = None,
         outbound: bool | None = None,
         kind: str = "direct",
+        remote_events: RemoteEvents | None = None,
     ) -> None:
         self.config = config or ConnectionConfig()
+        # Where the log lines a remote end causes go (rate-limited; the host's own).
+        self.remote_events = remote_events or _remote_events
         # `initiator` is the Noise and multiplexer role; `outbound` says who opened the
         # underlying transport. They differ only for hole punching, where the role is
         # agreed beforehand (a TCP simultaneous open has no dialer).
@@ -660,7 +667,13 @@ class Connection(asyncio.BufferedProtocol):
         if self._admit is not None:
             refusal = self._admit(self)
             if refusal is not None:
-                log.info("refusing connection from %s: %s", self._peer_name(), refusal)
+                self.remote_events.info(
+                    "connection refused",
+                    self.remote_key(),
+                    "refusing connection from %s: %s",
+                    self._peer_name(),
+                    refusal,
+                )
                 self.abort(refusal)
                 return
         transport.set_write_buffer_limits(high=_WRITE_BATCH, low=_WRITE_BATCH // 4)
@@ -1015,7 +1028,9 @@ class Connection(asyncio.BufferedProtocol):
             self._bodies_in.clear()
             self._bodies_out.clear()
         if not self.handshake_done.done():
-            log.info(
+            self.remote_events.info(
+                "handshake not finished",
+                self.remote_key(),
                 "closing connection from %s: handshake not finished in %.1fs",
                 self._peer_name(),
                 self.config.handshake_timeout,
@@ -1047,7 +1062,13 @@ class Connection(asyncio.BufferedProtocol):
         )
 
     def _violation(self, error: TransportError) -> None:
-        log.warning("closing connection to %s: %s", self._peer_name(), error)
+        self.remote_events.warning(
+            "protocol violation",
+            self.remote_key(),
+            "closing connection to %s: %s",
+            self._peer_name(),
+            error,
+        )
         if self._failure is None:
             self._failure = error
         self.abort(str(error))
@@ -1084,6 +1105,14 @@ class Connection(asyncio.BufferedProtocol):
         self.closed.set_result(None)
         if self._on_closed is not None:
             self._on_closed(self)
+
+    def remote_key(self) -> str | None:
+        """Who to blame in a log summary: the remote IP, else the relay or peer."""
+        if self.remote_address:
+            return str(self.remote_address[0])
+        if self.relay is not None:
+            return f"relay {self.relay.short()}"
+        return None if self.remote_peer is None else self.remote_peer.short()
 
     def _peer_name(self) -> str:
         if self.remote_address:

@@ -25,6 +25,7 @@ from .errors import (
 from .identity import Identity, PeerID
 from .interfaces import local_addresses
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address
+from .remote_log import RemoteEvents
 
 log = logging.getLogger("shoal.transport")
 
@@ -76,6 +77,9 @@ class Host:
         self._per_ip: Counter[str] = Counter()
         self._dials: dict[PeerID, asyncio.Future[Connection]] = {}
         self._closing = False
+        # Log lines remote ends cause (refusals, handshake timeouts, violations, handler
+        # failures), rate-limited and summarized per kind.
+        self.remote_events = RemoteEvents(log)
         self._dial_tasks: set[asyncio.Task[Connection]] = set()
         self._listeners: list[tuple[ConnectionCallback | None, ConnectionCallback | None]] = []
         self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
@@ -449,7 +453,8 @@ class Host:
                 elif isinstance(e, DialError):
                     typed = e
                 elif isinstance(e, HandshakeError):
-                    log.info("dial %s failed: %s", addr, e)
+                    # (the remote end of a dial we chose to make; its answer, our log)
+                    self.remote_events.info("dial failed", str(addr), "dial %s failed: %s", addr, e)
         if mismatch is not None and len(errors) == 1:
             raise mismatch
         if typed is not None and len(errors) == 1:
@@ -552,6 +557,7 @@ class Host:
             admit=self._admit,
             outbound=outbound,
             kind=kind,
+            remote_events=self.remote_events,
         )
         conn.handshake_done.add_done_callback(lambda fut: self._on_handshake(conn, fut))
         return conn
@@ -667,7 +673,16 @@ class Host:
             log.debug("handler %s for %s: %s", stream.protocol, stream.remote_peer.short(), e)
             stream.reset(type(e).__name__)
         except Exception:
-            log.exception("handler %s failed for %s", stream.protocol, stream.remote_peer)
+            # A bug here, but a remote peer may trigger it at will: the first few with
+            # their traceback, then a count.
+            self.remote_events.error(
+                f"handler {stream.protocol} failed",
+                stream.connection.remote_key(),
+                "handler %s failed for %s",
+                stream.protocol,
+                stream.remote_peer,
+                exc_info=True,
+            )
             stream.reset("handler error")
         else:
             await stream.close(discard_input=True)
