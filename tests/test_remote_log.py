@@ -21,9 +21,7 @@ def test_the_first_few_of_a_kind_are_logged_then_counted() -> None:
     (summary,) = c.due(60.0)
     assert summary.suppressed == 1995
     assert summary.addresses == 7
-    assert summary.top_count == max(
-        sum(1 for i in range(5, 2000) if i % 7 == k) for k in range(7)
-    )
+    assert summary.top_count == max(sum(1 for i in range(5, 2000) if i % 7 == k) for k in range(7))
     assert summary.line().startswith(
         "suppressed 1,995 'handshake not finished' from 7 addresses in the last 60 s; most from"
     )
@@ -71,12 +69,26 @@ async def test_the_summary_is_written_when_the_window_ends_even_if_the_flood_sto
 ) -> None:
     logger = logging.getLogger("shoal.test.remote_log")
     events = RemoteEvents(logger, window=0.2, first_per_window=2)
-    with caplog.at_level(logging.INFO, logger=logger.name):
-        for i in range(500):
-            events.info(KIND, "203.0.113.7" if i % 3 else "198.51.100.1", "closing %d", i)
-        assert [r.getMessage() for r in caplog.records] == ["closing 0", "closing 1"]
-        while len(caplog.records) < 3:  # the timer writes the summary; no more events come
-            await asyncio.sleep(0.05)
+    third_line = asyncio.Event()
+
+    class Notify(logging.Handler):
+        seen = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.seen += 1
+            if self.seen == 3:
+                third_line.set()
+
+    notify = Notify()
+    logger.addHandler(notify)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            for i in range(500):
+                events.info(KIND, "203.0.113.7" if i % 3 else "198.51.100.1", "closing %d", i)
+            assert [r.getMessage() for r in caplog.records] == ["closing 0", "closing 1"]
+            await third_line.wait()  # the timer writes the summary; no more events come
+    finally:
+        logger.removeHandler(notify)
     summary = caplog.records[2].getMessage()
     assert summary == (
         "suppressed 498 'handshake not finished' from 2 addresses in the last 0.2 s; "
