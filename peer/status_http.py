@@ -9,8 +9,10 @@ can reach directly (`--status-addr 0.0.0.0:8080`, or a published docker port):
   connection whose handler still waits for a complete request when it runs out,
   whether the client is idle or trickling.
 - no cap on connections: each costs a file descriptor the P2P host also needs.
-  Here at most `max_connections`, and `max_connections_per_ip` from one address;
-  the excess is closed as it is accepted.
+  Here at most `max_connections`, and `max_connections_per_ip` from one address.
+  Over the per-IP cap a newcomer is closed as it is accepted; at the total cap the
+  oldest connection (if older than `evict_after`) is closed for it, so held
+  sockets cannot lock out a client that asks and goes (/healthz, the page).
 - a request line over 8,190 bytes was logged at ERROR with a traceback, one per
   request. Here line, field and header-count limits are explicit, the client gets
   a 4xx, and the log gets one counted line per kind and minute
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -42,6 +44,7 @@ class HttpLimits:
     max_headers: int = 64
     max_connections: int = 256
     max_connections_per_ip: int = 64
+    evict_after: float = 1.0  # at the total cap, a connection this old may go for a new one
 
     def handler_args(self) -> dict[str, object]:
         """The keyword arguments aiohttp's request handler takes for these limits."""
@@ -123,11 +126,12 @@ class BoundedTCPSite(web.TCPSite):
         self._limits = limits
         self._events = events
         self._per_ip: Counter[str] = Counter()
-        self._open = 0
+        self._conns: OrderedDict[_Counted, float] = OrderedDict()  # oldest first
+        self.evicted = 0
 
     @property
     def open_connections(self) -> int:
-        return self._open
+        return len(self._conns)
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner
@@ -147,23 +151,31 @@ class BoundedTCPSite(web.TCPSite):
         # The peer's address is known only in connection_made: count there.
         return _Counted(self)
 
-    def _admit(self, ip: str) -> bool:
+    def _admit(self, conn: _Counted, ip: str) -> bool:
         lim = self._limits
-        if self._open >= lim.max_connections:
-            why = f"connection limit ({lim.max_connections}) reached"
-        elif self._per_ip[ip] >= lim.max_connections_per_ip:
+        now = asyncio.get_running_loop().time()
+        why = None
+        if self._per_ip[ip] >= lim.max_connections_per_ip:
             why = f"per-IP connection limit ({lim.max_connections_per_ip}) reached"
-        else:
-            self._open += 1
-            self._per_ip[ip] += 1
-            return True
-        self._events.info(
-            "status connection refused", ip, "status endpoint: refusing %s: %s", ip, why
-        )
-        return False
+        elif len(self._conns) >= lim.max_connections:
+            oldest, since = next(iter(self._conns.items()))
+            if now - since < lim.evict_after:
+                why = f"connection limit ({lim.max_connections}) reached"
+            else:
+                self.evicted += 1
+                oldest.evict()
+        if why is not None:
+            self._events.info(
+                "status connection refused", ip, "status endpoint: refusing %s: %s", ip, why
+            )
+            return False
+        self._conns[conn] = now
+        self._per_ip[ip] += 1
+        return True
 
-    def _release(self, ip: str) -> None:
-        self._open -= 1
+    def _release(self, conn: _Counted, ip: str) -> None:
+        if self._conns.pop(conn, None) is None:
+            return
         self._per_ip[ip] -= 1
         if self._per_ip[ip] <= 0:
             del self._per_ip[ip]
@@ -176,14 +188,23 @@ class _Counted(asyncio.Protocol):
         self._site = site
         self._inner: asyncio.Protocol | None = None
         self._ip: str | None = None
+        self._transport: asyncio.BaseTransport | None = None
+
+    def evict(self) -> None:
+        """Close at once, to make room for a newer connection."""
+        if self._ip is not None:
+            self._site._release(self, self._ip)
+        if self._transport is not None:
+            self._transport.abort()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         ip = str(peer[0]) if peer else "?"
-        if not self._site._admit(ip):
+        if not self._site._admit(self, ip):
             transport.abort()
             return
         self._ip = ip
+        self._transport = transport
         server = self._site._runner.server
         assert server is not None
         self._inner = server()
@@ -191,7 +212,7 @@ class _Counted(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._ip is not None:
-            self._site._release(self._ip)
+            self._site._release(self, self._ip)
             self._ip = None
         if self._inner is not None:
             self._inner.connection_lost(exc)

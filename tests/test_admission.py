@@ -11,7 +11,6 @@ LIMITS = AdmissionLimits(
     max_pending=4,
     max_pending_per_ip=2,
     max_pending_per_subnet=3,
-    evict_after=1.0,
 )
 
 
@@ -38,13 +37,15 @@ def test_a_half_open_flood_does_not_take_the_established_slots() -> None:
     assert adm.connections_from("198.51.0.1") == 0
 
 
-def test_a_newcomer_is_refused_when_every_half_open_one_is_young() -> None:
+def test_the_crowded_subnet_loses_its_oldest_half_open_connection() -> None:
     adm = Admission(LIMITS)
-    for i in range(4):
-        adm.admit(i, f"198.51.{i}.1", inbound=True, now=0)
-    assert adm.admit("late", "203.0.113.9", inbound=True, now=0.5).refusal == (
-        "handshake slots (4) full"
-    )
+    adm.admit("lone", "192.0.2.1", inbound=True, now=0)  # the oldest, alone in its /24
+    adm.admit("a1", "198.51.100.1", inbound=True, now=1)
+    adm.admit("a2", "198.51.100.2", inbound=True, now=2)
+    adm.admit("a3", "198.51.100.3", inbound=True, now=3)
+    verdict = adm.admit("new", "203.0.113.9", inbound=True, now=4)
+    assert verdict.evict == ("a1",)  # not "lone": 198.51.100.0/24 holds three
+    assert adm.pending == 4
 
 
 def test_per_ip_and_per_subnet_half_open_caps_refuse_the_sources_own() -> None:

@@ -7,11 +7,13 @@ renewed every 10 s handshake timeout, kept honest peers out. So:
 
 - Half-open inbound connections have slots of their own: `max_pending` in all,
   `max_pending_per_ip` per address and `max_pending_per_subnet` per /24 (IPv4)
-  or /48 (IPv6). When every half-open slot is taken, the oldest half-open
-  connection (older than `evict_after`) is dropped for the new one: an honest
-  handshake takes a round trip or two, a silent one sits until its timeout, so
-  the flood evicts itself. Over a per-IP or per-subnet cap the newcomer is
-  refused: the attacker's own addresses pay.
+  or /48 (IPv6). When every half-open slot is taken, a half-open connection is
+  dropped for the newcomer: the oldest one from the subnet that holds the most
+  half-open slots. A flood from few subnets evicts itself, and an honest peer
+  from another subnet always gets its handshake started (a silent connection
+  sits until its timeout, an honest handshake takes a round trip or two). Over a
+  per-IP or per-subnet cap the newcomer is refused: the attacker's own
+  addresses pay.
 - Established connections keep the caps they had (`max_connections` in all,
   `max_connections_per_ip`) plus `max_connections_per_subnet`.
 - Outbound connections (we dialed) are never refused here, and half-open
@@ -43,7 +45,6 @@ class AdmissionLimits:
     max_pending: int = 256
     max_pending_per_ip: int = 16
     max_pending_per_subnet: int = 64
-    evict_after: float = 1.0  # a half-open connection younger than this is not evicted
     exempt_loopback: bool = True
 
 
@@ -96,7 +97,9 @@ class Admission:
     def __init__(self, limits: AdmissionLimits | None = None) -> None:
         self.limits = limits or AdmissionLimits()
         self._entries: dict[Hashable, _Entry] = {}
-        self._pending: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
+        # Half-open, not exempt: by subnet, oldest first (relayed ones under None).
+        self._pending: dict[str | None, OrderedDict[Hashable, None]] = {}
+        self._pending_count = 0
         self._per_ip: Counter[str] = Counter()  # every connection, any state
         self._per_subnet: Counter[str] = Counter()  # established inbound, not exempt
         self._pending_ip: Counter[str] = Counter()
@@ -109,7 +112,7 @@ class Admission:
     @property
     def pending(self) -> int:
         """Half-open inbound connections (handshaking)."""
-        return len(self._pending)
+        return self._pending_count
 
     def connections_from(self, ip: str) -> int:
         return self._per_ip[ip]
@@ -126,10 +129,9 @@ class Admission:
             refusal = self._refusal(ip, subnet, exempt)
             if refusal is not None:
                 return Verdict(refusal)
-            if not exempt and len(self._pending) >= lim.max_pending:
-                oldest = next(iter(self._pending))
-                if now - self._entries[oldest].since < lim.evict_after:
-                    return Verdict(f"handshake slots ({lim.max_pending}) full")
+            if not exempt and self._pending_count >= lim.max_pending:
+                crowded = max(self._pending.values(), key=len)
+                oldest = next(iter(crowded))
                 self._end_pending(oldest, EVICTED)  # counted nowhere until it closes
                 self.evicted += 1
                 evict = (oldest,)
@@ -142,7 +144,8 @@ class Admission:
         elif exempt:
             self._exempt_pending += 1
         else:
-            self._pending[key] = None
+            self._pending.setdefault(subnet, OrderedDict())[key] = None
+            self._pending_count += 1
             if ip is not None:
                 self._pending_ip[ip] += 1
                 if subnet is not None:
@@ -205,7 +208,12 @@ class Admission:
         entry.state = state
         if entry.inbound and entry.exempt:
             self._exempt_pending -= 1
-        self._pending.pop(key, None)
+        group = self._pending.get(entry.subnet)
+        if group is not None and key in group:
+            del group[key]
+            self._pending_count -= 1
+            if not group:
+                del self._pending[entry.subnet]
         if entry.ip is not None and not entry.exempt:
             _decrement(self._pending_ip, entry.ip)
             if entry.subnet is not None:

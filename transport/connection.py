@@ -318,6 +318,11 @@ class Stream:
     def at_eof(self) -> bool:
         return self._eof and not self._buffered
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not read yet."""
+        return self._buffered
+
     async def wait_readable(self) -> None:
         """Return once a read would not block: data buffered, end of stream, or an error."""
         while not self._buffered and not self._eof:

@@ -293,22 +293,31 @@ class RpcService:
         slots = self._slots.get(peer)
         if slots is None:
             slots = self._slots[peer] = _PeerSlots(self.limits.max_concurrent_per_peer)
+        request_due = asyncio.get_running_loop().time() + self.limits.first_message_timeout
         try:
             # Queued calls wait before their request is read: they cost a task, and the
             # bytes the stream's window lets the peer send.
             await slots.acquire()
             try:
-                await self._serve_admitted(stream)
+                await self._serve_admitted(stream, request_due)
             finally:
                 slots.release()
         finally:
             if slots.idle and self._slots.get(peer) is slots:
                 del self._slots[peer]
 
-    async def _serve_admitted(self, stream: Stream) -> None:
+    async def _serve_admitted(self, stream: Stream, request_due: float) -> None:
         msgs = MessageStream(stream, self.limits)
+        # The request is due `first_message_timeout` after the stream opened, queueing
+        # included (so a queue of silent streams drains at once), but one that has
+        # begun to arrive gets the full time to finish.
+        deadline = request_due
+        if stream.buffered:
+            deadline = max(
+                deadline, asyncio.get_running_loop().time() + self.limits.first_message_timeout
+            )
         try:
-            async with asyncio.timeout(self.limits.first_message_timeout):
+            async with asyncio.timeout_at(deadline):
                 request = await msgs.recv()
         except TimeoutError:
             self.silent_streams += 1
