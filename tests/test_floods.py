@@ -378,7 +378,7 @@ async def test_an_rpc_storm_from_one_peer(victim: Victim, attack_log) -> None:
         lines = assert_quiet_log(attack_log, sum(calls.values()))
         honest = sorted(victim.honest_ms)
         print(
-            f"\nRPC storm from one peer, 512 concurrent callers (20 ms handler) for {seconds:.1f} s: "
+            f"\nRPC storm from one peer, 512 concurrent callers (20 ms handler), {seconds:.1f} s: "
             f"{calls['ok'] / seconds:,.0f} calls/s served, at most {peak} running at once "
             f"(cap {victim.service.limits.max_concurrent_per_peer}); honest connect+call p50 "
             f"{honest[len(honest) // 2]:.0f} ms, max {honest[-1]:.0f} ms over {len(honest)}; "
