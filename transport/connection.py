@@ -459,9 +459,10 @@ class Connection(asyncio.BufferedProtocol):
         self.outbound = initiator if outbound is None else outbound
         self.serial = next(Connection._ids)
         self._loop = asyncio.get_running_loop()
-        self._handshake: SecureHandshake | None = SecureHandshake(
-            identity, initiator, expected_peer
-        )
+        # The handshake (its ephemeral key: most of what a Connection costs to make) is
+        # made once the connection is admitted, so a refused flood costs less.
+        self._handshake_args = (identity, initiator, expected_peer)
+        self._handshake: SecureHandshake | None = None
         self._on_stream = on_stream
         self._on_closed = on_closed
         self._admit = admit
@@ -523,10 +524,10 @@ class Connection(asyncio.BufferedProtocol):
         For a hole-punched connection that was accepted by our listener although
         we are the agreed handshake initiator.
         """
-        if self._handshake is None or self._handshake_started:
+        if self._handshake_started:
             raise RuntimeError("the handshake role is fixed once the handshake has started")
         self.initiator = initiator
-        self._handshake = SecureHandshake(self._handshake.identity, initiator, expected_peer)
+        self._handshake_args = (self._handshake_args[0], initiator, expected_peer)
         self._mux = _multiplexer(initiator, self.config)
 
     @property
@@ -683,7 +684,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
         transport.set_write_buffer_limits(high=_WRITE_BATCH, low=_WRITE_BATCH // 4)
         self._timer = self._loop.call_later(self.config.handshake_timeout, self._on_timer)
-        assert self._handshake is not None
+        self._handshake = SecureHandshake(*self._handshake_args)
         self._handshake_started = True
         first = self._handshake.start()
         if first:
