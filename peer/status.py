@@ -243,6 +243,7 @@ class StatusServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+            self.remote_events.flush()
 
     async def __aenter__(self) -> StatusServer:
         await self.start()

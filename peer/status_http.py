@@ -10,9 +10,10 @@ can reach directly (`--status-addr 0.0.0.0:8080`, or a published docker port):
   whether the client is idle or trickling.
 - no cap on connections: each costs a file descriptor the P2P host also needs.
   Here at most `max_connections`, and `max_connections_per_ip` from one address.
-  Over the per-IP cap a newcomer is closed as it is accepted; at the total cap the
-  oldest connection (if older than `evict_after`) is closed for it, so held
-  sockets cannot lock out a client that asks and goes (/healthz, the page).
+  Over the per-IP cap a newcomer is closed as it is accepted. At the total cap a
+  newcomer from an address holding fewer connections than the most crowded one
+  takes the oldest of that address's; one from (one of) the most crowded is
+  closed. So sockets held from a few addresses cannot lock out anyone else.
 - a request line over 8,190 bytes was logged at ERROR with a traceback, one per
   request. Here line, field and header-count limits are explicit, the client gets
   a 4xx, and the log gets one counted line per kind and minute
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -44,7 +45,6 @@ class HttpLimits:
     max_headers: int = 64
     max_connections: int = 256
     max_connections_per_ip: int = 64
-    evict_after: float = 1.0  # at the total cap, a connection this old may go for a new one
 
     def handler_args(self) -> dict[str, object]:
         """The keyword arguments aiohttp's request handler takes for these limits."""
@@ -125,13 +125,14 @@ class BoundedTCPSite(web.TCPSite):
         super().__init__(runner, host, port, reuse_port=False)
         self._limits = limits
         self._events = events
-        self._per_ip: Counter[str] = Counter()
-        self._conns: OrderedDict[_Counted, float] = OrderedDict()  # oldest first
+        # Open connections by client address, oldest first.
+        self._by_ip: dict[str, OrderedDict[_Counted, None]] = {}
+        self._count = 0
         self.evicted = 0
 
     @property
     def open_connections(self) -> int:
-        return len(self._conns)
+        return self._count
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with the runner
@@ -153,32 +154,34 @@ class BoundedTCPSite(web.TCPSite):
 
     def _admit(self, conn: _Counted, ip: str) -> bool:
         lim = self._limits
-        now = asyncio.get_running_loop().time()
+        mine = self._by_ip.get(ip)
         why = None
-        if self._per_ip[ip] >= lim.max_connections_per_ip:
+        if mine is not None and len(mine) >= lim.max_connections_per_ip:
             why = f"per-IP connection limit ({lim.max_connections_per_ip}) reached"
-        elif len(self._conns) >= lim.max_connections:
-            oldest, since = next(iter(self._conns.items()))
-            if now - since < lim.evict_after:
+        elif self.open_connections >= lim.max_connections:
+            crowded = max(self._by_ip.values(), key=len)
+            if (len(mine) if mine else 0) + 1 > len(crowded):
                 why = f"connection limit ({lim.max_connections}) reached"
             else:
                 self.evicted += 1
-                oldest.evict()
+                next(iter(crowded)).evict()
         if why is not None:
             self._events.info(
                 "status connection refused", ip, "status endpoint: refusing %s: %s", ip, why
             )
             return False
-        self._conns[conn] = now
-        self._per_ip[ip] += 1
+        self._by_ip.setdefault(ip, OrderedDict())[conn] = None
+        self._count += 1
         return True
 
     def _release(self, conn: _Counted, ip: str) -> None:
-        if self._conns.pop(conn, None) is None:
+        mine = self._by_ip.get(ip)
+        if mine is None or conn not in mine:
             return
-        self._per_ip[ip] -= 1
-        if self._per_ip[ip] <= 0:
-            del self._per_ip[ip]
+        del mine[conn]
+        self._count -= 1
+        if not mine:
+            del self._by_ip[ip]
 
 
 class _Counted(asyncio.Protocol):

@@ -46,6 +46,10 @@ def test_the_crowded_subnet_loses_its_oldest_half_open_connection() -> None:
     verdict = adm.admit("new", "203.0.113.9", inbound=True, now=4)
     assert verdict.evict == ("a1",)  # not "lone": 198.51.100.0/24 holds three
     assert adm.pending == 4
+    # A newcomer from the most crowded subnet is refused rather than evict anyone.
+    assert adm.admit("a4", "198.51.100.4", inbound=True, now=5).refusal == (
+        "handshake slots (4) full"
+    )
 
 
 def test_per_ip_and_per_subnet_half_open_caps_refuse_the_sources_own() -> None:

@@ -7,13 +7,12 @@ renewed every 10 s handshake timeout, kept honest peers out. So:
 
 - Half-open inbound connections have slots of their own: `max_pending` in all,
   `max_pending_per_ip` per address and `max_pending_per_subnet` per /24 (IPv4)
-  or /48 (IPv6). When every half-open slot is taken, a half-open connection is
-  dropped for the newcomer: the oldest one from the subnet that holds the most
-  half-open slots. A flood from few subnets evicts itself, and an honest peer
-  from another subnet always gets its handshake started (a silent connection
-  sits until its timeout, an honest handshake takes a round trip or two). Over a
-  per-IP or per-subnet cap the newcomer is refused: the attacker's own
-  addresses pay.
+  or /48 (IPv6). When every half-open slot is taken, a newcomer from a subnet
+  holding fewer half-open slots than the most crowded one takes the oldest of
+  that subnet's; one from (one of) the most crowded subnets is refused. So an
+  honest peer from another subnet always gets its handshake started, and a
+  flood mostly meets refusals, which cost no handshake work. Over a per-IP or
+  per-subnet cap the newcomer is refused: the attacker's own addresses pay.
 - Established connections keep the caps they had (`max_connections` in all,
   `max_connections_per_ip`) plus `max_connections_per_subnet`.
 - Outbound connections (we dialed) are never refused here, and half-open
@@ -131,6 +130,10 @@ class Admission:
                 return Verdict(refusal)
             if not exempt and self._pending_count >= lim.max_pending:
                 crowded = max(self._pending.values(), key=len)
+                mine = len(self._pending.get(subnet, ()))
+                if mine + 1 > len(crowded):
+                    # Its own subnet is (one of) the most crowded: it waits, not another.
+                    return Verdict(f"handshake slots ({lim.max_pending}) full")
                 oldest = next(iter(crowded))
                 self._end_pending(oldest, EVICTED)  # counted nowhere until it closes
                 self.evicted += 1

@@ -156,6 +156,7 @@ class Host:
         if self._closing:
             return
         self._closing = True
+        self.remote_events.flush()  # what was suppressed so far, rather than nothing
         for server in self._servers:
             server.close()
         for task in list(self._dial_tasks):
