@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 
+from shoal.averaging.allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
+from shoal.averaging.group import Group, Member, make_round_id
 from shoal.peer.metrics import Metrics
 from shoal.peer.status import StatusServer
 from shoal.peer.status_http import HttpLimits
@@ -43,6 +46,8 @@ PROTO = "/shoal/flood-test/1.0.0"
 HANDSHAKE_TIMEOUT = 2.0
 FIRST_MESSAGE_TIMEOUT = 1.5
 KEEPALIVE = 2.0
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+FAST_ROUNDS = {"heartbeat_interval": 0.05, "stall_timeout": 5.0, "decision_timeout": 5.0}
 # Log records an attack may cause: the first few per kind, across a few kinds.
 MAX_ATTACK_LOG_LINES = 20
 
@@ -69,6 +74,27 @@ class Victim:
     http: tuple[str, int]
     honest_ms: list[float] = field(default_factory=list)
     healthz_ms: list[float] = field(default_factory=list)
+    # The victim and two honest peers average 64k floats, as a training round would.
+    averagers: list[AllReduceService] = field(default_factory=list)
+    round_ms: list[float] = field(default_factory=list)
+
+    async def allreduce_round(self) -> float:
+        """One all-reduce round of the victim with two honest peers; returns its time in ms."""
+        hosts = [s.host for s in self.averagers]
+        members = tuple(Member(h.peer_id, tuple(h.addresses()), 1.0) for h in hosts)
+        round_id = make_round_id("flood", [m.peer_id for m in members], os.urandom(16))
+        group = Group("flood", round_id, members)
+        t0 = time.perf_counter()
+        inputs = [[torch.full((1 << 16,), float(i))] for i in range(len(hosts))]
+        outs = await asyncio.gather(
+            *(s.run(group, ts, 1.0) for s, ts in zip(self.averagers, inputs, strict=True))
+        )
+        for out in outs:
+            assert isinstance(out, AllReduceOutcome) and out.committed, out
+        assert all(float(ts[0][0]) == 1.0 for ts in inputs)  # the mean of 0, 1, 2
+        ms = (time.perf_counter() - t0) * 1000
+        self.round_ms.append(ms)
+        return ms
 
     async def honest_call(self, timeout: float = 10.0) -> float:
         """A new honest peer connects and makes a call; returns its time in ms."""
@@ -145,8 +171,19 @@ async def victim() -> AsyncIterator[Victim]:
     tcp = host.addresses()[0].tcp_endpoint()
     assert tcp is not None
     v = Victim(host, service, status, (str(tcp[0]), int(tcp[1])), ("127.0.0.1", port))
+    peers = []
+    for _ in range(2):
+        peer = Host(Identity.generate(), HostConfig(listen=LOOPBACK, close_grace=0.1))
+        await peer.start()
+        peers.append(peer)
+    v.averagers = [AllReduceService(h, AllReduceConfig(**FAST_ROUNDS)) for h in [host, *peers]]
+    await v.allreduce_round()  # (its buffers and threads exist before RSS is measured)
+    v.round_ms.clear()
     yield v
-    await asyncio.gather(status.aclose(), host.aclose(), return_exceptions=True)
+    await asyncio.gather(*(a.aclose() for a in v.averagers), return_exceptions=True)
+    await asyncio.gather(
+        status.aclose(), host.aclose(), *(p.aclose() for p in peers), return_exceptions=True
+    )
 
 
 @pytest.fixture
@@ -218,7 +255,7 @@ async def test_two_thousand_silent_connections(victim: Victim, attack_log) -> No
     t0 = time.perf_counter()
     conns = await open_many(victim.endpoint, 2000)
     opened = time.perf_counter() - t0
-    during = [await victim.honest_call(), await victim.healthz()]
+    during = [await victim.honest_call(), await victim.healthz(), await victim.allreduce_round()]
     closed = await closed_within(conns, HANDSHAKE_TIMEOUT + 8)
     growth = rss_mb() - rss0
     lines = assert_quiet_log(attack_log, len(conns))
@@ -228,7 +265,8 @@ async def test_two_thousand_silent_connections(victim: Victim, attack_log) -> No
         f"\n2,000 silent connections from {2000 // 8} IPs in {2000 // 64} /24s (opened in "
         f"{opened:.1f} s): all closed {closed:.1f} s later (handshake timeout "
         f"{HANDSHAKE_TIMEOUT:g} s; {victim.host.admission.evicted} evicted for newcomers); "
-        f"honest connect+call {during[0]:.0f} ms, /healthz {during[1]:.0f} ms; "
+        f"honest connect+call {during[0]:.0f} ms, /healthz {during[1]:.0f} ms, all-reduce "
+        f"round (3 peers) {during[2]:.0f} ms; "
         f"RSS {growth:+.1f} MB; {lines} log lines"
     )
     assert growth < 64
@@ -245,13 +283,15 @@ async def test_a_half_open_handshake_flood_does_not_lock_honest_peers_out(
     # Every half-open slot is taken; honest peers still get in (the oldest goes).
     assert victim.host.admission.pending > 0
     during = [await victim.honest_call() for _ in range(5)]
+    round_ms = await victim.allreduce_round()
     closed = await closed_within(conns, HANDSHAKE_TIMEOUT + 8)
     growth = rss_mb() - rss0
     lines = assert_quiet_log(attack_log, len(conns))
     close_all(conns)
     print(
         f"\nhalf-open flood of {len(conns)} handshakes: honest connect+call max "
-        f"{max(during):.0f} ms, {victim.host.admission.evicted} half-open evicted, all closed "
+        f"{max(during):.0f} ms, all-reduce round {round_ms:.0f} ms, "
+        f"{victim.host.admission.evicted} half-open evicted, all closed "
         f"in {closed:.1f} s; RSS {growth:+.1f} MB; {lines} log lines"
     )
     assert growth < 64
@@ -298,6 +338,7 @@ async def test_a_stream_flood_of_idle_streams(victim: Victim, attack_log) -> Non
             streams.append(await conn.open_stream(PROTO))
         await asyncio.sleep(0)  # (let the victim see them)
         during = await victim.honest_call()
+        round_ms = await victim.allreduce_round()
         t0 = time.perf_counter()
 
         async def reset(stream: Any) -> None:
@@ -317,7 +358,8 @@ async def test_a_stream_flood_of_idle_streams(victim: Victim, attack_log) -> Non
         print(
             f"\n2,000 idle streams on one connection: all ended {drained:.1f} s later "
             f"({victim.service.silent_streams} reset as silent, first message due in "
-            f"{FIRST_MESSAGE_TIMEOUT:g} s); honest connect+call {during:.0f} ms; "
+            f"{FIRST_MESSAGE_TIMEOUT:g} s); honest connect+call {during:.0f} ms, all-reduce "
+            f"round {round_ms:.0f} ms; "
             f"RSS {growth:+.1f} MB; {lines} log lines"
         )
         assert growth < 64
@@ -369,6 +411,7 @@ async def test_an_rpc_storm_from_one_peer(victim: Victim, attack_log) -> None:
         while time.perf_counter() - t0 < 3:
             await victim.honest_call()
             await victim.healthz()
+            await victim.allreduce_round()
             slots = victim.service._slots.get(attacker.peer_id)
             peak = max(peak, slots.running if slots is not None else 0)
         stop.set()
@@ -382,7 +425,9 @@ async def test_an_rpc_storm_from_one_peer(victim: Victim, attack_log) -> None:
             f"{calls['ok'] / seconds:,.0f} calls/s served, at most {peak} running at once "
             f"(cap {victim.service.limits.max_concurrent_per_peer}); honest connect+call p50 "
             f"{honest[len(honest) // 2]:.0f} ms, max {honest[-1]:.0f} ms over {len(honest)}; "
-            f"/healthz max {max(victim.healthz_ms):.0f} ms; RSS {growth:+.1f} MB; {lines} lines"
+            f"/healthz max {max(victim.healthz_ms):.0f} ms; all-reduce rounds max "
+            f"{max(victim.round_ms):.0f} ms over {len(victim.round_ms)}; "
+            f"RSS {growth:+.1f} MB; {lines} lines"
         )
         assert calls["ok"] > 0 and calls["other"] == 0
         assert peak <= victim.service.limits.max_concurrent_per_peer
