@@ -34,6 +34,7 @@ from shoal.transport.errors import (
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
+from shoal.transport.remote_log import RemoteEvents
 from shoal.transport.tasks import TaskSet
 
 from .lookup import ANSWERED, FAILED, Candidate, KeyLookup, traverse
@@ -190,6 +191,8 @@ class DHTNode:
         self._announced_at = -ANNOUNCE_INTERVAL
         self._wake = asyncio.Event()
         self._closed = False
+        # "answered garbage" is as frequent as a hostile peer wants it to be.
+        self._remote_events = RemoteEvents(log)
         self._counters = {
             "requests_served": 0,
             "requests_sent": 0,
@@ -576,7 +579,13 @@ class DHTNode:
         now = self._loop.time()
         if isinstance(exc, DHTProtocolError):
             self._counters["garbage_answers"] += 1
-            log.info("DHT peer %s answered garbage: %s", cand.peer_id.short(), exc)
+            self._remote_events.info(
+                "DHT peer answered garbage",
+                cand.peer_id.short(),
+                "DHT peer %s answered garbage: %s",
+                cand.peer_id.short(),
+                exc,
+            )
         else:
             log.debug("DHT request to %s failed: %r", cand.peer_id.short(), exc)
         self._blacklist[cand.peer_id] = now + self.blacklist_for

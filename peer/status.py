@@ -115,6 +115,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from shoal.transport.remote_log import RemoteEvents
+
+from .status_http import BoundedTCPSite, HttpLimits, http_error_logger
 from .status_page import STATUS_PAGE_CSP, STATUS_PAGE_HTML
 from .status_provider import StatusProvider
 
@@ -180,8 +183,13 @@ class StatusServer:
         *,
         peers_timeout: float = DEFAULT_PEERS_TIMEOUT,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        http_limits: HttpLimits | None = None,
     ) -> None:
         self.provider = provider
+        # Timeouts, sizes and connection caps against slow or hostile clients, and
+        # the rate-limited log of what they cause (peer/status_http.py).
+        self.http_limits = http_limits or HttpLimits()
+        self.remote_events = RemoteEvents(log)
         self.metrics = metrics
         self.host = host
         self.port = port
@@ -204,12 +212,18 @@ class StatusServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_GRACE,
+            logger=http_error_logger(self.remote_events),
+            **self.http_limits.handler_args(),
         )
         await runner.setup()
         try:
-            # reuse_port off: a second peer on the same port must fail, not share it.
-            site = web.TCPSite(runner, self.host, self.port, reuse_port=False)
+            site = BoundedTCPSite(
+                runner, self.host, self.port, limits=self.http_limits, events=self.remote_events
+            )
             await site.start()
         except BaseException:
             await runner.cleanup()
@@ -229,6 +243,7 @@ class StatusServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+            self.remote_events.flush()
 
     async def __aenter__(self) -> StatusServer:
         await self.start()
@@ -293,10 +308,23 @@ class StatusServer:
             headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
             return _json_error(e.status, e.reason.lower(), headers)
         except TimeoutError:
-            log.warning("status endpoint: %s %s timed out", request.method, request.path)
+            self.remote_events.warning(
+                "status request timed out",
+                request.remote,
+                "status endpoint: %s %s timed out",
+                request.method,
+                request.path,
+            )
             return _json_error(503, f"no answer within {self.request_timeout:g} s; try again")
         except Exception as e:
-            log.exception("status endpoint: %s %s failed", request.method, request.path)
+            self.remote_events.error(
+                "status request failed",
+                request.remote,
+                "status endpoint: %s %s failed",
+                request.method,
+                request.path,
+                exc_info=True,
+            )
             return _json_error(500, f"internal error ({type(e).__name__}); see the peer's log")
 
 

@@ -51,9 +51,13 @@ from .mux import (
     StreamOpened,
     StreamWasReset,
 )
+from .remote_log import RemoteEvents
 from .secure import SecureHandshake
 
 log = logging.getLogger("shoal.transport")
+# Refusals, handshake timeouts and violations: a remote peer decides how many.
+# (The default for connections made outside a Host; each Host has its own.)
+_remote_events = RemoteEvents(log)
 
 # uvloop's loop.time() has millisecond resolution (cached per iteration): too coarse
 # for loopback RTTs and window tuning, so measurements use the monotonic clock.
@@ -314,6 +318,11 @@ class Stream:
     def at_eof(self) -> bool:
         return self._eof and not self._buffered
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not read yet."""
+        return self._buffered
+
     async def wait_readable(self) -> None:
         """Return once a read would not block: data buffered, end of stream, or an error."""
         while not self._buffered and not self._eof:
@@ -438,8 +447,11 @@ class Connection(asyncio.BufferedProtocol):
         admit: Callable[[Connection], str | None] | None = None,
         outbound: bool | None = None,
         kind: str = "direct",
+        remote_events: RemoteEvents | None = None,
     ) -> None:
         self.config = config or ConnectionConfig()
+        # Where the log lines a remote end causes go (rate-limited; the host's own).
+        self.remote_events = remote_events or _remote_events
         # `initiator` is the Noise and multiplexer role; `outbound` says who opened the
         # underlying transport. They differ only for hole punching, where the role is
         # agreed beforehand (a TCP simultaneous open has no dialer).
@@ -447,9 +459,10 @@ class Connection(asyncio.BufferedProtocol):
         self.outbound = initiator if outbound is None else outbound
         self.serial = next(Connection._ids)
         self._loop = asyncio.get_running_loop()
-        self._handshake: SecureHandshake | None = SecureHandshake(
-            identity, initiator, expected_peer
-        )
+        # The handshake (its ephemeral key: most of what a Connection costs to make) is
+        # made once the connection is admitted, so a refused flood costs less.
+        self._handshake_args = (identity, initiator, expected_peer)
+        self._handshake: SecureHandshake | None = None
         self._on_stream = on_stream
         self._on_closed = on_closed
         self._admit = admit
@@ -511,10 +524,10 @@ class Connection(asyncio.BufferedProtocol):
         For a hole-punched connection that was accepted by our listener although
         we are the agreed handshake initiator.
         """
-        if self._handshake is None or self._handshake_started:
+        if self._handshake_started:
             raise RuntimeError("the handshake role is fixed once the handshake has started")
         self.initiator = initiator
-        self._handshake = SecureHandshake(self._handshake.identity, initiator, expected_peer)
+        self._handshake_args = (self._handshake_args[0], initiator, expected_peer)
         self._mux = _multiplexer(initiator, self.config)
 
     @property
@@ -660,12 +673,18 @@ class Connection(asyncio.BufferedProtocol):
         if self._admit is not None:
             refusal = self._admit(self)
             if refusal is not None:
-                log.info("refusing connection from %s: %s", self._peer_name(), refusal)
+                self.remote_events.info(
+                    "connection refused",
+                    self.remote_key(),
+                    "refusing connection from %s: %s",
+                    self._peer_name(),
+                    refusal,
+                )
                 self.abort(refusal)
                 return
         transport.set_write_buffer_limits(high=_WRITE_BATCH, low=_WRITE_BATCH // 4)
         self._timer = self._loop.call_later(self.config.handshake_timeout, self._on_timer)
-        assert self._handshake is not None
+        self._handshake = SecureHandshake(*self._handshake_args)
         self._handshake_started = True
         first = self._handshake.start()
         if first:
@@ -1015,7 +1034,9 @@ class Connection(asyncio.BufferedProtocol):
             self._bodies_in.clear()
             self._bodies_out.clear()
         if not self.handshake_done.done():
-            log.info(
+            self.remote_events.info(
+                "handshake not finished",
+                self.remote_key(),
                 "closing connection from %s: handshake not finished in %.1fs",
                 self._peer_name(),
                 self.config.handshake_timeout,
@@ -1047,7 +1068,13 @@ class Connection(asyncio.BufferedProtocol):
         )
 
     def _violation(self, error: TransportError) -> None:
-        log.warning("closing connection to %s: %s", self._peer_name(), error)
+        self.remote_events.warning(
+            "protocol violation",
+            self.remote_key(),
+            "closing connection to %s: %s",
+            self._peer_name(),
+            error,
+        )
         if self._failure is None:
             self._failure = error
         self.abort(str(error))
@@ -1084,6 +1111,14 @@ class Connection(asyncio.BufferedProtocol):
         self.closed.set_result(None)
         if self._on_closed is not None:
             self._on_closed(self)
+
+    def remote_key(self) -> str | None:
+        """Who to blame in a log summary: the remote IP, else the relay or peer."""
+        if self.remote_address:
+            return str(self.remote_address[0])
+        if self.relay is not None:
+            return f"relay {self.relay.short()}"
+        return None if self.remote_peer is None else self.remote_peer.short()
 
     def _peer_name(self) -> str:
         if self.remote_address:

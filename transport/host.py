@@ -8,10 +8,10 @@ import errno
 import ipaddress
 import logging
 import socket
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from .admission import Admission, AdmissionLimits
 from .connection import Connection, ConnectionConfig, Stream
 from .errors import (
     ConnectionLost,
@@ -25,6 +25,7 @@ from .errors import (
 from .identity import Identity, PeerID
 from .interfaces import local_addresses
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address
+from .remote_log import RemoteEvents
 
 log = logging.getLogger("shoal.transport")
 
@@ -47,8 +48,17 @@ class HostConfig:
     listen: tuple[str, ...] = DEFAULT_LISTEN
     announce: tuple[str, ...] = ()  # advertised instead of the detected addresses
     dial_timeout: float = 10.0
-    max_connections: int = 1024
+    max_connections: int = 1024  # established (authenticated) ones; see transport/admission.py
     max_connections_per_ip: int = 32
+    max_connections_per_subnet: int = 256  # inbound, per /24 (IPv4) or /48 (IPv6)
+    # Half-open (handshaking) inbound connections have slots of their own, so a flood
+    # of them cannot lock honest peers out of the established ones.
+    max_pending_handshakes: int = 256
+    max_pending_per_ip: int = 16
+    max_pending_per_subnet: int = 64
+    # Loopback is exempt from the caps above other than max_connections(_per_ip):
+    # tests run whole swarms on 127.0.0.1.
+    admission_exempt_loopback: bool = True
     close_grace: float = 5.0  # how long shutdown waits for open streams
     # Dial from the listen port (SO_REUSEPORT on listeners and dialing sockets): the NAT
     # then maps every outgoing connection to one public port, which peers observe and
@@ -73,9 +83,22 @@ class Host:
         # Bytes of connections already closed: the totals must not drop when one closes.
         self._closed_bytes_sent = 0
         self._closed_bytes_received = 0
-        self._per_ip: Counter[str] = Counter()
+        self.admission = Admission(
+            AdmissionLimits(
+                max_connections=self.config.max_connections,
+                max_connections_per_ip=self.config.max_connections_per_ip,
+                max_connections_per_subnet=self.config.max_connections_per_subnet,
+                max_pending=self.config.max_pending_handshakes,
+                max_pending_per_ip=self.config.max_pending_per_ip,
+                max_pending_per_subnet=self.config.max_pending_per_subnet,
+                exempt_loopback=self.config.admission_exempt_loopback,
+            )
+        )
         self._dials: dict[PeerID, asyncio.Future[Connection]] = {}
         self._closing = False
+        # Log lines remote ends cause (refusals, handshake timeouts, violations, handler
+        # failures), rate-limited and summarized per kind.
+        self.remote_events = RemoteEvents(log)
         self._dial_tasks: set[asyncio.Task[Connection]] = set()
         self._listeners: list[tuple[ConnectionCallback | None, ConnectionCallback | None]] = []
         self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
@@ -133,6 +156,7 @@ class Host:
         if self._closing:
             return
         self._closing = True
+        self.remote_events.flush()  # what was suppressed so far, rather than nothing
         for server in self._servers:
             server.close()
         for task in list(self._dial_tasks):
@@ -449,7 +473,8 @@ class Host:
                 elif isinstance(e, DialError):
                     typed = e
                 elif isinstance(e, HandshakeError):
-                    log.info("dial %s failed: %s", addr, e)
+                    # (the remote end of a dial we chose to make; its answer, our log)
+                    self.remote_events.info("dial failed", str(addr), "dial %s failed: %s", addr, e)
         if mismatch is not None and len(errors) == 1:
             raise mismatch
         if typed is not None and len(errors) == 1:
@@ -469,7 +494,7 @@ class Host:
         """One TCP dial and handshake. `reuse`: "auto" dials from the listen port when
         reuse_port is on (another port if that one cannot be used), "require" only from
         the listen port, "never" from an ephemeral port."""
-        if len(self._all) >= self.config.max_connections:
+        if self.admission.established_count >= self.config.max_connections:
             raise LimitExceeded(f"connection limit ({self.config.max_connections}) reached")
         loop = asyncio.get_running_loop()
         host, port = endpoint
@@ -552,6 +577,7 @@ class Host:
             admit=self._admit,
             outbound=outbound,
             kind=kind,
+            remote_events=self.remote_events,
         )
         conn.handshake_done.add_done_callback(lambda fut: self._on_handshake(conn, fut))
         return conn
@@ -560,20 +586,21 @@ class Host:
         ip = self._ip_key(conn)
         if self._closing:
             return "host is shutting down"
-        if not conn.outbound:
-            if len(self._all) >= self.config.max_connections:
-                return f"connection limit ({self.config.max_connections}) reached"
-            if ip is not None and self._per_ip[ip] >= self.config.max_connections_per_ip:
-                return f"per-IP connection limit ({self.config.max_connections_per_ip}) reached"
-            if conn.kind == "direct" and conn.remote_address is not None:
-                expected = self._expected_inbound.get(conn.remote_address[0])
-                if expected is not None:
-                    peer, initiator = expected
-                    conn.set_role(initiator, peer)
-                    conn.kind = "hole-punched"
+        verdict = self.admission.admit(
+            conn, ip, inbound=not conn.outbound, now=asyncio.get_running_loop().time()
+        )
+        if verdict.refusal is not None:
+            return verdict.refusal
+        for old in verdict.evict:
+            assert isinstance(old, Connection)
+            old.abort("half-open connection evicted: handshake slots full")
+        if not conn.outbound and conn.kind == "direct" and conn.remote_address is not None:
+            expected = self._expected_inbound.get(conn.remote_address[0])
+            if expected is not None:
+                peer, initiator = expected
+                conn.set_role(initiator, peer)
+                conn.kind = "hole-punched"
         self._all.add(conn)
-        if ip is not None:
-            self._per_ip[ip] += 1
         return None
 
     @staticmethod
@@ -585,6 +612,17 @@ class Host:
 
     def _on_handshake(self, conn: Connection, fut: asyncio.Future[PeerID]) -> None:
         if fut.cancelled() or fut.exception() is not None:
+            return
+        refusal = self.admission.established(conn)
+        if refusal is not None:
+            self.remote_events.info(
+                "connection refused",
+                conn.remote_key(),
+                "refusing connection from %s after its handshake: %s",
+                conn.remote_peer.short(),
+                refusal,
+            )
+            conn.abort(refusal)
             return
         reason = self._blocked.get(conn.remote_peer)
         if reason is not None:
@@ -626,11 +664,7 @@ class Host:
             self._all.discard(conn)
             self._closed_bytes_sent += conn.bytes_sent
             self._closed_bytes_received += conn.bytes_received
-            ip = self._ip_key(conn)
-            if ip is not None:
-                self._per_ip[ip] -= 1
-                if self._per_ip[ip] <= 0:
-                    del self._per_ip[ip]
+            self.admission.closed(conn)
         if conn.remote_peer is not None and self._conns.get(conn.remote_peer) is conn:
             del self._conns[conn.remote_peer]
             # Promote a surviving duplicate, if any, so the peer stays reachable.
@@ -667,7 +701,16 @@ class Host:
             log.debug("handler %s for %s: %s", stream.protocol, stream.remote_peer.short(), e)
             stream.reset(type(e).__name__)
         except Exception:
-            log.exception("handler %s failed for %s", stream.protocol, stream.remote_peer)
+            # A bug here, but a remote peer may trigger it at will: the first few with
+            # their traceback, then a count.
+            self.remote_events.error(
+                f"handler {stream.protocol} failed",
+                stream.connection.remote_key(),
+                "handler %s failed for %s",
+                stream.protocol,
+                stream.remote_peer,
+                exc_info=True,
+            )
             stream.reset("handler error")
         else:
             await stream.close(discard_input=True)

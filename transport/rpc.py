@@ -17,6 +17,13 @@ was due becomes the RemoteError it carries.
 Deadlines travel as a relative timeout (no clock agreement needed); the server
 runs the handler under it. Cancelling the caller resets the stream, which
 cancels the handler on the other side.
+
+What a remote caller can make a service hold is bounded (`RpcLimits`): the
+request must arrive within `first_message_timeout` of the stream opening (a
+stream opened and left silent is reset, not served forever), a call without a
+timeout runs under `default_timeout`, and each peer has at most
+`max_concurrent_per_peer` calls in a service at once (optionally also
+`max_requests_per_s_per_peer`); beyond that the caller gets `PeerBusy` at once.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +53,7 @@ from .errors import (
 from .host import Host
 from .identity import PeerID
 from .multiaddr import Multiaddr
+from .ratelimit import KeyedBuckets
 
 log = logging.getLogger("shoal.transport.rpc")
 
@@ -62,6 +71,23 @@ class RpcLimits:
     max_message: int = DEFAULT_MAX_MESSAGE  # one msgpack frame
     max_tensor: int = DEFAULT_MAX_TENSOR  # one tensor's raw bytes
     max_timeout: float = 3600.0  # a peer may not ask us to hold a handler longer
+    # Honest callers write the request right after opening the stream.
+    first_message_timeout: float = 10.0
+    # The handler's deadline when the caller sends none (the all-reduce's data streams
+    # and its control messages, which the round's own deadlines bound far sooner).
+    default_timeout: float = 600.0
+    # Calls one peer may have running in one service; more wait in a queue (FIFO),
+    # and beyond the queue the caller gets PeerBusy. Honest peaks: the all-reduce
+    # opens streams_per_peer (1-8) data streams plus a few control calls per round,
+    # a pipeline trainer 2 x stages microbatches (16 in bench/pipeline.py), DHT
+    # lookups alpha (3) per key times the keys of a get_many, bench/transport.py 64;
+    # tests/test_rpc.py starts 2,000 at once (they queue).
+    max_concurrent_per_peer: int = 64
+    # The multiplexer's stream cap (MuxLimits.max_streams) bounds it per connection too.
+    max_queued_per_peer: int = 2048
+    # Calls per second one peer may start in one service (burst: two seconds' worth);
+    # None: no rate limit (bench/transport.py alone makes >10k/s on purpose).
+    max_requests_per_s_per_peer: float | None = None
 
 
 _DEFAULT_LIMITS = RpcLimits()
@@ -166,6 +192,11 @@ class MessageStream:
         return result
 
 
+class PeerBusy(RemoteError):
+    """The service refused the call at once: this peer has too many calls in flight
+    there, or starts them too fast. Not a fault of the callee; retry later."""
+
+
 class CallContext(MessageStream):
     """What a handler sees: the caller, its deadline, and the stream for streaming calls."""
 
@@ -195,6 +226,11 @@ class RpcService:
         self.limits = limits or _DEFAULT_LIMITS
         self._unary: dict[str, Handler] = {}
         self._streams: dict[str, StreamHandler] = {}
+        self._slots: dict[PeerID, _PeerSlots] = {}
+        rate = self.limits.max_requests_per_s_per_peer
+        self._rates = None if rate is None else KeyedBuckets(rate, max(1.0, 2 * rate))
+        self.busy_refusals = 0  # calls answered PeerBusy
+        self.silent_streams = 0  # streams reset for sending no request in time
         host.set_handler(protocol, self._serve)
 
     def unary(self, name: str) -> Callable[[Handler], Handler]:
@@ -222,9 +258,72 @@ class RpcService:
     def close(self) -> None:
         self.host.remove_handler(self.protocol)
 
+    def in_flight(self, peer: PeerID) -> int:
+        """Calls from `peer` this service is running or queueing now."""
+        slots = self._slots.get(peer)
+        return 0 if slots is None else slots.running + len(slots.waiting)
+
+    def _refusal(self, peer: PeerID) -> str | None:
+        lim = self.limits
+        slots = self._slots.get(peer)
+        if slots is not None and len(slots.waiting) >= lim.max_queued_per_peer:
+            return f"{lim.max_concurrent_per_peer + lim.max_queued_per_peer} calls from this peer"
+        if self._rates is not None and not self._rates.take(
+            peer, asyncio.get_running_loop().time()
+        ):
+            return f"more than {lim.max_requests_per_s_per_peer:g} calls per second"
+        return None
+
     async def _serve(self, stream: Stream) -> None:
+        peer = stream.remote_peer
+        refusal = self._refusal(peer)
+        if refusal is not None:
+            # Answered before the request is read: a flood costs one small write a stream.
+            self.busy_refusals += 1
+            self.host.remote_events.info(
+                f"{self.protocol} busy",
+                stream.connection.remote_key(),
+                "%s: refusing a call from %s: %s",
+                self.protocol,
+                peer.short(),
+                refusal,
+            )
+            await _try_send(MessageStream(stream, self.limits), [ERR, ["Busy", refusal]])
+            return
+        slots = self._slots.get(peer)
+        if slots is None:
+            slots = self._slots[peer] = _PeerSlots(self.limits.max_concurrent_per_peer)
+        request_due = asyncio.get_running_loop().time() + self.limits.first_message_timeout
+        try:
+            # Queued calls wait before their request is read: they cost a task, and the
+            # bytes the stream's window lets the peer send.
+            await slots.acquire()
+            try:
+                await self._serve_admitted(stream, request_due)
+            finally:
+                slots.release()
+        finally:
+            if slots.idle and self._slots.get(peer) is slots:
+                del self._slots[peer]
+
+    async def _serve_admitted(self, stream: Stream, request_due: float) -> None:
         msgs = MessageStream(stream, self.limits)
-        request = await msgs.recv()
+        # The request is due `first_message_timeout` after the stream opened, queueing
+        # included (so a queue of silent streams drains at once), but one that has
+        # begun to arrive gets the full time to finish.
+        deadline = request_due
+        if stream.buffered:
+            deadline = max(
+                deadline, asyncio.get_running_loop().time() + self.limits.first_message_timeout
+            )
+        try:
+            async with asyncio.timeout_at(deadline):
+                request = await msgs.recv()
+        except TimeoutError:
+            self.silent_streams += 1
+            raise ProtocolViolation(
+                f"no request within {self.limits.first_message_timeout:g} s"
+            ) from None
         if not (isinstance(request, list) and len(request) == 3 and isinstance(request[0], str)):
             raise ProtocolViolation("malformed RPC request")
         method, timeout, payload = request
@@ -233,8 +332,9 @@ class RpcService:
                 raise ProtocolViolation(f"bad RPC timeout {timeout!r}")
             timeout = min(float(timeout), self.limits.max_timeout)
         ctx = CallContext(stream, method, timeout, self.limits)
+        deadline = self.limits.default_timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(deadline):
                 if method in self._unary:
                     result = await self._unary[method](ctx, payload)
                     await ctx.send([OK, result])
@@ -244,12 +344,50 @@ class RpcService:
                 else:
                     await ctx.send([ERR, ["UnknownMethod", f"{self.protocol} has no {method!r}"]])
         except TimeoutError:
-            await _try_send(ctx, [ERR, ["DeadlineExceeded", f"{method} exceeded {timeout}s"]])
+            await _try_send(ctx, [ERR, ["DeadlineExceeded", f"{method} exceeded {deadline:g}s"]])
         except TransportError:
             raise
         except Exception as e:
             log.debug("%s.%s raised %r", self.protocol, method, e)
             await _try_send(ctx, [ERR, [type(e).__name__, str(e)[:1000]]])
+
+
+class _PeerSlots:
+    """A FIFO semaphore: the calls of one peer running in one service."""
+
+    __slots__ = ("limit", "running", "waiting")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running = 0
+        self.waiting: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and not self.waiting
+
+    async def acquire(self) -> None:
+        if self.running < self.limit and not self.waiting:
+            self.running += 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        try:
+            await fut  # release() hands its slot over: running is already counted
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot while being cancelled: pass it on
+            elif fut in self.waiting:  # (a release may have dropped it already)
+                self.waiting.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1
 
 
 async def _try_send(ctx: CallContext, msg: Any) -> None:
@@ -266,6 +404,8 @@ def _raise_remote(body: Any) -> None:
         kind, message = "RemoteError", repr(body)[:200]
     if kind == "UnknownMethod":
         raise UnknownMethod(kind, message)
+    if kind == "Busy":
+        raise PeerBusy(kind, message)
     raise RemoteError(kind, message)
 
 
