@@ -36,6 +36,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.tasks import TaskSet
 
+from .admission import DiversityPolicy, RateLimits, RequestAdmission
 from .lookup import ANSWERED, FAILED, Candidate, KeyLookup, traverse
 from .protocol import (
     ID_BYTES,
@@ -88,6 +89,20 @@ class DHTError(Exception):
 
 class BootstrapError(DHTError):
     """None of the bootstrap peers could be reached."""
+
+
+class PeerBusy(DHTError):
+    """The peer refused a request by its rate limits ("busy"): it is up and honest
+    as far as we know, so it is neither garbage nor a failure in the table."""
+
+    def __init__(self, peer: PeerID, retry_after: float) -> None:
+        super().__init__(f"{peer.short()} is busy; retry after {retry_after:.1f}s")
+        self.retry_after = retry_after
+
+
+# A busy answer's retry_after is bounded, so a peer cannot make itself skipped for long
+# (nor ask to be asked again at once).
+_BUSY_BLOCK = (0.1, 10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +171,14 @@ class DHTNode:
         max_connections: int | None = None,
         serves: Callable[[], bool] | None = None,
         addresses: Callable[[], Sequence[Multiaddr]] | None = None,
+        diversity: DiversityPolicy | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         """`serves`: whether others may use us as a hop and a replica right now
         (NAT: a private peer does not); while false we are a client: our requests
         say so and carry no addresses, and nobody adds us to a table. `addresses`:
-        what we advertise in requests (default: the host's addresses)."""
+        what we advertise in requests (default: the host's addresses).
+        `diversity`, `rate_limits`: the Sybil defences (see `admission`)."""
         self.host = host
         self._serves = serves
         self._addresses = addresses or host.addresses
@@ -180,7 +198,9 @@ class DHTNode:
         self.protocol = protocol
         self.validator = validator or (storage.validator if storage else RecordValidator())
         self.storage = storage or LocalStorage(validator=self.validator)
-        self.routing_table = RoutingTable(self.peer_id, k)
+        self.diversity = diversity if diversity is not None else DiversityPolicy()
+        self.routing_table = RoutingTable(self.peer_id, k, diversity=self.diversity)
+        self.admission = RequestAdmission(rate_limits or RateLimits(), self.diversity)
         self._loop = asyncio.get_running_loop()
         self._blacklist: dict[PeerID, float] = {}
         # (key, subkey) -> (record, when to republish, UNIX time)
@@ -201,6 +221,8 @@ class DHTNode:
             "value_retries": 0,
             "node_retries": 0,
             "requests_redialed": 0,
+            "busy_answers": 0,
+            "requests_refused": 0,
         }
         self._max_hops = 0
         self._hello_cache: tuple[float, dict[str, Any]] | None = None
@@ -210,10 +232,13 @@ class DHTNode:
         self.max_connections = max_connections
         self._dialed: dict[PeerID, None] = {}
         self._service = rpc.RpcService(host, protocol)
-        self._service.unary("ping")(self._on_ping)
-        self._service.unary("find_node")(self._on_find_node)
-        self._service.unary("find_value")(self._on_find_value)
-        self._service.unary("store")(self._on_store)
+        for method, handler in (
+            ("ping", self._on_ping),
+            ("find_node", self._on_find_node),
+            ("find_value", self._on_find_value),
+            ("store", self._on_store),
+        ):
+            self._service.unary(method)(self._admitted(handler))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -302,9 +327,9 @@ class DHTNode:
                         timeout=self.hop_timeout,
                     )
                 addrs = self._reply_addrs(peer, reply) or (addr,)
-                self._add_contact(peer, addrs, replace=True)
+                self._add_contact(peer, addrs, replace=True, observed_ip=self._observed_ip(peer))
                 return None
-            except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
+            except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
                 error = f"{addr}: {type(e).__name__}: {e}"
                 final = attempt + 1 == attempts or isinstance(e, PeerIDMismatch)
                 # Said while it happens: a joiner must not sit silent for half a minute.
@@ -428,7 +453,19 @@ class DHTNode:
             self._hello_cache = (now, hello)
         return self._hello_cache[1]
 
-    def _note_sender(self, peer: PeerID, payload: object) -> dict[str, Any]:
+    def _admitted(self, handler: rpc.Handler) -> rpc.Handler:
+        """`handler` behind the request rate limits: a request over them gets a typed
+        busy answer (cheap, and not garbage to an honest requester)."""
+
+        async def admitted(ctx: rpc.CallContext, payload: Any) -> Any:
+            if not self.admission.admit(ctx.peer, ctx.remote_ip, self._loop.time()):
+                self._counters["requests_refused"] += 1
+                return {"busy": True, "retry_after": self.admission.limits.retry_after}
+            return await handler(ctx, payload)
+
+        return admitted
+
+    def _note_sender(self, ctx: rpc.CallContext, payload: object) -> dict[str, Any]:
         """Every request refreshes its sender in the table."""
         if not isinstance(payload, dict):
             raise DHTProtocolError("request must be a map")
@@ -437,15 +474,29 @@ class DHTNode:
             return payload  # a client (e.g. behind NAT): answer it, never route through it
         raw = payload.get("from", [])
         try:
-            addrs = parse_addrs(peer, raw)
+            addrs = parse_addrs(ctx.peer, raw)
         except DHTProtocolError:
             addrs = ()
-        self._add_contact(peer, addrs, replace=bool(addrs))
+        self._add_contact(ctx.peer, addrs, replace=bool(addrs), observed_ip=ctx.remote_ip)
         return payload
 
-    def _add_contact(self, peer: PeerID, addrs: Sequence[Multiaddr], *, replace: bool) -> None:
+    def _observed_ip(self, peer: PeerID) -> str | None:
+        """The IP our connection to `peer` goes to; None when relayed or not connected."""
+        conn = self.host.connection(peer)
+        if conn is None or conn.kind == "relayed" or conn.remote_address is None:
+            return None
+        return conn.remote_address[0]
+
+    def _add_contact(
+        self,
+        peer: PeerID,
+        addrs: Sequence[Multiaddr],
+        *,
+        replace: bool,
+        observed_ip: str | None = None,
+    ) -> None:
         result: AddResult = self.routing_table.add_or_update(
-            peer, addrs, self._loop.time(), replace_addrs=replace
+            peer, addrs, self._loop.time(), replace_addrs=replace, observed_ip=observed_ip
         )
         if result.status is AddStatus.NEEDS_PING and result.needs_ping is not None:
             self._tasks.spawn(self._check_alive(result.needs_ping.peer_id, result.needs_ping.addrs))
@@ -454,7 +505,9 @@ class DHTNode:
         try:
             await self._request(peer, addrs, "ping", self._hello())
             alive = True
-        except (TransportError, TimeoutError, OSError):
+        except PeerBusy:
+            alive = True  # throttled us, but it answered
+        except (TransportError, TimeoutError, OSError, DHTProtocolError):
             alive = False
         self.routing_table.ping_result(peer, alive, self._loop.time())
 
@@ -468,17 +521,17 @@ class DHTNode:
         )
 
     async def _on_ping(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        self._note_sender(ctx.peer, payload)
+        self._note_sender(ctx, payload)
         # Our wall clock, for the asker's clock-skew check (`shoal doctor`): records
         # expire by wall-clock time, so a clock minutes off loses or keeps them wrongly.
         return {**self._hello(), "t": time.time()}
 
     async def _on_find_node(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx.peer, payload)
+        payload = self._note_sender(ctx, payload)
         return self._nearest_for(parse_ids(payload.get("ids")), ctx.peer)
 
     async def _on_find_value(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx.peer, payload)
+        payload = self._note_sender(ctx, payload)
         keys = parse_keys(payload.get("keys"))
         values = self.storage.get_many(keys, time.time())
         answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
@@ -488,13 +541,14 @@ class DHTNode:
         return answer
 
     async def _on_store(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx.peer, payload)
+        payload = self._note_sender(ctx, payload)
         records = parse_records(payload.get("records"))
         now = time.time()
+        origin = (ctx.peer, self.diversity.group_of_ip(ctx.remote_ip))
         stored = []
         for r in records:
             try:
-                stored.append(self.storage.store(r, now))
+                stored.append(self.storage.store(r, now, origin))
             except RecordError as e:
                 log.debug("refused %s from %s: %s", r.describe(), ctx.peer.short(), e)
                 stored.append(False)
@@ -516,7 +570,7 @@ class DHTNode:
                 self._dialed[peer] = None
                 self._prune_connections()
             try:
-                return await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+                reply = await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
             except (ConnectionLost, StreamReset) as e:
                 if not reused or isinstance(e, ProtocolNotSupported):
                     raise
@@ -526,7 +580,12 @@ class DHTNode:
                 # a fresh connection, within the same deadline.
                 self._counters["requests_redialed"] += 1
                 await self.host.connect(peer, addrs, timeout=hop)
-                return await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+                reply = await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+        if isinstance(reply, dict) and reply.get("busy") is True:
+            retry = reply.get("retry_after")
+            retry = float(retry) if isinstance(retry, int | float) else 1.0
+            raise PeerBusy(peer, min(max(retry, _BUSY_BLOCK[0]), _BUSY_BLOCK[1]))
+        return reply
 
     def _hop_timeout(self, peer: PeerID) -> float:
         """`hop_timeout`, or longer for a far peer: a request on a connection takes a
@@ -572,8 +631,13 @@ class DHTNode:
         return True
 
     def _on_failure(self, cand: Candidate, exc: BaseException) -> None:
-        self._counters["requests_failed"] += 1
         now = self._loop.time()
+        if isinstance(exc, PeerBusy):
+            # Up, and throttling us: skip it for a moment; no failure in the table.
+            self._counters["busy_answers"] += 1
+            self._blacklist[cand.peer_id] = now + exc.retry_after
+            return
+        self._counters["requests_failed"] += 1
         if isinstance(exc, DHTProtocolError):
             self._counters["garbage_answers"] += 1
             log.info("DHT peer %s answered garbage: %s", cand.peer_id.short(), exc)
@@ -585,8 +649,12 @@ class DHTNode:
             self._blacklist = {p: t for p, t in self._blacklist.items() if t > now}
 
     def _answered(self, cand: Candidate) -> None:
-        # We reached it at these addresses: it is a verified contact.
-        self._add_contact(cand.peer_id, cand.addrs, replace=False)
+        # We reached it at these addresses: it is a verified contact, and its group
+        # is that of the IP we reached, whatever it was advertised with.
+        ip = self._observed_ip(cand.peer_id)
+        if ip is not None:
+            cand.group = self.diversity.group_of_ip(ip)
+        self._add_contact(cand.peer_id, cand.addrs, replace=False, observed_ip=ip)
 
     async def _query_find_node(
         self, cand: Candidate, lookups: list[KeyLookup]
@@ -629,9 +697,10 @@ class DHTNode:
         self._counters["lookups"] += len(lookups)
         blocked = self._blocked if skip_blacklisted else _never
         for lk in lookups:
+            lk.per_group = self.diversity.lookup_cap
             for c in self.routing_table.nearest(lk.target, self.k):
                 if not blocked(c.peer_id):
-                    lk.add(Candidate(c.peer_id, c.node_id, c.addrs, 0))
+                    lk.add(Candidate(c.peer_id, c.node_id, c.addrs, 0, c.ip_group))
         await traverse(
             lookups,
             query,
@@ -641,6 +710,7 @@ class DHTNode:
             on_failure=self._on_failure,
             blocked=blocked,
             max_in_flight=max(self.alpha, min(64, self.alpha * len(lookups))),
+            group_of=self.diversity.group_of_addrs,
         )
         for lk in lookups:
             self._max_hops = max(self._max_hops, lk.hops)
@@ -702,7 +772,7 @@ class DHTNode:
                 {**self._hello(), "records": [r.to_wire() for r in records]},
             )
             return parse_stored(reply, len(records))
-        except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
+        except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
             self._on_failure(cand, e)
             return None
 
