@@ -35,7 +35,7 @@ from typing import Final
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
-from .admission import diverse, distinct_groups
+from .admission import distinct_groups, diverse
 from .protocol import WireContact
 from .records import Record
 from .routing import node_id

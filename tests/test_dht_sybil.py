@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from dht_sim import sybil_attack
 
 from shoal.dht.admission import (
     NO_DIVERSITY,
@@ -31,8 +32,6 @@ from shoal.dht.records import Record
 from shoal.dht.routing import AddStatus, RoutingTable, key_id, node_id
 from shoal.dht.storage import LocalStorage
 from shoal.transport.identity import Identity, PeerID
-
-from dht_sim import sybil_attack
 
 HOST_OPTS = {
     "max_connections_per_ip": 100_000,
@@ -111,7 +110,7 @@ def test_the_observed_ip_decides_the_group_not_the_advertised_one() -> None:
 def test_loopback_and_private_peers_are_not_limited_unless_configured() -> None:
     open_table = RoutingTable(peer(), 20)
     strict = RoutingTable(peer(), 20, diversity=DiversityPolicy(exempt=()))
-    for i in range(30):
+    for _ in range(30):
         p = peer()
         open_table.add_or_update(p, ["/ip4/127.0.0.1/tcp/1"], 0.0, observed_ip="127.0.0.1")
         strict.add_or_update(p, ["/ip4/127.0.0.1/tcp/1"], 0.0, observed_ip="127.0.0.1")
