@@ -42,17 +42,14 @@ from .protocol import (
     ID_BYTES,
     DHTProtocolError,
     WireContact,
-    build_nearest,
     parse_addrs,
-    parse_ids,
-    parse_keys,
     parse_nearest,
-    parse_records,
     parse_stored,
     parse_values,
 )
 from .records import Record, RecordError, RecordValidator
 from .routing import AddResult, AddStatus, RoutingTable, key_id
+from .server import DHTServer
 from .storage import LocalStorage, StoredValue, merge_records
 
 log = logging.getLogger("shoal.dht")
@@ -231,14 +228,7 @@ class DHTNode:
         # peers in one process (or a big network) do not exhaust descriptors.
         self.max_connections = max_connections
         self._dialed: dict[PeerID, None] = {}
-        self._service = rpc.RpcService(host, protocol)
-        for method, handler in (
-            ("ping", self._on_ping),
-            ("find_node", self._on_find_node),
-            ("find_value", self._on_find_value),
-            ("store", self._on_store),
-        ):
-            self._service.unary(method)(self._admitted(handler))
+        self._server = DHTServer(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -279,7 +269,7 @@ class DHTNode:
         if self._closed:
             return
         self._closed = True
-        self._service.close()
+        self._server.close()
         await self._tasks.aclose()
 
     async def __aenter__(self) -> DHTNode:
@@ -453,33 +443,6 @@ class DHTNode:
             self._hello_cache = (now, hello)
         return self._hello_cache[1]
 
-    def _admitted(self, handler: rpc.Handler) -> rpc.Handler:
-        """`handler` behind the request rate limits: a request over them gets a typed
-        busy answer (cheap, and not garbage to an honest requester)."""
-
-        async def admitted(ctx: rpc.CallContext, payload: Any) -> Any:
-            if not self.admission.admit(ctx.peer, ctx.remote_ip, self._loop.time()):
-                self._counters["requests_refused"] += 1
-                return {"busy": True, "retry_after": self.admission.limits.retry_after}
-            return await handler(ctx, payload)
-
-        return admitted
-
-    def _note_sender(self, ctx: rpc.CallContext, payload: object) -> dict[str, Any]:
-        """Every request refreshes its sender in the table."""
-        if not isinstance(payload, dict):
-            raise DHTProtocolError("request must be a map")
-        self._counters["requests_served"] += 1
-        if payload.get("client") is True:
-            return payload  # a client (e.g. behind NAT): answer it, never route through it
-        raw = payload.get("from", [])
-        try:
-            addrs = parse_addrs(ctx.peer, raw)
-        except DHTProtocolError:
-            addrs = ()
-        self._add_contact(ctx.peer, addrs, replace=bool(addrs), observed_ip=ctx.remote_ip)
-        return payload
-
     def _observed_ip(self, peer: PeerID) -> str | None:
         """The IP our connection to `peer` goes to; None when relayed or not connected."""
         conn = self.host.connection(peer)
@@ -510,49 +473,6 @@ class DHTNode:
         except (TransportError, TimeoutError, OSError, DHTProtocolError):
             alive = False
         self.routing_table.ping_result(peer, alive, self._loop.time())
-
-    def _nearest_for(self, targets: list[int], exclude: PeerID) -> dict[str, Any]:
-        ex = {exclude}
-        return build_nearest(
-            [
-                [(c.peer_id, c.addrs) for c in self.routing_table.nearest(t, self.k, ex)]
-                for t in targets
-            ]
-        )
-
-    async def _on_ping(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        self._note_sender(ctx, payload)
-        # Our wall clock, for the asker's clock-skew check (`shoal doctor`): records
-        # expire by wall-clock time, so a clock minutes off loses or keeps them wrongly.
-        return {**self._hello(), "t": time.time()}
-
-    async def _on_find_node(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx, payload)
-        return self._nearest_for(parse_ids(payload.get("ids")), ctx.peer)
-
-    async def _on_find_value(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx, payload)
-        keys = parse_keys(payload.get("keys"))
-        values = self.storage.get_many(keys, time.time())
-        answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
-        answer["values"] = {
-            i: [r.to_wire() for r in values[k].records()] for i, k in enumerate(keys) if k in values
-        }
-        return answer
-
-    async def _on_store(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx, payload)
-        records = parse_records(payload.get("records"))
-        now = time.time()
-        origin = (ctx.peer, self.diversity.group_of_ip(ctx.remote_ip))
-        stored = []
-        for r in records:
-            try:
-                stored.append(self.storage.store(r, now, origin))
-            except RecordError as e:
-                log.debug("refused %s from %s: %s", r.describe(), ctx.peer.short(), e)
-                stored.append(False)
-        return {"stored": stored}
 
     # ------------------------------------------------------------------ client side
 

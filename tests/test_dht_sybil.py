@@ -88,7 +88,8 @@ def test_a_bucket_keeps_two_contacts_per_24_and_the_rest_wait_as_replacements() 
 
 
 def test_the_whole_table_keeps_at_most_ten_contacts_per_24() -> None:
-    table = RoutingTable(peer(), 20)
+    # (the bucket limit lifted: random IDs would not fill 5 buckets with 2 each every time)
+    table = RoutingTable(peer(), 20, diversity=DiversityPolicy(per_group_bucket=20))
     added = 0
     for i in range(200):
         r = table.add_or_update(peer(), [f"/ip4/203.0.113.{i % 250 + 1}/tcp/1"], 0.0)
@@ -109,7 +110,7 @@ def test_the_observed_ip_decides_the_group_not_the_advertised_one() -> None:
 
 def test_loopback_and_private_peers_are_not_limited_unless_configured() -> None:
     open_table = RoutingTable(peer(), 20)
-    strict = RoutingTable(peer(), 20, diversity=DiversityPolicy(exempt=()))
+    strict = RoutingTable(peer(), 20, diversity=DiversityPolicy(exempt=(), per_group_bucket=20))
     for _ in range(30):
         p = peer()
         open_table.add_or_update(p, ["/ip4/127.0.0.1/tcp/1"], 0.0, observed_ip="127.0.0.1")
