@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from dht_sim import sybil_attack  # noqa: E402
+from dht_sim import sybil_attack
 
 
 async def _scenario(seeds: int, **kw: Any) -> dict[str, Any]:
