@@ -62,10 +62,21 @@ DEFAULT_EXEMPT: Final[tuple[IPNetwork, ...]] = tuple(
 T = TypeVar("T")
 
 
-@functools.lru_cache(maxsize=65536)
 def ip_group(ip: str, exempt: tuple[IPNetwork, ...] = DEFAULT_EXEMPT) -> str | None:
     """The group of an IP address ("198.51.100.0/24", "2001:db8:1::/48"), or None
     when it is exempt from diversity limits or not an IP address at all."""
+    if exempt is DEFAULT_EXEMPT:
+        return _default_group(ip)  # (hashing the networks per call costs more than the rest)
+    return _group(ip, exempt)
+
+
+@functools.lru_cache(maxsize=65536)
+def _default_group(ip: str) -> str | None:
+    return _group(ip, DEFAULT_EXEMPT)
+
+
+@functools.lru_cache(maxsize=4096)
+def _group(ip: str, exempt: tuple[IPNetwork, ...]) -> str | None:
     try:
         addr = ipaddress.ip_address(ip.split("%", 1)[0])
     except ValueError:

@@ -11,7 +11,9 @@ Sybils collude: they make IDs ground next to the attacked key (sharing
 peer), sit in one /24, contact every honest peer so that every routing table
 is offered all of them, answer every lookup with the Sybils closest to the
 target (never an honest peer), hide every value, and accept (and drop) every
-store.
+store. With `fakes`, half of every Sybil answer are made-up peers next to the
+key that advertise addresses in other /24s: nobody answers there (a dial to
+them fails), but until then they look as diverse as honest peers.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class SimNetwork:
         self.honest: list[SimNode] = []
         self.sybils: list[SimNode] = []
         self.stats = SimStats()
-        self._sybil_ids: list[int] = []
+        self._fakes: list[WireContact] = []
 
     def now(self) -> float:
         return time.monotonic()
@@ -118,9 +120,14 @@ class SimNetwork:
                 await self.find_node(node, node.table.local_id)
             self.honest.append(node)
 
-    def add_sybils(self, count: int, key: str, grind_bits: int = 12) -> None:
-        """`count` colluding Sybils next to `key`, in one /24, offered to every honest table."""
+    def add_sybils(self, count: int, key: str, grind_bits: int = 12, fakes: int = 0) -> None:
+        """`count` colluding Sybils next to `key`, in one /24, offered to every honest
+        table; and a pool of `fakes` made-up contacts they hand out."""
         target = key_id(key)
+        for i in range(fakes):
+            fake = grind_peer(self.rng, target, grind_bits)
+            addr = Multiaddr(f"/ip4/45.{i // 250}.{i % 250}.7/tcp/4001")
+            self._fakes.append(WireContact(fake, (addr,)))
         for _ in range(count):
             j = len(self.sybils) + 1
             node = self._node(grind_peer(self.rng, target, grind_bits), f"{SYBIL_NET}.{j}", True)
@@ -128,7 +135,6 @@ class SimNetwork:
         for s in self.sybils:
             for h in self.honest:  # a ping from each Sybil to each honest peer
                 self._note_sender(h, s)
-        self._sybil_ids = sorted(node_id(s.peer_id) for s in self.sybils)
 
     # ---------------------------------------------------------------- server side
 
@@ -140,14 +146,20 @@ class SimNetwork:
     def _nearest(self, server: SimNode, target: int, exclude: PeerID) -> list[WireContact]:
         if server.sybil:  # collude: only Sybils, the closest to the target
             near = sorted(self.sybils, key=lambda s: node_id(s.peer_id) ^ target)
-            return [WireContact(s.peer_id, s.addrs) for s in near if s.peer_id != exclude][: self.k]
+            real = [WireContact(s.peer_id, s.addrs) for s in near if s.peer_id != exclude]
+            if not self._fakes:
+                return real[: self.k]
+            half = self.k // 2
+            return real[: self.k - half] + self.rng.sample(self._fakes, half)
         contacts = server.table.nearest(target, self.k, {exclude})
         return [WireContact(c.peer_id, c.addrs) for c in contacts]
 
     async def _request(self, client: SimNode, cand: Candidate) -> SimNode:
         self.stats.messages += 1
-        server = self.nodes[cand.peer_id]
+        server = self.nodes.get(cand.peer_id)
         await asyncio.sleep(self.rtt)
+        if server is None:  # a made-up contact: nobody listens at its address
+            raise ConnectionRefusedError(f"nothing at {cand.addrs[0]}")
         if not server.sybil:
             self._note_sender(server, client)
         # the client's side of an answer (DHTNode._answered): verified, observed group
@@ -193,10 +205,15 @@ class SimNetwork:
             return [self._nearest(server, x.target, client.peer_id) for x in lks]
 
         await self._traverse(client, [lk], query)
-        honest = 0
-        for cand in lk.closest_live(self.k):
-            server = self.nodes[cand.peer_id]
+        honest = reached = 0
+        for cand in lk.closest_live(2 * self.k):  # the next closest replace unreachable ones
+            server = self.nodes.get(cand.peer_id)
             self.stats.messages += 1
+            if server is None:
+                continue
+            reached += 1
+            if reached > self.k:
+                break
             if not server.sybil:  # Sybils accept and drop
                 group = self.policy.group_of_ip(client.ip)
                 honest += server.storage.store(record, time.time(), (client.peer_id, group))
@@ -243,13 +260,14 @@ async def sybil_attack(
     seed: int = 1,
     rtt: float = 0.0,
     concurrency: int = 32,
+    fakes: int = 0,
 ) -> dict[str, float]:
     """Build the network, store one honest record, read it `lookups` times from
     random honest peers (never the writer); the success rate and the cost."""
     net = SimNetwork(defended=defended, seed=seed, rtt=rtt)
     await net.add_honest(honest)
     if sybils:
-        net.add_sybils(sybils, key)
+        net.add_sybils(sybils, key, fakes=fakes)
     writer = net.honest[0]
     replicas = await net.store(writer, key, b"the honest value")
     net.stats = SimStats()
