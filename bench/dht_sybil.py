@@ -13,6 +13,9 @@ Prints one JSON object on stdout:
   honest peers that found the honest record, the honest replicas the writer
   reached, messages per lookup and lookup latency (p50/p99, ms), with the
   defences of `shoal.dht.admission` on and off;
+- ``attack_fake_contacts``: the same, with half of every Sybil answer made-up
+  contacts next to the key advertising addresses in other /24s (`--fakes` of
+  them; a request to one fails after one RTT);
 - ``no_attack.defended`` / ``no_attack.plain``: the same lookups in a network of
   honest peers only, i.e. what the defences cost in the common case;
 - ``cost_ratio``: defended over plain, messages and p50 latency, without attack
@@ -52,6 +55,7 @@ async def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=10.0, help="simulated delay of each answer")
     ap.add_argument("--honest", type=int, default=50)
     ap.add_argument("--sybils", type=int, default=200)
+    ap.add_argument("--fakes", type=int, default=1000, help="made-up contacts (0: skip)")
     args = ap.parse_args()
     common = {
         "lookups": args.lookups,
@@ -64,6 +68,14 @@ async def main() -> None:
         "defended": await _scenario(args.seeds, defended=True, sybils=args.sybils, **common),
         "undefended": await _scenario(args.seeds, defended=False, sybils=args.sybils, **common),
     }
+    fake_contacts = None
+    if args.fakes:
+        fake_contacts = {
+            name: await _scenario(
+                args.seeds, defended=on, sybils=args.sybils, fakes=args.fakes, **common
+            )
+            for name, on in (("defended", True), ("undefended", False))
+        }
     no_attack = {
         "defended": await _scenario(args.seeds, defended=True, sybils=0, **common),
         "plain": await _scenario(args.seeds, defended=False, sybils=0, **common),
@@ -78,6 +90,7 @@ async def main() -> None:
                 "lookups": args.lookups * args.seeds,
                 "rtt_ms": args.rtt_ms,
                 "attack": attack,
+                "attack_fake_contacts": fake_contacts,
                 "no_attack": no_attack,
                 "cost_ratio": {
                     "messages": round(d["messages_per_lookup"] / p["messages_per_lookup"], 3),
