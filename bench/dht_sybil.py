@@ -1,6 +1,6 @@
 """Sybil benchmark: 200 colluding Sybils in one /24 against 50 honest peers.
 
-    python bench/dht_sybil.py [--lookups 1000] [--rtt-ms 10] [--seeds 3]
+    python bench/dht_sybil.py [--lookups 500] [--rtt-ms 10] [--seeds 2]
 
 The network is simulated in one event loop (tests/dht_sim.py: real routing
 tables, storage and lookups, a fake transport that delays every answer by
@@ -50,8 +50,8 @@ async def _scenario(seeds: int, **kw: Any) -> dict[str, Any]:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lookups", type=int, default=1000, help="lookups per network")
-    ap.add_argument("--seeds", type=int, default=3, help="networks per scenario")
+    ap.add_argument("--lookups", type=int, default=500, help="lookups per network")
+    ap.add_argument("--seeds", type=int, default=2, help="networks per scenario")
     ap.add_argument("--rtt-ms", type=float, default=10.0, help="simulated delay of each answer")
     ap.add_argument("--honest", type=int, default=50)
     ap.add_argument("--sybils", type=int, default=200)

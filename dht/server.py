@@ -56,7 +56,16 @@ class DHTServer:
 
         async def admitted(ctx: rpc.CallContext, payload: Any) -> Any:
             if not self.node.admission.admit(ctx.peer, ctx.remote_ip, self.node._loop.time()):
-                self.node._counters["requests_refused"] += 1
+                refused = self.node._counters["requests_refused"] = (
+                    self.node._counters["requests_refused"] + 1
+                )
+                if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood is one line
+                    log.info(
+                        "DHT: request rate limit: a busy answer to %s at %s (%d so far)",
+                        ctx.peer.short(),
+                        ctx.remote_ip,
+                        refused,
+                    )
                 return {"busy": True, "retry_after": self.node.admission.limits.retry_after}
             return await handler(ctx, payload)
 
