@@ -19,7 +19,9 @@ them fails), but until then they look as diverse as honest peers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import heapq
 import random
 import time
 from collections.abc import Sequence
@@ -47,10 +49,12 @@ def grind_peer(rng: random.Random, target: int, bits: int) -> PeerID:
     """A peer ID whose node ID shares the first `bits` bits with `target` (what an
     attacker does in a minute of CPU with real keys; key bytes suffice here)."""
     want = target >> (256 - bits)
+    base = hashlib.sha256(_PREFIX)
     while True:
         raw = rng.randbytes(32)
-        digest = hashlib.sha256(_PREFIX + raw).digest()
-        if int.from_bytes(digest, "big") >> (256 - bits) == want:
+        h = base.copy()
+        h.update(raw)
+        if int.from_bytes(h.digest(), "big") >> (256 - bits) == want:
             return _peer(raw)
 
 
@@ -62,7 +66,7 @@ class SimNode:
     storage: LocalStorage
     sybil: bool = False
 
-    @property
+    @functools.cached_property
     def addrs(self) -> tuple[Multiaddr, ...]:
         return (Multiaddr(f"/ip4/{self.ip}/tcp/4001"),)
 
@@ -96,6 +100,7 @@ class SimNetwork:
         self.sybils: list[SimNode] = []
         self.stats = SimStats()
         self._fakes: list[WireContact] = []
+        self._sybil_contacts: list[tuple[int, WireContact]] = []
 
     def now(self) -> float:
         return time.monotonic()
@@ -135,6 +140,9 @@ class SimNetwork:
         for s in self.sybils:
             for h in self.honest:  # a ping from each Sybil to each honest peer
                 self._note_sender(h, s)
+        self._sybil_contacts = [
+            (node_id(s.peer_id), WireContact(s.peer_id, s.addrs)) for s in self.sybils
+        ]
 
     # ---------------------------------------------------------------- server side
 
@@ -145,8 +153,8 @@ class SimNetwork:
 
     def _nearest(self, server: SimNode, target: int, exclude: PeerID) -> list[WireContact]:
         if server.sybil:  # collude: only Sybils, the closest to the target
-            near = sorted(self.sybils, key=lambda s: node_id(s.peer_id) ^ target)
-            real = [WireContact(s.peer_id, s.addrs) for s in near if s.peer_id != exclude]
+            near = heapq.nsmallest(self.k + 1, self._sybil_contacts, key=lambda c: c[0] ^ target)
+            real = [wc for _, wc in near if wc.peer_id != exclude]
             if not self._fakes:
                 return real[: self.k]
             half = self.k // 2

@@ -297,7 +297,8 @@ async def test_the_observed_ip_of_a_connection_reaches_the_routing_table(
     make_host: Callable[..., Any],
 ) -> None:
     """Over real sockets: five peers dialing from 127.66.6.x (one /24 once loopback is
-    not exempt) take at most the table's share of that /24."""
+    not exempt) take at most the table's share of that /24, and what they store is
+    charged to it."""
     policy = DiversityPolicy(exempt=(), per_group_table=3)
     server = await DHTNode.create(await make_host(**HOST_OPTS), diversity=policy)
     sybils = []
@@ -312,6 +313,9 @@ async def test_the_observed_ip_of_a_connection_reaches_the_routing_table(
         groups = {c.ip_group for c in server.routing_table}
         assert groups == {"127.66.6.0/24"}
         assert len(server.routing_table) == 3
+        # what they store is charged to their /24, as observed
+        assert await sybils[0].store("charged", 1, time.time() + 60)
+        assert server.storage.group_usage("127.66.6.0/24")[0] == 1
     finally:
         await asyncio.gather(*(s.aclose() for s in sybils), server.aclose())
 
