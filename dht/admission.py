@@ -133,11 +133,20 @@ NO_DIVERSITY: Final = DiversityPolicy(enabled=False)
 
 
 def diverse(
-    items: Iterable[T], cap: int | None, group_of: Callable[[T], str | None], count: int
+    items: Iterable[T],
+    cap: int | None,
+    group_of: Callable[[T], str | None],
+    count: int,
+    *,
+    fill: bool = False,
 ) -> list[T]:
     """The first `count` of `items` (in their order) taking at most `cap` per group.
 
     Items of group None are never capped (exempt addresses, relayed peers).
+    `fill`: when fewer than `count` pass the cap, the closest of the others fill
+    the rest, after them: a cap then only ever replaces a candidate by one of
+    another group, never leaves a slot empty (a small network in one /24 is
+    still searched in full).
     """
     if cap is None:
         out = []
@@ -148,6 +157,7 @@ def diverse(
         return out
     taken: dict[str, int] = {}
     out = []
+    over: list[T] = []
     for item in items:
         if len(out) >= count:
             break
@@ -155,9 +165,13 @@ def diverse(
         if group is not None:
             n = taken.get(group, 0)
             if n >= cap:
+                if fill and len(over) < count:
+                    over.append(item)
                 continue
             taken[group] = n + 1
         out.append(item)
+    if fill:
+        out.extend(over[: count - len(out)])
     return out
 
 

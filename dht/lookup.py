@@ -109,7 +109,8 @@ class KeyLookup:
         return self._closest(self.answered, count)
 
     def _closest(self, cands: Iterable[Candidate], count: int) -> list[Candidate]:
-        """The `count` closest of `cands`, at most `per_group` per IP group."""
+        """The `count` closest of `cands`, at most `per_group` per IP group first; the
+        closest of the rest only fill slots no other group could (and come last)."""
         target = self.target
         if self.per_group is None:
             return heapq.nsmallest(count, cands, key=lambda c: c.node_id ^ target)
@@ -119,7 +120,7 @@ class KeyLookup:
         if len(groups) <= self.per_group or max(map(groups.count, set(groups))) <= self.per_group:
             return near  # the common case: no group over its share, no full sort
         pool.sort(key=lambda c: c.node_id ^ target)
-        return diverse(pool, self.per_group, _group, count)
+        return diverse(pool, self.per_group, _group, count, fill=True)
 
     def quorum_reached(self) -> bool:
         """Enough holders answered, counting one IP group once (with `per_group`)."""

@@ -223,6 +223,20 @@ def test_a_lookup_beam_gives_one_group_at_most_two_of_its_slots() -> None:
     assert len(KeyLookup(key_id("k"), candidates=lk.candidates).best(20, set())) == 20
 
 
+def test_the_cap_never_leaves_a_slot_empty() -> None:
+    """A small swarm in one /24 (a lab, a campus) is still searched in full: peers
+    over their group's share only fill slots no other group could."""
+    lk = KeyLookup(key_id("k"), per_group=2)
+    same = [_cand("198.51.100.0/24") for _ in range(5)]
+    other = _cand("198.18.0.0/24")
+    for c in [*same, other]:
+        lk.add(c)
+    best = lk.best(20, set())
+    assert set(best) == {*same, other}
+    assert {c.group for c in best[:3]} == {"198.51.100.0/24", "198.18.0.0/24"}  # diverse first
+    assert lk.best(3, set()).count(other) == 1
+
+
 async def _value_lookup_with_fast_sybils(per_group: int | None) -> KeyLookup:
     """Two Sybils of one /24, closest to the key, answer at once with an old record;
     honest peers answer the newer one only after both Sybils did."""
