@@ -9,8 +9,9 @@ block gets) and bounds what any group may take:
 - routing tables keep at most `per_group_bucket` contacts of a group per bucket
   and `per_group_table` in the whole table (`RoutingTable`);
 - a lookup gives a group at most `per_group_lookup` of its `k` closest
-  candidates (its beam), so Sybils ground next to a key and answering each
-  other take a few slots and the honest peers behind them are still asked; the
+  candidates (its beam), more only for slots no other group could fill, so
+  Sybils ground next to a key and answering each other take a few slots and
+  the honest peers behind them are still asked; the
   replicas of a store are picked the same way, and the early stop of a value
   lookup counts holders by group, not by peer;
 - storage quotas per origin peer and group (`LocalStorage`), and request rate
