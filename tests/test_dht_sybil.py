@@ -216,6 +216,8 @@ def test_a_lookup_beam_gives_one_group_at_most_two_of_its_slots() -> None:
     lk = KeyLookup(key_id("k"), per_group=2)
     sybils = [_cand("203.0.113.0/24") for _ in range(50)]
     honest = [_cand(f"198.18.{i}.0/24") for i in range(50)]
+    for c in sybils:  # ground next to the key: closer than every honest peer
+        c.node_id = key_id("k") ^ (c.node_id >> 200)
     for c in sybils + honest:
         lk.add(c)
     best = lk.best(20, set())
@@ -313,7 +315,8 @@ async def test_the_observed_ip_of_a_connection_reaches_the_routing_table(
     """Over real sockets: five peers dialing from 127.66.6.x (one /24 once loopback is
     not exempt) take at most the table's share of that /24, and what they store is
     charged to it."""
-    policy = DiversityPolicy(exempt=(), per_group_table=3)
+    # (per bucket lifted: five random IDs all in one bucket would leave only 2)
+    policy = DiversityPolicy(exempt=(), per_group_table=3, per_group_bucket=20)
     server = await DHTNode.create(await make_host(**HOST_OPTS), diversity=policy)
     sybils = []
     try:
