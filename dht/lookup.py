@@ -11,19 +11,31 @@ answered (or, for value lookups, when enough holders answered). A request that
 has been pending for `stall_after` seconds stops counting: the lookup moves on
 to the next candidate instead of waiting for a slow peer, and still uses the
 answer if it comes before the hop timeout.
+
+Sybil resistance (see `admission`): with `per_group` set, one IP group takes at
+most that many of a key's `k` best candidates, so colluding peers in one /24
+that answer each other with IDs ground next to the key fill a couple of the
+beam's slots and the lookup still converges on the closest honest peers; and a
+value lookup's early stop counts its holders by group, so holders in one /24
+count once and cannot end it alone. The beam is the lookup's defence here, in
+place of S/Kademlia's disjoint paths: those survive a *share* of bad peers
+spread over the network, but an attacker holding every ID near the key sits
+on every path's last hops; a cap per group bounds its share of each step by
+what it cannot make for free, its addresses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
+from .admission import distinct_groups, diverse
 from .protocol import WireContact
 from .records import Record
 from .routing import node_id
@@ -41,6 +53,12 @@ class Candidate:
     # Number of answers between the routing table and this contact: 0 for
     # contacts from our own table, d + 1 for those learned from a depth-d peer.
     depth: int
+    # Its IP group (admission.ip_group), None when exempt or unknown.
+    group: str | None = None
+
+
+def _group(c: Candidate) -> str | None:
+    return c.group
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +73,9 @@ class KeyLookup:
     # Stores settle early: the store requests themselves then prove which of
     # the closest candidates are alive, instead of a final find_node round.
     settle: int | None = None
+    # At most this many of the k best candidates (and of the holders counted for
+    # the quorum) per IP group; None: no cap.
+    per_group: int | None = None
     candidates: dict[PeerID, Candidate] = field(default_factory=dict)
     state: dict[PeerID, int] = field(default_factory=dict)
     answered: list[Candidate] = field(default_factory=list)
@@ -76,19 +97,38 @@ class KeyLookup:
             for c in self.candidates.values()
             if state.get(c.peer_id) != FAILED and c.peer_id not in stalled
         )
-        target = self.target
-        return heapq.nsmallest(k, live, key=lambda c: c.node_id ^ target)
+        return self._closest(live, k)
 
     def closest_live(self, count: int) -> list[Candidate]:
         """The `count` closest candidates that did not fail (answered or not asked)."""
         state = self.state
-        target = self.target
         live = (c for c in self.candidates.values() if state.get(c.peer_id) != FAILED)
-        return heapq.nsmallest(count, live, key=lambda c: c.node_id ^ target)
+        return self._closest(live, count)
 
     def closest_answered(self, count: int) -> list[Candidate]:
+        return self._closest(self.answered, count)
+
+    def _closest(self, cands: Iterable[Candidate], count: int) -> list[Candidate]:
+        """The `count` closest of `cands`, at most `per_group` per IP group first; the
+        closest of the rest only fill slots no other group could (and come last)."""
         target = self.target
-        return heapq.nsmallest(count, self.answered, key=lambda c: c.node_id ^ target)
+        if self.per_group is None:
+            return heapq.nsmallest(count, cands, key=lambda c: c.node_id ^ target)
+        pool = list(cands)
+        near = heapq.nsmallest(count, pool, key=lambda c: c.node_id ^ target)
+        groups = [c.group for c in near if c.group is not None]
+        if len(groups) <= self.per_group or max(map(groups.count, set(groups))) <= self.per_group:
+            return near  # the common case: no group over its share, no full sort
+        pool.sort(key=lambda c: c.node_id ^ target)
+        return diverse(pool, self.per_group, _group, count, fill=True)
+
+    def quorum_reached(self) -> bool:
+        """Enough holders answered, counting one IP group once (with `per_group`)."""
+        if self.quorum is None:
+            return False
+        if self.per_group is None:
+            return len(self.holders) >= self.quorum
+        return distinct_groups((c.peer_id, c.group) for c in self.holders) >= self.quorum
 
 
 # query(candidate, lookups) -> per lookup, the contacts the peer returned.
@@ -108,9 +148,11 @@ async def traverse(
     blocked: Callable[[PeerID], bool],
     max_in_flight: int = 64,
     clock: Callable[[], float] | None = None,
+    group_of: Callable[[tuple[Multiaddr, ...]], str | None] | None = None,
 ) -> None:
     """Run the lookups to convergence. Every request task is owned here and
-    cancelled before returning. `clock` (default: the loop's) is for tests."""
+    cancelled before returning. `clock` (default: the loop's) is for tests.
+    `group_of`: the IP group of a contact learned from an answer, by its addresses."""
     loop = asyncio.get_running_loop()
     now_fn = clock or loop.time
     in_flight: dict[asyncio.Task[list[list[WireContact]]], tuple[Candidate, list[KeyLookup]]] = {}
@@ -130,7 +172,7 @@ async def traverse(
             wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
             order: list[PeerID] = []
             for lk in active:
-                if lk.quorum is not None and len(lk.holders) >= lk.quorum:
+                if lk.quorum_reached():
                     lk.done = True
                     continue
                 best = lk.best(k, stalled)
@@ -227,6 +269,7 @@ async def traverse(
                                 node_id(wc.peer_id),
                                 wc.addrs,
                                 cand.depth + 1,
+                                None if group_of is None else group_of(wc.addrs),
                             )
                         )
     finally:

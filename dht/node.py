@@ -37,22 +37,20 @@ from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.remote_log import RemoteEvents
 from shoal.transport.tasks import TaskSet
 
+from .admission import DiversityPolicy, RateLimits, RequestAdmission
 from .lookup import ANSWERED, FAILED, Candidate, KeyLookup, traverse
 from .protocol import (
     ID_BYTES,
     DHTProtocolError,
     WireContact,
-    build_nearest,
     parse_addrs,
-    parse_ids,
-    parse_keys,
     parse_nearest,
-    parse_records,
     parse_stored,
     parse_values,
 )
 from .records import Record, RecordError, RecordValidator
 from .routing import AddResult, AddStatus, RoutingTable, key_id
+from .server import DHTServer
 from .storage import LocalStorage, StoredValue, merge_records
 
 log = logging.getLogger("shoal.dht")
@@ -89,6 +87,20 @@ class DHTError(Exception):
 
 class BootstrapError(DHTError):
     """None of the bootstrap peers could be reached."""
+
+
+class PeerBusy(DHTError):
+    """The peer refused a request by its rate limits ("busy"): it is up and honest
+    as far as we know, so it is neither garbage nor a failure in the table."""
+
+    def __init__(self, peer: PeerID, retry_after: float) -> None:
+        super().__init__(f"{peer.short()} is busy; retry after {retry_after:.1f}s")
+        self.retry_after = retry_after
+
+
+# A busy answer's retry_after is bounded, so a peer cannot make itself skipped for long
+# (nor ask to be asked again at once).
+_BUSY_BLOCK = (0.1, 10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +169,14 @@ class DHTNode:
         max_connections: int | None = None,
         serves: Callable[[], bool] | None = None,
         addresses: Callable[[], Sequence[Multiaddr]] | None = None,
+        diversity: DiversityPolicy | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         """`serves`: whether others may use us as a hop and a replica right now
         (NAT: a private peer does not); while false we are a client: our requests
         say so and carry no addresses, and nobody adds us to a table. `addresses`:
-        what we advertise in requests (default: the host's addresses)."""
+        what we advertise in requests (default: the host's addresses).
+        `diversity`, `rate_limits`: the Sybil defences (see `admission`)."""
         self.host = host
         self._serves = serves
         self._addresses = addresses or host.addresses
@@ -181,7 +196,9 @@ class DHTNode:
         self.protocol = protocol
         self.validator = validator or (storage.validator if storage else RecordValidator())
         self.storage = storage or LocalStorage(validator=self.validator)
-        self.routing_table = RoutingTable(self.peer_id, k)
+        self.diversity = diversity if diversity is not None else DiversityPolicy()
+        self.routing_table = RoutingTable(self.peer_id, k, diversity=self.diversity)
+        self.admission = RequestAdmission(rate_limits or RateLimits(), self.diversity)
         self._loop = asyncio.get_running_loop()
         self._blacklist: dict[PeerID, float] = {}
         # (key, subkey) -> (record, when to republish, UNIX time)
@@ -204,6 +221,8 @@ class DHTNode:
             "value_retries": 0,
             "node_retries": 0,
             "requests_redialed": 0,
+            "busy_answers": 0,
+            "requests_refused": 0,
         }
         self._max_hops = 0
         self._hello_cache: tuple[float, dict[str, Any]] | None = None
@@ -212,11 +231,7 @@ class DHTNode:
         # peers in one process (or a big network) do not exhaust descriptors.
         self.max_connections = max_connections
         self._dialed: dict[PeerID, None] = {}
-        self._service = rpc.RpcService(host, protocol)
-        self._service.unary("ping")(self._on_ping)
-        self._service.unary("find_node")(self._on_find_node)
-        self._service.unary("find_value")(self._on_find_value)
-        self._service.unary("store")(self._on_store)
+        self._server = DHTServer(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -257,7 +272,7 @@ class DHTNode:
         if self._closed:
             return
         self._closed = True
-        self._service.close()
+        self._server.close()
         await self._tasks.aclose()
 
     async def __aenter__(self) -> DHTNode:
@@ -305,9 +320,9 @@ class DHTNode:
                         timeout=self.hop_timeout,
                     )
                 addrs = self._reply_addrs(peer, reply) or (addr,)
-                self._add_contact(peer, addrs, replace=True)
+                self._add_contact(peer, addrs, replace=True, observed_ip=self._observed_ip(peer))
                 return None
-            except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
+            except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
                 error = f"{addr}: {type(e).__name__}: {e}"
                 final = attempt + 1 == attempts or isinstance(e, PeerIDMismatch)
                 # Said while it happens: a joiner must not sit silent for half a minute.
@@ -431,24 +446,23 @@ class DHTNode:
             self._hello_cache = (now, hello)
         return self._hello_cache[1]
 
-    def _note_sender(self, peer: PeerID, payload: object) -> dict[str, Any]:
-        """Every request refreshes its sender in the table."""
-        if not isinstance(payload, dict):
-            raise DHTProtocolError("request must be a map")
-        self._counters["requests_served"] += 1
-        if payload.get("client") is True:
-            return payload  # a client (e.g. behind NAT): answer it, never route through it
-        raw = payload.get("from", [])
-        try:
-            addrs = parse_addrs(peer, raw)
-        except DHTProtocolError:
-            addrs = ()
-        self._add_contact(peer, addrs, replace=bool(addrs))
-        return payload
+    def _observed_ip(self, peer: PeerID) -> str | None:
+        """The IP our connection to `peer` goes to; None when relayed or not connected."""
+        conn = self.host.connection(peer)
+        if conn is None or conn.kind == "relayed" or conn.remote_address is None:
+            return None
+        return conn.remote_address[0]
 
-    def _add_contact(self, peer: PeerID, addrs: Sequence[Multiaddr], *, replace: bool) -> None:
+    def _add_contact(
+        self,
+        peer: PeerID,
+        addrs: Sequence[Multiaddr],
+        *,
+        replace: bool,
+        observed_ip: str | None = None,
+    ) -> None:
         result: AddResult = self.routing_table.add_or_update(
-            peer, addrs, self._loop.time(), replace_addrs=replace
+            peer, addrs, self._loop.time(), replace_addrs=replace, observed_ip=observed_ip
         )
         if result.status is AddStatus.NEEDS_PING and result.needs_ping is not None:
             self._tasks.spawn(self._check_alive(result.needs_ping.peer_id, result.needs_ping.addrs))
@@ -457,51 +471,11 @@ class DHTNode:
         try:
             await self._request(peer, addrs, "ping", self._hello())
             alive = True
-        except (TransportError, TimeoutError, OSError):
+        except PeerBusy:
+            alive = True  # throttled us, but it answered
+        except (TransportError, TimeoutError, OSError, DHTProtocolError):
             alive = False
         self.routing_table.ping_result(peer, alive, self._loop.time())
-
-    def _nearest_for(self, targets: list[int], exclude: PeerID) -> dict[str, Any]:
-        ex = {exclude}
-        return build_nearest(
-            [
-                [(c.peer_id, c.addrs) for c in self.routing_table.nearest(t, self.k, ex)]
-                for t in targets
-            ]
-        )
-
-    async def _on_ping(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        self._note_sender(ctx.peer, payload)
-        # Our wall clock, for the asker's clock-skew check (`shoal doctor`): records
-        # expire by wall-clock time, so a clock minutes off loses or keeps them wrongly.
-        return {**self._hello(), "t": time.time()}
-
-    async def _on_find_node(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx.peer, payload)
-        return self._nearest_for(parse_ids(payload.get("ids")), ctx.peer)
-
-    async def _on_find_value(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx.peer, payload)
-        keys = parse_keys(payload.get("keys"))
-        values = self.storage.get_many(keys, time.time())
-        answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
-        answer["values"] = {
-            i: [r.to_wire() for r in values[k].records()] for i, k in enumerate(keys) if k in values
-        }
-        return answer
-
-    async def _on_store(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        payload = self._note_sender(ctx.peer, payload)
-        records = parse_records(payload.get("records"))
-        now = time.time()
-        stored = []
-        for r in records:
-            try:
-                stored.append(self.storage.store(r, now))
-            except RecordError as e:
-                log.debug("refused %s from %s: %s", r.describe(), ctx.peer.short(), e)
-                stored.append(False)
-        return {"stored": stored}
 
     # ------------------------------------------------------------------ client side
 
@@ -519,7 +493,7 @@ class DHTNode:
                 self._dialed[peer] = None
                 self._prune_connections()
             try:
-                return await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+                reply = await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
             except (ConnectionLost, StreamReset) as e:
                 if not reused or isinstance(e, ProtocolNotSupported):
                     raise
@@ -529,7 +503,12 @@ class DHTNode:
                 # a fresh connection, within the same deadline.
                 self._counters["requests_redialed"] += 1
                 await self.host.connect(peer, addrs, timeout=hop)
-                return await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+                reply = await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+        if isinstance(reply, dict) and reply.get("busy") is True:
+            retry = reply.get("retry_after")
+            retry = float(retry) if isinstance(retry, int | float) else 1.0
+            raise PeerBusy(peer, min(max(retry, _BUSY_BLOCK[0]), _BUSY_BLOCK[1]))
+        return reply
 
     def _hop_timeout(self, peer: PeerID) -> float:
         """`hop_timeout`, or longer for a far peer: a request on a connection takes a
@@ -575,8 +554,13 @@ class DHTNode:
         return True
 
     def _on_failure(self, cand: Candidate, exc: BaseException) -> None:
-        self._counters["requests_failed"] += 1
         now = self._loop.time()
+        if isinstance(exc, PeerBusy):
+            # Up, and throttling us: skip it for a moment; no failure in the table.
+            self._counters["busy_answers"] += 1
+            self._blacklist[cand.peer_id] = now + exc.retry_after
+            return
+        self._counters["requests_failed"] += 1
         if isinstance(exc, DHTProtocolError):
             self._counters["garbage_answers"] += 1
             self._remote_events.info(
@@ -594,8 +578,12 @@ class DHTNode:
             self._blacklist = {p: t for p, t in self._blacklist.items() if t > now}
 
     def _answered(self, cand: Candidate) -> None:
-        # We reached it at these addresses: it is a verified contact.
-        self._add_contact(cand.peer_id, cand.addrs, replace=False)
+        # We reached it at these addresses: it is a verified contact, and its group
+        # is that of the IP we reached, whatever it was advertised with.
+        ip = self._observed_ip(cand.peer_id)
+        if ip is not None:
+            cand.group = self.diversity.group_of_ip(ip)
+        self._add_contact(cand.peer_id, cand.addrs, replace=False, observed_ip=ip)
 
     async def _query_find_node(
         self, cand: Candidate, lookups: list[KeyLookup]
@@ -638,9 +626,10 @@ class DHTNode:
         self._counters["lookups"] += len(lookups)
         blocked = self._blocked if skip_blacklisted else _never
         for lk in lookups:
+            lk.per_group = self.diversity.lookup_cap
             for c in self.routing_table.nearest(lk.target, self.k):
                 if not blocked(c.peer_id):
-                    lk.add(Candidate(c.peer_id, c.node_id, c.addrs, 0))
+                    lk.add(Candidate(c.peer_id, c.node_id, c.addrs, 0, c.ip_group))
         await traverse(
             lookups,
             query,
@@ -650,6 +639,7 @@ class DHTNode:
             on_failure=self._on_failure,
             blocked=blocked,
             max_in_flight=max(self.alpha, min(64, self.alpha * len(lookups))),
+            group_of=self.diversity.group_of_addrs,
         )
         for lk in lookups:
             self._max_hops = max(self._max_hops, lk.hops)
@@ -711,7 +701,7 @@ class DHTNode:
                 {**self._hello(), "records": [r.to_wire() for r in records]},
             )
             return parse_stored(reply, len(records))
-        except (TransportError, TimeoutError, OSError, DHTProtocolError) as e:
+        except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
             self._on_failure(cand, e)
             return None
 

@@ -36,6 +36,8 @@ from typing import Final
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
 
+from .admission import DiversityPolicy
+
 __all__ = [
     "ID_BITS",
     "AddResult",
@@ -168,6 +170,8 @@ class Contact:
     addrs: tuple[Multiaddr, ...]
     last_seen: float
     failures: int = 0
+    # The IP group (/24, /48) the peer was seen from, None when exempt or unknown.
+    ip_group: str | None = None
 
     def __repr__(self) -> str:
         return f"Contact({self.peer_id.short()}, addrs={len(self.addrs)}, failures={self.failures})"
@@ -217,6 +221,8 @@ class RoutingTable:
     full bucket. `max_addrs`: addresses kept per contact. `max_failures`:
     consecutive failed RPCs that evict a contact. `ping_timeout`: after this,
     a ping that got no `ping_result` no longer blocks a new one in its bucket.
+    `diversity`: how many contacts of one IP group a bucket and the table keep
+    (see `admission`); a newcomer over the limit waits in the replacement cache.
     """
 
     def __init__(
@@ -229,6 +235,7 @@ class RoutingTable:
         max_failures: int = 3,
         ping_timeout: float = 30.0,
         rng: random.Random | None = None,
+        diversity: DiversityPolicy | None = None,
     ) -> None:
         if k < 1 or replacement_cache < 0 or max_addrs < 1 or max_failures < 1:
             raise ValueError("k, max_addrs and max_failures must be >= 1, replacement_cache >= 0")
@@ -240,6 +247,8 @@ class RoutingTable:
         self.max_failures: Final = max_failures
         self.ping_timeout: Final = ping_timeout
         self._rng = rng if rng is not None else random.Random()
+        self.diversity: Final = diversity if diversity is not None else DiversityPolicy()
+        self._group_count: dict[str, int] = {}  # contacts in the table per IP group
         self._buckets: dict[int, _Bucket] = {}
         self._index: dict[PeerID, int] = {}  # peer -> bucket, for contacts in the table
         self._touched: dict[int, float] = {}  # bucket -> last update or completed lookup
@@ -284,12 +293,15 @@ class RoutingTable:
         now: float,
         *,
         replace_addrs: bool = False,
+        observed_ip: str | None = None,
     ) -> AddResult:
         """Record that `peer_id` was seen at `now`, reachable at `addrs`.
 
         New addresses go first and known ones are kept after them (a peer's
         addresses learned from others may be partial); `replace_addrs` drops
         the known ones, for an authoritative list such as the peer's own.
+        `observed_ip`: the IP its connection came from, which sets its IP group
+        (without it, a new contact's group is that of its first address).
         """
         if peer_id == self.local_peer:
             return AddResult(AddStatus.IGNORED, reason="self")
@@ -303,6 +315,8 @@ class RoutingTable:
             if contact is not None:
                 # seen again, even without a (new) dialable address: it is up
                 self._refresh(contact, new_addrs, now, replace_addrs)
+                if observed_ip is not None:
+                    self._regroup(contact, self.diversity.group_of_ip(observed_ip))
                 contact.failures = 0
                 self._touched[index] = now
                 bucket.contacts.move_to_end(peer_id)
@@ -318,10 +332,19 @@ class RoutingTable:
             if not new_addrs:
                 return AddResult(AddStatus.IGNORED, reason="no dialable address")
             contact = Contact(peer_id, nid, new_addrs, now)
+        if observed_ip is not None:
+            contact.ip_group = self.diversity.group_of_ip(observed_ip)
+        elif cached is None:
+            contact.ip_group = self.diversity.group_of_addrs(contact.addrs)
 
         if bucket is None:
             bucket = self._buckets[index] = _Bucket()
         self._touched[index] = now
+        if not self._fits(bucket, contact):
+            # Its group has its share here: it waits in the replacement cache, and an
+            # honest peer of another group still gets the next free slot.
+            self._cache(bucket, contact)
+            return AddResult(AddStatus.CACHED, contact, reason="ip diversity")
         if len(bucket.contacts) < self.k:
             self._insert(bucket, index, contact)
             return AddResult(AddStatus.ADDED, contact)
@@ -504,6 +527,7 @@ class RoutingTable:
                         "addrs": [str(a) for a in c.addrs],
                         "seen_age": round(now - c.last_seen, 3),
                         "failures": c.failures,
+                        "ip_group": c.ip_group,
                     }
                     for c in bucket.contacts.values()
                 ]
@@ -515,6 +539,7 @@ class RoutingTable:
             "size": len(self._index),
             "replacements": sum(len(b.replacements) for b in self._buckets.values()),
             "buckets_nonempty": sum(1 for b in self._buckets.values() if b.contacts),
+            "ip_groups": len(self._group_count),
             "buckets": buckets,
         }
 
@@ -537,10 +562,41 @@ class RoutingTable:
         bucket.contacts.move_to_end(contact.peer_id)
         self._touched[index] = now
 
+    def _fits(self, bucket: _Bucket, contact: Contact) -> bool:
+        """Whether the diversity limits leave room for `contact` in `bucket`."""
+        group = contact.ip_group
+        if group is None:
+            return True
+        policy = self.diversity
+        if self._group_count.get(group, 0) >= policy.per_group_table:
+            return False
+        in_bucket = sum(1 for c in bucket.contacts.values() if c.ip_group == group)
+        return in_bucket < policy.per_group_bucket
+
+    def _regroup(self, contact: Contact, group: str | None) -> None:
+        # A contact in the table seen from another IP: counted in its new group (it
+        # stays: it proved itself alive; the limits apply to newcomers).
+        if group == contact.ip_group:
+            return
+        if contact.peer_id in self._index:
+            self._count(contact.ip_group, -1)
+            self._count(group, +1)
+        contact.ip_group = group
+
+    def _count(self, group: str | None, delta: int) -> None:
+        if group is None:
+            return
+        n = self._group_count.get(group, 0) + delta
+        if n > 0:
+            self._group_count[group] = n
+        else:
+            self._group_count.pop(group, None)
+
     def _insert(self, bucket: _Bucket, index: int, contact: Contact) -> None:
         contact.failures = 0
         bucket.contacts[contact.peer_id] = contact
         self._index[contact.peer_id] = index
+        self._count(contact.ip_group, +1)
 
     def _cache(self, bucket: _Bucket, contact: Contact) -> None:
         if self.replacement_cache == 0:
@@ -554,9 +610,15 @@ class RoutingTable:
         del self._index[peer_id]
         if bucket.pending == peer_id:
             bucket.pending = None
-        return bucket.contacts.pop(peer_id)
+        contact = bucket.contacts.pop(peer_id)
+        self._count(contact.ip_group, -1)
+        return contact
 
     def _fill(self, bucket: _Bucket, index: int) -> None:
-        while len(bucket.contacts) < self.k and bucket.replacements:
-            _, contact = bucket.replacements.popitem(last=True)  # the most recent
-            self._insert(bucket, index, contact)
+        # the most recent replacement whose group has room
+        for contact in reversed(list(bucket.replacements.values())):
+            if len(bucket.contacts) >= self.k:
+                break
+            if self._fits(bucket, contact):
+                del bucket.replacements[contact.peer_id]
+                self._insert(bucket, index, contact)

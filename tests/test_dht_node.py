@@ -271,8 +271,8 @@ async def test_garbage_answering_node(swarm: Callable[..., Any], mode: str) -> N
         other = [nodes[0].peer_id.to_bytes(), [str(a) for a in nodes[0].host.addresses()]]
         return {"peers": [other] * 1000, "nearest": [[0] * 1000]}
 
-    bad._service.unary("find_node")(garbage)
-    bad._service.unary("find_value")(garbage)
+    bad._server._service.unary("find_node")(garbage)
+    bad._server._service.unary("find_value")(garbage)
     exp = time.time() + 60
     for i, node in enumerate(nodes):
         if node is bad:

@@ -200,11 +200,16 @@ class PeerBusy(RemoteError):
 class CallContext(MessageStream):
     """What a handler sees: the caller, its deadline, and the stream for streaming calls."""
 
-    __slots__ = ("method", "peer", "timeout")
+    __slots__ = ("method", "peer", "remote_ip", "timeout")
 
     def __init__(self, stream: Stream, method: str, timeout: float | None, limits: RpcLimits):
         super().__init__(stream, limits)
         self.peer: PeerID = stream.remote_peer
+        # The IP the caller's connection comes from (not what it advertises), for
+        # per-IP limits; None on a relayed connection.
+        address = stream.connection.remote_address
+        relayed = stream.connection.kind == "relayed"
+        self.remote_ip: str | None = None if relayed or address is None else address[0]
         self.method = method
         self.timeout = timeout
 

@@ -1,0 +1,130 @@
+"""The answering side of a DHT node: admission, the sender in the table, the methods.
+
+Every request passes the rate limits of `admission` first (over them: a typed
+busy answer, ``{"busy": true, "retry_after": s}``, which costs us almost
+nothing and tells an honest requester to ask someone else for a moment), then
+refreshes its sender in the routing table under the IP its connection comes
+from. Stored records are charged to the sender and its IP group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from shoal.transport import rpc
+from shoal.transport.identity import PeerID
+
+from .protocol import (
+    DHTProtocolError,
+    build_nearest,
+    parse_addrs,
+    parse_ids,
+    parse_keys,
+    parse_records,
+)
+from .records import RecordError
+from .routing import key_id
+
+if TYPE_CHECKING:
+    from .node import DHTNode
+
+log = logging.getLogger("shoal.dht")
+
+
+class DHTServer:
+    """Serves ping/find_node/find_value/store of `node` under its protocol."""
+
+    def __init__(self, node: DHTNode) -> None:
+        self.node = node
+        self._service = rpc.RpcService(node.host, node.protocol)
+        for method, handler in (
+            ("ping", self._on_ping),
+            ("find_node", self._on_find_node),
+            ("find_value", self._on_find_value),
+            ("store", self._on_store),
+        ):
+            self._service.unary(method)(self._admitted(handler))
+
+    def close(self) -> None:
+        self._service.close()
+
+    def _admitted(self, handler: rpc.Handler) -> rpc.Handler:
+        """`handler` behind the request rate limits: a request over them gets a typed
+        busy answer (cheap, and not garbage to an honest requester)."""
+
+        async def admitted(ctx: rpc.CallContext, payload: Any) -> Any:
+            if not self.node.admission.admit(ctx.peer, ctx.remote_ip, self.node._loop.time()):
+                refused = self.node._counters["requests_refused"] = (
+                    self.node._counters["requests_refused"] + 1
+                )
+                if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood is one line
+                    log.info(
+                        "DHT: request rate limit: a busy answer to %s at %s (%d so far)",
+                        ctx.peer.short(),
+                        ctx.remote_ip,
+                        refused,
+                    )
+                return {"busy": True, "retry_after": self.node.admission.limits.retry_after}
+            return await handler(ctx, payload)
+
+        return admitted
+
+    def _note_sender(self, ctx: rpc.CallContext, payload: object) -> dict[str, Any]:
+        """Every request refreshes its sender in the table."""
+        if not isinstance(payload, dict):
+            raise DHTProtocolError("request must be a map")
+        self.node._counters["requests_served"] += 1
+        if payload.get("client") is True:
+            return payload  # a client (e.g. behind NAT): answer it, never route through it
+        raw = payload.get("from", [])
+        try:
+            addrs = parse_addrs(ctx.peer, raw)
+        except DHTProtocolError:
+            addrs = ()
+        self.node._add_contact(ctx.peer, addrs, replace=bool(addrs), observed_ip=ctx.remote_ip)
+        return payload
+
+    def _nearest_for(self, targets: list[int], exclude: PeerID) -> dict[str, Any]:
+        ex = {exclude}
+        return build_nearest(
+            [
+                [(c.peer_id, c.addrs) for c in self.node.routing_table.nearest(t, self.node.k, ex)]
+                for t in targets
+            ]
+        )
+
+    async def _on_ping(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        self._note_sender(ctx, payload)
+        # Our wall clock, for the asker's clock-skew check (`shoal doctor`): records
+        # expire by wall-clock time, so a clock minutes off loses or keeps them wrongly.
+        return {**self.node._hello(), "t": time.time()}
+
+    async def _on_find_node(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        payload = self._note_sender(ctx, payload)
+        return self._nearest_for(parse_ids(payload.get("ids")), ctx.peer)
+
+    async def _on_find_value(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        payload = self._note_sender(ctx, payload)
+        keys = parse_keys(payload.get("keys"))
+        values = self.node.storage.get_many(keys, time.time())
+        answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
+        answer["values"] = {
+            i: [r.to_wire() for r in values[k].records()] for i, k in enumerate(keys) if k in values
+        }
+        return answer
+
+    async def _on_store(self, ctx: rpc.CallContext, payload: Any) -> Any:
+        payload = self._note_sender(ctx, payload)
+        records = parse_records(payload.get("records"))
+        now = time.time()
+        origin = (ctx.peer, self.node.diversity.group_of_ip(ctx.remote_ip))
+        stored = []
+        for r in records:
+            try:
+                stored.append(self.node.storage.store(r, now, origin))
+            except RecordError as e:
+                log.debug("refused %s from %s: %s", r.describe(), ctx.peer.short(), e)
+                stored.append(False)
+        return {"stored": stored}
