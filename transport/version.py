@@ -273,6 +273,7 @@ class _Conn:
     remote: Hello | None = None
     held: list[Stream] = field(default_factory=list)
     verdict: asyncio.Event = field(default_factory=asyncio.Event)
+    pushed: asyncio.Event = field(default_factory=asyncio.Event)  # our hello was read (or not)
     reason: str = ""  # REJECTED: the local account
     refusal: str = ""  # REJECTED: what the peer is told
 
@@ -400,6 +401,8 @@ class VersionGate:
                 self._old(conn, entry)
         except (TransportError, TimeoutError) as e:
             log.debug("hello to %s: %s", conn.remote_peer.short(), e)
+        finally:
+            entry.pushed.set()
 
     async def _serve(self, conn: Connection, entry: _Conn, stream: Stream) -> None:
         """Read the remote's hello and decide."""
@@ -444,9 +447,19 @@ class VersionGate:
             log.warning("%s (%s); closing the connection", entry.reason, peer)
         for stream in held:
             conn.refuse_stream(stream, entry.refusal, unknown_protocol=False)
-        # New streams are refused from now on, and the connection closes once ours are
-        # done: our hello, which the remote must read to know why.
-        conn.retire(CLOSE_GRACE)
+        conn.superseded = True  # the host hands it out no more (connect dials anew)
+        conn.spawn(self._close_when_told(conn, entry))
+
+    async def _close_when_told(self, conn: Connection, entry: _Conn) -> None:
+        # Closed only once the remote has read our hello: closing at once could cut
+        # its reader off before that, and it would see a bare reset. Meanwhile its new
+        # streams are refused with the reason (hold), which a GOAWAY would not carry.
+        try:
+            async with asyncio.timeout(CLOSE_GRACE):
+                await entry.pushed.wait()
+        except TimeoutError:
+            pass
+        await conn.aclose(1.0)
 
     def _old(self, conn: Connection, entry: _Conn) -> None:
         entry.state = _State.OLD
