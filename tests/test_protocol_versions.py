@@ -360,3 +360,40 @@ async def test_the_hello_costs_no_round_trip_to_a_peer_that_already_spoke(versio
     first = await a.connect(b.addresses()[0])
     again = await asyncio.wait_for(a.connect(b.peer_id), 1.0)  # known: no waiting
     assert again is first
+
+
+HOSTILE = '<img src=x onerror="document.body.dataset.pwned = 1">'
+CARD_STATE = """
+const card = document.getElementById('version-mismatches');
+return {
+  shown: !card.hidden && card.getBoundingClientRect().height > 0,
+  rows: [...document.querySelectorAll('#mismatches tbody tr')].map((r) => r.dataset.peerId),
+  text: card.textContent,
+  brand: document.getElementById('shoal-version').textContent,
+  images: card.querySelectorAll('img').length,
+  pwned: document.body.dataset.pwned !== undefined,
+};
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_the_status_page_shows_a_warning_card_with_what_to_do(versioned, tmp_path) -> None:
+    page = pytest.importorskip("test_status_page_browser")  # its chromium and helpers
+    page._need_browser()
+    a, b = await versioned(hello(1)), await versioned(hello(2, software=HOSTILE))
+    with pytest.raises(IncompatibleProtocol):
+        await a.connect(b.addresses()[0])
+    provider = _VersionsOnly(a)
+    async with StatusServer(provider, Metrics(provider), port=0) as server:
+        driver = await asyncio.to_thread(page._start_chromium, tmp_path / "profile")
+        try:
+            await asyncio.to_thread(driver.get, server.url + "/")
+            state = await page.wait_for(
+                driver, CARD_STATE, lambda s: s["shown"] and s["rows"], "the warning card"
+            )
+        finally:
+            await asyncio.to_thread(driver.quit)
+    assert state["rows"] == [str(b.peer_id)]
+    assert "upgrade this peer (pip install -U shoal)" in state["text"]
+    assert HOSTILE in state["text"] and not state["images"] and not state["pwned"]
+    assert "protocol 1.0" in state["brand"]

@@ -300,7 +300,7 @@ class VersionGate:
 
     def peer_version(self, peer: PeerID) -> Hello | None:
         """The hello of `peer` on its current connection (None: unknown or not yet)."""
-        conn = self.host.connections.get(peer)
+        conn = self.host.connection(peer)
         entry = self._conns.get(conn) if conn is not None else None
         return entry.remote if entry is not None else None
 
@@ -332,6 +332,9 @@ class VersionGate:
         entry = self._conns.get(conn)
         if entry is None:
             return False
+        if entry.state is _State.REJECTED:
+            conn.refuse_stream(stream, entry.refusal, unknown_protocol=False)
+            return True
         if stream.protocol == HELLO_PROTOCOL:
             if entry.state in (_State.PENDING, _State.OLD):
                 entry.state = _State.READING
@@ -342,9 +345,6 @@ class VersionGate:
             self._old(conn, entry)
         if entry.state is _State.READING:
             entry.held.append(stream)
-            return True
-        if entry.state is _State.REJECTED:
-            conn.refuse_stream(stream, entry.refusal, unknown_protocol=False)
             return True
         return False
 
@@ -444,7 +444,7 @@ class VersionGate:
         conn.close_reason = entry.reason
         entry.verdict.set()
         if self.mismatches.record(peer, self.local, hello, time.monotonic(), time.time()):
-            log.warning("%s (%s); closing the connection", entry.reason, peer)
+            log.warning("%s; closing the connection to %s", entry.reason, peer)
         for stream in held:
             conn.refuse_stream(stream, entry.refusal, unknown_protocol=False)
         conn.superseded = True  # the host hands it out no more (connect dials anew)
