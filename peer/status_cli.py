@@ -250,11 +250,11 @@ def _mismatches(status: Mapping[str, Any]) -> list[str]:
     if not seen:
         return []
     total = _num(status.get("version_mismatches_total"))
-    refused = f", {int(total)} connections refused" if total else ""
+    refused = f", {_count(int(total), 'connection')} refused" if total else ""
     now = time.time()
     return [
         "",
-        f"INCOMPATIBLE PEERS: protocol version mismatches ({len(seen)} peers{refused})",
+        f"INCOMPATIBLE PEERS: protocol version mismatches ({_count(len(seen), 'peer')}{refused})",
         *_table(
             ("PEER", "THEIRS", "SOFTWARE", "OURS", "COUNT", "LAST SEEN", "WHAT TO DO"),
             [
@@ -272,6 +272,10 @@ def _mismatches(status: Mapping[str, Any]) -> list[str]:
             right=(4, 5),
         ),
     ]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _table(header: Sequence[str], rows: list[tuple[str, ...]], right: Sequence[int]) -> list[str]:

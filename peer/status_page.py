@@ -677,8 +677,9 @@ function renderVersions(s) {
   const box = $("version-mismatches");
   box.hidden = seen.length === 0;
   if (box.hidden) return;
+  const refused = s.version_mismatches_total;
   setText("version-mismatches-count", `this peer speaks protocol ${s.protocol_version ?? "?"}`
-    + ` · ${fmtNum(s.version_mismatches_total, 0)} connections refused`);
+    + ` · ${fmtNum(refused, 0)} connection${refused === 1 ? "" : "s"} refused`);
   const upgrade = seen.some((m) => String(m.action ?? "").startsWith("upgrade this peer"));
   setText("version-advice", upgrade
     ? "Peers run a newer shoal that this one cannot talk to: upgrade this peer"
@@ -840,8 +841,8 @@ function renderStatus(s) {
   setText("experiment", s.experiment ?? "none yet");
   setText("version", [s.strategy, s.task].filter((x) => typeof x === "string").join(" · ")
     || (s.experiment ? "" : "join or host one with shoal run"));
-  setText("shoal-version", (s.version ? "v" + s.version : "")
-    + (s.protocol_version ? ` · protocol ${s.protocol_version}` : ""));
+  setText("shoal-version", [s.version ? "v" + s.version : "",
+    s.protocol_version ? `protocol ${s.protocol_version}` : ""].filter(Boolean).join(" · "));
   renderVersions(s);
   setText("swarm-round", swarmRound(s));
   const join = typeof s.join_command === "string" ? s.join_command : "";

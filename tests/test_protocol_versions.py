@@ -341,7 +341,7 @@ async def test_status_metrics_and_the_cli_show_the_mismatches(versioned) -> None
     assert entry["first_seen"] <= entry["last_seen"]
     assert "shoal_version_mismatches_total 2.0" in metrics
     text = format_status(status, [], server.url)
-    assert "protocol version mismatches (1 peers, 2 connections refused)" in text
+    assert "protocol version mismatches (1 peer, 2 connections refused)" in text
     (row,) = [line for line in text.splitlines() if str(b.peer_id) in line]
     assert "2.1" in row and "shoal 0.3.0" in row and f"upgrade this peer: {UPGRADE}" in row
 

@@ -316,7 +316,8 @@ class Host:
         if peer is not None:
             existing = self.connection(peer)
             if existing is not None:
-                return await self.versions.checked(existing, self.config.dial_timeout)
+                wait = self.config.dial_timeout if timeout is None else timeout
+                return await self.versions.checked(existing, wait)
             pending = self._dials.get(peer)
             if pending is not None:
                 return await asyncio.shield(pending)
