@@ -267,13 +267,24 @@ class _State(enum.Enum):
     REJECTED = "incompatible"
 
 
+def _future() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass(slots=True)
 class _Conn:
     state: _State = _State.PENDING
     remote: Hello | None = None
     held: list[Stream] = field(default_factory=list)
-    verdict: asyncio.Event = field(default_factory=asyncio.Event)
-    pushed: asyncio.Event = field(default_factory=asyncio.Event)  # our hello was read (or not)
+    # Futures rather than Events: a connection's entry is kept as long as it lives, and
+    # an Event's deque of waiters alone is bigger than all the rest.
+    verdict: asyncio.Future[None] = field(default_factory=_future)
+    pushed: asyncio.Future[None] = field(default_factory=_future)  # our hello was read (or not)
     reason: str = ""  # REJECTED: the local account
     refusal: str = ""  # REJECTED: what the peer is told
 
@@ -356,10 +367,10 @@ class VersionGate:
         (its streams stay held on the other side until the answer comes).
         """
         entry = self._conns.get(conn)
-        if entry is not None and not entry.verdict.is_set():
+        if entry is not None and not entry.verdict.done():
             try:
                 async with asyncio.timeout(max(timeout, 0.0)):
-                    await entry.verdict.wait()
+                    await asyncio.shield(entry.verdict)
             except TimeoutError:
                 return conn
         if entry is not None and entry.state is _State.REJECTED:
@@ -386,7 +397,7 @@ class VersionGate:
         entry = self._conns.pop(conn, None)
         if entry is not None:
             entry.held.clear()  # the connection failed them already
-            entry.verdict.set()
+            _settle(entry.verdict)
 
     async def _push(self, conn: Connection, entry: _Conn) -> None:
         """Send our hello; returns once the remote has read it (or cannot)."""
@@ -402,7 +413,7 @@ class VersionGate:
         except (TransportError, TimeoutError) as e:
             log.debug("hello to %s: %s", conn.remote_peer.short(), e)
         finally:
-            entry.pushed.set()
+            _settle(entry.pushed)
 
     async def _serve(self, conn: Connection, entry: _Conn, stream: Stream) -> None:
         """Read the remote's hello and decide."""
@@ -432,7 +443,7 @@ class VersionGate:
         held, entry.held = entry.held, []
         if compatible(self.local, hello):
             entry.state = _State.KNOWN
-            entry.verdict.set()
+            _settle(entry.verdict)
             for stream in held:
                 self._dispatch(stream)
             return
@@ -442,7 +453,7 @@ class VersionGate:
         entry.refusal = refusal_message(self.local, hello)
         # Whatever ends the connection now, its streams fail with this reason.
         conn.close_reason = entry.reason
-        entry.verdict.set()
+        _settle(entry.verdict)
         if self.mismatches.record(peer, self.local, hello, time.monotonic(), time.time()):
             log.warning("%s; closing the connection to %s", entry.reason, peer)
         for stream in held:
@@ -456,14 +467,14 @@ class VersionGate:
         # streams are refused with the reason (hold), which a GOAWAY would not carry.
         try:
             async with asyncio.timeout(CLOSE_GRACE):
-                await entry.pushed.wait()
+                await asyncio.shield(entry.pushed)
         except TimeoutError:
             pass
         await conn.aclose(1.0)
 
     def _old(self, conn: Connection, entry: _Conn) -> None:
         entry.state = _State.OLD
-        entry.verdict.set()
+        _settle(entry.verdict)
         peer = conn.remote_peer
         if self.mismatches.may_note_old(peer, time.monotonic()):
             log.info(
