@@ -398,6 +398,7 @@ class VersionGate:
         if entry is not None:
             entry.held.clear()  # the connection failed them already
             _settle(entry.verdict)
+            _settle(entry.pushed)
 
     async def _push(self, conn: Connection, entry: _Conn) -> None:
         """Send our hello; returns once the remote has read it (or cannot)."""
