@@ -8,7 +8,9 @@ Two kinds of series:
   shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
   shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
   shoal_event_loop_lag_p99_seconds, shoal_event_loop_lag_max_seconds,
-  shoal_device_memory_used_bytes, shoal_device_memory_total_bytes and
+  shoal_device_memory_used_bytes, shoal_device_memory_total_bytes,
+  shoal_version_mismatches_total (connections refused because the peer's
+  protocol version is incompatible; /status's version_mismatches_total) and
   shoal_info{peer_id,version,experiment,reachability} and
   shoal_device_info{kind,name} (always 1). A value the
   peer does not know yet (loss before the first step) is left out rather than
@@ -197,6 +199,14 @@ class _StatusCollector(Collector):
                     f"Bytes {direction} over every connection since the daemon started.",
                     value=value,
                 )
+        mismatches = status.get("version_mismatches_total")
+        if _is_number(mismatches):
+            yield CounterMetricFamily(
+                "shoal_version_mismatches",
+                "Connections refused because the peer speaks an incompatible protocol version "
+                "(see /status version_mismatches: which peers, and who must upgrade).",
+                value=mismatches,
+            )
         verification = status.get("verification")
         if isinstance(verification, dict):
             yield GaugeMetricFamily(

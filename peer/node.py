@@ -217,6 +217,7 @@ class PeerNode:
         out: dict[str, Any] = {
             "peer_id": str(self.identity.peer_id),
             "version": __version__,
+            **self.host.versions.status(),  # protocol_version, version_mismatches, ...
             "addresses": [str(a) for a in self._addresses()],
             "reachability": self.nat.reachability.value,
             "reachability_detail": self.nat.reachability_detail(),

@@ -49,6 +49,24 @@ served as null so that every client's JSON parser accepts them.
     bytes_received  int
     uptime_s        float   seconds since the daemon started
 
+Protocol versions (transport/version.py; README "Protocol versions"), on every
+daemon since they exist (a client treats a missing key as "none seen"):
+
+    protocol_version          str     this peer's wire protocol, "major.minor", e.g. "1.0"
+    version_mismatches        [obj]   incompatible peers seen, most recent first, at most 64:
+        peer_id         str
+        theirs          str     its protocol version, e.g. "2.0"
+        ours            str     ours when it was seen
+        software        str     what it runs, e.g. "shoal 0.3.0" (its own words)
+        first_seen      float   UNIX time
+        last_seen       float   UNIX time
+        count           int     connections with it refused
+        action          str     what to do: "upgrade this peer: pip install -U shoal", or
+                                "the other peer runs an older shoal and must upgrade ..."
+    version_mismatches_total  int     connections refused for their version (every peer)
+    peers_without_version     int     connected peers that run shoal from before protocol
+                                      versions (compatibility unknown: served)
+
 Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored),
 `config` ({option: value as text}, the effective configuration, secrets never),
 `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event loop ran over the

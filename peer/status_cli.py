@@ -164,6 +164,7 @@ def format_status(
     lines = [f"shoal peer {status.get('peer_id', '?')}  ({url})"]
     rows: list[tuple[str, str]] = [
         ("version", _text(status.get("version"))),
+        ("protocol", _protocol(status)),
         ("experiment", _text(status.get("experiment"), "none yet")),
         ("step", _int(status.get("step"))),
         ("loss", _loss(status.get("loss"))),
@@ -182,6 +183,8 @@ def format_status(
     rows.extend(("", a) for a in addresses[1:])
     width = max(len(k) for k, _ in rows)
     lines.extend(f"  {k:<{width}}  {v}" for k, v in rows)
+
+    lines.extend(_mismatches(status))
 
     connections = [c for c in _items(status.get("connections")) if isinstance(c, Mapping)]
     lines.append("")
@@ -230,6 +233,49 @@ def format_status(
             or ["  none known yet"]
         )
     return "\n".join(lines) + "\n"
+
+
+def _protocol(status: Mapping[str, Any]) -> str:
+    """This peer's protocol version, and how many connected peers run older software."""
+    text = _text(status.get("protocol_version"))
+    older = _num(status.get("peers_without_version"))
+    if older:
+        text += f" ({int(older)} connected peers run shoal from before protocol versions)"
+    return text
+
+
+def _mismatches(status: Mapping[str, Any]) -> list[str]:
+    """The incompatible peers seen: a table, with what to do about each."""
+    seen = [m for m in _items(status.get("version_mismatches")) if isinstance(m, Mapping)]
+    if not seen:
+        return []
+    total = _num(status.get("version_mismatches_total"))
+    refused = f", {_count(int(total), 'connection')} refused" if total else ""
+    now = time.time()
+    return [
+        "",
+        f"INCOMPATIBLE PEERS: protocol version mismatches ({_count(len(seen), 'peer')}{refused})",
+        *_table(
+            ("PEER", "THEIRS", "SOFTWARE", "OURS", "COUNT", "LAST SEEN", "WHAT TO DO"),
+            [
+                (
+                    _text(m.get("peer_id")),
+                    _text(m.get("theirs")),
+                    _text(m.get("software")),
+                    _text(m.get("ours")),
+                    _int(m.get("count")),
+                    _ago(m.get("last_seen"), now),
+                    _text(m.get("action")),
+                )
+                for m in seen
+            ],
+            right=(4, 5),
+        ),
+    ]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _table(header: Sequence[str], rows: list[tuple[str, ...]], right: Sequence[int]) -> list[str]:

@@ -26,6 +26,8 @@ whose reports stopped) and `#swarm-legend li.others[data-count]`, `#val-loss`,
 `#experiment`, `#swarm-round`, `#step`, `#loss`, `#tokens-per-s`, `#device`,
 `#reachability`, `#uptime`, `#join-command` (the command another peer runs to join),
 `#verification` with `#bans tbody tr[data-peer-id]` (one row per banned peer),
+`#version-mismatches` (a warning card, hidden unless incompatible peers were
+seen) with `#mismatches tbody tr[data-peer-id]` (one row per such peer),
 `#pipeline` with `#stages tbody tr[data-stage]` (one row per stage of a
 pipelined experiment) and the drawing `#pipeline-drawing[data-stages][data-peers]`:
 `.stage-column[data-stage]` columns of `.peer-box[data-peer-id]` boxes (classes
@@ -180,6 +182,8 @@ STATUS_PAGE_HTML = r"""<!doctype html>
   #join-command { overflow-wrap: anywhere; }
   #pipeline-bans { margin: 6px 0 0; font-size: 12px; }
   #pipeline-bans li { padding: 1px 0; }
+  .card.warning { border-left: 4px solid var(--warn); background: #fff9db; margin-bottom: 16px; }
+  .card.warning p { margin: 0 0 8px; }
 </style>
 </head>
 <body data-polls="0">
@@ -190,6 +194,16 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 </header>
 <main>
   <div id="error" role="alert"></div>
+
+  <section class="card warning" id="version-mismatches" role="status" hidden>
+    <h2>Incompatible peers <span class="aside" id="version-mismatches-count"></span></h2>
+    <p id="version-advice"></p>
+    <div class="scroll"><table id="mismatches">
+      <thead><tr><th>Peer</th><th>Their protocol</th><th>Software</th>
+        <th class="num">Refused</th><th class="num">Last seen</th><th>What to do</th></tr></thead>
+      <tbody></tbody>
+    </table></div>
+  </section>
 
   <section class="grid summary" id="summary">
     <div class="card stat wide"><div class="label">Experiment</div>
@@ -657,6 +671,34 @@ function renderVerification(v) {
   $("bans-empty").hidden = convictions.length > 0;
 }
 
+// Peers refused for an incompatible protocol version, and what to do about them.
+function renderVersions(s) {
+  const seen = Array.isArray(s.version_mismatches) ? s.version_mismatches : [];
+  const box = $("version-mismatches");
+  box.hidden = seen.length === 0;
+  if (box.hidden) return;
+  const refused = s.version_mismatches_total;
+  setText("version-mismatches-count", `this peer speaks protocol ${s.protocol_version ?? "?"}`
+    + ` · ${fmtNum(refused, 0)} connection${refused === 1 ? "" : "s"} refused`);
+  const upgrade = seen.some((m) => String(m.action ?? "").startsWith("upgrade this peer"));
+  setText("version-advice", upgrade
+    ? "Peers run a newer shoal that this one cannot talk to: upgrade this peer"
+      + " (pip install -U shoal) and restart it."
+    : "Peers run an older shoal that cannot talk to this one: they must upgrade;"
+      + " nothing to do here.");
+  const now = Date.now() / 1000;
+  $("mismatches").tBodies[0].replaceChildren(...seen.map((m) =>
+    el("tr", { "data-peer-id": String(m.peer_id) },
+      el("td", { class: "mono peer", title: String(m.peer_id),
+                 text: shortId(String(m.peer_id), 8, 4) }),
+      el("td", { text: String(m.theirs ?? "?") }),
+      el("td", { text: String(m.software ?? "") }),
+      el("td", { class: "num", text: fmtNum(m.count, 0) }),
+      el("td", { class: "num", text: isNum(m.last_seen)
+        ? fmtDuration(Math.max(0, now - m.last_seen)) + " ago" : "—" }),
+      el("td", { text: String(m.action ?? "") }))));
+}
+
 // A pipelined experiment: each stage, its peers (ours marked) and what they can take,
 // drawn as columns of peer boxes; links between them move with the microbatch flow.
 function renderPipeline(p, self, convicted) {
@@ -799,7 +841,9 @@ function renderStatus(s) {
   setText("experiment", s.experiment ?? "none yet");
   setText("version", [s.strategy, s.task].filter((x) => typeof x === "string").join(" · ")
     || (s.experiment ? "" : "join or host one with shoal run"));
-  setText("shoal-version", s.version ? "v" + s.version : "");
+  setText("shoal-version", [s.version ? "v" + s.version : "",
+    s.protocol_version ? `protocol ${s.protocol_version}` : ""].filter(Boolean).join(" · "));
+  renderVersions(s);
   setText("swarm-round", swarmRound(s));
   const join = typeof s.join_command === "string" ? s.join_command : "";
   $("join-box").hidden = !join;

@@ -26,6 +26,7 @@ from .identity import Identity, PeerID
 from .interfaces import local_addresses
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address
 from .remote_log import RemoteEvents
+from .version import VersionGate
 
 log = logging.getLogger("shoal.transport")
 
@@ -106,6 +107,9 @@ class Host:
         # Inbound connections we expect from a hole punch: remote IP -> (peer, our
         # handshake role). The punch fixes the roles over the relay beforehand.
         self._expected_inbound: dict[str, tuple[PeerID, bool]] = {}
+        # Protocol versions (transport/version.py): the hello on every connection. Made
+        # last, so that its connection listener is the first.
+        self.versions = VersionGate(self, self._on_stream)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -336,7 +340,8 @@ class Host:
         if peer is not None:
             existing = self.connection(peer)
             if existing is not None:
-                return existing
+                wait = self.config.dial_timeout if timeout is None else timeout
+                return await self.versions.checked(existing, wait)
             pending = self._dials.get(peer)
             if pending is not None:
                 return await asyncio.shield(pending)
@@ -345,7 +350,7 @@ class Host:
         if not candidates:
             raise DialError(f"no address known for {peer}")
         timeout = self.config.dial_timeout if timeout is None else timeout
-        task = asyncio.get_running_loop().create_task(self._dial_any(peer, candidates, timeout))
+        task = asyncio.get_running_loop().create_task(self._dial_checked(peer, candidates, timeout))
         self._dial_tasks.add(task)
         task.add_done_callback(self._dial_finished)
         if peer is not None:
@@ -355,6 +360,16 @@ class Host:
         finally:
             if peer is not None and self._dials.get(peer) is task:
                 del self._dials[peer]
+
+    async def _dial_checked(
+        self, peer: PeerID | None, candidates: list[Multiaddr], timeout: float
+    ) -> Connection:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        conn = await self._dial_any(peer, candidates, timeout)
+        # The remote's protocol version comes one round trip after the handshake: an
+        # incompatible peer fails the dial with both versions (IncompatibleProtocol).
+        return await self.versions.checked(conn, deadline - loop.time())
 
     def _dial_finished(self, task: asyncio.Task[Connection]) -> None:
         self._dial_tasks.discard(task)
@@ -683,6 +698,8 @@ class Host:
                         log.exception("connection listener failed")
 
     def _on_stream(self, stream: Stream) -> None:
+        if self.versions.hold(stream):  # the hello, or a stream waiting for it
+            return
         handler = self._handlers.get(stream.protocol)
         conn = stream.connection
         if handler is None or self._closing:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..version import agent as version_agent
+
 
 @dataclass(frozen=True, slots=True)
 class RelayLimits:
@@ -25,7 +27,8 @@ class RelayLimits:
 
 @dataclass(frozen=True, slots=True)
 class NatConfig:
-    agent: str = "shoal/0.1"
+    # What identify tells peers, e.g. "shoal/0.1.0 protocol/1.0" (transport/version.py).
+    agent: str = field(default_factory=version_agent)
     # identify: an observed address is trusted once this many distinct peers report it
     observed_threshold: int = 2
     observed_ttl: float = 1800.0

@@ -6,11 +6,15 @@ one map and closes::
     {"v": 1, "agent": str, "protocols": [str], "listen": [addr], "addrs": [addr],
      "observed": addr | None}
 
-``listen`` are the addresses the sender's sockets are bound to (interfaces),
-``addrs`` what it advertises (confirmed public and relay addresses), and
-``observed`` the address the sender sees the connection coming from (None for
-a relayed connection, whose far end is the relay). Both peers open the stream
-as soon as the handshake completes, so each learns the other's view.
+``agent`` names the software and its protocol version, e.g. "shoal/0.1.0
+protocol/1.0", for people (the NAT status shows it): compatibility is decided by
+the hello that every host runs (transport/version.py), not here, as identify
+runs only where a NatManager does. ``listen`` are the addresses the sender's
+sockets are bound to (interfaces), ``addrs`` what it advertises (confirmed
+public and relay addresses), and ``observed`` the address the sender sees the
+connection coming from (None for a relayed connection, whose far end is the
+relay). Both peers open the stream as soon as the handshake completes, so each
+learns the other's view.
 """
 
 from __future__ import annotations

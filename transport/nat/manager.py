@@ -212,6 +212,8 @@ class NatManager:
                     "bytes_received": conn.bytes_received,
                     "rtt_ms": None if conn.rtt is None else round(conn.rtt * 1000, 3),
                     "agent": self.peers[peer].agent if peer in self.peers else None,
+                    # "1.0", "unknown" (software from before versions), None: not yet
+                    "protocol": self.host.versions.describe(conn),
                 }
             )
         return out
