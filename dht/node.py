@@ -412,7 +412,16 @@ class DHTNode:
     def _mostly_failed(self, lk: KeyLookup) -> bool:
         # Failed, or still pending when the lookup ended (stalled): not answered.
         unanswered = sum(1 for state in lk.state.values() if state != ANSWERED)
+        if not lk.answered and self._skipped_all(lk):
+            return True
         return unanswered > 0 and len(lk.answered) <= unanswered and len(lk.answered) < self.k
+
+    def _skipped_all(self, lk: KeyLookup) -> bool:
+        """No peer answered `lk`, and known peers near its target are blacklisted."""
+        if lk.answered:
+            return False
+        nearest = self.routing_table.nearest(lk.target, self.k)
+        return any(self._blocked(c.peer_id) for c in nearest)
 
     async def find_node(self, target: int) -> LookupResult:
         return (await self.find_nodes([target]))[0]
@@ -660,10 +669,14 @@ class DHTNode:
         # on a loaded machine, a GC pause): look once more, asking peers that the
         # blacklist would skip. A miss is where a second try is worth its cost; in a
         # healthy network a missing key still costs one traversal.
+        # So is one whose nearest peers were all skipped as blacklisted: after one
+        # timeout, a peer that knows only its bootstrap peer would see nothing for
+        # `blacklist_for` seconds (a joiner then finds no experiment).
         retry = [
             KeyLookup(lk.target, lk.key, quorum=lk.quorum)
             for lk in lookups
-            if not lk.records and any(st == FAILED for st in lk.state.values())
+            if not lk.records
+            and (any(st == FAILED for st in lk.state.values()) or self._skipped_all(lk))
         ]
         if retry:
             self._counters["value_retries"] += len(retry)

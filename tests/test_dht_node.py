@@ -188,6 +188,23 @@ async def test_a_lookup_whose_requests_all_timed_out_asks_again(
     assert reader.stats()["value_retries"] == 1
 
 
+async def test_a_joiner_whose_only_peer_timed_out_once_still_finds_values(
+    swarm: Callable[..., Any],
+) -> None:
+    """One timeout blacklists a peer for 30 s; when that is the only peer a joiner knows
+    (its bootstrap peer, slow while it starts), lookups must still ask it."""
+    (host_node,) = await swarm(1)
+    assert await host_node.store("manifest", "m", time.time() + 60)  # before the joiner
+    (joiner,) = await swarm(1, join=[host_node])
+    assert not joiner.storage.get_many(["manifest"], time.time())
+    joiner._blacklist[host_node.peer_id] = joiner._loop.time() + 30.0
+    got = await joiner.get("manifest", latest=True)
+    assert got is not None and got.value == "m"
+    joiner._blacklist[host_node.peer_id] = joiner._loop.time() + 30.0
+    (found,) = await joiner.find_nodes([random.getrandbits(256)])
+    assert [c.peer_id for c in found.closest] == [host_node.peer_id]
+
+
 async def test_a_dead_peer_in_a_small_network_costs_no_second_lookup(
     swarm: Callable[..., Any],
 ) -> None:
