@@ -36,6 +36,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.remote_log import RemoteEvents
 from shoal.transport.tasks import TaskSet
+from shoal.transport.version import IncompatibleProtocol
 
 from .admission import DiversityPolicy, RateLimits, RequestAdmission
 from .lookup import ANSWERED, FAILED, Candidate, KeyLookup, traverse
@@ -324,7 +325,10 @@ class DHTNode:
                 return None
             except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
                 error = f"{addr}: {type(e).__name__}: {e}"
-                final = attempt + 1 == attempts or isinstance(e, PeerIDMismatch)
+                # Another peer answers there, or one whose protocol we cannot speak:
+                # retrying cannot help.
+                hopeless = isinstance(e, PeerIDMismatch | IncompatibleProtocol)
+                final = attempt + 1 == attempts or hopeless
                 # Said while it happens: a joiner must not sit silent for half a minute.
                 log.info(
                     "bootstrap peer %s: %s (attempt %d of %d%s)",
@@ -334,8 +338,8 @@ class DHTNode:
                     attempts,
                     "" if final else f", next in {backoff * 2**attempt:.0f}s",
                 )
-                if isinstance(e, PeerIDMismatch):
-                    break  # another peer answers there: retrying cannot help
+                if hopeless:
+                    break
         return error
 
     # ------------------------------------------------------------------ public API

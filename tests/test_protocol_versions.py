@@ -19,6 +19,7 @@ import msgpack
 import pytest
 from waiting import eventually
 
+from shoal.dht.node import BootstrapError, DHTNode
 from shoal.peer.metrics import Metrics
 from shoal.peer.status import StatusServer
 from shoal.peer.status_cli import format_status
@@ -397,3 +398,18 @@ async def test_the_status_page_shows_a_warning_card_with_what_to_do(versioned, t
     assert "upgrade this peer (pip install -U shoal)" in state["text"]
     assert HOSTILE in state["text"] and not state["images"] and not state["pwned"]
     assert "protocol 1.0" in state["brand"]
+
+
+async def test_a_dht_bootstrap_to_an_incompatible_peer_stops_at_the_first_try(
+    versioned, caplog: pytest.LogCaptureFixture
+) -> None:
+    newer = await versioned(hello(2, 0, software="shoal 0.3.0"))
+    older = await versioned(hello(1, 0, software="shoal 0.1.0"))
+    with caplog.at_level(logging.INFO, logger="shoal.dht"), pytest.raises(BootstrapError) as raised:
+        await DHTNode.create(
+            older, bootstrap=[str(newer.addresses()[0])], bootstrap_attempts=3,
+            bootstrap_backoff=5.0,
+        )  # fmt: skip
+    assert "2.0 (shoal 0.3.0)" in str(raised.value)
+    tries = [r for r in caplog.records if "bootstrap peer" in r.getMessage()]
+    assert len(tries) == 1, [r.getMessage() for r in tries]
