@@ -90,6 +90,12 @@ def _bootstrap(f: Facts) -> Check:
         )  # fmt: skip
     if not reached:
         why = "; ".join(f"{a}: {e}" for a, e in f.bootstrap)
+        if all(e is not None and "IncompatibleProtocol" in e for _, e in f.bootstrap):
+            # (the error itself names both versions and which side must upgrade)
+            return Check(
+                "bootstrap", "fail", f"the bootstrap peers speak another protocol ({why})",
+                "upgrade whichever side the error names (pip install -U shoal)",
+            )  # fmt: skip
         return Check(
             "bootstrap", "fail", f"no bootstrap peer answered ({why})",
             "check the address (a typo, an old port?), that the peer runs, and that no "

@@ -150,3 +150,11 @@ def test_the_write_probe_writes_in_the_data_directory_and_leaves_nothing(tmp_pat
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "file").write_text("")
     assert _write_probe(tmp_path / "file") is not None  # (works as root too: not a dir)
+
+
+def test_bootstrap_peers_of_another_protocol_say_to_upgrade_not_to_check_the_address() -> None:
+    error = "IncompatibleProtocol: incompatible peer: it speaks shoal protocol 2.0 (shoal 0.3.0)"
+    facts = Facts(bootstrap=[("/ip4/192.0.2.1/tcp/1", error)], torch="2.13")
+    (check,) = [c for c in diagnose(facts) if c.name == "bootstrap"]
+    assert check.verdict == "fail" and "another protocol" in check.detail
+    assert "pip install -U shoal" in check.advice
