@@ -330,7 +330,18 @@ def growth(peers: list[PeerProcess]) -> dict[str, Any]:
     def median(xs: list[float]) -> float | None:
         return None if not xs else round(sorted(xs)[len(xs) // 2], 1)
 
+    lives = [(p.name, life) for p in peers for life in p.lifetimes if life]
+    name, longest = max(lives, key=lambda x: x[1][-1][0] - x[1][0][0], default=("", []))
+    step = max(1, len(longest) // 20)
     return {
+        # the longest-lived process' RSS (minutes since its start, MB): the shape of
+        # the curve says warm-up from leak better than one slope
+        "rss_longest_life": {
+            "peer": name,
+            "samples": [
+                [round((t - longest[0][0]) / 60, 1), round(mb, 1)] for t, mb, _ in longest[::step]
+            ],
+        },
         "rss_growth_MB_per_hour": median(rss),
         "fd_growth_per_hour": median(fds),
         "rss_growth_MB_per_hour_max": None if not rss else round(max(rss), 1),
