@@ -28,6 +28,8 @@ whose reports stopped) and `#swarm-legend li.others[data-count]`, `#val-loss`,
 `#verification` with `#bans tbody tr[data-peer-id]` (one row per banned peer),
 `#version-mismatches` (a warning card, hidden unless incompatible peers were
 seen) with `#mismatches tbody tr[data-peer-id]` (one row per such peer),
+`#attention` (a warning card, hidden unless this peer's clock is off or its
+checkpoints fail) with `#attention-list li[data-problem]` (`clock`, `checkpoint`),
 `#pipeline` with `#stages tbody tr[data-stage]` (one row per stage of a
 pipelined experiment) and the drawing `#pipeline-drawing[data-stages][data-peers]`:
 `.stage-column[data-stage]` columns of `.peer-box[data-peer-id]` boxes (classes
@@ -194,6 +196,11 @@ STATUS_PAGE_HTML = r"""<!doctype html>
 </header>
 <main>
   <div id="error" role="alert"></div>
+
+  <section class="card warning" id="attention" role="status" hidden>
+    <h2>Needs attention</h2>
+    <ul id="attention-list"></ul>
+  </section>
 
   <section class="card warning" id="version-mismatches" role="status" hidden>
     <h2>Incompatible peers <span class="aside" id="version-mismatches-count"></span></h2>
@@ -671,6 +678,25 @@ function renderVerification(v) {
   $("bans-empty").hidden = convictions.length > 0;
 }
 
+// What this peer found wrong with its own machine, with what to do about it.
+const CLOCK_LIMIT_S = 30;
+function renderAttention(s) {
+  const problems = [];
+  if (isNum(s.clock_skew_s) && Math.abs(s.clock_skew_s) > CLOCK_LIMIT_S) {
+    const off = `${s.clock_skew_s > 0 ? "+" : ""}${fmtNum(s.clock_skew_s, 0)} s`;
+    problems.push(["clock", `This machine's clock is ${off} off its peers': rounds and DHT`
+      + ` records need clocks within ${CLOCK_LIMIT_S} s. Enable time synchronization`
+      + " (NTP, e.g. timedatectl set-ntp true)."]);
+  }
+  if (typeof s.checkpoint_error === "string" && s.checkpoint_error) {
+    problems.push(["checkpoint", "Checkpoints are not written (training goes on, the last"
+      + ` good one is kept): ${s.checkpoint_error}`]);
+  }
+  $("attention").hidden = problems.length === 0;
+  $("attention-list").replaceChildren(...problems.map(([kind, text]) =>
+    el("li", { "data-problem": kind, text })));
+}
+
 // Peers refused for an incompatible protocol version, and what to do about them.
 function renderVersions(s) {
   const seen = Array.isArray(s.version_mismatches) ? s.version_mismatches : [];
@@ -844,6 +870,7 @@ function renderStatus(s) {
   setText("shoal-version", [s.version ? "v" + s.version : "",
     s.protocol_version ? `protocol ${s.protocol_version}` : ""].filter(Boolean).join(" · "));
   renderVersions(s);
+  renderAttention(s);
   setText("swarm-round", swarmRound(s));
   const join = typeof s.join_command === "string" ? s.join_command : "";
   $("join-box").hidden = !join;

@@ -110,6 +110,8 @@ class GrowingSwarm:
                 "memory_total_bytes": 80 * 2**30,
             },
             "mfu": 0.412,
+            "clock_skew_s": -312.4,
+            "checkpoint_error": "cannot write a checkpoint in /data: No space left on device",
             "outer_step": 17,
             "last_commit_at": time.time() - 8,
             "join_command": "shoal run --join bytegpt-tiny@12D3KooWabc "
@@ -391,6 +393,9 @@ return {
     (li) => [li.dataset.peerId, li.className]),
   selfConvictedShown: getComputedStyle(document.getElementById('self-convicted')).display
     !== 'none',
+  attention: [...document.querySelectorAll('#attention-list li')].map(
+    (li) => [li.dataset.problem, li.textContent]),
+  attentionShown: !document.getElementById('attention').hidden,
 };
 """
 
@@ -452,6 +457,12 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert "committed" in page["lastRound"] and "b3f91c07e2d45a60" in page["lastRound"]
         assert page["bans"] == [BANNED] and page["audits"] == "12 audits · 1 failed"
         assert not page["selfConvictedShown"]  # shown only to a convicted peer
+        assert page["attentionShown"] and [k for k, _ in page["attention"]] == [
+            "clock",
+            "checkpoint",
+        ]
+        assert "-312 s off" in page["attention"][0][1] and "NTP" in page["attention"][0][1]
+        assert "No space left" in page["attention"][1][1]
         assert len(page["stages"]) == 2 and "410.5" in page["stages"][0]
         assert page["pipelineRole"] == "serving stage 1 · training · 57 microbatches"
         # The drawing: a column per stage, a box per peer with its numbers and state.
