@@ -5,6 +5,7 @@ verification round's records, and the DHT reports behind /peers and /swarm
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -107,8 +108,6 @@ def pipeline_records(data: bytes) -> None:
 
 
 async def _stepped(trainer: Any, ctx: Any, payload: Any) -> bool:
-    import asyncio
-
     trainer._changed = asyncio.Event()
     return await PipelineTrainer._stepped(trainer, ctx, payload)
 
