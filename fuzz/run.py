@@ -27,10 +27,12 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -72,6 +74,7 @@ def replay(names: list[str]) -> dict[str, dict[str, object]]:
 
 
 COMBINED = "combined"
+ARGV0 = "SHOAL_FUZZ_ARGV0"
 
 
 def _fuzz_one(name: str) -> None:
@@ -182,58 +185,71 @@ def combined(seconds: int, jobs: int) -> dict[str, object]:
     return {"processes": runs, "executions": _counts(COMBINED)}
 
 
-def minimize(names: list[str]) -> dict[str, dict[str, int]]:
+def _child_command(name: str) -> Path:
+    """An executable that runs `name`'s libFuzzer child: libFuzzer's -merge runs its
+    argv[0] again, which must then be a command (run.py alone is not)."""
+    script = WORK / f"child-{name}.sh"
+    script.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" --child {name} "$@"\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+def minimize(names: list[str]) -> dict[str, dict[str, object]]:
     """Merge each target's work corpus down to the inputs that keep its coverage
-    (libFuzzer's -merge=1), replacing fuzz/work/<target>/ with the result."""
-    out = {}
+    (libFuzzer's -merge=1), replacing fuzz/work/<target>/ with the result (kept as it
+    was when the merge fails)."""
+    out: dict[str, dict[str, object]] = {}
     for name in names:
         work, merged = WORK / name, WORK / f"{name}.merged"
-        if not work.is_dir():
+        if not work.is_dir() or not any(work.iterdir()):
             continue
-        merged.mkdir(exist_ok=True)
+        shutil.rmtree(merged, ignore_errors=True)
+        merged.mkdir()
         before = len(list(work.iterdir()))
-        args = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--child",
-            name,
-            "-merge=1",
-            "-max_len=4096",
-            "-timeout=10",
-            "-rss_limit_mb=2048",
-            str(merged),
-            str(work),
-        ]
-        subprocess.run(args, capture_output=True, text=True, check=True)
-        for old in work.iterdir():
-            old.unlink()
-        for path in merged.iterdir():
-            path.rename(work / path.name)
-        merged.rmdir()
-        out[name] = {"before": before, "after": len(list(work.iterdir()))}
+        command = _child_command(name)
+        args = [str(command), "-merge=1", "-max_len=4096", "-timeout=10", "-rss_limit_mb=2048",
+                str(merged), str(work)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", ARGV0: str(command)}
+        proc = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
+        after = list(merged.iterdir())
+        if proc.returncode != 0 or not after:
+            out[name] = {"before": before, "error": (proc.stdout + proc.stderr)[-1000:]}
+            shutil.rmtree(merged)
+            continue
+        shutil.rmtree(work)
+        merged.rename(work)
+        out[name] = {"before": before, "after": len(after)}
     return out
 
 
 def rotate(names: list[str], hours: float, seconds: int, jobs: int) -> dict[str, object]:
-    """Fuzz the targets in turn, `seconds` each (`jobs` at a time), until `hours` pass;
-    then minimize the work corpora. Executions and crashes are summed per target."""
+    """Fuzz the targets in turn, `seconds` each (`jobs` at a time), round after round
+    until `hours` pass (every target gets at least one turn); then minimize the work
+    corpora. Executions and crashes are summed per target; a crashing target sits
+    out the rest of the run (its crash waits for a fix)."""
     deadline = time.monotonic() + hours * 3600
-    totals: dict[str, dict[str, object]] = {n: {"executions": 0, "seconds": 0.0, "crashes": []}
-                                             for n in names}  # fmt: skip
+    totals: dict[str, dict[str, Any]] = {
+        n: {"executions": 0, "seconds": 0.0, "turns": 0, "crashes": []} for n in names
+    }
+    crashed: set[str] = set()
     queue = list(names)
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        while time.monotonic() < deadline and queue:
-            batch, queue = queue[:jobs], queue[jobs:] or list(names)
+        while queue:
+            batch, queue = queue[:jobs], queue[jobs:]
             for name, r in zip(batch, pool.map(lambda n: fuzz(n, seconds), batch), strict=True):
                 t = totals[name]
-                t["executions"] = int(t["executions"]) + int(r.get("executions") or 0)
-                t["seconds"] = round(float(t["seconds"]) + float(r["seconds"]), 1)  # type: ignore[arg-type]
+                t["executions"] += int(r.get("executions") or 0)
+                t["seconds"] = round(t["seconds"] + float(r["seconds"]), 1)  # type: ignore[arg-type]
+                t["turns"] += 1
                 if r.get("crash") or r.get("error"):
-                    t["crashes"].append(r.get("crash") or r.get("error"))  # type: ignore[union-attr]
-                    if name in queue:  # a crashing target waits for its fix
-                        queue.remove(name)
-            print(json.dumps({"progress": {n: totals[n]["executions"] for n in batch}}),
-                  file=sys.stderr, flush=True)  # fmt: skip
+                    t["crashes"].append(r.get("crash") or r.get("error"))
+                    crashed.add(name)
+            progress = {n: totals[n]["executions"] for n in batch}
+            print(json.dumps({"progress": progress}), file=sys.stderr, flush=True)
+            if not queue and time.monotonic() < deadline:
+                queue = [n for n in names if n not in crashed]
     return {"targets": totals, "minimized": minimize(names)}
 
 
@@ -241,6 +257,7 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         name = sys.argv.pop(2)
         sys.argv.pop(1)
+        sys.argv[0] = os.environ.get(ARGV0, sys.argv[0])  # what libFuzzer runs again
         _fuzz_one(name)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
