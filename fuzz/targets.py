@@ -30,6 +30,7 @@ from shoal.averaging.compression import CodecError, Int8BlockCodec
 from shoal.averaging.matchmaking_rules import Declaration, parse_view
 from shoal.dht import protocol as dht_protocol
 from shoal.dht.records import Record, RecordError, RecordValidator
+from shoal.dht.storage import LocalStorage
 from shoal.peer.checkpoint import CheckpointError, CheckpointStore
 from shoal.peer.experiment import Manifest, ManifestError, parse_experiment_ref
 from shoal.peer.status import parse_status_addr
@@ -190,9 +191,15 @@ def dht_messages(data: bytes) -> None:
 
 
 def dht_records(data: bytes) -> None:
-    """A record on the wire, then the checks before it is stored."""
+    """A record on the wire, then the checks before it is stored, then its storage (and
+    merge by subkey) in a node's local storage, read back."""
     record = Record.from_wire(_message(data))
-    _VALIDATOR.validate(record, time.time())
+    now = time.time()
+    _VALIDATOR.validate(record, now)
+    storage = LocalStorage(max_entries=4, max_bytes=1 << 16, validator=_VALIDATOR)
+    storage.store(record, now)
+    stored = storage.get(record.key, now)
+    assert stored is None or all(r.key == record.key for r in stored.records())
 
 
 # ---------------------------------------------------------------- averaging
