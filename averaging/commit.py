@@ -72,6 +72,7 @@ __all__ = [
     "READY",
     "VETO",
     "CommitProtocol",
+    "ControlError",
     "Decision",
     "Send",
     "Status",
@@ -113,21 +114,25 @@ class Send(NamedTuple):
     kind: str
 
 
+class ControlError(ValueError):
+    """A control message of the commit protocol that is malformed."""
+
+
 def _check_int(v: object, lo: int, hi: int, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"bad {what}: {v!r}"[:120])
+        raise ControlError(f"bad {what}: {v!r}"[:120])
     return v
 
 
 def _check_str(v: object, what: str) -> str:
     if not isinstance(v, str) or len(v) > MAX_REASON:
-        raise ValueError(f"bad {what}")
+        raise ControlError(f"bad {what}")
     return v
 
 
 def _check_members(v: object, n: int, what: str) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > n:
-        raise ValueError(f"bad {what}")
+        raise ControlError(f"bad {what}")
     return tuple(sorted({_check_int(i, 0, n - 1, what) for i in v}))
 
 
@@ -135,7 +140,7 @@ def _parse_decision(v: object, n: int) -> Decision | None:
     if v is None:
         return None
     if not isinstance(v, list) or len(v) != 4 or not isinstance(v[1], bool):
-        raise ValueError("bad decision")
+        raise ControlError("bad decision")
     ballot = _check_int(v[0], 0, MAX_BALLOT, "ballot")
     return Decision(
         ballot, v[1], _check_str(v[2], "reason"), frozenset(_check_members(v[3], n, "failed"))
@@ -145,13 +150,13 @@ def _parse_decision(v: object, n: int) -> Decision | None:
 def parse_message(msg: object, n: int) -> tuple[str, Any]:
     """Validate an untrusted control message: ("S", Status) or ("P", ballot)."""
     if not isinstance(msg, list) or not msg:
-        raise ValueError("control message must be a non-empty list")
+        raise ControlError("control message must be a non-empty list")
     if msg[0] == "P" and len(msg) == 2:
         return "P", _check_int(msg[1], 1, MAX_BALLOT, "ballot")
     if msg[0] == "S" and len(msg) == 8:
         _, vote, reason, suspects, ak, decision, promised, progress = msg
         if not isinstance(ak, bool):
-            raise ValueError("bad abort flag")
+            raise ControlError("bad abort flag")
         return "S", Status(
             _check_int(vote, 0, 2, "vote"),
             _check_str(reason, "reason"),
@@ -161,7 +166,7 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
             _check_int(promised, 0, MAX_BALLOT, "promised ballot"),
             _check_int(progress, 0, (1 << 63) - 1, "progress"),
         )
-    raise ValueError(f"unknown control message {str(msg[0])[:20]!r}")
+    raise ControlError(f"unknown control message {str(msg[0])[:20]!r}")
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ DEFAULT_PROTOCOL = "/shoal/state/1.1.0"
 CHUNK_BYTES = 4 * 1024 * 1024
 MAX_TENSORS = 65536
 MAX_TOTAL_BYTES = 1 << 40
+MAX_DIMS = 16
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
@@ -51,6 +52,10 @@ _DTYPES = {
 
 class StateSyncError(Exception):
     """No holder could provide a verified state in time."""
+
+
+class LayoutError(ValueError):
+    """A holder's tensor layout that is malformed, too large, or cannot be allocated."""
 
 
 class NoHolders(StateSyncError):
@@ -265,21 +270,29 @@ async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
 
 
 def _allocate(layout: object) -> list[torch.Tensor]:
+    """Empty tensors for a holder's layout ([[dtype name, shape], ...]); LayoutError
+    (a ValueError) when it is malformed, too large, or cannot be allocated here."""
     if not isinstance(layout, list) or len(layout) > MAX_TENSORS:
-        raise ValueError("bad tensor layout")
-    out, total = [], 0
+        raise LayoutError("bad tensor layout")
+    shapes, total = [], 0
     for item in layout:
-        if not (isinstance(item, list) and len(item) == 2 and item[0] in _DTYPES):
-            raise ValueError("bad tensor layout entry")
-        shape = item[1]
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise ValueError("bad tensor shape")
-        dtype = _DTYPES[item[0]]
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            raise LayoutError("bad tensor layout entry")
+        dtype, shape = _DTYPES.get(item[0]), item[1]
+        if dtype is None:
+            raise LayoutError(f"unknown dtype {item[0][:32]!r}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS):
+            raise LayoutError("bad tensor shape")
+        if not all(type(d) is int and 0 <= d <= MAX_TOTAL_BYTES for d in shape):
+            raise LayoutError("bad tensor shape")
         total += math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         if total > MAX_TOTAL_BYTES:
-            raise ValueError("state too large")
-        out.append(torch.empty(shape, dtype=dtype))
-    return out
+            raise LayoutError("state too large")
+        shapes.append((shape, dtype))
+    try:
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+    except RuntimeError as e:  # more than this machine can hold
+        raise LayoutError(f"cannot allocate the state: {e}") from None
 
 
 async def load_state_from_peers(
@@ -421,6 +434,7 @@ async def _fetch(
 __all__ = [
     "DEFAULT_PROTOCOL",
     "Holder",
+    "LayoutError",
     "NoHolders",
     "State",
     "StateProvider",

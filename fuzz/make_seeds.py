@@ -21,22 +21,34 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from harness import BytesStream, run_now  # noqa: E402
 from targets import _INITIATOR_KEY, _REMOTE, _RESPONDER_KEY  # noqa: E402
+from targets_net import _MEMBERS, _ROUND, _STATE  # noqa: E402
 
-from shoal.averaging.compression import Int8BlockCodec  # noqa: E402
+from shoal.averaging.compression import Int8BlockCodec, get_codec  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
+from shoal.peer.audit_round import SECRET_BYTES  # noqa: E402
 from shoal.peer.checkpoint import CHECKPOINT_FORMAT, CheckpointStore  # noqa: E402
 from shoal.peer.experiment import Manifest  # noqa: E402
+from shoal.pipeline import wire as pipeline_wire  # noqa: E402
+from shoal.pipeline.audit_service import signature_to_wire  # noqa: E402
 from shoal.transport import tensors  # noqa: E402
 from shoal.transport.identity import Identity  # noqa: E402
 from shoal.transport.multiaddr import Multiaddr  # noqa: E402
 from shoal.transport.mux import Multiplexer  # noqa: E402
 from shoal.transport.noise import NoiseHandshakeXX  # noqa: E402
-from shoal.transport.rpc import pack_message  # noqa: E402
+from shoal.transport.rpc import (  # noqa: E402
+    CHUNK,
+    MessageStream,
+    RpcLimits,
+    pack_message,
+)
+from shoal.verification import lsh  # noqa: E402
 from shoal.verification.commitment import Commitment  # noqa: E402
 from shoal.verification.disputes import Dispute  # noqa: E402
 from shoal.verification.evidence import Result, Verdict  # noqa: E402
 from shoal.verification.referees import RoundDraw, seed_commit  # noqa: E402
+from shoal.verification.stage_audit import StageCommitment, StageEvidence, nonce_commit  # noqa: E402
 
 ME = Identity.from_seed(b"\x07" * 32)
 ADDR = Multiaddr(f"/ip4/198.51.100.10/tcp/31337/p2p/{ME.peer_id}")
@@ -122,6 +134,124 @@ def conviction() -> tuple[bytes, bytes, bytes]:
     )
 
 
+def _packed(*objs: object) -> list[bytes]:
+    return [msgpack.packb(o, use_bin_type=True) for o in objs]
+
+
+def handshake() -> list[bytes]:
+    """Raw message 1 (listener), and an identity payload for each side (modes 2, 3)."""
+    m1 = NoiseHandshakeXX(True).write_message()
+    payload = msgpack.packb({"v": 1, "key": ME.public_key_bytes, "sig": b"s" * 64})
+    return [b"\x00" + len(m1).to_bytes(2, "big") + m1, b"\x02" + payload, b"\x03" + payload]
+
+
+def rpc_requests() -> list[bytes]:
+    stream = BytesStream(b"")
+    upload = MessageStream(stream, RpcLimits())  # type: ignore[arg-type]
+    run_now(upload.send(["upload", 5.0, 1]))
+    run_now(upload.send_tensor(torch.arange(6.0).view(2, 3)))
+    return [pack_message(["echo", 5, {"a": [1, b"x"]}]), b"".join(stream.written),
+            pack_message(["upload", None, 0]) + pack_message([1, 2])]  # fmt: skip
+
+
+def stage_commitment() -> tuple[StageCommitment, bytes]:
+    nonce = b"n" * 32
+    h = bytes(32)
+    c = StageCommitment(ME.peer_id, "exp", 1, "forward", "key-1", 3, h, h, h, nonce_commit(nonce))
+    return c.signed(ME), nonce
+
+
+def pipeline_request() -> dict[str, object]:
+    head, payload = pipeline_wire.encode_tensor(
+        torch.linspace(-1, 1, 24).view(4, 6), get_codec("int8")
+    )
+    request = {"stage": 1, "samples": 4, "key": "k", "codec": "int8", "enc": [True]}
+    return {**request, "nonce": b"n" * 32, **head.header(), "body": bytes(payload)}
+
+
+def new_seeds() -> dict[str, list[bytes]]:
+    """The targets of targets_net.py and targets_app.py."""
+    addr = str(ADDR)
+    peer = ME.peer_id.to_bytes()
+    commitment, nonce = stage_commitment()
+    like = lsh.sign(torch.linspace(-1, 1, 300), b"s" * 16, lsh.SignatureConfig(block=64))
+    group = {"key": "k", "round": b"r" * 32, "version": b"v" * 8,
+             "members": [[m.to_bytes(), [addr], 1.0] for m in _MEMBERS[:2]]}  # fmt: skip
+    conviction_commitment = conviction()[1]
+    now = time.time()
+    return {
+        "secure_handshake": handshake(),
+        "nat_protocols": _packed(
+            {"v": 1, "observed": addr, "addrs": [addr], "protocols": ["/shoal/dht/1.0.0"]},
+            {
+                "nonce": b"n" * 16,
+                "addrs": [addr],
+                "addr": addr,
+                "status": "failed",
+                "reason": "refused",
+            },
+            {"type": "connect", "peer": peer, "addrs": ["/ip4/203.0.113.5/tcp/4001"]},
+            {"type": "refresh", "status": "ok", "ttl": 3600, "addrs": [addr]},
+            {"type": "sync"},
+        ),
+        "rpc_request": rpc_requests(),
+        "chunk_headers": [
+            bytes([0, 4])
+            + CHUNK.pack(8, 1, 0, 12)
+            + bytes(12)
+            + CHUNK.pack(8, 1, 1, 12)
+            + bytes(12),
+            bytes([0, 4]) + pack_message([1, ["DeadlineExceeded", "late"]]),
+        ],
+        "allreduce_request": _packed({"p": _ROUND.digest, "l": 1, "w": 2.5}),
+        "state_sync_requests": _packed(
+            [["float32", [40]], ["float32", [3, 5]]],
+            {"fp": _STATE.fingerprint, "offset": 8, "length": 100},
+        ),
+        "matchmaking_join": _packed(
+            {"key": "k", "version": b"v" * 8, "addrs": [addr], "bandwidth": 2.0},
+            {"kind": "accepted", "group": group, "nonce": b"n" * 16},
+            group,
+            {"kind": "redirect", "peer": peer, "addrs": [addr]},
+            {"kind": "busy", "members": [peer], "age": 1.5},
+        ),
+        "status_http": [
+            b"GET /status HTTP/1.1\r\nHost: x\r\n\r\nGET /peers HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /swarm?x=1 HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
+            b"POST /history HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+        ],
+        "pipeline_requests": _packed(pipeline_request()),
+        "pipeline_records": _packed(
+            {"fwd": 10.0, "bwd": 5.0, "queue": 1, "version": 3, "t": now, "ready": True},
+            {owner_marker(ME.peer_id): {"samples": 8, "version": 3, "t": now}},
+            {"stage": 0, "version": 4, "steps": [[3, [_REMOTE.to_bytes()], 8]]},
+            signature_to_wire(like),
+        ),
+        "stage_audit": [
+            commitment.encode(),
+            StageEvidence(commitment, nonce, (ME.peer_id, _REMOTE), ()).encode(),
+        ],
+        "verification_rounds": _packed(
+            [conviction_commitment, b"s" * SECRET_BYTES],
+            {"params": 2, "keys": [[0, "exp_avg"]], "end_opt": bytes(32), "final_opt": bytes(32)},
+        ),
+        "dht_reports": _packed(
+            [
+                {
+                    "t": now,
+                    "step": 3,
+                    "loss": 2.0,
+                    "val_loss": 2.1,
+                    "addresses": [addr],
+                    "peer_id": str(ME.peer_id),
+                    "updated_at": now,
+                }
+            ],
+            {str(ME.peer_id): manifest()},
+        ),
+    }
+
+
 def seeds() -> dict[str, list[bytes]]:
     responder_input, initiator_input = noise()
     header, _ = tensors.describe(torch.zeros(3, 4))
@@ -195,6 +325,7 @@ def seeds() -> dict[str, list[bytes]]:
         "checkpoint": [checkpoint()],
         "status_inputs": [b"127.0.0.1:8080", msgpack.packb(status, use_bin_type=True)],
         "verification_evidence": list(conviction()),
+        **new_seeds(),
     }
 
 

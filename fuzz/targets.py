@@ -15,24 +15,28 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
+from harness import BytesStream, Target, run_now
+from harness import message as _message
+from harness import split as _split
+from targets_app import APP_TARGETS
+from targets_net import NET_TARGETS
 
 from shoal.averaging import commit
 from shoal.averaging.compression import CodecError, Int8BlockCodec
 from shoal.averaging.matchmaking_rules import Declaration, parse_view
 from shoal.dht import protocol as dht_protocol
 from shoal.dht.records import Record, RecordError, RecordValidator
+from shoal.dht.storage import LocalStorage
 from shoal.peer.checkpoint import CheckpointError, CheckpointStore
 from shoal.peer.experiment import Manifest, ManifestError, parse_experiment_ref
 from shoal.peer.status import parse_status_addr
 from shoal.peer.status_cli import format_status
 from shoal.transport import tensors
-from shoal.transport.errors import HandshakeError, ProtocolViolation, StreamTruncated
+from shoal.transport.errors import HandshakeError, ProtocolViolation
 from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
 from shoal.transport.mux import Multiplexer
@@ -42,80 +46,7 @@ from shoal.transport.rpc import MessageStream, RpcLimits
 from shoal.verification.commitment import Commitment, CommitmentError
 from shoal.verification.evidence import Evidence, EvidenceError, Verdict
 
-__all__ = ["TARGETS", "Target", "run_now"]
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    run: Callable[[bytes], None]
-    allowed: tuple[type[BaseException], ...]  # the decoder's documented errors
-    doc: str
-
-
-class BytesStream:
-    """A stream holding `data` and then its end: reads never wait."""
-
-    protocol = "/fuzz/1.0.0"
-
-    def __init__(self, data: bytes) -> None:
-        self._data = memoryview(data)
-        self._pos = 0
-        self.written: list[bytes] = []
-
-    def at_eof(self) -> bool:
-        return self._pos >= len(self._data)
-
-    async def read(self, max_bytes: int = 65536) -> bytes:
-        out = bytes(self._data[self._pos : self._pos + max_bytes])
-        self._pos += len(out)
-        return out
-
-    async def readexactly(self, n: int) -> bytes:
-        if self._pos + n > len(self._data):
-            have = len(self._data) - self._pos
-            self._pos = len(self._data)
-            raise StreamTruncated(f"stream ended after {have} of {n} bytes")
-        out = bytes(self._data[self._pos : self._pos + n])
-        self._pos += n
-        return out
-
-    async def readexactly_into(self, buffer: memoryview | bytearray) -> None:
-        out = memoryview(buffer).cast("B")
-        out[:] = await self.readexactly(len(out))
-
-    async def write(self, data: bytes | memoryview) -> None:
-        self.written.append(bytes(data))
-
-
-def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine that never waits (it reads a BytesStream) to its end."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise AssertionError("the decoder waited on something other than its input")
-
-
-def _message(data: bytes) -> Any:
-    """`data` decoded as the RPC layer decodes a message body (None if undecodable)."""
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
-    except Exception:
-        return None
-
-
-def _split(data: bytes, parts: int) -> list[bytes]:
-    """`data` cut into `parts` pieces at offsets taken from its first bytes."""
-    head, rest = data[: parts - 1], data[parts - 1 :]
-    out, pos = [], 0
-    for b in head:
-        cut = min(len(rest), pos + b)
-        out.append(rest[pos:cut])
-        pos = cut
-    out.append(rest[pos:])
-    return out + [b""] * (parts - len(out))
+__all__ = ["TARGETS", "BytesStream", "Target", "run_now"]
 
 
 # ---------------------------------------------------------------- transport
@@ -260,9 +191,15 @@ def dht_messages(data: bytes) -> None:
 
 
 def dht_records(data: bytes) -> None:
-    """A record on the wire, then the checks before it is stored."""
+    """A record on the wire, then the checks before it is stored, then its storage (and
+    merge by subkey) in a node's local storage, read back."""
     record = Record.from_wire(_message(data))
-    _VALIDATOR.validate(record, time.time())
+    now = time.time()
+    _VALIDATOR.validate(record, now)
+    storage = LocalStorage(max_entries=4, max_bytes=1 << 16, validator=_VALIDATOR)
+    storage.store(record, now)
+    stored = storage.get(record.key, now)
+    assert stored is None or all(r.key == record.key for r in stored.records())
 
 
 # ---------------------------------------------------------------- averaging
@@ -354,13 +291,18 @@ TARGETS: dict[str, Target] = {
         Target("noise_initiator", noise_initiator, (HandshakeError,), noise_initiator.__doc__),
         Target("mux_frames", mux_frames, (ProtocolViolation,), mux_frames.__doc__),
         Target("rpc_frames", rpc_frames, (ProtocolViolation,), rpc_frames.__doc__),
-        Target("tensor_header", tensor_header, (ValueError,), tensor_header.__doc__),
+        Target("tensor_header", tensor_header, (tensors.TensorHeaderError,), tensor_header.__doc__),
         Target("nat_messages", nat_messages, (ProtocolViolation,), nat_messages.__doc__),
         Target("multiaddr", multiaddr, (), multiaddr.__doc__),
         Target("peer_id", peer_id, (ValueError,), peer_id.__doc__),
         Target("dht_messages", dht_messages, (), dht_messages.__doc__),
         Target("dht_records", dht_records, (RecordError,), dht_records.__doc__),
-        Target("allreduce_control", allreduce_control, (ValueError,), allreduce_control.__doc__),
+        Target(
+            "allreduce_control",
+            allreduce_control,
+            (commit.ControlError,),
+            allreduce_control.__doc__,
+        ),
         Target(
             "matchmaking_declarations",
             matchmaking_declarations,
@@ -377,5 +319,7 @@ TARGETS: dict[str, Target] = {
             (EvidenceError,),
             verification_evidence.__doc__,
         ),
+        *NET_TARGETS,
+        *APP_TARGETS,
     )
 }

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker, owner_of
 from shoal.transport.host import Host
-from shoal.transport.identity import Identity
+from shoal.transport.identity import Identity, PeerID
 from shoal.transport.nat import NatManager
 from shoal.transport.tasks import TaskSet
 
@@ -317,22 +317,9 @@ class PeerNode:
                     continue
                 if peer == self.identity.peer_id:
                     continue  # our own row comes from the live stats below, not the DHT
-                updated = _number(report.get("t"))
-                if updated is not None and wall - updated > STALE_REPORT_S:
-                    continue  # it stopped reporting: gone (its record outlives it)
-                out.append(
-                    {
-                        "peer_id": str(peer),
-                        "step": _number(report.get("step")),
-                        "loss": _number(report.get("loss")),
-                        "val_loss": _number(report.get("val_loss")),
-                        "tokens_per_s": _number(report.get("tokens_per_s")),
-                        "outer_step": _number(report.get("outer_step")),
-                        "addresses": [str(a) for a in report.get("addresses", [])][:8],
-                        "updated_at": _number(report.get("t")),
-                        "self": peer == self.identity.peer_id,
-                    }
-                )
+                row = peer_row(peer, report, wall)
+                if row is not None:
+                    out.append(row)
             # Our own row: what the header shows, now (our DHT record lags behind).
             s = self.session.trainer.stats
             out.append(
@@ -360,6 +347,26 @@ class PeerNode:
 
     def swarm(self) -> dict[str, Any]:
         return {"peers": self.swarm_history.snapshot(), "self": str(self.identity.peer_id)}
+
+
+def peer_row(peer: PeerID, report: dict[str, Any], wall: float) -> dict[str, Any] | None:
+    """Another peer's /peers row from its DHT report (untrusted: fields of the wrong type
+    read as None), or None when the report is stale (the peer stopped reporting)."""
+    updated = _number(report.get("t"))
+    if updated is not None and wall - updated > STALE_REPORT_S:
+        return None  # it stopped reporting: gone (its record outlives it)
+    addresses = report.get("addresses", [])
+    return {
+        "peer_id": str(peer),
+        "step": _number(report.get("step")),
+        "loss": _number(report.get("loss")),
+        "val_loss": _number(report.get("val_loss")),
+        "tokens_per_s": _number(report.get("tokens_per_s")),
+        "outer_step": _number(report.get("outer_step")),
+        "addresses": [str(a) for a in addresses[:8]] if isinstance(addresses, list) else [],
+        "updated_at": updated,
+        "self": False,
+    }
 
 
 def _number(value: object) -> float | int | None:

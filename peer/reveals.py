@@ -39,10 +39,22 @@ from .segments import (
 from .task import Task
 from .work_log import RoundWork, VerifiedWork
 
-__all__ = ["PROTOCOL", "Replay", "Reveal", "fetch_reveal", "reveal_of", "send_reveal"]
+__all__ = [
+    "PROTOCOL",
+    "Replay",
+    "Reveal",
+    "RevealError",
+    "fetch_reveal",
+    "reveal_of",
+    "send_reveal",
+]
 
 PROTOCOL = "/shoal/audit/1.0.0"
 MAX_KEYS = 1 << 16
+
+
+class RevealError(ValueError):
+    """A reveal that is malformed (its header, so far)."""
 
 
 @dataclass
@@ -137,23 +149,23 @@ async def fetch_reveal(
 
 def _header(head: object) -> tuple[int, list[tuple[int, str]], bytes, bytes]:
     if not isinstance(head, dict):
-        raise ValueError("a reveal starts with its header")
+        raise RevealError("a reveal starts with its header")
     n, keys = head.get("params"), head.get("keys")
     end_opt, final_opt = head.get("end_opt"), head.get("final_opt")
     if not isinstance(n, int) or not 0 < n <= MAX_KEYS:
-        raise ValueError("bad parameter count")
+        raise RevealError("bad parameter count")
     if not isinstance(keys, list) or len(keys) > MAX_KEYS:
-        raise ValueError("bad optimizer keys")
+        raise RevealError("bad optimizer keys")
     parsed = []
     for k in keys:
         if not (isinstance(k, list) and len(k) == 2 and isinstance(k[0], int)):
-            raise ValueError("bad optimizer key")
+            raise RevealError("bad optimizer key")
         if not isinstance(k[1], str):
-            raise ValueError("bad optimizer key")
+            raise RevealError("bad optimizer key")
         parsed.append((k[0], k[1]))
     for h in (end_opt, final_opt):
         if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-            raise ValueError("bad optimizer hash")
+            raise RevealError("bad optimizer hash")
     assert isinstance(end_opt, bytes) and isinstance(final_opt, bytes)
     return n, parsed, end_opt, final_opt
 

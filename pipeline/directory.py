@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.dht.node import DHTNode
-from shoal.dht.records import owner_of
+from shoal.dht.records import RecordError, owner_of
 from shoal.transport.identity import PeerID
 
 from .server import RECORD_TTL, stage_key
@@ -71,7 +71,10 @@ async def read_stages(dht: DHTNode, experiment: str, stages: int) -> list[list[S
         value = found.get(key)
         records = []
         for subkey, (raw, _) in ((value.subkeys or {}) if value else {}).items():
-            peer = owner_of(subkey)
+            try:
+                peer = owner_of(subkey)
+            except RecordError:  # a malformed owner marker: skip that record only
+                continue
             record = None if peer is None else StageRecord.parse(peer, raw)
             if record is not None and now - record.at <= RECORD_TTL:
                 records.append(record)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shoal.dht.node import DHTNode
-from shoal.dht.records import owner_marker, owner_of
+from shoal.dht.records import RecordError, owner_marker, owner_of
 from shoal.transport.identity import PeerID
 
 __all__ = ["Report", "StageProgress", "progress_key", "samples_at"]
@@ -63,7 +63,10 @@ class StageProgress:
         found = await self.dht.get(self.key, latest=True)
         out = []
         for subkey, (value, _expiration) in ((found.subkeys or {}) if found else {}).items():
-            peer = owner_of(subkey)
+            try:
+                peer = owner_of(subkey)
+            except RecordError:  # a malformed owner marker: one bad record, not our reports
+                continue
             if peer is None or not isinstance(value, dict):
                 continue
             samples, version, at = value.get("samples"), value.get("version"), value.get("t")

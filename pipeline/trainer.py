@@ -296,7 +296,12 @@ class PipelineTrainer:
         for item in meta.get("steps", ()) if isinstance(meta.get("steps"), list) else ():
             try:
                 version, members, size = item
-                steps.append((int(version), frozenset(PeerID(bytes(m)) for m in members)))
+                # Members as bytes only: bytes(n) of a peer's integer n would allocate n bytes.
+                if isinstance(version, bool) or not isinstance(version, int):
+                    continue
+                if not all(isinstance(m, bytes) for m in members):
+                    continue
+                steps.append((version, frozenset(PeerID(m) for m in members)))
             except (TypeError, ValueError):
                 continue
             if isinstance(size, int) and not isinstance(size, bool) and size >= 0:

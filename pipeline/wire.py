@@ -35,6 +35,7 @@ from shoal.transport.rpc import MessageStream
 __all__ = [
     "MAX_ELEMENTS",
     "Encoded",
+    "HeaderError",
     "codec_of",
     "decode_tensor",
     "encode_tensor",
@@ -49,6 +50,10 @@ MAX_ELEMENTS = 1 << 30
 MAX_ID = 255  # the exact channel's values fit a byte
 _TAILS = (None, "ids", "zeros")
 _DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+class HeaderError(ValueError):
+    """An encoded tensor's header that is malformed or too large."""
 
 
 def codec_of(name: object) -> Codec:
@@ -165,19 +170,19 @@ async def recv_tensor(stream: MessageStream, codec: Codec, encoded: bool) -> tor
 
 
 def parse_header(head: Any) -> Encoded:
-    """An encoded tensor's header, checked (ValueError): at most MAX_ELEMENTS elements."""
+    """An encoded tensor's header, checked (HeaderError): at most MAX_ELEMENTS elements."""
     if not isinstance(head, dict):
-        raise ValueError("an encoded tensor starts with its shape")
+        raise HeaderError("an encoded tensor starts with its shape")
     shape, dtype = head.get("shape"), head.get("dtype")
     if not isinstance(shape, list) or len(shape) > 8:
-        raise ValueError("bad tensor shape")
+        raise HeaderError("bad tensor shape")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ValueError("bad tensor shape")
+        raise HeaderError("bad tensor shape")
     if math.prod(shape) > MAX_ELEMENTS:
-        raise ValueError("tensor too large")
-    if dtype not in _DTYPES:
-        raise ValueError(f"bad tensor dtype {dtype!r}")
+        raise HeaderError("tensor too large")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise HeaderError(f"bad tensor dtype {dtype!r}")
     tail = head.get("tail")
     if tail not in _TAILS or (tail is not None and (len(shape) < 2 or shape[-1] < 2)):
-        raise ValueError("bad exact tail")
+        raise HeaderError("bad exact tail")
     return Encoded(shape, _DTYPES[dtype], tail)

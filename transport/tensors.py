@@ -24,6 +24,10 @@ _ITEMSIZE = {
 MAX_DIMS = 16
 
 
+class TensorHeaderError(ValueError):
+    """A tensor frame's header that is malformed, or asks for more than the limit."""
+
+
 def _is_torch(obj: object) -> bool:
     return type(obj).__module__.startswith("torch") and "torch" in sys.modules
 
@@ -57,28 +61,30 @@ def describe(obj: Any) -> tuple[TensorHeader, memoryview]:
 
 
 def validate(header: object, max_bytes: int) -> TensorHeader:
-    """Check an untrusted header before anything is allocated for it."""
+    """Check an untrusted header before anything is allocated for it (TensorHeaderError)."""
     if not isinstance(header, dict):
-        raise ValueError("tensor header is not a map")
+        raise TensorHeaderError("tensor header is not a map")
     dtype = header.get("dtype")
     shape = header.get("shape")
     nbytes = header.get("nbytes")
     lib = header.get("lib", "torch")
     if not isinstance(dtype, str) or dtype not in _ITEMSIZE:  # (a list is unhashable)
-        raise ValueError(f"unsupported tensor dtype {dtype!r}"[:200])
+        raise TensorHeaderError(f"unsupported tensor dtype {dtype!r}"[:200])
     if lib not in ("torch", "numpy"):
-        raise ValueError(f"unknown tensor library {lib!r}")
+        raise TensorHeaderError(f"unknown tensor library {lib!r}")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
         or not all(isinstance(d, int) and 0 <= d < 1 << 48 for d in shape)
     ):
-        raise ValueError(f"bad tensor shape {shape!r}"[:200])
+        raise TensorHeaderError(f"bad tensor shape {shape!r}"[:200])
     expected = math.prod(shape) * _ITEMSIZE[dtype]
     if nbytes != expected:
-        raise ValueError(f"tensor byte count {nbytes!r} does not match shape {shape} {dtype}")
+        raise TensorHeaderError(
+            f"tensor byte count {nbytes!r} does not match shape {shape} {dtype}"
+        )
     if expected > max_bytes:
-        raise ValueError(f"tensor of {expected} bytes exceeds the limit of {max_bytes}")
+        raise TensorHeaderError(f"tensor of {expected} bytes exceeds the limit of {max_bytes}")
     return header
 
 

@@ -459,10 +459,13 @@ class StageEvidence:
             )
             if not isinstance(nonce, bytes) or len(nonce) > 64:
                 raise EvidenceError("malformed nonce")
+            # Candidates as bytes only: bytes(n) of an integer n would allocate n bytes.
+            if not isinstance(candidates, list) or any(type(p) is not bytes for p in candidates):
+                raise EvidenceError("malformed candidates")
             return cls(
                 StageCommitment.decode(raw),
                 nonce,
-                tuple(PeerID(bytes(p)) for p in candidates),
+                tuple(PeerID(p) for p in candidates),
                 tuple(Verdict.from_wire(v) for v in verdicts),
             )
         except EvidenceError:

@@ -41,7 +41,16 @@ from . import wire
 from .config import NatConfig
 from .reachability import ProbeResult, Reachability, ReachabilityTracker
 
-__all__ = ["AutoNAT", "ProbeResult", "Reachability", "ReachabilityTracker", "dial_failure_kind"]
+__all__ = [
+    "AutoNAT",
+    "ProbeResult",
+    "Reachability",
+    "ReachabilityTracker",
+    "dial_failure_kind",
+    "parse_dialback",
+    "parse_probe_reply",
+    "parse_request",
+]
 
 log = logging.getLogger("shoal.transport.nat")
 
@@ -58,6 +67,30 @@ def dial_failure_kind(e: BaseException) -> str:
     if isinstance(e, TimeoutError):
         return "timeout"
     return "error"
+
+
+def parse_request(req: dict[str, object]) -> tuple[bytes, list[Multiaddr]]:
+    """An AutoNAT request (the server side): its nonce and the addresses to dial back."""
+    nonce = wire.get_bytes(req, "nonce", 64)
+    if len(nonce) < NONCE_LEN:
+        raise ProtocolViolation("autonat: nonce too short")
+    return nonce, wire.get_addrs(req, "addrs")
+
+
+def parse_dialback(msg: dict[str, object]) -> tuple[bytes, Multiaddr | None]:
+    """A dial-back (the client side): its nonce, and the address it reached if well formed."""
+    nonce = wire.get_bytes(msg, "nonce", 64)
+    addr = wire.get_addrs({"a": [msg.get("addr")]}, "a")
+    return nonce, addr[0] if addr else None
+
+
+def parse_probe_reply(reply: dict[str, object]) -> tuple[str, str]:
+    """The server's answer to a probe: its status, and for "failed" how the dial failed
+    (a server that does not say: counted as the weak kind, "timeout")."""
+    status = wire.get_str(reply, "status", 16)
+    reason = reply.get("reason")
+    outcome = reason if reason in ("refused", "timeout", "error") else "timeout"
+    return status, str(outcome)
 
 
 def _same_ip(addr: Multiaddr, ip: str) -> bool:
@@ -118,7 +151,7 @@ class AutoNAT:
                 await stream.close()
                 reply = await wire.recv_map(ms, "autonat reply")
                 stream = None
-            status = wire.get_str(reply, "status", 16)
+            status, outcome = parse_probe_reply(reply)
             now = loop.time()
             if status == "ok":
                 if not reached.done() or reached.result() is None:
@@ -130,9 +163,6 @@ class AutoNAT:
                     # The nonce did arrive (the server gave up waiting for our ack): it worked.
                     return ProbeResult(server, reached.result(), True, now, tuple(addrs), "ok")
                 log.debug("autonat: %s could not dial us back: %s", server.short(), reply)
-                reason = reply.get("reason")
-                # A server that does not say how it failed: count it as the weak kind.
-                outcome = reason if reason in ("refused", "timeout", "error") else "timeout"
                 return ProbeResult(server, None, False, now, tuple(addrs), outcome)
             log.debug("autonat: %s refused: %s", server.short(), reply.get("error"))
             return None
@@ -148,12 +178,11 @@ class AutoNAT:
         ms = wire.messages(stream)
         async with asyncio.timeout(self.config.dialback_timeout * 2):
             msg = await wire.recv_map(ms, "dial-back")
-            nonce = wire.get_bytes(msg, "nonce", 64)
-            addr = wire.get_addrs({"a": [msg.get("addr")]}, "a")
+            nonce, addr = parse_dialback(msg)
             fut = self._nonces.get(nonce)
             ok = fut is not None
             if fut is not None and not fut.done():
-                fut.set_result(addr[0] if addr else None)
+                fut.set_result(addr)
             await ms.send({"ok": ok})
 
     # --- server --------------------------------------------------------------------------------
@@ -173,10 +202,7 @@ class AutoNAT:
         ms = wire.messages(stream)
         async with asyncio.timeout(self.config.probe_timeout):
             req = await wire.recv_map(ms, "autonat request")
-            nonce = wire.get_bytes(req, "nonce", 64)
-            if len(nonce) < NONCE_LEN:
-                raise ProtocolViolation("autonat: nonce too short")
-            addrs = wire.get_addrs(req, "addrs")
+            nonce, addrs = parse_request(req)
             refusal = self._refusal(conn)
             if refusal is not None:
                 self.served["refused"] += 1

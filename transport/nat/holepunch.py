@@ -52,6 +52,19 @@ def dial_targets(addrs: list[Multiaddr]) -> list[tuple[str, int]]:
     return out[:MAX_TARGETS]
 
 
+def parse_connect(msg: dict[str, object]) -> list[tuple[str, int]]:
+    """A DCUtR "connect" (either side): the public (host, port) targets it offers."""
+    if msg.get("type") != "connect":
+        raise ProtocolViolation("dcutr: expected connect")
+    return dial_targets(wire.get_addrs(msg, "addrs"))
+
+
+def parse_sync(msg: dict[str, object]) -> None:
+    """The initiator's DCUtR "sync" (the responder dials now)."""
+    if msg.get("type") != "sync":
+        raise ProtocolViolation("dcutr: expected sync")
+
+
 def initiator_delay(rtt: float) -> float:
     """How long I waits after sending SYNC: half the round trip, the time SYNC takes to
     reach R, so that both SYNs leave at the same moment."""
@@ -135,9 +148,7 @@ class HolePuncher:
                     await ms.send({"type": "connect", "addrs": [str(a) for a in ours]})
                     reply = await wire.recv_map(ms, "dcutr connect")
                     rtt = time.monotonic() - t0
-                if reply.get("type") != "connect":
-                    raise ProtocolViolation("dcutr: expected connect")
-                targets = dial_targets(wire.get_addrs(reply, "addrs"))
+                targets = parse_connect(reply)
                 if not targets:
                     log.debug("hole punch to %s: it knows no public address", peer.short())
                     break
@@ -174,12 +185,10 @@ class HolePuncher:
                         msg = await wire.recv_map(ms, "dcutr connect")
                 except (EOFError, TimeoutError):  # done, or the initiator went silent
                     break
-                if msg.get("type") != "connect":
-                    raise ProtocolViolation("dcutr: expected connect")
+                theirs = parse_connect(msg)
                 if pending is not None:  # I saw the previous attempt fail
                     pending.cancel()
                     pending = None
-                theirs = dial_targets(wire.get_addrs(msg, "addrs"))
                 # I's SYN may beat our own: from now on our listener takes it as the punch.
                 removers = self._expect(peer, theirs, initiator=False)
                 try:
@@ -187,8 +196,7 @@ class HolePuncher:
                     await ms.send({"type": "connect", "addrs": ours})
                     async with asyncio.timeout(self.config.punch_stream_timeout):
                         sync = await wire.recv_map(ms, "dcutr sync")
-                    if sync.get("type") != "sync":
-                        raise ProtocolViolation("dcutr: expected sync")
+                    parse_sync(sync)
                 except BaseException:
                     for remove in removers:
                         remove()

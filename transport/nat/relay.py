@@ -47,6 +47,22 @@ STOP_PROTOCOL = "/shoal/relay/stop/1.0.0"
 _SPLICE_CHUNK = 256 * 1024
 
 
+def parse_hop_kind(msg: dict[str, object]) -> str:
+    """The kind of a hop request ("reserve", "connect" or another a handler refuses)."""
+    return wire.get_str(msg, "type", 16)
+
+
+def parse_hop_connect(msg: dict[str, object]) -> PeerID:
+    """The destination of a hop "connect" request."""
+    return wire.get_peer(msg, "peer")
+
+
+def parse_refresh(msg: dict[str, object]) -> None:
+    """A reservation holder's message on its open hop stream: a refresh, or a violation."""
+    if wire.get_str(msg, "type", 16) != "refresh":
+        raise ProtocolViolation("relay: expected a refresh")
+
+
 @dataclass(slots=True)
 class Reservation:
     peer: PeerID
@@ -209,7 +225,7 @@ class RelayService:
         ms = wire.messages(stream)
         async with asyncio.timeout(self.limits.connect_timeout):
             msg = await wire.recv_map(ms, "relay hop")
-        kind = wire.get_str(msg, "type", 16)
+        kind = parse_hop_kind(msg)
         refusal = None
         if self._closed or not self._accepting():
             refusal = "this relay is not publicly reachable"
@@ -222,7 +238,7 @@ class RelayService:
         if kind == "reserve":
             await self._reservation(stream, ms)
         elif kind == "connect":
-            await self._connect(stream, ms, wire.get_peer(msg, "peer"))
+            await self._connect(stream, ms, parse_hop_connect(msg))
         else:
             raise ProtocolViolation(f"relay hop: unknown request {kind!r}")
 
@@ -255,8 +271,7 @@ class RelayService:
                     return
                 except EOFError:
                     return  # the client released it
-                if wire.get_str(msg, "type", 16) != "refresh":
-                    raise ProtocolViolation("relay: expected a refresh")
+                parse_refresh(msg)
                 again = self.book.reserve(peer, ip, self._loop.time())
                 if isinstance(again, str):
                     await ms.send({"status": "refused", "error": again})

@@ -34,6 +34,31 @@ from .relayed_connection import StreamTransport
 log = logging.getLogger("shoal.transport.nat")
 
 
+def parse_reply_status(reply: dict[str, object], relay: PeerID) -> None:
+    """A relay's answer: ReservationRefused unless its status is "ok"."""
+    status = wire.get_str(reply, "status", 16)
+    if status != "ok":
+        error = wire.get_str(reply, "error", 1000, status)
+        raise ReservationRefused(f"relay {relay.short()} refused: {error}")
+
+
+def parse_reservation_ttl(reply: dict[str, object]) -> float:
+    """A granted (or refreshed) reservation's lifetime in seconds, at most a day."""
+    return min(wire.get_number(reply, "ttl"), 24 * 3600.0)
+
+
+def parse_relay_addrs(reply: dict[str, object]) -> list[Multiaddr]:
+    """The direct TCP addresses a relay gives for itself with a reservation."""
+    return [a for a in wire.get_addrs(reply, "addrs") if a.is_direct_tcp]
+
+
+def parse_stop(msg: dict[str, object]) -> PeerID:
+    """A relay's stop request (a peer connects through it): the source peer."""
+    if wire.get_str(msg, "type", 16) != "connect":
+        raise ProtocolViolation("relay stop: expected connect")
+    return wire.get_peer(msg, "peer")
+
+
 @dataclass(slots=True)
 class ActiveReservation:
     relay: PeerID
@@ -141,7 +166,7 @@ class RelayClient:
                 ms = wire.messages(stream)
                 await ms.send({"type": "reserve"})
                 reply = await _reply(ms, relay)
-            ttl = min(wire.get_number(reply, "ttl"), 24 * 3600.0)
+            ttl = parse_reservation_ttl(reply)
             res = ActiveReservation(
                 relay, self._circuit_addrs(relay, conn, reply), loop.time() + ttl, stream
             )
@@ -160,7 +185,7 @@ class RelayClient:
                     await ms.send({"type": "refresh"})
                     async with asyncio.timeout(self.config.relay_limits.connect_timeout):
                         reply = await _reply(ms, relay)
-                    res.expires = loop.time() + min(wire.get_number(reply, "ttl"), 24 * 3600.0)
+                    res.expires = loop.time() + parse_reservation_ttl(reply)
                     continue
                 await _reply(ms, relay)  # anything unprompted ends the reservation
                 raise ReservationRefused(f"relay {relay.short()} ended the reservation")
@@ -191,7 +216,7 @@ class RelayClient:
     def _circuit_addrs(
         self, relay: PeerID, conn: Connection, reply: dict[str, object]
     ) -> list[Multiaddr]:
-        direct = [a for a in wire.get_addrs(reply, "addrs") if a.is_direct_tcp]
+        direct = parse_relay_addrs(reply)
         if not direct and conn.remote_address is not None:
             direct = [from_socket_address(*conn.remote_address)]
         me = self.host.peer_id
@@ -245,9 +270,7 @@ class RelayClient:
         ms = wire.messages(stream)
         async with asyncio.timeout(self.config.relay_limits.connect_timeout):
             msg = await wire.recv_map(ms, "relay stop")
-            if wire.get_str(msg, "type", 16) != "connect":
-                raise ProtocolViolation("relay stop: expected connect")
-            src = wire.get_peer(msg, "peer")
+            src = parse_stop(msg)
             if relay not in self.reservations or relay_conn.kind == "relayed":
                 await ms.send({"status": "refused", "error": "no reservation with you"})
                 return
@@ -264,8 +287,5 @@ class RelayClient:
 
 async def _reply(ms: wire.MessageStream, relay: PeerID) -> dict[str, object]:
     reply = await wire.recv_map(ms, "relay reply")
-    status = wire.get_str(reply, "status", 16)
-    if status != "ok":
-        error = wire.get_str(reply, "error", 1000, status)
-        raise ReservationRefused(f"relay {relay.short()} refused: {error}")
+    parse_reply_status(reply, relay)
     return reply

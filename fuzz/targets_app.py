@@ -1,0 +1,159 @@
+"""Fuzz targets for the application layers' decoders of untrusted input: pipeline
+requests, headers and records, stage-audit commitments and evidence, the
+verification round's records, and the DHT reports behind /peers and /swarm
+(the registry is `targets.TARGETS`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from harness import REMOTE_IDENTITY, Target, expect, message, run_now
+
+from shoal.averaging.compression import CodecError
+from shoal.peer import audit_round, node, reveals
+from shoal.peer.experiment import _valid_manifests
+from shoal.peer.swarm_history import SwarmHistory
+from shoal.pipeline import wire as pipeline_wire
+from shoal.pipeline.audit_service import signature_from_wire
+from shoal.pipeline.directory import StageRecord
+from shoal.pipeline.ledger import MicrobatchLedger
+from shoal.pipeline.progress import StageProgress
+from shoal.pipeline.server import StageServer, _audit, _check_batch
+from shoal.pipeline.trainer import PipelineTrainer
+from shoal.verification import lsh
+from shoal.verification.evidence import EvidenceError
+from shoal.verification.stage_audit import StageCommitment, StageEvidence
+
+__all__ = ["APP_TARGETS"]
+
+_PEER = REMOTE_IDENTITY.peer_id
+
+
+def _as_map(obj: object) -> dict[Any, Any]:
+    return obj if isinstance(obj, dict) else {"x": obj}
+
+
+# ---------------------------------------------------------------- pipeline
+
+# A stage server as its request checks see it (serving stage 1, available).
+_SERVER = SimpleNamespace(stage=1, _refuse_if_unavailable=lambda: None)
+
+
+def pipeline_requests(data: bytes) -> None:
+    """A stage peer's request checks (stage, samples, key, codec, enc flags, audit nonce)
+    and an encoded tensor: its header, then its payload decoded under the named codec."""
+    payload = _as_map(message(data))
+    checked = expect((ValueError,), lambda: StageServer._check(_SERVER, payload))  # type: ignore[arg-type]
+    if checked is not None:
+        key, samples, codec, _enc = checked
+        expect((ValueError,), lambda: _audit(payload, key, codec))
+        inputs = torch.zeros(min(samples, 64), 2)
+        expect((ValueError,), lambda: _check_batch(inputs, samples))
+    head = expect((pipeline_wire.HeaderError,), lambda: pipeline_wire.parse_header(payload))
+    if head is not None and head.numel <= 1 << 16:
+        codec = expect((ValueError,), lambda: pipeline_wire.codec_of(payload.get("codec")))
+        body = payload.get("body")
+        if codec is not None and isinstance(body, bytes):
+            out = expect((CodecError,), lambda: pipeline_wire.decode_tensor(head, body, codec))
+            assert out is None or list(out.shape) == head.shape
+
+
+class _FoundDHT:
+    """A DHT node whose every `get` finds `subkeys` (another peer's records)."""
+
+    def __init__(self, subkeys: dict[Any, Any], peer_id: Any = None) -> None:
+        self.found = SimpleNamespace(subkeys=subkeys, value=None)
+        self.peer_id = peer_id
+
+    async def get(self, key: str, latest: bool = False) -> Any:
+        return self.found
+
+
+def _trainer(stages: int) -> Any:
+    """A pipeline trainer as its step notifications see it: stages, peers, versions."""
+    t = SimpleNamespace(
+        stage_peers=[[_PEER] for _ in range(stages)], versions=[0] * stages,
+        step_sizes=[{} for _ in range(stages)], ledger=MicrobatchLedger(stages), _replays=set(),
+        balancers=[None] * stages, _changed=None, stages=stages,
+    )  # fmt: skip
+    t._settle = lambda stage, meta: PipelineTrainer._settle(t, stage, meta)  # type: ignore[arg-type]
+    return t
+
+
+_LIKE = lsh.sign(torch.linspace(-1, 1, 300), b"s" * 16, lsh.SignatureConfig(block=64))
+
+
+def pipeline_records(data: bytes) -> None:
+    """What pipeline peers read from the DHT and each other: stage records, progress
+    reports, a stage peer's step notification, and an auditor's LSH signature."""
+    obj = message(data)
+    record = StageRecord.parse(_PEER, obj)
+    assert record is None or record.version >= 0
+    # The DHT layer hands over (value, expiration) per subkey: the values are the peers'.
+    # (Subkeys are strings: the DHT's record checks refuse any other.)
+    items = obj.items() if isinstance(obj, dict) else ()
+    subkeys = {k: (v, 0.0) for k, v in items if isinstance(k, str)}
+    progress = StageProgress(_FoundDHT(subkeys), "exp", 0, 8)  # type: ignore[arg-type]
+    for report in run_now(progress.reports()):
+        assert report.samples >= 0 and report.version >= 0
+    ctx = SimpleNamespace(peer=_PEER)
+    # A step notification may only settle steps: there are none open here, so no replays.
+    assert run_now(_stepped(_trainer(2), ctx, obj)) in (True, False)
+    sig = signature_from_wire(obj, _LIKE)
+    assert sig is None or sig.elements == _LIKE.elements
+
+
+async def _stepped(trainer: Any, ctx: Any, payload: Any) -> bool:
+    trainer._changed = asyncio.Event()
+    return await PipelineTrainer._stepped(trainer, ctx, payload)
+
+
+# ---------------------------------------------------------------- verification
+
+
+def stage_audit(data: bytes) -> None:
+    """A stage peer's signed commitment (as an auditor reads it) and a conviction of a
+    stage peer from the DHT, then its offline check."""
+    c = expect((EvidenceError,), lambda: StageCommitment.decode(data))
+    if c is not None:
+        assert StageCommitment.decode(c.encode()) == c
+    evidence = expect((EvidenceError,), lambda: StageEvidence.decode(data))
+    if evidence is not None:
+        expect((EvidenceError,), evidence.check)
+
+
+def verification_rounds(data: bytes) -> None:
+    """A verification round's records: a peer's published commitment and secret, and
+    the header of a segment's reveal."""
+    parsed = audit_round._parse(data)
+    assert parsed is None or len(parsed[1]) == audit_round.SECRET_BYTES
+    expect((reveals.RevealError,), lambda: reveals._header(message(data)))
+
+
+# ---------------------------------------------------------------- peer
+
+
+def dht_reports(data: bytes) -> None:
+    """Other peers' DHT reports as /peers shows them and /swarm keeps them, and the
+    manifests record of an experiment."""
+    obj = message(data)
+    reports = obj if isinstance(obj, list) else [obj]
+    rows = [node.peer_row(_PEER, r, time.time()) for r in reports if isinstance(r, dict)]
+    history = SwarmHistory(clock=lambda: 1000.0)
+    history.record([r for r in rows if r is not None])
+    history.record([r for r in reports if isinstance(r, dict)])
+    history.snapshot()
+    _valid_manifests(obj)
+
+
+APP_TARGETS = (
+    Target("pipeline_requests", pipeline_requests, (), pipeline_requests.__doc__),
+    Target("pipeline_records", pipeline_records, (), pipeline_records.__doc__),
+    Target("stage_audit", stage_audit, (), stage_audit.__doc__),
+    Target("verification_rounds", verification_rounds, (), verification_rounds.__doc__),
+    Target("dht_reports", dht_reports, (), dht_reports.__doc__),
+)
