@@ -27,6 +27,19 @@ class Target:
     doc: str
 
 
+class _FakeConnection:
+    """What a served stream's handler reads of its connection: a direct one from a
+    loopback address (the fuzzed bytes are the stream's, not the connection's)."""
+
+    remote_address = ("127.0.0.1", 1)
+    kind = "direct"
+    relay = None
+    remote_peer = REMOTE_IDENTITY.peer_id
+
+    def remote_key(self) -> str:
+        return self.remote_address[0]
+
+
 class BytesStream:
     """A stream holding `data` and then its end: reads never wait. It has the
     end-of-stream behaviour of `shoal.transport.connection.Stream` (a short read
@@ -34,6 +47,7 @@ class BytesStream:
 
     protocol = "/fuzz/1.0.0"
     remote_peer = REMOTE_IDENTITY.peer_id
+    connection = _FakeConnection()
 
     def __init__(self, data: bytes) -> None:
         self._data = memoryview(data)
@@ -42,6 +56,11 @@ class BytesStream:
 
     def at_eof(self) -> bool:
         return self._pos >= len(self._data)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes not read yet (all of them arrived at once)."""
+        return len(self._data) - self._pos
 
     async def read(self, max_bytes: int = 65536) -> bytes:
         out = bytes(self._data[self._pos : self._pos + max_bytes])
