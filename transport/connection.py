@@ -546,6 +546,14 @@ class Connection(asyncio.BufferedProtocol):
     async def open_stream(self, protocol: str) -> Stream:
         if not self.handshake_done.done():
             await asyncio.shield(self.handshake_done)
+        return self.open_stream_now(protocol)
+
+    def open_stream_now(self, protocol: str) -> Stream:
+        """`open_stream` once the handshake is done, without yielding to the loop: a
+        stream opened here goes out before any stream a task opens afterwards (the
+        protocol-version hello must be a connection's first stream)."""
+        if not self.handshake_done.done():
+            raise ConnectionLost(f"connection to {self._peer_name()} is not established yet")
         if self.closed.done():
             raise ConnectionLost(f"connection to {self._peer_name()} is closed")
         try:

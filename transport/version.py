@@ -341,6 +341,11 @@ class VersionGate:
         stream that waits for the hello, or one refused because the peer is incompatible."""
         conn = stream.connection
         entry = self._conns.get(conn)
+        if entry is None and conn.handshake_done.done() and not conn.closed.done():
+            # The remote's first frames came in the same read as the end of the
+            # handshake: its streams arrive before the host's listeners ran.
+            self._opened(conn)
+            entry = self._conns.get(conn)
         if entry is None:
             return False
         if entry.state is _State.REJECTED:
@@ -391,7 +396,16 @@ class VersionGate:
         if conn in self._conns:
             return
         entry = self._conns[conn] = _Conn()
-        conn.spawn(self._push(conn, entry))
+        # Opened here, not in the task: tasks woken by the same handshake (identify,
+        # the caller's first request) could otherwise open their streams first, and
+        # the remote would take us for software from before the exchange.
+        try:
+            stream = conn.open_stream_now(HELLO_PROTOCOL)
+        except TransportError as e:
+            log.debug("hello to %s: %s", conn.remote_peer.short(), e)
+            _settle(entry.pushed)
+            return
+        conn.spawn(self._push(conn, entry, stream))
 
     def _closed(self, conn: Connection) -> None:
         entry = self._conns.pop(conn, None)
@@ -400,11 +414,10 @@ class VersionGate:
             _settle(entry.verdict)
             _settle(entry.pushed)
 
-    async def _push(self, conn: Connection, entry: _Conn) -> None:
-        """Send our hello; returns once the remote has read it (or cannot)."""
+    async def _push(self, conn: Connection, entry: _Conn, stream: Stream) -> None:
+        """Send our hello on `stream`; returns once the remote has read it (or cannot)."""
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
-                stream = await conn.open_stream(HELLO_PROTOCOL)
                 await stream.write(msgpack.packb(self.local.to_wire()))
                 await stream.close()
                 await stream.read(1)  # EOF once the remote has read it (and decided)
