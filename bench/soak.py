@@ -440,8 +440,9 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         checks.start()
         log(f"{len(peers)} peers started in {workdir}; waiting for the first round of 2+")
         began = time.time()
-        wait_until(lambda: _ledger_commits(peers) > 0, 240)
-        log(f"first commit after {time.time() - began:.0f} s; chaos for {args.minutes} min")
+        if wait_until(lambda: _ledger_commits(peers) > 0, args.warmup_s):
+            log(f"first commit after {time.time() - began:.0f} s")
+        log(f"chaos for {args.minutes} min")
         run_chaos(chaos, rng, args.minutes)
         chaos.calm()
         log(f"faults over; {args.settle_s:.0f} s to settle")
@@ -490,6 +491,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--settle-s", type=float, default=20.0, help="fault-free time at the end")
     ap.add_argument("--prefix", default="soak-", help="of the lab's namespaces")
+    ap.add_argument("--warmup-s", type=float, default=240.0,
+                    help="at most this long for the first commit before the chaos starts "
+                    "(0: chaos while the peers start)")  # fmt: skip
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shoal-soak-"))
     lab = SoakLab(args.prefix)

@@ -154,7 +154,7 @@ def assert_rounds_consistent(peers: list[Peer]) -> dict[str, list[dict[str, Any]
 
 @pytest.mark.timeout(300)
 def test_a1_eight_peers_twenty_rounds_bit_identical_and_exact(tmp_path: Path) -> None:
-    size, rounds = 4_000_000, 20
+    size, rounds = 2_000_000, 20
     args = ["--size", str(size), "--rounds", str(rounds), "--min-group", "8", "--target-group", "8"]
     # one peer checks every result against the float64 mean of the members' inputs
     with swarm(tmp_path, 8, *args, checkers=1) as peers:
@@ -172,7 +172,7 @@ def test_a1_eight_peers_twenty_rounds_bit_identical_and_exact(tmp_path: Path) ->
 
 @pytest.mark.timeout(300)
 def test_a2_eight_peers_int8_bit_identical_and_a_quarter_of_the_bytes(tmp_path: Path) -> None:
-    size, rounds = 4_000_000, 20
+    size, rounds = 2_000_000, 20
     args = ["--size", str(size), "--rounds", str(rounds), "--min-group", "8", "--target-group", "8"]
     with swarm(tmp_path, 8, *args, "--codec", "int8") as peers:
         sent = []
@@ -276,9 +276,11 @@ def test_a6_a_newcomer_is_admitted_at_the_next_round_and_matches(tmp_path: Path)
 
 @pytest.mark.timeout(400)
 def test_a7_churn_of_peers_joining_and_dying_every_second(tmp_path: Path) -> None:
-    # 20 s in CI: about 15 joins and kills (the daemon soak, tests/test_soak_lab.py,
-    # covers churn with the rest of the daemon). SHOAL_CHURN_SECONDS=3600 for a soak.
-    duration = float(os.environ.get("SHOAL_CHURN_SECONDS", "20"))
+    # A long run only (SHOAL_CHURN_SECONDS=3600): in CI the daemon soak
+    # (tests/test_soak_lab.py) covers churn, with the rest of the daemon.
+    if "SHOAL_CHURN_SECONDS" not in os.environ:
+        pytest.skip("a soak: SHOAL_CHURN_SECONDS=N runs it (CI runs tests/test_soak_lab.py)")
+    duration = float(os.environ["SHOAL_CHURN_SECONDS"])
     args = ["--size", "200000", "--min-group", "2", "--target-group", "10", "--stall-timeout", "3"]
     rng = random.Random(7)
     with swarm(tmp_path, 4, *args) as peers:

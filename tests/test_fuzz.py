@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 FUZZ = Path(__file__).resolve().parents[1] / "fuzz"
-COMBINED_SECONDS = 25  # per process (2 processes on 2 cores), plus ~15 s of start-up
+COMBINED_SECONDS = 15  # per process (2 processes on 2 cores), plus ~15 s of start-up
 
 
 def _load_runner():

@@ -33,8 +33,9 @@ pytestmark = [
 @pytest.mark.timeout(600)
 def test_three_minutes_of_chaos_lose_nothing(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, str(SOAK), "--minutes", "3", "--tiny", "--settle-s", "10",
-         "--workdir", str(tmp_path), "--prefix", "tsoak-"],
+        # Chaos from the start, while the peers import torch and meet: CI time is short.
+        [sys.executable, str(SOAK), "--minutes", "3", "--tiny", "--settle-s", "5",
+         "--warmup-s", "0", "--workdir", str(tmp_path), "--prefix", "tsoak-"],
         capture_output=True, text=True, timeout=580, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
