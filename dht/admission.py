@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
+from shoal.transport.admission import subnet_of
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.ratelimit import KeyedBuckets
 
@@ -86,8 +87,7 @@ def _group(ip: str, exempt: tuple[IPNetwork, ...]) -> str | None:
         addr = addr.ipv4_mapped
     if any(addr in net for net in exempt if net.version == addr.version):
         return None
-    prefix = 24 if addr.version == 4 else 48
-    return str(ipaddress.ip_network(f"{addr}/{prefix}", strict=False))
+    return subnet_of(str(addr))  # (the same /24 or /48 as the host's admission limits)
 
 
 @dataclass(frozen=True, slots=True)
