@@ -166,7 +166,8 @@ def pipeline_request() -> dict[str, object]:
         torch.linspace(-1, 1, 24).view(4, 6), get_codec("int8")
     )
     request = {"stage": 1, "samples": 4, "key": "k", "codec": "int8", "enc": [True]}
-    return {**request, "nonce": b"n" * 32, **head.header(), "body": bytes(payload)}
+    return {**request, "nonce": b"n" * 32, "attempt": b"a" * 8, **head.header(),
+            "body": bytes(payload)}  # fmt: skip
 
 
 def new_seeds() -> dict[str, list[bytes]]:

@@ -20,6 +20,7 @@ from shoal.peer.swarm_history import SwarmHistory
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
 from shoal.pipeline.directory import StageRecord
+from shoal.pipeline.fencing import parse_attempt, parse_fence
 from shoal.pipeline.ledger import MicrobatchLedger
 from shoal.pipeline.progress import StageProgress
 from shoal.pipeline.server import StageServer, _audit, _check_batch
@@ -44,9 +45,12 @@ _SERVER = SimpleNamespace(stage=1, _refuse_if_unavailable=lambda: None)
 
 
 def pipeline_requests(data: bytes) -> None:
-    """A stage peer's request checks (stage, samples, key, codec, enc flags, audit nonce)
-    and an encoded tensor: its header, then its payload decoded under the named codec."""
+    """A stage peer's request checks (stage, samples, key, codec, enc flags, audit nonce,
+    backward attempt, a fence's request) and an encoded tensor: its header, then its
+    payload decoded under the named codec."""
     payload = _as_map(message(data))
+    expect((ValueError,), lambda: parse_attempt(payload))
+    expect((ValueError,), lambda: parse_fence(payload, 1))  # (the seeds' stage)
     checked = expect((ValueError,), lambda: StageServer._check(_SERVER, payload))  # type: ignore[arg-type]
     if checked is not None:
         key, samples, codec, _enc = checked

@@ -267,6 +267,8 @@ class PipelineRun:
             "syncs": None if peer is None else peer.syncs,
             "retries": None if loop is None else loop.trainer.counters.retries,
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
+            "recovered": None if loop is None else loop.trainer.counters.recovered,
+            "unfenced": None if loop is None else loop.trainer.counters.unfenced,
             # Exactly-once accounting, for whoever checks it: samples this trainer
             # completed; a stage peer's step sizes (version -> samples, the last
             # STEPS_SHOWN) and the samples it holds for steps not taken yet.

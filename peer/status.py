@@ -81,7 +81,10 @@ experiment is pipelined: `stage` int|null (the stage this peer serves),
 int (driven by a trainer; served backwards for a stage-only peer), `served`
 {forward, backward}, `version`, `fingerprint_version` (the version the
 top-level `fingerprint` hashes; it lags `version` while a step is applied),
-`serving`, `syncs`, `retries`, `replayed`;
+`serving`, `syncs`, `retries`, `replayed`, `recovered` (backwards whose
+answer was late but their peer had applied them: taken from there),
+`unfenced` (failed backwards sent elsewhere without knowing whether their first
+peer applied them: the one way a microbatch may count twice; pipeline/fencing.py);
 peer/pipeline_run.py; a trainer's `step` and `loss` are then its optimizer
 steps and training loss; for the page's drawing, `stages[].servers` (each
 peer of the stage: throughput, queue, version, requests/s between it and this

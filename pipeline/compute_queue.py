@@ -5,7 +5,9 @@ taken from the queue in order, up to `MAX_BATCH_SAMPLES` samples, and run
 through the worker in one compute thread (`StageWorker.forward_many`,
 `backward_many`); each request's answer gets its share of the batch's time.
 A request whose caller gave up is dropped before it is computed (a backward
-not computed is not counted; its trainer sends it to another peer). Answers
+not computed is not counted; its trainer sends it to another peer), and a
+backward whose attempt its trainer fenced fails with `Fenced` (`StageWorker.fence`:
+its trainer asks another peer). Answers
 a trainer asked a commitment for are sealed in a second thread (`seal`), so
 the next batch need not wait for the hashing.
 """
@@ -23,11 +25,15 @@ from typing import Any
 from .audit import AuditRequest
 from .stage import StageWorker
 
-__all__ = ["MAX_BATCH_SAMPLES", "ComputeQueue", "Job"]
+__all__ = ["MAX_BATCH_SAMPLES", "ComputeQueue", "Fenced", "Job"]
 
 log = logging.getLogger("shoal.pipeline")
 
 MAX_BATCH_SAMPLES = 256
+
+
+class Fenced(Exception):
+    """A backward whose trainer gave up on it and fenced it: not applied."""
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Job:
     audit: AuditRequest | None = None  # seal the answer (the request asked for a commitment)
     sealed: bytes | None = None  # its commitment (made in the sealing thread)
     retried: bool = False  # a backward answered before: its old answer is not sealed
+    attempt: bytes | None = None  # a backward's attempt, which its trainer may fence
     done: asyncio.Future[tuple[Any, float]] = field(repr=False, default=None)  # type: ignore[assignment]
 
     def fits(self, other: Job) -> bool:
@@ -102,6 +109,7 @@ class ComputeQueue:
                     results, seconds, version = await loop.run_in_executor(
                         self._compute, _run, self.worker, batch
                     )
+                    batch, results = _without_fenced(batch, results)
                 except Exception as e:  # a request the module cannot compute: fail them all
                     log.info("stage %d: a %s batch of %d failed: %r (%s)", self.stage,
                              batch[0].kind, len(batch), e, _describe(batch))  # fmt: skip
@@ -163,6 +171,17 @@ def _answer(batch: list[Job], results: list[Any], seconds: float) -> None:
             job.done.set_result((result, seconds * job.samples / total))
 
 
+def _without_fenced(batch: list[Job], results: list[Any]) -> tuple[list[Job], list[Any]]:
+    """Fail the fenced jobs of a backward batch (their results are None); the others."""
+    if batch[0].kind == "forward":
+        return batch, results
+    kept = [(job, result) for job, result in zip(batch, results, strict=True) if result is not None]
+    for job, result in zip(batch, results, strict=True):
+        if result is None and not job.done.done():
+            job.done.set_exception(Fenced("the trainer fenced this attempt"))
+    return [job for job, _ in kept], [result for _, result in kept]
+
+
 def _run(worker: StageWorker, batch: list[Job]) -> tuple[list[Any], float, int | None]:
     """A batch of one kind through the worker (in the compute thread), timed, with the
     version of the weights it was computed with (None: unknown, mid-download)."""
@@ -176,7 +195,9 @@ def _run(worker: StageWorker, batch: list[Job]) -> tuple[list[Any], float, int |
             version = worker.version
             # A retry's answer is the old one, computed at a version we may not hold now.
             retried = {job.request[0] for job in batch if worker.answered(job.request[0])}
-            results = worker.backward_many([job.request for job in batch])
+            results = worker.backward_many(
+                [job.request for job in batch], [job.attempt for job in batch]
+            )
         for job in batch:
             if job.request[0] in retried:
                 job.retried = True

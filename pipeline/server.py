@@ -44,6 +44,7 @@ from shoal.transport.identity import PeerID
 from .audit import AuditRequest, seal
 from .audit_service import AuditService
 from .compute_queue import ComputeQueue, Job
+from .fencing import fence_answer, fence_header, parse_attempt, parse_fence
 from .stage import BackwardRequest, StageWorker
 from .stage_optimizer import StepRecord
 from .step_push import StepPush
@@ -128,6 +129,7 @@ class StageServer:
         self._service = rpc.RpcService(self.dht.host, self.protocol)
         self._service.stream("forward")(self._forward)
         self._service.stream("backward")(self._backward)
+        self._service.stream("fence")(self._fence)
         self._service.unary("flush")(self._flush)
         self._service.unary("progress")(self._progress)
         self.audits.register(self._service)
@@ -319,12 +321,14 @@ class StageServer:
         grad_outputs: torch.Tensor,
         samples: int,
         audit: AuditRequest | None = None,
+        attempt: bytes | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """A backward request's input gradient (None for token ids) and the answer's header."""
+        """A backward request's input gradient (None for token ids) and the answer's
+        header (`compute_queue.Fenced`: its trainer fenced `attempt` meanwhile)."""
         with self._request():
             _check_batch(inputs, samples)
             request: BackwardRequest = (key, inputs, grad_outputs, samples)
-            job = Job("backward", request, samples, audit)
+            job = Job("backward", request, samples, audit, attempt=attempt)
             (grad_inputs, epoch), seconds = await self.compute.submit(job)
         self.backward_speed.add(samples, seconds)
         self.served["backward"] += 1
@@ -338,7 +342,7 @@ class StageServer:
         self.step_push.heard_from(ctx.peer)
         with self._request():
             await self._check_version(payload)
-            inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]))
+            inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]), rows=samples)
             audit = _audit(payload, key, codec)
             outputs, meta = await self.compute_forward(inputs, samples, audit)
             yield {**meta, "enc": encodes(codec, outputs)}
@@ -347,20 +351,38 @@ class StageServer:
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
+        attempt = parse_attempt(payload)
         self.step_push.heard_from(ctx.peer)
         with self._request():
             await self._check_version(payload)
             enc = enc + [False] * (2 - len(enc))
-            inputs = await recv_tensor(ctx, codec, enc[0])
-            grad_outputs = await recv_tensor(ctx, codec, enc[1])
+            inputs = await recv_tensor(ctx, codec, enc[0], rows=samples)
+            grad_outputs = await recv_tensor(ctx, codec, enc[1], rows=samples)
             audit = _audit(payload, key, codec)
             grad_inputs, meta = await self.compute_backward(
-                key, inputs, grad_outputs, samples, audit
+                key, inputs, grad_outputs, samples, audit, attempt
             )
             yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
             if grad_inputs is not None:
                 sent = await send_tensor(ctx, grad_inputs, codec)
                 self.bytes_sent += sent
+
+    async def fence(
+        self, key: Any, attempt: bytes
+    ) -> tuple[tuple[torch.Tensor | None, int] | None, bool, dict[str, Any]]:
+        """Fence a backward attempt its trainer gave up on (`fencing`): the answer it got
+        if applied, whether that is settled, and our header (also while re-syncing or
+        leaving: a trainer must learn where its microbatch counted)."""
+        answer, settled = await fence_answer(self.worker, key, attempt)
+        return answer, settled, self._meta(0.0)
+
+    async def _fence(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
+        key, attempt, codec = parse_fence(payload, self.stage)
+        answer, settled, meta = await self.fence(key, attempt)
+        header, grad = fence_header(answer, settled, codec)
+        yield {**meta, **header}
+        if grad is not None:
+            await send_tensor(ctx, grad, codec)
 
     async def _flush(self, ctx: rpc.CallContext, payload: Any) -> bool:
         """A trainer waits for this stage's step and has nothing more to send: step with

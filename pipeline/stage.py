@@ -17,6 +17,14 @@ trainer knows which step has to include it (and replays it elsewhere when that
 step committed without this peer). Backward requests are idempotent by key: a
 retry of one already applied (the answer was lost on the way) returns the same
 input gradient and accumulates nothing.
+
+Across peers, a backward is applied at most once per trainer attempt that the
+trainer still waits for: a trainer whose attempt failed without an answer (a
+deadline, a lost connection) *fences* it (`fence`) before it tries another
+peer. From then on that attempt is never applied here, and the fence tells
+whether it was applied before (then its answer stands, and no other peer is
+asked), so a slow peer that applies a request after its trainer gave up
+cannot count it a second time.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 __all__ = ["BackwardRequest", "Gradients", "StageWorker"]
 
 RETAINED_ANSWERS = 4096  # backward answers kept for retries
+RETAINED_FENCES = 4096  # fenced attempts remembered (a fenced request may still arrive)
 
 # (idempotency key, the stage's inputs, gradient of its outputs, samples)
 BackwardRequest = tuple[Hashable, torch.Tensor, torch.Tensor, int]
@@ -64,6 +73,12 @@ class StageWorker:
         self.version: int | None = 0
         self._buckets: dict[int, _Bucket] = {}
         self._answers: OrderedDict[Hashable, tuple[torch.Tensor | None, int]] = OrderedDict()
+        # Attempts their trainers gave up on (never applied from then on) and the keys
+        # being computed now; with `_answers`, under `_fence_lock`, which `fence` takes
+        # alone: a fence must not wait for `lock` (a state download holds it for long).
+        self._fenced: OrderedDict[bytes, None] = OrderedDict()
+        self._computing: set[Hashable] = set()
+        self._fence_lock = threading.Lock()
         # Held by every computation, by the optimizer step (`StageOptimizer`) and by
         # a state download, which run in different threads: a request never sees
         # half-updated parameters.
@@ -91,27 +106,53 @@ class StageWorker:
     ) -> torch.Tensor | None:
         """Recompute the forward, backpropagate `grad_outputs`; the input gradient
         (None for integer inputs such as token ids). Applied once per `key`."""
-        return self.backward_many([(key, inputs, grad_outputs, samples)])[0][0]
+        answer = self.backward_many([(key, inputs, grad_outputs, samples)])[0]
+        assert answer is not None  # (no attempt: never fenced)
+        return answer[0]
 
     def backward_many(
-        self, requests: list[BackwardRequest]
-    ) -> list[tuple[torch.Tensor | None, int]]:
+        self, requests: list[BackwardRequest], attempts: list[bytes | None] | None = None
+    ) -> list[tuple[torch.Tensor | None, int] | None]:
         """Several backwards computed as one batch; per request its input gradient
-        and the epoch its parameter gradients went into."""
+        and the epoch its parameter gradients went into, or None for a request
+        whose attempt (`attempts`, one per request) was fenced: not applied."""
         with self.lock:
-            fresh: dict[Hashable, BackwardRequest] = {}
-            for request in requests:
-                if request[0] not in self._answers:
-                    fresh.setdefault(request[0], request)
-            if fresh:
-                bucket = self._bucket(self.epoch)
-                answers = self._backward(list(fresh.values()), bucket)
-                for key, answer in zip(fresh, answers, strict=True):
-                    bucket.keys.add(key)
-                    self._answers[key] = (answer, self.epoch)
-                while len(self._answers) > RETAINED_ANSWERS:
-                    self._answers.popitem(last=False)
-            return [self._answers[request[0]] for request in requests]
+            with self._fence_lock:
+                fenced = {i for i, a in enumerate(attempts or ()) if a in self._fenced}
+                fresh: dict[Hashable, BackwardRequest] = {}
+                for i, request in enumerate(requests):
+                    if i not in fenced and request[0] not in self._answers:
+                        fresh.setdefault(request[0], request)
+                self._computing |= fresh.keys()
+            try:
+                if fresh:
+                    bucket = self._bucket(self.epoch)
+                    answers = self._backward(list(fresh.values()), bucket)
+                    with self._fence_lock:
+                        for key, answer in zip(fresh, answers, strict=True):
+                            bucket.keys.add(key)
+                            self._answers[key] = (answer, self.epoch)
+                        while len(self._answers) > RETAINED_ANSWERS:
+                            self._answers.popitem(last=False)
+            finally:
+                with self._fence_lock:
+                    self._computing -= fresh.keys()
+            return [
+                None if i in fenced else self._answers[request[0]]
+                for i, request in enumerate(requests)
+            ]
+
+    def fence(
+        self, key: Hashable, attempt: bytes
+    ) -> tuple[bool, tuple[torch.Tensor | None, int] | None]:
+        """Never apply `attempt` from now on (its trainer gave up waiting for it).
+        Whether a backward of `key` is being computed right now (ask again shortly),
+        and its answer and epoch if one was applied."""
+        with self._fence_lock:
+            self._fenced[attempt] = None
+            while len(self._fenced) > RETAINED_FENCES:
+                self._fenced.popitem(last=False)
+            return key in self._computing, self._answers.get(key)
 
     def _bucket(self, epoch: int) -> _Bucket:
         if epoch not in self._buckets:
@@ -180,8 +221,9 @@ class StageWorker:
             for e in [e for e in self._buckets if e < epoch]:
                 bucket = self._buckets.pop(e)
                 dropped += bucket.samples
-                for key in bucket.keys:  # a replay here must count again
-                    self._answers.pop(key, None)
+                with self._fence_lock:
+                    for key in bucket.keys:  # a replay here must count again
+                        self._answers.pop(key, None)
             self.epoch = max(self.epoch, epoch)
             return dropped
 

@@ -13,10 +13,13 @@ peer's measured speed and reported queue predict, plus `DEADLINE_SLACK` for the
 network, between `DEADLINE_MIN` and the trainer's `deadline`.
 
 Each backward carries an idempotency key (`<trainer>/<microbatch>/<stage>`); a
-peer applies a key once. The `MicrobatchLedger` keeps each applied backward's
-tensors until a stage peer's step log says whether the step it was for
-included the peer that applied it; when it did not, the backward is replayed on
-a peer of the stage: every microbatch counts exactly once, whoever dies.
+peer applies a key once. A backward attempt that fails without an answer is
+fenced at its peer before it goes to another (`fencing`): when the peer had
+applied it, its answer is taken from there and nobody else applies it. The
+`MicrobatchLedger` keeps each applied backward's tensors until a stage peer's
+step log says whether the step it was for included the peer that applied it;
+when it did not, the backward is replayed on a peer of the stage: every
+microbatch counts exactly once, whoever dies.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from shoal.verification.stage_audit import StageAuditPolicy
 
 from .auditor import Answer, TrainerAuditor
 from .balancer import NoPeerAvailable, StageBalancer
+from .fencing import ATTEMPT_BYTES, FenceOutcome, ask_fence, maybe_applied
 from .ledger import Applied, MicrobatchLedger
 from .server import StageServer, pipeline_protocol, stage_key
 from .step_push import trainer_protocol
@@ -65,6 +69,12 @@ class TrainerCounters:
     retries: int = 0
     requests: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
     bytes_sent: int = 0  # tensor payloads to stages, as sent (encoded or not)
+    # Backwards whose answer was lost but that the peer had applied (a fence told):
+    # taken from that peer, sent nowhere else.
+    recovered: int = 0
+    # Failed backwards sent elsewhere although the first peer could not be asked
+    # whether it applied them (`fencing`): the only way a microbatch counts twice.
+    unfenced: int = 0
 
 
 @dataclass
@@ -388,28 +398,62 @@ class PipelineTrainer:
             nonce = None
             if self.auditor is not None and peer != self.dht.peer_id:
                 nonce = TrainerAuditor.new_nonce()
+            attempt_id = secrets.token_bytes(ATTEMPT_BYTES) if backward else None
             try:
                 result, meta = await self._call(
-                    peer, stage, method, key, samples, tensors, deadline, nonce
+                    peer, stage, method, key, samples, tensors, deadline, nonce, attempt_id
                 )
             except (TransportError, TimeoutError, OSError, ValueError) as e:
                 banned = balancer.failed(peer, time.monotonic())
                 self.counters.retries += 1
+                if attempt_id is not None and maybe_applied(e):
+                    recovered = await self._fence(peer, stage, key, attempt_id)
+                    if recovered is not None:  # it counted there: its answer was late
+                        self._served(stage, method, peer, recovered[1])
+                        return recovered[0], recovered[1], peer
                 log.info("stage %d %s on %s failed (%s: %s); banned for %.0fs, trying another peer",
                          stage, method, str(peer)[-8:], type(e).__name__, e, banned)  # fmt: skip
                 continue
             balancer.succeeded(peer, samples, float(meta.get("seconds", 0.0)),
                                queue=int(meta.get("queue", 0)), backward=backward)  # fmt: skip
-            version = meta.get("version")
-            if isinstance(version, int) and not isinstance(version, bool):
-                self.versions[stage] = max(self.versions[stage], version)
-            self.counters.requests[method] += 1
-            self.served_by[peer] = self.served_by.get(peer, 0) + 1
+            self._served(stage, method, peer, meta)
             if self.auditor is not None and nonce is not None:
                 self.auditor.answered(Answer(stage, method, key, peer, nonce[0], meta,
                                              tuple(tensors), result))  # fmt: skip
             return result, meta, peer
         raise StageFailed(f"stage {stage} {method}: {self.attempts} attempts failed")
+
+    def _served(self, stage: int, method: str, peer: PeerID, meta: dict[str, Any]) -> None:
+        version = meta.get("version")
+        if isinstance(version, int) and not isinstance(version, bool):
+            self.versions[stage] = max(self.versions[stage], version)
+        self.counters.requests[method] += 1
+        self.served_by[peer] = self.served_by.get(peer, 0) + 1
+
+    async def _fence(
+        self, peer: PeerID, stage: int, key: str, attempt: bytes
+    ) -> tuple[Any, dict[str, Any]] | None:
+        """Fence a failed backward attempt at `peer`: its answer if the peer had applied
+        it, else None (another peer may take it)."""
+        local = self.local.get(stage)
+        if local is not None and peer == self.dht.peer_id:
+            answer, settled, meta = await local.fence(key, attempt)
+            outcome = FenceOutcome(answer is not None, settled or answer is not None)
+            if answer is not None:
+                outcome.grad, outcome.meta = answer[0], {**meta, "epoch": answer[1]}
+        else:
+            payload = {"stage": stage, "key": key, "attempt": attempt, "codec": self.codec.name}
+            outcome = await ask_fence(self.dht.host, peer, self.protocol, payload, self.codec)
+        if outcome.applied and outcome.meta is not None:
+            self.counters.recovered += 1
+            log.info("stage %d backward %s: %s had applied it; its answer was late", stage,
+                     key, str(peer)[-8:])  # fmt: skip
+            return outcome.grad, outcome.meta
+        if not outcome.settled:
+            self.counters.unfenced += 1
+            log.info("stage %d backward %s: %s cannot tell whether it applied it; sending it "
+                     "elsewhere (it may count twice)", stage, key, str(peer)[-8:])  # fmt: skip
+        return None
 
     async def _call(
         self,
@@ -421,13 +465,16 @@ class PipelineTrainer:
         tensors: list[torch.Tensor],
         deadline: float,
         nonce: tuple[bytes, bytes] | None = None,
+        attempt: bytes | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         local = self.local.get(stage)
         if local is not None and peer == self.dht.peer_id:  # our own stage: no wire
             async with asyncio.timeout(deadline):
                 if method == "forward":
                     return await local.compute_forward(tensors[0], samples)
-                return await local.compute_backward(key, tensors[0], tensors[1], samples)
+                return await local.compute_backward(
+                    key, tensors[0], tensors[1], samples, attempt=attempt
+                )
         enc = [encodes(self.codec, t) for t in tensors]
         # The newest version we know of the stage: a peer behind it refuses (it missed a
         # step and must re-sync before it serves again).
@@ -435,6 +482,8 @@ class PipelineTrainer:
                    "enc": enc, "version": self.versions[stage]}  # fmt: skip
         if nonce is not None:  # the answer carries a commitment we may audit
             payload["nonce"] = nonce[1]
+        if attempt is not None:  # (fenced if it fails: `fencing`)
+            payload["attempt"] = attempt
         async with (
             asyncio.timeout(deadline),
             rpc.open_call(

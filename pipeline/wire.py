@@ -159,14 +159,21 @@ async def send_tensor(stream: MessageStream, t: torch.Tensor, codec: Codec) -> i
     return len(payload)
 
 
-async def recv_tensor(stream: MessageStream, codec: Codec, encoded: bool) -> torch.Tensor:
-    """The next tensor (`encoded`: as `send_tensor` sends a float under `codec`)."""
+async def recv_tensor(
+    stream: MessageStream, codec: Codec, encoded: bool, rows: int | None = None
+) -> torch.Tensor:
+    """The next tensor (`encoded`: as `send_tensor` sends a float under `codec`);
+    `rows`: its first dimension, checked before anything is allocated for it."""
     if not encoded:
         return await stream.recv_tensor()
     head = parse_header(await stream.recv())
-    data = bytearray(head.payload_size(codec))
+    if rows is not None and (not head.shape or head.shape[0] != rows):
+        raise HeaderError(f"a tensor of {rows} rows expected, its header says {head.shape}")
+    # Uninitialised (not a zeroed bytearray): memory is taken as the bytes arrive, so a
+    # header that claims a huge tensor costs its sender the bytes, not us the memory.
+    data = torch.empty(head.payload_size(codec), dtype=torch.uint8).numpy()
     await stream.recv_chunk_into(0, memoryview(data))
-    return decode_tensor(head, data, codec)
+    return decode_tensor(head, memoryview(data), codec)
 
 
 def parse_header(head: Any) -> Encoded:

@@ -78,6 +78,8 @@ def test_malformed_peer_ids_are_refused_with_the_bad_text_quoted() -> None:
         PeerID.from_base58("QmNotAnEd25519Key")
     with pytest.raises(ValueError):
         PeerID(b"\x00\x24" + bytes(10))
+    with pytest.raises(ValueError, match="not int"):  # (not bytes(n): n bytes allocated)
+        PeerID(1 << 40)  # type: ignore[arg-type]
 
 
 def test_the_key_file_is_created_private_and_reloaded(tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -89,7 +90,8 @@ async def test_an_observed_address_is_trusted_only_after_enough_peers_report_it(
     assert nx.observed_addresses() == [listen_addr(x)]
 
 
-async def test_peers_that_can_be_dialed_back_find_themselves_public(make_peer) -> None:
+async def test_peers_that_can_be_dialed_back_find_themselves_public(make_peer, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="shoal.transport.version")
     (a, na), (b, nb) = await make_peer(), await make_peer()
     await a.connect(listen_addr(b).with_peer_id(b.peer_id))
     for nat, host in ((na, a), (nb, b)):
@@ -99,6 +101,9 @@ async def test_peers_that_can_be_dialed_back_find_themselves_public(make_peer) -
         # Only confirmed addresses are advertised, and the host (so the DHT) uses them.
         assert host.addresses() == [mine]
         assert nat.status()["reachability"] == "public"
+        # A dial-back (a throwaway identity, no hello) is not software from before versions.
+        assert host.versions.status()["peers_without_version"] == 0
+    assert "before protocol versions" not in caplog.text
 
 
 async def test_dial_backs_go_only_to_the_requesters_observed_ip(make_peer) -> None:

@@ -14,10 +14,12 @@ from shoal.peer.task_error import TaskError
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.pipeline.wire import (
     MAX_ELEMENTS,
+    HeaderError,
     decode_tensor,
     encode_tensor,
     exact_tail,
     parse_header,
+    recv_tensor,
 )
 
 from .pipeline_swarm import Swarm
@@ -76,6 +78,18 @@ def test_an_all_zero_last_channel_costs_no_bytes_and_others_take_the_codec_alone
 def test_a_bad_header_is_refused_before_anything_is_allocated(header: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         parse_header(header)
+
+
+async def test_a_tensor_whose_rows_are_not_the_requests_samples_is_refused_unread() -> None:
+    class Stream:  # a stage request's stream: a header claiming 2^30 elements
+        async def recv(self) -> dict[str, Any]:
+            return {"shape": [1 << 20, 1 << 10], "dtype": "torch.float32"}
+
+        async def recv_chunk_into(self, index: int, into: memoryview) -> int:
+            raise AssertionError("the tensor's bytes were read (and memory taken)")
+
+    with pytest.raises(HeaderError, match="4 rows"):
+        await recv_tensor(Stream(), get_codec("int8"), True, rows=4)  # type: ignore[arg-type]
 
 
 def test_bytes_of_the_wrong_length_are_refused() -> None:

@@ -60,6 +60,9 @@ class PeerID:
     __slots__ = ("_b58", "_bytes", "_hash", "_key")
 
     def __init__(self, multihash: bytes) -> None:
+        if not isinstance(multihash, bytes | bytearray | memoryview):
+            # (bytes(n) of an integer n a peer sent would allocate n bytes)
+            raise ValueError(f"a peer ID is bytes, not {type(multihash).__name__}")
         multihash = bytes(multihash)
         if (
             len(multihash) != _PEER_ID_LEN

@@ -265,6 +265,7 @@ class _State(enum.Enum):
     KNOWN = "known"  # compatible
     OLD = "unknown"  # software from before the exchange: no version
     REJECTED = "incompatible"
+    PROBE = "probe"  # a hello-less probe's connection (AutoNAT's dial-back): no version
 
 
 def _future() -> asyncio.Future[None]:
@@ -303,6 +304,10 @@ class VersionGate:
         self.mismatches = MismatchLog()
         self._dispatch = dispatch
         self._conns: dict[Connection, _Conn] = {}
+        # Protocols a connection may open without a hello: a probe's, made with a
+        # throwaway identity by a raw connection (AutoNAT's dial-back), which is not
+        # software from before versions.
+        self.without_hello: set[str] = set()
         # The gate's listener must be the host's first: our hello is then the first
         # stream we open on every connection, before identify's and the application's.
         host.add_connection_listener(self._opened, self._closed)
@@ -318,7 +323,7 @@ class VersionGate:
     def describe(self, conn: Connection) -> str | None:
         """ "1.0", "unknown" (older software), "incompatible 2.0", or None (not yet)."""
         entry = self._conns.get(conn)
-        if entry is None or entry.state in (_State.PENDING, _State.READING):
+        if entry is None or entry.state in (_State.PENDING, _State.READING, _State.PROBE):
             return None
         if entry.state is _State.OLD:
             return "unknown"
@@ -356,6 +361,10 @@ class VersionGate:
                 entry.state = _State.READING
             conn.spawn(self._serve(conn, entry, stream), stream)
             return True
+        if entry.state is _State.PENDING and stream.protocol in self.without_hello:
+            entry.state = _State.PROBE
+            _settle(entry.verdict)
+            return False
         if entry.state is _State.PENDING:
             # Its first stream is not a hello: software from before the exchange.
             self._old(conn, entry)

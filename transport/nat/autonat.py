@@ -120,6 +120,7 @@ class AutoNAT:
     def start(self) -> None:
         self.host.set_handler(PROTOCOL, self._serve)
         self.host.set_handler(DIALBACK_PROTOCOL, self._serve_dialback)
+        self.host.versions.without_hello.add(DIALBACK_PROTOCOL)  # (a throwaway identity's)
 
     def close(self) -> None:
         self.host.remove_handler(PROTOCOL)
