@@ -16,7 +16,10 @@ schedule acts every 0.5-5 s:
 - restart a peer with its wall clock 2-10 minutes off, for 30-90 s.
 
 At most two peers are down (killed, stopped or restarting) at once, and one
-starts at a time (importing torch takes seconds of both cores).
+starts at a time (importing torch takes seconds of both cores). `--witnesses`
+peers (default 2: p1-pub and p3-a1) are never killed, stopped or restarted,
+only cut off and flooded with loss like the rest: their one long life is what
+says whether memory and descriptors grow.
 
 Checked throughout and at the end:
 
@@ -25,16 +28,20 @@ Checked throughout and at the end:
   `<data dir>/rounds.jsonl`, read together: peer/round_ledger.py);
 - every checkpoint on disk loads (every 20 s, each file on its own);
 - the gap between commits of two or more peers stays bounded;
-- RSS and open descriptors of each process do not grow (a least-squares slope
-  per process lifetime of 2 minutes or more, after its first minute).
+- RSS and open descriptors do not grow: `rss_growth_MB_per_hour` and
+  `fd_growth_per_hour` are the largest least-squares slope over the second half
+  of a witness' life (steady state, after its warm-up) when a witness lived 10
+  minutes or more; in shorter runs, the median slope over process lifetimes of
+  2 minutes or more, after their first minute (`..._lifetimes`: that median in
+  every run).
 
 Prints one JSON object: `minutes`, `kills`, `stops`, `restarts`, `partitions`,
 `losses`, `clock_offsets`, `commits`, `fingerprint_mismatches`,
 `double_counted`, `corrupt_checkpoints`, `max_commit_gap_s`,
-`rss_growth_MB_per_hour`, `fd_growth_per_hour` (medians over the lifetimes
-measured; `..._max` the largest), `false_convictions` (peers convicted of
-cheating: none cheats here), `log_errors` (ERROR lines in the peers' logs), and
-details. Progress goes to stderr.
+`rss_growth_MB_per_hour`, `fd_growth_per_hour` (as above; `witnesses` has
+each witness' curve of RSS and descriptors), `false_convictions` (peers
+convicted of cheating: none cheats here), `log_errors` (ERROR lines in the
+peers' logs), and details. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ SAMPLE_EVERY_S = 5.0
 CHECKPOINT_EVERY_S = 20.0
 WARMUP_S = 60.0
 MIN_SPAN_S = 120.0
+WITNESS_MIN_LIFE_S = 600.0  # a witness' slope counts from this long a life on
+WITNESSES = [1, 3]  # p1-pub and p3-a1: a public peer and a NATed one
 CONVICTED = re.compile(r"(\S+) convicted of cheating in round")
 ACTIONS = {"kill": 3, "stop": 3, "restart": 2, "partition": 2, "loss": 2, "clock": 1}
 
@@ -117,10 +126,17 @@ def make_peers(lab: SoakLab, workdir: Path, n: int, env: dict[str, str]) -> list
 class Chaos:
     """The seeded schedule of faults, and what undoes each one in time."""
 
-    def __init__(self, lab: SoakLab, peers: list[PeerProcess], rng: random.Random) -> None:
+    def __init__(
+        self,
+        lab: SoakLab,
+        peers: list[PeerProcess],
+        rng: random.Random,
+        witnesses: frozenset[str] = frozenset(),
+    ) -> None:
         self.lab = lab
         self.peers = peers
         self.rng = rng
+        self.witnesses = witnesses  # never killed, stopped or restarted
         self.counts = dict.fromkeys(["kills", "stops", "restarts", "partitions", "losses",
                                      "clock_offsets"], 0)  # fmt: skip
         self._due: list[tuple[float, int, str, Callable[[], None]]] = []
@@ -146,7 +162,11 @@ class Chaos:
     def act(self) -> None:
         kinds, weights = zip(*ACTIONS.items(), strict=True)
         kind = self.rng.choices(kinds, weights)[0]
-        up = [p for p in self.peers if p.name not in self.down and p.alive]
+        up = [
+            p
+            for p in self.peers
+            if p.name not in self.down and p.alive and p.name not in self.witnesses
+        ]
         if kind in ("kill", "stop", "restart", "clock") and (len(self.down) >= MAX_DOWN or not up):
             kind = self.rng.choice(["partition", "loss"])
         getattr(self, f"_{kind}")(up)
@@ -314,7 +334,20 @@ def slope_per_hour(series: list[tuple[float, float]]) -> float:
     return 0.0 if var == 0 else 3600 * sum((t - mt) * (y - my) for t, y in series) / var
 
 
-def growth(peers: list[PeerProcess]) -> dict[str, Any]:
+def _slopes(life: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """(RSS MB/hour, descriptors/hour) of one lifetime's samples."""
+    rss = slope_per_hour([(t, m) for t, m, _ in life])
+    fds = slope_per_hour([(t, float(f)) for t, _, f in life])
+    return rss, fds
+
+
+def _curve(life: list[tuple[float, float, int]]) -> list[list[float]]:
+    """About 20 points of (minutes since the start, RSS MB, descriptors)."""
+    step = max(1, len(life) // 20)
+    return [[round((t - life[0][0]) / 60, 1), round(mb, 1), f] for t, mb, f in life[::step]]
+
+
+def growth(peers: list[PeerProcess], witnesses: frozenset[str]) -> dict[str, Any]:
     rss, fds = [], []
     for p in peers:
         for life in p.lifetimes:
@@ -324,29 +357,49 @@ def growth(peers: list[PeerProcess]) -> dict[str, Any]:
             measured = [s for s in life if s[0] - start >= WARMUP_S]
             if len(measured) < 3 or measured[-1][0] - measured[0][0] < MIN_SPAN_S:
                 continue
-            rss.append(slope_per_hour([(t, m) for t, m, _ in measured]))
-            fds.append(slope_per_hour([(t, float(f)) for t, _, f in measured]))
+            r, f = _slopes(measured)
+            rss.append(r)
+            fds.append(f)
 
     def median(xs: list[float]) -> float | None:
         return None if not xs else round(sorted(xs)[len(xs) // 2], 1)
 
+    # The witnesses' one long life each: slopes over its second half (steady state).
+    steady: dict[str, dict[str, Any]] = {}
+    for p in peers:
+        lives = [life for life in p.lifetimes if life]
+        if p.name not in witnesses or not lives:
+            continue
+        life = max(lives, key=len)
+        span = life[-1][0] - life[0][0]
+        half = [s for s in life if s[0] - life[0][0] >= span / 2]
+        r, f = _slopes(half) if len(half) >= 3 else (None, None)
+        steady[p.name] = {
+            "minutes": round(span / 60, 1),
+            "rss_MB_per_hour_second_half": None if r is None else round(r, 1),
+            "fd_per_hour_second_half": None if f is None else round(f, 1),
+            "curve_min_MB_fds": _curve(life),
+        }
+    long = [w for w in steady.values() if w["minutes"] * 60 >= WITNESS_MIN_LIFE_S]
     lives = [(p.name, life) for p in peers for life in p.lifetimes if life]
     name, longest = max(lives, key=lambda x: x[1][-1][0] - x[1][0][0], default=("", []))
-    step = max(1, len(longest) // 20)
     return {
-        # the longest-lived process' RSS (minutes since its start, MB): the shape of
-        # the curve says warm-up from leak better than one slope
-        "rss_longest_life": {
-            "peer": name,
-            "samples": [
-                [round((t - longest[0][0]) / 60, 1), round(mb, 1)] for t, mb, _ in longest[::step]
-            ],
-        },
-        "rss_growth_MB_per_hour": median(rss),
-        "fd_growth_per_hour": median(fds),
+        "rss_growth_MB_per_hour": max(w["rss_MB_per_hour_second_half"] for w in long)
+        if long
+        else median(rss),
+        "fd_growth_per_hour": max(w["fd_per_hour_second_half"] for w in long)
+        if long
+        else median(fds),
+        "growth_measured_on": "witnesses, second half" if long else "lifetimes, median",
+        "witnesses": steady,
+        "rss_growth_MB_per_hour_lifetimes": median(rss),
+        "fd_growth_per_hour_lifetimes": median(fds),
         "rss_growth_MB_per_hour_max": None if not rss else round(max(rss), 1),
         "fd_growth_per_hour_max": None if not fds else round(max(fds), 1),
         "lifetimes_measured": len(rss),
+        # the longest-lived process' RSS and descriptors (minutes since its start, MB,
+        # fds): the shape of the curve says warm-up from leak better than one slope
+        "rss_longest_life": {"peer": name, "samples": _curve(longest) if longest else []},
     }
 
 
@@ -433,7 +486,8 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
     checks = Checks(peers)
     try:
         rng = random.Random(args.seed)
-        chaos = Chaos(lab, peers, rng)
+        witnesses = frozenset(peers[i].name for i in WITNESSES[: args.witnesses])
+        chaos = Chaos(lab, peers, rng, witnesses)
         for p in peers:
             p.start()
             time.sleep(1.0 if p is peers[0] else 0.2)
@@ -468,7 +522,7 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         **audit_rounds(entries),
         "corrupt_checkpoints": len(checks.corrupt),
         "max_commit_gap_s": max_gap,
-        **growth(peers),
+        **growth(peers, chaos.witnesses),
         **log_findings(peers),
         "checkpoint_loads": checks.checkpoint_loads,
         "ledger_entries": len(entries),
@@ -488,6 +542,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--peers", type=int, default=10, choices=range(4, 11))
     ap.add_argument("--tiny", action="store_true", help="a small model and short deadlines")
+    ap.add_argument("--witnesses", type=int, default=2, choices=range(0, 3),
+                    help="peers never killed, stopped or restarted (their long life "
+                    "measures memory and descriptor growth)")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--settle-s", type=float, default=20.0, help="fault-free time at the end")
     ap.add_argument("--prefix", default="soak-", help="of the lab's namespaces")
