@@ -61,6 +61,10 @@ DEFAULT_PROTOCOL = "/shoal/dht/1.0.0"
 _STORE_ROUNDS = 3
 # A peer whose addresses changed re-announces itself at most this often (seconds).
 ANNOUNCE_INTERVAL = 5.0
+# A node with fewer live contacts than this (contacts whose last RPC did not fail)
+# joins again through its bootstrap peers, checked every REJOIN_CHECK_S (`rejoin_check`).
+REJOIN_BELOW = 2
+REJOIN_CHECK_S = 30.0
 # A request's deadline on a far link, in RTTs of the link: on a connection (a stream,
 # its protocol, the answer, with room for queueing) and with a dial first (TCP and
 # Noise too); never past MAX_HOP_TIMEOUT, never under `hop_timeout`.
@@ -163,6 +167,7 @@ class DHTNode:
         store_quorum: int = 1,
         refresh_interval: float = 600.0,
         republish_interval: float = 3600.0,
+        rejoin_check: float = REJOIN_CHECK_S,
         cache_along_path: bool = True,
         storage: LocalStorage | None = None,
         validator: RecordValidator | None = None,
@@ -193,6 +198,7 @@ class DHTNode:
         self.store_quorum = store_quorum
         self.refresh_interval = refresh_interval
         self.republish_interval = republish_interval
+        self.rejoin_check = rejoin_check
         self.cache_along_path = cache_along_path
         self.protocol = protocol
         self.validator = validator or (storage.validator if storage else RecordValidator())
@@ -264,6 +270,8 @@ class DHTNode:
                         raise
                     log.warning("bootstrap failed; starting a new network alone")
             node._tasks.spawn(node._maintenance())
+            if addrs:
+                node._tasks.spawn(node._rejoin_when_cut_off(addrs))
         except BaseException:
             await node.aclose()
             raise
@@ -285,12 +293,17 @@ class DHTNode:
     # ------------------------------------------------------------------ bootstrap
 
     async def bootstrap(
-        self, addrs: Sequence[str | Multiaddr], *, attempts: int = 3, backoff: float = 0.2
+        self,
+        addrs: Sequence[str | Multiaddr],
+        *,
+        attempts: int = 3,
+        backoff: float = 0.2,
+        quiet: bool = False,
     ) -> None:
         """Join through `addrs`, then fill the table by looking up our own ID and
-        refreshing every bucket."""
+        refreshing every bucket (`quiet`: failed attempts at DEBUG, not INFO)."""
         results = await asyncio.gather(
-            *(self._bootstrap_one(Multiaddr(str(a)), attempts, backoff) for a in addrs)
+            *(self._bootstrap_one(Multiaddr(str(a)), attempts, backoff, quiet) for a in addrs)
         )
         errors = [r for r in results if r is not None]
         if len(errors) == len(results):
@@ -303,7 +316,27 @@ class DHTNode:
         # would make each joiner talk to most of a small network.
         await self.find_nodes([self.routing_table.local_id])
 
-    async def _bootstrap_one(self, addr: Multiaddr, attempts: int, backoff: float) -> str | None:
+    async def _rejoin_when_cut_off(self, addrs: list[str]) -> None:
+        """Join again through the bootstrap peers while fewer than REJOIN_BELOW contacts
+        are live. The table keeps contacts that fail (stale) when nothing replaces
+        them, and most come back by themselves after an outage; this is for those
+        that do not (a NATed contact whose relay address changed meanwhile)."""
+        while True:
+            await asyncio.sleep(self.rejoin_check)
+            live = sum(1 for c in self.routing_table if c.failures == 0)
+            if live >= REJOIN_BELOW:
+                continue
+            try:
+                await self.bootstrap(addrs, attempts=1, quiet=True)
+            except BootstrapError as e:
+                log.debug("rejoining through the bootstrap peers: %s", e)
+                continue
+            log.info("%d live DHT contacts: joined again through the bootstrap peers "
+                     "(%d contacts now)", live, len(self.routing_table))  # fmt: skip
+
+    async def _bootstrap_one(
+        self, addr: Multiaddr, attempts: int, backoff: float, quiet: bool = False
+    ) -> str | None:
         error = ""
         for attempt in range(attempts):
             if attempt:
@@ -330,7 +363,8 @@ class DHTNode:
                 hopeless = isinstance(e, PeerIDMismatch | IncompatibleProtocol)
                 final = attempt + 1 == attempts or hopeless
                 # Said while it happens: a joiner must not sit silent for half a minute.
-                log.info(
+                log.log(
+                    logging.DEBUG if quiet else logging.INFO,
                     "bootstrap peer %s: %s (attempt %d of %d%s)",
                     addr,
                     _reason(e),

@@ -397,7 +397,10 @@ class RoutingTable:
         return True
 
     def mark_failed(self, peer_id: PeerID, now: float) -> bool:
-        """A failed RPC to `peer_id`; evicts it after `max_failures` in a row.
+        """A failed RPC to `peer_id`; evicts it after `max_failures` in a row when a
+        replacement takes its place. Without one it stays, flagged stale (Kademlia,
+        section 4.1): when our own link goes down every contact fails, and evicting
+        them all would leave a table that nothing refills once the link is back.
 
         Returns whether the peer was evicted (a failing replacement candidate is
         simply forgotten: it was never verified).
@@ -413,8 +416,14 @@ class RoutingTable:
         contact.failures += 1
         if contact.failures < self.max_failures:
             return False
+        size, failures = len(bucket.contacts), contact.failures
         self._evict(bucket, peer_id)
         self._fill(bucket, index)
+        if len(bucket.contacts) < size:  # no replacement took its place: it stays, stale
+            self._insert(bucket, index, contact)
+            contact.failures = failures
+            bucket.contacts.move_to_end(peer_id, last=False)  # the least recently seen
+            return False
         return True
 
     def remove(self, peer_id: PeerID) -> Contact | None:

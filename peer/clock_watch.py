@@ -65,12 +65,14 @@ class SkewEstimate:
         return True
 
     def median(self, now: float) -> float | None:
-        """The median offset over the peers heard from lately (None: none)."""
+        """The median offset over the peers heard from lately (None: none). Of an even
+        count's two middle offsets, the one nearer zero: we are off only when more than
+        half the peers say so (two of four peers wrong by 164 s made an average of +82 s)."""
         skews = sorted(s.skew for s in self._latest.values() if now - s.at <= FRESH_S)
         if not skews:
             return None
         mid = len(skews) // 2
-        return skews[mid] if len(skews) % 2 else (skews[mid - 1] + skews[mid]) / 2
+        return skews[mid] if len(skews) % 2 else min(skews[mid - 1], skews[mid], key=abs)
 
     def peers(self, now: float) -> int:
         return sum(1 for s in self._latest.values() if now - s.at <= FRESH_S)

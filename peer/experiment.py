@@ -46,6 +46,7 @@ __all__ = [
     "ExperimentRef",
     "Manifest",
     "ManifestError",
+    "ManifestNotFound",
     "find_manifest",
     "manifest_key",
     "parse_experiment_ref",
@@ -63,6 +64,10 @@ NAME_RULE = "1-64 characters: letters, digits, '.', '_' or '-', starting with a 
 
 class ManifestError(ValueError):
     """A manifest is malformed, forged or of an unsupported format; the message is one line."""
+
+
+class ManifestNotFound(ManifestError):
+    """No peer in the network publishes a valid manifest of the experiment (right now)."""
 
 
 def check_name(name: str) -> str:
@@ -384,12 +389,12 @@ async def find_manifest(
             next_word = now + PROGRESS_EVERY
         await asyncio.sleep(retry_every)
     if problems:
-        raise ManifestError(
+        raise ManifestNotFound(
             f"experiment {str(ref)!r} has no valid manifest in the network ({problems[0]}); "
             "ask its host for the exact --join argument"
         )
     hint = "" if ref.host is None else f" hosted by {ref.host.short()}"
-    raise ManifestError(
+    raise ManifestNotFound(
         f"unknown experiment {str(ref)!r}{hint}: no peer in the network publishes it; "
         f"check the name and the --bootstrap address, or host it with --host-experiment {ref.name}"
     )

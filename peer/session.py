@@ -40,10 +40,12 @@ from .device import DeviceInventory, check_precision, describe, mfu, peak_flops
 from .experiment import (
     Manifest,
     ManifestError,
+    ManifestNotFound,
     find_manifest,
     parse_experiment_ref,
     publish_manifest,
 )
+from .joined import joined_path, load_joined, save_joined
 from .pipeline_run import PipelineRun, pipeline_fingerprint
 from .task import Task, TaskError, load_task, shard_of
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
@@ -55,6 +57,7 @@ __all__ = ["Session", "SessionError", "open_session"]
 log = logging.getLogger("shoal.session")
 
 MANIFESTS_DIR = "experiments"
+JOINED_DIR = "joined"  # (under MANIFESTS_DIR) the manifests of experiments joined
 # How long a joiner looks for the manifest in the DHT (it may have been published a
 # moment ago; one already there is found at the first lookup).
 FIND_MANIFEST_TIMEOUT = 15.0
@@ -129,7 +132,7 @@ async def open_session(
     if kind == "host":
         manifest, task, model = await _host_manifest(config, identity, name)
     else:
-        manifest = await _find(dht, name)
+        manifest = await _find(config, dht, name)
         task = await _load_task(manifest.task, manifest.task_config, config.data)
         model = None
         if manifest.strategy != PIPELINE_STRATEGY:  # (a pipeline never builds the whole model)
@@ -357,12 +360,25 @@ def _verifier(
     return verifier
 
 
-async def _find(dht: DHTNode, text: str) -> Manifest:
+async def _find(config: Config, dht: DHTNode, text: str) -> Manifest:
+    """The manifest `--join <text>` names: from the network, else the one kept when this
+    peer joined it before (`joined`)."""
     try:
         ref = parse_experiment_ref(text)
-        return await find_manifest(dht, ref, timeout=FIND_MANIFEST_TIMEOUT)
+        kept = joined_path(config.data_dir / MANIFESTS_DIR / JOINED_DIR, ref)
+        try:
+            manifest = await find_manifest(dht, ref, timeout=FIND_MANIFEST_TIMEOUT)
+        except ManifestNotFound as e:
+            manifest = load_joined(kept, ref)
+            if manifest is None:
+                raise
+            log.warning("%s; going on with the manifest kept when this peer joined it "
+                        "(%s)", e, manifest.describe())  # fmt: skip
+            return manifest
     except ManifestError as e:
         raise SessionError(str(e)) from None
+    save_joined(kept, manifest)
+    return manifest
 
 
 async def _load_task(spec: str, task_config: dict[str, Any], data: Path | None) -> Task:

@@ -2,15 +2,10 @@
 
 A trainer sends each microbatch forward through stage 0 .. n-1, computes the
 loss of the last stage's outputs locally, and sends the output gradient back
-through stage n-1 .. 0. Per stage and direction it asks that stage's
-`StageBalancer` for a peer; a request that fails or outlives its deadline bans
-that peer (with backoff) and goes to another peer of the same stage. A
-microbatch remembers how far it got (`Microbatch`): after a failure it resumes
-there, so a backward already applied is never sent again to another peer.
-
-Deadlines adapt: a request may take `DEADLINE_FACTOR` times what the chosen
-peer's measured speed and reported queue predict, plus `DEADLINE_SLACK` for the
-network, between `DEADLINE_MIN` and the trainer's `deadline`.
+through stage n-1 .. 0. Each request goes to a peer the stage's `StageBalancer`
+picks and is retried on another when it fails (`stage_calls`). A microbatch
+remembers how far it got (`Microbatch`): after a failure it resumes there, so a
+backward already applied is never sent again to another peer.
 
 Each backward carries an idempotency key (`<trainer>/<microbatch>/<stage>`); a
 peer applies a key once. A backward attempt that fails without an answer is
@@ -41,40 +36,17 @@ from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.identity import PeerID
 from shoal.verification.stage_audit import StageAuditPolicy
 
-from .auditor import Answer, TrainerAuditor
-from .balancer import NoPeerAvailable, StageBalancer
-from .fencing import ATTEMPT_BYTES, FenceOutcome, ask_fence, maybe_applied
+from .auditor import TrainerAuditor
+from .balancer import StageBalancer
 from .ledger import Applied, MicrobatchLedger
-from .server import StageServer, pipeline_protocol, stage_key
+from .server import pipeline_protocol, stage_key
+from .stage_calls import StageCalls, StageFailed, TrainerCounters
 from .step_push import trainer_protocol
-from .wire import codec_of, encodes, recv_tensor, send_tensor
+from .wire import codec_of
 
-__all__ = ["Microbatch", "PipelineTrainer", "StageFailed"]
+__all__ = ["Microbatch", "PipelineTrainer", "StageFailed", "TrainerCounters"]
 
 log = logging.getLogger("shoal.pipeline")
-
-DEADLINE_FACTOR = 4.0
-DEADLINE_SLACK = 2.0
-DEADLINE_MIN = 3.0
-
-
-class StageFailed(Exception):
-    """No peer of a stage answered a request within its attempts."""
-
-
-@dataclass
-class TrainerCounters:
-    microbatches: int = 0
-    samples: int = 0
-    retries: int = 0
-    requests: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
-    bytes_sent: int = 0  # tensor payloads to stages, as sent (encoded or not)
-    # Backwards whose answer was lost but that the peer had applied (a fence told):
-    # taken from that peer, sent nowhere else.
-    recovered: int = 0
-    # Failed backwards sent elsewhere although the first peer could not be asked
-    # whether it applied them (`fencing`): the only way a microbatch counts twice.
-    unfenced: int = 0
 
 
 @dataclass
@@ -114,20 +86,22 @@ class PipelineTrainer:
         self.experiment = experiment
         self.protocol = pipeline_protocol(experiment)
         self.balancers = [StageBalancer() for _ in range(stages)]
-        self.deadline = deadline
-        self.attempts = attempts
         self.codec = codec_of(codec)
-        self.counters = TrainerCounters()
+        self.calls = StageCalls(
+            dht, self.protocol, self.codec, self.balancers,
+            deadline=deadline, attempts=attempts, refresh=self.refresh,
+        )  # fmt: skip
+        self.counters = self.calls.counters
         self.ledger = MicrobatchLedger(stages)
-        self.versions = [0] * stages  # the newest version seen per stage
+        self.versions = self.calls.versions  # the newest version seen per stage
         # Samples each stage's steps took (version stepped from -> samples), as step logs tell.
         self.step_sizes: list[dict[int, int]] = [{} for _ in range(stages)]
         self.stage_peers: list[list[PeerID]] = [[] for _ in range(stages)]
-        self.served_by: dict[PeerID, int] = {}  # requests answered, per peer
+        self.served_by = self.calls.served_by  # requests answered, per peer
         # A nonce per trainer run: keys of a restarted trainer never meet old answers.
         self._name = f"{str(dht.peer_id)[-8:]}.{secrets.token_hex(4)}"
         self._announced: dict[PeerID, float] = {}
-        self.local: dict[int, StageServer] = {}  # stages this process serves: called directly
+        self.local = self.calls.local  # stages this process serves: called directly
         self._replays: set[asyncio.Task[None]] = set()
         # Stage peers push their steps to us (`StageServer.push_step`); `changed` wakes
         # whoever waits for one.
@@ -140,6 +114,7 @@ class PipelineTrainer:
                                           policy=audit, candidates=self._candidates)  # fmt: skip
             self.auditor.bans.on_ban = self._exclude
             self.auditor.on_distrust = self._exclude
+            self.calls.auditor = self.auditor
 
     @property
     def changed(self) -> asyncio.Event:
@@ -380,122 +355,4 @@ class PipelineTrainer:
     async def _request_from(
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
     ) -> tuple[Any, dict[str, Any], PeerID]:
-        balancer = self.balancers[stage]
-        backward = method == "backward"
-        for attempt in range(self.attempts):
-            try:
-                peer = balancer.choose(time.monotonic(), samples, backward=backward)
-            except NoPeerAvailable:
-                if attempt + 1 < self.attempts:
-                    await self.refresh()
-                    await asyncio.sleep(0.2 * (attempt + 1))
-                    continue
-                raise StageFailed(f"no peer serves stage {stage}") from None
-            expected = balancer.expected_seconds(peer, samples, backward=backward)
-            deadline = min(
-                self.deadline, max(DEADLINE_MIN, DEADLINE_FACTOR * expected + DEADLINE_SLACK)
-            )
-            nonce = None
-            if self.auditor is not None and peer != self.dht.peer_id:
-                nonce = TrainerAuditor.new_nonce()
-            attempt_id = secrets.token_bytes(ATTEMPT_BYTES) if backward else None
-            try:
-                result, meta = await self._call(
-                    peer, stage, method, key, samples, tensors, deadline, nonce, attempt_id
-                )
-            except (TransportError, TimeoutError, OSError, ValueError) as e:
-                banned = balancer.failed(peer, time.monotonic())
-                self.counters.retries += 1
-                if attempt_id is not None and maybe_applied(e):
-                    recovered = await self._fence(peer, stage, key, attempt_id)
-                    if recovered is not None:  # it counted there: its answer was late
-                        self._served(stage, method, peer, recovered[1])
-                        return recovered[0], recovered[1], peer
-                log.info("stage %d %s on %s failed (%s: %s); banned for %.0fs, trying another peer",
-                         stage, method, str(peer)[-8:], type(e).__name__, e, banned)  # fmt: skip
-                continue
-            balancer.succeeded(peer, samples, float(meta.get("seconds", 0.0)),
-                               queue=int(meta.get("queue", 0)), backward=backward)  # fmt: skip
-            self._served(stage, method, peer, meta)
-            if self.auditor is not None and nonce is not None:
-                self.auditor.answered(Answer(stage, method, key, peer, nonce[0], meta,
-                                             tuple(tensors), result))  # fmt: skip
-            return result, meta, peer
-        raise StageFailed(f"stage {stage} {method}: {self.attempts} attempts failed")
-
-    def _served(self, stage: int, method: str, peer: PeerID, meta: dict[str, Any]) -> None:
-        version = meta.get("version")
-        if isinstance(version, int) and not isinstance(version, bool):
-            self.versions[stage] = max(self.versions[stage], version)
-        self.counters.requests[method] += 1
-        self.served_by[peer] = self.served_by.get(peer, 0) + 1
-
-    async def _fence(
-        self, peer: PeerID, stage: int, key: str, attempt: bytes
-    ) -> tuple[Any, dict[str, Any]] | None:
-        """Fence a failed backward attempt at `peer`: its answer if the peer had applied
-        it, else None (another peer may take it)."""
-        local = self.local.get(stage)
-        if local is not None and peer == self.dht.peer_id:
-            answer, settled, meta = await local.fence(key, attempt)
-            outcome = FenceOutcome(answer is not None, settled or answer is not None)
-            if answer is not None:
-                outcome.grad, outcome.meta = answer[0], {**meta, "epoch": answer[1]}
-        else:
-            payload = {"stage": stage, "key": key, "attempt": attempt, "codec": self.codec.name}
-            outcome = await ask_fence(self.dht.host, peer, self.protocol, payload, self.codec)
-        if outcome.applied and outcome.meta is not None:
-            self.counters.recovered += 1
-            log.info("stage %d backward %s: %s had applied it; its answer was late", stage,
-                     key, str(peer)[-8:])  # fmt: skip
-            return outcome.grad, outcome.meta
-        if not outcome.settled:
-            self.counters.unfenced += 1
-            log.info("stage %d backward %s: %s cannot tell whether it applied it; sending it "
-                     "elsewhere (it may count twice)", stage, key, str(peer)[-8:])  # fmt: skip
-        return None
-
-    async def _call(
-        self,
-        peer: PeerID,
-        stage: int,
-        method: str,
-        key: str,
-        samples: int,
-        tensors: list[torch.Tensor],
-        deadline: float,
-        nonce: tuple[bytes, bytes] | None = None,
-        attempt: bytes | None = None,
-    ) -> tuple[Any, dict[str, Any]]:
-        local = self.local.get(stage)
-        if local is not None and peer == self.dht.peer_id:  # our own stage: no wire
-            async with asyncio.timeout(deadline):
-                if method == "forward":
-                    return await local.compute_forward(tensors[0], samples)
-                return await local.compute_backward(
-                    key, tensors[0], tensors[1], samples, attempt=attempt
-                )
-        enc = [encodes(self.codec, t) for t in tensors]
-        # The newest version we know of the stage: a peer behind it refuses (it missed a
-        # step and must re-sync before it serves again).
-        payload = {"stage": stage, "key": key, "samples": samples, "codec": self.codec.name,
-                   "enc": enc, "version": self.versions[stage]}  # fmt: skip
-        if nonce is not None:  # the answer carries a commitment we may audit
-            payload["nonce"] = nonce[1]
-        if attempt is not None:  # (fenced if it fails: `fencing`)
-            payload["attempt"] = attempt
-        async with (
-            asyncio.timeout(deadline),
-            rpc.open_call(
-                self.dht.host, peer, self.protocol, method, payload, timeout=deadline
-            ) as call,
-        ):
-            for t in tensors:
-                sent = await send_tensor(call, t, self.codec)  # (`+= await` loses adds)
-                self.counters.bytes_sent += sent
-            meta = await call.recv_item()
-            if not isinstance(meta, dict):
-                raise ValueError("malformed stage answer")
-            if method == "backward" and not meta.get("grad"):
-                return None, meta
-            return await recv_tensor(call, self.codec, meta.get("enc") is True), meta
+        return await self.calls.request(stage, method, key, samples, tensors)

@@ -34,6 +34,19 @@ def test_the_estimate_is_the_median_so_one_wrong_clock_moves_nothing() -> None:
     assert est.median(0.0) == pytest.approx(1000.1 - 1000.5)
 
 
+def test_half_the_peers_wrong_is_not_enough_to_call_our_clock_off() -> None:
+    """Two of four peers 164 s ahead (in the soak: peers restarted with wrong clocks):
+    the even count's middle offsets are 0 and -164, and the estimate takes the one
+    nearer zero; three of four would move it."""
+    est = SkewEstimate()
+    ids = [peer() for _ in range(4)]
+    for p, theirs in zip(ids, [1000.1, 1000.1, 1164.1, 1164.1], strict=True):
+        est.observe(p, sent=1000.0, theirs=theirs, received=1000.2, now=0.0)
+    assert est.median(0.0) == pytest.approx(0.0)
+    est.observe(ids[0], sent=1000.0, theirs=1164.1, received=1000.2, now=0.0)
+    assert est.median(0.0) == pytest.approx(-164.0)
+
+
 def test_a_slow_answer_or_a_stale_one_does_not_count() -> None:
     est = SkewEstimate()
     a, b = peer(), peer()

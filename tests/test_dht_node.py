@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from waiting import eventually
 
 from shoal.dht.node import BootstrapError, DHTNode
 from shoal.dht.records import Record, RecordError, owner_marker
@@ -203,6 +204,21 @@ async def test_a_joiner_whose_only_peer_timed_out_once_still_finds_values(
     joiner._blacklist[host_node.peer_id] = joiner._loop.time() + 30.0
     (found,) = await joiner.find_nodes([random.getrandbits(256)])
     assert [c.peer_id for c in found.closest] == [host_node.peer_id]
+
+
+async def test_a_node_cut_off_from_every_contact_joins_again_through_its_bootstrap_peers(
+    swarm: Callable[..., Any],
+) -> None:
+    """A partition failed every contact it had (they are gone or stale): it joins again
+    through the bootstrap peers it started with, and finds values again."""
+    (host_node,) = await swarm(1)
+    assert await host_node.store("manifest", "m", time.time() + 60)
+    (joiner,) = await swarm(1, join=[host_node], rejoin_check=0.1)
+    joiner.routing_table.remove(host_node.peer_id)  # (as if its failures had evicted it)
+    assert len(joiner.routing_table) == 0
+    await eventually(lambda: host_node.peer_id in joiner.routing_table, "the rejoin")
+    got = await joiner.get("manifest", latest=True)
+    assert got is not None and got.value == "m"
 
 
 async def test_a_dead_peer_in_a_small_network_costs_no_second_lookup(

@@ -184,6 +184,22 @@ def test_replacement_cache_is_bounded_and_most_recent_first() -> None:
     assert [c.peer_id for c in table.replacements(target)] == [peers[5], peers[7], peers[6]]
 
 
+def test_without_a_replacement_a_failing_contact_stays_flagged_stale() -> None:
+    """Kademlia 4.1: if our own link goes down every contact fails; a table that
+    evicted them all would be empty when the link comes back, with nothing to refill it."""
+    table, peers = full_bucket(k=4, max_failures=3)
+    for t in range(10):  # a partition: every RPC to every contact fails
+        for p in peers[:4]:
+            assert not table.mark_failed(p, 20.0 + t)
+    assert len(table) == 4 and all(table.get(p).failures == 10 for p in peers[:4])  # type: ignore[union-attr]
+    table.mark_seen(peers[1], 40.0)  # the link is back
+    assert table.get(peers[1]).failures == 0  # type: ignore[union-attr]
+    # A newcomer now waits in the cache and takes a stale contact's place at its next failure.
+    table.add_or_update(peers[4], [addr_of(4)], 41.0)
+    assert table.mark_failed(peers[0], 42.0)
+    assert peers[0] not in table and peers[4] in table
+
+
 def test_failures_evict_and_promote_a_replacement() -> None:
     table, peers = full_bucket(k=4, max_failures=3)
     table.add_or_update(peers[4], [addr_of(4)], 10.0)

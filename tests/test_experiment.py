@@ -12,6 +12,8 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 
 from shoal.dht.node import DHTNode
 from shoal.dht.records import Record, owner_marker
+from shoal.peer import session
 from shoal.peer.experiment import (
     EXPERIMENT_PREFIX,
     MANIFEST_FORMAT,
@@ -500,3 +503,28 @@ async def test_a_participant_keeps_the_manifest_alive_after_the_host_left(
     found = await find_manifest(reader, ExperimentRef("shakespeare"), timeout=5)
     assert found == manifest and found.signature == manifest.signature
     assert found.host == host.peer_id  # still the host's, though the host is gone
+
+
+async def test_a_peer_that_joined_before_goes_on_with_the_kept_manifest(
+    swarm: Callable[..., Any], make_host: Callable[..., Any], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`--join` keeps the manifest it found; restarted where no peer publishes it (the
+    host down, a partition), the peer goes on with it instead of exiting. A name it
+    never joined is still unknown, and a kept manifest is never taken for another host."""
+    nodes = await swarm(3)
+    genuine = make_manifest(identity_of(nodes[1]), "kept")
+    assert await publish_manifest(nodes[1], genuine)
+    config = SimpleNamespace(data_dir=tmp_path)
+    assert await session._find(config, nodes[2], f"kept@{nodes[1].peer_id}") == genuine  # type: ignore[arg-type]
+    monkeypatch.setattr(session, "FIND_MANIFEST_TIMEOUT", 0.3)
+    alone = await DHTNode.create(await make_host(**HOST_OPTS), hop_timeout=0.5)
+    try:
+        assert await session._find(config, alone, f"kept@{nodes[1].peer_id}") == genuine  # type: ignore[arg-type]
+        with pytest.raises(session.SessionError, match="unknown experiment 'kept'"):
+            await session._find(config, alone, "kept")  # type: ignore[arg-type]
+        other = Identity.generate().peer_id
+        with pytest.raises(session.SessionError, match="unknown experiment"):
+            await session._find(config, alone, f"kept@{other}")  # type: ignore[arg-type]
+    finally:
+        await alone.aclose()

@@ -953,6 +953,8 @@ class Connection(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None or self._send_cipher is None or self.closed.done():
             return
+        if transport.is_closing():  # (lost, not yet told: uvloop raises on a write)
+            return
         mux = self._mux
         encrypt_into = self._send_cipher.encrypt_into
         batch: list[bytearray | memoryview] = []

@@ -197,6 +197,10 @@ class HolePuncher:
                     async with asyncio.timeout(self.config.punch_stream_timeout):
                         sync = await wire.recv_map(ms, "dcutr sync")
                     parse_sync(sync)
+                except (EOFError, TimeoutError):  # the initiator went silent or away: done
+                    for remove in removers:
+                        remove()
+                    break
                 except BaseException:
                     for remove in removers:
                         remove()
