@@ -39,7 +39,8 @@ Prints one JSON object: `minutes`, `kills`, `stops`, `restarts`, `partitions`,
 `losses`, `clock_offsets`, `commits`, `fingerprint_mismatches`,
 `double_counted`, `corrupt_checkpoints`, `max_commit_gap_s`,
 `rss_growth_MB_per_hour`, `fd_growth_per_hour` (as above; `witnesses` has
-each witness' curve of RSS and descriptors), `false_convictions` (peers
+each witness' curve of RSS and descriptors), `unexpected_exits` (peers that
+exited by themselves; each is started again), `false_convictions` (peers
 convicted of cheating: none cheats here), `log_errors` (ERROR lines in the
 peers' logs), and details. Progress goes to stderr.
 """
@@ -144,6 +145,7 @@ class Chaos:
         self.down: set[str] = set()  # killed, stopped or waiting to start
         self._last_start = -float("inf")
         self._faults: dict[str, Callable[[], None]] = {}  # active network faults -> undo
+        self.exits: dict[str, int] = {}  # peers that exited by themselves -> how often
         self.events: list[tuple[float, str]] = []
 
     def later(self, delay: float, what: str, action: Callable[[], None]) -> None:
@@ -158,6 +160,17 @@ class Chaos:
         while self._due and self._due[0][0] <= now:
             _, _, _what, action = heapq.heappop(self._due)
             action()
+
+    def revive(self) -> None:
+        """A peer that exited by itself (no fault of ours) is a finding: counted, its
+        exit code noted, and started again as a supervisor would."""
+        for peer in self.peers:
+            if peer.proc is None or peer.alive or peer.name in self.down:
+                continue
+            self.exits[peer.name] = self.exits.get(peer.name, 0) + 1
+            self.down.add(peer.name)
+            self.note(f"{peer.name} exited by itself (exit code {peer.proc.returncode})")
+            self._start(peer)
 
     def act(self) -> None:
         kinds, weights = zip(*ACTIONS.items(), strict=True)
@@ -473,6 +486,7 @@ def run_chaos(chaos: Chaos, rng: random.Random, minutes: float) -> None:
     next_action = started
     while time.monotonic() - started < minutes * 60:
         chaos.run_due()
+        chaos.revive()
         if time.monotonic() >= next_action:
             chaos.act()
             next_action = time.monotonic() + rng.uniform(0.5, 5.0)
@@ -523,6 +537,8 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         "corrupt_checkpoints": len(checks.corrupt),
         "max_commit_gap_s": max_gap,
         **growth(peers, chaos.witnesses),
+        "unexpected_exits": sum(chaos.exits.values()),
+        "unexpected_exits_by_peer": chaos.exits,
         **log_findings(peers),
         "checkpoint_loads": checks.checkpoint_loads,
         "ledger_entries": len(entries),

@@ -47,4 +47,5 @@ def test_three_minutes_of_chaos_lose_nothing(tmp_path: Path) -> None:
     assert result["double_counted"] == 0
     assert result["corrupt_checkpoints"] == 0 and result["checkpoint_loads"] > 0
     assert result["false_convictions"] == 0
+    assert result["unexpected_exits"] == 0, result["unexpected_exits_by_peer"]
     assert result["max_commit_gap_s"] < 60
