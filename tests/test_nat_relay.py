@@ -5,7 +5,9 @@ and the switch from a relayed connection to a hole-punched one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,7 +27,8 @@ from shoal.transport.errors import (
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
 from shoal.transport.multiaddr import Multiaddr
-from shoal.transport.nat import NatConfig, NatManager, Reachability, RelayLimits
+from shoal.transport.nat import NatConfig, NatManager, Reachability, RelayLimits, holepunch
+from shoal.transport.nat.wire import messages, recv_map
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 SINK = "/shoal/test-sink/1.0.0"
@@ -76,11 +79,15 @@ def dial_addr(host: Host) -> Multiaddr:
 
 
 async def relay_and_private(
-    make_peer: Callable[..., Any], limits: RelayLimits | None = None, punch: bool = False
+    make_peer: Callable[..., Any],
+    limits: RelayLimits | None = None,
+    punch: bool = False,
+    **a_config: Any,
 ) -> tuple[Host, NatManager, Host, NatManager, Multiaddr]:
-    """A public relay r and a private peer a holding a reservation on it; a's relay address."""
+    """A public relay r and a private peer a holding a reservation on it; a's relay address
+    (`a_config`: more of a's NatConfig)."""
     r, nr = await make_peer(limits=limits, hole_punching=punch)
-    a, na = await make_peer(reachability="private", hole_punching=punch)
+    a, na = await make_peer(reachability="private", hole_punching=punch, **a_config)
     await a.connect(dial_addr(r))
     assert await nr.wait_for(lambda: nr.reachability is Reachability.PUBLIC, 5)
     assert await na.wait_for(lambda: bool(na.relay_addresses()), 5), na.status()
@@ -334,3 +341,26 @@ async def test_shutting_down_mid_transfer_leaves_no_task_behind() -> None:
         await transfer
     me = asyncio.current_task()
     await eventually(lambda: asyncio.all_tasks() == {me}, "no task of the hosts is left")
+
+
+async def test_an_initiator_silent_before_its_sync_ends_the_punch_quietly(
+    make_peer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The initiator sends its connect, then nothing (SIGSTOPped, or gone): the responder
+    gives up on the exchange at its timeout without an ERROR traceback (the soak saw one)."""
+    caplog.set_level(logging.INFO)
+    *_, addr = await relay_and_private(make_peer, punch=True, punch_stream_timeout=0.5)
+    c, _ = await make_peer(hole_punching=False)
+    relayed = await c.connect(addr)
+    assert relayed.kind == "relayed"
+    stream = await relayed.open_stream(holepunch.PROTOCOL)
+    ms = messages(stream)
+    await ms.send({"type": "connect", "addrs": [str(c.listen_addrs[0])]})
+    reply = await recv_map(ms, "dcutr connect")
+    assert reply["type"] == "connect"
+    # Silent from now on: the responder's wait for our sync runs out.
+    async with asyncio.timeout(15):
+        with contextlib.suppress(StreamReset):
+            while await stream.read():
+                pass
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
