@@ -167,9 +167,21 @@ class DiLoCo(OuterStrategyBase):
             loaded = await self.averager.load_state_from_peers(timeout=self.averager.state_timeout)
             if loaded:
                 copy_into(self.params, self.globals)
+                self._synced_now()
         if not loaded:
             if not self._restored:
                 copy_into(self.globals, self.params)
+            elif self.averager.attestor is not None and self.samples_since_sync:
+                # A verified round's work starts from the global state and is in this
+                # process's work log. The steps taken before the restart since the last
+                # sync are in neither: every member would refuse our input ("work
+                # started from another global state", "more weight than its steps").
+                log.info("%s: restarted in the middle of a round: its %d samples of work "
+                         "since the last sync are dropped (a verified round must hold "
+                         "only work this process can show)", self.key,
+                         self.samples_since_sync)  # fmt: skip
+                copy_into(self.params, self.globals)
+                self._synced_now()
             await self.averager.publish_state()
         await self.averager.announce_presence()
         return loaded
@@ -401,6 +413,7 @@ class StreamingDiLoCo(OuterStrategyBase):
                 f.loaded = ok
                 if ok:
                     copy_into(f.params, f.globals)
+                    f.samples = 0  # (the checkpoint's count covered work now replaced)
         for f in self.fragments:
             if not f.loaded:
                 if not self._restored:

@@ -118,6 +118,8 @@ class NoLoCo(OuterStrategyBase):
         loaded = False
         if join:
             loaded = await self._load_from_peers()
+            if loaded:
+                self._synced_now()
         if not loaded and not self._restored:
             copy_into(self.outer, self.params)
         await self._publish()

@@ -82,6 +82,13 @@ class OuterStrategyBase:
         self._gate = RoundGate()
         self._closed = False
 
+    def _synced_now(self) -> None:
+        """Our parameters are the global state now (loaded from the swarm, or set back
+        to it): the samples our next input carries count from here. (A checkpoint's
+        count covers steps whose work the parameters no longer hold.)"""
+        self.samples_since_sync = 0
+        self.synced_at_step = self.inner_steps
+
     # ------------------------------------------------------------------ schedule
 
     async def after_inner_step(self, samples: int) -> list[RoundReport]:

@@ -362,6 +362,36 @@ async def test_a_joiner_loads_globals_and_momentum_and_a_checkpoint_resumes_exac
     assert len({p.strategy.fingerprint() for p in (peers[0], joiner, restarted)}) == 1
 
 
+async def test_a_restarted_peer_carries_only_the_samples_its_parameters_hold(
+    swarm: Callable[..., Any],
+) -> None:
+    """A checkpoint taken mid-round counts samples behind the local parameters. A restart
+    that loads the swarm's state replaces those parameters: its next input must not
+    claim the samples (the soak saw every such peer's input refused as "weight more
+    than its steps can carry"). A restart that keeps its own state in a verified
+    experiment sets them back to the global state: the steps before the restart are
+    in no work log of this process."""
+    (a,) = await swarm("diloco", 1, {"inner_steps": 4})
+    await a.train(3)  # mid-round
+    saved = a.strategy.state_dict()
+    assert saved["samples_since_sync"] == 24
+    (joiner,) = await swarm("diloco", 1, {"inner_steps": 4}, seed=3, start=False)
+    joiner.strategy.load_state_dict(saved)
+    assert await joiner.strategy.start(join=True)  # a's state is served
+    assert joiner.strategy.samples_since_sync == 0
+    assert joiner.strategy.synced_at_step == joiner.strategy.inner_steps == 3
+
+    (alone,) = await swarm("diloco", 1, {"inner_steps": 4}, seed=4, start=False, connected=False)
+    alone.strategy.load_state_dict(saved)
+    for p, q in zip(alone.params, a.params, strict=True):
+        p.copy_(q)  # (the model's checkpoint: the local parameters, 3 steps past the globals)
+    alone.strategy.averager.attestor = object()  # (verified: only whether one is set matters)
+    assert not await alone.strategy.start(join=True)  # nobody serves a state here
+    assert alone.strategy.samples_since_sync == 0
+    for p, g in zip(alone.params, alone.strategy.globals, strict=True):
+        assert torch.equal(p, g)
+
+
 @pytest.mark.timeout(40)
 async def test_peers_of_slightly_different_speeds_meet_in_one_group_every_round(
     swarm: Callable[..., Any],
