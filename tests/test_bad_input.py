@@ -224,6 +224,9 @@ class FakeTransport:
 
     close = abort
 
+    def is_closing(self) -> bool:
+        return self.closed
+
     def pause_reading(self) -> None:
         pass
 

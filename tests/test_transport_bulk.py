@@ -234,6 +234,9 @@ class Wire:
 
     close = abort
 
+    def is_closing(self) -> bool:
+        return self.closed
+
     def pause_reading(self) -> None:
         self.paused = True
         self.pauses += 1
