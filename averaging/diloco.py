@@ -204,8 +204,7 @@ class DiLoCo(OuterStrategyBase):
         contribution = (self.synced_at_step, self.inner_steps)
         if result.resynced:
             contribution = (self.inner_steps, self.inner_steps)  # our work was dropped
-            self.samples_since_sync = 0
-            self.synced_at_step = self.inner_steps
+            self._synced_now()
             again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
             if again is not None and again.committed:
                 result = again
@@ -501,6 +500,7 @@ class StreamingDiLoCo(OuterStrategyBase):
         if done.resynced:
             # The local fragment was trained from stale globals: it restarts from the swarm's.
             await off_loop(lambda: copy_into(frag.params, frag.globals), numel(frag.params))
+            self.resets += 1
         elif result.committed:
             a = self.mixing
 

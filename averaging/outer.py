@@ -85,6 +85,9 @@ class RoundReport:
 class OuterStrategy(Protocol):
     name: str  # "diloco" | "streaming" | "noloco"
     outer_steps: int
+    # Times the parameters were set back to the global state outside a commit (a
+    # re-sync, a load at start): work counted from before such a reset is gone.
+    resets: int
 
     async def start(self, *, join: bool) -> bool:
         """join=True: load the swarm's state if a peer serves it (True if loaded; the

@@ -79,6 +79,7 @@ class OuterStrategyBase:
         self.samples_since_sync = 0  # samples behind the state last synchronized
         self.synced_at_step = 0  # `inner_steps` then: our input covers the steps after
         self._restored = False  # load_state_dict ran: start from the checkpoint
+        self.resets = 0  # `OuterStrategy.resets`
         self._gate = RoundGate()
         self._closed = False
 
@@ -88,6 +89,7 @@ class OuterStrategyBase:
         count covers steps whose work the parameters no longer hold.)"""
         self.samples_since_sync = 0
         self.synced_at_step = self.inner_steps
+        self.resets += 1
 
     # ------------------------------------------------------------------ schedule
 

@@ -302,6 +302,7 @@ def _trainer(
             identity.peer_id,
             shard,
             lambda: strategy.outer_steps,
+            lambda: strategy.resets,
         )
     return Trainer(
         task,

@@ -202,6 +202,7 @@ class Trainer:
         )
         self._batches: BatchPrefetcher | None = None
         self.work = work
+        self._work_resets = 0  # `work.resets_of()` when the current round's work began
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     # ------------------------------------------------------------------ checkpoints
@@ -347,16 +348,24 @@ class Trainer:
         return loss, tokens
 
     def _new_work_round(self) -> bool:
-        """Whether the strategy moved to another state version (a commit or re-sync)."""
+        """Whether the strategy moved to another state version (a commit or re-sync),
+        or set the parameters back to the global state they started from (a re-sync
+        that loaded a state of the same version: the work so far is gone, the round's
+        work is run again from its start)."""
         if self.work is None:
             return False
         current = self.work.log.current
-        return current is None or current.round != self.work.round_of()
+        return (
+            current is None
+            or current.round != self.work.round_of()
+            or self._work_resets != self.work.resets_of()
+        )
 
     def _begin_work(self) -> None:
         """A verified round's work starts: its own batch stream, a log from here."""
         assert self.work is not None
         round_index = self.work.round_of()
+        self._work_resets = self.work.resets_of()
         if self._batches is not None:
             self._batches.close(wait=False)
         seed = round_batch_seed(self.work.experiment, self.work.peer, round_index)

@@ -195,3 +195,6 @@ class VerifiedWork:
     peer: PeerID
     shard: int  # the data shard the peer's batches come from
     round_of: Callable[[], int]  # the state version the strategy holds now
+    # How often the strategy set the parameters back to the global state without a
+    # commit (`OuterStrategy.resets`): a reset mid-round restarts the round's work.
+    resets_of: Callable[[], int] = lambda: 0

@@ -1,0 +1,126 @@
+"""A verified trainer's work log follows what its strategy does to the parameters.
+
+A round's work starts from the global state, and every segment of it must be
+recomputable from its revealed start. When the strategy sets the parameters
+back to the global state in the middle of a round without a commit (a re-sync
+that loaded a state of the same version: two groups committed the same round,
+and ours lost), the steps before are gone: the round's work starts again, with
+its batch stream from the beginning, and every segment of the re-run passes
+its audit. (The CI soak convicted an honest peer when the log went on across
+such a reset: the segment after it was recomputed from a state the parameters
+no longer held, "959 of 1408 bits differ".)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.averaging.group import Group, Member, make_round_id
+from shoal.averaging.outer import RoundReport
+from shoal.peer.audit_round import AuditRound, RoundShape, check_segment
+from shoal.peer.reveals import Replay, reveal_of
+from shoal.peer.segments import SegmentRunner, params_hash
+from shoal.peer.task import load_task, shard_of
+from shoal.peer.trainer import Trainer, check_hyperparameters
+from shoal.peer.work_log import VerifiedWork, WorkLog
+from shoal.transport.identity import Identity
+from shoal.verification.audit import AuditPolicy
+from shoal.verification.commitment import Commitment
+from shoal.verification.evidence import Result
+from shoal.verification.referees import RoundDraw, new_secret, seed_commit
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "shoal/x/reset"
+ROUND = 5
+EVERY = 3
+RESET_AT = 6  # inner steps before the re-sync: two whole segments
+AFTER = 7  # inner steps after it: two segments and a sealed tail of 1
+TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16, "batch_size": 2}
+
+
+class ResyncingStrategy:
+    """A strategy in a round of version `ROUND` that, after `RESET_AT` inner steps,
+    sets the parameters back to the global state without a commit, as DiLoCo does
+    when its round ends in a re-sync to a state of the same version."""
+
+    name = "diloco"
+    outer_steps = ROUND
+
+    def __init__(self, params: list[torch.Tensor], stop: asyncio.Event) -> None:
+        self.params = params
+        self.globals = [p.detach().clone() for p in params]
+        self.stop = stop
+        self.inner_steps = 0
+        self.resets = 0
+
+    async def after_inner_step(self, samples: int) -> list[RoundReport]:
+        self.inner_steps += 1
+        if self.inner_steps == RESET_AT:
+            with torch.no_grad():
+                for p, g in zip(self.params, self.globals, strict=True):
+                    p.copy_(g)
+            self.resets += 1
+        if self.inner_steps == RESET_AT + AFTER:
+            self.stop.set()
+        return []
+
+    async def finish(self) -> None:
+        pass
+
+
+def commitment_of(work: Any, me: Identity, final: torch.Tensor, shape: RoundShape) -> tuple:  # type: ignore[type-arg]
+    start = work.snapshots[0]
+    secret = new_secret()
+    c = Commitment(
+        NS, me.peer_id, ROUND, work.start_params, work.start_optimizer, work.first_step,
+        work.steps, EVERY, work.commit_checkpoints(), shape.delta_root(start.flat() - final),
+        1, b"", seed_commit(secret),
+    ).signed(me)  # fmt: skip
+    return c, secret
+
+
+async def test_a_reset_to_the_global_state_mid_round_starts_the_rounds_work_again() -> None:
+    task = load_task("bytegpt", dict(TINY))
+    hyper = check_hyperparameters({"warmup_steps": 0})
+    me = Identity.from_seed(b"r" * 32)
+    shards = hyper["num_shards"]
+    model = task.make_model(0)
+    stop = asyncio.Event()
+    strategy = ResyncingStrategy(list(model.parameters()), stop)
+    log = WorkLog(EVERY)
+    work_of = VerifiedWork(log, NS, me.peer_id, shard_of(me.peer_id.to_bytes(), shards),
+                           lambda: strategy.outer_steps, lambda: strategy.resets)  # fmt: skip
+    trainer = Trainer(task, model, strategy, hyper,  # type: ignore[arg-type]
+                      shard=work_of.shard, seed=0, work=work_of)  # fmt: skip
+    try:
+        await asyncio.wait_for(trainer.run(stop), 60)
+        await asyncio.get_running_loop().run_in_executor(
+            trainer._worker, lambda: log.seal(model, trainer.inner)
+        )
+    finally:
+        trainer.close()
+
+    work = log.current
+    assert work is not None and work.round == ROUND
+    assert (work.first_step, work.steps) == (RESET_AT, AFTER), "the work restarted at the reset"
+    assert work.start_params == params_hash(strategy.globals), "from the global state"
+
+    group = Group("k", make_round_id("k", [me.peer_id], b"n"), (Member(me.peer_id),))
+    shape = RoundShape.of(group, 1, 4096, "none")
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    c, secret = commitment_of(work, me, final, shape)
+    draw = RoundDraw.from_reveals([c], {me.peer_id: secret})
+    rnd = AuditRound(ROUND, shape, {me.peer_id: c}, {me.peer_id: secret}, draw, strategy.globals)
+    replay = Replay(SegmentRunner(task, hyper), task, work_of, shards)
+    for segment in range(c.segments):
+        first, end = c.segment_bounds(segment)
+        reveal = reveal_of(replay.state_after(work, first), replay.state_after(work, end),
+                           replay.state_after(work, work.steps))  # fmt: skip
+        finding = check_segment(SegmentRunner(task, hyper), task, shards, NS, rnd, c, segment,
+                                reveal, b"seed", AuditPolicy())  # fmt: skip
+        assert finding.result is Result.PASS and finding.flips == 0, (segment, finding)
