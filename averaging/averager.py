@@ -56,6 +56,7 @@ from .attestation import Attestor
 from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .fingerprint import state_fingerprint
+from .group import Member
 from .host_state import numel, off_loop
 from .matchmaking import (
     Matchmaker,
@@ -65,9 +66,19 @@ from .matchmaking import (
     NobodyElse,
 )
 from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
-from .state_sync import NoHolders, State, StateServer, StateSyncError, load_state_from_peers
+from .state_sync import (
+    NoHolders,
+    State,
+    StateServer,
+    StateSyncError,
+    load_state_from_peers,
+    load_version_from_peers,
+)
 
 log = logging.getLogger("shoal.averaging")
+
+# How long the peers of a version no reachable peer would serve us are left out.
+UNREACHABLE_VERSION_S = 30.0
 
 GENESIS = b""
 
@@ -257,18 +268,32 @@ class Averager:
         self.last_fingerprint_commits = self.commits
 
     async def load_state_from_peers(
-        self, timeout: float = 300.0, *, deadline: Deadline | None = None
+        self,
+        timeout: float = 300.0,
+        *,
+        deadline: Deadline | None = None,
+        version: bytes | None = None,
+        sources: Sequence[Member] = (),
     ) -> bool:
         """Replace our tensors and version with the newest verified state of the swarm,
-        by the `deadline` (default: `timeout` seconds from now)."""
+        by the `deadline` (default: `timeout` seconds from now); with `version`, with
+        the state of that version (from `sources` first: peers known to hold it)."""
         started = time.monotonic()
+        deadline = deadline or Deadline.after(timeout)
         try:
-            state = await load_state_from_peers(
-                self.dht,
-                self.key,
-                protocol=self.config.state_protocol,
-                deadline=deadline or Deadline.after(timeout),
-            )
+            if version is None:
+                state = await load_state_from_peers(
+                    self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline
+                )
+            else:
+                state = await load_version_from_peers(
+                    self.dht,
+                    self.key,
+                    version.hex(),
+                    sources=[(m.peer_id, m.addrs) for m in sources],
+                    protocol=self.config.state_protocol,
+                    deadline=deadline,
+                )
         except NoHolders:
             # A peer alone (a restart, the first peer): normal, and nothing to do.
             log.info("no other peer serves the state of %s yet: keeping ours", self.key)
@@ -449,8 +474,21 @@ class Averager:
         budget = deadline.within(self.state_timeout)
         if (budget.remaining() or 0.0) < 1.0:
             budget = Deadline.after(1.0)
-        ok = await self.load_state_from_peers(deadline=budget)
-        return ok, "re-synced with the swarm" if ok else f"needs re-sync, which failed: {behind}"
+        # The version matchmaking named, from the peers that just confirmed holding
+        # it: "the newest state" in the DHT can be another one of the same step
+        # (two groups committed it; the most announced may be our own).
+        ok = await self.load_state_from_peers(
+            deadline=budget, version=behind.target, sources=behind.holders
+        )
+        if ok:
+            return True, "re-synced with the swarm"
+        # Its holders are out of our reach (behind NATs, restarting): re-syncing again
+        # at once would fail again, every round. Go on with the peers we reach.
+        self._matchmaker.set_aside_version(behind.target, UNREACHABLE_VERSION_S)
+        log.info("%s: no reachable peer serves version %s: its peers are left out of our "
+                 "rounds for %.0fs", self.key, behind.target.hex()[:12],
+                 UNREACHABLE_VERSION_S)  # fmt: skip
+        return False, f"needs re-sync, which failed: {behind}"
 
     async def _replace_state(self, tensors: Sequence[torch.Tensor]) -> None:
         def copy() -> None:

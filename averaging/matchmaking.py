@@ -160,6 +160,7 @@ class Matchmaker:
         tag = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.protocol = f"{self.config.protocol}/{tag}"
         self._suspicions = Suspicions()
+        self._set_aside: dict[bytes, float] = {}  # version -> until (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = Closing()
@@ -234,6 +235,14 @@ class Matchmaker:
             raise RuntimeError("form_group is running on this matchmaker")
         return await self.declarer.declare(PeerState.BUSY, state_version, timeout=timeout)
 
+    def set_aside_version(self, version: bytes, seconds: float) -> None:
+        """Leave the peers declaring `version` out of our rounds (and out of the vote
+        on which version is current) for `seconds`: a re-sync to it found no
+        reachable peer serving it, and the peers we reach go on meanwhile."""
+        now = time.monotonic()
+        self._set_aside = {v: t for v, t in self._set_aside.items() if t > now}
+        self._set_aside[version] = max(self._set_aside.get(version, now), now + seconds)
+
     async def aclose(self) -> None:
         """Stop: a running `form_group` raises MatchmakingError, pending joiners
         are answered, and the swarm is told we left (best effort)."""
@@ -262,6 +271,7 @@ class Matchmaker:
             "mode": rnd.mode if rnd is not None else "idle",
             "gathered": rnd.gathering.size if rnd is not None else 0,
             "suspected": len(self._suspicions),
+            "versions_set_aside": sum(t > time.monotonic() for t in self._set_aside.values()),
         }
 
     # ------------------------------------------------------------------ the call
@@ -272,7 +282,9 @@ class Matchmaker:
         # Peers blocked on the host (convicted cheaters) are left out like the
         # caller's exclusions: nobody waits for them, follows them or admits them.
         excluded = (frozenset(exclude) | frozenset(self.host.blocked())) - {self.peer_id}
-        outlook = Outlook(self.key, self.peer_id, version, excluded, self._suspicions)
+        now = time.monotonic()
+        set_aside = frozenset(v for v, until in self._set_aside.items() if until > now)
+        outlook = Outlook(self.key, self.peer_id, version, excluded, self._suspicions, set_aside)
         gathering = Gathering(
             me,
             min_size=cfg.min_group_size,

@@ -240,6 +240,8 @@ class Outlook:
 
     `excluded`: the caller's hard exclusions (peers it just saw fail).
     `suspicions`: soft exclusions shared across calls (see `Suspicions`).
+    `set_aside`: versions whose peers are left out for now (a re-sync to one
+    found no reachable peer serving it: we go on with the peers we reach).
     """
 
     key: str
@@ -247,12 +249,14 @@ class Outlook:
     version: bytes
     excluded: frozenset[PeerID] = frozenset()
     suspicions: Suspicions = field(default_factory=Suspicions)
+    set_aside: frozenset[bytes] = frozenset()
 
     def usable(self, decl: Declaration) -> bool:
         return (
             decl.peer_id != self.me
             and decl.peer_id not in self.excluded
             and self.suspicions.allows(decl)
+            and (decl.state_version not in self.set_aside or decl.state_version == self.version)
         )
 
     def candidates(self, view: View) -> list[Declaration]:

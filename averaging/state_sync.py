@@ -31,6 +31,7 @@ from shoal.dht.records import RecordError, owner_marker, owner_of
 from shoal.transport import rpc
 from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
 
 from .deadline import Deadline
 from .fingerprint import state_fingerprint
@@ -166,9 +167,13 @@ class StateServer:
         ):
             return True
         expiration = now + self.announce_ttl
+        record: dict[str, Any] = {"fp": state.fingerprint, "step": state.step}
+        version = state.metadata.get("version")
+        if isinstance(version, str):
+            record["version"] = version  # so that a re-sync finds the version it wants
         ok = await self.dht.store(
             f"{self.key}/state",
-            {"fp": state.fingerprint, "step": state.step},
+            record,
             expiration,
             subkey=owner_marker(self.dht.peer_id),
         )
@@ -244,6 +249,7 @@ class Holder:
     peer_id: PeerID
     fingerprint: str
     step: int
+    version: str | None = None  # the state's version (hex), when its holder says
 
 
 async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
@@ -259,9 +265,9 @@ async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
             continue
         if peer is None or peer == dht.peer_id or not isinstance(value, dict):
             continue
-        fp, step = value.get("fp"), value.get("step", 0)
+        fp, step, version = value.get("fp"), value.get("step", 0), value.get("version")
         if isinstance(fp, str) and isinstance(step, int):
-            holders.append(Holder(peer, fp, step))
+            holders.append(Holder(peer, fp, step, version if isinstance(version, str) else None))
     votes: dict[tuple[int, str], int] = {}
     for h in holders:
         votes[(h.step, h.fingerprint)] = votes.get((h.step, h.fingerprint), 0) + 1
@@ -342,16 +348,80 @@ async def load_state_from_peers(
             return state
 
 
+async def load_version_from_peers(
+    dht: DHTNode,
+    key: str,
+    version: str,
+    *,
+    sources: Sequence[tuple[PeerID, Sequence[Multiaddr]]] = (),
+    protocol: str = DEFAULT_PROTOCOL,
+    deadline: Deadline,
+    request_timeout: float = 30.0,
+    chunk_bytes: int = 64 * 1024 * 1024,
+) -> State:
+    """Download and verify the state of one `version` (hex) of `key`.
+
+    What a re-sync needs: matchmaking named the version the swarm holds, and
+    the newest state in the DHT may be another (two groups that committed the
+    same step: the one most holders announce can be our own). `sources` are
+    tried first (peers known to hold it, e.g. the ones matchmaking just
+    confirmed, with their addresses), then the DHT's holders that announce it.
+    Raises StateSyncError when no reachable peer serves it by the `deadline`.
+    """
+    tried: set[PeerID] = {dht.peer_id}
+    errors: list[str] = []
+    queue = list(sources)
+    looked_up = False
+    download = _Download(dht.host, protocol, None, request_timeout, chunk_bytes, version=version)
+    async with deadline.scope():
+        while queue or not looked_up:
+            if not queue:
+                looked_up = True
+                holders = await find_holders(dht, key)
+                queue = [(h.peer_id, ()) for h in holders if h.version == version]
+                continue
+            peer, addrs = queue.pop(0)
+            if peer in tried:
+                continue
+            tried.add(peer)
+            try:
+                if addrs and dht.host.connection(peer) is None:
+                    await dht.host.connect(peer, addrs, timeout=request_timeout)
+                await download.from_source(peer)
+            except (TransportError, TimeoutError, OSError, ValueError, LookupError) as e:
+                log.info("state download from %s stopped: %r", peer.short(), e)
+                errors.append(f"{peer.short()}: {e}")
+                continue
+            state = await download.verified()
+            if state is not None:
+                return state
+            errors.append(f"{peer.short()}: bytes do not match fingerprint")
+            download = _Download(
+                dht.host, protocol, None, request_timeout, chunk_bytes, version=version
+            )
+    detail = "; ".join(errors[-3:]) or "nobody announces it"
+    raise StateSyncError(f"no reachable peer serves version {version[:12]} of {key!r}: {detail}")
+
+
 class _Download:
     """One state (one fingerprint) downloaded from its holders in turn: a source
     that fails is replaced by the next, which resumes where it stopped."""
 
     def __init__(
-        self, host: Any, protocol: str, fingerprint: str, request_timeout: float, chunk_bytes: int
+        self,
+        host: Any,
+        protocol: str,
+        fingerprint: str | None,
+        request_timeout: float,
+        chunk_bytes: int,
+        *,
+        version: str | None = None,
     ) -> None:
+        """`fingerprint` None: the state of `version` (hex) its first source serves."""
         self.host = host
         self.protocol = protocol
         self.fingerprint = fingerprint
+        self.version = version
         self.request_timeout = request_timeout
         self.chunk_bytes = chunk_bytes
         self.tensors: list[torch.Tensor] | None = None
@@ -371,13 +441,23 @@ class _Download:
             info = await rpc.call(
                 self.host, peer, self.protocol, "info", None, timeout=self.request_timeout
             )
-            if not isinstance(info, dict) or info.get("fp") != self.fingerprint:
+            if not isinstance(info, dict):
+                raise ValueError("info is not a map")
+            if self.fingerprint is None:
+                metadata = info.get("metadata")
+                held = metadata.get("version") if isinstance(metadata, dict) else None
+                fp = info.get("fp")
+                if held != self.version or not isinstance(fp, str):
+                    raise LookupError(f"it holds another version now: {str(held)[:12]}")
+                self.fingerprint = fp
+            elif info.get("fp") != self.fingerprint:
                 raise LookupError("its state moved on")
             tensors = _allocate(info.get("tensors"))
             views = [_byte_view(t) for t in tensors]
             if sum(v.numel() for v in views) != info.get("total"):
                 raise ValueError("layout and total disagree")
             self.tensors, self.views, self.info = tensors, views, info
+        assert self.fingerprint is not None
         await _fetch(
             self.host, peer, self.protocol, self.fingerprint, self.views, self.progress,
             self.chunk_bytes, self.request_timeout,
@@ -442,5 +522,6 @@ __all__ = [
     "StateSyncError",
     "find_holders",
     "load_state_from_peers",
+    "load_version_from_peers",
     "make_state",
 ]

@@ -168,6 +168,20 @@ def test_version_majority_decides_who_resyncs() -> None:
     assert out.resync_target(view) is None
 
 
+def test_a_version_set_aside_neither_outvotes_us_nor_is_grouped_with() -> None:
+    """After a re-sync to a version found no reachable peer serving it, its peers
+    are left out for a while: the peers we reach go on with our version."""
+    peers = ids(6)
+    me = peers[0]
+    view = view_of(*(decl(p, version=b"new") for p in peers[1:4]), decl(peers[4], version=b"old"))
+    out = Outlook(KEY, me, b"old", set_aside=frozenset({b"new"}))
+    assert out.resync_target(view) is None
+    assert out.version_counts(view) == {b"old": 2}
+    assert out.leader(view) in (me, peers[4]) and not out.alone(view)
+    # our own version is never set aside
+    assert Outlook(KEY, me, b"new", set_aside=frozenset({b"new"})).candidates(view)
+
+
 def chained(commits: int, tag: int) -> bytes:
     """A shared state's version: the commit count, then a chain hash (here a tag)."""
     return commits.to_bytes(8, "big") + tag.to_bytes(8, "big")
@@ -581,6 +595,29 @@ async def test_a_minority_version_must_resync_and_is_never_grouped(
         assert e.target == b"new" and e.version == b"old"
         assert e.versions[b"new"] == 4
         assert e.holders and {h.peer_id for h in e.holders} <= {m.peer_id for m in makers[:4]}
+
+
+async def test_a_version_set_aside_lets_the_minority_group_with_itself(
+    swarm: Callable[..., Any],
+) -> None:
+    """The minority could not load the majority's version: it sets it aside and
+    forms its own group instead of being told to re-sync again."""
+    makers = await swarm(5)
+    majority = [
+        asyncio.ensure_future(m.form_group(state_version=b"new", deadline=Deadline.after(10)))
+        for m in makers[:3]
+    ]
+    with pytest.raises(NeedsResync):
+        await makers[3].form_group(state_version=b"old", deadline=Deadline.after(10))
+    for m in makers[3:]:
+        m.set_aside_version(b"new", 30)
+    results = await asyncio.gather(
+        *(m.form_group(state_version=b"old", deadline=Deadline.after(10)) for m in makers[3:])
+    )
+    assert {g.state_version for g in results} == {b"old"}
+    assert {frozenset(g.peer_ids) for g in results} == {frozenset(m.peer_id for m in makers[3:])}
+    assert makers[3].stats()["versions_set_aside"] == 1
+    await asyncio.gather(*majority, return_exceptions=True)
 
 
 @pytest.mark.timeout(30)

@@ -9,12 +9,15 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.averaging.deadline import Deadline
 from shoal.averaging.state_sync import (
     NoHolders,
     State,
     StateServer,
+    StateSyncError,
     find_holders,
     load_state_from_peers,
+    load_version_from_peers,
     make_state,
 )
 from shoal.dht.node import DHTNode
@@ -23,7 +26,7 @@ HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
 KEY = "exp/params"
 
 
-def sample_state(seed: int, step: int) -> State:
+def sample_state(seed: int, step: int, version: str | None = None) -> State:
     g = torch.Generator().manual_seed(seed)
     tensors = [
         torch.randn(300, 257, generator=g),
@@ -31,7 +34,10 @@ def sample_state(seed: int, step: int) -> State:
         torch.arange(10, dtype=torch.int64),
         torch.empty(0),
     ]
-    return make_state(tensors, {"step": step, "lr": 0.1})
+    metadata: dict[str, Any] = {"step": step, "lr": 0.1}
+    if version is not None:
+        metadata["version"] = version
+    return make_state(tensors, metadata)
 
 
 @pytest.fixture
@@ -151,3 +157,31 @@ async def test_no_holder_is_its_own_error(dhts: Callable[..., Any]) -> None:
     (loader,) = await dhts(1)
     with pytest.raises(NoHolders, match="nobody announced"):
         await load_state_from_peers(loader, KEY, timeout=5)
+
+
+async def test_a_re_sync_downloads_the_version_it_was_told_not_the_most_announced(
+    dhts: Callable[..., Any],
+) -> None:
+    """Two groups committed step 9, ours (announced by more peers) and theirs,
+    which the swarm holds now: the newest state in the DHT is ours, and only a
+    download by version gets theirs. Without a reachable holder of a version,
+    the download fails (naming it) instead of handing back another state."""
+    ours, theirs = sample_state(4, 9, "aa" * 16), sample_state(5, 9, "bb" * 16)
+    a, b, c, loader = await dhts(4)
+    for node, state in ((a, ours), (b, ours), (c, theirs)):
+        assert await StateServer(node, KEY, lambda s=state: s).announce()
+    assert (await load_state_from_peers(loader, KEY)).fingerprint == ours.fingerprint
+    assert [h.version for h in await find_holders(loader, KEY)].count("bb" * 16) == 1
+
+    got = await load_version_from_peers(loader, KEY, "bb" * 16, deadline=Deadline.after(20))
+    assert_same(got, theirs)
+    # Named sources first, with their addresses: a peer the DHT does not list.
+    d = (await dhts(1))[0]
+    StateServer(d, KEY, lambda: theirs)  # serves, never announces
+    got = await load_version_from_peers(
+        loader, KEY, "bb" * 16, sources=[(d.peer_id, d.host.addresses())],
+        deadline=Deadline.after(20),
+    )  # fmt: skip
+    assert_same(got, theirs)
+    with pytest.raises(StateSyncError, match="version cccccccccccc"):
+        await load_version_from_peers(loader, KEY, "cc" * 16, deadline=Deadline.after(20))
