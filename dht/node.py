@@ -268,7 +268,9 @@ class DHTNode:
                 except BootstrapError:
                     if not start_alone_on_failure:
                         raise
-                    log.warning("bootstrap failed; starting a new network alone")
+                    log.warning("none of the %d bootstrap peers answers: starting cut off, "
+                                "joining through them again every %.0fs", len(addrs),
+                                node.rejoin_check)  # fmt: skip
             node._tasks.spawn(node._maintenance())
             if addrs:
                 node._tasks.spawn(node._rejoin_when_cut_off(addrs))

@@ -351,18 +351,26 @@ async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
                 log.info("none of the %d peers known from the last run answers", len(known))
         log.info("no bootstrap peers: starting a new network")
         return await DHTNode.create(host, **options)
+    # A peer that was in this network before (it saved the peers it knew) and finds
+    # none of its bootstrap peers now is cut off (a partition, an outage), not
+    # misconfigured: it starts anyway and the DHT joins again through them every
+    # `rejoin_check` seconds. A first start fails fast (most likely a wrong address).
+    was_in_network = bool(load_known_peers(config.data_dir))
     try:
         dht = await DHTNode.create(
             host,
             bootstrap=config.bootstrap,
             bootstrap_attempts=BOOTSTRAP_ATTEMPTS,
             bootstrap_backoff=BOOTSTRAP_BACKOFF,
+            start_alone_on_failure=was_in_network,
             **options,
         )
     except BootstrapError as e:
         raise StartupError(f"{e}; check the --bootstrap (SHOAL_BOOTSTRAP) addresses") from None
     known = len(dht.routing_table)
-    log.info("joined the network: %d %s known", known, "peer" if known == 1 else "peers")
+    if known:
+        log.info("joined the network: %d %s known", known, "peer" if known == 1 else "peers")
+        save_known_peers(dht, config.data_dir)  # also for a next start after a kill -9
     return dht
 
 
