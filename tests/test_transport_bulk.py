@@ -17,7 +17,9 @@ import struct
 from collections import deque
 
 import pytest
+from waiting import eventually
 
+import shoal.transport.connection as connection_module
 from shoal.transport.connection import Connection, Stream
 from shoal.transport.errors import ProtocolViolation, TransportError
 from shoal.transport.identity import Identity
@@ -397,3 +399,40 @@ async def test_chunked_transfers_with_headers_arrive_intact_over_loopback(pair) 
             for c in chunks:
                 assert await digests.get() == hashlib.sha256(c).digest()
     await s.close()
+
+
+async def test_a_write_that_resets_the_connection_ends_the_flush_without_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uvloop closes a transport whose write failed (a reset) and raises on any later
+    write, before `connection_lost` arrives: a flush of several batches stops at
+    the failed one instead of raising in a loop callback (an ERROR in the soak)."""
+    monkeypatch.setattr(connection_module, "_WRITE_BATCH", 4096)  # several writes per flush
+    a, _b, wa, _accepted = await wired()
+    send = Wire.writelines
+
+    def resetting(self: Wire, parts: list[bytes | bytearray | memoryview]) -> None:
+        if self.closed:
+            raise RuntimeError("unable to perform operation: the handler is closed")
+        if self is wa and sum(len(p) for p in parts) >= 4096:  # the first batch of data
+            self.closed = True  # (as uvloop does on ECONNRESET; connection_lost comes later)
+        else:
+            send(self, parts)
+
+    errors: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    Wire.writelines = resetting  # type: ignore[method-assign]
+    try:
+        streams = [await a.open_stream(SINK) for _ in range(3)]
+        # Written in one loop turn: one flush, a batch per stream.
+        writing = [asyncio.ensure_future(s.write(os.urandom(100_000))) for s in streams]
+        await eventually(lambda: wa.closed, "the write that resets the connection", 5)
+        for w in writing:
+            w.cancel()
+        await asyncio.gather(*writing, return_exceptions=True)
+    finally:
+        Wire.writelines = send  # type: ignore[method-assign]
+        loop.set_exception_handler(None)
+    assert not errors, errors[0].get("exception")
+    a.abort("done")

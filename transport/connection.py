@@ -983,6 +983,10 @@ class Connection(asyncio.BufferedProtocol):
                 flushed += size
                 batch = []
                 size = 0
+                if transport.is_closing():
+                    # That write failed (a reset): uvloop closed the transport and
+                    # raises on the next one; connection_lost follows.
+                    return
                 if flushed >= _FLUSH_BUDGET and mux.has_output():
                     self._schedule_flush()  # the rest at the next turn
                     break
