@@ -486,7 +486,7 @@ class Averager:
         # at once would fail again, every round. Go on with the peers we reach.
         self._matchmaker.set_aside_version(behind.target, UNREACHABLE_VERSION_S)
         log.info("%s: no reachable peer serves version %s: its peers are left out of our "
-                 "rounds for %.0fs", self.key, behind.target.hex()[:12],
+                 "rounds for %.0fs", self.key, behind.target.hex()[-12:],
                  UNREACHABLE_VERSION_S)  # fmt: skip
         return False, f"needs re-sync, which failed: {behind}"
 

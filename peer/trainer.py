@@ -202,7 +202,6 @@ class Trainer:
         )
         self._batches: BatchPrefetcher | None = None
         self.work = work
-        self._work_resets = 0  # `work.resets_of()` when the current round's work began
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     # ------------------------------------------------------------------ checkpoints
@@ -352,26 +351,19 @@ class Trainer:
         or set the parameters back to the global state they started from (a re-sync
         that loaded a state of the same version: the work so far is gone, the round's
         work is run again from its start)."""
-        if self.work is None:
-            return False
-        current = self.work.log.current
-        return (
-            current is None
-            or current.round != self.work.round_of()
-            or self._work_resets != self.work.resets_of()
-        )
+        return self.work is not None and self.work.current() is None
 
     def _begin_work(self) -> None:
         """A verified round's work starts: its own batch stream, a log from here."""
         assert self.work is not None
         round_index = self.work.round_of()
-        self._work_resets = self.work.resets_of()
         if self._batches is not None:
             self._batches.close(wait=False)
         seed = round_batch_seed(self.work.experiment, self.work.peer, round_index)
         batches = self.task.batches(self.shard, self.hyper["num_shards"], seed)
         self._batches = BatchPrefetcher(batches, self.device)
-        self.work.log.begin(round_index, self.stats.step, self.model, self.inner)
+        resets = self.work.resets_of()
+        self.work.log.begin(round_index, self.stats.step, self.model, self.inner, resets=resets)
 
     def _account(self, loss: float, tokens: int) -> None:
         s = self.stats

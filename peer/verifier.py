@@ -140,14 +140,16 @@ class Verifier:
         version = self.work.round_of()
         if c.experiment != self.namespace or c.round != version:
             return f"a commitment for {c.experiment} round {c.round}, not round {version}"
-        work = self.work.log.current
-        # (Without work of this round, right after a re-sync, we cannot check the start:
-        # the members that did work check it.)
-        if work is not None and work.round == version and c.start != work.start_params:
+        # (Without work from the state we hold now, right after a re-sync or during the
+        # catch-up round that follows it, we cannot check the start: the members that
+        # did work check it. Our last run started from a state we no longer hold.)
+        work = self.work.current()
+        if work is not None and c.start != work.start_params:
             return "work started from another global state"
         if c.every != self.policy.segment_steps:
             return f"checkpoints every {c.every} steps, not {self.policy.segment_steps}"
-        if work is not None and work.tokens_per_step and weight > c.steps * work.tokens_per_step:
+        last = self.work.log.current  # (any round's: what one step of our batches carries)
+        if last is not None and last.tokens_per_step and weight > c.steps * last.tokens_per_step:
             return f"weight {weight:.0f} is more than {c.steps} steps can carry"
         return None
 

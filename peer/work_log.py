@@ -62,6 +62,7 @@ class RoundWork:
     sealed: tuple[int, bytes, SegmentState] | None = None  # the end, when steps % every
     tokens_per_step: int = 0  # the most tokens one step trained on
     ended_at: float | None = None  # monotonic time the next round began
+    resets: int = 0  # the strategy's `resets` when the run started (`VerifiedWork.resets_of`)
 
     def commit_checkpoints(self) -> tuple[bytes, ...]:
         """The checkpoints a commitment of this run carries (sealed first)."""
@@ -115,7 +116,13 @@ class WorkLog:
         self._state_bytes = 0
 
     def begin(
-        self, round_index: int, first_step: int, model: torch.nn.Module, inner: InnerOptimizer
+        self,
+        round_index: int,
+        first_step: int,
+        model: torch.nn.Module,
+        inner: InnerOptimizer,
+        *,
+        resets: int = 0,
     ) -> RoundWork:
         """A new round's work starts now, from the model's (global) parameters."""
         start = capture(model, inner)
@@ -127,6 +134,7 @@ class WorkLog:
             params_hash(start.params),
             optimizer_hash(start.optimizer),
             snapshots={0: start},
+            resets=resets,
         )
         now = time.monotonic()
         with self.lock:
@@ -198,3 +206,12 @@ class VerifiedWork:
     # How often the strategy set the parameters back to the global state without a
     # commit (`OuterStrategy.resets`): a reset mid-round restarts the round's work.
     resets_of: Callable[[], int] = lambda: 0
+
+    def current(self) -> RoundWork | None:
+        """The work from the global state the strategy holds now; None when there is
+        none yet (before the first round's work, or right after a commit or a re-sync,
+        until the trainer begins the next: the log's last run started elsewhere)."""
+        work = self.log.current
+        if work is None or work.round != self.round_of() or work.resets != self.resets_of():
+            return None
+        return work

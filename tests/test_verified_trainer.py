@@ -6,9 +6,13 @@ back to the global state in the middle of a round without a commit (a re-sync
 that loaded a state of the same version: two groups committed the same round,
 and ours lost), the steps before are gone: the round's work starts again, with
 its batch stream from the beginning, and every segment of the re-run passes
-its audit. (The CI soak convicted an honest peer when the log went on across
-such a reset: the segment after it was recomputed from a state the parameters
-no longer held, "959 of 1408 bits differ".)
+its audit. Between the reset and the new run (where DiLoCo's catch-up round
+runs), there is no current work: members' commitments are not checked
+against a run from a state we no longer hold. (The CI soak convicted an honest
+peer when the log went on across such a reset: the segment after it was
+recomputed from a state the parameters no longer held, "959 of 1408 bits
+differ"; and members refused each other's input, "work started from another
+global state".)
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class ResyncingStrategy:
         self.stop = stop
         self.inner_steps = 0
         self.resets = 0
+        self.work: VerifiedWork | None = None
+        self.work_during_reset: Any = "never asked"
 
     async def after_inner_step(self, samples: int) -> list[RoundReport]:
         self.inner_steps += 1
@@ -65,6 +71,10 @@ class ResyncingStrategy:
                 for p, g in zip(self.params, self.globals, strict=True):
                     p.copy_(g)
             self.resets += 1
+            # Where DiLoCo's catch-up round runs, and members' commitments are checked
+            # against our work: the run before the reset is not from the state held now.
+            assert self.work is not None
+            self.work_during_reset = self.work.current()
         if self.inner_steps == RESET_AT + AFTER:
             self.stop.set()
         return []
@@ -95,6 +105,7 @@ async def test_a_reset_to_the_global_state_mid_round_starts_the_rounds_work_agai
     log = WorkLog(EVERY)
     work_of = VerifiedWork(log, NS, me.peer_id, shard_of(me.peer_id.to_bytes(), shards),
                            lambda: strategy.outer_steps, lambda: strategy.resets)  # fmt: skip
+    strategy.work = work_of
     trainer = Trainer(task, model, strategy, hyper,  # type: ignore[arg-type]
                       shard=work_of.shard, seed=0, work=work_of)  # fmt: skip
     try:
@@ -109,6 +120,8 @@ async def test_a_reset_to_the_global_state_mid_round_starts_the_rounds_work_agai
     assert work is not None and work.round == ROUND
     assert (work.first_step, work.steps) == (RESET_AT, AFTER), "the work restarted at the reset"
     assert work.start_params == params_hash(strategy.globals), "from the global state"
+    assert strategy.work_during_reset is None, "the stale run is not the current work"
+    assert work_of.current() is work
 
     group = Group("k", make_round_id("k", [me.peer_id], b"n"), (Member(me.peer_id),))
     shape = RoundShape.of(group, 1, 4096, "none")
