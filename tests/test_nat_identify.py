@@ -120,6 +120,21 @@ async def test_dial_backs_go_only_to_the_requesters_observed_ip(make_peer) -> No
     assert nb.autonat.served["refused"] == 1
 
 
+async def test_a_request_that_runs_out_of_time_is_counted_not_logged_as_an_error(
+    make_peer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that never asks (or a server paused past `probe_timeout`): the server's
+    handler ends quietly and counts it (the soak logged it as a handler failure)."""
+    (a, _), (b, nb) = await make_peer(reachability="public"), await make_peer(probe_timeout=0.3)
+    caplog.set_level(logging.DEBUG, logger="shoal.transport")
+    conn = await a.connect(listen_addr(b).with_peer_id(b.peer_id))
+    stream = await conn.open_stream(autonat.PROTOCOL)
+    with pytest.raises(StreamReset):
+        await recv_map(messages(stream), "reply")  # the server gives up first
+    assert nb.autonat.served["timeout"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 async def test_a_dial_back_that_reaches_another_peer_counts_as_a_failure(make_peer) -> None:
     (a, na), (c, _) = await make_peer(), await make_peer()
     (b, _) = await make_peer(autonat_server_min_interval=0)  # a's own probes may run too

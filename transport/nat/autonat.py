@@ -115,7 +115,7 @@ class AutoNAT:
         self._last_request: dict[PeerID, float] = {}
         self._dialback_conns: set[Connection] = set()
         self._serving: set[asyncio.Task[object]] = set()  # our handlers, cancelled on close
-        self.served = {"ok": 0, "failed": 0, "refused": 0}
+        self.served = {"ok": 0, "failed": 0, "refused": 0, "timeout": 0}
 
     def start(self) -> None:
         self.host.set_handler(PROTOCOL, self._serve)
@@ -194,6 +194,13 @@ class AutoNAT:
         self._serving.add(task)
         try:
             await self._serve_request(stream)
+        except TimeoutError:
+            # The request outlived `probe_timeout` (a client slow to ask, dial-backs
+            # that hang, this process paused): the client times out too and tries
+            # elsewhere. Normal on the internet, not a handler failure.
+            self.served["timeout"] += 1
+            log.debug("autonat request from %s ran out of time", stream.remote_peer.short())
+            stream.reset("timeout")
         finally:
             self._serving.discard(task)
 
