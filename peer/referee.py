@@ -163,7 +163,10 @@ class Referee:
 
     async def audit_as_auditor(self, rnd: AuditRound, prover: PeerID) -> None:
         c = rnd.commitments[prover]
-        dispute = Dispute(c, rnd.draw)
+        if rnd.draw.referees(prover)[:1] != (self.me,):
+            log.info("round %d: the draw moved (secrets learned since): %s is not ours to "
+                     "audit", rnd.round, prover.short())  # fmt: skip
+            return
         try:
             verdict = await self.audit(rnd, prover)
         except Exception as e:
@@ -171,7 +174,15 @@ class Referee:
             return
         if verdict is None:
             return
-        dispute.add(verdict)
+        # The draw as it is now: secrets learned during the audit (a member that read
+        # the DHT late sent us its own) may have moved it, and us off this audit.
+        dispute = Dispute(c, rnd.draw)
+        try:
+            dispute.add(verdict)
+        except EvidenceError as e:
+            log.info("round %d: the draw moved while we audited %s (%s): not ours to judge",
+                     rnd.round, prover.short(), e)  # fmt: skip
+            return
         if dispute.outcome is Outcome.OPEN:
             accusation = dispute.verdicts[self.me]
             asked = dispute.waiting_for()

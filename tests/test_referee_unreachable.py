@@ -16,8 +16,10 @@ from shoal.peer.referee import WITHHELD_SHUN_S, Referee
 from shoal.peer.reveals import PROTOCOL
 from shoal.transport import rpc
 from shoal.transport.identity import Identity, PeerID
+from shoal.verification.evidence import Result, Verdict
+from shoal.verification.referees import RoundDraw
 
-from .verification_round import commit, identities
+from .verification_round import Round, commit, identities
 
 
 def referee(host: Any, shunned: list[tuple[PeerID, float]]) -> Referee:
@@ -85,3 +87,52 @@ async def test_a_prover_that_lost_its_work_in_a_restart_is_left_out_not_convicte
     assert await ref.audit(rnd, prover.peer_id) is None
     assert shunned == [(prover_host.peer_id, WITHHELD_SHUN_S)]
     assert ref.counts["audits_failed"] == 0
+
+
+def moving_draw(r: Round) -> tuple[PeerID, PeerID, RoundDraw]:
+    """(prover, its auditor in `r.draw`, a draw of the same round, made without one
+    member's secret, in which someone else audits it): what a late DHT read gives."""
+    prover = r.ids[0].peer_id
+    auditor = r.draw.referees(prover)[0]
+    for missing in r.secrets:
+        partial = {p: s for p, s in r.secrets.items() if p != missing}
+        other = RoundDraw.from_reveals(r.commitments, partial)
+        if other.referees(prover)[0] != auditor:
+            return prover, auditor, other
+    raise AssertionError("no secret moves the auditor")
+
+
+@pytest.mark.timeout(30)
+async def test_an_audit_whose_draw_moved_is_dropped_without_an_error(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Secrets learned from another member (one that read the DHT later) change the
+    draw: an auditor that is no longer one neither starts nor judges the audit (the
+    soak: 'the auditor speaks first', an exception nobody retrieved)."""
+    r = Round(6, salt="moving")
+    prover, auditor, moved = moving_draw(r)
+    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
+    ref = Referee(
+        SimpleNamespace(host=await make_host()), r.by_peer[auditor], task=None, num_shards=1,
+        namespace="exp", policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,
+    )  # type: ignore[arg-type]  # fmt: skip
+    rnd = SimpleNamespace(
+        round=7, commitments={prover: r.of(prover)}, draw=r.draw, secrets_to_wire=list
+    )
+    audited: list[PeerID] = []
+
+    async def audit_while_the_draw_moves(rnd: Any, p: PeerID) -> Verdict:
+        audited.append(p)
+        verdict = r.verdict(auditor, r.of(p), Result.FAIL)
+        rnd.draw = moved  # (a reveal request taught us a secret meanwhile)
+        return verdict
+
+    async def unreachable_referee(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(ref, "audit", audit_while_the_draw_moves)
+    monkeypatch.setattr(ref, "ask_referee", unreachable_referee)
+    await ref.audit_as_auditor(rnd, prover)  # type: ignore[arg-type]
+    assert audited == [prover] and sum(ref.disputes.values()) == 0
+    await ref.audit_as_auditor(rnd, prover)  # type: ignore[arg-type]  # moved before it began
+    assert audited == [prover] and sum(ref.disputes.values()) == 0
