@@ -37,7 +37,7 @@ from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
-from .audit_round import AuditRound, RoundShape, gather, publish_record
+from .audit_round import AuditRound, RecentRounds, RoundShape, gather, publish_record
 from .ban_watch import BanWatcher
 from .inner import InnerOptimizer
 from .priority import lower_this_thread
@@ -53,7 +53,7 @@ log = logging.getLogger("shoal.verifier")
 
 PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
 GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
-KEEP_ROUNDS = 4
+KEEP_ROUNDS = 4  # rounds answerable however old (and all of the last `retain_s`)
 MAX_REVEALS = 2  # per round and referee (one retry)
 
 
@@ -100,7 +100,9 @@ class Verifier:
         )  # fmt: skip
         self._secrets: dict[int, bytes] = {}
         self._previous = b""  # our last commitment's digest (the chain)
-        self._rounds: dict[int, asyncio.Future[AuditRound | None]] = {}
+        self._rounds: RecentRounds[asyncio.Future[AuditRound | None]] = RecentRounds(
+            KEEP_ROUNDS, work.log.retain_s
+        )
         self._seen: Counter[PeerID] = Counter()  # committed rounds per peer, in our sight
         self._tasks: set[asyncio.Task[Any]] = set()
         self.withheld = 0
@@ -161,10 +163,8 @@ class Verifier:
         for peer in commitments:
             self._seen[peer] += 1
         future: asyncio.Future[AuditRound | None] = asyncio.get_running_loop().create_future()
-        self._rounds[mine.round] = future
-        for old in sorted(self._rounds)[:-KEEP_ROUNDS]:
-            del self._rounds[old]
-        oldest = min(self._rounds)
+        self._rounds.add(mine.round, future)
+        oldest = self._rounds.oldest() or 0
         self._verdicts = {k: v for k, v in self._verdicts.items() if k[0] >= oldest}
         self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
         self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))

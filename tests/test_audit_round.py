@@ -16,7 +16,7 @@ from verification_round import commit
 
 from shoal.dht.node import DHTNode
 from shoal.peer import audit_round
-from shoal.peer.audit_round import gather, publish_record
+from shoal.peer.audit_round import RecentRounds, gather, publish_record
 from shoal.transport.host import Host
 from shoal.verification.referees import RoundDraw, new_secret
 
@@ -92,3 +92,24 @@ async def test_a_second_commitment_of_a_member_for_the_round_is_not_taken(
     await publish_record(b, NS, other, other_secret)
     commitments, found = await gather(a, NS, ROUND, {b.peer_id: sent}, [b.peer_id], 1.0)
     assert commitments[b.peer_id] == sent and b.peer_id not in found
+
+
+def test_a_committed_round_stays_answerable_for_the_retention_window_however_many_follow() -> (
+    None
+):
+    """A prover keeps its rounds as long as its work log keeps their work: with fast
+    rounds, a referee's late reveal request (audits queue) must not find "no work of
+    round N here" and leave an honest prover out of its rounds (the CI run of
+    dbdfc1a: round 2 forgotten 4 s after its commit, 8 rounds later)."""
+    now = [0.0]
+    rounds: RecentRounds[str] = RecentRounds(keep=4, retain_s=300.0, clock=lambda: now[0])
+    for r in range(50):  # a round every 0.6 s
+        rounds.add(r, f"round {r}")
+        now[0] += 0.6
+    assert rounds.get(2) == "round 2" and len(rounds) == 50 and rounds.oldest() == 0
+    now[0] = 301.0  # past the window of round 0 (added at 0.0) and of round 1 (0.6)
+    rounds.add(50, "round 50")
+    assert rounds.get(0) is None and rounds.oldest() == 2 and rounds.get(2) == "round 2"
+    now[0] = 10_000.0  # long after: the last `keep` stay however old
+    rounds.add(51, "round 51")
+    assert [r for r in range(52) if rounds.get(r)] == [48, 49, 50, 51]
