@@ -94,9 +94,7 @@ async def test_a_second_commitment_of_a_member_for_the_round_is_not_taken(
     assert commitments[b.peer_id] == sent and b.peer_id not in found
 
 
-def test_a_committed_round_stays_answerable_for_the_retention_window_however_many_follow() -> (
-    None
-):
+def test_a_round_stays_answerable_for_the_retention_window_however_many_follow() -> None:
     """A prover keeps its rounds as long as its work log keeps their work: with fast
     rounds, a referee's late reveal request (audits queue) must not find "no work of
     round N here" and leave an honest prover out of its rounds (the CI run of
