@@ -41,7 +41,7 @@ from shoal.verification.bans import publish
 from shoal.verification.disputes import Dispute, Ledger, Outcome
 from shoal.verification.evidence import EvidenceError, Result, Verdict
 
-from .audit_round import AuditRound, check_segment
+from .audit_round import AuditRound, check_segment, gather
 from .ban_watch import BanWatcher
 from .reveals import PROTOCOL, Reveal, fetch_reveal
 from .segments import SegmentRunner
@@ -54,6 +54,7 @@ log = logging.getLogger("shoal.verifier")
 REVEAL_TIMEOUT = 60.0
 REVEAL_RETRY_S = 3.0
 WITHHELD_SHUN_S = 600.0  # how long a prover that did not reveal is left out of our rounds
+LATE_SECRETS_TIMEOUT = 5.0  # a re-read of a round's secrets, after a prover refused us
 VERDICT_TIMEOUT = 180.0  # a referee fetches a reveal and re-runs a segment
 NOTIFY_TIMEOUT = 5.0
 
@@ -99,30 +100,29 @@ class Referee:
         """Our signed verdict on `prover`'s drawn segment; None when we asked too late
         (the prover no longer has to keep its work: no verdict either way)."""
         c = rnd.commitments[prover]
-        segment = rnd.draw.segment(prover, c.segments)
         self.counts["audits_done"] += 1
-        try:
-            reveal = await self._fetch(rnd, prover, segment)
-        except ValueError as e:  # it answered, with something that is no reveal
-            log.warning("%s revealed round %d malformed: %s", prover.short(), rnd.round, e)
-            verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
-            return self._count(verdict.signed(self.identity))
-        except (RemoteError, TransportError, OSError, TimeoutError) as e:
-            # Unreachable, or without its work (a restart loses it): what an honest
-            # peer that crashed looks like, and nothing a third party could check (a
-            # referee's word that no reveal came would let two referees frame anyone).
-            # No verdict: the prover is left out of our rounds for a while instead.
-            self.counts["audits_done"] -= 1
-            late = time.monotonic() - rnd.committed_at > self.retain_s / 2
-            if isinstance(e, RemoteError) and e.kind == "LookupError" and late:
-                log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
+        refused = False
+        while True:
+            segment = rnd.draw.segment(prover, c.segments)
+            try:
+                reveal = await self._fetch(rnd, prover, segment)
+                break
+            except ValueError as e:  # it answered, with something that is no reveal
+                log.warning("%s revealed round %d malformed: %s", prover.short(), rnd.round, e)
+                verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
+                return self._count(verdict.signed(self.identity))
+            except (RemoteError, TransportError, OSError, TimeoutError) as e:
+                refusal = isinstance(e, RemoteError) and e.kind == "PermissionError"
+                if refusal and not refused and await self._learn_late_secrets(rnd):
+                    refused = True  # (once: the second ask goes with the draw we share)
+                    if self.me in rnd.draw.referees(prover):
+                        continue
+                    self.counts["audits_done"] -= 1
+                    log.info("round %d: %s's draw had a secret ours lacked: not ours to "
+                             "audit", rnd.round, prover.short())  # fmt: skip
+                    return None
+                self._no_reveal(rnd, prover, e)
                 return None
-            self.counts["reveals_missing"] += 1
-            log.info("%s did not reveal round %d (%r): no verdict; left out of our rounds "
-                     "for %.0f s", prover.short(), rnd.round, e, WITHHELD_SHUN_S)  # fmt: skip
-            if self.shun is not None:
-                self.shun(prover, WITHHELD_SHUN_S)
-            return None
         seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
         loop = asyncio.get_running_loop()
         finding = await loop.run_in_executor(
@@ -140,6 +140,41 @@ class Referee:
             finding.flips, finding.bits, finding.norm_gap,
         )  # fmt: skip
         return self._count(verdict.signed(self.identity))
+
+    def _no_reveal(self, rnd: AuditRound, prover: PeerID, e: BaseException) -> None:
+        """Unreachable, or without its work (a restart loses it): what an honest peer
+        that crashed looks like, and nothing a third party could check (a referee's
+        word that no reveal came would let two referees frame anyone). No verdict:
+        the prover is left out of our rounds for a while instead."""
+        self.counts["audits_done"] -= 1
+        late = time.monotonic() - rnd.committed_at > self.retain_s / 2
+        if isinstance(e, RemoteError) and e.kind == "LookupError" and late:
+            log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
+            return
+        self.counts["reveals_missing"] += 1
+        log.info("%s did not reveal round %d (%r): no verdict; left out of our rounds "
+                 "for %.0f s", prover.short(), rnd.round, e, WITHHELD_SHUN_S)  # fmt: skip
+        if self.shun is not None:
+            self.shun(prover, WITHHELD_SHUN_S)
+
+    async def _learn_late_secrets(self, rnd: AuditRound) -> bool:
+        """Read the round's secrets from the DHT again; True when some were new here.
+
+        A prover refuses a referee its own draw does not name: its draw then holds a
+        secret ours lacks (our read of the DHT after the commit ended before that
+        member's record came; the prover learned ours with the request). That is no
+        withholding: once we hold the same secrets we agree on who audits whom."""
+        known = len(rnd.secrets)
+        try:
+            _, secrets = await gather(
+                self.dht, self.namespace, rnd.round, rnd.commitments, list(rnd.commitments),
+                LATE_SECRETS_TIMEOUT, rnd.secrets,
+            )  # fmt: skip
+        except Exception as e:
+            log.debug("re-reading round %d's secrets failed: %r", rnd.round, e)
+            return False
+        rnd.learn([[p.to_bytes(), secret] for p, secret in secrets.items()])
+        return len(rnd.secrets) > known
 
     async def _fetch(self, rnd: AuditRound, prover: PeerID, segment: int) -> Reveal:
         """The prover's reveal; a prover that cannot be reached is tried again until

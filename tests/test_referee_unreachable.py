@@ -4,6 +4,7 @@ It is tried again for a while, then left out of the referee's rounds."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -12,12 +13,14 @@ from typing import Any
 import pytest
 
 import shoal.peer.referee as referee_mod
+from shoal.dht.node import DHTNode
+from shoal.peer.audit_round import AuditRound, publish_record
 from shoal.peer.referee import WITHHELD_SHUN_S, Referee
 from shoal.peer.reveals import PROTOCOL
 from shoal.transport import rpc
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.evidence import Result, Verdict
-from shoal.verification.referees import RoundDraw
+from shoal.verification.referees import RoundDraw, new_secret
 
 from .verification_round import Round, commit, identities
 
@@ -136,3 +139,84 @@ async def test_an_audit_whose_draw_moved_is_dropped_without_an_error(
     assert audited == [prover] and sum(ref.disputes.values()) == 0
     await ref.audit_as_auditor(rnd, prover)  # type: ignore[arg-type]  # moved before it began
     assert audited == [prover] and sum(ref.disputes.values()) == 0
+
+
+async def late_secret_round(
+    make_host: Callable[..., Any], *, auditor_stays_referee: bool
+) -> tuple[AuditRound, Referee, PeerID, list[str], list[tuple[PeerID, float]], list[DHTNode]]:
+    """A round whose member `late` published its secret after the auditor's read of
+    the DHT: the auditor's draw lacks it, the prover's has it, and the prover refuses
+    the auditor (its draw names other referees). Returns (round, referee, prover's
+    id, the prover's answers so far, who the referee shunned)."""
+    nodes = []
+    for _ in range(3):  # the auditor, the prover, the late member
+        host = await make_host()
+        boot = [str(nodes[0].host.addresses()[0])] if nodes else []
+        nodes.append(await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0))
+    auditor, prover, late = nodes
+    others = identities(2, "quiet")  # members whose secrets the auditor has
+    ids = [auditor.host.identity, prover.host.identity, late.host.identity, *others]
+    for _ in range(1000):  # secrets until the late one moves the auditor as wanted
+        secrets = {i.peer_id: new_secret() for i in ids}
+        commitments = {i.peer_id: commit(i, secrets[i.peer_id]) for i in ids}
+        known = {p: s for p, s in secrets.items() if p != late.peer_id}
+        partial = RoundDraw.from_reveals(list(commitments.values()), known)
+        full = RoundDraw.from_reveals(list(commitments.values()), secrets)
+        stays = auditor.peer_id in full.referees(prover.peer_id)
+        if auditor.peer_id in partial.referees(prover.peer_id) and stays == auditor_stays_referee:
+            break
+    assert await publish_record(late, "exp", commitments[late.peer_id], secrets[late.peer_id])
+    answers: list[str] = []
+    service = rpc.RpcService(prover.host, PROTOCOL)
+
+    @service.stream("reveal")
+    async def refuse(ctx: Any, payload: Any) -> Any:
+        answers.append("refused")
+        raise PermissionError("only this round's referees of our work may ask")
+        yield  # (stream handlers are async generators)
+
+    shunned: list[tuple[PeerID, float]] = []
+    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
+    ref = Referee(
+        auditor, auditor.host.identity, task=None, num_shards=1, namespace="exp",
+        policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,
+        shun=lambda p, s: shunned.append((p, s)),
+    )  # type: ignore[arg-type]  # fmt: skip
+    rnd = AuditRound(7, None, commitments, known, partial, [], time.monotonic())  # type: ignore[arg-type]
+    return rnd, ref, prover.peer_id, answers, shunned, nodes
+
+
+@pytest.mark.timeout(60)
+async def test_a_prover_whose_draw_has_a_secret_ours_lacked_is_not_left_out(
+    make_host: Callable[..., Any],
+) -> None:
+    """The prover refuses us as a referee because its draw holds a secret our read of
+    the DHT missed: we read the round's secrets again, and once the draws agree that
+    we are none of its referees, we drop the audit; no withholding, nobody shunned."""
+    rnd, ref, prover, answers, shunned, nodes = await late_secret_round(
+        make_host, auditor_stays_referee=False
+    )
+    try:
+        assert await ref.audit(rnd, prover) is None
+        assert answers == ["refused"] and shunned == []
+        assert len(rnd.secrets) == 5 and not rnd.draw.withheld  # the late secret, learned
+        assert ref.counts["reveals_missing"] == 0 and ref.counts["audits_done"] == 0
+    finally:
+        await asyncio.gather(*(n.aclose() for n in nodes))
+
+
+@pytest.mark.timeout(60)
+async def test_a_prover_that_refuses_a_referee_of_the_shared_draw_is_left_out(
+    make_host: Callable[..., Any],
+) -> None:
+    """Once we hold every secret the prover could have, its draw is ours: a prover
+    that refuses a referee of that draw again withholds its work."""
+    rnd, ref, prover, answers, shunned, nodes = await late_secret_round(
+        make_host, auditor_stays_referee=True
+    )
+    try:
+        assert await ref.audit(rnd, prover) is None
+        assert answers == ["refused", "refused"]  # asked again with the shared draw
+        assert shunned == [(prover, WITHHELD_SHUN_S)] and ref.counts["reveals_missing"] == 1
+    finally:
+        await asyncio.gather(*(n.aclose() for n in nodes))
