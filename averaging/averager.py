@@ -420,7 +420,7 @@ class Averager:
             )
             if self.deadlines is not None:
                 self.deadlines.observe_round(
-                    self.dht.host, group, outcome.bytes_received, outcome.seconds
+                    self.dht.host, group, outcome.bytes_received, outcome.busy_seconds
                 )
             # form_group declared us busy; after an abort that declaration stays too.
             self._presence_at = time.monotonic()
@@ -445,10 +445,14 @@ class Averager:
                 )
             reason = outcome.reason
             self._aborted.append(group.round_id)
-            exclude.update(outcome.failed)
+            # Not only the members blamed: one silent for a while at the abort (stopped,
+            # or behind a loss spike) would likely make the retry wait out its stall too.
+            exclude.update(outcome.failed, outcome.quiet)
             log.info(
-                "%s: round aborted (%s); retrying without %d peers", self.key, reason, len(exclude)
-            )
+                "%s: round aborted (%s, stall %.1fs); retrying without %d peers (%d quiet)",
+                self.key, reason, stall or self._service.config.stall_timeout, len(exclude),
+                len(set(outcome.quiet) - set(outcome.failed)),
+            )  # fmt: skip
             if deadline.expired():
                 break
         return self._result(False, reason, started, attempts)

@@ -149,6 +149,12 @@ class AllReduceOutcome:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    # From the start to the last data received: what the links' rate is measured over
+    # (not an abort's wait for a member that went silent).
+    busy_seconds: float = 0.0
+    # After an abort: the other members we had not heard from for a while, `failed` or
+    # not (`CommitProtocol.quiet`). A retry with them would likely wait out another stall.
+    quiet: tuple[PeerID, ...] = ()
     # Not committed here, but others may have committed: this member voted READY and
     # never learned the decision. Its tensors are untouched; it must not assume it
     # holds the group's state.
@@ -312,6 +318,8 @@ class ButterflyRound:
             if self.n > 1:
                 await self.io.apply(self.data.encoded)
         failed = tuple(self.peers[j] for j in sorted(decision.failed) if j != self.me)
+        now = time.monotonic()
+        quiet = () if decision.commit else tuple(self.peers[j] for j in self.state.quiet(now))
         if not decision.commit:
             log.info(
                 "all-reduce %s aborted on %s: %s",
@@ -326,7 +334,9 @@ class ButterflyRound:
             failed=failed,
             bytes_sent=self.data.bytes_sent + self.link.control_sent,
             bytes_received=self.data.bytes_received + self.control_received,
-            seconds=time.monotonic() - started,
+            seconds=now - started,
+            busy_seconds=max(0.0, self.data.last_received_at - started) or now - started,
+            quiet=quiet,
             in_doubt=decision.in_doubt,
             commitments=self._commitments(),
             weights=self._weights() if decision.commit else {},

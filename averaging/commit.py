@@ -297,6 +297,17 @@ class CommitProtocol:
                 t.answers[src] = None
                 self._evaluate(now)
 
+    def quiet(self, now: float) -> tuple[int, ...]:
+        """The other members not heard from for a third of `stall_timeout` (and three
+        heartbeats at least), suspected or not. An adaptive stall is three times a
+        chunk's transfer, and a live member is heard at least once per chunk; one that
+        is silent this long at an abort has likely stopped. None when every other
+        member is: then the silence is more likely ours."""
+        threshold = max(self.stall_timeout / 3, 3 * self.heartbeat_interval)
+        others = [j for j in range(self.n) if j != self.me]
+        quiet = tuple(j for j in others if now - self.last_heard[j] > threshold)
+        return () if len(quiet) == len(others) else quiet
+
     def heard(self, src: int, now: float) -> None:
         """Proof of life from data traffic."""
         self._heard(src, now)

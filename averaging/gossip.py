@@ -156,7 +156,7 @@ class GossipAverager:
             group, self.tensors, weight, codec=self.config.codec, stall_timeout=self.stall_timeout
         )
         if self.deadlines is not None:
-            self.deadlines.observe_transfer(outcome.bytes_received, outcome.seconds)
+            self.deadlines.observe_transfer(outcome.bytes_received, outcome.busy_seconds)
             connection = self.dht.host.connection(partner)
             self.deadlines.observe_rtt(connection.rtt if connection is not None else None)
         if not outcome.committed:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -160,6 +161,9 @@ class DataPlane:
         self.encoded: list[tuple[int, int, memoryview]] = []
         self.bytes_sent = 0
         self.bytes_received = 0
+        # Monotonic time the last data came in: the links' rate is measured up to it
+        # (an abort's wait for a silent member says nothing of them).
+        self.last_received_at = 0.0
         self.complete = asyncio.Event()  # everything we need before READY is here
         # Planned now: streams into our part may come as soon as the round registered.
         # Pending: result lanes to receive + own lanes to reduce; per peer: those that
@@ -289,6 +293,7 @@ class DataPlane:
             into = bytes_of(self.result[a:b]) if encoded is None else encoded[c]
             nbytes = await call.recv_chunk_into(c, into)
             self.bytes_received += nbytes
+            self.last_received_at = time.monotonic()
             self.side.heard(j, nbytes)
             if encoded is not None:
                 try:
@@ -376,6 +381,7 @@ class DataPlane:
             into = bytes_of(slot[:size]) if self.raw else slot[:size]
             nbytes = await ctx.recv_chunk_into(c, into)
             self.bytes_received += nbytes
+            self.last_received_at = time.monotonic()
             self.side.heard(sender, nbytes)
             if not self.raw:
                 try:

@@ -421,6 +421,23 @@ def test_frozen_member_is_suspected_after_stall_timeout() -> None:
     assert net.stall <= done <= 0.1 + net.stall + net.hb + 0.2
 
 
+def test_members_silent_a_third_of_the_stall_at_an_abort_are_quiet_unless_all_are() -> None:
+    """The members a retry should leave out besides the blamed one: silent for a third
+    of the stall timeout (an adaptive stall is three chunk transfers; a live member is
+    heard once per chunk). When every other member is silent, the silence is ours."""
+    p = CommitProtocol(4, 0, 0.0, heartbeat_interval=1.0, stall_timeout=30.0)
+    p.heard(1, 9.0)
+    p.heard(2, 1.0)
+    p.heard(3, 9.5)
+    assert p.quiet(10.5) == ()  # #2 silent 9.5 s: not yet a third of 30 s
+    assert p.quiet(12.0) == (2,)
+    assert p.quiet(25.0) == ()  # everyone silent: likely us
+    few = CommitProtocol(3, 0, 0.0, heartbeat_interval=1.0, stall_timeout=3.0)
+    few.heard(1, 2.5)
+    assert few.quiet(2.9) == ()  # three heartbeats at least, however short the stall
+    assert few.quiet(3.1) == (2,)
+
+
 def test_frozen_decider_after_voting_ends_is_taken_over() -> None:
     net = SimNet(4, seed=9)
     for i in range(4):
@@ -920,6 +937,9 @@ async def test_a_stalled_member_is_detected_within_stall_timeout(
     assert survivors_agree(outs, -1) is False
     for o in outs:
         assert o.failed == (stalled.peer_id,) and "stalled" in o.reason
+        assert o.quiet == (stalled.peer_id,)  # a retry leaves it out (it is failed too)
+        # The links' rate is measured over the data, not over the wait for the silent one.
+        assert o.busy_seconds <= o.seconds - 0.5 * FAST["stall_timeout"]
     for ts, orig in zip(tensors, inputs, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(ts, orig, strict=True))
 
