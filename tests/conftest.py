@@ -14,8 +14,21 @@ from shoal.transport.identity import Identity
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
+# Tests that keep both cores busy (swarms of daemons or processes, containers, the
+# soak: those marked `slow` or `container`) run one after another on one xdist worker
+# (pyproject: `-n 2 --dist loadgroup`); the quick ones and the lab's own run beside
+# them on the other. Two such swarms at once would each see half the machine, and
+# their deadlines (the soak's commit gap) are about a swarm, not a scheduler.
+ONE_AT_A_TIME = pytest.mark.xdist_group("one-at-a-time")
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist reads the groups)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` are skipped, with the reason, where torch sees no CUDA GPU."""
+    """Slow tests join the one-at-a-time group; tests marked `gpu` are skipped, with the
+    reason, where torch sees no CUDA GPU."""
+    for item in items:
+        if item.get_closest_marker("slow") or item.get_closest_marker("container"):
+            item.add_marker(ONE_AT_A_TIME)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from daemon_harness import die_with_parent
 
+pytestmark = pytest.mark.slow  # swarms of processes
+
 PEER_SCRIPT = str(Path(__file__).with_name("averaging_peer.py"))
 
 

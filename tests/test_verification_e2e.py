@@ -14,6 +14,8 @@ import pytest
 
 from .daemon_harness import TINY_TASK, Daemon, wait_for
 
+pytestmark = pytest.mark.slow  # swarms of daemons
+
 CHEATER_CODE = Path(__file__).parent / "cheater"
 LIAR_CODE = Path(__file__).parent / "liar"
 ROUNDS = {
