@@ -65,6 +65,7 @@ from .matchmaking import (
     NeedsResync,
     NobodyElse,
 )
+from .reducer import NOTHING_TO_AVERAGE
 from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
 from .state_sync import (
     NoHolders,
@@ -445,6 +446,10 @@ class Averager:
                 )
             reason = outcome.reason
             self._aborted.append(group.round_id)
+            if reason == NOTHING_TO_AVERAGE:
+                # Everyone here just loaded the state (weight 0): a retry would group the
+                # same peers again. Back to training; the next round carries our work.
+                break
             # Not only the members blamed: one silent for a while at the abort (stopped,
             # or behind a loss spike) would likely make the retry wait out its stall too.
             exclude.update(outcome.failed, outcome.quiet)

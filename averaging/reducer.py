@@ -29,6 +29,7 @@ from .partition import Span
 from .round_errors import Veto
 
 __all__ = [
+    "NOTHING_TO_AVERAGE",
     "REDUCTIONS",
     "CenteredClip",
     "ChunkJob",
@@ -39,6 +40,10 @@ __all__ = [
     "make_reduction",
     "reduce_chunk",
 ]
+
+# The veto of a group whose members all contribute weight 0 (peers that just loaded the
+# state, catching up): the same group would only veto again.
+NOTHING_TO_AVERAGE = "the total weight of the group is zero"
 
 # One member's contribution to a chunk: our own float32 input, another member's
 # float32 slot (uncompressed), or its checked encoded bytes (with a codec).
@@ -120,7 +125,7 @@ class LaneReducer:
             members = sorted(self.weights)
             total = math.fsum(self.weights[i] for i in members)
             if total <= 0:
-                raise Veto("the total weight of the group is zero")
+                raise Veto(NOTHING_TO_AVERAGE)
             self._order = tuple(
                 (i, self.weights[i] / total) for i in members if self.weights[i] > 0
             )

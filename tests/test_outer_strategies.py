@@ -27,6 +27,7 @@ from shoal.averaging.outer import (
     nesterov_outer_step,
     resolve_options,
 )
+from shoal.averaging.reducer import NOTHING_TO_AVERAGE
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 
@@ -239,6 +240,20 @@ async def test_a_lone_peer_takes_its_outer_steps_alone_and_a_joiner_gets_its_pro
     together = await asyncio.gather(peer.train(2), joiner.train(2))
     assert [r[0].group_size for r in together] == [2, 2]
     assert peer.strategy.fingerprint() == joiner.strategy.fingerprint()
+
+
+@pytest.mark.timeout(60)
+async def test_a_group_of_peers_that_all_bring_weight_0_is_not_formed_again_at_once(
+    swarm: Callable[..., Any],
+) -> None:
+    """Peers that just loaded the state join the next round with weight 0 (to be in
+    step after it). A group of only such peers has nothing to average: its round is
+    vetoed, and forming the same group again would only be vetoed again (the soak:
+    four such retries, 16 s, in its longest gap). The step ends after the first."""
+    peers = await swarm("diloco", 3, {"inner_steps": 2})
+    results = await asyncio.gather(*(p.strategy.averager.step(0.0, timeout=8.0) for p in peers))
+    assert [r.reason for r in results] == [NOTHING_TO_AVERAGE] * 3
+    assert [r.attempts for r in results] == [1, 1, 1] and not any(r.committed for r in results)
 
 
 @pytest.mark.timeout(60)
