@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -12,6 +13,13 @@ from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Two workers share the cores: torch's intra-op threads, one per core in each
+    # worker and in each daemon a test starts, would oversubscribe them, and
+    # spinning OpenMP threads made a 2 s training test take 72 s beside a swarm.
+    # (Set before torch loads; inherited by the processes tests start.)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # Tests that keep both cores busy (swarms of daemons or processes, containers, the

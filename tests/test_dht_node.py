@@ -410,13 +410,15 @@ async def _raw_store(sender: DHTNode, target: DHTNode, records: list[Record]) ->
 async def test_fifty_owners_merge_and_a_forged_subkey_is_absent_from_every_read(
     swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(50)
+    # (What is checked is the merge, not latency: replies slowed by a busy machine must
+    # still count, or a read returns fewer owners than were stored.)
+    nodes = await swarm(50, hop_timeout=5.0)
     exp = time.time() + 120
     for i, n in enumerate(nodes):
         assert await n.store("roster", f"hello from {i}", exp, subkey=owner_marker(n.peer_id))
     # An attacker (not an owner) writes under nodes[0]'s subkey, with a later
     # expiration, to every node: once signed with its own key, once unsigned.
-    attacker = (await swarm(1))[0]
+    attacker = (await swarm(1, hop_timeout=5.0))[0]
     victim = owner_marker(nodes[0].peer_id)
     forged = Record("roster", victim, msgpack.packb("forged"), exp + 60)
     for target in nodes:
