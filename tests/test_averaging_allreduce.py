@@ -450,6 +450,23 @@ def test_frozen_decider_after_voting_ends_is_taken_over() -> None:
     assert done <= net.stall + net.hb + net.decision
 
 
+def test_a_decider_stopped_before_deciding_does_not_commit_what_the_others_aborted() -> None:
+    """Member 0 (ballot 0, the only one that may originate COMMIT) is stopped before it
+    read the votes sent to it. The others suspect it and abort without it. When it
+    resumes it must not commit on the votes it finds waiting: it learns the abort.
+    (The case the protocol does not cover: a decider stopped after it decided COMMIT
+    and before anyone heard; it commits alone and is named failed by the others.)"""
+    net = SimNet(4, seed=11)
+    net.freeze(0, 0.0, until=20.0)
+    for i in range(4):
+        net.ready(i, 0.01)
+    net.run(until=60)
+    d = assert_survivors_agree(net)
+    assert not d.commit and 0 in d.failed
+    back = net.members[0].decision
+    assert back is not None and not back.commit
+
+
 def test_a_resumed_member_learns_the_survivors_decision() -> None:
     net = SimNet(4, seed=10)
     net.freeze(3, 0.05, until=20.0)
