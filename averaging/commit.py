@@ -15,38 +15,50 @@ may take any ABORT decision (or, if no decider speaks up within
 
 Deciders and ballots. A decision is ``(ballot, commit)``; ballot b belongs to
 member ``b % n``. Member 0 decides at ballot 0 and is the only one who may
-*originate* COMMIT: it does so iff it holds READY from every member. A member
-applies (and relays to everyone not named failed) the first decision it
+*originate* COMMIT: it proposes it iff it holds READY from every member. A
+member applies (and relays to everyone not named failed) the first decision it
 receives whose ballot is not below the highest ballot it promised. Every
 message's reply is the receiver's status, decision included, so a decision
 also spreads through heartbeats.
 
+Accepting before deciding (Paxos phase 2). A decider that could be contradicted
+does not decide at once: it *proposes* (its status carries the proposal,
+``accepted``), every member that has promised no higher ballot accepts it (its
+status says so, its promise rises to that ballot), and the decider decides once
+every member it does not suspect has accepted. Without this, member 0 stopped
+(SIGSTOP) between deciding COMMIT and telling anyone would wake up committed
+while the others, finding nothing, aborted and retried with the same inputs:
+those inputs would count twice. Now it wakes up with a proposal nobody
+accepted, and learns their ABORT. Every COMMIT goes through phase 2, and so
+does a takeover's ABORT; an ABORT that nothing can contradict is decided at
+once: member 0's at ballot 0 (it proposed no COMMIT there, and COMMIT has no
+other origin) and any ABORT once a veto is known.
+
 Takeover. When every member below k is suspected (dead or stalled), member k
 leads once it has voted: it picks a ballot b it owns above every ballot it has
 seen, sends PREPARE(b) to all non-suspected members and waits for each to
-answer (or to become suspected). A member answers with its status and
-promises to ignore decisions of lower ballots from then on. The leader adopts
-the decision with the highest ballot among the answers; if none has one it
-decides ABORT (a leader never originates COMMIT). A leader that meets a higher
-ballot stands back while that ballot's owner is alive (for at most
-``decision_timeout``).
+answer (or to become suspected). A member answers with its status (decision
+and accepted proposal) and promises to ignore decisions and proposals of lower
+ballots from then on. The leader takes the value with the highest ballot among
+the answers and its own accepted proposal: a decision reported is decided at
+once, an accepted proposal is proposed again at b; with none it proposes ABORT
+(a leader never originates COMMIT). A leader that meets a higher ballot stands
+back while that ballot's owner is alive (for at most ``decision_timeout``).
 
-Why survivors agree. COMMIT exists only if every member voted READY, so a
-veto and a COMMIT never coexist. Suppose a member X applied COMMIT(b0) and a
-later leader decides ABORT at b > b0: every member that answered the leader
-either had no decision when it promised (and then ignores COMMIT(b0)
-forever) or reported one (and the leader would have adopted the highest, not
-ABORT, unless it saw a higher ABORT, which by induction was decided the same
-way). So X did not answer: the leader suspected X, and X is listed in the
-decision's ``failed``. The guarantee: every member not named in the
-highest-ballot decision's ``failed`` ends with that decision, or (only when
-links between live members break) knows it is *in doubt*. With crash failures
-(kill -9, a process that stays stopped) suspicion is accurate and all
-survivors decide alike. A member suspected while merely slow (SIGSTOP, a cut
-link) may have decided otherwise; it is named in ``failed``, so the caller
-retries without it, and a state version that moves only on commit keeps a
-member that missed a commit from mixing stale tensors into a later round.
-(Tested on a simulated network: `tests/test_averaging_allreduce.py`.)
+Why everyone agrees. COMMIT exists only if every member voted READY, so a veto
+and a COMMIT never coexist. A value decided at ballot b0 was accepted by every
+member its decider did not suspect, each before promising anything higher; a
+later leader that heard from any of them, or is one, finds it (or a value of a
+higher ballot, by induction the same) and proposes nothing else. A member
+stopped or cut off at any point (before proposing, after proposing, after
+deciding) therefore never ends with a value the others did not take, unless
+the others' leader heard from none of the members that accepted it: that
+takes links between live members broken both ways (two sides suspecting each
+other), and then every member not named in the highest-ballot decision's
+``failed`` ends with that decision, or knows it is *in doubt*. A member named
+in ``failed`` is retried without, and a state version that moves only on commit
+keeps a member that missed a commit from mixing stale tensors into a later
+round. (Tested on a simulated network: `tests/test_averaging_allreduce.py`.)
 
 Liveness. Every member heartbeats its status to every other one; nothing
 heard from a member for ``stall_timeout`` makes it suspected (a lost
@@ -104,13 +116,15 @@ class Status(NamedTuple):
     decision: Decision | None
     promised: int
     progress: int  # data-phase progress counter (bytes received)
+    accepted: Decision | None  # the highest-ballot proposal it accepted (not yet decided)
 
 
 class Send(NamedTuple):
     dest: int
     message: list[Any]
-    # "heartbeat" (may be dropped while one is in flight), "vote", "prepare",
-    # "decision" (originated here: the driver waits for its delivery), "relay".
+    # "heartbeat" (may be dropped while one is in flight), "vote", "prepare", "accept"
+    # (a proposal), "decision" (originated here: the driver waits for its delivery),
+    # "relay".
     kind: str
 
 
@@ -136,6 +150,12 @@ def _check_members(v: object, n: int, what: str) -> tuple[int, ...]:
     return tuple(sorted({_check_int(i, 0, n - 1, what) for i in v}))
 
 
+def _wire(d: Decision | None) -> list[Any] | None:
+    if d is None or d.ballot < 0:
+        return None
+    return [d.ballot, d.commit, d.reason, sorted(d.failed)]
+
+
 def _parse_decision(v: object, n: int) -> Decision | None:
     if v is None:
         return None
@@ -153,8 +173,8 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
         raise ControlError("control message must be a non-empty list")
     if msg[0] == "P" and len(msg) == 2:
         return "P", _check_int(msg[1], 1, MAX_BALLOT, "ballot")
-    if msg[0] == "S" and len(msg) == 8:
-        _, vote, reason, suspects, ak, decision, promised, progress = msg
+    if msg[0] == "S" and len(msg) == 9:
+        _, vote, reason, suspects, ak, decision, promised, progress, accepted = msg
         if not isinstance(ak, bool):
             raise ControlError("bad abort flag")
         return "S", Status(
@@ -165,6 +185,7 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
             _parse_decision(decision, n),
             _check_int(promised, 0, MAX_BALLOT, "promised ballot"),
             _check_int(progress, 0, (1 << 63) - 1, "progress"),
+            _parse_decision(accepted, n),
         )
     raise ControlError(f"unknown control message {str(msg[0])[:20]!r}")
 
@@ -173,7 +194,14 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
 class _Takeover:
     ballot: int
     waiting: set[int]
-    answers: dict[int, Decision | None] = field(default_factory=dict)
+    # Per member that promised: the decision it reported, and the proposal it accepted.
+    answers: dict[int, tuple[Decision | None, Decision | None]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Proposal:
+    decision: Decision
+    waiting: set[int]  # members yet to accept it
 
 
 class CommitProtocol:
@@ -214,6 +242,8 @@ class CommitProtocol:
         self._promised_at = now
         self.max_ballot = promised
         self.decision: Decision | None = None
+        self.accepted: Decision | None = None  # phase 2: accepted, not decided (yet)
+        self._proposal: _Proposal | None = None  # ours, waiting to be accepted
         self.progress = 0
         self.last_progress = now  # anything changed (ours or anyone's state)
         self._data_at = now  # our own data progress (the data watchdog's clock)
@@ -238,14 +268,11 @@ class CommitProtocol:
         return next(j for j in range(self.n) if j not in self.suspected)
 
     def status(self) -> list[Any]:
-        d = self.decision
-        wire = None
-        if d is not None and d.ballot >= 0:
-            wire = [d.ballot, d.commit, d.reason, sorted(d.failed)]
         reason = self.veto[0] if self.veto else self.abort_reason
         suspects = list(self.veto[1]) if self.veto else []
         ak, promised, progress = self.abort_known, self.promised, self.progress
-        return ["S", self.vote, reason, suspects, ak, wire, promised, progress]
+        decision, accepted = _wire(self.decision), _wire(self.accepted)
+        return ["S", self.vote, reason, suspects, ak, decision, promised, progress, accepted]
 
     def take_messages(self) -> list[Send]:
         out, self._out = self._out, []
@@ -294,7 +321,14 @@ class CommitProtocol:
             t = self._takeover
             if t is not None and src in t.waiting:
                 t.waiting.discard(src)
-                t.answers[src] = None
+                t.answers[src] = (None, None)
+                self._evaluate(now)
+        elif kind == "accept":
+            # Not started (still), so it never voted: the proposal can only be an ABORT,
+            # and its promise (recorded with our PREPARE) bars any older ballot.
+            p = self._proposal
+            if p is not None and src in p.waiting and not p.decision.commit:
+                p.waiting.discard(src)
                 self._evaluate(now)
 
     def quiet(self, now: float) -> tuple[int, ...]:
@@ -329,6 +363,8 @@ class CommitProtocol:
             self._out.append(Send(self.leader(), self.status(), "vote"))
         if self._takeover is not None:
             self._takeover.waiting.discard(peer)
+        if self._proposal is not None:
+            self._proposal.waiting.discard(peer)
         self._evaluate(now)
 
     def ready(self, now: float) -> None:
@@ -410,6 +446,8 @@ class CommitProtocol:
             self.last_progress = now
             if self._takeover is not None and self._takeover.ballot < ballot:
                 self._takeover = None  # a higher ballot runs: stand back
+            if self._proposal is not None and self._proposal.decision.ballot < ballot:
+                self._proposal = None  # (what we accepted goes to its leader)
         self._evaluate(now)
 
     def _absorb(self, src: int, st: Status, now: float) -> None:
@@ -425,16 +463,53 @@ class CommitProtocol:
         if st.abort_known:
             self._know_abort(st.reason, now)
         self.max_ballot = max(self.max_ballot, st.promised)
+        if st.accepted is not None:
+            self._accept(src, st.accepted, now)
         t = self._takeover
         if t is not None and src in t.waiting:
             if st.promised == t.ballot:
                 t.waiting.discard(src)
-                t.answers[src] = st.decision
+                t.answers[src] = (st.decision, st.accepted)
             elif st.promised > t.ballot:
                 self._takeover = None
+        p = self._proposal
+        if p is not None and src in p.waiting:
+            mine = p.decision
+            if (st.accepted is not None and st.accepted.ballot == mine.ballot) or (
+                st.decision is not None and st.decision.commit == mine.commit
+            ):
+                p.waiting.discard(src)
+            # (One that promised a higher ballot will not accept: its leader asks us.)
         if st.decision is not None:
             self._adopt(st.decision, now, src)
         self._evaluate(now)
+
+    def _accept(self, src: int, d: Decision, now: float) -> None:
+        """Phase 2: the owner of ballot d.ballot proposes d. Accepting it promises that
+        ballot (a proposal is final for its ballot: no other value can be asked for it)."""
+        if (
+            self.decision is None
+            and src == d.ballot % self.n
+            and d.ballot >= self.promised
+            and (self.accepted is None or d.ballot > self.accepted.ballot)
+        ):
+            self.accepted = d
+            self.last_progress = now
+            if d.ballot > self.promised:
+                self.promised = d.ballot
+                self._promised_at = now
+
+    def _propose(self, d: Decision, now: float) -> None:
+        """Decide `d` only once every member not suspected has accepted it (its owner,
+        we accept it first): a decider stopped before then decided nothing, and any
+        later leader finds `d` with one of them, itself included."""
+        self.accepted = d
+        self.last_progress = now
+        waiting = {j for j in range(self.n) if j != self.me and j not in self.suspected}
+        self._proposal = _Proposal(d, waiting)
+        status = self.status()
+        for j in sorted(waiting):
+            self._out.append(Send(j, status, "accept"))
 
     def _adopt(self, d: Decision, now: float, src: int) -> None:
         # With a veto known, COMMIT exists nowhere: any ABORT is safe to take, whatever
@@ -449,7 +524,7 @@ class CommitProtocol:
     def _decide(self, d: Decision, now: float, *, kind: str | None) -> None:
         """Decide `d`; `kind`: how to spread it ("decision": ours, "relay", None)."""
         self.decision = d
-        self._takeover = None
+        self._takeover = self._proposal = None
         self.last_progress = now
         if d.ballot >= 0 and kind is not None:
             status = self.status()
@@ -483,7 +558,19 @@ class CommitProtocol:
         return self.abort_reason or "aborted"
 
     def _evaluate(self, now: float) -> None:
-        if self.decision is not None or self.leader() != self.me:
+        if self.decision is not None:
+            return
+        p = self._proposal
+        if p is not None:
+            if not p.waiting:  # accepted by every member not suspected: chosen
+                d = p.decision
+                self._decide(
+                    Decision(d.ballot, d.commit, d.reason, d.failed | self._failed()),
+                    now,
+                    kind="decision",
+                )
+            return
+        if self.leader() != self.me:
             return
         if self._deferring() and now < self._promised_at + self.decision_timeout:
             return
@@ -494,7 +581,7 @@ class CommitProtocol:
                     Decision(0, False, self._reason(), self._failed()), now, kind="decision"
                 )
             elif self.vote == READY and len(self.ready_from) == self.n - 1:
-                self._decide(Decision(0, True, "", self._failed()), now, kind="decision")
+                self._propose(Decision(0, True, "", self._failed()), now)
             elif any(j not in self.ready_from for j in self.suspected):
                 self._decide(
                     Decision(0, False, self._reason(), self._failed()), now, kind="decision"
@@ -517,13 +604,21 @@ class CommitProtocol:
                 self._out.append(Send(j, ["P", ballot], "prepare"))
         if t.waiting:
             return
-        known = [d for d in t.answers.values() if d is not None]
-        if known:
-            best = max(known, key=lambda d: d.ballot)
-            d = Decision(t.ballot, best.commit, best.reason, best.failed | self._failed())
-        else:
+        decided = [d for d, _ in t.answers.values() if d is not None]
+        accepted = [a for _, a in t.answers.values() if a is not None]
+        if self.accepted is not None:
+            accepted.append(self.accepted)
+        best = max(decided + accepted, key=lambda d: d.ballot, default=None)
+        if best is None:
             d = Decision(t.ballot, False, self._reason(), self._failed())
-        self._decide(d, now, kind="decision")
+        else:
+            d = Decision(t.ballot, best.commit, best.reason, best.failed | self._failed())
+        if (best is not None and best in decided) or (self.abort_known and not d.commit):
+            # Decided already (by its owner, after its own phase 2 where one was needed),
+            # or an ABORT while a veto rules out COMMIT everywhere: nothing can differ.
+            self._decide(d, now, kind="decision")
+        else:
+            self._propose(d, now)
 
     def _give_up(self, now: float) -> None:
         failed = self._failed()

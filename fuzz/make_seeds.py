@@ -309,7 +309,8 @@ def seeds() -> dict[str, list[bytes]]:
         "dht_records": [msgpack.packb(rec.to_wire(), use_bin_type=True)],
         "allreduce_control": [
             msgpack.packb(["P", 3]),
-            msgpack.packb(["S", 1, "ok", [2], False, [3, 1, "r", [4]], 2, 100]),
+            msgpack.packb(["S", 1, "ok", [2], False, [3, True, "r", [4]], 2, 100, None]),
+            msgpack.packb(["S", 1, "", [], False, None, 0, 100, [0, True, "", [4]]]),
         ],
         "matchmaking_declarations": [
             msgpack.packb(

@@ -35,7 +35,7 @@ from shoal.averaging.allreduce import (
     AllReduceOutcome,
     AllReduceService,
 )
-from shoal.averaging.commit import READY, CommitProtocol, Decision, parse_message
+from shoal.averaging.commit import READY, CommitProtocol, Decision, Send, parse_message
 from shoal.averaging.compression import get_codec
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.partition import Plan, partition, split_even
@@ -155,6 +155,10 @@ class SimNet:
     ever_frozen: set[int] = field(default_factory=set)
     crash_plan: dict[int, tuple[str, int]] = field(default_factory=dict)
     die_on_decide: set[int] = field(default_factory=set)  # decides, then dies silently
+    # Proposes a decision (phase 2), then dies / is stopped (until the time given) before
+    # anything of it is sent.
+    die_on_propose: set[int] = field(default_factory=set)
+    stop_on_propose: dict[int, float] = field(default_factory=dict)
     cuts: set[frozenset[int]] = field(default_factory=set)  # pairs whose link is cut
     voted_ready: set[int] = field(default_factory=set)
     decided_at: dict[int, float] = field(default_factory=dict)
@@ -193,9 +197,21 @@ class SimNet:
 
     def pump(self, i: int) -> None:
         """Send what member i queued (unless a crash plan kills it midway)."""
-        if i in self.die_on_decide and self.members[i].decided:
+        m = self.members[i]
+        if i in self.die_on_decide and m.decided:
             self._note(i)
             self.kill(i)
+            return
+        proposing = m.accepted is not None and m.accepted.ballot % self.n == i
+        if proposing and i in self.die_on_propose:
+            self.kill(i)
+            return
+        if proposing and i in self.stop_on_propose:
+            until = self.stop_on_propose.pop(i)
+            outgoing = m.take_messages()
+            self.frozen.add(i)
+            self.ever_frozen.add(i)
+            self.at(until, lambda: self._resume(i, outgoing))
             return
         for s in self.members[i].take_messages():
             if i in self.dead:
@@ -231,6 +247,9 @@ class SimNet:
                     self.members[src].on_reply(dest, status, self.now, kind)
                     self.pump(src)
 
+            if dest in self.frozen:  # stopped while handling it: the reply waits too
+                self._held.setdefault(dest, []).append(answer)
+                return
             self.at(self.now + self._latency(), answer)
 
         self.at(self.now + self._latency(), deliver)
@@ -296,15 +315,18 @@ class SimNet:
                 self.frozen.add(i)
                 self.ever_frozen.add(i)
 
-        def resume() -> None:
-            if i in self.frozen:
-                self.frozen.discard(i)
-                for fn in self._held.pop(i, []):
-                    self.at(self.now, fn)
-
         self.at(t, stop)
         if until is not None:
-            self.at(until, resume)
+            self.at(until, lambda: self._resume(i))
+
+    def _resume(self, i: int, outgoing: list[Send] | tuple[()] = ()) -> None:
+        """SIGCONT: what reached i meanwhile is read, what it had queued goes out."""
+        if i in self.frozen:
+            self.frozen.discard(i)
+            for fn in self._held.pop(i, []):
+                self.at(self.now, fn)
+            for s in outgoing:
+                self._send(i, s.dest, s.message, s.kind)
 
     def run(self, until: float) -> None:
         for _ in range(1_000_000):
@@ -398,15 +420,62 @@ def test_decider_killed_mid_broadcast_survivors_commit_through_relays() -> None:
     assert max(net.decided_at.values()) < 0.2  # no takeover, no heartbeat was needed
 
 
-def test_decider_killed_before_broadcasting_survivors_abort_by_takeover() -> None:
+def test_decider_killed_after_everyone_accepted_commit_survivors_commit_by_takeover() -> None:
     net = SimNet(5, seed=6)
-    net.die_on_decide.add(0)  # decided COMMIT, told nobody, died
+    net.die_on_decide.add(0)  # everyone accepted its COMMIT; it decided, told nobody, died
+    for i in range(5):
+        net.ready(i, 0.01 * i)
+    net.run(until=60)
+    d = assert_survivors_agree(net)
+    assert d.commit and 0 in d.failed and d.ballot > 0
+    assert max(net.decided_at.values()) < 0.5
+
+
+def test_decider_killed_after_proposing_commit_before_anyone_heard_survivors_abort() -> None:
+    net = SimNet(5, seed=6)
+    net.die_on_propose.add(0)
     for i in range(5):
         net.ready(i, 0.01 * i)
     net.run(until=60)
     d = assert_survivors_agree(net)
     assert not d.commit and 0 in d.failed and d.ballot > 0
     assert max(net.decided_at.values()) < 0.5
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_a_decider_stopped_after_proposing_commit_learns_the_abort_and_commits_nothing(
+    n: int,
+) -> None:
+    """The soak's case: member 0 had every READY and would commit, then was SIGSTOPped
+    for 24 s before its proposal left. The others took over and aborted (and retried
+    without it, with the same inputs). It must not commit on resuming: that would count
+    their inputs twice. COMMIT is decided only once every live member accepted it."""
+    net = SimNet(n, seed=12)
+    net.stop_on_propose[0] = 24.0
+    for i in range(n):
+        net.ready(i, 0.01 * i)
+    net.run(until=120)
+    d = assert_survivors_agree(net)
+    assert not d.commit and 0 in d.failed
+    back = net.members[0].decision
+    assert back is not None and not back.commit
+
+
+def test_a_takeover_leader_stopped_after_proposing_leaves_its_proposal_with_the_others() -> None:
+    """Member 0 dies after its COMMIT reached members 1 and 2, not 3. Member 1 takes over,
+    proposes COMMIT at its ballot and is stopped before that leaves. Member 2 takes over
+    next: it accepted COMMIT itself, so COMMIT is what everyone ends with, member 1 too
+    once it resumes."""
+    net = SimNet(4, seed=13)
+    net.crash_plan[0] = ("accept", 2)  # two accept requests leave, then it dies
+    net.stop_on_propose[1] = 40.0
+    for i in range(4):
+        net.ready(i, 0.01 * i)
+    net.run(until=120)
+    d = assert_survivors_agree(net)
+    assert d.commit and {0, 1} <= d.failed
+    back = net.members[1].decision
+    assert back is not None and back.commit
 
 
 def test_frozen_member_is_suspected_after_stall_timeout() -> None:
@@ -453,9 +522,7 @@ def test_frozen_decider_after_voting_ends_is_taken_over() -> None:
 def test_a_decider_stopped_before_deciding_does_not_commit_what_the_others_aborted() -> None:
     """Member 0 (ballot 0, the only one that may originate COMMIT) is stopped before it
     read the votes sent to it. The others suspect it and abort without it. When it
-    resumes it must not commit on the votes it finds waiting: it learns the abort.
-    (The case the protocol does not cover: a decider stopped after it decided COMMIT
-    and before anyone heard; it commits alone and is named failed by the others.)"""
+    resumes it must not commit on the votes it finds waiting: it learns the abort."""
     net = SimNet(4, seed=11)
     net.freeze(0, 0.0, until=20.0)
     for i in range(4):
@@ -500,8 +567,15 @@ def test_random_failures_never_split_the_survivors(seed: int) -> None:
     for v in victims:
         t = rng.uniform(0, 1.2)
         t_fail = max(t_fail, t)
-        mode = rng.choice(["kill", "kill", "freeze", "freeze-resume", "mid-broadcast"])
-        if mode == "kill":
+        mode = rng.choice(
+            ["kill", "kill", "freeze", "freeze-resume", "mid-broadcast", "at-proposal"]
+        )
+        if mode == "at-proposal":  # a decider stopped or killed with its proposal unsent
+            if rng.random() < 0.5:
+                net.die_on_propose.add(v)
+            else:
+                net.stop_on_propose[v] = t + rng.choice([math.inf, rng.uniform(0.5, 30)])
+        elif mode == "kill":
             net.kill_at(v, t)
         elif mode == "freeze":
             net.freeze(v, t)
@@ -510,17 +584,18 @@ def test_random_failures_never_split_the_survivors(seed: int) -> None:
         elif rng.random() < 0.3:
             net.die_on_decide.add(v)
         else:
-            net.crash_plan[v] = (rng.choice(["decision", "relay", "vote"]), rng.randrange(n))
+            kinds = ["decision", "relay", "vote", "accept"]
+            net.crash_plan[v] = (rng.choice(kinds), rng.randrange(n))
     net.run(until=300)
     d = assert_survivors_agree(net)
     # Bounded: nobody waits longer than detection plus the decision protocol.
     bound = t_fail + 1.0 + 2 * (net.stall + net.decision) + net.hb
     assert all(net.decided_at[i] <= bound for i in net.survivors())
-    # A member that came back may have decided otherwise only if the survivors gave it up.
+    # A member that came back (stopped, then resumed) never decided otherwise: had it
+    # committed what the others aborted, their retry would count inputs twice.
     for i in net.ever_frozen - net.dead:
         mine = net.members[i].decision
-        if mine is not None and mine.commit != d.commit:
-            assert i in d.failed
+        assert mine is None or mine.in_doubt or mine.commit == d.commit, (i, str(mine))
 
 
 @pytest.mark.parametrize("seed", range(150))
@@ -553,6 +628,8 @@ def test_cut_links_split_only_members_the_others_named_failed(seed: int) -> None
 def test_control_messages_are_validated() -> None:
     ok = CommitProtocol(3, 0, 0.0).status()
     assert parse_message(ok, 3)[0] == "S"
+    proposal = ["S", 1, "", [], False, None, 0, 0, [0, True, "", [2]]]
+    assert parse_message(proposal, 3)[1].accepted == Decision(0, True, "", frozenset({2}))
     assert parse_message(["P", 5], 3) == ("P", 5)
     bad = [
         None,
@@ -561,13 +638,15 @@ def test_control_messages_are_validated() -> None:
         ["P", 0],
         ["P", "1"],
         ["P", 1 << 40],
-        ["S", 7, "", [], False, None, 0, 0],
-        ["S", 1, "x" * 5000, [], False, None, 0, 0],
-        ["S", 1, "", [9], False, None, 0, 0],
-        ["S", 1, "", [], "yes", None, 0, 0],
-        ["S", 1, "", [], False, [0, "maybe", "", []], 0, 0],
-        ["S", 1, "", [], False, None, -1, 0],
-        ["S", 1, "", [], False, None, 0, -5],
+        ["S", 1, "", [], False, None, 0, 0],  # protocol 1.x: no accepted proposal
+        ["S", 7, "", [], False, None, 0, 0, None],
+        ["S", 1, "x" * 5000, [], False, None, 0, 0, None],
+        ["S", 1, "", [9], False, None, 0, 0, None],
+        ["S", 1, "", [], "yes", None, 0, 0, None],
+        ["S", 1, "", [], False, [0, "maybe", "", []], 0, 0, None],
+        ["S", 1, "", [], False, None, -1, 0, None],
+        ["S", 1, "", [], False, None, 0, -5, None],
+        ["S", 1, "", [], False, None, 0, 0, [0, True, "", [7]]],
     ]
     for msg in bad:
         with pytest.raises(ValueError):
