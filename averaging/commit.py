@@ -76,8 +76,9 @@ after being stopped (a long gap between ticks) gives everyone a fresh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from .ballots import MAX_BALLOT, Ballots, Decision
 
 __all__ = [
     "NO_VOTE",
@@ -93,17 +94,7 @@ __all__ = [
 
 NO_VOTE, READY, VETO = 0, 1, 2
 MAX_REASON = 1000
-MAX_BALLOT = (1 << 31) - 1
 _LOCAL = -1  # ballot of a conclusion reached alone (a give-up): never relayed
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    ballot: int
-    commit: bool
-    reason: str  # "" for a commit
-    failed: frozenset[int]  # members the decider believed dead or faulty
-    in_doubt: bool = False  # a give-up after voting READY: others may have committed
 
 
 class Status(NamedTuple):
@@ -190,20 +181,6 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
     raise ControlError(f"unknown control message {str(msg[0])[:20]!r}")
 
 
-@dataclass(slots=True)
-class _Takeover:
-    ballot: int
-    waiting: set[int]
-    # Per member that promised: the decision it reported, and the proposal it accepted.
-    answers: dict[int, tuple[Decision | None, Decision | None]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Proposal:
-    decision: Decision
-    waiting: set[int]  # members yet to accept it
-
-
 class CommitProtocol:
     """One member's view of one round's decision. All methods take the current time."""
 
@@ -238,17 +215,12 @@ class CommitProtocol:
         self.abort_known = False  # a veto exists: every decision can only be ABORT
         self._abort_known_at = math.inf
         self.abort_reason = ""
-        self.promised = promised
-        self._promised_at = now
-        self.max_ballot = promised
+        self.ballots = Ballots(n, me, now, promised)
         self.decision: Decision | None = None
-        self.accepted: Decision | None = None  # phase 2: accepted, not decided (yet)
-        self._proposal: _Proposal | None = None  # ours, waiting to be accepted
         self.progress = 0
         self.last_progress = now  # anything changed (ours or anyone's state)
         self._data_at = now  # our own data progress (the data watchdog's clock)
         self._views: list[tuple[Any, ...] | None] = [None] * n
-        self._takeover: _Takeover | None = None
         self._next_heartbeat = now
         self._last_tick = now
         self._out: list[Send] = []
@@ -258,6 +230,11 @@ class CommitProtocol:
     @property
     def decided(self) -> bool:
         return self.decision is not None
+
+    @property
+    def accepted(self) -> Decision | None:
+        """The proposal we accepted and have not decided (yet)."""
+        return self.ballots.accepted
 
     def knows_decided(self, peer: int) -> bool:
         """`peer` told us it has decided (so it needs no decision message)."""
@@ -270,8 +247,8 @@ class CommitProtocol:
     def status(self) -> list[Any]:
         reason = self.veto[0] if self.veto else self.abort_reason
         suspects = list(self.veto[1]) if self.veto else []
-        ak, promised, progress = self.abort_known, self.promised, self.progress
-        decision, accepted = _wire(self.decision), _wire(self.accepted)
+        ak, promised, progress = self.abort_known, self.ballots.promised, self.progress
+        decision, accepted = _wire(self.decision), _wire(self.ballots.accepted)
         return ["S", self.vote, reason, suspects, ak, decision, promised, progress, accepted]
 
     def take_messages(self) -> list[Send]:
@@ -290,8 +267,8 @@ class CommitProtocol:
             times.append(min(alive) + self.stall_timeout)
         if self.vote == NO_VOTE and not self.abort_known:
             times.append(self._data_at + self.watchdog)
-        if self._deferring():
-            times.append(self._promised_at + self.decision_timeout)
+        if self.ballots.deferring(self.suspected):
+            times.append(self.ballots.promised_at + self.decision_timeout)
         if self.abort_known:
             times.append(self._abort_known_at + self.decision_timeout)
         # A deadline the last tick already passed had nothing to do (e.g. the end of a
@@ -315,21 +292,8 @@ class CommitProtocol:
         if status is not None:
             self._heard(src, now)
             self._absorb(src, status, now)
-        elif kind == "prepare":
-            # A member that has not started the round recorded our promise for when it
-            # does; it has voted nothing and decided nothing.
-            t = self._takeover
-            if t is not None and src in t.waiting:
-                t.waiting.discard(src)
-                t.answers[src] = (None, None)
-                self._evaluate(now)
-        elif kind == "accept":
-            # Not started (still), so it never voted: the proposal can only be an ABORT,
-            # and its promise (recorded with our PREPARE) bars any older ballot.
-            p = self._proposal
-            if p is not None and src in p.waiting and not p.decision.commit:
-                p.waiting.discard(src)
-                self._evaluate(now)
+        elif self.ballots.not_started(src, kind):
+            self._evaluate(now)
 
     def quiet(self, now: float) -> tuple[int, ...]:
         """The other members not heard from for a third of `stall_timeout` (and three
@@ -361,10 +325,7 @@ class CommitProtocol:
             # Our leader is gone: ask the next one at once (its answer carries a decision
             # if it has one, e.g. the old leader's, received before it died).
             self._out.append(Send(self.leader(), self.status(), "vote"))
-        if self._takeover is not None:
-            self._takeover.waiting.discard(peer)
-        if self._proposal is not None:
-            self._proposal.waiting.discard(peer)
+        self.ballots.give_up_on(peer)
         self._evaluate(now)
 
     def ready(self, now: float) -> None:
@@ -439,19 +400,12 @@ class CommitProtocol:
             self._abort_known_at = now
 
     def _on_prepare(self, ballot: int, now: float) -> None:
-        self.max_ballot = max(self.max_ballot, ballot)
-        if ballot > self.promised:
-            self.promised = ballot
-            self._promised_at = now
+        if self.ballots.promise(ballot, now):
             self.last_progress = now
-            if self._takeover is not None and self._takeover.ballot < ballot:
-                self._takeover = None  # a higher ballot runs: stand back
-            if self._proposal is not None and self._proposal.decision.ballot < ballot:
-                self._proposal = None  # (what we accepted goes to its leader)
         self._evaluate(now)
 
     def _absorb(self, src: int, st: Status, now: float) -> None:
-        view = (st.vote, st.progress, st.decision, st.promised, st.abort_known)
+        view = (st.vote, st.progress, st.decision, st.promised, st.abort_known, st.accepted)
         if view != self._views[src]:
             self._views[src] = view
             self.last_progress = now
@@ -462,51 +416,25 @@ class CommitProtocol:
             self._know_abort(st.reason, now)
         if st.abort_known:
             self._know_abort(st.reason, now)
-        self.max_ballot = max(self.max_ballot, st.promised)
-        if st.accepted is not None:
-            self._accept(src, st.accepted, now)
-        t = self._takeover
-        if t is not None and src in t.waiting:
-            if st.promised == t.ballot:
-                t.waiting.discard(src)
-                t.answers[src] = (st.decision, st.accepted)
-            elif st.promised > t.ballot:
-                self._takeover = None
-        p = self._proposal
-        if p is not None and src in p.waiting:
-            mine = p.decision
-            if (st.accepted is not None and st.accepted.ballot == mine.ballot) or (
-                st.decision is not None and st.decision.commit == mine.commit
-            ):
-                p.waiting.discard(src)
-            # (One that promised a higher ballot will not accept: its leader asks us.)
+        accepted = st.accepted
+        if (
+            accepted is not None
+            and self.decision is None
+            and self.ballots.accept(src, accepted, now)
+        ):
+            self.last_progress = now
+        self.ballots.heard(src, st.promised, st.decision, accepted)
         if st.decision is not None:
             self._adopt(st.decision, now, src)
         self._evaluate(now)
-
-    def _accept(self, src: int, d: Decision, now: float) -> None:
-        """Phase 2: the owner of ballot d.ballot proposes d. Accepting it promises that
-        ballot (a proposal is final for its ballot: no other value can be asked for it)."""
-        if (
-            self.decision is None
-            and src == d.ballot % self.n
-            and d.ballot >= self.promised
-            and (self.accepted is None or d.ballot > self.accepted.ballot)
-        ):
-            self.accepted = d
-            self.last_progress = now
-            if d.ballot > self.promised:
-                self.promised = d.ballot
-                self._promised_at = now
 
     def _propose(self, d: Decision, now: float) -> None:
         """Decide `d` only once every member not suspected has accepted it (its owner,
         we accept it first): a decider stopped before then decided nothing, and any
         later leader finds `d` with one of them, itself included."""
-        self.accepted = d
-        self.last_progress = now
         waiting = {j for j in range(self.n) if j != self.me and j not in self.suspected}
-        self._proposal = _Proposal(d, waiting)
+        self.ballots.propose(d, waiting)
+        self.last_progress = now
         status = self.status()
         for j in sorted(waiting):
             self._out.append(Send(j, status, "accept"))
@@ -515,7 +443,7 @@ class CommitProtocol:
         # With a veto known, COMMIT exists nowhere: any ABORT is safe to take, whatever
         # its ballot (it brings the decider's `failed`, which the retry should share).
         if self.decision is None and (
-            d.ballot >= self.promised or (self.abort_known and not d.commit)
+            d.ballot >= self.ballots.promised or (self.abort_known and not d.commit)
         ):
             # Straight from its decider, who tells everyone: nothing to relay. Learned
             # second-hand, the decider may have died halfway: pass it on.
@@ -524,7 +452,7 @@ class CommitProtocol:
     def _decide(self, d: Decision, now: float, *, kind: str | None) -> None:
         """Decide `d`; `kind`: how to spread it ("decision": ours, "relay", None)."""
         self.decision = d
-        self._takeover = self._proposal = None
+        self.ballots.clear()
         self.last_progress = now
         if d.ballot >= 0 and kind is not None:
             status = self.status()
@@ -535,10 +463,6 @@ class CommitProtocol:
                     continue
                 if not self.knows_decided(j):
                     self._out.append(Send(j, status, kind))
-
-    def _deferring(self) -> bool:
-        owner = self.promised % self.n
-        return self.promised > 0 and owner != self.me and owner not in self.suspected
 
     def _failed(self) -> frozenset[int]:
         failed = set(self.suspected)
@@ -558,67 +482,56 @@ class CommitProtocol:
         return self.abort_reason or "aborted"
 
     def _evaluate(self, now: float) -> None:
+        b = self.ballots
         if self.decision is not None:
             return
-        p = self._proposal
-        if p is not None:
-            if not p.waiting:  # accepted by every member not suspected: chosen
-                d = p.decision
-                self._decide(
-                    Decision(d.ballot, d.commit, d.reason, d.failed | self._failed()),
-                    now,
-                    kind="decision",
-                )
+        if b.proposal is not None:
+            d = b.chosen()  # accepted by every member not suspected
+            if d is not None:
+                d = Decision(d.ballot, d.commit, d.reason, d.failed | self._failed())
+                self._decide(d, now, kind="decision")
             return
         if self.leader() != self.me:
             return
-        if self._deferring() and now < self._promised_at + self.decision_timeout:
+        if b.deferring(self.suspected) and now < b.promised_at + self.decision_timeout:
             return
-        if self.me == 0 and self.promised == 0:
-            # Ballot 0, the only one that may originate COMMIT.
-            if self.abort_known:
-                self._decide(
-                    Decision(0, False, self._reason(), self._failed()), now, kind="decision"
-                )
-            elif self.vote == READY and len(self.ready_from) == self.n - 1:
-                self._propose(Decision(0, True, "", self._failed()), now)
-            elif any(j not in self.ready_from for j in self.suspected):
-                self._decide(
-                    Decision(0, False, self._reason(), self._failed()), now, kind="decision"
-                )
+        if self.me == 0 and b.promised == 0:
+            self._decide_ballot_0(now)
             return
         if self.vote == NO_VOTE and not self.abort_known:
             return  # still moving data; a member we need that failed will make us veto
-        t = self._takeover
-        if t is None:
-            ballot = self.max_ballot + 1
-            ballot += (self.me - ballot) % self.n
-            if ballot > MAX_BALLOT:
-                return
-            self.promised = self.max_ballot = ballot
-            self._promised_at = now
-            self.last_progress = now
+        if b.takeover is None:
             waiting = {j for j in range(self.n) if j != self.me and j not in self.suspected}
-            t = self._takeover = _Takeover(ballot, waiting)
+            ballot = b.lead(waiting, now)
+            if ballot is None:
+                return
+            self.last_progress = now
             for j in sorted(waiting):
                 self._out.append(Send(j, ["P", ballot], "prepare"))
-        if t.waiting:
-            return
-        decided = [d for d, _ in t.answers.values() if d is not None]
-        accepted = [a for _, a in t.answers.values() if a is not None]
-        if self.accepted is not None:
-            accepted.append(self.accepted)
-        best = max(decided + accepted, key=lambda d: d.ballot, default=None)
+        ballot = b.takeover.ballot
+        found = b.takeover_value()
+        if found is None:
+            return  # answers missing
+        best, decided = found
         if best is None:
-            d = Decision(t.ballot, False, self._reason(), self._failed())
+            d = Decision(ballot, False, self._reason(), self._failed())
         else:
-            d = Decision(t.ballot, best.commit, best.reason, best.failed | self._failed())
-        if (best is not None and best in decided) or (self.abort_known and not d.commit):
+            d = Decision(ballot, best.commit, best.reason, best.failed | self._failed())
+        if decided or (self.abort_known and not d.commit):
             # Decided already (by its owner, after its own phase 2 where one was needed),
             # or an ABORT while a veto rules out COMMIT everywhere: nothing can differ.
             self._decide(d, now, kind="decision")
         else:
             self._propose(d, now)
+
+    def _decide_ballot_0(self, now: float) -> None:
+        """Member 0 at ballot 0, the only one that may originate COMMIT."""
+        if self.abort_known:
+            self._decide(Decision(0, False, self._reason(), self._failed()), now, kind="decision")
+        elif self.vote == READY and len(self.ready_from) == self.n - 1:
+            self._propose(Decision(0, True, "", self._failed()), now)
+        elif any(j not in self.ready_from for j in self.suspected):
+            self._decide(Decision(0, False, self._reason(), self._failed()), now, kind="decision")
 
     def _give_up(self, now: float) -> None:
         failed = self._failed()
