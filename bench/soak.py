@@ -433,16 +433,37 @@ def commit_gaps(entries: list[dict[str, Any]], end: float) -> tuple[float | None
 
 def real_times(peer: PeerProcess, entries: list[dict[str, Any]]) -> None:
     """A peer with a wrong clock wrote wrong times: each entry gets `real_t`, its time
-    less the offset of the process lifetime that wrote it."""
+    less the offset of the process lifetime that wrote it. An entry that fits several
+    lifetimes (a clock minutes back lands in an earlier lifetime's window) keeps every
+    candidate in `real_t_candidates`, for `settle_times` to pick among."""
     lives = peer.started_at  # (real start, offset), in order
     for e in entries:
         t = float(e.get("t", 0.0))
-        e["real_t"] = t
+        candidates = []
         for i, (began, offset) in enumerate(lives):
             ends = lives[i + 1][0] if i + 1 < len(lives) else float("inf")
             if began - 1.0 <= t - offset < ends:
-                e["real_t"] = t - offset
-                break
+                candidates.append(t - offset)
+        e["real_t_candidates"] = candidates or [t]
+        e["real_t"] = e["real_t_candidates"][0]
+
+
+def settle_times(entries: list[dict[str, Any]]) -> None:
+    """Pick each ambiguous entry's time: the candidate nearest the time its round's
+    unambiguous entries give (the members of a round commit within seconds), else
+    the earliest, as before."""
+    anchors: dict[str, float] = {}
+    for e in entries:
+        cands = e.get("real_t_candidates") or [e.get("real_t", 0.0)]
+        rid = e.get("round")
+        if len(cands) == 1 and isinstance(rid, str):
+            anchors[rid] = min(anchors.get(rid, cands[0]), cands[0])
+    for e in entries:
+        cands = e.get("real_t_candidates") or [e.get("real_t", 0.0)]
+        if len(cands) > 1:
+            anchor = anchors.get(e.get("round"))  # type: ignore[arg-type]
+            if anchor is not None:
+                e["real_t"] = min(cands, key=lambda c: abs(c - anchor))
 
 
 def stop_all(peers: list[PeerProcess], timeout: float = 30.0) -> dict[str, int | None]:
@@ -529,6 +550,7 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         mine = read_ledger(p.data_dir / LEDGER_FILE)
         real_times(p, mine)
         entries += mine
+    settle_times(entries)
     first, max_gap = commit_gaps(entries, end)
     return {
         "minutes": args.minutes,
