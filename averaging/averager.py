@@ -51,7 +51,7 @@ import torch
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 
-from .allreduce import AllReduceConfig, AllReduceService
+from .allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
 from .attestation import Attestor
 from .deadline import Deadline
 from .deadlines import AveragerDeadlines
@@ -157,6 +157,9 @@ class StepResult:
     weights: dict[PeerID, float] = field(default_factory=dict)
     # Groups this step formed whose round aborted (our input counted in none of them).
     aborted_rounds: tuple[bytes, ...] = ()
+    # Our input may be counted in a round we could not learn the outcome of (we were in
+    # doubt): the caller must drop it, as after a re-sync, though the tensors are ours.
+    discarded: bool = False
 
 
 class Averager:
@@ -444,6 +447,8 @@ class Averager:
                     outcome.weights,
                     tuple(self._aborted),
                 )
+            if outcome.in_doubt:
+                return self._after_doubt(outcome, started, attempts)
             reason = outcome.reason
             self._aborted.append(group.round_id)
             if reason == NOTHING_TO_AVERAGE:
@@ -498,6 +503,15 @@ class Averager:
                  "rounds for %.0fs", self.key, behind.target.hex()[-12:],
                  UNREACHABLE_VERSION_S)  # fmt: skip
         return False, f"needs re-sync, which failed: {behind}"
+
+    def _after_doubt(self, outcome: AllReduceOutcome, started: float, attempts: int) -> StepResult:
+        """The round ended with us in doubt (no member told us its decision, even when
+        asked after we gave up): the others may have committed with our input, so a
+        retry with it could count it twice. Give the input up (`discarded`): losing a
+        step's work is the price of never counting it twice."""
+        log.info("%s: %s; our input is dropped (it may be counted already)", self.key,
+                 outcome.reason)  # fmt: skip
+        return replace(self._result(False, outcome.reason, started, attempts), discarded=True)
 
     async def _replace_state(self, tensors: Sequence[torch.Tensor]) -> None:
         def copy() -> None:

@@ -52,7 +52,15 @@ from shoal.verification.commitment import Commitment
 
 from .attestation import Attestor, ReceivedCommitments, RoundAttestation, chunk_leaves
 from .buffers import BufferPool, RoundBuffers
-from .commit import READY, CommitProtocol, Send, Status, parse_message
+from .commit import (
+    READY,
+    CommitProtocol,
+    Decision,
+    Send,
+    Status,
+    learned_decision,
+    parse_message,
+)
 from .compression import Codec
 from .group import Group
 from .lanes import (
@@ -156,8 +164,9 @@ class AllReduceOutcome:
     # not (`CommitProtocol.quiet`). A retry with them would likely wait out another stall.
     quiet: tuple[PeerID, ...] = ()
     # Not committed here, but others may have committed: this member voted READY and
-    # never learned the decision. Its tensors are untouched; it must not assume it
-    # holds the group's state.
+    # never learned the decision, not even by asking the others after giving up. Its
+    # tensors are untouched; its input may be in their result, so it must not offer
+    # that input again (nor assume it holds the group's state).
     in_doubt: bool = False
     # With an attestor: the commitments we received with contributions, and ours.
     commitments: dict[PeerID, Commitment] = field(default_factory=dict)
@@ -312,6 +321,8 @@ class ButterflyRound:
     async def _conclude(self, started: float) -> AllReduceOutcome:
         decision = self.state.decision
         assert decision is not None
+        if decision.in_doubt:
+            decision = await self.link.learn(decision)
         log.debug("%s: decided %s", self.names[self.me], decision)
         if decision.commit:
             await self.hook("before_apply")
@@ -552,6 +563,60 @@ class ControlLink:
             await send
             if delivered == len(sends) // 2:
                 await hook("decider_mid_broadcast")
+
+    async def learn(self, doubt: Decision) -> Decision:
+        """We gave up in doubt: ask every other member (they remember finished rounds)
+        for the decision, within `decision_timeout`; `doubt` when nobody tells. We voted
+        READY, so we hold every averaged part: a COMMIT learned is applied as anywhere."""
+        learned = learned_decision(await self.ask_all(self.cfg.decision_timeout))
+        now_decided = self.state.decision
+        if learned is None and now_decided is not None and not now_decided.in_doubt:
+            learned = now_decided  # taken from a member's message meanwhile
+        if learned is None:
+            log.warning(
+                "all-reduce %s: %s, and no member told us the decision since: our input is "
+                "not offered again", self.round_id.hex()[:12], doubt.reason,
+            )  # fmt: skip
+            return doubt
+        log.info("all-reduce %s: learned the decision after giving up: %s",
+                 self.round_id.hex()[:12], "commit" if learned.commit else "abort")  # fmt: skip
+        return learned
+
+    async def ask_all(self, timeout: float) -> list[Status]:
+        """The statuses of the other members that answer ours within `timeout` (all of
+        them, suspected or not); stops early at a member that decided COMMIT."""
+
+        async def ask(j: int) -> Status | None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.connect(j)
+                    reply = await rpc.call(
+                        self.host, self.peers[j], self.cfg.protocol, "m",
+                        [self.round_id, self.state.status()], timeout=None,
+                    )  # fmt: skip
+                kind, status = parse_message(reply, self.n)
+            except (TimeoutError, RemoteError, TransportError, OSError, ValueError) as e:
+                log.debug("%s did not tell its decision: %s", self.names[j], describe(e))
+                return None
+            if kind != "S":
+                return None
+            # As any reply: we may accept a proposal in it (a decider may need us).
+            self.state.on_reply(j, status, time.monotonic(), "heartbeat")
+            return status
+
+        asks = [asyncio.ensure_future(ask(j)) for j in range(self.n) if j != self.state.me]
+        answers: list[Status] = []
+        try:
+            for next_answer in asyncio.as_completed(asks):
+                status = await next_answer
+                if status is not None:
+                    answers.append(status)
+                    if status.decision is not None and status.decision.commit:
+                        break
+        finally:
+            for task in asks:
+                task.cancel()
+        return answers
 
     async def _send(self, s: Send) -> None:
         peer = self.peers[s.dest]

@@ -68,14 +68,20 @@ vetoes (it is stuck). A member that voted READY and cannot learn the decision
 gives up *in doubt* after ``give_up_after`` without any progress at all: it
 keeps its tensors and says so, since others may have committed. That is a
 last resort, longer than the data watchdog, so a member stuck in its data
-phase aborts the round before anyone gives up on it. A member that resumes
-after being stopped (a long gap between ticks) gives everyone a fresh
-``stall_timeout`` instead of suspecting the whole group.
+phase aborts the round before anyone gives up on it. A member in doubt still
+accepts proposals and takes decisions (the others may need its acceptance), it
+only stops leading; its driver asks the others once more for their decision
+(`learned_decision`, Paxos' learner). Having voted READY it holds every averaged
+part, so a COMMIT learned is applied as everywhere; an ABORT makes a retry with
+the same input safe; with neither, the input must not be offered again. A
+member that resumes after being stopped (a long gap between ticks) gives
+everyone a fresh ``stall_timeout`` instead of suspecting the whole group.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from .ballots import MAX_BALLOT, Ballots, Decision
@@ -89,6 +95,7 @@ __all__ = [
     "Decision",
     "Send",
     "Status",
+    "learned_decision",
     "parse_message",
 ]
 
@@ -179,6 +186,26 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
             _parse_decision(accepted, n),
         )
     raise ControlError(f"unknown control message {str(msg[0])[:20]!r}")
+
+
+def learned_decision(answers: Iterable[Status]) -> Decision | None:
+    """What a member in doubt learns from the others' statuses (they remember finished
+    rounds): COMMIT if any of them decided it (our input is in their result); the
+    highest-ballot ABORT if some decided ABORT and none reports COMMIT, decided or
+    accepted (nothing counted our input: a retry with it is safe); None otherwise.
+
+    A COMMIT beats an ABORT of a higher ballot: two sides that suspected each other
+    may both have decided (see the module docstring), and the side that committed
+    holds our input whatever the other did.
+    """
+    answers = list(answers)
+    decisions = [s.decision for s in answers if s.decision is not None]
+    commits = [d for d in decisions if d.commit]
+    if commits:
+        return max(commits, key=lambda d: d.ballot)
+    if any(s.accepted is not None and s.accepted.commit for s in answers):
+        return None  # a COMMIT proposal may be decided by now, out of our sight
+    return max(decisions, key=lambda d: d.ballot, default=None)
 
 
 class CommitProtocol:
@@ -417,11 +444,7 @@ class CommitProtocol:
         if st.abort_known:
             self._know_abort(st.reason, now)
         accepted = st.accepted
-        if (
-            accepted is not None
-            and self.decision is None
-            and self.ballots.accept(src, accepted, now)
-        ):
+        if accepted is not None and self._undecided() and self.ballots.accept(src, accepted, now):
             self.last_progress = now
         self.ballots.heard(src, st.promised, st.decision, accepted)
         if st.decision is not None:
@@ -442,12 +465,20 @@ class CommitProtocol:
     def _adopt(self, d: Decision, now: float, src: int) -> None:
         # With a veto known, COMMIT exists nowhere: any ABORT is safe to take, whatever
         # its ballot (it brings the decider's `failed`, which the retry should share).
-        if self.decision is None and (
+        if self._undecided() and (
             d.ballot >= self.ballots.promised or (self.abort_known and not d.commit)
         ):
             # Straight from its decider, who tells everyone: nothing to relay. Learned
-            # second-hand, the decider may have died halfway: pass it on.
-            self._decide(d, now, kind=None if src == d.ballot % self.n else "relay")
+            # second-hand, the decider may have died halfway: pass it on (not after we
+            # gave up: our driver has stopped sending).
+            relay = src != d.ballot % self.n and self.decision is None
+            self._decide(d, now, kind="relay" if relay else None)
+
+    def _undecided(self) -> bool:
+        """No decision, or only our give-up in doubt: after it we still accept proposals
+        and take decisions (the others may need our acceptance to decide; what we
+        learn is what our driver reports), we only stop leading."""
+        return self.decision is None or self.decision.in_doubt
 
     def _decide(self, d: Decision, now: float, *, kind: str | None) -> None:
         """Decide `d`; `kind`: how to spread it ("decision": ours, "relay", None)."""

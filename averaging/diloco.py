@@ -202,12 +202,15 @@ class DiLoCo(OuterStrategyBase):
         timeout = float(self.options["round_timeout"])
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
         contribution = (self.synced_at_step, self.inner_steps)
-        if result.resynced:
-            contribution = (self.inner_steps, self.inner_steps)  # our work was dropped
+        if result.resynced or result.discarded:
+            # Our work was dropped: the swarm's state replaced it, or it may be counted
+            # already (a round we were in doubt of); our parameters go back to the globals.
+            contribution = (self.inner_steps, self.inner_steps)
             self._synced_now()
-            again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
-            if again is not None and again.committed:
-                result = again
+            if result.resynced:
+                again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
+                if again is not None and again.committed:
+                    result = again
             # (a commit did it already)
             await off_loop(lambda: copy_into(self.params, self.globals), size)
         if result.committed:
@@ -497,8 +500,9 @@ class StreamingDiLoCo(OuterStrategyBase):
         finally:
             frag.task = None
         result = done.result
-        if done.resynced:
-            # The local fragment was trained from stale globals: it restarts from the swarm's.
+        if done.resynced or result.discarded:
+            # The local fragment was trained from stale globals, or its input may be counted
+            # already (a round we were in doubt of): it restarts from the globals.
             await off_loop(lambda: copy_into(frag.params, frag.globals), numel(frag.params))
             self.resets += 1
         elif result.committed:
