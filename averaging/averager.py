@@ -80,6 +80,9 @@ log = logging.getLogger("shoal.averaging")
 
 # How long the peers of a version no reachable peer would serve us are left out.
 UNREACHABLE_VERSION_S = 30.0
+# After a commit with others, peers still declaring the version we left are behind
+# (they missed the round): never re-sync back to it for this long.
+SUPERSEDED_VERSION_S = 60.0
 
 GENESIS = b""
 
@@ -429,6 +432,8 @@ class Averager:
             # form_group declared us busy; after an abort that declaration stays too.
             self._presence_at = time.monotonic()
             if outcome.committed:
+                if group.size > 1:
+                    self._matchmaker.supersede(self.state_version, SUPERSEDED_VERSION_S)
                 await self._commit(group.round_id)
                 if self.attestor is not None:
                     self.attestor.on_commit(group, outcome.commitments)

@@ -161,6 +161,7 @@ class Matchmaker:
         self.protocol = f"{self.config.protocol}/{tag}"
         self._suspicions = Suspicions()
         self._set_aside: dict[bytes, float] = {}  # version -> until (monotonic)
+        self._superseded: dict[bytes, float] = {}  # version -> until (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = Closing()
@@ -243,6 +244,13 @@ class Matchmaker:
         self._set_aside = {v: t for v, t in self._set_aside.items() if t > now}
         self._set_aside[version] = max(self._set_aside.get(version, now), now + seconds)
 
+    def supersede(self, version: bytes, seconds: float) -> None:
+        """We are leaving `version` by a commit with others: for `seconds`, peers still
+        declaring it (they missed the round) never make us re-sync back to it."""
+        now = time.monotonic()
+        self._superseded = {v: t for v, t in self._superseded.items() if t > now}
+        self._superseded[version] = max(self._superseded.get(version, now), now + seconds)
+
     async def aclose(self) -> None:
         """Stop: a running `form_group` raises MatchmakingError, pending joiners
         are answered, and the swarm is told we left (best effort)."""
@@ -284,7 +292,10 @@ class Matchmaker:
         excluded = (frozenset(exclude) | frozenset(self.host.blocked())) - {self.peer_id}
         now = time.monotonic()
         set_aside = frozenset(v for v, until in self._set_aside.items() if until > now)
-        outlook = Outlook(self.key, self.peer_id, version, excluded, self._suspicions, set_aside)
+        superseded = frozenset(v for v, until in self._superseded.items() if until > now)
+        outlook = Outlook(
+            self.key, self.peer_id, version, excluded, self._suspicions, set_aside, superseded
+        )
         gathering = Gathering(
             me,
             min_size=cfg.min_group_size,

@@ -242,6 +242,10 @@ class Outlook:
     `suspicions`: soft exclusions shared across calls (see `Suspicions`).
     `set_aside`: versions whose peers are left out for now (a re-sync to one
     found no reachable peer serving it: we go on with the peers we reach).
+    `superseded`: versions we left by committing a round with others; their
+    holders missed that round and are behind us, however many: we never re-sync
+    back to one (that would throw the round away, and its members would pull us
+    forward again a moment later).
     """
 
     key: str
@@ -250,6 +254,7 @@ class Outlook:
     excluded: frozenset[PeerID] = frozenset()
     suspicions: Suspicions = field(default_factory=Suspicions)
     set_aside: frozenset[bytes] = frozenset()
+    superseded: frozenset[bytes] = frozenset()
 
     def usable(self, decl: Declaration) -> bool:
         return (
@@ -293,15 +298,16 @@ class Outlook:
     def resync_target(self, view: View) -> bytes | None:
         """The version we must load before grouping, None when ours is fine.
 
-        Ours is behind when another version is held by strictly more looking
-        peers (a tie splits nobody's work: each side keeps its own groups;
-        except for chained versions, see below).
+        Ours is behind when another version, not one we superseded, is held by
+        strictly more looking peers (a tie splits nobody's work: each side keeps
+        its own groups; except for chained versions, see below).
         The empty version means "no committed state yet": it never wins
         against a real one, and it loses to any.
         """
         counts = self.version_counts(view)
         mine = counts[self.version]
-        others = [(c, v) for v, c in counts.items() if v not in (self.version, b"")]
+        left = {self.version, b"", *self.superseded}
+        others = [(c, v) for v, c in counts.items() if v not in left]
         if not others:
             return None
         if len(self.version) == CHAINED_VERSION_BYTES:

@@ -182,6 +182,28 @@ def test_a_version_set_aside_neither_outvotes_us_nor_is_grouped_with() -> None:
     assert Outlook(KEY, me, b"new", set_aside=frozenset({b"new"})).candidates(view)
 
 
+def test_a_version_we_left_by_a_commit_with_others_never_pulls_us_back() -> None:
+    """Peers still declaring the version we just left by a group commit missed that
+    round: however many, they do not make us re-sync back (the soak: a member of a
+    4-peer round went back to the version before it because 2 peers that missed it
+    were looking, and forward again 2 s later when its round's members looked)."""
+    peers = ids(6)
+    me = peers[0]
+    before, after = chained(153, 1), chained(154, 2)
+    missed = view_of(decl(peers[1], version=before), decl(peers[2], version=before))
+    assert Outlook(KEY, me, after).resync_target(missed) == before  # 2 > 1
+    out = Outlook(KEY, me, after, superseded=frozenset({before}))
+    assert out.resync_target(missed) is None
+    # their side is still outvoted by ours once our round's members look again
+    ours = view_of(*(decl(p, version=after) for p in peers[1:4]), decl(peers[4], version=before))
+    assert Outlook(KEY, peers[4], before).resync_target(ours) == after
+    # and any version we did not leave still outvotes us as before
+    sibling = view_of(
+        decl(peers[1], version=chained(154, 7)), decl(peers[2], version=chained(154, 7))
+    )
+    assert out.resync_target(sibling) == chained(154, 7)
+
+
 def chained(commits: int, tag: int) -> bytes:
     """A shared state's version: the commit count, then a chain hash (here a tag)."""
     return commits.to_bytes(8, "big") + tag.to_bytes(8, "big")
