@@ -27,7 +27,11 @@ Checked throughout and at the end:
   input is counted in two committed rounds (the peers' round ledgers,
   `<data dir>/rounds.jsonl`, read together: peer/round_ledger.py);
 - every checkpoint on disk loads (every 20 s, each file on its own);
-- the gap between commits of two or more peers stays bounded;
+- the gap between commits of two or more peers stays bounded: `max_commit_gap_s`
+  over the whole run, and `max_calm_commit_gap_s` over the time the swarm was
+  calm (at most two peers down and at most one partition up; `calm_share` of
+  the run was): two partitions at once cut off most of the swarm, and those
+  storms are where every gap over 60 s so far was;
 - RSS and open descriptors do not grow: `rss_growth_MB_per_hour` and
   `fd_growth_per_hour` are the largest least-squares slope over the second half
   of a witness' life (steady state, after its warm-up) when a witness lived 10
@@ -38,8 +42,9 @@ Checked throughout and at the end:
 Prints one JSON object: `minutes`, `kills`, `stops`, `restarts`, `partitions`,
 `losses`, `clock_offsets`, `commits`, `fingerprint_mismatches`,
 `double_counted`, `corrupt_checkpoints`, `max_commit_gap_s`,
-`rss_growth_MB_per_hour`, `fd_growth_per_hour` (as above; `witnesses` has
-each witness' curve of RSS and descriptors), `unexpected_exits` (peers that
+`max_calm_commit_gap_s`, `calm_share`, `rss_growth_MB_per_hour`,
+`fd_growth_per_hour` (as above; `witnesses` has each witness' curve of RSS
+and descriptors), `unexpected_exits` (peers that
 exited by themselves; each is started again), `false_convictions` (peers
 convicted of cheating: none cheats here), `log_errors` (ERROR lines in the
 peers' logs), and details. Progress goes to stderr.
@@ -83,6 +88,7 @@ TINY = {
     "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=15,stall_timeout=3",
 }
 MAX_DOWN = 2
+CALM_PARTITIONS = 1  # a storm: two partitions at once (of four networks), see calm_gap
 START_SPACING_S = 8.0  # one torch import at a time
 SAMPLE_EVERY_S = 5.0
 CHECKPOINT_EVERY_S = 20.0
@@ -147,6 +153,13 @@ class Chaos:
         self._faults: dict[str, Callable[[], None]] = {}  # active network faults -> undo
         self.exits: dict[str, int] = {}  # peers that exited by themselves -> how often
         self.events: list[tuple[float, str]] = []
+        self.weather: list[tuple[float, int, int]] = []  # (time, peers down, partitions up)
+
+    def observe(self) -> None:
+        """Note how many peers are down and partitions up, when that changed."""
+        now = (len(self.down), sum(k.startswith("partition") for k in self._faults))
+        if not self.weather or self.weather[-1][1:] != now:
+            self.weather.append((time.time(), *now))
 
     def later(self, delay: float, what: str, action: Callable[[], None]) -> None:
         heapq.heappush(self._due, (time.monotonic() + delay, next(self._seq), what, action))
@@ -416,19 +429,50 @@ def growth(peers: list[PeerProcess], witnesses: frozenset[str]) -> dict[str, Any
     }
 
 
-def commit_gaps(entries: list[dict[str, Any]], end: float) -> tuple[float | None, float | None]:
-    """(seconds from the first commit of 2+ peers to ..., the largest gap between two
-    such commits or from the last one to `end`)."""
+def commit_times(entries: list[dict[str, Any]]) -> list[float]:
+    """When each round of 2+ peers committed (its earliest member's entry), in order."""
     times: dict[str, float] = {}
     for e in entries:
         rid, t = e.get("round"), e.get("real_t")
         if e.get("outcome") == "committed" and len(e.get("members") or ()) >= 2 and rid:
             times[rid] = min(times.get(rid, t), t)
-    ordered = sorted(times.values())
+    return sorted(times.values())
+
+
+def commit_gaps(entries: list[dict[str, Any]], end: float) -> tuple[float | None, float | None]:
+    """(seconds from the first commit of 2+ peers to ..., the largest gap between two
+    such commits or from the last one to `end`)."""
+    ordered = commit_times(entries)
     if not ordered:
         return None, None
     gaps = [b - a for a, b in itertools.pairwise(ordered)] + [end - ordered[-1]]
     return ordered[0], round(max(gaps), 1)
+
+
+def calm_gap(
+    times: list[float], weather: list[tuple[float, int, int]], end: float
+) -> tuple[float | None, float]:
+    """(the longest stretch without a commit of 2+ peers while the swarm was calm, the
+    share of the time from the first commit to `end` that was calm). Calm: at most
+    MAX_DOWN peers down and at most CALM_PARTITIONS partitions up; `weather` says
+    from when on how many were (time, down, partitions), in order."""
+    if not times:
+        return None, 0.0
+    changes = sorted(weather)
+    longest, calm_total = 0.0, 0.0
+    for a, b in itertools.pairwise([*times, end]):
+        run_start: float | None = None
+        # The weather in force at `a`, then each change within (a, b).
+        state = [w for w in changes if w[0] <= a][-1:] or [(a, 0, 0)]
+        marks = [(a, *state[0][1:])] + [w for w in changes if a < w[0] < b] + [(b, 0, 0)]
+        for (t0, down, parts), (t1, _, _) in itertools.pairwise(marks):
+            if down <= MAX_DOWN and parts <= CALM_PARTITIONS:
+                calm_total += t1 - t0
+                run_start = t0 if run_start is None else run_start
+                longest = max(longest, t1 - run_start)
+            else:
+                run_start = None
+    return round(longest, 1), round(calm_total / max(end - times[0], 1e-9), 2)
 
 
 def real_times(peer: PeerProcess, entries: list[dict[str, Any]]) -> None:
@@ -511,6 +555,7 @@ def run_chaos(chaos: Chaos, rng: random.Random, minutes: float) -> None:
         if time.monotonic() >= next_action:
             chaos.act()
             next_action = time.monotonic() + rng.uniform(0.5, 5.0)
+        chaos.observe()
         time.sleep(0.1)
 
 
@@ -534,6 +579,7 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         log(f"chaos for {args.minutes} min")
         run_chaos(chaos, rng, args.minutes)
         chaos.calm()
+        chaos.observe()
         log(f"faults over; {args.settle_s:.0f} s to settle")
         time.sleep(args.settle_s)
         end = time.time()
@@ -552,12 +598,15 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         entries += mine
     settle_times(entries)
     first, max_gap = commit_gaps(entries, end)
+    max_calm_gap, calm_share = calm_gap(commit_times(entries), chaos.weather, end)
     return {
         "minutes": args.minutes,
         **chaos.counts,
         **audit_rounds(entries),
         "corrupt_checkpoints": len(checks.corrupt),
         "max_commit_gap_s": max_gap,
+        "max_calm_commit_gap_s": max_calm_gap,
+        "calm_share": calm_share,
         **growth(peers, chaos.witnesses),
         "unexpected_exits": sum(chaos.exits.values()),
         "unexpected_exits_by_peer": chaos.exits,

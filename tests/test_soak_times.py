@@ -33,3 +33,24 @@ def test_a_time_that_fits_two_lifetimes_takes_the_one_its_round_agrees_with() ->
     assert [e["real_t"] for e in mine] == [t for _, t in rounds]
     _, gap = soak.commit_gaps(mine + theirs, end=1100.0)
     assert gap == 20.0  # the first lifetime's reading would have put a round at 400 s
+
+
+def test_the_calm_gap_counts_only_time_with_at_most_one_partition_up() -> None:
+    """Commits at 0, 100 and 130 s; from 20 to 70 s two partitions were up (a storm).
+    The whole-run gap is 100 s; calm, the swarm went 20 s, then 30 s, then 30 s
+    without a commit: the storm's 50 s are not held against it."""
+    weather = [(0.0, 1, 1), (20.0, 2, 2), (70.0, 2, 1), (150.0, 0, 0)]
+    times = [0.0, 100.0, 130.0]
+    longest, share = soak.calm_gap(times, weather, end=160.0)
+    assert longest == 30.0
+    assert share == round(110 / 160, 2)
+    entries = [committed("a", f"r{i}", t) | {"real_t": t} for i, t in enumerate(times)]
+    assert soak.commit_gaps(entries, end=160.0) == (0.0, 100.0)
+
+
+def test_a_calm_stretch_runs_on_across_weather_changes_until_a_commit() -> None:
+    """Calm from 0 to 90 s with changes that stay calm (a peer down, a partition):
+    one 90-s stretch, however the weather changed within it."""
+    weather = [(0.0, 0, 0), (10.0, 1, 0), (40.0, 2, 1), (60.0, 0, 0)]
+    assert soak.calm_gap([0.0, 90.0], weather, end=95.0) == (90.0, 1.0)
+    assert soak.calm_gap([], weather, end=95.0) == (None, 0.0)
