@@ -8,9 +8,14 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import uvloop
+from timeouts import pytest_timeout_cancel_timer, pytest_timeout_set_timer, tracked
 
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
+
+# pytest-timeout's hooks: a test past its timeout fails instead of ending its worker
+# (which would hang xdist's loadgroup scheduler); see tests/timeouts.py.
+__all__ = ["pytest_timeout_cancel_timer", "pytest_timeout_set_timer"]
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -50,7 +55,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_asyncio_loop_factories(config: object, item: object) -> dict[str, object]:
-    return {"uvloop": uvloop.new_event_loop}
+    return {"uvloop": tracked(uvloop.new_event_loop)}
 
 
 @pytest.fixture
