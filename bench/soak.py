@@ -96,6 +96,7 @@ WARMUP_S = 60.0
 MIN_SPAN_S = 120.0
 WITNESS_MIN_LIFE_S = 600.0  # a witness' slope counts from this long a life on
 WITNESSES = [1, 3]  # p1-pub and p3-a1: a public peer and a NATed one
+MEMORY_SHIM = Path(__file__).resolve().with_name("soak_memory")  # --profile-memory
 CONVICTED = re.compile(r"(\S+) convicted of cheating in round")
 ACTIONS = {"kill": 3, "stop": 3, "restart": 2, "partition": 2, "loss": 2, "clock": 1}
 
@@ -559,6 +560,14 @@ def run_chaos(chaos: Chaos, rng: random.Random, minutes: float) -> None:
         time.sleep(0.1)
 
 
+def profile_memory(witnesses: list[PeerProcess], workdir: Path) -> None:
+    """Snapshots of where the witnesses' memory goes (bench/soak_memory), every 10 min."""
+    for p in witnesses:
+        p.env["SHOAL_SOAK_MEMORY_DIR"] = str(workdir / f"{p.name}-memory")
+        p.env["PYTHONPATH"] = str(MEMORY_SHIM)
+        log(f"{p.name}: tracemalloc on, snapshots in {p.env['SHOAL_SOAK_MEMORY_DIR']}")
+
+
 def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any]:
     env = {"SHOAL_CHECKPOINT_INTERVAL": "15", "SHOAL_THREADS": "1", "OMP_NUM_THREADS": "1",
            **(TINY if args.tiny else {})}  # fmt: skip
@@ -567,6 +576,8 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
     try:
         rng = random.Random(args.seed)
         witnesses = frozenset(peers[i].name for i in WITNESSES[: args.witnesses])
+        if args.profile_memory:
+            profile_memory([p for p in peers if p.name in witnesses], workdir)
         chaos = Chaos(lab, peers, rng, witnesses)
         for p in peers:
             p.start()
@@ -633,6 +644,8 @@ def main() -> None:
                     help="peers never killed, stopped or restarted (their long life "
                     "measures memory and descriptor growth)")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--profile-memory", action="store_true",
+                    help="tracemalloc and malloc statistics of the witnesses")  # fmt: skip
     ap.add_argument("--settle-s", type=float, default=20.0, help="fault-free time at the end")
     ap.add_argument("--prefix", default="soak-", help="of the lab's namespaces")
     ap.add_argument("--warmup-s", type=float, default=240.0,
