@@ -545,13 +545,19 @@ async def test_a_peer_that_may_give_up_alone_still_waits_for_peers_declared_busy
     assert time.monotonic() - t0 >= 2.0
 
 
-@pytest.mark.timeout(60)
+# Twenty matchmakers on one event loop, FAST deadlines: beside a swarm of daemons the
+# loop starves past a joiner's answer margin (CI runs failed it twice; under four busy
+# loops here 5 of 10 fail), and a member gives up on a group already sent to it, which
+# the all-reduce then absorbs (see matchmaking.py "Why members agree"). So it runs with
+# the slow tests, never beside a swarm.
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 async def test_twenty_peers_split_into_groups_of_at_most_target(
     swarm: Callable[..., Any],
 ) -> None:
     config = MatchmakingConfig(**{**FAST, "target_group_size": 8, "min_group_size": 3})
     makers = await swarm(20, config)
-    results = await form_all(makers, deadline=Deadline.after(15))
+    results = await form_all(makers, deadline=Deadline.after(30))
     groups = assert_agreement(makers, results)
     sizes = sorted(g.size for g in groups)
     assert sum(sizes) == 20
