@@ -563,8 +563,10 @@ def run_chaos(chaos: Chaos, rng: random.Random, minutes: float) -> None:
 def profile_memory(witnesses: list[PeerProcess], workdir: Path) -> None:
     """Snapshots of where the witnesses' memory goes (bench/soak_memory), every 10 min."""
     for p in witnesses:
-        p.env["SHOAL_SOAK_MEMORY_DIR"] = str(workdir / f"{p.name}-memory")
-        p.env["PYTHONPATH"] = str(MEMORY_SHIM)
+        p.env = {  # (a copy: the peers share one environment)
+            **p.env, "SHOAL_SOAK_MEMORY_DIR": str(workdir / f"{p.name}-memory"),
+            "PYTHONPATH": str(MEMORY_SHIM),
+        }  # fmt: skip
         log(f"{p.name}: tracemalloc on, snapshots in {p.env['SHOAL_SOAK_MEMORY_DIR']}")
 
 
