@@ -30,6 +30,7 @@ from shoal.averaging.outer import OuterStrategy, RoundReport
 from .checkpoint import CheckpointError, CheckpointStore
 from .config import PRECISIONS
 from .device import autocast
+from .heap import release_free_memory
 from .inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
 from .priority import lower_this_thread
 from .segments import round_batch_seed
@@ -85,6 +86,9 @@ RATE_WINDOW_S = 20.0
 HISTORY_POINTS = 1000
 # On shutdown, how long a round in flight may take to end (docker stop grants 10 s).
 FINISH_TIMEOUT_S = 4.0
+# How often freed memory (checkpoint snapshots, re-synced states) goes back to the
+# system (heap.py): a trim costs milliseconds, the pages it frees fault in again.
+TRIM_INTERVAL_S = 60.0
 
 
 def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
@@ -280,6 +284,7 @@ class Trainer:
                 self.task.batches(self.shard, num_shards, self.seed), self.device
             )
         next_checkpoint = time.monotonic() + self.checkpoint_interval
+        next_trim = time.monotonic() + TRIM_INTERVAL_S
         try:
             while not stop.is_set():
                 loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
@@ -294,6 +299,9 @@ class Trainer:
                 if time.monotonic() >= next_checkpoint:
                     await self._periodic_checkpoint()
                     next_checkpoint = time.monotonic() + self.checkpoint_interval
+                if time.monotonic() >= next_trim:  # (after a checkpoint's snapshot is freed)
+                    await loop.run_in_executor(self._worker, release_free_memory)
+                    next_trim = time.monotonic() + TRIM_INTERVAL_S
         finally:
             # Graceful: the round in flight ends (commit or abort) before the state is saved.
             try:
