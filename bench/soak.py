@@ -2,6 +2,7 @@
 they agreed on is lost (root only: network namespaces).
 
     sudo python bench/soak.py --minutes 60 [--seed 1] [--tiny] [--workdir DIR]
+                              [--profile-memory]
 
 Ten `shoal run` processes in the NAT lab (bench/soak_lab.py: three public, seven
 behind three NAT routers, one of them symmetric) train the default experiment
@@ -37,7 +38,9 @@ Checked throughout and at the end:
   of a witness' life (steady state, after its warm-up) when a witness lived 10
   minutes or more; in shorter runs, the median slope over process lifetimes of
   2 minutes or more, after their first minute (`..._lifetimes`: that median in
-  every run).
+  every run). `--profile-memory` says where a witness' memory goes: tracemalloc
+  and glibc's heap statistics in it every 10 minutes (bench/soak_memory; the
+  witnesses run slower), `python bench/soak_memory/report.py DIR` to read them.
 
 Prints one JSON object: `minutes`, `kills`, `stops`, `restarts`, `partitions`,
 `losses`, `clock_offsets`, `commits`, `fingerprint_mismatches`,
