@@ -113,7 +113,16 @@ async def test_a_peer_moves_to_the_starved_stage_and_serves_it_in_step(make_host
         stop.set()
         await asyncio.gather(training, *moving)
         # Training stopped: the stage's peers settle on one version, with equal states.
-        await eventually(lambda: stage1[0].version == newcomer.version, "one version", timeout=10)
+        # (Frozen states: a version counts a step before the step is applied.)
+        await eventually(
+            lambda: (
+                stage1[0].optimizer.averager.last_fingerprint_commits
+                == newcomer.optimizer.averager.last_fingerprint_commits
+                == newcomer.version
+            ),
+            "one version, applied",
+            timeout=10,
+        )
         assert newcomer.optimizer.fingerprint() == stage1[0].optimizer.fingerprint()
         assert sum(len(m.moves) for m in movers) == 1  # and the others stayed
     finally:
