@@ -13,9 +13,15 @@ stayed flat. `malloc_trim(0)` releases every free page of every arena.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import sys
 from collections.abc import Callable
+
+# How often a peer releases: a trim costs milliseconds (the pages it frees fault in
+# again when used), a minute's garbage can be hundreds of MB (a checkpoint's
+# snapshot, a downloaded state).
+TRIM_INTERVAL_S = 60.0
 
 
 def _find_malloc_trim() -> Callable[[int], int] | None:
@@ -38,3 +44,14 @@ def release_free_memory() -> bool:
     if _MALLOC_TRIM is None:
         return False
     return bool(_MALLOC_TRIM(0))
+
+
+async def release_free_memory_every(interval: float, stop: asyncio.Event) -> None:
+    """Release the heap's free pages every `interval` seconds (in a thread) until
+    `stop`: for a peer whose large blocks are freed on several threads and tasks."""
+    while not stop.is_set():
+        try:
+            async with asyncio.timeout(interval):
+                await stop.wait()
+        except TimeoutError:
+            await asyncio.to_thread(release_free_memory)

@@ -39,6 +39,7 @@ from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest
+from .heap import TRIM_INTERVAL_S, release_free_memory_every
 from .pipeline_status import PipelineStatus
 from .task import Task, shard_of
 from .trainer import RATE_WINDOW_S, TrainerStats
@@ -182,7 +183,12 @@ class PipelineRun:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Drive microbatches (a trainer) and keep the directory fresh, until `stop`."""
-        background = [asyncio.ensure_future(self._refresh_loop(stop))]
+        background = [
+            asyncio.ensure_future(self._refresh_loop(stop)),
+            # Each commit freezes a copy of the stage's state, audits recompute, a
+            # re-sync downloads: glibc keeps the freed blocks unless told otherwise.
+            asyncio.ensure_future(release_free_memory_every(TRIM_INTERVAL_S, stop)),
+        ]
         if self.mover is not None:
             background.append(asyncio.ensure_future(self.mover.run(stop)))
         try:

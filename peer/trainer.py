@@ -30,7 +30,7 @@ from shoal.averaging.outer import OuterStrategy, RoundReport
 from .checkpoint import CheckpointError, CheckpointStore
 from .config import PRECISIONS
 from .device import autocast
-from .heap import release_free_memory
+from .heap import TRIM_INTERVAL_S, release_free_memory
 from .inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
 from .priority import lower_this_thread
 from .segments import round_batch_seed
@@ -86,9 +86,6 @@ RATE_WINDOW_S = 20.0
 HISTORY_POINTS = 1000
 # On shutdown, how long a round in flight may take to end (docker stop grants 10 s).
 FINISH_TIMEOUT_S = 4.0
-# How often freed memory (checkpoint snapshots, re-synced states) goes back to the
-# system (heap.py): a trim costs milliseconds, the pages it frees fault in again.
-TRIM_INTERVAL_S = 60.0
 
 
 def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:

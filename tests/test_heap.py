@@ -5,11 +5,17 @@ Run in a fresh process: what the heap holds depends on everything allocated befo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+
+from shoal.peer import heap
+
+from .waiting import eventually
 
 FRAGMENTED_HEAP = """
 import json, torch
@@ -44,3 +50,34 @@ def test_freed_tensors_stay_in_the_heap_until_released_then_the_rss_drops() -> N
     assert mb["trimmed"] is True
     assert mb["before_free"] - mb["freed"] < snapshot_mb / 4, f"free() alone gave back: {mb}"
     assert mb["freed"] - mb["after"] > snapshot_mb / 2, f"the trim gave back too little: {mb}"
+
+
+@pytest.mark.timeout(10)
+async def test_a_pipeline_peer_releases_every_interval_until_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pipeline daemon's schedule (its commits, audits and re-syncs free blocks on
+    several tasks): one release per interval, none after `stop`, and `stop` ends it
+    without waiting out the interval."""
+    stop = asyncio.Event()
+    released: list[float] = []
+
+    def release() -> bool:
+        released.append(time.monotonic())
+        return True
+
+    monkeypatch.setattr(heap, "release_free_memory", release)
+    started = time.monotonic()
+    schedule = asyncio.ensure_future(heap.release_free_memory_every(0.05, stop))
+    await eventually(lambda: len(released) >= 3, "three releases", timeout=5.0)
+    stop.set()
+    await asyncio.wait_for(schedule, 1.0)
+    count = len(released)  # (the schedule ended: none can follow)
+    # One per interval (a timer may fire within the clock's resolution of its time).
+    assert all(b - a >= 0.04 for a, b in zip([started, *released], released, strict=False))
+
+    stop = asyncio.Event()
+    stop.set()
+    ended = time.monotonic()
+    await heap.release_free_memory_every(3600.0, stop)
+    assert time.monotonic() - ended < 1.0 and len(released) == count
