@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,16 +182,26 @@ class Daemon:
         return code, time.monotonic() - started
 
 
+class SlowWait(UserWarning):
+    """A wait that succeeded after more than half its timeout: pytest lists it in
+    the warnings summary, so a passing run still says which wait made it slow."""
+
+
 def wait_for(
     what: str, check: Callable[[], Any], timeout: float, *, every: float = 0.5, debug: Any = None
 ) -> Any:
-    """Poll `check` until it returns something truthy; AssertionError after `timeout`."""
-    deadline = time.monotonic() + timeout
+    """Poll `check` until it returns something truthy; AssertionError after `timeout`
+    (SlowWait when it took more than half of it)."""
+    started = time.monotonic()
+    deadline = started + timeout
     last_error: BaseException | None = None
     while time.monotonic() < deadline:
         try:
             value = check()
             if value:
+                took = time.monotonic() - started
+                if took > timeout / 2:
+                    warnings.warn(f"{what}: {took:.0f} s of {timeout:.0f}", SlowWait, stacklevel=2)
                 return value
         except (OSError, urllib.error.URLError, ValueError, KeyError) as e:
             last_error = e

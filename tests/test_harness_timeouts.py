@@ -12,9 +12,11 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+from daemon_harness import SlowWait, wait_for
 
 TESTS = Path(__file__).parent
 
@@ -128,3 +130,14 @@ def test_a_test_that_ignores_its_interruption_ends_the_run_with_its_stacks(tmp_p
     assert "in test_swallows_every_interruption" in output  # its stack, on the real stderr
     assert "crashed and worker restarting disabled" in output, output
     assert seconds < 60, f"the run must end, not wait for CI's limit ({seconds:.0f} s)"
+
+
+@pytest.mark.timeout(10)
+def test_a_wait_that_takes_more_than_half_its_timeout_says_so_in_a_passing_run() -> None:
+    started = time.monotonic()
+    with pytest.warns(SlowWait, match="the slow thing: "):
+        assert wait_for("the slow thing", lambda: time.monotonic() - started > 0.3, 0.5,
+                        every=0.05) is True  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowWait)
+        assert wait_for("the quick thing", lambda: "done", 5.0) == "done"
