@@ -3,11 +3,13 @@
 Holders announce ``{fingerprint, step}`` in the DHT under ``<key>/state`` (one
 owner-signed subkey each, so nobody can announce for someone else). A loader
 picks the newest state (highest step, then the fingerprint most holders
-agree on), asks a holder for its layout, and downloads the raw bytes in
-chunks straight into preallocated tensors. When its source dies or moves on
-midway it resumes at the same offset from another holder of the same
-fingerprint. The result is accepted only if its fingerprint is the announced
-one, so a lying or corrupt source costs a retry, never a bad state.
+agree on), asks a holder for its layout and its state now (at least as new
+as the announced one: announcements lag a swarm that keeps stepping), and
+downloads the raw bytes in chunks straight into preallocated tensors. When
+its source dies midway it resumes at the same offset from another holder of
+the same fingerprint. The result is accepted only if its bytes match the
+fingerprint its source named, so a lying or corrupt source costs a retry,
+never a bad state.
 
 A server hands out a *snapshot*: a copy of the state taken when the first
 client asks for it, kept while downloads of it may still run, so the swarm
@@ -29,7 +31,7 @@ import torch
 from shoal.dht.node import DHTNode
 from shoal.dht.records import RecordError, owner_marker, owner_of
 from shoal.transport import rpc
-from shoal.transport.errors import TransportError
+from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
@@ -44,6 +46,10 @@ CHUNK_BYTES = 4 * 1024 * 1024
 MAX_TENSORS = 65536
 MAX_TOTAL_BYTES = 1 << 40
 MAX_DIMS = 16
+# After a pass in which every holder held another state than wanted (one kept
+# stepping and dropped the snapshot we were fetching): pause before looking again.
+STALE_PAUSE_S = 0.2
+MAX_STALE_PAUSE_S = 5.0
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
@@ -319,30 +325,45 @@ async def load_state_from_peers(
     seconds from now).
     """
     failed: set[PeerID] = set()
+    # Holders found behind what they announce (a re-sync took one back): the
+    # announced fingerprint, and the step its holder was at when asked.
+    behind: dict[PeerID, tuple[str, int]] = {}
     errors: list[str] = []
+    pause = STALE_PAUSE_S
     async with (deadline or Deadline.after(timeout)).scope():
         while True:
-            holders = [h for h in await find_holders(dht, key) if h.peer_id not in failed]
+            found = [h for h in await find_holders(dht, key) if h.peer_id not in failed]
+            holders = _as_last_seen(found, behind)
             if not holders and not errors:
                 raise NoHolders(f"no peer could provide the state of {key!r}: nobody announced one")
             if not holders:
                 detail = "; ".join(errors[-3:])
                 raise StateSyncError(f"no peer could provide the state of {key!r}: {detail}")
-            target = holders[0].fingerprint
-            download = _Download(dht.host, protocol, target, request_timeout, chunk_bytes)
-            for source in (h for h in holders if h.fingerprint == target):
+            download = _Download(
+                dht.host, protocol, request_timeout, chunk_bytes, at_least_step=holders[0].step
+            )
+            stale = False
+            for source in holders:  # newest first; the first that serves picks the state
                 try:
                     await download.from_source(source.peer_id)
                     break
                 except (TransportError, TimeoutError, OSError, ValueError, LookupError) as e:
                     log.info("state download from %s stopped: %r", source.peer_id.short(), e)
                     errors.append(f"{source.peer_id.short()}: {e}")
-                    failed.add(source.peer_id)
+                    if isinstance(e, _Behind):
+                        behind[source.peer_id] = (source.fingerprint, e.step)
+                    if _is_stale(e):
+                        stale = True  # it holds another state than this download's: no fault
+                    else:
+                        failed.add(source.peer_id)
             if not download.complete:
-                continue  # every source of that fingerprint failed: try the next state
+                if stale:  # look again, without hammering holders that are all elsewhere
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, MAX_STALE_PAUSE_S)
+                continue
             state = await download.verified()
             if state is None:
-                errors.append(f"bytes do not match fingerprint {target[:12]}")
+                errors.append(f"bytes do not match fingerprint {str(download.fingerprint)[:12]}")
                 failed.update(download.contributors)
                 continue
             return state
@@ -372,7 +393,7 @@ async def load_version_from_peers(
     errors: list[str] = []
     queue = list(sources)
     looked_up = False
-    download = _Download(dht.host, protocol, None, request_timeout, chunk_bytes, version=version)
+    download = _Download(dht.host, protocol, request_timeout, chunk_bytes, version=version)
     async with deadline.scope():
         while queue or not looked_up:
             if not queue:
@@ -396,32 +417,66 @@ async def load_version_from_peers(
             if state is not None:
                 return state
             errors.append(f"{peer.short()}: bytes do not match fingerprint")
-            download = _Download(
-                dht.host, protocol, None, request_timeout, chunk_bytes, version=version
-            )
+            download = _Download(dht.host, protocol, request_timeout, chunk_bytes, version=version)
     detail = "; ".join(errors[-3:]) or "nobody announces it"
     raise StateSyncError(f"no reachable peer serves version {version[:12]} of {key!r}: {detail}")
 
 
+class _Stale(LookupError):
+    """A source holds another state than the one a download wants: it moved on,
+    or it is behind. Not a fault of the source."""
+
+
+class _Behind(_Stale):
+    def __init__(self, step: int, wanted: int) -> None:
+        super().__init__(f"it is behind: step {step} < {wanted}")
+        self.step = step
+
+
+def _as_last_seen(holders: list[Holder], behind: Mapping[PeerID, tuple[str, int]]) -> list[Holder]:
+    """`holders` (newest first) with the step a holder was seen at when it was
+    found behind its announcement, until it announces another state."""
+    seen = [
+        Holder(h.peer_id, h.fingerprint, behind[h.peer_id][1], h.version)
+        if behind.get(h.peer_id, ("", 0))[0] == h.fingerprint
+        else h
+        for h in holders
+    ]
+    return sorted(seen, key=lambda h: -h.step)  # stable: most-held first within a step
+
+
+def _is_stale(error: BaseException) -> bool:
+    # The server's own LookupError (a snapshot no longer kept, no state yet) too.
+    return isinstance(error, _Stale) or (
+        isinstance(error, RemoteError) and error.kind == "LookupError"
+    )
+
+
 class _Download:
     """One state (one fingerprint) downloaded from its holders in turn: a source
-    that fails is replaced by the next, which resumes where it stopped."""
+    that fails is replaced by the next, which resumes where it stopped.
+
+    The first source names the fingerprint: the state it holds when asked,
+    which its server keeps as a snapshot while the download runs. With
+    `version`, that state must be of that version; otherwise at least
+    `at_least_step` (the newest announced) so that a holder that stepped since
+    it announced is a source, not a failure."""
 
     def __init__(
         self,
         host: Any,
         protocol: str,
-        fingerprint: str | None,
         request_timeout: float,
         chunk_bytes: int,
         *,
         version: str | None = None,
+        at_least_step: int = 0,
     ) -> None:
-        """`fingerprint` None: the state of `version` (hex) its first source serves."""
         self.host = host
         self.protocol = protocol
-        self.fingerprint = fingerprint
+        self.fingerprint: str | None = None
         self.version = version
+        self.at_least_step = at_least_step
         self.request_timeout = request_timeout
         self.chunk_bytes = chunk_bytes
         self.tensors: list[torch.Tensor] | None = None
@@ -443,15 +498,7 @@ class _Download:
             )
             if not isinstance(info, dict):
                 raise ValueError("info is not a map")
-            if self.fingerprint is None:
-                metadata = info.get("metadata")
-                held = metadata.get("version") if isinstance(metadata, dict) else None
-                fp = info.get("fp")
-                if held != self.version or not isinstance(fp, str):
-                    raise LookupError(f"it holds another version now: {str(held)[:12]}")
-                self.fingerprint = fp
-            elif info.get("fp") != self.fingerprint:
-                raise LookupError("its state moved on")
+            self.fingerprint = self._pick(info)
             tensors = _allocate(info.get("tensors"))
             views = [_byte_view(t) for t in tensors]
             if sum(v.numel() for v in views) != info.get("total"):
@@ -462,6 +509,26 @@ class _Download:
             self.host, peer, self.protocol, self.fingerprint, self.views, self.progress,
             self.chunk_bytes, self.request_timeout,
         )  # fmt: skip
+
+    def _pick(self, info: dict[str, Any]) -> str:
+        """The fingerprint of the state a source's `info` describes, if it is one
+        this download wants."""
+        metadata = info.get("metadata")
+        metadata = metadata if isinstance(metadata, dict) else {}
+        fp = info.get("fp")
+        if not isinstance(fp, str):
+            raise ValueError("info names no fingerprint")
+        if self.version is not None:
+            held = metadata.get("version")
+            if held != self.version:
+                raise _Stale(f"it holds another version now: {str(held)[:12]}")
+            return fp
+        step = metadata.get("step", 0)
+        if not isinstance(step, int):
+            raise ValueError("info names no step")
+        if step < self.at_least_step:
+            raise _Behind(step, self.at_least_step)
+        return fp
 
     async def verified(self) -> State | None:
         """The downloaded state, or None when its bytes do not match the fingerprint."""

@@ -152,6 +152,81 @@ async def test_the_state_may_change_during_a_download(dhts: Callable[..., Any]) 
     assert_same(got, first)
 
 
+async def test_a_holder_that_stepped_since_it_announced_serves_its_state_now(
+    dhts: Callable[..., Any],
+) -> None:
+    """Announcements lag a stage that steps faster than the DHT is read: the
+    loader takes what the holder holds when asked (a newer step), instead of
+    failing it for having moved on and finding nobody else."""
+    live = [sample_state(7, step=1)]
+    a, loader = await dhts(2)
+    server = StateServer(a, KEY, lambda: live[0])
+    assert await server.announce()
+    live[0] = sample_state(8, step=2)  # stepped; its announcement still says step 1
+    assert [h.step for h in await find_holders(loader, KEY)] == [1]
+    got = await load_state_from_peers(loader, KEY, timeout=20)
+    assert_same(got, live[0])
+
+
+async def test_a_holder_behind_the_newest_announcement_is_no_source_of_it(
+    dhts: Callable[..., Any],
+) -> None:
+    """A holder whose state went back under the newest announced step is not
+    the newest state: the loader takes it from the holder that has it."""
+    old, new = [sample_state(1, step=9)], sample_state(2, step=9)
+    a, b, loader = await dhts(3)
+    behind = StateServer(a, KEY, lambda: old[0])
+    assert await behind.announce()
+    assert await StateServer(b, KEY, lambda: new).announce()
+    old[0] = sample_state(3, step=4)  # a re-sync took it back; it still announces 9
+    got = await load_state_from_peers(loader, KEY, timeout=20)
+    assert_same(got, new)
+
+
+async def test_a_holder_alone_behind_its_announcement_serves_what_it_holds(
+    dhts: Callable[..., Any],
+) -> None:
+    """The only holder went back under the step it announced: its state is the
+    newest there is, and the loader takes it instead of waiting for the
+    announcement to expire."""
+    live = [sample_state(1, step=9)]
+    a, loader = await dhts(2)
+    assert await StateServer(a, KEY, lambda: live[0]).announce()
+    live[0] = sample_state(3, step=4)
+    got = await load_state_from_peers(loader, KEY, timeout=20)
+    assert_same(got, live[0])
+
+
+async def test_a_download_whose_snapshot_is_dropped_starts_over_on_the_holder_s_state_now(
+    dhts: Callable[..., Any],
+) -> None:
+    """A holder keeps a few snapshots; when the one being fetched is dropped
+    (the holder stepped and others asked for newer ones), the source is not at
+    fault: the loader looks again and downloads the state the holder has now."""
+    live = [sample_state(5, step=1)]
+    a, loader = await dhts(2)
+    original = StateServer._on_fetch
+    dropped: list[bool] = []
+
+    async def forgetting_fetch(self: StateServer, ctx: Any, payload: Any) -> Any:
+        if payload["offset"] > 0 and not dropped:
+            dropped.append(True)
+            live[0] = sample_state(6, step=2)
+            self._snapshots.clear()
+        async for item in original(self, ctx, payload):
+            yield item
+
+    StateServer._on_fetch = forgetting_fetch  # type: ignore[method-assign]
+    try:
+        server = StateServer(a, KEY, lambda: live[0])
+        await server.announce()
+        got = await load_state_from_peers(loader, KEY, chunk_bytes=64 * 1024, timeout=20)
+    finally:
+        StateServer._on_fetch = original  # type: ignore[method-assign]
+    assert dropped, "the snapshot was never dropped"
+    assert_same(got, live[0])
+
+
 async def test_no_holder_is_its_own_error(dhts: Callable[..., Any]) -> None:
     # A peer alone is not a failure: callers tell it apart by type, not by message.
     (loader,) = await dhts(1)
