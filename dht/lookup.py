@@ -81,6 +81,9 @@ class KeyLookup:
     answered: list[Candidate] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)
     holders: list[Candidate] = field(default_factory=list)
+    # Contacts left out because we blacklisted them (node ids by peer): a key not
+    # found may sit with them, after a burst of our own timeouts (a stall).
+    skipped: dict[PeerID, int] = field(default_factory=dict)
     hops: int = 0
     done: bool = False
 
@@ -121,6 +124,17 @@ class KeyLookup:
             return near  # the common case: no group over its share, no full sort
         pool.sort(key=lambda c: c.node_id ^ target)
         return diverse(pool, self.per_group, _group, count, fill=True)
+
+    def skipped_near(self, k: int) -> bool:
+        """Whether a contact we blacklisted would have been among the `k` closest
+        that answered: what the lookup found may not be the key's neighbourhood."""
+        if not self.skipped:
+            return False
+        answered = self.closest_answered(k)
+        if len(answered) < k:
+            return True
+        edge = answered[-1].node_id ^ self.target
+        return any(nid ^ self.target < edge for nid in self.skipped.values())
 
     def quorum_reached(self) -> bool:
         """Enough holders answered, counting one IP group once (with `per_group`)."""
@@ -261,7 +275,10 @@ async def traverse(
                     lk.answered.append(cand)
                     lk.hops = max(lk.hops, cand.depth + 1)
                     for wc in contacts:
-                        if wc.peer_id in lk.candidates or blocked(wc.peer_id):
+                        if wc.peer_id in lk.candidates or wc.peer_id in lk.skipped:
+                            continue
+                        if blocked(wc.peer_id):
+                            lk.skipped[wc.peer_id] = node_id(wc.peer_id)
                             continue
                         lk.add(
                             Candidate(

@@ -677,7 +677,9 @@ class DHTNode:
         for lk in lookups:
             lk.per_group = self.diversity.lookup_cap
             for c in self.routing_table.nearest(lk.target, self.k):
-                if not blocked(c.peer_id):
+                if blocked(c.peer_id):
+                    lk.skipped[c.peer_id] = c.node_id
+                else:
                     lk.add(Candidate(c.peer_id, c.node_id, c.addrs, 0, c.ip_group))
         await traverse(
             lookups,
@@ -709,14 +711,17 @@ class DHTNode:
         # on a loaded machine, a GC pause): look once more, asking peers that the
         # blacklist would skip. A miss is where a second try is worth its cost; in a
         # healthy network a missing key still costs one traversal.
-        # So is one whose nearest peers were all skipped as blacklisted: after one
-        # timeout, a peer that knows only its bootstrap peer would see nothing for
-        # `blacklist_for` seconds (a joiner then finds no experiment).
+        # So is one that skipped blacklisted peers nearer the key than the ones that
+        # answered: after one timeout, a peer that knows only its bootstrap peer
+        # would see nothing for `blacklist_for` seconds (a joiner then finds no
+        # experiment); after a stall that timed out a lookup's final round (k
+        # requests at once), the key's holders are all blacklisted, and the lookup
+        # converges on the peers just past them, which hold nothing.
         retry = [
             KeyLookup(lk.target, lk.key, quorum=lk.quorum)
             for lk in lookups
             if not lk.records
-            and (any(st == FAILED for st in lk.state.values()) or self._skipped_all(lk))
+            and (any(st == FAILED for st in lk.state.values()) or lk.skipped_near(self.k))
         ]
         if retry:
             self._counters["value_retries"] += len(retry)

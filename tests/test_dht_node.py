@@ -16,6 +16,7 @@ import msgpack
 import pytest
 from waiting import eventually
 
+from shoal.dht.lookup import Candidate
 from shoal.dht.node import BootstrapError, DHTNode
 from shoal.dht.records import Record, RecordError, owner_marker
 from shoal.transport import rpc
@@ -190,6 +191,27 @@ async def test_a_lookup_whose_requests_all_timed_out_asks_again(
     _first_request_to_each_peer_times_out(reader)
     got = await reader.get("survives-a-stall")
     assert got is not None and got.value == 7
+    assert reader.stats()["value_retries"] == 1
+
+
+async def test_a_reader_that_blacklisted_every_holder_of_a_key_in_a_stall_still_reads_it(
+    swarm: Callable[..., Any],
+) -> None:
+    """A stall that times out a lookup's final round (k requests at once)
+    blacklists a whole neighbourhood of live peers for 30 s. A later lookup of a
+    key held there skips them all and converges on the peers just past them,
+    which answer and hold nothing: a miss that is ours, so it asks again
+    without the blacklist (here 10 holders, k = 20: the reader meets others)."""
+    nodes = await swarm(40, replication=10)
+    assert await nodes[0].store("held-nearby", 3, time.time() + 60)
+    holders = [n for n in nodes if n.storage.get_many(["held-nearby"], time.time())]
+    reader = next(n for n in nodes if n not in holders)
+    for holder in holders:
+        reader._on_failure(
+            Candidate(holder.peer_id, holder.routing_table.local_id, (), 0), TimeoutError()
+        )
+    got = await reader.get("held-nearby")
+    assert got is not None and got.value == 3
     assert reader.stats()["value_retries"] == 1
 
 
