@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -437,7 +437,7 @@ def _as_last_seen(holders: list[Holder], behind: Mapping[PeerID, tuple[str, int]
     """`holders` (newest first) with the step a holder was seen at when it was
     found behind its announcement, until it announces another state."""
     seen = [
-        Holder(h.peer_id, h.fingerprint, behind[h.peer_id][1], h.version)
+        replace(h, step=behind[h.peer_id][1])
         if behind.get(h.peer_id, ("", 0))[0] == h.fingerprint
         else h
         for h in holders
