@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shoal.dht.node import DHTNode
+from shoal.dht.node import DHTNode, DHTValue
 from shoal.dht.records import owner_of
 from shoal.transport import rpc
 from shoal.transport.errors import RemoteError, TransportError
@@ -175,48 +175,59 @@ class PipelineTrainer:
         found = await self.dht.get_many(
             [stage_key(self.experiment, s) for s in range(self.stages)], latest=True
         )
-        counts = []
+        bad: set[PeerID] = set()
+        if self.auditor is not None:
+            bad = self.auditor.bans.bans.banned | self.auditor.distrusted
+        return [
+            self._read_stage(s, found.get(stage_key(self.experiment, s)), bad)
+            for s in range(self.stages)
+        ]
+
+    def _read_stage(self, s: int, value: DHTValue | None, bad: set[PeerID]) -> int:
+        """Stage `s`'s callable peers and version from its records; how many peers.
+
+        The stage's version is the newest among peers we may still call: a dead
+        peer's record (until its TTL) must not keep the stage at a version only it
+        reached, which its survivors could never serve (they would refuse as behind
+        forever). Its microbatches of that step are replayed (the ledger). A peer
+        whose last request failed stays out when its ban runs out: only an answer
+        or a newer record of its own says that it is back. A convicted peer counts
+        for nothing: it is called no more, and a version of its own (say it stepped
+        alone, cut off by the bans) must not send the stage's honest peers refusing
+        every request as behind."""
+        balancer = self.balancers[s]
         now = time.monotonic()
-        for s, balancer in enumerate(self.balancers):
-            value = found.get(stage_key(self.experiment, s))
-            peers = []
-            # The stage's version is the newest among peers we may still call: a dead
-            # peer's record (until its TTL) must not keep the stage at a version only it
-            # reached, which its survivors could never serve (they would refuse as
-            # behind forever). Its microbatches of that step are replayed (the ledger).
-            # A peer whose last request failed stays out when its ban runs out: only an
-            # answer or a newer record of its own says that it is back.
-            views = balancer.snapshot()
-            live_versions: list[int] = []
-            for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
-                peer = owner_of(subkey)
-                if peer is None or not isinstance(record, dict):
-                    continue  # (None: a peer that stopped serving)
-                if record.get("ready", True) is False:
-                    continue  # arriving or re-syncing: it would refuse
-                speed, version, since = (
-                    record.get("fwd"),
-                    record.get("version"),
-                    record.get("since"),
-                )
-                peers.append((peer, speed if isinstance(speed, int | float) else None))
-                view = views.get(peer)
-                banned = view is not None and (view.banned_until > now or view.failing)
-                if isinstance(version, int) and not isinstance(version, bool) and not banned:
+        views = balancer.snapshot()
+        peers = []
+        live_versions: list[int] = []
+        listed_versions: list[int] = []
+        for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
+            peer = owner_of(subkey)
+            if peer is None or not isinstance(record, dict) or peer in bad:
+                continue  # (None: a peer that stopped serving)
+            if record.get("ready", True) is False:
+                continue  # arriving or re-syncing: it would refuse
+            speed, version, since = record.get("fwd"), record.get("version"), record.get("since")
+            peers.append((peer, speed if isinstance(speed, int | float) else None))
+            view = views.get(peer)
+            banned = view is not None and (view.banned_until > now or view.failing)
+            if isinstance(version, int) and not isinstance(version, bool):
+                listed_versions.append(version)
+                if not banned:
                     live_versions.append(version)
-                if isinstance(since, int | float):
-                    if since > self._announced.get(peer, since):
-                        balancer.reannounced(peer)  # it restarted or re-synced: back
-                    self._announced[peer] = since
-            if self.auditor is not None:
-                bad = self.auditor.bans.bans.banned | self.auditor.distrusted
-                peers = [(p, speed) for p, speed in peers if p not in bad]
-            if live_versions:
-                self.versions[s] = max(live_versions)
-            balancer.set_peers(peers)
-            self.stage_peers[s] = [p for p, _ in peers]
-            counts.append(len(peers))
-        return counts
+            if isinstance(since, int | float):
+                if since > self._announced.get(peer, since):
+                    balancer.reannounced(peer)  # it restarted or re-synced: back
+                self._announced[peer] = since
+        if live_versions:
+            self.versions[s] = max(live_versions)
+        elif listed_versions:
+            # Every peer banned for now: keep the version we knew, unless no peer we
+            # may call again has it (we learnt it from one convicted since).
+            self.versions[s] = min(self.versions[s], max(listed_versions))
+        balancer.set_peers(peers)
+        self.stage_peers[s] = [p for p, _ in peers]
+        return len(peers)
 
     async def run(
         self,

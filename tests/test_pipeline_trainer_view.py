@@ -19,6 +19,7 @@ import torch
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.trainer import PipelineTrainer
+from shoal.verification.stage_audit import StageAuditPolicy
 
 from .pipeline_swarm import EXPERIMENT, Swarm
 
@@ -118,5 +119,39 @@ async def test_when_every_peer_is_banned_the_stage_keeps_its_last_known_version(
         trainer.balancers[0].failed(only.dht.peer_id, time.monotonic())
         await trainer.refresh()
         assert trainer.versions[0] == 4
+    finally:
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_convicted_peer_s_version_counts_for_nothing(
+    make_host: Callable[..., Any],
+) -> None:
+    """A cheater cut off by its bans steps alone and announces a version no honest
+    peer of the stage holds. Counted, it would send every request to them with that
+    version, and they would refuse each as behind: the stage would stall. Also when
+    every honest peer is banned for now (their answers timed out), the version the
+    trainer learnt from the convicted peer does not stay."""
+    swarm = Swarm(make_host)
+    try:
+        trainer = PipelineTrainer(
+            await swarm.node(), EXPERIMENT, 1, codec="none", audit=StageAuditPolicy()
+        )
+        assert trainer.auditor is not None
+        honest = await _announced(swarm, 3)
+        cheater = await _announced(swarm, 9)
+        await trainer.refresh()
+        assert trainer.versions[0] == 9  # (not known yet to cheat)
+
+        trainer.auditor.distrusted.add(cheater.dht.peer_id)
+        trainer.balancers[0].failed(honest.dht.peer_id, time.monotonic())
+        await trainer.refresh()
+        assert cheater.dht.peer_id not in trainer.stage_peers[0]
+        assert trainer.versions[0] == 3, "the convicted peer's version held the stage ahead"
+
+        balancer = trainer.balancers[0]
+        balancer.succeeded(honest.dht.peer_id, 1, 0.01)
+        await trainer.refresh()
+        assert trainer.versions[0] == 3
     finally:
         await swarm.aclose()
