@@ -20,11 +20,12 @@ whole swarm must hold bit for bit), the version is the commit count followed
 by a hash chain of the round IDs instead, so only peers holding the very same
 state ever group, and two states that went their own ways (two groups, or two
 peers that trained alone) are told apart: the one held by more looking peers
-wins, and among equals the one with more commits, and the others re-sync to
-it. That is what makes a commit by a peer alone safe: with nobody else
-declared for the key (`matchmaking.NobodyElse`), it commits by itself (the
-mean of one input is the input; the commit hook still runs), instead of
-holding its state back until someone comes.
+wins, and among equals the one of more work (members summed over its commits,
+`lineage.py`), and the others re-sync to it. That is what makes a commit by a
+peer alone safe: with nobody else declared for the key
+(`matchmaking.NobodyElse`), it commits by itself (the mean of one input is the
+input; the commit hook still runs), instead of holding its state back until
+someone comes.
 
 What is averaged need not be what a joiner downloads. An outer optimizer
 (`diloco`) averages pseudo-gradients but shares global parameters and outer
@@ -58,6 +59,7 @@ from .deadlines import AveragerDeadlines
 from .fingerprint import state_fingerprint
 from .group import Member
 from .host_state import numel, off_loop
+from .lineage import declared_work, lineage_work
 from .matchmaking import (
     Matchmaker,
     MatchmakingConfig,
@@ -195,6 +197,9 @@ class Averager:
         self._on_commit = on_commit
         self.state_version = GENESIS
         self.commits = 0
+        # Members summed over the commits that made our state (lineage.py): what
+        # orders our version against another one that went its own way.
+        self.work = 0
         self.last_fingerprint: str | None = None
         # The commit count of the state `last_fingerprint` hashes: `commits` counts a
         # commit before its hook and freeze finish, so the two differ meanwhile.
@@ -265,10 +270,11 @@ class Averager:
         meta = self.metadata()
         meta.setdefault("step", self.commits)
         tensors = tuple(self.state)
+        work = self.work
 
         def snapshot() -> State:
             copies = tuple(t.detach().to("cpu", copy=True) for t in tensors)
-            return State(copies, meta, state_fingerprint(copies, meta))
+            return State(copies, meta, state_fingerprint(copies, meta), work)
 
         self._committed = await asyncio.to_thread(snapshot)
         self.last_fingerprint = self._committed.fingerprint
@@ -328,6 +334,7 @@ class Averager:
                 held = b""
             if _valid_version(held, self.commits):
                 self.state_version = held  # (a chained version, for a shared state)
+        self.work = lineage_work(self.state_version, [state.work])
         await self._freeze()
         await self._announce_state()
         log.info("loaded state %s of %s", state.fingerprint[:12], self.key)
@@ -339,12 +346,16 @@ class Averager:
         await self._freeze()
         await self._announce_state()
 
-    def restore(self, commits: int, version: str | None = None) -> None:
-        """Set the commit count and state version saved in a checkpoint (`version`:
-        the hex of `state_version`; without it, the count alone)."""
+    def restore(self, commits: int, version: str | None = None, work: object = None) -> None:
+        """Set the commit count, state version and lineage work saved in a checkpoint
+        (`version`: the hex of `state_version`, without it the count alone; `work`:
+        None in a checkpoint of an older release, which counts as the least there is)."""
         held = restored_version(commits, version)
+        if work is not None and declared_work(work) is None:
+            raise ValueError(f"work must be an int >= 0, got {work!r}")
         self.commits = commits
         self.state_version = held
+        self.work = lineage_work(held, [declared_work(work)])
 
     async def announce_presence(self, timeout: float = 2.0) -> bool:
         """Declare in the matchmaking records that we take part and will look soon.
@@ -356,7 +367,9 @@ class Averager:
         than the others from being left out of it (and then told to re-sync),
         however long the time between rounds.
         """
-        ok = await self._matchmaker.declare_busy(self.state_version, timeout=timeout)
+        ok = await self._matchmaker.declare_busy(
+            self.state_version, timeout=timeout, work=self.work
+        )
         self._presence_at = time.monotonic()
         return ok
 
@@ -404,7 +417,10 @@ class Averager:
             attempts += 1
             try:
                 group = await self._matchmaker.form_group(
-                    state_version=self.state_version, exclude=exclude, deadline=deadline
+                    state_version=self.state_version,
+                    exclude=exclude,
+                    deadline=deadline,
+                    work=self.work,
                 )
             except NeedsResync as e:
                 ok, why = await self._resync(e, deadline)
@@ -434,7 +450,7 @@ class Averager:
             if outcome.committed:
                 if group.size > 1:
                     self._matchmaker.supersede(self.state_version, SUPERSEDED_VERSION_S)
-                await self._commit(group.round_id)
+                await self._commit(group.round_id, group.size)
                 if self.attestor is not None:
                     self.attestor.on_commit(group, outcome.commitments)
                 return StepResult(
@@ -535,9 +551,11 @@ class Averager:
         # In a thread: the lock's holder may compute for a while, the loop must not wait.
         await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(locked)))
 
-    async def _commit(self, round_id: bytes) -> None:
-        """After the tensors hold the round's result: new version, commit hook, freeze."""
+    async def _commit(self, round_id: bytes, members: int) -> None:
+        """After the tensors hold the round's result (of `members` peers): new
+        version, commit hook, freeze."""
         self.commits += 1
+        self.work += members
         if self.config.shared_state:
             self.state_version = _chained_version(self.commits, self.state_version, round_id)
         else:
@@ -556,7 +574,7 @@ class Averager:
         should another peer have committed alone meanwhile, out of our sight, the two
         states carry different versions and never mix (one side re-syncs)."""
         round_id = b"alone:" + os.urandom(16)
-        await self._commit(round_id)
+        await self._commit(round_id, 1)
         # Our "looking" declaration names the version we just left: replace it.
         await self.announce_presence()
         return StepResult(

@@ -74,8 +74,10 @@ class Declarer:
         end: float | None = None,
         timeout: float = DHT_TIMEOUT,
         at_least: float = 0.0,
+        work: int | None = None,
     ) -> bool:
-        """Store our declaration; False when the DHT did not take it in time."""
+        """Store our declaration (`work`: of the lineage that made `version`, see
+        `Outlook.lineage`); False when the DHT did not take it in time."""
         if end is not None:
             timeout = max(min(timeout, end - self._loop.time()), at_least)
         if timeout <= 0:
@@ -85,7 +87,7 @@ class Declarer:
         self._expiration = expiration
         self.declared_at = self._loop.time()
         self.declared = (state, version)
-        decl = Declaration(self.peer_id, state, version, self.addrs(), self.bandwidth)
+        decl = Declaration(self.peer_id, state, version, self.addrs(), self.bandwidth, work=work)
         try:
             async with asyncio.timeout(timeout):
                 return await self.dht.store(

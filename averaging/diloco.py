@@ -63,6 +63,7 @@ from shoal.dht.node import DHTNode
 from .allreduce import AllReduceService
 from .averager import Averager, AveragerConfig, StepResult, restored_version
 from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
+from .lineage import declared_work
 from .outer import (
     RoundOutcome,
     RoundReport,
@@ -256,6 +257,7 @@ class DiLoCo(OuterStrategyBase):
             "momentum": [m.detach().clone() for m in self.momentum],
             "commits": self.averager.commits,
             "version": self.averager.state_version.hex(),
+            "work": self.averager.work,
             "inner_steps": self.inner_steps,
             "samples_since_sync": self.samples_since_sync,
         }
@@ -265,7 +267,7 @@ class DiLoCo(OuterStrategyBase):
         globals_ = check_like("globals", state.get("globals"), self.globals)
         momentum = check_like("momentum", state.get("momentum"), self.momentum)
         inner, samples = checked_counters(state, ("inner_steps", "samples_since_sync"))
-        self.averager.restore(state.get("commits"), state.get("version"))  # type: ignore[arg-type]
+        self.averager.restore(state.get("commits"), state.get("version"), state.get("work"))  # type: ignore[arg-type]
         copy_into(self.globals, globals_)
         copy_into(self.momentum, momentum)
         self.inner_steps = inner
@@ -565,6 +567,7 @@ class StreamingDiLoCo(OuterStrategyBase):
                     "momentum": [m.detach().clone() for m in f.momentum],
                     "commits": self._avg(f).commits,
                     "version": self._avg(f).state_version.hex(),
+                    "work": self._avg(f).work,
                     "samples": samples,
                 }
             )
@@ -593,15 +596,18 @@ class StreamingDiLoCo(OuterStrategyBase):
                     check_like("momentum", saved.get("momentum"), f.momentum),
                     saved.get("commits"),
                     saved.get("version"),
+                    saved.get("work"),
                     saved["samples"],
                 )
             )
-        for _, _, commits, version, _ in checked:
+        for _, _, commits, version, work, _ in checked:
             restored_version(commits, version)  # all or nothing: check every one first
-        for f, (globals_, momentum, commits, version, samples) in zip(
+            if work is not None and declared_work(work) is None:
+                raise ValueError(f"checkpoint 'work' must be an int >= 0, got {work!r}")
+        for f, (globals_, momentum, commits, version, work, samples) in zip(
             self.fragments, checked, strict=True
         ):
-            self._avg(f).restore(commits, version)
+            self._avg(f).restore(commits, version, work)
             copy_into(f.globals, globals_)
             copy_into(f.momentum, momentum)
             f.samples = samples

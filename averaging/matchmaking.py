@@ -74,6 +74,7 @@ from shoal.transport.identity import PeerID
 from .deadline import Deadline
 from .declarer import DHT_TIMEOUT, Declarer
 from .group import Group, Member
+from .lineage import lineage_work
 from .matchmaking_join import ANSWER_MARGIN, JoinClient, JoinServer, Prober
 from .matchmaking_round import Closing, MatchmakingConfig, MatchmakingError, Mode, Round
 from .matchmaking_rules import (
@@ -191,12 +192,14 @@ class Matchmaker:
         state_version: bytes,
         exclude: Collection[PeerID] = (),
         deadline: Deadline | None = None,
+        work: int | None = None,
     ) -> Group:
         """The group agreed with other peers (us included), equal on every member.
 
         `exclude`: peers the caller just saw fail; they are left out at once (and
         set aside until they declare again). `deadline`: when to give up (loop
-        time); None means ``matchmaking_time + join_timeout`` from now. Raises
+        time); None means ``matchmaking_time + join_timeout`` from now. `work`: of
+        the lineage that made our version (`Outlook.lineage`), None to say none. Raises
         MatchmakingError when no group of ``min_group_size`` formed by then,
         NeedsResync when our `state_version` is behind the swarm's.
         """
@@ -210,7 +213,7 @@ class Matchmaker:
         if deadline is None or deadline.at is None:
             deadline = Deadline.after(cfg.matchmaking_time + cfg.join_timeout)
         assert deadline.at is not None
-        rnd = self._new_round(state_version, exclude)
+        rnd = self._new_round(state_version, exclude, work)
         self._server.round = rnd
         self._idle.clear()
         try:
@@ -224,17 +227,23 @@ class Matchmaker:
             self._suspicions.prune(time.time())
         # Nobody should wait for us as a leader now, nor count our version: it
         # is stale the moment this round commits.
-        await self.declarer.declare(PeerState.BUSY, state_version, timeout=BUSY_STORE_TIMEOUT)
+        await self.declarer.declare(
+            PeerState.BUSY, state_version, timeout=BUSY_STORE_TIMEOUT, work=work
+        )
         return group
 
-    async def declare_busy(self, state_version: bytes, *, timeout: float = DHT_TIMEOUT) -> bool:
+    async def declare_busy(
+        self, state_version: bytes, *, timeout: float = DHT_TIMEOUT, work: int | None = None
+    ) -> bool:
         """Declare, outside `form_group`, that we take part and will look soon (as a
         member of a round does): leaders wait for us (up to `matchmaking_time`) and
         a peer that would be alone is not. False when the DHT did not take it in
         time. Not while `form_group` runs (it keeps its own declaration)."""
         if self._server.round is not None:
             raise RuntimeError("form_group is running on this matchmaker")
-        return await self.declarer.declare(PeerState.BUSY, state_version, timeout=timeout)
+        return await self.declarer.declare(
+            PeerState.BUSY, state_version, timeout=timeout, work=work
+        )
 
     def set_aside_version(self, version: bytes, seconds: float) -> None:
         """Leave the peers declaring `version` out of our rounds (and out of the vote
@@ -284,7 +293,9 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ the call
 
-    def _new_round(self, version: bytes, exclude: Collection[PeerID]) -> Round:
+    def _new_round(
+        self, version: bytes, exclude: Collection[PeerID], work: int | None = None
+    ) -> Round:
         cfg = self.config
         me = Member(self.peer_id, self.declarer.addrs(), self.bandwidth)
         # Peers blocked on the host (convicted cheaters) are left out like the
@@ -294,8 +305,9 @@ class Matchmaker:
         set_aside = frozenset(v for v, until in self._set_aside.items() if until > now)
         superseded = frozenset(v for v, until in self._superseded.items() if until > now)
         outlook = Outlook(
-            self.key, self.peer_id, version, excluded, self._suspicions, set_aside, superseded
-        )
+            self.key, self.peer_id, version, excluded, self._suspicions, set_aside, superseded,
+            work,
+        )  # fmt: skip
         gathering = Gathering(
             me,
             min_size=cfg.min_group_size,
@@ -313,7 +325,9 @@ class Matchmaker:
         rnd.note_excluded()
         if rnd.group is None:  # (joins may have filled the group meanwhile)
             await self._check_version(rnd, end)
-            await self.declarer.declare(PeerState.LOOKING, rnd.outlook.version, end=end)
+            await self.declarer.declare(
+                PeerState.LOOKING, rnd.outlook.version, end=end, work=rnd.outlook.work
+            )
         next_poll = self._loop.time() + FIRST_POLL
         while True:
             if self._closing.is_set():
@@ -348,7 +362,9 @@ class Matchmaker:
         rnd.note_excluded()
         await self._check_version(rnd, end)
         if self._loop.time() - self.declarer.declared_at > self.config.declaration_ttl / 3:
-            await self.declarer.declare(PeerState.LOOKING, rnd.outlook.version, end=end)
+            await self.declarer.declare(
+                PeerState.LOOKING, rnd.outlook.version, end=end, work=rnd.outlook.work
+            )
         return self._loop.time() + min(self._poll_max, FIRST_POLL * 2**rnd.poll_backoff)
 
     async def _lead(self, rnd: Round, end: float, next_poll: float) -> None:
@@ -422,7 +438,8 @@ class Matchmaker:
         confirmed = await self._prober.confirm(rnd, holders[:MAX_PROBES], end)
         if rnd.group is not None or rnd.mode == Mode.CLOSED:
             return  # joins filled our group while we asked
-        if not confirmed or not outlook.outvoted(len(confirmed), target, mine):
+        work = lineage_work(target, [d.work for d in confirmed])
+        if not confirmed or not outlook.outvoted(len(confirmed), target, mine, work):
             return
         rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
         rnd.mode = Mode.CLOSED

@@ -36,6 +36,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
 from .group import ROUND_ID_BYTES, Group, Member, make_round_id
+from .lineage import MAX_WORK, lineage_work
 
 MAX_VERSION_BYTES = 64
 MAX_ADDRS = 16
@@ -89,6 +90,14 @@ def _addrs(obj: object) -> tuple[Multiaddr, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _work(obj: object) -> int | None:
+    if obj is None:
+        return None
+    if isinstance(obj, bool) or not isinstance(obj, int) or not 0 <= obj <= MAX_WORK:
+        raise ValueError(f"work must be an int in [0, {MAX_WORK}]")
+    return obj
+
+
 def _peer(obj: object) -> PeerID:
     if not isinstance(obj, bytes):
         raise ValueError("peer ID must be bytes")
@@ -108,15 +117,21 @@ class Declaration:
     addrs: tuple[Multiaddr, ...] = ()
     bandwidth: float = 1.0
     expiration: float = 0.0  # the record's (UNIX time); later means newer
+    # The work of the lineage that made `state_version` (see `Outlook.lineage`);
+    # None from a peer that does not say (older releases).
+    work: int | None = None
 
     def to_value(self) -> dict[str, Any]:
         """The DHT value (the peer is the subkey's owner, the expiration the record's)."""
-        return {
+        value: dict[str, Any] = {
             "state": str(self.state),
             "version": self.state_version,
             "addrs": [str(a) for a in self.addrs[:MAX_ADDRS]],
             "bandwidth": float(self.bandwidth),
         }
+        if self.work is not None:
+            value["work"] = self.work
+        return value
 
     @classmethod
     def from_record(cls, subkey: object, value: object, expiration: object) -> Declaration:
@@ -146,6 +161,7 @@ class Declaration:
             _addrs(value.get("addrs", [])),
             _bandwidth(value.get("bandwidth", 1.0)),
             float(expiration),
+            _work(value.get("work")),
         )
 
 
@@ -255,6 +271,7 @@ class Outlook:
     suspicions: Suspicions = field(default_factory=Suspicions)
     set_aside: frozenset[bytes] = frozenset()
     superseded: frozenset[bytes] = frozenset()
+    work: int | None = None  # our lineage's (see `lineage`)
 
     def usable(self, decl: Declaration) -> bool:
         return (
@@ -311,25 +328,45 @@ class Outlook:
         if not others:
             return None
         if len(self.version) == CHAINED_VERSION_BYTES:
-            count, best = max(others)
-            return best if self.outvoted(count, best, mine) else None
+            count, best = max(others, key=lambda cv: (cv[0], self.lineage(view, cv[1])))
+            return best if self.outvoted(count, best, mine, self.lineage(view, best)[0]) else None
         # most peers first; among equals the smallest version, so every peer picks the same
         count, best = min(others, key=lambda cv: (-cv[0], cv[1]))
         if self.version == b"" or count > mine:
             return best
         return None
 
-    def outvoted(self, count: int, version: bytes, mine: int) -> bool:
-        """Whether `count` looking peers holding `version` outvote the `mine` that
-        hold ours (us included). More holders win. A shared state (chained
-        versions) must be one, so among equally held versions the one with more
-        commits, then the larger hash, wins: two states that went their own ways
-        (say, two peers that each trained alone) merge again."""
+    def outvoted(self, count: int, version: bytes, mine: int, work: int) -> bool:
+        """Whether `count` looking peers holding `version` (of a lineage of `work`)
+        outvote the `mine` that hold ours (us included). More holders win. A shared
+        state (chained versions) must be one, so among equally held versions the
+        larger `lineage` wins: two states that went their own ways (say, a peer cut
+        off that trained alone, and the rest of the swarm) merge again."""
         if self.version == b"" or count > mine:
             return True
         return (
-            len(self.version) == CHAINED_VERSION_BYTES and count == mine and version > self.version
+            len(self.version) == CHAINED_VERSION_BYTES
+            and count == mine
+            and (work, version) > self.our_lineage()
         )
+
+    def our_lineage(self) -> tuple[int, bytes]:
+        return lineage_work(self.version, [self.work]), self.version
+
+    def lineage(self, view: View, version: bytes) -> tuple[int, bytes]:
+        """How two versions of a shared state order when as many looking peers hold
+        each (the larger wins): by the work of the lineage that made them, the
+        members summed over its commits, then by the version (its commit count,
+        then its hash).
+
+        Work, not commits: a peer cut off from the swarm that steps alone adds a
+        commit at each outer step, with one member, while the swarm adds one per
+        round, with a whole group. Ordered by commits, the lone peer's state won
+        the ties when it came back, and the swarm re-synced onto it, dropping the
+        rounds it had averaged meanwhile."""
+        if version == self.version:
+            return self.our_lineage()
+        return lineage_work(version, [d.work for d in self.holders(view, version)]), version
 
     def alone(self, view: View) -> bool:
         """No other usable peer declared looking, busy or syncing: nobody is coming."""
@@ -367,7 +404,7 @@ class Outlook:
                 or (  # a tie our (shared, chained) version wins: see resync_target
                     len(self.version) == CHAINED_VERSION_BYTES
                     and counts[d.state_version] == mine
-                    and d.state_version < self.version
+                    and self.lineage(view, d.state_version) < self.our_lineage()
                 )
             )
             if coming_back or ours_soon:

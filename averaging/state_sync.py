@@ -37,6 +37,7 @@ from shoal.transport.multiaddr import Multiaddr
 
 from .deadline import Deadline
 from .fingerprint import state_fingerprint
+from .lineage import declared_work
 
 log = logging.getLogger("shoal.averaging.state")
 
@@ -77,6 +78,10 @@ class State:
     tensors: tuple[torch.Tensor, ...]
     metadata: Mapping[str, Any]
     fingerprint: str
+    # The work of the lineage that made it, as its holder says (matchmaking_rules'
+    # `lineage_work`): outside the fingerprint, which members of a round compare,
+    # since a peer that restored an older checkpoint cannot know it.
+    work: int | None = None
 
     @property
     def step(self) -> int:
@@ -174,6 +179,8 @@ class StateServer:
             return True
         expiration = now + self.announce_ttl
         record: dict[str, Any] = {"fp": state.fingerprint, "step": state.step}
+        if state.work is not None:
+            record["work"] = state.work  # the best lineage first (`find_holders`)
         version = state.metadata.get("version")
         if isinstance(version, str):
             record["version"] = version  # so that a re-sync finds the version it wants
@@ -215,7 +222,11 @@ class StateServer:
                 offsets.append(total)
                 total += v.numel()
             snap = _Snapshot(
-                State(copies, state.metadata, state.fingerprint), views, offsets, total, now
+                State(copies, state.metadata, state.fingerprint, state.work),
+                views,
+                offsets,
+                total,
+                now,
             )
             self._snapshots[state.fingerprint] = snap
             while len(self._snapshots) > self.keep_snapshots:
@@ -226,12 +237,15 @@ class StateServer:
 
     async def _on_info(self, ctx: rpc.CallContext, payload: Any) -> Any:
         snap = self._snapshot(None)
-        return {
+        info = {
             "fp": snap.state.fingerprint,
             "metadata": dict(snap.state.metadata),
             "tensors": [[_dtype_name(t), list(t.shape)] for t in snap.state.tensors],
             "total": snap.total,
         }
+        if snap.state.work is not None:
+            info["work"] = snap.state.work
+        return info
 
     async def _on_fetch(self, ctx: rpc.CallContext, payload: Any) -> Any:
         if not isinstance(payload, dict):
@@ -256,10 +270,18 @@ class Holder:
     fingerprint: str
     step: int
     version: str | None = None  # the state's version (hex), when its holder says
+    work: int | None = None  # its lineage's (see `State.work`), when its holder says
+
+    @property
+    def rank(self) -> int:
+        """Its lineage's work as this holder says it, never below the step (each
+        commit has a member at least)."""
+        return max(self.work or 0, self.step)
 
 
 async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
-    """Who announced a state for `key`, newest states first."""
+    """Who announced a state for `key`: the states of the most work first (see
+    `Holder.rank`), then the newest, then the most announced."""
     found = await dht.get(f"{key}/state", latest=True)
     if found is None or found.subkeys is None:
         return []
@@ -273,11 +295,12 @@ async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
             continue
         fp, step, version = value.get("fp"), value.get("step", 0), value.get("version")
         if isinstance(fp, str) and isinstance(step, int):
-            holders.append(Holder(peer, fp, step, version if isinstance(version, str) else None))
+            version = version if isinstance(version, str) else None
+            holders.append(Holder(peer, fp, step, version, declared_work(value.get("work"))))
     votes: dict[tuple[int, str], int] = {}
     for h in holders:
         votes[(h.step, h.fingerprint)] = votes.get((h.step, h.fingerprint), 0) + 1
-    holders.sort(key=lambda h: (-h.step, -votes[(h.step, h.fingerprint)], h.fingerprint))
+    holders.sort(key=lambda h: (-h.rank, -h.step, -votes[(h.step, h.fingerprint)], h.fingerprint))
     return holders
 
 
@@ -539,7 +562,7 @@ class _Download:
         got = await asyncio.to_thread(state_fingerprint, self.tensors, metadata)
         if got != self.fingerprint:
             return None
-        return State(tuple(self.tensors), metadata, got)
+        return State(tuple(self.tensors), metadata, got, declared_work(self.info.get("work")))
 
 
 async def _fetch(

@@ -64,8 +64,9 @@ def decl(
     state: PeerState = PeerState.LOOKING,
     version: bytes = b"v",
     expiration: float = 100.0,
+    work: int | None = None,
 ) -> Declaration:
-    return Declaration(peer, state, version, (), 1.0, expiration)
+    return Declaration(peer, state, version, (), 1.0, expiration, work)
 
 
 def view_of(*decls: Declaration) -> dict[PeerID, Declaration]:
@@ -239,6 +240,44 @@ def test_a_tie_between_shared_state_versions_goes_to_more_commits_then_the_large
     )
 
 
+def test_a_tie_between_shared_state_versions_goes_to_the_lineage_of_more_work() -> None:
+    """A peer cut off from the swarm stepped alone (a commit per outer step, one member
+    each) while the swarm averaged in groups: more commits, less work. When it comes
+    back, the swarm's version wins the tie on both sides, and the lone peer re-syncs
+    (ordered by commits, the swarm re-synced onto the lone peer's state)."""
+    peers = ids(5)
+    fork_work = 22  # both lineages share 8 commits worth 22
+    swarm, lone = chained(10, 1), chained(14, 2)
+    swarm_work, lone_work = fork_work + 3 + 4, fork_work + 6  # two rounds, six steps alone
+    at_swarm = Outlook(KEY, peers[0], swarm, work=swarm_work)
+    at_lone = Outlook(KEY, peers[1], lone, work=lone_work)
+    assert at_swarm.resync_target(view_of(decl(peers[1], version=lone, work=lone_work))) is None
+    assert at_lone.resync_target(view_of(decl(peers[0], version=swarm, work=swarm_work))) == (swarm)
+    # a leader of the swarm's version waits for the lone peer: it re-syncs to ours
+    assert at_swarm.pending(view_of(decl(peers[1], version=lone, work=lone_work)), []) == {peers[1]}
+    # more holders still win over more work
+    crowd = view_of(*(decl(p, version=lone, work=lone_work) for p in peers[2:5]),
+                    decl(peers[1], version=swarm, work=swarm_work))  # fmt: skip
+    assert at_swarm.resync_target(crowd) == lone
+    # a holder cannot raise its version above what the other holders say: the least counts
+    boasting = view_of(decl(peers[1], version=lone, work=10**9),
+                       decl(peers[2], version=lone, work=lone_work))  # fmt: skip
+    two_of_ours = Outlook(KEY, peers[0], swarm, work=swarm_work)
+    assert two_of_ours.lineage(boasting, lone) == (lone_work, lone)
+    # a peer of an older release says no work: its lineage counts as its commits (the
+    # least there is), and both sides still agree
+    assert at_lone.resync_target(view_of(decl(peers[0], version=swarm))) is None  # 10 < 28
+    assert (
+        Outlook(KEY, peers[0], swarm).resync_target(
+            view_of(decl(peers[1], version=lone, work=lone_work))
+        )
+        == lone
+    )
+    # equal work: the old order (commits, then the hash) decides
+    equal = view_of(decl(peers[1], version=lone, work=swarm_work))
+    assert at_swarm.resync_target(equal) == lone
+
+
 def test_a_peer_is_alone_only_when_no_other_usable_peer_is_declared_at_all() -> None:
     p = ids(4)
     out = Outlook(KEY, p[0], b"v", frozenset({p[3]}))
@@ -370,6 +409,9 @@ def test_declarations_in_the_dht_are_parsed_strictly() -> None:
     view = parse_view(subkeys, now)
     assert list(view) == [good]
     assert view[good].bandwidth == 2.0 and view[good].expiration == now + 30
+    assert view[good].work is None and "work" not in value  # (an older release's)
+    worked = Declaration(good, PeerState.LOOKING, b"v", (), 2.0, work=41).to_value()
+    assert parse_view({owner_marker(good): (worked, now + 30)}, now)[good].work == 41
     assert parse_view({owner_marker(good): (value, now - 1)}, now) == {}  # expired
     assert parse_view(None, now) == {}
     for bad in (
@@ -380,6 +422,10 @@ def test_declarations_in_the_dht_are_parsed_strictly() -> None:
         {"state": "looking", "version": b"v", "bandwidth": float("nan")},
         {"state": "looking", "version": b"v", "bandwidth": True},
         {"state": "looking", "version": b"v", "addrs": ["/ip4/1.2.3.4/tcp/1"] * 17},
+        {"state": "looking", "version": b"v", "work": -1},
+        {"state": "looking", "version": b"v", "work": True},
+        {"state": "looking", "version": b"v", "work": 2**62 + 1},
+        {"state": "looking", "version": b"v", "work": "12"},
     ):
         assert parse_view({owner_marker(good): (bad, now + 30)}, now) == {}
     # unparsable addresses are dropped, not fatal

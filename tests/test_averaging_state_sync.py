@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -79,6 +80,28 @@ async def test_a_newcomer_downloads_the_newest_state_and_verifies_it(
     assert [h.step for h in holders] == [9, 9, 5]
     got = await load_state_from_peers(loader, KEY)
     assert_same(got, new)
+
+
+async def test_the_state_of_most_work_is_downloaded_first_and_keeps_its_work(
+    dhts: Callable[..., Any],
+) -> None:
+    """A peer that stepped alone holds more commits (steps) than the swarm but less
+    work (lineage.py): a newcomer loads the swarm's state, with its work. A holder of
+    an older release says no work: its steps count as its work."""
+    lone = dataclasses.replace(sample_state(1, step=14), work=20)
+    swarm = dataclasses.replace(sample_state(2, step=10), work=31)
+    older = sample_state(3, step=12)
+    a, b, c, loader = await dhts(4)
+    servers = [StateServer(a, KEY, lambda: lone), StateServer(b, KEY, lambda: swarm),
+               StateServer(c, KEY, lambda: older)]  # fmt: skip
+    for s in servers:
+        assert await s.announce()
+    holders = await find_holders(loader, KEY)
+    assert [(h.step, h.work, h.rank) for h in holders] == [(10, 31, 31), (14, 20, 20),
+                                                           (12, None, 12)]  # fmt: skip
+    got = await load_state_from_peers(loader, KEY)
+    assert_same(got, swarm)
+    assert got.work == 31
 
 
 async def test_download_resumes_from_another_holder_when_the_source_dies(
