@@ -460,12 +460,13 @@ def _as_last_seen(holders: list[Holder], behind: Mapping[PeerID, tuple[str, int]
     """`holders` (newest first) with the step a holder was seen at when it was
     found behind its announcement, until it announces another state."""
     seen = [
-        replace(h, step=behind[h.peer_id][1])
+        # (The work it announced is that of the state it left: unknown now.)
+        replace(h, step=behind[h.peer_id][1], work=None)
         if behind.get(h.peer_id, ("", 0))[0] == h.fingerprint
         else h
         for h in holders
     ]
-    return sorted(seen, key=lambda h: -h.step)  # stable: most-held first within a step
+    return sorted(seen, key=lambda h: (-h.rank, -h.step))  # stable: then most-held first
 
 
 def _is_stale(error: BaseException) -> bool:
