@@ -200,7 +200,6 @@ class PipelineTrainer:
         views = balancer.snapshot()
         peers = []
         live_versions: list[int] = []
-        listed_versions: list[int] = []
         for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
             peer = owner_of(subkey)
             if peer is None or not isinstance(record, dict) or peer in bad:
@@ -211,20 +210,14 @@ class PipelineTrainer:
             peers.append((peer, speed if isinstance(speed, int | float) else None))
             view = views.get(peer)
             banned = view is not None and (view.banned_until > now or view.failing)
-            if isinstance(version, int) and not isinstance(version, bool):
-                listed_versions.append(version)
-                if not banned:
-                    live_versions.append(version)
+            if isinstance(version, int) and not isinstance(version, bool) and not banned:
+                live_versions.append(version)
             if isinstance(since, int | float):
                 if since > self._announced.get(peer, since):
                     balancer.reannounced(peer)  # it restarted or re-synced: back
                 self._announced[peer] = since
-        if live_versions:
+        if live_versions:  # (with every peer banned for now: the version we knew)
             self.versions[s] = max(live_versions)
-        elif listed_versions:
-            # Every peer banned for now: keep the version we knew, unless no peer we
-            # may call again has it (we learnt it from one convicted since).
-            self.versions[s] = min(self.versions[s], max(listed_versions))
         balancer.set_peers(peers)
         self.stage_peers[s] = [p for p, _ in peers]
         return len(peers)

@@ -129,9 +129,7 @@ async def test_a_convicted_peer_s_version_counts_for_nothing(
 ) -> None:
     """A cheater cut off by its bans steps alone and announces a version no honest
     peer of the stage holds. Counted, it would send every request to them with that
-    version, and they would refuse each as behind: the stage would stall. Also when
-    every honest peer is banned for now (their answers timed out), the version the
-    trainer learnt from the convicted peer does not stay."""
+    version, and they would refuse each as behind: the stage would stall."""
     swarm = Swarm(make_host)
     try:
         trainer = PipelineTrainer(
@@ -144,14 +142,8 @@ async def test_a_convicted_peer_s_version_counts_for_nothing(
         assert trainer.versions[0] == 9  # (not known yet to cheat)
 
         trainer.auditor.distrusted.add(cheater.dht.peer_id)
-        trainer.balancers[0].failed(honest.dht.peer_id, time.monotonic())
         await trainer.refresh()
-        assert cheater.dht.peer_id not in trainer.stage_peers[0]
+        assert trainer.stage_peers[0] == [honest.dht.peer_id]
         assert trainer.versions[0] == 3, "the convicted peer's version held the stage ahead"
-
-        balancer = trainer.balancers[0]
-        balancer.succeeded(honest.dht.peer_id, 1, 0.01)
-        await trainer.refresh()
-        assert trainer.versions[0] == 3
     finally:
         await swarm.aclose()
