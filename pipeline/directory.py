@@ -34,6 +34,9 @@ class StageRecord:
     # False: announced but not taking requests yet (arriving by a move, re-syncing);
     # it counts toward the stage's capacity, trainers do not route to it.
     ready: bool = True
+    # The stage a peer arriving by a move leaves (None: not moving). Its record
+    # there stays until it drains, so this is how that stage's peers know.
+    leaving: int | None = None
 
     @property
     def samples_per_s(self) -> float | None:
@@ -53,7 +56,12 @@ class StageRecord:
         if not isinstance(at, int | float) or not isinstance(queue, int):
             return None
         ready = value.get("ready", True) is not False
-        return StageRecord(peer, _speed(fwd), _speed(bwd), max(0, queue), version, float(at), ready)
+        leaving = value.get("from")
+        if not (isinstance(leaving, int) and not isinstance(leaving, bool) and leaving >= 0):
+            leaving = None
+        return StageRecord(
+            peer, _speed(fwd), _speed(bwd), max(0, queue), version, float(at), ready, leaving
+        )
 
 
 def _speed(value: Any) -> float | None:

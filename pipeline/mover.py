@@ -6,7 +6,9 @@ every stage's records and asks the rebalancer. A move:
 
 1. says where we go: a record in the target stage that is not `ready` (it
    counts toward that stage's capacity, so other peers do not follow us
-   there; trainers do not route to it);
+   there; trainers do not route to it) and names the stage we leave (so its
+   other peers stay put). It then reads the records again and gives way if
+   another peer decided the same at the same moment (`move_contested`);
 2. drains the stage we leave: no new request, its record withdrawn (so its
    other peers stay put), the requests taken finish, and we stay for the
    step that takes the gradients we hold (up to `drain_timeout`: after that
@@ -29,7 +31,7 @@ from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 
 from .directory import StageRecord, read_stages
-from .rebalance import RebalancePolicy, Rebalancer
+from .rebalance import RebalancePolicy, Rebalancer, move_contested
 from .server import RECORD_TTL, stage_key
 from .stage_peer import StagePeer
 
@@ -71,6 +73,7 @@ class StageMover:
         self.rebalancer = Rebalancer(self.policy, time.monotonic(), rng)
         self.moves: list[tuple[int, int, float]] = []  # (from, to, UNIX time)
         self.failed_moves = 0
+        self.moves_given_way = 0  # moves that met another's and did not go ahead
         self.moving = False
 
     def _mine(self) -> StageRecord:
@@ -101,17 +104,26 @@ class StageMover:
             decision = self.rebalancer.wake(
                 time.monotonic(), records, self._mine(), self.peer.stage
             )
-            if decision.target is not None:
-                await self.move(decision.target, records[decision.target])
+            if decision.target is None:
+                continue
+            if await self.move(decision.target, records[decision.target]):
                 self.rebalancer.moved(time.monotonic())
+            else:
+                self.rebalancer.gave_way(time.monotonic())
 
-    async def move(self, target: int, target_records: list[StageRecord]) -> None:
-        """Move our peer to stage `target`."""
+    async def move(self, target: int, target_records: list[StageRecord]) -> bool:
+        """Move our peer to stage `target`; False if we gave way to another move."""
         old = self.peer
-        log.info("moving from stage %d to stage %d (it limits the pipeline)", old.stage, target)
         self.moving = True
         try:
             await self._say_arriving(target, target_records)
+            if await self._contested(target):
+                self.moves_given_way += 1
+                log.info("not moving to stage %d: another peer moves at once", target)
+                await self._withdraw_arrival(target)
+                return False
+            log.info("moving from stage %d to stage %d (it limits the pipeline)",
+                     old.stage, target)  # fmt: skip
             await old.server.drain()
             await self._drain(old)
             # Closed before the next stage's peer exists: the two would share the host's
@@ -127,8 +139,19 @@ class StageMover:
             if self.on_moved is not None:
                 self.on_moved(old, new)
             log.info("now serving stage %d (version %d)", target, new.version)
+            return True
         finally:
             self.moving = False
+
+    async def _contested(self, target: int) -> bool:
+        """Whether, read after our announcement, another move meets ours (a read that
+        fails counts as one: the next look decides on settled records)."""
+        try:
+            records = await read_stages(self.dht, self.experiment, self.stages)
+        except Exception as e:
+            log.debug("reading the stage records failed: %r", e)
+            return True
+        return move_contested(records, self.dht.peer_id, self.peer.stage, target)
 
     async def _drain(self, old: StagePeer) -> None:
         with contextlib.suppress(TimeoutError):
@@ -140,6 +163,13 @@ class StageMover:
     async def _say_arriving(self, target: int, records: list[StageRecord]) -> None:
         now = time.time()
         version = max((r.version for r in records), default=0)
-        value = {"version": version, "since": now, "ready": False, "t": now}
+        value = {"version": version, "since": now, "ready": False, "t": now,
+                 "from": self.peer.stage}  # fmt: skip
         await self.dht.store(stage_key(self.experiment, target), value, now + RECORD_TTL,
                              subkey=owner_marker(self.dht.peer_id))  # fmt: skip
+
+    async def _withdraw_arrival(self, target: int) -> None:
+        with contextlib.suppress(Exception):  # else it expires (RECORD_TTL)
+            await self.dht.store(stage_key(self.experiment, target), None,
+                                 time.time() + RECORD_TTL,
+                                 subkey=owner_marker(self.dht.peer_id))  # fmt: skip

@@ -25,6 +25,13 @@ And over time (`Rebalancer`, a state machine on a clock the caller gives):
 - a candidate looks again after a random delay and moves only if the same
   move still qualifies (the first mover's records, `ready` False where it
   goes and gone where it left, stop the others);
+- two candidates can still decide on the same records, each before the
+  other's announcement is readable. So a mover announces where it goes, reads
+  the records again, and gives way if another peer is arriving there or
+  leaving its stage too (`move_contested`). Of two such movers, the one whose
+  announcement lands second reads the first one's (it reads after its own
+  store), so at most one goes ahead; both may give way, and then look again a
+  jittered period later;
 - a peer that moved stays at least `hold_periods` periods.
 
 Capacities are samples/s (a forward and its backward), as the stage records
@@ -41,9 +48,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from shoal.transport.identity import PeerID
+
 from .directory import StageRecord, least_capacity_stage, stage_capacity
 
-__all__ = ["RebalancePolicy", "Rebalancer", "plan_move"]
+__all__ = ["RebalancePolicy", "Rebalancer", "move_contested", "plan_move"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,7 @@ def plan_move(
     here = stages[my_stage]
     if len(here) - 1 < policy.min_peers:
         return None
-    if any(not r.ready for r in here):
+    if any(not r.ready for r in here) or _leaving(stages, my_stage, mine.peer):
         return None  # a peer of ours is leaving or arriving: wait until it settled
     target = least_capacity_stage(stages)
     if target == my_stage:
@@ -119,6 +128,22 @@ def plan_move(
     if min(here_after, there_after) < (1 + policy.margin) * lesser_before:
         return None
     return target
+
+
+def _leaving(stages: Sequence[Sequence[StageRecord]], stage: int, me: PeerID) -> bool:
+    """Whether a peer other than us announced a move out of `stage`."""
+    return any(r.leaving == stage and r.peer != me for records in stages for r in records)
+
+
+def move_contested(
+    stages: Sequence[Sequence[StageRecord]], me: PeerID, my_stage: int, target: int
+) -> bool:
+    """Whether our move from `my_stage` to `target`, announced, meets another one:
+    another peer arriving at `target` (its capacity is no longer what we planned
+    on), or leaving `my_stage` (which may not keep enough without both). Read
+    after our announcement landed; we give way if so."""
+    arriving = any(not r.ready and r.peer != me for r in stages[target])
+    return arriving or _leaving(stages, my_stage, me)
 
 
 @dataclass(frozen=True)
@@ -179,6 +204,12 @@ class Rebalancer:
         """We moved (or tried to): hold, and look again a period later."""
         self.moved_at = now
         self.moves += 1
+        self.pending = None
+        self.wake_at = now + self._period()
+
+    def gave_way(self, now: float) -> None:
+        """Our move met another (`move_contested`) and we stayed: look again a
+        jittered period later (no hold: we did not move)."""
         self.pending = None
         self.wake_at = now + self._period()
 

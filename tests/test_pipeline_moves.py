@@ -15,6 +15,7 @@ import pytest
 from waiting import eventually
 
 from shoal.peer.tasks.bytegpt import make_task
+from shoal.pipeline.directory import read_stages
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.rebalance import RebalancePolicy
 from shoal.pipeline.server import StageServer
@@ -130,4 +131,39 @@ async def test_a_peer_moves_to_the_starved_stage_and_serves_it_in_step(make_host
         for m in movers:
             if m.peer not in swarm.peers:
                 swarm.peers.append(m.peer)
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_two_peers_deciding_on_the_same_records_at_once_do_not_both_leave(
+    make_host,
+) -> None:
+    """Stages [3, 1]: two of stage 0's peers decide to move at the same moment, each
+    before the other's announcement is in the DHT. Both moving would leave stage 0
+    one peer; after announcing, each sees the other arriving and gives way, and both
+    keep serving stage 0 (they look again a period later)."""
+    task = make_task(TINY)
+    modules = [Paced(m, SECONDS_PER_SAMPLE, 1.0) for m in task.make_stages(5, 2)]
+    swarm = Swarm(make_host)
+    try:
+        for stage in (0, 0, 0, 1):
+            await swarm.stage_peer(stage, modules[stage], global_batch=GLOBAL_BATCH)
+
+        async def refuse(stage: int) -> StagePeer:
+            raise AssertionError("a contested move went ahead")
+
+        first, second = (
+            StageMover(swarm.nodes[i], EXPERIMENT, 2, peer, refuse, rng=random.Random(i))
+            for i, peer in enumerate(swarm.of_stage(0)[:2])
+        )
+        records = await read_stages(swarm.nodes[0], EXPERIMENT, 2)
+        assert [len(r) for r in records] == [3, 1]
+        moved = await asyncio.gather(first.move(1, records[1]), second.move(1, records[1]))
+        assert moved == [False, False]
+        assert not first.peer.server.draining and not second.peer.server.draining
+        # Their arrivals are withdrawn (before `move` returned): stage 1 counts its one
+        # peer again, and stage 0 its three, all serving.
+        records = await read_stages(swarm.nodes[3], EXPERIMENT, 2)
+        assert [len(r) for r in records] == [3, 1] and all(r.ready for r in records[1])
+    finally:
         await swarm.aclose()

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from shoal.pipeline.directory import StageRecord
-from shoal.pipeline.rebalance import RebalancePolicy, Rebalancer, plan_move
+from shoal.pipeline.rebalance import RebalancePolicy, Rebalancer, move_contested, plan_move
 from shoal.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)
@@ -17,10 +17,12 @@ PEERS = [Identity.generate().peer_id for _ in range(16)]
 POLICY = RebalancePolicy(period_s=10.0)
 
 
-def rec(peer: int, speed: float | None = 1.0, *, ready: bool = True) -> StageRecord:
+def rec(
+    peer: int, speed: float | None = 1.0, *, ready: bool = True, leaving: int | None = None
+) -> StageRecord:
     """A record of a peer taking `speed` samples/s (forward and backward together)."""
     fb = None if speed is None else 2 * speed
-    return StageRecord(PEERS[peer], fb, fb, 0, 0, 0.0, ready)
+    return StageRecord(PEERS[peer], fb, fb, 0, 0, 0.0, ready, leaving)
 
 
 def layout(counts: list[int], speed: float = 1.0) -> list[list[StageRecord]]:
@@ -76,6 +78,40 @@ def test_a_peer_arriving_counts_toward_its_new_stage() -> None:
     stages = layout([3, 3, 3, 1])
     stages[3].append(rec(15, None, ready=False))  # unmeasured: counted as typical
     assert [plan(stages, s) for s in range(3)] == [None, None, None]
+
+
+def test_a_stage_a_peer_announced_it_leaves_waits_though_its_record_is_still_there() -> None:
+    stages = layout([3, 3, 3, 1])
+    stages[3].append(rec(1, None, ready=False, leaving=0))  # peer 1 of stage 0, arriving
+    stages[0][1] = rec(1)  # still serving stage 0 until it drains
+    assert plan(stages, 0, 0) is None
+    del stages[3][-1]
+    assert plan(stages, 0, 0) == 3
+
+
+def test_a_move_meets_another_arriving_at_its_target_or_leaving_its_stage() -> None:
+    stages = layout([3, 3, 1])
+    me = stages[0][0].peer
+    arriving_me = rec(0, None, ready=False, leaving=0)
+    assert not move_contested([*stages[:2], [*stages[2], arriving_me]], me, 0, 2)
+    # Another peer arriving at our target, from any stage (its capacity changed).
+    other = rec(14, None, ready=False, leaving=1)
+    assert move_contested([*stages[:2], [*stages[2], arriving_me, other]], me, 0, 2)
+    # Another peer of our stage leaving it, for another stage.
+    assert move_contested([*stages[:1], [*stages[1], rec(1, ready=False, leaving=0)],
+                           [*stages[2], arriving_me]], me, 0, 2)  # fmt: skip
+
+
+def test_a_peer_that_gave_way_looks_again_within_a_period_without_holding() -> None:
+    policy = RebalancePolicy(period_s=10.0, move_fraction=1.0, hold_periods=4)
+    stages = layout([3, 3, 3, 1])
+    r = Rebalancer(policy, now=0.0, rng=random.Random(4))
+    r.wake(r.wake_at, stages, stages[0][0], 0)
+    assert r.pending == 3
+    r.gave_way(20.0)
+    assert r.pending is None and 20.0 + 7.5 <= r.wake_at <= 20.0 + 12.5
+    r.wake(r.wake_at, stages, stages[0][0], 0)
+    assert r.pending == 3  # a candidate again at once: it did not move
 
 
 def test_an_unmeasured_peer_does_not_move() -> None:
