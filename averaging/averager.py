@@ -144,6 +144,18 @@ class AveragerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try of a step: how long its matchmaking took, then its averaging (the
+    all-reduce, or the re-sync or lone commit matchmaking led to), the group's size
+    (0: none formed) and how it ended. A step's tries say where its time went."""
+
+    matchmaking_s: float
+    averaging_s: float
+    group_size: int
+    outcome: str
+
+
+@dataclass(frozen=True)
 class StepResult:
     committed: bool
     reason: str = ""
@@ -165,6 +177,7 @@ class StepResult:
     # Our input may be counted in a round we could not learn the outcome of (we were in
     # doubt): the caller must drop it, as after a re-sync, though the tensors are ours.
     discarded: bool = False
+    attempt_log: tuple[Attempt, ...] = ()
 
 
 class Averager:
@@ -224,6 +237,8 @@ class Averager:
         self.state_lock: threading.Lock | None = None
         self._shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
         self._aborted: list[bytes] = []  # the current step's groups that aborted
+        self._attempts: list[Attempt] = []  # the current step's tries (`Attempt`)
+        self._attempt_at = 0.0  # when the current try's matchmaking ended
         self.deadlines: AveragerDeadlines | None = None
         if self.config.adaptive_deadlines:
             c = self.config
@@ -413,8 +428,10 @@ class Averager:
         reason = ""
         attempts = 0
         self._aborted = []
+        self._attempts = []
         while attempts <= self.config.max_retries:
             attempts += 1
+            looking = time.monotonic()
             try:
                 group = await self._matchmaker.form_group(
                     state_version=self.state_version,
@@ -423,16 +440,21 @@ class Averager:
                     work=self.work,
                 )
             except NeedsResync as e:
+                self._attempt(looking, 0, "re-sync")
                 ok, why = await self._resync(e, deadline)
+                self._attempt_ended("re-synced" if ok else "re-sync failed")
                 return self._result(False, why, started, attempts, resynced=ok)
             except NobodyElse as e:
+                self._attempt(looking, 0, "alone")
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 if not self.config.shared_state or not weight > 0:
                     return self._result(False, f"no group: {e}", started, attempts)
                 return await self._commit_alone(started, attempts, weight)
             except (MatchmakingError, TimeoutError) as e:
+                self._attempt(looking, 0, "no group")
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 return self._result(False, f"no group: {e}", started, attempts)
+            self._attempt(looking, group.size, "averaging")
             outcome = await self._service.run(
                 group,
                 self.tensors,
@@ -447,6 +469,7 @@ class Averager:
                 )
             # form_group declared us busy; after an abort that declaration stays too.
             self._presence_at = time.monotonic()
+            self._attempt_ended("committed" if outcome.committed else outcome.reason)
             if outcome.committed:
                 if group.size > 1:
                     self._matchmaker.supersede(self.state_version, SUPERSEDED_VERSION_S)
@@ -467,6 +490,7 @@ class Averager:
                     leader if isinstance(leader := group.extra.get("leader"), PeerID) else None,
                     outcome.weights,
                     tuple(self._aborted),
+                    attempt_log=tuple(self._attempts),
                 )
             if outcome.in_doubt:
                 return self._after_doubt(outcome, started, attempts)
@@ -577,6 +601,7 @@ class Averager:
         await self._commit(round_id, 1)
         # Our "looking" declaration names the version we just left: replace it.
         await self.announce_presence()
+        self._attempt_ended("alone")
         return StepResult(
             True,
             "alone",
@@ -590,7 +615,21 @@ class Averager:
             0,
             self.dht.host.peer_id,
             {self.dht.host.peer_id: weight},
+            attempt_log=tuple(self._attempts),
         )
+
+    def _attempt(self, looking: float, group_size: int, outcome: str) -> None:
+        """A try's matchmaking ended (at once after `looking`); `_attempt_ended` says
+        how what followed ended."""
+        now = time.monotonic()
+        self._attempts.append(Attempt(now - looking, 0.0, group_size, outcome))
+        self._attempt_at = now
+
+    def _attempt_ended(self, outcome: str) -> None:
+        if self._attempts:
+            last = self._attempts[-1]
+            spent = time.monotonic() - self._attempt_at
+            self._attempts[-1] = replace(last, averaging_s=spent, outcome=outcome[:120])
 
     def _result(
         self, committed: bool, reason: str, started: float, attempts: int, *, resynced: bool = False
@@ -598,4 +637,5 @@ class Averager:
         return StepResult(
             committed, reason, attempts=attempts, resynced=resynced,
             seconds=time.monotonic() - started, aborted_rounds=tuple(self._aborted),
+            attempt_log=tuple(self._attempts),
         )  # fmt: skip

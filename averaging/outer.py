@@ -72,6 +72,8 @@ class RoundReport:
     included: tuple[str, ...] = ()
     contribution: tuple[int, int] | None = None
     aborted_rounds: tuple[str, ...] = ()
+    # Where the round's time went, a try at a time (`averager.Attempt`, as dicts).
+    attempts: tuple[dict[str, Any], ...] = ()
 
     @property
     def committed(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from shoal.dht.node import DHTNode
 
-from .averager import StepResult
+from .averager import Attempt, StepResult
 from .host_state import check_params
 from .outer import RoundGate, RoundOutcome, RoundReport
 
@@ -155,6 +155,7 @@ class OuterStrategyBase:
                 "members": tuple(str(p) for p in result.members),
                 "included": tuple(sorted(str(p) for p, w in result.weights.items() if w > 0)),
                 "aborted_rounds": tuple(r.hex() for r in result.aborted_rounds),
+                "attempts": tuple(_attempt_entry(a) for a in result.attempt_log),
             }
         return RoundReport(
             outer_step=self.outer_steps,  # type: ignore[attr-defined]  # each strategy's
@@ -167,6 +168,15 @@ class OuterStrategyBase:
             contribution=contribution,
             **ledger,
         )
+
+
+def _attempt_entry(attempt: Attempt) -> dict[str, Any]:
+    return {
+        "matchmaking_s": round(attempt.matchmaking_s, 3),
+        "averaging_s": round(attempt.averaging_s, 3),
+        "group_size": attempt.group_size,
+        "outcome": attempt.outcome,
+    }
 
 
 def checked_counters(state: Mapping[str, Any], names: Sequence[str]) -> list[int]:

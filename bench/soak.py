@@ -47,7 +47,9 @@ Prints one JSON object: `minutes`, `kills`, `stops`, `restarts`, `partitions`,
 `double_counted`, `corrupt_checkpoints`, `max_commit_gap_s`,
 `max_calm_commit_gap_s`, `calm_share`, `rss_growth_MB_per_hour`,
 `fd_growth_per_hour` (as above; `witnesses` has each witness' curve of RSS
-and descriptors), `unexpected_exits` (peers that
+and descriptors), `longest_gaps` (the three longest taken apart: the weather in
+each and every peer's rounds and their tries, as `longest_gaps` says),
+`unexpected_exits` (peers that
 exited by themselves; each is started again), `false_convictions` (peers
 convicted of cheating: none cheats here), `log_errors` (ERROR lines in the
 peers' logs), and details. Progress goes to stderr.
@@ -479,6 +481,36 @@ def calm_gap(
     return round(longest, 1), round(calm_total / max(end - times[0], 1e-9), 2)
 
 
+def longest_gaps(
+    entries: list[dict[str, Any]], weather: list[tuple[float, int, int]], end: float, top: int = 3
+) -> list[dict[str, Any]]:
+    """The `top` longest gaps between commits of 2+ peers, each taken apart: when it
+    began, the worst weather in it (peers down, partitions up), and every round a peer
+    ended within it (or ended it with): outcome, group size, seconds, and its tries
+    (matchmaking s, averaging s, group size, how it ended; `averager.Attempt`)."""
+    times = commit_times(entries)
+    spans = sorted(itertools.pairwise([*times, end]), key=lambda ab: ab[0] - ab[1])[:top]
+    out = []
+    for a, b in spans:
+        state = [w for w in sorted(weather) if w[0] <= a][-1:]
+        inside = state + [w for w in weather if a < w[0] < b]
+        rounds = [
+            {"t": round(e["real_t"] - a, 1), "peer": e.get("peer", "")[-8:],
+             "outcome": e.get("outcome"), "size": len(e.get("members") or ()),
+             "seconds": e.get("seconds"),
+             "tries": [[t.get("matchmaking_s"), t.get("averaging_s"), t.get("group_size"),
+                        t.get("outcome")] for t in e.get("attempts") or ()]}
+            for e in sorted(entries, key=lambda e: e["real_t"])
+            if a < e["real_t"] <= b + 1.0
+        ]  # fmt: skip
+        out.append({
+            "at": time.strftime("%H:%M:%S", time.gmtime(a)), "s": round(b - a, 1),
+            "max_down": max((w[1] for w in inside), default=0),
+            "max_partitions": max((w[2] for w in inside), default=0), "rounds": rounds,
+        })  # fmt: skip
+    return out
+
+
 def real_times(peer: PeerProcess, entries: list[dict[str, Any]]) -> None:
     """A peer with a wrong clock wrote wrong times: each entry gets `real_t`, its time
     less the offset of the process lifetime that wrote it. An entry that fits several
@@ -624,6 +656,7 @@ def soak(args: argparse.Namespace, lab: SoakLab, workdir: Path) -> dict[str, Any
         "max_calm_commit_gap_s": max_calm_gap,
         "calm_share": calm_share,
         **growth(peers, chaos.witnesses),
+        "longest_gaps": longest_gaps(entries, chaos.weather, end),
         "unexpected_exits": sum(chaos.exits.values()),
         "unexpected_exits_by_peer": chaos.exits,
         **log_findings(peers),

@@ -61,6 +61,8 @@ class RoundLedger:
             "fingerprint": report.fingerprint,
             "contribution": None if report.contribution is None else list(report.contribution),
             "aborted": list(report.aborted_rounds),
+            "seconds": round(report.duration_s, 3),
+            "attempts": list(report.attempts),
         }
 
     def record(self, report: RoundReport) -> None:

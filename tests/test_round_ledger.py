@@ -20,6 +20,8 @@ def report(
         outer_step=1, outcome=outcome, detail="", group_size=len(included), duration_s=0.5,
         fingerprint=fingerprint, bytes_sent=0, round_id=round_id, members=included,
         included=included, contribution=contribution, aborted_rounds=aborted,
+        attempts=({"matchmaking_s": 0.1, "averaging_s": 0.4, "group_size": 2,
+                   "outcome": "committed"},),
     )  # fmt: skip
 
 
@@ -39,6 +41,7 @@ def test_each_round_is_one_json_line_with_its_ledger(tmp_path: Path) -> None:
     assert e["peer"] == "A" and e["session"] == ledger.session
     assert e["round"] == "aa" and e["included"] == ["A", "B"] and e["aborted"] == ["bb"]
     assert e["outcome"] == "committed" and e["contribution"] == [0, 10]
+    assert e["seconds"] == 0.5 and e["attempts"][0]["averaging_s"] == 0.4  # where time went
 
 
 def test_the_ledger_stays_bounded_and_a_torn_line_is_skipped(tmp_path: Path) -> None:

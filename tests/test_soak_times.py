@@ -54,3 +54,25 @@ def test_a_calm_stretch_runs_on_across_weather_changes_until_a_commit() -> None:
     weather = [(0.0, 0, 0), (10.0, 1, 0), (40.0, 2, 1), (60.0, 0, 0)]
     assert soak.calm_gap([0.0, 90.0], weather, end=95.0) == (90.0, 1.0)
     assert soak.calm_gap([], weather, end=95.0) == (None, 0.0)
+
+
+def test_the_longest_gaps_are_taken_apart_with_their_weather_and_rounds() -> None:
+    """Commits of two peers at 0, 10 and 50 s; a lone round and an abort in between.
+    The longest gap (10 to 50 s) comes first, with the storm that was in it and every
+    round a peer ended in it, with its tries."""
+    entries = [committed("A", f"r{t}", float(t)) for t in (0, 10, 50)]
+    entries.append({"peer": "B", "round": "x", "t": 30.0, "outcome": "committed",
+                    "members": ["b"], "seconds": 12.5,
+                    "attempts": [{"matchmaking_s": 7.0, "averaging_s": 5.5, "group_size": 3,
+                                  "outcome": "member #2 stalled"}]})  # fmt: skip
+    for e in entries:
+        e["real_t"] = e["t"]
+    weather = [(0.0, 0, 0), (20.0, 2, 2), (40.0, 0, 1)]
+    first, second, last = soak.longest_gaps(entries, weather, end=55.0)
+    assert (first["s"], first["max_down"], first["max_partitions"]) == (40.0, 2, 2)
+    lone, ending = first["rounds"]
+    assert lone["t"] == 20.0 and lone["size"] == 1
+    assert lone["tries"] == [[7.0, 5.5, 3, "member #2 stalled"]]
+    assert ending["t"] == 40.0 and ending["size"] == 2  # the commit that ended it
+    assert (second["s"], second["max_partitions"]) == (10.0, 0)
+    assert last["s"] == 5.0  # from the last commit to the end
