@@ -35,7 +35,14 @@ from shoal.averaging.allreduce import (
     AllReduceOutcome,
     AllReduceService,
 )
-from shoal.averaging.commit import READY, CommitProtocol, Decision, Send, parse_message
+from shoal.averaging.commit import (
+    ABORT_GRACE_MIN_S,
+    READY,
+    CommitProtocol,
+    Decision,
+    Send,
+    parse_message,
+)
 from shoal.averaging.compression import get_codec
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.partition import Plan, partition, split_even
@@ -388,6 +395,23 @@ def test_a_veto_aborts_everyone_with_its_reason_and_blame() -> None:
     assert not d.commit and d.reason == "member 2 cannot go on" and d.failed == {3}
     assert max(net.decided_at[i] for i in (0, 1, 2)) < 0.3
     assert net.decided_at[3] < 0.3 + net.hb  # not told (it is blamed): its heartbeat learns
+
+
+def test_with_a_veto_known_and_the_decider_stopped_the_others_abort_within_a_few_heartbeats(
+) -> None:  # fmt: skip
+    """Slow links make the stall (and the decision timeout) long: 30 s here. Member 0,
+    the decider, is stopped; member 2 vetoes. The outcome is certain (ABORT): the
+    others wait a few heartbeats for a decider's word (`abort_grace`), not 30 s."""
+    net = SimNet(4, seed=4, stall=30.0, decision=30.0)
+    net.freeze(0, 0.01)
+    for i in (1, 3):
+        net.ready(i, 0.05)
+    net.veto(2, 0.1, blame=(0,))
+    net.run(until=100)
+    d = assert_survivors_agree(net)
+    assert not d.commit and 0 in d.failed
+    assert max(net.decided_at[i] for i in (1, 2, 3)) <= 0.1 + ABORT_GRACE_MIN_S + 0.1
+    assert net.members[1].abort_grace == max(ABORT_GRACE_MIN_S, 3 * net.hb)
 
 
 def test_member_killed_before_voting_aborts_and_is_named_failed() -> None:
