@@ -195,6 +195,11 @@ async def run_daemon(
         stack.callback(save_known_peers, dht, config.data_dir)  # runs before dht.aclose
         nat.directory = DHTRelayDirectory(dht)
         nat.address_listeners.append(dht.addresses_changed)
+        # Reachability can turn public while the DHT is bootstrapping (its first
+        # connection brings the dial-back): that change told no listener yet, and the
+        # bootstrap requests carried no address, so tell our neighbours now, or they
+        # list us only after a refresh (a lab test waited 30 s for it in vain).
+        dht.addresses_changed()
 
         # Imported here: session loads torch, which `shoal id`, `shoal status` and a
         # --no-train peer (a bootstrap or relay on a small machine) never need. In a
