@@ -270,6 +270,8 @@ class PipelineRun:
             "audits": self._audits(),
             # Moves to the stage that limited the pipeline: [from, to, UNIX time].
             "moves": None if self.mover is None else [list(m) for m in self.mover.moves],
+            # Moves given up because another peer decided one at the same moment.
+            "moves_given_way": None if self.mover is None else self.mover.moves_given_way,
             "syncs": None if peer is None else peer.syncs,
             "retries": None if loop is None else loop.trainer.counters.retries,
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),

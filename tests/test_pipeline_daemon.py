@@ -124,6 +124,7 @@ def test_a_peer_with_no_pinned_stage_moves_to_the_stage_that_limits_the_pipeline
                          debug=tails(daemons))  # fmt: skip
         assert moved["stage"] == 1 and [m[:2] for m in moved["moves"]] == [[0, 1]]
         assert all(pipeline_of(d)["moves"] is None for d in daemons[1:])  # pinned: they stay
+        assert moved["moves_given_way"] == 0  # the only one free to move met no other move
         steps = host.status()["step"]
         wait_for("5 more steps after the move", lambda: host.status()["step"] >= steps + 5, 60,
                  debug=tails(daemons))  # fmt: skip
