@@ -98,8 +98,10 @@ __all__ = [
 
 log = logging.getLogger("shoal.averaging.matchmaking")
 
-# The "busy" declaration after a group formed is awaited at most this long.
+# The "busy" declaration after a group formed is awaited at most this long (it
+# goes on landing in the background after that, for up to BUSY_STORE_LANDING_S).
 BUSY_STORE_TIMEOUT = 1.0
+BUSY_STORE_LANDING_S = 10.0
 MAX_PROBES = 32
 FIRST_POLL = 0.05
 CLOSE_TIMEOUT = 5.0
@@ -165,6 +167,7 @@ class Matchmaker:
         self._superseded: dict[bytes, float] = {}  # version -> until (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
+        self._busy_stores: set[asyncio.Future[bool]] = set()  # landing after form_group
         self._closing = Closing()
         self._loop = asyncio.get_running_loop()
         ttl = self.config.declaration_ttl
@@ -226,10 +229,17 @@ class Matchmaker:
             self._idle.set()
             self._suspicions.prune(time.time())
         # Nobody should wait for us as a leader now, nor count our version: it
-        # is stale the moment this round commits.
-        await self.declarer.declare(
-            PeerState.BUSY, state_version, timeout=BUSY_STORE_TIMEOUT, work=work
+        # is stale the moment this round commits. The round waits for that store
+        # BUSY_STORE_TIMEOUT at most, but does not cancel it: on a slow DHT it lands
+        # late rather than never (a "looking" left behind holds leaders waiting).
+        busy = asyncio.ensure_future(
+            self.declarer.declare(
+                PeerState.BUSY, state_version, timeout=BUSY_STORE_LANDING_S, work=work
+            )
         )
+        self._busy_stores.add(busy)
+        busy.add_done_callback(self._busy_stores.discard)
+        await asyncio.wait({busy}, timeout=BUSY_STORE_TIMEOUT)
         return group
 
     async def declare_busy(
@@ -276,6 +286,8 @@ class Matchmaker:
         except TimeoutError:
             log.warning("form_group did not stop within %s s", CLOSE_TIMEOUT)
         self._service.close()
+        for busy in list(self._busy_stores):
+            busy.cancel()
         try:
             await self.declarer.declare(PeerState.LEFT, b"", timeout=1.0)
         except Exception as e:  # best effort: the DHT may be closing too
