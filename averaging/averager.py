@@ -147,12 +147,15 @@ class AveragerConfig:
 class Attempt:
     """One try of a step: how long its matchmaking took, then its averaging (the
     all-reduce, or the re-sync or lone commit matchmaking led to), the group's size
-    (0: none formed) and how it ended. A step's tries say where its time went."""
+    (0: none formed), how it ended, and the peers it left out (those named failed
+    or found quiet in the step's earlier tries, and those we shun). A step's tries
+    say where its time went."""
 
     matchmaking_s: float
     averaging_s: float
     group_size: int
     outcome: str
+    excluded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -431,7 +434,7 @@ class Averager:
         self._attempts = []
         while attempts <= self.config.max_retries:
             attempts += 1
-            looking = time.monotonic()
+            looking, left_out = time.monotonic(), tuple(sorted(map(str, exclude)))
             try:
                 group = await self._matchmaker.form_group(
                     state_version=self.state_version,
@@ -440,21 +443,21 @@ class Averager:
                     work=self.work,
                 )
             except NeedsResync as e:
-                self._attempt(looking, 0, "re-sync")
+                self._attempt(looking, 0, "re-sync", left_out)
                 ok, why = await self._resync(e, deadline)
                 self._attempt_ended("re-synced" if ok else "re-sync failed")
                 return self._result(False, why, started, attempts, resynced=ok)
             except NobodyElse as e:
-                self._attempt(looking, 0, "alone")
+                self._attempt(looking, 0, "alone", left_out)
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 if not self.config.shared_state or not weight > 0:
                     return self._result(False, f"no group: {e}", started, attempts)
                 return await self._commit_alone(started, attempts, weight)
             except (MatchmakingError, TimeoutError) as e:
-                self._attempt(looking, 0, "no group")
+                self._attempt(looking, 0, "no group", left_out)
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
                 return self._result(False, f"no group: {e}", started, attempts)
-            self._attempt(looking, group.size, "averaging")
+            self._attempt(looking, group.size, "averaging", left_out)
             outcome = await self._service.run(
                 group,
                 self.tensors,
@@ -618,11 +621,13 @@ class Averager:
             attempt_log=tuple(self._attempts),
         )
 
-    def _attempt(self, looking: float, group_size: int, outcome: str) -> None:
+    def _attempt(
+        self, looking: float, group_size: int, outcome: str, excluded: tuple[str, ...]
+    ) -> None:
         """A try's matchmaking ended (at once after `looking`); `_attempt_ended` says
         how what followed ended."""
         now = time.monotonic()
-        self._attempts.append(Attempt(now - looking, 0.0, group_size, outcome))
+        self._attempts.append(Attempt(now - looking, 0.0, group_size, outcome, excluded))
         self._attempt_at = now
 
     def _attempt_ended(self, outcome: str) -> None:

@@ -176,6 +176,7 @@ def _attempt_entry(attempt: Attempt) -> dict[str, Any]:
         "averaging_s": round(attempt.averaging_s, 3),
         "group_size": attempt.group_size,
         "outcome": attempt.outcome,
+        "excluded": list(attempt.excluded),
     }
 
 

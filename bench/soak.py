@@ -487,7 +487,8 @@ def longest_gaps(
     """The `top` longest gaps between commits of 2+ peers, each taken apart: when it
     began, the worst weather in it (peers down, partitions up), and every round a peer
     ended within it (or ended it with): outcome, group size, seconds, and its tries
-    (matchmaking s, averaging s, group size, how it ended; `averager.Attempt`)."""
+    (matchmaking s, averaging s, group size, how it ended, the peers it left out,
+    by the last 8 characters of their IDs; `averager.Attempt`)."""
     times = commit_times(entries)
     spans = sorted(itertools.pairwise([*times, end]), key=lambda ab: ab[0] - ab[1])[:top]
     out = []
@@ -499,7 +500,8 @@ def longest_gaps(
              "outcome": e.get("outcome"), "size": len(e.get("members") or ()),
              "seconds": e.get("seconds"),
              "tries": [[t.get("matchmaking_s"), t.get("averaging_s"), t.get("group_size"),
-                        t.get("outcome")] for t in e.get("attempts") or ()]}
+                        t.get("outcome"), [x[-8:] for x in t.get("excluded") or ()]]
+                       for t in e.get("attempts") or ()]}
             for e in sorted(entries, key=lambda e: e["real_t"])
             if a < e["real_t"] <= b + 1.0
         ]  # fmt: skip

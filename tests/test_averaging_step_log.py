@@ -15,6 +15,7 @@ from shoal.averaging.allreduce import AllReduceConfig
 from shoal.averaging.averager import Averager, AveragerConfig
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
+from shoal.transport.identity import Identity
 
 FAST = {"heartbeat_interval": 0.05, "stall_timeout": 1.0, "decision_timeout": 0.3}
 
@@ -24,8 +25,8 @@ async def test_a_step_that_aborted_once_logs_both_tries_and_their_times(
     make_host: Callable[..., Any],
 ) -> None:
     """Three peers; one freezes as the round starts. Each other's step: a group of three that
-    aborted, saying why, then a group of two that committed; the tries' times
-    add up to no more than the step's."""
+    aborted, saying why, then a group of two without it that committed; the tries'
+    times add up to no more than the step's, and each names the peers it left out."""
     release = asyncio.Event()
 
     async def freeze(point: str) -> None:
@@ -47,6 +48,8 @@ async def test_a_step_that_aborted_once_logs_both_tries_and_their_times(
         for i, (d, c) in enumerate(zip(dhts, configs, strict=True))
     ]  # fmt: skip
     *healthy, frozen = avgs
+    shunned = Identity.generate().peer_id  # (a peer one of them keeps out of its groups)
+    healthy[0].shun(shunned, 60.0)
     frozen_step = asyncio.ensure_future(frozen.step(timeout=30.0))
     try:
         results = await asyncio.gather(*(a.step(timeout=30.0) for a in healthy))
@@ -59,6 +62,9 @@ async def test_a_step_that_aborted_once_logs_both_tries_and_their_times(
             assert second.group_size == 2 and second.outcome == "committed"
             spent = sum(a.matchmaking_s + a.averaging_s for a in r.attempt_log)
             assert 0 < spent <= r.seconds
+        # Each try names the peers it left out.
+        assert all(a.excluded == (str(shunned),) for a in results[0].attempt_log)
+        assert all(a.excluded == () for a in results[1].attempt_log)
     finally:
         release.set()
         frozen_step.cancel()  # (thawed, it would look for a group till its timeout)

@@ -64,7 +64,8 @@ def test_the_longest_gaps_are_taken_apart_with_their_weather_and_rounds() -> Non
     entries.append({"peer": "B", "round": "x", "t": 30.0, "outcome": "committed",
                     "members": ["b"], "seconds": 12.5,
                     "attempts": [{"matchmaking_s": 7.0, "averaging_s": 5.5, "group_size": 3,
-                                  "outcome": "member #2 stalled"}]})  # fmt: skip
+                                  "outcome": "member #2 stalled",
+                                  "excluded": ["12D3KooWQmKFq9nzSsf7q2"]}]})  # fmt: skip
     for e in entries:
         e["real_t"] = e["t"]
     weather = [(0.0, 0, 0), (20.0, 2, 2), (40.0, 0, 1)]
@@ -72,7 +73,7 @@ def test_the_longest_gaps_are_taken_apart_with_their_weather_and_rounds() -> Non
     assert (first["s"], first["max_down"], first["max_partitions"]) == (40.0, 2, 2)
     lone, ending = first["rounds"]
     assert lone["t"] == 20.0 and lone["size"] == 1
-    assert lone["tries"] == [[7.0, 5.5, 3, "member #2 stalled"]]
+    assert lone["tries"] == [[7.0, 5.5, 3, "member #2 stalled", ["nzSsf7q2"]]]
     assert ending["t"] == 40.0 and ending["size"] == 2  # the commit that ended it
     assert (second["s"], second["max_partitions"]) == (10.0, 0)
     assert last["s"] == 5.0  # from the last commit to the end
