@@ -407,14 +407,18 @@ class Averager:
 
     # ------------------------------------------------------------------ step
 
-    async def step(self, weight: float = 1.0, *, timeout: float | None = None) -> StepResult:
+    async def step(
+        self, weight: float = 1.0, *, timeout: float | None = None, alone: bool = True
+    ) -> StepResult:
         """One averaging round: commit (tensors averaged in place) or abort (untouched).
 
         When our state is behind the swarm's (we missed a commit), the round is
         not joined: the state is downloaded instead (tensors replaced) and the
         result says `resynced`, so the caller recomputes its contribution. With
         `shared_state`, a peer that finds nobody else declared for the key
-        commits alone (group size 1, reason "alone"; not with weight 0).
+        commits alone (group size 1, reason "alone"; not with weight 0), unless
+        `alone` is False: a caller that knows another peer holds our version (a
+        stage's progress reports) ends the step without a group instead.
         """
         started = time.monotonic()
         stall = None
@@ -450,7 +454,7 @@ class Averager:
             except NobodyElse as e:
                 self._attempt(looking, 0, "alone", left_out)
                 self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
-                if not self.config.shared_state or not weight > 0:
+                if not (self.config.shared_state and weight > 0 and alone):
                     return self._result(False, f"no group: {e}", started, attempts)
                 return await self._commit_alone(started, attempts, weight)
             except (MatchmakingError, TimeoutError) as e:
@@ -602,6 +606,8 @@ class Averager:
         states carry different versions and never mix (one side re-syncs)."""
         round_id = b"alone:" + os.urandom(16)
         await self._commit(round_id, 1)
+        log.info("%s: nobody else declared for it: committed alone (commit %d, version %s)",
+                 self.key, self.commits, self.state_version.hex()[-12:])  # fmt: skip
         # Our "looking" declaration names the version we just left: replace it.
         await self.announce_presence()
         self._attempt_ended("alone")

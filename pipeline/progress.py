@@ -12,14 +12,14 @@ report older than `STALE_S` (its peer died) no longer counts.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from shoal.dht.node import DHTNode
 from shoal.dht.records import RecordError, owner_marker, owner_of
 from shoal.transport.identity import PeerID
 
-__all__ = ["Report", "StageProgress", "progress_key", "samples_at"]
+__all__ = ["Report", "StageProgress", "peers_at", "progress_key", "samples_at"]
 
 PROGRESS_TTL = 60.0
 STALE_S = 10.0  # stage peers renew their report every 3 s
@@ -40,6 +40,22 @@ class Report:
 def samples_at(reports: Iterable[Report], version: int, now: float) -> int:
     """The samples accumulated for stepping from `version`, by peers heard lately."""
     return sum(r.samples for r in reports if r.version == version and now - r.at <= STALE_S)
+
+
+def peers_at(
+    reports: Iterable[Report], version: int, now: float, *, stepped_with: Collection[PeerID] = ()
+) -> set[PeerID]:
+    """The peers heard lately that hold `version`: those whose report says so, and
+    those of `stepped_with` (the members of the step that made it) whose report
+    still names an older one: they committed that step with us, and their new
+    report has not reached us yet. Counted as behind, two peers that stepped
+    together would each see the other one behind, and each step alone."""
+    return {
+        r.peer
+        for r in reports
+        if now - r.at <= STALE_S
+        and (r.version == version or (r.version < version and r.peer in stepped_with))
+    }
 
 
 class StageProgress:

@@ -112,9 +112,10 @@ class StageOptimizer:
         """Optimizer steps the stage's state holds."""
         return self.averager.commits
 
-    async def step(self, timeout: float) -> StepResult:
+    async def step(self, timeout: float, *, alone: bool = True) -> StepResult:
         """Average the gradients accumulated here for the current version with the
-        stage's other peers and take the optimizer step (on commit).
+        stage's other peers and take the optimizer step (on commit); `alone`: step
+        by ourselves when no other peer of the stage is declared (see `Averager.step`).
 
         When nobody committed, the gradients go back to the worker for the next
         try. When the stage stepped without us (we were behind and re-synced
@@ -131,7 +132,7 @@ class StageOptimizer:
                 view.copy_(total).mul_(scale)
 
         await off_loop(load, numel(self.params))
-        result = await self.averager.step(weight=float(taken.samples), timeout=timeout)
+        result = await self.averager.step(weight=float(taken.samples), timeout=timeout, alone=alone)
         if result.resynced:
             self.worker.version = self.version  # (the averager downloaded the state)
         if result.committed:

@@ -18,8 +18,14 @@ half the global batch) or as soon as a backward landed here:
 It declares itself to the stage's matchmaking between steps, so that the
 leader of a step waits for it (a peer a moment late joins the step rather than
 being left out of it and re-syncing). A step's group must hold a majority of
-the peers that reported at its version lately, so the stage never splits into
-two groups that each step alone.
+the peers at its version (those that reported it lately, and those that took
+the step to it with us, whose new report is still on its way), so the stage
+never splits into two groups that each step alone; for the same reason a peer
+steps by itself only when no other peer is at its version, not when its
+matchmaking merely finds nobody else (after a failed try that left the others
+out, each of two peers would step alone: two states at one version, until one
+re-synced). A peer pushes its new version to the stage's peers as soon as it
+stepped: through the DHT alone they would see it behind for a second or more.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from shoal.transport import rpc
 from shoal.transport.errors import ConnectionLost, DialError, ProtocolNotSupported
 from shoal.transport.identity import PeerID
 
-from .progress import STALE_S, Report, StageProgress, samples_at
+from .progress import STALE_S, Report, StageProgress, peers_at, samples_at
 from .server import StageServer
 from .stage import StageWorker
 from .stage_optimizer import StageOptimizer
@@ -108,6 +114,7 @@ class StagePeer:
         self._read_at = -float("inf")
         self._heard: dict[PeerID, Report] = {}  # reports stage peers pushed to us
         self._pushing: set[PeerID] = set()
+        self._progress = (0, 0)  # samples, version: what pushes carry
         # Stage peers our push found gone (-> when): their reports until then do not
         # count, so a peer that died does not hold the stage's quorum for STALE_S.
         self._gone: dict[PeerID, float] = {}
@@ -166,12 +173,14 @@ class StagePeer:
         samples = self.worker.samples_for(version)
         now = time.time()
         changed = (samples, version) != self._reported[:2]
+        renewed = False
         if changed and version == self._reported[1] and now - self._reported[2] < REPORT_EVERY_S:
             self._reported = (samples, version, self._reported[2])  # the partners hear it
         elif changed or now - self._reported[2] > REPORT_EVERY_S:
             await self.progress.report(samples, version)
             self._reported = (samples, version, now)
-        if changed:
+            renewed = True
+        if changed or renewed:  # (renewed straight to them too: the DHT can lag that much)
             self._push(samples, version)
         if changed or now - self._read_at >= DHT_READ_S:
             self._stored = await self.progress.reports()
@@ -190,12 +199,18 @@ class StagePeer:
         self._near = held >= NEAR * self.progress.global_batch
         flush, self._flush = self._flush, False
         if held >= self.progress.global_batch or (flush and held > 0):
-            # A step needs a majority of the stage's live peers: two groups can then
-            # never both commit the same version apart (a split the swarm would have
-            # to undo, and the microbatches of the losing side with it).
-            live = 1 + sum(1 for r in others if r.version == version)
+            # A step needs a majority of the stage's peers at our version: two groups
+            # can then never both commit the same version apart (a split the swarm
+            # would have to undo, and the microbatches of the losing side with it).
+            # Those who took our last step with us count, even while their report
+            # still names the version before. Nor alone while another peer is at our
+            # version: matchmaking finds nobody else when it left them out (their try
+            # failed) or lost their declaration, and each of two would step alone.
+            last = self.optimizer.steps[-1] if self.optimizer.steps else None
+            stepped_with = last.members if last is not None and last.version + 1 == version else ()
+            live = 1 + len(peers_at(others, version, now, stepped_with=stepped_with))
             self.matchmaking.min_group_size = live // 2 + 1
-            await self.step()
+            await self.step(alone=live == 1)
 
     def _merged(self) -> list[Report]:
         """Each stage peer's newest report: from the DHT, or pushed to us directly."""
@@ -217,19 +232,27 @@ class StagePeer:
     def _push(self, samples: int, version: int) -> None:
         """Tell the stage's other peers our progress at once (the DHT carries it to
         them only when they next read it): they learn without delay that the stage
-        holds its global batch."""
+        holds its global batch, or that we took a step. One push at a time to each
+        peer; one in flight sends our latest progress after it."""
+        self._progress = (samples, version)
         me = self.server.dht.peer_id
-        now = time.time()
         for r in self._merged():
-            if r.peer != me and now - r.at <= STALE_S and r.peer not in self._pushing:
+            # To every peer of the stage not found gone since its last report, however
+            # old that report (the DHT keeps it PROGRESS_TTL): a live peer's can be
+            # stale in the DHT, and our pushes are what then keeps it counting us.
+            gone = r.at <= self._gone.get(r.peer, -float("inf"))
+            if r.peer != me and not gone and r.peer not in self._pushing:
                 self._pushing.add(r.peer)
-                task = asyncio.get_running_loop().create_task(self._send(r.peer, samples, version))
+                task = asyncio.get_running_loop().create_task(self._send(r.peer))
                 task.add_done_callback(lambda _, p=r.peer: self._pushing.discard(p))
 
-    async def _send(self, peer: PeerID, samples: int, version: int) -> None:
+    async def _send(self, peer: PeerID) -> None:
+        sent = None
         try:
-            await rpc.call(self.server.dht.host, peer, self.server.protocol, "progress",
-                           {"samples": samples, "version": version}, timeout=2.0)  # fmt: skip
+            while sent != self._progress:
+                sent = samples, version = self._progress
+                await rpc.call(self.server.dht.host, peer, self.server.protocol, "progress",
+                               {"samples": samples, "version": version}, timeout=2.0)  # fmt: skip
         except (DialError, ConnectionLost, ProtocolNotSupported):
             # Not a slow peer (a timeout says nothing): one that cannot be reached or
             # no longer serves the pipeline. A report of its own brings it back.
@@ -242,8 +265,8 @@ class StagePeer:
         self._flush = True
         self._changed.set()
 
-    async def step(self) -> None:
-        result = await self.optimizer.step(self.step_timeout)
+    async def step(self, *, alone: bool = True) -> None:
+        result = await self.optimizer.step(self.step_timeout, alone=alone)
         if result.resynced:
             # The round found the stage ahead and downloaded its state (as `catch_up`
             # does): a fresh peer for the trainers, whose bans of us lift.
@@ -282,10 +305,13 @@ class StagePeer:
         await self._publish()
 
     async def _publish(self) -> None:
-        """Our new version in the stage record and in a fresh progress report."""
+        """Our new version in the stage record and in a fresh progress report, pushed
+        to the stage's peers at once (through the DHT it reaches them a second or
+        more later, when it is loaded: they would see us behind meanwhile)."""
         self.server.set_version(self.version)
         self.server.push_step()
-        await self.server.announce()
         samples = self.worker.samples_for(self.version)
+        self._push(samples, self.version)
+        await self.server.announce()
         await self.progress.report(samples, self.version)
         self._reported = (samples, self.version, time.time())

@@ -13,7 +13,7 @@ import torch
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
 from shoal.peer.tasks.bytegpt import make_task
-from shoal.pipeline.progress import STALE_S, Report, StageProgress, samples_at
+from shoal.pipeline.progress import STALE_S, Report, StageProgress, peers_at, samples_at
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.stage_optimizer import StageOptimizer
@@ -252,6 +252,24 @@ def test_only_fresh_reports_of_the_same_version_count() -> None:
     ]
     assert samples_at(reports, 3, now) == 12
     assert samples_at(reports, 2, now) == 16
+
+
+def test_the_peers_a_step_counts_on_include_those_it_stepped_with_whose_report_lags() -> None:
+    """The stage's peers at version 4: those reporting 4, and those who took the step
+    from 3 with us while their report still names an older version; not a peer
+    behind that was not in that step, nor one reporting 4 that went silent."""
+    me, partner, slow, behind, ahead, silent = (Identity.generate().peer_id for _ in range(6))
+    now = 1000.0
+    reports = [
+        Report(partner, 0, 3, now - 1),  # stepped 3 -> 4 with us; its new report is on its way
+        Report(slow, 0, 2, now - 1),  # so did this one: its last report we have is older still
+        Report(behind, 4, 3, now - 1),  # missed that step: it re-syncs first
+        Report(ahead, 0, 4, now - 2),
+        Report(silent, 8, 4, now - STALE_S - 1),
+    ]
+    stepped_with = (me, partner, slow)
+    assert peers_at(reports, 4, now, stepped_with=stepped_with) == {partner, slow, ahead}
+    assert peers_at(reports, 4, now) == {ahead}
 
 
 @pytest.mark.timeout(60)
