@@ -52,7 +52,10 @@ each and every peer's rounds and their tries, as `longest_gaps` says),
 `unexpected_exits` (peers that
 exited by themselves; each is started again), `false_convictions` (peers
 convicted of cheating: none cheats here), `log_errors` (ERROR lines in the
-peers' logs), and details. Progress goes to stderr.
+peers' logs), `shuns` and `shun_seconds` (peers left out of another's rounds
+for a withheld secret or a missing reveal, and for how long in all; none
+cheats here), `secrets_found_late` (missing secrets found on the second look,
+so nobody was shunned), and details. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ WITNESS_MIN_LIFE_S = 600.0  # a witness' slope counts from this long a life on
 WITNESSES = [1, 3]  # p1-pub and p3-a1: a public peer and a NATed one
 MEMORY_SHIM = Path(__file__).resolve().with_name("soak_memory")  # --profile-memory
 CONVICTED = re.compile(r"(\S+) convicted of cheating in round")
+SHUNNED = re.compile(r"left out of our rounds for (\d+) s")
+FOUND_LATE = re.compile(r"found the secret of (.+) late: not shunned")
 ACTIONS = {"kill": 3, "stop": 3, "restart": 2, "partition": 2, "loss": 2, "clock": 1}
 
 
@@ -571,9 +576,13 @@ def log_findings(peers: list[PeerProcess]) -> dict[str, Any]:
     """What the logs say that the ledgers do not: convictions (no peer cheats here, so
     every one is false) and ERROR lines (each a bug or an unhandled remote input)."""
     convicted, errors = set(), Counter()
+    shuns: list[int] = []
+    found_late = 0
     for p in peers:
         text = p.log_path.read_text(errors="replace")
         convicted.update(CONVICTED.findall(text))
+        shuns += [int(s) for s in SHUNNED.findall(text)]
+        found_late += sum(len(m.split(", ")) for m in FOUND_LATE.findall(text))
         for line in text.splitlines():
             if " ERROR " in line:
                 errors[line.split(" ERROR ", 1)[1][:80]] += 1
@@ -581,6 +590,10 @@ def log_findings(peers: list[PeerProcess]) -> dict[str, Any]:
         "false_convictions": len(convicted),
         "log_errors": sum(errors.values()),
         "log_error_kinds": dict(errors.most_common(5)),
+        # Verification's shuns of (honest) peers: a withheld secret or a missing reveal.
+        "shuns": len(shuns),
+        "shun_seconds": sum(shuns),
+        "secrets_found_late": found_late,
     }
 
 

@@ -228,6 +228,13 @@ class _StatusCollector(Collector):
                 count = verification.get(f"audits_{result}", 0)
                 audits.add_metric([result], count if _is_number(count) else 0)
             yield audits
+            shuns = verification.get("shuns", 0)
+            yield CounterMetricFamily(
+                "shoal_shuns",
+                "Times this peer left a member out of its rounds for a while: it withheld "
+                "its round secret or did not reveal its work (no evidence: no ban).",
+                value=shuns if _is_number(shuns) else 0,
+            )
         pipeline = status.get("pipeline")
         if isinstance(pipeline, dict):
             yield from _pipeline_metrics(pipeline)

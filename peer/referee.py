@@ -11,10 +11,11 @@ at its next ban refresh, `ban_watch`).
 Only what was revealed convicts: a reveal that does not match its commitment or
 whose re-run disagrees. A prover that cannot be reached, or no longer has its
 work (a process that was killed and restarted), gives no verdict either way: it
-is tried again for `REVEAL_TIMEOUT`, then left out of our rounds for
-`WITHHELD_SHUN_S`. A referee's word that nothing came cannot be checked by
-anyone else, so it must not ban: two referees could frame any peer with it, and
-every crash of an honest peer would end in a ban.
+is tried again for `REVEAL_TIMEOUT`, then left out of our rounds for a while
+(`shunning`: short at first, longer for a repeat offender). A referee's word
+that nothing came cannot be checked by anyone else, so it must not ban: two
+referees could frame any peer with it, and every crash of an honest peer would
+end in a ban.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ log = logging.getLogger("shoal.verifier")
 
 REVEAL_TIMEOUT = 60.0
 REVEAL_RETRY_S = 3.0
-WITHHELD_SHUN_S = 600.0  # how long a prover that did not reveal is left out of our rounds
 LATE_SECRETS_TIMEOUT = 5.0  # a re-read of a round's secrets, after a prover refused us
 VERDICT_TIMEOUT = 180.0  # a referee fetches a reveal and re-runs a segment
 NOTIFY_TIMEOUT = 5.0
@@ -75,8 +75,10 @@ class Referee:
         pool: ThreadPoolExecutor,
         bans: BanWatcher,
         retain_s: float,
-        shun: Callable[[PeerID, float], None] | None = None,
+        shun: Callable[[PeerID, int], float | None] | None = None,
     ) -> None:
+        """`shun(prover, round)`: leave a prover that failed that round out of our
+        rounds; how long (None: that round's failure was counted already)."""
         self.dht = dht
         self.identity = identity
         self.me = identity.peer_id
@@ -89,7 +91,7 @@ class Referee:
         self.pool = pool
         self.bans = bans
         self.retain_s = retain_s  # how long provers keep their work
-        self.shun = shun  # leave a peer out of our rounds for a while
+        self.shun = shun
         self.counts: Counter[str] = Counter()
         self.disputes: Counter[str] = Counter()
         # Strikes of accusers that a majority overruled, as far as we saw.
@@ -152,10 +154,10 @@ class Referee:
             log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
             return
         self.counts["reveals_missing"] += 1
-        log.info("%s did not reveal round %d (%r): no verdict; left out of our rounds "
-                 "for %.0f s", prover.short(), rnd.round, e, WITHHELD_SHUN_S)  # fmt: skip
-        if self.shun is not None:
-            self.shun(prover, WITHHELD_SHUN_S)
+        seconds = None if self.shun is None else self.shun(prover, rnd.round)
+        shunned = "" if seconds is None else f"; left out of our rounds for {seconds:.0f} s"
+        log.info("%s did not reveal round %d (%r): no verdict%s", prover.short(), rnd.round,
+                 e, shunned)  # fmt: skip
 
     async def _learn_late_secrets(self, rnd: AuditRound) -> bool:
         """Read the round's secrets from the DHT again; True when some were new here.

@@ -37,14 +37,16 @@ from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
-from .audit_round import AuditRound, RecentRounds, RoundShape, gather, publish_record
+from .audit_round import AuditRound, RecentRounds, RoundShape, gather
 from .ban_watch import BanWatcher
 from .inner import InnerOptimizer
 from .priority import lower_this_thread
-from .referee import WITHHELD_SHUN_S, Referee
+from .referee import LATE_SECRETS_TIMEOUT, Referee
 from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
+from .shunning import Shunning
 from .task import Task
+from .withholding import publish_while_gathering, recheck_withheld
 from .work_log import RoundWork, VerifiedWork
 
 __all__ = ["PROBATION_ROUNDS", "Verifier"]
@@ -53,6 +55,8 @@ log = logging.getLogger("shoal.verifier")
 
 PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
 GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
+PUBLISH_AGAIN_S = 5.0  # our round record is stored again this often while we gather
+WITHHELD_RECHECK_S = 20.0  # a member's missing secret is looked for once more after this
 KEEP_ROUNDS = 4  # rounds answerable however old (and all of the last `retain_s`)
 MAX_REVEALS = 2  # per round and referee (one retry)
 
@@ -77,7 +81,7 @@ class Verifier:
         shun: Callable[[PeerID, float], None] | None = None,
     ) -> None:
         """`shun(peer, seconds)`: leave a peer out of our rounds for a while (one that
-        withheld its secret)."""
+        withheld its secret or did not reveal; how long is `shunning`'s)."""
         self.dht = dht
         self.identity = identity
         self.me = identity.peer_id
@@ -96,7 +100,7 @@ class Verifier:
         self.referee = Referee(
             dht, identity, task=task, num_shards=self.num_shards, namespace=self.namespace,
             policy=policy, runner=self.runner, pool=self._pool, bans=bans,
-            retain_s=work.log.retain_s, shun=shun,
+            retain_s=work.log.retain_s, shun=self._shun_for,
         )  # fmt: skip
         self._secrets: dict[int, bytes] = {}
         self._previous = b""  # our last commitment's digest (the chain)
@@ -108,6 +112,7 @@ class Verifier:
         self.withheld = 0
         self.ignored_accusations = 0
         self._shun = shun
+        self.shunning = Shunning()
         # What one round may cost us, whoever asks: one verdict per (round, prover),
         # re-used for every asker, and at most two reveals per (round, referee).
         self._verdicts: dict[tuple[int, PeerID], asyncio.Future[Verdict | None]] = {}
@@ -213,39 +218,63 @@ class Verifier:
         committed_at: float,
     ) -> AuditRound | None:
         secret = self._secrets.pop(mine.round)
-        await publish_record(self.dht, self.namespace, mine, secret)
-        members = list(group.peer_ids)
-        commitments, secrets = await gather(
-            self.dht, self.namespace, mine.round, commitments, members, GATHER_TIMEOUT,
-            {self.me: secret},
-        )  # fmt: skip
+        gathered = asyncio.Event()
+        self._spawn(publish_while_gathering(
+            self.dht, self.namespace, mine, secret, gathered,
+            every=PUBLISH_AGAIN_S, within=GATHER_TIMEOUT,
+        ))  # fmt: skip
+        try:
+            commitments, secrets = await gather(
+                self.dht, self.namespace, mine.round, commitments, list(group.peer_ids),
+                GATHER_TIMEOUT, {self.me: secret},
+            )  # fmt: skip
+        finally:
+            gathered.set()
         draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
-        if draw.withheld:
+        work = self.work.log.get(mine.round)
+        rnd = None
+        if work is not None and 0 in work.snapshots:
+            streams, chunk_bytes, codec = self._shape
+            rnd = AuditRound(
+                mine.round,
+                RoundShape.of(group, streams, chunk_bytes, codec),
+                commitments,
+                secrets,
+                draw,
+                work.snapshots[0].params,
+                committed_at,
+            )
+        missing = draw.withheld - {self.me}
+        if missing:
             # Its work cannot be proven wrong to anyone (a draw without every secret
             # convicts nobody), so we stop averaging with it for a while instead.
-            self.withheld += len(draw.withheld)
-            for peer in draw.withheld:
-                if self._shun is not None and peer != self.me:
-                    self._shun(peer, WITHHELD_SHUN_S)
-            log.info(
-                "round %d: %d members withheld their secret: %s",
-                mine.round,
-                len(draw.withheld),
-                ", ".join(p.short() for p in draw.withheld),
-            )
-        work = self.work.log.get(mine.round)
-        if work is None or 0 not in work.snapshots:
-            return None
-        streams, chunk_bytes, codec = self._shape
-        return AuditRound(
-            mine.round,
-            RoundShape.of(group, streams, chunk_bytes, codec),
-            commitments,
-            secrets,
-            draw,
-            work.snapshots[0].params,
-            committed_at,
-        )
+            self.withheld += len(missing)
+            log.info("round %d: %d members withheld their secret: %s", mine.round,
+                     len(missing), ", ".join(p.short() for p in missing))  # fmt: skip
+            self._spawn(self._shun_withheld(mine.round, commitments, missing, rnd))
+        return rnd
+
+    async def _shun_withheld(
+        self,
+        round_index: int,
+        commitments: dict[PeerID, Commitment],
+        missing: frozenset[PeerID],
+        rnd: AuditRound | None,
+    ) -> None:
+        found = await recheck_withheld(
+            self.dht, self.namespace, round_index, commitments, missing, self._shun_for,
+            after=WITHHELD_RECHECK_S, timeout=LATE_SECRETS_TIMEOUT,
+        )  # fmt: skip
+        if found and rnd is not None:
+            rnd.learn([[p.to_bytes(), s] for p, s in found.items()])
+
+    def _shun_for(self, peer: PeerID, round_index: int) -> float | None:
+        """Leave `peer` out of our rounds for its failure of `round_index`; how long,
+        or None when that round's failure was counted already."""
+        seconds = self.shunning.offend(peer, round_index, time.monotonic())
+        if seconds is not None and self._shun is not None:
+            self._shun(peer, seconds)
+        return seconds
 
     def _rate(self, peer: PeerID) -> float:
         if self._seen[peer] <= PROBATION_ROUNDS or not self.referee.may_accuse(peer):
@@ -346,6 +375,8 @@ class Verifier:
             "audits_failed": counts["audits_failed"],
             "disputes": dict(self.referee.disputes),
             "withheld": self.withheld,
+            # Members left out of our rounds for a withheld secret or a missing reveal.
+            "shuns": self.shunning.shuns,
             "probation": self.on_probation,
             # Accusers overruled by a majority, as this peer saw it.
             "strikes": {str(p): n for p, n in self.referee.ledger.strikes.items()},

@@ -15,7 +15,7 @@ import pytest
 import shoal.peer.referee as referee_mod
 from shoal.dht.node import DHTNode
 from shoal.peer.audit_round import AuditRound, publish_record
-from shoal.peer.referee import WITHHELD_SHUN_S, Referee
+from shoal.peer.referee import Referee
 from shoal.peer.reveals import PROTOCOL
 from shoal.transport import rpc
 from shoal.transport.identity import Identity, PeerID
@@ -25,14 +25,24 @@ from shoal.verification.referees import RoundDraw, new_secret
 from .verification_round import Round, commit, identities
 
 
-def referee(host: Any, shunned: list[tuple[PeerID, float]]) -> Referee:
+def recorder(shunned: list[tuple[PeerID, int]]) -> Callable[[PeerID, int], float]:
+    """A referee's `shun`: records (prover, round) and says how long."""
+
+    def shun(prover: PeerID, round_index: int) -> float:
+        shunned.append((prover, round_index))
+        return 30.0
+
+    return shun
+
+
+def referee(host: Any, shunned: list[tuple[PeerID, int]]) -> Referee:
     me = Identity.generate()
     dht = SimpleNamespace(host=host)
     # Only what an audit touches before any reveal arrives: no segment is re-run here.
     runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
     return Referee(
         dht, me, task=None, num_shards=1, namespace="exp", policy=None, runner=runner,
-        pool=None, bans=None, retain_s=3600.0, shun=lambda p, s: shunned.append((p, s)),
+        pool=None, bans=None, retain_s=3600.0, shun=recorder(shunned),
     )  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -58,12 +68,13 @@ async def test_an_unreachable_prover_is_retried_then_left_out_not_convicted(
         return await real_fetch(*args, **kwargs)
 
     monkeypatch.setattr(referee_mod, "fetch_reveal", counted)
-    shunned: list[tuple[PeerID, float]] = []
+    shunned: list[tuple[PeerID, int]] = []
     ref = referee(await make_host(), shunned)
     (gone,) = identities(1, "gone")  # no address known: every dial fails at once
-    assert await ref.audit(audit_round(gone), gone.peer_id) is None
+    rnd = audit_round(gone)
+    assert await ref.audit(rnd, gone.peer_id) is None
     assert len(tries) >= 3, "gave up without trying again"
-    assert shunned == [(gone.peer_id, WITHHELD_SHUN_S)]
+    assert shunned == [(gone.peer_id, rnd.round)]
     assert ref.counts["reveals_missing"] == 1
     assert ref.counts["audits_failed"] == 0 and ref.counts["audits_done"] == 0
 
@@ -80,7 +91,7 @@ async def test_a_prover_that_lost_its_work_in_a_restart_is_left_out_not_convicte
         raise LookupError("no work of round 7 here")
         yield  # (stream handlers are async generators)
 
-    shunned: list[tuple[PeerID, float]] = []
+    shunned: list[tuple[PeerID, int]] = []
     host = await make_host()
     await host.connect(prover_host.addresses()[0])
     ref = referee(host, shunned)
@@ -88,7 +99,7 @@ async def test_a_prover_that_lost_its_work_in_a_restart_is_left_out_not_convicte
     rnd = audit_round(identities(1, "p")[0])
     rnd.commitments = {prover_host.peer_id: next(iter(rnd.commitments.values()))}
     assert await ref.audit(rnd, prover.peer_id) is None
-    assert shunned == [(prover_host.peer_id, WITHHELD_SHUN_S)]
+    assert shunned == [(prover_host.peer_id, rnd.round)]
     assert ref.counts["audits_failed"] == 0
 
 
@@ -143,7 +154,7 @@ async def test_an_audit_whose_draw_moved_is_dropped_without_an_error(
 
 async def late_secret_round(
     make_host: Callable[..., Any], *, auditor_stays_referee: bool
-) -> tuple[AuditRound, Referee, PeerID, list[str], list[tuple[PeerID, float]], list[DHTNode]]:
+) -> tuple[AuditRound, Referee, PeerID, list[str], list[tuple[PeerID, int]], list[DHTNode]]:
     """A round whose member `late` published its secret after the auditor's read of
     the DHT: the auditor's draw lacks it, the prover's has it, and the prover refuses
     the auditor (its draw names other referees). Returns (round, referee, prover's
@@ -175,12 +186,12 @@ async def late_secret_round(
         raise PermissionError("only this round's referees of our work may ask")
         yield  # (stream handlers are async generators)
 
-    shunned: list[tuple[PeerID, float]] = []
+    shunned: list[tuple[PeerID, int]] = []
     runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
     ref = Referee(
         auditor, auditor.host.identity, task=None, num_shards=1, namespace="exp",
         policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,
-        shun=lambda p, s: shunned.append((p, s)),
+        shun=recorder(shunned),
     )  # type: ignore[arg-type]  # fmt: skip
     rnd = AuditRound(7, None, commitments, known, partial, [], time.monotonic())  # type: ignore[arg-type]
     return rnd, ref, prover.peer_id, answers, shunned, nodes
@@ -217,6 +228,6 @@ async def test_a_prover_that_refuses_a_referee_of_the_shared_draw_is_left_out(
     try:
         assert await ref.audit(rnd, prover) is None
         assert answers == ["refused", "refused"]  # asked again with the shared draw
-        assert shunned == [(prover, WITHHELD_SHUN_S)] and ref.counts["reveals_missing"] == 1
+        assert shunned == [(prover, 7)] and ref.counts["reveals_missing"] == 1
     finally:
         await asyncio.gather(*(n.aclose() for n in nodes))

@@ -107,6 +107,7 @@ class FakeProvider:
                 "audits_done": 7,
                 "audits_passed": 6,
                 "audits_failed": 1,
+                "shuns": 2,
                 "probation": False,
             },
             "pipeline": {
@@ -376,6 +377,7 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     assert samples[("shoal_convictions_total", ())] == 1
     assert samples[("shoal_audits_total", (("result", "passed"),))] == 6
     assert samples[("shoal_audits_total", (("result", "failed"),))] == 1
+    assert samples[("shoal_shuns_total", ())] == 2
     assert any(name == "process_resident_memory_bytes" for name, _ in samples)
     # A pipelined experiment: its stages and who serves them.
     assert samples[("shoal_pipeline_stage_peers", (("stage", "0"),))] == 2
