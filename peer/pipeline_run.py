@@ -272,6 +272,9 @@ class PipelineRun:
             "moves": None if self.mover is None else [list(m) for m in self.mover.moves],
             # Moves given up because another peer decided one at the same moment.
             "moves_given_way": None if self.mover is None else self.mover.moves_given_way,
+            # Moves that failed (making or starting the new stage's peer): we then served
+            # our stage again.
+            "moves_failed": None if self.mover is None else self.mover.failed_moves,
             "syncs": None if peer is None else peer.syncs,
             "retries": None if loop is None else loop.trainer.counters.retries,
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),

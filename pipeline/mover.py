@@ -44,7 +44,8 @@ class StageMover:
     """Keeps `peer` on the stage where it helps most, by `policy`.
 
     `make_peer(stage)` builds (does not start) a `StagePeer` for another stage;
-    `on_moved(old, new)` runs once the new one serves."""
+    `on_moved(old, new)` runs once the new one serves (or, after a move that failed
+    once the old stage was left, once a new peer of that stage serves)."""
 
     def __init__(
         self,
@@ -72,7 +73,7 @@ class StageMover:
         self.drain_timeout = self.policy.period_s / 3 if drain_timeout is None else drain_timeout
         self.rebalancer = Rebalancer(self.policy, time.monotonic(), rng)
         self.moves: list[tuple[int, int, float]] = []  # (from, to, UNIX time)
-        self.failed_moves = 0
+        self.failed_moves = 0  # moves that failed (we then served our stage again)
         self.moves_given_way = 0  # moves that met another's and did not go ahead
         self.moving = False
 
@@ -112,36 +113,68 @@ class StageMover:
                 self.rebalancer.gave_way(time.monotonic())
 
     async def move(self, target: int, target_records: list[StageRecord]) -> bool:
-        """Move our peer to stage `target`; False if we gave way to another move."""
+        """Move our peer to stage `target`; False if we gave way to another move, or
+        the move failed (counted in `failed_moves`; we then serve our stage again)."""
         old = self.peer
         self.moving = True
         try:
-            await self._say_arriving(target, target_records)
-            if await self._contested(target):
-                self.moves_given_way += 1
-                log.info("not moving to stage %d: another peer moves at once", target)
+            try:
+                await self._say_arriving(target, target_records)
+                if await self._contested(target):
+                    self.moves_given_way += 1
+                    log.info("not moving to stage %d: another peer moves at once", target)
+                    await self._withdraw_arrival(target)
+                    return False
+                log.info("moving from stage %d to stage %d (it limits the pipeline)",
+                         old.stage, target)  # fmt: skip
+                await old.server.drain()
+                await self._drain(old)
+            except Exception as e:  # (our stage is still ours: take requests again)
+                self.failed_moves += 1
+                log.warning("moving to stage %d failed (%r): staying on stage %d",
+                            target, e, old.stage)  # fmt: skip
+                old.server.undrain()
+                await old.server.announce()
                 await self._withdraw_arrival(target)
                 return False
-            log.info("moving from stage %d to stage %d (it limits the pipeline)",
-                     old.stage, target)  # fmt: skip
-            await old.server.drain()
-            await self._drain(old)
             # Closed before the next stage's peer exists: the two would share the host's
             # all-reduce and pipeline protocols, which closing the old one unregisters.
             await old.aclose()
-            new = await self.make_peer(target)
-            # The download is verified against the fingerprint the stage's holders
-            # announce; one that fails leaves us behind the stage, and the peer's own
-            # loop re-syncs before it serves (as for any peer that missed a step).
-            await new.start(sync=True)
+            new = await self._serve(target)
+            if new is None:  # (the stage we left has its state on its other peers)
+                self.failed_moves += 1
+                await self._withdraw_arrival(target)
+                new = await self._serve(old.stage)
+                if new is None:
+                    raise RuntimeError(f"serving stage {target} or {old.stage} again failed")
             self.peer = new
-            self.moves.append((old.stage, target, time.time()))
             if self.on_moved is not None:
                 self.on_moved(old, new)
+            if new.stage != target:
+                return False
+            self.moves.append((old.stage, target, time.time()))
             log.info("now serving stage %d (version %d)", target, new.version)
             return True
         finally:
             self.moving = False
+
+    async def _serve(self, stage: int) -> StagePeer | None:
+        """A started peer of `stage`, or None (logged) when making or starting it failed.
+
+        The download is verified against the fingerprint the stage's holders
+        announce; one that fails leaves us behind the stage, and the peer's own loop
+        re-syncs before it serves (as for any peer that missed a step)."""
+        peer = None
+        try:
+            peer = await self.make_peer(stage)
+            await peer.start(sync=True)
+            return peer
+        except Exception as e:
+            log.warning("serving stage %d failed: %r", stage, e)
+            if peer is not None:
+                with contextlib.suppress(Exception):
+                    await peer.aclose()
+            return None
 
     async def _contested(self, target: int) -> bool:
         """Whether, read after our announcement, another move meets ours (a read that

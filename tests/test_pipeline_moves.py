@@ -167,3 +167,43 @@ async def test_two_peers_deciding_on_the_same_records_at_once_do_not_both_leave(
         assert [len(r) for r in records] == [3, 1] and all(r.ready for r in records[1])
     finally:
         await swarm.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_move_whose_new_stage_fails_to_start_serves_the_old_stage_again(
+    make_host,
+) -> None:
+    """Stages [3, 1]: a peer leaves stage 0 for stage 1, but its stage-1 peer cannot
+    be made (say, the module does not fit). It does not end up serving nothing: it
+    withdraws its arrival, serves stage 0 again from its peers' state, and counts a
+    failed move."""
+    task = make_task(TINY)
+    modules = [Paced(m, SECONDS_PER_SAMPLE, 1.0) for m in task.make_stages(5, 2)]
+    swarm = Swarm(make_host)
+    try:
+        for stage in (0, 0, 0, 1):
+            await swarm.stage_peer(stage, modules[stage], global_batch=GLOBAL_BATCH)
+        leaving = swarm.of_stage(0)[0]
+        asked: list[int] = []
+
+        async def make(stage: int) -> StagePeer:
+            asked.append(stage)
+            if stage == 1:
+                raise MemoryError("stage 1 does not fit here")
+            return StagePeer(leaving.server.dht, EXPERIMENT, stage,
+                             copy.deepcopy(modules[stage]), hyper={"lr": 3e-3},
+                             global_batch=GLOBAL_BATCH)  # fmt: skip
+
+        mover = StageMover(swarm.nodes[0], EXPERIMENT, 2, leaving, make, rng=random.Random(0))
+        records = await read_stages(swarm.nodes[0], EXPERIMENT, 2)
+        assert await mover.move(1, records[1]) is False
+        assert asked == [1, 0] and mover.failed_moves == 1 and mover.moves == []
+        back = mover.peer
+        assert back is not leaving and back.stage == 0 and not back.server.draining
+        swarm.peers.append(back)
+        assert back.server.serving
+        # Stage 0 counts its three peers again, all serving, and stage 1 no arrival.
+        records = await read_stages(swarm.nodes[3], EXPERIMENT, 2)
+        assert [len(r) for r in records] == [3, 1] and all(r.ready for r in records[1])
+    finally:
+        await swarm.aclose()
