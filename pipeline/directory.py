@@ -3,7 +3,8 @@
 Each stage server keeps a record under `shoal/x/<experiment>/stage/<s>`
 (`server.StageServer.record`). This reads them for every stage at once and
 answers what joiners and status pages ask: how many peers serve a stage, how
-many samples per second it can take, and which stage has the least capacity.
+many samples per second it can take, and which stage a joiner should serve
+(one short of two peers, else the least capacity).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from shoal.transport.identity import PeerID
 
 from .server import RECORD_TTL, stage_key
 
-__all__ = ["StageRecord", "least_capacity_stage", "read_stages", "stage_capacity"]
+STAGE_REPLICAS = 2  # peers a joiner gives each stage before it looks at capacity
+
+__all__ = [
+    "STAGE_REPLICAS",
+    "StageRecord",
+    "least_capacity_stage",
+    "read_stages",
+    "stage_capacity",
+]
 
 
 @dataclass(frozen=True)
@@ -97,12 +106,24 @@ def stage_capacity(records: Sequence[StageRecord], typical: float | None = None)
     return math.fsum(r.samples_per_s or default for r in records)
 
 
-def least_capacity_stage(stages: Sequence[Sequence[StageRecord]]) -> int:
-    """The stage a new peer should serve: the least capacity, then the fewest peers,
-    then the first."""
+def least_capacity_stage(
+    stages: Sequence[Sequence[StageRecord]], replicas: int = STAGE_REPLICAS
+) -> int:
+    """The stage a new peer should serve: one with fewer than `replicas` peers first
+    (the fewest), then the least capacity, then the fewest peers, then the first.
+
+    A stage's state lives only on its peers: a stage with one peer loses it to one
+    kill (the stage starts again from its seed, and waits for a peer to move there).
+    Replicas first costs throughput only until the rebalancer moves a peer to the
+    stage that limits the pipeline (never one that leaves a stage unserved)."""
     measured = sorted(s for records in stages for r in records if (s := r.samples_per_s))
     typical = measured[len(measured) // 2] if measured else None
     return min(
         range(len(stages)),
-        key=lambda s: (stage_capacity(stages[s], typical), len(stages[s]), s),
+        key=lambda s: (
+            min(len(stages[s]), replicas),
+            stage_capacity(stages[s], typical),
+            len(stages[s]),
+            s,
+        ),
     )

@@ -108,7 +108,9 @@ def plan_move(
         return None
     if any(not r.ready for r in here) or _leaving(stages, my_stage, mine.peer):
         return None  # a peer of ours is leaving or arriving: wait until it settled
-    target = least_capacity_stage(stages)
+    # (Capacity only: the joiners' replicas-first rule would name a stage this move's
+    # capacity rules then refuse, and the stage that limits the pipeline would wait.)
+    target = least_capacity_stage(stages, replicas=1)
     if target == my_stage:
         return None
     measured = [s for records in stages for r in records if (s := r.samples_per_s)]

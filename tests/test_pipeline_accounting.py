@@ -110,8 +110,21 @@ def test_a_new_peer_serves_the_stage_with_the_least_capacity() -> None:
     assert least_capacity_stage([[record(0)], [], [record(1)]]) == 1
     fast, slow = record(0, 300.0, 120.0), record(1, 30.0, 12.0)
     assert stage_capacity([fast]) == pytest.approx(1 / (1 / 300 + 1 / 120))
-    assert least_capacity_stage([[fast], [slow, slow], [fast]]) == 1
+    assert least_capacity_stage([[fast, fast], [slow, slow], [fast, fast]]) == 1
     assert least_capacity_stage([[fast, fast], [fast], [fast, record(2)]]) == 1
+
+
+def test_a_new_peer_gives_a_stage_its_second_peer_before_it_looks_at_capacity() -> None:
+    """A stage with one peer loses its state to one kill: the next joiner goes there,
+    even when another stage is slower (the rebalancer evens capacity out later)."""
+    fast, slow = record(0, 300.0, 120.0), record(1, 30.0, 12.0)
+    assert least_capacity_stage([[fast], [slow, slow], [fast, fast]]) == 0
+    # [2, 1, 3], the layout a CI run drew: stage 1 gets the next peer.
+    assert least_capacity_stage([[slow, slow], [fast], [slow, slow, slow]]) == 1
+    # Of two stages short of a replica, the one with less capacity.
+    assert least_capacity_stage([[fast], [slow], [fast, fast]]) == 1
+    assert least_capacity_stage([[fast], [slow], [fast, fast]], replicas=1) == 1
+    assert least_capacity_stage([[fast], [slow, slow], [fast]], replicas=1) == 1
 
 
 def test_pipeline_options_are_checked() -> None:
