@@ -329,7 +329,11 @@ def test_a8_killing_the_assembler_ten_times(tmp_path: Path) -> None:
             last = alive[0].next_commit(timeout=60)
             leader = last.get("leader") or last["members"][0]
             victim = next((p for p in alive if p.peer_id == leader), None)
-            assert victim is not None, "the assembler must be one of us"
+            assert victim is not None, (
+                f"the assembler must be one of us: {alive[0].name}'s commit {last}, alive "
+                f"{[(p.name, p.peer_id) for p in alive]}, dead "
+                f"{[(p.name, p.peer_id) for p in peers if p not in alive]}"
+            )
             victim.kill()
             killed_at = time.time()
             survivors = [p for p in alive if p is not victim]
