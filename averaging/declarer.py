@@ -15,7 +15,7 @@ from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
-from .matchmaking_rules import MAX_ADDRS, Declaration, PeerState, parse_view
+from .matchmaking_rules import MAX_ADDRS, Declaration, PeerState, merge_views, parse_view
 
 log = logging.getLogger("shoal.averaging.matchmaking")
 
@@ -48,23 +48,38 @@ class Declarer:
         self.declared_at = -float("inf")  # loop time of our last declaration
         self.declared: tuple[PeerState, bytes] = (PeerState.LEFT, b"")  # what it said
 
+    def seen_in(self, view: dict[PeerID, Declaration]) -> bool:
+        """Whether `view` (read from the DHT) holds our latest declaration."""
+        ours = view.get(self.peer_id)
+        return ours is not None and ours.expiration >= self._expiration
+
     def addrs(self) -> tuple[Multiaddr, ...]:
         return tuple(self.host.addresses())[:MAX_ADDRS]
 
     async def poll(
         self, previous: dict[PeerID, Declaration], end: float
     ) -> dict[PeerID, Declaration]:
-        """The current declarations; the previous view when the DHT does not answer in time."""
+        """The current declarations: those read now merged into `previous` (see
+        `merge_views`); the previous view when the DHT does not answer in time."""
         timeout = min(DHT_TIMEOUT, end - self._loop.time())
         if timeout <= 0:
             return previous
         try:
-            async with asyncio.timeout(timeout):
-                value = await self._abortable(self.dht.get(self.dht_key, latest=True))
+            # The lookup ends at `timeout` with the replicas that answered by then
+            # (merged into what we saw): under a stalled loop or a partition, every
+            # read of all k replicas could run out of time and we would see no one.
+            # The outer bound only catches a lookup that does not stop when told.
+            async with asyncio.timeout(timeout + DHT_TIMEOUT):
+                value = await self._abortable(
+                    self.dht.get(self.dht_key, latest=True, within=timeout)
+                )
         except (TimeoutError, DHTError, TransportError, OSError) as e:
             log.debug("%s: reading declarations failed: %r", self.dht_key, e)
             return previous
-        return parse_view(value.subkeys if value is not None else None, time.time())
+        now = time.time()
+        return merge_views(
+            previous, parse_view(value.subkeys if value is not None else None, now), now
+        )
 
     async def declare(
         self,

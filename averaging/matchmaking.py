@@ -55,7 +55,10 @@ only from the peer it asked; a leader that stops leading first answers every
 joiner; a closed leader answers later joins "busy". So a peer is in at most one
 group per call. The leader closes before any joiner's deadline (minus a
 margin), so a member does not give up on an answer already on its way, except
-when the network loses it; that is what the fault-tolerant all-reduce is for.
+when its loop stalls or the network is slow or loses it. Then the member asks the
+same leader once more in the same call, and the leader hands the group back to
+the join of that call (a random ticket in each join names the call); a member
+that cannot reach it again is what the fault-tolerant all-reduce is for.
 """
 
 from __future__ import annotations
@@ -104,6 +107,11 @@ BUSY_STORE_TIMEOUT = 1.0
 BUSY_STORE_LANDING_S = 10.0
 MAX_PROBES = 32
 FIRST_POLL = 0.05
+# Our declaration missing from what we read this long after we stored it: the
+# store reached too few replicas (it timed out on a loaded machine, or landed
+# behind a partition), and nobody may know we are looking. Store it again then,
+# not only when it is due for renewal (declaration_ttl / 3).
+REDECLARE_UNSEEN_S = 2.0
 CLOSE_TIMEOUT = 5.0
 
 
@@ -373,7 +381,10 @@ class Matchmaker:
         rnd.view = view
         rnd.note_excluded()
         await self._check_version(rnd, end)
-        if self._loop.time() - self.declarer.declared_at > self.config.declaration_ttl / 3:
+        since = self._loop.time() - self.declarer.declared_at
+        if since > self.config.declaration_ttl / 3 or (
+            since > REDECLARE_UNSEEN_S and not self.declarer.seen_in(view)
+        ):
             await self.declarer.declare(
                 PeerState.LOOKING, rnd.outlook.version, end=end, work=rnd.outlook.work
             )

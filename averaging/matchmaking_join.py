@@ -9,6 +9,7 @@ The ordering and the reasons behind each reply are in `matchmaking`'s docstring.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import time
@@ -47,6 +48,16 @@ PROBE_TIMEOUT = 1.0
 REDIRECT_PAUSE = 0.1
 
 
+class _Late(enum.Enum):
+    LATE = "late"
+
+
+# A join sent whose answer did not arrive in time (see JoinClient.follow).
+_LATE = _Late.LATE
+# How long a joiner waits when it asks a leader again after `_LATE`.
+REASK_TIMEOUT = 2.0
+
+
 class JoinServer:
     """The leader's side: takes joins for the running round (`round`) and answers
     them together; answers ``hello`` with our latest declaration."""
@@ -65,6 +76,9 @@ class JoinServer:
         self.declarer = declarer
         self.round: Round | None = None  # the running form_group call, if any
         self.last_group: tuple[tuple[PeerID, ...], float] = ((), 0.0)  # members, loop time
+        # The last group we led, with the call ticket of each member's join: handed
+        # back to a member whose join gave up before our answer reached it.
+        self.last_led: tuple[JoinReply, dict[PeerID, bytes]] | None = None
         self._loop = asyncio.get_running_loop()
         service.unary("join")(self.on_join)
         service.unary("hello")(self.on_hello)
@@ -88,6 +102,7 @@ class JoinServer:
             Member(peer, request.addrs, request.bandwidth), self._loop.time() + timeout
         )
         rnd.waiters[peer] = fut
+        rnd.tickets[peer] = request.call
         if rnd.gathering.full:
             self.close(rnd)  # right now, so that the next joiner hears "busy"
         else:
@@ -107,6 +122,12 @@ class JoinServer:
         if rnd is None or rnd.mode == Mode.CLOSED:
             members, formed = self.last_group
             age = max(0.0, self._loop.time() - formed) if members else 0.0
+            ours = self._group_of(peer, request.call)
+            if ours is not None:
+                log.debug("%s: handing group %s back to %s", self.key, ours[0], peer.short())
+                return JoinReply(
+                    ReplyKind.BUSY, members=members, age=age, group=ours[1], nonce=ours[2]
+                )
             return JoinReply(ReplyKind.BUSY, members=members, age=age)
         if peer in rnd.outlook.excluded:
             return JoinReply(ReplyKind.EXCLUDED)
@@ -125,17 +146,30 @@ class JoinServer:
         state, version = self.declarer.declared
         return {"state": str(state), "version": version}
 
+    def _group_of(self, peer: PeerID, call: bytes) -> tuple[str, Group, bytes] | None:
+        """The group we last led, if `peer`'s join of this `call` is in it."""
+        if self.last_led is None or not call:
+            return None
+        reply, tickets = self.last_led
+        if tickets.get(peer) != call or reply.group is None:
+            return None
+        return reply.group.round_id.hex()[:12], reply.group, reply.nonce
+
     def conclude(self, rnd: Round, group: Group, leader: PeerID) -> None:
         """The round's group is settled (by us or by our leader)."""
         rnd.conclude(group, leader)
         self.last_group = (group.peer_ids, self._loop.time())
+        if leader != self.peer_id:
+            self.last_led = None  # our last group is not ours to hand out
 
     def close(self, rnd: Round) -> None:
         """Settle the group and answer every pending join with it."""
         nonce = os.urandom(NONCE_BYTES)
         group = rnd.gathering.finalize(self.key, rnd.outlook.version, nonce)
         self.conclude(rnd, group, self.peer_id)
-        reply = JoinReply(ReplyKind.ACCEPTED, group=group, nonce=nonce).to_wire()
+        accepted = JoinReply(ReplyKind.ACCEPTED, group=group, nonce=nonce)
+        self.last_led = (accepted, {p: rnd.tickets.get(p, b"") for p in group.peer_ids})
+        reply = accepted.to_wire()
         for fut in rnd.waiters.values():
             if not fut.done():
                 fut.set_result(reply)
@@ -220,13 +254,23 @@ class JoinClient:
         rnd.mode = Mode.FOLLOW
         rnd.following = (target, addrs)
         rnd.answer_all(JoinReply(ReplyKind.REDIRECT, peer=target, addrs=addrs))
+        asked_again = again = False
         try:
-            for _ in range(MAX_REDIRECTS + 1):
-                reply = await self._send_join(rnd, target, addrs, end)
-                if reply is None:
+            for _ in range(MAX_REDIRECTS + 2):
+                reply = await self._send_join(rnd, target, addrs, end, again=again)
+                if reply is _LATE and not asked_again:
+                    # Our join reached it but its answer did not reach us in time (a
+                    # slow network, a stalled loop): it may have put us in its group,
+                    # which goes on without us. Ask once more: it hands the group back.
+                    asked_again = again = True
+                    continue
+                again = False
+                if not isinstance(reply, JoinReply):
                     rnd.suspect(target)
                     return None
-                if reply.kind is ReplyKind.ACCEPTED:
+                if reply.kind is ReplyKind.ACCEPTED or (
+                    reply.kind is ReplyKind.BUSY and reply.group is not None
+                ):
                     return self._accept(rnd, target, reply)
                 if reply.kind is ReplyKind.REDIRECT:
                     nxt = self._redirect_target(rnd, target, reply)
@@ -306,22 +350,36 @@ class JoinClient:
         rnd.suspect(target)  # disbanded or excluded us
 
     async def _send_join(
-        self, rnd: Round, target: PeerID, addrs: tuple[Multiaddr, ...], end: float
-    ) -> JoinReply | None:
-        """One join request; its reply, or None when the peer failed or answered garbage."""
-        until = min(end, self._loop.time() + self.config.join_timeout)
+        self,
+        rnd: Round,
+        target: PeerID,
+        addrs: tuple[Multiaddr, ...],
+        end: float,
+        *,
+        again: bool = False,
+    ) -> JoinReply | _Late | None:
+        """One join request; its reply, None when the peer failed or answered
+        garbage, `_LATE` when the request went out but no answer came in time.
+        `again`: the same call asking once more after `_LATE`, with a shorter wait
+        (a leader that closed answers at once; a silent one costs less)."""
+        wait = min(self.config.join_timeout, REASK_TIMEOUT) if again else self.config.join_timeout
+        until = min(end, self._loop.time() + wait)
         if until - self._loop.time() < ANSWER_MARGIN:
             return JoinReply(ReplyKind.RETRY)  # no time left: the loop ends the call
         request = JoinRequest(
-            self.key, rnd.outlook.version, self.declarer.addrs(), self.declarer.bandwidth
-        ).to_wire()
+            self.key, rnd.outlook.version, self.declarer.addrs(), self.declarer.bandwidth,
+            call=rnd.ticket,
+        ).to_wire()  # fmt: skip
+        sent = False
 
         async def call() -> Any:
+            nonlocal sent
             async with asyncio.timeout_at(until):
                 if self.host.connection(target) is None:
                     await self.host.connect(target, addrs)
                 # the leader gets what is left as its deadline to answer us
                 left = until - self._loop.time()
+                sent = True
                 return await rpc.call(
                     self.host, target, self.protocol, "join", request, timeout=left
                 )
@@ -332,4 +390,4 @@ class JoinClient:
         except (TransportError, TimeoutError, OSError, ValueError) as e:
             log.debug("join at %s failed: %r", target.short(), e)
             rnd.failed(f"{target.short()}: {type(e).__name__}")
-            return None
+            return _LATE if sent and isinstance(e, TimeoutError) else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -15,7 +16,15 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
 from .group import Group
-from .matchmaking_rules import MAX_GROUP_SIZE, Declaration, Gathering, JoinReply, Outlook
+from .matchmaking_rules import (
+    CALL_TICKET_BYTES,
+    MAX_GROUP_SIZE,
+    Declaration,
+    Gathering,
+    JoinReply,
+    Outlook,
+    PeerState,
+)
 
 T = TypeVar("T")
 
@@ -84,6 +93,8 @@ class Round:
         self.failures: list[str] = []  # why joins failed, for the error message
         self.probed: set[tuple[PeerID, float]] = set()  # declarations already confirmed
         self.poll_backoff = 0  # unchanged reads in a row: polls slow down
+        self.ticket = os.urandom(CALL_TICKET_BYTES)  # this call, in our joins
+        self.tickets: dict[PeerID, bytes] = {}  # the call of each joiner's pending join
 
     def failed(self, why: str) -> None:
         self.failures = [*self.failures[-15:], why]
@@ -137,6 +148,17 @@ class Round:
         seen = len(self.outlook.candidates(self.view))
         why = f"no group of {min_group_size} by the deadline"
         why += f" ({seen} other peers looking with our version, {self.gathering.size} gathered"
+        others = [d for d in self.view.values() if d.peer_id != self.outlook.me]
+        busy = sum(d.state is PeerState.BUSY for d in others)
+        # Looking with our version, but suspected (a failed join, a busy leader's
+        # member) or excluded: the usual reason peers that could group do not.
+        aside = sum(
+            d.state is PeerState.LOOKING
+            and d.state_version == self.outlook.version
+            and not self.outlook.usable(d)
+            for d in others
+        )
+        why += f"; {len(others)} declared: {busy} busy, {aside} looking but set aside"
         if self.failures:
             why += "; failed: " + ", ".join(dict.fromkeys(self.failures[-5:]))
         return why + ")"

@@ -44,6 +44,7 @@ MAX_ADDR_CHARS = 1024
 MAX_BANDWIDTH = 1e15
 MAX_GROUP_SIZE = 1024  # Group.from_wire's default bound
 NONCE_BYTES = 16
+CALL_TICKET_BYTES = 16  # a joiner's call (see JoinRequest.call)
 
 
 # A commit count (8 bytes) then a hash chain of round IDs (8 bytes): the versions
@@ -181,6 +182,23 @@ def parse_view(
             continue
         if decl.expiration > now:
             view[decl.peer_id] = decl
+    return view
+
+
+def merge_views(
+    previous: Mapping[PeerID, Declaration], fresh: Mapping[PeerID, Declaration], now: float
+) -> dict[PeerID, Declaration]:
+    """What a new read adds to the view: per peer, the declaration that expires
+    last (owners only move it forward, so it is the newest; on a tie, the read).
+    A read that reached few of the replicas (a loaded machine's timeouts, a
+    partition) then never takes back what an earlier one saw, and a peer whose
+    reads keep missing its neighbours does not come to see nobody at all; what
+    has expired drops out as it would from the DHT."""
+    view = {p: d for p, d in previous.items() if d.expiration > now}
+    for peer, decl in fresh.items():
+        known = view.get(peer)
+        if known is None or decl.expiration >= known.expiration:
+            view[peer] = decl
     return view
 
 
@@ -564,14 +582,20 @@ class JoinRequest:
     state_version: bytes
     addrs: tuple[Multiaddr, ...]
     bandwidth: float
+    # Random per form_group call of the joiner: a leader that put this call's join
+    # in its group hands the group back when the same call asks again.
+    call: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out = {
             "key": self.key,
             "version": self.state_version,
             "addrs": [str(a) for a in self.addrs[:MAX_ADDRS]],
             "bandwidth": float(self.bandwidth),
         }
+        if self.call:
+            out["call"] = self.call
+        return out
 
     @classmethod
     def from_wire(cls, obj: object) -> JoinRequest:
@@ -586,6 +610,7 @@ class JoinRequest:
             _version(obj.get("version"), "version"),
             _addrs(obj.get("addrs", [])),
             _bandwidth(obj.get("bandwidth", 1.0)),
+            _call_ticket(obj.get("call", b"")),
         )
 
 
@@ -608,6 +633,9 @@ class JoinReply:
     addrs: tuple[Multiaddr, ...] = ()  # REDIRECT
     members: tuple[PeerID, ...] = ()  # BUSY: the members of its group
     age: float = 0.0  # BUSY: seconds since that group formed
+    # BUSY (with `nonce`): the group the peer led, to a member that asks again in
+    # the call whose join it put in that group (its join gave up before the
+    # answer arrived); the member takes it as if ACCEPTED.
     version: bytes = b""  # VERSION
 
     def to_wire(self) -> dict[str, Any]:
@@ -623,6 +651,9 @@ class JoinReply:
         elif self.kind is ReplyKind.BUSY:
             out["members"] = [p.to_bytes() for p in self.members[:MAX_GROUP_SIZE]]
             out["age"] = float(self.age)
+            if self.group is not None:
+                out["group"] = self.group.to_wire()
+                out["nonce"] = self.nonce
         elif self.kind is ReplyKind.VERSION:
             out["version"] = self.version
         return out
@@ -637,11 +668,7 @@ class JoinReply:
         except ValueError:
             raise ValueError("unknown join reply kind") from None
         if kind is ReplyKind.ACCEPTED:
-            nonce = obj.get("nonce")
-            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-                raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
-            group = Group.from_wire(obj.get("group"), max_members=MAX_GROUP_SIZE)
-            return cls(kind, group=group, nonce=nonce)
+            return cls(kind, **_group_and_nonce(obj))
         if kind is ReplyKind.REDIRECT:
             return cls(kind, peer=_peer(obj.get("peer")), addrs=_addrs(obj.get("addrs", [])))
         if kind is ReplyKind.BUSY:
@@ -651,16 +678,31 @@ class JoinReply:
             age = obj.get("age", 0.0)
             if isinstance(age, bool) or not isinstance(age, int | float) or not 0 <= age < 1e9:
                 raise ValueError("busy age must be a number of seconds")
-            return cls(kind, members=tuple(_peer(p) for p in raw), age=float(age))
+            led = _group_and_nonce(obj) if "group" in obj else {}
+            return cls(kind, members=tuple(_peer(p) for p in raw), age=float(age), **led)
         if kind is ReplyKind.VERSION:
             return cls(kind, version=_version(obj.get("version"), "version"))
         return cls(kind)
 
 
+def _call_ticket(raw: object) -> bytes:
+    if not isinstance(raw, bytes) or len(raw) > CALL_TICKET_BYTES:
+        raise ValueError(f"call ticket must be at most {CALL_TICKET_BYTES} bytes")
+    return raw
+
+
+def _group_and_nonce(obj: dict[Any, Any]) -> dict[str, Any]:
+    nonce = obj.get("nonce")
+    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+        raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
+    return {"group": Group.from_wire(obj.get("group"), max_members=MAX_GROUP_SIZE), "nonce": nonce}
+
+
 def check_group(reply: JoinReply, *, key: str, version: bytes, me: PeerID, leader: PeerID) -> Group:
-    """The group of an ACCEPTED reply if it is one we can be a member of; raises ValueError."""
+    """The group of an ACCEPTED reply (or a BUSY one handing our group back) if it
+    is one we can be a member of; raises ValueError."""
     group = reply.group
-    if reply.kind is not ReplyKind.ACCEPTED or group is None:
+    if reply.kind not in (ReplyKind.ACCEPTED, ReplyKind.BUSY) or group is None:
         raise ValueError("not an accepted reply")
     if group.key != key:
         raise ValueError(f"group is for key {group.key[:64]!r}, not ours")

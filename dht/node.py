@@ -226,6 +226,7 @@ class DHTNode:
             "republished": 0,
             "cached": 0,
             "value_retries": 0,
+            "partial_reads": 0,  # reads that ran out of `within` and merged what came
             "node_retries": 0,
             "requests_redialed": 0,
             "busy_answers": 0,
@@ -408,20 +409,26 @@ class DHTNode:
         self._wake.set()
         return await self._store_records(records)
 
-    async def get(self, key: str, *, latest: bool = False) -> DHTValue | None:
+    async def get(
+        self, key: str, *, latest: bool = False, within: float | None = None
+    ) -> DHTValue | None:
         """The value of `key` merged from several replicas, or None.
 
         `latest`: ask every one of the k closest peers instead of stopping at
         `value_quorum` holders (slower, but sees a write that reached few peers).
+        `within`: seconds; the lookup stops then and the value is merged from the
+        replicas that answered by then (a partial read: a caller that merges
+        reads, such as one of owner-signed subkeys, loses nothing by it), where
+        a timeout around the call would give nothing at all.
         """
-        return (await self.get_many([key], latest=latest))[key]
+        return (await self.get_many([key], latest=latest, within=within))[key]
 
     async def get_many(
-        self, keys: Iterable[str], *, latest: bool = False
+        self, keys: Iterable[str], *, latest: bool = False, within: float | None = None
     ) -> dict[str, DHTValue | None]:
         """Several values in one traversal."""
         keys = list(dict.fromkeys(keys))
-        found = await self._find_values(keys, latest=latest)
+        found = await self._find_values(keys, latest=latest, within=within)
         return {k: (_to_value(found[k]) if found.get(k) else None) for k in keys}
 
     async def find_nodes(self, targets: Sequence[int]) -> list[LookupResult]:
@@ -695,7 +702,10 @@ class DHTNode:
         for lk in lookups:
             self._max_hops = max(self._max_hops, lk.hops)
 
-    async def _find_values(self, keys: list[str], *, latest: bool) -> dict[str, StoredValue]:
+    async def _find_values(
+        self, keys: list[str], *, latest: bool, within: float | None = None
+    ) -> dict[str, StoredValue]:
+        until = None if within is None else self._loop.time() + within
         now = time.time()
         local = self.storage.get_many(keys, now)
         lookups = []
@@ -706,7 +716,8 @@ class DHTNode:
                 lk.records.extend(held.records())
                 lk.holders.append(Candidate(self.peer_id, self.routing_table.local_id, (), 0))
             lookups.append(lk)
-        await self._traverse(lookups, self._query_find_value)
+        if not await self._traverse_until(until, lookups, self._query_find_value):
+            return self._merge_found(lookups)  # out of time: what answered so far
         # A key found nowhere while some of the peers asked for it failed (a timeout
         # on a loaded machine, a GC pause): look once more, asking peers that the
         # blacklist would skip. A miss is where a second try is worth its cost; in a
@@ -725,8 +736,27 @@ class DHTNode:
         ]
         if retry:
             self._counters["value_retries"] += len(retry)
-            await self._traverse(retry, self._query_find_value, skip_blacklisted=False)
             lookups += retry
+            await self._traverse_until(until, retry, self._query_find_value, skip_blacklisted=False)
+        return self._merge_found(lookups)
+
+    async def _traverse_until(
+        self, until: float | None, lookups: list[KeyLookup], query: Any, **kw: Any
+    ) -> bool:
+        """`_traverse`, stopped at loop time `until` (None: never); whether it ended
+        before then. What the lookups gathered stays in them either way."""
+        if until is None:
+            await self._traverse(lookups, query, **kw)
+            return True
+        try:
+            async with asyncio.timeout_at(until):
+                await self._traverse(lookups, query, **kw)
+        except TimeoutError:
+            self._counters["partial_reads"] += 1
+            return False
+        return True
+
+    def _merge_found(self, lookups: list[KeyLookup]) -> dict[str, StoredValue]:
         now = time.time()
         out: dict[str, StoredValue] = {}
         for lk in lookups:

@@ -32,6 +32,7 @@ from shoal.averaging.matchmaking_rules import (
     ReplyKind,
     Suspicions,
     check_group,
+    merge_views,
     parse_view,
     rank,
     split_sizes,
@@ -318,6 +319,47 @@ def test_capacity_is_our_share_of_a_balanced_split() -> None:
     assert out.capacity(view, [], target=8, minimum=2) == 7  # 13 left: 7 + 6
 
 
+def test_a_read_that_misses_replicas_never_takes_back_what_an_earlier_one_saw() -> None:
+    a, b, c = ids(3)
+    now = 1000.0
+    seen = view_of(decl(a, expiration=now + 20), decl(b, expiration=now + 20))
+    # this read reached the replicas that hold c's declaration and a newer one of
+    # a's, but none that hold b's
+    fresh = view_of(decl(a, PeerState.BUSY, expiration=now + 25), decl(c, expiration=now + 30))
+    view = merge_views(seen, fresh, now)
+    assert set(view) == {a, b, c}
+    assert view[a].state is PeerState.BUSY  # the later expiration is the newer one
+    older = view_of(decl(a, PeerState.LOOKING, expiration=now + 21))
+    assert merge_views(view, older, now)[a].state is PeerState.BUSY
+    tie = view_of(decl(c, version=b"w", expiration=now + 30))
+    assert merge_views(view, tie, now)[c].state_version == b"w"  # on a tie, the read
+    # what has expired drops out, whether or not a read sees it again
+    assert set(merge_views(view, {}, now + 22)) == {a, c}
+    assert merge_views(view, {}, now + 31) == {}
+
+
+def test_a_busy_reply_can_hand_a_members_group_back() -> None:
+    me, leader = ids(2)
+    nonce = b"n" * 16
+    peer_ids = sorted((me, leader), key=lambda p: p.to_bytes())
+    group = Group(KEY, make_round_id(KEY, peer_ids, nonce), tuple(map(Member, peer_ids)), b"v")
+    busy = JoinReply(ReplyKind.BUSY, members=(me, leader), age=1.5, group=group, nonce=nonce)
+    back = JoinReply.from_wire(busy.to_wire())
+    assert back.group is not None and back.group.round_id == group.round_id
+    assert check_group(back, key=KEY, version=b"v", me=me, leader=leader).peer_ids == (
+        group.peer_ids
+    )
+    plain = JoinReply.from_wire(JoinReply(ReplyKind.BUSY, members=(leader,)).to_wire())
+    with pytest.raises(ValueError, match="not an accepted reply"):
+        check_group(plain, key=KEY, version=b"v", me=me, leader=leader)
+    # the joiner's call travels with its join, bounded
+    request = JoinRequest(KEY, b"v", (), 1.0, call=b"c" * 16)
+    assert JoinRequest.from_wire(request.to_wire()).call == b"c" * 16
+    assert JoinRequest.from_wire({**request.to_wire(), "call": b""}).call == b""
+    with pytest.raises(ValueError, match="call ticket"):
+        JoinRequest.from_wire({**request.to_wire(), "call": b"c" * 17})
+
+
 def make_gathering(**kw: Any) -> Gathering:
     opts = {"min_size": 2, "target": 4, "min_time": 0.5, "max_time": 3.0, "margin": 0.25}
     opts.update(kw)
@@ -440,7 +482,7 @@ wire = st.recursive(
     lambda children: st.lists(children, max_size=5)
     | st.dictionaries(
         st.sampled_from(["key", "version", "addrs", "bandwidth", "kind", "group", "nonce",
-                         "peer", "members", "age", "round"]) | st.text(max_size=5),
+                         "peer", "members", "age", "round", "call"]) | st.text(max_size=5),
         children, max_size=6),
     max_leaves=20,
 )  # fmt: skip
@@ -597,17 +639,22 @@ async def test_a_peer_that_may_give_up_alone_still_waits_for_peers_declared_busy
     assert time.monotonic() - t0 >= 2.0
 
 
-# Twenty matchmakers on one event loop, FAST deadlines: beside a swarm of daemons the
-# loop starves past a joiner's answer margin (CI runs failed it twice; under four busy
-# loops here 5 of 10 fail), and a member gives up on a group already sent to it, which
-# the all-reduce then absorbs (see matchmaking.py "Why members agree"). So it runs with
-# the slow tests, never beside a swarm.
+# Twenty matchmakers on one event loop: a loaded machine stalls it past a joiner's
+# answer margin, past DHT reads and past probes. Three of those made peers miss their
+# group (a member whose answer came late, a peer whose reads all timed out and saw
+# no one, a peer whose declaration never landed); each now recovers (see matchmaking
+# and its tests). Under two busy loops on a 2-core machine, 1 run in 10 still fails:
+# a leader's hello probes all time out at once and it sets those peers aside until
+# they declare again. So it runs with the slow tests, never beside a swarm.
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 async def test_twenty_peers_split_into_groups_of_at_most_target(
     swarm: Callable[..., Any],
 ) -> None:
-    config = MatchmakingConfig(**{**FAST, "target_group_size": 8, "min_group_size": 3})
+    # The daemon's time windows, not FAST's: twenty peers on one loaded loop read
+    # partial views at first, and a leader that closes 0.3 s after it began to lead
+    # (everyone it knows of has joined) makes a group too small to leave a third.
+    config = MatchmakingConfig(target_group_size=8, min_group_size=3)
     makers = await swarm(20, config)
     results = await form_all(makers, deadline=Deadline.after(30))
     groups = assert_agreement(makers, results)
@@ -615,6 +662,65 @@ async def test_twenty_peers_split_into_groups_of_at_most_target(
     assert sum(sizes) == 20
     assert all(3 <= s <= 8 for s in sizes), sizes
     assert len(groups) >= 3
+
+
+@pytest.mark.timeout(30)
+async def test_a_member_whose_answer_came_too_late_asks_again_and_is_handed_its_group(
+    swarm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader put the joiner in its group, but the answer arrived after the
+    joiner stopped waiting (a stalled event loop, a slow link): the joiner asks
+    again in the same call and takes the group it is in, instead of looking for
+    another one while its group goes on without it."""
+    a, b = await swarm(2)
+    leader, joiner = sorted((a, b), key=lambda m: rank(KEY, b"v", m.peer_id))
+    real_call = rpc.call
+    lost: list[Any] = []
+
+    async def answer_lost_once(host: Any, peer: PeerID, protocol: str, method: str,
+                               payload: Any, **kw: Any) -> Any:  # fmt: skip
+        reply = await real_call(host, peer, protocol, method, payload, **kw)
+        if method == "join" and host is joiner.host and not lost:
+            lost.append(reply)  # the leader answered; we act as if it came too late
+            raise TimeoutError
+        return reply
+
+    monkeypatch.setattr(rpc, "call", answer_lost_once)
+    got_leader, got_joiner = await form_all([leader, joiner], deadline=Deadline.after(15))
+    (group,) = assert_agreement([leader, joiner], [got_leader, got_joiner])
+    assert JoinReply.from_wire(lost[0]).kind is ReplyKind.ACCEPTED
+    assert group.extra["leader"] == leader.peer_id and group.size == 2
+
+    # A join of another call is not handed that group: it hears "busy" as before.
+    request = JoinRequest(KEY, b"v", (), 1.0, call=b"x" * 16).to_wire()
+    raw = await real_call(joiner.host, leader.peer_id, leader.protocol, "join", request)
+    other_call = JoinReply.from_wire(raw)
+    assert other_call.kind is ReplyKind.BUSY and other_call.group is None
+
+
+@pytest.mark.timeout(30)
+async def test_a_peer_whose_declaration_did_not_land_stores_it_again_soon(
+    swarm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its first store reached no replica (it timed out on a loaded machine). It
+    leads (it ranks first) and waits for a peer that cannot see it; it does not
+    wait for the renewal (declaration_ttl / 3 = 10 s, past the deadline): its
+    reads lack its declaration, so it stores it again two seconds later."""
+    a, b = await swarm(2)
+    leader, other = sorted((a, b), key=lambda m: rank(KEY, b"v", m.peer_id))
+    store = leader.dht.store
+    lost: list[Any] = []
+
+    async def first_store_lost(key: str, value: Any, *args: Any, **kw: Any) -> bool:
+        if key.endswith("/matchmaking") and not lost:
+            lost.append(value)
+            return False
+        return await store(key, value, *args, **kw)
+
+    monkeypatch.setattr(leader.dht, "store", first_store_lost)
+    results = await form_all([leader, other], deadline=Deadline.after(8))
+    (group,) = assert_agreement([leader, other], results)
+    assert lost and group.extra["leader"] == leader.peer_id
 
 
 @pytest.mark.timeout(30)

@@ -316,6 +316,47 @@ async def test_churn(swarm: Callable[..., Any]) -> None:
         assert got is not None and got.value == j
 
 
+async def test_a_read_given_a_time_limit_returns_what_answered_by_then(
+    swarm: Callable[..., Any],
+) -> None:
+    """`latest` waits for the k closest; when all of them are slow (a far link, a
+    stalled machine) the read takes as long as they do. With `within`, it ends on
+    time with the replicas that answered by then (here only the reader itself),
+    where a timeout around it gives nothing at all."""
+    (remote,) = await swarm(1)
+    exp = time.time() + 60
+    for i in (1, 2):
+        assert await remote.store("peers", i, exp, subkey=f"w{i}")
+    (reader,) = await swarm(1, join=[remote], hop_timeout=5.0)
+    assert await reader.store("peers", 0, exp, subkey="w0")  # held by both now
+    answer = remote._server._on_find_value
+
+    async def slow(ctx: Any, payload: Any) -> Any:
+        await asyncio.sleep(2.0)
+        return await answer(ctx, payload)
+
+    remote._server._service.unary("find_value")(slow)
+
+    def subkeys(value: Any) -> dict[str, Any]:
+        assert value is not None
+        return {k: v for k, (v, _) in value.subkeys.items()}
+
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.5):
+            await reader.get("peers", latest=True)
+    t0 = time.monotonic()
+    assert subkeys(await reader.get("peers", latest=True, within=0.5)) == {"w0": 0}
+    assert time.monotonic() - t0 < 1.5
+    assert reader.stats()["partial_reads"] == 1
+    # with the time it takes, the read has every replica's
+    assert subkeys(await reader.get("peers", latest=True, within=4.0)) == {
+        "w0": 0,
+        "w1": 1,
+        "w2": 2,
+    }
+    assert reader.stats()["partial_reads"] == 1
+
+
 @pytest.mark.parametrize("mode", ["junk", "self1000", "others1000"])
 async def test_garbage_answering_node(swarm: Callable[..., Any], mode: str) -> None:
     nodes = await swarm(12)
