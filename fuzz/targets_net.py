@@ -26,6 +26,7 @@ from shoal.peer.status import StatusServer
 from shoal.transport import rpc
 from shoal.transport.errors import HandshakeError, RemoteError, TransportError
 from shoal.transport.identity import Identity
+from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.nat import autonat, holepunch, relay, relay_client
 from shoal.transport.nat.identify import IdentifyInfo
 from shoal.transport.noise import NoiseHandshakeXX
@@ -72,6 +73,7 @@ def secure_handshake(data: bytes) -> None:
 
 # ---------------------------------------------------------------- NAT protocols
 
+_OUR_PUBLIC = [Multiaddr("/ip4/198.51.100.11/tcp/4001")]  # a DCUtR peer behind our NAT
 _NAT_ERRORS = (TransportError,)  # ProtocolViolation, and ReservationRefused for a refusal
 
 
@@ -93,6 +95,7 @@ def nat_protocols(data: bytes) -> None:
         lambda: relay_client.parse_relay_addrs(msg),
         lambda: relay_client.parse_stop(msg),
         lambda: holepunch.parse_connect(msg),
+        lambda: holepunch.parse_connect(msg, _OUR_PUBLIC),
         lambda: holepunch.parse_sync(msg),
     ):
         expect(_NAT_ERRORS, parse)

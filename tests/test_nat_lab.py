@@ -24,6 +24,8 @@ pytestmark = [
 ]
 
 PUB_PORT = 4001
+A1_IP = "10.0.1.2"  # the host behind natA (../shared/lab/README.md)
+INET = "198.51.100.0/24"  # the lab's public internet
 TRIALS = 10
 
 
@@ -125,6 +127,28 @@ async def test_peers_behind_two_nats_meet_through_the_relay_then_punch(
             assert active == [] and finished[0]["bytes"] == before
         print(f"hole punching ({prefix}): {sum(outcomes)}/{TRIALS}")
         assert sum(outcomes) >= 9, outcomes
+
+
+@pytest.mark.timeout(120)
+async def test_two_peers_behind_one_nat_punch_over_their_lan_and_outlive_a_cut_uplink() -> None:
+    # natA does not hairpin: a SYN from inside to its own public address is dropped, so
+    # the public targets alone never connect two peers behind it (they stayed on the
+    # relay, and lost each other with it when the uplink was cut).
+    async with Lab("n7-") as lab:
+        _, pub_addr = await start_pub(lab)
+        a, b = await lab.spawn("a1"), await lab.spawn("a1")
+        ra = await start_private(a, pub_addr)
+        await start_private(b, pub_addr)
+        addr = await relay_address(a)
+        assert (await b.call("connect", addr=addr))["kind"] == "relayed"
+        assert (await b.call("wait", what="direct", value=ra["peer_id"], timeout=12))["met"]
+        stats = (await b.call("conn", peer=ra["peer_id"]))["stats"]
+        assert stats["kind"] == "hole-punched"
+        assert stats["remote_address"][0] == A1_IP  # over the LAN, not through natA
+        # Cut the NAT's side of the internet: the pair keeps talking.
+        lab.sh("exec", lab.ns("a1"), "iptables", "-A", "OUTPUT", "-d", INET, "-j", "DROP")
+        sent = await b.call("send", peer=ra["peer_id"], nbytes=2_000_000, timeout=20)
+        assert sent["kind"] == "hole-punched" and sent["bytes"] == 2_000_000
 
 
 @pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ from shoal.transport.errors import ProtocolViolation
 from shoal.transport.identity import Identity
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.nat.config import RelayLimits
-from shoal.transport.nat.holepunch import dial_targets, initiator_delay
+from shoal.transport.nat.holepunch import dial_targets, initiator_delay, parse_connect
 from shoal.transport.nat.identify import IdentifyInfo
 from shoal.transport.nat.observed import ObservedAddresses
 from shoal.transport.nat.reachability import (
@@ -262,6 +262,28 @@ def test_only_direct_ip_addresses_are_punched() -> None:
         OTHER,
     ]
     assert dial_targets(addrs) == [("203.0.113.7", 31337), ("203.0.113.7", 40000)]
+
+
+def test_a_peer_behind_our_public_ip_is_dialed_on_its_lan_addresses_first() -> None:
+    msg = {
+        "type": "connect",
+        "addrs": [str(OTHER)],
+        "lan": ["/ip4/10.0.1.2/tcp/4002", "/ip4/192.168.1.5/tcp/4002", "/ip4/10.9.9.9/tcp/1"],
+    }
+    # Same public IP as ours: its private addresses first (two of them at most).
+    assert parse_connect(msg, [NAT]) == [
+        ("10.0.1.2", 4002), ("192.168.1.5", 4002), ("203.0.113.7", 40000),
+    ]  # fmt: skip
+    # Another public IP: its private addresses name hosts on someone else's network.
+    assert parse_connect(msg, [Multiaddr("/ip4/198.51.100.11/tcp/4001")]) == [
+        ("203.0.113.7", 40000)
+    ]
+    assert parse_connect(msg) == [("203.0.113.7", 40000)]  # we know no public address
+    assert parse_connect({"type": "connect", "addrs": [str(OTHER)]}, [NAT]) == [
+        ("203.0.113.7", 40000)
+    ]  # an older peer sends no "lan"
+    with pytest.raises(ProtocolViolation):
+        parse_connect({**msg, "lan": "10.0.1.2"}, [NAT])
 
 
 # --- identify messages -------------------------------------------------------------------------

@@ -104,9 +104,9 @@ class Host:
         self._listeners: list[tuple[ConnectionCallback | None, ConnectionCallback | None]] = []
         self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
         self._address_provider: Callable[[], list[Multiaddr]] | None = None
-        # Inbound connections we expect from a hole punch: remote IP -> (peer, our
-        # handshake role). The punch fixes the roles over the relay beforehand.
-        self._expected_inbound: dict[str, tuple[PeerID, bool]] = {}
+        # Inbound connections we expect from a hole punch: (remote IP, port or None for
+        # any) -> (peer, our handshake role). The punch fixes the roles over the relay.
+        self._expected_inbound: dict[tuple[str, int | None], tuple[PeerID, bool]] = {}
         # Protocol versions (transport/version.py): the hello on every connection. Made
         # last, so that its connection listener is the first.
         self.versions = VersionGate(self, self._on_stream)
@@ -280,15 +280,18 @@ class Host:
                 endpoint, peer, initiator=initiator, kind=kind, reuse="require"
             )
 
-    def expect_inbound(self, ip: str, peer: PeerID, *, initiator: bool) -> Callable[[], None]:
-        """Until the returned function is called, an inbound connection from `ip` is taken
-        as a hole punch from `peer` in which we play handshake role `initiator`."""
-        entry = (peer, initiator)
-        self._expected_inbound[ip] = entry
+    def expect_inbound(
+        self, ip: str, peer: PeerID, *, initiator: bool, port: int | None = None
+    ) -> Callable[[], None]:
+        """Until the returned function is called, an inbound connection from `ip` (and
+        `port`, when given: peers behind one address are told apart by it) is taken as
+        a hole punch from `peer` in which we play handshake role `initiator`."""
+        entry, key = (peer, initiator), (ip, port)
+        self._expected_inbound[key] = entry
 
         def remove() -> None:
-            if self._expected_inbound.get(ip) == entry:
-                del self._expected_inbound[ip]
+            if self._expected_inbound.get(key) == entry:
+                del self._expected_inbound[key]
 
         return remove
 
@@ -610,7 +613,10 @@ class Host:
             assert isinstance(old, Connection)
             old.abort("half-open connection evicted: handshake slots full")
         if not conn.outbound and conn.kind == "direct" and conn.remote_address is not None:
-            expected = self._expected_inbound.get(conn.remote_address[0])
+            ip, port = conn.remote_address
+            expected = self._expected_inbound.get((ip, port)) or self._expected_inbound.get(
+                (ip, None)
+            )
             if expected is not None:
                 peer, initiator = expected
                 conn.set_role(initiator, peer)

@@ -3,8 +3,9 @@
 Protocol ``/shoal/dcutr/1.0.0``, opened over the relayed connection by the peer
 that *accepted* it (the initiator, I; the other is the responder, R)::
 
-    I -> R  {"type": "connect", "addrs": [I's public addresses]}     (I starts a clock)
-    R -> I  {"type": "connect", "addrs": [R's public addresses]}     (I: rtt = clock)
+    I -> R  {"type": "connect", "addrs": [I's public addresses],
+             "lan": [I's private addresses]}                          (I starts a clock)
+    R -> I  {"type": "connect", "addrs": [...], "lan": [...]}         (I: rtt = clock)
     I -> R  {"type": "sync"}
     R dials I at once; I dials R rtt/2 later, so both SYNs leave together.
 
@@ -15,12 +16,22 @@ the handshake roles were fixed above: I is the Noise initiator whether its
 socket came from connect() or from its listener (`Host.expect_inbound`). Up
 to `punch_attempts` rounds on the same stream; then I closes it. On success
 the host prefers the new direct connection and gracefully closes the relayed one.
+
+Two peers behind the same NAT (the same public IP on both sides) also dial each
+other's private addresses (``lan``, optional): a router that does not hairpin
+drops a SYN sent from inside to its own public address, and even one that does
+would carry the pair's traffic through itself. Over the LAN the dial reaches the
+other's listener directly, and the connection lives on when the NAT's uplink is
+cut (a partition from the relays and the DHT: the two can still average). The
+private addresses of a peer behind another public IP are never dialed: they name
+hosts on someone else's network.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +49,7 @@ log = logging.getLogger("shoal.transport.nat")
 
 PROTOCOL = "/shoal/dcutr/1.0.0"
 MAX_TARGETS = 4
+MAX_LAN_TARGETS = 2  # private addresses dialed besides the public ones (same NAT only)
 
 
 def dial_targets(addrs: list[Multiaddr]) -> list[tuple[str, int]]:
@@ -52,11 +64,37 @@ def dial_targets(addrs: list[Multiaddr]) -> list[tuple[str, int]]:
     return out[:MAX_TARGETS]
 
 
-def parse_connect(msg: dict[str, object]) -> list[tuple[str, int]]:
-    """A DCUtR "connect" (either side): the public (host, port) targets it offers."""
+def _is_private(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip.split("%", 1)[0]).is_private
+    except ValueError:
+        return False
+
+
+def lan_addresses(host: Host) -> list[Multiaddr]:
+    """Our private (LAN) listen addresses: what a peer behind our NAT can dial."""
+    out = [a for a in host.interface_addresses(include_loopback=False) if a.is_private]
+    return out[:MAX_LAN_TARGETS]
+
+
+def same_nat(theirs: list[tuple[str, int]], ours: list[Multiaddr]) -> bool:
+    """Whether a public IP the peer offered is one of ours (we are behind one NAT)."""
+    our_ips = {ip for ip, _ in dial_targets(ours)}
+    return any(ip in our_ips for ip, _ in theirs)
+
+
+def parse_connect(
+    msg: dict[str, object], ours: list[Multiaddr] | None = None
+) -> list[tuple[str, int]]:
+    """A DCUtR "connect" (either side): the (host, port) targets to dial: its public
+    ones, and first its private ones when it shares a public IP with `ours`."""
     if msg.get("type") != "connect":
         raise ProtocolViolation("dcutr: expected connect")
-    return dial_targets(wire.get_addrs(msg, "addrs"))
+    public = dial_targets(wire.get_addrs(msg, "addrs"))
+    if not ours or "lan" not in msg or not same_nat(public, ours):
+        return public
+    lan = dial_targets(wire.get_addrs(msg, "lan"))[:MAX_LAN_TARGETS]
+    return [*lan, *(t for t in public if t not in lan)]
 
 
 def parse_sync(msg: dict[str, object]) -> None:
@@ -82,11 +120,18 @@ class PunchStats:
 
 class HolePuncher:
     def __init__(
-        self, host: Host, config: NatConfig, our_addrs: Callable[[], list[Multiaddr]]
+        self,
+        host: Host,
+        config: NatConfig,
+        our_addrs: Callable[[], list[Multiaddr]],
+        lan_addrs: Callable[[], list[Multiaddr]] | None = None,
     ) -> None:
+        """`our_addrs`: our public addresses (observed, confirmed); `lan_addrs`: our
+        private ones (default: the host's private interface addresses)."""
         self.host = host
         self.config = config
         self._our_addrs = our_addrs
+        self._lan_addrs = lan_addrs or (lambda: lan_addresses(host))
         self._direct: dict[PeerID, list[asyncio.Future[Connection]]] = {}
         self._remove_listener: Callable[[], None] | None = None
         self._punching: set[PeerID] = set()
@@ -145,10 +190,10 @@ class HolePuncher:
                     break
                 async with asyncio.timeout(self.config.punch_stream_timeout):
                     t0 = time.monotonic()
-                    await ms.send({"type": "connect", "addrs": [str(a) for a in ours]})
+                    await ms.send(self._connect_message(ours))
                     reply = await wire.recv_map(ms, "dcutr connect")
                     rtt = time.monotonic() - t0
-                targets = parse_connect(reply)
+                targets = parse_connect(reply, ours)
                 if not targets:
                     log.debug("hole punch to %s: it knows no public address", peer.short())
                     break
@@ -185,15 +230,15 @@ class HolePuncher:
                         msg = await wire.recv_map(ms, "dcutr connect")
                 except (EOFError, TimeoutError):  # done, or the initiator went silent
                     break
-                theirs = parse_connect(msg)
+                ours = self._our_addrs()
+                theirs = parse_connect(msg, ours)
                 if pending is not None:  # I saw the previous attempt fail
                     pending.cancel()
                     pending = None
                 # I's SYN may beat our own: from now on our listener takes it as the punch.
                 removers = self._expect(peer, theirs, initiator=False)
                 try:
-                    ours = [str(a) for a in self._our_addrs()]
-                    await ms.send({"type": "connect", "addrs": ours})
+                    await ms.send(self._connect_message(ours))
                     async with asyncio.timeout(self.config.punch_stream_timeout):
                         sync = await wire.recv_map(ms, "dcutr sync")
                     parse_sync(sync)
@@ -215,6 +260,12 @@ class HolePuncher:
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
+
+    def _connect_message(self, ours: list[Multiaddr]) -> dict[str, object]:
+        msg: dict[str, object] = {"type": "connect", "addrs": [str(a) for a in ours]}
+        if lan := self._lan_addrs():
+            msg["lan"] = [str(a) for a in lan[:MAX_LAN_TARGETS]]
+        return msg
 
     # --- one attempt -------------------------------------------------------------------------
 
@@ -278,9 +329,19 @@ class HolePuncher:
     def _expect(
         self, peer: PeerID, targets: list[tuple[str, int]], initiator: bool
     ) -> list[Callable[[], None]]:
-        """Take inbound connections from the peer's addresses as the punch, in our role."""
-        ips = dict.fromkeys(ip for ip, _ in targets)
-        return [self.host.expect_inbound(ip, peer, initiator=initiator) for ip in ips]
+        """Take inbound connections from the peer's addresses as the punch, in our role:
+        from a private address only from its port (the peer dials from its listen port,
+        and other peers may share that address: one host, one LAN), from a public one
+        from any port (a NAT may map the port)."""
+        removers = []
+        for ip, port in targets:
+            exact = _is_private(ip)
+            removers.append(
+                self.host.expect_inbound(
+                    ip, peer, initiator=initiator, port=port if exact else None
+                )
+            )
+        return removers
 
     def _record(self, peer: PeerID, success: bool, attempts: int, elapsed: float) -> None:
         if success:
