@@ -47,6 +47,10 @@ class Declarer:
         self._expiration = 0.0
         self.declared_at = -float("inf")  # loop time of our last declaration
         self.declared: tuple[PeerState, bytes] = (PeerState.LEFT, b"")  # what it said
+        self._latest: Declaration | None = None  # our last declaration (with its expiration)
+        # Our last read reached no other peer's declaration (failed, or answered by no
+        # replica holding any): we may be cut off from the DHT (see matchmaking_island).
+        self.cut_off = False
 
     def seen_in(self, view: dict[PeerID, Declaration]) -> bool:
         """Whether `view` (read from the DHT) holds our latest declaration."""
@@ -75,11 +79,24 @@ class Declarer:
                 )
         except (TimeoutError, DHTError, TransportError, OSError) as e:
             log.debug("%s: reading declarations failed: %r", self.dht_key, e)
+            self.cut_off = True
             return previous
         now = time.time()
-        return merge_views(
-            previous, parse_view(value.subkeys if value is not None else None, now), now
-        )
+        fresh = parse_view(value.subkeys if value is not None else None, now)
+        self.cut_off = not any(p != self.peer_id for p in fresh)
+        return merge_views(previous, fresh, now)
+
+    def hello(self) -> dict[str, Any]:
+        """What we answer ``hello``: our latest declaration (state and version, which
+        older peers read, then the rest with the expiration it was stored with) and
+        whether we are cut off from the DHT."""
+        state, version = self.declared
+        reply: dict[str, Any] = {"state": str(state), "version": version}
+        if self._latest is not None:
+            reply.update(self._latest.to_value())
+            reply["expiration"] = self._latest.expiration
+        reply["cut_off"] = self.cut_off
+        return reply
 
     async def declare(
         self,
@@ -102,7 +119,10 @@ class Declarer:
         self._expiration = expiration
         self.declared_at = self._loop.time()
         self.declared = (state, version)
-        decl = Declaration(self.peer_id, state, version, self.addrs(), self.bandwidth, work=work)
+        decl = Declaration(
+            self.peer_id, state, version, self.addrs(), self.bandwidth, expiration, work
+        )
+        self._latest = decl
         try:
             async with asyncio.timeout(timeout):
                 return await self.dht.store(

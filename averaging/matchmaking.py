@@ -78,10 +78,12 @@ from .deadline import Deadline
 from .declarer import DHT_TIMEOUT, Declarer
 from .group import Group, Member
 from .lineage import lineage_work
+from .matchmaking_island import Neighbors
 from .matchmaking_join import ANSWER_MARGIN, JoinClient, JoinServer, Prober
 from .matchmaking_round import Closing, MatchmakingConfig, MatchmakingError, Mode, Round
 from .matchmaking_rules import (
     MAX_VERSION_BYTES,
+    Declaration,
     Gathering,
     JoinReply,
     Outlook,
@@ -89,6 +91,7 @@ from .matchmaking_rules import (
     ReplyKind,
     Suspicions,
     View,
+    merge_views,
 )
 
 __all__ = [
@@ -183,6 +186,7 @@ class Matchmaker:
         self._service = rpc.RpcService(self.host, self.protocol)
         self._server = JoinServer(self._service, key, self.peer_id, self.config, self.declarer)
         self._prober = Prober(self.host, self.protocol, key, self._closing)
+        self._neighbors = Neighbors(self.host, self.protocol, key, self._closing.abortable)
         self._client = JoinClient(
             self.host,
             self.protocol,
@@ -240,6 +244,7 @@ class Matchmaker:
         # is stale the moment this round commits. The round waits for that store
         # BUSY_STORE_TIMEOUT at most, but does not cancel it: on a slow DHT it lands
         # late rather than never (a "looking" left behind holds leaders waiting).
+        self._neighbors.note(group.peer_ids)
         busy = asyncio.ensure_future(
             self.declarer.declare(
                 PeerState.BUSY, state_version, timeout=BUSY_STORE_LANDING_S, work=work
@@ -309,6 +314,8 @@ class Matchmaker:
             "gathered": rnd.gathering.size if rnd is not None else 0,
             "suspected": len(self._suspicions),
             "versions_set_aside": sum(t > time.monotonic() for t in self._set_aside.values()),
+            "cut_off": self.declarer.cut_off,
+            "island_reads": self._neighbors.islands,
         }
 
     # ------------------------------------------------------------------ the call
@@ -341,7 +348,7 @@ class Matchmaker:
     async def _run(self, rnd: Round, end: float) -> Group:
         # Look before declaring: a peer whose state is behind must never
         # appear as looking with it (leaders would wait for it, peers count it).
-        rnd.view = await self.declarer.poll(rnd.view, end)
+        rnd.view = await self._read(rnd.view, end)
         rnd.note_excluded()
         if rnd.group is None:  # (joins may have filled the group meanwhile)
             await self._check_version(rnd, end)
@@ -370,10 +377,22 @@ class Matchmaker:
             if group is not None:
                 return group
 
+    async def _read(self, view: View, end: float) -> dict[PeerID, Declaration]:
+        """The declarations read from the DHT merged into `view`; when the read
+        reached no other peer's, also those of the reachable neighbours cut off
+        with us (see matchmaking_island)."""
+        view = await self.declarer.poll(view, end)
+        self._neighbors.note(p for p in view if self.host.connection(p) is not None)
+        if self.declarer.cut_off:
+            island = await self._neighbors.ask(end)
+            if island:
+                view = merge_views(view, island, time.time())
+        return view
+
     async def _refresh(self, rnd: Round, end: float) -> float:
         """Read the declarations again (and renew ours); when to read next (loop
         time): sooner while they change, up to `_poll_max` apart while they do not."""
-        view = await self.declarer.poll(rnd.view, end)
+        view = await self._read(rnd.view, end)
         if rnd.group is not None:
             return self._loop.time()  # a join filled the group meanwhile
         changed = _fingerprint(view) != _fingerprint(rnd.view)

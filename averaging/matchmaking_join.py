@@ -140,11 +140,11 @@ class JoinServer:
         return None
 
     async def on_hello(self, ctx: CallContext, payload: object) -> dict[str, Any]:
-        """Our latest declaration, so that a peer can tell it is current (not a dead peer's)."""
+        """Our latest declaration, so that a peer can tell it is current (not a dead
+        peer's), or see it at all when the DHT does not answer (matchmaking_island)."""
         if not isinstance(payload, dict) or payload.get("key") != self.key:
             raise ValueError("hello must name our key")
-        state, version = self.declarer.declared
-        return {"state": str(state), "version": version}
+        return self.declarer.hello()
 
     def _group_of(self, peer: PeerID, call: bytes) -> tuple[str, Group, bytes] | None:
         """The group we last led, if `peer`'s join of this `call` is in it."""

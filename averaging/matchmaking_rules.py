@@ -165,6 +165,32 @@ class Declaration:
             _work(value.get("work")),
         )
 
+    @classmethod
+    def from_hello(cls, peer: PeerID, raw: object) -> Declaration:
+        """A declaration its owner `peer` (the authenticated caller) sent us directly,
+        in answer to ``hello`` (see `Declarer.hello`); raises ValueError. Its
+        expiration is the owner's, as in the DHT: the two compare."""
+        if not isinstance(raw, dict):
+            raise ValueError("hello answer must be a map")
+        try:
+            state = PeerState(raw.get("state"))
+        except ValueError:
+            raise ValueError("unknown declaration state") from None
+        expiration = raw.get("expiration")
+        if isinstance(expiration, bool) or not isinstance(expiration, int | float):
+            raise ValueError("expiration must be a number")
+        if not math.isfinite(expiration):
+            raise ValueError("expiration must be finite")
+        return cls(
+            peer,
+            state,
+            _version(raw.get("version"), "version"),
+            _addrs(raw.get("addrs", [])),
+            _bandwidth(raw.get("bandwidth", 1.0)),
+            float(expiration),
+            _work(raw.get("work")),
+        )
+
 
 View = Mapping[PeerID, Declaration]
 

@@ -192,6 +192,11 @@ def new_seeds() -> dict[str, list[bytes]]:
                 "reason": "refused",
             },
             {"type": "connect", "peer": peer, "addrs": ["/ip4/203.0.113.5/tcp/4001"]},
+            {
+                "type": "connect",
+                "addrs": ["/ip4/198.51.100.11/tcp/4001"],
+                "lan": ["/ip4/10.0.1.2/tcp/4002"],
+            },  # DCUtR from behind our NAT
             {"type": "refresh", "status": "ok", "ttl": 3600, "addrs": [addr]},
             {"type": "sync"},
         ),
@@ -215,6 +220,15 @@ def new_seeds() -> dict[str, list[bytes]]:
             group,
             {"kind": "redirect", "peer": peer, "addrs": [addr]},
             {"kind": "busy", "members": [peer], "age": 1.5},
+            {
+                "state": "looking",
+                "version": b"v" * 8,
+                "addrs": [addr],
+                "bandwidth": 2.0,
+                "expiration": 1.8e9,
+                "work": 7,
+                "cut_off": True,
+            },  # a hello answer
         ),
         "status_http": [
             b"GET /status HTTP/1.1\r\nHost: x\r\n\r\nGET /peers HTTP/1.1\r\nHost: x\r\n\r\n",

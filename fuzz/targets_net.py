@@ -19,7 +19,7 @@ from harness import REMOTE_IDENTITY, BytesStream, Target, expect, message, run_i
 from shoal.averaging import state_sync
 from shoal.averaging.group import Group
 from shoal.averaging.lanes import RoundInfo, request_problem
-from shoal.averaging.matchmaking_rules import JoinReply, JoinRequest, check_group
+from shoal.averaging.matchmaking_rules import Declaration, JoinReply, JoinRequest, check_group
 from shoal.averaging.partition import Plan
 from shoal.peer.metrics import Metrics
 from shoal.peer.status import StatusServer
@@ -202,9 +202,11 @@ def state_sync_requests(data: bytes) -> None:
 
 def matchmaking_join(data: bytes) -> None:
     """Matchmaking's join protocol: a join request (leader side), a reply and the group
-    it announces (follower side), then a follower's checks of that group."""
+    it announces (follower side), then a follower's checks of that group; a neighbour's
+    answer to hello (a cut-off peer's view)."""
     obj = message(data)
     expect((ValueError,), lambda: JoinRequest.from_wire(obj))
+    expect((ValueError,), lambda: Declaration.from_hello(_PEER, obj))
     expect((ValueError,), lambda: Group.from_wire(obj))
     reply = expect((ValueError,), lambda: JoinReply.from_wire(obj))
     if reply is not None:

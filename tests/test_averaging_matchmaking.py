@@ -22,6 +22,7 @@ from shoal.averaging.matchmaking import (
     NeedsResync,
     NobodyElse,
 )
+from shoal.averaging.matchmaking_island import Neighbors
 from shoal.averaging.matchmaking_rules import (
     Declaration,
     Gathering,
@@ -552,7 +553,11 @@ def assert_agreement(makers: list[Matchmaker], results: list[Any]) -> list[Group
 
 async def kill(m: Matchmaker) -> None:
     """Abrupt death of a peer: every connection aborted, nothing answered, no goodbye."""
-    node = m.dht
+    await kill_node(m.dht)
+
+
+async def kill_node(node: DHTNode) -> None:
+    """`kill` for a DHT node alone."""
     node._closed = True
     for task in list(node._tasks):
         task.cancel()
@@ -614,6 +619,78 @@ async def test_a_lone_peer_gives_up_at_once_when_asked_to_instead_of_waiting_out
         await patient.form_group(state_version=b"v", deadline=Deadline.after(2.5))
     assert not isinstance(caught.value, NobodyElse)
     assert time.monotonic() - t0 > 2.0
+
+
+@pytest.mark.timeout(40)
+async def test_peers_cut_off_from_the_dht_average_with_the_peers_they_still_reach(
+    make_host: Callable[..., Any],
+) -> None:
+    """Two NATed peers (DHT clients, never replicas) whose only DHT server is cut
+    off: each reads no declaration but its own, yet they are still connected (a
+    LAN). They form their group together instead of each averaging alone."""
+    server = await DHTNode.create(await make_host(**HOST_OPTS), hop_timeout=0.5)
+    boot = [str(server.host.addresses()[0])]
+    clients = [
+        await DHTNode.create(
+            await make_host(**HOST_OPTS), bootstrap=boot, hop_timeout=0.5, serves=lambda: False
+        )
+        for _ in range(2)
+    ]
+    config = MatchmakingConfig(**FAST, give_up_alone_after=0.3)
+    a, b = makers = [Matchmaker(node, KEY, config) for node in clients]
+    try:
+        (first,) = assert_agreement(makers, await form_all(makers, deadline=Deadline.after(10)))
+        assert first.size == 2 and not a.declarer.cut_off
+        await kill_node(server)
+        (island,) = assert_agreement(makers, await form_all(makers, deadline=Deadline.after(10)))
+        assert set(island.peer_ids) == {a.peer_id, b.peer_id}
+        assert a.declarer.cut_off and b.declarer.cut_off
+        assert a.stats()["island_reads"] > 0 and a.stats()["cut_off"]
+    finally:
+        await asyncio.gather(*(m.aclose() for m in makers), return_exceptions=True)
+        await asyncio.gather(*(n.aclose() for n in clients), return_exceptions=True)
+
+
+@pytest.mark.timeout(30)
+async def test_a_cut_off_peer_takes_only_neighbours_cut_off_too(swarm: Callable[..., Any]) -> None:
+    """A neighbour that still reads others' declarations finds its groups in the DHT:
+    it is not of the island (a member the DHT does not show would likely be one the
+    rest of its group cannot reach)."""
+    asker, cut, connected, gone = await swarm(4)
+    for m in (cut, connected):
+        await m.declare_busy(b"v")
+    cut.declarer.cut_off = True  # its last read saw nobody else
+    neighbors = Neighbors(asker.host, asker.protocol, KEY, lambda aw: aw)
+    for m in (cut, connected, gone):
+        await asker.host.connect(m.host.addresses()[0])
+    await kill(gone)
+    await wait_until(lambda: asker.host.connection(gone.peer_id) is None, 5)
+    neighbors.note([cut.peer_id, connected.peer_id, gone.peer_id, asker.peer_id])
+    assert neighbors.reachable() == [connected.peer_id, cut.peer_id]  # latest first
+    island = await neighbors.ask(asyncio.get_running_loop().time() + 5)
+    assert list(island) == [cut.peer_id]
+    got = island[cut.peer_id]
+    assert (got.state, got.state_version) == (PeerState.BUSY, b"v")
+    assert got.addrs == cut.declarer.addrs()
+
+
+def test_a_hello_answer_is_a_declaration_of_its_sender_or_a_value_error() -> None:
+    peer = ids(1)[0]
+    good = {"state": "looking", "version": b"v", "addrs": [], "expiration": 1e9, "work": 3}
+    d = Declaration.from_hello(peer, good)
+    assert (d.peer_id, d.state, d.state_version, d.expiration, d.work) == (
+        peer, PeerState.LOOKING, b"v", 1e9, 3,
+    )  # fmt: skip
+    for bad in (
+        [],
+        {**good, "state": "napping"},
+        {**good, "expiration": "soon"},
+        {**good, "expiration": float("inf")},
+        {**good, "version": "v"},
+        {k: v for k, v in good.items() if k != "expiration"},  # an older peer's answer
+    ):
+        with pytest.raises(ValueError):
+            Declaration.from_hello(peer, bad)
 
 
 @pytest.mark.timeout(30)
@@ -979,7 +1056,9 @@ async def test_garbage_joins_and_forged_declarations_break_nothing(
                 with pytest.raises(RemoteError):
                     await rpc.call(node.host, m.peer_id, m.protocol, "hello", bad_hello, timeout=5)
             hello = await rpc.call(node.host, m.peer_id, m.protocol, "hello", {"key": KEY})
-            assert set(hello) == {"state", "version"}
+            # the latest declaration (what older peers read, then the rest) and whether
+            # the peer is cut off from the DHT
+            assert {"state", "version", "addrs", "expiration", "cut_off"} <= set(hello)
         return errors
 
     results, errors = await asyncio.gather(form_all(makers, deadline=Deadline.after(10)), junk())
