@@ -154,6 +154,12 @@ class Peer:
 
             def pred() -> bool:
                 return not any({str(c.src), str(c.dst)} == pair for c in book.circuits.values())
+        elif what == "identified_direct":  # identify ran on a direct connection to the peer
+            peer = PeerID.from_base58(value)
+
+            def pred() -> bool:
+                infos = s.nat.identify.infos
+                return any(c.remote_peer == peer and c.kind != "relayed" for c in infos)
         elif what == "punch_done":
             pred = lambda: bool(s.nat.puncher.stats.results)  # noqa: E731
         else:

@@ -145,6 +145,13 @@ async def test_two_peers_behind_one_nat_punch_over_their_lan_and_outlive_a_cut_u
         stats = (await b.call("conn", peer=ra["peer_id"]))["stats"]
         assert stats["kind"] == "hole-punched"
         assert stats["remote_address"][0] == A1_IP  # over the LAN, not through natA
+        # What a LAN neighbour sees of us says nothing of the internet: neither takes its
+        # LAN address for a public one (nor gets "dialed back" there and turns public).
+        for peer, other in ((a, (await b.call("status"))["peer_id"]), (b, ra["peer_id"])):
+            assert (await peer.call("wait", what="identified_direct", value=other))["met"]
+            st = await peer.call("status")
+            assert not any(A1_IP in o["addr"] for o in st["observed_addresses"]), st
+            assert st["reachability"] == "private"
         # Cut the NAT's side of the internet: the pair keeps talking.
         lab.sh("exec", lab.ns("a1"), "iptables", "-A", "OUTPUT", "-d", INET, "-j", "DROP")
         sent = await b.call("send", peer=ra["peer_id"], nbytes=2_000_000, timeout=20)

@@ -21,6 +21,7 @@ depend on it).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections.abc import Callable
 
@@ -46,6 +47,20 @@ _DHT_LOOKUP_INTERVAL = 30.0
 _DHT_TIMEOUT = 30.0
 _MAX_BACKOFF = 60.0
 PARALLEL_PROBES = 3  # AutoNAT servers asked at once while reachability is unknown
+
+
+def over_lan(conn: Connection) -> bool:
+    """A connection hole-punched over our LAN (to a peer behind our NAT, at its private
+    address): what it sees of us, and a dial back over it, say nothing of how the
+    internet reaches us (they made peers behind a NAT "public" at 10.0.1.2, advertised
+    to everyone), and a relay reached over it is no relay for the others."""
+    if conn.kind != "hole-punched" or conn.remote_address is None:
+        return False
+    try:
+        ip = ipaddress.ip_address(conn.remote_address[0].split("%", 1)[0])
+    except ValueError:
+        return False
+    return ip.is_private and not ip.is_loopback
 
 
 class NatManager:
@@ -330,6 +345,7 @@ class NatManager:
         if (
             self.reachability is Reachability.UNKNOWN
             and conn.kind != "relayed"
+            and not over_lan(conn)
             and autonat.PROTOCOL in info.protocols
         ):
             self._next_probe = 0.0  # a new server while we do not know: ask it now
@@ -346,7 +362,7 @@ class NatManager:
 
     def _counts_as_observation(self, conn: Connection) -> bool:
         """Only connections from our listen port show the mapping others can dial."""
-        if conn.kind == "relayed" or conn.local_address is None:
+        if conn.kind == "relayed" or conn.local_address is None or over_lan(conn):
             return False
         if not conn.outbound:
             return True
@@ -412,6 +428,8 @@ class NatManager:
             info = self.peers.get(peer)
             if conn.kind == "relayed" or info is None or autonat.PROTOCOL not in info.protocols:
                 continue
+            if over_lan(conn):
+                continue  # it would dial us back on the LAN: no proof the internet can
             if peer not in self._probing:
                 servers.append((self._probed_at.get(peer, -1e18), peer, conn))
         if not servers:
@@ -505,7 +523,12 @@ class NatManager:
         out: dict[PeerID, list[Multiaddr]] = {}
         for peer, conn in self.host.connections.items():
             info = self.peers.get(peer)
-            if conn.kind != "relayed" and info is not None and relay.HOP_PROTOCOL in info.protocols:
+            if (
+                conn.kind != "relayed"
+                and not over_lan(conn)
+                and info is not None
+                and relay.HOP_PROTOCOL in info.protocols
+            ):
                 out[peer] = [a for a in info.addrs if a.is_direct_tcp]
         for peer, addrs in self._dht_relays.items():
             if peer != self.host.peer_id:
