@@ -147,23 +147,7 @@ class Declaration:
             raise ValueError(str(e)) from None
         if owner is None or subkey != owner_marker(owner):
             raise ValueError("not an owner-signed declaration")
-        if not isinstance(value, dict):
-            raise ValueError("declaration must be a map")
-        try:
-            state = PeerState(value.get("state"))
-        except ValueError:
-            raise ValueError("unknown declaration state") from None
-        if isinstance(expiration, bool) or not isinstance(expiration, int | float):
-            raise ValueError("expiration must be a number")
-        return cls(
-            owner,
-            state,
-            _version(value.get("version"), "version"),
-            _addrs(value.get("addrs", [])),
-            _bandwidth(value.get("bandwidth", 1.0)),
-            float(expiration),
-            _work(value.get("work")),
-        )
+        return cls._parse(owner, value, expiration)
 
     @classmethod
     def from_hello(cls, peer: PeerID, raw: object) -> Declaration:
@@ -172,23 +156,28 @@ class Declaration:
         expiration is the owner's, as in the DHT: the two compare."""
         if not isinstance(raw, dict):
             raise ValueError("hello answer must be a map")
+        return cls._parse(peer, raw, raw.get("expiration"))
+
+    @classmethod
+    def _parse(cls, owner: PeerID, value: object, expiration: object) -> Declaration:
+        if not isinstance(value, dict):
+            raise ValueError("declaration must be a map")
         try:
-            state = PeerState(raw.get("state"))
+            state = PeerState(value.get("state"))
         except ValueError:
             raise ValueError("unknown declaration state") from None
-        expiration = raw.get("expiration")
         if isinstance(expiration, bool) or not isinstance(expiration, int | float):
             raise ValueError("expiration must be a number")
         if not math.isfinite(expiration):
             raise ValueError("expiration must be finite")
         return cls(
-            peer,
+            owner,
             state,
-            _version(raw.get("version"), "version"),
-            _addrs(raw.get("addrs", [])),
-            _bandwidth(raw.get("bandwidth", 1.0)),
+            _version(value.get("version"), "version"),
+            _addrs(value.get("addrs", [])),
+            _bandwidth(value.get("bandwidth", 1.0)),
             float(expiration),
-            _work(raw.get("work")),
+            _work(value.get("work")),
         )
 
 
