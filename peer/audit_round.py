@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -168,7 +168,7 @@ async def publish_record(
     dht: DHTNode, namespace: str, commitment: Commitment, secret: bytes
 ) -> bool:
     """Our commitment and secret for the round, where the other members look."""
-    value = msgpack.packb([commitment.encode(), secret], use_bin_type=True)
+    value = encode_record(commitment, secret)
     try:
         return await dht.store(
             records_key(namespace, commitment.round),
@@ -179,6 +179,11 @@ async def publish_record(
     except Exception as e:  # best effort: the others then see us withhold
         log.info("publishing our round record failed: %r", e)
         return False
+
+
+def encode_record(commitment: Commitment, secret: bytes) -> bytes:
+    """A member's round record: what it stores in the DHT and answers when asked."""
+    return msgpack.packb([commitment.encode(), secret], use_bin_type=True)
 
 
 def _parse(raw: object) -> tuple[Commitment, bytes] | None:
@@ -199,16 +204,34 @@ async def gather(
     members: Sequence[PeerID],
     timeout: float,
     have: Mapping[PeerID, bytes] | None = None,
+    ask: Callable[[list[PeerID]], Awaitable[list[tuple[PeerID, object]]]] | None = None,
 ) -> tuple[dict[PeerID, Commitment], dict[PeerID, bytes]]:
     """The round's commitments and matching secrets from the DHT, for `members`
     (commitments already `known` must not change): until every member that committed
     has its secret there, or `timeout`. A member whose commitment we never saw may
-    have contributed nothing (weight 0): it is waited for `UNKNOWN_GRACE_S` only."""
+    have contributed nothing (weight 0): it is waited for `UNKNOWN_GRACE_S` only.
+    `ask`: the records of the members still missing after the first read, asked of
+    them directly (`withholding.DirectRecords`), once."""
     commitments = dict(known)
     secrets: dict[PeerID, bytes] = dict(have or {})  # ours, say
     wanted = set(members)
     started = time.monotonic()
     deadline = started + timeout
+
+    def absorb(raw: object, sender: PeerID | None = None) -> None:
+        parsed = _parse(raw)
+        if parsed is None:
+            return
+        c, secret = parsed
+        if c.prover not in wanted or c.round != round_index or sender not in (None, c.prover):
+            return
+        if c.prover in commitments and commitments[c.prover].digest() != c.digest():
+            log.warning("%s published another commitment than it sent", c.prover.short())
+            return
+        commitments[c.prover] = c
+        if seed_commit(secret) == c.seed_commit:
+            secrets[c.prover] = secret
+
     while True:
         try:
             value = await dht.get(records_key(namespace, round_index), latest=True)
@@ -216,18 +239,11 @@ async def gather(
             log.debug("reading round records failed: %r", e)
             value = None
         for raw, _expiration in value.subkeys.values() if value and value.subkeys else ():
-            parsed = _parse(raw)
-            if parsed is None:
-                continue
-            c, secret = parsed
-            if c.prover not in wanted or c.round != round_index:
-                continue
-            if c.prover in commitments and commitments[c.prover].digest() != c.digest():
-                log.warning("%s published another commitment than it sent", c.prover.short())
-                continue
-            commitments[c.prover] = c
-            if seed_commit(secret) == c.seed_commit:
-                secrets[c.prover] = secret
+            absorb(raw)
+        if ask is not None and (missing := sorted(wanted - secrets.keys(), key=PeerID.to_bytes)):
+            for peer, raw in await ask(missing):  # only its own record
+                absorb(raw, peer)
+            ask = None
         now = time.monotonic()
         everyone = wanted <= commitments.keys() or now - started >= UNKNOWN_GRACE_S
         if (everyone and commitments.keys() <= secrets.keys()) or now >= deadline:

@@ -37,7 +37,7 @@ from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
-from .audit_round import AuditRound, RecentRounds, RoundShape, gather
+from .audit_round import AuditRound, RecentRounds, RoundShape, encode_record, gather
 from .ban_watch import BanWatcher
 from .inner import InnerOptimizer
 from .priority import lower_this_thread
@@ -46,7 +46,7 @@ from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
 from .shunning import Shunning
 from .task import Task
-from .withholding import publish_while_gathering, recheck_withheld
+from .withholding import DirectRecords, publish_while_gathering, recheck_withheld
 from .work_log import RoundWork, VerifiedWork
 
 __all__ = ["PROBATION_ROUNDS", "Verifier"]
@@ -121,6 +121,7 @@ class Verifier:
         self._service.stream("reveal")(self._on_reveal)
         self._service.unary("verdict")(self._on_verdict)
         self._service.unary("convicted")(self._on_convicted)
+        self.records = DirectRecords(self._service)
 
     def close(self) -> None:
         self._service.close()
@@ -218,6 +219,7 @@ class Verifier:
         committed_at: float,
     ) -> AuditRound | None:
         secret = self._secrets.pop(mine.round)
+        self.records.publish(mine.round, encode_record(mine, secret))
         gathered = asyncio.Event()
         self._spawn(publish_while_gathering(
             self.dht, self.namespace, mine, secret, gathered,
@@ -227,6 +229,7 @@ class Verifier:
             commitments, secrets = await gather(
                 self.dht, self.namespace, mine.round, commitments, list(group.peer_ids),
                 GATHER_TIMEOUT, {self.me: secret},
+                ask=lambda peers: self.records.ask(mine.round, peers),
             )  # fmt: skip
         finally:
             gathered.set()
@@ -375,6 +378,9 @@ class Verifier:
             "audits_failed": counts["audits_failed"],
             "disputes": dict(self.referee.disputes),
             "withheld": self.withheld,
+            # Round records asked of their members directly (the DHT lacked them).
+            "records_asked_found": self.records.found,
+            "records_served": self.records.served,
             # Members left out of our rounds for a withheld secret or a missing reveal.
             "shuns": self.shunning.shuns,
             "probation": self.on_probation,

@@ -1,6 +1,7 @@
 """A verified round's secrets when the DHT is slow or split: ours stored again
-while the round's secrets are still being gathered, and a member's missing
-secret looked for once more before that member is shunned.
+while the round's secrets are still being gathered, the records still missing
+asked of their members directly, and a member's missing secret looked for once
+more before that member is shunned.
 
 A member whose secret is not found looks like one that withholds it on purpose
 (`shunning`). Under churn most are not: a partition kept its record on nodes we
@@ -16,12 +17,17 @@ import time
 from collections.abc import Callable, Mapping
 
 from shoal.dht.node import DHTNode
+from shoal.transport import rpc
+from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 from shoal.verification.commitment import Commitment
 
 from .audit_round import gather, publish_record
 
-__all__ = ["publish_while_gathering", "recheck_withheld"]
+__all__ = ["DirectRecords", "publish_while_gathering", "recheck_withheld"]
+
+ASK_TIMEOUT = 3.0  # a member asked for its record directly
+KEEP_RECORDS = 64  # our records served (the latest rounds)
 
 log = logging.getLogger("shoal.verifier")
 
@@ -89,3 +95,59 @@ async def recheck_withheld(
             log.info("round %d: %s withheld its secret: left out of our rounds for %.0f s",
                      round_index, peer.short(), seconds)  # fmt: skip
     return found
+
+
+class DirectRecords:
+    """Round records asked of their members over the connections of the round.
+
+    The DHT is where members publish their records (commitment and secret) after
+    a commit, and where the others read them. Members cut off from it together (an
+    island of the swarm averaging by itself, see averaging.matchmaking_island) or
+    whose records landed on nodes we cannot reach would each look like they
+    withheld their secret, and be shunned for it, though the round's connections
+    are still open. So the records missing after the first read are asked of their
+    members directly: the same bytes, served only once published (after the commit,
+    when they are public anyway), and taken only from the member they belong to.
+    """
+
+    def __init__(self, service: rpc.RpcService) -> None:
+        self._service = service
+        self._mine: dict[int, bytes] = {}  # round -> our record, once published
+        self.served = 0
+        self.found = 0
+        service.unary("record")(self._on_record)
+
+    def publish(self, round_index: int, record: bytes) -> None:
+        self._mine[round_index] = record
+        for old in sorted(self._mine)[:-KEEP_RECORDS]:
+            del self._mine[old]
+
+    async def _on_record(self, ctx: rpc.CallContext, payload: object) -> bytes:
+        round_index = payload.get("round") if isinstance(payload, dict) else None
+        if isinstance(round_index, bool) or not isinstance(round_index, int):
+            raise ValueError("record request must name a round")
+        record = self._mine.get(round_index)
+        if record is None:
+            raise LookupError(f"no record of round {round_index} here")
+        self.served += 1
+        return record
+
+    async def ask(self, round_index: int, peers: list[PeerID]) -> list[tuple[PeerID, object]]:
+        """The records `peers` answer for `round_index` (those that answer in time)."""
+
+        async def one(peer: PeerID) -> tuple[PeerID, object] | None:
+            try:
+                raw = await rpc.call(
+                    self._service.host, peer, self._service.protocol, "record",
+                    {"round": round_index}, timeout=ASK_TIMEOUT,
+                )  # fmt: skip
+            except (TransportError, TimeoutError, OSError) as e:
+                log.debug("round %d: %s did not send its record: %r", round_index,
+                          peer.short(), e)  # fmt: skip
+                return None
+            return peer, raw
+
+        answers = await asyncio.gather(*(one(p) for p in peers))
+        got = [a for a in answers if a is not None]
+        self.found += len(got)
+        return got

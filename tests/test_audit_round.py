@@ -1,8 +1,8 @@
 """After a verified round commits, the members' secrets meet in the DHT
 (peer/audit_round.py): every member draws the same, a member that contributed
 nothing is not waited for, one that committed and withholds is, up to the
-deadline, and a member's two different commitments for one round are not
-accepted."""
+deadline, a member's two different commitments for one round are not
+accepted, and what the DHT lacks is asked of the members directly."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from verification_round import commit
 
 from shoal.dht.node import DHTNode
 from shoal.peer import audit_round
-from shoal.peer.audit_round import RecentRounds, gather, publish_record
+from shoal.peer.audit_round import RecentRounds, encode_record, gather, publish_record
+from shoal.peer.withholding import DirectRecords
+from shoal.transport import rpc
 from shoal.transport.host import Host
 from shoal.verification.referees import RoundDraw, new_secret
 
@@ -111,3 +113,42 @@ def test_a_round_stays_answerable_for_the_retention_window_however_many_follow()
     now[0] = 10_000.0  # long after: the last `keep` stay however old
     rounds.add(51, "round 51")
     assert [r for r in range(52) if rounds.get(r)] == [48, 49, 50, 51]
+
+
+async def test_records_the_dht_lacks_are_asked_of_their_members_directly(
+    nodes: list[DHTNode],
+) -> None:
+    """Members cut off from the DHT together (an island) still draw with every secret:
+    what the first read lacks is asked of its member over the round's connection,
+    taken only from the member it belongs to, and served only once published."""
+    a, b, c, late = nodes
+    secrets = {n.peer_id: new_secret() for n in nodes}
+    mine = {n.peer_id: commit(n.host.identity, secrets[n.peer_id], rnd=ROUND) for n in nodes}
+    served = {
+        n.peer_id: DirectRecords(rpc.RpcService(n.host, "/shoal/test-records/1")) for n in nodes
+    }
+    for n in (b, c):  # published, but not in the DHT
+        served[n.peer_id].publish(ROUND, encode_record(mine[n.peer_id], secrets[n.peer_id]))
+    # c answers for the next round with b's record as if it were its own
+    b_next = commit(b.host.identity, secrets[b.peer_id], rnd=ROUND + 1)
+    served[c.peer_id].publish(ROUND + 1, encode_record(b_next, secrets[b.peer_id]))
+    for n in (b, c, late):
+        await a.host.connect(n.host.addresses()[0])
+    members = [n.peer_id for n in nodes]
+    known = {p: mine[p] for p in members}  # every member contributed (the all-reduce)
+
+    started = time.monotonic()
+    commitments, found = await gather(
+        a, NS, ROUND, known, members, 2.0, {a.peer_id: secrets[a.peer_id]},
+        ask=lambda peers: served[a.peer_id].ask(ROUND, peers),
+    )  # fmt: skip
+    assert found == {p: secrets[p] for p in (a.peer_id, b.peer_id, c.peer_id)}
+    assert commitments == known
+    assert time.monotonic() - started >= 2.0  # `late` had not published: waited for
+    assert served[a.peer_id].found == 2 and served[b.peer_id].served == 1
+
+    _, found = await gather(
+        a, NS, ROUND + 1, {}, [b.peer_id, c.peer_id], 0.5,
+        ask=lambda peers: served[a.peer_id].ask(ROUND + 1, peers),
+    )  # fmt: skip
+    assert found == {}  # c's answer is b's record: not taken from c
