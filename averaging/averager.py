@@ -19,10 +19,12 @@ With ``shared_state`` (an outer optimizer's global parameters: one state the
 whole swarm must hold bit for bit), the version is the commit count followed
 by a hash chain of the round IDs instead, so only peers holding the very same
 state ever group, and two states that went their own ways (two groups, or two
-peers that trained alone) are told apart: the one held by more looking peers
-wins, and among equals the one of more work (members summed over its commits,
-`lineage.py`), and the others re-sync to it. That is what makes a commit by a
-peer alone safe: with nobody else declared for the key
+peers that trained alone) are told apart: the one of more certified work wins
+(members summed over its commits as the rounds' members signed them,
+`provenance.py`; among equals the one held by more looking peers), and the
+others re-sync to it. Every commit is signed by its members (`certifier.py`), and
+no state is loaded without the certificate chain of its version. That is what
+makes a commit by a peer alone safe: with nobody else declared for the key
 (`matchmaking.NobodyElse`), it commits by itself (the mean of one input is the
 input; the commit hook still runs), instead of holding its state back until
 someone comes.
@@ -38,7 +40,7 @@ frozen, so the state every member serves is the post-step one.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
 import logging
 import os
 import threading
@@ -50,10 +52,13 @@ from typing import Any
 import torch
 
 from shoal.dht.node import DHTNode
+from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
 from .attestation import Attestor
+from .certificate import chained_version
+from .certifier import Certifier, Lineage
 from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .fingerprint import state_fingerprint
@@ -74,6 +79,7 @@ from .state_sync import (
     State,
     StateServer,
     StateSyncError,
+    find_holders,
     load_state_from_peers,
     load_version_from_peers,
 )
@@ -93,11 +99,14 @@ def _version(commits: int) -> bytes:
     return commits.to_bytes(8, "big") if commits else GENESIS
 
 
-def _chained_version(commits: int, previous: bytes, round_id: bytes) -> bytes:
-    """The version after a commit of a shared state: the commit count (so versions
-    order by progress) and a hash of the previous version and the round's ID."""
-    link = hashlib.sha256(b"shoal/state-version\0" + previous + b"\0" + round_id).digest()
-    return commits.to_bytes(8, "big") + link[:8]
+_chained_version = chained_version  # (certificates check the same link)
+
+
+def _hex_version(text: str | None) -> bytes | None:
+    try:
+        return bytes.fromhex(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
 
 
 def _valid_version(version: bytes, commits: int) -> bool:
@@ -231,6 +240,12 @@ class Averager:
             dht, key, self._current_state, protocol=self.config.state_protocol, copy=False
         )
         self._committed: State | None = None
+        # A shared state's commit certificates: what decides which lineage anyone
+        # adopts (`certifier`), served beside the state.
+        self.certifier: Certifier | None = None
+        if self.config.shared_state:
+            self.certifier = Certifier(dht.host, key, self._state_server.service)
+            self._matchmaker.lineages = self.certifier
         self._closed = False
         self._presence_at = -float("inf")  # when we last declared busy between rounds
         # Verified experiments: contributions travel with commitments (`attestation`).
@@ -254,6 +269,8 @@ class Averager:
             return
         self._closed = True
         await self._matchmaker.aclose()
+        if self.certifier is not None:
+            await self.certifier.aclose()
         self._state_server.close()
         if not self._own_service:
             return
@@ -311,8 +328,11 @@ class Averager:
         the state of that version (from `sources` first: peers known to hold it)."""
         started = time.monotonic()
         deadline = deadline or Deadline.after(timeout)
+        lineage: Lineage | None = None
         try:
-            if version is None:
+            if self.certifier is not None:
+                state, lineage = await self._load_certified(deadline, version, sources)
+            elif version is None:
                 state = await load_state_from_peers(
                     self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline
                 )
@@ -353,10 +373,69 @@ class Averager:
             if _valid_version(held, self.commits):
                 self.state_version = held  # (a chained version, for a shared state)
         self.work = lineage_work(self.state_version, [state.work])
+        if self.certifier is not None:
+            if lineage is not None:
+                self.certifier.adopt(lineage)
+                self.work = lineage.rank.coop + lineage.rank.solo
+            self.certifier.hold(self.state_version)
         await self._freeze()
         await self._announce_state()
         log.info("loaded state %s of %s", state.fingerprint[:12], self.key)
         return True
+
+    async def _load_certified(
+        self, deadline: Deadline, version: bytes | None, sources: Sequence[Member]
+    ) -> tuple[State, Lineage | None]:
+        """A shared state, loaded only with the certificate chain of its version: the
+        lineage of most certified work among those announced (or `version`'s), its
+        bytes checked against the fingerprint its last certificate names."""
+        assert self.certifier is not None
+        async with deadline.scope():
+            holders = [] if version is not None else await find_holders(self.dht, self.key)
+            if version is None:
+                by_version: dict[bytes, list[PeerID]] = {}
+                for h in holders:
+                    held = _hex_version(h.version)
+                    if held is not None and len(held) == 16:
+                        by_version.setdefault(held, []).append(h.peer_id)
+                if not by_version:  # nothing committed yet (or only claims we cannot check)
+                    return await self._load_first_state(deadline), None
+                candidates = sorted(by_version.items(), key=lambda vh: -len(vh[1]))
+                lineage = await self.certifier.best(candidates)
+                if lineage is None:
+                    raise StateSyncError("no holder shows a certificate chain for its state")
+                peers = by_version[lineage.version]
+                targets = [(p, ()) for p in peers]
+            else:
+                for m in sources:  # (matchmaking just confirmed them: likely connected)
+                    if m.addrs and self.dht.host.connection(m.peer_id) is None:
+                        with contextlib.suppress(TransportError, OSError, TimeoutError):
+                            await self.dht.host.connect(m.peer_id, m.addrs, timeout=10.0)
+                lineage = await self.certifier.lineage(version, [m.peer_id for m in sources])
+                if lineage is None:
+                    raise StateSyncError(
+                        f"no holder of version {version.hex()[-12:]} shows its certificates"
+                    )
+                targets = [(m.peer_id, m.addrs) for m in sources]
+        ours = self.certifier.order(self.state_version)
+        if version is not None and lineage.rank.order < ours:
+            raise StateSyncError(f"version {version.hex()[-12:]} has less certified work than ours")
+        state = await load_version_from_peers(
+            self.dht, self.key, lineage.version.hex(), sources=targets,
+            protocol=self.config.state_protocol, deadline=deadline,
+            fingerprint=lineage.fingerprint,
+        )  # fmt: skip
+        return state, lineage
+
+    async def _load_first_state(self, deadline: Deadline) -> State:
+        """The state before any commit (its holders resumed from the initial state):
+        nothing to certify, and nothing more than that is taken."""
+        state = await load_state_from_peers(
+            self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline
+        )
+        if state.metadata.get("commits", 0) != 0:
+            raise StateSyncError("a holder serves a committed state without its certificates")
+        return state
 
     async def publish_state(self) -> None:
         """Serve the state as it is now (a peer that starts the swarm, or resumes from
@@ -364,16 +443,36 @@ class Averager:
         await self._freeze()
         await self._announce_state()
 
-    def restore(self, commits: int, version: str | None = None, work: object = None) -> None:
+    def restore(
+        self,
+        commits: int,
+        version: str | None = None,
+        work: object = None,
+        certificates: object = None,
+    ) -> None:
         """Set the commit count, state version and lineage work saved in a checkpoint
         (`version`: the hex of `state_version`, without it the count alone; `work`:
-        None in a checkpoint of an older release, which counts as the least there is)."""
+        None in a checkpoint of an older release, which counts as the least there is;
+        `certificates`: the chain of `version`, without which our lineage is
+        unverified to us as to everyone)."""
         held = restored_version(commits, version)
         if work is not None and declared_work(work) is None:
             raise ValueError(f"work must be an int >= 0, got {work!r}")
         self.commits = commits
         self.state_version = held
         self.work = lineage_work(held, [declared_work(work)])
+        certifier = getattr(self, "certifier", None)
+        if certifier is not None:
+            if certificates is not None and certifier.load_saved(held, certificates) is None:
+                log.warning("%s: the checkpoint's certificates do not check: our lineage is "
+                            "unverified", self.key)  # fmt: skip
+            certifier.hold(held)
+
+    def saved_certificates(self) -> str | None:
+        """Our version's certificate chain, for a checkpoint (None: not a shared state)."""
+        if self.certifier is None:
+            return None
+        return self.certifier.saved(self.state_version)
 
     async def announce_presence(self, timeout: float = 2.0) -> bool:
         """Declare in the matchmaking records that we take part and will look soon.
@@ -480,7 +579,7 @@ class Averager:
             if outcome.committed:
                 if group.size > 1:
                     self._matchmaker.supersede(self.state_version, SUPERSEDED_VERSION_S)
-                await self._commit(group.round_id, group.size)
+                await self._commit(group.round_id, group.peer_ids)
                 if self.attestor is not None:
                     self.attestor.on_commit(group, outcome.commitments)
                 return StepResult(
@@ -582,11 +681,12 @@ class Averager:
         # In a thread: the lock's holder may compute for a while, the loop must not wait.
         await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(locked)))
 
-    async def _commit(self, round_id: bytes, members: int) -> None:
-        """After the tensors hold the round's result (of `members` peers): new
-        version, commit hook, freeze."""
+    async def _commit(self, round_id: bytes, members: Sequence[PeerID]) -> None:
+        """After the tensors hold the round's result (of `members`): new version,
+        commit hook, freeze, and (a shared state) our signature of the commit."""
+        previous = self.state_version
         self.commits += 1
-        self.work += members
+        self.work += len(members)
         if self.config.shared_state:
             self.state_version = _chained_version(self.commits, self.state_version, round_id)
         else:
@@ -597,6 +697,9 @@ class Averager:
             else:
                 await off_loop(self._on_commit, numel(self.state))
         await self._freeze()
+        if self.certifier is not None and self.last_fingerprint is not None:
+            self.certifier.certify(previous, round_id, members, self.last_fingerprint)
+            self.certifier.hold(self.state_version)
         await self._announce_state()
 
     async def _commit_alone(self, started: float, attempts: int, weight: float) -> StepResult:
@@ -605,7 +708,7 @@ class Averager:
         should another peer have committed alone meanwhile, out of our sight, the two
         states carry different versions and never mix (one side re-syncs)."""
         round_id = b"alone:" + os.urandom(16)
-        await self._commit(round_id, 1)
+        await self._commit(round_id, (self.dht.host.peer_id,))
         log.info("%s: nobody else declared for it: committed alone (commit %d, version %s)",
                  self.key, self.commits, self.state_version.hex()[-12:])  # fmt: skip
         # Our "looking" declaration names the version we just left: replace it.

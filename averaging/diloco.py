@@ -258,6 +258,7 @@ class DiLoCo(OuterStrategyBase):
             "commits": self.averager.commits,
             "version": self.averager.state_version.hex(),
             "work": self.averager.work,
+            "certificates": self.averager.saved_certificates(),
             "inner_steps": self.inner_steps,
             "samples_since_sync": self.samples_since_sync,
         }
@@ -267,7 +268,12 @@ class DiLoCo(OuterStrategyBase):
         globals_ = check_like("globals", state.get("globals"), self.globals)
         momentum = check_like("momentum", state.get("momentum"), self.momentum)
         inner, samples = checked_counters(state, ("inner_steps", "samples_since_sync"))
-        self.averager.restore(state.get("commits"), state.get("version"), state.get("work"))  # type: ignore[arg-type]
+        self.averager.restore(
+            state.get("commits"),  # type: ignore[arg-type]
+            state.get("version"),
+            state.get("work"),
+            state.get("certificates"),
+        )
         copy_into(self.globals, globals_)
         copy_into(self.momentum, momentum)
         self.inner_steps = inner
@@ -568,6 +574,7 @@ class StreamingDiLoCo(OuterStrategyBase):
                     "commits": self._avg(f).commits,
                     "version": self._avg(f).state_version.hex(),
                     "work": self._avg(f).work,
+                    "certificates": self._avg(f).saved_certificates(),
                     "samples": samples,
                 }
             )
@@ -598,16 +605,17 @@ class StreamingDiLoCo(OuterStrategyBase):
                     saved.get("version"),
                     saved.get("work"),
                     saved["samples"],
+                    saved.get("certificates"),
                 )
             )
-        for _, _, commits, version, work, _ in checked:
+        for _, _, commits, version, work, _, _ in checked:
             restored_version(commits, version)  # all or nothing: check every one first
             if work is not None and declared_work(work) is None:
                 raise ValueError(f"checkpoint 'work' must be an int >= 0, got {work!r}")
-        for f, (globals_, momentum, commits, version, work, samples) in zip(
+        for f, (globals_, momentum, commits, version, work, samples, certs) in zip(
             self.fragments, checked, strict=True
         ):
-            self._avg(f).restore(commits, version, work)
+            self._avg(f).restore(commits, version, work, certs)
             copy_into(f.globals, globals_)
             copy_into(f.momentum, momentum)
             f.samples = samples

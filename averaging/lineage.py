@@ -1,20 +1,13 @@
-"""The work of a state's lineage: how two versions of one shared state that went their
-own ways order, when nothing else tells them apart.
+"""The work a peer *declares* for its state's lineage: a hint in declarations, state
+announcements and checkpoints, which no decision takes on its word any more.
 
-A version of a shared state (`averager._chained_version`) is a commit count and a
-hash chain of the rounds that made it. Two versions with as many holders used to
-order by commit count. But a peer cut off from the swarm steps alone: a commit at
-each outer step, with one member, while the swarm commits once a round, with a whole
-group. So when the lone peer came back, its version won, and the swarm re-synced
-onto it, dropping the rounds it had averaged meanwhile (in a 60-minute soak, 66 of
-585 state loads were such re-syncs, onto the state of a peer that had stepped alone).
-
-The work of a lineage is the members summed over the commits that made it: a commit
-alone adds 1, a round of six 6. Peers carry it with their state (in checkpoints, in
-the state they serve and announce, in their matchmaking declarations), outside the
-state's fingerprint: members of a round compare fingerprints, and a peer that
-restored a checkpoint of an older release cannot know its lineage's work. The least
-a lineage of n commits holds is n, which is what such a peer says.
+A version of a shared state (`certificate.chained_version`) is a commit count and a
+hash chain of the rounds that made it. Which of two versions that went their own
+ways wins (a joiner's choice of holder, the direction of a re-sync) is decided by
+the work their commit certificates show (`provenance`): a peer that declared a
+huge work for a state of its own choosing once took the whole swarm over. What is
+declared is kept on the wire for older peers and parsed here with bounds; its
+least value, for a lineage of n commits, is n.
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
 
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
@@ -77,11 +77,11 @@ from shoal.transport.identity import PeerID
 from .deadline import Deadline
 from .declarer import DHT_TIMEOUT, Declarer
 from .group import Group, Member
-from .lineage import lineage_work
 from .matchmaking_island import Neighbors
 from .matchmaking_join import ANSWER_MARGIN, JoinClient, JoinServer, Prober
 from .matchmaking_round import Closing, MatchmakingConfig, MatchmakingError, Mode, Round
 from .matchmaking_rules import (
+    CHAINED_VERSION_BYTES,
     MAX_VERSION_BYTES,
     Declaration,
     Gathering,
@@ -94,7 +94,17 @@ from .matchmaking_rules import (
     merge_views,
 )
 
+
+class Lineages(Protocol):
+    """The certified order of versions (`provenance_sync.LineageChecker`)."""
+
+    def order(self, version: bytes) -> tuple[int, int]: ...
+
+    def want(self, version: bytes, holders: Sequence[PeerID]) -> None: ...
+
+
 __all__ = [
+    "Lineages",
     "Matchmaker",
     "MatchmakingConfig",
     "MatchmakingError",
@@ -174,6 +184,9 @@ class Matchmaker:
         tag = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.protocol = f"{self.config.protocol}/{tag}"
         self._suspicions = Suspicions()
+        # The certified ranks of shared states' versions (set by a shared state's
+        # averager): what decides which side of two lineages re-syncs.
+        self.lineages: Lineages | None = None
         self._set_aside: dict[bytes, float] = {}  # version -> until (monotonic)
         self._superseded: dict[bytes, float] = {}  # version -> until (monotonic)
         self._idle = asyncio.Event()
@@ -333,7 +346,7 @@ class Matchmaker:
         superseded = frozenset(v for v, until in self._superseded.items() if until > now)
         outlook = Outlook(
             self.key, self.peer_id, version, excluded, self._suspicions, set_aside, superseded,
-            work,
+            work, None if self.lineages is None else self.lineages.order,
         )  # fmt: skip
         gathering = Gathering(
             me,
@@ -462,6 +475,19 @@ class Matchmaker:
         began = max(d.expiration for d in syncing) - self.config.declaration_ttl
         return now + (began + self.config.resync_grace - time.time())
 
+    def _check_lineages(self, rnd: Round) -> None:
+        """Have the chains of the other versions peers look with checked (in the
+        background): until one is, it ranks below every certified lineage."""
+        if self.lineages is None or len(rnd.outlook.version) != CHAINED_VERSION_BYTES:
+            return
+        holders: dict[bytes, list[PeerID]] = {}
+        for d in rnd.view.values():
+            if d.state is PeerState.LOOKING and rnd.outlook.usable(d):
+                holders.setdefault(d.state_version, []).append(d.peer_id)
+        for version, peers in holders.items():
+            if version != rnd.outlook.version:
+                self.lineages.want(version, peers)
+
     async def _check_version(self, rnd: Round, end: float) -> None:
         """Raise NeedsResync when the swarm has moved past our version.
 
@@ -471,6 +497,7 @@ class Matchmaker:
         Owners that do not answer are set aside.
         """
         outlook = rnd.outlook
+        self._check_lineages(rnd)
         target = outlook.resync_target(rnd.view)
         if target is None:
             return
@@ -480,8 +507,7 @@ class Matchmaker:
         confirmed = await self._prober.confirm(rnd, holders[:MAX_PROBES], end)
         if rnd.group is not None or rnd.mode == Mode.CLOSED:
             return  # joins filled our group while we asked
-        work = lineage_work(target, [d.work for d in confirmed])
-        if not confirmed or not outlook.outvoted(len(confirmed), target, mine, work):
+        if not confirmed or not outlook.outvoted(len(confirmed), target, mine):
             return
         rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
         rnd.mode = Mode.CLOSED

@@ -25,7 +25,7 @@ import enum
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,8 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
 from .group import ROUND_ID_BYTES, Group, Member, make_round_id
-from .lineage import MAX_WORK, lineage_work
+from .lineage import MAX_WORK
+from .provenance import UNVERIFIED as UNVERIFIED_ORDER
 
 MAX_VERSION_BYTES = 64
 MAX_ADDRS = 16
@@ -304,7 +305,11 @@ class Outlook:
     suspicions: Suspicions = field(default_factory=Suspicions)
     set_aside: frozenset[bytes] = frozenset()
     superseded: frozenset[bytes] = frozenset()
-    work: int | None = None  # our lineage's (see `lineage`)
+    work: int | None = None  # our lineage's, as we declare it (a hint: see `lineage`)
+    # The certified order of a version's lineage (`provenance.Provenance.order`): what
+    # decides between versions that went their own ways. None: nothing is certified,
+    # every version is unverified alike.
+    orders: Callable[[bytes], tuple[int, int]] | None = None
 
     def usable(self, decl: Declaration) -> bool:
         return (
@@ -350,9 +355,11 @@ class Outlook:
 
         Ours is behind when another version, not one we superseded, is held by
         strictly more looking peers (a tie splits nobody's work: each side keeps
-        its own groups; except for chained versions, see below).
-        The empty version means "no committed state yet": it never wins
-        against a real one, and it loses to any.
+        its own groups). A shared state (chained versions) must be one, and its
+        versions order by their certified lineage first (`lineage`), by looking
+        holders only among equals: counts are what peers declare, certificates are
+        what rounds signed. The empty version means "no committed state yet": it
+        never wins against a real one, and it loses to any.
         """
         counts = self.version_counts(view)
         mine = counts[self.version]
@@ -361,45 +368,37 @@ class Outlook:
         if not others:
             return None
         if len(self.version) == CHAINED_VERSION_BYTES:
-            count, best = max(others, key=lambda cv: (cv[0], self.lineage(view, cv[1])))
-            return best if self.outvoted(count, best, mine, self.lineage(view, best)[0]) else None
+            count, best = max(others, key=lambda cv: (self.lineage(cv[1]), cv[0]))
+            return best if self.outvoted(count, best, mine) else None
         # most peers first; among equals the smallest version, so every peer picks the same
         count, best = min(others, key=lambda cv: (-cv[0], cv[1]))
         if self.version == b"" or count > mine:
             return best
         return None
 
-    def outvoted(self, count: int, version: bytes, mine: int, work: int) -> bool:
-        """Whether `count` looking peers holding `version` (of a lineage of `work`)
-        outvote the `mine` that hold ours (us included). More holders win. A shared
-        state (chained versions) must be one, so among equally held versions the
-        larger `lineage` wins: two states that went their own ways (say, a peer cut
-        off that trained alone, and the rest of the swarm) merge again."""
-        if self.version == b"" or count > mine:
+    def outvoted(self, count: int, version: bytes, mine: int) -> bool:
+        """Whether `version`, held by `count` looking peers, wins over ours, held by
+        `mine` (us included). A shared state (chained versions) goes to the lineage
+        of more certified work (`lineage`), then to the more held, then to the larger
+        version, so that two states that went their own ways (a partition, a peer
+        cut off that trained alone) merge again, and no declaration moves anyone
+        onto a lineage nobody certified. Other states: the more held wins."""
+        if self.version == b"":
             return True
-        return (
-            len(self.version) == CHAINED_VERSION_BYTES
-            and count == mine
-            and (work, version) > self.our_lineage()
-        )
+        if len(self.version) != CHAINED_VERSION_BYTES:
+            return count > mine
+        return (self.lineage(version), count, version) > (self.lineage(self.version), mine,
+                                                          self.version)  # fmt: skip
 
-    def our_lineage(self) -> tuple[int, bytes]:
-        return lineage_work(self.version, [self.work]), self.version
-
-    def lineage(self, view: View, version: bytes) -> tuple[int, bytes]:
-        """How two versions of a shared state order when as many looking peers hold
-        each (the larger wins): by the work of the lineage that made them, the
-        members summed over its commits, then by the version (its commit count,
-        then its hash).
-
-        Work, not commits: a peer cut off from the swarm that steps alone adds a
-        commit at each outer step, with one member, while the swarm adds one per
-        round, with a whole group. Ordered by commits, the lone peer's state won
-        the ties when it came back, and the swarm re-synced onto it, dropping the
-        rounds it had averaged meanwhile."""
-        if version == self.version:
-            return self.our_lineage()
-        return lineage_work(version, [d.work for d in self.holders(view, version)]), version
+    def lineage(self, version: bytes) -> tuple[int, int]:
+        """How versions of a shared state order (the larger wins): by the work of the
+        lineage that made them, as their certificates show it
+        (`provenance.Rank.order`: the signers summed over rounds of several, then
+        fewer commits alone), never as anyone declares it. A version whose chain
+        we have not checked ranks below every certified one."""
+        if self.orders is None:
+            return UNVERIFIED_ORDER
+        return self.orders(version)
 
     def alone(self, view: View) -> bool:
         """No other usable peer declared looking, busy or syncing: nobody is coming."""
@@ -432,12 +431,11 @@ class Outlook:
             coming_back = d.state in (PeerState.BUSY, PeerState.SYNCING)
             ours_soon = d.state is PeerState.LOOKING and (
                 d.state_version == self.version
-                or counts[d.state_version] < mine
                 or (d.state_version == b"" and self.version != b"")
-                or (  # a tie our (shared, chained) version wins: see resync_target
-                    len(self.version) == CHAINED_VERSION_BYTES
-                    and counts[d.state_version] == mine
-                    and self.lineage(view, d.state_version) < self.our_lineage()
+                or (  # our (shared, chained) version wins: see resync_target
+                    not self.outvoted(counts[d.state_version], d.state_version, mine)
+                    if len(self.version) == CHAINED_VERSION_BYTES
+                    else counts[d.state_version] < mine
                 )
             )
             if coming_back or ours_soon:

@@ -159,9 +159,9 @@ class StateServer:
         self.keep_snapshots = keep_snapshots
         self.copy = copy
         self._snapshots: dict[str, _Snapshot] = {}
-        self._service = rpc.RpcService(dht.host, protocol)
-        self._service.unary("info")(self._on_info)
-        self._service.stream("fetch")(self._on_fetch)
+        self.service = rpc.RpcService(dht.host, protocol)
+        self.service.unary("info")(self._on_info)
+        self.service.stream("fetch")(self._on_fetch)
         self._announced: tuple[str, float] | None = None
         self.served_bytes = 0
 
@@ -195,7 +195,7 @@ class StateServer:
         return ok
 
     def close(self) -> None:
-        self._service.close()
+        self.service.close()
         self._snapshots.clear()
 
     def _snapshot(self, fingerprint: str | None) -> _Snapshot:
@@ -402,6 +402,7 @@ async def load_version_from_peers(
     deadline: Deadline,
     request_timeout: float = 30.0,
     chunk_bytes: int = 64 * 1024 * 1024,
+    fingerprint: str | None = None,
 ) -> State:
     """Download and verify the state of one `version` (hex) of `key`.
 
@@ -416,7 +417,14 @@ async def load_version_from_peers(
     errors: list[str] = []
     queue = list(sources)
     looked_up = False
-    download = _Download(dht.host, protocol, request_timeout, chunk_bytes, version=version)
+
+    def fresh() -> _Download:
+        return _Download(
+            dht.host, protocol, request_timeout, chunk_bytes, version=version,
+            fingerprint=fingerprint,
+        )  # fmt: skip
+
+    download = fresh()
     async with deadline.scope():
         while queue or not looked_up:
             if not queue:
@@ -440,7 +448,7 @@ async def load_version_from_peers(
             if state is not None:
                 return state
             errors.append(f"{peer.short()}: bytes do not match fingerprint")
-            download = _Download(dht.host, protocol, request_timeout, chunk_bytes, version=version)
+            download = fresh()
     detail = "; ".join(errors[-3:]) or "nobody announces it"
     raise StateSyncError(f"no reachable peer serves version {version[:12]} of {key!r}: {detail}")
 
@@ -495,8 +503,10 @@ class _Download:
         *,
         version: str | None = None,
         at_least_step: int = 0,
+        fingerprint: str | None = None,
     ) -> None:
         self.host = host
+        self.expected = fingerprint
         self.protocol = protocol
         self.fingerprint: str | None = None
         self.version = version
@@ -546,6 +556,8 @@ class _Download:
             held = metadata.get("version")
             if held != self.version:
                 raise _Stale(f"it holds another version now: {str(held)[:12]}")
+            if self.expected is not None and fp != self.expected:
+                raise ValueError(f"it serves {fp[:12]}, not the certified {self.expected[:12]}")
             return fp
         step = metadata.get("step", 0)
         if not isinstance(step, int):

@@ -38,6 +38,7 @@ from shoal.averaging.matchmaking_rules import (
     rank,
     split_sizes,
 )
+from shoal.averaging.provenance import UNVERIFIED, Rank
 from shoal.dht.node import DHTNode
 from shoal.dht.records import Record, owner_marker
 from shoal.transport import rpc
@@ -242,42 +243,43 @@ def test_a_tie_between_shared_state_versions_goes_to_more_commits_then_the_large
     )
 
 
-def test_a_tie_between_shared_state_versions_goes_to_the_lineage_of_more_work() -> None:
-    """A peer cut off from the swarm stepped alone (a commit per outer step, one member
-    each) while the swarm averaged in groups: more commits, less work. When it comes
-    back, the swarm's version wins the tie on both sides, and the lone peer re-syncs
-    (ordered by commits, the swarm re-synced onto the lone peer's state)."""
+def test_shared_state_versions_order_by_certified_work_never_by_declared_work() -> None:
+    """A shared state's versions order by the work their certificates show
+    (`provenance.Rank`): a peer that stepped alone after the fork, or that declares
+    any work it likes, never moves the swarm onto its state; the peer does move to
+    the swarm's. Certified work outranks holders; a version whose chain nobody showed
+    ranks below every certified one."""
     peers = ids(5)
-    fork_work = 22  # both lineages share 8 commits worth 22
-    swarm, lone = chained(10, 1), chained(14, 2)
-    swarm_work, lone_work = fork_work + 3 + 4, fork_work + 6  # two rounds, six steps alone
-    at_swarm = Outlook(KEY, peers[0], swarm, work=swarm_work)
-    at_lone = Outlook(KEY, peers[1], lone, work=lone_work)
-    assert at_swarm.resync_target(view_of(decl(peers[1], version=lone, work=lone_work))) is None
-    assert at_lone.resync_target(view_of(decl(peers[0], version=swarm, work=swarm_work))) == (swarm)
+    swarm, lone, unchecked = chained(10, 1), chained(14, 2), chained(50, 3)
+    certified = {swarm: Rank(22 + 3 + 4, 0), lone: Rank(22, 6)}  # two rounds / six alone
+
+    def orders(version: bytes) -> tuple[int, int]:
+        rank = certified.get(version)
+        return UNVERIFIED if rank is None else rank.order
+
+    at_swarm = Outlook(KEY, peers[0], swarm, work=29, orders=orders)
+    at_lone = Outlook(KEY, peers[1], lone, work=10**9, orders=orders)
+    boasting = view_of(decl(peers[1], version=lone, work=10**9))
+    assert at_swarm.resync_target(boasting) is None
+    assert at_lone.resync_target(view_of(decl(peers[0], version=swarm, work=1))) == swarm
     # a leader of the swarm's version waits for the lone peer: it re-syncs to ours
-    assert at_swarm.pending(view_of(decl(peers[1], version=lone, work=lone_work)), []) == {peers[1]}
-    # more holders still win over more work
-    crowd = view_of(*(decl(p, version=lone, work=lone_work) for p in peers[2:5]),
-                    decl(peers[1], version=swarm, work=swarm_work))  # fmt: skip
-    assert at_swarm.resync_target(crowd) == lone
-    # a holder cannot raise its version above what the other holders say: the least counts
-    boasting = view_of(decl(peers[1], version=lone, work=10**9),
-                       decl(peers[2], version=lone, work=lone_work))  # fmt: skip
-    two_of_ours = Outlook(KEY, peers[0], swarm, work=swarm_work)
-    assert two_of_ours.lineage(boasting, lone) == (lone_work, lone)
-    # a peer of an older release says no work: its lineage counts as its commits (the
-    # least there is), and both sides still agree
-    assert at_lone.resync_target(view_of(decl(peers[0], version=swarm))) is None  # 10 < 28
-    assert (
-        Outlook(KEY, peers[0], swarm).resync_target(
-            view_of(decl(peers[1], version=lone, work=lone_work))
-        )
-        == lone
-    )
-    # equal work: the old order (commits, then the hash) decides
-    equal = view_of(decl(peers[1], version=lone, work=swarm_work))
-    assert at_swarm.resync_target(equal) == lone
+    assert at_swarm.pending(boasting, []) == {peers[1]}
+    # more holders of less certified work move nobody (holders are declared, not signed)
+    crowd = view_of(*(decl(p, version=lone) for p in peers[2:5]), decl(peers[1], version=swarm))
+    assert at_swarm.resync_target(crowd) is None
+    # a version whose chain we have not checked moves nobody, whatever it declares
+    assert at_swarm.resync_target(view_of(decl(peers[1], version=unchecked, work=10**9))) is None
+    # one commit alone never outranks a round of two
+    certified[lone] = Rank(22 + 2, 0)
+    certified[swarm] = Rank(22, 1)
+    assert at_lone.resync_target(view_of(decl(peers[0], version=swarm))) is None
+    assert at_swarm.resync_target(view_of(decl(peers[1], version=lone))) == lone
+    # equal certified work: more holders, then the larger version, on both sides alike
+    certified[lone] = certified[swarm] = Rank(24, 0)
+    assert at_swarm.resync_target(view_of(decl(peers[1], version=lone))) == lone
+    assert at_lone.resync_target(view_of(decl(peers[0], version=swarm))) is None
+    two_of_swarm = view_of(decl(peers[2], version=swarm), decl(peers[3], version=swarm))
+    assert at_lone.resync_target(two_of_swarm) == swarm
 
 
 def test_a_peer_is_alone_only_when_no_other_usable_peer_is_declared_at_all() -> None:

@@ -1,0 +1,180 @@
+"""A shared state's certificates, for its averager: signs our commits, hands our
+signature to the round's members, and picks and checks the lineage of any state we
+would load, so that no peer adopts a state no round certified, whatever anyone
+declares (`provenance` has the rules, `provenance_sync` the wire)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.transport import rpc
+from shoal.transport.errors import TransportError
+from shoal.transport.identity import PeerID
+from shoal.transport.tasks import TaskSet
+
+from .certificate import Certificate, CertificateError, Statement
+from .provenance import ChainError, Provenance, Rank
+from .provenance_sync import ProvenanceService, fetch_chain, push_signature
+
+log = logging.getLogger("shoal.averaging.provenance")
+
+# Versions whose checked chains we keep until we load one of them.
+MAX_FETCHED = 8
+# Distinct versions a joiner looks at among the holders it finds.
+MAX_CANDIDATES = 8
+REFUSED_S = 30.0  # a version whose chain did not check is not asked for again meanwhile
+FETCH_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """A version whose chain checked: its rank, and the fingerprint its state must have."""
+
+    version: bytes
+    rank: Rank
+    certs: tuple[Certificate, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.certs[0].statement.fingerprint
+
+
+class Certifier:
+    """Certificates of one averager's shared state."""
+
+    def __init__(self, host: Any, key: str, service: rpc.RpcService) -> None:
+        self.host = host
+        self.key = key
+        self.protocol = service.protocol
+        self.book = Provenance(key)
+        self.server = ProvenanceService(service, self.book)
+        self._tasks = TaskSet(log, "certificate")
+        self._fetched: OrderedDict[bytes, Lineage] = OrderedDict()
+        self._refused: dict[bytes, float] = {}
+        self._inflight: set[bytes] = set()
+        self.version = b""  # the version we hold
+        self.chains_checked = 0
+        self.chains_refused = 0
+
+    # ------------------------------------------------------------------ our commits
+
+    def certify(
+        self, previous: bytes, round_id: bytes, members: Sequence[PeerID], fingerprint: str
+    ) -> Certificate:
+        """Sign the commit we just made (and hand our signature to the other members)."""
+        statement = Statement.of_round(self.key, previous, round_id, fingerprint, members)
+        signature = self.host.identity.sign(statement.signed_bytes())
+        cert = Certificate(statement, {self.host.peer_id: signature})
+        self.book.add(cert)
+        self.server.take_pending(statement.version)
+        if len(statement.members) > 1:
+            self._tasks.spawn(
+                push_signature(
+                    self.host, self.protocol, statement.members, statement.version, signature
+                )
+            )
+        return cert
+
+    def rank(self, version: bytes) -> Rank | None:
+        return self.book.rank(version)
+
+    def order(self, version: bytes) -> tuple[int, int]:
+        fetched = self._fetched.get(version)
+        return fetched.rank.order if fetched is not None else self.book.order(version)
+
+    # ------------------------------------------------------------------ other lineages
+
+    def want(self, version: bytes, holders: Sequence[PeerID]) -> None:
+        """Check `version`'s chain in the background (matchmaking saw peers with it)."""
+        if (
+            not version
+            or not holders
+            or version in self._inflight
+            or version in self._fetched
+            or self._refused.get(version, 0.0) > time.monotonic()
+            or self.book.rank(version) is not None
+        ):
+            return
+        self._tasks.spawn(self.lineage(version, holders))
+
+    async def lineage(self, version: bytes, holders: Sequence[PeerID]) -> Lineage | None:
+        """`version`'s chain, fetched from its `holders` and checked; None when none of
+        them shows one that checks."""
+        known = self._fetched.get(version)
+        if known is not None:
+            return known
+        if self.book.get(version) is not None and self.book.rank(version) is not None:
+            certs = tuple(self.book.chain(version, limit=1))
+            return Lineage(version, self.book.rank(version), certs)  # type: ignore[arg-type]
+        self._inflight.add(version)
+        try:
+            for peer in list(holders)[:3]:
+                if peer == self.host.peer_id:
+                    continue
+                try:
+                    rank, certs = await fetch_chain(
+                        self.host, peer, self.protocol, self.book, version,
+                        known=self.book.locator(self.version), timeout=FETCH_TIMEOUT,
+                    )  # fmt: skip
+                except (ChainError, CertificateError, TransportError, TimeoutError, OSError,
+                        ValueError, LookupError) as e:  # fmt: skip
+                    log.info("%s: the chain of version %s from %s does not check: %r",
+                             self.key, version.hex()[-12:], peer.short(), e)  # fmt: skip
+                    self.chains_refused += 1
+                    continue
+                found = Lineage(version, rank, tuple(certs))
+                self._fetched[version] = found
+                while len(self._fetched) > MAX_FETCHED:
+                    self._fetched.popitem(last=False)
+                self.book.remember(version, rank)
+                self.chains_checked += 1
+                return found
+            self._refused[version] = time.monotonic() + REFUSED_S
+            return None
+        finally:
+            self._inflight.discard(version)
+
+    async def best(self, candidates: Sequence[tuple[bytes, Sequence[PeerID]]]) -> Lineage | None:
+        """The lineage of the highest certified rank among `candidates` (versions and
+        who announces each, most announced first); None when none checks."""
+        best: Lineage | None = None
+        for version, holders in candidates[:MAX_CANDIDATES]:
+            found = await self.lineage(version, holders)
+            if found is not None and (best is None or found.rank.order > best.rank.order):
+                best = found
+        return best
+
+    def adopt(self, lineage: Lineage) -> None:
+        """We now hold `lineage`'s state: its chain is ours."""
+        self.book.adopt(lineage.version, lineage.certs)
+        self.book.prune(lineage.version)
+        self._fetched.pop(lineage.version, None)
+
+    def hold(self, version: bytes) -> None:
+        """The version we hold now (a fetch names its chain as what we know)."""
+        self.version = version
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def saved(self, version: bytes) -> list[list[Any]]:
+        return self.book.saved(version)
+
+    def load_saved(self, version: bytes, wires: object) -> Rank | None:
+        return self.book.load_saved(version, wires)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "certificates": len(self.book),
+            "chains_checked": self.chains_checked,
+            "chains_refused": self.chains_refused,
+            "chains_served": self.server.chains_served,
+            "signatures_received": self.server.signatures_received,
+        }
+
+    async def aclose(self) -> None:
+        await self._tasks.aclose()

@@ -1,0 +1,264 @@
+"""Where a shared state comes from (averaging/certificate.py, provenance.py,
+certifier.py): every commit is signed by the round's members, a lineage's work is
+computed from those signatures, never declared, and no peer adopts a state that no
+round certified, however much work its holder says it has."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+from waiting import eventually
+
+from shoal.averaging.averager import Averager, AveragerConfig
+from shoal.averaging.certificate import (
+    Certificate,
+    CertificateError,
+    Statement,
+    chained_version,
+)
+from shoal.averaging.lineage import commits_of
+from shoal.averaging.matchmaking import MatchmakingConfig
+from shoal.averaging.provenance import UNVERIFIED, ChainError, Provenance, Rank
+from shoal.dht.node import DHTNode
+from shoal.transport.identity import Identity, PeerID
+
+KEY = "lineage/params"
+
+
+# ====================================================================== certificates
+
+
+def signed(
+    signers: list[Identity], previous: bytes = b"", members: list[PeerID] | None = None,
+    fingerprint: str = "f" * 64, key: str = KEY,
+) -> Certificate:  # fmt: skip
+    """A certificate of a round on top of `previous`, signed by `signers`."""
+    peers = members if members is not None else [i.peer_id for i in signers]
+    st = Statement.of_round(key, previous, os.urandom(32), fingerprint, peers)
+    return Certificate(st, {i.peer_id: i.sign(st.signed_bytes()) for i in signers})
+
+
+def test_a_certificate_checks_every_signature_and_binds_version_and_fingerprint() -> None:
+    a, b, c, outsider = (Identity.generate() for _ in range(4))
+    cert = signed([a, b], members=[a.peer_id, b.peer_id, c.peer_id])
+    back = Certificate.from_wire(cert.to_wire())
+    assert back.signers == 2 and back.statement == cert.statement
+    assert commits_of(back.version) == 1
+    # a forged signature, or one by a peer outside the round, counts for nothing
+    for liar, signature in (
+        (c, bytes(64)),
+        (outsider, outsider.sign(cert.statement.signed_bytes())),
+    ):
+        wire = cert.to_wire()
+        wire[7] = [*wire[7], [liar.peer_id.to_bytes(), signature]]
+        assert Certificate.from_wire(wire).signers == 2
+    # moved to another version or other bytes, no signature checks any more
+    for field, value in ((4, chained_version(1, b"", b"another round")), (5, "0" * 64)):
+        moved = cert.to_wire()
+        moved[field] = value
+        with pytest.raises(CertificateError):
+            Certificate.from_wire(moved)
+    # a version that is not the link of its previous version and round is refused
+    st = cert.statement
+    with pytest.raises(CertificateError, match="link"):
+        Statement(KEY, st.previous, st.round_id, chained_version(2, b"", st.round_id),
+                  st.fingerprint, st.members)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [None, [], [1] * 8, [2, KEY, b"", b"r", b"v", "f", [b"x"], [[b"x", b"s"]]],
+     [1, KEY, b"", b"r" * 65, b"v", "f", [], []], [1, KEY, b"", b"r", b"v", "f", [b"x"] * 300, []]],
+)  # fmt: skip
+def test_a_malformed_certificate_is_refused(wire: object) -> None:
+    with pytest.raises(CertificateError):
+        Certificate.from_wire(wire)
+
+
+# ====================================================================== provenance
+
+
+def test_rounds_of_several_outrank_any_number_of_commits_alone() -> None:
+    """Coop work (signers of rounds of two or more) first, then fewer commits alone."""
+    peers = [Identity.generate() for _ in range(3)]
+    book = Provenance(KEY)
+    fork = signed(peers)  # a round of three
+    book.add(fork)
+    assert book.rank(fork.version) == Rank(3, 0)
+    round_after = signed(peers[:2], fork.version)
+    alone = [signed([peers[2]], fork.version)]
+    for _ in range(9):  # however many, at whatever pace
+        alone.append(signed([peers[2]], alone[-1].version))
+    swarm_rank = book.check_chain(round_after.version, [round_after])
+    lone_rank = book.check_chain(alone[-1].version, list(reversed(alone)))
+    assert swarm_rank == Rank(5, 0) and lone_rank == Rank(3, 10)
+    assert swarm_rank.order > lone_rank.order
+    # and just after the round, before the swarm's next: the round's own state wins
+    assert book.rank(fork.version).order > book.check_chain(alone[0].version, [alone[0]]).order
+    assert lone_rank.order > UNVERIFIED  # a version nobody showed a chain for: lowest
+
+
+def test_a_chain_must_link_to_what_we_know_and_be_of_our_key() -> None:
+    peers = [Identity.generate() for _ in range(2)]
+    book = Provenance(KEY)
+    first = signed(peers)
+    second = signed(peers, first.version)
+    third = signed(peers, second.version)
+    with pytest.raises(ChainError, match="short"):
+        book.check_chain(third.version, [third])  # stops before anything we know
+    with pytest.raises(ChainError, match="breaks"):
+        book.check_chain(third.version, [third, first])
+    other_key = signed(peers, key="another/experiment")
+    with pytest.raises(ChainError, match="key"):
+        book.check_chain(other_key.version, [other_key])
+    assert book.adopt(third.version, [third, second, first]) == Rank(6, 0)
+    assert len(book) == 3 and book.rank(third.version) == Rank(6, 0)
+    # a locator names our chain at doubling depths; a checkpoint round-trips it
+    assert book.locator(third.version) == [third.version, second.version, first.version]
+    restored = Provenance(KEY)
+    assert restored.load_saved(third.version, book.saved(third.version)) == Rank(6, 0)
+    assert restored.load_saved(third.version, [[1, 2, 3]]) is None
+
+
+def test_signatures_that_arrive_later_raise_the_rank() -> None:
+    peers = [Identity.generate() for _ in range(3)]
+    book = Provenance(KEY)
+    cert = signed(peers[:1], members=[p.peer_id for p in peers])
+    book.add(cert)
+    assert book.rank(cert.version) == Rank(0, 1)  # only ours yet: it counts as alone
+    data = cert.statement.signed_bytes()
+    assert not book.add_signature(cert.version, peers[1].peer_id, peers[2].sign(data))
+    assert book.add_signature(cert.version, peers[1].peer_id, peers[1].sign(data))
+    assert book.rank(cert.version) == Rank(2, 0)
+
+
+# ====================================================================== swarms
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[list[Any]]:
+    things: list[Any] = []
+    yield things
+    for a in reversed(things):
+        await a.aclose()
+
+
+async def swarm_of(make_host: Callable[..., Any], n: int, closing: list[Any]) -> list[Averager]:
+    dhts: list[DHTNode] = []
+    for _ in range(n):
+        host = await make_host(max_connections_per_ip=10_000)
+        boot = [str(dhts[0].host.addresses()[0])] if dhts else []
+        dhts.append(await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0))
+    closing.extend(dhts)
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=n, matchmaking_time=1.0,
+                           give_up_alone_after=0.5)  # fmt: skip
+    config = AveragerConfig(matchmaking=mm, shared_state=True)
+    averagers = [
+        Averager(d, KEY, [torch.full((64,), float(i + 1))], config=config)
+        for i, d in enumerate(dhts)
+    ]
+    closing.extend(averagers)
+    return averagers
+
+
+async def signatures_of(averagers: list[Averager], count: int) -> None:
+    """Until every averager holds `count` signatures of its version's certificate."""
+
+    def signed_by_all() -> bool:
+        certs = [a.certifier.book.get(a.state_version) for a in averagers]  # type: ignore[union-attr]
+        return all(c is not None and c.signers == count for c in certs)
+
+    await eventually(signed_by_all, f"{count} signatures on every member", timeout=10.0)
+
+
+@pytest.mark.timeout(90)
+async def test_a_peer_that_declares_huge_work_for_its_own_state_is_never_loaded(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """Three honest peers commit rounds together. A fourth, that was in their first
+    round, then steps alone on a state of its own (here: ten commits alone, tensors
+    of its choosing) and declares enormous work, in its declarations and its state
+    announcements. A newcomer loads the honest state; no honest peer ever takes the
+    liar's; the liar re-syncs onto theirs."""
+    *honest, liar, newcomer = await swarm_of(make_host, 5, closing)
+    team = [*honest, liar]
+    results = await asyncio.gather(*(a.step(timeout=20.0) for a in team))
+    assert all(r.committed and r.group_size == 4 for r in results), results
+    await signatures_of(team, 4)
+    results = await asyncio.gather(*(a.step(timeout=20.0) for a in honest))
+    assert all(r.committed and r.group_size == 3 for r in results), results
+    await signatures_of(honest, 3)
+    assert {a.certifier.rank(a.state_version) for a in honest} == {Rank(7, 0)}  # type: ignore[union-attr]
+
+    # The liar's ten commits alone (as its own code would make them), and its boasts.
+    for _ in range(10):
+        liar.tensors[0].fill_(-1000.0)
+        await liar._commit(b"alone:" + os.urandom(16), (liar.dht.host.peer_id,))
+    liar.work = 10**15
+    await liar.publish_state()
+    await liar.announce_presence()
+    assert liar.certifier.rank(liar.state_version) == Rank(4, 10)  # type: ignore[union-attr]
+
+    assert await newcomer.load_state_from_peers(timeout=20.0)
+    assert newcomer.state_version == honest[0].state_version
+    assert torch.equal(newcomer.tensors[0], honest[0].tensors[0])
+    # The liar and each honest peer look at once (one holder each): the liar re-syncs
+    # onto the honest state (and may then average honestly); nobody takes the liar's.
+    lied = liar.state_version
+    liar_resynced = False
+    for peer in honest:
+        _, mine = await asyncio.gather(peer.step(timeout=8.0), liar.step(timeout=8.0))
+        liar_resynced |= mine.resynced
+        for h in honest:
+            assert h.state_version != lied
+            assert not torch.equal(h.tensors[0], torch.full((64,), -1000.0))
+    assert liar_resynced and not torch.equal(liar.tensors[0], torch.full((64,), -1000.0))
+
+
+@pytest.mark.timeout(60)
+async def test_a_holder_serving_other_bytes_under_a_certified_version_is_refused(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """A certificate copied onto another state: the download checks the bytes against
+    the fingerprint the round signed, not the one the holder names."""
+    a, b, cheat, newcomer = await swarm_of(make_host, 4, closing)
+    results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b, cheat)))
+    assert all(r.committed for r in results), results
+    await signatures_of([a, b, cheat], 3)
+    for honest in (a, b):  # only the cheat serves
+        await honest.aclose()
+    cheat.state[0].fill_(7.0)  # other bytes, same version and certificate
+    await cheat.publish_state()
+    assert not await newcomer.load_state_from_peers(timeout=10.0)
+    assert newcomer.commits == 0 and torch.equal(newcomer.tensors[0], torch.full((64,), 4.0))
+
+
+@pytest.mark.timeout(60)
+async def test_a_checkpoint_keeps_the_chain_and_a_restart_ranks_as_before(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    a, b, restarted = await swarm_of(make_host, 3, closing)
+    results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b)))
+    assert all(r.committed for r in results), results
+    await signatures_of([a, b], 2)
+    saved = a.saved_certificates()
+    restarted.restore(a.commits, a.state_version.hex(), a.work, saved)
+    assert restarted.certifier.rank(restarted.state_version) == Rank(2, 0)  # type: ignore[union-attr]
+    restarted.restore(a.commits, a.state_version.hex(), a.work)  # an older release's
+    assert restarted.certifier.order(chained_version(9, b"", b"x")) == UNVERIFIED  # type: ignore[union-attr]
+
+
+def test_a_checkpoint_restores_the_counters() -> None:
+    """(No network: `restore` only sets counters.)"""
+    averager = Averager.__new__(Averager)
+    version = (5).to_bytes(8, "big") + b"abcdefgh"
+    averager.restore(5, version.hex(), 12)
+    assert (averager.commits, averager.state_version, averager.work) == (5, version, 12)
+    for bad in ("12", -1, True):
+        with pytest.raises(ValueError, match="work"):
+            averager.restore(5, version.hex(), bad)
