@@ -59,8 +59,11 @@ async def _reach(host: Host, facts: Facts, bootstrap: list[Multiaddr]) -> list[M
         try:
             conn = await host.connect(addr, timeout=CONNECT_TIMEOUT)
         except Exception as e:
-            reason = "connection refused" if "Errno 111" in str(e) else f"{type(e).__name__}: {e}"
-            facts.bootstrap.append((str(addr), reason[:200]))
+            text = str(e)
+            if len(text) > 180:  # the end says why (a dial error starts with whom it dialed)
+                text = "..." + text[-177:]
+            reason = "connection refused" if "Errno 111" in text else f"{type(e).__name__}: {text}"
+            facts.bootstrap.append((str(addr), reason))
             continue
         facts.bootstrap.append((str(addr), None))
         reached.append(addr)
