@@ -139,10 +139,14 @@ def _packed(*objs: object) -> list[bytes]:
 
 
 def handshake() -> list[bytes]:
-    """Raw message 1 (listener), and an identity payload for each side (modes 2, 3)."""
+    """Raw message 1 (listener), and an identity payload for each side (modes 2, 3);
+    the same in a private swarm (modes 4, 6, 7: under its swarm key)."""
     m1 = NoiseHandshakeXX(True).write_message()
+    keyed_m1 = NoiseHandshakeXX(True, psk=bytes(range(32))).write_message()
     payload = msgpack.packb({"v": 1, "key": ME.public_key_bytes, "sig": b"s" * 64})
-    return [b"\x00" + len(m1).to_bytes(2, "big") + m1, b"\x02" + payload, b"\x03" + payload]
+    return [b"\x00" + len(m1).to_bytes(2, "big") + m1, b"\x02" + payload, b"\x03" + payload,
+            b"\x04" + len(keyed_m1).to_bytes(2, "big") + keyed_m1, b"\x06" + payload,
+            b"\x07" + payload]  # fmt: skip
 
 
 def rpc_requests() -> list[bytes]:

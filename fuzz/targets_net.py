@@ -24,6 +24,7 @@ from shoal.averaging.partition import Plan
 from shoal.peer.metrics import Metrics
 from shoal.peer.status import StatusServer
 from shoal.transport import rpc
+from shoal.transport.access import AccessControl
 from shoal.transport.errors import HandshakeError, RemoteError, TransportError
 from shoal.transport.identity import Identity
 from shoal.transport.multiaddr import Multiaddr
@@ -36,6 +37,8 @@ __all__ = ["NET_TARGETS"]
 
 _ME = Identity.from_seed(b"\x01" * 32)
 _PEER = REMOTE_IDENTITY.peer_id
+_SWARM_KEY = bytes(range(32))
+_ALLOW = AccessControl(_SWARM_KEY, [_PEER])
 
 
 # ---------------------------------------------------------------- secure channel
@@ -47,28 +50,37 @@ def _frame(message: bytes) -> bytes:
 
 def secure_handshake(data: bytes) -> None:
     """The authenticated handshake as a listener (and a dialer) runs it: raw wire
-    bytes, or a well-formed Noise message carrying the fuzzed identity payload."""
-    mode, body = (data[0] % 4, data[1:]) if data else (0, b"")
+    bytes, or a well-formed Noise message carrying the fuzzed identity payload;
+    modes 4-7 the same in a private swarm (a swarm key, an allow list)."""
+    mode, body = (data[0] % 8, data[1:]) if data else (0, b"")
+    private, mode = mode >= 4, mode % 4
+    psk = _SWARM_KEY if private else None
+    authorize = _ALLOW.authorize if private else None
+
+    def ours(initiator: bool) -> SecureHandshake:
+        return SecureHandshake(_ME, initiator=initiator, psk=psk, authorize=authorize)
+
     if mode in (0, 1):  # raw bytes off the wire, in pieces as TCP may cut them
-        hs = SecureHandshake(_ME, initiator=mode == 1)
+        hs = ours(mode == 1)
         hs.start()
         for i in range(0, len(body), 97):
             hs.receive(body[i : i + 97])
         return
     # The payload inside valid Noise encryption: what only a peer that completed
     # the Noise part can make us decode (the identity map, its key and signature).
-    listener = SecureHandshake(_ME, initiator=mode == 3)
+    listener = ours(mode == 3)
     first = listener.start()
     if mode == 2:  # we listen; the dialer's message 3 carries the payload
-        dialer = NoiseHandshakeXX(True)
+        dialer = NoiseHandshakeXX(True, psk=psk)
         second = listener.receive(_frame(dialer.write_message()))
         dialer.read_message(second[2:])
         listener.receive(_frame(dialer.write_message(body)))
     else:  # we dial; the listener's message 2 carries the payload
-        responder = NoiseHandshakeXX(False)
+        responder = NoiseHandshakeXX(False, psk=psk)
         responder.read_message(first[2:])
         listener.receive(_frame(responder.write_message(body)))
     assert listener.complete and listener.remote_peer is not None
+    assert not private or listener.remote_peer == _PEER  # the allow list held
 
 
 # ---------------------------------------------------------------- NAT protocols

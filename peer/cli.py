@@ -1,4 +1,5 @@
-"""The `shoal` command line: `shoal id`, `run`, `status`, `experiments` and `doctor`.
+"""The `shoal` command line: `shoal id`, `run`, `status`, `experiments`, `doctor` and
+`swarm-key new`.
 
 User mistakes end as one line on stderr, ``shoal: error: ...``, with exit
 status 2 for a bad command line or setting and 1 for a runtime problem (key
@@ -15,11 +16,15 @@ import logging
 import os
 import sys
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from . import __version__
 from .config import DEFAULT_DATA_DIR, OPTIONS, Config, ConfigError, add_options, build_config
 from .daemon import StartupError, load_identity, run_daemon
+
+if TYPE_CHECKING:
+    from shoal.transport.access import AccessControl
+    from shoal.transport.identity import Identity
 
 __all__ = ["build_parser", "main", "parse_command_line"]
 
@@ -35,8 +40,9 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "id": ("data_dir", "log_level"),
     "run": tuple(OPTIONS),
     "status": (),  # its URL and --json are plain arguments (status_cli.py)
-    "experiments": ("bootstrap", "data_dir", "log_level"),
-    "doctor": ("bootstrap", "data_dir", "log_level"),
+    "experiments": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
+    "doctor": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
+    "swarm-key": (),  # its FILE is a plain argument
 }
 
 ENV_HELP = """\
@@ -138,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_options(doctor_parser, COMMAND_OPTIONS["doctor"])
     doctor_parser.add_argument("--json", action="store_true", help="print one JSON object")
+    swarm_parser = commands.add_parser(
+        "swarm-key",
+        help="make a swarm key file for a private swarm (--swarm-key)",
+        description=(
+            "`shoal swarm-key new FILE` writes a fresh random 256-bit key to FILE (mode 0600,\n"
+            "libp2p's swarm.key format) and prints its fingerprint. Give every peer of the\n"
+            "private swarm a copy and run them with --swarm-key FILE; peers without it\n"
+            "cannot connect. It never overwrites an existing file."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    swarm_commands = swarm_parser.add_subparsers(dest="swarm_command", metavar="ACTION")
+    swarm_commands.required = True
+    new_parser = swarm_commands.add_parser("new", help="write a new swarm key to FILE")
+    new_parser.add_argument("file", metavar="FILE", help="where to write the key")
     return parser
 
 
@@ -168,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _experiments(argv, config)
     if command == "doctor":
         return _doctor(argv, config)
+    if command == "swarm-key":
+        return _swarm_key(build_parser().parse_args(argv).file)
     logging.basicConfig(
         level=config.logging_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -198,7 +221,13 @@ def _experiments(argv: Sequence[str] | None, config: Config) -> int:
     logging.basicConfig(level=max(config.logging_level, logging.WARNING), stream=sys.stderr)
     args = build_parser().parse_args(argv)
     bootstrap = list(config.bootstrap) or load_known_peers(config.data_dir)
-    status, text = _run(experiments_command(bootstrap, json_output=args.json))
+    try:
+        access, identity = _access_and_identity(config)
+    except (ConfigError, StartupError) as e:
+        return _fail(e, EXIT_USAGE if isinstance(e, ConfigError) else EXIT_RUNTIME)
+    status, text = _run(
+        experiments_command(bootstrap, json_output=args.json, access=access, identity=identity)
+    )
     (sys.stdout if status == 0 else sys.stderr).write(text)
     return status
 
@@ -210,7 +239,15 @@ def _doctor(argv: Sequence[str] | None, config: Config) -> int:
     logging.basicConfig(level=max(config.logging_level, logging.ERROR), stream=sys.stderr)
     args = build_parser().parse_args(argv)
     bootstrap = list(config.bootstrap) or load_known_peers(config.data_dir)
-    status, text = _run(doctor_command(bootstrap, config.data_dir, json_output=args.json))
+    try:
+        access, identity = _access_and_identity(config)
+    except (ConfigError, StartupError) as e:
+        return _fail(e, EXIT_USAGE if isinstance(e, ConfigError) else EXIT_RUNTIME)
+    status, text = _run(
+        doctor_command(
+            bootstrap, config.data_dir, json_output=args.json, access=access, identity=identity
+        )
+    )
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -218,6 +255,29 @@ def _doctor(argv: Sequence[str] | None, config: Config) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status
+
+
+def _access_and_identity(config: Config) -> tuple[AccessControl, Identity | None]:
+    """A private swarm's rules, and who a short-lived client must be in it: this peer
+    (its identity key) when the swarm has an allow list, which admits listed IDs only;
+    else None, a throwaway identity."""
+    access = config.access_control()
+    return access, load_identity(config) if access.restricts_peers else None
+
+
+def _swarm_key(path: str) -> int:
+    from shoal.transport.access import AccessFileError, swarm_key_fingerprint, write_new_swarm_key
+
+    try:
+        key = write_new_swarm_key(os.path.expanduser(path))
+    except AccessFileError as e:
+        return _fail(e, EXIT_RUNTIME)
+    print(
+        f"wrote a new swarm key to {path} (fingerprint {swarm_key_fingerprint(key)}); "
+        f"copy it to every peer of the swarm and run them with --swarm-key {path}",
+        flush=True,
+    )
+    return 0
 
 
 def _exit_now(status: int) -> NoReturn:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.transport.access import AccessControl, AccessFileError, read_allow_list, read_swarm_key
 from shoal.transport.host import DEFAULT_LISTEN, HostConfig
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
@@ -281,6 +282,24 @@ OPTIONS: dict[str, Option] = {
             "MODE",
             "auto",
         ),
+        Option(
+            "swarm_key",
+            "SHOAL_SWARM_KEY",
+            "private swarm: a pre-shared key file (libp2p's swarm.key format; make one with "
+            "`shoal swarm-key new FILE` and give every peer a copy); peers without the same "
+            "key cannot connect to this peer, nor it to them",
+            "FILE",
+            "none: an open swarm",
+        ),
+        Option(
+            "allow_peers",
+            "SHOAL_ALLOW_PEERS",
+            "private swarm: a file of the peer IDs allowed to connect, one per line (# starts "
+            "a comment); every other peer, bootstrap peers and relays included, is refused "
+            "at the handshake",
+            "FILE",
+            "none: any peer",
+        ),
     )
 }
 
@@ -314,6 +333,8 @@ class Config:
     precision: str = "fp32"
     verify: str = "auto"  # auto: on for strategies that support it
     reachability: str = "auto"
+    swarm_key: Path | None = None
+    allow_peers: Path | None = None
     # Where each value came from ("default", "--listen", "SHOAL_LISTEN", ...), for the
     # start-up log: env-over-flag precedence surprises people, so show it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -333,6 +354,15 @@ class Config:
             # Hole punching dials out from the listening port (NAT traversal).
             reuse_port=True,
         )
+
+    def access_control(self) -> AccessControl:
+        """The access rules of --swarm-key and --allow-peers (read from their files now)."""
+        try:
+            key = None if self.swarm_key is None else read_swarm_key(self.swarm_key)
+            allowed = None if self.allow_peers is None else read_allow_list(self.allow_peers)
+        except AccessFileError as e:
+            raise ConfigError(str(e)) from None
+        return AccessControl(key, allowed)
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -798,6 +828,26 @@ def _parse_reachability(raw: str | Sequence[str], source: str) -> str:
     return mode
 
 
+def _parse_swarm_key(raw: str | Sequence[str], source: str) -> Path:
+    assert isinstance(raw, str)
+    path = Path(raw.strip()).expanduser().absolute()
+    try:
+        read_swarm_key(path)  # a bad file stops the start here, in one line
+    except AccessFileError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return path
+
+
+def _parse_allow_peers(raw: str | Sequence[str], source: str) -> Path:
+    assert isinstance(raw, str)
+    path = Path(raw.strip()).expanduser().absolute()
+    try:
+        read_allow_list(path)
+    except AccessFileError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return path
+
+
 _PARSERS = {
     "data_dir": _parse_data_dir,
     "listen": _parse_listen,
@@ -824,4 +874,6 @@ _PARSERS = {
     "precision": _parse_precision,
     "verify": _parse_verify,
     "reachability": _parse_reachability,
+    "swarm_key": _parse_swarm_key,
+    "allow_peers": _parse_allow_peers,
 }

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from shoal.dht.node import BootstrapError, DHTNode
 from shoal.dht.records import RecordValidator
 from shoal.dht.relay_directory import DHTRelayDirectory
+from shoal.transport.access import AccessControl
 from shoal.transport.host import Host
 from shoal.transport.identity import Identity, IdentityFileError
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
@@ -140,6 +141,28 @@ def print_addresses(host: Host, out: TextIO | None = None) -> None:
     )
 
 
+def _log_access(access: AccessControl, config: Config) -> None:
+    """Say who may connect, and warn of bootstrap peers the allow list would refuse."""
+    status = access.status()
+    if access.mode == "open":
+        log.info("access: open swarm (any peer may connect)")
+        return
+    parts = []
+    if status["swarm_key_fingerprint"] is not None:
+        parts.append(f"swarm key {status['swarm_key_fingerprint']} (fingerprint)")
+    if access.allowed is not None:
+        parts.append(f"allow list of {len(access.allowed)} peer IDs")
+        for addr in config.bootstrap:
+            peer = addr.peer_id
+            if peer is not None and peer not in access.allowed:
+                log.warning(
+                    "bootstrap peer %s is not in the allow list (%s): it will be refused; list it",
+                    peer,
+                    config.allow_peers,
+                )
+    log.info("access: private swarm: %s", "; ".join(parts))
+
+
 async def run_daemon(
     config: Config,
     stop: asyncio.Event | None = None,
@@ -176,7 +199,9 @@ async def run_daemon(
             torch.set_num_threads(config.threads)
         device, inventory = _choose_device(config) if role is not None else (None, None)
 
-        host = Host(identity, config.host_config())
+        access = config.access_control()
+        _log_access(access, config)
+        host = Host(identity, config.host_config(), access=access)
         stack.push_async_callback(_close_host, host)  # before start: closes a partial start too
         try:
             await host.start()

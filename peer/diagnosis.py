@@ -50,6 +50,10 @@ class Facts:
     device: str | None = None
     # Hole punches tried to NATed peers: (peer, None when it punched, else why not).
     punches: list[tuple[str, str | None]] = field(default_factory=list)
+    # Private swarms: AccessControl.status() (mode, fingerprint, ...), and the bootstrap
+    # peers our allow list does not name (we would refuse them).
+    access: dict[str, Any] = field(default_factory=dict)
+    unlisted_bootstrap: list[str] = field(default_factory=list)
 
 
 def nat_mapping(observed: list[tuple[str, str]]) -> str:
@@ -74,7 +78,7 @@ def diagnose(f: Facts) -> list[Check]:
         ]
     else:
         network = [_reachability(f), _hole_punch(f), _relays(f), _clock(f)]
-    return [bootstrap, *network, _disk(f), _torch(f)]
+    return [bootstrap, _access(f), *network, _disk(f), _torch(f)]
 
 
 def can_take_part(checks: list[Check]) -> bool:
@@ -90,6 +94,9 @@ def _bootstrap(f: Facts) -> Check:
         )  # fmt: skip
     if not reached:
         why = "; ".join(f"{a}: {e}" for a, e in f.bootstrap)
+        access = _access_refusal(f, [e or "" for _, e in f.bootstrap], why)
+        if access is not None:
+            return access
         if all(e is not None and "IncompatibleProtocol" in e for _, e in f.bootstrap):
             # (the error itself names both versions and which side must upgrade)
             return Check(
@@ -104,6 +111,57 @@ def _bootstrap(f: Facts) -> Check:
     failed = len(f.bootstrap) - len(reached)
     extra = f"; {failed} did not answer" if failed else ""
     return Check("bootstrap", "ok", f"reached {len(reached)} of {len(f.bootstrap)}{extra}")
+
+
+def _access_refusal(f: Facts, errors: list[str], why: str) -> Check | None:
+    """The bootstrap check when access rules explain why no bootstrap peer answered."""
+    keyed = f.access.get("swarm_key_fingerprint") is not None
+    if all("swarm key" in e for e in errors):
+        return Check(
+            "bootstrap", "fail",
+            "the bootstrap peers refused our handshake: the swarm key probably differs "
+            f"({why})" if keyed else f"the bootstrap peers use a swarm key, we have none ({why})",
+            "give every peer the same key file with --swarm-key FILE (compare /status "
+            "access.swarm_key_fingerprint on both sides)",
+        )  # fmt: skip
+    if all("not in the allow list" in e for e in errors):
+        return Check(
+            "bootstrap", "fail", f"our --allow-peers list does not name them ({why})",
+            "add the bootstrap peers' IDs to the --allow-peers file",
+        )  # fmt: skip
+    if not keyed and all("closed by peer" in e and "handshake" in e for e in errors):
+        return Check(
+            "bootstrap", "fail",
+            f"the bootstrap peers closed the handshake at once ({why})",
+            "a private swarm? run with its --swarm-key FILE",
+        )  # fmt: skip
+    if all("closed at once" in e for e in errors):
+        return Check(
+            "bootstrap", "fail",
+            f"the bootstrap peers closed the connection right after the handshake ({why})",
+            "a private swarm with an allow list? ask its members to add this peer's ID "
+            "(`shoal id`) to their --allow-peers file",
+        )  # fmt: skip
+    return None
+
+
+def _access(f: Facts) -> Check:
+    mode = f.access.get("mode", "open")
+    if mode == "open":
+        return Check("access", "ok", "open swarm: no --swarm-key, no --allow-peers")
+    parts = []
+    if f.access.get("swarm_key_fingerprint"):
+        parts.append(f"swarm key {f.access['swarm_key_fingerprint']} (fingerprint)")
+    if f.access.get("allowed_peers") is not None:
+        parts.append(f"allow list of {f.access['allowed_peers']} peer IDs")
+    detail = "private swarm: " + "; ".join(parts)
+    if f.unlisted_bootstrap:
+        return Check(
+            "access", "warn",
+            f"{detail}; bootstrap peers not in it: {', '.join(f.unlisted_bootstrap)}",
+            "the allow list is strict: list bootstrap peers and relays too, or they are refused",
+        )  # fmt: skip
+    return Check("access", "ok", detail)
 
 
 def _reachability(f: Facts) -> Check:

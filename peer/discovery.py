@@ -138,9 +138,16 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-async def experiments_command(bootstrap: list[Any], *, json_output: bool) -> tuple[int, str]:
+async def experiments_command(
+    bootstrap: list[Any],
+    *,
+    json_output: bool,
+    access: Any = None,
+    identity: Any = None,
+) -> tuple[int, str]:
     """`shoal experiments`: join the network as a client for a moment and list.
-    Returns (exit status, text to print)."""
+    Returns (exit status, text to print). `access`: a private swarm's rules
+    (transport/access.py); `identity`: who to be (default: a throwaway one)."""
     import json
 
     from shoal.transport.host import Host, HostConfig
@@ -154,8 +161,13 @@ async def experiments_command(bootstrap: list[Any], *, json_output: bool) -> tup
             "shoal: error: no peer to ask: give --bootstrap ADDR (any peer of the network), "
             "or run `shoal run` once with this --data-dir so that its peers are remembered\n"
         )
-    # A throwaway identity: listing asks, it does not take part.
-    host = Host(Identity.generate(), HostConfig(listen=(Multiaddr("/ip4/127.0.0.1/tcp/0"),)))
+    # A throwaway identity: listing asks, it does not take part (but an allow-list
+    # swarm admits only listed IDs: then the caller passes this peer's).
+    host = Host(
+        identity or Identity.generate(),
+        HostConfig(listen=(Multiaddr("/ip4/127.0.0.1/tcp/0"),)),
+        access=access,
+    )
     await host.start()
     try:
         from shoal.dht.records import RecordValidator

@@ -1,12 +1,13 @@
 """`shoal doctor`: measure what decides whether this machine can take part, then say so.
 
 It starts a throwaway peer (a fresh identity, a free port, the same NAT
-traversal as `shoal run`), reaches the bootstrap peers, asks them and other
-peers of the network how they see it (observed addresses, dial-backs), waits
-for the reachability decision and, behind a NAT, for a relay, asks the peers'
-clocks, and looks at the disk and torch. `peer/diagnosis.py` turns that into
-verdicts. Exit status 0 when the peer can take part, 1 when no bootstrap peer
-answered (or torch is missing).
+traversal as `shoal run`, the same --swarm-key and --allow-peers; in an
+allow-list swarm it goes as this peer, whose ID the others list), reaches the
+bootstrap peers, asks them and other peers of the network how they see it
+(observed addresses, dial-backs), waits for the reachability decision and,
+behind a NAT, for a relay, asks the peers' clocks, and looks at the disk and
+torch. `peer/diagnosis.py` turns that into verdicts. Exit status 0 when the
+peer can take part, 1 when no bootstrap peer answered (or torch is missing).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from shoal.dht.node import DEFAULT_PROTOCOL, DHTNode
 from shoal.dht.records import owner_of
 from shoal.transport import rpc
+from shoal.transport.access import AccessControl
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr
@@ -57,8 +59,11 @@ async def _reach(host: Host, facts: Facts, bootstrap: list[Multiaddr]) -> list[M
         try:
             conn = await host.connect(addr, timeout=CONNECT_TIMEOUT)
         except Exception as e:
-            reason = "connection refused" if "Errno 111" in str(e) else f"{type(e).__name__}: {e}"
-            facts.bootstrap.append((str(addr), reason[:200]))
+            text = str(e)
+            if len(text) > 180:  # the end says why (a dial error starts with whom it dialed)
+                text = "..." + text[-177:]
+            reason = "connection refused" if "Errno 111" in text else f"{type(e).__name__}: {text}"
+            facts.bootstrap.append((str(addr), reason))
             continue
         facts.bootstrap.append((str(addr), None))
         reached.append(addr)
@@ -176,12 +181,24 @@ def _local_facts(facts: Facts, data_dir: Path) -> None:
     facts.device = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-async def gather_facts(bootstrap: list[Multiaddr], data_dir: Path) -> Facts:
+async def gather_facts(
+    bootstrap: list[Multiaddr],
+    data_dir: Path,
+    access: AccessControl | None = None,
+    identity: Identity | None = None,
+) -> Facts:
     facts = Facts()
     _local_facts(facts, data_dir)
+    access = access or AccessControl()
+    facts.access = access.status()
+    if access.allowed is not None:
+        facts.unlisted_bootstrap = [
+            str(a.peer_id) for a in bootstrap if a.peer_id and a.peer_id not in access.allowed
+        ]
     host = Host(
-        Identity.generate(),
+        identity or Identity.generate(),
         HostConfig(listen=(Multiaddr("/ip4/0.0.0.0/tcp/0"),), reuse_port=True),
+        access=access,
     )
     await host.start()
     nat = NatManager(host, config=NatConfig(relay_service=False))
@@ -212,10 +229,15 @@ async def gather_facts(bootstrap: list[Multiaddr], data_dir: Path) -> Facts:
 
 
 async def doctor_command(
-    bootstrap: list[Multiaddr], data_dir: Path, *, json_output: bool
+    bootstrap: list[Multiaddr],
+    data_dir: Path,
+    *,
+    json_output: bool,
+    access: AccessControl | None = None,
+    identity: Identity | None = None,
 ) -> tuple[int, str]:
     """(exit status, text): 0 when the peer can take part."""
-    facts = await gather_facts(bootstrap, data_dir)
+    facts = await gather_facts(bootstrap, data_dir, access, identity)
     checks = diagnose(facts)
     status = 0 if can_take_part(checks) else 1
     if json_output:

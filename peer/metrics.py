@@ -10,7 +10,9 @@ Two kinds of series:
   shoal_event_loop_lag_p99_seconds, shoal_event_loop_lag_max_seconds,
   shoal_device_memory_used_bytes, shoal_device_memory_total_bytes,
   shoal_version_mismatches_total (connections refused because the peer's
-  protocol version is incompatible; /status's version_mismatches_total) and
+  protocol version is incompatible; /status's version_mismatches_total),
+  shoal_access_refusals_total{reason} (connections refused by --swarm-key or
+  --allow-peers; /status access.refusals_by_reason) and
   shoal_info{peer_id,version,experiment,reachability} and
   shoal_device_info{kind,name} (always 1). A value the
   peer does not know yet (loss before the first step) is left out rather than
@@ -207,6 +209,19 @@ class _StatusCollector(Collector):
                 "(see /status version_mismatches: which peers, and who must upgrade).",
                 value=mismatches,
             )
+        access = status.get("access")
+        if isinstance(access, dict):
+            refusals = CounterMetricFamily(
+                "shoal_access_refusals",
+                "Connections refused by this peer's private-swarm rules, by reason: swarm_key "
+                "(the peer lacks our --swarm-key) or not_allowed (not in --allow-peers).",
+                labels=["reason"],
+            )
+            by_reason = access.get("refusals_by_reason") or {}
+            for reason in ("swarm_key", "not_allowed"):
+                count = by_reason.get(reason, 0)
+                refusals.add_metric([reason], count if _is_number(count) else 0)
+            yield refusals
         verification = status.get("verification")
         if isinstance(verification, dict):
             yield GaugeMetricFamily(

@@ -220,6 +220,7 @@ class PeerNode:
             **self.host.versions.status(),  # protocol_version, version_mismatches, ...
             "addresses": [str(a) for a in self._addresses()],
             "reachability": self.nat.reachability.value,
+            "access": self.host.access.status(),  # private swarms: mode, refusals
             "reachability_detail": self.nat.reachability_detail(),
             "connections": conns,
             "dht_peers": len(self.dht.routing_table),

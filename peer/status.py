@@ -23,6 +23,14 @@ served as null so that every client's JSON parser accepts them.
     version         str     shoal's version
     addresses       [str]   multiaddrs other peers can dial, each ending in /p2p/<peer_id>
     reachability    str     "public" | "private" | "unknown" (AutoNAT's verdict)
+    access          obj     who may connect (private swarms, transport/access.py):
+        mode            str     "open" | "swarm-key" | "allow-peers" | "swarm-key+allow-peers"
+        refusals        int     connections this peer refused for them (both directions)
+        refusals_by_reason  obj  {"swarm_key": int, "not_allowed": int}
+        unanswered_handshakes  int  our dials with a swarm key the remote closed before
+                                answering (its key differs, or it has none)
+        swarm_key_fingerprint  str|null  16 hex digits naming the key (never the key)
+        allowed_peers   int|null  how many peer IDs --allow-peers lists
     connections     [obj]   open connections, one per peer:
         peer_id         str
         kind            str     "direct" | "relayed" | "holepunched"

@@ -24,7 +24,8 @@ whose reports stopped) and `#swarm-legend li.others[data-count]`, `#val-loss`,
 `#connections tbody tr`, `#last-round`, `#error` (hidden when all is well),
 `body[data-polls]` (successful polls so far), and the summary values `#peer-id`,
 `#experiment`, `#swarm-round`, `#step`, `#loss`, `#tokens-per-s`, `#device`,
-`#reachability`, `#uptime`, `#join-command` (the command another peer runs to join),
+`#reachability`, `#access` (open swarm, or private: its mode and refusals),
+`#uptime`, `#join-command` (the command another peer runs to join),
 `#verification` with `#bans tbody tr[data-peer-id]` (one row per banned peer),
 `#version-mismatches` (a warning card, hidden unless incompatible peers were
 seen) with `#mismatches tbody tr[data-peer-id]` (one row per such peer),
@@ -226,7 +227,9 @@ STATUS_PAGE_HTML = r"""<!doctype html>
     <div class="card stat"><div class="label">Tokens / s</div>
       <div class="value" id="tokens-per-s">—</div><div class="sub" id="device">this peer</div></div>
     <div class="card stat"><div class="label">Reachability</div>
-      <div class="value" id="reachability">—</div><div class="sub" id="dht-peers">&nbsp;</div></div>
+      <div class="value" id="reachability">—</div><div class="sub" id="dht-peers">&nbsp;</div>
+      <div class="sub" id="access"
+           title="who may connect: --swarm-key, --allow-peers">&nbsp;</div></div>
     <div class="card stat"><div class="label">Uptime</div>
       <div class="value" id="uptime">—</div><div class="sub" id="updated">&nbsp;</div></div>
   </section>
@@ -883,6 +886,9 @@ function renderStatus(s) {
   setText("device", deviceText(s));
   setText("reachability", s.reachability ?? "unknown");
   setText("dht-peers", `${fmtNum(s.dht_peers, 0)} peers in the DHT`);
+  const access = s.access || {};
+  setText("access", !access.mode || access.mode === "open" ? "open swarm"
+    : `private (${access.mode}), ${fmtNum(access.refusals, 0)} refused`);
   setText("total-sent", `(${fmtBytes(s.bytes_sent)} in all)`);
   setText("total-received", `(${fmtBytes(s.bytes_received)} in all)`);
   setText("uptime", fmtDuration(s.uptime_s));

@@ -413,3 +413,74 @@ def test_rekey_changes_the_key_in_step_on_both_sides(cipher: str) -> None:
 
 def test_noise_error_is_a_handshake_error() -> None:
     assert issubclass(NoiseError, HandshakeError)
+
+
+# -- the psk modifier (private swarms) ---------------------------------------------------------
+
+# The Noise_XXpsk3_25519_{AESGCM,ChaChaPoly}_SHA256 entries of the cacophony vectors, from
+# the same file at the same commit as VECTORS: they check MixKeyAndHash and the extra
+# MixKey of "e" under a psk, which psk0 shares.
+PSK_VECTORS = json.loads((Path(__file__).parent / "vectors" / "noise_xx_psk.json").read_text())[
+    "vectors"
+]
+
+
+@pytest.mark.parametrize("vector", PSK_VECTORS, ids=[v["protocol_name"] for v in PSK_VECTORS])
+def test_cacophony_psk3_vector(vector: dict) -> None:
+    h = bytes.fromhex
+    cipher = vector["protocol_name"].split("_")[3]
+    sides = [
+        NoiseHandshakeXX(
+            role == "init",
+            h(vector[f"{role}_static"]),
+            cipher=cipher,
+            prologue=h(vector[f"{role}_prologue"]),
+            ephemeral_private=h(vector[f"{role}_ephemeral"]),
+            psk=h(vector[f"{role}_psks"][0]),
+            psk_position=3,
+        )
+        for role in ("init", "resp")
+    ]
+    assert sides[0].protocol_name == vector["protocol_name"]
+    for n, msg in enumerate(vector["messages"][:3]):
+        writer, reader = sides[n % 2], sides[1 - n % 2]
+        ciphertext = writer.write_message(h(msg["payload"]))
+        assert ciphertext.hex() == msg["ciphertext"], f"handshake message {n + 1}"
+        assert reader.read_message(ciphertext) == h(msg["payload"])
+    assert (
+        sides[0].handshake_hash.hex() == sides[1].handshake_hash.hex() == vector["handshake_hash"]
+    )
+
+
+def test_xxpsk0_matches_snow() -> None:
+    # snow's tests/general.rs test_XXpsk0_expected_value (mcginty/snow at commit
+    # 8ac60f51cfe3e010c84f0a454cc575ad9204fa12): keys 0..31, 1..32 (statics), 32..63 and
+    # 33..64 (ephemerals), psk 4..35, prologue 01 02 03; message 3 byte for byte.
+    def inc(start: int) -> bytes:
+        return bytes(range(start, start + 32))
+
+    common = {"cipher": "ChaChaPoly", "prologue": b"\x01\x02\x03", "psk": inc(4)}
+    i = NoiseHandshakeXX(True, inc(0), ephemeral_private=inc(32), **common)
+    r = NoiseHandshakeXX(False, inc(1), ephemeral_private=inc(33), **common)
+    assert i.protocol_name == "Noise_XXpsk0_25519_ChaChaPoly_SHA256"
+    m1 = i.write_message(b"abc")
+    assert len(m1) == 51 and r.read_message(m1) == b"abc"
+    m2 = r.write_message(b"defg")
+    assert len(m2) == 100 and i.read_message(m2) == b"defg"
+    m3 = i.write_message(b"")
+    assert r.read_message(m3) == b""
+    assert m3.hex() == (
+        "072b7bbd237ac602c4aa938db36998f31ca4750752d1758d59850c627d0bdbc5"
+        "1205592c3baa101b4a31f062695b7c1dbee99d5123fbd2ad03052078c570e028"
+    )
+
+
+@pytest.mark.parametrize("other", [None, bytes(32)], ids=["no-psk", "another-psk"])
+def test_a_psk_handshake_fails_at_message_1_against_any_other_key(other: bytes | None) -> None:
+    key = bytes(range(32))
+    i = NoiseHandshakeXX(True, psk=other)
+    r = NoiseHandshakeXX(False, psk=key)
+    with pytest.raises(NoiseError):
+        r.read_message(i.write_message())
+    with pytest.raises(ValueError, match="32 bytes"):
+        NoiseHandshakeXX(True, psk=b"short")

@@ -27,7 +27,9 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
+from .access import AccessControl
 from .errors import (
+    AccessRefused,
     ConnectionLost,
     HandshakeError,
     ProtocolNotSupported,
@@ -448,8 +450,12 @@ class Connection(asyncio.BufferedProtocol):
         outbound: bool | None = None,
         kind: str = "direct",
         remote_events: RemoteEvents | None = None,
+        access: AccessControl | None = None,
     ) -> None:
         self.config = config or ConnectionConfig()
+        # Private swarms (transport/access.py): the swarm key and allow list the
+        # handshake enforces, and where its refusals are counted. None: open.
+        self.access = access
         # Where the log lines a remote end causes go (rate-limited; the host's own).
         self.remote_events = remote_events or _remote_events
         # `initiator` is the Noise and multiplexer role; `outbound` says who opened the
@@ -692,7 +698,13 @@ class Connection(asyncio.BufferedProtocol):
                 return
         transport.set_write_buffer_limits(high=_WRITE_BATCH, low=_WRITE_BATCH // 4)
         self._timer = self._loop.call_later(self.config.handshake_timeout, self._on_timer)
-        self._handshake = SecureHandshake(*self._handshake_args)
+        access = self.access
+        if access is None:
+            self._handshake = SecureHandshake(*self._handshake_args)
+        else:
+            self._handshake = SecureHandshake(
+                *self._handshake_args, psk=access.swarm_key, authorize=access.authorize
+            )
         self._handshake_started = True
         first = self._handshake.start()
         if first:
@@ -1082,6 +1094,21 @@ class Connection(asyncio.BufferedProtocol):
         )
 
     def _violation(self, error: TransportError) -> None:
+        if isinstance(error, AccessRefused):
+            # Our access rules at work, not a broken peer: counted, one line per remote.
+            if self.access is not None:
+                self.access.refused(error.reason)
+            self.remote_events.warning(
+                "access refused",
+                self.remote_key(),
+                "refusing connection with %s: %s",
+                self._peer_name(),
+                error,
+            )
+            if self._failure is None:
+                self._failure = error
+            self.abort(str(error))
+            return
         self.remote_events.warning(
             "protocol violation",
             self.remote_key(),
@@ -1105,6 +1132,8 @@ class Connection(asyncio.BufferedProtocol):
             stream._write_lost = self._mux.queued_bytes(stream.id) > 0
         if not self.handshake_done.done():
             failure = self._failure
+            if failure is None and self._unanswered_with_key():
+                failure = self._unanswered_failure(reason)
             if not isinstance(failure, HandshakeError):  # keep PeerIDMismatch & co. as they are
                 failure = HandshakeError(f"handshake with {self._peer_name()} failed: {reason}")
             self.handshake_done.set_exception(failure)
@@ -1125,6 +1154,27 @@ class Connection(asyncio.BufferedProtocol):
         self.closed.set_result(None)
         if self._on_closed is not None:
             self._on_closed(self)
+
+    def _unanswered_with_key(self) -> bool:
+        """We dialed with a swarm key and the remote closed without a word: what a peer
+        with another key (or none) does, since it cannot read our first message."""
+        hs, why = self._handshake, self.close_reason or ""
+        closed_by_remote = why == "closed by peer" or why.startswith("connection lost")
+        return (
+            closed_by_remote
+            and hs is not None
+            and hs.unanswered
+            and self.access is not None
+            and self.access.swarm_key is not None
+        )
+
+    def _unanswered_failure(self, reason: str) -> HandshakeError:
+        assert self.access is not None
+        self.access.unanswered += 1
+        return HandshakeError(
+            f"handshake with {self._peer_name()} failed: {reason} before answering our first "
+            "message: its swarm key probably differs from ours (or it has none)"
+        )
 
     def remote_key(self) -> str | None:
         """Who to blame in a log summary: the remote IP, else the relay or peer."""

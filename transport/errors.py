@@ -24,6 +24,25 @@ class HandshakeError(TransportError):
     """The secure handshake failed: bad message, bad signature, wrong peer, timeout."""
 
 
+class AccessRefused(HandshakeError):
+    """The handshake met a peer this host's access rules refuse (transport/access.py);
+    `reason` ("swarm_key" or "not_allowed") is what /status counts it under."""
+
+    reason = "access"
+
+
+class SwarmKeyMismatch(AccessRefused):
+    """The remote does not hold our swarm key (it has none, or another)."""
+
+    reason = "swarm_key"
+
+
+class PeerNotAllowed(AccessRefused):
+    """The remote authenticated as a peer ID that is not in our allow list."""
+
+    reason = "not_allowed"
+
+
 class ConnectionLost(TransportError):
     """The connection closed (or was found dead) before the operation finished."""
 

@@ -11,6 +11,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from .access import AccessControl
 from .admission import Admission, AdmissionLimits
 from .connection import Connection, ConnectionConfig, Stream
 from .errors import (
@@ -71,10 +72,20 @@ class HostConfig:
 class Host:
     """A peer's network endpoint: one secure multiplexed connection per remote peer."""
 
-    def __init__(self, identity: Identity, config: HostConfig | None = None) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        config: HostConfig | None = None,
+        *,
+        access: AccessControl | None = None,
+    ) -> None:
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
         self.config = config or HostConfig()
+        # Private swarms (transport/access.py): every connection this host makes or
+        # accepts, relayed and hole-punched ones included, is built in _new_connection
+        # and so runs the handshake under these rules.
+        self.access = access or AccessControl()
         self._handlers: dict[str, StreamHandler] = {}
         self._servers: list[asyncio.Server] = []
         self._listen_addrs: list[Multiaddr] = []
@@ -596,6 +607,7 @@ class Host:
             outbound=outbound,
             kind=kind,
             remote_events=self.remote_events,
+            access=self.access,
         )
         conn.handshake_done.add_done_callback(lambda fut: self._on_handshake(conn, fut))
         return conn

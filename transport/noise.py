@@ -10,6 +10,13 @@ XX::
     <- e, ee, s, es
     -> s, se
 
+With a pre-shared key (private swarms, transport/access.py) the pattern takes
+the spec's ``psk0`` modifier, ``Noise_XXpsk0_...``: the key is mixed into the
+chaining key before the first message, whose (empty) payload then carries an
+AEAD tag, so the responder refuses a peer without the key at message 1, before
+it has sent a byte (section 9; ``psk_position`` other than 0 exists only so
+the published XXpsk3 vectors can be checked too).
+
 Everything here is pure computation on bytes; the framing and the identity
 binding live in :mod:`shoal.transport.secure`.
 """
@@ -34,6 +41,7 @@ __all__ = [
     "CIPHERS",
     "MAX_MESSAGE_LEN",
     "MAX_NONCE",
+    "PSK_LEN",
     "TAG_LEN",
     "CipherState",
     "NoiseError",
@@ -185,6 +193,15 @@ def _hkdf2(chaining_key: bytes, ikm: bytes) -> tuple[bytes, bytes]:
     return out1, out2
 
 
+def _hkdf3(chaining_key: bytes, ikm: bytes) -> tuple[bytes, bytes, bytes]:
+    """HKDF with three outputs (Noise section 4.3), for MixKeyAndHash."""
+    temp = hmac.digest(chaining_key, ikm, "sha256")
+    out1 = hmac.digest(temp, b"\x01", "sha256")
+    out2 = hmac.digest(temp, out1 + b"\x02", "sha256")
+    out3 = hmac.digest(temp, out2 + b"\x03", "sha256")
+    return out1, out2, out3
+
+
 class _SymmetricState:
     """Chaining key, handshake hash and the (possibly absent) handshake cipher."""
 
@@ -210,6 +227,11 @@ class _SymmetricState:
     def mix_hash(self, data: bytes) -> None:
         self.h = hashlib.sha256(self.h + data).digest()
 
+    def mix_key_and_hash(self, ikm: bytes) -> None:
+        self.ck, temp_h, temp_k = _hkdf3(self.ck, ikm)
+        self.mix_hash(temp_h)
+        self._cipher = CipherState(temp_k, self._cipher_name)
+
     def encrypt_and_hash(self, plaintext: bytes) -> bytes:
         ct = plaintext if self._cipher is None else self._cipher.encrypt(plaintext, self.h)
         self.mix_hash(ct)
@@ -227,6 +249,19 @@ class _SymmetricState:
 
 # The tokens of XX's three messages; the initiator writes messages 1 and 3.
 _XX_PATTERN: tuple[tuple[str, ...], ...] = (("e",), ("e", "ee", "s", "es"), ("s", "se"))
+PSK_LEN = 32
+
+
+def _psk_pattern(position: int) -> tuple[tuple[str, ...], ...]:
+    """XX with the pskN modifier: psk0 opens message 1, pskN (N >= 1) ends message N."""
+    if not 0 <= position <= len(_XX_PATTERN):
+        raise ValueError(f"XX has no psk{position} modifier")
+    messages = [list(m) for m in _XX_PATTERN]
+    if position == 0:
+        messages[0].insert(0, "psk")
+    else:
+        messages[position - 1].append("psk")
+    return tuple(tuple(m) for m in messages)
 
 
 def _public_bytes(key: X25519PrivateKey) -> bytes:
@@ -250,10 +285,20 @@ class NoiseHandshakeXX:
         cipher: str = "AESGCM",
         prologue: bytes = b"",
         ephemeral_private: bytes | None = None,
+        psk: bytes | None = None,
+        psk_position: int = 0,
     ) -> None:
         _check_cipher(cipher)
         self.initiator = initiator
-        self.protocol_name = f"Noise_XX_25519_{cipher}_SHA256"
+        if psk is None:
+            self._pattern = _XX_PATTERN
+            self.protocol_name = f"Noise_XX_25519_{cipher}_SHA256"
+        else:
+            if len(psk) != PSK_LEN:
+                raise ValueError(f"a Noise pre-shared key is {PSK_LEN} bytes, got {len(psk)}")
+            self._pattern = _psk_pattern(psk_position)
+            self.protocol_name = f"Noise_XXpsk{psk_position}_25519_{cipher}_SHA256"
+        self._psk = None if psk is None else bytes(psk)
         self._cipher = cipher
         self._s = (
             X25519PrivateKey.generate()
@@ -288,7 +333,7 @@ class NoiseHandshakeXX:
     def _check_turn(self, writing: bool) -> _SymmetricState:
         if self._failed:
             raise NoiseError("handshake already failed")
-        if self._ss is None or self._index >= len(_XX_PATTERN):
+        if self._ss is None or self._index >= len(self._pattern):
             raise NoiseError("handshake already complete")
         initiator_turn = self._index % 2 == 0
         if (initiator_turn == self.initiator) != writing:
@@ -318,9 +363,10 @@ class NoiseHandshakeXX:
 
     def _message_len(self, payload_len: int) -> int:
         # Handshake cipher is keyed from message 2 on in XX; s tokens only occur there.
-        keyed = self._index > 0
+        # With a psk, "e" mixes the key too, so message 1 is keyed as well.
+        keyed = self._index > 0 or self._psk is not None
         size = payload_len + (TAG_LEN if keyed else 0)
-        for token in _XX_PATTERN[self._index]:
+        for token in self._pattern[self._index]:
             if token == "e":
                 size += DH_LEN
             elif token == "s":
@@ -335,7 +381,7 @@ class NoiseHandshakeXX:
             raise NoiseError(f"payload of {len(payload)} bytes exceeds the Noise message limit")
         out = bytearray()
         try:
-            for token in _XX_PATTERN[self._index]:
+            for token in self._pattern[self._index]:
                 if token == "e":
                     self._e = (
                         X25519PrivateKey.generate()
@@ -345,6 +391,11 @@ class NoiseHandshakeXX:
                     e_pub = _public_bytes(self._e)
                     out += e_pub
                     ss.mix_hash(e_pub)
+                    if self._psk is not None:
+                        ss.mix_key(e_pub)  # section 9.2: "e" also mixes the key with a psk
+                elif token == "psk":
+                    assert self._psk is not None
+                    ss.mix_key_and_hash(self._psk)
                 elif token == "s":
                     out += ss.encrypt_and_hash(self.local_static_public)
                 else:
@@ -381,12 +432,17 @@ class NoiseHandshakeXX:
                 f"handshake message {n} is {len(message)} bytes, shorter than {minimum}"
             )
         pos = 0
-        for token in _XX_PATTERN[self._index]:
+        for token in self._pattern[self._index]:
             if token == "e":
                 re = message[pos : pos + DH_LEN]
                 pos += DH_LEN
                 self._re = X25519PublicKey.from_public_bytes(re)
                 ss.mix_hash(re)
+                if self._psk is not None:
+                    ss.mix_key(re)
+            elif token == "psk":
+                assert self._psk is not None
+                ss.mix_key_and_hash(self._psk)
             elif token == "s":
                 size = DH_LEN + (TAG_LEN if ss.has_key else 0)
                 rs = ss.decrypt_and_hash(message[pos : pos + size])
@@ -399,7 +455,7 @@ class NoiseHandshakeXX:
 
     def _advance(self, ss: _SymmetricState) -> None:
         self._index += 1
-        if self._index == len(_XX_PATTERN):
+        if self._index == len(self._pattern):
             self._handshake_hash = ss.h
             self._e = None  # forward secrecy: the ephemeral is not needed any more
 

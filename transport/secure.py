@@ -12,15 +12,23 @@ Noise proves possession of that static key, so the remote peer ID is
 authenticated. The caller moves bytes: `start()` and `receive()` return what to
 send, and `leftover` keeps transport bytes the initiator pipelined after
 message 3.
+
+Private swarms (transport/access.py): with a swarm key the pattern is
+``Noise_XXpsk0`` and message 1 is 48 bytes (32 of ephemeral key, a 16-byte tag);
+a message 1 of the other size, or one that fails its tag, is a
+`SwarmKeyMismatch`. With an allow list, `authorize(peer)` is asked as soon as
+the remote's identity is proven (message 2 for the initiator, 3 for the
+responder) and a refusal is a `PeerNotAllowed`: the handshake never completes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
-from .errors import HandshakeError, PeerIDMismatch
+from .errors import HandshakeError, PeerIDMismatch, PeerNotAllowed, SwarmKeyMismatch
 from .identity import Identity, PeerID
 from .noise import DH_LEN, TAG_LEN, CipherState, NoiseError, NoiseHandshakeXX
 
@@ -34,6 +42,7 @@ PAYLOAD_VERSION = 1
 MAX_FRAME_LEN = 1024
 _LEN_PREFIX = 2
 _MSG1_LEN = DH_LEN  # "-> e" with an empty payload and no key yet
+_MSG1_PSK_LEN = DH_LEN + TAG_LEN  # "-> psk, e": the empty payload is sealed under the key
 _MSG2_MIN = DH_LEN + (DH_LEN + TAG_LEN) + TAG_LEN
 _MSG3_MIN = (DH_LEN + TAG_LEN) + TAG_LEN
 _PAYLOAD_KEYS = frozenset({"v", "key", "sig"})
@@ -110,13 +119,18 @@ class SecureHandshake:
         *,
         cipher: str = "AESGCM",
         static_private: bytes | None = None,
+        psk: bytes | None = None,
+        authorize: Callable[[PeerID], str | None] | None = None,
     ) -> None:
         self.identity = identity
         self.initiator = initiator
         self.expected_peer = expected_peer
+        self._psk = psk is not None
+        self._msg1_len = _MSG1_LEN if psk is None else _MSG1_PSK_LEN
+        self._authorize_peer = authorize
         # A fresh X25519 static key per handshake: the long-term identity is the
         # Ed25519 key, and the signature binds the two.
-        self._noise = NoiseHandshakeXX(initiator, static_private, cipher=cipher)
+        self._noise = NoiseHandshakeXX(initiator, static_private, cipher=cipher, psk=psk)
         self._payload = msgpack.packb(
             {
                 "v": PAYLOAD_VERSION,
@@ -148,6 +162,11 @@ class SecureHandshake:
         if self._recv is None:
             raise RuntimeError("recv_cipher before the handshake is complete")
         return self._recv
+
+    @property
+    def unanswered(self) -> bool:
+        """We sent message 1 and the remote said nothing back (yet)."""
+        return self.initiator and self._started and self._next_read == 2 and not self._buf
 
     @property
     def handshake_hash(self) -> bytes:
@@ -212,11 +231,16 @@ class SecureHandshake:
         if size == 0:
             raise HandshakeError(f"handshake message {which}: zero-length frame")
         if which == 1:
-            if size != _MSG1_LEN:
-                raise HandshakeError(
-                    f"handshake message 1 must be {_MSG1_LEN} bytes, frame says {size}"
-                )
-            return
+            if size == self._msg1_len:
+                return
+            if self._psk and size == _MSG1_LEN:
+                raise SwarmKeyMismatch("swarm key mismatch: the peer's handshake has no swarm key")
+            hint = ""
+            if not self._psk and size == _MSG1_PSK_LEN:
+                hint = " (the peer uses a swarm key: private swarm, see --swarm-key)"
+            raise HandshakeError(
+                f"handshake message 1 must be {self._msg1_len} bytes, frame says {size}{hint}"
+            )
         minimum = _MSG2_MIN if which == 2 else _MSG3_MIN
         if size < minimum:
             raise HandshakeError(
@@ -230,7 +254,16 @@ class SecureHandshake:
     def _handle(self, message: bytes) -> bytes:
         which = self._next_read
         try:
-            payload = self._noise.read_message(message)
+            try:
+                payload = self._noise.read_message(message)
+            except NoiseError:
+                if which == 1 and self._psk:
+                    # The only secret message 1 depends on is the swarm key.
+                    raise SwarmKeyMismatch(
+                        "swarm key mismatch: handshake message 1 failed authentication "
+                        "under our swarm key"
+                    ) from None
+                raise
             if which == 1:
                 # Exactly 32 bytes were framed, so the payload is empty: nothing to check.
                 self._next_read = 3
@@ -255,4 +288,8 @@ class SecureHandshake:
             )
         if self.expected_peer is not None and peer != self.expected_peer:
             raise PeerIDMismatch(f"peer ID mismatch: expected {self.expected_peer}, got {peer}")
+        if self._authorize_peer is not None:
+            refusal = self._authorize_peer(peer)
+            if refusal is not None:
+                raise PeerNotAllowed(f"peer not allowed: {refusal}")
         self.remote_peer = peer

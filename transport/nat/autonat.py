@@ -20,6 +20,12 @@ opens ``/shoal/autonat/dialback/1.0.0`` and sends the nonce::
 
     -> {"nonce": 16 bytes, "addr": addr}    <- {"ok": bool}
 
+The throwaway identity is derived from the nonce (`probe_identity`): only the
+client and the server know the nonce, so a client with an allow list
+(transport/access.py) admits that one peer ID for the length of its request,
+and nobody else can use it. The dial-back carries the swarm key like any
+connection of the host.
+
 The client counts a success only when the nonce came back through its own
 listener: a server's word alone proves nothing. `reachability.ReachabilityTracker`
 turns results into PUBLIC / PRIVATE / UNKNOWN without any I/O.
@@ -28,6 +34,7 @@ turns results into PUBLIC / PRIVATE / UNKNOWN without any I/O.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import logging
 import os
@@ -50,6 +57,7 @@ __all__ = [
     "parse_dialback",
     "parse_probe_reply",
     "parse_request",
+    "probe_identity",
 ]
 
 log = logging.getLogger("shoal.transport.nat")
@@ -75,6 +83,11 @@ def parse_request(req: dict[str, object]) -> tuple[bytes, list[Multiaddr]]:
     if len(nonce) < NONCE_LEN:
         raise ProtocolViolation("autonat: nonce too short")
     return nonce, wire.get_addrs(req, "addrs")
+
+
+def probe_identity(nonce: bytes) -> Identity:
+    """The identity a server dials back with for the request carrying `nonce`."""
+    return Identity.from_seed(hashlib.sha256(b"shoal-autonat-probe:" + nonce).digest())
 
 
 def parse_dialback(msg: dict[str, object]) -> tuple[bytes, Multiaddr | None]:
@@ -109,7 +122,6 @@ class AutoNAT:
     def __init__(self, host: Host, config: NatConfig) -> None:
         self.host = host
         self.config = config
-        self._probe_identity = Identity.generate()  # for dial-backs only, see module doc
         self._nonces: dict[bytes, asyncio.Future[Multiaddr | None]] = {}
         self._slots = asyncio.Semaphore(config.autonat_max_concurrent)
         self._last_request: dict[PeerID, float] = {}
@@ -144,6 +156,9 @@ class AutoNAT:
         server = conn.remote_peer
         addrs = list(dict.fromkeys(a.without_peer_id() for a in addrs))[: wire.MAX_ADDRS]
         stream: Stream | None = None
+        release_probe = None
+        if self.host.access.restricts_peers:
+            release_probe = self.host.access.admit_for_now(probe_identity(nonce).peer_id)
         try:
             async with asyncio.timeout(self.config.probe_timeout):
                 stream = await conn.open_stream(PROTOCOL)
@@ -172,6 +187,8 @@ class AutoNAT:
             return None
         finally:
             del self._nonces[nonce]
+            if release_probe is not None:
+                release_probe()
             if stream is not None:  # cancelled or failed before the reply: release it
                 stream.reset("autonat probe abandoned")
 
@@ -281,10 +298,11 @@ class AutoNAT:
         loop = asyncio.get_running_loop()
         timeout = self.config.dialback_timeout
         conn = Connection(
-            self._probe_identity,
+            probe_identity(nonce),
             initiator=True,
             expected_peer=peer,
             config=ConnectionConfig(handshake_timeout=timeout, idle_timeout=0),
+            access=self.host.access,
         )
         self._dialback_conns.add(conn)
         try:
