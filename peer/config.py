@@ -279,9 +279,11 @@ OPTIONS: dict[str, Option] = {
             "verify",
             "SHOAL_VERIFY",
             "on: a hosted experiment audits its contributors' work (commitments, "
-            "re-executed segments, bans; CenteredClip averaging); off: peers trust each other",
-            "on|off",
-            "on (diloco; other strategies: off)",
+            "re-executed segments, bans; CenteredClip averaging); off: peers trust each other "
+            "(auto: on for diloco, unless each peer trains on its own --data, which no "
+            "referee can re-execute: then off, and on is refused)",
+            "auto|on|off",
+            "auto",
         ),
         Option(
             "reachability",
