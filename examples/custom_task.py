@@ -10,6 +10,15 @@ Host an experiment with it (every peer that joins needs this file too)::
 
     shoal run --host-experiment mlp-demo --task examples/custom_task.py:make_task --data notes/
 
+and join it, from a folder holding the same file at the same relative path (a
+joiner runs a custom task only when it names it, and only when its copy has the
+digest the host's manifest pins)::
+
+    shoal run --join mlp-demo@PEERID --task examples/custom_task.py:make_task --data my-notes/
+
+With ``--data`` every peer trains on its own text, which other peers cannot
+re-execute: the experiment is hosted unverified (the host says so).
+
 See `shoal.peer.task` for the rules a task keeps.
 """
 

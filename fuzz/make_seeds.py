@@ -90,11 +90,13 @@ def checkpoint() -> bytes:
         return path.read_bytes()
 
 
-def manifest() -> bytes:
+def manifest(task: str = "bytegpt", task_digest: str = "") -> bytes:
+    """A built-in task's manifest (format 1), or a custom task's with its code digest (2)."""
     m = Manifest.create(
         ME,
         name="default",
-        task="bytegpt",
+        task=task,
+        task_digest=task_digest,
         task_config={"d_model": 32},
         strategy="diloco",
         strategy_options={"inner_steps": 50},
@@ -341,7 +343,11 @@ def seeds() -> dict[str, list[bytes]]:
             )
         ],
         "codec_int8": [bytes([n // 3]) + encoded],
-        "manifest": [manifest(), b"default@" + str(ME.peer_id).encode()],
+        "manifest": [
+            manifest(),
+            b"default@" + str(ME.peer_id).encode(),
+            manifest("mytask:make_task", "ab" * 32),
+        ],
         "checkpoint": [checkpoint()],
         "status_inputs": [b"127.0.0.1:8080", msgpack.packb(status, use_bin_type=True)],
         "verification_evidence": list(conviction()),

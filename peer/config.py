@@ -164,6 +164,16 @@ OPTIONS: dict[str, Option] = {
             DEFAULT_TASK,
         ),
         Option(
+            "allow_task",
+            "SHOAL_ALLOW_TASK",
+            "run the custom task MODULE:FACTORY when an experiment joined names it (a "
+            "joiner runs only task code it names, here or with --task, and only when its "
+            "copy has the digest the manifest pins); repeat the flag for several",
+            "MODULE:FACTORY",
+            "none: built-in tasks only",
+            repeatable=True,
+        ),
+        Option(
             "task_option",
             "SHOAL_TASK_OPTIONS",
             "a task setting of a hosted experiment, e.g. d_model=64; repeat the flag for several",
@@ -270,9 +280,11 @@ OPTIONS: dict[str, Option] = {
             "verify",
             "SHOAL_VERIFY",
             "on: a hosted experiment audits its contributors' work (commitments, "
-            "re-executed segments, bans; CenteredClip averaging); off: peers trust each other",
-            "on|off",
-            "on (diloco; other strategies: off)",
+            "re-executed segments, bans; CenteredClip averaging); off: peers trust each other "
+            "(auto: on for diloco, unless each peer trains on its own --data, which no "
+            "referee can re-execute: then off, and on is refused)",
+            "auto|on|off",
+            "auto",
         ),
         Option(
             "reachability",
@@ -318,6 +330,7 @@ class Config:
     join: str | None = None
     no_train: bool = False
     task: str = DEFAULT_TASK
+    allow_task: tuple[str, ...] = ()
     task_option: tuple[tuple[str, Any], ...] = ()
     data: Path | None = None
     strategy: str = DEFAULT_STRATEGY
@@ -396,6 +409,13 @@ class Config:
                     f"{self._origin('announce')}: {addr} names peer {named}, "
                     f"but this peer is {peer_id}; drop the /p2p/ part"
                 )
+
+    @property
+    def named_tasks(self) -> tuple[str, ...]:
+        """The task specs this peer consents to run when joining: --task, when given
+        (not its default), and every --allow-task."""
+        given = (self.task,) if "task" in self.sources else ()
+        return tuple(dict.fromkeys(given + self.allow_task))
 
     def _origin(self, name: str) -> str:
         """The flag or variable a value came from, for error messages."""
@@ -690,6 +710,19 @@ def _parse_task(raw: str | Sequence[str], source: str) -> str:
     return text
 
 
+def _parse_allow_task(raw: str | Sequence[str], source: str) -> tuple[str, ...]:
+    specs = _items(raw)
+    for spec in specs:
+        target, colon, factory = spec.rpartition(":")
+        if not colon or not target or not factory:
+            raise ConfigError(
+                f"{source}: expected MODULE:FACTORY or path/to/file.py:FACTORY, got {spec!r}"
+            )
+    if not specs:
+        raise ConfigError(f"{source}: no task given")
+    return tuple(dict.fromkeys(specs))
+
+
 def _parse_key_values(raw: str | Sequence[str], source: str) -> tuple[tuple[str, Any], ...]:
     """KEY=VALUE items; values are read as TOML scalars (numbers, booleans), else text."""
     out: dict[str, Any] = {}
@@ -859,6 +892,7 @@ _PARSERS = {
     "join": _parse_ref,
     "no_train": _parse_bool,
     "task": _parse_task,
+    "allow_task": _parse_allow_task,
     "task_option": _parse_key_values,
     "data": _parse_data,
     "strategy": _parse_strategy,

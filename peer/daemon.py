@@ -17,6 +17,7 @@ import importlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator
@@ -323,7 +324,9 @@ def print_join_command(node: PeerNode, config: Config, out: TextIO | None = None
     out = out if out is not None else sys.stdout
     session = node.session
     assert session is not None
-    ref = session.manifest.ref
+    ref = str(session.manifest.ref)
+    if ":" in session.manifest.task:  # a custom task runs only on joiners that name it
+        ref += f" --task {shlex.quote(session.manifest.task)}"
     print(f"Experiment {session.manifest.name!r} (id {session.manifest.experiment_id}).", file=out)
     remote = (
         node.host.addresses()

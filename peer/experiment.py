@@ -1,10 +1,11 @@
 """Experiments with no coordinator: a signed manifest in the DHT.
 
 An experiment is described by a `Manifest`: its name, the task and model
-configuration, the hyperparameters, the averaging strategy, the fingerprint
-of the initial state and a format version, signed by the peer that created it
-(the *host*). Once published, nobody is special: the host may leave, and any
-participant keeps the manifest alive in the DHT.
+configuration (and, for a custom task, the digest of its code: `task_code`),
+the hyperparameters, the averaging strategy, the fingerprint of the initial
+state and a format version, signed by the peer that created it (the *host*).
+Once published, nobody is special: the host may leave, and any participant
+keeps the manifest alive in the DHT.
 
 Where it lives: key ``shoal/experiment/<name>``, one subkey per host (the
 host's base58 peer ID), the value being the signed manifest bytes. The subkey
@@ -43,6 +44,7 @@ log = logging.getLogger("shoal.experiment")
 __all__ = [
     "EXPERIMENT_PREFIX",
     "MANIFEST_FORMAT",
+    "MANIFEST_FORMATS",
     "ExperimentRef",
     "Manifest",
     "ManifestError",
@@ -54,7 +56,11 @@ __all__ = [
     "register_manifest_validator",
 ]
 
-MANIFEST_FORMAT = 1
+# Format 2 is format 1 plus `task_digest`, written only for a custom task: a shoal
+# that reads only format 1 (and would import a custom task's code unchecked)
+# refuses it, while built-in experiments stay format 1, joinable by either.
+MANIFEST_FORMAT = 2
+MANIFEST_FORMATS = (1, 2)
 EXPERIMENT_PREFIX = "shoal/experiment/"
 MAX_MANIFEST_BYTES = 32 * 1024
 _SIGNING_DOMAIN = b"shoal-manifest:"
@@ -106,7 +112,7 @@ def parse_experiment_ref(text: str) -> ExperimentRef:
 @dataclass(frozen=True, slots=True)
 class Manifest:
     name: str
-    task: str  # a built-in task name or an importable "module:factory"
+    task: str  # a built-in task name, "module:factory" or "path/to/file.py:factory"
     task_config: dict[str, Any]
     strategy: str
     strategy_options: dict[str, Any]
@@ -115,7 +121,8 @@ class Manifest:
     initial_fingerprint: str  # of the initial parameters: every joiner must build the same
     host: PeerID
     created: float
-    format: int = MANIFEST_FORMAT
+    task_digest: str = ""  # a custom task's `task_code.task_digest`; "" for a built-in
+    format: int = 1
     signature: bytes = field(default=b"", compare=False)
 
     @classmethod
@@ -132,7 +139,9 @@ class Manifest:
         seed: int,
         initial_fingerprint: str,
         created: float | None = None,
+        task_digest: str = "",
     ) -> Manifest:
+        _check_task_digest(task, task_digest, 2 if task_digest else 1)
         unsigned = cls(
             check_name(name),
             task,
@@ -144,6 +153,8 @@ class Manifest:
             initial_fingerprint,
             identity.peer_id,
             time.time() if created is None else float(created),
+            task_digest,
+            2 if task_digest else 1,
         )
         signature = identity.sign(unsigned._signing_payload())
         signed = Manifest(*(getattr(unsigned, f) for f in _FIELDS), signature=signature)
@@ -151,7 +162,7 @@ class Manifest:
         return signed
 
     def _body(self) -> dict[str, Any]:
-        return {
+        body = {
             "format": self.format,
             "name": self.name,
             "task": self.task,
@@ -164,6 +175,9 @@ class Manifest:
             "host": self.host.to_base58(),
             "created": self.created,
         }
+        if self.format >= 2:
+            body["task_digest"] = self.task_digest
+        return body
 
     def _signing_payload(self) -> bytes:
         try:
@@ -216,10 +230,10 @@ class Manifest:
         if not isinstance(body, dict) or not isinstance(signature, bytes):
             raise ManifestError("not a manifest: malformed body or signature")
         version = body.get("format")
-        if version != MANIFEST_FORMAT:
+        if version not in MANIFEST_FORMATS or isinstance(version, bool):
             raise ManifestError(
                 f"manifest format {version!r} is not supported by this shoal "
-                f"(it reads format {MANIFEST_FORMAT}); upgrade shoal"
+                f"(it reads formats 1 and 2); upgrade shoal"
             )
         expected = {
             "format": int,
@@ -234,6 +248,8 @@ class Manifest:
             "host": str,
             "created": float,
         }
+        if version >= 2:
+            expected["task_digest"] = str
         if set(body) != set(expected):
             # (repr: a forged body may have keys of any type, which do not sort together)
             differ = sorted(set(body) ^ set(expected), key=repr)
@@ -248,6 +264,7 @@ class Manifest:
             raise ManifestError("malformed manifest: created is not finite")
         try:
             check_name(body["name"])
+            _check_task_digest(body["task"], body.get("task_digest", ""), version)
             host = PeerID.from_base58(body["host"])
         except ManifestError:
             raise
@@ -264,6 +281,7 @@ class Manifest:
             body["initial_fingerprint"],
             host,
             body["created"],
+            body.get("task_digest", ""),
             body["format"],
             signature,
         )
@@ -292,8 +310,21 @@ _FIELDS = (
     "initial_fingerprint",
     "host",
     "created",
+    "task_digest",
     "format",
 )
+
+
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_task_digest(task: str, digest: str, version: int = 2) -> None:
+    """A custom task's digest is 64 hex digits (in format 2); a built-in has none."""
+    builtin = ":" not in task
+    if builtin and digest:
+        raise ManifestError(f"malformed manifest: built-in task {task!r} with a code digest")
+    if version >= 2 and not builtin and not _DIGEST_RE.fullmatch(digest):
+        raise ManifestError(f"malformed manifest: task {task!r} has no valid code digest")
 
 
 def _canonical(obj: Any) -> Any:

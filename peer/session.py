@@ -47,7 +47,8 @@ from .experiment import (
 )
 from .joined import joined_path, load_joined, save_joined
 from .pipeline_run import PipelineRun, pipeline_fingerprint
-from .task import Task, TaskError, load_task, shard_of
+from .task import Task, TaskError, load_task, shard_of, trains_on_private_data
+from .task_code import check_consent, check_digest, is_builtin_spec, task_digest
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .verifier import Verifier
 from .work_log import VerifiedWork, WorkLog
@@ -64,6 +65,10 @@ FIND_MANIFEST_TIMEOUT = 15.0
 # The audit threshold of experiments in bf16 or fp16 (fp32's is the option's default).
 REDUCED_PRECISION_THRESHOLD = 2e-2
 VERIFYING_STRATEGIES = ("diloco",)
+_PIN_HINT = (
+    ", or pin one dataset that every peer must hold to verify it "
+    "(bytegpt: --task-option data_digest=HEX, the digest of your text, logged above)"
+)
 
 
 class SessionError(Exception):
@@ -133,7 +138,7 @@ async def open_session(
         manifest, task, model = await _host_manifest(config, identity, name)
     else:
         manifest = await _find(config, dht, name)
-        task = await _load_task(manifest.task, manifest.task_config, config.data)
+        task = await _joined_task(config, manifest)
         model = None
         if manifest.strategy != PIPELINE_STRATEGY:  # (a pipeline never builds the whole model)
             model = await asyncio.to_thread(task.make_model, manifest.seed)
@@ -382,6 +387,31 @@ async def _find(config: Config, dht: DHTNode, text: str) -> Manifest:
     return manifest
 
 
+async def _joined_task(config: Config, manifest: Manifest) -> Task:
+    """The task of an experiment joined: custom task code only when this peer named it
+    and its copy has the pinned digest (both checked before anything is imported)."""
+    try:
+        check_consent(manifest.task, config.named_tasks)
+        await asyncio.to_thread(check_digest, manifest.task, manifest.task_digest)
+    except TaskError as e:
+        raise SessionError(str(e)) from None
+    task = await _load_task(manifest.task, manifest.task_config, config.data)
+    _check_verifiable(manifest, task, config.data)
+    return task
+
+
+def _check_verifiable(manifest: Manifest, task: Task, data: Path | None) -> None:
+    """Refuse a verified experiment on data only each peer has (hosted by an older shoal,
+    or by a host that lies): its referees would convict this peer's honest work."""
+    verified = manifest.strategy_options.get("verify") and manifest.strategy != PIPELINE_STRATEGY
+    if verified and trains_on_private_data(task, data):
+        raise SessionError(
+            f"{manifest.describe()} verifies work on each peer's own --data, which its "
+            "referees cannot re-execute: honest peers would be accused; ask its host to "
+            "host it unverified (a current shoal does) or with data pinned by digest"
+        )
+
+
 async def _load_task(spec: str, task_config: dict[str, Any], data: Path | None) -> Task:
     try:
         return await asyncio.to_thread(load_task, spec, task_config, data=data)
@@ -405,13 +435,17 @@ async def _host_manifest(
         if manifest.host != identity.peer_id:
             raise SessionError(f"{path} was created by another identity; move it away")
         _warn_ignored(config, manifest)
-        task = await _load_task(manifest.task, manifest.task_config, config.data)
+        task = await _hosted_task(config, manifest)
         if manifest.strategy == PIPELINE_STRATEGY:
             return manifest, task, None
         model = await asyncio.to_thread(task.make_model, manifest.seed)
         return manifest, task, model
+    try:  # hashed before it is imported: the digest is of the code that runs
+        digest = "" if is_builtin_spec(config.task) else task_digest(config.task)
+    except TaskError as e:
+        raise SessionError(str(e)) from None
     task = await _load_task(config.task, dict(config.task_option), config.data)
-    strategy, options, hyperparameters = _new_settings(config, task)
+    strategy, options, hyperparameters = _new_settings(config, task, name)
     seed = secrets.randbits(31)
     model = None
     if config.pipeline_stages:
@@ -439,6 +473,7 @@ async def _host_manifest(
             seed=seed,
             initial_fingerprint=fingerprint,
             created=time.time(),
+            task_digest=digest,
         )
     except ManifestError as e:
         raise SessionError(str(e)) from None
@@ -455,7 +490,27 @@ async def _host_manifest(
     return manifest, task, model
 
 
-def _new_settings(config: Config, task: Task) -> tuple[str, dict[str, Any], dict[str, Any]]:
+async def _hosted_task(config: Config, manifest: Manifest) -> Task:
+    """The task of this peer's saved experiment: its code must still be what it pinned."""
+    try:
+        if manifest.task_digest or is_builtin_spec(manifest.task):
+            await asyncio.to_thread(check_digest, manifest.task, manifest.task_digest)
+        else:
+            log.warning(
+                "experiment %r pins no digest of its task's code (created by an older shoal): "
+                "joiners of a current shoal refuse it; host a new name to pin it",
+                manifest.name,
+            )
+    except TaskError as e:
+        raise SessionError(f"{e} (or host a new experiment name)") from None
+    task = await _load_task(manifest.task, manifest.task_config, config.data)
+    _check_verifiable(manifest, task, config.data)
+    return task
+
+
+def _new_settings(
+    config: Config, task: Task, name: str
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """A new experiment's strategy, its options and the hyperparameters, from the flags."""
     # --strategy-option carries the inner optimizer's hyperparameters too (inner_lr=...).
     given = dict(config.strategy_option)
@@ -476,7 +531,9 @@ def _new_settings(config: Config, task: Task) -> tuple[str, dict[str, Any], dict
                 {"stages": config.pipeline_stages, **given}, batch_size
             )
         else:
-            options = verification_options(config, {"inner_steps": config.inner_steps, **given})
+            private = trains_on_private_data(task, config.data)
+            options = {"inner_steps": config.inner_steps, **given}
+            options = verification_options(config, options, private_data=private, name=name)
             options = resolve_options(config.strategy, options)
         # A new experiment writes every hyperparameter out, at today's defaults (a
         # manifest without a key means that key's legacy value). The defaults were
@@ -495,11 +552,35 @@ def _new_settings(config: Config, task: Task) -> tuple[str, dict[str, Any], dict
     return strategy, options, hyperparameters
 
 
-def verification_options(config: Config, options: dict[str, Any]) -> dict[str, Any]:
+def verification_options(
+    config: Config, options: dict[str, Any], *, private_data: bool = False, name: str = ""
+) -> dict[str, Any]:
     """A new experiment's strategy options with its verification policy: `--verify`
     (auto: on for the strategies that can verify), and in bf16 or fp16 the wider
-    audit threshold that precision needs, unless the options set them."""
+    audit threshold that precision needs, unless the options set them.
+
+    `private_data`: the peers train on data of their own (`trains_on_private_data`),
+    which a referee cannot regenerate to re-execute a prover's segment: such an
+    experiment is unverified, said in one line, and asking for verification is refused.
+    """
     out = dict(options)
+    if private_data:
+        if config.verify == "on" or out.get("verify"):
+            flag = "--verify on" if config.verify == "on" else "--strategy-option verify"
+            raise SessionError(
+                f"{flag}: experiment {name!r} trains on each peer's own --data, which a "
+                "referee cannot re-execute (it lacks the prover's data): honest peers would "
+                f"be accused; host it with --verify auto (unverified){_PIN_HINT}"
+            )
+        if config.verify == "auto" and config.strategy in VERIFYING_STRATEGIES:
+            log.warning(
+                "experiment %r trains on each peer's own --data: hosted UNVERIFIED (a referee "
+                "cannot re-execute work on data only its prover has; peers trust each other's "
+                "updates)%s",
+                name,
+                _PIN_HINT,
+            )
+        out["verify"] = False
     if "verify" not in out:
         out["verify"] = config.verify == "on" or (
             config.verify == "auto" and config.strategy in VERIFYING_STRATEGIES

@@ -59,9 +59,16 @@ and host an experiment with it::
 
 ``--task`` takes a built-in name (``bytegpt``), ``package.module:factory``
 (an importable module: installed, or on PYTHONPATH) or
-``path/to/file.py:factory``. Every peer that joins the experiment loads the
-same spec with the host's ``config()``, so each of them needs the same task
-code installed (and, for a task that reads ``--data``, data of its own).
+``path/to/file.py:factory`` (a relative path is resolved against the working
+directory, the host's and each joiner's alike). Every peer that joins the
+experiment loads the same spec with the host's ``config()``, so each of them
+needs the same task code (and, for a task that reads ``--data``, data of its
+own). The manifest pins a digest of the host's code (`shoal.peer.task_code`:
+the file, or every .py file of the top-level package), and a joiner runs a
+custom task only when it names it and its copy has that digest::
+
+    shoal run --join NAME@PEERID --task mypackage.mytask:make_task [--data PATH]
+    shoal run --join NAME@PEERID --allow-task mypackage.mytask:make_task
 `examples/custom_task.py` in the repository is a complete example that reuses
 the corpus helpers of `shoal.peer.tasks.corpus`.
 
@@ -88,6 +95,12 @@ The rules a task must keep:
   tensors (the trainer pins and copies them) and ``loss`` should not assume a
   device (use the model's, as ``bytegpt`` does). Forward passes run under
   autocast at the experiment's ``--precision``.
+- Optional: ``private_data()`` says whether this peer trains on data of its
+  own, which another peer cannot regenerate (a verified experiment's referees
+  re-execute a prover's batches from their own task, so such an experiment is
+  hosted unverified). Without it: exactly when the peer was given ``--data``.
+  A task whose config pins the data by a digest its factory checks (every
+  peer then holds the same bytes) returns False.
 - Optional: ``flops_per_token()`` gives the training FLOPs per token
   (forward + backward), for the model FLOPs utilization (MFU) that /status
   reports; without it MFU is null.
@@ -118,6 +131,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgpack
 
+from .task_code import is_file_target
 from .task_error import TaskError
 
 if TYPE_CHECKING:  # torch is imported by the tasks themselves, not by whoever imports this
@@ -130,6 +144,7 @@ __all__ = [
     "TaskFactory",
     "load_task",
     "shard_of",
+    "trains_on_private_data",
 ]
 
 
@@ -225,6 +240,14 @@ def shard_of(peer_id_bytes: bytes, num_shards: int) -> int:
     return int.from_bytes(digest[:8], "big") % num_shards
 
 
+def trains_on_private_data(task: Task, data: Path | None) -> bool:
+    """Whether this peer's batches come from data only it has (see ``private_data``)."""
+    private = getattr(task, "private_data", None)
+    if callable(private):
+        return bool(private())
+    return data is not None
+
+
 def _resolve_factory(spec: str) -> Callable[..., Task]:
     target, colon, attribute = spec.rpartition(":")
     if not colon:
@@ -237,7 +260,7 @@ def _resolve_factory(spec: str) -> Callable[..., Task]:
         )
     if not target or not all(part.isidentifier() for part in attribute.split(".")):
         raise TaskError(f"bad task spec {spec!r}: expected {_SPEC_FORMS}")
-    if target.endswith(".py") or "/" in target or "\\" in target:
+    if is_file_target(target):
         module = _import_file(Path(target), spec)
     else:
         module = _import_module(target, spec)

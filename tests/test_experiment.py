@@ -90,7 +90,7 @@ def manifest(host_identity: Identity) -> Manifest:
 
 def test_create_signs_and_the_bytes_round_trip(host_identity: Identity, manifest: Manifest) -> None:
     assert manifest.host == host_identity.peer_id
-    assert manifest.format == MANIFEST_FORMAT
+    assert manifest.format == 1  # a built-in task: the format every shoal reads
     data = manifest.to_bytes()
     again = Manifest.from_bytes(data)
     assert again == manifest
@@ -159,11 +159,71 @@ def test_a_damaged_signature_is_a_forgery(manifest: Manifest) -> None:
         Manifest.from_bytes(repacked(outer))
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, "1", None])
+@pytest.mark.parametrize("version", [0, MANIFEST_FORMAT + 1, 99, "1", None, True])
 def test_another_format_version_is_refused_with_advice(manifest: Manifest, version: Any) -> None:
     outer = unpacked(manifest)
     outer["body"]["format"] = version
     with pytest.raises(ManifestError, match=f"format {version!r} is not supported.*upgrade"):
+        Manifest.from_bytes(repacked(outer))
+
+
+# --- the digest of a custom task's code (format 2) ------------------------------------------
+
+DIGEST = "0123456789abcdef" * 4
+
+
+def test_a_custom_task_is_written_in_format_2_with_its_code_digest(
+    host_identity: Identity,
+) -> None:
+    custom = make_manifest(host_identity, task="mytask:make_task", task_digest=DIGEST)
+    assert custom.format == MANIFEST_FORMAT == 2
+    assert unpacked(custom)["body"]["task_digest"] == DIGEST
+    again = Manifest.from_bytes(custom.to_bytes())
+    assert again == custom
+    assert again.task_digest == DIGEST
+
+
+def test_the_code_digest_is_signed(host_identity: Identity) -> None:
+    outer = unpacked(make_manifest(host_identity, task="mytask:make_task", task_digest=DIGEST))
+    outer["body"]["task_digest"] = "f" * 64
+    with pytest.raises(ManifestError, match="forged"):
+        Manifest.from_bytes(repacked(outer))
+
+
+def test_a_format_1_manifest_of_a_custom_task_stays_readable_without_a_digest(
+    host_identity: Identity,
+) -> None:
+    # (an older shoal's: the joiner then refuses to run it, see test_task_code)
+    old = make_manifest(host_identity, task="mytask:make_task")
+    assert old.format == 1
+    assert "task_digest" not in unpacked(old)["body"]
+    assert Manifest.from_bytes(old.to_bytes()).task_digest == ""
+
+
+@pytest.mark.parametrize(
+    ("task", "digest", "problem"),
+    [
+        ("bytegpt", DIGEST, "built-in task 'bytegpt' with a code digest"),
+        ("mytask:make_task", "", "has no valid code digest"),
+        ("mytask:make_task", "ABC", "has no valid code digest"),
+        ("mytask:make_task", DIGEST.upper(), "has no valid code digest"),
+    ],
+)
+def test_a_format_2_body_with_a_bad_code_digest_is_refused(
+    host_identity: Identity, task: str, digest: str, problem: str
+) -> None:
+    outer = unpacked(make_manifest(host_identity, task="mytask:make_task", task_digest=DIGEST))
+    outer["body"]["task"], outer["body"]["task_digest"] = task, digest
+    with pytest.raises(ManifestError, match=problem):
+        Manifest.from_bytes(repacked(outer))
+    with pytest.raises(ManifestError, match=problem):
+        make_manifest(host_identity, task=task, task_digest=digest or "x")
+
+
+def test_a_format_2_body_without_the_digest_field_is_refused(host_identity: Identity) -> None:
+    outer = unpacked(make_manifest(host_identity, task="mytask:make_task", task_digest=DIGEST))
+    del outer["body"]["task_digest"]
+    with pytest.raises(ManifestError, match=r"fields \['task_digest'\] differ"):
         Manifest.from_bytes(repacked(outer))
 
 

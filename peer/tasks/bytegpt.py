@@ -21,6 +21,7 @@ d_model 128 under bf16, ~21x fewer bytes than float32 hidden states both ways
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,8 @@ from shoal.peer.task_error import TaskError
 from shoal.peer.tasks.corpus import DEFAULT_MAX_BYTES, ByteCorpus, random_windows, spaced_windows
 
 __all__ = ["DEFAULT_CONFIG", "VOCAB_SIZE", "ByteGPT", "ByteGPTTask", "make_task"]
+
+log = logging.getLogger(__name__)
 
 VOCAB_SIZE = 256
 
@@ -254,6 +257,11 @@ class ByteGPTTask:
     def config(self) -> dict[str, Any]:
         return dict(self.settings)
 
+    def private_data(self) -> bool:
+        """Each peer's own text, unless the config pins its digest (every peer then
+        holds the same text, and a referee can regenerate anyone's batches)."""
+        return self.settings["data"] == "user" and self.settings["data_digest"] == ""
+
     def make_model(self, seed: int) -> ByteGPT:
         # Seeded in a forked RNG: deterministic, and the caller's global RNG is left alone.
         with torch.random.fork_rng(devices=[]):
@@ -357,6 +365,8 @@ def make_task(config: dict[str, Any], data: Path | None = None) -> ByteGPTTask:
     if settings["data"] == "user":
         assert data is not None  # _settings checked
         corpus = ByteCorpus.from_path(data, window=window, max_bytes=settings["max_bytes"])
+        # What pins this text for every peer (--task-option data_digest=...).
+        log.info("training on %s: data_digest %s", corpus.description, corpus.digest)
     else:
         corpus = ByteCorpus.from_stdlib(window=window, max_bytes=settings["max_bytes"])
         if settings["data_digest"] == "":
