@@ -24,6 +24,13 @@ stream opened and left silent is reset, not served forever), a call without a
 timeout runs under `default_timeout`, and each peer has at most
 `max_concurrent_per_peer` calls in a service at once (optionally also
 `max_requests_per_s_per_peer`); beyond that the caller gets `PeerBusy` at once.
+What one call may make it allocate is bounded too: a message by `max_message`,
+read only as its bytes arrive; a tensor by `max_tensor`, and tighter by what the
+handler expects (``recv_tensor(max_bytes=, max_elements=)``; a chunk is read only
+into a buffer of the size the receiver expects). A tensor header announcing more
+raises `PayloadTooLarge` before anything is allocated for it; in a service, the
+call is answered ``PayloadTooLarge``, its stream reset and the refusal counted
+(`RpcService.oversized_refused`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from . import tensors
 from .connection import Stream
 from .errors import (
     ConnectionLost,
+    PayloadTooLarge,
     ProtocolViolation,
     RemoteError,
     RpcTimeout,
@@ -175,17 +183,28 @@ class MessageStream:
             raise ProtocolViolation("expected a message, got a tensor")
         return _unpack(body)
 
-    async def recv_tensor(self, out: Any = None) -> Any:
-        """The next tensor, read straight into `out` when given (shape/dtype must match)."""
+    async def recv_tensor(
+        self, out: Any = None, *, max_bytes: int | None = None, max_elements: int | None = None
+    ) -> Any:
+        """The next tensor, read straight into `out` when given (shape/dtype must match).
+
+        `max_bytes`, `max_elements`: what this call expects at most (the limits'
+        `max_tensor` bounds every call); a header announcing more raises
+        PayloadTooLarge before anything is allocated for it or read."""
         frame = await self._read_frame()
         if frame is None:
             raise EOFError("stream ended")
         kind, body = frame
         if kind != TENSOR:
             raise ProtocolViolation("expected a tensor, got a message")
+        limit = self.limits.max_tensor
+        if max_bytes is not None:
+            limit = min(limit, max_bytes)
         try:
-            header = tensors.validate(_unpack(body), self.limits.max_tensor)
+            header = tensors.validate(_unpack(body), limit, max_elements)
             result, view = tensors.allocate(header, out)
+        except tensors.TensorTooLarge as e:
+            raise PayloadTooLarge(str(e)) from None
         except ValueError as e:
             raise ProtocolViolation(f"bad tensor: {e}") from None
         await self.stream.readexactly_into(view)
@@ -236,6 +255,8 @@ class RpcService:
         self._rates = None if rate is None else KeyedBuckets(rate, max(1.0, 2 * rate))
         self.busy_refusals = 0  # calls answered PeerBusy
         self.silent_streams = 0  # streams reset for sending no request in time
+        # Calls refused for announcing more than the handler expects (PayloadTooLarge).
+        self.oversized_refused = 0
         host.set_handler(protocol, self._serve)
 
     def unary(self, name: str) -> Callable[[Handler], Handler]:
@@ -350,6 +371,21 @@ class RpcService:
                     await ctx.send([ERR, ["UnknownMethod", f"{self.protocol} has no {method!r}"]])
         except TimeoutError:
             await _try_send(ctx, [ERR, ["DeadlineExceeded", f"{method} exceeded {deadline:g}s"]])
+        except PayloadTooLarge as e:
+            # Refused before its bytes were read: the caller learns why, then the stream
+            # is reset (what it still sends is dropped, not buffered).
+            self.oversized_refused += 1
+            self.host.remote_events.info(
+                f"{self.protocol} oversized",
+                stream.connection.remote_key(),
+                "%s.%s: refusing a call from %s: %s",
+                self.protocol,
+                method,
+                ctx.peer.short(),
+                e,
+            )
+            await _try_send(ctx, [ERR, ["PayloadTooLarge", str(e)[:1000]]])
+            raise
         except TransportError:
             raise
         except Exception as e:
