@@ -220,6 +220,8 @@ class Averager:
         # The commit count of the state `last_fingerprint` hashes: `commits` counts a
         # commit before its hook and freeze finish, so the two differ meanwhile.
         self.last_fingerprint_commits: int | None = None
+        # State downloads refused for a layout unlike ours, before allocating it.
+        self.oversized_refused = 0
         self._own_service = service is None
         self._service = service or AllReduceService(dht.host, self.config.allreduce)
         self._matchmaker = Matchmaker(
@@ -298,6 +300,10 @@ class Averager:
         self.last_fingerprint = self._committed.fingerprint
         self.last_fingerprint_commits = self.commits
 
+    def _refused(self, holder: PeerID) -> None:
+        self.oversized_refused += 1
+        log.info("%s offered a state of %s laid out unlike ours: refused", holder.short(), self.key)
+
     async def load_state_from_peers(
         self,
         timeout: float = 300.0,
@@ -314,8 +320,9 @@ class Averager:
         try:
             if version is None:
                 state = await load_state_from_peers(
-                    self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline
-                )
+                    self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline,
+                    like=self.state, on_refused=self._refused,
+                )  # fmt: skip
             else:
                 state = await load_version_from_peers(
                     self.dht,
@@ -324,6 +331,8 @@ class Averager:
                     sources=[(m.peer_id, m.addrs) for m in sources],
                     protocol=self.config.state_protocol,
                     deadline=deadline,
+                    like=self.state,
+                    on_refused=self._refused,
                 )
         except NoHolders:
             # A peer alone (a restart, the first peer): normal, and nothing to do.
