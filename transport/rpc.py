@@ -145,7 +145,7 @@ class MessageStream:
         length, kind = FRAME.unpack(await self.stream.readexactly(FRAME.size))
         if kind == MSG:
             if length > self.limits.max_message:
-                raise ProtocolViolation(f"message of {length} bytes where chunk {index} was due")
+                raise PayloadTooLarge(f"message of {length} bytes where chunk {index} was due")
             msg = _unpack(await self.stream.readexactly(length))
             if isinstance(msg, list) and len(msg) == 2 and msg[0] == ERR:
                 _raise_remote(msg[1])
@@ -166,7 +166,7 @@ class MessageStream:
             return None
         length, kind = FRAME.unpack(head)
         if length > self.limits.max_message:
-            raise ProtocolViolation(
+            raise PayloadTooLarge(
                 f"message of {length} bytes exceeds the limit of {self.limits.max_message}"
             )
         if kind not in (MSG, TENSOR):
@@ -350,6 +350,9 @@ class RpcService:
             raise ProtocolViolation(
                 f"no request within {self.limits.first_message_timeout:g} s"
             ) from None
+        except PayloadTooLarge as e:
+            self._oversized(stream, "(request)", e)
+            raise
         if not (isinstance(request, list) and len(request) == 3 and isinstance(request[0], str)):
             raise ProtocolViolation("malformed RPC request")
         method, timeout, payload = request
@@ -374,16 +377,7 @@ class RpcService:
         except PayloadTooLarge as e:
             # Refused before its bytes were read: the caller learns why, then the stream
             # is reset (what it still sends is dropped, not buffered).
-            self.oversized_refused += 1
-            self.host.remote_events.info(
-                f"{self.protocol} oversized",
-                stream.connection.remote_key(),
-                "%s.%s: refusing a call from %s: %s",
-                self.protocol,
-                method,
-                ctx.peer.short(),
-                e,
-            )
+            self._oversized(stream, method, e)
             await _try_send(ctx, [ERR, ["PayloadTooLarge", str(e)[:1000]]])
             raise
         except TransportError:
@@ -391,6 +385,19 @@ class RpcService:
         except Exception as e:
             log.debug("%s.%s raised %r", self.protocol, method, e)
             await _try_send(ctx, [ERR, [type(e).__name__, str(e)[:1000]]])
+
+
+    def _oversized(self, stream: Stream, method: str, e: PayloadTooLarge) -> None:
+        self.oversized_refused += 1
+        self.host.remote_events.info(
+            f"{self.protocol} oversized",
+            stream.connection.remote_key(),
+            "%s.%s: refusing a call from %s: %s",
+            self.protocol,
+            method,
+            stream.remote_peer.short(),
+            e,
+        )
 
 
 class _PeerSlots:
