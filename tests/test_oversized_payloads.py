@@ -17,15 +17,16 @@ import msgpack
 import pytest
 import torch
 
+from shoal.averaging.compression import get_codec
 from shoal.averaging.state_sync import StateServer, load_state_from_peers, make_state
 from shoal.dht.node import DHTNode
-from shoal.peer.reveals import PROTOCOL as REVEALS, RevealTooLarge, fetch_reveal
+from shoal.peer.reveals import PROTOCOL as REVEALS
+from shoal.peer.reveals import RevealTooLarge, fetch_reveal
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.server import pipeline_protocol
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.wire import recv_tensor, send_tensor
-from shoal.averaging.compression import get_codec
 from shoal.transport import rpc
 from shoal.transport.errors import RemoteError, StreamReset, TransportError
 
@@ -81,8 +82,9 @@ class Stage1:
     def open(self, method: str, samples: int, codec: str = "int8", enc: bool = True) -> Any:
         payload = {"stage": 1, "key": "k", "samples": samples, "codec": codec,
                    "enc": [enc, enc]}  # fmt: skip
-        return rpc.open_call(self.client.host, self.peer.server.dht.peer_id,
-                             pipeline_protocol(EXPERIMENT), method, payload, timeout=10)  # fmt: skip
+        server = self.peer.server.dht.peer_id
+        protocol = pipeline_protocol(EXPERIMENT)
+        return rpc.open_call(self.client.host, server, protocol, method, payload, timeout=10)
 
 
 @pytest.fixture
@@ -266,7 +268,7 @@ async def test_a_state_download_of_another_layout_is_refused_before_allocation(
         lying._service.unary("info")(info)  # (the layout it claims, not the one it has)
         await lying.announce()
         refused: list[Any] = []
-        with pytest.raises(Exception, match="laid out|layout|other than ours"):
+        with pytest.raises(Exception, match="other than ours"):
             await load_state_from_peers(b, "k", timeout=5, like=ours, on_refused=refused.append)
         assert refused == [a.peer_id] and big_allocations == []
         lying.close()

@@ -386,7 +386,6 @@ class RpcService:
             log.debug("%s.%s raised %r", self.protocol, method, e)
             await _try_send(ctx, [ERR, [type(e).__name__, str(e)[:1000]]])
 
-
     def _oversized(self, stream: Stream, method: str, e: PayloadTooLarge) -> None:
         self.oversized_refused += 1
         self.host.remote_events.info(
