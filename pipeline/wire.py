@@ -19,6 +19,10 @@ with its narrow hidden states (`shoal.peer.tasks.bytegpt`), which blockwise int8
 would round off (a block's scale makes steps of about max/127), and the zero
 gradient that comes back for them. Any tensor may take these paths: they are
 lossless for that channel, so whether one applies is decided by the values alone.
+
+A receiver says how many elements it expects at most (`recv_tensor`'s
+`max_elements`: a stage's `bounds`, never more than MAX_ELEMENTS); a header
+announcing more raises PayloadTooLarge before any buffer is allocated for it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from shoal.averaging.compression import get_codec
 from shoal.averaging.state_sync import StateServer, load_state_from_peers, make_state
 from shoal.dht.node import DHTNode
 from shoal.peer.reveals import PROTOCOL as REVEALS
-from shoal.peer.reveals import RevealTooLarge, fetch_reveal
+from shoal.peer.reveals import Reveal, RevealTooLarge, fetch_reveal, send_reveal
+from shoal.peer.segments import SegmentState
 from shoal.peer.tasks.bytegpt import make_task
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.server import pipeline_protocol
@@ -235,6 +236,36 @@ async def test_a_reveal_announcing_more_than_our_model_is_refused_before_allocat
         await fetch_reveal(referee, prover.peer_id, 1, 0, {}, shapes, timeout=10)
     assert isinstance(refused.value, RevealTooLarge) == (tensors[-1]["shape"] == [HUGE])
     assert big_allocations == [] and rss_mb() - before < GROWTH_MB
+
+
+@pytest.mark.timeout(30)
+async def test_an_honest_reveal_of_our_models_layout_is_taken(
+    make_host: Callable[..., Any],
+) -> None:
+    """Parameters of our shapes and AdamW's state (two moments of a parameter's shape and
+    a step count each): exactly what the bounds allow."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    start = SegmentState(params, {"optimizer": opt.state_dict(), "grad_scaler": None})
+    sent = Reveal(start, params, b"e" * 32, params, b"f" * 32)
+    referee, prover = await make_host(), await make_host()
+    service = rpc.RpcService(prover, REVEALS)
+
+    @service.stream("reveal")
+    async def reveal(ctx: rpc.CallContext, payload: Any) -> Any:
+        await send_reveal(ctx, sent)
+        yield {"done": True}
+
+    await referee.connect(prover.addresses()[0])
+    template = {"optimizer": opt.state_dict(), "grad_scaler": None}
+    shapes = [p.shape for p in model.parameters()]
+    got = await fetch_reveal(referee, prover.peer_id, 1, 0, template, shapes, timeout=10)
+    assert all(torch.equal(a, b) for a, b in zip(got.start.params, params, strict=True))
+    assert len(got.start.optimizer["optimizer"]["state"]) == 2
+    assert got.end_optimizer == b"e" * 32
 
 
 @pytest.mark.timeout(30)
