@@ -229,6 +229,8 @@ class Averager:
         # The commit count of the state `last_fingerprint` hashes: `commits` counts a
         # commit before its hook and freeze finish, so the two differ meanwhile.
         self.last_fingerprint_commits: int | None = None
+        # State downloads refused for a layout unlike ours, before allocating it.
+        self.oversized_refused = 0
         self._own_service = service is None
         self._service = service or AllReduceService(dht.host, self.config.allreduce)
         self._matchmaker = Matchmaker(
@@ -315,6 +317,10 @@ class Averager:
         self.last_fingerprint = self._committed.fingerprint
         self.last_fingerprint_commits = self.commits
 
+    def _refused(self, holder: PeerID) -> None:
+        self.oversized_refused += 1
+        log.info("%s offered a state of %s laid out unlike ours: refused", holder.short(), self.key)
+
     async def load_state_from_peers(
         self,
         timeout: float = 300.0,
@@ -334,8 +340,9 @@ class Averager:
                 state, lineage = await self._load_certified(deadline, version, sources)
             elif version is None:
                 state = await load_state_from_peers(
-                    self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline
-                )
+                    self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline,
+                    like=self.state, on_refused=self._refused,
+                )  # fmt: skip
             else:
                 state = await load_version_from_peers(
                     self.dht,
@@ -344,6 +351,8 @@ class Averager:
                     sources=[(m.peer_id, m.addrs) for m in sources],
                     protocol=self.config.state_protocol,
                     deadline=deadline,
+                    like=self.state,
+                    on_refused=self._refused,
                 )
         except NoHolders:
             # A peer alone (a restart, the first peer): normal, and nothing to do.
@@ -423,7 +432,7 @@ class Averager:
         state = await load_version_from_peers(
             self.dht, self.key, lineage.version.hex(), sources=targets,
             protocol=self.config.state_protocol, deadline=deadline,
-            fingerprint=lineage.fingerprint,
+            fingerprint=lineage.fingerprint, like=self.state, on_refused=self._refused,
         )  # fmt: skip
         return state, lineage
 
@@ -431,8 +440,9 @@ class Averager:
         """The state before any commit (its holders resumed from the initial state):
         nothing to certify, and nothing more than that is taken."""
         state = await load_state_from_peers(
-            self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline
-        )
+            self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline,
+            like=self.state, on_refused=self._refused,
+        )  # fmt: skip
         if state.metadata.get("commits", 0) != 0:
             raise StateSyncError("a holder serves a committed state without its certificates")
         return state

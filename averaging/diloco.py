@@ -157,6 +157,10 @@ class DiLoCo(OuterStrategyBase):
         """Outer steps applied to the global state this peer holds (its commit count)."""
         return self.averager.commits
 
+    @property
+    def oversized_refused(self) -> int:
+        return self.averager.oversized_refused
+
     def _metadata(self) -> dict[str, Any]:
         return {"strategy": self.name, "step": self.averager.commits}
 
@@ -383,6 +387,10 @@ class StreamingDiLoCo(OuterStrategyBase):
     def outer_steps(self) -> int:
         """Fragment outer steps applied to the global state (each covers 1/F of it)."""
         return sum(self._avg(f).commits for f in self.fragments)
+
+    @property
+    def oversized_refused(self) -> int:
+        return sum(self._avg(f).oversized_refused for f in self.fragments)
 
     @staticmethod
     def _avg(frag: _Fragment) -> Averager:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from shoal.dht.node import DHTNode
+from shoal.transport.identity import PeerID
 
 from .fingerprint import state_fingerprint
 from .gossip import GossipAverager, GossipConfig, GossipResult
@@ -111,6 +112,15 @@ class NoLoCo(OuterStrategyBase):
         self._state_server = StateServer(
             dht, key, lambda: self._frozen, protocol=self._protocol, copy=False
         )
+        self._oversized_refused = 0
+
+    @property
+    def oversized_refused(self) -> int:
+        return self._oversized_refused
+
+    def _refused(self, holder: PeerID) -> None:
+        self._oversized_refused += 1
+        log.info("%s offered a state of %s laid out unlike ours: refused", holder.short(), self.key)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -226,8 +236,9 @@ class NoLoCo(OuterStrategyBase):
     async def _load_from_peers(self) -> bool:
         try:
             state = await load_state_from_peers(
-                self.dht, self.key, protocol=self._protocol, timeout=self.options["state_timeout"]
-            )
+                self.dht, self.key, protocol=self._protocol, timeout=self.options["state_timeout"],
+                like=[*self.outer, *self.momentum], on_refused=self._refused,
+            )  # fmt: skip
         except (StateSyncError, TimeoutError) as e:
             log.info("%s: no state loaded from peers: %s", self.key, e)
             return False

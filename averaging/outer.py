@@ -90,6 +90,8 @@ class OuterStrategy(Protocol):
     # Times the parameters were set back to the global state outside a commit (a
     # re-sync, a load at start): work counted from before such a reset is gone.
     resets: int
+    # State downloads refused for a layout unlike ours (`state_sync.UnexpectedLayout`).
+    oversized_refused: int
 
     async def start(self, *, join: bool) -> bool:
         """join=True: load the swarm's state if a peer serves it (True if loaded; the

@@ -66,6 +66,11 @@ class LayoutError(ValueError):
     """A holder's tensor layout that is malformed, too large, or cannot be allocated."""
 
 
+class UnexpectedLayout(LayoutError):
+    """A holder's layout other than the one the downloader holds (and expects):
+    refused before anything is allocated for it."""
+
+
 class NoHolders(StateSyncError):
     """Nobody announces a state for the key: a peer alone (the first one, or a
     restart of a swarm of one), not a failure."""
@@ -304,9 +309,17 @@ async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
     return holders
 
 
-def _allocate(layout: object) -> list[torch.Tensor]:
+def _allocate(layout: object, like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Empty tensors for a holder's layout ([[dtype name, shape], ...]); LayoutError
-    (a ValueError) when it is malformed, too large, or cannot be allocated here."""
+    (a ValueError) when it is malformed, too large, or cannot be allocated here;
+    UnexpectedLayout when it is not that of the tensors `like` (ours)."""
+    if like is not None:
+        ours = [[_dtype_name(t), list(t.shape)] for t in like]
+        if layout != ours:
+            raise UnexpectedLayout(
+                f"a layout of {len(layout) if isinstance(layout, list) else '?'} tensors "
+                f"other than ours ({len(ours)} tensors)"
+            )
     if not isinstance(layout, list) or len(layout) > MAX_TENSORS:
         raise LayoutError("bad tensor layout")
     shapes, total = [], 0
@@ -339,13 +352,16 @@ async def load_state_from_peers(
     deadline: Deadline | None = None,
     request_timeout: float = 30.0,
     chunk_bytes: int = 64 * 1024 * 1024,
+    like: Sequence[torch.Tensor] | None = None,
+    on_refused: Callable[[PeerID], None] | None = None,
 ) -> State:
     """Download and verify the newest state of `key` from its holders.
 
     Resumes from another holder of the same fingerprint when a source fails;
     raises NoHolders when nobody announces a state, StateSyncError when no
     holder gives a verified state before the `deadline` (default: `timeout`
-    seconds from now).
+    seconds from now). `like`: the tensors we hold; a holder whose layout is
+    another is refused before anything is allocated (`on_refused(holder)`).
     """
     failed: set[PeerID] = set()
     # Holders found behind what they announce (a re-sync took one back): the
@@ -363,8 +379,9 @@ async def load_state_from_peers(
                 detail = "; ".join(errors[-3:])
                 raise StateSyncError(f"no peer could provide the state of {key!r}: {detail}")
             download = _Download(
-                dht.host, protocol, request_timeout, chunk_bytes, at_least_step=holders[0].step
-            )
+                dht.host, protocol, request_timeout, chunk_bytes, at_least_step=holders[0].step,
+                like=like, on_refused=on_refused,
+            )  # fmt: skip
             stale = False
             for source in holders:  # newest first; the first that serves picks the state
                 try:
@@ -403,6 +420,8 @@ async def load_version_from_peers(
     request_timeout: float = 30.0,
     chunk_bytes: int = 64 * 1024 * 1024,
     fingerprint: str | None = None,
+    like: Sequence[torch.Tensor] | None = None,
+    on_refused: Callable[[PeerID], None] | None = None,
 ) -> State:
     """Download and verify the state of one `version` (hex) of `key`.
 
@@ -412,6 +431,7 @@ async def load_version_from_peers(
     tried first (peers known to hold it, e.g. the ones matchmaking just
     confirmed, with their addresses), then the DHT's holders that announce it.
     Raises StateSyncError when no reachable peer serves it by the `deadline`.
+    `like`, `on_refused`: as for `load_state_from_peers`.
     """
     tried: set[PeerID] = {dht.peer_id}
     errors: list[str] = []
@@ -421,7 +441,7 @@ async def load_version_from_peers(
     def fresh() -> _Download:
         return _Download(
             dht.host, protocol, request_timeout, chunk_bytes, version=version,
-            fingerprint=fingerprint,
+            fingerprint=fingerprint, like=like, on_refused=on_refused,
         )  # fmt: skip
 
     download = fresh()
@@ -504,9 +524,13 @@ class _Download:
         version: str | None = None,
         at_least_step: int = 0,
         fingerprint: str | None = None,
+        like: Sequence[torch.Tensor] | None = None,
+        on_refused: Callable[[PeerID], None] | None = None,
     ) -> None:
         self.host = host
-        self.expected = fingerprint
+        self.expected = fingerprint  # what the version's certificate names
+        self.like = like  # the tensors we hold: a source's layout must be theirs
+        self.on_refused = on_refused
         self.protocol = protocol
         self.fingerprint: str | None = None
         self.version = version
@@ -533,7 +557,12 @@ class _Download:
             if not isinstance(info, dict):
                 raise ValueError("info is not a map")
             self.fingerprint = self._pick(info)
-            tensors = _allocate(info.get("tensors"))
+            try:
+                tensors = _allocate(info.get("tensors"), self.like)
+            except UnexpectedLayout:
+                if self.on_refused is not None:
+                    self.on_refused(peer)
+                raise
             views = [_byte_view(t) for t in tensors]
             if sum(v.numel() for v in views) != info.get("total"):
                 raise ValueError("layout and total disagree")
@@ -623,6 +652,7 @@ __all__ = [
     "StateProvider",
     "StateServer",
     "StateSyncError",
+    "UnexpectedLayout",
     "find_holders",
     "load_state_from_peers",
     "load_version_from_peers",

@@ -83,6 +83,12 @@ class OuterStrategyBase:
         self._gate = RoundGate()
         self._closed = False
 
+    @property
+    def oversized_refused(self) -> int:
+        """State downloads refused for a layout unlike ours, before allocating it
+        (`state_sync.UnexpectedLayout`)."""
+        return 0
+
     def _synced_now(self) -> None:
         """Our parameters are the global state now (loaded from the swarm, or set back
         to it): the samples our next input carries count from here. (A checkpoint's

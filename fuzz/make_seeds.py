@@ -255,6 +255,8 @@ def new_seeds() -> dict[str, list[bytes]]:
         "verification_rounds": _packed(
             [conviction_commitment, b"s" * SECRET_BYTES],
             {"params": 2, "keys": [[0, "exp_avg"]], "end_opt": bytes(32), "final_opt": bytes(32)},
+            # more parameters and state than the asker's model has: refused unread
+            {"params": 3, "keys": [[5, "exp_avg"]], "end_opt": bytes(32), "final_opt": bytes(32)},
         ),
         "dht_reports": _packed(
             [
@@ -296,7 +298,11 @@ def seeds() -> dict[str, list[bytes]]:
             pack_message({"method": "ping", "args": [1, "x"]}),
             b"\x01" + pack_message([1, 2]),
         ],
-        "tensor_header": [msgpack.packb(header, use_bin_type=True)],
+        "tensor_header": _packed(
+            header,
+            # 2^30 float32 announced: refused before the buffer is allocated
+            {"lib": "torch", "dtype": "float32", "shape": [1 << 30], "nbytes": 1 << 32},
+        ),
         "nat_messages": [
             pack_message(
                 {

@@ -13,6 +13,7 @@ to its end in one `send` (`run_now`) without an event loop.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -105,9 +106,11 @@ def rpc_frames(data: bytes) -> None:
 
 
 def tensor_header(data: bytes) -> None:
-    """A tensor frame's header (dtype, shape, sizes) and the buffer it asks for."""
-    header = tensors.validate(_message(data), 1 << 16)
-    tensors.allocate(header)
+    """A tensor frame's header (dtype, shape, sizes) and the buffer it asks for, under
+    the transport's limit of bytes and a call's of elements."""
+    header = tensors.validate(_message(data), 1 << 16, max_elements=1 << 12)
+    t, _ = tensors.allocate(header)
+    assert math.prod(t.shape) <= 1 << 12
 
 
 _NAT_FIELDS: tuple[Callable[[dict[str, Any]], object], ...] = (

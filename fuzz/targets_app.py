@@ -19,12 +19,14 @@ from shoal.peer.experiment import _valid_manifests
 from shoal.peer.swarm_history import SwarmHistory
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
+from shoal.pipeline.bounds import StageBounds
 from shoal.pipeline.directory import StageRecord
 from shoal.pipeline.fencing import parse_attempt, parse_fence
 from shoal.pipeline.ledger import MicrobatchLedger
 from shoal.pipeline.progress import StageProgress
 from shoal.pipeline.server import StageServer, _audit, _check_batch
 from shoal.pipeline.trainer import PipelineTrainer
+from shoal.transport.errors import PayloadTooLarge
 from shoal.verification import lsh
 from shoal.verification.evidence import EvidenceError
 from shoal.verification.stage_audit import StageCommitment, StageEvidence
@@ -40,8 +42,10 @@ def _as_map(obj: object) -> dict[Any, Any]:
 
 # ---------------------------------------------------------------- pipeline
 
-# A stage server as its request checks see it (serving stage 1, available).
+# A stage server as its request checks see it (serving stage 1, available), and what
+# its requests may hold (a tensor past that is refused before its payload is decoded).
 _SERVER = SimpleNamespace(stage=1, _refuse_if_unavailable=lambda: None)
+_BOUNDS = StageBounds(max_samples=64, input_elements=1 << 10, output_elements=1 << 10)
 
 
 def pipeline_requests(data: bytes) -> None:
@@ -57,8 +61,9 @@ def pipeline_requests(data: bytes) -> None:
         expect((ValueError,), lambda: _audit(payload, key, codec))
         inputs = torch.zeros(min(samples, 64), 2)
         expect((ValueError,), lambda: _check_batch(inputs, samples))
+        expect((PayloadTooLarge,), lambda: _BOUNDS.check_samples(samples))
     head = expect((pipeline_wire.HeaderError,), lambda: pipeline_wire.parse_header(payload))
-    if head is not None and head.numel <= 1 << 16:
+    if head is not None and head.numel <= _BOUNDS.inputs():
         codec = expect((ValueError,), lambda: pipeline_wire.codec_of(payload.get("codec")))
         body = payload.get("body")
         if codec is not None and isinstance(body, bytes):
@@ -135,7 +140,12 @@ def verification_rounds(data: bytes) -> None:
     the header of a segment's reveal."""
     parsed = audit_round._parse(data)
     assert parsed is None or len(parsed[1]) == audit_round.SECRET_BYTES
-    expect((reveals.RevealError,), lambda: reveals._header(message(data)))
+    head = expect((reveals.RevealError,), lambda: reveals._header(message(data)))
+    if head is not None:  # what our model (a Linear(3, 2)) can hold
+        expect((reveals.RevealError,), lambda: reveals._check_layout(head[0], head[1], _SHAPES))
+
+
+_SHAPES = [torch.Size([2, 3]), torch.Size([2])]
 
 
 # ---------------------------------------------------------------- peer

@@ -6,6 +6,7 @@ status server's HTTP requests (the registry is `targets.TARGETS`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.nat import autonat, holepunch, relay, relay_client
 from shoal.transport.nat.identify import IdentifyInfo
 from shoal.transport.noise import NoiseHandshakeXX
+from shoal.transport.remote_log import RemoteEvents
 from shoal.transport.secure import SecureHandshake
 
 __all__ = ["NET_TARGETS"]
@@ -119,7 +121,10 @@ _RPC_LIMITS = rpc.RpcLimits(max_message=1 << 16, max_tensor=1 << 16, max_timeout
 
 
 class _Host:
-    """What an RpcService needs of its host: a handler table."""
+    """What an RpcService needs of its host: a handler table, and where refusals of
+    remote peers are logged (rate-limited)."""
+
+    remote_events = RemoteEvents(logging.getLogger("shoal.fuzz"))
 
     def set_handler(self, protocol: str, handler: Any) -> None:
         self.handler = handler
@@ -197,10 +202,12 @@ _STATE_SERVER = state_sync.StateServer(_StateDHT(), "fuzz", lambda: _STATE)  # t
 
 
 def state_sync_requests(data: bytes) -> None:
-    """State sync: a holder's layout (what a downloader allocates) and a fetch request
-    (what a holder serves)."""
+    """State sync: a holder's layout (what a downloader allocates, with and without the
+    layout it holds) and a fetch request (what a holder serves)."""
     obj = message(data)
     expect((state_sync.LayoutError,), lambda: state_sync._allocate(obj))
+    ours = expect((state_sync.LayoutError,), lambda: state_sync._allocate(obj, _STATE.tensors))
+    assert ours is None or [t.shape for t in ours] == [t.shape for t in _STATE.tensors]
     payload = obj if isinstance(obj, dict) else {"offset": obj}
     payload.setdefault("fp", _STATE.fingerprint)
     ctx = rpc.CallContext(BytesStream(b""), "fetch", None, _RPC_LIMITS)  # type: ignore[arg-type]

@@ -12,7 +12,9 @@ Two kinds of series:
   shoal_version_mismatches_total (connections refused because the peer's
   protocol version is incompatible; /status's version_mismatches_total),
   shoal_access_refusals_total{reason} (connections refused by --swarm-key or
-  --allow-peers; /status access.refusals_by_reason) and
+  --allow-peers; /status access.refusals_by_reason),
+  shoal_oversized_refused_total{kind} (/status's oversized_refused: what peers
+  sent beyond what this peer expects, refused unread) and
   shoal_info{peer_id,version,experiment,reachability} and
   shoal_device_info{kind,name} (always 1). A value the
   peer does not know yet (loss before the first step) is left out rather than
@@ -67,6 +69,7 @@ disable_created_metrics()
 # Always exported, 0 when there is none, so that a dashboard's series do not vanish.
 CONNECTION_KINDS = ("direct", "relayed", "holepunched")
 ROUND_OUTCOMES = ("committed", "aborted")
+OVERSIZED_KINDS = ("pipeline", "reveals", "state")
 # Averaging rounds take from a fraction of a second (small models, LAN) to minutes.
 ROUND_DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 GROUP_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
@@ -222,6 +225,18 @@ class _StatusCollector(Collector):
                 count = by_reason.get(reason, 0)
                 refusals.add_metric([reason], count if _is_number(count) else 0)
             yield refusals
+        oversized = status.get("oversized_refused")
+        if isinstance(oversized, dict):
+            refused = CounterMetricFamily(
+                "shoal_oversized_refused",
+                "What peers sent beyond what this peer expects (a stage request or answer, "
+                "a reveal, a state's layout), refused before it was read or allocated.",
+                labels=["kind"],
+            )
+            for kind in OVERSIZED_KINDS:
+                count = oversized.get(kind, 0)
+                refused.add_metric([kind], count if _is_number(count) else 0)
+            yield refused
         verification = status.get("verification")
         if isinstance(verification, dict):
             yield GaugeMetricFamily(

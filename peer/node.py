@@ -246,6 +246,7 @@ class PeerNode:
             "config": self.config.to_json(),
             "verification": self._verification_status(),
             "pipeline": None,
+            "oversized_refused": self._oversized_refused(),
         }
         if self.session is not None and self.session.pipeline is not None:
             out["pipeline"] = self.session.pipeline.status()
@@ -291,6 +292,21 @@ class PeerNode:
                 },
             )
         return out
+
+    def _oversized_refused(self) -> dict[str, int]:
+        """What peers sent (or announced) beyond what this peer expects, refused before
+        it was read or allocated: requests and answers of the pipeline, reveals of
+        audited work, state downloads whose layout was not ours."""
+        session = self.session
+        pipeline = None if session is None else session.pipeline
+        # (A pipeline stands as the strategy: its stage's state downloads.)
+        state = 0 if session is None else session.strategy.oversized_refused
+        verifier = None if session is None else session.verifier
+        return {
+            "pipeline": 0 if pipeline is None else pipeline.status_oversized_refused(),
+            "reveals": 0 if verifier is None else verifier.referee.counts["reveals_oversized"],
+            "state": state,
+        }
 
     def _verification_status(self) -> dict[str, Any] | None:
         if self.bans is None:

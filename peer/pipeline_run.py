@@ -28,6 +28,7 @@ import torch
 
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.dht.node import DHTNode
+from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
@@ -98,6 +99,7 @@ class PipelineRun:
         self._done: collections.deque[tuple[float, int]] = collections.deque()
         self._tokens_per_sample = 1
         self._view = PipelineStatus()  # the richer keys of status(): servers, flow, bans
+        self.bounds: list[StageBounds] | None = None  # (`start` probes them)
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
 
@@ -105,6 +107,12 @@ class PipelineRun:
 
     async def start(self) -> None:
         """Serve a stage (roles auto and stage) and set up the trainer (auto, trainer)."""
+        if self.role != "monitor":
+            # What each stage's requests and answers may hold: more is refused unread.
+            self.bounds = await asyncio.to_thread(
+                probe_bounds, self.task, self.manifest.seed, self.stages,
+                int(self.options["global_batch"]),
+            )  # fmt: skip
         await self.refresh_directory()
         if self.role in ("auto", "stage"):
             k = self.wanted_stage
@@ -133,6 +141,7 @@ class PipelineRun:
             audit = StageAuditPolicy() if self.options.get("verify", False) else None
             trainer = PipelineTrainer(self.dht, self.manifest.experiment_id, self.stages,
                                       codec=str(self.options["codec"]), audit=audit)  # fmt: skip
+            trainer.calls.bounds = self.bounds
             if self.stage_peer is not None:
                 trainer.local[self.stage_peer.stage] = self.stage_peer.server
             self.loop = TrainerLoop(
@@ -163,6 +172,7 @@ class PipelineRun:
             },
             global_batch=int(self.options["global_batch"]),
             device=self.device,
+            bounds=None if self.bounds is None else self.bounds[k],
         )
 
     def _moved(self, old: StagePeer, new: StagePeer) -> None:
@@ -280,6 +290,9 @@ class PipelineRun:
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
             "recovered": None if loop is None else loop.trainer.counters.recovered,
             "unfenced": None if loop is None else loop.trainer.counters.unfenced,
+            # Requests (served stage) and answers (trainer) refused unread for holding
+            # more than the stage's bounds: pipeline/bounds.py.
+            "oversized_refused": self.status_oversized_refused(),
             # Exactly-once accounting, for whoever checks it: samples this trainer
             # completed; a stage peer's step sizes (version -> samples, the last
             # STEPS_SHOWN) and the samples it holds for steps not taken yet.
@@ -296,6 +309,22 @@ class PipelineRun:
             trainer=None if loop is None else loop.trainer,
             server=None if peer is None else peer.server,
         )
+
+    @property
+    def oversized_refused(self) -> int:
+        """(As a strategy:) our stage's state downloads refused for a layout unlike ours."""
+        peer = self.stage_peer
+        return 0 if peer is None else peer.optimizer.averager.oversized_refused
+
+    def status_oversized_refused(self) -> int:
+        """Requests our stage refused, and answers our trainer refused, unread for
+        holding more than the stage's bounds."""
+        peer, loop = self.stage_peer, self.loop
+        served = 0
+        if peer is not None:
+            audits = peer.server.audits.counts["oversized_refused"]
+            served = peer.server.oversized_refused + audits
+        return served + (0 if loop is None else loop.trainer.counters.oversized_refused)
 
     def _audits(self) -> dict[str, Any] | None:
         """What this trainer's audits of stage answers found (None: it audits none)."""

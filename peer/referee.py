@@ -44,7 +44,7 @@ from shoal.verification.evidence import EvidenceError, Result, Verdict
 
 from .audit_round import AuditRound, check_segment, gather
 from .ban_watch import BanWatcher
-from .reveals import PROTOCOL, Reveal, fetch_reveal
+from .reveals import PROTOCOL, Reveal, RevealTooLarge, fetch_reveal
 from .segments import SegmentRunner
 from .task import Task
 
@@ -88,6 +88,8 @@ class Referee:
         self.policy = policy
         self.runner = runner
         self.template = runner.inner.state_dict()
+        # What a reveal holds: our model's parameters (more is refused unread).
+        self.shapes = [p.shape for p in runner.model.parameters()]
         self.pool = pool
         self.bans = bans
         self.retain_s = retain_s  # how long provers keep their work
@@ -110,6 +112,8 @@ class Referee:
                 reveal = await self._fetch(rnd, prover, segment)
                 break
             except ValueError as e:  # it answered, with something that is no reveal
+                if isinstance(e, RevealTooLarge):  # (refused before it was read)
+                    self.counts["reveals_oversized"] += 1
                 log.warning("%s revealed round %d malformed: %s", prover.short(), rnd.round, e)
                 verdict = Verdict(self.me, c.digest(), segment, b"", Result.BAD_REVEAL)
                 return self._count(verdict.signed(self.identity))
@@ -185,7 +189,7 @@ class Referee:
         while True:
             try:
                 return await fetch_reveal(
-                    self.dht.host, prover, rnd.round, segment, self.template,
+                    self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
                     timeout=max(1.0, deadline - time.monotonic()),
                     secrets=rnd.secrets_to_wire(),
                 )  # fmt: skip

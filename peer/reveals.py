@@ -13,17 +13,28 @@ them, so both compute the same draw); the answer is a header item ``{"params": n
 [[param index, name], ...], "end_opt", "final_opt"}``, then the tensors (start
 parameters, start optimizer state in `keys` order, end parameters, final
 parameters), then ``{"done": true}``.
+
+The asker knows what a reveal holds before it comes: its own model has the same
+parameters (`fetch_reveal`'s `shapes`), and the optimizer's state of a parameter
+(AdamW: two moments of its shape, a step count) has at most as many elements,
+at most `MAX_STATES` tensors of it. A reveal announcing another parameter count,
+or a tensor larger than that, is refused before the tensor is allocated or read
+(`RevealTooLarge`: a malformed reveal).
 """
 
 from __future__ import annotations
 
 import copy
+import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shoal.transport import rpc
+from shoal.transport.errors import PayloadTooLarge
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.verification.commitment import HASH_BYTES, Commitment, state_digest
@@ -44,6 +55,7 @@ __all__ = [
     "Replay",
     "Reveal",
     "RevealError",
+    "RevealTooLarge",
     "fetch_reveal",
     "reveal_of",
     "send_reveal",
@@ -51,10 +63,16 @@ __all__ = [
 
 PROTOCOL = "/shoal/audit/1.0.0"
 MAX_KEYS = 1 << 16
+# Optimizer state tensors of one parameter (AdamW has 3; amsgrad 4): a margin.
+MAX_STATES = 8
 
 
 class RevealError(ValueError):
     """A reveal that is malformed (its header, so far)."""
+
+
+class RevealTooLarge(RevealError):
+    """A reveal announcing more than the asker's model can hold: refused unread."""
 
 
 @dataclass
@@ -110,13 +128,16 @@ async def fetch_reveal(
     round_index: int,
     segment: int,
     template: dict[str, Any],
+    shapes: Sequence[torch.Size],
     *,
     timeout: float,
     secrets: list[list[bytes]] | None = None,
 ) -> Reveal:
     """Ask `prover` to reveal `segment` of its work in `round_index`. `template`: an
-    `InnerOptimizer.state_dict()` whose param groups the revealed state takes.
-    Raises (transport, remote or ValueError) when nothing well formed came."""
+    `InnerOptimizer.state_dict()` whose param groups the revealed state takes;
+    `shapes`: our own model's parameters', which the revealed ones must have.
+    Raises (transport, remote or ValueError) when nothing well formed came;
+    RevealTooLarge for a header or tensor larger than `shapes` allow."""
     async with rpc.open_call(
         host, prover, PROTOCOL, "reveal",
         {"round": round_index, "segment": segment, "secrets": secrets or []},
@@ -125,10 +146,11 @@ async def fetch_reveal(
         await call.close_send()
         head = await call.recv_item()
         n, keys, end_opt, final_opt = _header(head)
-        start = [await call.recv_tensor() for _ in range(n)]
-        opt = [await call.recv_tensor() for _ in keys]
-        end = [await call.recv_tensor() for _ in range(n)]
-        final = [await call.recv_tensor() for _ in range(n)]
+        _check_layout(n, keys, shapes)
+        start = [await _recv(call, shape) for shape in shapes]
+        opt = [await _recv(call, shapes[i], exact=False) for i, _ in keys]
+        end = [await _recv(call, shape) for shape in shapes]
+        final = [await _recv(call, shape) for shape in shapes]
         done = await call.recv_item()
         if not isinstance(done, dict) or done.get("done") is not True:
             raise ValueError("the reveal ended out of step")
@@ -145,6 +167,33 @@ async def fetch_reveal(
     if any(t.dtype != torch.float32 for t in [*start, *end, *final]):
         raise ValueError("revealed parameters must be float32")
     return Reveal(SegmentState(start, optimizer), end, end_opt, final, final_opt)
+
+
+def _check_layout(n: int, keys: list[tuple[int, str]], shapes: Sequence[torch.Size]) -> None:
+    """A header that announces what our model has: its parameter count, and optimizer
+    state of those parameters only, each named once, at most MAX_STATES each."""
+    if n != len(shapes):
+        raise RevealTooLarge(f"a reveal of {n} parameters, our model has {len(shapes)}")
+    per_param: Counter[int] = Counter()
+    for i, _ in keys:
+        if not 0 <= i < n:
+            raise RevealTooLarge(f"optimizer state of parameter {i} of {n}")
+        per_param[i] += 1
+    if len(set(keys)) != len(keys) or any(c > MAX_STATES for c in per_param.values()):
+        raise RevealTooLarge("optimizer state named twice, or too many states of a parameter")
+
+
+async def _recv(call: rpc.Call, shape: torch.Size, *, exact: bool = True) -> torch.Tensor:
+    """The next tensor: of `shape` (`exact`), or at most its elements (optimizer state),
+    refused before it is allocated when it announces more."""
+    elements = max(1, math.prod(shape))
+    try:
+        t = await call.recv_tensor(max_bytes=elements * 8, max_elements=elements)
+    except PayloadTooLarge as e:
+        raise RevealTooLarge(str(e)) from None
+    if exact and t.shape != shape:
+        raise RevealError(f"a revealed parameter of shape {list(t.shape)}, ours is {list(shape)}")
+    return t
 
 
 def _header(head: object) -> tuple[int, list[tuple[int, str]], bytes, bytes]:

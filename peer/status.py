@@ -75,6 +75,18 @@ daemon since they exist (a client treats a missing key as "none seen"):
     peers_without_version     int     connected peers that run shoal from before protocol
                                       versions (compatibility unknown: served)
 
+Sizes peers choose (README "Sizes a peer chooses"): what they sent or announced
+beyond what this peer expects, refused before it was read or allocated:
+
+    oversized_refused   obj     counts since the daemon started:
+        pipeline        int     stage requests our stage refused (more samples, or
+                                tensors of more elements, than its bounds), and stage
+                                answers our trainer refused; also pipeline.oversized_refused
+        reveals         int     reveals of audited work announcing more than our model
+                                holds (each a malformed reveal); also
+                                verification.oversized_refused
+        state           int     state downloads offered in a layout other than ours
+
 Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored),
 `config` ({option: value as text}, the effective configuration, secrets never),
 `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event loop ran over the

@@ -387,4 +387,7 @@ class Verifier:
             # Accusers overruled by a majority, as this peer saw it.
             "strikes": {str(p): n for p, n in self.referee.ledger.strikes.items()},
             "ignored_accusations": self.ignored_accusations,
+            # Reveals refused unread for announcing more than our model holds
+            # (peer/reveals.py); each is a malformed reveal.
+            "oversized_refused": counts["reveals_oversized"],
         }

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shoal.transport import rpc
-from shoal.transport.errors import TransportError
+from shoal.transport.errors import PayloadTooLarge, TransportError
 from shoal.transport.identity import PeerID
 from shoal.verification.evidence import Result
 from shoal.verification.lsh import Signature
@@ -95,6 +95,8 @@ class AuditService:
             "passed": 0,
             "failed": 0,
             "cannot": 0,
+            # Full results a prover revealed larger than our recomputation: refused.
+            "oversized_refused": 0,
         }
         self.bytes_sent = 0  # signatures and reveals we sent
 
@@ -163,8 +165,11 @@ class AuditService:
         yield {"ready": True}
         enc = payload.get("enc", [])
         enc = [bool(e) for e in enc] + [False] * 2
-        inputs = await recv_tensor(ctx, codec, enc[0])
-        grads = await recv_tensor(ctx, codec, enc[1]) if backward else None
+        # As a request of the stage at most (an audit names no samples); past that,
+        # refused before anything is allocated (the service counts it).
+        most_in, most_out = server.request_limits(None)
+        inputs = await recv_tensor(ctx, codec, enc[0], max_elements=most_in)
+        grads = await recv_tensor(ctx, codec, enc[1], max_elements=most_out) if backward else None
         tensors = (inputs,) if grads is None else (inputs, grads)
         if hashlib.sha256(inputs_hash(*tensors)).digest() != commitment.inputs:
             self.counts["cannot"] += 1
@@ -207,7 +212,7 @@ class AuditService:
             if full.result is Result.PASS:
                 return full
         # Someone's signature disagrees: the prover's kept result decides.
-        revealed = await self._ask_full(commitment, nonce)
+        revealed = await self._ask_full(commitment, nonce, z.numel())
         bad = TokenJudgment(Result.BAD_REVEAL, judge_tokens(z, z, seed).comparison, 0, 0.0)
         if revealed is None or tensor_hash(revealed) != commitment.full:
             return bad
@@ -228,7 +233,10 @@ class AuditService:
             return None
         return signature_from_wire(answer, like)
 
-    async def _ask_full(self, commitment: StageCommitment, nonce: bytes) -> torch.Tensor | None:
+    async def _ask_full(
+        self, commitment: StageCommitment, nonce: bytes, elements: int
+    ) -> torch.Tensor | None:
+        """The prover's kept result: as many `elements` as our recomputation at most."""
         server = self.server
         try:
             async with (
@@ -245,7 +253,9 @@ class AuditService:
                 head = await call.recv_item()
                 if not isinstance(head, dict) or head.get("ok") is not True:
                     return None
-                return await recv_tensor(call, codec_of("none"), False)
+                return await recv_tensor(call, codec_of("none"), False, max_elements=elements)
         except (TransportError, OSError, TimeoutError, ValueError) as e:
+            if isinstance(e, PayloadTooLarge):
+                self.counts["oversized_refused"] += 1
             log.info("%s revealed no result: %r", commitment.prover.short(), e)
             return None

@@ -34,7 +34,7 @@ from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 
 from .stage import StageWorker
-from .wire import codec_of, encodes, recv_tensor
+from .wire import MAX_ELEMENTS, codec_of, encodes, recv_tensor
 
 __all__ = [
     "ATTEMPT_BYTES",
@@ -119,10 +119,16 @@ def fence_header(
 
 
 async def ask_fence(
-    host: Host, peer: PeerID, protocol: str, payload: dict[str, Any], codec: Codec
+    host: Host,
+    peer: PeerID,
+    protocol: str,
+    payload: dict[str, Any],
+    codec: Codec,
+    max_elements: int = MAX_ELEMENTS,
 ) -> FenceOutcome:
     """The trainer's side: fence the attempt `payload` names at `peer` (an unknown
-    outcome when it does not answer in time)."""
+    outcome when it does not answer in time, or answers a gradient of more than
+    `max_elements`: the stage's inputs of the microbatch)."""
     try:
         async with (
             asyncio.timeout(FENCE_TIMEOUT),
@@ -135,7 +141,8 @@ async def ask_fence(
                 return FenceOutcome(applied=False, settled=meta.get("settled") is True)
             grad = None
             if meta.get("grad"):
-                grad = await recv_tensor(call, codec, meta.get("enc") is True)
+                grad = await recv_tensor(call, codec, meta.get("enc") is True,
+                                         max_elements=max_elements)  # fmt: skip
             return FenceOutcome(applied=True, settled=True, grad=grad, meta=meta)
     except (TransportError, TimeoutError, OSError, ValueError):
         return FenceOutcome(applied=False, settled=False)

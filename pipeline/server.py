@@ -6,10 +6,12 @@ bidirectional call: a header (stage, idempotency key, samples), the input
 tensor (and for a backward the output gradient), then the answer: a header
 with what the peer measured (compute seconds, requests queued behind it) and
 the result tensor. Activations and gradients travel under the codec the request
-names (`wire`: int8 by default, or none). Every answer also carries the stage
-version, for a backward the epoch its gradients went into, and the peer's last
-committed steps with their members, from which trainers learn which of their
-microbatches a step included.
+names (`wire`: int8 by default, or none). A request of more samples, or tensors of
+more elements, than the stage's `bounds` allow is refused before anything of it
+is read or allocated (`RpcService.oversized_refused` counts them). Every answer
+also carries the stage version, for a backward the epoch its gradients went into,
+and the peer's last committed steps with their members, from which trainers
+learn which of their microbatches a step included.
 
 Requests are computed in a worker thread, in arrival order; requests of one
 kind that wait together (several trainers, or one trainer's concurrent
@@ -43,12 +45,13 @@ from shoal.transport.identity import PeerID
 
 from .audit import AuditRequest, seal
 from .audit_service import AuditService
+from .bounds import StageBounds
 from .compute_queue import ComputeQueue, Job
 from .fencing import fence_answer, fence_header, parse_attempt, parse_fence
 from .stage import BackwardRequest, StageWorker
 from .stage_optimizer import StepRecord
 from .step_push import StepPush
-from .wire import codec_of, encodes, recv_tensor, send_tensor
+from .wire import MAX_ELEMENTS, codec_of, encodes, recv_tensor, send_tensor
 
 __all__ = ["RECORD_REFRESH", "RECORD_TTL", "StageServer", "pipeline_protocol", "stage_key"]
 
@@ -87,8 +90,18 @@ class _Speed:
 class StageServer:
     """Serves `worker`'s stage of `experiment` on `dht.host`."""
 
-    def __init__(self, dht: DHTNode, experiment: str, stage: int, worker: StageWorker) -> None:
+    def __init__(
+        self,
+        dht: DHTNode,
+        experiment: str,
+        stage: int,
+        worker: StageWorker,
+        bounds: StageBounds | None = None,
+    ) -> None:
+        """`bounds`: what a request may hold (`probe_bounds`); None: only the wire's
+        MAX_ELEMENTS a tensor (a server built by hand, in tests)."""
         self.dht = dht
+        self.bounds = bounds
         self.experiment = experiment
         self.stage = stage
         self.worker = worker
@@ -337,12 +350,28 @@ class StageServer:
         meta = {**self._meta(seconds), "epoch": epoch, "grad": grad_inputs is not None}
         return grad_inputs, meta | _sealed(job)
 
+    @property
+    def oversized_refused(self) -> int:
+        """Requests (and audit requests) refused for holding more than `bounds`."""
+        return 0 if self._service is None else self._service.oversized_refused
+
+    def request_limits(self, samples: int | None) -> tuple[int, int]:
+        """The most elements of inputs and of output gradients a request of `samples`
+        may hold (None: an audit's, whose samples nobody announces)."""
+        if self.bounds is None:
+            return MAX_ELEMENTS, MAX_ELEMENTS
+        if samples is not None:
+            self.bounds.check_samples(samples)
+        return self.bounds.inputs(samples), self.bounds.outputs(samples)
+
     async def _forward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
+        most, _ = self.request_limits(samples)
         self.step_push.heard_from(ctx.peer)
         with self._request():
             await self._check_version(payload)
-            inputs = await recv_tensor(ctx, codec, bool(enc[:1] and enc[0]), rows=samples)
+            encoded = bool(enc[:1] and enc[0])
+            inputs = await recv_tensor(ctx, codec, encoded, rows=samples, max_elements=most)
             audit = _audit(payload, key, codec)
             outputs, meta = await self.compute_forward(inputs, samples, audit)
             yield {**meta, "enc": encodes(codec, outputs)}
@@ -351,13 +380,16 @@ class StageServer:
 
     async def _backward(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, samples, codec, enc = self._check(payload)
+        most_in, most_out = self.request_limits(samples)
         attempt = parse_attempt(payload)
         self.step_push.heard_from(ctx.peer)
         with self._request():
             await self._check_version(payload)
             enc = enc + [False] * (2 - len(enc))
-            inputs = await recv_tensor(ctx, codec, enc[0], rows=samples)
-            grad_outputs = await recv_tensor(ctx, codec, enc[1], rows=samples)
+            inputs = await recv_tensor(ctx, codec, enc[0], rows=samples, max_elements=most_in)
+            grad_outputs = await recv_tensor(
+                ctx, codec, enc[1], rows=samples, max_elements=most_out
+            )
             audit = _audit(payload, key, codec)
             grad_inputs, meta = await self.compute_backward(
                 key, inputs, grad_outputs, samples, audit, attempt

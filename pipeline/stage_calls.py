@@ -27,14 +27,15 @@ import torch
 from shoal.averaging.compression import Codec
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
-from shoal.transport.errors import TransportError
+from shoal.transport.errors import PayloadTooLarge, TransportError
 from shoal.transport.identity import PeerID
 
 from .auditor import Answer, TrainerAuditor
 from .balancer import NoPeerAvailable, StageBalancer
+from .bounds import StageBounds
 from .fencing import ATTEMPT_BYTES, FenceOutcome, ask_fence, maybe_applied
 from .server import StageServer
-from .wire import encodes, recv_tensor, send_tensor
+from .wire import MAX_ELEMENTS, encodes, recv_tensor, send_tensor
 
 __all__ = [
     "DEADLINE_FACTOR",
@@ -69,6 +70,8 @@ class TrainerCounters:
     # Failed backwards sent elsewhere although the first peer could not be asked
     # whether it applied them (`fencing`): the only way a microbatch counts twice.
     unfenced: int = 0
+    # Answers refused for holding more than the stage's bounds (`bounds`).
+    oversized_refused: int = 0
 
 
 class StageCalls:
@@ -98,6 +101,8 @@ class StageCalls:
         self.served_by: dict[PeerID, int] = {}  # requests answered, per peer
         self.local: dict[int, StageServer] = {}  # stages this process serves: called directly
         self.auditor: TrainerAuditor | None = None  # audits answers (a trainer's option)
+        # What each stage's answers may hold (`probe_bounds`); None: only the wire's bound.
+        self.bounds: list[StageBounds] | None = None
 
     async def request(
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
@@ -128,8 +133,10 @@ class StageCalls:
             except (TransportError, TimeoutError, OSError, ValueError) as e:
                 banned = balancer.failed(peer, time.monotonic())
                 self.counters.retries += 1
+                if isinstance(e, PayloadTooLarge):
+                    self.counters.oversized_refused += 1
                 if attempt_id is not None and maybe_applied(e):
-                    recovered = await self._fence(peer, stage, key, attempt_id)
+                    recovered = await self._fence(peer, stage, key, attempt_id, samples)
                     if recovered is not None:  # it counted there: its answer was late
                         self._served(stage, method, peer, recovered[1])
                         return recovered[0], recovered[1], peer
@@ -152,8 +159,16 @@ class StageCalls:
         self.counters.requests[method] += 1
         self.served_by[peer] = self.served_by.get(peer, 0) + 1
 
+    def _most(self, stage: int, method: str, samples: int) -> int:
+        """The most elements an answer of `stage` to `method` of `samples` may hold: its
+        outputs for a forward, its inputs' gradient for a backward."""
+        if self.bounds is None:
+            return MAX_ELEMENTS
+        bounds = self.bounds[stage]
+        return bounds.inputs(samples) if method == "backward" else bounds.outputs(samples)
+
     async def _fence(
-        self, peer: PeerID, stage: int, key: str, attempt: bytes
+        self, peer: PeerID, stage: int, key: str, attempt: bytes, samples: int
     ) -> tuple[Any, dict[str, Any]] | None:
         """Fence a failed backward attempt at `peer`: its answer if the peer had applied
         it, else None (another peer may take it)."""
@@ -165,7 +180,8 @@ class StageCalls:
                 outcome.grad, outcome.meta = answer[0], {**meta, "epoch": answer[1]}
         else:
             payload = {"stage": stage, "key": key, "attempt": attempt, "codec": self.codec.name}
-            outcome = await ask_fence(self.dht.host, peer, self.protocol, payload, self.codec)
+            outcome = await ask_fence(self.dht.host, peer, self.protocol, payload, self.codec,
+                                      self._most(stage, "backward", samples))  # fmt: skip
         if outcome.applied and outcome.meta is not None:
             self.counters.recovered += 1
             log.info("stage %d backward %s: %s had applied it; its answer was late", stage,
@@ -220,4 +236,7 @@ class StageCalls:
                 raise ValueError("malformed stage answer")
             if method == "backward" and not meta.get("grad"):
                 return None, meta
-            return await recv_tensor(call, self.codec, meta.get("enc") is True), meta
+            most = self._most(stage, method, samples)
+            result = await recv_tensor(call, self.codec, meta.get("enc") is True,
+                                       rows=samples, max_elements=most)  # fmt: skip
+            return result, meta

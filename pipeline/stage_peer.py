@@ -46,6 +46,7 @@ from shoal.transport import rpc
 from shoal.transport.errors import ConnectionLost, DialError, ProtocolNotSupported
 from shoal.transport.identity import PeerID
 
+from .bounds import StageBounds
 from .progress import STALE_S, Report, StageProgress, peers_at, samples_at
 from .server import StageServer
 from .stage import StageWorker
@@ -78,10 +79,12 @@ class StagePeer:
         matchmaking_time: float = 3.0,
         step_timeout: float = 30.0,
         sync_timeout: float = 120.0,
+        bounds: StageBounds | None = None,
     ) -> None:
+        """`bounds`: what a request of the stage may hold (`bounds.probe_bounds`)."""
         self.stage = stage
         self.worker = StageWorker(module, device=device)
-        self.server = StageServer(dht, experiment, stage, self.worker)
+        self.server = StageServer(dht, experiment, stage, self.worker, bounds)
         matchmaking = MatchmakingConfig(
             min_group_size=1,
             target_group_size=64,

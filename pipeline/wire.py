@@ -19,6 +19,10 @@ with its narrow hidden states (`shoal.peer.tasks.bytegpt`), which blockwise int8
 would round off (a block's scale makes steps of about max/127), and the zero
 gradient that comes back for them. Any tensor may take these paths: they are
 lossless for that channel, so whether one applies is decided by the values alone.
+
+A receiver says how many elements it expects at most (`recv_tensor`'s
+`max_elements`: a stage's `bounds`, never more than MAX_ELEMENTS); a header
+announcing more raises PayloadTooLarge before any buffer is allocated for it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 from shoal.averaging.compression import CODECS, Codec, CodecError, get_codec
+from shoal.transport.errors import PayloadTooLarge
 from shoal.transport.rpc import MessageStream
 
 __all__ = [
@@ -46,7 +51,8 @@ __all__ = [
     "send_tensor",
 ]
 
-MAX_ELEMENTS = 1 << 30
+MAX_ELEMENTS = 1 << 30  # whatever the receiver expects, never more than this
+_MAX_ITEMSIZE = 8  # (a plain tensor's bytes: float64 and int64 ids are the widest)
 MAX_ID = 255  # the exact channel's values fit a byte
 _TAILS = (None, "ids", "zeros")
 _DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
@@ -160,15 +166,28 @@ async def send_tensor(stream: MessageStream, t: torch.Tensor, codec: Codec) -> i
 
 
 async def recv_tensor(
-    stream: MessageStream, codec: Codec, encoded: bool, rows: int | None = None
+    stream: MessageStream,
+    codec: Codec,
+    encoded: bool,
+    rows: int | None = None,
+    max_elements: int = MAX_ELEMENTS,
 ) -> torch.Tensor:
     """The next tensor (`encoded`: as `send_tensor` sends a float under `codec`);
-    `rows`: its first dimension, checked before anything is allocated for it."""
+    `rows`: its first dimension, checked before anything is allocated for it;
+    `max_elements`: the most the receiver expects (PayloadTooLarge beyond, before
+    anything is allocated or read for it)."""
+    max_elements = min(max_elements, MAX_ELEMENTS)
     if not encoded:
-        return await stream.recv_tensor()
+        most = max_elements * _MAX_ITEMSIZE
+        t = await stream.recv_tensor(max_bytes=most, max_elements=max_elements)
+        if rows is not None and (t.dim() < 1 or t.shape[0] != rows):
+            raise HeaderError(f"a tensor of {rows} rows expected, got {list(t.shape)}")
+        return t
     head = parse_header(await stream.recv())
     if rows is not None and (not head.shape or head.shape[0] != rows):
         raise HeaderError(f"a tensor of {rows} rows expected, its header says {head.shape}")
+    if head.numel > max_elements:
+        raise PayloadTooLarge(f"a tensor of {head.numel} elements, at most {max_elements} expected")
     # Uninitialised (not a zeroed bytearray): memory is taken as the bytes arrive, so a
     # header that claims a huge tensor costs its sender the bytes, not us the memory.
     data = torch.empty(head.payload_size(codec), dtype=torch.uint8).numpy()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 import shoal.peer.referee as referee_mod
 from shoal.dht.node import DHTNode
@@ -39,7 +40,7 @@ def referee(host: Any, shunned: list[tuple[PeerID, int]]) -> Referee:
     me = Identity.generate()
     dht = SimpleNamespace(host=host)
     # Only what an audit touches before any reveal arrives: no segment is re-run here.
-    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
+    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict), model=torch.nn.Linear(2, 2))
     return Referee(
         dht, me, task=None, num_shards=1, namespace="exp", policy=None, runner=runner,
         pool=None, bans=None, retain_s=3600.0, shun=recorder(shunned),
@@ -125,7 +126,7 @@ async def test_an_audit_whose_draw_moved_is_dropped_without_an_error(
     soak: 'the auditor speaks first', an exception nobody retrieved)."""
     r = Round(6, salt="moving")
     prover, auditor, moved = moving_draw(r)
-    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
+    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict), model=torch.nn.Linear(2, 2))
     ref = Referee(
         SimpleNamespace(host=await make_host()), r.by_peer[auditor], task=None, num_shards=1,
         namespace="exp", policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,
@@ -187,7 +188,7 @@ async def late_secret_round(
         yield  # (stream handlers are async generators)
 
     shunned: list[tuple[PeerID, int]] = []
-    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict))
+    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict), model=torch.nn.Linear(2, 2))
     ref = Referee(
         auditor, auditor.host.identity, task=None, num_shards=1, namespace="exp",
         policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,

@@ -16,6 +16,11 @@ class ProtocolViolation(TransportError):
     """The remote side broke the wire protocol (bad frame, oversized message, ...)."""
 
 
+class PayloadTooLarge(ProtocolViolation):
+    """The remote side announced more than the receiver expects here (a tensor larger
+    than the call's bound): refused before anything was allocated for it or read."""
+
+
 class StreamTruncated(ProtocolViolation):
     """The stream ended (EOF) in the middle of a read that needed more bytes."""
 

@@ -24,6 +24,13 @@ stream opened and left silent is reset, not served forever), a call without a
 timeout runs under `default_timeout`, and each peer has at most
 `max_concurrent_per_peer` calls in a service at once (optionally also
 `max_requests_per_s_per_peer`); beyond that the caller gets `PeerBusy` at once.
+What one call may make it allocate is bounded too: a message by `max_message`,
+read only as its bytes arrive; a tensor by `max_tensor`, and tighter by what the
+handler expects (``recv_tensor(max_bytes=, max_elements=)``; a chunk is read only
+into a buffer of the size the receiver expects). A tensor header announcing more
+raises `PayloadTooLarge` before anything is allocated for it; in a service, the
+call is answered ``PayloadTooLarge``, its stream reset and the refusal counted
+(`RpcService.oversized_refused`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from . import tensors
 from .connection import Stream
 from .errors import (
     ConnectionLost,
+    PayloadTooLarge,
     ProtocolViolation,
     RemoteError,
     RpcTimeout,
@@ -137,7 +145,7 @@ class MessageStream:
         length, kind = FRAME.unpack(await self.stream.readexactly(FRAME.size))
         if kind == MSG:
             if length > self.limits.max_message:
-                raise ProtocolViolation(f"message of {length} bytes where chunk {index} was due")
+                raise PayloadTooLarge(f"message of {length} bytes where chunk {index} was due")
             msg = _unpack(await self.stream.readexactly(length))
             if isinstance(msg, list) and len(msg) == 2 and msg[0] == ERR:
                 _raise_remote(msg[1])
@@ -158,7 +166,7 @@ class MessageStream:
             return None
         length, kind = FRAME.unpack(head)
         if length > self.limits.max_message:
-            raise ProtocolViolation(
+            raise PayloadTooLarge(
                 f"message of {length} bytes exceeds the limit of {self.limits.max_message}"
             )
         if kind not in (MSG, TENSOR):
@@ -175,17 +183,28 @@ class MessageStream:
             raise ProtocolViolation("expected a message, got a tensor")
         return _unpack(body)
 
-    async def recv_tensor(self, out: Any = None) -> Any:
-        """The next tensor, read straight into `out` when given (shape/dtype must match)."""
+    async def recv_tensor(
+        self, out: Any = None, *, max_bytes: int | None = None, max_elements: int | None = None
+    ) -> Any:
+        """The next tensor, read straight into `out` when given (shape/dtype must match).
+
+        `max_bytes`, `max_elements`: what this call expects at most (the limits'
+        `max_tensor` bounds every call); a header announcing more raises
+        PayloadTooLarge before anything is allocated for it or read."""
         frame = await self._read_frame()
         if frame is None:
             raise EOFError("stream ended")
         kind, body = frame
         if kind != TENSOR:
             raise ProtocolViolation("expected a tensor, got a message")
+        limit = self.limits.max_tensor
+        if max_bytes is not None:
+            limit = min(limit, max_bytes)
         try:
-            header = tensors.validate(_unpack(body), self.limits.max_tensor)
+            header = tensors.validate(_unpack(body), limit, max_elements)
             result, view = tensors.allocate(header, out)
+        except tensors.TensorTooLarge as e:
+            raise PayloadTooLarge(str(e)) from None
         except ValueError as e:
             raise ProtocolViolation(f"bad tensor: {e}") from None
         await self.stream.readexactly_into(view)
@@ -236,6 +255,8 @@ class RpcService:
         self._rates = None if rate is None else KeyedBuckets(rate, max(1.0, 2 * rate))
         self.busy_refusals = 0  # calls answered PeerBusy
         self.silent_streams = 0  # streams reset for sending no request in time
+        # Calls refused for announcing more than the handler expects (PayloadTooLarge).
+        self.oversized_refused = 0
         host.set_handler(protocol, self._serve)
 
     def unary(self, name: str) -> Callable[[Handler], Handler]:
@@ -329,6 +350,9 @@ class RpcService:
             raise ProtocolViolation(
                 f"no request within {self.limits.first_message_timeout:g} s"
             ) from None
+        except PayloadTooLarge as e:
+            self._oversized(stream, "(request)", e)
+            raise
         if not (isinstance(request, list) and len(request) == 3 and isinstance(request[0], str)):
             raise ProtocolViolation("malformed RPC request")
         method, timeout, payload = request
@@ -350,11 +374,29 @@ class RpcService:
                     await ctx.send([ERR, ["UnknownMethod", f"{self.protocol} has no {method!r}"]])
         except TimeoutError:
             await _try_send(ctx, [ERR, ["DeadlineExceeded", f"{method} exceeded {deadline:g}s"]])
+        except PayloadTooLarge as e:
+            # Refused before its bytes were read: the caller learns why, then the stream
+            # is reset (what it still sends is dropped, not buffered).
+            self._oversized(stream, method, e)
+            await _try_send(ctx, [ERR, ["PayloadTooLarge", str(e)[:1000]]])
+            raise
         except TransportError:
             raise
         except Exception as e:
             log.debug("%s.%s raised %r", self.protocol, method, e)
             await _try_send(ctx, [ERR, [type(e).__name__, str(e)[:1000]]])
+
+    def _oversized(self, stream: Stream, method: str, e: PayloadTooLarge) -> None:
+        self.oversized_refused += 1
+        self.host.remote_events.info(
+            f"{self.protocol} oversized",
+            stream.connection.remote_key(),
+            "%s.%s: refusing a call from %s: %s",
+            self.protocol,
+            method,
+            stream.remote_peer.short(),
+            e,
+        )
 
 
 class _PeerSlots:

@@ -28,6 +28,10 @@ class TensorHeaderError(ValueError):
     """A tensor frame's header that is malformed, or asks for more than the limit."""
 
 
+class TensorTooLarge(TensorHeaderError):
+    """A well-formed tensor header announcing more than the receiver's limit."""
+
+
 def _is_torch(obj: object) -> bool:
     return type(obj).__module__.startswith("torch") and "torch" in sys.modules
 
@@ -60,8 +64,9 @@ def describe(obj: Any) -> tuple[TensorHeader, memoryview]:
     return {"lib": "numpy", "dtype": dtype, "shape": shape, "nbytes": len(view)}, view
 
 
-def validate(header: object, max_bytes: int) -> TensorHeader:
-    """Check an untrusted header before anything is allocated for it (TensorHeaderError)."""
+def validate(header: object, max_bytes: int, max_elements: int | None = None) -> TensorHeader:
+    """Check an untrusted header before anything is allocated for it (TensorHeaderError;
+    TensorTooLarge past `max_bytes` or `max_elements`)."""
     if not isinstance(header, dict):
         raise TensorHeaderError("tensor header is not a map")
     dtype = header.get("dtype")
@@ -84,7 +89,11 @@ def validate(header: object, max_bytes: int) -> TensorHeader:
             f"tensor byte count {nbytes!r} does not match shape {shape} {dtype}"
         )
     if expected > max_bytes:
-        raise TensorHeaderError(f"tensor of {expected} bytes exceeds the limit of {max_bytes}")
+        raise TensorTooLarge(f"tensor of {expected} bytes exceeds the limit of {max_bytes}")
+    if max_elements is not None and math.prod(shape) > max_elements:
+        raise TensorTooLarge(
+            f"tensor of {math.prod(shape)} elements exceeds the limit of {max_elements}"
+        )
     return header
 
 

@@ -1,0 +1,87 @@
+"""What a stage's requests and answers may hold: samples, and elements per sample in and out.
+
+A request's header names its samples and each tensor's header its shape: claims of
+the sender, which would make the receiver allocate (and a stage compute on) what
+they say. `StageBounds` is what the receiver expects instead, from the model
+itself: at most `max_samples` samples a request, and per sample the elements of the
+stage's inputs (what the stage before it outputs) and of its outputs (the
+gradient a backward brings). A stage server refuses a request past them before
+it reads or allocates anything of it (`PayloadTooLarge`, counted); a trainer
+refuses such an answer, and a referee such an audit request, the same way.
+
+`probe_bounds` measures the elements per sample by running one sample of the
+task's held-out data through the stages, on PyTorch's meta device (shapes only:
+no memory, no compute), or, where a task's layers do not run there, on the CPU.
+It assumes what every pipelined task keeps (`peer.task`): one sample's inputs
+have the same shape in every batch. An honest request holds one task batch,
+at most the experiment's ``global_batch`` samples (or the probed batch's,
+should a task's batch be larger).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.transport.errors import PayloadTooLarge
+
+__all__ = ["StageBounds", "probe_bounds"]
+
+log = logging.getLogger("shoal.pipeline")
+
+
+@dataclass(frozen=True)
+class StageBounds:
+    """The most one request of a stage holds (elements are per sample)."""
+
+    max_samples: int
+    input_elements: int  # one sample of the stage's inputs
+    output_elements: int  # one sample of its outputs (a backward's output gradient)
+
+    def check_samples(self, samples: int) -> None:
+        """Refuse a request of more samples than a microbatch holds, before its tensors."""
+        if samples > self.max_samples:
+            raise PayloadTooLarge(f"{samples} samples in a request, at most {self.max_samples}")
+
+    def inputs(self, samples: int | None = None) -> int:
+        """Elements of `samples` samples of inputs (None: of the largest request)."""
+        return (self.max_samples if samples is None else samples) * self.input_elements
+
+    def outputs(self, samples: int | None = None) -> int:
+        return (self.max_samples if samples is None else samples) * self.output_elements
+
+
+def probe_bounds(task: Any, seed: int, stages: int, global_batch: int) -> list[StageBounds]:
+    """The bounds of every stage of `task`'s pipeline (blocking: call it in a thread)."""
+    batch = task.eval_batches(1)[0]
+    inputs = task.stage_inputs(batch)
+    max_samples = max(global_batch, int(inputs.shape[0]))
+    try:
+        sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
+    except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:
+        log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
+        sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
+    return [StageBounds(max_samples, sizes[k], sizes[k + 1]) for k in range(stages)]
+
+
+def _per_sample(
+    task: Any, seed: int, stages: int, x: torch.Tensor, device: torch.device
+) -> list[int]:
+    """Elements of one sample at each boundary: stage 0's inputs, then each output."""
+    with device:
+        modules = task.make_stages(seed, stages)
+    x = x.to(device)
+    sizes = [_elements(x)]
+    with torch.no_grad():
+        for module in modules:
+            x = module(x)
+            sizes.append(_elements(x))
+    return sizes
+
+
+def _elements(t: torch.Tensor) -> int:
+    return max(1, math.prod(t.shape[1:]))
