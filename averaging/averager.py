@@ -478,6 +478,21 @@ class Averager:
                             "unverified", self.key)  # fmt: skip
             certifier.hold(held)
 
+    def provenance_status(self) -> dict[str, Any] | None:
+        """Our version's certified lineage (`certified_work`: signers summed over
+        rounds of two or more; `solo_commits`; `verified`: False when we hold no chain
+        for it, e.g. restored from a checkpoint of an older release) and the
+        certificates moved (None: not a shared state)."""
+        if self.certifier is None:
+            return None
+        rank = self.certifier.rank(self.state_version)
+        return {
+            "verified": rank is not None,
+            "certified_work": 0 if rank is None else rank.coop,
+            "solo_commits": 0 if rank is None else rank.solo,
+            **self.certifier.stats(),
+        }
+
     def saved_certificates(self) -> str | None:
         """Our version's certificate chain, for a checkpoint (None: not a shared state)."""
         if self.certifier is None:

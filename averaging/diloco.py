@@ -161,6 +161,10 @@ class DiLoCo(OuterStrategyBase):
     def oversized_refused(self) -> int:
         return self.averager.oversized_refused
 
+    @property
+    def provenance(self) -> dict[str, Any] | None:
+        return self.averager.provenance_status()
+
     def _metadata(self) -> dict[str, Any]:
         return {"strategy": self.name, "step": self.averager.commits}
 
@@ -391,6 +395,20 @@ class StreamingDiLoCo(OuterStrategyBase):
     @property
     def oversized_refused(self) -> int:
         return sum(self._avg(f).oversized_refused for f in self.fragments)
+
+    @property
+    def provenance(self) -> dict[str, Any] | None:
+        """The fragments' counters summed; `fragments`: each one's own."""
+        parts = [self._avg(f).provenance_status() for f in self.fragments]
+        known = [p for p in parts if p is not None]
+        if not known:
+            return None
+        out: dict[str, Any] = {
+            k: sum(p[k] for p in known) for k in known[0] if isinstance(known[0][k], int)
+        }
+        out["verified"] = all(p["verified"] for p in known)
+        out["fragments"] = known
+        return out
 
     @staticmethod
     def _avg(frag: _Fragment) -> Averager:

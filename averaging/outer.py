@@ -92,6 +92,8 @@ class OuterStrategy(Protocol):
     resets: int
     # State downloads refused for a layout unlike ours (`state_sync.UnexpectedLayout`).
     oversized_refused: int
+    # Our shared state's certified lineage and the certificate traffic (or None).
+    provenance: dict[str, Any] | None
 
     async def start(self, *, join: bool) -> bool:
         """join=True: load the swarm's state if a peer serves it (True if loaded; the

@@ -84,6 +84,12 @@ class OuterStrategyBase:
         self._closed = False
 
     @property
+    def provenance(self) -> dict[str, Any] | None:
+        """Where our shared state comes from (`Averager.provenance_status`); None for a
+        strategy without one."""
+        return None
+
+    @property
     def oversized_refused(self) -> int:
         """State downloads refused for a layout unlike ours, before allocating it
         (`state_sync.UnexpectedLayout`)."""

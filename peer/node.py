@@ -247,6 +247,9 @@ class PeerNode:
             "verification": self._verification_status(),
             "pipeline": None,
             "oversized_refused": self._oversized_refused(),
+            "provenance": None
+            if self.session is None
+            else getattr(self.session.strategy, "provenance", None),
         }
         if self.session is not None and self.session.pipeline is not None:
             out["pipeline"] = self.session.pipeline.status()

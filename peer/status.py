@@ -87,6 +87,20 @@ beyond what this peer expects, refused before it was read or allocated:
                                 verification.oversized_refused
         state           int     state downloads offered in a layout other than ours
 
+Where the shared state comes from (README "State a stranger serves";
+averaging/certifier.py), null before the experiment starts and for NoLoCo:
+
+    provenance          obj|null
+        verified            bool    we hold the certificate chain of our state's version
+        certified_work      int     signers summed over its rounds of two or more
+        solo_commits        int     its commits that only one member signed
+        certificates        int     certificates this peer keeps (its chain)
+        chains_checked      int     other versions' chains fetched that checked
+        chains_refused      int     chains that did not (forged, copied, broken)
+        chains_served       int     chains this peer served to others
+        signatures_received int     round members' signatures of our commits
+        fragments           [obj]   Streaming DiLoCo: the above per fragment
+
 Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored),
 `config` ({option: value as text}, the effective configuration, secrets never),
 `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event loop ran over the

@@ -206,6 +206,8 @@ async def test_a_peer_that_declares_huge_work_for_its_own_state_is_never_loaded(
 
     assert await newcomer.load_state_from_peers(timeout=20.0)
     assert newcomer.state_version == honest[0].state_version
+    status = newcomer.provenance_status()
+    assert status is not None and status["verified"] and status["certified_work"] == 7
     assert torch.equal(newcomer.tensors[0], honest[0].tensors[0])
     # The liar and each honest peer look at once (one holder each): the liar re-syncs
     # onto the honest state (and may then average honestly); nobody takes the liar's.
