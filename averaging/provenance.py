@@ -121,8 +121,11 @@ class Provenance:
         return True
 
     def rank(self, version: bytes) -> Rank | None:
-        """The certified rank of `version`'s lineage; None when a certificate of its
-        chain back to the first commit is missing."""
+        """The certified rank of `version`'s lineage: of the certificates of its chain
+        we hold, back to the first commit or to the first version we hold none for
+        (history from before certificates, or that nobody showed us: leaving
+        certificates out can only lower a lineage's rank). None when we hold no
+        certificate of `version` itself."""
         held = self.held_rank(version)
         return held if held is not None else self._foreign.get(version)
 
@@ -143,7 +146,9 @@ class Provenance:
                 break
             cert = self._certs.get(at)
             if cert is None:
-                return None
+                if not path:
+                    return None
+                break  # rooted here: what came before counts for nothing
             path.append(cert)
             at = cert.previous
         for cert in reversed(path):
@@ -190,8 +195,9 @@ class Provenance:
 
     def check_chain(self, tip: bytes, certs: Sequence[Certificate]) -> Rank:
         """The rank of `tip` given `certs`, its chain newest first down to the first
-        commit or to a version whose rank we know; ChainError when they do not link
-        or stop short. Nothing is kept (see `adopt` and `remember`)."""
+        commit, to a version whose rank we know, or to where the holder's
+        certificates stop (it can only lower its own rank so); ChainError when they
+        do not link. Nothing is kept (see `adopt` and `remember`)."""
         return self._walk(tip, certs)[0]
 
     def _walk(self, tip: bytes, certs: Sequence[Certificate]) -> tuple[Rank, int]:
@@ -206,7 +212,9 @@ class Provenance:
             at, used = cert.previous, used + 1
         base = self.held_rank(at)
         if base is None:
-            raise ChainError(f"the chain stops short at version {at.hex()[-12:]}")
+            if not used:
+                raise ChainError(f"no certificate of version {tip.hex()[-12:]}")
+            base = GENESIS_RANK  # rooted where the certificates shown stop (see `rank`)
         for cert in reversed(certs[:used]):
             base = base.after(cert)
         return base, used

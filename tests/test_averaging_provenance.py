@@ -109,8 +109,11 @@ def test_a_chain_must_link_to_what_we_know_and_be_of_our_key() -> None:
     first = signed(peers)
     second = signed(peers, first.version)
     third = signed(peers, second.version)
-    with pytest.raises(ChainError, match="short"):
-        book.check_chain(third.version, [third])  # stops before anything we know
+    # a chain that stops before anything we know counts only what it shows (history
+    # from before certificates; a holder leaving some out only lowers its own rank)
+    assert book.check_chain(third.version, [third]) == Rank(2, 0)
+    with pytest.raises(ChainError, match="no certificate"):
+        book.check_chain(third.version, [])
     with pytest.raises(ChainError, match="breaks"):
         book.check_chain(third.version, [third, first])
     other_key = signed(peers, key="another/experiment")
@@ -264,3 +267,22 @@ def test_a_checkpoint_restores_the_counters() -> None:
     for bad in ("12", -1, True):
         with pytest.raises(ValueError, match="work"):
             averager.restore(5, version.hex(), bad)
+
+
+@pytest.mark.timeout(60)
+async def test_a_swarm_restored_from_checkpoints_without_certificates_certifies_its_next_round(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """Peers of an older release restart from checkpoints that hold no chain: their
+    first round together roots a chain there, which newcomers load."""
+    a, b, newcomer = await swarm_of(make_host, 3, closing)
+    old = chained_version(5, chained_version(4, b"", b"r4"), b"r5")
+    for peer in (a, b):
+        peer.restore(5, old.hex(), 9)
+        peer.tensors[0].fill_(3.0)
+    results = await asyncio.gather(a.step(timeout=20.0), b.step(timeout=20.0))
+    assert all(r.committed and r.group_size == 2 for r in results), results
+    await signatures_of([a, b], 2)
+    assert a.certifier.rank(a.state_version) == Rank(2, 0)  # type: ignore[union-attr]
+    assert await newcomer.load_state_from_peers(timeout=20.0)
+    assert newcomer.state_version == a.state_version and newcomer.commits == 6
