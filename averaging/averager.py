@@ -40,7 +40,6 @@ frozen, so the state every member serves is the post-step one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -52,7 +51,6 @@ from typing import Any
 import torch
 
 from shoal.dht.node import DHTNode
-from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
@@ -79,7 +77,6 @@ from .state_sync import (
     State,
     StateServer,
     StateSyncError,
-    find_holders,
     load_state_from_peers,
     load_version_from_peers,
 )
@@ -100,13 +97,6 @@ def _version(commits: int) -> bytes:
 
 
 _chained_version = chained_version  # (certificates check the same link)
-
-
-def _hex_version(text: str | None) -> bytes | None:
-    try:
-        return bytes.fromhex(text) if isinstance(text, str) else None
-    except ValueError:
-        return None
 
 
 def _valid_version(version: bytes, commits: int) -> bool:
@@ -337,7 +327,10 @@ class Averager:
         lineage: Lineage | None = None
         try:
             if self.certifier is not None:
-                state, lineage = await self._load_certified(deadline, version, sources)
+                state, lineage = await self.certifier.load(
+                    self.dht, deadline, version, sources, ours=self.state_version,
+                    like=self.state, on_refused=self._refused,
+                )  # fmt: skip
             elif version is None:
                 state = await load_state_from_peers(
                     self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline,
@@ -391,61 +384,6 @@ class Averager:
         await self._announce_state()
         log.info("loaded state %s of %s", state.fingerprint[:12], self.key)
         return True
-
-    async def _load_certified(
-        self, deadline: Deadline, version: bytes | None, sources: Sequence[Member]
-    ) -> tuple[State, Lineage | None]:
-        """A shared state, loaded only with the certificate chain of its version: the
-        lineage of most certified work among those announced (or `version`'s), its
-        bytes checked against the fingerprint its last certificate names."""
-        assert self.certifier is not None
-        async with deadline.scope():
-            holders = [] if version is not None else await find_holders(self.dht, self.key)
-            if version is None:
-                by_version: dict[bytes, list[PeerID]] = {}
-                for h in holders:
-                    held = _hex_version(h.version)
-                    if held is not None and len(held) == 16:
-                        by_version.setdefault(held, []).append(h.peer_id)
-                if not by_version:  # nothing committed yet (or only claims we cannot check)
-                    return await self._load_first_state(deadline), None
-                candidates = sorted(by_version.items(), key=lambda vh: -len(vh[1]))
-                lineage = await self.certifier.best(candidates)
-                if lineage is None:
-                    raise StateSyncError("no holder shows a certificate chain for its state")
-                peers = by_version[lineage.version]
-                targets = [(p, ()) for p in peers]
-            else:
-                for m in sources:  # (matchmaking just confirmed them: likely connected)
-                    if m.addrs and self.dht.host.connection(m.peer_id) is None:
-                        with contextlib.suppress(TransportError, OSError, TimeoutError):
-                            await self.dht.host.connect(m.peer_id, m.addrs, timeout=10.0)
-                lineage = await self.certifier.lineage(version, [m.peer_id for m in sources])
-                if lineage is None:
-                    raise StateSyncError(
-                        f"no holder of version {version.hex()[-12:]} shows its certificates"
-                    )
-                targets = [(m.peer_id, m.addrs) for m in sources]
-        ours = self.certifier.order(self.state_version)
-        if version is not None and lineage.rank.order < ours:
-            raise StateSyncError(f"version {version.hex()[-12:]} has less certified work than ours")
-        state = await load_version_from_peers(
-            self.dht, self.key, lineage.version.hex(), sources=targets,
-            protocol=self.config.state_protocol, deadline=deadline,
-            fingerprint=lineage.fingerprint, like=self.state, on_refused=self._refused,
-        )  # fmt: skip
-        return state, lineage
-
-    async def _load_first_state(self, deadline: Deadline) -> State:
-        """The state before any commit (its holders resumed from the initial state):
-        nothing to certify, and nothing more than that is taken."""
-        state = await load_state_from_peers(
-            self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline,
-            like=self.state, on_refused=self._refused,
-        )  # fmt: skip
-        if state.metadata.get("commits", 0) != 0:
-            raise StateSyncError("a holder serves a committed state without its certificates")
-        return state
 
     async def publish_state(self) -> None:
         """Serve the state as it is now (a peer that starts the swarm, or resumes from

@@ -5,21 +5,33 @@ declares (`provenance` has the rules, `provenance_sync` the wire)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from shoal.transport import rpc
 from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 from shoal.transport.tasks import TaskSet
 
-from .certificate import Certificate, CertificateError, Statement
+from .certificate import VERSION_BYTES, Certificate, CertificateError, Statement
+from .deadline import Deadline
+from .group import Member
 from .provenance import ChainError, Provenance, Rank
 from .provenance_sync import ProvenanceService, fetch_chain, push_signature
+from .state_sync import (
+    State,
+    StateSyncError,
+    find_holders,
+    load_state_from_peers,
+    load_version_from_peers,
+)
 
 log = logging.getLogger("shoal.averaging.provenance")
 
@@ -159,6 +171,83 @@ class Certifier:
         """The version we hold now (a fetch names its chain as what we know)."""
         self.version = version
 
+    # ------------------------------------------------------------------ loading
+
+    async def load(
+        self,
+        dht: Any,
+        deadline: Deadline,
+        version: bytes | None,
+        sources: Sequence[Member],
+        *,
+        ours: bytes,
+        like: Sequence[torch.Tensor],
+        on_refused: Callable[[PeerID], None],
+    ) -> tuple[State, Lineage | None]:
+        """A shared state, loaded only with the certificate chain of its version: the
+        lineage of most certified work among those announced (or `version`'s, from
+        `sources` first, refused when it ranks below `ours`), its bytes checked against
+        the fingerprint its last certificate names. Raises StateSyncError (NoHolders
+        when nobody announces a state)."""
+        async with deadline.scope():
+            if version is None:
+                by_version = await self._announced(dht)
+                if not by_version:  # nothing committed yet (or only claims we cannot check)
+                    return await self._load_first(dht, deadline, like, on_refused), None
+                candidates = sorted(by_version.items(), key=lambda vh: -len(vh[1]))
+                lineage = await self.best(candidates)
+                if lineage is None:
+                    raise StateSyncError("no holder shows a certificate chain for its state")
+                targets: list[tuple[PeerID, Sequence[Any]]] = [
+                    (p, ()) for p in by_version[lineage.version]
+                ]
+            else:
+                await _connect(self.host, sources)
+                lineage = await self.lineage(version, [m.peer_id for m in sources])
+                if lineage is None:
+                    raise StateSyncError(
+                        f"no holder of version {version.hex()[-12:]} shows its certificates"
+                    )
+                if lineage.rank.order < self.order(ours):
+                    raise StateSyncError(
+                        f"version {version.hex()[-12:]} has less certified work than ours"
+                    )
+                targets = [(m.peer_id, m.addrs) for m in sources]
+        state = await load_version_from_peers(
+            dht, self.key, lineage.version.hex(), sources=targets, protocol=self.protocol,
+            deadline=deadline, fingerprint=lineage.fingerprint, like=like, on_refused=on_refused,
+        )  # fmt: skip
+        return state, lineage
+
+    async def _announced(self, dht: Any) -> dict[bytes, list[PeerID]]:
+        """Who announces which chained version (claims: what is chosen is checked)."""
+        by_version: dict[bytes, list[PeerID]] = {}
+        for h in await find_holders(dht, self.key):
+            try:
+                held = bytes.fromhex(h.version) if h.version is not None else b""
+            except ValueError:
+                continue
+            if len(held) == VERSION_BYTES:
+                by_version.setdefault(held, []).append(h.peer_id)
+        return by_version
+
+    async def _load_first(
+        self,
+        dht: Any,
+        deadline: Deadline,
+        like: Sequence[torch.Tensor],
+        on_refused: Callable[[PeerID], None],
+    ) -> State:
+        """The state before any commit (its holders resumed from the initial state):
+        nothing to certify, and nothing more than that is taken."""
+        state = await load_state_from_peers(
+            dht, self.key, protocol=self.protocol, deadline=deadline, like=like,
+            on_refused=on_refused,
+        )  # fmt: skip
+        if state.metadata.get("commits", 0) != 0:
+            raise StateSyncError("a holder serves a committed state without its certificates")
+        return state
+
     # ------------------------------------------------------------------ checkpoints
 
     def saved(self, version: bytes) -> list[list[Any]]:
@@ -178,3 +267,12 @@ class Certifier:
 
     async def aclose(self) -> None:
         await self._tasks.aclose()
+
+
+async def _connect(host: Any, sources: Sequence[Member]) -> None:
+    """Dial the `sources` we are not connected to (matchmaking just confirmed them:
+    most are); one that fails is simply not asked."""
+    for m in sources:
+        if m.addrs and host.connection(m.peer_id) is None:
+            with contextlib.suppress(TransportError, OSError, TimeoutError):
+                await host.connect(m.peer_id, m.addrs, timeout=10.0)
