@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 
 from harness import BytesStream, run_now  # noqa: E402
 from targets import _INITIATOR_KEY, _REMOTE, _RESPONDER_KEY  # noqa: E402
-from targets_net import _MEMBERS, _ROUND, _STATE  # noqa: E402
+from targets_net import _BOOK, _CERTIFIED, _MEMBERS, _ROUND, _STATE  # noqa: E402
 
 from shoal.averaging.compression import Int8BlockCodec, get_codec  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
@@ -219,6 +219,12 @@ def new_seeds() -> dict[str, list[bytes]]:
         "state_sync_requests": _packed(
             [["float32", [40]], ["float32", [3, 5]]],
             {"fp": _STATE.fingerprint, "offset": 8, "length": 100},
+        ),
+        "commit_certificates": _packed(
+            _BOOK.get(_CERTIFIED).to_wire(),  # type: ignore[union-attr]
+            {"certs": [_BOOK.get(_CERTIFIED).to_wire()], "more": False},  # type: ignore[union-attr]
+            {"version": _CERTIFIED, "known": [b"k" * 16], "limit": 4},
+            {"version": _CERTIFIED, "sig": b"s" * 64},
         ),
         "matchmaking_join": _packed(
             {"key": "k", "version": b"v" * 8, "addrs": [addr], "bandwidth": 2.0},

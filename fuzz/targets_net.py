@@ -17,7 +17,9 @@ from aiohttp.http_parser import HttpRequestParserPy
 from aiohttp.test_utils import make_mocked_request
 from harness import REMOTE_IDENTITY, BytesStream, Target, expect, message, run_in_loop, run_now
 
-from shoal.averaging import state_sync
+from shoal.averaging import provenance_sync, state_sync
+from shoal.averaging.certificate import Certificate, CertificateError, Statement
+from shoal.averaging.provenance import ChainError, Provenance
 from shoal.averaging.group import Group
 from shoal.averaging.lanes import RoundInfo, request_problem
 from shoal.averaging.matchmaking_rules import Declaration, JoinReply, JoinRequest, check_group
@@ -219,6 +221,38 @@ def state_sync_requests(data: bytes) -> None:
     expect((ValueError, LookupError), lambda: run_now(serve()))
 
 
+def _certified_book() -> tuple[Provenance, provenance_sync.ProvenanceService, bytes]:
+    book = Provenance("fuzz")
+    statement = Statement.of_round("fuzz", b"", b"r" * 32, "f" * 64, [_PEER])
+    book.add(Certificate(statement, {_PEER: REMOTE_IDENTITY.sign(statement.signed_bytes())}))
+
+    class _Service:
+        protocol = "/fuzz/state"
+
+        def unary(self, name: str) -> Any:
+            return lambda fn: fn
+
+    return book, provenance_sync.ProvenanceService(_Service(), book), statement.version  # type: ignore[arg-type]
+
+
+_BOOK, _PROVENANCE, _CERTIFIED = _certified_book()
+
+
+def commit_certificates(data: bytes) -> None:
+    """Commit certificates: one certificate, a page of a chain (and the chain it makes
+    against what we hold), a `chain` request and a `signature` push (what a holder
+    and a round member serve)."""
+    obj = message(data)
+    expect((CertificateError,), lambda: Certificate.from_wire(obj))
+    page = expect((ChainError,), lambda: provenance_sync._page(obj))
+    if page:
+        expect((ChainError,), lambda: _BOOK.check_chain(page[0].version, page))
+    ctx = rpc.CallContext(BytesStream(b""), "chain", None, _RPC_LIMITS)  # type: ignore[arg-type]
+    payload = obj if isinstance(obj, dict) else {"version": _CERTIFIED, "known": obj}
+    for serve in (_PROVENANCE._on_chain, _PROVENANCE._on_signature):
+        expect((ValueError, LookupError), lambda serve=serve: run_now(serve(ctx, payload)))
+
+
 def matchmaking_join(data: bytes) -> None:
     """Matchmaking's join protocol: a join request (leader side), a reply and the group
     it announces (follower side), then a follower's checks of that group; a neighbour's
@@ -292,5 +326,6 @@ NET_TARGETS = (
     Target("allreduce_request", allreduce_request, (), allreduce_request.__doc__),
     Target("state_sync_requests", state_sync_requests, (), state_sync_requests.__doc__),
     Target("matchmaking_join", matchmaking_join, (), matchmaking_join.__doc__),
+    Target("commit_certificates", commit_certificates, (), commit_certificates.__doc__),
     Target("status_http", status_http, (HttpProcessingError,), status_http.__doc__),
 )
