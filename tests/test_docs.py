@@ -21,6 +21,7 @@ import pytest
 
 from shoal.peer.cli import build_parser
 from shoal.peer.config import OPTIONS
+from shoal.transport.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,3 +141,18 @@ def test_every_link_of_the_readme_into_docs_names_a_page_that_exists() -> None:
     assert links, "the README links into docs/"
     missing = [link for link in links if not (ROOT / link).is_file()]
     assert not missing
+
+
+def test_the_protocols_page_names_every_protocol_and_the_current_version() -> None:
+    page = (ROOT / "docs" / "reference" / "protocols.md").read_text(encoding="utf-8")
+    layers = ("transport", "dht", "verification", "averaging", "pipeline", "peer")
+    names = {
+        re.sub(r"\{(\w+)\}", r"<\1>", name)
+        for layer in layers
+        for source in (ROOT / layer).rglob("*.py")
+        for name in re.findall(r"f?\"(/shoal/[\w{}<>/.-]+/\d+\.\d+\.\d+)\"", source.read_text())
+    }
+    assert "/shoal/dht/1.0.0" in names
+    missing = sorted(name for name in names if f"`{name}`" not in page)
+    assert not missing
+    assert f"(today {PROTOCOL_VERSION})" in page
