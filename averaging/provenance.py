@@ -24,7 +24,7 @@ attack this closes.) Lineages that no round of two ever certified (a swarm of
 one, or peers that never met) have nothing to check anyone's word against: among
 them the one of more commits alone ranks higher, so a peer that trained alone for
 hours keeps its work when a peer that trained alone for a minute meets it. What
-remains forgeable is said in the README ("Training with strangers"): keys are
+remains forgeable is said in docs/security.md ("State a stranger serves"): keys are
 free, so a peer that runs several identities can sign "rounds" among them, and
 before the first round of two, a lone peer's word is all there is.
 

@@ -46,7 +46,7 @@ Configurations: the product of the `--lr`, `--warmup`, `--schedule`,
 ``{"inner_lr": 8e-3, "lr_schedule": "cosine", "total_steps": 5000}``).
 Run with ``nice``: it uses one thread (`--threads`), one configuration at a time.
 
-Result (the README's "Hyperparameters" has the table): at the default size, 4
+Result (docs/guide/strategies.md, "Hyperparameters", has the table): at the default size, 4
 replicas and H = 50, validation loss after 2,000 inner steps per replica, about
 7 minutes of one core per configuration: the former defaults (1e-3, 50 warmup
 steps, constant) 2.401; with 400 warmup steps and a cosine decay to 10% at step

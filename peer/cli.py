@@ -299,7 +299,7 @@ def _fail(error: Exception, status: int) -> int:
 
 
 def _run(coro: Coroutine[object, object, T]) -> T:
-    """One event loop for the process (DESIGN.md): uvloop when installed."""
+    """One event loop for the process (docs/architecture/index.md): uvloop when installed."""
     try:
         import uvloop
     except ImportError:

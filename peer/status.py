@@ -57,7 +57,7 @@ served as null so that every client's JSON parser accepts them.
     bytes_received  int
     uptime_s        float   seconds since the daemon started
 
-Protocol versions (transport/version.py; README "Protocol versions"), on every
+Protocol versions (transport/version.py; docs/reference/protocols.md), on every
 daemon since they exist (a client treats a missing key as "none seen"):
 
     protocol_version          str     this peer's wire protocol, "major.minor", e.g. "1.0"
@@ -75,7 +75,7 @@ daemon since they exist (a client treats a missing key as "none seen"):
     peers_without_version     int     connected peers that run shoal from before protocol
                                       versions (compatibility unknown: served)
 
-Sizes peers choose (README "Sizes a peer chooses"): what they sent or announced
+Sizes peers choose (docs/security.md, "Sizes a peer chooses"): what they sent or announced
 beyond what this peer expects, refused before it was read or allocated:
 
     oversized_refused   obj     counts since the daemon started:
@@ -87,7 +87,7 @@ beyond what this peer expects, refused before it was read or allocated:
                                 verification.oversized_refused
         state           int     state downloads offered in a layout other than ours
 
-Where the shared state comes from (README "State a stranger serves";
+Where the shared state comes from (docs/security.md, "State a stranger serves";
 averaging/certifier.py), null before the experiment starts and for NoLoCo:
 
     provenance          obj|null

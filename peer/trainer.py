@@ -50,7 +50,7 @@ log = logging.getLogger("shoal.trainer")
 
 # What a new experiment's manifest gets (session.py writes them all out). Tuned for
 # the default experiment (DiLoCo, H = 50, bytegpt at its default size) with
-# bench/tune_defaults.py: see the README, "Hyperparameters".
+# bench/tune_defaults.py: see docs/guide/strategies.md, "Hyperparameters".
 DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
     "inner_lr": 1.6e-2,  # peak lr of the inner AdamW
     "weight_decay": 0.1,

@@ -1,6 +1,6 @@
 """The validation loss a peer reports: the task's held-out batches, scored after a round.
 
-The README's validation loss (bench/convergence.py) is the mean loss over the
+The validation loss of docs/guide/inspecting.md (bench/convergence.py) is the mean loss over the
 task's `eval_batches`, the same batches on every peer, so peers' values
 compare. The daemon computes the same number on the model a round left: after
 a committed DiLoCo round the peer's parameters are the swarm's global ones;

@@ -1,6 +1,6 @@
 """An owner for background tasks: every task it starts is awaited or cancelled.
 
-DESIGN.md forbids fire-and-forget tasks; objects that start helpers of their
+docs/architecture/index.md forbids fire-and-forget tasks; objects that start helpers of their
 own (the DHT node's pings and cache stores, the NAT manager's probes) keep
 them in a `TaskSet` and close it in their `aclose`.
 """
