@@ -19,11 +19,11 @@ from harness import REMOTE_IDENTITY, BytesStream, Target, expect, message, run_i
 
 from shoal.averaging import provenance_sync, state_sync
 from shoal.averaging.certificate import Certificate, CertificateError, Statement
-from shoal.averaging.provenance import ChainError, Provenance
 from shoal.averaging.group import Group
 from shoal.averaging.lanes import RoundInfo, request_problem
 from shoal.averaging.matchmaking_rules import Declaration, JoinReply, JoinRequest, check_group
 from shoal.averaging.partition import Plan
+from shoal.averaging.provenance import ChainError, Provenance
 from shoal.peer.metrics import Metrics
 from shoal.peer.status import StatusServer
 from shoal.transport import rpc
