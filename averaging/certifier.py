@@ -101,7 +101,7 @@ class Certifier:
 
     # ------------------------------------------------------------------ other lineages
 
-    def want(self, version: bytes, holders: Sequence[PeerID]) -> None:
+    def want(self, version: bytes, holders: Sequence[PeerID | Member]) -> None:
         """Check `version`'s chain in the background (matchmaking saw peers with it)."""
         if (
             not version
@@ -114,7 +114,7 @@ class Certifier:
             return
         self._tasks.spawn(self.lineage(version, holders))
 
-    async def lineage(self, version: bytes, holders: Sequence[PeerID]) -> Lineage | None:
+    async def lineage(self, version: bytes, holders: Sequence[PeerID | Member]) -> Lineage | None:
         """`version`'s chain, fetched from its `holders` and checked; None when none of
         them shows one that checks."""
         known = self._fetched.get(version)
@@ -125,9 +125,12 @@ class Certifier:
             return Lineage(version, self.book.rank(version), certs)  # type: ignore[arg-type]
         self._inflight.add(version)
         try:
-            for peer in list(holders)[:3]:
+            for holder in list(holders)[:3]:
+                peer = holder.peer_id if isinstance(holder, Member) else holder
                 if peer == self.host.peer_id:
                     continue
+                if isinstance(holder, Member):
+                    await _connect(self.host, [holder])
                 try:
                     rank, certs = await fetch_chain(
                         self.host, peer, self.protocol, self.book, version,
@@ -202,8 +205,7 @@ class Certifier:
                     (p, ()) for p in by_version[lineage.version]
                 ]
             else:
-                await _connect(self.host, sources)
-                lineage = await self.lineage(version, [m.peer_id for m in sources])
+                lineage = await self.lineage(version, sources)
                 if lineage is None:
                     raise StateSyncError(
                         f"no holder of version {version.hex()[-12:]} shows its certificates"

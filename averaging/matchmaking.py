@@ -100,7 +100,7 @@ class Lineages(Protocol):
 
     def order(self, version: bytes) -> tuple[int, int]: ...
 
-    def want(self, version: bytes, holders: Sequence[PeerID]) -> None: ...
+    def want(self, version: bytes, holders: Sequence[Member]) -> None: ...
 
 
 __all__ = [
@@ -480,10 +480,12 @@ class Matchmaker:
         background): until one is, it ranks below every certified lineage."""
         if self.lineages is None or len(rnd.outlook.version) != CHAINED_VERSION_BYTES:
             return
-        holders: dict[bytes, list[PeerID]] = {}
+        holders: dict[bytes, list[Member]] = {}
         for d in rnd.view.values():
             if d.state is PeerState.LOOKING and rnd.outlook.usable(d):
-                holders.setdefault(d.state_version, []).append(d.peer_id)
+                holders.setdefault(d.state_version, []).append(
+                    Member(d.peer_id, d.addrs, d.bandwidth)
+                )
         for version, peers in holders.items():
             if version != rnd.outlook.version:
                 self.lineages.want(version, peers)
