@@ -24,6 +24,7 @@ and takeover leaders with their decision.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from shoal.transport.connection import Connection
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.rpc import CallContext, RpcLimits, RpcService
+from shoal.transport.tasks import TaskSet
 
 from .attestation import Attestor
 from .butterfly import (
@@ -62,6 +64,8 @@ __all__ = [
     "AllReduceOutcome",
     "AllReduceService",
 ]
+
+log = logging.getLogger("shoal.averaging.allreduce")
 
 _MAX_WAITING_HANDLERS = 256  # streams waiting for rounds that have not started here yet
 _MAX_FINISHED = 1024  # finished rounds remembered (to answer late and takeover messages)
@@ -91,7 +95,7 @@ class AllReduceService:
         self._arrivals: dict[bytes, tuple[asyncio.Future[None], list[int]]] = {}
         self._waiting = 0
         self._dials: dict[PeerID, list[asyncio.Future[None]]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(log, "all-reduce")
         self._closed = False
         self._pool = BufferPool()
         self._remove_listener = host.add_connection_listener(
@@ -181,8 +185,7 @@ class AllReduceService:
         self._remove_listener()
         for rnd in self._rounds.values():
             rnd.abort("the all-reduce service closed")
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
 
     async def aclose(self) -> None:
         self.close()
@@ -193,10 +196,7 @@ class AllReduceService:
     # --- internals ----------------------------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro)
 
     def _remember(self, rnd: ButterflyRound) -> None:
         now = time.monotonic()

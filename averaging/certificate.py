@@ -111,7 +111,8 @@ class Statement:
 
     def signed_bytes(self) -> bytes:
         """The canonical bytes every member signs (domain-separated)."""
-        return _DOMAIN + msgpack.packb(self._fields(), use_bin_type=True)
+        body: bytes = msgpack.packb(self._fields(), use_bin_type=True)
+        return _DOMAIN + body
 
     def _fields(self) -> list[Any]:
         return [

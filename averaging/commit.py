@@ -549,7 +549,9 @@ class CommitProtocol:
             self.last_progress = now
             for j in sorted(waiting):
                 self._out.append(Send(j, ["P", ballot], "prepare"))
-        ballot = b.takeover.ballot
+        takeover = b.takeover
+        assert takeover is not None  # (`lead` started one)
+        ballot = takeover.ballot
         found = b.takeover_value()
         if found is None:
             return  # answers missing

@@ -73,6 +73,7 @@ from typing import Any, Protocol
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.identity import PeerID
+from shoal.transport.tasks import TaskSet
 
 from .deadline import Deadline
 from .declarer import DHT_TIMEOUT, Declarer
@@ -191,7 +192,7 @@ class Matchmaker:
         self._superseded: dict[bytes, float] = {}  # version -> until (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._busy_stores: set[asyncio.Future[bool]] = set()  # landing after form_group
+        self._busy_stores = TaskSet(log, "busy store")  # landing after form_group
         self._closing = Closing()
         self._loop = asyncio.get_running_loop()
         ttl = self.config.declaration_ttl
@@ -258,13 +259,11 @@ class Matchmaker:
         # BUSY_STORE_TIMEOUT at most, but does not cancel it: on a slow DHT it lands
         # late rather than never (a "looking" left behind holds leaders waiting).
         self._neighbors.note(group.peer_ids)
-        busy = asyncio.ensure_future(
+        busy = self._busy_stores.spawn(
             self.declarer.declare(
                 PeerState.BUSY, state_version, timeout=BUSY_STORE_LANDING_S, work=work
             )
         )
-        self._busy_stores.add(busy)
-        busy.add_done_callback(self._busy_stores.discard)
         await asyncio.wait({busy}, timeout=BUSY_STORE_TIMEOUT)
         return group
 
@@ -312,8 +311,7 @@ class Matchmaker:
         except TimeoutError:
             log.warning("form_group did not stop within %s s", CLOSE_TIMEOUT)
         self._service.close()
-        for busy in list(self._busy_stores):
-            busy.cancel()
+        self._busy_stores.cancel()
         try:
             await self.declarer.declare(PeerState.LEFT, b"", timeout=1.0)
         except Exception as e:  # best effort: the DHT may be closing too

@@ -164,7 +164,7 @@ class Declaration:
         if not isinstance(value, dict):
             raise ValueError("declaration must be a map")
         try:
-            state = PeerState(value.get("state"))
+            state = PeerState(str(value.get("state")))
         except ValueError:
             raise ValueError("unknown declaration state") from None
         if isinstance(expiration, bool) or not isinstance(expiration, int | float):
@@ -677,7 +677,7 @@ class JoinReply:
         if not isinstance(obj, dict):
             raise ValueError("join reply must be a map")
         try:
-            kind = ReplyKind(obj.get("kind"))
+            kind = ReplyKind(str(obj.get("kind")))
         except ValueError:
             raise ValueError("unknown join reply kind") from None
         if kind is ReplyKind.ACCEPTED:

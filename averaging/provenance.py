@@ -247,7 +247,8 @@ class Provenance:
         """`version`'s chain, newest first, as a checkpoint keeps it (the hex of its
         msgpack: a checkpoint holds plain data only)."""
         wires = [c.to_wire() for c in self.chain(version, limit=commits_of(version) + 1)]
-        return msgpack.packb(wires, use_bin_type=True).hex()
+        packed: bytes = msgpack.packb(wires, use_bin_type=True)
+        return packed.hex()
 
     def load_saved(self, version: bytes, saved: object) -> Rank | None:
         """Take a checkpoint's chain of `version`; its rank, or None when the

@@ -63,7 +63,6 @@ def find_lab_sh() -> Path:
         return Path(os.environ["SHOAL_LAB_SH"])
     here = Path(__file__).resolve()
     candidates = [d / "shared" / "lab" / "lab.sh" for d in here.parents]
-    candidates.append(Path("/work/shared/lab/lab.sh"))
     return next((c for c in candidates if c.exists()), candidates[0])
 
 

@@ -31,13 +31,15 @@ Prints one JSON object on stdout (progress goes to stderr):
      "diloco_reaches_target_in_a_third": ..., "diloco_ends_lower": ...,
      "diloco_meets_targets": ..., "settings": {...}}
 
-and writes a PNG (`--plot`) of validation loss against wall-clock time and against
-bytes sent. `bytes` are what the peers' links sent (IP packets, every protocol).
+and then writes a PNG (`--plot`) of validation loss against wall-clock time and against
+bytes sent (with the optional `bench` extra, matplotlib; without it `"plot"` is null).
+`bytes` are what the peers' links sent (IP packets, every protocol).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -209,7 +211,17 @@ def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -
     return out
 
 
+NO_PLOT = "matplotlib is missing (pip install -e '.[bench]'): the JSON only, no plot"
+
+
+def can_plot() -> bool:
+    """Whether the optional `bench` extra (matplotlib) is installed."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
+    if not can_plot():
+        raise SystemExit(NO_PLOT)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,8 +300,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result = summarize(task, raw, args)
     if not args.keep:
         subprocess.run(["rm", "-rf", str(run_root)], check=False)
-    plot(result, args.plot, args)
-    result["plot"] = str(args.plot)
+    result["plot"] = str(args.plot) if can_plot() else None
     result["settings"] = {
         "model": task.config() | {"parameters": n_params},
         "data": str(args.data),
@@ -307,4 +318,10 @@ if __name__ == "__main__":
         saved = json.loads(parsed.replot.read_text())
         plot(saved, parsed.plot, argparse.Namespace(**{**vars(parsed), **saved["settings"]}))
     else:
-        print(json.dumps(main(parsed)), flush=True)
+        if not can_plot():
+            progress("%s", NO_PLOT)
+        finished = main(parsed)
+        # The JSON first: a finished run outlives any failure of the optional plot.
+        print(json.dumps(finished), flush=True)
+        if finished["plot"] is not None:
+            plot(finished, parsed.plot, parsed)

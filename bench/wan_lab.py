@@ -17,11 +17,21 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 SUBNET = "10.77.0"  # peer k is SUBNET.(k+1)
 MTU = 9000
+# Reachability without `ping` (a fresh Debian has none): a TCP connect to a closed
+# port of peer 0 comes back refused only if the packets went there and back.
+REACH_PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 9), timeout=1).close()
+except ConnectionRefusedError:
+    pass
+"""
 
 
 def _find_delaylink() -> Path:
@@ -30,7 +40,6 @@ def _find_delaylink() -> Path:
         return Path(os.environ["SHOAL_DELAYLINK"])
     here = Path(__file__).resolve()
     candidates = [d / "shared" / "lab" / "delaylink.py" for d in here.parents]
-    candidates.append(Path("/work/shared/lab/delaylink.py"))
     return next((c for c in candidates if c.exists()), candidates[0])
 
 
@@ -82,7 +91,7 @@ class WanLab:
         inet, port = f"{self.prefix}inet", f"wp{k}"
         proc = subprocess.Popen(
             [
-                "python3", str(self.delaylink),
+                sys.executable, str(self.delaylink),
                 "--ns1", inet, "--if1", port, "--ns2", self.ns(k), "--if2", "eth0",
                 "--delay-ms", str(self.delay_ms / 2), "--rate-mbit", str(self.rate_mbit),
                 "--lifetime", "86400",
@@ -104,18 +113,20 @@ class WanLab:
         _ip("-n", self.ns(k), "link", "set", "eth0", "up")
 
     def wait_reachable(self, timeout: float = 20.0) -> None:
-        """Until peer 0 answers a ping from every other peer (ARP and links settled)."""
+        """Until peer 0 answers a TCP connect from every other peer (ARP and links settled)."""
         deadline = time.monotonic() + timeout
         for k in range(1, self.peers):
+            probe = ["ip", "netns", "exec", self.ns(k), sys.executable, "-c", REACH_PROBE]
             while True:
-                ping = ["ip", "netns", "exec", self.ns(k), "ping", "-c1", "-W1", self.address(0)]
-                if (
-                    subprocess.run(ping, capture_output=True, timeout=10, check=False).returncode
-                    == 0
-                ):
+                done = subprocess.run(
+                    [*probe, self.address(0)], capture_output=True, timeout=10, check=False
+                )
+                if done.returncode == 0:
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"peer {k} cannot reach peer 0")
+                    detail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+                    raise TimeoutError(f"peer {k} cannot reach peer 0: {detail}")
+                time.sleep(0.2)
 
     def down(self) -> None:
         for proc in self._links:

@@ -149,15 +149,14 @@ def diverse(
     another group, never leaves a slot empty (a small network in one /24 is
     still searched in full).
     """
+    out: list[T] = []
     if cap is None:
-        out = []
         for item in items:
             if len(out) >= count:
                 break
             out.append(item)
         return out
     taken: dict[str, int] = {}
-    out = []
     over: list[T] = []
     for item in items:
         if len(out) >= count:

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
@@ -145,10 +145,181 @@ class KeyLookup:
         return distinct_groups((c.peer_id, c.group) for c in self.holders) >= self.quorum
 
 
+@dataclass(slots=True, eq=False)
+class Ask:
+    """One request the beam wants sent: `candidate`, asked about `lookups`."""
+
+    candidate: Candidate
+    lookups: list[KeyLookup]
+    # When it stops holding up its lookups (set by `Beam.sent`).
+    stalls_at: float = float("inf")
+
+
+class Beam:
+    """Which peers a traversal asks next and when it is done; no I/O, time passed in.
+
+    Its driver (`traverse`) calls `pick(now)` and sends what it returns (telling
+    `sent`), then reports each request's end (`answered` or `failed`) and calls
+    `pick` again, until `finished`; it waits at most until `wake_at()` for an answer.
+    """
+
+    def __init__(
+        self,
+        lookups: Sequence[KeyLookup],
+        *,
+        k: int,
+        alpha: int,
+        stall_after: float,
+        blocked: Callable[[PeerID], bool],
+        max_in_flight: int = 64,
+        group_of: Callable[[tuple[Multiaddr, ...]], str | None] | None = None,
+    ) -> None:
+        self.lookups = lookups
+        self.k = k
+        self.alpha = alpha
+        self.stall_after = stall_after
+        self.blocked = blocked
+        self.max_in_flight = max_in_flight
+        self.group_of = group_of
+        # Keyed by request, not peer: one peer may have two requests in flight
+        # (asked for one key, then, before answering, picked for another key by a
+        # later pass).
+        self.in_flight: set[Ask] = set()
+        self.finished = False
+        self._stalled: set[PeerID] = set()
+
+    def pick(self, now: float) -> list[Ask]:
+        """The requests to send now (each to `sent` once sent); sets `finished`."""
+        stalled = {a.candidate.peer_id for a in self.in_flight if now >= a.stalls_at}
+        self._stalled = stalled
+        active = [lk for lk in self.lookups if not lk.done]
+        wanted, order = self._wanted(active, stalled)
+        if wanted and len(active) > 1:
+            self._share(wanted, order, active, stalled)
+        asks = []
+        for pid in order:
+            if len(self.in_flight) >= self.max_in_flight:
+                break
+            cand, lks = wanted[pid]
+            if self.blocked(pid):
+                for lk in lks:
+                    lk.state[pid] = FAILED
+                continue
+            for lk in lks:
+                lk.state[pid] = ASKED
+            ask = Ask(cand, lks)
+            self.in_flight.add(ask)
+            asks.append(ask)
+        if not self.in_flight and (not wanted or all(lk.done for lk in self.lookups)):
+            for lk in self.lookups:
+                lk.done = True
+        # (Nothing in flight but something wanted: every peer wanted was blocked and
+        # is now FAILED; the next pick asks the next ones.)
+        self.finished = all(lk.done for lk in self.lookups)
+        return asks
+
+    def _wanted(
+        self, active: list[KeyLookup], stalled: set[PeerID]
+    ) -> tuple[dict[PeerID, tuple[Candidate, list[KeyLookup]]], list[PeerID]]:
+        """Per peer to ask, the keys it is asked about, and the peers in order; marks the
+        lookups that are done."""
+        k = self.k
+        waiting = {id(lk) for a in self.in_flight for lk in a.lookups}
+        wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
+        order: list[PeerID] = []
+        for lk in active:
+            if lk.quorum_reached():
+                lk.done = True
+                continue
+            best = lk.best(k, stalled)
+            need = best if lk.settle is None else best[: lk.settle]
+            # Converged: its best live candidates answered. Not while every one of
+            # them is a slow peer still expected to answer (a far link: all of
+            # them stalled, none to move on to): then it waits for them.
+            if all(lk.state.get(c.peer_id) == ANSWERED for c in need) and (
+                need or id(lk) not in waiting
+            ):
+                lk.done = True
+                continue
+            busy = sum(1 for c in best if lk.state.get(c.peer_id) == ASKED)
+            # Once the alpha closest have answered, the neighbourhood is found: ask
+            # the rest of the k closest at once (the paper's final round) rather
+            # than alpha at a time.
+            closest_answered = all(lk.state.get(c.peer_id) == ANSWERED for c in best[: self.alpha])
+            width = k if closest_answered else self.alpha
+            for c in best:
+                if busy >= width:
+                    break
+                if c.peer_id in lk.state:
+                    continue
+                busy += 1
+                entry = wanted.get(c.peer_id)
+                if entry is None:
+                    wanted[c.peer_id] = (c, [lk])
+                    order.append(c.peer_id)
+                else:
+                    entry[1].append(lk)
+        return wanted, order
+
+    def _share(
+        self,
+        wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]],
+        order: list[PeerID],
+        active: list[KeyLookup],
+        stalled: set[PeerID],
+    ) -> None:
+        """A peer asked for one key is also asked for every other key whose best
+        candidates it is among: one request, several keys."""
+        best_sets = {id(lk): lk.best(self.k, stalled) for lk in active if not lk.done}
+        for pid in order:
+            _, lks = wanted[pid]
+            for lk in active:
+                if lk.done or lk in lks or pid in lk.state:
+                    continue
+                if any(c.peer_id == pid for c in best_sets[id(lk)]):
+                    lks.append(lk)
+
+    def sent(self, ask: Ask, now: float) -> None:
+        """`ask` went out at `now`: past `stall_after` it stops holding up its keys."""
+        ask.stalls_at = now + self.stall_after
+
+    def wake_at(self) -> float | None:
+        """When the next request that the last `pick` did not count as stalled stalls
+        (None: none left; wait for an answer)."""
+        # Decided by the same `stalled` set as the picks, not by a second reading of
+        # the clock: a deadline that passed in between was neither acted on nor waited
+        # for, and the lookup waited for the slow peer's answer (a timeout of None)
+        # instead of asking the next.
+        pending = [a.stalls_at for a in self.in_flight if a.candidate.peer_id not in self._stalled]
+        return min(pending) if pending else None
+
+    def failed(self, ask: Ask) -> None:
+        self.in_flight.discard(ask)
+        for lk in ask.lookups:
+            lk.state[ask.candidate.peer_id] = FAILED
+
+    def answered(self, ask: Ask, per_key: list[list[WireContact]]) -> None:
+        """`ask`'s answer: per key, the contacts the peer returned."""
+        self.in_flight.discard(ask)
+        cand = ask.candidate
+        for lk, contacts in zip(ask.lookups, per_key, strict=True):
+            lk.state[cand.peer_id] = ANSWERED
+            lk.answered.append(cand)
+            lk.hops = max(lk.hops, cand.depth + 1)
+            for wc in contacts:
+                if wc.peer_id in lk.candidates or wc.peer_id in lk.skipped:
+                    continue
+                if self.blocked(wc.peer_id):
+                    lk.skipped[wc.peer_id] = node_id(wc.peer_id)
+                    continue
+                group = None if self.group_of is None else self.group_of(wc.addrs)
+                lk.add(Candidate(wc.peer_id, node_id(wc.peer_id), wc.addrs, cand.depth + 1, group))
+
+
 # query(candidate, lookups) -> per lookup, the contacts the peer returned.
 # It raises on any failure (timeout, transport error, garbage); it may also
 # record values in the lookups (value lookups).
-Query = Callable[[Candidate, list[KeyLookup]], Awaitable[list[list[WireContact]]]]
+Query = Callable[[Candidate, list[KeyLookup]], Coroutine[Any, Any, list[list[WireContact]]]]
 
 
 async def traverse(
@@ -164,131 +335,48 @@ async def traverse(
     clock: Callable[[], float] | None = None,
     group_of: Callable[[tuple[Multiaddr, ...]], str | None] | None = None,
 ) -> None:
-    """Run the lookups to convergence. Every request task is owned here and
-    cancelled before returning. `clock` (default: the loop's) is for tests.
-    `group_of`: the IP group of a contact learned from an answer, by its addresses."""
+    """Run the lookups to convergence (the `Beam`'s asyncio driver). Every request
+    task is owned here and cancelled before returning. `clock` (default: the loop's)
+    is for tests. `group_of`: the IP group of a contact learned from an answer, by
+    its addresses."""
     loop = asyncio.get_running_loop()
     now_fn = clock or loop.time
-    in_flight: dict[asyncio.Task[list[list[WireContact]]], tuple[Candidate, list[KeyLookup]]] = {}
-    # When each request stalls, keyed by task: one peer may have two requests in
-    # flight (asked for one key, then, before answering, picked for another key by a
-    # later round). Deadlines, not start times: `now >= deadline` and the wait
-    # `deadline - now` then agree; with start times, `now - start < stall_after`
-    # could hold while `start + stall_after - now` rounded to 0.0, and the loop
-    # spun on zero timeouts without uvloop's clock advancing.
-    stalls_at: dict[asyncio.Task[list[list[WireContact]]], float] = {}
+    beam = Beam(
+        lookups,
+        k=k,
+        alpha=alpha,
+        stall_after=stall_after,
+        blocked=blocked,
+        max_in_flight=max_in_flight,
+        group_of=group_of,
+    )
+    in_flight: dict[asyncio.Task[list[list[WireContact]]], Ask] = {}
     try:
         while True:
-            now = now_fn()
-            stalled = {in_flight[t][0].peer_id for t, at in stalls_at.items() if now >= at}
-            active = [lk for lk in lookups if not lk.done]
-            waiting = {id(lk) for _, lks in in_flight.values() for lk in lks}
-            wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
-            order: list[PeerID] = []
-            for lk in active:
-                if lk.quorum_reached():
-                    lk.done = True
-                    continue
-                best = lk.best(k, stalled)
-                need = best if lk.settle is None else best[: lk.settle]
-                # Converged: its best live candidates answered. Not while every one of
-                # them is a slow peer still expected to answer (a far link: all of
-                # them stalled, none to move on to): then it waits for them.
-                if all(lk.state.get(c.peer_id) == ANSWERED for c in need) and (
-                    need or id(lk) not in waiting
-                ):
-                    lk.done = True
-                    continue
-                busy = sum(1 for c in best if lk.state.get(c.peer_id) == ASKED)
-                # Once the alpha closest have answered, the neighbourhood is
-                # found: ask the rest of the k closest at once (the paper's
-                # final round) rather than alpha at a time.
-                width = (
-                    k if all(lk.state.get(c.peer_id) == ANSWERED for c in best[:alpha]) else alpha
-                )
-                for c in best:
-                    if busy >= width:
-                        break
-                    if c.peer_id in lk.state:
-                        continue
-                    busy += 1
-                    entry = wanted.get(c.peer_id)
-                    if entry is None:
-                        wanted[c.peer_id] = (c, [lk])
-                        order.append(c.peer_id)
-                    else:
-                        entry[1].append(lk)
-            # A peer asked for one key is also asked for every other key whose
-            # best candidates it is among: one request, several keys.
-            if wanted and len(active) > 1:
-                best_sets = {id(lk): lk.best(k, stalled) for lk in active if not lk.done}
-                for pid in order:
-                    cand, lks = wanted[pid]
-                    for lk in active:
-                        if lk.done or lk in lks or pid in lk.state:
-                            continue
-                        if any(c.peer_id == pid for c in best_sets[id(lk)]):
-                            lks.append(lk)
-            for pid in order:
-                if len(in_flight) >= max_in_flight:
-                    break
-                cand, lks = wanted[pid]
-                if blocked(pid):
-                    for lk in lks:
-                        lk.state[pid] = FAILED
-                    continue
-                for lk in lks:
-                    lk.state[pid] = ASKED
-                task = loop.create_task(query(cand, lks))
-                in_flight[task] = (cand, lks)
-                stalls_at[task] = now_fn() + stall_after
-            if not in_flight:
-                if all(lk.done for lk in lookups) or not wanted:
-                    for lk in lookups:
-                        lk.done = True
-                    return
-                continue  # everything wanted was blocked: pick again
-            if all(lk.done for lk in lookups):
+            for ask in beam.pick(now_fn()):
+                in_flight[loop.create_task(query(ask.candidate, ask.lookups))] = ask
+                # Deadlines, not start times: `now >= deadline` and the wait
+                # `deadline - now` then agree; with start times, `now - start <
+                # stall_after` could hold while `start + stall_after - now` rounded to
+                # 0.0, and the loop spun on zero timeouts without uvloop's clock moving.
+                beam.sent(ask, now_fn())
+            if beam.finished:
                 return
-            # Wake on the next answer, or when the next request that this pass did not
-            # count as stalled does. Decided by the same `stalled` set as the picks
-            # above, not by a second reading of the clock: a deadline that passed in
-            # between was neither acted on nor waited for, and the lookup waited for
-            # the slow peer's answer (a timeout of None) instead of asking the next.
-            pending = [at for t, at in stalls_at.items() if in_flight[t][0].peer_id not in stalled]
-            timeout = max(0.0, min(pending) - now_fn()) if pending else None
+            if not in_flight:
+                continue  # everything wanted was blocked: pick again
+            wake = beam.wake_at()
+            timeout = None if wake is None else max(0.0, wake - now_fn())
             done, _ = await asyncio.wait(
                 in_flight, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             for task in done:
-                cand, lks = in_flight.pop(task)
-                del stalls_at[task]
+                ask = in_flight.pop(task)
                 exc = task.exception()
-                if exc is not None:
-                    for lk in lks:
-                        lk.state[cand.peer_id] = FAILED
-                    on_failure(cand, exc)
-                    continue
-                per_key = task.result()
-                for lk, contacts in zip(lks, per_key, strict=True):
-                    lk.state[cand.peer_id] = ANSWERED
-                    lk.answered.append(cand)
-                    lk.hops = max(lk.hops, cand.depth + 1)
-                    for wc in contacts:
-                        if wc.peer_id in lk.candidates or wc.peer_id in lk.skipped:
-                            continue
-                        if blocked(wc.peer_id):
-                            lk.skipped[wc.peer_id] = node_id(wc.peer_id)
-                            continue
-                        lk.add(
-                            Candidate(
-                                wc.peer_id,
-                                node_id(wc.peer_id),
-                                wc.addrs,
-                                cand.depth + 1,
-                                None if group_of is None else group_of(wc.addrs),
-                            )
-                        )
+                if exc is None:
+                    beam.answered(ask, task.result())
+                else:
+                    beam.failed(ask)
+                    on_failure(ask.candidate, exc)
     finally:
         for task in in_flight:
             task.cancel()

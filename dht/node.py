@@ -353,11 +353,11 @@ class DHTNode:
                         peer,
                         self.protocol,
                         "ping",
-                        self._hello(),
+                        self.hello(),
                         timeout=self.hop_timeout,
                     )
                 addrs = self._reply_addrs(peer, reply) or (addr,)
-                self._add_contact(peer, addrs, replace=True, observed_ip=self._observed_ip(peer))
+                self.add_contact(peer, addrs, replace=True, observed_ip=self._observed_ip(peer))
                 return None
             except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
                 error = f"{addr}: {type(e).__name__}: {e}"
@@ -491,7 +491,13 @@ class DHTNode:
 
     # ------------------------------------------------------------------ server side
 
-    def _hello(self) -> dict[str, Any]:
+    def count(self, counter: str, n: int = 1) -> int:
+        """Add `n` to one of the `stats` counters; its new value."""
+        self._counters[counter] += n
+        return self._counters[counter]
+
+    def hello(self) -> dict[str, Any]:
+        """What we say of ourselves in every request and answer (addresses, or client)."""
         # Sent with every request: rebuilt at most once a second, not per call.
         now = self._loop.time()
         if self._hello_cache is None or now - self._hello_cache[0] > 1.0:
@@ -509,7 +515,7 @@ class DHTNode:
             return None
         return conn.remote_address[0]
 
-    def _add_contact(
+    def add_contact(
         self,
         peer: PeerID,
         addrs: Sequence[Multiaddr],
@@ -517,6 +523,7 @@ class DHTNode:
         replace: bool,
         observed_ip: str | None = None,
     ) -> None:
+        """`peer` at `addrs` into the routing table (a full bucket pings its oldest)."""
         result: AddResult = self.routing_table.add_or_update(
             peer, addrs, self._loop.time(), replace_addrs=replace, observed_ip=observed_ip
         )
@@ -525,7 +532,7 @@ class DHTNode:
 
     async def _check_alive(self, peer: PeerID, addrs: tuple[Multiaddr, ...]) -> None:
         try:
-            await self._request(peer, addrs, "ping", self._hello())
+            await self._request(peer, addrs, "ping", self.hello())
             alive = True
         except PeerBusy:
             alive = True  # throttled us, but it answered
@@ -639,14 +646,14 @@ class DHTNode:
         ip = self._observed_ip(cand.peer_id)
         if ip is not None:
             cand.group = self.diversity.group_of_ip(ip)
-        self._add_contact(cand.peer_id, cand.addrs, replace=False, observed_ip=ip)
+        self.add_contact(cand.peer_id, cand.addrs, replace=False, observed_ip=ip)
 
     async def _query_find_node(
         self, cand: Candidate, lookups: list[KeyLookup]
     ) -> list[list[WireContact]]:
         ids = [lk.target.to_bytes(ID_BYTES, "big") for lk in lookups]
         reply = await self._request(
-            cand.peer_id, cand.addrs, "find_node", {**self._hello(), "ids": ids}
+            cand.peer_id, cand.addrs, "find_node", {**self.hello(), "ids": ids}
         )
         _, per_key = parse_nearest(
             reply, len(ids), self.k, local=self.peer_id, responder=cand.peer_id
@@ -660,7 +667,7 @@ class DHTNode:
         keys = [lk.key for lk in lookups]
         assert all(k is not None for k in keys)
         reply = await self._request(
-            cand.peer_id, cand.addrs, "find_value", {**self._hello(), "keys": keys}
+            cand.peer_id, cand.addrs, "find_value", {**self.hello(), "keys": keys}
         )
         response, per_key = parse_nearest(
             reply, len(keys), self.k, local=self.peer_id, responder=cand.peer_id
@@ -786,7 +793,7 @@ class DHTNode:
                 cand.peer_id,
                 cand.addrs,
                 "store",
-                {**self._hello(), "records": [r.to_wire() for r in records]},
+                {**self.hello(), "records": [r.to_wire() for r in records]},
             )
             return parse_stored(reply, len(records))
         except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:

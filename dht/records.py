@@ -160,7 +160,7 @@ class Record:
 
     def signing_payload(self) -> bytes:
         """The bytes the owner signs; a domain prefix keeps them from meaning anything else."""
-        body = msgpack.packb(
+        body: bytes = msgpack.packb(
             [self.key, self.subkey, self.value, self.expiration], use_bin_type=True
         )
         return _SIGNING_DOMAIN + body

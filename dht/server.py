@@ -9,13 +9,18 @@ from. Stored records are charged to the sender and its IP group.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from shoal.transport import rpc
+from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
 
+from .admission import DiversityPolicy, RequestAdmission
 from .protocol import (
     DHTProtocolError,
     build_nearest,
@@ -25,18 +30,54 @@ from .protocol import (
     parse_records,
 )
 from .records import RecordError
-from .routing import key_id
-
-if TYPE_CHECKING:
-    from .node import DHTNode
+from .routing import RoutingTable, key_id
+from .storage import LocalStorage
 
 log = logging.getLogger("shoal.dht")
+
+
+class ServedNode(Protocol):
+    """What the server needs of the node it answers for (`DHTNode` is one)."""
+
+    @property
+    def host(self) -> Host: ...
+    @property
+    def protocol(self) -> str: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def admission(self) -> RequestAdmission: ...
+    @property
+    def diversity(self) -> DiversityPolicy: ...
+    @property
+    def routing_table(self) -> RoutingTable: ...
+    @property
+    def storage(self) -> LocalStorage: ...
+
+    def count(self, counter: str, n: int = 1) -> int:
+        """Add `n` to one of the node's counters; its new value."""
+        ...
+
+    def hello(self) -> dict[str, Any]:
+        """What the node says of itself (its addresses, or that it is a client)."""
+        ...
+
+    def add_contact(
+        self,
+        peer: PeerID,
+        addrs: Sequence[Multiaddr],
+        *,
+        replace: bool,
+        observed_ip: str | None = None,
+    ) -> None:
+        """A sender into the routing table."""
+        ...
 
 
 class DHTServer:
     """Serves ping/find_node/find_value/store of `node` under its protocol."""
 
-    def __init__(self, node: DHTNode) -> None:
+    def __init__(self, node: ServedNode) -> None:
         self.node = node
         self._service = rpc.RpcService(node.host, node.protocol)
         for method, handler in (
@@ -55,10 +96,9 @@ class DHTServer:
         busy answer (cheap, and not garbage to an honest requester)."""
 
         async def admitted(ctx: rpc.CallContext, payload: Any) -> Any:
-            if not self.node.admission.admit(ctx.peer, ctx.remote_ip, self.node._loop.time()):
-                refused = self.node._counters["requests_refused"] = (
-                    self.node._counters["requests_refused"] + 1
-                )
+            now = asyncio.get_running_loop().time()
+            if not self.node.admission.admit(ctx.peer, ctx.remote_ip, now):
+                refused = self.node.count("requests_refused")
                 if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood is one line
                     log.info(
                         "DHT: request rate limit: a busy answer to %s at %s (%d so far)",
@@ -75,7 +115,7 @@ class DHTServer:
         """Every request refreshes its sender in the table."""
         if not isinstance(payload, dict):
             raise DHTProtocolError("request must be a map")
-        self.node._counters["requests_served"] += 1
+        self.node.count("requests_served")
         if payload.get("client") is True:
             return payload  # a client (e.g. behind NAT): answer it, never route through it
         raw = payload.get("from", [])
@@ -83,7 +123,7 @@ class DHTServer:
             addrs = parse_addrs(ctx.peer, raw)
         except DHTProtocolError:
             addrs = ()
-        self.node._add_contact(ctx.peer, addrs, replace=bool(addrs), observed_ip=ctx.remote_ip)
+        self.node.add_contact(ctx.peer, addrs, replace=bool(addrs), observed_ip=ctx.remote_ip)
         return payload
 
     def _nearest_for(self, targets: list[int], exclude: PeerID) -> dict[str, Any]:
@@ -99,7 +139,7 @@ class DHTServer:
         self._note_sender(ctx, payload)
         # Our wall clock, for the asker's clock-skew check (`shoal doctor`): records
         # expire by wall-clock time, so a clock minutes off loses or keeps them wrongly.
-        return {**self.node._hello(), "t": time.time()}
+        return {**self.node.hello(), "t": time.time()}
 
     async def _on_find_node(self, ctx: rpc.CallContext, payload: Any) -> Any:
         payload = self._note_sender(ctx, payload)

@@ -32,6 +32,7 @@ from shoal.averaging.group import Group
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.identity import Identity, PeerID
+from shoal.transport.tasks import TaskSet
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
@@ -108,7 +109,7 @@ class Verifier:
             KEEP_ROUNDS, work.log.retain_s
         )
         self._seen: Counter[PeerID] = Counter()  # committed rounds per peer, in our sight
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet(log, "verifier")
         self.withheld = 0
         self.ignored_accusations = 0
         self._shun = shun
@@ -125,8 +126,7 @@ class Verifier:
 
     def close(self) -> None:
         self._service.close()
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ Attestor
@@ -177,10 +177,7 @@ class Verifier:
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A task of ours: cancelled by `close`."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro)
 
     # ------------------------------------------------------------------ after a round
 

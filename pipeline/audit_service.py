@@ -27,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.errors import PayloadTooLarge, TransportError
 from shoal.transport.identity import PeerID
@@ -51,12 +52,11 @@ from shoal.verification.stage_audit import (
 
 from .audit import OutputStore, inputs_hash, recompute, wire_roundtrip
 from .audit_bans import StageBans
+from .compute_queue import ComputeQueue
+from .stage import StageWorker
 from .wire import codec_of, recv_tensor, send_tensor
 
-if TYPE_CHECKING:
-    from .server import StageServer
-
-__all__ = ["AuditService", "signature_from_wire", "signature_to_wire"]
+__all__ = ["AuditService", "AuditedStage", "signature_from_wire", "signature_to_wire"]
 
 log = logging.getLogger("shoal.pipeline.audit")
 
@@ -79,10 +79,31 @@ def signature_from_wire(obj: Any, like: Signature) -> Signature | None:
     return Signature(like.seed, like.config, like.elements, bits, norms)
 
 
+class AuditedStage(Protocol):
+    """What the audit service needs of the stage it audits for (`StageServer` is one)."""
+
+    @property
+    def dht(self) -> DHTNode: ...
+    @property
+    def experiment(self) -> str: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def worker(self) -> StageWorker: ...
+    @property
+    def protocol(self) -> str: ...
+    @property
+    def compute(self) -> ComputeQueue: ...
+
+    def request_limits(self, samples: int | None) -> tuple[int, int]:
+        """The most elements of inputs and of output gradients a request may hold."""
+        ...
+
+
 class AuditService:
     """The audit RPCs of `server` and what they need: kept answers, the ban list."""
 
-    def __init__(self, server: StageServer, policy: StageAuditPolicy | None = None) -> None:
+    def __init__(self, server: AuditedStage, policy: StageAuditPolicy | None = None) -> None:
         self.server = server
         self.policy = policy or StageAuditPolicy()
         self.store = OutputStore()

@@ -38,6 +38,7 @@ from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
+from shoal.transport.tasks import TaskSet
 from shoal.verification.disputes import MAX_STRIKES
 from shoal.verification.evidence import EvidenceError, Verdict
 from shoal.verification.stage_audit import (
@@ -111,7 +112,7 @@ class TrainerAuditor:
         self.bytes_sent = 0  # tensors and signatures sent to referees, verdicts back
         self.commitment_bytes = 0  # nonce hashes in requests and commitments in answers
         self._rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(log, "stage audit")
 
     @staticmethod
     def new_nonce() -> tuple[bytes, bytes]:
@@ -142,20 +143,16 @@ class TrainerAuditor:
             return False
         if answer.peer in self.bans or self._rng.random() >= self.rate(answer.peer):
             return False
-        task = asyncio.get_running_loop().create_task(self._audit(answer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._audit(answer))
         return True
 
     async def settled(self) -> None:
         """Wait for the audits under way."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._tasks.wait()
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._tasks.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _commitment(self, answer: Answer) -> StageCommitment | None:
         """The answer's commitment when it is the request's and matches the received

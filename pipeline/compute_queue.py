@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.transport.tasks import TaskSet
+
 from .audit import AuditRequest
 from .stage import StageWorker
 
@@ -69,7 +71,7 @@ class ComputeQueue:
         self._wake = asyncio.Event()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-seal{stage}")
-        self._sealing: set[asyncio.Task[None]] = set()
+        self._sealing = TaskSet(log, "stage sealing")
 
     @property
     def queued(self) -> int:
@@ -87,8 +89,7 @@ class ComputeQueue:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def close(self) -> None:
-        for task in self._sealing:
-            task.cancel()
+        self._sealing.cancel()
         self._compute.shutdown(wait=False, cancel_futures=True)
         self._sealer.shutdown(wait=False, cancel_futures=True)
         for job in self._jobs:
@@ -120,9 +121,7 @@ class ComputeQueue:
                 self.batches += 1
                 if any(job.audit is not None for job in batch):
                     # Sealed off the compute thread: the next batch need not wait for it.
-                    task = loop.create_task(self._seal_batch(batch, results, seconds, version))
-                    self._sealing.add(task)
-                    task.add_done_callback(self._sealing.discard)
+                    self._sealing.spawn(self._seal_batch(batch, results, seconds, version))
                 else:
                     _answer(batch, results, seconds)
 

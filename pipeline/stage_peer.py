@@ -45,6 +45,7 @@ from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.errors import ConnectionLost, DialError, ProtocolNotSupported
 from shoal.transport.identity import PeerID
+from shoal.transport.tasks import TaskSet
 
 from .bounds import StageBounds
 from .progress import STALE_S, Report, StageProgress, peers_at, samples_at
@@ -116,7 +117,8 @@ class StagePeer:
         self._stored: list[Report] = []  # the stage's reports in the DHT, as last read
         self._read_at = -float("inf")
         self._heard: dict[PeerID, Report] = {}  # reports stage peers pushed to us
-        self._pushing: set[PeerID] = set()
+        self._pushing: set[PeerID] = set()  # one push at a time to each peer
+        self._pushes = TaskSet(log, "progress push")
         self._progress = (0, 0)  # samples, version: what pushes carry
         # Stage peers our push found gone (-> when): their reports until then do not
         # count, so a peer that died does not hold the stage's quorum for STALE_S.
@@ -153,6 +155,7 @@ class StagePeer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._pushes.aclose()
         await self.server.aclose()
         await self.optimizer.aclose()
 
@@ -246,7 +249,7 @@ class StagePeer:
             gone = r.at <= self._gone.get(r.peer, -float("inf"))
             if r.peer != me and not gone and r.peer not in self._pushing:
                 self._pushing.add(r.peer)
-                task = asyncio.get_running_loop().create_task(self._send(r.peer))
+                task = self._pushes.spawn(self._send(r.peer))
                 task.add_done_callback(lambda _, p=r.peer: self._pushing.discard(p))
 
     async def _send(self, peer: PeerID) -> None:

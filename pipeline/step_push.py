@@ -10,16 +10,19 @@ step, sends each its new version and step log (the `stepped` call of
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
 from shoal.transport import rpc
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
+from shoal.transport.tasks import TaskSet
 
 __all__ = ["TRAINER_SEEN_S", "StepPush", "trainer_protocol"]
+
+log = logging.getLogger("shoal.pipeline")
 
 TRAINER_SEEN_S = 30.0  # a trainer silent this long is not told of our steps any more
 PUSH_TIMEOUT_S = 2.0
@@ -37,7 +40,7 @@ class StepPush:
         self.host = host
         self.protocol = trainer_protocol(experiment)
         self.trainers: dict[PeerID, float] = {}  # -> when it last sent us a request
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(log, "step push")
 
     def heard_from(self, peer: PeerID) -> None:
         self.trainers[peer] = time.monotonic()
@@ -48,12 +51,9 @@ class StepPush:
         for peer, seen in list(self.trainers.items()):
             if now - seen > TRAINER_SEEN_S:
                 del self.trainers[peer]
-        loop = asyncio.get_running_loop()
         for peer in self.trainers:
             if peer != self.host.peer_id:  # (our own trainer calls us directly)
-                task = loop.create_task(self._send(peer, message))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._tasks.spawn(self._send(peer, message))
 
     async def _send(self, peer: PeerID, message: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # the DHT record is the fallback
@@ -61,5 +61,4 @@ class StepPush:
                            timeout=PUSH_TIMEOUT_S)  # fmt: skip
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel()

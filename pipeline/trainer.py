@@ -34,6 +34,7 @@ from shoal.dht.records import owner_of
 from shoal.transport import rpc
 from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.identity import PeerID
+from shoal.transport.tasks import TaskSet
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .auditor import TrainerAuditor
@@ -102,7 +103,7 @@ class PipelineTrainer:
         self._name = f"{str(dht.peer_id)[-8:]}.{secrets.token_hex(4)}"
         self._announced: dict[PeerID, float] = {}
         self.local = self.calls.local  # stages this process serves: called directly
-        self._replays: set[asyncio.Task[None]] = set()
+        self._replays = TaskSet(log, "replay")
         # Stage peers push their steps to us (`StageServer.push_step`); `changed` wakes
         # whoever waits for one.
         self._changed = asyncio.Event()
@@ -298,9 +299,7 @@ class PipelineTrainer:
         for entry in self.ledger.resolve(stage, steps, self.versions[stage]):
             log.info("stage %d step %d went without %s: replaying %s", stage, entry.epoch,
                      str(entry.peer)[-8:], entry.key)  # fmt: skip
-            task = asyncio.get_running_loop().create_task(self._replay(entry))
-            self._replays.add(task)
-            task.add_done_callback(self._replays.discard)
+            self._replays.spawn(self._replay(entry))
 
     async def _replay(self, entry: Applied) -> None:
         while True:
@@ -324,8 +323,7 @@ class PipelineTrainer:
 
     async def settled(self) -> None:
         """Wait for the replays under way."""
-        while self._replays:
-            await asyncio.gather(*list(self._replays), return_exceptions=True)
+        await self._replays.wait()
 
     async def flush(self, stage: int) -> int:
         """Ask every peer of `stage` to step with what it holds (we wait for that step

@@ -22,11 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _find_lab_sh() -> Path:
     """SHOAL_LAB_SH, else shared/lab/lab.sh beside this checkout or any folder above
-    it, else the workspace's (a clean clone may live elsewhere, e.g. in /tmp)."""
+    it (a clone elsewhere, e.g. in /tmp, names the lab with SHOAL_LAB_SH)."""
     if os.environ.get("SHOAL_LAB_SH"):
         return Path(os.environ["SHOAL_LAB_SH"])
     candidates = [d / "shared" / "lab" / "lab.sh" for d in REPO.parents]
-    candidates.append(Path("/work/shared/lab/lab.sh"))
     return next((c for c in candidates if c.exists()), candidates[0])
 
 

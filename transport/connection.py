@@ -55,6 +55,7 @@ from .mux import (
 )
 from .remote_log import RemoteEvents
 from .secure import SecureHandshake
+from .tasks import TaskSet
 
 log = logging.getLogger("shoal.transport")
 # Refusals, handshake timeouts and violations: a remote peer decides how many.
@@ -472,7 +473,8 @@ class Connection(asyncio.BufferedProtocol):
         self._on_stream = on_stream
         self._on_closed = on_closed
         self._admit = admit
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Stream handlers and the connection's own helpers: cancelled when it closes.
+        self._tasks = TaskSet(log, "connection")
         self._mux = _multiplexer(initiator, self.config)
         self._send_cipher = None
         self._recv_cipher = None
@@ -589,9 +591,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def spawn(self, coro: Coroutine[object, object, None], stream: Stream | None = None) -> None:
         """Run a stream handler owned by this connection (cancelled when it closes)."""
-        task = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self._tasks.spawn(coro)
         if stream is not None:
             stream.handler_task = task
 
@@ -1144,8 +1144,7 @@ class Connection(asyncio.BufferedProtocol):
                 stream.handler_task.cancel()
         self.streams.clear()
         self._no_streams.set()
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
         for _, fut in self._pings.values():
             if not fut.done():
                 fut.set_exception(err)

@@ -27,6 +27,7 @@ from .identity import Identity, PeerID
 from .interfaces import local_addresses
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address
 from .remote_log import RemoteEvents
+from .tasks import TaskSet
 from .version import VersionGate
 
 log = logging.getLogger("shoal.transport")
@@ -111,7 +112,9 @@ class Host:
         # Log lines remote ends cause (refusals, handshake timeouts, violations, handler
         # failures), rate-limited and summarized per kind.
         self.remote_events = RemoteEvents(log)
-        self._dial_tasks: set[asyncio.Task[Connection]] = set()
+        # Shared by every caller dialing the same peer, who each get its error; logged
+        # at debug level only (and retrieved, should every caller have given up).
+        self._dial_tasks = TaskSet(log, "dial", logging.DEBUG)
         self._listeners: list[tuple[ConnectionCallback | None, ConnectionCallback | None]] = []
         self._dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
         self._address_provider: Callable[[], list[Multiaddr]] | None = None
@@ -174,8 +177,7 @@ class Host:
         self.remote_events.flush()  # what was suppressed so far, rather than nothing
         for server in self._servers:
             server.close()
-        for task in list(self._dial_tasks):
-            task.cancel()
+        self._dial_tasks.cancel()
         conns = list(self._all)
         await asyncio.gather(
             *(c.aclose(self.config.close_grace) for c in conns), return_exceptions=True
@@ -364,9 +366,7 @@ class Host:
         if not candidates:
             raise DialError(f"no address known for {peer}")
         timeout = self.config.dial_timeout if timeout is None else timeout
-        task = asyncio.get_running_loop().create_task(self._dial_checked(peer, candidates, timeout))
-        self._dial_tasks.add(task)
-        task.add_done_callback(self._dial_finished)
+        task = self._dial_tasks.spawn(self._dial_checked(peer, candidates, timeout))
         if peer is not None:
             self._dials[peer] = task  # type: ignore[assignment]
         try:
@@ -384,13 +384,6 @@ class Host:
         # The remote's protocol version comes one round trip after the handshake: an
         # incompatible peer fails the dial with both versions (IncompatibleProtocol).
         return await self.versions.checked(conn, deadline - loop.time())
-
-    def _dial_finished(self, task: asyncio.Task[Connection]) -> None:
-        self._dial_tasks.discard(task)
-        if not task.cancelled():
-            # Retrieved here: when every caller gave up (timed out) before the dial
-            # failed, nobody else reads the error, and asyncio would log it.
-            task.exception()
 
     async def open_stream(
         self,

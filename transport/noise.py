@@ -58,7 +58,10 @@ MAX_NONCE = 2**64 - 1
 # The spec fixes the nonce encodings: 32 zero bits then the 64-bit counter,
 # big-endian for AES-GCM and little-endian for ChaChaPoly.
 _NONCE_STRUCTS = {"AESGCM": struct.Struct(">4xQ"), "ChaChaPoly": struct.Struct("<4xQ")}
-_AEADS = {"AESGCM": AESGCM, "ChaChaPoly": ChaCha20Poly1305}
+_AEADS: dict[str, type[AESGCM | ChaCha20Poly1305]] = {
+    "AESGCM": AESGCM,
+    "ChaChaPoly": ChaCha20Poly1305,
+}
 CIPHERS = tuple(_AEADS)
 
 _RAW = serialization.Encoding.Raw

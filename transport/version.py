@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _package_version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -52,7 +52,6 @@ from .ratelimit import KeyedBuckets
 
 if TYPE_CHECKING:
     from .connection import Connection, Stream
-    from .host import Host
 
 __all__ = [
     "HELLO_PROTOCOL",
@@ -290,6 +289,22 @@ class _Conn:
     refusal: str = ""  # REJECTED: what the peer is told
 
 
+class GatedHost(Protocol):
+    """What the gate needs of the host whose connections it checks (`Host` is one)."""
+
+    def add_connection_listener(
+        self,
+        opened: Callable[[Connection], None] | None = None,
+        closed: Callable[[Connection], None] | None = None,
+    ) -> Callable[[], None]:
+        """Call `opened(conn)` after every handshake and `closed(conn)` after every close."""
+        ...
+
+    def connection(self, peer: PeerID) -> Connection | None:
+        """The connection to `peer` that accepts streams, if any."""
+        ...
+
+
 class VersionGate:
     """Runs the hello on every connection of `host` and keeps incompatible peers out.
 
@@ -298,7 +313,7 @@ class VersionGate:
     `local` may be replaced before connections are made (tests: another version).
     """
 
-    def __init__(self, host: Host, dispatch: Callable[[Stream], None]) -> None:
+    def __init__(self, host: GatedHost, dispatch: Callable[[Stream], None]) -> None:
         self.host = host
         self.local = Hello()
         self.mismatches = MismatchLog()

@@ -26,6 +26,7 @@ from ..errors import (
 from ..host import Host
 from ..identity import PeerID
 from ..multiaddr import Multiaddr, from_socket_address
+from ..tasks import TaskSet
 from . import wire
 from .config import NatConfig
 from .relay import HOP_PROTOCOL, STOP_PROTOCOL
@@ -96,6 +97,8 @@ class RelayClient:
         self._known_addresses = known_addresses
         self.reservations: dict[PeerID, ActiveReservation] = {}
         self._holders: dict[PeerID, asyncio.Task[None]] = {}
+        # (A refused or lost reservation is routine: `last_error` keeps why, per relay.)
+        self._holding = TaskSet(log, "relay reservation", logging.INFO)
         self._closed = False
         self.last_error: dict[PeerID, str] = {}
         self.accepted = 0
@@ -107,10 +110,7 @@ class RelayClient:
     async def aclose(self) -> None:
         self._closed = True
         self.host.remove_handler(STOP_PROTOCOL)
-        tasks = list(self._holders.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._holding.aclose()
 
     def circuit_addresses(self) -> list[Multiaddr]:
         return [a for r in self.reservations.values() for a in r.addrs]
@@ -130,7 +130,7 @@ class RelayClient:
         if relay in self._holders or self._closed:
             return
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        task = asyncio.get_running_loop().create_task(self._hold(relay, addrs, ready, timeout))
+        task = self._holding.spawn(self._hold(relay, addrs, ready, timeout))
         self._holders[relay] = task
         task.add_done_callback(lambda t: self._holder_done(relay, t))
         await asyncio.shield(ready)

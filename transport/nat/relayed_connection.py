@@ -18,6 +18,7 @@ from typing import Any
 from ..connection import Connection, Stream
 from ..errors import ConnectionLost, RelayLimitExceeded, StreamReset, TransportError
 from ..identity import PeerID
+from ..tasks import TaskSet
 
 log = logging.getLogger("shoal.transport.nat")
 
@@ -48,16 +49,14 @@ class StreamTransport(asyncio.Transport):
         self._closing = False
         self._remote_closed = asyncio.Event()  # the reader met the remote's end of stream
         self._lost = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(log, "relayed connection")
 
     def start(self) -> None:
         self._protocol.connection_made(self)
         if self._lost or self._closing:  # the connection refused itself (limits)
             return
-        for coro in (self._read_loop(), self._write_loop()):
-            task = self._loop.create_task(coro)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._read_loop())
+        self._tasks.spawn(self._write_loop())
 
     # --- asyncio.Transport API used by Connection ---------------------------------------------
 
