@@ -52,18 +52,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from shoal.dht.node import DHTNode
+from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceService
+from .attestation import Attestor
 from .averager import Averager, AveragerConfig, StepResult, restored_version
+from .diloco_options import DiLoCoOptions, StreamingOptions
 from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
 from .lineage import declared_work
+from .options import GroupOptions
 from .outer import (
     RoundOutcome,
     RoundReport,
@@ -113,14 +117,14 @@ async def _catch_up(
     return await averager.step(weight=0.0, timeout=timeout)
 
 
-def _averager_config(key: str, opts: Mapping[str, Any]) -> AveragerConfig:
+def _averager_config(key: str, opts: GroupOptions) -> AveragerConfig:
     return AveragerConfig(
         matchmaking=matchmaking_config(opts),
         allreduce=allreduce_config(opts),
-        codec=opts["codec"],
+        codec=opts.codec,
         state_protocol=state_protocol(key),
-        state_timeout=opts["state_timeout"],
-        adaptive_deadlines=opts["deadlines"] == "adaptive",
+        state_timeout=opts.state_timeout,
+        adaptive_deadlines=opts.deadlines == "adaptive",
         # The global parameters are one state for the whole swarm: a peer alone
         # takes its outer steps by itself (DiLoCo with one replica) and a joiner
         # downloads its progress.
@@ -132,9 +136,10 @@ class DiLoCo(OuterStrategyBase):
     """DiLoCo over `params` (the model's parameters, changed in place)."""
 
     name = "diloco"
+    options: DiLoCoOptions
 
     def __init__(
-        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
+        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: DiLoCoOptions
     ) -> None:
         super().__init__(dht, key, params, options)
         with torch.no_grad():
@@ -156,6 +161,18 @@ class DiLoCo(OuterStrategyBase):
     def outer_steps(self) -> int:
         """Outer steps applied to the global state this peer holds (its commit count)."""
         return self.averager.commits
+
+    # `outer.VerifyingStrategy`: its all-reduce is what a verifier audits.
+
+    def audit_shape(self) -> tuple[int, int, str]:
+        allreduce = self.averager.config.allreduce
+        return (allreduce.streams_per_peer, allreduce.chunk_bytes, self.averager.config.codec)
+
+    def shun(self, peer: PeerID, seconds: float) -> None:
+        self.averager.shun(peer, seconds)
+
+    def attach_attestor(self, attestor: Attestor) -> None:
+        self.averager.attestor = attestor
 
     @property
     def oversized_refused(self) -> int:
@@ -208,7 +225,7 @@ class DiLoCo(OuterStrategyBase):
         clock = RoundClock(self.dht)
         size = numel(self.params)
         await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
-        timeout = float(self.options["round_timeout"])
+        timeout = float(self.options.round_timeout)
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
         contribution = (self.synced_at_step, self.inner_steps)
         if result.resynced or result.discarded:
@@ -241,8 +258,8 @@ class DiLoCo(OuterStrategyBase):
             self.globals,
             self.deltas,
             self.momentum,
-            lr=self.options["outer_lr"],
-            mu=self.options["outer_momentum"],
+            lr=self.options.outer_lr,
+            mu=self.options.outer_momentum,
         )
         copy_into(self.params, self.globals)
 
@@ -343,20 +360,21 @@ class StreamingDiLoCo(OuterStrategyBase):
     `overlap_steps` later); samples are counted per fragment."""
 
     name = "streaming"
+    options: StreamingOptions
 
     def __init__(
-        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
+        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: StreamingOptions
     ) -> None:
         super().__init__(dht, key, params, options)
         h = self.inner_steps_per_round
-        count = int(self.options["fragments"])
+        count = int(self.options.fragments)
         if count > len(self.params):
             raise ValueError(
                 f"option 'fragments' ({count}) exceeds the number of parameter tensors "
                 f"({len(self.params)})"
             )
-        self.overlap_steps = int(self.options["overlap_steps"])
-        self.mixing = float(self.options["mixing"])
+        self.overlap_steps = int(self.options.overlap_steps)
+        self.mixing = float(self.options.mixing)
         self._service = AllReduceService(dht.host, allreduce_config(self.options))
         self.fragments: list[_Fragment] = []
         for i, indices in enumerate(split_fragments([p.numel() for p in self.params], count)):
@@ -429,8 +447,8 @@ class StreamingDiLoCo(OuterStrategyBase):
                 frag.globals,
                 frag.deltas,
                 frag.momentum,
-                lr=self.options["outer_lr"],
-                mu=self.options["outer_momentum"],
+                lr=self.options.outer_lr,
+                mu=self.options.outer_momentum,
             )
 
         return outer_step
@@ -517,7 +535,7 @@ class StreamingDiLoCo(OuterStrategyBase):
 
     async def _run_round(self, frag: _Fragment, weight: int) -> _RoundOutcome:
         clock = RoundClock(self.dht)
-        timeout = float(self.options["round_timeout"])
+        timeout = float(self.options.round_timeout)
         result = await self._avg(frag).step(weight=float(weight), timeout=timeout)
         resynced = result.resynced
         if resynced:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ from .host_state import (
     numel,
     off_loop,
 )
+from .noloco_options import NoLoCoOptions
 from .outer import (
     RoundOutcome,
     RoundReport,
@@ -83,9 +84,10 @@ class NoLoCo(OuterStrategyBase):
     """NoLoCo over `params` (the model's parameters, changed in place)."""
 
     name = "noloco"
+    options: NoLoCoOptions
 
     def __init__(
-        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
+        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: NoLoCoOptions
     ) -> None:
         super().__init__(dht, key, params, options)
         with torch.no_grad():
@@ -101,8 +103,8 @@ class NoLoCo(OuterStrategyBase):
             [mixed_buffer],
             config=GossipConfig(
                 allreduce=allreduce_config(self.options),
-                codec=self.options["codec"],
-                adaptive=self.options["deadlines"] == "adaptive",
+                codec=self.options.codec,
+                adaptive=self.options.deadlines == "adaptive",
             ),
         )
         self.outer_steps = 0  # also the round number that picks partners
@@ -157,8 +159,8 @@ class NoLoCo(OuterStrategyBase):
                 self.outer,
                 self._deltas,
                 self.momentum,
-                lr=self.options["outer_lr"],
-                mu=self.options["outer_momentum"],
+                lr=self.options.outer_lr,
+                mu=self.options.outer_momentum,
             )
             copy_into(self._mixed, self.outer)
 
@@ -171,7 +173,7 @@ class NoLoCo(OuterStrategyBase):
             fingerprint = await asyncio.to_thread(
                 state_fingerprint, self._mixed, {"round": round_number}
             )
-        gamma = self.options["param_mixing"]
+        gamma = self.options.param_mixing
 
         def merge() -> None:
             if result.committed:
@@ -236,7 +238,7 @@ class NoLoCo(OuterStrategyBase):
     async def _load_from_peers(self) -> bool:
         try:
             state = await load_state_from_peers(
-                self.dht, self.key, protocol=self._protocol, timeout=self.options["state_timeout"],
+                self.dht, self.key, protocol=self._protocol, timeout=self.options.state_timeout,
                 like=[*self.outer, *self.momentum], on_refused=self._refused,
             )  # fmt: skip
         except (StateSyncError, TimeoutError) as e:

@@ -12,9 +12,10 @@ then synchronizes with other peers and moves the parameters:
 - ``noloco``: every H inner steps, an exchange with one partner, no group and
   no all-reduce over the swarm (`noloco.NoLoCo`).
 
-Options are plain msgpack-able values (they go into the experiment's
-manifest); `resolve_options` fills in `DEFAULT_OPTIONS` and rejects unknown
-names and bad values with a ValueError that names the option. The strategies
+Each strategy's options are a typed schema (`options.OuterOptions` subclasses,
+torch-free, listed in `registry`); the manifest records them as a plain map.
+`resolve_options` reads such a map: the defaults filled in, unknown names and
+bad values refused with a ValueError that names the option. The strategies
 build on `strategy_base.OuterStrategyBase`; `strategies.make_strategy` makes
 one by name.
 """
@@ -24,16 +25,19 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from shoal.transport.identity import PeerID
+
 from .allreduce import AllReduceConfig
-from .compression import CODECS
+from .attestation import Attestor
 from .matchmaking import MatchmakingConfig
-from .reducer import REDUCTIONS
+from .options import GroupOptions, OuterOptions
+from .registry import outer_strategy_names, schema_of
 from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "OuterStrategy",
     "RoundOutcome",
     "RoundReport",
+    "VerifyingStrategy",
     "nesterov_outer_step",
     "resolve_options",
 ]
@@ -85,7 +90,10 @@ class RoundReport:
 
 
 class OuterStrategy(Protocol):
-    name: str  # "diloco" | "streaming" | "noloco"
+    """What the trainer, the session and the status surfaces use of a strategy."""
+
+    name: str  # its schema's name: "diloco" | "streaming" | "noloco" | ...
+    options: OuterOptions  # its schema, parsed
     outer_steps: int
     # Times the parameters were set back to the global state outside a commit (a
     # re-sync, a load at start): work counted from before such a reset is gone.
@@ -126,6 +134,26 @@ class OuterStrategy(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class VerifyingStrategy(OuterStrategy, Protocol):
+    """A strategy whose rounds a verifier audits (its schema's `can_verify`): the peer
+    layer's verifier is built from `audit_shape` and `shun`, then attached."""
+
+    def audit_shape(self) -> tuple[int, int, str]:
+        """What its rounds send, as an auditor re-derives it: the all-reduce's streams
+        per peer, chunk bytes and codec name."""
+        ...
+
+    def shun(self, peer: PeerID, seconds: float) -> None:
+        """Leave `peer` out of our rounds for `seconds`."""
+        ...
+
+    def attach_attestor(self, attestor: Attestor) -> None:
+        """From now on, commit to our contributions and check the others' with
+        `attestor` (before `start`)."""
+        ...
+
+
 def nesterov_outer_step(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -148,167 +176,42 @@ def nesterov_outer_step(
 
 # ---------------------------------------------------------------------- options
 
-_Check = Callable[[Any], bool]
+
+class _Defaults(Mapping[str, dict[str, Any]]):
+    """Each registered outer strategy's default options (read from its schema)."""
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        try:
+            return schema_of(name, outer=True).defaults()
+        except ValueError:
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(outer_strategy_names())
+
+    def __len__(self) -> int:
+        return len(outer_strategy_names())
 
 
-def _number(lo: float, hi: float = float("inf"), *, lo_open: bool = False) -> _Check:
-    def check(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return False
-        return (v > lo if lo_open else v >= lo) and v <= hi
-
-    return check
+DEFAULT_OPTIONS: Mapping[str, dict[str, Any]] = _Defaults()
 
 
-def _integer(lo: int, hi: int = 1 << 62) -> _Check:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+def resolve_options(name: str, options: Mapping[str, Any]) -> OuterOptions:
+    """The options of outer strategy `name`: its schema's defaults overridden by
+    `options`, every value checked (ValueError names the option)."""
+    parsed = schema_of(name, outer=True).parse(options)
+    assert isinstance(parsed, OuterOptions), f"{name}'s schema is not an OuterOptions"
+    return parsed
 
 
-def _codec(v: Any) -> bool:
-    return isinstance(v, str) and v in CODECS
-
-
-# name -> (check, what a good value is)
-_SHARED_CHECKS: dict[str, tuple[_Check, str]] = {
-    "inner_steps": (_integer(1), "an int >= 1"),
-    "outer_lr": (_number(0, lo_open=True), "a number > 0"),
-    "outer_momentum": (_number(0, 1), "a number in [0, 1)"),
-    "codec": (_codec, f"one of {sorted(CODECS)}"),
-    "round_timeout": (_number(0, lo_open=True), "a number of seconds > 0"),
-    "stall_timeout": (_number(0, lo_open=True), "a number of seconds > 0"),
-    "state_timeout": (_number(0, lo_open=True), "a number of seconds > 0"),
-    "deadlines": (lambda v: v in ("adaptive", "fixed"), "adaptive or fixed"),
-}
-_GROUP_CHECKS: dict[str, tuple[_Check, str]] = {
-    "min_group_size": (_integer(1, 1024), "an int in 1..1024"),
-    "target_group_size": (_integer(1, 1024), "an int in 1..1024"),
-    "matchmaking_time": (_number(0, lo_open=True), "a number of seconds > 0"),
-}
-
-
-def _reduction(v: Any) -> bool:
-    return v == "auto" or v in REDUCTIONS
-
-
-# Verification (`shoal.verification`, run by the peer): off unless a manifest says so,
-# so that experiments created before it keep running as they were.
-_VERIFY_DEFAULTS: dict[str, Any] = {
-    "verify": False,
-    "audit_rate": 0.05,  # audit probability per contribution
-    "audit_probation_rate": 0.5,  # for peers new in our sight
-    "audit_segment_steps": 3,  # inner steps per checkpoint: what one audit re-runs
-    "audit_threshold_angle": 3.2e-3,  # 4x the calibrated fp32 honest floor
-    # How owners reduce their part: auto is CenteredClip when verifying, else the mean.
-    "reduction": "auto",
-}
-_VERIFY_CHECKS: dict[str, tuple[_Check, str]] = {
-    "verify": (lambda v: isinstance(v, bool), "true or false"),
-    "audit_rate": (_number(0, 1), "a number in [0, 1]"),
-    "audit_probation_rate": (_number(0, 1), "a number in [0, 1]"),
-    "audit_segment_steps": (_integer(1, 4096), "an int in 1..4096"),
-    "audit_threshold_angle": (_number(0, 3.2, lo_open=True), "an angle in (0, 3.2] radians"),
-    "reduction": (_reduction, f"auto or one of {sorted(REDUCTIONS)}"),
-}
-# Strategies that cannot verify accept only verify = false.
-_NO_VERIFY: dict[str, tuple[_Check, str]] = {
-    "verify": (lambda v: v is False, "false (verification needs the diloco strategy)"),
-}
-
-_DILOCO_DEFAULTS: dict[str, Any] = {
-    "inner_steps": 50,
-    "outer_lr": 0.7,  # DiLoCo paper
-    "outer_momentum": 0.9,  # DiLoCo paper (Nesterov)
-    "codec": "none",
-    "min_group_size": 2,
-    # DiLoCo's global parameters are one state: the whole swarm should fit in one
-    # group. A larger swarm splits, and each group's globals then go their own way
-    # (a peer that lands in another group later re-syncs when its version is behind).
-    "target_group_size": 64,
-    # How long a leader waits for peers it expects (members of the previous round,
-    # peers that declared themselves at start): the spread of arrival times of
-    # peers of slightly different speeds. Every round closes at once when all expected
-    # peers have joined, so this costs time only when a peer is missing.
-    "matchmaking_time": 5.0,
-    "round_timeout": 30.0,
-    "stall_timeout": 5.0,
-    "state_timeout": 120.0,
-    # adaptive: the timeouts above are floors, raised by what the links measured
-    # (averaging/deadlines.py); fixed: they are used as they are.
-    "deadlines": "adaptive",
-    **_VERIFY_DEFAULTS,
-}
-
-DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
-    "diloco": _DILOCO_DEFAULTS,
-    "streaming": {
-        **{k: v for k, v in _DILOCO_DEFAULTS.items() if k not in _VERIFY_DEFAULTS},
-        "verify": False,
-        "fragments": 4,
-        "overlap_steps": 5,
-        "mixing": 0.5,  # local = mixing*local + (1-mixing)*global at the merge (paper: 0.5)
-        "codec": "int8",  # the paper quantized outer gradients to 4 bits
-    },
-    "noloco": {
-        "inner_steps": 50,
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
-        "param_mixing": 1.0,  # how far the outer params move toward the pair's mean
-        "codec": "none",
-        "round_timeout": 30.0,
-        "stall_timeout": 5.0,
-        "state_timeout": 120.0,
-        "deadlines": "adaptive",
-        "verify": False,
-    },
-}
-
-_CHECKS: dict[str, dict[str, tuple[_Check, str]]] = {
-    "diloco": {**_SHARED_CHECKS, **_GROUP_CHECKS, **_VERIFY_CHECKS},
-    "streaming": {
-        **_SHARED_CHECKS,
-        **_GROUP_CHECKS,
-        **_NO_VERIFY,
-        "fragments": (_integer(1, 1024), "an int in 1..1024"),
-        "overlap_steps": (_integer(0), "an int >= 0"),
-        "mixing": (_number(0, 1), "a number in [0, 1]"),
-    },
-    "noloco": {
-        **_SHARED_CHECKS,
-        **_NO_VERIFY,
-        "param_mixing": (_number(0, 1), "a number in [0, 1]"),
-    },
-}
-
-
-def resolve_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """`DEFAULT_OPTIONS[name]` overridden by `options`, every value checked."""
-    if name not in DEFAULT_OPTIONS:
-        raise ValueError(f"unknown outer strategy {name!r}; known: {sorted(DEFAULT_OPTIONS)}")
-    checks = _CHECKS[name]
-    for key in options:
-        if key not in checks:
-            raise ValueError(f"unknown option {key!r} for {name}; known: {sorted(checks)}")
-    out = {**DEFAULT_OPTIONS[name], **options}
-    for key, (check, what) in checks.items():
-        if not check(out[key]):
-            raise ValueError(f"option {key!r} of {name} must be {what}, got {out[key]!r}")
-    if out["outer_momentum"] >= 1:
-        raise ValueError(f"option 'outer_momentum' must be < 1, got {out['outer_momentum']!r}")
-    if "min_group_size" in out and out["min_group_size"] > out["target_group_size"]:
-        raise ValueError("option 'min_group_size' must not exceed 'target_group_size'")
-    if name == "streaming" and out["overlap_steps"] >= out["inner_steps"]:
-        raise ValueError("option 'overlap_steps' must be below 'inner_steps'")
-    return out
-
-
-def allreduce_config(opts: Mapping[str, Any]) -> AllReduceConfig:
+def allreduce_config(opts: OuterOptions) -> AllReduceConfig:
     """Silence for `stall_timeout` drops a member; the round's other waits follow it."""
-    stall = float(opts["stall_timeout"])
-    reduction = opts.get("reduction", "auto")
+    stall = float(opts.stall_timeout)
+    reduction = getattr(opts, "reduction", "auto")  # (a strategy without the option: auto)
     if reduction == "auto":
-        reduction = "centered_clip" if opts.get("verify") else "mean"
+        reduction = "centered_clip" if opts.verify else "mean"
     return AllReduceConfig(
-        codec=opts["codec"],
+        codec=opts.codec,
         reduction=reduction,
         stall_timeout=stall,
         decision_timeout=stall,
@@ -321,14 +224,14 @@ def allreduce_config(opts: Mapping[str, Any]) -> AllReduceConfig:
 ALONE_AFTER = 1.0
 
 
-def matchmaking_config(opts: Mapping[str, Any]) -> MatchmakingConfig:
+def matchmaking_config(opts: GroupOptions) -> MatchmakingConfig:
     return MatchmakingConfig(
-        min_group_size=opts["min_group_size"],
-        target_group_size=opts["target_group_size"],
-        matchmaking_time=float(opts["matchmaking_time"]),
+        min_group_size=opts.min_group_size,
+        target_group_size=opts.target_group_size,
+        matchmaking_time=float(opts.matchmaking_time),
         # A follower waits this long for its leader's answer; the leader may wait
         # up to matchmaking_time for slower peers first.
-        join_timeout=float(opts["matchmaking_time"]) + 2.0,
+        join_timeout=float(opts.matchmaking_time) + 2.0,
         # A round is optional for an outer optimizer: alone, it trains on instead
         # of stalling for round_timeout at every boundary. Peers that train are
         # declared from `start` on, so this only fires when nobody else is there.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -9,18 +10,18 @@ import torch
 
 from shoal.dht.node import DHTNode
 
-from .diloco import DiLoCo, StreamingDiLoCo
-from .noloco import NoLoCo
+from .options import StrategyOptions
 from .outer import OuterStrategy, resolve_options
-from .strategy_base import OuterStrategyBase
 
-__all__ = ["STRATEGIES", "make_strategy"]
+__all__ = ["make_strategy", "strategy_class"]
 
-STRATEGIES: dict[str, type[OuterStrategyBase]] = {
-    "diloco": DiLoCo,
-    "streaming": StreamingDiLoCo,
-    "noloco": NoLoCo,
-}
+
+def strategy_class(options: StrategyOptions) -> type[Any]:
+    """The implementation its schema names ("module:Class"), imported now."""
+    module, _, name = type(options).implementation.partition(":")
+    if not (module and name):
+        raise ValueError(f"strategy {options.name!r} is not built by make_strategy")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
 def make_strategy(
@@ -31,6 +32,7 @@ def make_strategy(
     options: Mapping[str, Any] | None = None,
 ) -> OuterStrategy:
     """The outer strategy `name` over `params` (the model's parameters, changed in place),
-    its options completed from the defaults and checked."""
+    with `options` (a manifest's map, or its parsed schema) completed from the
+    defaults and checked."""
     opts = resolve_options(name, options or {})
-    return STRATEGIES[name](dht, key, params, opts)  # type: ignore[return-value]
+    return strategy_class(opts)(dht, key, params, opts)  # type: ignore[no-any-return]

@@ -21,6 +21,7 @@ from shoal.dht.node import DHTNode
 
 from .averager import Attempt, StepResult
 from .host_state import check_params
+from .options import OuterOptions
 from .outer import RoundGate, RoundOutcome, RoundReport
 
 log = logging.getLogger("shoal.averaging")
@@ -37,10 +38,10 @@ __all__ = [
 FINISH_MARGIN = 5.0
 
 
-def round_bound(opts: Mapping[str, Any]) -> float:
+def round_bound(opts: OuterOptions) -> float:
     """How long a round may take at most: matchmaking, then an all-reduce whose
     members are dropped after `stall_timeout` of silence (and a decision after that)."""
-    return float(opts["round_timeout"]) + 4 * float(opts["stall_timeout"]) + FINISH_MARGIN
+    return float(opts.round_timeout) + 4 * float(opts.stall_timeout) + FINISH_MARGIN
 
 
 class RoundClock:
@@ -64,17 +65,20 @@ class OuterStrategyBase:
     """The shared part of `outer.OuterStrategy` implementations."""
 
     name: ClassVar[str]
+    options: OuterOptions
 
     def __init__(
-        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: Mapping[str, Any]
+        self, dht: DHTNode, key: str, params: Sequence[torch.Tensor], options: OuterOptions
     ) -> None:
-        """`options`: complete and checked (`outer.resolve_options`); use
+        """`options`: its schema, parsed (`outer.resolve_options`); or use
         `strategies.make_strategy`."""
+        if options.name != self.name:
+            raise ValueError(f"{type(self).__name__} takes {self.name} options, not {options.name}")
         self.dht = dht
         self.key = key
-        self.options = dict(options)
+        self.options = options
         self.params = check_params(params)
-        self.inner_steps_per_round = int(self.options["inner_steps"])
+        self.inner_steps_per_round = int(options.inner_steps)
         self.inner_steps = 0  # inner steps taken (since start or as restored)
         self.samples_since_sync = 0  # samples behind the state last synchronized
         self.synced_at_step = 0  # `inner_steps` then: our input covers the steps after

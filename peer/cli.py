@@ -18,6 +18,8 @@ import sys
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
+from shoal.averaging.registry import describe_strategies
+
 from . import __version__
 from .config import DEFAULT_DATA_DIR, OPTIONS, Config, ConfigError, add_options, build_config
 from .daemon import StartupError, load_identity, run_daemon
@@ -52,6 +54,10 @@ Precedence: command-line flags, then SHOAL_* environment variables, then a
 --config TOML file, then the default. An empty variable counts as unset.
 """
 MAIN_HELP = ENV_HELP + "\nOptions of a command: shoal COMMAND --help.\n"
+STRATEGIES_HELP = """
+The strategies a hosted experiment can use, and their settings (--strategy-option
+KEY=VALUE; --inner-steps sets inner_steps) with their defaults:
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Start the peer and print the addresses other peers can dial, one per line.\n"
             "Ctrl+C or SIGTERM shuts it down gracefully; a second Ctrl+C exits at once."
         ),
-        epilog=ENV_HELP,
+        epilog=ENV_HELP + STRATEGIES_HELP + describe_strategies(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_options(run_parser, COMMAND_OPTIONS["run"])

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.averaging.registry import outer_strategy_names
+from shoal.pipeline.options import ROLES  # (torch-free; registers the pipeline strategy)
 from shoal.transport.access import AccessControl, AccessFileError, read_allow_list, read_swarm_key
 from shoal.transport.host import DEFAULT_LISTEN, HostConfig
 from shoal.transport.identity import PeerID
@@ -44,9 +46,6 @@ DEFAULT_DATA_DIR = "~/.shoal"
 DEFAULT_EXPERIMENT = "default"
 DEFAULT_TASK = "bytegpt"
 DEFAULT_STRATEGY = "diloco"
-STRATEGIES = ("diloco", "streaming", "noloco")
-# (pipeline.options.ROLES; config stays torch-free)
-ROLES = ("auto", "trainer", "stage", "monitor")
 DEFAULT_INNER_STEPS = 50
 DEFAULT_STATUS_ADDR = "127.0.0.1:8080"
 DEFAULT_CHECKPOINT_INTERVAL = 300.0
@@ -192,7 +191,7 @@ OPTIONS: dict[str, Option] = {
         Option(
             "strategy",
             "SHOAL_STRATEGY",
-            "how a hosted experiment averages: " + ", ".join(STRATEGIES),
+            "how a hosted experiment averages: " + ", ".join(outer_strategy_names()),
             "NAME",
             DEFAULT_STRATEGY,
         ),
@@ -206,8 +205,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "strategy_option",
             "SHOAL_STRATEGY_OPTIONS",
-            "a strategy setting of a hosted experiment, e.g. outer_lr=0.5 or codec=int8; "
-            "repeat the flag for several",
+            "a strategy setting of a hosted experiment, e.g. outer_lr=0.5 or codec=int8 "
+            "(each strategy's settings are listed below); repeat the flag for several",
             "KEY=VALUE",
             "the strategy's defaults",
             repeatable=True,
@@ -753,10 +752,9 @@ def _parse_data(raw: str | Sequence[str], source: str) -> Path:
 def _parse_strategy(raw: str | Sequence[str], source: str) -> str:
     assert isinstance(raw, str)
     name = raw.strip().lower()
-    if name not in STRATEGIES:
-        raise ConfigError(
-            f"{source}: unknown strategy {raw!r}; choose one of {', '.join(STRATEGIES)}"
-        )
+    known = outer_strategy_names()
+    if name not in known:
+        raise ConfigError(f"{source}: unknown strategy {raw!r}; choose one of {', '.join(known)}")
     return name
 
 

@@ -16,8 +16,10 @@ import statistics
 import time
 from typing import Any
 
+from shoal.averaging.registry import is_pipeline
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_of
+from shoal.pipeline import options as _pipeline_options  # noqa: F401  (registers the pipeline)
 
 from .experiment import ManifestError, find_manifest, parse_experiment_ref
 
@@ -90,7 +92,7 @@ async def _row(
         "precision": manifest.hyperparameters.get("precision", "fp32"),
         "verification": manifest.strategy_options.get("verify"),
         "pipeline": manifest.strategy_options.get("stages")
-        if manifest.strategy == "pipeline"
+        if is_pipeline(manifest.strategy)
         else None,
         "peers": len({p for p, e in entries if e.get("id") == manifest.experiment_id}),
         "round": int(max(rounds)) if rounds else None,

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 
 from shoal.averaging.fingerprint import state_fingerprint
-from shoal.averaging.outer import OuterStrategy, resolve_options
+from shoal.averaging.options import OuterOptions, VerifyingOptions
+from shoal.averaging.outer import OuterStrategy, VerifyingStrategy
+from shoal.averaging.registry import can_verify, is_pipeline, schema_of
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
-from shoal.pipeline.options import PIPELINE_STRATEGY, resolve_pipeline_options
+from shoal.pipeline.options import PipelineOptions
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 
@@ -64,7 +66,6 @@ JOINED_DIR = "joined"  # (under MANIFESTS_DIR) the manifests of experiments join
 FIND_MANIFEST_TIMEOUT = 15.0
 # The audit threshold of experiments in bf16 or fp16 (fp32's is the option's default).
 REDUCED_PRECISION_THRESHOLD = 2e-2
-VERIFYING_STRATEGIES = ("diloco",)
 _PIN_HINT = (
     ", or pin one dataset that every peer must hold to verify it "
     "(bytegpt: --task-option data_digest=HEX, the digest of your text, logged above)"
@@ -140,10 +141,10 @@ async def open_session(
         manifest = await _find(config, dht, name)
         task = await _joined_task(config, manifest)
         model = None
-        if manifest.strategy != PIPELINE_STRATEGY:  # (a pipeline never builds the whole model)
+        if not is_pipeline(manifest.strategy):  # (a pipeline never builds the whole model)
             model = await asyncio.to_thread(task.make_model, manifest.seed)
     hosting = await _announce(dht, identity, manifest)
-    if manifest.strategy == PIPELINE_STRATEGY:
+    if is_pipeline(manifest.strategy):
         return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
     assert model is not None
 
@@ -298,11 +299,10 @@ def _trainer(
 ) -> Trainer:
     """The trainer (logging its work for audits when the experiment verifies)."""
     shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
-    options = getattr(strategy, "options", {})
     work = None
-    if options.get("verify"):
+    if strategy.options.verify:
         work = VerifiedWork(
-            WorkLog(audit_policy(options).segment_steps),
+            WorkLog(audit_policy(strategy.options).segment_steps),
             manifest.namespace,
             identity.peer_id,
             shard,
@@ -325,13 +325,15 @@ def _trainer(
     )
 
 
-def audit_policy(options: dict[str, Any]) -> AuditPolicy:
-    """The manifest's audit settings (strategy options) as a policy."""
+def audit_policy(options: OuterOptions) -> AuditPolicy:
+    """The manifest's audit settings (a verifying strategy's options) as a policy."""
+    if not isinstance(options, VerifyingOptions):
+        raise SessionError(f"strategy {options.name} has no audit settings")
     return AuditPolicy(
-        rate=options["audit_rate"],
-        probation_rate=options["audit_probation_rate"],
-        segment_steps=options["audit_segment_steps"],
-        threshold_angle=options["audit_threshold_angle"],
+        rate=options.audit_rate,
+        probation_rate=options.audit_probation_rate,
+        segment_steps=options.audit_segment_steps,
+        threshold_angle=options.audit_threshold_angle,
     )
 
 
@@ -340,14 +342,14 @@ def _verifier(
     identity: Identity,
     task: Task,
     hyper: dict[str, Any],
-    strategy: Any,
+    strategy: OuterStrategy,
     work: VerifiedWork,
     trainer: Trainer,
     bans: BanWatcher,
 ) -> Verifier:
-    """The verifier of a verified experiment, hooked into the strategy's all-reduce."""
-    averager = strategy.averager
-    allreduce = averager.config.allreduce
+    """The verifier of a verified experiment, attached to the strategy's rounds."""
+    if not isinstance(strategy, VerifyingStrategy):
+        raise SessionError(f"strategy {strategy.name} verifies but offers no rounds to audit")
     verifier = Verifier(
         dht,
         identity,
@@ -358,11 +360,11 @@ def _verifier(
         model=trainer.model,
         inner=trainer.inner,
         bans=bans,
-        shape=(allreduce.streams_per_peer, allreduce.chunk_bytes, averager.config.codec),
+        shape=strategy.audit_shape(),
         precision=hyper["precision"],
-        shun=averager.shun,
+        shun=strategy.shun,
     )
-    averager.attestor = verifier
+    strategy.attach_attestor(verifier)
     return verifier
 
 
@@ -403,7 +405,7 @@ async def _joined_task(config: Config, manifest: Manifest) -> Task:
 def _check_verifiable(manifest: Manifest, task: Task, data: Path | None) -> None:
     """Refuse a verified experiment on data only each peer has (hosted by an older shoal,
     or by a host that lies): its referees would convict this peer's honest work."""
-    verified = manifest.strategy_options.get("verify") and manifest.strategy != PIPELINE_STRATEGY
+    verified = manifest.strategy_options.get("verify") and not is_pipeline(manifest.strategy)
     if verified and trains_on_private_data(task, data):
         raise SessionError(
             f"{manifest.describe()} verifies work on each peer's own --data, which its "
@@ -436,7 +438,7 @@ async def _host_manifest(
             raise SessionError(f"{path} was created by another identity; move it away")
         _warn_ignored(config, manifest)
         task = await _hosted_task(config, manifest)
-        if manifest.strategy == PIPELINE_STRATEGY:
+        if is_pipeline(manifest.strategy):
             return manifest, task, None
         model = await asyncio.to_thread(task.make_model, manifest.seed)
         return manifest, task, model
@@ -509,7 +511,7 @@ async def _hosted_task(config: Config, manifest: Manifest) -> Task:
 
 
 def _new_settings(
-    config: Config, task: Task, name: str
+    config: Config, task: Task, name: str = ""
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """A new experiment's strategy, its options and the hyperparameters, from the flags."""
     # --strategy-option carries the inner optimizer's hyperparameters too (inner_lr=...).
@@ -518,7 +520,7 @@ def _new_settings(
     if config.precision != "fp32":
         # Only a non-default precision is written: a manifest without one reads as fp32.
         hyper_given["precision"] = config.precision
-    strategy = PIPELINE_STRATEGY if config.pipeline_stages else config.strategy
+    strategy = PipelineOptions.name if config.pipeline_stages else config.strategy
     try:
         if config.pipeline_stages:
             if not hasattr(task, "make_stages"):
@@ -527,14 +529,13 @@ def _new_settings(
             # Stage audits are calibrated for float32 (--verify on insists).
             given.setdefault("verify", config.verify == "on" or (
                 config.verify == "auto" and config.precision == "fp32"))  # fmt: skip
-            options = resolve_pipeline_options(
-                {"stages": config.pipeline_stages, **given}, batch_size
-            )
+            parsed = PipelineOptions.parse({"stages": config.pipeline_stages, **given})
+            options = parsed.for_batch_size(batch_size).to_dict()
         else:
             private = trains_on_private_data(task, config.data)
             options = {"inner_steps": config.inner_steps, **given}
             options = verification_options(config, options, private_data=private, name=name)
-            options = resolve_options(config.strategy, options)
+            options = schema_of(config.strategy, outer=True).parse(options).to_dict()
         # A new experiment writes every hyperparameter out, at today's defaults (a
         # manifest without a key means that key's legacy value). The defaults were
         # tuned for the inner optimizer of the outer strategies; the pipeline's stage
@@ -572,7 +573,7 @@ def verification_options(
                 "referee cannot re-execute (it lacks the prover's data): honest peers would "
                 f"be accused; host it with --verify auto (unverified){_PIN_HINT}"
             )
-        if config.verify == "auto" and config.strategy in VERIFYING_STRATEGIES:
+        if config.verify == "auto" and can_verify(config.strategy):
             log.warning(
                 "experiment %r trains on each peer's own --data: hosted UNVERIFIED (a referee "
                 "cannot re-execute work on data only its prover has; peers trust each other's "
@@ -583,7 +584,7 @@ def verification_options(
         out["verify"] = False
     if "verify" not in out:
         out["verify"] = config.verify == "on" or (
-            config.verify == "auto" and config.strategy in VERIFYING_STRATEGIES
+            config.verify == "auto" and can_verify(config.strategy)
         )
     if out["verify"] and config.precision != "fp32":
         out.setdefault("audit_threshold_angle", REDUCED_PRECISION_THRESHOLD)
