@@ -127,6 +127,28 @@ def test_a_chain_must_link_to_what_we_know_and_be_of_our_key() -> None:
     assert restored.load_saved(third.version, [[1, 2, 3]]) is None
 
 
+def test_a_commit_alone_rewritten_to_list_a_rounds_members_counts_as_alone() -> None:
+    """A forger holds a real round's certificate: it lists that round's members on its
+    own commit alone and copies their signatures over. They sign another statement:
+    only its own signature checks, and its lineage ranks as commits alone."""
+    honest = [Identity.generate() for _ in range(3)]
+    forger = Identity.generate()
+    book = Provenance(KEY)
+    round_ = signed(honest)
+    book.add(round_)
+    members = sorted([*round_.statement.members, forger.peer_id])
+    alone = Statement.of_round(KEY, round_.version, os.urandom(16), "e" * 64, members)
+    sigs = {**round_.signatures, forger.peer_id: forger.sign(alone.signed_bytes())}
+    wire = [*Certificate(alone).to_wire()[:7], [[p.to_bytes(), s] for p, s in sigs.items()]]
+    forged = Certificate.from_wire(wire)
+    assert forged.signers == 1
+    assert book.check_chain(forged.version, [forged]) == Rank(3, 1)
+    # nor do the copied signatures alone make a certificate
+    wire[7] = [[p.to_bytes(), s] for p, s in round_.signatures.items()]
+    with pytest.raises(CertificateError, match="no valid signature"):
+        Certificate.from_wire(wire)
+
+
 def test_signatures_that_arrive_later_raise_the_rank() -> None:
     peers = [Identity.generate() for _ in range(3)]
     book = Provenance(KEY)
