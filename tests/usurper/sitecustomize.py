@@ -4,7 +4,8 @@ a peer that tries to take the swarm over with a state of its own (issue 39 part 
 In every mode it never averages (each round of its shared state commits alone, so
 the state is its own), trains by gradient ascent (its reported loss is the true
 one: it rises), and declares an enormous lineage work in every declaration,
-state announcement and checkpoint. `SHOAL_USURPER` picks what it adds:
+state announcement and checkpoint, declaring itself looking (only looking peers'
+versions sway a re-sync). `SHOAL_USURPER` picks what it adds:
 
 - ``boast``: nothing more (what took the swarm over before certificates);
 - ``forge``: its ``chain`` answers certificates of its commits alone rewritten to
