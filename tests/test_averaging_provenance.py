@@ -6,7 +6,9 @@ round certified, however much work its holder says it has."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -126,6 +128,28 @@ def test_a_chain_must_link_to_what_we_know_and_be_of_our_key() -> None:
     restored = Provenance(KEY)
     assert restored.load_saved(third.version, book.saved(third.version)) == Rank(6, 0)
     assert restored.load_saved(third.version, [[1, 2, 3]]) is None
+
+
+def test_a_commit_alone_rewritten_to_list_a_rounds_members_counts_as_alone() -> None:
+    """A forger holds a real round's certificate: it lists that round's members on its
+    own commit alone and copies their signatures over. They sign another statement:
+    only its own signature checks, and its lineage ranks as commits alone."""
+    honest = [Identity.generate() for _ in range(3)]
+    forger = Identity.generate()
+    book = Provenance(KEY)
+    round_ = signed(honest)
+    book.add(round_)
+    members = sorted([*round_.statement.members, forger.peer_id])
+    alone = Statement.of_round(KEY, round_.version, os.urandom(16), "e" * 64, members)
+    sigs = {**round_.signatures, forger.peer_id: forger.sign(alone.signed_bytes())}
+    wire = [*Certificate(alone).to_wire()[:7], [[p.to_bytes(), s] for p, s in sigs.items()]]
+    forged = Certificate.from_wire(wire)
+    assert forged.signers == 1
+    assert book.check_chain(forged.version, [forged]) == Rank(3, 1)
+    # nor do the copied signatures alone make a certificate
+    wire[7] = [[p.to_bytes(), s] for p, s in round_.signatures.items()]
+    with pytest.raises(CertificateError, match="no valid signature"):
+        Certificate.from_wire(wire)
 
 
 def test_signatures_that_arrive_later_raise_the_rank() -> None:
@@ -286,3 +310,87 @@ async def test_a_swarm_restored_from_checkpoints_without_certificates_certifies_
     assert a.certifier.rank(a.state_version) == Rank(2, 0)  # type: ignore[union-attr]
     assert await newcomer.load_state_from_peers(timeout=20.0)
     assert newcomer.state_version == a.state_version and newcomer.commits == 6
+
+
+# ====================================================================== a partition
+
+PARTITION_S = 60.0
+
+
+def _cut(side: list[Averager], other: list[Averager]) -> None:
+    """Every packet between the two sides refused, both ways (the connection gate)."""
+    for a in side:
+        for b in other:
+            a.dht.host.block(b.dht.host.peer_id, "partition")
+            b.dht.host.block(a.dht.host.peer_id, "partition")
+
+
+def _heal(averagers: list[Averager]) -> None:
+    # (A Host has no unblock: the gate is for convicted peers, blocked for good.)
+    for a in averagers:
+        a.dht.host._blocked.clear()
+
+
+def _lineage_head(side: list[Averager]) -> tuple[bytes, Rank]:
+    """The version of most certified work a side holds, and its rank."""
+    ranked = [(a.certifier.rank(a.state_version), a.state_version) for a in side]  # type: ignore[union-attr]
+    rank, version = max(((r, v) for r, v in ranked if r is not None), key=lambda rv: rv[0].order)
+    return version, rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_after_a_partition_every_peer_ends_on_the_lineage_of_most_certified_work(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """Six peers, cut in two for 60 s: two that commit round after round, four that
+    rest between rounds. Each side goes on with its own lineage; the two, more
+    certified work though fewer peers. Healed, every peer ends on one lineage: the
+    one of more certified work (the four re-sync to it), not the one of more peers."""
+    averagers = await swarm_of(make_host, 6, closing)
+    results = await asyncio.gather(*(a.step(timeout=20.0) for a in averagers))
+    assert all(r.committed and r.group_size == 6 for r in results), results
+    await signatures_of(averagers, 6)
+    fast, slow = averagers[:2], averagers[2:]
+    stop = asyncio.Event()
+
+    async def train(a: Averager, rest: float) -> None:
+        while not stop.is_set():
+            a.tensors[0].add_(1.0)  # (its local work since the last round)
+            await a.step(timeout=10.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), rest)
+
+    _cut(fast, slow)
+    loops = [asyncio.ensure_future(train(a, 0.0 if a in fast else 4.0)) for a in averagers]
+    try:
+        await asyncio.sleep(PARTITION_S)  # the partition's length is the scenario itself
+
+        def fast_side_ahead() -> bool:  # (the premise: it is, by far, within 60 s)
+            return _lineage_head(fast)[1].order > _lineage_head(slow)[1].order
+
+        await eventually(fast_side_ahead, "more certified work on the side of two", 30.0)
+        (fast_head, fast_rank), (slow_head, slow_rank) = _lineage_head(fast), _lineage_head(slow)
+        _heal(averagers)
+        healed = time.monotonic()
+        common: list[bytes] = []
+
+        def on_one_version() -> bool:
+            held = {a.state_version for a in averagers}
+            common[:] = held
+            return len(held) == 1
+
+        await eventually(on_one_version, "every peer on one version", timeout=120.0)
+        converged = time.monotonic() - healed
+    finally:
+        stop.set()
+        await asyncio.gather(*loops, return_exceptions=True)
+    (final,) = common  # (the two may have committed again since)
+    print(f"at the heal: the two {fast_rank}, the four {slow_rank}; on one version "
+          f"{converged:.1f} s later")  # fmt: skip
+    for a in averagers:
+        book = a.certifier.book  # type: ignore[union-attr]
+        lineage = {c.version for c in book.chain(final, limit=commits_of(final) + 1)}
+        assert fast_head in lineage and slow_head not in lineage
+        rank = a.certifier.rank(final)  # type: ignore[union-attr]
+        assert rank is not None and rank.order >= fast_rank.order
