@@ -296,7 +296,7 @@ async def test_a_state_download_of_another_layout_is_refused_before_allocation(
             return {"fp": "x" * 64, "metadata": {"step": 9}, "work": None,
                     "tensors": [["float32", [HUGE]]], "total": 4 * HUGE}  # fmt: skip
 
-        lying._service.unary("info")(info)  # (the layout it claims, not the one it has)
+        lying.service.unary("info")(info)  # (the layout it claims, not the one it has)
         await lying.announce()
         refused: list[Any] = []
         with pytest.raises(Exception, match="other than ours"):
