@@ -41,7 +41,7 @@ EXIT_INTERRUPTED = 130  # the shell convention for "killed by SIGINT"
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "id": ("data_dir", "log_level"),
     "run": tuple(OPTIONS),
-    "status": (),  # its URL and --json are plain arguments (status_cli.py)
+    "status": (),  # its URL and --json are plain arguments (status/cli.py)
     "experiments": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
     "doctor": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
     "swarm-key": (),  # its FILE is a plain argument
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().print_help(sys.stderr)
         return EXIT_USAGE
     if command == "status":
-        from .status_cli import status_command  # not at the top: aiohttp is slow to import
+        from .status.cli import status_command  # not at the top: aiohttp is slow to import
 
         args = build_parser().parse_args(argv)  # parsed fine above; its arguments are not config
         return status_command(args.url, sys.stdout, json_output=args.json)

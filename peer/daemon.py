@@ -36,7 +36,7 @@ from shoal.transport.nat import NatConfig, NatManager
 from . import __version__
 from .config import Config, ConfigError
 from .experiment import register_manifest_validator
-from .progress import Progress
+from .status.progress import Progress
 
 if TYPE_CHECKING:
     from .node import PeerNode
@@ -273,7 +273,7 @@ async def run_daemon(
         stack.callback(progress.close)
         node.start_background(progress)
         if node.session is not None:
-            from .checkpoint import CheckpointError
+            from .training.checkpoint import CheckpointError
 
             try:
                 await node.train(stop)
@@ -287,7 +287,7 @@ async def run_daemon(
 
 def _choose_device(config: Config) -> tuple[Any, Any]:
     """The training device and what torch sees; ConfigError (one line) when it is absent."""
-    from .device import DeviceError, choose_device, describe, probe_inventory
+    from .training.device import DeviceError, choose_device, describe, probe_inventory
 
     inventory = probe_inventory()
     try:
@@ -301,8 +301,8 @@ def _choose_device(config: Config) -> tuple[Any, Any]:
 async def _start_status(
     node: PeerNode, addr: tuple[str, int], stack: contextlib.AsyncExitStack
 ) -> None:
-    from .metrics import Metrics
-    from .status import StatusServer
+    from .status.metrics import Metrics
+    from .status.server import StatusServer
 
     metrics = Metrics(node)
     server = StatusServer(node, metrics, addr[0], addr[1])

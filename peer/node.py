@@ -2,7 +2,7 @@
 
 `PeerNode` owns the daemon's background chores (the peer report every
 `REPORT_INTERVAL_S` in the DHT, the manifest refresh, the history samples, the
-swarm's history (peer/swarm_history.py, from the reports every
+swarm's history (peer/status/swarm_history.py, from the reports every
 `SWARM_SAMPLE_INTERVAL_S`) and the progress line) and is the `StatusProvider`
 of the HTTP endpoint.
 
@@ -26,21 +26,21 @@ from shoal.transport.nat import NatManager
 from shoal.transport.tasks import TaskSet
 
 from . import __version__
-from .ban_watch import BanWatcher
-from .clock_watch import ClockWatch
 from .config import Config
 from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
-from .loop_lag import LoopLagMonitor
-from .round_ledger import LEDGER_FILE, RoundLedger
-from .swarm_history import SwarmHistory
+from .status.clock_watch import ClockWatch
+from .status.loop_lag import LoopLagMonitor
+from .status.round_ledger import LEDGER_FILE, RoundLedger
+from .status.swarm_history import SwarmHistory
+from .verify.ban_watch import BanWatcher
 
 if TYPE_CHECKING:
     from shoal.averaging.outer import RoundReport
 
-    from .metrics import Metrics
-    from .progress import Progress
     from .session import Session
+    from .status.metrics import Metrics
+    from .status.progress import Progress
 
 __all__ = ["PeerNode"]
 

@@ -35,10 +35,7 @@ from shoal.pipeline.options import PipelineOptions
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 
-from .ban_watch import BanWatcher
-from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
-from .device import DeviceInventory, check_precision, describe, mfu, peak_flops
 from .experiment import (
     Manifest,
     ManifestError,
@@ -49,11 +46,14 @@ from .experiment import (
 )
 from .joined import joined_path, load_joined, save_joined
 from .pipeline_run import PipelineRun, pipeline_fingerprint
-from .task import Task, TaskError, load_task, shard_of, trains_on_private_data
-from .task_code import check_consent, check_digest, is_builtin_spec, task_digest
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
-from .verifier import Verifier
-from .work_log import VerifiedWork, WorkLog
+from .training.checkpoint import CheckpointError, CheckpointStore
+from .training.device import DeviceInventory, check_precision, describe, mfu, peak_flops
+from .training.task import Task, TaskError, load_task, shard_of, trains_on_private_data
+from .training.task_code import check_consent, check_digest, is_builtin_spec, task_digest
+from .verify.ban_watch import BanWatcher
+from .verify.verifier import Verifier
+from .verify.work_log import VerifiedWork, WorkLog
 
 __all__ = ["Session", "SessionError", "open_session"]
 

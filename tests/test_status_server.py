@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.peer import __version__
-from shoal.peer.metrics import Metrics
-from shoal.peer.status import STATUS_KEYS, StatusServer, parse_status_addr
-from shoal.peer.status_cli import status_command
+from shoal.peer.status.cli import status_command
+from shoal.peer.status.metrics import Metrics
+from shoal.peer.status.server import STATUS_KEYS, StatusServer, parse_status_addr
 from shoal.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(30)

@@ -57,7 +57,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .status_provider import StatusProvider
+    from .provider import StatusProvider
 
 __all__ = ["CONNECTION_KINDS", "Metrics"]
 

@@ -38,15 +38,15 @@ from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
+from ..training.inner import InnerOptimizer
+from ..training.priority import lower_this_thread
+from ..training.task import Task
 from .audit_round import AuditRound, RecentRounds, RoundShape, encode_record, gather
 from .ban_watch import BanWatcher
-from .inner import InnerOptimizer
-from .priority import lower_this_thread
 from .referee import LATE_SECRETS_TIMEOUT, Referee
 from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
 from .shunning import Shunning
-from .task import Task
 from .withholding import DirectRecords, publish_while_gathering, recheck_withheld
 from .work_log import RoundWork, VerifiedWork
 
@@ -385,6 +385,6 @@ class Verifier:
             "strikes": {str(p): n for p, n in self.referee.ledger.strikes.items()},
             "ignored_accusations": self.ignored_accusations,
             # Reveals refused unread for announcing more than our model holds
-            # (peer/reveals.py); each is a malformed reveal.
+            # (peer/verify/reveals.py); each is a malformed reveal.
             "oversized_refused": counts["reveals_oversized"],
         }
