@@ -16,6 +16,7 @@ import math
 import socket
 import time
 from collections.abc import AsyncIterator
+from importlib import resources
 from typing import Any
 
 import aiohttp
@@ -428,6 +429,20 @@ async def test_the_page_is_self_contained_html(
         assert "default-src 'none'" in response.headers["Content-Security-Policy"]
     assert 'id="loss-curve"' in body and 'id="peers"' in body
     assert "http://" not in body and "https://" not in body  # no CDN, no external font
+
+
+async def test_the_pages_style_and_script_are_its_package_files_served_as_stored(
+    server: StatusServer, http: aiohttp.ClientSession
+) -> None:
+    static = resources.files("shoal.peer.status").joinpath("static")
+    page = static.joinpath("index.html").read_text("utf-8")
+    assert "<script>" not in page and '<script src="app.js">' in page  # nothing inline
+    for name, content_type in (("style.css", "text/css"), ("app.js", "text/javascript")):
+        async with http.get(server.url + "/" + name) as response:
+            assert response.status == 200 and response.content_type == content_type
+            assert "script-src 'self'" in response.headers["Content-Security-Policy"]
+            assert response.headers["X-Content-Type-Options"] == "nosniff"
+            assert await response.text() == static.joinpath(name).read_text("utf-8")
 
 
 async def test_unknown_path_and_wrong_method_are_json_errors(

@@ -3,6 +3,7 @@
 Default 127.0.0.1:8080 (`--status-addr` to change); read-only, GET only.
 
     GET /          the status page for people (peer/status/page.py), polling the JSON below
+    GET /style.css, /app.js   its stylesheet and script (peer/status/static/)
     GET /status    this peer (schema below)
     GET /peers     the experiment's peers as seen through the DHT (schema below)
     GET /history   recent samples of this peer for the page's curves (schema below)
@@ -173,7 +174,7 @@ from aiohttp import web
 from shoal.transport.remote_log import RemoteEvents
 
 from .http import BoundedTCPSite, HttpLimits, http_error_logger
-from .page import STATUS_PAGE_CSP, STATUS_PAGE_HTML
+from .page import STATUS_PAGE_ASSETS, STATUS_PAGE_CSP, STATUS_PAGE_HTML
 from .provider import StatusProvider
 
 if TYPE_CHECKING:
@@ -260,6 +261,8 @@ class StatusServer:
             raise RuntimeError("StatusServer already started")
         app = web.Application(middlewares=[self._bounded_json_errors])
         app.router.add_get("/", self._page)
+        for name in STATUS_PAGE_ASSETS:
+            app.router.add_get(f"/{name}", self._page_asset)
         app.router.add_get("/status", self._status)
         app.router.add_get("/peers", self._peers)
         app.router.add_get("/history", self._history)
@@ -312,6 +315,12 @@ class StatusServer:
     async def _page(self, request: web.Request) -> web.StreamResponse:
         return web.Response(
             text=STATUS_PAGE_HTML, content_type="text/html", charset="utf-8", headers=PAGE_HEADERS
+        )
+
+    async def _page_asset(self, request: web.Request) -> web.StreamResponse:
+        content_type, text = STATUS_PAGE_ASSETS[request.path.lstrip("/")]
+        return web.Response(
+            text=text, content_type=content_type, charset="utf-8", headers=PAGE_HEADERS
         )
 
     async def _status(self, request: web.Request) -> web.StreamResponse:
