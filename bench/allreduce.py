@@ -573,7 +573,7 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
 
 async def worker_ticker(args: argparse.Namespace) -> None:
     """The loop-lag baseline: shoal's ticker alone in its process for the given time."""
-    from shoal.peer.loop_lag import LoopLagMonitor
+    from shoal.peer.status.loop_lag import LoopLagMonitor
 
     monitor = LoopLagMonitor(window_s=args.loop_lag_seconds + 1)
     ticker = asyncio.create_task(monitor.run())

@@ -106,7 +106,7 @@ from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.outer import OuterStrategy
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
-from shoal.peer.task import Task, load_task
+from shoal.peer.training.task import Task, load_task
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
 

@@ -219,7 +219,7 @@ class LineCounter(logging.Handler):
 
 
 async def victim(opts: argparse.Namespace) -> dict[str, Any]:
-    from shoal.peer.status import StatusServer
+    from shoal.peer.status.server import StatusServer
     from shoal.transport import rpc
     from shoal.transport.host import Host, HostConfig
     from shoal.transport.identity import Identity
@@ -227,7 +227,7 @@ async def victim(opts: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, os.path.join(os.path.dirname(SCRIPT), "..", "tests"))
     from test_status_server import FakeProvider  # a provider with realistic content
 
-    from shoal.peer.metrics import Metrics
+    from shoal.peer.status.metrics import Metrics
 
     counter = LineCounter()
     logging.getLogger("shoal").addHandler(counter)

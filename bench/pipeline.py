@@ -131,7 +131,7 @@ import torch
 
 from shoal.averaging.compression import CODECS, get_codec
 from shoal.dht.node import DHTNode
-from shoal.peer.tasks.bytegpt import VOCAB_SIZE, make_task
+from shoal.peer.training.tasks.bytegpt import VOCAB_SIZE, make_task
 from shoal.pipeline.balancer import BACKWARD_COST
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import PipelineTrainer

@@ -63,7 +63,7 @@ import torch
 from pipeline import Paced, close_nodes, loopback_node  # bench/pipeline.py
 from shoal.averaging.compression import get_codec
 from shoal.dht.node import DHTNode
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.audit import AuditRequest, recompute, seal, wire_roundtrip
 from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.stage_peer import StagePeer

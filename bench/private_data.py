@@ -73,7 +73,7 @@ def measure(
     args = ["--host-experiment", "own-words", "--data", text, "--verify", verify]
     settings = dict(ROUNDS)
     if shared:
-        from shoal.peer.task import load_task
+        from shoal.peer.training.task import load_task
 
         task: Any = load_task("bytegpt", {"context": 32}, data=Path(text))
         settings["SHOAL_TASK_OPTIONS"] += f",data_digest={task.corpus.digest}"

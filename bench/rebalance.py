@@ -41,7 +41,7 @@ from typing import Any
 
 from pipeline import Paced, close_nodes, loopback_node  # bench/pipeline.py
 from shoal.dht.node import DHTNode
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import least_capacity_stage, read_stages
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.rebalance import RebalancePolicy

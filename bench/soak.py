@@ -26,7 +26,7 @@ Checked throughout and at the end:
 
 - every round that committed has one fingerprint among its members, and no
   input is counted in two committed rounds (the peers' round ledgers,
-  `<data dir>/rounds.jsonl`, read together: peer/round_ledger.py);
+  `<data dir>/rounds.jsonl`, read together: peer/status/round_ledger.py);
 - every checkpoint on disk loads (every 20 s, each file on its own);
 - the gap between commits of two or more peers stays bounded: `max_commit_gap_s`
   over the whole run, and `max_calm_commit_gap_s` over the time the swarm was
@@ -85,7 +85,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_lab import PeerProcess, SoakLab, wait_until
 
-from shoal.peer.round_ledger import LEDGER_FILE, audit_rounds, read_ledger
+from shoal.peer.status.round_ledger import LEDGER_FILE, audit_rounds, read_ledger
 
 EXPERIMENT = "soak"
 LAYOUT = [("pub", 4001), ("pub", 4002), ("pub", 4003), ("a1", 4001), ("a1", 4002),

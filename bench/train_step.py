@@ -2,7 +2,7 @@
 
     python bench/train_step.py [--steps 40] [--warmup 5] [--quick] [--task-option KEY=VALUE ...]
 
-Runs the daemon's own inner step (`shoal.peer.inner`: the prefetcher, autocast,
+Runs the daemon's own inner step (`shoal.peer.training.inner`: the prefetcher, autocast,
 AdamW, the fp16 gradient scaler) on every device torch sees (the CPU always;
 each CUDA GPU; an Apple GPU) at every precision, and prints one JSON object:
 
@@ -14,7 +14,7 @@ each CUDA GPU; an Apple GPU) at every precision, and prints one JSON object:
 
 `vs_baseline` is tokens/s over the CPU fp32 run of the same invocation. MFU is
 model FLOPs per token x tokens/s over the device's peak at that precision
-(`shoal.peer.device.peak_flops`), null where the peak is unknown (CPUs, GPUs
+(`shoal.peer.training.device.peak_flops`), null where the peak is unknown (CPUs, GPUs
 not in the table). fp16 on the CPU is measured with a few steps only (`--quick`
 skips it): it is the figure behind the daemon refusing fp16 experiments there.
 """
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from shoal.peer.device import describe, mfu, peak_flops, probe_inventory
-from shoal.peer.inner import BatchPrefetcher, InnerOptimizer
-from shoal.peer.tasks.bytegpt import make_task
 from shoal.peer.trainer import check_hyperparameters
+from shoal.peer.training.device import describe, mfu, peak_flops, probe_inventory
+from shoal.peer.training.inner import BatchPrefetcher, InnerOptimizer
+from shoal.peer.training.tasks.bytegpt import make_task
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

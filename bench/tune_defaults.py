@@ -70,9 +70,9 @@ import torch
 
 from shoal.averaging.host_state import copy_into, delta_into
 from shoal.averaging.outer import nesterov_outer_step, resolve_options
-from shoal.peer.inner import InnerOptimizer
-from shoal.peer.task import Task, load_task
 from shoal.peer.trainer import DEFAULT_HYPERPARAMETERS, check_hyperparameters
+from shoal.peer.training.inner import InnerOptimizer
+from shoal.peer.training.task import Task, load_task
 
 log = logging.getLogger("bench.tune_defaults")
 

@@ -52,7 +52,7 @@ here), and thresholds set from a high quantile with a margin, not 1.5x a
 small sample's maximum.
 
 Since the segments run through the product's re-execution code (the
-trainer's `InnerOptimizer`, `peer/segments.py`), `--pairs 500 --trials 20`
+trainer's `InnerOptimizer`, `peer/verify/segments.py`), `--pairs 500 --trials 20`
 here: honest pairs are not bitwise equal (max |difference| about 2e-6 against
 a norm of 7), but 499 of 500 flip no signature bit at all and the largest
 angle is 1.1e-4 (one flip in 27,904 bits); no false positive in 500 audits at
@@ -74,9 +74,9 @@ from typing import Any
 import torch
 import verification_swarm
 
-from shoal.peer.segments import SegmentRunner, SegmentState, delta, segment_batches
-from shoal.peer.tasks.bytegpt import make_task
 from shoal.peer.trainer import LEGACY_HYPERPARAMETERS, check_hyperparameters
+from shoal.peer.training.tasks.bytegpt import make_task
+from shoal.peer.verify.segments import SegmentRunner, SegmentState, delta, segment_batches
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy, judge
 from shoal.verification.commitment import Commitment

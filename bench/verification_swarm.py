@@ -137,7 +137,7 @@ def run_arm(verify: bool, peers: int, seconds: float, workdir: Path) -> dict[str
 def reveal_bytes() -> int:
     """What one audit's reveal moves: the segment's start parameters and the two Adam
     moments, its end parameters and the run's final parameters (float32)."""
-    from shoal.peer.tasks.bytegpt import make_task
+    from shoal.peer.training.tasks.bytegpt import make_task
 
     params = sum(p.numel() for p in make_task({}).make_model(0).parameters())
     return 5 * 4 * params

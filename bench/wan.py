@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import ARM_TUNING, DEFAULT_DATA, MODEL_SEED, TASK_CONFIG
 from wan_lab import WanLab
 
-from shoal.peer.task import load_task
+from shoal.peer.training.task import load_task
 
 ARMS = ("gloo", "shoal_dp", "diloco", "streaming", "noloco", "diloco_third")
 # `diloco_third`: DiLoCo given a third of the budget, its schedule annealed within it:

@@ -40,7 +40,7 @@ from shoal.averaging.allreduce import AllReduceConfig, AllReduceService
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
-from shoal.peer.task import load_task
+from shoal.peer.training.task import load_task
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr

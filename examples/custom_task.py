@@ -19,7 +19,7 @@ digest the host's manifest pins)::
 With ``--data`` every peer trains on its own text, which other peers cannot
 re-execute: the experiment is hosted unverified (the host says so).
 
-See `shoal.peer.task` for the rules a task keeps.
+See `shoal.peer.training.task` for the rules a task keeps.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.peer.task import TaskError
-from shoal.peer.tasks.corpus import ByteCorpus, random_windows, spaced_windows
+from shoal.peer.training.task import TaskError
+from shoal.peer.training.tasks.corpus import ByteCorpus, random_windows, spaced_windows
 
 DEFAULTS: dict[str, Any] = {
     "context": 16,  # bytes of input per prediction

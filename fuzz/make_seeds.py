@@ -27,9 +27,9 @@ from targets_net import _BOOK, _CERTIFIED, _MEMBERS, _ROUND, _STATE  # noqa: E40
 
 from shoal.averaging.compression import Int8BlockCodec, get_codec  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
-from shoal.peer.audit_round import SECRET_BYTES  # noqa: E402
-from shoal.peer.checkpoint import CHECKPOINT_FORMAT, CheckpointStore  # noqa: E402
 from shoal.peer.experiment import Manifest  # noqa: E402
+from shoal.peer.training.checkpoint import CHECKPOINT_FORMAT, CheckpointStore  # noqa: E402
+from shoal.peer.verify.audit_round import SECRET_BYTES  # noqa: E402
 from shoal.pipeline import wire as pipeline_wire  # noqa: E402
 from shoal.pipeline.audit_service import signature_to_wire  # noqa: E402
 from shoal.transport import tensors  # noqa: E402

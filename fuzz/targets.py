@@ -32,10 +32,10 @@ from shoal.averaging.matchmaking_rules import Declaration, parse_view
 from shoal.dht import protocol as dht_protocol
 from shoal.dht.records import Record, RecordError, RecordValidator
 from shoal.dht.storage import LocalStorage
-from shoal.peer.checkpoint import CheckpointError, CheckpointStore
 from shoal.peer.experiment import Manifest, ManifestError, parse_experiment_ref
-from shoal.peer.status import parse_status_addr
-from shoal.peer.status_cli import format_status
+from shoal.peer.status.cli import format_status
+from shoal.peer.status.server import parse_status_addr
+from shoal.peer.training.checkpoint import CheckpointError, CheckpointStore
 from shoal.transport import tensors
 from shoal.transport.errors import HandshakeError, ProtocolViolation
 from shoal.transport.identity import Identity, PeerID

@@ -14,9 +14,10 @@ import torch
 from harness import REMOTE_IDENTITY, Target, expect, message, run_now
 
 from shoal.averaging.compression import CodecError
-from shoal.peer import audit_round, node, reveals
+from shoal.peer import node
 from shoal.peer.experiment import _valid_manifests
-from shoal.peer.swarm_history import SwarmHistory
+from shoal.peer.status.swarm_history import SwarmHistory
+from shoal.peer.verify import audit_round, reveals
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
 from shoal.pipeline.bounds import StageBounds

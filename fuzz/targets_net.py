@@ -24,8 +24,8 @@ from shoal.averaging.lanes import RoundInfo, request_problem
 from shoal.averaging.matchmaking_rules import Declaration, JoinReply, JoinRequest, check_group
 from shoal.averaging.partition import Plan
 from shoal.averaging.provenance import ChainError, Provenance
-from shoal.peer.metrics import Metrics
-from shoal.peer.status import StatusServer
+from shoal.peer.status.metrics import Metrics
+from shoal.peer.status.server import StatusServer
 from shoal.transport import rpc
 from shoal.transport.access import AccessControl
 from shoal.transport.errors import HandshakeError, RemoteError, TransportError

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeAlias, TypeVar
 
 from shoal.averaging.registry import describe_strategies
 
@@ -41,7 +41,7 @@ EXIT_INTERRUPTED = 130  # the shell convention for "killed by SIGINT"
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "id": ("data_dir", "log_level"),
     "run": tuple(OPTIONS),
-    "status": (),  # its URL and --json are plain arguments (status_cli.py)
+    "status": (),  # its URL and --json are plain arguments (status/cli.py)
     "experiments": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
     "doctor": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
     "swarm-key": (),  # its FILE is a plain argument
@@ -67,6 +67,10 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see `{self.prog} --help`)")
 
 
+# What `add_subparsers` returns (argparse names its class privately).
+_Commands: TypeAlias = "argparse._SubParsersAction[_Parser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shoal",
@@ -80,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    _add_id_command(commands)
+    _add_run_command(commands)
+    _add_status_command(commands)
+    _add_experiments_command(commands)
+    _add_doctor_command(commands)
+    _add_swarm_key_command(commands)
+    return parser
+
+
+def _add_id_command(commands: _Commands) -> None:
+    """`shoal id` and its arguments."""
     id_parser = commands.add_parser(
         "id",
         help="create this peer's identity key, or show it; prints the peer ID",
@@ -91,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_options(id_parser, COMMAND_OPTIONS["id"])
+
+
+def _add_run_command(commands: _Commands) -> None:
+    """`shoal run` and its arguments."""
     run_parser = commands.add_parser(
         "run",
         help="run the peer until Ctrl+C or SIGTERM",
@@ -102,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_options(run_parser, COMMAND_OPTIONS["run"])
+
+
+def _add_status_command(commands: _Commands) -> None:
+    """`shoal status` and its arguments."""
     status_parser = commands.add_parser(
         "status",
         help="show a running peer's status (from its HTTP status endpoint)",
@@ -118,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     status_parser.add_argument(
         "--json", action="store_true", help="print the raw /status JSON instead"
     )
+
+
+def _add_experiments_command(commands: _Commands) -> None:
+    """`shoal experiments` and its arguments."""
     experiments_parser = commands.add_parser(
         "experiments",
         help="list the experiments training in the network, to join one",
@@ -135,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     experiments_parser.add_argument(
         "--json", action="store_true", help="print one JSON list, for scripts"
     )
+
+
+def _add_doctor_command(commands: _Commands) -> None:
+    """`shoal doctor` and its arguments."""
     doctor_parser = commands.add_parser(
         "doctor",
         help="check whether this machine can take part, and say what to fix",
@@ -150,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_options(doctor_parser, COMMAND_OPTIONS["doctor"])
     doctor_parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_swarm_key_command(commands: _Commands) -> None:
+    """`shoal swarm-key new` and its arguments."""
     swarm_parser = commands.add_parser(
         "swarm-key",
         help="make a swarm key file for a private swarm (--swarm-key)",
@@ -165,7 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     swarm_commands.required = True
     new_parser = swarm_commands.add_parser("new", help="write a new swarm key to FILE")
     new_parser.add_argument("file", metavar="FILE", help="where to write the key")
-    return parser
 
 
 def parse_command_line(
@@ -187,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().print_help(sys.stderr)
         return EXIT_USAGE
     if command == "status":
-        from .status_cli import status_command  # not at the top: aiohttp is slow to import
+        from .status.cli import status_command  # not at the top: aiohttp is slow to import
 
         args = build_parser().parse_args(argv)  # parsed fine above; its arguments are not config
         return status_command(args.url, sys.stdout, json_output=args.json)

@@ -811,7 +811,7 @@ def _parse_status_addr(raw: str | Sequence[str], source: str) -> tuple[str, int]
     text = raw.strip()
     if text.lower() in ("off", "none", "no"):
         return None
-    from .status import parse_status_addr
+    from .status.server import parse_status_addr
 
     try:
         return parse_status_addr(text)
@@ -821,7 +821,7 @@ def _parse_status_addr(raw: str | Sequence[str], source: str) -> tuple[str, int]
 
 def _parse_device(raw: str | Sequence[str], source: str) -> str:
     # Only the form is checked here (torch-free); whether the machine has the
-    # device is the daemon's question (peer/device.py).
+    # device is the daemon's question (peer/training/device.py).
     assert isinstance(raw, str)
     text = raw.strip().lower()
     if not _DEVICE_FORM.fullmatch(text):

@@ -36,7 +36,7 @@ from shoal.transport.nat import NatConfig, NatManager
 from . import __version__
 from .config import Config, ConfigError
 from .experiment import register_manifest_validator
-from .progress import Progress
+from .status.progress import Progress
 
 if TYPE_CHECKING:
     from .node import PeerNode
@@ -200,32 +200,7 @@ async def run_daemon(
             torch.set_num_threads(config.threads)
         device, inventory = _choose_device(config) if role is not None else (None, None)
 
-        access = config.access_control()
-        _log_access(access, config)
-        host = Host(identity, config.host_config(), access=access)
-        stack.push_async_callback(_close_host, host)  # before start: closes a partial start too
-        try:
-            await host.start()
-        except OSError as e:
-            raise StartupError(
-                f"{e}; is another shoal running? choose a free address with --listen "
-                "(or SHOAL_LISTEN), e.g. --listen /ip4/0.0.0.0/tcp/0 (any free port)"
-            ) from None
-        for addr in host.listen_addrs:
-            log.info("listening on %s", addr)
-        nat = NatManager(host, config=NatConfig(reachability=config.reachability))
-        await nat.start()
-        stack.push_async_callback(nat.aclose)
-        dht = await _start_dht(host, config, nat)
-        stack.push_async_callback(dht.aclose)
-        stack.callback(save_known_peers, dht, config.data_dir)  # runs before dht.aclose
-        nat.directory = DHTRelayDirectory(dht)
-        nat.address_listeners.append(dht.addresses_changed)
-        # Reachability can turn public while the DHT is bootstrapping (its first
-        # connection brings the dial-back): that change told no listener yet, and the
-        # bootstrap requests carried no address, so tell our neighbours now, or they
-        # list us only after a refresh (a lab test waited 30 s for it in vain).
-        dht.addresses_changed()
+        host, nat, dht = await _start_network(config, identity, stack)
 
         # Imported here: session loads torch, which `shoal id`, `shoal status` and a
         # --no-train peer (a bootstrap or relay on a small machine) never need. In a
@@ -265,29 +240,69 @@ async def run_daemon(
             # every deadline and heartbeat in flight with it.
             gc.freeze()
 
-        progress = Progress()
-        if progress.live:
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
-            stack.enter_context(logging_redirect_tqdm())
-        stack.callback(progress.close)
-        node.start_background(progress)
-        if node.session is not None:
-            from .checkpoint import CheckpointError
-
-            try:
-                await node.train(stop)
-            except CheckpointError as e:  # the disk filled up, or the directory went away
-                raise StartupError(str(e)) from None
-        else:
-            await stop.wait()
+        await _run_until_stopped(node, stop, stack)
         log.info("shutting down")
     log.info("stopped")
 
 
+async def _start_network(
+    config: Config, identity: Identity, stack: contextlib.AsyncExitStack
+) -> tuple[Host, NatManager, DHTNode]:
+    """The transport, NAT traversal and the DHT, started, each closed by `stack`."""
+    access = config.access_control()
+    _log_access(access, config)
+    host = Host(identity, config.host_config(), access=access)
+    stack.push_async_callback(_close_host, host)  # before start: closes a partial start too
+    try:
+        await host.start()
+    except OSError as e:
+        raise StartupError(
+            f"{e}; is another shoal running? choose a free address with --listen "
+            "(or SHOAL_LISTEN), e.g. --listen /ip4/0.0.0.0/tcp/0 (any free port)"
+        ) from None
+    for addr in host.listen_addrs:
+        log.info("listening on %s", addr)
+    nat = NatManager(host, config=NatConfig(reachability=config.reachability))
+    await nat.start()
+    stack.push_async_callback(nat.aclose)
+    dht = await _start_dht(host, config, nat)
+    stack.push_async_callback(dht.aclose)
+    stack.callback(save_known_peers, dht, config.data_dir)  # runs before dht.aclose
+    nat.directory = DHTRelayDirectory(dht)
+    nat.address_listeners.append(dht.addresses_changed)
+    # Reachability can turn public while the DHT is bootstrapping (its first
+    # connection brings the dial-back): that change told no listener yet, and the
+    # bootstrap requests carried no address, so tell our neighbours now, or they
+    # list us only after a refresh (a lab test waited 30 s for it in vain).
+    dht.addresses_changed()
+    return host, nat, dht
+
+
+async def _run_until_stopped(
+    node: PeerNode, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+) -> None:
+    """Train (or, without an experiment, serve) until `stop` is set."""
+    progress = Progress()
+    if progress.live:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        stack.enter_context(logging_redirect_tqdm())
+    stack.callback(progress.close)
+    node.start_background(progress)
+    if node.session is not None:
+        from .training.checkpoint import CheckpointError
+
+        try:
+            await node.train(stop)
+        except CheckpointError as e:  # the disk filled up, or the directory went away
+            raise StartupError(str(e)) from None
+    else:
+        await stop.wait()
+
+
 def _choose_device(config: Config) -> tuple[Any, Any]:
     """The training device and what torch sees; ConfigError (one line) when it is absent."""
-    from .device import DeviceError, choose_device, describe, probe_inventory
+    from .training.device import DeviceError, choose_device, describe, probe_inventory
 
     inventory = probe_inventory()
     try:
@@ -301,8 +316,8 @@ def _choose_device(config: Config) -> tuple[Any, Any]:
 async def _start_status(
     node: PeerNode, addr: tuple[str, int], stack: contextlib.AsyncExitStack
 ) -> None:
-    from .metrics import Metrics
-    from .status import StatusServer
+    from .status.metrics import Metrics
+    from .status.server import StatusServer
 
     metrics = Metrics(node)
     server = StatusServer(node, metrics, addr[0], addr[1])

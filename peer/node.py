@@ -2,7 +2,7 @@
 
 `PeerNode` owns the daemon's background chores (the peer report every
 `REPORT_INTERVAL_S` in the DHT, the manifest refresh, the history samples, the
-swarm's history (peer/swarm_history.py, from the reports every
+swarm's history (peer/status/swarm_history.py, from the reports every
 `SWARM_SAMPLE_INTERVAL_S`) and the progress line) and is the `StatusProvider`
 of the HTTP endpoint.
 
@@ -26,21 +26,21 @@ from shoal.transport.nat import NatManager
 from shoal.transport.tasks import TaskSet
 
 from . import __version__
-from .ban_watch import BanWatcher
-from .clock_watch import ClockWatch
 from .config import Config
 from .discovery import INDEX_KEY, INDEX_REFRESH, INDEX_TTL, index_entry
 from .experiment import publish_manifest
-from .loop_lag import LoopLagMonitor
-from .round_ledger import LEDGER_FILE, RoundLedger
-from .swarm_history import SwarmHistory
+from .status.clock_watch import ClockWatch
+from .status.loop_lag import LoopLagMonitor
+from .status.round_ledger import LEDGER_FILE, RoundLedger
+from .status.swarm_history import SwarmHistory
+from .verify.ban_watch import BanWatcher
 
 if TYPE_CHECKING:
     from shoal.averaging.outer import RoundReport
 
-    from .metrics import Metrics
-    from .progress import Progress
     from .session import Session
+    from .status.metrics import Metrics
+    from .status.progress import Progress
 
 __all__ = ["PeerNode"]
 
@@ -203,17 +203,6 @@ class PeerNode:
     # ------------------------------------------------------------------ StatusProvider
 
     def status(self) -> dict[str, Any]:
-        conns = [
-            {
-                "peer_id": c["peer"],
-                "kind": _KINDS.get(str(c["kind"]), str(c["kind"])),
-                "bytes_sent": c["bytes_sent"],
-                "bytes_received": c["bytes_received"],
-                "rtt_ms": c["rtt_ms"],
-            }
-            for c in self.nat.connection_kinds()
-            if c["primary"]
-        ]
         out: dict[str, Any] = {
             "peer_id": str(self.identity.peer_id),
             "version": __version__,
@@ -222,7 +211,7 @@ class PeerNode:
             "reachability": self.nat.reachability.value,
             "access": self.host.access.status(),  # private swarms: mode, refusals
             "reachability_detail": self.nat.reachability_detail(),
-            "connections": conns,
+            "connections": _connections_status(self.nat),
             "dht_peers": len(self.dht.routing_table),
             "experiment": None,
             "experiment_id": None,
@@ -254,46 +243,7 @@ class PeerNode:
         if self.session is not None and self.session.pipeline is not None:
             out["pipeline"] = self.session.pipeline.status()
         if self.session is not None:
-            s = self.session.trainer.stats
-            manifest = self.session.manifest
-            last = s.last_round
-            device, mfu = self.session.device_status(s.tokens_per_s)
-            out.update(
-                device=device,
-                mfu=mfu,
-                experiment=manifest.name,
-                experiment_id=manifest.experiment_id,
-                experiment_host=str(manifest.host),
-                strategy=manifest.strategy,
-                task=manifest.task,
-                step=s.step,
-                tokens=s.tokens,
-                loss=s.loss,
-                val_loss=s.val_loss,
-                val_loss_at=s.val_loss_at,
-                tokens_per_s=s.tokens_per_s,
-                outer_step=self.session.strategy.outer_steps,
-                last_commit_at=s.last_commit_at,
-                join_command=self.join_command,
-                rounds=dict(s.rounds),
-                # The frozen state's: `fingerprint()` would hash the model on the loop.
-                fingerprint=self.session.strategy.committed_fingerprint,
-                checkpoint_at=s.checkpoint_at,
-                checkpoint_error=s.checkpoint_error,
-                last_round=None
-                if last is None
-                else {
-                    "group_size": last.group_size,
-                    "duration_s": last.duration_s,
-                    "outcome": last.outcome.value,
-                    "detail": last.describe(),
-                    "fingerprint": last.fingerprint,
-                    "outer_step": last.outer_step,
-                    "bytes_sent": last.bytes_sent,
-                    "at": s.last_round_at,
-                    "ago_s": None if s.last_round_at is None else time.time() - s.last_round_at,
-                },
-            )
+            out.update(_session_status(self.session, self.join_command))
         return out
 
     def _oversized_refused(self) -> dict[str, int]:
@@ -367,6 +317,65 @@ class PeerNode:
 
     def swarm(self) -> dict[str, Any]:
         return {"peers": self.swarm_history.snapshot(), "self": str(self.identity.peer_id)}
+
+
+def _connections_status(nat: NatManager) -> list[dict[str, Any]]:
+    """/status `connections`: one row per peer, its primary connection."""
+    return [
+        {
+            "peer_id": c["peer"],
+            "kind": _KINDS.get(str(c["kind"]), str(c["kind"])),
+            "bytes_sent": c["bytes_sent"],
+            "bytes_received": c["bytes_received"],
+            "rtt_ms": c["rtt_ms"],
+        }
+        for c in nat.connection_kinds()
+        if c["primary"]
+    ]
+
+
+def _session_status(session: Session, join_command: str | None) -> dict[str, Any]:
+    """The /status keys an experiment fills in (None until this peer joins one)."""
+    s = session.trainer.stats
+    manifest = session.manifest
+    last = s.last_round
+    device, mfu = session.device_status(s.tokens_per_s)
+    return {
+        "device": device,
+        "mfu": mfu,
+        "experiment": manifest.name,
+        "experiment_id": manifest.experiment_id,
+        "experiment_host": str(manifest.host),
+        "strategy": manifest.strategy,
+        "task": manifest.task,
+        "step": s.step,
+        "tokens": s.tokens,
+        "loss": s.loss,
+        "val_loss": s.val_loss,
+        "val_loss_at": s.val_loss_at,
+        "tokens_per_s": s.tokens_per_s,
+        "outer_step": session.strategy.outer_steps,
+        "last_commit_at": s.last_commit_at,
+        "join_command": join_command,
+        "rounds": dict(s.rounds),
+        # The frozen state's: `fingerprint()` would hash the model on the loop.
+        "fingerprint": session.strategy.committed_fingerprint,
+        "checkpoint_at": s.checkpoint_at,
+        "checkpoint_error": s.checkpoint_error,
+        "last_round": None
+        if last is None
+        else {
+            "group_size": last.group_size,
+            "duration_s": last.duration_s,
+            "outcome": last.outcome.value,
+            "detail": last.describe(),
+            "fingerprint": last.fingerprint,
+            "outer_step": last.outer_step,
+            "bytes_sent": last.bytes_sent,
+            "at": s.last_round_at,
+            "ago_s": None if s.last_round_at is None else time.time() - s.last_round_at,
+        },
+    }
 
 
 def peer_row(peer: PeerID, report: dict[str, Any], wall: float) -> dict[str, Any] | None:

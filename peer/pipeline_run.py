@@ -40,10 +40,10 @@ from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest
-from .heap import TRIM_INTERVAL_S, release_free_memory_every
-from .pipeline_status import PipelineStatus
-from .task import Task, shard_of
+from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
+from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
+from .training.task import Task, shard_of
 
 __all__ = ["PipelineRun", "pipeline_fingerprint"]
 

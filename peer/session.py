@@ -35,10 +35,7 @@ from shoal.pipeline.options import PipelineOptions
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 
-from .ban_watch import BanWatcher
-from .checkpoint import CheckpointError, CheckpointStore
 from .config import Config
-from .device import DeviceInventory, check_precision, describe, mfu, peak_flops
 from .experiment import (
     Manifest,
     ManifestError,
@@ -49,11 +46,14 @@ from .experiment import (
 )
 from .joined import joined_path, load_joined, save_joined
 from .pipeline_run import PipelineRun, pipeline_fingerprint
-from .task import Task, TaskError, load_task, shard_of, trains_on_private_data
-from .task_code import check_consent, check_digest, is_builtin_spec, task_digest
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
-from .verifier import Verifier
-from .work_log import VerifiedWork, WorkLog
+from .training.checkpoint import CheckpointError, CheckpointStore
+from .training.device import DeviceInventory, check_precision, describe, mfu, peak_flops
+from .training.task import Task, TaskError, load_task, shard_of, trains_on_private_data
+from .training.task_code import check_consent, check_digest, is_builtin_spec, task_digest
+from .verify.ban_watch import BanWatcher
+from .verify.verifier import Verifier
+from .verify.work_log import VerifiedWork, WorkLog
 
 __all__ = ["Session", "SessionError", "open_session"]
 
@@ -157,41 +157,15 @@ async def open_session(
     # On the device before the strategy takes the parameters (it keeps its global
     # copy on the host, where the wire and the fingerprints are).
     model = await asyncio.to_thread(model.to, device)
-    params = [p for p in model.parameters()]
-    try:
-        strategy = make_strategy(
-            manifest.strategy, dht, averaging_key(manifest), params, manifest.strategy_options
-        )
-    except ValueError as e:
-        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
+    strategy = _make_strategy(manifest, dht, list(model.parameters()))
     store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
     trainer = _trainer(config, identity, manifest, task, model, strategy, hyper, store, device)
     bans = BanWatcher(dht, manifest.namespace)
     verifier = None
     if trainer.work is not None:
         verifier = _verifier(dht, identity, task, hyper, strategy, trainer.work, trainer, bans)
-    resumed = False
-    try:
-        await asyncio.to_thread(store.prepare)
-        state = await asyncio.to_thread(store.load)
-    except CheckpointError as e:
-        raise SessionError(str(e)) from None
-    if state is not None:
-        if state.get("experiment_id") != manifest.experiment_id:
-            raise SessionError(
-                f"the checkpoint in {store.directory} belongs to another experiment; "
-                "move it away or use another --data-dir"
-            )
-        try:
-            trainer.load_state_dict(state)
-        except Exception as e:
-            raise SessionError(
-                f"corrupt checkpoint in {store.directory} ({type(e).__name__}: {e}); move it "
-                "away to start this experiment afresh (or use another --data-dir)"
-            ) from None
-        resumed = True
-        log.info("resumed from checkpoint %s at step %d", store.latest, trainer.stats.step)
-    elif initial != manifest.initial_fingerprint:
+    resumed = await _resume(store, trainer, manifest)
+    if not resumed and initial != manifest.initial_fingerprint:
         log.warning(
             "this machine builds a different initial model than the host (fingerprint %s, "
             "manifest %s: another torch version?); waiting for the swarm's state",
@@ -227,6 +201,41 @@ async def open_session(
         bans,
         verifier,
     )
+
+
+async def _resume(store: CheckpointStore, trainer: Trainer, manifest: Manifest) -> bool:
+    """Load the experiment's latest checkpoint into `trainer`; whether there was one."""
+    try:
+        await asyncio.to_thread(store.prepare)
+        state = await asyncio.to_thread(store.load)
+    except CheckpointError as e:
+        raise SessionError(str(e)) from None
+    if state is None:
+        return False
+    if state.get("experiment_id") != manifest.experiment_id:
+        raise SessionError(
+            f"the checkpoint in {store.directory} belongs to another experiment; "
+            "move it away or use another --data-dir"
+        )
+    try:
+        trainer.load_state_dict(state)
+    except Exception as e:
+        raise SessionError(
+            f"corrupt checkpoint in {store.directory} ({type(e).__name__}: {e}); move it "
+            "away to start this experiment afresh (or use another --data-dir)"
+        ) from None
+    log.info("resumed from checkpoint %s at step %d", store.latest, trainer.stats.step)
+    return True
+
+
+def _make_strategy(manifest: Manifest, dht: DHTNode, params: list[torch.Tensor]) -> OuterStrategy:
+    """The manifest's outer strategy over `params`; SessionError when its options do not fit."""
+    try:
+        return make_strategy(
+            manifest.strategy, dht, averaging_key(manifest), params, manifest.strategy_options
+        )
+    except ValueError as e:
+        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
 
 
 async def _announce(dht: DHTNode, identity: Identity, manifest: Manifest) -> bool:

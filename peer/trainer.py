@@ -27,16 +27,16 @@ import torch
 
 from shoal.averaging.outer import OuterStrategy, RoundReport
 
-from .checkpoint import CheckpointError, CheckpointStore
 from .config import PRECISIONS
-from .device import autocast
-from .heap import TRIM_INTERVAL_S, release_free_memory
-from .inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
-from .priority import lower_this_thread
-from .segments import round_batch_seed
-from .task import Task
-from .validation import Validation, changes_the_model
-from .work_log import VerifiedWork
+from .training.checkpoint import CheckpointError, CheckpointStore
+from .training.device import autocast
+from .training.heap import TRIM_INTERVAL_S, release_free_memory
+from .training.inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
+from .training.priority import lower_this_thread
+from .training.task import Task
+from .training.validation import Validation, changes_the_model
+from .verify.segments import round_batch_seed
+from .verify.work_log import VerifiedWork
 
 __all__ = [
     "DEFAULT_HYPERPARAMETERS",
@@ -55,7 +55,7 @@ DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
     "inner_lr": 1.6e-2,  # peak lr of the inner AdamW
     "weight_decay": 0.1,
     "warmup_steps": 400,
-    # The lr after warmup (peer/inner.py, `learning_rate_scale`): "constant", "cosine",
+    # The lr after warmup (peer/training/inner.py, `learning_rate_scale`): "constant", "cosine",
     # "wsd" (warmup-stable-decay) or "inverse_sqrt"; the decaying ones reach
     # lr_floor x inner_lr at inner step `total_steps` (the experiment's planned inner
     # steps per peer) and stay there for as long as the swarm goes on.
@@ -145,7 +145,7 @@ class TrainerStats:
     # Why the last periodic checkpoint could not be written (None: it was); training
     # goes on, the last good checkpoint stays on disk.
     checkpoint_error: str | None = None
-    # The mean loss over the task's held-out batches after a round (peer/validation.py).
+    # The mean loss over the task's held-out batches after a round (peer/training/validation.py).
     val_loss: float | None = None
     val_loss_at: float | None = None  # UNIX time
     history: collections.deque[dict[str, Any]] = field(

@@ -15,7 +15,7 @@ A tensor whose last channel holds only whole numbers from 0 to 255 sends that
 channel exactly, one byte per value, after the codec's bytes of the other
 channels (``"tail": "ids"``), and one whose last channel is all zeros sends no
 bytes for it (``"zeros"``): the token IDs a stage with a bottleneck passes on
-with its narrow hidden states (`shoal.peer.tasks.bytegpt`), which blockwise int8
+with its narrow hidden states (`shoal.peer.training.tasks.bytegpt`), which blockwise int8
 would round off (a block's scale makes steps of about max/127), and the zero
 gradient that comes back for them. Any tensor may take these paths: they are
 lossless for that channel, so whether one applies is decided by the values alone.

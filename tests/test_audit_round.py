@@ -1,5 +1,5 @@
 """After a verified round commits, the members' secrets meet in the DHT
-(peer/audit_round.py): every member draws the same, a member that contributed
+(peer/verify/audit_round.py): every member draws the same, a member that contributed
 nothing is not waited for, one that committed and withholds is, up to the
 deadline, a member's two different commitments for one round are not
 accepted, and what the DHT lacks is asked of the members directly."""
@@ -15,9 +15,9 @@ import pytest
 from verification_round import commit
 
 from shoal.dht.node import DHTNode
-from shoal.peer import audit_round
-from shoal.peer.audit_round import RecentRounds, encode_record, gather, publish_record
-from shoal.peer.withholding import DirectRecords
+from shoal.peer.verify import audit_round
+from shoal.peer.verify.audit_round import RecentRounds, encode_record, gather, publish_record
+from shoal.peer.verify.withholding import DirectRecords
 from shoal.transport import rpc
 from shoal.transport.host import Host
 from shoal.verification.referees import RoundDraw, new_secret

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.peer.segments import (
+from shoal.peer.trainer import check_hyperparameters
+from shoal.peer.training.tasks.bytegpt import ByteGPTTask, make_task
+from shoal.peer.verify.segments import (
     SegmentRunner,
     SegmentState,
     delta,
     round_batch_seed,
     segment_batches,
 )
-from shoal.peer.tasks.bytegpt import ByteGPTTask, make_task
-from shoal.peer.trainer import check_hyperparameters
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy, judge
 from shoal.verification.evidence import Result

@@ -935,7 +935,7 @@ async def test_excluded_peers_are_left_out(swarm: Callable[..., Any]) -> None:
 
 
 async def test_peers_blocked_on_the_host_are_left_out(swarm: Callable[..., Any]) -> None:
-    # A convicted peer (blocked by peer/ban_watch.py) is excluded without the caller asking.
+    # A convicted peer (blocked by peer/verify/ban_watch.py) is excluded without the caller asking.
     makers = await swarm(4)
     outcast = makers[3]
     for m in makers[:3]:

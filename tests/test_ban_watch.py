@@ -1,4 +1,4 @@
-"""Enforcing convictions (peer/ban_watch.py): a conviction published in the
+"""Enforcing convictions (peer/verify/ban_watch.py): a conviction published in the
 DHT is checked and enforced by every peer within one refresh, the convicted
 peer learns it, and a forged one changes nothing."""
 
@@ -14,7 +14,7 @@ from verification_round import EXPERIMENT, Round, conviction
 from waiting import eventually
 
 from shoal.dht.node import DHTNode
-from shoal.peer.ban_watch import BanWatcher
+from shoal.peer.verify.ban_watch import BanWatcher
 from shoal.transport.errors import PeerBlocked
 from shoal.transport.host import Host
 from shoal.verification.bans import publish

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.peer import checkpoint as checkpoint_module
-from shoal.peer.checkpoint import CHECKPOINT_FORMAT, CheckpointError, CheckpointStore
+from shoal.peer.training import checkpoint as checkpoint_module
+from shoal.peer.training.checkpoint import CHECKPOINT_FORMAT, CheckpointError, CheckpointStore
 
 
 def a_state(step: int) -> dict[str, Any]:

@@ -20,12 +20,12 @@ import pytest
 import torch
 from waiting import eventually
 
-import shoal.peer.checkpoint as checkpoint_module
+import shoal.peer.training.checkpoint as checkpoint_module
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
-from shoal.peer.checkpoint import CheckpointStore
-from shoal.peer.task import load_task
 from shoal.peer.trainer import Trainer
+from shoal.peer.training.checkpoint import CheckpointStore
+from shoal.peer.training.task import load_task
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ import pytest
 
 import shoal.dht.server as dht_server
 from shoal.dht.node import DHTNode
-from shoal.peer.clock_watch import MAX_RTT_S, ClockWatch, SkewEstimate
+from shoal.peer.status.clock_watch import MAX_RTT_S, ClockWatch, SkewEstimate
 from shoal.transport.identity import Identity, PeerID
 
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}

@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from daemon_harness import TINY_TASK, Daemon, cli_env_path, wait_for
 
-from shoal.peer.round_ledger import LEDGER_FILE, audit_rounds, read_ledger
+from shoal.peer.status.round_ledger import LEDGER_FILE, audit_rounds, read_ledger
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ import torch
 
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.averaging.host_state import check_params, copy_into, delta_into, host_clone
-from shoal.peer.device import (
+from shoal.peer.trainer import DEFAULT_HYPERPARAMETERS, check_hyperparameters
+from shoal.peer.training.device import (
     DeviceError,
     DeviceInfo,
     DeviceInventory,
@@ -28,9 +29,8 @@ from shoal.peer.device import (
     mfu,
     peak_flops,
 )
-from shoal.peer.inner import BatchPrefetcher, InnerOptimizer
-from shoal.peer.tasks.bytegpt import make_task
-from shoal.peer.trainer import DEFAULT_HYPERPARAMETERS, check_hyperparameters
+from shoal.peer.training.inner import BatchPrefetcher, InnerOptimizer
+from shoal.peer.training.tasks.bytegpt import make_task
 
 NONE = DeviceInventory()
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", 80 * 2**30, (8, 0))

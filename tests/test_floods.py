@@ -29,9 +29,9 @@ import torch
 
 from shoal.averaging.allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
 from shoal.averaging.group import Group, Member, make_round_id
-from shoal.peer.metrics import Metrics
-from shoal.peer.status import StatusServer
-from shoal.peer.status_http import HttpLimits
+from shoal.peer.status.http import HttpLimits
+from shoal.peer.status.metrics import Metrics
+from shoal.peer.status.server import StatusServer
 from shoal.transport import rpc
 from shoal.transport.connection import ConnectionConfig
 from shoal.transport.host import Host, HostConfig

@@ -1,4 +1,4 @@
-"""Freed tensors go back to the system (peer/heap.py), not only to malloc's heap.
+"""Freed tensors go back to the system (peer/training/heap.py), not only to malloc's heap.
 
 Run in a fresh process: what the heap holds depends on everything allocated before.
 """
@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from shoal.peer import heap
+from shoal.peer.training import heap
 
 from .waiting import eventually
 
 FRAGMENTED_HEAP = """
 import json, torch
-from shoal.peer.heap import release_free_memory
+from shoal.peer.training.heap import release_free_memory
 
 def rss_mb():
     with open("/proc/self/status") as status:

@@ -214,3 +214,61 @@ def test_the_modules_inside_peer_import_one_another_without_cycles(
     peer = within(graph, "shoal.peer")
     assert len(peer) > 20
     assert cycles(peer) == []
+
+
+# ------------------------------------------------------------------ the parts of peer/
+
+# What each part of `peer/` may import from the others: the training core stands alone
+# (custom tasks import it), the audit service builds on it, the status surface stands
+# alone, and the daemon's shell (the modules at the top of `peer/`) may use all three.
+PEER_PARTS: dict[str, frozenset[str]] = {
+    "training": frozenset(),
+    "status": frozenset(),
+    "verify": frozenset({"training"}),
+    "": frozenset({"training", "status", "verify"}),
+}
+
+
+def peer_part(module: str) -> str:
+    """`training`, `verify` or `status` for a module under them, "" for the shell."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[2] in PEER_PARTS else ""
+
+
+def peer_parts_out_of_order(graph: Graph) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair inside `shoal.peer` that crosses parts in a way
+    `PEER_PARTS` does not allow."""
+    peer = within(graph, "shoal.peer")
+    return sorted(
+        (module, target)
+        for module, targets in peer.items()
+        for target in targets
+        if peer_part(target) != peer_part(module)
+        and peer_part(target) not in PEER_PARTS[peer_part(module)]
+    )
+
+
+def test_a_training_module_that_imports_the_audit_service_is_reported() -> None:
+    synthetic = {
+        "shoal.peer.session": {"shoal.peer.verify.verifier", "shoal.peer.status.server"},
+        "shoal.peer.verify.verifier": {"shoal.peer.training.inner"},
+        "shoal.peer.training.inner": {"shoal.peer.verify.segments"},  # upward
+        "shoal.peer.verify.segments": set(),
+        "shoal.peer.status.server": {"shoal.peer.config"},  # the shell, from below
+        "shoal.peer.config": set(),
+    }
+    assert peer_parts_out_of_order(synthetic) == [
+        ("shoal.peer.status.server", "shoal.peer.config"),
+        ("shoal.peer.training.inner", "shoal.peer.verify.segments"),
+    ]
+
+
+def test_the_parts_of_peer_import_one_another_only_in_their_order(
+    graph: dict[str, set[str]],
+) -> None:
+    assert {peer_part(m) for m in within(graph, "shoal.peer")} == set(PEER_PARTS)
+    assert peer_parts_out_of_order(graph) == []
+
+
+def test_peer_keeps_a_small_shell() -> None:
+    assert len(list((ROOT / "peer").glob("*.py"))) <= 15

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shoal.peer.loop_lag import LoopLagMonitor
+from shoal.peer.status.loop_lag import LoopLagMonitor
 
 
 def test_percentiles_over_the_window_only() -> None:

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from shoal.peer.config import Config
-from shoal.peer.inner import LR_SCHEDULES, InnerOptimizer, learning_rate_scale
 from shoal.peer.session import SessionError, _new_settings
-from shoal.peer.tasks.bytegpt import make_task
 from shoal.peer.trainer import (
     DEFAULT_HYPERPARAMETERS,
     LEGACY_HYPERPARAMETERS,
     check_hyperparameters,
 )
+from shoal.peer.training.inner import LR_SCHEDULES, InnerOptimizer, learning_rate_scale
+from shoal.peer.training.tasks.bytegpt import make_task
 
 pytestmark = pytest.mark.timeout(30)
 

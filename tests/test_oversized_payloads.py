@@ -20,10 +20,10 @@ import torch
 from shoal.averaging.compression import get_codec
 from shoal.averaging.state_sync import StateServer, load_state_from_peers, make_state
 from shoal.dht.node import DHTNode
-from shoal.peer.reveals import PROTOCOL as REVEALS
-from shoal.peer.reveals import Reveal, RevealTooLarge, fetch_reveal, send_reveal
-from shoal.peer.segments import SegmentState
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
+from shoal.peer.verify.reveals import PROTOCOL as REVEALS
+from shoal.peer.verify.reveals import Reveal, RevealTooLarge, fetch_reveal, send_reveal
+from shoal.peer.verify.segments import SegmentState
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.server import pipeline_protocol
 from shoal.pipeline.stage_peer import StagePeer

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, stage_capacity
 from shoal.pipeline.ledger import GIVE_UP_VERSIONS, Applied, MicrobatchLedger
 from shoal.pipeline.options import resolve_pipeline_options

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shoal.averaging.compression import get_codec
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.audit import AuditRequest, OutputStore, recompute, seal, wire_roundtrip
 from shoal.pipeline.stage import StageWorker
 from shoal.transport.identity import Identity

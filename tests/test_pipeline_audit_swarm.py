@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .pipeline_swarm import TINY, Swarm, loop_for

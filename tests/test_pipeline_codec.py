@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shoal.averaging.compression import CodecError, get_codec
-from shoal.peer.task_error import TaskError
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.task_error import TaskError
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.wire import (
     MAX_ELEMENTS,
     HeaderError,

@@ -18,7 +18,7 @@ from daemon_harness import Daemon, wait_for
 
 from shoal.dht.node import DHTNode
 from shoal.peer.experiment import find_manifest, parse_experiment_ref
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.trainer import PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
 

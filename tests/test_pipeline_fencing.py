@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.stage import StageWorker
 
 from .pipeline_swarm import TINY, Swarm

@@ -14,7 +14,7 @@ import random
 import pytest
 from waiting import eventually
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import read_stages
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.rebalance import RebalancePolicy

@@ -12,7 +12,7 @@ import torch
 
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.progress import STALE_S, Report, StageProgress, peers_at, samples_at
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker

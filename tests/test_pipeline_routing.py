@@ -22,7 +22,7 @@ import pytest
 import torch
 from waiting import eventually
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.balancer import BACKWARD_COST
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker

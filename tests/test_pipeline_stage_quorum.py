@@ -13,7 +13,7 @@ import pytest
 from waiting import eventually
 
 from shoal.averaging.averager import StepResult
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 
 from .pipeline_swarm import TINY, Swarm
 

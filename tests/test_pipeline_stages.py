@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from shoal.peer.tasks.bytegpt import make_task, split_layers
+from shoal.peer.training.tasks.bytegpt import make_task, split_layers
 from shoal.pipeline.stage import StageWorker
 
 TINY = {"d_model": 32, "n_layers": 3, "n_heads": 2, "context": 32, "batch_size": 8}

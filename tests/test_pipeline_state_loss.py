@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 
 from .pipeline_swarm import TINY, Swarm, loop_for
 from .test_pipeline_swarm import kill

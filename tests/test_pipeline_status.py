@@ -1,4 +1,4 @@
-"""/status's pipeline drawing data (peer/pipeline_status.py) from a real in-process swarm:
+"""/status's pipeline drawing data (peer/status/pipeline_status.py) from a real in-process swarm:
 every stage's peers with their numbers, the microbatch flow, and the trainer's bans."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from shoal.peer.pipeline_status import PipelineStatus
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.status.pipeline_status import PipelineStatus
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import read_stages
 
 from .pipeline_swarm import EXPERIMENT, TINY, Swarm, loop_for

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 
 from .pipeline_swarm import TINY, Swarm, loop_for
 from .waiting import eventually

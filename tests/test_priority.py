@@ -1,4 +1,4 @@
-"""Training threads run below the event loop's CPU priority (peer/priority.py)."""
+"""Training threads run below the event loop's CPU priority (peer/training/priority.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from shoal.peer.inner import BatchPrefetcher
-from shoal.peer.priority import TRAINING_NICE, lower_this_thread
+from shoal.peer.training.inner import BatchPrefetcher
+from shoal.peer.training.priority import TRAINING_NICE, lower_this_thread
 
 pytestmark = [
     pytest.mark.timeout(30),

@@ -15,7 +15,7 @@ from waiting import eventually
 
 from shoal.peer.config import ConfigError, build_config
 from shoal.peer.diagnosis import Facts, diagnose
-from shoal.peer.metrics import Metrics
+from shoal.peer.status.metrics import Metrics
 from shoal.transport.access import (
     AccessControl,
     AccessFileError,

@@ -20,9 +20,9 @@ import pytest
 from waiting import eventually
 
 from shoal.dht.node import BootstrapError, DHTNode
-from shoal.peer.metrics import Metrics
-from shoal.peer.status import StatusServer
-from shoal.peer.status_cli import format_status
+from shoal.peer.status.cli import format_status
+from shoal.peer.status.metrics import Metrics
+from shoal.peer.status.server import StatusServer
 from shoal.transport import host as host_module
 from shoal.transport.errors import ConnectionLost, DialError, StreamReset
 from shoal.transport.host import Host

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-import shoal.peer.referee as referee_mod
+import shoal.peer.verify.referee as referee_mod
 from shoal.dht.node import DHTNode
-from shoal.peer.audit_round import AuditRound, publish_record
-from shoal.peer.referee import Referee
-from shoal.peer.reveals import PROTOCOL
+from shoal.peer.verify.audit_round import AuditRound, publish_record
+from shoal.peer.verify.referee import Referee
+from shoal.peer.verify.reveals import PROTOCOL
 from shoal.transport import rpc
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.evidence import Result, Verdict

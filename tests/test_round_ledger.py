@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.averaging.outer import RoundOutcome, RoundReport
-from shoal.peer.round_ledger import RoundLedger, audit_rounds, read_ledger
+from shoal.peer.status.round_ledger import RoundLedger, audit_rounds, read_ledger
 
 
 def report(

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from shoal.peer import __version__
-from shoal.peer.metrics import Metrics
-from shoal.peer.status import StatusServer
+from shoal.peer.status.metrics import Metrics
+from shoal.peer.status.server import StatusServer
 from shoal.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(90)
@@ -182,7 +182,7 @@ class GrowingSwarm:
     def _server(
         peer_id: str, flow: float, *, banned: bool = False, own: bool = False
     ) -> dict[str, Any]:
-        """A peer box of the pipeline drawing (peer/pipeline_status.py's schema)."""
+        """A peer box of the pipeline drawing (peer/status/pipeline_status.py's schema)."""
         return {
             "peer_id": peer_id,
             "self": own,

@@ -16,6 +16,7 @@ import math
 import socket
 import time
 from collections.abc import AsyncIterator
+from importlib import resources
 from typing import Any
 
 import aiohttp
@@ -23,9 +24,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.peer import __version__
-from shoal.peer.metrics import Metrics
-from shoal.peer.status import STATUS_KEYS, StatusServer, parse_status_addr
-from shoal.peer.status_cli import status_command
+from shoal.peer.status.cli import status_command
+from shoal.peer.status.metrics import Metrics
+from shoal.peer.status.server import STATUS_KEYS, StatusServer, parse_status_addr
 from shoal.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(30)
@@ -428,6 +429,20 @@ async def test_the_page_is_self_contained_html(
         assert "default-src 'none'" in response.headers["Content-Security-Policy"]
     assert 'id="loss-curve"' in body and 'id="peers"' in body
     assert "http://" not in body and "https://" not in body  # no CDN, no external font
+
+
+async def test_the_pages_style_and_script_are_its_package_files_served_as_stored(
+    server: StatusServer, http: aiohttp.ClientSession
+) -> None:
+    static = resources.files("shoal.peer.status").joinpath("static")
+    page = static.joinpath("index.html").read_text("utf-8")
+    assert "<script>" not in page and '<script src="app.js">' in page  # nothing inline
+    for name, content_type in (("style.css", "text/css"), ("app.js", "text/javascript")):
+        async with http.get(server.url + "/" + name) as response:
+            assert response.status == 200 and response.content_type == content_type
+            assert "script-src 'self'" in response.headers["Content-Security-Policy"]
+            assert response.headers["X-Content-Type-Options"] == "nosniff"
+            assert await response.text() == static.joinpath(name).read_text("utf-8")
 
 
 async def test_unknown_path_and_wrong_method_are_json_errors(

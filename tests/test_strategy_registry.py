@@ -48,10 +48,10 @@ from shoal.dht.node import DHTNode
 from shoal.peer.cli import build_parser, parse_command_line
 from shoal.peer.config import Config, ConfigError
 from shoal.peer.experiment import Manifest
-from shoal.peer.metrics import Metrics
 from shoal.peer.node import PeerNode
 from shoal.peer.session import SessionError, _new_settings, open_session
-from shoal.peer.status import StatusServer
+from shoal.peer.status.metrics import Metrics
+from shoal.peer.status.server import StatusServer
 from shoal.pipeline.options import PipelineOptions
 from shoal.transport.identity import Identity
 from shoal.transport.nat import NatConfig, NatManager

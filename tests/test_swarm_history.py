@@ -1,4 +1,4 @@
-"""The swarm's history (peer/swarm_history.py): a bounded time series per peer.
+"""The swarm's history (peer/status/swarm_history.py): a bounded time series per peer.
 
 Fed /peers rows as the daemon reads them (a report's `updated_at` is the time it
 was made) with a clock the tests move: a new report is a point, the same report
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shoal.peer.swarm_history import SwarmHistory
+from shoal.peer.status.swarm_history import SwarmHistory
 
 pytestmark = pytest.mark.timeout(10)
 

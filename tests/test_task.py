@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from shoal.peer.task import BUILTIN_TASKS, Task, TaskError, load_task, shard_of
-from shoal.peer.tasks.bytegpt import DEFAULT_CONFIG, ByteGPTTask
-from shoal.peer.tasks.corpus import HELD_OUT_EVERY, ByteCorpus
+from shoal.peer.training.tasks.bytegpt import DEFAULT_CONFIG, ByteGPTTask
+from shoal.peer.training.tasks.corpus import HELD_OUT_EVERY, ByteCorpus
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_task.py"
 WINDOW = DEFAULT_CONFIG["context"] + 1
@@ -181,7 +181,7 @@ def test_every_50th_file_of_a_folder_is_held_out(tmp_path: Path) -> None:
 
 
 def test_stdlib_corpus_is_python_source_without_test_suites(task: ByteGPTTask) -> None:
-    from shoal.peer.tasks.corpus import stdlib_files
+    from shoal.peer.training.tasks.corpus import stdlib_files
 
     root, files = stdlib_files()
     names = [f.relative_to(root).as_posix() for f in files]
@@ -323,6 +323,20 @@ def test_module_function_spec() -> None:
     assert task.config()["n_layers"] == 1
 
 
+def test_the_names_from_before_the_move_give_the_same_objects() -> None:
+    """Custom tasks and manifests written against `shoal.peer.task` and
+    `shoal.peer.tasks.*` keep working: one module, one set of classes."""
+    import shoal.peer.task as public
+    import shoal.peer.tasks.bytegpt as old_bytegpt
+    import shoal.peer.tasks.corpus as old_corpus
+    import shoal.peer.training.task as moved
+    from shoal.peer.training.tasks import bytegpt, corpus
+
+    assert all(getattr(public, name) is getattr(moved, name) for name in moved.__all__)
+    assert old_bytegpt is bytegpt and old_corpus is corpus
+    assert old_bytegpt.ByteGPTTask is ByteGPTTask
+
+
 def test_unknown_task_name_lists_the_builtin_tasks() -> None:
     with pytest.raises(
         TaskError, match=r"unknown task 'gpt5': built-in tasks are bytegpt; or give module:function"
@@ -377,7 +391,7 @@ def test_bad_spec_is_a_clear_error() -> None:
 
 
 def test_importing_the_task_api_does_not_load_torch() -> None:
-    code = "import sys, shoal.peer.task; assert 'torch' not in sys.modules"
+    code = "import sys, shoal.peer.training.task; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 

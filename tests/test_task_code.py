@@ -24,9 +24,9 @@ from shoal.peer.cli import parse_command_line
 from shoal.peer.config import Config, ConfigError
 from shoal.peer.experiment import Manifest
 from shoal.peer.session import SessionError, verification_options
-from shoal.peer.task import load_task, trains_on_private_data
-from shoal.peer.task_code import check_consent, source_files, task_digest
-from shoal.peer.task_error import TaskError
+from shoal.peer.training.task import load_task, trains_on_private_data
+from shoal.peer.training.task_code import check_consent, source_files, task_digest
+from shoal.peer.training.task_error import TaskError
 from shoal.transport.identity import Identity
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_task.py"

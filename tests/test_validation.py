@@ -1,4 +1,4 @@
-"""The validation loss a peer reports (peer/validation.py and its hook in the trainer).
+"""The validation loss a peer reports (peer/training/validation.py and its hook in the trainer).
 
 It is the mean loss over the task's held-out batches, scored on the model a round
 left (DiLoCo: the swarm's global parameters), in the training thread, and never
@@ -19,9 +19,9 @@ import torch
 from shoal.averaging.outer import RoundOutcome, RoundReport
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
-from shoal.peer.task import Task, load_task
 from shoal.peer.trainer import Trainer
-from shoal.peer.validation import Validation, ValidationSchedule, changes_the_model
+from shoal.peer.training.task import Task, load_task
+from shoal.peer.training.validation import Validation, ValidationSchedule, changes_the_model
 
 pytestmark = pytest.mark.timeout(60)
 

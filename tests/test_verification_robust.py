@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shoal.peer.tasks.bytegpt import make_task
+from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.verification.robust import centered_clip, weighted_mean
 
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "context": 32, "batch_size": 8}

@@ -1,9 +1,9 @@
 """A member that withholds its round secret, or a prover that does not reveal, is
 left out of our rounds for a while: nothing tells it from an honest peer that
 crashed, restarted or sat behind a partition, so the first time costs it 30 s
-and only a repeat offender climbs to 10 minutes (peer/shunning.py). Before
+and only a repeat offender climbs to 10 minutes (peer/verify/shunning.py). Before
 anyone is shunned, its missing secret is looked for once more, and a member
-stores its own record again while it still misses others' (peer/withholding.py).
+stores its own record again while it still misses others' (peer/verify/withholding.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from verification_round import commit, identities
 
 from shoal.dht.node import DHTNode
 from shoal.dht.storage import LocalStorage
-from shoal.peer.audit_round import gather, publish_record
-from shoal.peer.shunning import FIRST_SHUN_S, MAX_SHUN_S, STRIKE_DECAY_S, Shunning
-from shoal.peer.withholding import publish_while_gathering, recheck_withheld
+from shoal.peer.verify.audit_round import gather, publish_record
+from shoal.peer.verify.shunning import FIRST_SHUN_S, MAX_SHUN_S, STRIKE_DECAY_S, Shunning
+from shoal.peer.verify.withholding import publish_while_gathering, recheck_withheld
 from shoal.transport.identity import PeerID
 from shoal.verification.referees import new_secret
 

@@ -25,12 +25,12 @@ import torch
 
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.outer import RoundReport
-from shoal.peer.audit_round import AuditRound, RoundShape, check_segment
-from shoal.peer.reveals import Replay, reveal_of
-from shoal.peer.segments import SegmentRunner, params_hash
-from shoal.peer.task import load_task, shard_of
 from shoal.peer.trainer import Trainer, check_hyperparameters
-from shoal.peer.work_log import VerifiedWork, WorkLog
+from shoal.peer.training.task import load_task, shard_of
+from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
+from shoal.peer.verify.reveals import Replay, reveal_of
+from shoal.peer.verify.segments import SegmentRunner, params_hash
+from shoal.peer.verify.work_log import VerifiedWork, WorkLog
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment

@@ -347,7 +347,7 @@ class VersionGate:
         return f"{prefix}{entry.remote.protocol}"
 
     def status(self) -> dict[str, Any]:
-        """The /status fields (peer/status.py documents them)."""
+        """The /status fields (peer/status/server.py documents them)."""
         old = {c.remote_peer for c, e in self._conns.items() if e.state is _State.OLD}
         return {
             "protocol_version": str(self.local.protocol),

@@ -1,6 +1,6 @@
-"""Built-in training tasks (`bytegpt`) and the corpus helpers that custom tasks can reuse.
+"""`shoal.peer.tasks.*`, kept for specs and tasks that name it: see `shoal.peer.training.tasks`.
 
-Nothing is imported here, so that `shoal.peer.task` can list the built-in tasks
-without loading torch; import `shoal.peer.tasks.bytegpt` or
-`shoal.peer.tasks.corpus` directly.
+`shoal.peer.tasks.bytegpt` and `shoal.peer.tasks.corpus` are the very modules of
+`shoal.peer.training.tasks` (the same objects, not copies), so a manifest that
+names `shoal.peer.tasks.bytegpt:make_task` still loads the built-in task.
 """

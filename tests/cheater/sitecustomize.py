@@ -6,7 +6,7 @@ really did, and the audit finds that what it did is not training."""
 
 import torch
 
-from shoal.peer import inner
+from shoal.peer.training import inner
 
 _honest_step = inner.InnerOptimizer.step
 

@@ -2,7 +2,7 @@
 daemon only): a referee that fails every prover it audits, honest or not, without
 looking at its work. It trains honestly."""
 
-from shoal.peer import referee
+from shoal.peer.verify import referee
 from shoal.verification.evidence import Result, Verdict
 
 

@@ -41,9 +41,9 @@ from shoal.verification.commitment import Commitment, CommitmentError, MerkleTre
 from shoal.verification.evidence import Result
 from shoal.verification.referees import SECRET_BYTES, RoundDraw, seed_commit
 
+from ..training.task import Task, shard_of
 from .reveals import Reveal
 from .segments import SegmentRunner, params_hash, round_batch_seed, segment_batches
-from .task import Task, shard_of
 
 __all__ = [
     "AuditRound",

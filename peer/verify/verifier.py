@@ -38,15 +38,15 @@ from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
+from ..training.inner import InnerOptimizer
+from ..training.priority import lower_this_thread
+from ..training.task import Task
 from .audit_round import AuditRound, RecentRounds, RoundShape, encode_record, gather
 from .ban_watch import BanWatcher
-from .inner import InnerOptimizer
-from .priority import lower_this_thread
 from .referee import LATE_SECRETS_TIMEOUT, Referee
 from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
 from .shunning import Shunning
-from .task import Task
 from .withholding import DirectRecords, publish_while_gathering, recheck_withheld
 from .work_log import RoundWork, VerifiedWork
 
@@ -231,19 +231,10 @@ class Verifier:
         finally:
             gathered.set()
         draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
-        work = self.work.log.get(mine.round)
-        rnd = None
-        if work is not None and 0 in work.snapshots:
-            streams, chunk_bytes, codec = self._shape
-            rnd = AuditRound(
-                mine.round,
-                RoundShape.of(group, streams, chunk_bytes, codec),
-                commitments,
-                secrets,
-                draw,
-                work.snapshots[0].params,
-                committed_at,
-            )
+        rnd = audit_round_of(
+            mine.round, group, self._shape, commitments, secrets, draw,
+            self.work.log.get(mine.round), committed_at,
+        )  # fmt: skip
         missing = draw.withheld - {self.me}
         if missing:
             # Its work cannot be proven wrong to anyone (a draw without every secret
@@ -297,11 +288,7 @@ class Verifier:
         return await asyncio.wait_for(asyncio.shield(future), GATHER_TIMEOUT + 10)
 
     async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        if not isinstance(payload, dict):
-            raise ValueError("bad reveal request")
-        round_index, segment = payload.get("round"), payload.get("segment")
-        if not isinstance(round_index, int) or not isinstance(segment, int):
-            raise ValueError("bad reveal request")
+        round_index, segment = parse_reveal_request(payload)
         rnd = await self._round(round_index)
         mine = None if rnd is None else rnd.commitments.get(self.me)
         work = self.work.log.get(round_index)
@@ -316,33 +303,19 @@ class Verifier:
         if self._revealed[(round_index, ctx.peer)] > MAX_REVEALS:
             raise PermissionError("this referee had our reveal already")
         loop = asyncio.get_running_loop()
-        reveal = await loop.run_in_executor(self._pool, self._reveal, work, mine, segment)
+        replay = Replay(self.runner, self.task, self.work, self.num_shards)
+        reveal = await loop.run_in_executor(self._pool, reveal_segment, replay, work, mine, segment)
         await send_reveal(ctx, reveal)
         yield {"done": True}
 
-    def _reveal(self, work: RoundWork, mine: Commitment, segment: int) -> Reveal:
-        first, end = mine.segment_bounds(segment)
-        replay = Replay(self.runner, self.task, self.work, self.num_shards)
-        return reveal_of(replay.state_after(work, first), replay.state_after(work, end),
-                         replay.state_after(work, work.steps))  # fmt: skip
-
     async def _on_verdict(self, ctx: rpc.CallContext, payload: Any) -> Any:
         """A referee's verdict, asked for by the auditor who accused."""
-        if not isinstance(payload, dict) or not isinstance(payload.get("prover"), bytes):
-            raise ValueError("bad verdict request")
-        round_index, prover = payload.get("round"), PeerID(payload["prover"])
-        accusation = Verdict.from_wire(payload.get("accusation"))
-        if not isinstance(round_index, int):
-            raise ValueError("bad verdict request")
+        round_index, prover, accusation = parse_verdict_request(payload)
         rnd = await self._round(round_index)
         if rnd is None or prover not in rnd.commitments:
             raise LookupError(f"no commitment of {prover.short()} in round {round_index} here")
         rnd.learn(payload.get("secrets"))
-        referees = rnd.draw.referees(prover)
-        if self.me not in referees[1:] or accusation.verifier != referees[0]:
-            raise PermissionError("not a dispute we referee")
-        if not accusation.accuses or accusation.commitment != rnd.commitments[prover].digest():
-            raise PermissionError("no accusation of this commitment")
+        check_dispute(rnd, self.me, prover, accusation)
         if not self.referee.may_accuse(accusation.verifier):
             self.ignored_accusations += 1
             raise PermissionError("the accuser lost its refereeing: too many false accusations")
@@ -385,6 +358,72 @@ class Verifier:
             "strikes": {str(p): n for p, n in self.referee.ledger.strikes.items()},
             "ignored_accusations": self.ignored_accusations,
             # Reveals refused unread for announcing more than our model holds
-            # (peer/reveals.py); each is a malformed reveal.
+            # (peer/verify/reveals.py); each is a malformed reveal.
             "oversized_refused": counts["reveals_oversized"],
         }
+
+
+# ------------------------------------------------------------------ sans-I/O pieces
+
+
+def audit_round_of(
+    round_index: int,
+    group: Group,
+    shape: tuple[int, int, str],
+    commitments: dict[PeerID, Commitment],
+    secrets: dict[PeerID, bytes],
+    draw: RoundDraw,
+    work: RoundWork | None,
+    committed_at: float,
+) -> AuditRound | None:
+    """The round as audits see it, or None when we kept no work of it to start from."""
+    if work is None or 0 not in work.snapshots:
+        return None
+    streams, chunk_bytes, codec = shape
+    return AuditRound(
+        round_index,
+        RoundShape.of(group, streams, chunk_bytes, codec),
+        commitments,
+        secrets,
+        draw,
+        work.snapshots[0].params,
+        committed_at,
+    )
+
+
+def parse_reveal_request(payload: object) -> tuple[int, int]:
+    """(round, segment) that a referee asks us to reveal; ValueError when malformed."""
+    if not isinstance(payload, dict):
+        raise ValueError("bad reveal request")
+    round_index, segment = payload.get("round"), payload.get("segment")
+    if not isinstance(round_index, int) or not isinstance(segment, int):
+        raise ValueError("bad reveal request")
+    return round_index, segment
+
+
+def parse_verdict_request(payload: object) -> tuple[int, PeerID, Verdict]:
+    """(round, prover, accusation) of an auditor's verdict request; ValueError when malformed."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("prover"), bytes):
+        raise ValueError("bad verdict request")
+    round_index, prover = payload.get("round"), PeerID(payload["prover"])
+    accusation = Verdict.from_wire(payload.get("accusation"))
+    if not isinstance(round_index, int):
+        raise ValueError("bad verdict request")
+    return round_index, prover, accusation
+
+
+def check_dispute(rnd: AuditRound, me: PeerID, prover: PeerID, accusation: Verdict) -> None:
+    """PermissionError unless `accusation` is the round's auditor accusing `prover`'s
+    commitment and we are one of the referees after it."""
+    referees = rnd.draw.referees(prover)
+    if me not in referees[1:] or accusation.verifier != referees[0]:
+        raise PermissionError("not a dispute we referee")
+    if not accusation.accuses or accusation.commitment != rnd.commitments[prover].digest():
+        raise PermissionError("no accusation of this commitment")
+
+
+def reveal_segment(replay: Replay, work: RoundWork, mine: Commitment, segment: int) -> Reveal:
+    """Our reveal of `segment` of the round's work (in the audit thread: it re-runs steps)."""
+    first, end = mine.segment_bounds(segment)
+    return reveal_of(replay.state_after(work, first), replay.state_after(work, end),
+                     replay.state_after(work, work.steps))  # fmt: skip

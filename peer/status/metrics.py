@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -57,7 +57,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .status_provider import StatusProvider
+    from .provider import StatusProvider
 
 __all__ = ["CONNECTION_KINDS", "Metrics"]
 
@@ -129,152 +129,179 @@ class _StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         status = self.provider.status()
-        info = InfoMetricFamily("shoal", "This peer: identity, version, experiment, reachability.")
-        info.add_metric(
-            [],
-            {
-                "peer_id": str(status.get("peer_id") or ""),
-                "version": str(status.get("version") or ""),
-                "experiment": str(status.get("experiment") or ""),
-                "reachability": str(status.get("reachability") or "unknown"),
-            },
-        )
-        yield info
-        yield from _gauge("shoal_step", "Training step of this peer.", status.get("step"))
-        yield from _gauge("shoal_loss", "Last training loss of this peer.", status.get("loss"))
-        yield from _gauge(
-            "shoal_val_loss",
-            "Mean loss of the model after the last round on the task's held-out batches "
-            "(the same on every peer).",
-            status.get("val_loss"),
-        )
-        yield from _gauge(
-            "shoal_clock_skew_seconds",
-            "This peer's clock minus the median of connected peers' clocks (rounds and DHT "
-            "records need it within 30 s).",
-            status.get("clock_skew_s"),
-        )
-        yield from _gauge(
-            "shoal_tokens_per_second",
-            "Training throughput of this peer.",
-            status.get("tokens_per_s"),
-        )
-        yield from _gauge(
-            "shoal_mfu",
-            "Model FLOPs utilization of the training device (0-1; absent when its peak is "
-            "unknown).",
-            status.get("mfu"),
-        )
-        device = status.get("device") or {}
-        if device:
-            device_info = InfoMetricFamily("shoal_device", "Where this peer trains.")
-            device_info.add_metric(
-                [], {"kind": str(device.get("kind")), "name": str(device.get("name"))}
-            )
-            yield device_info
-        yield from _gauge(
-            "shoal_device_memory_used_bytes",
-            "Memory the training holds on its device (the process' RSS on the CPU).",
-            device.get("memory_used_bytes"),
-        )
-        yield from _gauge(
-            "shoal_device_memory_total_bytes",
-            "Memory of the training device.",
-            device.get("memory_total_bytes"),
-        )
-        yield from _gauge(
-            "shoal_dht_peers", "Peers in the DHT routing table.", status.get("dht_peers")
-        )
-        yield from _gauge(
-            "shoal_uptime_seconds", "Seconds since the daemon started.", status.get("uptime_s")
-        )
-        lag = status.get("loop_lag_ms") or {}
-        for stat in ("p99", "max"):
-            value = lag.get(f"{stat}_ms")
-            yield from _gauge(
-                f"shoal_event_loop_lag_{stat}_seconds",
-                f"How late a 10 ms ticker on the event loop ran over the last minute ({stat}).",
-                None if value is None else value / 1000,
-            )
-        for direction in ("sent", "received"):
-            value = status.get(f"bytes_{direction}")
-            if _is_number(value):
-                yield CounterMetricFamily(
-                    f"shoal_bytes_{direction}",
-                    f"Bytes {direction} over every connection since the daemon started.",
-                    value=value,
-                )
-        mismatches = status.get("version_mismatches_total")
-        if _is_number(mismatches):
-            yield CounterMetricFamily(
-                "shoal_version_mismatches",
-                "Connections refused because the peer speaks an incompatible protocol version "
-                "(see /status version_mismatches: which peers, and who must upgrade).",
-                value=mismatches,
-            )
-        access = status.get("access")
-        if isinstance(access, dict):
-            refusals = CounterMetricFamily(
-                "shoal_access_refusals",
-                "Connections refused by this peer's private-swarm rules, by reason: swarm_key "
-                "(the peer lacks our --swarm-key) or not_allowed (not in --allow-peers).",
-                labels=["reason"],
-            )
-            by_reason = access.get("refusals_by_reason") or {}
-            for reason in ("swarm_key", "not_allowed"):
-                count = by_reason.get(reason, 0)
-                refusals.add_metric([reason], count if _is_number(count) else 0)
-            yield refusals
-        oversized = status.get("oversized_refused")
-        if isinstance(oversized, dict):
-            refused = CounterMetricFamily(
-                "shoal_oversized_refused",
-                "What peers sent beyond what this peer expects (a stage request or answer, "
-                "a reveal, a state's layout), refused before it was read or allocated.",
-                labels=["kind"],
-            )
-            for kind in OVERSIZED_KINDS:
-                count = oversized.get(kind, 0)
-                refused.add_metric([kind], count if _is_number(count) else 0)
-            yield refused
-        verification = status.get("verification")
-        if isinstance(verification, dict):
-            yield GaugeMetricFamily(
-                "shoal_banned_peers",
-                "Peers this peer refuses: convicted of cheating by evidence it checked.",
-                value=len(verification.get("banned") or ()),
-            )
-            yield CounterMetricFamily(
-                "shoal_convictions",
-                "Convictions of this experiment that this peer checked and enforces.",
-                value=len(verification.get("convictions") or ()),
-            )
-            audits = CounterMetricFamily(
-                "shoal_audits",
-                "Audits this peer ran as a referee of others' work, by result.",
-                labels=["result"],
-            )
-            for result in ("passed", "failed"):
-                count = verification.get(f"audits_{result}", 0)
-                audits.add_metric([result], count if _is_number(count) else 0)
-            yield audits
-            shuns = verification.get("shuns", 0)
-            yield CounterMetricFamily(
-                "shoal_shuns",
-                "Times this peer left a member out of its rounds for a while: it withheld "
-                "its round secret or did not reveal its work (no evidence: no ban).",
-                value=shuns if _is_number(shuns) else 0,
-            )
+        yield from _peer_metrics(status)
+        yield from _device_metrics(status.get("device") or {})
+        yield from _runtime_metrics(status)
+        yield from _refusal_metrics(status)
+        yield from _verification_metrics(status)
         pipeline = status.get("pipeline")
         if isinstance(pipeline, dict):
             yield from _pipeline_metrics(pipeline)
-        kinds = Tally(str(c.get("kind")) for c in status.get("connections") or ())
-        connections = GaugeMetricFamily(
-            "shoal_connections", "Open connections to other peers, by kind.", labels=["kind"]
+        yield from _connection_metrics(status)
+
+
+def _peer_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    """Who this peer is and how its training goes."""
+    info = InfoMetricFamily("shoal", "This peer: identity, version, experiment, reachability.")
+    info.add_metric(
+        [],
+        {
+            "peer_id": str(status.get("peer_id") or ""),
+            "version": str(status.get("version") or ""),
+            "experiment": str(status.get("experiment") or ""),
+            "reachability": str(status.get("reachability") or "unknown"),
+        },
+    )
+    yield info
+    yield from _gauge("shoal_step", "Training step of this peer.", status.get("step"))
+    yield from _gauge("shoal_loss", "Last training loss of this peer.", status.get("loss"))
+    yield from _gauge(
+        "shoal_val_loss",
+        "Mean loss of the model after the last round on the task's held-out batches "
+        "(the same on every peer).",
+        status.get("val_loss"),
+    )
+    yield from _gauge(
+        "shoal_clock_skew_seconds",
+        "This peer's clock minus the median of connected peers' clocks (rounds and DHT "
+        "records need it within 30 s).",
+        status.get("clock_skew_s"),
+    )
+    yield from _gauge(
+        "shoal_tokens_per_second",
+        "Training throughput of this peer.",
+        status.get("tokens_per_s"),
+    )
+    yield from _gauge(
+        "shoal_mfu",
+        "Model FLOPs utilization of the training device (0-1; absent when its peak is unknown).",
+        status.get("mfu"),
+    )
+
+
+def _device_metrics(device: dict[str, Any]) -> Iterator[Metric]:
+    """Where this peer trains and the memory it holds there."""
+    if device:
+        device_info = InfoMetricFamily("shoal_device", "Where this peer trains.")
+        device_info.add_metric(
+            [], {"kind": str(device.get("kind")), "name": str(device.get("name"))}
         )
-        for kind in dict.fromkeys((*CONNECTION_KINDS, *kinds)):
-            connections.add_metric([kind], kinds[kind])
-        yield connections
+        yield device_info
+    yield from _gauge(
+        "shoal_device_memory_used_bytes",
+        "Memory the training holds on its device (the process' RSS on the CPU).",
+        device.get("memory_used_bytes"),
+    )
+    yield from _gauge(
+        "shoal_device_memory_total_bytes",
+        "Memory of the training device.",
+        device.get("memory_total_bytes"),
+    )
+
+
+def _runtime_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    """The daemon itself: DHT, uptime, event-loop lag, bytes over the wire."""
+    yield from _gauge("shoal_dht_peers", "Peers in the DHT routing table.", status.get("dht_peers"))
+    yield from _gauge(
+        "shoal_uptime_seconds", "Seconds since the daemon started.", status.get("uptime_s")
+    )
+    lag = status.get("loop_lag_ms") or {}
+    for stat in ("p99", "max"):
+        value = lag.get(f"{stat}_ms")
+        yield from _gauge(
+            f"shoal_event_loop_lag_{stat}_seconds",
+            f"How late a 10 ms ticker on the event loop ran over the last minute ({stat}).",
+            None if value is None else value / 1000,
+        )
+    for direction in ("sent", "received"):
+        value = status.get(f"bytes_{direction}")
+        if _is_number(value):
+            yield CounterMetricFamily(
+                f"shoal_bytes_{direction}",
+                f"Bytes {direction} over every connection since the daemon started.",
+                value=value,
+            )
+
+
+def _refusal_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    """What this peer refused: incompatible versions, private-swarm rules, oversized input."""
+    mismatches = status.get("version_mismatches_total")
+    if _is_number(mismatches):
+        yield CounterMetricFamily(
+            "shoal_version_mismatches",
+            "Connections refused because the peer speaks an incompatible protocol version "
+            "(see /status version_mismatches: which peers, and who must upgrade).",
+            value=mismatches,
+        )
+    access = status.get("access")
+    if isinstance(access, dict):
+        refusals = CounterMetricFamily(
+            "shoal_access_refusals",
+            "Connections refused by this peer's private-swarm rules, by reason: swarm_key "
+            "(the peer lacks our --swarm-key) or not_allowed (not in --allow-peers).",
+            labels=["reason"],
+        )
+        by_reason = access.get("refusals_by_reason") or {}
+        for reason in ("swarm_key", "not_allowed"):
+            count = by_reason.get(reason, 0)
+            refusals.add_metric([reason], count if _is_number(count) else 0)
+        yield refusals
+    oversized = status.get("oversized_refused")
+    if isinstance(oversized, dict):
+        refused = CounterMetricFamily(
+            "shoal_oversized_refused",
+            "What peers sent beyond what this peer expects (a stage request or answer, "
+            "a reveal, a state's layout), refused before it was read or allocated.",
+            labels=["kind"],
+        )
+        for kind in OVERSIZED_KINDS:
+            count = oversized.get(kind, 0)
+            refused.add_metric([kind], count if _is_number(count) else 0)
+        yield refused
+
+
+def _verification_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    """Bans, convictions, audits and shuns of a verified experiment."""
+    verification = status.get("verification")
+    if not isinstance(verification, dict):
+        return
+    yield GaugeMetricFamily(
+        "shoal_banned_peers",
+        "Peers this peer refuses: convicted of cheating by evidence it checked.",
+        value=len(verification.get("banned") or ()),
+    )
+    yield CounterMetricFamily(
+        "shoal_convictions",
+        "Convictions of this experiment that this peer checked and enforces.",
+        value=len(verification.get("convictions") or ()),
+    )
+    audits = CounterMetricFamily(
+        "shoal_audits",
+        "Audits this peer ran as a referee of others' work, by result.",
+        labels=["result"],
+    )
+    for result in ("passed", "failed"):
+        count = verification.get(f"audits_{result}", 0)
+        audits.add_metric([result], count if _is_number(count) else 0)
+    yield audits
+    shuns = verification.get("shuns", 0)
+    yield CounterMetricFamily(
+        "shoal_shuns",
+        "Times this peer left a member out of its rounds for a while: it withheld "
+        "its round secret or did not reveal its work (no evidence: no ban).",
+        value=shuns if _is_number(shuns) else 0,
+    )
+
+
+def _connection_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    """Open connections, by kind (every known kind, 0 when none)."""
+    kinds = Tally(str(c.get("kind")) for c in status.get("connections") or ())
+    connections = GaugeMetricFamily(
+        "shoal_connections", "Open connections to other peers, by kind.", labels=["kind"]
+    )
+    for kind in dict.fromkeys((*CONNECTION_KINDS, *kinds)):
+        connections.add_metric([kind], kinds[kind])
+    yield connections
 
 
 def _pipeline_metrics(pipeline: dict[str, object]) -> Iterator[Metric]:

@@ -101,10 +101,10 @@ def http_error_logger(events: RemoteEvents) -> logging.Logger:
     """A logger for one server's aiohttp request handlers, filtered by `RemoteHttpErrors`.
 
     Its own Logger object (not registered by name, so each server's filter and
-    counts stay its own), propagating to "shoal.peer.status.http" like any child.
+    counts stay its own), propagating to "shoal.peer.status.server.http" like any child.
     """
-    logger = logging.Logger("shoal.peer.status.http")
-    logger.parent = logging.getLogger("shoal.peer.status")
+    logger = logging.Logger("shoal.peer.status.server.http")
+    logger.parent = logging.getLogger("shoal.peer.status.server")
     logger.addFilter(RemoteHttpErrors(events))
     return logger
 

@@ -23,8 +23,8 @@ import torch
 from shoal.transport.identity import PeerID
 from shoal.verification.commitment import state_digest
 
-from .inner import InnerOptimizer
-from .task import Task
+from ..training.inner import InnerOptimizer
+from ..training.task import Task
 
 __all__ = [
     "SegmentRunner",

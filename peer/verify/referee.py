@@ -42,11 +42,11 @@ from shoal.verification.bans import publish
 from shoal.verification.disputes import Dispute, Ledger, Outcome
 from shoal.verification.evidence import EvidenceError, Result, Verdict
 
+from ..training.task import Task
 from .audit_round import AuditRound, check_segment, gather
 from .ban_watch import BanWatcher
 from .reveals import PROTOCOL, Reveal, RevealTooLarge, fetch_reveal
 from .segments import SegmentRunner
-from .task import Task
 
 __all__ = ["Referee"]
 

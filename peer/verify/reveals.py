@@ -39,6 +39,7 @@ from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.verification.commitment import HASH_BYTES, Commitment, state_digest
 
+from ..training.task import Task
 from .segments import (
     SegmentRunner,
     SegmentState,
@@ -47,7 +48,6 @@ from .segments import (
     round_batch_seed,
     segment_batches,
 )
-from .task import Task
 from .work_log import RoundWork, VerifiedWork
 
 __all__ = [

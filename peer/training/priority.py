@@ -22,7 +22,7 @@ import threading
 
 __all__ = ["TRAINING_NICE", "lower_this_thread"]
 
-log = logging.getLogger("shoal.peer.priority")
+log = logging.getLogger("shoal.peer.training.priority")
 
 # Weight 110 against the loop's 1024 (nice 0): the loop gets ~90% of a shared core.
 TRAINING_NICE = 10

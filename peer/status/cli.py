@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from .status import DEFAULT_STATUS_HOST, DEFAULT_STATUS_PORT, parse_status_addr
+from .server import DEFAULT_STATUS_HOST, DEFAULT_STATUS_PORT, parse_status_addr
 
 __all__ = ["STATUS_ADDR_ENV", "default_status_url", "status_command"]
 

@@ -31,7 +31,7 @@ import torch
 from shoal.transport.identity import PeerID
 from shoal.verification.commitment import state_digest
 
-from .inner import InnerOptimizer
+from ..training.inner import InnerOptimizer
 from .segments import SegmentState, capture, optimizer_hash, params_hash
 
 __all__ = ["RoundWork", "VerifiedWork", "WorkLog"]

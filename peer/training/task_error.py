@@ -1,5 +1,5 @@
 """`TaskError`, on its own so that the built-in tasks (which `task` loads on use)
-need not import `task` back. Users import it from `shoal.peer.task`."""
+need not import `task` back. Users import it from `shoal.peer.training.task`."""
 
 
 class TaskError(Exception):

@@ -2,13 +2,14 @@
 
 Default 127.0.0.1:8080 (`--status-addr` to change); read-only, GET only.
 
-    GET /          the status page for people (peer/status_page.py), polling the JSON below
+    GET /          the status page for people (peer/status/page.py), polling the JSON below
+    GET /style.css, /app.js   its stylesheet and script (peer/status/static/)
     GET /status    this peer (schema below)
     GET /peers     the experiment's peers as seen through the DHT (schema below)
     GET /history   recent samples of this peer for the page's curves (schema below)
     GET /swarm     every peer's reported losses over time, for the swarm's curves (below)
-    GET /metrics   Prometheus exposition (peer/metrics.py; e.g. shoal_loss, and shoal_val_loss:
-                   /status's val_loss, left out while it is null)
+    GET /metrics   Prometheus exposition (peer/status/metrics.py; e.g. shoal_loss, and
+                   shoal_val_loss: /status's val_loss, left out while it is null)
     GET /healthz   liveness for containers: 200 {"ok": true, "uptime_s": float}, the
                    seconds since this endpoint started (it asks the provider nothing)
 
@@ -46,7 +47,7 @@ served as null so that every client's JSON parser accepts them.
                                 for DiLoCo, the peer's own for NoLoCo and Streaming
                                 DiLoCo; at most every 30 s and 5% of the time; null
                                 before the first such round and in pipelined experiments
-                                (peer/validation.py)
+                                (peer/training/validation.py)
     tokens_per_s    float|null  this peer's training throughput
     last_round      obj|null  the last averaging round this peer took part in:
         group_size      int
@@ -104,11 +105,11 @@ averaging/certifier.py), null before the experiment starts and for NoLoCo:
 Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored),
 `config` ({option: value as text}, the effective configuration, secrets never),
 `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event loop ran over the
-last minute, peer/loop_lag.py: p50_ms, p99_ms, max_ms, window_s), `verification`
+last minute, peer/status/loop_lag.py: p50_ms, p99_ms, max_ms, window_s), `verification`
 (obj|null, null before the experiment starts:
 `banned` [peer IDs this peer refuses], `convictions` [{peer, round, accusers,
 at}], `convicted_self` bool, `rejected_evidence` int: forged or altered
-bundles seen; peer/ban_watch.py), `pipeline` (obj|null, null unless the
+bundles seen; peer/verify/ban_watch.py), `pipeline` (obj|null, null unless the
 experiment is pipelined: `stage` int|null (the stage this peer serves),
 `trainer` bool (it drives microbatches), `stages` [{stage, peers, throughput
 (training samples/s, null until measured), peer_ids, version}], `microbatches`
@@ -123,7 +124,7 @@ peer/pipeline_run.py; a trainer's `step` and `loss` are then its optimizer
 steps and training loss; for the page's drawing, `stages[].servers` (each
 peer of the stage: throughput, queue, version, requests/s between it and this
 peer, banned), `flow` (microbatches/s and requests/s per stage over the last
-seconds) and `bans` (peers this trainer routes around): peer/pipeline_status.py),
+seconds) and `bans` (peers this trainer routes around): peer/status/pipeline_status.py),
 and whatever else the daemon finds useful; clients ignore keys they do not know.
 
 `/peers` (`await StatusProvider.peers()`), a list, this peer included:
@@ -140,7 +141,7 @@ and whatever else the daemon finds useful; clients ignore keys they do not know.
     bytes_sent (int), bytes_received (int)   (totals: the page derives rates)
 
 `/swarm` (`StatusProvider.swarm()`): what the experiment's peers reported over time,
-sampled from their DHT reports every 15 s (peer/swarm_history.py), this peer included:
+sampled from their DHT reports every 15 s (peer/status/swarm_history.py), this peer included:
 
     {"peers": {peer_id: [{t, step, loss, val_loss}, ...]}, "self": peer_id}
 
@@ -172,9 +173,9 @@ from aiohttp import web
 
 from shoal.transport.remote_log import RemoteEvents
 
-from .status_http import BoundedTCPSite, HttpLimits, http_error_logger
-from .status_page import STATUS_PAGE_CSP, STATUS_PAGE_HTML
-from .status_provider import StatusProvider
+from .http import BoundedTCPSite, HttpLimits, http_error_logger
+from .page import STATUS_PAGE_ASSETS, STATUS_PAGE_CSP, STATUS_PAGE_HTML
+from .provider import StatusProvider
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -188,7 +189,7 @@ __all__ = [
     "parse_status_addr",
 ]
 
-log = logging.getLogger("shoal.peer.status")
+log = logging.getLogger("shoal.peer.status.server")
 
 DEFAULT_STATUS_HOST = "127.0.0.1"
 DEFAULT_STATUS_PORT = 8080
@@ -242,7 +243,7 @@ class StatusServer:
     ) -> None:
         self.provider = provider
         # Timeouts, sizes and connection caps against slow or hostile clients, and
-        # the rate-limited log of what they cause (peer/status_http.py).
+        # the rate-limited log of what they cause (peer/status/http.py).
         self.http_limits = http_limits or HttpLimits()
         self.remote_events = RemoteEvents(log)
         self.metrics = metrics
@@ -260,6 +261,8 @@ class StatusServer:
             raise RuntimeError("StatusServer already started")
         app = web.Application(middlewares=[self._bounded_json_errors])
         app.router.add_get("/", self._page)
+        for name in STATUS_PAGE_ASSETS:
+            app.router.add_get(f"/{name}", self._page_asset)
         app.router.add_get("/status", self._status)
         app.router.add_get("/peers", self._peers)
         app.router.add_get("/history", self._history)
@@ -312,6 +315,12 @@ class StatusServer:
     async def _page(self, request: web.Request) -> web.StreamResponse:
         return web.Response(
             text=STATUS_PAGE_HTML, content_type="text/html", charset="utf-8", headers=PAGE_HEADERS
+        )
+
+    async def _page_asset(self, request: web.Request) -> web.StreamResponse:
+        content_type, text = STATUS_PAGE_ASSETS[request.path.lstrip("/")]
+        return web.Response(
+            text=text, content_type=content_type, charset="utf-8", headers=PAGE_HEADERS
         )
 
     async def _status(self, request: web.Request) -> web.StreamResponse:

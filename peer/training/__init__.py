@@ -1,0 +1,1 @@
+"""The training core custom tasks build on: the task API, built-in tasks and the inner loop."""
