@@ -26,7 +26,7 @@ import os
 import time
 
 from shoal.averaging import averager as _averager
-from shoal.peer import inner
+from shoal.peer.training import inner
 
 MODE = os.environ.get("SHOAL_USURPER", "boast")
 BOAST = 10**15
