@@ -31,20 +31,18 @@ from shoal.transport.remote_log import RemoteEvents
 from shoal.transport.tasks import TaskSet
 
 from .admission import DiversityPolicy, RateLimits, RequestAdmission
-from .errors import BUSY_BLOCK as _BUSY_BLOCK
 from .errors import BootstrapError, DHTError, PeerBusy
-from .joining import REJOIN_BELOW, REJOIN_CHECK_S, Joiner
+from .joining import REJOIN_CHECK_S, Joiner
 from .lookup import Candidate, KeyLookup, traverse
-from .maintenance import ANNOUNCE_INTERVAL, Maintenance
+from .maintenance import Maintenance
 from .protocol import (
     DHTProtocolError,
     parse_addrs,
 )
-from .publisher import STORE_ROUNDS as _STORE_ROUNDS
 from .publisher import Publisher
 from .reads import Reader
 from .records import Record, RecordValidator
-from .requester import DIAL_RTTS, MAX_HOP_TIMEOUT, REQUEST_RTTS, Blacklist, Requester
+from .requester import Blacklist, Requester
 from .routing import AddResult, AddStatus, RoutingTable
 from .server import DHTServer
 from .storage import LocalStorage, StoredValue
@@ -52,16 +50,9 @@ from .storage import LocalStorage, StoredValue
 log = logging.getLogger("shoal.dht")
 
 DEFAULT_PROTOCOL = "/shoal/dht/1.0.0"
+# The errors live in `errors`; importable from here as before.
 __all__ = [
-    "ANNOUNCE_INTERVAL",
     "DEFAULT_PROTOCOL",
-    "DIAL_RTTS",
-    "MAX_HOP_TIMEOUT",
-    "REJOIN_BELOW",
-    "REJOIN_CHECK_S",
-    "REQUEST_RTTS",
-    "_BUSY_BLOCK",
-    "_STORE_ROUNDS",
     "BootstrapError",
     "DHTError",
     "DHTNode",
@@ -500,6 +491,6 @@ class DHTNode:
     def addresses_changed(self) -> None:
         """What we advertise changed (e.g. NAT traversal found us public): tell the
         peers nearest to us soon, so that they add (or update) us in their tables;
-        until our next request nobody would. At most once per ANNOUNCE_INTERVAL."""
+        until our next request nobody would. At most once per `maintenance.ANNOUNCE_INTERVAL`."""
         self._hello_cache = None  # the next request carries the new addresses
         self._upkeep.addresses_changed()
