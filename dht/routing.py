@@ -211,6 +211,65 @@ class _Bucket:
         self.pending_deadline = 0.0
 
 
+def _bucket_entry(
+    index: int, bucket: _Bucket, touched: float | None, now: float, contacts: bool
+) -> dict[str, object]:
+    """One bucket of `RoutingTable.snapshot`."""
+    entry: dict[str, object] = {
+        "index": index,  # common prefix length with our ID
+        "distance_bits": ID_BITS - index,
+        "count": len(bucket.contacts),
+        "replacements": len(bucket.replacements),
+        "ping_pending": bucket.pending is not None and now < bucket.pending_deadline,
+        "oldest_seen_age": (
+            round(now - min(c.last_seen for c in bucket.contacts.values()), 3)
+            if bucket.contacts
+            else None
+        ),
+    }
+    entry["last_touched_age"] = None if touched is None else round(now - touched, 3)
+    if contacts:
+        entry["contacts"] = [
+            {
+                "peer_id": c.peer_id.to_base58(),
+                "addrs": [str(a) for a in c.addrs],
+                "seen_age": round(now - c.last_seen, 3),
+                "failures": c.failures,
+                "ip_group": c.ip_group,
+            }
+            for c in bucket.contacts.values()
+        ]
+    return entry
+
+
+class _GroupCounts:
+    """The diversity filter: contacts in the table per IP group, and whether the
+    policy leaves room for one more of a group."""
+
+    def __init__(self, policy: DiversityPolicy) -> None:
+        self.policy = policy
+        self.counts: dict[str, int] = {}
+
+    def fits(self, bucket: _Bucket, contact: Contact) -> bool:
+        """Whether the diversity limits leave room for `contact` in `bucket`."""
+        group = contact.ip_group
+        if group is None:
+            return True
+        if self.counts.get(group, 0) >= self.policy.per_group_table:
+            return False
+        in_bucket = sum(1 for c in bucket.contacts.values() if c.ip_group == group)
+        return in_bucket < self.policy.per_group_bucket
+
+    def count(self, group: str | None, delta: int) -> None:
+        if group is None:
+            return
+        n = self.counts.get(group, 0) + delta
+        if n > 0:
+            self.counts[group] = n
+        else:
+            self.counts.pop(group, None)
+
+
 # ---------------------------------------------------------------- table
 
 
@@ -248,7 +307,7 @@ class RoutingTable:
         self.ping_timeout: Final = ping_timeout
         self._rng = rng if rng is not None else random.Random()
         self.diversity: Final = diversity if diversity is not None else DiversityPolicy()
-        self._group_count: dict[str, int] = {}  # contacts in the table per IP group
+        self._groups = _GroupCounts(self.diversity)
         self._buckets: dict[int, _Bucket] = {}
         self._index: dict[PeerID, int] = {}  # peer -> bucket, for contacts in the table
         self._touched: dict[int, float] = {}  # bucket -> last update or completed lookup
@@ -512,35 +571,10 @@ class RoutingTable:
 
         `contacts` adds each contact (peer ID, addresses, age, failures).
         """
-        buckets = []
-        for index in sorted(self._buckets):
-            bucket = self._buckets[index]
-            entry: dict[str, object] = {
-                "index": index,  # common prefix length with our ID
-                "distance_bits": ID_BITS - index,
-                "count": len(bucket.contacts),
-                "replacements": len(bucket.replacements),
-                "ping_pending": bucket.pending is not None and now < bucket.pending_deadline,
-                "oldest_seen_age": (
-                    round(now - min(c.last_seen for c in bucket.contacts.values()), 3)
-                    if bucket.contacts
-                    else None
-                ),
-            }
-            touched = self._touched.get(index)
-            entry["last_touched_age"] = None if touched is None else round(now - touched, 3)
-            if contacts:
-                entry["contacts"] = [
-                    {
-                        "peer_id": c.peer_id.to_base58(),
-                        "addrs": [str(a) for a in c.addrs],
-                        "seen_age": round(now - c.last_seen, 3),
-                        "failures": c.failures,
-                        "ip_group": c.ip_group,
-                    }
-                    for c in bucket.contacts.values()
-                ]
-            buckets.append(entry)
+        buckets = [
+            _bucket_entry(index, self._buckets[index], self._touched.get(index), now, contacts)
+            for index in sorted(self._buckets)
+        ]
         return {
             "local_peer": self.local_peer.to_base58(),
             "local_id": f"{self.local_id:064x}",
@@ -548,7 +582,7 @@ class RoutingTable:
             "size": len(self._index),
             "replacements": sum(len(b.replacements) for b in self._buckets.values()),
             "buckets_nonempty": sum(1 for b in self._buckets.values() if b.contacts),
-            "ip_groups": len(self._group_count),
+            "ip_groups": len(self._groups.counts),
             "buckets": buckets,
         }
 
@@ -572,15 +606,7 @@ class RoutingTable:
         self._touched[index] = now
 
     def _fits(self, bucket: _Bucket, contact: Contact) -> bool:
-        """Whether the diversity limits leave room for `contact` in `bucket`."""
-        group = contact.ip_group
-        if group is None:
-            return True
-        policy = self.diversity
-        if self._group_count.get(group, 0) >= policy.per_group_table:
-            return False
-        in_bucket = sum(1 for c in bucket.contacts.values() if c.ip_group == group)
-        return in_bucket < policy.per_group_bucket
+        return self._groups.fits(bucket, contact)
 
     def _regroup(self, contact: Contact, group: str | None) -> None:
         # A contact in the table seen from another IP: counted in its new group (it
@@ -593,13 +619,7 @@ class RoutingTable:
         contact.ip_group = group
 
     def _count(self, group: str | None, delta: int) -> None:
-        if group is None:
-            return
-        n = self._group_count.get(group, 0) + delta
-        if n > 0:
-            self._group_count[group] = n
-        else:
-            self._group_count.pop(group, None)
+        self._groups.count(group, delta)
 
     def _insert(self, bucket: _Bucket, index: int, contact: Contact) -> None:
         contact.failures = 0

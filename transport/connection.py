@@ -479,16 +479,8 @@ class Connection(asyncio.BufferedProtocol):
         self._send_cipher = None
         self._recv_cipher = None
         self._buf = bytearray(_RECV_BUFFER_IDLE)
-        # Reusable buffers to decrypt records and bodies into, and to encrypt bodies into.
-        self._plaintexts = _BufferPool(MAX_MESSAGE_PLAINTEXT, _PLAINTEXT_POOL)
-        self._bodies_in = _BufferPool(MAX_BULK_BODY, _BODY_POOL_IN)
+        # A reusable buffer to encrypt bodies into.
         self._bodies_out = _BufferPool(MAX_BULK_BODY + _TAG, _BODY_POOL_OUT)
-        self._body: BulkIncoming | None = None  # announced, and next on the wire
-        # Record processing paused for one loop iteration (see _process_records), and
-        # the body it paused for (it pauses once per body).
-        self._resume_pending = False
-        self._paused_for: BulkIncoming | None = None
-        self._reading_paused = False  # the socket waits while a reader gets ready
         # Bulk body bytes decrypted straight into a reader's buffer, and into a spare
         # buffer (then copied when read): how well the zero-copy path works.
         self.bulk_bytes_direct = 0
@@ -523,6 +515,7 @@ class Connection(asyncio.BufferedProtocol):
         self.relay: PeerID | None = None  # for a relayed connection: the relay's peer ID
         self._lost_error: ConnectionLost | None = None
         self._handshake_started = False
+        self._rx, self._tx, self._life = _Receiver(self), _Sender(self), _Lifecycle(self)
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -617,43 +610,11 @@ class Connection(asyncio.BufferedProtocol):
         if self._transport is not None:
             self._transport.abort()
         else:
-            self._finish(reason)
+            self._life.finish(reason)
 
     async def aclose(self, timeout: float = 5.0) -> None:
         """Graceful close: refuse new streams, let open ones finish, then close."""
-        if self.closed.done():
-            return
-        if self.is_open:
-            self._mux.go_away()
-            self._schedule_flush()
-            if self.streams:
-                self._no_streams.clear()
-                try:
-                    async with asyncio.timeout(timeout):
-                        await self._no_streams.wait()  # also set when the connection dies
-                except TimeoutError:
-                    log.debug(
-                        "closing %s with %d streams open", self._peer_name(), len(self.streams)
-                    )
-        if self.close_reason is None:
-            self.close_reason = "closed locally"
-        if self._transport is not None and not self.closed.done():
-            self._transport.close()  # flushes what is buffered, then closes
-            try:
-                async with asyncio.timeout(timeout):
-                    await asyncio.shield(self.closed)
-            except TimeoutError:
-                self._transport.abort()
-        if not self.closed.done():
-            # abort() reports connection_lost on a later loop iteration; should the
-            # event loop never report it (seen with uvloop on a transport that was
-            # closing with unsent data), finish by hand rather than wait forever.
-            try:
-                async with asyncio.timeout(_LOST_REPORT_TIMEOUT):
-                    await asyncio.shield(self.closed)
-            except TimeoutError:
-                log.debug("%s: no connection_lost after abort; finishing", self._peer_name())
-                self._finish(self.close_reason)
+        await self._life.aclose(timeout)
 
     def stats(self) -> dict[str, object]:
         return {
@@ -697,7 +658,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.abort(refusal)
                 return
         transport.set_write_buffer_limits(high=_WRITE_BATCH, low=_WRITE_BATCH // 4)
-        self._timer = self._loop.call_later(self.config.handshake_timeout, self._on_timer)
+        self._timer = self._loop.call_later(self.config.handshake_timeout, self._life.on_timer)
         access = self.access
         if access is None:
             self._handshake = SecureHandshake(*self._handshake_args)
@@ -732,15 +693,15 @@ class Connection(asyncio.BufferedProtocol):
         self.last_activity = _now()
         try:
             if self._handshake is not None:
-                self._advance_handshake()
+                self._rx.advance_handshake()
             if self._handshake is None:
-                if not self._resume_pending:
-                    self._process_records()
+                if not self._rx.resume_pending:
+                    self._rx.process_records()
                 elif len(self._buf) - self._end < _MIN_FREE:
                     # Paused for a reader, but the buffer is filling up: go on now.
-                    self._process_records()
+                    self._rx.process_records()
         except TransportError as e:
-            self._violation(e)
+            self._life.violation(e)
             return
         if filled and len(self._buf) < _RECV_BUFFER_BUSY and not self.closed.done():
             # One read filled it: a big record or a stream is arriving. Grow to hold
@@ -752,7 +713,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._paused = False
-        self._flush()
+        self._tx.flush()
 
     def eof_received(self) -> bool:
         return False  # close the transport; streams learn through connection_lost
@@ -764,144 +725,11 @@ class Connection(asyncio.BufferedProtocol):
             self._lost_error = exc
         if self.close_reason is None:
             self.close_reason = f"connection lost: {exc}" if exc else "closed by peer"
-        self._finish(self.close_reason)
+        self._life.finish(self.close_reason)
 
     # --- internals: handshake -----------------------------------------------------------------
 
-    def _advance_handshake(self) -> None:
-        hs = self._handshake
-        assert hs is not None
-        data = bytes(self._mv[self._start : self._end])
-        self._start = self._end = 0
-        reply = hs.receive(data)
-        if reply:
-            self._write_raw(reply)
-        if not hs.complete:
-            return
-        self._handshake = None
-        self._send_cipher = hs.send_cipher
-        self._recv_cipher = hs.recv_cipher
-        assert hs.remote_peer is not None
-        self.remote_peer = hs.remote_peer
-        leftover = hs.leftover
-        if leftover:
-            self._buf[: len(leftover)] = leftover
-            self._end = len(leftover)
-        if self._timer is not None:
-            self._timer.cancel()
-        self._arm_timer()
-        # A first RTT at once (keepalive pings start only when the connection is quiet):
-        # the deadlines of requests on it follow the RTT (the DHT's, for one).
-        opaque = next(self._ping_ids) & 0xFFFFFFFF
-        self._pings[opaque] = (_now(), self._loop.create_future())
-        self._mux.ping(opaque)
-        self.handshake_done.set_result(self.remote_peer)
-        self._flush()
-
     # --- internals: receiving -----------------------------------------------------------------
-
-    def _process_records(self) -> None:
-        buf = self._buf
-        mv = self._mv
-        pos = self._start
-        end = self._end
-        recv = self._recv_cipher
-        mux = self._mux
-        now = _now()
-        while True:
-            body = self._body
-            if body is not None:
-                size = body.length + _TAG  # no length prefix: BULK announced it
-                if end - pos < size:
-                    break
-                stream = self.streams.get(body.stream_id) if body.deliver else None
-                target = None
-                if stream is not None:
-                    target = stream._bulk_target(body.length)
-                    if (
-                        target is None
-                        and stream._posts
-                        and stream._reader_woken
-                        and self._paused_for is not body
-                    ):
-                        # Its reader was just handed the data before this body (say, a
-                        # chunk header) and may now wait for the body with a buffer of
-                        # its own: let it run first, then decrypt straight into that.
-                        # Once per body, for one loop iteration. Without room for
-                        # another record, the socket waits too (in the kernel's
-                        # buffer): decrypting into a spare buffer instead would cost
-                        # a copy of every later body of the stream (they queue
-                        # behind this one), which is most bodies at full speed.
-                        self._paused_for = body
-                        self._resume_pending = True
-                        if len(buf) - end < _MIN_FREE and self._transport is not None:
-                            self._transport.pause_reading()
-                            self._reading_paused = True
-                        self._loop.call_soon(self._resume_records)
-                        break
-                if target is not None:
-                    self.bulk_bytes_direct += body.length
-                    out = target
-                else:
-                    self.bulk_bytes_buffered += body.length
-                    out = self._bodies_in.take()
-                try:
-                    recv.decrypt_into(mv[pos : pos + size], out)
-                except HandshakeError:
-                    raise ProtocolViolation("record failed authentication") from None
-                pos += size
-                self._start = pos
-                self._body = None
-                if target is not None:
-                    assert stream is not None
-                    stream._filled(body.length)
-                    self._consumed(body.stream_id, body.length)
-                elif body.deliver:
-                    self._deliver(body.stream_id, memoryview(out)[: body.length])
-                continue
-            if end - pos < 2:
-                break
-            n = (buf[pos] << 8) | buf[pos + 1]
-            if end - pos - 2 < n:
-                break
-            if n < _TAG:
-                raise ProtocolViolation(f"record of {n} bytes is shorter than its tag")
-            buf_out = bytearray(n - _TAG) if n - _TAG <= _SMALL_RECORD else self._plaintexts.take()
-            try:
-                size = recv.decrypt_into(mv[pos + 2 : pos + 2 + n], buf_out)
-            except HandshakeError:
-                raise ProtocolViolation("record failed authentication") from None
-            plaintext = memoryview(buf_out)[:size]
-            pos += 2 + n
-            self._start = pos
-            for event in mux.receive_message(plaintext, now):
-                if type(event) is BulkIncoming:
-                    self._body = event  # the mux made sure it is the message's last frame
-                else:
-                    self._dispatch(event)
-            if self.closed.done():
-                return
-        if pos == end:
-            self._start = self._end = 0
-        else:
-            self._start = pos
-        self._drop_finished()
-        if mux.has_output():
-            self._schedule_flush()
-
-    def _resume_records(self) -> None:
-        self._resume_pending = False
-        if self.closed.done():
-            return
-        try:
-            self._process_records()
-        except TransportError as e:
-            self._violation(e)
-            return
-        if self._reading_paused and not self._resume_pending and not self.closed.done():
-            self._reading_paused = False
-            if self._transport is not None:
-                self._transport.resume_reading()
 
     def _deliver(self, stream_id: int, data: memoryview) -> None:
         stream = self.streams.get(stream_id)
@@ -910,106 +738,13 @@ class Connection(asyncio.BufferedProtocol):
         else:  # the application already dropped it: keep the window moving
             self._mux.reset_stream(stream_id, "stream abandoned")
 
-    def _dispatch(self, event: object) -> None:
-        if type(event) is DataReceived:
-            self._deliver(event.stream_id, event.data)
-        elif type(event) is StreamOpened:
-            stream = Stream(self, event.stream_id, event.protocol, False)
-            self.streams[event.stream_id] = stream
-            self._idle_since = None
-            if self._on_stream is None:
-                self._mux.reset_stream(event.stream_id, "no handlers", refused=True)
-                del self.streams[event.stream_id]
-            else:
-                self._on_stream(stream)
-        elif type(event) is StreamEnded:
-            stream = self.streams.get(event.stream_id)
-            if stream is not None:
-                stream._feed_eof()
-        elif type(event) is StreamWasReset:
-            stream = self.streams.pop(event.stream_id, None)
-            if stream is not None:
-                err: StreamReset
-                if event.refused:
-                    err = ProtocolNotSupported(
-                        f"{self._peer_name()} does not support {stream.protocol}: {event.reason}"
-                    )
-                else:
-                    err = StreamReset(f"stream reset by {self._peer_name()}: {event.reason}")
-                stream._write_lost = event.unsent > 0
-                stream._fail(err)
-                if stream.handler_task is not None:
-                    stream.handler_task.cancel()  # propagate cancellation to the handler
-                self._note_idle()
-        elif type(event) is PongReceived:
-            entry = self._pings.pop(event.opaque, None)
-            if entry is not None:
-                rtt = _now() - entry[0]
-                self.rtt = rtt if self.rtt is None else 0.8 * self.rtt + 0.2 * rtt
-                self._mux.rtt = self.rtt
-                if not entry[1].done():
-                    entry[1].set_result(rtt)
-        elif type(event) is GoAwayReceived:
-            log.debug("%s is going away (code %d)", self._peer_name(), event.code)
-
     # --- internals: sending -------------------------------------------------------------------
 
     def _schedule_flush(self) -> None:
         # Coalesce every write of this loop iteration into as few records as possible.
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        transport = self._transport
-        if transport is None or self._send_cipher is None or self.closed.done():
-            return
-        if transport.is_closing():  # (lost, not yet told: uvloop raises on a write)
-            return
-        mux = self._mux
-        encrypt_into = self._send_cipher.encrypt_into
-        batch: list[bytearray | memoryview] = []
-        size = flushed = 0
-        while not self._paused:
-            out = mux.next_output()
-            if out is None:
-                break
-            msg, body = out
-            n = len(msg) - _LEN.size - _TAG
-            _LEN.pack_into(msg, 0, n + _TAG)
-            mv = memoryview(msg)
-            encrypt_into(mv[2 : 2 + n], mv[2:])
-            batch.append(msg)
-            size += len(msg)
-            if body is not None:
-                # Sealed before the stream's writer learns that it drained: the
-                # application may reuse its buffer as soon as it does.
-                record = memoryview(self._bodies_out.take())[: len(body) + _TAG]
-                encrypt_into(body, record)
-                batch.append(record)
-                size += len(record)
-            if size >= _WRITE_BATCH:
-                self.bytes_sent += size
-                transport.writelines(batch)
-                flushed += size
-                batch = []
-                size = 0
-                if transport.is_closing():
-                    # That write failed (a reset): uvloop closed the transport and
-                    # raises on the next one; connection_lost follows.
-                    return
-                if flushed >= _FLUSH_BUDGET and mux.has_output():
-                    self._schedule_flush()  # the rest at the next turn
-                    break
-        if batch:
-            self.bytes_sent += size
-            transport.writelines(batch)
-        for sid in mux.take_drained():
-            stream = self.streams.get(sid)
-            if stream is not None:
-                stream._wake_writer()
-        self._drop_finished()
+            self._loop.call_soon(self._tx.flush)
 
     def _write_raw(self, data: bytes) -> None:
         assert self._transport is not None
@@ -1047,133 +782,7 @@ class Connection(asyncio.BufferedProtocol):
     # --- internals: timers, errors, teardown -----------------------------------------------------
 
     def _arm_timer(self) -> None:
-        self._timer = self._loop.call_later(self.config.ping_interval, self._on_timer)
-
-    def _on_timer(self) -> None:
-        if self.closed.done():
-            return
-        now = _now()
-        quiet = self._start == self._end and now - self.last_activity > 1.0
-        if quiet and len(self._buf) > _RECV_BUFFER_IDLE:
-            self._resize_buffer(_RECV_BUFFER_IDLE)  # give the memory back
-            self._plaintexts.clear()
-            self._bodies_in.clear()
-            self._bodies_out.clear()
-        if not self.handshake_done.done():
-            self.remote_events.info(
-                "handshake not finished",
-                self.remote_key(),
-                "closing connection from %s: handshake not finished in %.1fs",
-                self._peer_name(),
-                self.config.handshake_timeout,
-            )
-            self.abort("handshake timeout")
-            return
-        cfg = self.config
-        oldest = min((t for t, _ in self._pings.values()), default=None)
-        if oldest is not None and now - oldest > cfg.ping_timeout:
-            log.info("closing connection to %s: no pong for %.0fs", self._peer_name(), now - oldest)
-            self.abort(f"peer unresponsive (no pong for {now - oldest:.0f}s)")
-            return
-        idle = self._idle_since is not None and not self.streams
-        if cfg.idle_timeout and idle and now - self._idle_since >= cfg.idle_timeout:  # type: ignore[operator]
-            log.debug("closing idle connection to %s", self._peer_name())
-            self.close_reason = "idle"
-            self._mux.go_away()
-            self._flush()
-            if self._transport is not None:
-                self._transport.close()  # graceful: the GOAWAY goes out first
-            return
-        if now - self.last_activity >= cfg.ping_interval * 0.5 or oldest is None:
-            opaque = next(self._ping_ids) & 0xFFFFFFFF
-            self._pings[opaque] = (now, self._loop.create_future())
-            self._mux.ping(opaque)
-            self._schedule_flush()
-        self._timer = self._loop.call_later(
-            min(cfg.ping_interval, cfg.ping_timeout / 2), self._on_timer
-        )
-
-    def _violation(self, error: TransportError) -> None:
-        if isinstance(error, AccessRefused):
-            # Our access rules at work, not a broken peer: counted, one line per remote.
-            if self.access is not None:
-                self.access.refused(error.reason)
-            self.remote_events.warning(
-                "access refused",
-                self.remote_key(),
-                "refusing connection with %s: %s",
-                self._peer_name(),
-                error,
-            )
-            if self._failure is None:
-                self._failure = error
-            self.abort(str(error))
-            return
-        self.remote_events.warning(
-            "protocol violation",
-            self.remote_key(),
-            "closing connection to %s: %s",
-            self._peer_name(),
-            error,
-        )
-        if self._failure is None:
-            self._failure = error
-        self.abort(str(error))
-
-    def _finish(self, reason: str) -> None:
-        if self.closed.done():
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        err = self._lost_error or ConnectionLost(
-            f"connection to {self._peer_name()} lost: {reason}"
-        )
-        for stream in self.streams.values():
-            stream._write_lost = self._mux.queued_bytes(stream.id) > 0
-        if not self.handshake_done.done():
-            failure = self._failure
-            if failure is None and self._unanswered_with_key():
-                failure = self._unanswered_failure(reason)
-            if not isinstance(failure, HandshakeError):  # keep PeerIDMismatch & co. as they are
-                failure = HandshakeError(f"handshake with {self._peer_name()} failed: {reason}")
-            self.handshake_done.set_exception(failure)
-            self.handshake_done.exception()  # mark retrieved: the dialer reports it
-        for stream in list(self.streams.values()):
-            stream._fail(err)
-            if stream.handler_task is not None:
-                stream.handler_task.cancel()
-        self.streams.clear()
-        self._no_streams.set()
-        self._tasks.cancel()
-        for _, fut in self._pings.values():
-            if not fut.done():
-                fut.set_exception(err)
-                fut.exception()
-        self._pings.clear()
-        self.closed.set_result(None)
-        if self._on_closed is not None:
-            self._on_closed(self)
-
-    def _unanswered_with_key(self) -> bool:
-        """We dialed with a swarm key and the remote closed without a word: what a peer
-        with another key (or none) does, since it cannot read our first message."""
-        hs, why = self._handshake, self.close_reason or ""
-        closed_by_remote = why == "closed by peer" or why.startswith("connection lost")
-        return (
-            closed_by_remote
-            and hs is not None
-            and hs.unanswered
-            and self.access is not None
-            and self.access.swarm_key is not None
-        )
-
-    def _unanswered_failure(self, reason: str) -> HandshakeError:
-        assert self.access is not None
-        self.access.unanswered += 1
-        return HandshakeError(
-            f"handshake with {self._peer_name()} failed: {reason} before answering our first "
-            "message: its swarm key probably differs from ours (or it has none)"
-        )
+        self._timer = self._loop.call_later(self.config.ping_interval, self._life.on_timer)
 
     def remote_key(self) -> str | None:
         """Who to blame in a log summary: the remote IP, else the relay or peer."""
@@ -1191,6 +800,436 @@ class Connection(asyncio.BufferedProtocol):
         if self.remote_peer is not None:
             return f"{self.remote_peer.short()}@{addr}"
         return addr
+
+
+class _Receiver:
+    """The receiving side of a connection: its handshake messages, then records
+    decrypted and their frames dispatched to streams (bulk bodies straight into a
+    reader's buffer where one waits)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        # Reusable buffers to decrypt records and bodies into.
+        self.plaintexts = _BufferPool(MAX_MESSAGE_PLAINTEXT, _PLAINTEXT_POOL)
+        self.bodies_in = _BufferPool(MAX_BULK_BODY, _BODY_POOL_IN)
+        self.body: BulkIncoming | None = None  # announced, and next on the wire
+        # Record processing paused for one loop iteration (see process_records), and
+        # the body it paused for (it pauses once per body).
+        self.resume_pending = False
+        self.paused_for: BulkIncoming | None = None
+        self.reading_paused = False  # the socket waits while a reader gets ready
+
+    def advance_handshake(self) -> None:
+        c = self.conn
+        hs = c._handshake
+        assert hs is not None
+        data = bytes(c._mv[c._start : c._end])
+        c._start = c._end = 0
+        reply = hs.receive(data)
+        if reply:
+            c._write_raw(reply)
+        if not hs.complete:
+            return
+        c._handshake = None
+        c._send_cipher = hs.send_cipher
+        c._recv_cipher = hs.recv_cipher
+        assert hs.remote_peer is not None
+        c.remote_peer = hs.remote_peer
+        leftover = hs.leftover
+        if leftover:
+            c._buf[: len(leftover)] = leftover
+            c._end = len(leftover)
+        if c._timer is not None:
+            c._timer.cancel()
+        c._arm_timer()
+        # A first RTT at once (keepalive pings start only when the connection is quiet):
+        # the deadlines of requests on it follow the RTT (the DHT's, for one).
+        opaque = next(c._ping_ids) & 0xFFFFFFFF
+        c._pings[opaque] = (_now(), c._loop.create_future())
+        c._mux.ping(opaque)
+        c.handshake_done.set_result(c.remote_peer)
+        c._tx.flush()
+
+    def process_records(self) -> None:
+        c = self.conn
+        buf = c._buf
+        mv = c._mv
+        pos = c._start
+        end = c._end
+        recv = c._recv_cipher
+        mux = c._mux
+        now = _now()
+        while True:
+            body = self.body
+            if body is not None:
+                size = body.length + _TAG  # no length prefix: BULK announced it
+                if end - pos < size:
+                    break
+                stream = c.streams.get(body.stream_id) if body.deliver else None
+                target = None
+                if stream is not None:
+                    target = stream._bulk_target(body.length)
+                    if target is None and self._wait_for_reader(stream, body, len(buf) - end):
+                        break
+                if target is not None:
+                    c.bulk_bytes_direct += body.length
+                    out = target
+                else:
+                    c.bulk_bytes_buffered += body.length
+                    out = self.bodies_in.take()
+                try:
+                    recv.decrypt_into(mv[pos : pos + size], out)
+                except HandshakeError:
+                    raise ProtocolViolation("record failed authentication") from None
+                pos += size
+                c._start = pos
+                self.body = None
+                if target is not None:
+                    assert stream is not None
+                    stream._filled(body.length)
+                    c._consumed(body.stream_id, body.length)
+                elif body.deliver:
+                    c._deliver(body.stream_id, memoryview(out)[: body.length])
+                continue
+            if end - pos < 2:
+                break
+            n = (buf[pos] << 8) | buf[pos + 1]
+            if end - pos - 2 < n:
+                break
+            if n < _TAG:
+                raise ProtocolViolation(f"record of {n} bytes is shorter than its tag")
+            buf_out = bytearray(n - _TAG) if n - _TAG <= _SMALL_RECORD else self.plaintexts.take()
+            try:
+                size = recv.decrypt_into(mv[pos + 2 : pos + 2 + n], buf_out)
+            except HandshakeError:
+                raise ProtocolViolation("record failed authentication") from None
+            plaintext = memoryview(buf_out)[:size]
+            pos += 2 + n
+            c._start = pos
+            for event in mux.receive_message(plaintext, now):
+                if type(event) is BulkIncoming:
+                    self.body = event  # the mux made sure it is the message's last frame
+                else:
+                    self.dispatch(event)
+            if c.closed.done():
+                return
+        if pos == end:
+            c._start = c._end = 0
+        else:
+            c._start = pos
+        c._drop_finished()
+        if mux.has_output():
+            c._schedule_flush()
+
+    def _wait_for_reader(self, stream: Stream, body: BulkIncoming, room: int) -> bool:
+        """Whether to stop before `body` for one loop iteration (resumed then)."""
+        if not (stream._posts and stream._reader_woken and self.paused_for is not body):
+            return False
+        # Its reader was just handed the data before this body (say, a chunk header)
+        # and may now wait for the body with a buffer of its own: let it run first,
+        # then decrypt straight into that. Once per body, for one loop iteration.
+        # Without room for another record, the socket waits too (in the kernel's
+        # buffer): decrypting into a spare buffer instead would cost a copy of every
+        # later body of the stream (they queue behind this one), which is most bodies
+        # at full speed.
+        c = self.conn
+        self.paused_for = body
+        self.resume_pending = True
+        if room < _MIN_FREE and c._transport is not None:
+            c._transport.pause_reading()
+            self.reading_paused = True
+        c._loop.call_soon(self.resume_records)
+        return True
+
+    def resume_records(self) -> None:
+        c = self.conn
+        self.resume_pending = False
+        if c.closed.done():
+            return
+        try:
+            self.process_records()
+        except TransportError as e:
+            c._life.violation(e)
+            return
+        if self.reading_paused and not self.resume_pending and not c.closed.done():
+            self.reading_paused = False
+            if c._transport is not None:
+                c._transport.resume_reading()
+
+    def dispatch(self, event: object) -> None:
+        c = self.conn
+        if type(event) is DataReceived:
+            c._deliver(event.stream_id, event.data)
+        elif type(event) is StreamOpened:
+            stream = Stream(c, event.stream_id, event.protocol, False)
+            c.streams[event.stream_id] = stream
+            c._idle_since = None
+            if c._on_stream is None:
+                c._mux.reset_stream(event.stream_id, "no handlers", refused=True)
+                del c.streams[event.stream_id]
+            else:
+                c._on_stream(stream)
+        elif type(event) is StreamEnded:
+            stream = c.streams.get(event.stream_id)
+            if stream is not None:
+                stream._feed_eof()
+        elif type(event) is StreamWasReset:
+            stream = c.streams.pop(event.stream_id, None)
+            if stream is not None:
+                err: StreamReset
+                if event.refused:
+                    err = ProtocolNotSupported(
+                        f"{c._peer_name()} does not support {stream.protocol}: {event.reason}"
+                    )
+                else:
+                    err = StreamReset(f"stream reset by {c._peer_name()}: {event.reason}")
+                stream._write_lost = event.unsent > 0
+                stream._fail(err)
+                if stream.handler_task is not None:
+                    stream.handler_task.cancel()  # propagate cancellation to the handler
+                c._note_idle()
+        elif type(event) is PongReceived:
+            entry = c._pings.pop(event.opaque, None)
+            if entry is not None:
+                rtt = _now() - entry[0]
+                c.rtt = rtt if c.rtt is None else 0.8 * c.rtt + 0.2 * rtt
+                c._mux.rtt = c.rtt
+                if not entry[1].done():
+                    entry[1].set_result(rtt)
+        elif type(event) is GoAwayReceived:
+            log.debug("%s is going away (code %d)", c._peer_name(), event.code)
+
+
+class _Sender:
+    """The sending side of a connection: the multiplexer's output framed, sealed and
+    written in batches."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def flush(self) -> None:
+        c = self.conn
+        c._flush_scheduled = False
+        transport = c._transport
+        if transport is None or c._send_cipher is None or c.closed.done():
+            return
+        if transport.is_closing():  # (lost, not yet told: uvloop raises on a write)
+            return
+        mux = c._mux
+        encrypt_into = c._send_cipher.encrypt_into
+        batch: list[bytearray | memoryview] = []
+        size = flushed = 0
+        while not c._paused:
+            out = mux.next_output()
+            if out is None:
+                break
+            msg, body = out
+            n = len(msg) - _LEN.size - _TAG
+            _LEN.pack_into(msg, 0, n + _TAG)
+            mv = memoryview(msg)
+            encrypt_into(mv[2 : 2 + n], mv[2:])
+            batch.append(msg)
+            size += len(msg)
+            if body is not None:
+                # Sealed before the stream's writer learns that it drained: the
+                # application may reuse its buffer as soon as it does.
+                record = memoryview(c._bodies_out.take())[: len(body) + _TAG]
+                encrypt_into(body, record)
+                batch.append(record)
+                size += len(record)
+            if size >= _WRITE_BATCH:
+                c.bytes_sent += size
+                transport.writelines(batch)
+                flushed += size
+                batch = []
+                size = 0
+                if transport.is_closing():
+                    # That write failed (a reset): uvloop closed the transport and
+                    # raises on the next one; connection_lost follows.
+                    return
+                if flushed >= _FLUSH_BUDGET and mux.has_output():
+                    c._schedule_flush()  # the rest at the next turn
+                    break
+        if batch:
+            c.bytes_sent += size
+            transport.writelines(batch)
+        for sid in mux.take_drained():
+            stream = c.streams.get(sid)
+            if stream is not None:
+                stream._wake_writer()
+        c._drop_finished()
+
+
+class _Lifecycle:
+    """The life of a connection after it is made: its keepalive timer (handshake
+    deadline, pings, idle close), its violations, its graceful close and its end."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def on_timer(self) -> None:
+        c = self.conn
+        if c.closed.done():
+            return
+        now = _now()
+        quiet = c._start == c._end and now - c.last_activity > 1.0
+        if quiet and len(c._buf) > _RECV_BUFFER_IDLE:
+            c._resize_buffer(_RECV_BUFFER_IDLE)  # give the memory back
+            c._rx.plaintexts.clear()
+            c._rx.bodies_in.clear()
+            c._bodies_out.clear()
+        if not c.handshake_done.done():
+            c.remote_events.info(
+                "handshake not finished",
+                c.remote_key(),
+                "closing connection from %s: handshake not finished in %.1fs",
+                c._peer_name(),
+                c.config.handshake_timeout,
+            )
+            c.abort("handshake timeout")
+            return
+        cfg = c.config
+        oldest = min((t for t, _ in c._pings.values()), default=None)
+        if oldest is not None and now - oldest > cfg.ping_timeout:
+            log.info("closing connection to %s: no pong for %.0fs", c._peer_name(), now - oldest)
+            c.abort(f"peer unresponsive (no pong for {now - oldest:.0f}s)")
+            return
+        idle = c._idle_since is not None and not c.streams
+        if cfg.idle_timeout and idle and now - c._idle_since >= cfg.idle_timeout:  # type: ignore[operator]
+            log.debug("closing idle connection to %s", c._peer_name())
+            c.close_reason = "idle"
+            c._mux.go_away()
+            c._tx.flush()
+            if c._transport is not None:
+                c._transport.close()  # graceful: the GOAWAY goes out first
+            return
+        if now - c.last_activity >= cfg.ping_interval * 0.5 or oldest is None:
+            opaque = next(c._ping_ids) & 0xFFFFFFFF
+            c._pings[opaque] = (now, c._loop.create_future())
+            c._mux.ping(opaque)
+            c._schedule_flush()
+        c._timer = c._loop.call_later(
+            min(cfg.ping_interval, cfg.ping_timeout / 2), c._life.on_timer
+        )
+
+    def violation(self, error: TransportError) -> None:
+        c = self.conn
+        if isinstance(error, AccessRefused):
+            # Our access rules at work, not a broken peer: counted, one line per remote.
+            if c.access is not None:
+                c.access.refused(error.reason)
+            c.remote_events.warning(
+                "access refused",
+                c.remote_key(),
+                "refusing connection with %s: %s",
+                c._peer_name(),
+                error,
+            )
+            if c._failure is None:
+                c._failure = error
+            c.abort(str(error))
+            return
+        c.remote_events.warning(
+            "protocol violation",
+            c.remote_key(),
+            "closing connection to %s: %s",
+            c._peer_name(),
+            error,
+        )
+        if c._failure is None:
+            c._failure = error
+        c.abort(str(error))
+
+    def finish(self, reason: str) -> None:
+        c = self.conn
+        if c.closed.done():
+            return
+        if c._timer is not None:
+            c._timer.cancel()
+        err = c._lost_error or ConnectionLost(f"connection to {c._peer_name()} lost: {reason}")
+        for stream in c.streams.values():
+            stream._write_lost = c._mux.queued_bytes(stream.id) > 0
+        if not c.handshake_done.done():
+            failure = c._failure
+            if failure is None and c._life.unanswered_with_key():
+                failure = c._life.unanswered_failure(reason)
+            if not isinstance(failure, HandshakeError):  # keep PeerIDMismatch & co. as they are
+                failure = HandshakeError(f"handshake with {c._peer_name()} failed: {reason}")
+            c.handshake_done.set_exception(failure)
+            c.handshake_done.exception()  # mark retrieved: the dialer reports it
+        for stream in list(c.streams.values()):
+            stream._fail(err)
+            if stream.handler_task is not None:
+                stream.handler_task.cancel()
+        c.streams.clear()
+        c._no_streams.set()
+        c._tasks.cancel()
+        for _, fut in c._pings.values():
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
+        c._pings.clear()
+        c.closed.set_result(None)
+        if c._on_closed is not None:
+            c._on_closed(c)
+
+    def unanswered_with_key(self) -> bool:
+        """We dialed with a swarm key and the remote closed without a word: what a peer
+        with another key (or none) does, since it cannot read our first message."""
+        c = self.conn
+        hs, why = c._handshake, c.close_reason or ""
+        closed_by_remote = why == "closed by peer" or why.startswith("connection lost")
+        return (
+            closed_by_remote
+            and hs is not None
+            and hs.unanswered
+            and c.access is not None
+            and c.access.swarm_key is not None
+        )
+
+    def unanswered_failure(self, reason: str) -> HandshakeError:
+        c = self.conn
+        assert c.access is not None
+        c.access.unanswered += 1
+        return HandshakeError(
+            f"handshake with {c._peer_name()} failed: {reason} before answering our first "
+            "message: its swarm key probably differs from ours (or it has none)"
+        )
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Graceful close: refuse new streams, let open ones finish, then close."""
+        c = self.conn
+        if c.closed.done():
+            return
+        if c.is_open:
+            c._mux.go_away()
+            c._schedule_flush()
+            if c.streams:
+                c._no_streams.clear()
+                try:
+                    async with asyncio.timeout(timeout):
+                        await c._no_streams.wait()  # also set when the connection dies
+                except TimeoutError:
+                    log.debug("closing %s with %d streams open", c._peer_name(), len(c.streams))
+        if c.close_reason is None:
+            c.close_reason = "closed locally"
+        if c._transport is not None and not c.closed.done():
+            c._transport.close()  # flushes what is buffered, then closes
+            try:
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(c.closed)
+            except TimeoutError:
+                c._transport.abort()
+        if not c.closed.done():
+            # abort() reports connection_lost on a later loop iteration; should the
+            # event loop never report it (seen with uvloop on a transport that was
+            # closing with unsent data), finish by hand rather than wait forever.
+            try:
+                async with asyncio.timeout(_LOST_REPORT_TIMEOUT):
+                    await asyncio.shield(c.closed)
+            except TimeoutError:
+                log.debug("%s: no connection_lost after abort; finishing", c._peer_name())
+                c._life.finish(c.close_reason)
 
 
 def _multiplexer(initiator: bool, config: ConnectionConfig) -> Multiplexer:

@@ -166,6 +166,82 @@ class _Stream:
         self.remote_closed = False
         self.abandoned = False  # the application will read no more: forget after our FIN
 
+    @property
+    def done(self) -> bool:
+        """Both directions closed and everything read: its state (and window) may go."""
+        return (
+            self.fin_sent
+            and not self.queued
+            and (self.abandoned or (self.remote_closed and self.recv_buffered <= 0))
+        )
+
+    def data_before_bulk(self, limit: int, bulk_min: int) -> int:
+        """How much of at most `limit` bytes to send as DATA so that it stops short of
+        the next queued piece big enough to go as a BULK body (the head is not)."""
+        total = 0
+        for piece in self.send_queue:
+            if len(piece) >= bulk_min or total >= limit:
+                break
+            total += len(piece)
+        return min(total, limit)
+
+    # --- flow control: the windows of this stream (sans-I/O; the multiplexer sends
+    # the WINDOW frames these return the increments of)
+
+    def take_data(self, n: int) -> bool:
+        """Check and count `n` received bytes against our window; False if they are to
+        be dropped (nobody will read them)."""
+        sid = self.id
+        if self.abandoned:  # nobody will read it: drop (still within the window we granted)
+            if n > self.recv_window:
+                raise ProtocolViolation(f"flow-control violation on stream {sid}")
+            return False
+        if self.remote_closed:
+            raise ProtocolViolation(f"DATA on stream {sid} after it was closed")
+        if n > self.recv_window:
+            raise ProtocolViolation(
+                f"flow-control violation on stream {sid}: {n} bytes > window {self.recv_window}"
+            )
+        self.recv_window -= n
+        self.recv_buffered += n
+        return True
+
+    def add_send_credit(self, increment: int) -> bool:
+        """The remote granted `increment` more bytes; whether we now have something to send."""
+        self.send_window += increment
+        if self.send_window > 1 << 31:
+            raise ProtocolViolation(f"window overflow on stream {self.id}")
+        return self.send_window > 0 and bool(self.queued or (self.fin_queued and not self.fin_sent))
+
+    def credit_due(self, now: float, rtt: float, max_window: int) -> int:
+        """After the application consumed data: the credit to grant now (0: none yet)."""
+        if self.consumed_since_update * 2 < self.window_max:
+            return 0
+        # Credit is being used up within a couple of round trips: the window is
+        # what limits throughput, so grow it (bounded by max_window).
+        if (
+            self.last_update_at >= 0
+            and now - self.last_update_at < max(4 * rtt, 0.002)
+            and self.window_max < max_window
+        ):
+            grow = min(self.window_max, max_window - self.window_max)
+            self.window_max += grow
+            self.consumed_since_update += grow
+        self.last_update_at = now
+        inc = self.consumed_since_update
+        self.consumed_since_update = 0
+        self.recv_window += inc
+        return inc
+
+    def grow_window(self, n: int, max_window: int) -> int:
+        """Aim the receive window at `n` bytes (at most max_window); the credit added."""
+        grow = min(n, max_window) - self.window_max
+        if grow <= 0:
+            return 0
+        self.window_max += grow
+        self.recv_window += grow
+        return grow
+
 
 class Multiplexer:
     """The multiplexer state machine for one connection.
@@ -307,29 +383,14 @@ class Multiplexer:
         if st is None:
             self._check_known(sid)
             return False  # late data for a stream that is gone: drop it
-        if st.abandoned:  # nobody will read it: drop (still within the window we granted)
-            if n > st.recv_window:
-                raise ProtocolViolation(f"flow-control violation on stream {sid}")
-            return False
-        if st.remote_closed:
-            raise ProtocolViolation(f"DATA on stream {sid} after it was closed")
-        if n > st.recv_window:
-            raise ProtocolViolation(
-                f"flow-control violation on stream {sid}: {n} bytes > window {st.recv_window}"
-            )
-        st.recv_window -= n
-        st.recv_buffered += n
-        return True
+        return st.take_data(n)
 
     def _on_window(self, sid: int, increment: int) -> None:
         st = self._streams.get(sid)
         if st is None:
             self._check_known(sid)
             return
-        st.send_window += increment
-        if st.send_window > 1 << 31:
-            raise ProtocolViolation(f"window overflow on stream {sid}")
-        if st.send_window > 0 and (st.queued or (st.fin_queued and not st.fin_sent)):
+        if st.add_send_credit(increment):
             self._mark_ready(st)
 
     # --- application actions ----------------------------------------------------------------
@@ -399,21 +460,8 @@ class Multiplexer:
         if st.remote_closed:
             self._maybe_forget(st)
             return
-        if st.consumed_since_update * 2 >= st.window_max:
-            # Credit is being used up within a couple of round trips: the window is
-            # what limits throughput, so grow it (bounded by max_window).
-            if (
-                st.last_update_at >= 0
-                and now - st.last_update_at < max(4 * self.rtt, 0.002)
-                and st.window_max < self.limits.max_window
-            ):
-                grow = min(st.window_max, self.limits.max_window - st.window_max)
-                st.window_max += grow
-                st.consumed_since_update += grow
-            st.last_update_at = now
-            inc = st.consumed_since_update
-            st.consumed_since_update = 0
-            st.recv_window += inc
+        inc = st.credit_due(now, self.rtt, self.limits.max_window)
+        if inc:
             self._control.append(HEADER.pack(WINDOW, 0, sid, inc))
 
     def reserve(self, sid: int, n: int) -> None:
@@ -423,10 +471,8 @@ class Multiplexer:
         st = self._streams.get(sid)
         if st is None or st.remote_closed:
             return
-        grow = min(n, self.limits.max_window) - st.window_max
-        if grow > 0:
-            st.window_max += grow
-            st.recv_window += grow
+        grow = st.grow_window(n, self.limits.max_window)
+        if grow:
             self._control.append(HEADER.pack(WINDOW, 0, sid, grow))
 
     # Local PING and GOAWAY bypass the flood limit: it bounds what the peer makes us
@@ -501,7 +547,7 @@ class Multiplexer:
                 break
             n = min(room - HEADER_SIZE, st.send_window, st.queued)
             if bulk_here:
-                n = self._before_bulk_piece(st, n)
+                n = st.data_before_bulk(n, self._bulk_min)
             if n > 0:
                 parts.append(HEADER.pack(DATA, 0, sid, n))
                 room -= HEADER_SIZE + n
@@ -564,16 +610,6 @@ class Multiplexer:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _before_bulk_piece(self, st: _Stream, limit: int) -> int:
-        """How much of at most `limit` bytes to send as DATA so that it stops short of
-        the next queued piece big enough to go as a BULK body (the head is not)."""
-        total = 0
-        for piece in st.send_queue:
-            if len(piece) >= self._bulk_min or total >= limit:
-                break
-            total += len(piece)
-        return min(total, limit)
-
     def _mark_ready(self, st: _Stream) -> None:
         if st.id not in self._in_ready:
             self._in_ready.add(st.id)
@@ -598,14 +634,7 @@ class Multiplexer:
             self._drained.append(st.id)
 
     def _maybe_forget(self, st: _Stream) -> None:
-        # A stream is gone once both directions are closed and the application has
-        # read everything; until then its state (and window) must stay.
-        done = (
-            st.fin_sent
-            and not st.queued
-            and (st.abandoned or (st.remote_closed and st.recv_buffered <= 0))
-        )
-        if done and self._streams.pop(st.id, None) is not None:
+        if st.done and self._streams.pop(st.id, None) is not None:
             if st.abandoned and not st.remote_closed:
                 # Tell a remote that is still writing that nobody reads any more (as an
                 # HTTP/2 RST_STREAM after the response); our CLOSE went out before it,

@@ -21,7 +21,6 @@ depend on it).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Callable
 
@@ -30,37 +29,22 @@ from ..host import Host
 from ..identity import PeerID
 from ..multiaddr import Multiaddr
 from ..tasks import TaskSet
-from . import autonat, holepunch, relay
+from . import autonat, holepunch
 from .autonat import AutoNAT, ProbeResult, Reachability, ReachabilityTracker
 from .config import NatConfig
 from .directory import RelayDirectory
 from .holepunch import HolePuncher
 from .identify import IdentifyInfo, IdentifyService
 from .observed import ObservedAddresses
-from .reachability import has_public_interface
+from .reachability import has_public_interface, over_lan
 from .relay import RelayService
 from .relay_client import RelayClient
+from .relays import RelayKeeper
+from .report import connection_kinds, reachability_detail
 
 log = logging.getLogger("shoal.transport.nat")
 
-_DHT_LOOKUP_INTERVAL = 30.0
-_DHT_TIMEOUT = 30.0
-_MAX_BACKOFF = 60.0
 PARALLEL_PROBES = 3  # AutoNAT servers asked at once while reachability is unknown
-
-
-def over_lan(conn: Connection) -> bool:
-    """A connection hole-punched over our LAN (to a peer behind our NAT, at its private
-    address): what it sees of us, and a dial back over it, say nothing of how the
-    internet reaches us (they made peers behind a NAT "public" at 10.0.1.2, advertised
-    to everyone), and a relay reached over it is no relay for the others."""
-    if conn.kind != "hole-punched" or conn.remote_address is None:
-        return False
-    try:
-        ip = ipaddress.ip_address(conn.remote_address[0].split("%", 1)[0])
-    except ValueError:
-        return False
-    return ip.is_private and not ip.is_loopback
 
 
 class NatManager:
@@ -73,7 +57,6 @@ class NatManager:
         """`directory`: where relays are advertised and found (the DHT's, see
         `shoal.dht.relay_directory`); may be set later, once the DHT has bootstrapped."""
         self.host = host
-        self._directory = directory
         self.config = config = config or NatConfig()
         self._loop = asyncio.get_running_loop()
         forced = None if config.reachability == "auto" else Reachability(config.reachability)
@@ -113,12 +96,17 @@ class NatManager:
         self._probing: set[PeerID] = set()  # servers asked, answer pending
         self._unanswered = 0  # probes in a row that no server answered
         self._probed_at: dict[PeerID, float] = {}
-        self._relay_backoff: dict[PeerID, tuple[float, float]] = {}  # until, last delay
-        self._relay_errors: dict[PeerID, str] = {}  # the last refusal said, per relay
-        self._reserving: set[PeerID] = set()
-        self._dht_relays: dict[PeerID, list[Multiaddr]] = {}
-        self._next_dht_lookup = 0.0
-        self._next_dht_advert = 0.0
+        self.relay_keeper = RelayKeeper(
+            host,
+            config,
+            self.relay_client,
+            self._tasks,
+            peers=lambda: self.peers,
+            reachability=lambda: self.reachability,
+            confirmed_addresses=self.confirmed_addresses,
+            notify=self._notify,
+        )
+        self.relay_keeper.set_directory(directory)
         self._started = False
         self._closed = False
         # Called when what we advertise changes (reachability decided, a relay reserved):
@@ -169,12 +157,11 @@ class NatManager:
     @property
     def directory(self) -> RelayDirectory | None:
         """Where relays are advertised and found; may be set after start()."""
-        return self._directory
+        return self.relay_keeper.directory
 
     @directory.setter
     def directory(self, directory: RelayDirectory | None) -> None:
-        self._directory = directory
-        self._next_dht_lookup = self._next_dht_advert = 0.0
+        self.relay_keeper.set_directory(directory)
         self._notify()
 
     # --- what we know ---------------------------------------------------------------------------
@@ -213,47 +200,11 @@ class NatManager:
     def connection_kinds(self) -> list[dict[str, object]]:
         """Every open connection: its kind ("direct" | "relayed" | "hole-punched"), the
         relay it goes through, and its byte counters."""
-        out = []
-        for conn in self.host.open_connections():
-            peer = conn.remote_peer
-            out.append(
-                {
-                    "peer": str(peer),
-                    "kind": conn.kind,
-                    "primary": self.host.connection(peer) is conn,
-                    "relay": str(conn.relay) if conn.relay else None,
-                    "remote_address": _fmt_addr(conn.remote_address),
-                    "bytes_sent": conn.bytes_sent,
-                    "bytes_received": conn.bytes_received,
-                    "rtt_ms": None if conn.rtt is None else round(conn.rtt * 1000, 3),
-                    "agent": self.peers[peer].agent if peer in self.peers else None,
-                    # "1.0", "unknown" (software from before versions), None: not yet
-                    "protocol": self.host.versions.describe(conn),
-                }
-            )
-        return out
+        return connection_kinds(self.host, self.peers)
 
     def reachability_detail(self) -> dict[str, object]:
         """Why we believe what we believe: the dial-back evidence and the last change."""
-        now = self._loop.time()
-        return {
-            "state": self.reachability.value,
-            "forced": self.tracker.forced is not None,
-            "reason": self.tracker.reason,
-            "changed_s_ago": None
-            if self.tracker.changed_at is None
-            else round(now - self.tracker.changed_at, 1),
-            "public_interface": self.tracker.public_interface,
-            "results": [
-                {
-                    "server": str(r.server),
-                    "outcome": r.kind,
-                    "addr": str(r.addr) if r.addr else None,
-                    "age_s": round(now - r.at, 1),
-                }
-                for r in self.tracker.results
-            ],
-        }
+        return reachability_detail(self.tracker, self._loop.time())
 
     def status(self) -> dict[str, object]:
         """Everything the status endpoint shows about NAT traversal (JSON-serializable)."""
@@ -379,7 +330,7 @@ class NatManager:
         self._wake.set()
 
     def _known_addresses(self, peer: PeerID) -> list[Multiaddr]:
-        out = list(self._dht_relays.get(peer, []))
+        out = list(self.relay_keeper.dht_relays.get(peer, []))
         info = self.peers.get(peer)
         if info is not None:
             out += [a for a in info.addrs if a.is_direct_tcp]
@@ -412,8 +363,8 @@ class NatManager:
                 if self._next_probe > now:
                     waits.append(self._next_probe - now)
                 # (else: probes are out; their ends wake this loop)
-            waits.append(self._manage_relays(now))
-            waits.append(self._manage_dht(now))
+            waits.append(self.relay_keeper.manage_relays(now))
+            waits.append(self.relay_keeper.manage_directory(now))
             self._wake.clear()
             try:
                 async with asyncio.timeout(max(0.05, min(waits))):
@@ -488,139 +439,3 @@ class NatManager:
                     )
                 self._next_probe = now + self.tracker.next_delay()
             self._wake.set()
-
-    # --- relays -------------------------------------------------------------------------------
-
-    def _wants_relays(self) -> bool:
-        return self.reachability is Reachability.PRIVATE
-
-    def _manage_relays(self, now: float) -> float:
-        """Keep `max_relays` reservations while private, none otherwise; the next deadline."""
-        if not self._wants_relays():
-            for relay_id in self.relay_client.holding():
-                self.relay_client.drop(relay_id)
-            return self.config.recheck_interval
-        holding = self.relay_client.holding() | self._reserving
-        want = self.config.max_relays - len(holding)
-        next_retry = self.config.recheck_interval
-        if want <= 0:
-            return next_retry
-        for peer, addrs in self._relay_candidates():
-            if want <= 0:
-                break
-            if peer in holding:
-                continue
-            until, _ = self._relay_backoff.get(peer, (0.0, 0.0))
-            if until > now:
-                next_retry = min(next_retry, until - now)
-                continue
-            want -= 1
-            self._reserving.add(peer)
-            self._tasks.spawn(self._reserve(peer, addrs))
-        return next_retry
-
-    def _relay_candidates(self) -> list[tuple[PeerID, list[Multiaddr]]]:
-        out: dict[PeerID, list[Multiaddr]] = {}
-        for peer, conn in self.host.connections.items():
-            info = self.peers.get(peer)
-            if (
-                conn.kind != "relayed"
-                and not over_lan(conn)
-                and info is not None
-                and relay.HOP_PROTOCOL in info.protocols
-            ):
-                out[peer] = [a for a in info.addrs if a.is_direct_tcp]
-        for peer, addrs in self._dht_relays.items():
-            if peer != self.host.peer_id:
-                out.setdefault(peer, addrs)
-        # Peers that advertise a direct (so confirmed public) address first: the others
-        # are probably private themselves and would refuse.
-        return sorted(out.items(), key=lambda kv: not kv[1])
-
-    async def _reserve(self, peer: PeerID, addrs: list[Multiaddr]) -> None:
-        try:
-            await self.relay_client.keep(peer, addrs)
-            self._relay_backoff.pop(peer, None)
-            self._relay_errors.pop(peer, None)
-        except Exception as e:
-            _, last = self._relay_backoff.get(peer, (0.0, 0.0))
-            delay = min(_MAX_BACKOFF, max(self.config.relay_retry, last * 2))
-            now = self._loop.time()
-            if len(self._relay_backoff) > 1024:  # bounded: forget the expired ones
-                self._relay_backoff = {
-                    p: (u, d) for p, (u, d) in self._relay_backoff.items() if u > now
-                }
-            self._relay_backoff[peer] = (now + delay, delay)
-            # Said once per relay and reason; the retries that meet the same answer are
-            # not news (a loopback-only peer meets "not publicly reachable" every time).
-            said = self._relay_errors.get(peer)
-            level = logging.DEBUG if said == str(e) else logging.INFO
-            self._relay_errors[peer] = str(e)
-            if len(self._relay_errors) > 1024:
-                self._relay_errors = {
-                    p: m for p, m in self._relay_errors.items() if p in self.peers
-                }
-            log.log(level, "no reservation on %s (retry in %.0fs): %s", peer.short(), delay, e)
-        finally:
-            self._reserving.discard(peer)
-            self._notify()
-
-    # --- the directory: relay advertisement and discovery ------------------------------------
-
-    def _manage_dht(self, now: float) -> float:
-        if self._directory is None:
-            return self.config.recheck_interval
-        if self._wants_relays() and len(self._relay_candidates()) < self.config.max_relays:
-            if now >= self._next_dht_lookup:
-                self._next_dht_lookup = now + _DHT_LOOKUP_INTERVAL
-                self._tasks.spawn(self._discover_relays())
-            return max(0.05, self._next_dht_lookup - now)
-        if (
-            self.config.relay_service
-            and self.reachability is Reachability.PUBLIC
-            and self.confirmed_addresses()
-        ):
-            if now >= self._next_dht_advert:
-                self._next_dht_advert = now + self.config.relay_dht_ttl / 2
-                self._tasks.spawn(self._advertise_relay())
-            return max(0.05, self._next_dht_advert - now)
-        return self.config.recheck_interval
-
-    async def _advertise_relay(self) -> None:
-        assert self._directory is not None
-        try:
-            async with asyncio.timeout(_DHT_TIMEOUT):
-                await self._directory.advertise(
-                    self.host.peer_id, self.confirmed_addresses(), self.config.relay_dht_ttl
-                )
-        except Exception as e:
-            self._next_dht_advert = self._loop.time() + 5.0
-            log.info("could not advertise the relay: %r", e)
-
-    async def _discover_relays(self) -> None:
-        assert self._directory is not None
-        try:
-            async with asyncio.timeout(_DHT_TIMEOUT):
-                listed = await self._directory.find()
-        except Exception as e:
-            log.info("relay lookup failed: %r", e)
-            return
-        for peer, advertised in list(listed.items())[:64]:
-            if peer == self.host.peer_id:
-                continue
-            # Untrusted entries: only direct TCP addresses of the peer they name.
-            addrs = [
-                a.with_peer_id(peer)
-                for a in advertised[:8]
-                if a.is_direct_tcp and a.peer_id in (None, peer)
-            ]
-            if addrs:
-                self._dht_relays.pop(peer, None)
-                self._dht_relays[peer] = addrs
-        while len(self._dht_relays) > 256:  # bounded: the least recently seen go first
-            del self._dht_relays[next(iter(self._dht_relays))]
-        self._notify()
-
-
-def _fmt_addr(addr: tuple[str, int] | None) -> str | None:
-    return None if addr is None else f"{addr[0]}:{addr[1]}"

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ..connection import Connection
 from ..identity import PeerID
 from ..multiaddr import Multiaddr
 
@@ -237,3 +238,17 @@ class ReachabilityTracker:
     @property
     def results(self) -> list[ProbeResult]:
         return list(self._results)
+
+
+def over_lan(conn: Connection) -> bool:
+    """A connection hole-punched over our LAN (to a peer behind our NAT, at its private
+    address): what it sees of us, and a dial back over it, say nothing of how the
+    internet reaches us (they made peers behind a NAT "public" at 10.0.1.2, advertised
+    to everyone), and a relay reached over it is no relay for the others."""
+    if conn.kind != "hole-punched" or conn.remote_address is None:
+        return False
+    try:
+        ip = ipaddress.ip_address(conn.remote_address[0].split("%", 1)[0])
+    except ValueError:
+        return False
+    return ip.is_private and not ip.is_loopback

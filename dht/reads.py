@@ -1,0 +1,207 @@
+"""The reading side of a DHT node: values merged from their replicas and the
+nodes nearest to targets, each looked up once more when our side failed it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
+
+from .admission import DiversityPolicy
+from .lookup import ANSWERED, FAILED, Candidate, KeyLookup
+from .protocol import ID_BYTES, WireContact, parse_nearest, parse_values
+from .records import RecordValidator
+from .routing import RoutingTable, key_id
+from .storage import LocalStorage, StoredValue, merge_records
+
+
+class ReadingNode(Protocol):
+    """What the reader needs of its node (`DHTNode` is one)."""
+
+    peer_id: PeerID
+    k: int
+    value_quorum: int
+    cache_along_path: bool
+    storage: LocalStorage
+    validator: RecordValidator
+    routing_table: RoutingTable
+
+    def count(self, counter: str, n: int = 1) -> int: ...
+    def _blocked(self, peer: PeerID) -> bool: ...
+    def _cache(self, lk: KeyLookup, merged: StoredValue) -> None: ...
+    async def _traverse(
+        self, lookups: list[KeyLookup], query: Any, *, skip_blacklisted: bool = True
+    ) -> None: ...
+
+    diversity: DiversityPolicy
+
+    def hello(self) -> dict[str, Any]: ...
+    def _observed_ip(self, peer: PeerID) -> str | None: ...
+    def add_contact(
+        self,
+        peer: PeerID,
+        addrs: Sequence[Multiaddr],
+        *,
+        replace: bool,
+        observed_ip: str | None = None,
+    ) -> None: ...
+    async def _request(
+        self, peer: PeerID, addrs: Sequence[Multiaddr], method: str, payload: Any
+    ) -> Any: ...
+
+
+class Reader:
+    """Runs a node's value and node lookups, with their second tries."""
+
+    def __init__(self, node: ReadingNode) -> None:
+        self.node = node
+        self._loop = asyncio.get_running_loop()
+
+    def _answered(self, cand: Candidate) -> None:
+        # We reached it at these addresses: it is a verified contact, and its group
+        # is that of the IP we reached, whatever it was advertised with.
+        ip = self.node._observed_ip(cand.peer_id)
+        if ip is not None:
+            cand.group = self.node.diversity.group_of_ip(ip)
+        self.node.add_contact(cand.peer_id, cand.addrs, replace=False, observed_ip=ip)
+
+    async def query_find_node(
+        self, cand: Candidate, lookups: list[KeyLookup]
+    ) -> list[list[WireContact]]:
+        ids = [lk.target.to_bytes(ID_BYTES, "big") for lk in lookups]
+        reply = await self.node._request(
+            cand.peer_id, cand.addrs, "find_node", {**self.node.hello(), "ids": ids}
+        )
+        _, per_key = parse_nearest(
+            reply, len(ids), self.node.k, local=self.node.peer_id, responder=cand.peer_id
+        )
+        self._answered(cand)
+        return per_key
+
+    async def query_find_value(
+        self, cand: Candidate, lookups: list[KeyLookup]
+    ) -> list[list[WireContact]]:
+        keys = [lk.key for lk in lookups]
+        assert all(k is not None for k in keys)
+        reply = await self.node._request(
+            cand.peer_id, cand.addrs, "find_value", {**self.node.hello(), "keys": keys}
+        )
+        response, per_key = parse_nearest(
+            reply, len(keys), self.node.k, local=self.node.peer_id, responder=cand.peer_id
+        )
+        values = parse_values(response, keys)  # type: ignore[arg-type]
+        self._answered(cand)
+        for lk in lookups:
+            records = values.get(lk.key)  # type: ignore[arg-type]
+            if records:
+                lk.records.extend(records)
+                lk.holders.append(cand)
+        return per_key
+
+    async def find_nodes(self, targets: Sequence[int]) -> list[KeyLookup]:
+        """One finished lookup per distinct target, its second try merged in."""
+        node = self.node
+        lookups = [KeyLookup(t) for t in dict.fromkeys(targets)]
+        await node._traverse(lookups, self.query_find_node)
+        # Fewer than k peers answered and at least as many failed: more like a burst
+        # of timeouts on our side (a loaded machine, a GC pause), which blacklists a
+        # whole neighbourhood at once, than like dead peers. Look once more, asking
+        # the peers the blacklist would skip, and keep the answers of both. A healthy
+        # lookup, or a small network with a dead peer, still costs one traversal.
+        retry = {id(lk): KeyLookup(lk.target) for lk in lookups if self._mostly_failed(lk)}
+        if retry:
+            node.count("node_retries", len(retry))
+            await node._traverse(list(retry.values()), self.query_find_node, skip_blacklisted=False)
+        for lk in lookups:
+            again = retry.get(id(lk))
+            if again is not None:
+                seen = {c.peer_id for c in lk.answered}
+                lk.answered += [c for c in again.answered if c.peer_id not in seen]
+                lk.hops = max(lk.hops, again.hops)
+        return lookups
+
+    def _mostly_failed(self, lk: KeyLookup) -> bool:
+        # Failed, or still pending when the lookup ended (stalled): not answered.
+        unanswered = sum(1 for state in lk.state.values() if state != ANSWERED)
+        if not lk.answered and self._skipped_all(lk):
+            return True
+        k = self.node.k
+        return unanswered > 0 and len(lk.answered) <= unanswered and len(lk.answered) < k
+
+    def _skipped_all(self, lk: KeyLookup) -> bool:
+        """No peer answered `lk`, and known peers near its target are blacklisted."""
+        if lk.answered:
+            return False
+        nearest = self.node.routing_table.nearest(lk.target, self.node.k)
+        return any(self.node._blocked(c.peer_id) for c in nearest)
+
+    async def find_values(
+        self, keys: list[str], *, latest: bool, within: float | None = None
+    ) -> dict[str, StoredValue]:
+        node = self.node
+        until = None if within is None else self._loop.time() + within
+        local = node.storage.get_many(keys, time.time())
+        lookups = []
+        for key in keys:
+            lk = KeyLookup(key_id(key), key, quorum=None if latest else node.value_quorum)
+            held = local.get(key)
+            if held is not None:
+                lk.records.extend(held.records())
+                lk.holders.append(Candidate(node.peer_id, node.routing_table.local_id, (), 0))
+            lookups.append(lk)
+        if not await self._traverse_until(until, lookups, self.query_find_value):
+            return self._merge_found(lookups)  # out of time: what answered so far
+        # A key found nowhere while some of the peers asked for it failed (a timeout
+        # on a loaded machine, a GC pause): look once more, asking peers that the
+        # blacklist would skip. A miss is where a second try is worth its cost; in a
+        # healthy network a missing key still costs one traversal.
+        # So is one that skipped blacklisted peers nearer the key than the ones that
+        # answered: after one timeout, a peer that knows only its bootstrap peer
+        # would see nothing for `blacklist_for` seconds (a joiner then finds no
+        # experiment); after a stall that timed out a lookup's final round (k
+        # requests at once), the key's holders are all blacklisted, and the lookup
+        # converges on the peers just past them, which hold nothing.
+        retry = [
+            KeyLookup(lk.target, lk.key, quorum=lk.quorum)
+            for lk in lookups
+            if not lk.records
+            and (any(st == FAILED for st in lk.state.values()) or lk.skipped_near(node.k))
+        ]
+        if retry:
+            node.count("value_retries", len(retry))
+            lookups += retry
+            await self._traverse_until(until, retry, self.query_find_value, skip_blacklisted=False)
+        return self._merge_found(lookups)
+
+    async def _traverse_until(
+        self, until: float | None, lookups: list[KeyLookup], query: Any, **kw: Any
+    ) -> bool:
+        """The node's traversal, stopped at loop time `until` (None: never); whether it
+        ended before then. What the lookups gathered stays in them either way."""
+        if until is None:
+            await self.node._traverse(lookups, query, **kw)
+            return True
+        try:
+            async with asyncio.timeout_at(until):
+                await self.node._traverse(lookups, query, **kw)
+        except TimeoutError:
+            self.node.count("partial_reads")
+            return False
+        return True
+
+    def _merge_found(self, lookups: list[KeyLookup]) -> dict[str, StoredValue]:
+        now = time.time()
+        out: dict[str, StoredValue] = {}
+        for lk in lookups:
+            assert lk.key is not None
+            merged = merge_records(lk.key, lk.records, now, self.node.validator)
+            if merged is None:
+                continue
+            out[lk.key] = merged
+            if self.node.cache_along_path:
+                self.node._cache(lk, merged)
+        return out
