@@ -303,7 +303,7 @@ class CommitProtocol:
 
     def on_message(self, src: int, kind: str, body: Any, now: float) -> list[Any]:
         """A parsed control message from member `src`; returns the reply (our status)."""
-        self._heard(src, now)
+        self.liveness.heard(src, now)
         if kind == "P":
             self._on_prepare(body, now)
         else:
@@ -313,7 +313,7 @@ class CommitProtocol:
     def on_reply(self, src: int, status: Status | None, now: float, kind: str) -> None:
         """The answer to a message we sent; None: `src` does not know the round (yet)."""
         if status is not None:
-            self._heard(src, now)
+            self.liveness.heard(src, now)
             self._absorb(src, status, now)
         elif self.ballots.not_started(src, kind):
             self._evaluate(now)
@@ -324,7 +324,7 @@ class CommitProtocol:
 
     def heard(self, src: int, now: float) -> None:
         """Proof of life from data traffic."""
-        self._heard(src, now)
+        self.liveness.heard(src, now)
 
     def set_progress(self, value: int, now: float) -> None:
         if self.liveness.data_progress(value, now):
@@ -387,9 +387,6 @@ class CommitProtocol:
         self._evaluate(now)
 
     # --- internals ----------------------------------------------------------------------------
-
-    def _heard(self, src: int, now: float) -> None:
-        self.liveness.heard(src, now)
 
     def _broadcast(self, kind: str) -> None:
         self._outbox.send(self.liveness.others(self.suspected), self.status(), kind)
