@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,133 +52,39 @@ import torch
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 
-from .allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
+from .allreduce import AllReduceService
 from .attestation import Attestor
+from .averager_config import AveragerConfig
 from .certificate import chained_version
-from .certifier import Certifier, Lineage
+from .certifier import Certifier
 from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .fingerprint import state_fingerprint
 from .group import Member
 from .host_state import numel, off_loop
 from .lineage import declared_work, lineage_work
-from .matchmaking import (
-    Matchmaker,
-    MatchmakingConfig,
-    MatchmakingError,
-    NeedsResync,
-    NobodyElse,
-)
-from .reducer import NOTHING_TO_AVERAGE
-from .state_sync import DEFAULT_PROTOCOL as STATE_PROTOCOL
-from .state_sync import (
-    NoHolders,
-    State,
-    StateServer,
-    StateSyncError,
-    load_state_from_peers,
-    load_version_from_peers,
-)
+from .matchmaking import Matchmaker
+from .presence import Presence
+from .state_loading import GENESIS, fetch_state, loaded_version, restored_version, write_state
+from .state_loading import version_of as _version
+from .state_sync import State, StateServer
+from .step_result import Attempt, StepResult
+from .step_runner import SUPERSEDED_VERSION_S, UNREACHABLE_VERSION_S, StepRunner
+
+__all__ = [
+    "GENESIS",
+    "SUPERSEDED_VERSION_S",
+    "UNREACHABLE_VERSION_S",
+    "Attempt",
+    "Averager",
+    "AveragerConfig",
+    "StepResult",
+    "restored_version",
+]
 
 log = logging.getLogger("shoal.averaging")
 
-# How long the peers of a version no reachable peer would serve us are left out.
-UNREACHABLE_VERSION_S = 30.0
-# After a commit with others, peers still declaring the version we left are behind
-# (they missed the round): never re-sync back to it for this long.
-SUPERSEDED_VERSION_S = 60.0
-
-GENESIS = b""
-
-
-def _version(commits: int) -> bytes:
-    return commits.to_bytes(8, "big") if commits else GENESIS
-
-
 _chained_version = chained_version  # (certificates check the same link)
-
-
-def _valid_version(version: bytes, commits: int) -> bool:
-    """A version as peers hold them: empty at 0 commits, else the count (8 bytes),
-    possibly followed by a chain hash (8 bytes)."""
-    if commits == 0:
-        return version == GENESIS
-    return len(version) in (8, 16) and version[:8] == commits.to_bytes(8, "big")
-
-
-def restored_version(commits: object, version: object = None) -> bytes:
-    """The state version a checkpoint's `commits` and `version` (hex, or None for
-    the count alone) stand for; ValueError when they are malformed or disagree."""
-    if isinstance(commits, bool) or not isinstance(commits, int) or commits < 0:
-        raise ValueError(f"commits must be an int >= 0, got {commits!r}")
-    if version is None:
-        return _version(commits)
-    try:
-        held = bytes.fromhex(version)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"version must be hex, got {version!r}") from None
-    if not _valid_version(held, commits):
-        raise ValueError(f"version {version!r} does not fit {commits} commits")
-    return held
-
-
-@dataclass
-class AveragerConfig:
-    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
-    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
-    codec: str = "none"
-    # Immediate retries among the survivors after an aborted round.
-    max_retries: int = 3
-    bandwidth: float = 1.0
-    state_protocol: str = STATE_PROTOCOL
-    # One state shared by the whole swarm (see the module docstring): hash-chained
-    # versions, and a peer with nobody else to average with commits alone.
-    shared_state: bool = False
-    # The longest a re-sync may take when the step has no deadline of its own.
-    state_timeout: float = 120.0
-    # Deadlines from measured link rates and RTTs (`deadlines.AdaptiveDeadlines`), the
-    # configured ones (matchmaking, stall, state, the step's timeout) as floors.
-    adaptive_deadlines: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """One try of a step: how long its matchmaking took, then its averaging (the
-    all-reduce, or the re-sync or lone commit matchmaking led to), the group's size
-    (0: none formed), how it ended, and the peers it left out (those named failed
-    or found quiet in the step's earlier tries, and those we shun). A step's tries
-    say where its time went."""
-
-    matchmaking_s: float
-    averaging_s: float
-    group_size: int
-    outcome: str
-    excluded: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class StepResult:
-    committed: bool
-    reason: str = ""
-    group_size: int = 0
-    round_id: bytes | None = None
-    members: tuple[PeerID, ...] = ()
-    attempts: int = 0
-    # After a commit: the state fingerprint every member of the group shares.
-    fingerprint: str | None = None
-    resynced: bool = False
-    seconds: float = 0.0
-    bytes_sent: int = 0
-    # The peer that assembled the group (any member may; it is not special).
-    leader: PeerID | None = None
-    # The weight each member contributed with (empty when unknown: we own no part).
-    weights: dict[PeerID, float] = field(default_factory=dict)
-    # Groups this step formed whose round aborted (our input counted in none of them).
-    aborted_rounds: tuple[bytes, ...] = ()
-    # Our input may be counted in a round we could not learn the outcome of (we were in
-    # doubt): the caller must drop it, as after a re-sync, though the tensors are ours.
-    discarded: bool = False
-    attempt_log: tuple[Attempt, ...] = ()
 
 
 class Averager:
@@ -239,22 +144,20 @@ class Averager:
             self.certifier = Certifier(dht.host, key, self._state_server.service)
             self._matchmaker.lineages = self.certifier
         self._closed = False
-        self._presence_at = -float("inf")  # when we last declared busy between rounds
+        # When we last declared busy between rounds.
+        self.presence = Presence(self._matchmaker, self.config.matchmaking.declaration_ttl)
         # Verified experiments: contributions travel with commitments (`attestation`).
         self.attestor: Attestor | None = None
         # Taken while a downloaded state is written into `state`, for owners whose other
         # threads read it (a stage server computing with the parameters).
         self.state_lock: threading.Lock | None = None
-        self._shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
-        self._aborted: list[bytes] = []  # the current step's groups that aborted
-        self._attempts: list[Attempt] = []  # the current step's tries (`Attempt`)
-        self._attempt_at = 0.0  # when the current try's matchmaking ended
         self.deadlines: AveragerDeadlines | None = None
         if self.config.adaptive_deadlines:
             c = self.config
             self.deadlines = AveragerDeadlines(
                 c.matchmaking, c.allreduce, c.state_timeout, self.tensors, self.state
             )
+        self._runner = StepRunner(self, self._matchmaker, self._service)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -323,57 +226,18 @@ class Averager:
         by the `deadline` (default: `timeout` seconds from now); with `version`, with
         the state of that version (from `sources` first: peers known to hold it)."""
         started = time.monotonic()
-        deadline = deadline or Deadline.after(timeout)
-        lineage: Lineage | None = None
-        try:
-            if self.certifier is not None:
-                state, lineage = await self.certifier.load(
-                    self.dht, deadline, version, sources, ours=self.state_version,
-                    like=self.state, on_refused=self._refused,
-                )  # fmt: skip
-            elif version is None:
-                state = await load_state_from_peers(
-                    self.dht, self.key, protocol=self.config.state_protocol, deadline=deadline,
-                    like=self.state, on_refused=self._refused,
-                )  # fmt: skip
-            else:
-                state = await load_version_from_peers(
-                    self.dht,
-                    self.key,
-                    version.hex(),
-                    sources=[(m.peer_id, m.addrs) for m in sources],
-                    protocol=self.config.state_protocol,
-                    deadline=deadline,
-                    like=self.state,
-                    on_refused=self._refused,
-                )
-        except NoHolders:
-            # A peer alone (a restart, the first peer): normal, and nothing to do.
-            log.info("no other peer serves the state of %s yet: keeping ours", self.key)
+        fetched = await fetch_state(
+            self.dht, self.key, self.config.state_protocol, self.certifier,
+            deadline or Deadline.after(timeout), version=version, sources=sources,
+            ours=self.state_version, like=self.state, on_refused=self._refused,
+        )  # fmt: skip
+        if fetched is None:
             return False
-        except (StateSyncError, TimeoutError) as e:
-            log.warning("could not load the state of %s: %s", self.key, e)
-            return False
-        if len(state.tensors) != len(self.state) or any(
-            a.shape != b.shape or a.dtype != b.dtype
-            for a, b in zip(state.tensors, self.state, strict=True)
-        ):
-            log.warning("the swarm's state of %s does not fit our tensors", self.key)
-            return False
+        state, lineage = fetched
         if self.deadlines is not None:
             self.deadlines.observe_download(state.tensors, time.monotonic() - started)
-        await self._replace_state(state.tensors)
-        commits = state.metadata.get("commits", 0)
-        self.commits = commits if isinstance(commits, int) and commits >= 0 else 0
-        self.state_version = _version(self.commits)
-        version = state.metadata.get("version")
-        if isinstance(version, str):
-            try:
-                held = bytes.fromhex(version)
-            except ValueError:
-                held = b""
-            if _valid_version(held, self.commits):
-                self.state_version = held  # (a chained version, for a shared state)
+        await write_state(self.state, state.tensors, self.state_lock)
+        self.commits, self.state_version = loaded_version(state.metadata)
         self.work = lineage_work(self.state_version, [state.work])
         if self.certifier is not None:
             if lineage is not None:
@@ -447,17 +311,12 @@ class Averager:
         than the others from being left out of it (and then told to re-sync),
         however long the time between rounds.
         """
-        ok = await self._matchmaker.declare_busy(
-            self.state_version, timeout=timeout, work=self.work
-        )
-        self._presence_at = time.monotonic()
-        return ok
+        return await self.presence.announce(self.state_version, self.work, timeout)
 
     async def refresh_presence(self) -> bool:
         """`announce_presence` when our last declaration is a third of its TTL old (or
         was left by a round that did not commit); call it between rounds. Cheap otherwise."""
-        age = time.monotonic() - self._presence_at
-        if age < self.config.matchmaking.declaration_ttl / 3:
+        if not self.presence.due():
             return True
         return await self.announce_presence()
 
@@ -480,106 +339,10 @@ class Averager:
         `shared_state`, a peer that finds nobody else declared for the key
         commits alone (group size 1, reason "alone"; not with weight 0), unless
         `alone` is False: a caller that knows another peer holds our version (a
-        stage's progress reports) ends the step without a group instead.
+        stage's progress reports) ends the step without a group instead. An aborted
+        round is retried at once among the survivors (`step_runner`).
         """
-        started = time.monotonic()
-        stall = None
-        if self.deadlines is not None:
-            adaptive = self.deadlines.next_round()
-            stall = adaptive.stall_timeout
-            if timeout is not None:  # (its floor is 0: what the links add to ours)
-                timeout += adaptive.round_timeout
-        deadline = Deadline.after(timeout)
-        await self._service.prepare(self.config.codec)  # before a group would wait for it
-        now = time.monotonic()
-        self._shunned = {p: until for p, until in self._shunned.items() if until > now}
-        exclude: set[PeerID] = set(self._shunned)
-        reason = ""
-        attempts = 0
-        self._aborted = []
-        self._attempts = []
-        while attempts <= self.config.max_retries:
-            attempts += 1
-            looking, left_out = time.monotonic(), tuple(sorted(map(str, exclude)))
-            try:
-                group = await self._matchmaker.form_group(
-                    state_version=self.state_version,
-                    exclude=exclude,
-                    deadline=deadline,
-                    work=self.work,
-                )
-            except NeedsResync as e:
-                self._attempt(looking, 0, "re-sync", left_out)
-                ok, why = await self._resync(e, deadline)
-                self._attempt_ended("re-synced" if ok else "re-sync failed")
-                return self._result(False, why, started, attempts, resynced=ok)
-            except NobodyElse as e:
-                self._attempt(looking, 0, "alone", left_out)
-                self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
-                if not (self.config.shared_state and weight > 0 and alone):
-                    return self._result(False, f"no group: {e}", started, attempts)
-                return await self._commit_alone(started, attempts, weight)
-            except (MatchmakingError, TimeoutError) as e:
-                self._attempt(looking, 0, "no group", left_out)
-                self._presence_at = -float("inf")  # "looking" stays declared: redeclare soon
-                return self._result(False, f"no group: {e}", started, attempts)
-            self._attempt(looking, group.size, "averaging", left_out)
-            outcome = await self._service.run(
-                group,
-                self.tensors,
-                weight,
-                codec=self.config.codec,
-                attestor=self.attestor,
-                stall_timeout=stall,
-            )
-            if self.deadlines is not None:
-                self.deadlines.observe_round(
-                    self.dht.host, group, outcome.bytes_received, outcome.busy_seconds
-                )
-            # form_group declared us busy; after an abort that declaration stays too.
-            self._presence_at = time.monotonic()
-            self._attempt_ended("committed" if outcome.committed else outcome.reason)
-            if outcome.committed:
-                if group.size > 1:
-                    self._matchmaker.supersede(self.state_version, SUPERSEDED_VERSION_S)
-                await self._commit(group.round_id, group.peer_ids)
-                if self.attestor is not None:
-                    self.attestor.on_commit(group, outcome.commitments)
-                return StepResult(
-                    True,
-                    "",
-                    group.size,
-                    group.round_id,
-                    group.peer_ids,
-                    attempts,
-                    self.last_fingerprint,
-                    False,
-                    time.monotonic() - started,
-                    outcome.bytes_sent,
-                    leader if isinstance(leader := group.extra.get("leader"), PeerID) else None,
-                    outcome.weights,
-                    tuple(self._aborted),
-                    attempt_log=tuple(self._attempts),
-                )
-            if outcome.in_doubt:
-                return self._after_doubt(outcome, started, attempts)
-            reason = outcome.reason
-            self._aborted.append(group.round_id)
-            if reason == NOTHING_TO_AVERAGE:
-                # Everyone here just loaded the state (weight 0): a retry would group the
-                # same peers again. Back to training; the next round carries our work.
-                break
-            # Not only the members blamed: one silent for a while at the abort (stopped,
-            # or behind a loss spike) would likely make the retry wait out its stall too.
-            exclude.update(outcome.failed, outcome.quiet)
-            log.info(
-                "%s: round aborted (%s, stall %.1fs); retrying without %d peers (%d quiet)",
-                self.key, reason, stall or self._service.config.stall_timeout, len(exclude),
-                len(set(outcome.quiet) - set(outcome.failed)),
-            )  # fmt: skip
-            if deadline.expired():
-                break
-        return self._result(False, reason, started, attempts)
+        return await self._runner.run(weight, timeout, alone)
 
     @property
     def state_timeout(self) -> float:
@@ -590,59 +353,7 @@ class Averager:
     def shun(self, peer: PeerID, seconds: float) -> None:
         """Leave `peer` out of our groups for `seconds` (e.g. it withheld what a
         verified round owes the others; not a ban: nothing proves it to third parties)."""
-        self._shunned[peer] = max(self._shunned.get(peer, 0.0), time.monotonic() + seconds)
-
-    async def _resync(self, behind: NeedsResync, deadline: Deadline) -> tuple[bool, str]:
-        """Our tensors are stale: they must not enter a round. Replace them with the
-        swarm's state (the caller redoes its work on it); (done, why)."""
-        self._presence_at = -float("inf")  # "syncing" stays declared: redeclare soon
-        log.info("%s: our state is behind the swarm (%s); re-syncing", self.key, behind)
-        # Within the step's deadline (a re-sync is part of the step), and at least a
-        # second to try.
-        budget = deadline.within(self.state_timeout)
-        if (budget.remaining() or 0.0) < 1.0:
-            budget = Deadline.after(1.0)
-        # The version matchmaking named, from the peers that just confirmed holding
-        # it: "the newest state" in the DHT can be another one of the same step
-        # (two groups committed it; the most announced may be our own).
-        ok = await self.load_state_from_peers(
-            deadline=budget, version=behind.target, sources=behind.holders
-        )
-        if ok:
-            return True, "re-synced with the swarm"
-        # Its holders are out of our reach (behind NATs, restarting): re-syncing again
-        # at once would fail again, every round. Go on with the peers we reach.
-        self._matchmaker.set_aside_version(behind.target, UNREACHABLE_VERSION_S)
-        log.info("%s: no reachable peer serves version %s: its peers are left out of our "
-                 "rounds for %.0fs", self.key, behind.target.hex()[-12:],
-                 UNREACHABLE_VERSION_S)  # fmt: skip
-        return False, f"needs re-sync, which failed: {behind}"
-
-    def _after_doubt(self, outcome: AllReduceOutcome, started: float, attempts: int) -> StepResult:
-        """The round ended with us in doubt (no member told us its decision, even when
-        asked after we gave up): the others may have committed with our input, so a
-        retry with it could count it twice. Give the input up (`discarded`): losing a
-        step's work is the price of never counting it twice."""
-        log.info("%s: %s; our input is dropped (it may be counted already)", self.key,
-                 outcome.reason)  # fmt: skip
-        return replace(self._result(False, outcome.reason, started, attempts), discarded=True)
-
-    async def _replace_state(self, tensors: Sequence[torch.Tensor]) -> None:
-        def copy() -> None:
-            with torch.no_grad():
-                for dst, src in zip(self.state, tensors, strict=True):
-                    dst.copy_(src)
-
-        if self.state_lock is None:
-            copy()
-            return
-
-        def locked() -> None:
-            with self.state_lock:  # type: ignore[union-attr]
-                copy()
-
-        # In a thread: the lock's holder may compute for a while, the loop must not wait.
-        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(locked)))
+        self._runner.shun(peer, seconds)
 
     async def _commit(self, round_id: bytes, members: Sequence[PeerID]) -> None:
         """After the tensors hold the round's result (of `members`): new version,
@@ -664,55 +375,3 @@ class Averager:
             self.certifier.certify(previous, round_id, members, self.last_fingerprint)
             self.certifier.hold(self.state_version)
         await self._announce_state()
-
-    async def _commit_alone(self, started: float, attempts: int, weight: float) -> StepResult:
-        """Nobody else averages this shared state: the mean of our input alone is the
-        input, so commit it as it is. A random round ID makes our version our own:
-        should another peer have committed alone meanwhile, out of our sight, the two
-        states carry different versions and never mix (one side re-syncs)."""
-        round_id = b"alone:" + os.urandom(16)
-        await self._commit(round_id, (self.dht.host.peer_id,))
-        log.info("%s: nobody else declared for it: committed alone (commit %d, version %s)",
-                 self.key, self.commits, self.state_version.hex()[-12:])  # fmt: skip
-        # Our "looking" declaration names the version we just left: replace it.
-        await self.announce_presence()
-        self._attempt_ended("alone")
-        return StepResult(
-            True,
-            "alone",
-            1,
-            round_id,
-            (self.dht.host.peer_id,),
-            attempts,
-            self.last_fingerprint,
-            False,
-            time.monotonic() - started,
-            0,
-            self.dht.host.peer_id,
-            {self.dht.host.peer_id: weight},
-            attempt_log=tuple(self._attempts),
-        )
-
-    def _attempt(
-        self, looking: float, group_size: int, outcome: str, excluded: tuple[str, ...]
-    ) -> None:
-        """A try's matchmaking ended (at once after `looking`); `_attempt_ended` says
-        how what followed ended."""
-        now = time.monotonic()
-        self._attempts.append(Attempt(now - looking, 0.0, group_size, outcome, excluded))
-        self._attempt_at = now
-
-    def _attempt_ended(self, outcome: str) -> None:
-        if self._attempts:
-            last = self._attempts[-1]
-            spent = time.monotonic() - self._attempt_at
-            self._attempts[-1] = replace(last, averaging_s=spent, outcome=outcome[:120])
-
-    def _result(
-        self, committed: bool, reason: str, started: float, attempts: int, *, resynced: bool = False
-    ) -> StepResult:
-        return StepResult(
-            committed, reason, attempts=attempts, resynced=resynced,
-            seconds=time.monotonic() - started, aborted_rounds=tuple(self._aborted),
-            attempt_log=tuple(self._attempts),
-        )  # fmt: skip

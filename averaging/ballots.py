@@ -170,5 +170,19 @@ class Ballots:
         best = max(decided + accepted, key=lambda d: d.ballot, default=None)
         return best, best is not None and best in decided
 
+    def takeover_decision(
+        self, reason: str, failed: frozenset[int]
+    ) -> tuple[Decision, bool] | None:
+        """Once every member answered our takeover: the decision at its ballot (the
+        value `takeover_value` found, else ABORT for `reason`; `failed` added to its
+        list) and whether it was decided already. None while answers are missing."""
+        found, t = self.takeover_value(), self.takeover
+        if found is None or t is None:
+            return None
+        best, decided = found
+        if best is None:
+            return Decision(t.ballot, False, reason, failed), False
+        return Decision(t.ballot, best.commit, best.reason, best.failed | failed), decided
+
     def clear(self) -> None:
         self.takeover = self.proposal = None

@@ -86,6 +86,9 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from .ballots import MAX_BALLOT, Ballots, Decision
+from .liveness import Liveness
+from .outbox import Outbox, Send
+from .votes import NO_VOTE, READY, VETO, Votes
 
 __all__ = [
     "NO_VOTE",
@@ -100,9 +103,7 @@ __all__ = [
     "parse_message",
 ]
 
-NO_VOTE, READY, VETO = 0, 1, 2
 MAX_REASON = 1000
-_LOCAL = -1  # ballot of a conclusion reached alone (a give-up): never relayed
 # With a veto known, how long a decider's ABORT (and its `failed` list, which the
 # retry should share) is waited for at least, before aborting alone: a live decider
 # hears the veto when we do and answers within a round trip or a heartbeat.
@@ -120,15 +121,6 @@ class Status(NamedTuple):
     promised: int
     progress: int  # data-phase progress counter (bytes received)
     accepted: Decision | None  # the highest-ballot proposal it accepted (not yet decided)
-
-
-class Send(NamedTuple):
-    dest: int
-    message: list[Any]
-    # "heartbeat" (may be dropped while one is in flight), "vote", "prepare", "accept"
-    # (a proposal), "decision" (originated here: the driver waits for its delivery),
-    # "relay".
-    kind: str
 
 
 class ControlError(ValueError):
@@ -235,32 +227,24 @@ class CommitProtocol:
         self.names = names or [f"#{i}" for i in range(n)]
         self.heartbeat_interval = heartbeat_interval
         self.stall_timeout = stall_timeout
+        self.liveness = Liveness(
+            n, me, now, heartbeat_interval=heartbeat_interval, stall_timeout=stall_timeout
+        )
         self.decision_timeout = decision_timeout
         # Not the whole decision_timeout (the stall, up to minutes on slow links): the
         # outcome is certain once a veto is known, and a decider that did not speak
         # by then is stopped or cut off; waiting for it only held back the retry
         # (soak 9: 15-19 s more, in a 63 s gap between commits).
         self.abort_grace = min(decision_timeout, max(ABORT_GRACE_MIN_S, 3 * heartbeat_interval))
-        self.watchdog = 1.5 * stall_timeout
         self.give_up_after = 2 * stall_timeout + decision_timeout
-        self.last_heard = [now] * n
         self.suspected: dict[int, str] = {}  # member -> why
         self.vote = NO_VOTE
         self.veto: tuple[str, tuple[int, ...]] | None = None
-        self.ready_from: set[int] = set()  # other members known to have voted READY
-        self.vetoes: dict[int, tuple[str, tuple[int, ...]]] = {}
-        self.abort_known = False  # a veto exists: every decision can only be ABORT
-        self._abort_known_at = math.inf
-        self.abort_reason = ""
+        self.votes = Votes()  # everyone's, as far as we know
         self.ballots = Ballots(n, me, now, promised)
         self.decision: Decision | None = None
-        self.progress = 0
         self.last_progress = now  # anything changed (ours or anyone's state)
-        self._data_at = now  # our own data progress (the data watchdog's clock)
-        self._views: list[tuple[Any, ...] | None] = [None] * n
-        self._next_heartbeat = now
-        self._last_tick = now
-        self._out: list[Send] = []
+        self._outbox = Outbox()
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -273,51 +257,53 @@ class CommitProtocol:
         """The proposal we accepted and have not decided (yet)."""
         return self.ballots.accepted
 
+    @property
+    def abort_known(self) -> bool:
+        """A veto exists: every decision can only be ABORT."""
+        return self.votes.abort_known
+
     def knows_decided(self, peer: int) -> bool:
         """`peer` told us it has decided (so it needs no decision message)."""
-        view = self._views[peer]
-        return view is not None and view[2] is not None
+        return self.liveness.reported_decision(peer)
 
     def leader(self) -> int:
         return next(j for j in range(self.n) if j not in self.suspected)
 
     def status(self) -> list[Any]:
-        reason = self.veto[0] if self.veto else self.abort_reason
+        reason = self.veto[0] if self.veto else self.votes.abort_reason
         suspects = list(self.veto[1]) if self.veto else []
-        ak, promised, progress = self.abort_known, self.ballots.promised, self.progress
+        ak, promised, progress = self.abort_known, self.ballots.promised, self.liveness.progress
         decision, accepted = _wire(self.decision), _wire(self.ballots.accepted)
         return ["S", self.vote, reason, suspects, ak, decision, promised, progress, accepted]
 
     def take_messages(self) -> list[Send]:
-        out, self._out = self._out, []
-        return out
+        return self._outbox.take()
 
     def next_deadline(self) -> float:
         """When `tick` has something to do next (inf once decided)."""
         if self.decision is not None:
             return math.inf
         times = [self.last_progress + self.give_up_after]
-        alive = [
-            self.last_heard[j] for j in range(self.n) if j != self.me and j not in self.suspected
-        ]
-        if alive:
-            times.append(min(alive) + self.stall_timeout)
+        stall = self.liveness.first_stall(self.suspected)
+        if stall is not None:
+            times.append(stall)
         if self.vote == NO_VOTE and not self.abort_known:
-            times.append(self._data_at + self.watchdog)
+            times.append(self.liveness.data_at + self.liveness.watchdog)
         if self.ballots.deferring(self.suspected):
             times.append(self.ballots.promised_at + self.decision_timeout)
         if self.abort_known:
-            times.append(self._abort_known_at + self.abort_grace)
+            times.append(self.votes.abort_known_at + self.abort_grace)
         # A deadline the last tick already passed had nothing to do (e.g. the end of a
         # deferral while someone else leads): never ask to be woken for it again. The
         # heartbeat is always due at some point (tick moves it on).
-        return min([self._next_heartbeat, *(t for t in times if t > self._last_tick)])
+        last_tick = self.liveness.last_tick
+        return min([self.liveness.next_heartbeat, *(t for t in times if t > last_tick)])
 
     # --- events -------------------------------------------------------------------------------
 
     def on_message(self, src: int, kind: str, body: Any, now: float) -> list[Any]:
         """A parsed control message from member `src`; returns the reply (our status)."""
-        self._heard(src, now)
+        self.liveness.heard(src, now)
         if kind == "P":
             self._on_prepare(body, now)
         else:
@@ -327,30 +313,22 @@ class CommitProtocol:
     def on_reply(self, src: int, status: Status | None, now: float, kind: str) -> None:
         """The answer to a message we sent; None: `src` does not know the round (yet)."""
         if status is not None:
-            self._heard(src, now)
+            self.liveness.heard(src, now)
             self._absorb(src, status, now)
         elif self.ballots.not_started(src, kind):
             self._evaluate(now)
 
     def quiet(self, now: float) -> tuple[int, ...]:
-        """The other members not heard from for a third of `stall_timeout` (and three
-        heartbeats at least), suspected or not. An adaptive stall is three times a
-        chunk's transfer, and a live member is heard at least once per chunk; one that
-        is silent this long at an abort has likely stopped. None when every other
-        member is: then the silence is more likely ours."""
-        threshold = max(self.stall_timeout / 3, 3 * self.heartbeat_interval)
-        others = [j for j in range(self.n) if j != self.me]
-        quiet = tuple(j for j in others if now - self.last_heard[j] > threshold)
-        return () if len(quiet) == len(others) else quiet
+        """The other members silent for a while, suspected or not (`Liveness.quiet`)."""
+        return self.liveness.quiet(now)
 
     def heard(self, src: int, now: float) -> None:
         """Proof of life from data traffic."""
-        self._heard(src, now)
+        self.liveness.heard(src, now)
 
     def set_progress(self, value: int, now: float) -> None:
-        if value != self.progress:
-            self.progress = value
-            self.last_progress = self._data_at = now
+        if self.liveness.data_progress(value, now):
+            self.last_progress = now
 
     def suspect(self, peer: int, reason: str, now: float) -> None:
         if peer == self.me or peer in self.suspected or self.decision is not None:
@@ -361,7 +339,7 @@ class CommitProtocol:
         if peer == leader and self.leader() != self.me:
             # Our leader is gone: ask the next one at once (its answer carries a decision
             # if it has one, e.g. the old leader's, received before it died).
-            self._out.append(Send(self.leader(), self.status(), "vote"))
+            self._outbox.send([self.leader()], self.status(), "vote")
         self.ballots.give_up_on(peer)
         self._evaluate(now)
 
@@ -371,9 +349,8 @@ class CommitProtocol:
             return
         self.vote = READY
         self.last_progress = now
-        for dest in {0, self.leader()} - {self.me}:
-            if dest not in self.suspected:
-                self._out.append(Send(dest, self.status(), "vote"))
+        deciders = [j for j in {0, self.leader()} - {self.me} if j not in self.suspected]
+        self._outbox.send(deciders, self.status(), "vote")
         self._evaluate(now)
 
     def fail(self, reason: str, suspects: tuple[int, ...] | list[int], now: float) -> None:
@@ -382,8 +359,8 @@ class CommitProtocol:
             return
         self.vote = VETO
         self.veto = (reason[:MAX_REASON], tuple(sorted(set(suspects) - {self.me})))
-        self.vetoes[self.me] = self.veto
-        self._know_abort(self.veto[0], now)
+        self.votes.vetoes[self.me] = self.veto
+        self.votes.know_abort(self.veto[0], now)
         self.last_progress = now
         self._broadcast("vote")
         self._evaluate(now)
@@ -391,28 +368,18 @@ class CommitProtocol:
     def tick(self, now: float) -> None:
         if self.decision is not None:
             return
-        if now - self._last_tick > max(self.stall_timeout / 2, 2 * self.heartbeat_interval):
-            # We were the ones not running (SIGSTOP, a blocked loop): the silence is ours,
-            # so give everyone a fresh stall_timeout to be heard from again.
-            for j in range(self.n):
-                self.last_heard[j] = max(self.last_heard[j], now)
-            self.last_progress = self._data_at = now
-        self._last_tick = now
-        for j in range(self.n):
-            if j != self.me and j not in self.suspected:
-                silent = now - self.last_heard[j]
-                if now >= self.last_heard[j] + self.stall_timeout:
-                    self.suspect(j, f"stalled (nothing heard for {silent:.1f}s)", now)
+        if self.liveness.resumed(now):  # (the silence was ours: progress restarts too)
+            self.last_progress = now
+        for j, silent in self.liveness.stalled(now, self.suspected):
+            self.suspect(j, f"stalled (nothing heard for {silent:.1f}s)", now)
         if self.decision is not None:
             return
-        if now >= self._next_heartbeat:
+        if self.liveness.heartbeat_due(now):
             self._broadcast("heartbeat")
-            self._next_heartbeat = now + self.heartbeat_interval
         # (Deadlines compared as in next_deadline, so that a tick at the deadline acts.)
-        stuck = now >= self._data_at + self.watchdog
-        if self.vote == NO_VOTE and not self.abort_known and stuck:
-            self.fail(f"no data progress for {now - self._data_at:.1f}s", (), now)
-        if self.decision is None and now >= self._abort_known_at + self.abort_grace:
+        if self.vote == NO_VOTE and not self.abort_known and self.liveness.data_stuck(now):
+            self.fail(f"no data progress for {now - self.liveness.data_at:.1f}s", (), now)
+        if self.decision is None and now >= self.votes.abort_known_at + self.abort_grace:
             # ABORT is certain; we only waited for a decider's `failed` list. Enough.
             self._give_up(now)
         if self.decision is None and now >= self.last_progress + self.give_up_after:
@@ -421,20 +388,8 @@ class CommitProtocol:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _heard(self, src: int, now: float) -> None:
-        self.last_heard[src] = max(self.last_heard[src], now)
-
     def _broadcast(self, kind: str) -> None:
-        status = self.status()
-        for j in range(self.n):
-            if j != self.me and j not in self.suspected:
-                self._out.append(Send(j, status, kind))
-
-    def _know_abort(self, reason: str, now: float) -> None:
-        if not self.abort_known:
-            self.abort_known = True
-            self.abort_reason = reason
-            self._abort_known_at = now
+        self._outbox.send(self.liveness.others(self.suspected), self.status(), kind)
 
     def _on_prepare(self, ballot: int, now: float) -> None:
         if self.ballots.promise(ballot, now):
@@ -443,16 +398,9 @@ class CommitProtocol:
 
     def _absorb(self, src: int, st: Status, now: float) -> None:
         view = (st.vote, st.progress, st.decision, st.promised, st.abort_known, st.accepted)
-        if view != self._views[src]:
-            self._views[src] = view
+        if self.liveness.reported(src, view):
             self.last_progress = now
-        if st.vote == READY:
-            self.ready_from.add(src)
-        elif st.vote == VETO and src not in self.vetoes:
-            self.vetoes[src] = (st.reason, st.suspects)
-            self._know_abort(st.reason, now)
-        if st.abort_known:
-            self._know_abort(st.reason, now)
+        self.votes.heard(src, st.vote, st.reason, st.suspects, st.abort_known, now)
         accepted = st.accepted
         if accepted is not None and self._undecided() and self.ballots.accept(src, accepted, now):
             self.last_progress = now
@@ -465,12 +413,10 @@ class CommitProtocol:
         """Decide `d` only once every member not suspected has accepted it (its owner,
         we accept it first): a decider stopped before then decided nothing, and any
         later leader finds `d` with one of them, itself included."""
-        waiting = {j for j in range(self.n) if j != self.me and j not in self.suspected}
+        waiting = set(self.liveness.others(self.suspected))
         self.ballots.propose(d, waiting)
         self.last_progress = now
-        status = self.status()
-        for j in sorted(waiting):
-            self._out.append(Send(j, status, "accept"))
+        self._outbox.send(sorted(waiting), self.status(), "accept")
 
     def _adopt(self, d: Decision, now: float, src: int) -> None:
         # With a veto known, COMMIT exists nowhere: any ABORT is safe to take, whatever
@@ -496,31 +442,17 @@ class CommitProtocol:
         self.ballots.clear()
         self.last_progress = now
         if d.ballot >= 0 and kind is not None:
-            status = self.status()
-            for j in range(self.n):
-                # Not to the failed: a stalled member would hold the sender up, and the
-                # survivors do not wait for it.
-                if j == self.me or j in self.suspected or j in d.failed:
-                    continue
-                if not self.knows_decided(j):
-                    self._out.append(Send(j, status, kind))
+            # Not to the failed: a stalled member would hold the sender up, and the
+            # survivors do not wait for it.
+            others = self.liveness.others(self.suspected)
+            dests = [j for j in others if j not in d.failed and not self.knows_decided(j)]
+            self._outbox.send(dests, self.status(), kind)
 
     def _failed(self) -> frozenset[int]:
-        failed = set(self.suspected)
-        for _, blamed in self.vetoes.values():
-            failed.update(blamed)
-        return frozenset(failed)
+        return self.votes.failed(self.suspected)
 
     def _reason(self) -> str:
-        if self.vetoes:
-            # A veto that blames someone names the cause; the others are its echoes
-            # ("member X stopped the transfer").
-            blaming = [j for j, (_, blamed) in self.vetoes.items() if blamed]
-            return self.vetoes[min(blaming or self.vetoes)][0]
-        if self.suspected:
-            j = min(self.suspected)
-            return f"member {self.names[j]} {self.suspected[j]}"
-        return self.abort_reason or "aborted"
+        return self.votes.reason(self.suspected, self.names)
 
     def _evaluate(self, now: float) -> None:
         b = self.ballots
@@ -537,44 +469,30 @@ class CommitProtocol:
         if b.deferring(self.suspected) and now < b.promised_at + self.decision_timeout:
             return
         if self.me == 0 and b.promised == 0:
-            self._decide_ballot_0(now)
+            self._settle(self.votes.ballot_0(self.vote, self.n, self.suspected, self.names), now)
             return
         if self.vote == NO_VOTE and not self.abort_known:
             return  # still moving data; a member we need that failed will make us veto
         if b.takeover is None:
-            waiting = {j for j in range(self.n) if j != self.me and j not in self.suspected}
+            waiting = set(self.liveness.others(self.suspected))
             ballot = b.lead(waiting, now)
             if ballot is None:
                 return
             self.last_progress = now
-            for j in sorted(waiting):
-                self._out.append(Send(j, ["P", ballot], "prepare"))
-        takeover = b.takeover
-        assert takeover is not None  # (`lead` started one)
-        ballot = takeover.ballot
-        found = b.takeover_value()
-        if found is None:
-            return  # answers missing
-        best, decided = found
-        if best is None:
-            d = Decision(ballot, False, self._reason(), self._failed())
-        else:
-            d = Decision(ballot, best.commit, best.reason, best.failed | self._failed())
-        if decided or (self.abort_known and not d.commit):
+            self._outbox.send(sorted(waiting), ["P", ballot], "prepare")
+        found = b.takeover_decision(self._reason(), self._failed())
+        if found is not None:  # (None: answers missing)
+            d, decided = found
             # Decided already (by its owner, after its own phase 2 where one was needed),
             # or an ABORT while a veto rules out COMMIT everywhere: nothing can differ.
-            self._decide(d, now, kind="decision")
-        else:
-            self._propose(d, now)
+            self._settle((d, not (decided or (self.abort_known and not d.commit))), now)
 
-    def _decide_ballot_0(self, now: float) -> None:
-        """Member 0 at ballot 0, the only one that may originate COMMIT."""
-        if self.abort_known:
-            self._decide(Decision(0, False, self._reason(), self._failed()), now, kind="decision")
-        elif self.vote == READY and len(self.ready_from) == self.n - 1:
-            self._propose(Decision(0, True, "", self._failed()), now)
-        elif any(j not in self.ready_from for j in self.suspected):
-            self._decide(Decision(0, False, self._reason(), self._failed()), now, kind="decision")
+    def _settle(self, chosen: tuple[Decision, bool] | None, now: float) -> None:
+        """Propose (True) or decide at once (False) the decision chosen, if any."""
+        if chosen is not None and chosen[1]:
+            self._propose(chosen[0], now)
+        elif chosen is not None:
+            self._decide(chosen[0], now, kind="decision")
 
     def _give_up(self, now: float) -> None:
         failed = self._failed()
@@ -582,8 +500,5 @@ class CommitProtocol:
             self.fail("no decision reached in time", (), now)
             if self.decision is not None:
                 return
-        if self.abort_known:
-            self._decide(Decision(_LOCAL, False, self._reason(), failed), now, kind=None)
-        else:
-            why = f"in doubt: voted READY but learned no decision within {self.give_up_after:.0f}s"
-            self._decide(Decision(_LOCAL, False, why, failed, in_doubt=True), now, kind=None)
+        d = self.votes.given_up(failed, self.suspected, self.names, self.give_up_after)
+        self._decide(d, now, kind=None)

@@ -50,10 +50,10 @@ here go down to 8 bits).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,7 @@ from .allreduce import AllReduceService
 from .attestation import Attestor
 from .averager import Averager, AveragerConfig, StepResult, restored_version
 from .diloco_options import DiLoCoOptions, StreamingOptions
+from .fragments import Fragment, FragmentOutcome, committed
 from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
 from .lineage import declared_work
 from .options import GroupOptions
@@ -325,34 +326,6 @@ def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
     return sorted((sorted(b) for b in buckets), key=lambda b: b[0])
 
 
-@dataclass(frozen=True, slots=True)
-class _RoundOutcome:
-    result: StepResult  # the catch-up round's when a re-sync was followed by a commit
-    resynced: bool
-    bytes_sent: int
-    seconds: float
-
-
-_RoundTask = asyncio.Task[_RoundOutcome]
-
-
-@dataclass(eq=False)
-class _Fragment:
-    index: int
-    offset: int  # synchronized at inner steps s > 0 with s % H == offset
-    params: list[torch.Tensor]
-    globals: list[torch.Tensor]
-    momentum: list[torch.Tensor]
-    deltas: list[torch.Tensor]
-    averager: Averager | None = None
-    samples: int = 0  # behind the local fragment since its last sync began
-    task: _RoundTask | None = None  # the round in flight
-    weight: int = 0  # the samples the round in flight carries
-    started_at: int = 0  # inner steps taken when the round began
-    finished_at: int | None = None  # ... and when it ended
-    loaded: bool = field(default=False)
-
-
 class StreamingDiLoCo(OuterStrategyBase):
     """Streaming DiLoCo over `params`: fragments synchronized in turn, in the background.
 
@@ -376,12 +349,12 @@ class StreamingDiLoCo(OuterStrategyBase):
         self.overlap_steps = int(self.options.overlap_steps)
         self.mixing = float(self.options.mixing)
         self._service = AllReduceService(dht.host, allreduce_config(self.options))
-        self.fragments: list[_Fragment] = []
+        self.fragments: list[Fragment] = []
         for i, indices in enumerate(split_fragments([p.numel() for p in self.params], count)):
             local = [self.params[j] for j in indices]
             with torch.no_grad():
                 globals_ = [host_clone(p) for p in local]
-            frag = _Fragment(
+            frag = Fragment(
                 index=i,
                 offset=i * h // count,
                 params=local,
@@ -408,16 +381,16 @@ class StreamingDiLoCo(OuterStrategyBase):
     @property
     def outer_steps(self) -> int:
         """Fragment outer steps applied to the global state (each covers 1/F of it)."""
-        return sum(self._avg(f).commits for f in self.fragments)
+        return sum(f.avg.commits for f in self.fragments)
 
     @property
     def oversized_refused(self) -> int:
-        return sum(self._avg(f).oversized_refused for f in self.fragments)
+        return sum(f.avg.oversized_refused for f in self.fragments)
 
     @property
     def provenance(self) -> dict[str, Any] | None:
         """The fragments' counters summed; `fragments`: each one's own."""
-        parts = [self._avg(f).provenance_status() for f in self.fragments]
+        parts = [f.avg.provenance_status() for f in self.fragments]
         known = [p for p in parts if p is not None]
         if not known:
             return None
@@ -428,18 +401,13 @@ class StreamingDiLoCo(OuterStrategyBase):
         out["fragments"] = known
         return out
 
-    @staticmethod
-    def _avg(frag: _Fragment) -> Averager:
-        assert frag.averager is not None
-        return frag.averager
-
-    def _metadata_of(self, frag: _Fragment) -> Any:
+    def _metadata_of(self, frag: Fragment) -> Any:
         def metadata() -> dict[str, Any]:
-            return {"strategy": self.name, "fragment": frag.index, "step": self._avg(frag).commits}
+            return {"strategy": self.name, "fragment": frag.index, "step": frag.avg.commits}
 
         return metadata
 
-    def _outer_step_of(self, frag: _Fragment) -> Any:
+    def _outer_step_of(self, frag: Fragment) -> Any:
         def outer_step() -> None:
             # Only the fragment's globals and momentum: an inner step may be
             # running on the local parameters right now (they merge later).
@@ -458,10 +426,7 @@ class StreamingDiLoCo(OuterStrategyBase):
     async def start(self, *, join: bool) -> bool:
         if join:
             results = await asyncio.gather(
-                *(
-                    self._avg(f).load_state_from_peers(timeout=self._avg(f).state_timeout)
-                    for f in self.fragments
-                )
+                *(f.avg.load_state_from_peers(timeout=f.avg.state_timeout) for f in self.fragments)
             )
             for f, ok in zip(self.fragments, results, strict=True):
                 f.loaded = ok
@@ -472,8 +437,8 @@ class StreamingDiLoCo(OuterStrategyBase):
             if not f.loaded:
                 if not self._restored:
                     copy_into(f.globals, f.params)
-                await self._avg(f).publish_state()
-        await asyncio.gather(*(self._avg(f).announce_presence() for f in self.fragments))
+                await f.avg.publish_state()
+        await asyncio.gather(*(f.avg.announce_presence() for f in self.fragments))
         return all(f.loaded for f in self.fragments)
 
     async def after_inner_step(self, samples: int) -> list[RoundReport]:
@@ -491,7 +456,7 @@ class StreamingDiLoCo(OuterStrategyBase):
                     reports.append(await self._merge(f))
             for f in self.fragments:
                 if f.task is None and not self._gate.closing:
-                    await self._avg(f).refresh_presence()
+                    await f.avg.refresh_presence()
         return reports
 
     async def finish(self) -> None:
@@ -504,47 +469,35 @@ class StreamingDiLoCo(OuterStrategyBase):
             if done:
                 await self._merge(f)
             else:
-                await self._cancel(f)
+                await f.cancel()
 
     async def _close_parts(self) -> None:
         for f in self.fragments:
-            await self._cancel(f)
-            await self._avg(f).aclose()
+            await f.cancel()
+            await f.avg.aclose()
         await self._service.aclose()
 
     # ------------------------------------------------------------------ rounds
 
-    def _due(self, frag: _Fragment) -> bool:
+    def _due(self, frag: Fragment) -> bool:
         return self.inner_steps % self.inner_steps_per_round == frag.offset
 
-    async def _start_round(self, frag: _Fragment) -> None:
-        await off_loop(
-            lambda: delta_into(frag.deltas, frag.globals, frag.params), numel(frag.params)
-        )
-        frag.weight, frag.samples = frag.samples, 0
-        frag.started_at, frag.finished_at = self.inner_steps, None
-        task = asyncio.get_running_loop().create_task(
-            self._run_round(frag, frag.weight), name=f"{self.key}/fragment{frag.index}"
-        )
+    async def _start_round(self, frag: Fragment) -> None:
+        run = functools.partial(self._run_round, frag)
+        await frag.begin(lambda: self.inner_steps, run, f"{self.key}/fragment{frag.index}")
 
-        def ended(_: object, frag: _Fragment = frag) -> None:
-            frag.finished_at = self.inner_steps
-
-        task.add_done_callback(ended)
-        frag.task = task
-
-    async def _run_round(self, frag: _Fragment, weight: int) -> _RoundOutcome:
+    async def _run_round(self, frag: Fragment, weight: int) -> FragmentOutcome:
         clock = RoundClock(self.dht)
         timeout = float(self.options.round_timeout)
-        result = await self._avg(frag).step(weight=float(weight), timeout=timeout)
+        result = await frag.avg.step(weight=float(weight), timeout=timeout)
         resynced = result.resynced
         if resynced:
-            again = await _catch_up(self._avg(frag), frag.deltas, timeout - result.seconds)
+            again = await _catch_up(frag.avg, frag.deltas, timeout - result.seconds)
             if again is not None and again.committed:
                 result = again
-        return _RoundOutcome(result, resynced, clock.bytes_sent, clock.seconds)
+        return FragmentOutcome(result, resynced, clock.bytes_sent, clock.seconds)
 
-    async def _merge(self, frag: _Fragment) -> RoundReport:
+    async def _merge(self, frag: Fragment) -> RoundReport:
         """Wait for the fragment's round (bounded by its own deadlines) and merge it."""
         assert frag.task is not None
         try:
@@ -576,26 +529,18 @@ class StreamingDiLoCo(OuterStrategyBase):
             result=result,
         )
 
-    async def _cancel(self, frag: _Fragment) -> None:
-        task, frag.task = frag.task, None
-        if task is None:
-            return
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        frag.samples += frag.weight
-
     # ------------------------------------------------------------------ state
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(b"shoal/streaming-diloco\x00")
         for f in self.fragments:
-            h.update(self._avg(f).fingerprint().encode())
+            h.update(f.avg.fingerprint().encode())
         return h.hexdigest()
 
     @property
     def committed_fingerprint(self) -> str | None:
         """The fragments' last frozen fingerprints combined (see DiLoCo's)."""
-        prints = [self._avg(f).last_fingerprint for f in self.fragments]
+        prints = [f.avg.last_fingerprint for f in self.fragments]
         if any(p is None for p in prints):
             return None
         h = hashlib.sha256(b"shoal/streaming-diloco/committed\x00")
@@ -609,16 +554,16 @@ class StreamingDiLoCo(OuterStrategyBase):
         frags = []
         for f in self.fragments:
             samples = f.samples
-            if f.task is not None and not _committed(f.task):
+            if f.task is not None and not committed(f.task):
                 samples += f.weight
             frags.append(
                 {
                     "globals": [g.detach().clone() for g in f.globals],
                     "momentum": [m.detach().clone() for m in f.momentum],
-                    "commits": self._avg(f).commits,
-                    "version": self._avg(f).state_version.hex(),
-                    "work": self._avg(f).work,
-                    "certificates": self._avg(f).saved_certificates(),
+                    "commits": f.avg.commits,
+                    "version": f.avg.state_version.hex(),
+                    "work": f.avg.work,
+                    "certificates": f.avg.saved_certificates(),
                     "samples": samples,
                 }
             )
@@ -659,7 +604,7 @@ class StreamingDiLoCo(OuterStrategyBase):
         for f, (globals_, momentum, commits, version, work, samples, certs) in zip(
             self.fragments, checked, strict=True
         ):
-            self._avg(f).restore(commits, version, work, certs)
+            f.avg.restore(commits, version, work, certs)
             copy_into(f.globals, globals_)
             copy_into(f.momentum, momentum)
             f.samples = samples
@@ -667,9 +612,3 @@ class StreamingDiLoCo(OuterStrategyBase):
         overlapped = state.get("overlapped_steps", 0)
         self.overlapped_steps = overlapped if isinstance(overlapped, int) else 0
         self._restored = True
-
-
-def _committed(task: _RoundTask) -> bool:
-    if not task.done() or task.cancelled() or task.exception() is not None:
-        return False
-    return task.result().result.committed

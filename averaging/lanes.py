@@ -33,16 +33,13 @@ from shoal.transport.rpc import CallContext
 from .attestation import ReceivedCommitments, RoundAttestation
 from .buffers import RoundBuffers, bytes_of
 from .compression import Codec, CodecError
+from .lane_sums import LaneSums, OwnLane
 from .partition import Plan, Span
-from .reducer import ChunkJob, LaneReducer, Reduction, float64_scratch, reduce_chunk
+from .reducer import LaneReducer, Reduction
 from .round_errors import Action, Side, Veto, classify, first_of
 
 __all__ = ["AllReduceError", "BadRequest", "DataPlane", "NotAMember", "RoundOver", "RoundSide"]
 
-# Element-ops of one chunk's reduction above which it runs in a thread: a default
-# chunk (1M elements) from 4 members is 4M element-ops, 2-5 ms of CPU, which on
-# the loop stalled everything else (seen up to 50 ms on a loaded machine).
-_THREAD_WORK = 1 << 20
 # Bytes of a received chunk above which its commitment check (SHA-256) runs in a thread.
 _HASH_IN_THREAD = 1 << 18
 
@@ -76,46 +73,6 @@ class RoundSide(Protocol):
     def over(self) -> bool: ...
     async def connect(self, j: int) -> None: ...
     async def hook(self, point: str) -> None: ...
-
-
-class _Counter:
-    """A monotonic counter tasks can wait on (chunks received, chunks reduced)."""
-
-    __slots__ = ("_waiters", "value")
-
-    def __init__(self) -> None:
-        self.value = 0
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-
-    def advance(self, value: int) -> None:
-        self.value = value
-        if self._waiters:
-            keep = []
-            for target, fut in self._waiters:
-                if target <= value:
-                    if not fut.done():
-                        fut.set_result(None)
-                else:
-                    keep.append((target, fut))
-            self._waiters = keep
-
-    async def wait(self, target: int) -> None:
-        if self.value >= target:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((target, fut))
-        await fut
-
-
-class _Lane:
-    """Owner side of one lane of our part: the reducer, its receive slots, its signals."""
-
-    def __init__(self, reducer: LaneReducer) -> None:
-        self.reducer = reducer
-        self.slots: dict[int, list[Any]] = {}
-        self.changed = asyncio.Event()  # a sender attached or a contribution arrived
-        self.reduced = _Counter()  # mirrors reducer.reduced, for tasks to wait on
-        self.encoded: list[memoryview] = []  # with a codec: the result's bytes, per chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +126,9 @@ class DataPlane:
         # Pending: result lanes to receive + own lanes to reduce; per peer: those that
         # need it.
         self._pending, self._need, reducers = plan_transfers(info)
-        self._lanes = {lane: _Lane(r) for lane, r in reducers.items()}
+        self._lanes = {lane: OwnLane(r) for lane, r in reducers.items()}
+        chunk_elements = info.plan.chunk_elements
+        self._sums = LaneSums(info.me, chunk_elements, codec, reduction, buffers, self.encoded)
         self._attached: set[tuple[int, int]] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
         self._contrib_pending = 0
@@ -224,6 +183,7 @@ class DataPlane:
     async def run(self, flat: torch.Tensor, result: torch.Tensor) -> None:
         """Send our contributions, receive the others' results, reduce our part."""
         self.flat, self.result = flat, result
+        self._sums.flat, self._sums.result = flat, result
         if self._pending == 0:
             self.complete.set()
         async with asyncio.TaskGroup() as tg:
@@ -307,7 +267,7 @@ class DataPlane:
 
     # --- the owner's side: our part -----------------------------------------------------------
 
-    def _check_request(self, sender: int, header: dict[str, Any]) -> tuple[_Lane, float]:
+    def _check_request(self, sender: int, header: dict[str, Any]) -> tuple[OwnLane, float]:
         lane_index, weight = header.get("l"), header.get("w")
         again = isinstance(lane_index, int) and (sender, lane_index) in self._attached
         problem = request_problem(self.info, header, set(self._lanes), again)
@@ -369,7 +329,7 @@ class DataPlane:
         finally:
             self._handlers.discard(task)
 
-    async def _receive_contribution(self, ctx: CallContext, sender: int, lane: _Lane) -> None:
+    async def _receive_contribution(self, ctx: CallContext, sender: int, lane: OwnLane) -> None:
         slots = lane.slots.get(sender)
         if slots is None:
             return  # weight 0: it contributes nothing
@@ -396,7 +356,9 @@ class DataPlane:
             reducer.arrived(sender, c)
             lane.changed.set()
 
-    async def _check_committed(self, sender: int, lane: _Lane, c: int, payload: memoryview) -> None:
+    async def _check_committed(
+        self, sender: int, lane: OwnLane, c: int, payload: memoryview
+    ) -> None:
         """Veto a chunk that is not the one its sender committed to."""
         assert self.received is not None
         index = next(i for i, x in self._lanes.items() if x is lane)
@@ -409,63 +371,20 @@ class DataPlane:
             name = self.info.names[sender]
             raise Veto(f"the contribution of {name} does not match its commitment", (sender,))
 
-    async def _send_result(self, ctx: CallContext, lane: _Lane) -> None:
+    async def _send_result(self, ctx: CallContext, lane: OwnLane) -> None:
         for c, (a, b) in enumerate(lane.reducer.chunks):
             await lane.reduced.wait(c + 1)
             payload = bytes_of(self.result[a:b]) if self.raw else lane.encoded[c]
             sent = await ctx.send_chunk(c, payload)
             self.bytes_sent += sent
 
-    async def _reduce(self, lane: _Lane) -> None:
+    async def _reduce(self, lane: OwnLane) -> None:
         try:
-            await self._reduce_lane(lane)
+            await self._sums.reduce(lane)
         except Veto as e:
             self.side.fail(e.reason, e.blame)
             return
         self._done(None)
-
-    async def _reduce_lane(self, lane: _Lane) -> None:
-        reducer = lane.reducer
-        chunk_elements = self.info.plan.chunk_elements
-        acc = scratch = None
-        if self.raw:
-            acc = self.buffers.take(float64_scratch(chunk_elements), torch.float64)
-        else:
-            sizes = [self.codec.encoded_size(b - a) for a, b in reducer.chunks]
-            lane.encoded = self.buffers.split_bytes(sizes)
-            scratch = self.buffers.take(chunk_elements)  # the sum, before encoding
-        while not reducer.complete:
-            lane.changed.clear()
-            job = reducer.next_job()
-            if job is None:
-                await lane.changed.wait()
-                continue
-            await self._run_job(lane, job, acc, scratch)
-            reducer.finished(job.index)
-            lane.reduced.advance(reducer.reduced)
-            await asyncio.sleep(0)  # let the streams move between chunks
-
-    async def _run_job(
-        self, lane: _Lane, job: ChunkJob, acc: torch.Tensor | None, scratch: torch.Tensor | None
-    ) -> None:
-        a, b = job.span
-        inputs = [(self._input(lane, i, job.index, a, b), w) for i, w in job.order]
-        out = self.result[a:b] if scratch is None else scratch[: b - a]
-        encoded = None if scratch is None else lane.encoded[job.index]
-        args = (self.reduction, self.codec, inputs, out, acc, encoded)
-        if len(inputs) * (b - a) >= _THREAD_WORK:
-            await self.buffers.in_thread(reduce_chunk, *args)
-        else:
-            reduce_chunk(*args)
-        if encoded is not None:
-            self.encoded.append((a, b, encoded))
-
-    def _input(self, lane: _Lane, i: int, c: int, a: int, b: int) -> torch.Tensor | memoryview:
-        """Member i's contribution to chunk c of a lane: our own input, or its slot."""
-        if i == self.info.me:
-            return self.flat[a:b]
-        slot = lane.slots[i][lane.reducer.slot(c)]
-        return slot[: b - a] if self.raw else slot[: self.codec.encoded_size(b - a)]
 
 
 def plan_transfers(info: RoundInfo) -> tuple[int, Counter[int], dict[int, LaneReducer]]:

@@ -67,8 +67,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Collection, Sequence
-from typing import Any, Protocol
+from collections.abc import Collection
+from typing import Any
 
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
@@ -82,27 +82,16 @@ from .matchmaking_island import Neighbors
 from .matchmaking_join import ANSWER_MARGIN, JoinClient, JoinServer, Prober
 from .matchmaking_round import Closing, MatchmakingConfig, MatchmakingError, Mode, Round
 from .matchmaking_rules import (
-    CHAINED_VERSION_BYTES,
     MAX_VERSION_BYTES,
-    Declaration,
     Gathering,
     JoinReply,
     Outlook,
     PeerState,
     ReplyKind,
     Suspicions,
-    View,
-    merge_views,
 )
-
-
-class Lineages(Protocol):
-    """The certified order of versions (`provenance_sync.LineageChecker`)."""
-
-    def order(self, version: bytes) -> tuple[int, int]: ...
-
-    def want(self, version: bytes, holders: Sequence[Member]) -> None: ...
-
+from .matchmaking_upkeep import FIRST_POLL, Upkeep
+from .matchmaking_versions import Lineages, NeedsResync, Versions
 
 __all__ = [
     "Lineages",
@@ -119,42 +108,12 @@ log = logging.getLogger("shoal.averaging.matchmaking")
 # goes on landing in the background after that, for up to BUSY_STORE_LANDING_S).
 BUSY_STORE_TIMEOUT = 1.0
 BUSY_STORE_LANDING_S = 10.0
-MAX_PROBES = 32
-FIRST_POLL = 0.05
-# Our declaration missing from what we read this long after we stored it: the
-# store reached too few replicas (it timed out on a loaded machine, or landed
-# behind a partition), and nobody may know we are looking. Store it again then,
-# not only when it is due for renewal (declaration_ttl / 3).
-REDECLARE_UNSEEN_S = 2.0
 CLOSE_TIMEOUT = 5.0
 
 
 class NobodyElse(MatchmakingError):
     """No other peer has declared for this key: nobody to average with (see
     `MatchmakingConfig.give_up_alone_after`)."""
-
-
-class NeedsResync(MatchmakingError):
-    """Our state version is behind the swarm's: load the state from peers first.
-
-    `target`: the version most looking peers hold; `holders`: those peers;
-    `versions`: how many looking peers hold each version (us included).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        version: bytes,
-        target: bytes,
-        versions: dict[bytes, int],
-        holders: tuple[Member, ...],
-    ) -> None:
-        super().__init__(message)
-        self.version = version
-        self.target = target
-        self.versions = versions
-        self.holders = holders
 
 
 class Matchmaker:
@@ -185,11 +144,6 @@ class Matchmaker:
         tag = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.protocol = f"{self.config.protocol}/{tag}"
         self._suspicions = Suspicions()
-        # The certified ranks of shared states' versions (set by a shared state's
-        # averager): what decides which side of two lineages re-syncs.
-        self.lineages: Lineages | None = None
-        self._set_aside: dict[bytes, float] = {}  # version -> until (monotonic)
-        self._superseded: dict[bytes, float] = {}  # version -> until (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
         self._busy_stores = TaskSet(log, "busy store")  # landing after form_group
@@ -200,6 +154,7 @@ class Matchmaker:
         self._service = rpc.RpcService(self.host, self.protocol)
         self._server = JoinServer(self._service, key, self.peer_id, self.config, self.declarer)
         self._prober = Prober(self.host, self.protocol, key, self._closing)
+        self._versions = Versions(self._prober, self.declarer)
         self._neighbors = Neighbors(self.host, self.protocol, key, self._closing.abortable)
         self._client = JoinClient(
             self.host,
@@ -209,11 +164,21 @@ class Matchmaker:
             self.declarer,
             self._closing,
             conclude=self._server.conclude,
-            recheck_version=self._check_version,
+            recheck_version=self._versions.check,
         )
-        self._poll_max = min(1.0, max(0.05, self.config.min_matchmaking_time / 2), ttl / 4)
+        self._upkeep = Upkeep(self.declarer, self._neighbors, self._versions, self.config)
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def lineages(self) -> Lineages | None:
+        """The certified ranks of shared states' versions (set by a shared state's
+        averager): what decides which side of two lineages re-syncs."""
+        return self._versions.lineages
+
+    @lineages.setter
+    def lineages(self, lineages: Lineages | None) -> None:
+        self._versions.lineages = lineages
 
     async def form_group(
         self,
@@ -284,16 +249,12 @@ class Matchmaker:
         """Leave the peers declaring `version` out of our rounds (and out of the vote
         on which version is current) for `seconds`: a re-sync to it found no
         reachable peer serving it, and the peers we reach go on meanwhile."""
-        now = time.monotonic()
-        self._set_aside = {v: t for v, t in self._set_aside.items() if t > now}
-        self._set_aside[version] = max(self._set_aside.get(version, now), now + seconds)
+        self._versions.set_aside(version, seconds)
 
     def supersede(self, version: bytes, seconds: float) -> None:
         """We are leaving `version` by a commit with others: for `seconds`, peers still
         declaring it (they missed the round) never make us re-sync back to it."""
-        now = time.monotonic()
-        self._superseded = {v: t for v, t in self._superseded.items() if t > now}
-        self._superseded[version] = max(self._superseded.get(version, now), now + seconds)
+        self._versions.supersede(version, seconds)
 
     async def aclose(self) -> None:
         """Stop: a running `form_group` raises MatchmakingError, pending joiners
@@ -324,7 +285,7 @@ class Matchmaker:
             "mode": rnd.mode if rnd is not None else "idle",
             "gathered": rnd.gathering.size if rnd is not None else 0,
             "suspected": len(self._suspicions),
-            "versions_set_aside": sum(t > time.monotonic() for t in self._set_aside.values()),
+            "versions_set_aside": self._versions.set_aside_count(),
             "cut_off": self.declarer.cut_off,
             "island_reads": self._neighbors.islands,
         }
@@ -339,9 +300,7 @@ class Matchmaker:
         # Peers blocked on the host (convicted cheaters) are left out like the
         # caller's exclusions: nobody waits for them, follows them or admits them.
         excluded = (frozenset(exclude) | frozenset(self.host.blocked())) - {self.peer_id}
-        now = time.monotonic()
-        set_aside = frozenset(v for v, until in self._set_aside.items() if until > now)
-        superseded = frozenset(v for v, until in self._superseded.items() if until > now)
+        set_aside, superseded = self._versions.left_out(time.monotonic())
         outlook = Outlook(
             self.key, self.peer_id, version, excluded, self._suspicions, set_aside, superseded,
             work, None if self.lineages is None else self.lineages.order,
@@ -359,10 +318,10 @@ class Matchmaker:
     async def _run(self, rnd: Round, end: float) -> Group:
         # Look before declaring: a peer whose state is behind must never
         # appear as looking with it (leaders would wait for it, peers count it).
-        rnd.view = await self._read(rnd.view, end)
+        rnd.view = await self._upkeep.read(rnd.view, end)
         rnd.note_excluded()
         if rnd.group is None:  # (joins may have filled the group meanwhile)
-            await self._check_version(rnd, end)
+            await self._versions.check(rnd, end)
             await self.declarer.declare(
                 PeerState.LOOKING, rnd.outlook.version, end=end, work=rnd.outlook.work
             )
@@ -375,7 +334,7 @@ class Matchmaker:
             if self._loop.time() >= end:
                 raise MatchmakingError(rnd.failure(self.config.min_group_size))
             if self._loop.time() >= next_poll:
-                next_poll = await self._refresh(rnd, end)
+                next_poll = await self._upkeep.refresh(rnd, end)
                 if rnd.group is not None:
                     continue  # a join filled the group meanwhile
             leader = rnd.outlook.leader(rnd.view)
@@ -387,38 +346,6 @@ class Matchmaker:
             group = await self._client.follow(rnd, leader, end)
             if group is not None:
                 return group
-
-    async def _read(self, view: View, end: float) -> dict[PeerID, Declaration]:
-        """The declarations read from the DHT merged into `view`; when the read
-        reached no other peer's, also those of the reachable neighbours cut off
-        with us (see matchmaking_island)."""
-        view = await self.declarer.poll(view, end)
-        self._neighbors.note(p for p in view if self.host.connection(p) is not None)
-        if self.declarer.cut_off:
-            island = await self._neighbors.ask(end)
-            if island:
-                view = merge_views(view, island, time.time())
-        return view
-
-    async def _refresh(self, rnd: Round, end: float) -> float:
-        """Read the declarations again (and renew ours); when to read next (loop
-        time): sooner while they change, up to `_poll_max` apart while they do not."""
-        view = await self._read(rnd.view, end)
-        if rnd.group is not None:
-            return self._loop.time()  # a join filled the group meanwhile
-        changed = _fingerprint(view) != _fingerprint(rnd.view)
-        rnd.poll_backoff = 0 if changed else rnd.poll_backoff + 1
-        rnd.view = view
-        rnd.note_excluded()
-        await self._check_version(rnd, end)
-        since = self._loop.time() - self.declarer.declared_at
-        if since > self.config.declaration_ttl / 3 or (
-            since > REDECLARE_UNSEEN_S and not self.declarer.seen_in(view)
-        ):
-            await self.declarer.declare(
-                PeerState.LOOKING, rnd.outlook.version, end=end, work=rnd.outlook.work
-            )
-        return self._loop.time() + min(self._poll_max, FIRST_POLL * 2**rnd.poll_backoff)
 
     async def _lead(self, rnd: Round, end: float, next_poll: float) -> None:
         """One step as the leader: confirm the missing, close, or wait for a change."""
@@ -472,63 +399,3 @@ class Matchmaker:
             return None
         began = max(d.expiration for d in syncing) - self.config.declaration_ttl
         return now + (began + self.config.resync_grace - time.time())
-
-    def _check_lineages(self, rnd: Round) -> None:
-        """Have the chains of the other versions peers look with checked (in the
-        background): until one is, it ranks below every certified lineage."""
-        if self.lineages is None or len(rnd.outlook.version) != CHAINED_VERSION_BYTES:
-            return
-        holders: dict[bytes, list[Member]] = {}
-        for d in rnd.view.values():
-            if d.state is PeerState.LOOKING and rnd.outlook.usable(d):
-                holders.setdefault(d.state_version, []).append(
-                    Member(d.peer_id, d.addrs, d.bandwidth)
-                )
-        for version, peers in holders.items():
-            if version != rnd.outlook.version:
-                self.lineages.want(version, peers)
-
-    async def _check_version(self, rnd: Round, end: float) -> None:
-        """Raise NeedsResync when the swarm has moved past our version.
-
-        The declarations that outvote us are first confirmed with their
-        owners: a peer killed while looking leaves its declaration behind for
-        a whole TTL, and a few of those must not send live peers to re-sync.
-        Owners that do not answer are set aside.
-        """
-        outlook = rnd.outlook
-        self._check_lineages(rnd)
-        target = outlook.resync_target(rnd.view)
-        if target is None:
-            return
-        counts = dict(outlook.version_counts(rnd.view))
-        mine = counts[outlook.version]
-        holders = outlook.holders(rnd.view, target)
-        confirmed = await self._prober.confirm(rnd, holders[:MAX_PROBES], end)
-        if rnd.group is not None or rnd.mode == Mode.CLOSED:
-            return  # joins filled our group while we asked
-        if not confirmed or not outlook.outvoted(len(confirmed), target, mine):
-            return
-        rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
-        rnd.mode = Mode.CLOSED
-        # Leaders of that version wait a little for a syncing peer.
-        await self.declarer.declare(PeerState.SYNCING, target, end=end, at_least=0.2)
-        raise NeedsResync(
-            f"{len(confirmed)} looking peers hold version {_short(target)}, "
-            f"{mine} (us included) hold ours {_short(outlook.version)}: "
-            "load the state first",
-            version=outlook.version,
-            target=target,
-            versions=counts,
-            holders=tuple(Member(d.peer_id, d.addrs, d.bandwidth) for d in confirmed),
-        )
-
-
-def _fingerprint(view: View) -> set[tuple[PeerID, str, bytes, float]]:
-    return {(d.peer_id, d.state, d.state_version, d.expiration) for d in view.values()}
-
-
-def _short(version: bytes) -> str:
-    """A version in a log line: its last 12 hex digits (versions that count commits
-    differ at the end; the leading digits are zeros)."""
-    return version.hex()[-12:] or "empty"

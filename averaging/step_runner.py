@@ -1,0 +1,283 @@
+"""An averager's step: its tries (a group, then its all-reduce), retried among the survivors.
+
+`StepRunner` drives one `Averager.step`: each try forms a group (`matchmaking`) and runs
+the all-reduce (`allreduce`); an aborted round is retried at once without the members it
+named failed or found quiet, until a commit, the step's deadline or `max_retries`. What
+matchmaking finds instead of a group ends the step: a re-sync when our state is behind,
+a lone commit when nobody else averages a shared state, or no group at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+
+from shoal.dht.node import DHTNode
+from shoal.transport.identity import PeerID
+
+from .allreduce import AllReduceOutcome, AllReduceService
+from .attestation import Attestor
+from .averager_config import AveragerConfig
+from .deadline import Deadline
+from .deadlines import AveragerDeadlines
+from .group import Group, Member
+from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
+from .presence import Presence
+from .reducer import NOTHING_TO_AVERAGE
+from .step_result import AttemptLog, StepResult
+
+log = logging.getLogger("shoal.averaging")
+
+# How long the peers of a version no reachable peer would serve us are left out.
+UNREACHABLE_VERSION_S = 30.0
+# After a commit with others, peers still declaring the version we left are behind
+# (they missed the round): never re-sync back to it for this long.
+SUPERSEDED_VERSION_S = 60.0
+
+
+class StepOwner(Protocol):
+    """What a step reads and calls of its averager (`Averager`)."""
+
+    key: str
+    tensors: list[torch.Tensor]
+    config: AveragerConfig
+    dht: DHTNode
+    state_version: bytes
+    work: int
+    commits: int
+    attestor: Attestor | None
+    deadlines: AveragerDeadlines | None
+    last_fingerprint: str | None
+    presence: Presence
+
+    @property
+    def state_timeout(self) -> float: ...
+
+    async def _commit(self, round_id: bytes, members: Sequence[PeerID]) -> None: ...
+
+    async def load_state_from_peers(
+        self,
+        timeout: float = ...,
+        *,
+        deadline: Deadline | None = ...,
+        version: bytes | None = ...,
+        sources: Sequence[Member] = ...,
+    ) -> bool: ...
+
+    async def announce_presence(self, timeout: float = ...) -> bool: ...
+
+
+class StepRunner:
+    """Runs the steps of one averager (`owner`), and keeps the peers it shuns."""
+
+    def __init__(self, owner: StepOwner, matchmaker: Matchmaker, service: AllReduceService) -> None:
+        self._owner = owner
+        self._matchmaker = matchmaker
+        self._service = service
+        self.shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
+        self.log = AttemptLog()  # the current step's tries
+
+    def shun(self, peer: PeerID, seconds: float) -> None:
+        self.shunned[peer] = max(self.shunned.get(peer, 0.0), time.monotonic() + seconds)
+
+    async def run(self, weight: float, timeout: float | None, alone: bool) -> StepResult:
+        """One step (see `Averager.step`)."""
+        owner = self._owner
+        started = time.monotonic()
+        stall = None
+        if owner.deadlines is not None:
+            adaptive = owner.deadlines.next_round()
+            stall = adaptive.stall_timeout
+            if timeout is not None:  # (its floor is 0: what the links add to ours)
+                timeout += adaptive.round_timeout
+        deadline = Deadline.after(timeout)
+        await self._service.prepare(owner.config.codec)  # before a group would wait for it
+        now = time.monotonic()
+        self.shunned = {p: until for p, until in self.shunned.items() if until > now}
+        exclude: set[PeerID] = set(self.shunned)
+        reason = ""
+        attempts = 0
+        self.log.clear()
+        while attempts <= owner.config.max_retries:
+            attempts += 1
+            looking, left_out = time.monotonic(), tuple(sorted(map(str, exclude)))
+            try:
+                group = await self._matchmaker.form_group(
+                    state_version=owner.state_version,
+                    exclude=exclude,
+                    deadline=deadline,
+                    work=owner.work,
+                )
+            except (MatchmakingError, TimeoutError) as e:  # (NeedsResync, NobodyElse too)
+                self.log.matched(looking, 0, _no_group_outcome(e), left_out)
+                return await self._without_group(e, deadline, started, attempts, weight, alone)
+            self.log.matched(looking, group.size, "averaging", left_out)
+            outcome = await self._average(group, weight, stall)
+            if outcome.committed:
+                return await self._committed(group, outcome, started, attempts)
+            if outcome.in_doubt:
+                return self._after_doubt(outcome, started, attempts)
+            reason = outcome.reason
+            self.log.aborted.append(group.round_id)
+            if reason == NOTHING_TO_AVERAGE:
+                # Everyone here just loaded the state (weight 0): a retry would group the
+                # same peers again. Back to training; the next round carries our work.
+                break
+            # Not only the members blamed: one silent for a while at the abort (stopped,
+            # or behind a loss spike) would likely make the retry wait out its stall too.
+            exclude.update(outcome.failed, outcome.quiet)
+            log.info(
+                "%s: round aborted (%s, stall %.1fs); retrying without %d peers (%d quiet)",
+                owner.key, reason, stall or self._service.config.stall_timeout, len(exclude),
+                len(set(outcome.quiet) - set(outcome.failed)),
+            )  # fmt: skip
+            if deadline.expired():
+                break
+        return self.log.result(False, reason, started, attempts)
+
+    async def _average(self, group: Group, weight: float, stall: float | None) -> AllReduceOutcome:
+        owner = self._owner
+        outcome = await self._service.run(
+            group,
+            owner.tensors,
+            weight,
+            codec=owner.config.codec,
+            attestor=owner.attestor,
+            stall_timeout=stall,
+        )
+        if owner.deadlines is not None:
+            owner.deadlines.observe_round(
+                owner.dht.host, group, outcome.bytes_received, outcome.busy_seconds
+            )
+        # form_group declared us busy; after an abort that declaration stays too.
+        owner.presence.renewed()
+        self.log.ended("committed" if outcome.committed else outcome.reason)
+        return outcome
+
+    async def _without_group(
+        self,
+        why: Exception,
+        deadline: Deadline,
+        started: float,
+        attempts: int,
+        weight: float,
+        alone: bool,
+    ) -> StepResult:
+        """Matchmaking ended the try without a group (`why`): a re-sync, a lone commit
+        or no group."""
+        owner = self._owner
+        if isinstance(why, NeedsResync):
+            ok, reason = await self._resync(why, deadline)
+            self.log.ended("re-synced" if ok else "re-sync failed")
+            return self.log.result(False, reason, started, attempts, resynced=ok)
+        owner.presence.lapsed()  # "looking" stays declared: redeclare soon
+        if isinstance(why, NobodyElse) and owner.config.shared_state and weight > 0 and alone:
+            return await self._commit_alone(started, attempts, weight)
+        return self.log.result(False, f"no group: {why}", started, attempts)
+
+    async def _committed(
+        self, group: Group, outcome: AllReduceOutcome, started: float, attempts: int
+    ) -> StepResult:
+        owner = self._owner
+        if group.size > 1:
+            self._matchmaker.supersede(owner.state_version, SUPERSEDED_VERSION_S)
+        await owner._commit(group.round_id, group.peer_ids)
+        if owner.attestor is not None:
+            owner.attestor.on_commit(group, outcome.commitments)
+        return StepResult(
+            True,
+            "",
+            group.size,
+            group.round_id,
+            group.peer_ids,
+            attempts,
+            owner.last_fingerprint,
+            False,
+            time.monotonic() - started,
+            outcome.bytes_sent,
+            leader if isinstance(leader := group.extra.get("leader"), PeerID) else None,
+            outcome.weights,
+            tuple(self.log.aborted),
+            attempt_log=tuple(self.log.attempts),
+        )
+
+    async def _resync(self, behind: NeedsResync, deadline: Deadline) -> tuple[bool, str]:
+        """Our tensors are stale: they must not enter a round. Replace them with the
+        swarm's state (the caller redoes its work on it); (done, why)."""
+        owner = self._owner
+        owner.presence.lapsed()  # "syncing" stays declared: redeclare soon
+        log.info("%s: our state is behind the swarm (%s); re-syncing", owner.key, behind)
+        # Within the step's deadline (a re-sync is part of the step), and at least a
+        # second to try.
+        budget = deadline.within(owner.state_timeout)
+        if (budget.remaining() or 0.0) < 1.0:
+            budget = Deadline.after(1.0)
+        # The version matchmaking named, from the peers that just confirmed holding
+        # it: "the newest state" in the DHT can be another one of the same step
+        # (two groups committed it; the most announced may be our own).
+        ok = await owner.load_state_from_peers(
+            deadline=budget, version=behind.target, sources=behind.holders
+        )
+        if ok:
+            return True, "re-synced with the swarm"
+        # Its holders are out of our reach (behind NATs, restarting): re-syncing again
+        # at once would fail again, every round. Go on with the peers we reach.
+        self._matchmaker.set_aside_version(behind.target, UNREACHABLE_VERSION_S)
+        log.info("%s: no reachable peer serves version %s: its peers are left out of our "
+                 "rounds for %.0fs", owner.key, behind.target.hex()[-12:],
+                 UNREACHABLE_VERSION_S)  # fmt: skip
+        return False, f"needs re-sync, which failed: {behind}"
+
+    def _after_doubt(self, outcome: AllReduceOutcome, started: float, attempts: int) -> StepResult:
+        """The round ended with us in doubt (no member told us its decision, even when
+        asked after we gave up): the others may have committed with our input, so a
+        retry with it could count it twice. Give the input up (`discarded`): losing a
+        step's work is the price of never counting it twice."""
+        log.info("%s: %s; our input is dropped (it may be counted already)", self._owner.key,
+                 outcome.reason)  # fmt: skip
+        return replace(self.log.result(False, outcome.reason, started, attempts), discarded=True)
+
+    async def _commit_alone(self, started: float, attempts: int, weight: float) -> StepResult:
+        """Nobody else averages this shared state: the mean of our input alone is the
+        input, so commit it as it is. A random round ID makes our version our own:
+        should another peer have committed alone meanwhile, out of our sight, the two
+        states carry different versions and never mix (one side re-syncs)."""
+        owner = self._owner
+        me = owner.dht.host.peer_id
+        round_id = b"alone:" + os.urandom(16)
+        await owner._commit(round_id, (me,))
+        log.info("%s: nobody else declared for it: committed alone (commit %d, version %s)",
+                 owner.key, owner.commits, owner.state_version.hex()[-12:])  # fmt: skip
+        # Our "looking" declaration names the version we just left: replace it.
+        await owner.announce_presence()
+        self.log.ended("alone")
+        return StepResult(
+            True,
+            "alone",
+            1,
+            round_id,
+            (me,),
+            attempts,
+            owner.last_fingerprint,
+            False,
+            time.monotonic() - started,
+            0,
+            me,
+            {me: weight},
+            attempt_log=tuple(self.log.attempts),
+        )
+
+
+def _no_group_outcome(why: Exception) -> str:
+    """What a try that formed no group led to, as its `Attempt` says it at first."""
+    if isinstance(why, NeedsResync):
+        return "re-sync"
+    if isinstance(why, NobodyElse):
+        return "alone"
+    return "no group"

@@ -1,0 +1,93 @@
+"""The votes of a round's members as one member knows them (sans-IO).
+
+The vote half of the commit protocol (`commit.py`): who voted READY, who vetoed
+and whom each veto blames, and whether (since when, why) a veto is known, which
+rules COMMIT out at every ballot. From them and the suspects: the `failed` list
+and the reason of an ABORT.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from .ballots import Decision
+
+__all__ = ["NO_VOTE", "READY", "VETO", "Votes"]
+
+NO_VOTE, READY, VETO = 0, 1, 2
+LOCAL = -1  # ballot of a conclusion reached alone (a give-up): never relayed
+
+
+class Votes:
+    """READY votes and vetoes heard (ours included once we veto)."""
+
+    def __init__(self) -> None:
+        self.ready_from: set[int] = set()  # other members known to have voted READY
+        self.vetoes: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.abort_known = False  # a veto exists: every decision can only be ABORT
+        self.abort_known_at = math.inf
+        self.abort_reason = ""
+
+    def know_abort(self, reason: str, now: float) -> None:
+        if not self.abort_known:
+            self.abort_known = True
+            self.abort_reason = reason
+            self.abort_known_at = now
+
+    def heard(
+        self, src: int, vote: int, reason: str, suspects: tuple[int, ...], abort_known: bool,
+        now: float,
+    ) -> None:  # fmt: skip
+        """What member `src`'s status says of its vote and of the vetoes it knows."""
+        if vote == READY:
+            self.ready_from.add(src)
+        elif vote == VETO and src not in self.vetoes:
+            self.vetoes[src] = (reason, suspects)
+            self.know_abort(reason, now)
+        if abort_known:
+            self.know_abort(reason, now)
+
+    def ballot_0(
+        self, vote: int, n: int, suspected: Mapping[int, str], names: Sequence[str]
+    ) -> tuple[Decision, bool] | None:
+        """Member 0's choice at ballot 0, the only one that may originate COMMIT: the
+        decision and whether it must be accepted first (a COMMIT), or None: not yet."""
+        failed = self.failed(suspected)
+        if self.abort_known:
+            return Decision(0, False, self.reason(suspected, names), failed), False
+        if vote == READY and len(self.ready_from) == n - 1:
+            return Decision(0, True, "", failed), True
+        if any(j not in self.ready_from for j in suspected):
+            return Decision(0, False, self.reason(suspected, names), failed), False
+        return None
+
+    def given_up(
+        self, failed: frozenset[int], suspected: Mapping[int, str], names: Sequence[str],
+        after: float,
+    ) -> Decision:  # fmt: skip
+        """Our conclusion alone when no decision came in time (`after` seconds without
+        progress): ABORT once a veto is known, else in doubt."""
+        if self.abort_known:
+            return Decision(LOCAL, False, self.reason(suspected, names), failed)
+        why = f"in doubt: voted READY but learned no decision within {after:.0f}s"
+        return Decision(LOCAL, False, why, failed, in_doubt=True)
+
+    def failed(self, suspected: Mapping[int, str]) -> frozenset[int]:
+        """The members suspected or blamed by a veto."""
+        failed = set(suspected)
+        for _, blamed in self.vetoes.values():
+            failed.update(blamed)
+        return frozenset(failed)
+
+    def reason(self, suspected: Mapping[int, str], names: Sequence[str]) -> str:
+        """Why the round aborts."""
+        if self.vetoes:
+            # A veto that blames someone names the cause; the others are its echoes
+            # ("member X stopped the transfer").
+            blaming = [j for j, (_, blamed) in self.vetoes.items() if blamed]
+            return self.vetoes[min(blaming or self.vetoes)][0]
+        if suspected:
+            j = min(suspected)
+            return f"member {names[j]} {suspected[j]}"
+        return self.abort_reason or "aborted"
