@@ -69,7 +69,7 @@ async def _looking(self, timeout=2.0):  # type: ignore[no-untyped-def]
         return await _honest_presence(self, timeout)
     from shoal.averaging.matchmaking_rules import PeerState
 
-    self._presence_at = time.monotonic()
+    self.presence.renewed()
     declarer = self._matchmaker.declarer
     return await declarer.declare(PeerState.LOOKING, self.state_version, timeout=timeout,
                                   work=self.work)  # fmt: skip
@@ -87,8 +87,8 @@ async def _step_alone(self, weight=1.0, *, timeout=None, alone=True):  # type: i
         return await _honest_averager_step(self, weight, timeout=timeout, alone=alone)
     if MODE == "copy":
         await _usurp_honest_version(self)
-    self._attempts, self._aborted = [], []
-    result = await self._commit_alone(time.monotonic(), 1, max(weight, 1.0))
+    self._runner.log.clear()
+    result = await self._runner._commit_alone(time.monotonic(), 1, max(weight, 1.0))
     _journal(fp=self.last_fingerprint)
     return result
 
