@@ -13,21 +13,14 @@ round's gradients) and, for a trainer, removed from routing for good.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 
-from shoal.dht.node import DHTError, DHTNode
-from shoal.dht.records import RecordError, owner_marker
-from shoal.transport.errors import TransportError
+from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
-from shoal.verification.bans import BAN_TTL, BanList
-from shoal.verification.evidence import EvidenceError
+from shoal.verification.bans import BanList, enforce, fetch, publish
 from shoal.verification.stage_audit import StageEvidence
 
 __all__ = ["StageBans", "stage_convictions_key"]
-
-log = logging.getLogger("shoal.pipeline.audit")
 
 
 def stage_convictions_key(experiment: str) -> str:
@@ -52,45 +45,26 @@ class StageBans:
 
     def enforce(self, evidence: StageEvidence) -> PeerID | None:
         """Ban the peer `evidence` convicts once it checks (None when it does not)."""
-        known = evidence.prover in self.bans
-        peer = self.bans.consider(evidence)  # type: ignore[arg-type]  # (duck-typed)
-        if peer is None or known:
-            return peer
-        if peer != self.dht.peer_id:
-            self.dht.host.block(
-                peer, f"convicted by a stage audit at version {evidence.commitment.version}"
-            )
-        if self.on_ban is not None:
-            self.on_ban(peer)
+        why = f"convicted by a stage audit at version {evidence.commitment.version}"
+        peer, new = enforce(self.bans, evidence, self.dht.host, self.dht.peer_id, why)
+        if new and self.on_ban is not None:
+            self.on_ban(peer)  # type: ignore[arg-type]
         return peer
 
     async def publish(self, evidence: StageEvidence) -> bool:
         """Enforce and store a conviction we assembled."""
         self.enforce(evidence)
-        subkey = f"{evidence.prover.to_base58()}{owner_marker(self.dht.peer_id)}"
-        try:
-            ok = await self.dht.store(stage_convictions_key(self.experiment), evidence.encode(),
-                                      time.time() + BAN_TTL, subkey=subkey)  # fmt: skip
-        except (DHTError, TransportError, RecordError, OSError) as e:
-            log.info("publishing the conviction of %s failed: %r", evidence.prover.short(), e)
-            return False
+        key = stage_convictions_key(self.experiment)
+        ok = await publish(self.dht, evidence, key=key)
         self.published += ok
         return ok
 
     async def refresh(self) -> list[PeerID]:
         """Read the published convictions; the peers newly banned."""
-        try:
-            value = await self.dht.get(stage_convictions_key(self.experiment), latest=True)
-        except (DHTError, TransportError, OSError) as e:
-            log.debug("reading stage convictions failed: %r", e)
-            return []
         new = []
-        for raw, _ in ((value.subkeys or {}) if value is not None else {}).values():
-            try:
-                evidence = StageEvidence.decode(raw)
-            except EvidenceError as e:
-                log.info("an undecodable stage conviction: %s", e)
-                continue
+        key = stage_convictions_key(self.experiment)
+        for evidence in await fetch(self.dht, self.experiment, key=key,
+                                    decode=StageEvidence.decode):  # fmt: skip
             if evidence.prover in self.bans:
                 continue
             if self.enforce(evidence) is not None:

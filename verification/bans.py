@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from shoal.dht.node import DHTError, DHTNode
 from shoal.dht.records import RecordError, owner_marker
@@ -21,7 +23,15 @@ from shoal.transport.identity import PeerID
 
 from .evidence import Evidence, EvidenceError
 
-__all__ = ["BAN_TTL", "BanList", "Conviction", "convictions_key", "fetch", "publish"]
+__all__ = [
+    "BAN_TTL",
+    "BanList",
+    "Conviction",
+    "convictions_key",
+    "enforce",
+    "fetch",
+    "publish",
+]
 
 log = logging.getLogger("shoal.verification.bans")
 
@@ -89,9 +99,33 @@ class BanList:
         return sorted(self._convictions.values(), key=lambda c: c.at)
 
 
-async def publish(dht: DHTNode, evidence: Evidence, *, ttl: float = BAN_TTL) -> bool:
-    """Store a conviction in the DHT (under our own subkey for that peer)."""
-    key = convictions_key(evidence.commitment.experiment)
+class Blocking(Protocol):
+    """The host a ban is enforced on (`transport.host.Host`)."""
+
+    def block(self, peer: PeerID, reason: str) -> None: ...
+
+
+def enforce(
+    bans: BanList, evidence: Any, host: Blocking, me: PeerID, why: str
+) -> tuple[PeerID | None, bool]:
+    """Ban the peer `evidence` convicts once it checks, and refuse it on `host` from
+    then on (unless it is us): the peer (None when the evidence does not check) and
+    whether it is newly banned. What the DiLoCo audit service (`Evidence`) and the
+    pipeline's (`StageEvidence`, alike in what `BanList.consider` reads) share."""
+    known = evidence.prover in bans
+    peer = bans.consider(evidence)
+    new = peer is not None and not known
+    if new and peer != me:
+        host.block(peer, why)  # type: ignore[arg-type]
+    return peer, new
+
+
+async def publish(
+    dht: DHTNode, evidence: Any, *, key: str | None = None, ttl: float = BAN_TTL
+) -> bool:
+    """Store a conviction in the DHT under `key` (default: the experiment's
+    convictions), in our own subkey for that peer."""
+    key = key or convictions_key(evidence.commitment.experiment)
     subkey = f"{evidence.prover.to_base58()}{owner_marker(dht.peer_id)}"
     try:
         return await dht.store(key, evidence.encode(), time.time() + ttl, subkey=subkey)
@@ -100,11 +134,17 @@ async def publish(dht: DHTNode, evidence: Evidence, *, ttl: float = BAN_TTL) -> 
         return False
 
 
-async def fetch(dht: DHTNode, experiment: str) -> list[Evidence]:
-    """The convictions published for `experiment` that decode (not yet checked:
-    `BanList.consider` does that)."""
+async def fetch(
+    dht: DHTNode,
+    experiment: str,
+    *,
+    key: str | None = None,
+    decode: Callable[[bytes], Any] = Evidence.decode,
+) -> list[Any]:
+    """The convictions published under `key` (default: `experiment`'s) that `decode`
+    takes (not yet checked: `BanList.consider` does that)."""
     try:
-        value = await dht.get(convictions_key(experiment), latest=True)
+        value = await dht.get(key or convictions_key(experiment), latest=True)
     except (DHTError, TransportError, OSError) as e:
         log.debug("reading convictions failed: %r", e)
         return []
@@ -115,7 +155,7 @@ async def fetch(dht: DHTNode, experiment: str) -> list[Evidence]:
         if not isinstance(raw, bytes):
             continue
         try:
-            out.append(Evidence.decode(raw))
+            out.append(decode(raw))
         except EvidenceError as e:
             log.info("an undecodable conviction in the DHT: %s", e)
     return out

@@ -16,7 +16,7 @@ import random
 
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
-from shoal.verification.bans import BanList, fetch
+from shoal.verification.bans import BanList, enforce, fetch
 from shoal.verification.evidence import Evidence
 
 __all__ = ["BAN_REFRESH_S", "BanWatcher"]
@@ -52,19 +52,16 @@ class BanWatcher:
     def enforce(self, evidence: Evidence) -> PeerID | None:
         """Ban the peer `evidence` convicts, once it checks (refused by our host from
         then on); the peer, or None when the evidence does not check."""
-        known = evidence.prover in self.bans
-        peer = self.bans.consider(evidence)
-        if peer is not None and not known:
-            if peer == self.dht.peer_id:
-                self.convicted_self = True
-                log.error(
-                    "this peer was convicted of cheating in round %d of %s: every other "
-                    "peer refuses it",
-                    evidence.commitment.round,
-                    self.experiment,
-                )
-            else:
-                self.dht.host.block(peer, f"convicted in round {evidence.commitment.round}")
+        why = f"convicted in round {evidence.commitment.round}"
+        peer, new = enforce(self.bans, evidence, self.dht.host, self.dht.peer_id, why)
+        if new and peer == self.dht.peer_id:
+            self.convicted_self = True
+            log.error(
+                "this peer was convicted of cheating in round %d of %s: every other "
+                "peer refuses it",
+                evidence.commitment.round,
+                self.experiment,
+            )
         return peer
 
     async def run(self) -> None:
