@@ -21,8 +21,8 @@ between stages to R learned coordinates and the byte ids per position: with R 12
 d_model 128 under bf16, ~21x fewer bytes than float32 hidden states both ways
 (`bench/pipeline.py`'s codec comparison).
 
-Config "preset" names a model size (`PRESETS`: "small" ~4.8 M parameters, "base"
-12 layers at d_model 512, ~38 M) whose keys the other config keys override; the
+Config "preset" names a model size (`PRESETS`: "small" 4.9 M parameters, "base"
+12 layers at d_model 512, 38.2 M) whose keys the other config keys override; the
 experiment's config holds the resulting keys, not the preset's name.
 """
 
@@ -71,9 +71,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 DATA_SOURCES = ("stdlib", "user")
 # Model sizes by name (`--task-option preset=base`); given keys override them. "base"
-# is a real model for pipelines: 12 blocks of d_model 512 (~38 M parameters, ~150 MB in
-# float32, ~600 MB with AdamW's state and gradients), about a second a step per stage
-# of four on a CPU core at batch 8.
+# is a real model for pipelines: 12 blocks of d_model 512, 38.2 M parameters pipelined
+# (153 MB in float32, 611 MB with gradients and AdamW's state; ~9.6 M a stage of four),
+# about a second of CPU time per step of a stage of four at batch 4 (bench/stage_build.py).
 PRESETS: dict[str, dict[str, Any]] = {
     "small": {"d_model": 256, "n_layers": 6, "n_heads": 4, "context": 256},
     "base": {"d_model": 512, "n_layers": 12, "n_heads": 8, "context": 256},
