@@ -21,6 +21,7 @@ from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.device import DeviceInventory
 from shoal.peer.training.task_error import TaskError
 from shoal.peer.training.tasks.bytegpt import PRESETS, ByteGPTTask, make_task
+from shoal.pipeline.bounds import probe_bounds
 from shoal.pipeline.stage_build import (
     build_stage,
     builds_stages_alone,
@@ -53,6 +54,12 @@ class OnlyWhole:
     def make_stages(self, seed: int, count: int) -> list[nn.Module]:
         self.builds += 1
         return self.inner.make_stages(seed, count)
+
+    def eval_batches(self, count: int) -> list[torch.Tensor]:
+        return self.inner.eval_batches(count)  # type: ignore[no-any-return]
+
+    def stage_inputs(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.inner.stage_inputs(batch)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("rank", [0, 5])
@@ -170,6 +177,44 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> Builds:
 
     monkeypatch.setattr(ByteGPTTask, "make_stage", counting)
     return counted
+
+
+class NotOnMeta(nn.Module):
+    """A stage whose layers do not run on the meta device (as some custom layers)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:
+            raise NotImplementedError("no meta kernel")
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+class OneStageNotOnMeta:
+    def __init__(self, task: Any, k: int) -> None:
+        self.inner, self.k = task, k
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def make_stage(self, seed: int, count: int, k: int) -> nn.Module:
+        module = self.inner.make_stage(seed, count, k)
+        return NotOnMeta(module) if k == self.k else module
+
+
+def test_the_bounds_probe_builds_each_stage_alone_on_the_meta_device(builds: Builds) -> None:
+    """Stage by stage, each freed before the next; a stage that does not run there is
+    probed on the CPU, it alone. The sizes are those of the whole model's probe."""
+    task = make_task(TINY)
+    whole = probe_bounds(OnlyWhole(task), 5, 4, 8)
+    builds.real.clear(), builds.meta.clear()
+    assert probe_bounds(task, 5, 4, 8) == whole
+    assert builds.meta == [0, 1, 2, 3] and builds.real == []
+    builds.meta.clear()
+    assert probe_bounds(OneStageNotOnMeta(task, 2), 5, 4, 8) == whole
+    assert builds.meta == [0, 1, 2, 3] and builds.real == [2]
 
 
 def pipeline_manifest(identity: Identity, task: Any, stages: list[str], seed: int = 9) -> Manifest:
