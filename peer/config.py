@@ -175,7 +175,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "task_option",
             "SHOAL_TASK_OPTIONS",
-            "a task setting of a hosted experiment, e.g. d_model=64; repeat the flag for several",
+            "a task setting of a hosted experiment, e.g. d_model=64 (bytegpt: preset=base, "
+            "a 38 M model); repeat the flag for several",
             "KEY=VALUE",
             "the task's defaults",
             repeatable=True,

@@ -12,6 +12,10 @@ refuses such an answer, and a referee such an audit request, the same way.
 `probe_bounds` measures the elements per sample by running one sample of the
 task's held-out data through the stages, on PyTorch's meta device (shapes only:
 no memory, no compute), or, where a task's layers do not run there, on the CPU.
+A task that builds its stages alone (`stage_build`) has them built one at a time,
+each freed before the next, so that a peer holds no stage but its own for real
+(meta builds allocate and initialize nothing; a stage that does not run on the
+meta device is built on the CPU, said in the log).
 It assumes what every pipelined task keeps (`peer.task`): one sample's inputs
 have the same shape in every batch. An honest request holds one task batch,
 at most the experiment's ``global_batch`` samples (or the probed batch's,
@@ -28,6 +32,8 @@ from typing import Any
 import torch
 
 from shoal.transport.errors import PayloadTooLarge
+
+from .stage_build import build_stage, builds_stages_alone
 
 __all__ = ["StageBounds", "probe_bounds"]
 
@@ -60,12 +66,18 @@ def probe_bounds(task: Any, seed: int, stages: int, global_batch: int) -> list[S
     batch = task.eval_batches(1)[0]
     inputs = task.stage_inputs(batch)
     max_samples = max(global_batch, int(inputs.shape[0]))
-    try:
-        sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
-    except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:
-        log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
-        sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
+    if builds_stages_alone(task):
+        sizes = _per_sample_alone(task, seed, stages, inputs[:1])
+    else:
+        try:
+            sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
+        except _NOT_ON_META as e:
+            log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
+            sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
     return [StageBounds(max_samples, sizes[k], sizes[k + 1]) for k in range(stages)]
+
+
+_NOT_ON_META = (NotImplementedError, RuntimeError, TypeError, ValueError)
 
 
 def _per_sample(
@@ -79,6 +91,25 @@ def _per_sample(
     with torch.no_grad():
         for module in modules:
             x = module(x)
+            sizes.append(_elements(x))
+    return sizes
+
+
+def _per_sample_alone(task: Any, seed: int, stages: int, x: torch.Tensor) -> list[int]:
+    """As `_per_sample`, each stage built alone and freed before the next."""
+    sizes = [_elements(x)]
+    with torch.no_grad():
+        for k in range(stages):
+            try:
+                with torch.device("meta"):
+                    module = build_stage(task, seed, stages, k)
+                    x = module(x.to("meta"))
+            except _NOT_ON_META as e:
+                log.info("stage %d does not run on the meta device (%r): probing on the CPU", k, e)
+                with torch.device("cpu"):
+                    module = build_stage(task, seed, stages, k)
+                x = module(torch.zeros(x.shape, dtype=x.dtype))  # (the shapes are what counts)
+            del module
             sizes.append(_elements(x))
     return sizes
 
