@@ -1,0 +1,207 @@
+"""Global clipping's driver: our stage's squared norm into the DHT, the other stages' out.
+
+For step v every peer of every stage stores its claim `{stage, sq, group}` in its
+own signed subkey of `shoal/x/<experiment>/clip/<v>` (`clip_key`) and reads the
+key until every stage's norm settled (`clipping.NormClaims`), polling fast at
+first (the stages step within moments of each other) and slower later. A claim
+counts only from a peer that holds a record of the stage it claims for (its
+stage record, which it signed: a stranger's claim is no stage's), and only its
+owner can write a subkey, so nobody claims in another's name.
+
+The deadline: a stage whose norm has not settled `deadline_s` after our step
+committed counts as missing, so that no stage waits on another forever; a stage
+that no peer serves, or whose records name a version more than `ASTRAY_STEPS` from
+ours (it went back to an older version with a lost state), counts as missing
+after `ASTRAY_WAIT_S` already: its claim is not coming soon. The peers
+of one stage read the same records, so they settle on the same norms unless one
+arrives within moments of the deadline: then they can part (one scales by the
+full factor, another by its fallback), which the state's fingerprints show. The
+deadline is long (the stages step within a global batch's backward of each
+other) to keep that window rare; closing it needs an agreement round within the
+stage (see the report of issue 41). Fallbacks are counted on /status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.dht.node import DHTNode
+from shoal.dht.records import RecordError, owner_marker, owner_of
+from shoal.transport.identity import PeerID
+
+from .clipping import ClipDecision, NormClaims, rounded
+from .server import stage_key
+
+__all__ = ["CLIP_DEADLINE_S", "ClipExchange", "clip_key", "read_claims"]
+
+log = logging.getLogger("shoal.pipeline")
+
+CLIP_DEADLINE_S = 30.0
+CLIP_TTL = 300.0  # claims outlive the slowest stage's step by far
+POLL_FIRST_S = 0.02
+POLL_MAX_S = 0.5
+DECISIONS_KEPT = 8
+MEMBERS_EVERY_S = 1.0
+ASTRAY_STEPS = 6  # a stage this many versions from ours will not claim our step's norm soon
+ASTRAY_WAIT_S = 2.0  # ...so it is waited for this long only
+
+
+def clip_key(experiment: str, version: int) -> str:
+    return f"shoal/x/{experiment}/clip/{version}"
+
+
+def read_claims(
+    subkeys: Mapping[Any, tuple[Any, float]], claims: NormClaims, members: Sequence[set[PeerID]]
+) -> bool:
+    """The claims of a clip key's records (subkey -> (value, expiration)) into `claims`,
+    each from a peer holding a record of the stage it claims for (`members`); whether
+    one came from a peer not among them (it may have joined since they were read)."""
+    unknown = False
+    for subkey, (value, _expiration) in subkeys.items():
+        try:
+            peer = owner_of(subkey) if isinstance(subkey, str) else None
+        except RecordError:
+            continue
+        if peer is None or not isinstance(value, dict):
+            continue
+        stage = value.get("stage")
+        if isinstance(stage, bool) or not isinstance(stage, int):
+            continue
+        if not 0 <= stage < min(claims.stages, len(members)):
+            continue
+        if peer not in members[stage]:
+            unknown = True
+            continue
+        claims.add(stage, peer, value.get("sq"), value.get("group"))
+    return unknown
+
+
+@dataclass(frozen=True)
+class Decided:
+    version: int
+    decision: ClipDecision
+    seconds: float  # how long we waited for the other stages
+
+
+class ClipExchange:
+    """One stage peer's side of global clipping (`StageOptimizer.clip` calls `factor`)."""
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        experiment: str,
+        stage: int,
+        stages: int,
+        max_norm: float,
+        *,
+        deadline_s: float = CLIP_DEADLINE_S,
+    ) -> None:
+        self.dht = dht
+        self.experiment = experiment
+        self.stage = stage
+        self.stages = stages
+        self.max_norm = max_norm
+        self.deadline_s = deadline_s
+        self.fallbacks = 0  # steps clipped without some stage's norm
+        self.disputed: set[PeerID] = set()  # peers whose claim differed from the settled one
+        self.decided: deque[Decided] = deque(maxlen=DECISIONS_KEPT)
+
+    async def factor(self, version: int, squared: float, group: int) -> float:
+        """Claim our stage's squared norm for the step from `version` (a step of `group`
+        peers), wait for the other stages' (until the deadline); the factor to scale by."""
+        started = time.monotonic()
+        key = clip_key(self.experiment, version)
+        me = self.dht.peer_id
+        claim = {"stage": self.stage, "sq": squared, "group": group}
+        await self.dht.store(key, claim, time.time() + CLIP_TTL, subkey=owner_marker(me))
+        (members, newest), members_at = await self._members(), time.monotonic()
+        delay = POLL_FIRST_S
+        while True:
+            claims = NormClaims(self.stages)
+            found = await self.dht.get(key, latest=True)
+            subkeys = (found.subkeys or {}) if found is not None else {}
+            unknown = read_claims(subkeys, claims, members)
+            if unknown and time.monotonic() - members_at >= MEMBERS_EVERY_S:
+                # A peer that joined a stage since we read the records (or a stranger:
+                # the records are read again at most this often for it).
+                (members, newest), members_at = await self._members(), time.monotonic()
+                claims = NormClaims(self.stages)
+                read_claims(subkeys, claims, members)
+            elapsed = time.monotonic() - started
+            waiting = [
+                t for t in range(self.stages) if t != self.stage and claims.settled(t) is None
+            ]
+            # A stage no peer serves, or whose version is steps away from ours (it lost
+            # its state, or we are far behind), has no claim coming: no long wait for it.
+            astray = all(
+                newest[t] is None or abs(newest[t] - version) > ASTRAY_STEPS for t in waiting
+            )
+            final = elapsed >= self.deadline_s or (astray and elapsed >= ASTRAY_WAIT_S)
+            decision = claims.decide(self.max_norm, (self.stage, squared), final=final)
+            if decision is not None:
+                self._note_disputes(claims, squared)
+                return self._decided(version, decision, time.monotonic() - started)
+            left = self.deadline_s - (time.monotonic() - started)
+            await asyncio.sleep(max(0.0, min(delay, left)))
+            delay = min(2 * delay, POLL_MAX_S)
+
+    def _note_disputes(self, claims: NormClaims, squared: float) -> None:
+        for s in range(self.stages):
+            if s != self.stage:
+                self.disputed.update(claims.disputed(s))
+        mine = rounded(squared)  # (our own stage's peers claim what we computed)
+        self.disputed.update(p for p, v in claims.claimants(self.stage).items() if v != mine)
+
+    def _decided(self, version: int, decision: ClipDecision, seconds: float) -> float:
+        self.decided.append(Decided(version, decision, seconds))
+        if decision.fell_back:
+            self.fallbacks += 1
+            missing = [s for s, n in enumerate(decision.squared_norms) if n is None]
+            log.warning(
+                "step from %d: no agreed gradient norm from stage(s) %s within %.0f s; "
+                "clipped by the other stages' (factor %.4g)",
+                version, missing, self.deadline_s, decision.factor,
+            )  # fmt: skip
+        return decision.factor
+
+    async def _members(self) -> tuple[list[set[PeerID]], list[int | None]]:
+        """Who holds a record of each stage (serving it, or left it lately), and the
+        newest version a serving peer's record names (None: nobody serves it)."""
+        keys = [stage_key(self.experiment, s) for s in range(self.stages)]
+        found = await self.dht.get_many(keys, latest=True)
+        members: list[set[PeerID]] = []
+        newest: list[int | None] = []
+        for k in keys:
+            value = found.get(k)
+            peers, versions = set(), []
+            for subkey, (record, _) in ((value.subkeys or {}) if value is not None else {}).items():
+                try:
+                    peer = owner_of(subkey)
+                except RecordError:
+                    continue
+                if peer is not None:
+                    peers.add(peer)
+                    v = record.get("version") if isinstance(record, dict) else None
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        versions.append(v)
+            members.append(peers)
+            newest.append(max(versions, default=None))
+        return members, newest
+
+    def status(self) -> dict[str, object]:
+        """/status.pipeline's `clipping`."""
+        last = self.decided[-1] if self.decided else None
+        return {
+            "max_grad_norm": self.max_norm,
+            "factor": None if last is None else last.decision.factor,
+            "factor_version": None if last is None else last.version,
+            "waited_s": None if last is None else round(last.seconds, 3),
+            "fallbacks": self.fallbacks,
+            "disputed": sorted(str(p) for p in self.disputed),
+        }

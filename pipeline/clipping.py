@@ -1,0 +1,152 @@
+"""Global gradient clipping across a pipeline's stages: the norms each stage claims, sans-I/O.
+
+One process clips the whole model's gradient g to `max_norm` by the factor
+`min(1, max_norm / (|g| + 1e-6))` (torch's `clip_grad_norm_`). A pipeline holds g
+in pieces, one per stage, so for step v each stage's peers square the norm of
+their stage's mean gradient after its all-reduce (the same on every peer of the
+stage, `stage_squared_norm`), claim it for the other stages to read
+(`clip_exchange` carries the claims) and, once they know every stage's, scale by
+the same factor from the sum (`clip_factor`).
+
+A claim is what some peer says: `NormClaims` takes a stage's squared norm for v
+from the claims of the peers listed as serving it, as the value claimed by the
+most distinct peers, and only once `min(2, group)` of them claim it, `group`
+being the largest step group any of the stage's claims for v states. Every honest
+peer of the stage claims the same bits, so a lone liar can neither set a stage's
+value (it never reaches two claimants alone) nor make one up for a stage whose
+step had two or more peers. A stage whose claims tie, or whose claims do not
+arrive by the deadline, counts as missing: the step then clips by the stages
+that did settle (it clips at least as much as each of them needs alone, never
+less than its own stage needs) and is counted as a fallback.
+
+Squared norms are summed in float64 and rounded to float32 before they are
+claimed or used: peers on different processors may add the same floats in
+another order, and the rounding makes them agree bit for bit (short of a sum
+within ~1e-16 of a rounding boundary).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shoal.transport.identity import PeerID
+
+__all__ = [
+    "CLAIM_QUORUM",
+    "ClipDecision",
+    "NormClaims",
+    "clip_factor",
+    "rounded",
+    "stage_squared_norm",
+]
+
+CLAIM_QUORUM = 2  # distinct peers of a stage that must agree on its norm (if it had as many)
+MAX_GROUP = 1 << 16  # a claim's group size beyond this is not believed
+EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+def rounded(squared: float) -> float:
+    """A squared norm as claimed and used: rounded to float32 (see the module's note)."""
+    return float(torch.tensor(squared, dtype=torch.float64).to(torch.float32))
+
+
+def stage_squared_norm(gradients: Iterable[torch.Tensor]) -> float:
+    """The squared L2 norm of one stage's gradients, summed in float64, rounded."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g in gradients:
+        total += g.detach().to(dtype=torch.float64).pow(2).sum().cpu()
+    return rounded(float(total))
+
+
+def clip_factor(squared_norms: Iterable[float], max_norm: float) -> float:
+    """What every stage multiplies its gradient by: torch's `clip_grad_norm_` factor
+    over the whole model, from the stages' squared norms (added in stage order)."""
+    total = math.sqrt(math.fsum(squared_norms))
+    return min(1.0, max_norm / (total + EPS))
+
+
+@dataclass(frozen=True)
+class ClipDecision:
+    """The factor a stage scales its step's gradient by, and how it was reached."""
+
+    factor: float
+    squared_norms: tuple[float | None, ...]  # per stage; None: missing (not settled)
+
+    @property
+    def fell_back(self) -> bool:
+        """Some stage's norm was missing: the factor is over the others only."""
+        return any(n is None for n in self.squared_norms)
+
+
+@dataclass(frozen=True)
+class _Claim:
+    squared: float
+    group: int
+
+
+class NormClaims:
+    """The squared norms claimed for one step (version) of a pipeline, per stage."""
+
+    def __init__(self, stages: int) -> None:
+        self.stages = stages
+        self._claims: list[dict[PeerID, _Claim]] = [{} for _ in range(stages)]
+
+    def add(self, stage: int, peer: PeerID, squared: object, group: object) -> bool:
+        """A peer's claim; False (and ignored) when it is malformed. The caller checks
+        that `peer` serves `stage` (its stage record) and signed the claim. A peer's
+        newer claim replaces its older one."""
+        if not 0 <= stage < self.stages:
+            return False
+        if isinstance(squared, bool) or not isinstance(squared, int | float):
+            return False
+        if not math.isfinite(squared) or squared < 0:
+            return False
+        if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= MAX_GROUP:
+            return False
+        self._claims[stage][peer] = _Claim(rounded(float(squared)), group)
+        return True
+
+    def claimants(self, stage: int) -> Mapping[PeerID, float]:
+        return {p: c.squared for p, c in self._claims[stage].items()}
+
+    def settled(self, stage: int) -> float | None:
+        """Stage `stage`'s squared norm, once enough of its peers agree on one (None: not yet,
+        or a tie)."""
+        claims = self._claims[stage].values()
+        if not claims:
+            return None
+        need = min(CLAIM_QUORUM, max(c.group for c in claims))
+        votes: dict[float, int] = {}
+        for c in claims:
+            votes[c.squared] = votes.get(c.squared, 0) + 1
+        ranked = sorted(votes.items(), key=lambda kv: -kv[1])
+        best, count = ranked[0]
+        if count < need or (len(ranked) > 1 and ranked[1][1] == count):
+            return None
+        return best
+
+    def disputed(self, stage: int) -> list[PeerID]:
+        """The peers whose claim for `stage` differs from its settled value (liars, or
+        peers that left the step's group): for the status, not a conviction."""
+        value = self.settled(stage)
+        if value is None:
+            return []
+        return [p for p, c in self._claims[stage].items() if c.squared != value]
+
+    def decide(
+        self, max_norm: float, own: tuple[int, float], *, final: bool = False
+    ) -> ClipDecision | None:
+        """The factor once every stage's norm settled; with `final` (the deadline), over
+        the stages that did (the others count as missing). `own`: our stage and its
+        squared norm, which we computed ourselves (no claim needed)."""
+        mine, squared = own
+        norms = tuple(
+            rounded(squared) if s == mine else self.settled(s) for s in range(self.stages)
+        )
+        if any(n is None for n in norms) and not final:
+            return None
+        return ClipDecision(clip_factor((n for n in norms if n is not None), max_norm), norms)
