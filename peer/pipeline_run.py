@@ -29,6 +29,7 @@ import torch
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.dht.node import DHTNode
 from shoal.pipeline.bounds import StageBounds, probe_bounds
+from shoal.pipeline.clip_exchange import ClipExchange
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
@@ -40,6 +41,7 @@ from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest
+from .pipeline_validation import PipelineValidation
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
 from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
@@ -92,6 +94,7 @@ class PipelineRun:
         self.on_round: Callable[[Any], None] | None = None  # (no averaging rounds of its own)
         self.stage_peer: StagePeer | None = None
         self.loop: TrainerLoop | None = None
+        self.validation: PipelineValidation | None = None  # (a trainer's held-out loss)
         self.mover: StageMover | None = None  # (a stage peer whose stage is not pinned)
         self.directory: list[list[StageRecord]] = [[] for _ in range(self.stages)]
         self._shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
@@ -153,13 +156,14 @@ class PipelineRun:
                 lag=int(self.options["lag"]),
             )
             self.loop.on_microbatch = self._microbatch_done
+            self.validation = PipelineValidation(self.task, self.loop, self.stats)
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
         modules = await asyncio.to_thread(self.task.make_stages, self.manifest.seed, self.stages)  # type: ignore[attr-defined]
         module = await asyncio.to_thread(modules[k].to, self.device)
         del modules
-        return StagePeer(
+        peer = StagePeer(
             self.dht,
             self.manifest.experiment_id,
             k,
@@ -174,6 +178,12 @@ class PipelineRun:
             device=self.device,
             bounds=None if self.bounds is None else self.bounds[k],
         )
+        max_norm = self.options.get("max_grad_norm")
+        if max_norm is not None:  # every stage scales by the whole model's norm
+            clip = ClipExchange(self.dht, self.manifest.experiment_id, k, self.stages,
+                                float(max_norm))  # fmt: skip
+            peer.optimizer.clip = clip.factor
+        return peer
 
     def _moved(self, old: StagePeer, new: StagePeer) -> None:
         """The mover moved us from `old`'s stage to `new`'s: our own trainer calls
@@ -201,6 +211,8 @@ class PipelineRun:
         ]
         if self.mover is not None:
             background.append(asyncio.ensure_future(self.mover.run(stop)))
+        if self.validation is not None:
+            background.append(asyncio.ensure_future(self.validation.run(stop)))
         try:
             if self.loop is not None:
                 await self.loop.run(stop)
@@ -286,6 +298,9 @@ class PipelineRun:
             # our stage again.
             "moves_failed": None if self.mover is None else self.mover.failed_moves,
             "syncs": None if peer is None else peer.syncs,
+            # Global gradient clipping (manifest option max_grad_norm): the last step's
+            # factor, steps clipped without some stage's norm, peers whose claim differed.
+            "clipping": self._clipping(),
             "retries": None if loop is None else loop.trainer.counters.retries,
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
             "recovered": None if loop is None else loop.trainer.counters.recovered,
@@ -309,6 +324,12 @@ class PipelineRun:
             trainer=None if loop is None else loop.trainer,
             server=None if peer is None else peer.server,
         )
+
+    def _clipping(self) -> dict[str, Any] | None:
+        peer = self.stage_peer
+        clip = None if peer is None else peer.optimizer.clip
+        exchange = getattr(clip, "__self__", None)
+        return exchange.status() if isinstance(exchange, ClipExchange) else None
 
     @property
     def oversized_refused(self) -> int:

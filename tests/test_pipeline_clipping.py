@@ -25,6 +25,11 @@ from shoal.pipeline.stage_optimizer import StageOptimizer
 from shoal.pipeline.trainer import PipelineTrainer
 from shoal.transport.identity import Identity, PeerID
 
+from .pipeline_swarm import EXPERIMENT as SWARM_EXPERIMENT
+from .pipeline_swarm import TINY as SWARM_TINY
+from .pipeline_swarm import Swarm, loop_for
+from .waiting import eventually
+
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
 TINY = {"d_model": 32, "n_layers": 4, "n_heads": 2, "context": 32, "batch_size": 4}
 EXPERIMENT = "clip-test"
@@ -245,3 +250,36 @@ async def test_clipping_across_stages_gives_one_process_clip_grad_norm_update(
             await server.aclose()
         for n in nodes:
             await n.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_stage_peers_training_with_clipping_all_scale_each_step_by_one_factor(
+    make_host: Callable[..., Any],
+) -> None:
+    """Stage peers and a trainer loop as a daemon runs them (stage 1 served by two
+    peers, a batch ahead): for every step, every peer of every stage scales by the same
+    factor, nobody falls back, and the peers of a stage keep equal states."""
+    task = make_task(SWARM_TINY)
+    swarm = Swarm(make_host)
+    try:
+        exchanges: list[ClipExchange] = []
+        for k, module in enumerate(task.make_stages(5, 3)):
+            for _ in range(2 if k == 1 else 1):
+                peer = await swarm.stage_peer(k, module, global_batch=8)
+                exchange = ClipExchange(peer.server.dht, SWARM_EXPERIMENT, k, 3, 0.5)
+                peer.optimizer.clip = exchange.factor
+                exchanges.append(exchange)
+        trainer = await swarm.trainer(3, codec="none")
+        await loop_for(trainer, task, shard=0, global_batch=8, lag=1).run(steps=3)
+        for v in range(3):
+            factors = {d.decision.factor for e in exchanges for d in e.decided if d.version == v}
+            assert len(factors) == 1, (v, factors)
+        assert all(e.fallbacks == 0 and not e.disputed for e in exchanges)
+        assert all(d.decision.factor < 1.0 for e in exchanges for d in e.decided)  # it clipped
+        a, b = swarm.of_stage(1)
+        # (The slower peer may still be applying its step.)
+        await eventually(lambda: a.version == b.version, "stage 1's peers at one version", 20)
+        assert a.optimizer.fingerprint() == b.optimizer.fingerprint()
+    finally:
+        trainer.close()
+        await swarm.aclose()
