@@ -8,17 +8,19 @@ counts only from a peer that holds a record of the stage it claims for (its
 stage record, which it signed: a stranger's claim is no stage's), and only its
 owner can write a subkey, so nobody claims in another's name.
 
-The deadline: a stage whose norm has not settled `deadline_s` after our step
-committed counts as missing, so that no stage waits on another forever; a stage
-that no peer serves, or whose records name a version more than `ASTRAY_STEPS` from
-ours (it went back to an older version with a lost state), counts as missing
-after `ASTRAY_WAIT_S` already: its claim is not coming soon. The peers
-of one stage read the same records, so they settle on the same norms unless one
-arrives within moments of the deadline: then they can part (one scales by the
-full factor, another by its fallback), which the state's fingerprints show. The
-deadline is long (the stages step within a global batch's backward of each
-other) to keep that window rare; closing it needs an agreement round within the
-stage (see the report of issue 41). Fallbacks are counted on /status.
+The deadline: a stage whose norm has not settled `deadline` after our step
+committed counts as missing, so that no stage waits on another forever. It is
+30 s, or 4 times the longest wait of the last steps (at most 10 minutes), for
+stages whose steps lie far apart (big stages averaging over slow links). A stage
+that no peer serves, or whose records name a version more than `ASTRAY_STEPS`
+from ours (it went back to an older version with a lost state), counts as
+missing after `ASTRAY_WAIT_S` already: its claim is not coming soon.
+
+The peers of one stage read the same records, so they settle on the same norms
+unless one arrives within moments of the deadline: then they can part (one
+scales by the full factor, another by its fallback), which the state's
+fingerprints show. The deadline's margin keeps that window rare; closing it
+needs an agreement round within the stage. Fallbacks are counted on /status.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
 DECISIONS_KEPT = 8
 MEMBERS_EVERY_S = 1.0
+DEADLINE_MARGIN = 4.0
+MAX_DEADLINE_S = 600.0
 ASTRAY_STEPS = 6  # a stage this many versions from ours will not claim our step's norm soon
 ASTRAY_WAIT_S = 2.0  # ...so it is waited for this long only
 
@@ -107,7 +111,7 @@ class ClipExchange:
         self.stage = stage
         self.stages = stages
         self.max_norm = max_norm
-        self.deadline_s = deadline_s
+        self.deadline_s = deadline_s  # the floor of `deadline`
         self.fallbacks = 0  # steps clipped without some stage's norm
         self.disputed: set[PeerID] = set()  # peers whose claim differed from the settled one
         self.decided: deque[Decided] = deque(maxlen=DECISIONS_KEPT)
@@ -121,6 +125,7 @@ class ClipExchange:
         claim = {"stage": self.stage, "sq": squared, "group": group}
         await self.dht.store(key, claim, time.time() + CLIP_TTL, subkey=owner_marker(me))
         (members, newest), members_at = await self._members(), time.monotonic()
+        deadline = self.deadline
         delay = POLL_FIRST_S
         while True:
             claims = NormClaims(self.stages)
@@ -142,14 +147,22 @@ class ClipExchange:
             astray = all(
                 newest[t] is None or abs(newest[t] - version) > ASTRAY_STEPS for t in waiting
             )
-            final = elapsed >= self.deadline_s or (astray and elapsed >= ASTRAY_WAIT_S)
+            final = elapsed >= deadline or (astray and elapsed >= ASTRAY_WAIT_S)
             decision = claims.decide(self.max_norm, (self.stage, squared), final=final)
             if decision is not None:
                 self._note_disputes(claims, squared)
                 return self._decided(version, decision, time.monotonic() - started)
-            left = self.deadline_s - (time.monotonic() - started)
+            left = deadline - (time.monotonic() - started)
             await asyncio.sleep(max(0.0, min(delay, left)))
             delay = min(2 * delay, POLL_MAX_S)
+
+    @property
+    def deadline(self) -> float:
+        """How long a step waits for the other stages' norms: `deadline_s`, or more where
+        the stages' steps lie further apart (big stages averaging over slow links):
+        `DEADLINE_MARGIN` times the longest wait of the last steps that did not fall back."""
+        waits = [d.seconds for d in self.decided if not d.decision.fell_back]
+        return min(MAX_DEADLINE_S, max(self.deadline_s, DEADLINE_MARGIN * max(waits, default=0.0)))
 
     def _note_disputes(self, claims: NormClaims, squared: float) -> None:
         for s in range(self.stages):
@@ -166,7 +179,7 @@ class ClipExchange:
             log.warning(
                 "step from %d: no agreed gradient norm from stage(s) %s within %.0f s; "
                 "clipped by the other stages' (factor %.4g)",
-                version, missing, self.deadline_s, decision.factor,
+                version, missing, seconds, decision.factor,
             )  # fmt: skip
         return decision.factor
 
