@@ -45,7 +45,6 @@ __all__ = ["CLIP_DEADLINE_S", "ClipExchange", "clip_key", "read_claims"]
 log = logging.getLogger("shoal.pipeline")
 
 CLIP_DEADLINE_S = 30.0
-CLIP_TTL = 300.0  # claims outlive the slowest stage's step by far
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
 DECISIONS_KEPT = 8
@@ -123,9 +122,11 @@ class ClipExchange:
         key = clip_key(self.experiment, version)
         me = self.dht.peer_id
         claim = {"stage": self.stage, "sq": squared, "group": group}
-        await self.dht.store(key, claim, time.time() + CLIP_TTL, subkey=owner_marker(me))
-        (members, newest), members_at = await self._members(), time.monotonic()
         deadline = self.deadline
+        # Kept until a stage that steps up to a deadline after us has read it.
+        expires = time.time() + 2 * deadline + 60
+        await self.dht.store(key, claim, expires, subkey=owner_marker(me))
+        (members, newest), members_at = await self._members(), time.monotonic()
         delay = POLL_FIRST_S
         while True:
             claims = NormClaims(self.stages)

@@ -55,11 +55,11 @@ def rounded(squared: float) -> float:
 
 
 def stage_squared_norm(gradients: Iterable[torch.Tensor]) -> float:
-    """The squared L2 norm of one stage's gradients, summed in float64, rounded."""
-    total = torch.zeros((), dtype=torch.float64)
+    """The squared L2 norm of one stage's gradients, accumulated in float64, rounded."""
+    total = 0.0
     for g in gradients:
-        total += g.detach().to(dtype=torch.float64).pow(2).sum().cpu()
-    return rounded(float(total))
+        total += float(torch.linalg.vector_norm(g.detach(), dtype=torch.float64)) ** 2
+    return rounded(total)
 
 
 def clip_factor(squared_norms: Iterable[float], max_norm: float) -> float:
