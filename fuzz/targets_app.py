@@ -22,7 +22,7 @@ from shoal.peer.verify import audit_round, reveals
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
 from shoal.pipeline.bounds import StageBounds
-from shoal.pipeline.clip_exchange import read_claims
+from shoal.pipeline.clip_exchange import StagesSeen, read_claims
 from shoal.pipeline.clipping import NormClaims
 from shoal.pipeline.directory import StageRecord
 from shoal.pipeline.fencing import parse_attempt, parse_fence
@@ -116,8 +116,11 @@ def pipeline_records(data: bytes) -> None:
         assert report.samples >= 0 and report.version >= 0
     claims = NormClaims(2)  # global clipping's norm claims, every claimant a stage peer
     read_claims(subkeys, claims, [{_PEER}, {_PEER}])
+    seen = StagesSeen([], [], [])  # (and the stage records as clipping reads them)
+    seen.add(subkeys, 3)
+    assert seen.serving[0] <= len(seen.members[0])
     for s in range(2):
-        norm = claims.settled(s)
+        norm = claims.settled(s, seen.serving[0])
         assert norm is None or (math.isfinite(norm) and norm >= 0)
     ctx = SimpleNamespace(peer=_PEER)
     # A step notification may only settle steps: there are none open here, so no replays.

@@ -40,7 +40,7 @@ from shoal.transport.identity import PeerID
 from .clipping import ClipDecision, NormClaims, rounded
 from .server import stage_key
 
-__all__ = ["CLIP_DEADLINE_S", "ClipExchange", "clip_key", "read_claims"]
+__all__ = ["CLIP_DEADLINE_S", "ClipExchange", "StagesSeen", "clip_key", "read_claims"]
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -48,7 +48,7 @@ CLIP_DEADLINE_S = 30.0
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 0.5
 DECISIONS_KEPT = 8
-MEMBERS_EVERY_S = 1.0
+STAGES_EVERY_S = 1.0  # the stage records are read again this often while we wait
 DEADLINE_MARGIN = 4.0
 MAX_DEADLINE_S = 600.0
 ASTRAY_STEPS = 6  # a stage this many versions from ours will not claim our step's norm soon
@@ -83,6 +83,52 @@ def read_claims(
             continue
         claims.add(stage, peer, value.get("sq"), value.get("group"))
     return unknown
+
+
+@dataclass
+class StagesSeen:
+    """What the stage records say for one step, per stage: who holds a record (serving
+    it, or left it lately: only they may claim), how many serve it ready at the step's
+    version or past it (or a step before, as records lag), and the newest version a
+    record names (None: no record)."""
+
+    members: list[set[PeerID]]
+    serving: list[int]
+    newest: list[int | None]
+
+    def add(self, subkeys: Mapping[Any, tuple[Any, float]], version: int) -> None:
+        """The next stage's records (subkey -> (record, expiration))."""
+        peers: set[PeerID] = set()
+        versions: list[int] = []
+        serving = 0
+        for subkey, (record, _) in subkeys.items():
+            try:
+                peer = owner_of(subkey) if isinstance(subkey, str) else None
+            except RecordError:
+                continue
+            if peer is None:
+                continue
+            peers.add(peer)
+            v = record.get("version") if isinstance(record, dict) else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                versions.append(v)
+                # (A record may lag a step behind its peer's version: it still counts.)
+                serving += v >= version - 1 and record.get("ready", True) is True
+        self.members.append(peers)
+        self.serving.append(serving)
+        self.newest.append(max(versions, default=None))
+
+    def astray(self, claims: NormClaims, mine: int, version: int) -> bool:
+        """Whether every stage still unsettled has no claim coming soon: nobody serves
+        it, or its version is steps away from ours (it lost its state, or we are far
+        behind)."""
+        for t in range(claims.stages):
+            if t == mine or claims.settled(t, self.serving[t]) is not None:
+                continue
+            newest = self.newest[t]
+            if newest is not None and abs(newest - version) <= ASTRAY_STEPS:
+                return False
+        return True
 
 
 @dataclass(frozen=True)
@@ -120,38 +166,28 @@ class ClipExchange:
         peers), wait for the other stages' (until the deadline); the factor to scale by."""
         started = time.monotonic()
         key = clip_key(self.experiment, version)
-        me = self.dht.peer_id
         claim = {"stage": self.stage, "sq": squared, "group": group}
         deadline = self.deadline
         # Kept until a stage that steps up to a deadline after us has read it.
         expires = time.time() + 2 * deadline + 60
-        await self.dht.store(key, claim, expires, subkey=owner_marker(me))
-        (members, newest), members_at = await self._members(), time.monotonic()
+        await self.dht.store(key, claim, expires, subkey=owner_marker(self.dht.peer_id))
+        stages, read_at = await self._stages(version), time.monotonic()
         delay = POLL_FIRST_S
         while True:
+            if time.monotonic() - read_at >= STAGES_EVERY_S:  # (joiners, leavers, versions)
+                stages, read_at = await self._stages(version), time.monotonic()
             claims = NormClaims(self.stages)
             found = await self.dht.get(key, latest=True)
-            subkeys = (found.subkeys or {}) if found is not None else {}
-            unknown = read_claims(subkeys, claims, members)
-            if unknown and time.monotonic() - members_at >= MEMBERS_EVERY_S:
-                # A peer that joined a stage since we read the records (or a stranger:
-                # the records are read again at most this often for it).
-                (members, newest), members_at = await self._members(), time.monotonic()
-                claims = NormClaims(self.stages)
-                read_claims(subkeys, claims, members)
+            read_claims((found.subkeys or {}) if found else {}, claims, stages.members)
             elapsed = time.monotonic() - started
-            waiting = [
-                t for t in range(self.stages) if t != self.stage and claims.settled(t) is None
-            ]
-            # A stage no peer serves, or whose version is steps away from ours (it lost
-            # its state, or we are far behind), has no claim coming: no long wait for it.
-            astray = all(
-                newest[t] is None or abs(newest[t] - version) > ASTRAY_STEPS for t in waiting
+            final = elapsed >= deadline or (
+                elapsed >= ASTRAY_WAIT_S and stages.astray(claims, self.stage, version)
             )
-            final = elapsed >= deadline or (astray and elapsed >= ASTRAY_WAIT_S)
-            decision = claims.decide(self.max_norm, (self.stage, squared), final=final)
+            decision = claims.decide(
+                self.max_norm, (self.stage, squared), stages.serving, final=final
+            )
             if decision is not None:
-                self._note_disputes(claims, squared)
+                self._note_disputes(claims, squared, stages.serving)
                 return self._decided(version, decision, time.monotonic() - started)
             left = deadline - (time.monotonic() - started)
             await asyncio.sleep(max(0.0, min(delay, left)))
@@ -165,10 +201,10 @@ class ClipExchange:
         waits = [d.seconds for d in self.decided if not d.decision.fell_back]
         return min(MAX_DEADLINE_S, max(self.deadline_s, DEADLINE_MARGIN * max(waits, default=0.0)))
 
-    def _note_disputes(self, claims: NormClaims, squared: float) -> None:
+    def _note_disputes(self, claims: NormClaims, squared: float, serving: list[int]) -> None:
         for s in range(self.stages):
             if s != self.stage:
-                self.disputed.update(claims.disputed(s))
+                self.disputed.update(claims.disputed(s, serving[s]))
         mine = rounded(squared)  # (our own stage's peers claim what we computed)
         self.disputed.update(p for p, v in claims.claimants(self.stage).items() if v != mine)
 
@@ -184,29 +220,15 @@ class ClipExchange:
             )  # fmt: skip
         return decision.factor
 
-    async def _members(self) -> tuple[list[set[PeerID]], list[int | None]]:
-        """Who holds a record of each stage (serving it, or left it lately), and the
-        newest version a serving peer's record names (None: nobody serves it)."""
+    async def _stages(self, version: int) -> StagesSeen:
+        """Every stage's records, as `StagesSeen` reads them for the step from `version`."""
         keys = [stage_key(self.experiment, s) for s in range(self.stages)]
         found = await self.dht.get_many(keys, latest=True)
-        members: list[set[PeerID]] = []
-        newest: list[int | None] = []
+        seen = StagesSeen([], [], [])
         for k in keys:
             value = found.get(k)
-            peers, versions = set(), []
-            for subkey, (record, _) in ((value.subkeys or {}) if value is not None else {}).items():
-                try:
-                    peer = owner_of(subkey)
-                except RecordError:
-                    continue
-                if peer is not None:
-                    peers.add(peer)
-                    v = record.get("version") if isinstance(record, dict) else None
-                    if isinstance(v, int) and not isinstance(v, bool):
-                        versions.append(v)
-            members.append(peers)
-            newest.append(max(versions, default=None))
-        return members, newest
+            seen.add((value.subkeys or {}) if value is not None else {}, version)
+        return seen
 
     def status(self) -> dict[str, object]:
         """/status.pipeline's `clipping`."""

@@ -28,7 +28,7 @@ within ~1e-16 of a rounding boundary).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,10 @@ def clip_factor(squared_norms: Iterable[float], max_norm: float) -> float:
     return min(1.0, max_norm / (total + EPS))
 
 
+def _at(values: Sequence[int], i: int) -> int:
+    return values[i] if i < len(values) else 0
+
+
 @dataclass(frozen=True)
 class ClipDecision:
     """The factor a stage scales its step's gradient by, and how it was reached."""
@@ -107,19 +111,23 @@ class NormClaims:
             return False
         if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= MAX_GROUP:
             return False
-        self._claims[stage][peer] = _Claim(rounded(float(squared)), group)
+        value = rounded(float(squared))
+        if not math.isfinite(value):  # (beyond float32)
+            return False
+        self._claims[stage][peer] = _Claim(value, group)
         return True
 
     def claimants(self, stage: int) -> Mapping[PeerID, float]:
         return {p: c.squared for p, c in self._claims[stage].items()}
 
-    def settled(self, stage: int) -> float | None:
+    def settled(self, stage: int, serving: int = 0) -> float | None:
         """Stage `stage`'s squared norm, once enough of its peers agree on one (None: not yet,
-        or a tie)."""
+        or a tie). `serving`: how many peers the stage's records show at the step's
+        version or past it (a lone claim of a stage that more peers serve needs a second)."""
         claims = self._claims[stage].values()
         if not claims:
             return None
-        need = min(CLAIM_QUORUM, max(c.group for c in claims))
+        need = min(CLAIM_QUORUM, max(serving, *(c.group for c in claims)))
         votes: dict[float, int] = {}
         for c in claims:
             votes[c.squared] = votes.get(c.squared, 0) + 1
@@ -129,23 +137,30 @@ class NormClaims:
             return None
         return best
 
-    def disputed(self, stage: int) -> list[PeerID]:
+    def disputed(self, stage: int, serving: int = 0) -> list[PeerID]:
         """The peers whose claim for `stage` differs from its settled value (liars, or
         peers that left the step's group): for the status, not a conviction."""
-        value = self.settled(stage)
+        value = self.settled(stage, serving)
         if value is None:
             return []
         return [p for p, c in self._claims[stage].items() if c.squared != value]
 
     def decide(
-        self, max_norm: float, own: tuple[int, float], *, final: bool = False
+        self,
+        max_norm: float,
+        own: tuple[int, float],
+        serving: Sequence[int] = (),
+        *,
+        final: bool = False,
     ) -> ClipDecision | None:
         """The factor once every stage's norm settled; with `final` (the deadline), over
         the stages that did (the others count as missing). `own`: our stage and its
-        squared norm, which we computed ourselves (no claim needed)."""
+        squared norm, which we computed ourselves (no claim needed); `serving`: per
+        stage, as `settled` takes it."""
         mine, squared = own
         norms = tuple(
-            rounded(squared) if s == mine else self.settled(s) for s in range(self.stages)
+            rounded(squared) if s == mine else self.settled(s, _at(serving, s))
+            for s in range(self.stages)
         )
         if any(n is None for n in norms) and not final:
             return None

@@ -19,7 +19,7 @@ from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.clip_exchange import ClipExchange, clip_key
 from shoal.pipeline.clipping import NormClaims, clip_factor, rounded, stage_squared_norm
 from shoal.pipeline.options import PipelineOptions
-from shoal.pipeline.server import StageServer
+from shoal.pipeline.server import StageServer, stage_key
 from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.stage_optimizer import StageOptimizer
 from shoal.pipeline.trainer import PipelineTrainer
@@ -81,9 +81,23 @@ def test_a_lone_liar_cannot_make_up_the_norm_of_a_stage_whose_step_had_two_peers
     assert claims.decide(1.0, (1, 16.0)) is None  # before the deadline: wait
 
 
+def test_a_liar_claiming_first_as_a_solo_step_sets_nothing_where_two_peers_serve() -> None:
+    honest, liar = peer(), peer()
+    claims = NormClaims(2)
+    claims.add(0, liar, 1e30, 1)
+    assert claims.settled(0, serving=1) == rounded(1e30)  # (a stage only it serves: its own)
+    assert claims.settled(0, serving=2) is None  # the records show a second peer
+    claims.add(0, honest, 9.0, 1)
+    assert claims.settled(0, serving=2) is None  # one against one: the deadline decides
+    claims.add(0, peer(), 9.0, 1)
+    assert claims.settled(0, serving=3) == 9.0
+    decision = claims.decide(1.0, (1, 16.0), [3, 1])
+    assert decision is not None and decision.factor == pytest.approx(1 / (5.0 + 1e-6))
+
+
 def test_claims_that_are_no_squared_norm_are_refused() -> None:
     claims = NormClaims(2)
-    for bad in (-1.0, math.nan, math.inf, "1.0", True, None):
+    for bad in (-1.0, math.nan, math.inf, 1e300, "1.0", True, None):
         assert not claims.add(0, peer(), bad, 1)
     assert not claims.add(2, peer(), 1.0, 1)  # no such stage
     assert not claims.add(0, peer(), 1.0, 0) and not claims.add(0, peer(), 1.0, 1 << 20)
@@ -173,7 +187,8 @@ async def test_clipping_across_stages_gives_one_process_clip_grad_norm_update(
     with the whole model's gradient norm below `max_grad_norm`, the second above it.
     Every stage scales by torch's factor over the whole model, and the parameters are
     one process's that clips with `clip_grad_norm_` (and visibly not unclipped ones).
-    A stranger's claim of an enormous norm for stage 0 changes nothing."""
+    Lies change nothing: a stranger's claim of an enormous norm for stage 0, nor one
+    from a peer announced in stage 1 (whose two honest peers outvote it)."""
     task = make_task(TINY)
     modules = task.make_stages(5, 4)
     layout = [0, 1, 1, 2, 3]  # the stage of each peer
@@ -197,9 +212,13 @@ async def test_clipping_across_stages_gives_one_process_clip_grad_norm_update(
             opt.clip = exchange.factor
             optimizers.append(opt)
             exchanges.append(exchange)
-        stranger = await _dht(make_host, nodes)
+        stranger, liar = await _dht(make_host, nodes), await _dht(make_host, nodes)
         trainer = PipelineTrainer(trainer_dht, EXPERIMENT, 4, deadline=10.0, codec="none")
         assert await trainer.refresh() == [1, 2, 1, 1]
+        # The liar announces itself in stage 1 (after the trainer read the records: it
+        # serves nothing), at the stage's version.
+        await liar.store(stage_key(EXPERIMENT, 1), {"version": 1, "ready": True},
+                         time.time() + 60, subkey=owner_marker(liar.peer_id))  # fmt: skip
         clipped = [copy.deepcopy(m) for m in modules]
         unclipped = [copy.deepcopy(m) for m in modules]
         refs = {
@@ -221,9 +240,10 @@ async def test_clipping_across_stages_gives_one_process_clip_grad_norm_update(
                 total += len(batch)
             norm = _reference_step(clipped, refs[id(clipped)], total, max_norm)
             _reference_step(unclipped, refs[id(unclipped)], total, 1e9)
-            lie = {"stage": 0, "sq": 1e30, "group": 1}  # from a peer that serves no stage
-            await stranger.store(clip_key(EXPERIMENT, step), lie, time.time() + 60,
-                                 subkey=owner_marker(stranger.peer_id))  # fmt: skip
+            for who, stage in ((stranger, 0), (liar, 1)):
+                lie = {"stage": stage, "sq": 1e30, "group": 1}
+                await who.store(clip_key(EXPERIMENT, step), lie, time.time() + 60,
+                                subkey=owner_marker(who.peer_id))  # fmt: skip
             for exchange in exchanges:
                 exchange.max_norm = max_norm
             results = await asyncio.gather(*(o.step(timeout=30.0) for o in optimizers))
@@ -234,6 +254,8 @@ async def test_clipping_across_stages_gives_one_process_clip_grad_norm_update(
                 last = exchange.decided[-1]
                 assert last.version == step and not last.decision.fell_back
                 assert last.decision.factor == pytest.approx(want, rel=1e-5)
+                assert exchange.disputed <= {liar.peer_id}  # (seen by who read it in time)
+        assert any(liar.peer_id in e.disputed for e in exchanges)
         assert optimizers[1].fingerprint() == optimizers[2].fingerprint()
         for opt, s in zip(optimizers, layout, strict=True):
             got = torch.cat([p.detach().reshape(-1) for p in opt.params])
