@@ -10,11 +10,12 @@ the same factor from the sum (`clip_factor`).
 
 A claim is what some peer says: `NormClaims` takes a stage's squared norm for v
 from the claims of the peers listed as serving it, as the value claimed by the
-most distinct peers, and only once `min(2, group)` of them claim it, `group`
-being the largest step group any of the stage's claims for v states. Every honest
-peer of the stage claims the same bits, so a lone liar can neither set a stage's
-value (it never reaches two claimants alone) nor make one up for a stage whose
-step had two or more peers. A stage whose claims tie, or whose claims do not
+most distinct peers, and only once `min(2, n)` of them claim it, `n` being the
+larger of the step group the stage's claims state and the number of peers its
+records show serving it at v. Every honest peer of the stage claims the same
+bits, so a lone liar cannot set a stage's value where two or more peers serve it
+(itself among them): it never reaches two claimants alone, and claiming first
+gains it nothing. A stage whose claims tie, or whose claims do not
 arrive by the deadline, counts as missing: the step then clips by the stages
 that did settle (it clips at least as much as each of them needs alone, never
 less than its own stage needs) and is counted as a fallback.
