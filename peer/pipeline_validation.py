@@ -75,6 +75,9 @@ class PipelineValidation:
         except StageFailed as e:  # the stages are in trouble: next time
             log.info("validation loss: %s", e)
             return None
+        except Exception as e:  # a task's bug must not stop training; said, retried later
+            log.warning("validation loss failed: %r", e)
+            return None
         finally:
             ended = time.monotonic()
             schedule.ran(started, ended)
