@@ -19,8 +19,10 @@ missing after `ASTRAY_WAIT_S` already: its claim is not coming soon.
 The peers of one stage read the same records, so they settle on the same norms
 unless one arrives within moments of the deadline: then they can part (one
 scales by the full factor, another by its fallback), which the state's
-fingerprints show. The deadline's margin keeps that window rare; closing it
-needs an agreement round within the stage. Fallbacks are counted on /status.
+fingerprints show, and the peer that fell back says at its next step when the
+missing norms came late with another factor (`late_norms`). The deadline's
+margin keeps that window rare; closing it needs an agreement round within the
+stage. Fallbacks are counted on /status.
 """
 
 from __future__ import annotations
@@ -158,6 +160,9 @@ class ClipExchange:
         self.max_norm = max_norm
         self.deadline_s = deadline_s  # the floor of `deadline`
         self.fallbacks = 0  # steps clipped without some stage's norm
+        # Fallbacks whose missing norms came later and gave another factor: a peer of
+        # our stage that had them in time may have stepped otherwise (states parted).
+        self.late_norms = 0
         self.disputed: set[PeerID] = set()  # peers whose claim differed from the settled one
         self.decided: deque[Decided] = deque(maxlen=DECISIONS_KEPT)
 
@@ -172,6 +177,7 @@ class ClipExchange:
         expires = time.time() + 2 * deadline + 60
         await self.dht.store(key, claim, expires, subkey=owner_marker(self.dht.peer_id))
         stages, read_at = await self._stages(version), time.monotonic()
+        await self._look_back(version, stages)
         delay = POLL_FIRST_S
         while True:
             if time.monotonic() - read_at >= STAGES_EVERY_S:  # (joiners, leavers, versions)
@@ -192,6 +198,26 @@ class ClipExchange:
             left = deadline - (time.monotonic() - started)
             await asyncio.sleep(max(0.0, min(delay, left)))
             delay = min(2 * delay, POLL_MAX_S)
+
+    async def _look_back(self, version: int, stages: StagesSeen) -> None:
+        """After a fallback for the step before `version`: did its missing norms come
+        since, and would they have given another factor? (Said and counted.)"""
+        last = self.decided[-1] if self.decided else None
+        if last is None or not last.decision.fell_back or last.version != version - 1:
+            return
+        claims = NormClaims(self.stages)
+        found = await self.dht.get(clip_key(self.experiment, last.version), latest=True)
+        read_claims((found.subkeys or {}) if found else {}, claims, stages.members)
+        own = last.decision.squared_norms[self.stage]
+        assert own is not None
+        now = claims.decide(self.max_norm, (self.stage, own), stages.serving)
+        if now is not None and now.factor != last.decision.factor:
+            self.late_norms += 1
+            log.warning(
+                "step from %d: the missing gradient norms came late (factor %.4g, not the "
+                "%.4g applied): this stage's peers may hold different states",
+                last.version, now.factor, last.decision.factor,
+            )  # fmt: skip
 
     @property
     def deadline(self) -> float:
@@ -239,5 +265,6 @@ class ClipExchange:
             "factor_version": None if last is None else last.version,
             "waited_s": None if last is None else round(last.seconds, 3),
             "fallbacks": self.fallbacks,
+            "late_norms": self.late_norms,
             "disputed": sorted(str(p) for p in self.disputed),
         }

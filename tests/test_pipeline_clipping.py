@@ -136,8 +136,9 @@ async def _dht(make_host: Callable[..., Any], nodes: list[DHTNode]) -> DHTNode:
 async def test_a_stage_whose_norm_never_comes_counts_as_missing_after_the_deadline(
     make_host: Callable[..., Any],
 ) -> None:
-    """Stage 1's peer is at our version but never claims: missing after the deadline.
-    Once nobody serves stage 1, it is missing after a short wait (no claim can come)."""
+    """Stage 1's peer is at our version but does not claim: missing after the deadline
+    (and said so when its claim comes late). Once nobody serves stage 1, it is missing
+    after a short wait (no claim can come)."""
     nodes: list[DHTNode] = []
     servers: list[StageServer] = []
     try:
@@ -153,10 +154,18 @@ async def test_a_stage_whose_norm_never_comes_counts_as_missing_after_the_deadli
         assert time.monotonic() - started >= 1.0
         assert factor == pytest.approx(1.0 / (4.0 + 1e-6)) and exchange.fallbacks == 1
         assert exchange.status()["factor_version"] == 7
+        # Stage 1's norm of step 7 comes late, and its norm of step 8 in time: step 8
+        # waits for nobody, and says that step 7's factor would have been another.
+        claim = {"stage": 1, "sq": 9.0, "group": 1}
+        for v in (7, 8):
+            await nodes[1].store(clip_key(EXPERIMENT, v), claim, time.time() + 60,
+                                 subkey=owner_marker(nodes[1].peer_id))  # fmt: skip
+        assert await exchange.factor(8, 16.0, 1) == pytest.approx(1.0 / (5.0 + 1e-6))
+        assert exchange.fallbacks == 1 and exchange.status()["late_norms"] == 1
         await servers.pop().aclose()  # (its record: None, nobody serves stage 1 now)
         exchange.deadline_s = 30.0
         started = time.monotonic()
-        assert await exchange.factor(8, 16.0, 1) == pytest.approx(1.0 / (4.0 + 1e-6))
+        assert await exchange.factor(9, 16.0, 1) == pytest.approx(1.0 / (4.0 + 1e-6))
         assert time.monotonic() - started < 15.0 and exchange.fallbacks == 2
     finally:
         for server in servers:
