@@ -272,6 +272,11 @@ def new_seeds() -> dict[str, list[bytes]]:
             {owner_marker(ME.peer_id): {"samples": 8, "version": 3, "t": now}},
             {"stage": 0, "version": 4, "steps": [[3, [_REMOTE.to_bytes()], 8]]},
             signature_to_wire(like),
+            # global clipping's claims: a stage peer's, and one of no squared norm
+            {
+                owner_marker(_REMOTE): {"stage": 0, "sq": 2.5, "group": 1},
+                owner_marker(ME.peer_id): {"stage": 1, "sq": -1.0, "group": True},
+            },
         ),
         "stage_audit": [
             commitment.encode(),

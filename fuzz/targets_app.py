@@ -6,6 +6,7 @@ verification round's records, and the DHT reports behind /peers and /swarm
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,8 @@ from shoal.peer.verify import audit_round, reveals
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
 from shoal.pipeline.bounds import StageBounds
+from shoal.pipeline.clip_exchange import StagesSeen, read_claims
+from shoal.pipeline.clipping import NormClaims
 from shoal.pipeline.directory import StageRecord
 from shoal.pipeline.fencing import parse_attempt, parse_fence
 from shoal.pipeline.ledger import MicrobatchLedger
@@ -99,7 +102,8 @@ _LIKE = lsh.sign(torch.linspace(-1, 1, 300), b"s" * 16, lsh.SignatureConfig(bloc
 
 def pipeline_records(data: bytes) -> None:
     """What pipeline peers read from the DHT and each other: stage records, progress
-    reports, a stage peer's step notification, and an auditor's LSH signature."""
+    reports, global clipping's norm claims, a stage peer's step notification, and an
+    auditor's LSH signature."""
     obj = message(data)
     record = StageRecord.parse(_PEER, obj)
     assert record is None or record.version >= 0
@@ -110,6 +114,14 @@ def pipeline_records(data: bytes) -> None:
     progress = StageProgress(_FoundDHT(subkeys), "exp", 0, 8)  # type: ignore[arg-type]
     for report in run_now(progress.reports()):
         assert report.samples >= 0 and report.version >= 0
+    claims = NormClaims(2)  # global clipping's norm claims, every claimant a stage peer
+    read_claims(subkeys, claims, [{_PEER}, {_PEER}])
+    seen = StagesSeen([], [], [])  # (and the stage records as clipping reads them)
+    seen.add(subkeys, 3)
+    assert seen.serving[0] <= len(seen.members[0])
+    for s in range(2):
+        norm = claims.settled(s, seen.serving[0])
+        assert norm is None or (math.isfinite(norm) and norm >= 0)
     ctx = SimpleNamespace(peer=_PEER)
     # A step notification may only settle steps: there are none open here, so no replays.
     assert run_now(_stepped(_trainer(2), ctx, obj)) in (True, False)

@@ -33,6 +33,7 @@ import torch
 
 from shoal.dht.node import DHTNode
 from shoal.pipeline.bounds import StageBounds, probe_bounds
+from shoal.pipeline.clip_exchange import ClipExchange
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
@@ -45,6 +46,7 @@ from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest, stages_fingerprint
+from .pipeline_validation import PipelineValidation
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
 from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
@@ -101,6 +103,7 @@ class PipelineRun:
         self.on_round: Callable[[Any], None] | None = None  # (no averaging rounds of its own)
         self.stage_peer: StagePeer | None = None
         self.loop: TrainerLoop | None = None
+        self.validation: PipelineValidation | None = None  # (a trainer's held-out loss)
         self.mover: StageMover | None = None  # (a stage peer whose stage is not pinned)
         self.directory: list[list[StageRecord]] = [[] for _ in range(self.stages)]
         self._shard = shard_of(identity.peer_id.to_bytes(), hyper["num_shards"])
@@ -162,13 +165,14 @@ class PipelineRun:
                 lag=int(self.options["lag"]),
             )
             self.loop.on_microbatch = self._microbatch_done
+            self.validation = PipelineValidation(self.task, self.loop, self.stats)
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
         module = await asyncio.to_thread(build_stage, self.task, self.manifest.seed, self.stages, k)
         await self._check_built(k, module)
         module = await asyncio.to_thread(module.to, self.device)
-        return StagePeer(
+        peer = StagePeer(
             self.dht,
             self.manifest.experiment_id,
             k,
@@ -183,6 +187,12 @@ class PipelineRun:
             device=self.device,
             bounds=None if self.bounds is None else self.bounds[k],
         )
+        max_norm = self.options.get("max_grad_norm")
+        if max_norm is not None:  # every stage scales by the whole model's norm
+            clip = ClipExchange(self.dht, self.manifest.experiment_id, k, self.stages,
+                                float(max_norm))  # fmt: skip
+            peer.optimizer.clip = clip.factor
+        return peer
 
     async def _check_built(self, k: int, module: torch.nn.Module) -> None:
         """Refuse stage `k` built unlike the host's when it would start from that build
@@ -231,6 +241,8 @@ class PipelineRun:
         ]
         if self.mover is not None:
             background.append(asyncio.ensure_future(self.mover.run(stop)))
+        if self.validation is not None:
+            background.append(asyncio.ensure_future(self.validation.run(stop)))
         try:
             if self.loop is not None:
                 await self.loop.run(stop)
@@ -316,6 +328,9 @@ class PipelineRun:
             # our stage again.
             "moves_failed": None if self.mover is None else self.mover.failed_moves,
             "syncs": None if peer is None else peer.syncs,
+            # Global gradient clipping (manifest option max_grad_norm): the last step's
+            # factor, steps clipped without some stage's norm, peers whose claim differed.
+            "clipping": self._clipping(),
             "retries": None if loop is None else loop.trainer.counters.retries,
             "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
             "recovered": None if loop is None else loop.trainer.counters.recovered,
@@ -339,6 +354,12 @@ class PipelineRun:
             trainer=None if loop is None else loop.trainer,
             server=None if peer is None else peer.server,
         )
+
+    def _clipping(self) -> dict[str, Any] | None:
+        peer = self.stage_peer
+        clip = None if peer is None else peer.optimizer.clip
+        exchange = getattr(clip, "__self__", None)
+        return exchange.status() if isinstance(exchange, ClipExchange) else None
 
     @property
     def oversized_refused(self) -> int:

@@ -10,17 +10,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shoal.averaging.options import CODEC_NAMES, Opt, StrategyOptions, boolean, integer, one_of
+from shoal.averaging.options import (
+    CODEC_NAMES,
+    Opt,
+    StrategyOptions,
+    boolean,
+    integer,
+    number,
+    one_of,
+)
 from shoal.averaging.registry import register
 
 __all__ = ["PIPELINE_STRATEGY", "ROLES", "PipelineOptions", "resolve_pipeline_options"]
 
 ROLES = ("auto", "trainer", "stage", "monitor")
 MAX_STAGES = 64
+MAX_GRAD_NORM = 1e6
 
 
 def _global_batch(v: Any) -> bool:
     return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+
+
+def _max_grad_norm(v: Any) -> bool:
+    return v is None or number(0.0, MAX_GRAD_NORM, lo_open=True)(v)
 
 
 def _rebalance(v: Any) -> bool:
@@ -79,6 +92,15 @@ class PipelineOptions(StrategyOptions):
     # Trainers audit stage peers' answers (`pipeline/auditor.py`): a cheater is
     # convicted, banned and its work re-run. Calibrated for float32.
     verify: bool = Opt(boolean, "true or false", "trainers audit the stage peers' answers")(True)
+
+    # Global gradient clipping: every stage scales its step's gradient by
+    # min(1, max_grad_norm / |g|), g the whole model's gradient, from the squared norms
+    # the stages share for each step (`clip_exchange`). None: no clipping.
+    max_grad_norm: float | None = Opt(
+        _max_grad_norm,
+        f"null (off) or a number > 0 and <= {MAX_GRAD_NORM:g}",
+        "clip the whole model's gradient to this L2 norm across the stages (null: off)",
+    )(None)
 
     def for_batch_size(self, batch_size: int) -> PipelineOptions:
         """With the task's batch size: `global_batch` filled in and checked against it."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from shoal.averaging.outer import state_protocol
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 
+from .clipping import stage_squared_norm
 from .stage import StageWorker
 
 __all__ = ["STEP_LOG", "StageOptimizer", "StepRecord", "stage_averaging_key"]
@@ -106,6 +107,12 @@ class StageOptimizer:
         self.committed_samples = 0  # samples of ours that went into committed steps
         self.step_samples: dict[int, int] = {}  # version stepped from -> the step's samples
         self.dropped_samples = 0  # samples of ours whose step went on without us
+        # Global clipping (`clip_exchange.ClipExchange.factor`): given the step's version,
+        # our stage's squared gradient norm and the step's group size, the factor
+        # every stage scales its gradient by. None: no clipping.
+        self.clip: Callable[[int, float, int], Coroutine[Any, Any, float]] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._work_before = 0
 
     @property
     def version(self) -> int:
@@ -132,6 +139,7 @@ class StageOptimizer:
                 view.copy_(total).mul_(scale)
 
         await off_loop(load, numel(self.params))
+        self._loop, self._work_before = asyncio.get_running_loop(), self.averager.work
         result = await self.averager.step(weight=float(taken.samples), timeout=timeout, alone=alone)
         if result.resynced:
             self.worker.version = self.version  # (the averager downloaded the state)
@@ -163,7 +171,9 @@ class StageOptimizer:
 
     def _apply(self) -> None:
         """The commit hook (in a thread): `gradients` hold the stage's mean gradient.
-        Under the worker's lock: no request computes with half-stepped parameters."""
+        Under the worker's lock: no request computes with half-stepped parameters (but
+        not while it waits for the other stages' gradient norms: requests go on)."""
+        factor = self._clip_factor()
         with self.worker.lock:
             # Linear warmup by the step's number: the same on every peer of the stage.
             warmup = int(self.hyper.get("warmup_steps", 0))
@@ -173,10 +183,25 @@ class StageOptimizer:
             with torch.no_grad():
                 for p, g in zip(self.params, self.gradients, strict=True):
                     p.grad = g.to(p.device, copy=True)
+                    if factor != 1.0:
+                        p.grad.mul_(factor)
             self.optimizer.step()
             for p in self.params:
                 p.grad = None
             self.worker.version = self.version  # (the commit counted this step already)
+
+    def _clip_factor(self) -> float:
+        """(In the commit hook's thread.) The global clipping factor of this step: our
+        stage's norm is the same on every peer of the stage (the all-reduce's result);
+        the other stages' come through `clip`, run on the loop while we wait here."""
+        if self.clip is None:
+            return 1.0
+        loop = self._loop
+        assert loop is not None
+        squared = stage_squared_norm(self.gradients)
+        group = max(1, self.averager.work - self._work_before)  # (the commit added its members)
+        step = self.clip(self.version - 1, squared, group)  # (the commit counted this step)
+        return asyncio.run_coroutine_threadsafe(step, loop).result()
 
     def fingerprint(self) -> str:
         return self.averager.fingerprint()

@@ -78,6 +78,12 @@ class TrainerLoop:
         self._warned = -float("inf")
         self._paced_since: float | None = None
 
+    def new_id(self) -> int:
+        """A fresh microbatch id (also for requests that are no microbatch, such as the
+        held-out batches' forwards: their keys look like any other's)."""
+        self._next_id += 1
+        return self._next_id - 1
+
     @property
     def version(self) -> int:
         """The slowest stage's version: the optimizer steps the whole model has taken."""

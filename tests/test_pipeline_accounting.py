@@ -130,7 +130,8 @@ def test_a_new_peer_gives_a_stage_its_second_peer_before_it_looks_at_capacity() 
 def test_pipeline_options_are_checked() -> None:
     options = resolve_pipeline_options({"stages": 3}, batch_size=8)
     assert options == {"stages": 3, "global_batch": 64, "lag": 1, "codec": "int8",
-                       "rebalance_s": 30.0, "min_stage_peers": 1, "verify": True}  # fmt: skip
+                       "rebalance_s": 30.0, "min_stage_peers": 1, "verify": True,
+                       "max_grad_norm": None}  # fmt: skip
     for bad, message in [
         ({"stages": 1}, "stages"),
         ({"stages": 3, "global_batch": 4}, "global_batch"),
@@ -141,6 +142,7 @@ def test_pipeline_options_are_checked() -> None:
         ({"stages": 3, "rebalance_s": "often"}, "rebalance_s"),
         ({"stages": 3, "min_stage_peers": 0}, "min_stage_peers"),
         ({"stages": 3, "verify": "yes"}, "verify"),
+        ({"stages": 3, "max_grad_norm": 0}, "max_grad_norm"),
     ]:
         with pytest.raises(ValueError, match=message):
             resolve_pipeline_options(bad, batch_size=8)

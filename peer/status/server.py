@@ -45,9 +45,11 @@ served as null so that every client's JSON parser accepts them.
                                 on every peer, so peers compare), scored after a round
                                 that changed the model: the swarm's global parameters
                                 for DiLoCo, the peer's own for NoLoCo and Streaming
-                                DiLoCo; at most every 30 s and 5% of the time; null
-                                before the first such round and in pipelined experiments
-                                (peer/training/validation.py)
+                                DiLoCo, forward through the stages for a pipeline's
+                                trainer; at most every 30 s and 5% of the time; null
+                                before the first such round, and on a pipeline peer that
+                                drives no microbatches (peer/training/validation.py,
+                                peer/pipeline_validation.py)
     tokens_per_s    float|null  this peer's training throughput
     last_round      obj|null  the last averaging round this peer took part in:
         group_size      int

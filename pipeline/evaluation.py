@@ -1,0 +1,49 @@
+"""A pipeline's validation loss: held-out batches through the stages, forward only.
+
+A trainer sends each held-out batch forward through stage 0 .. n-1 like a
+microbatch (the same requests, keys of the same form, audited alike) and
+scores the last stage's outputs itself. No backward follows, so nothing
+accumulates on any stage and no sample counts as trained. A stage cannot tell
+these forwards from training ones when it answers them (only later, by the
+backward that never comes; stage 0 could recognize the task's public held-out
+inputs), and a wrong answer to one risks the same audit as any other: the loss
+the trainer reports is the model's as the stages serve it, each stage at its
+current version (as a microbatch's is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .trainer import PipelineTrainer
+
+__all__ = ["held_out_loss"]
+
+
+async def held_out_loss(
+    trainer: PipelineTrainer,
+    batches: Iterable[Any],
+    *,
+    inputs_of: Callable[[Any], torch.Tensor],
+    loss_of: Callable[[torch.Tensor, Any], torch.Tensor],
+    new_id: Callable[[], int],
+) -> float:
+    """The mean loss per sample over `batches`, each sent forward through every stage
+    (`new_id`: a microbatch id, from the trainer's own sequence). Raises StageFailed
+    when a stage does not answer."""
+    total, samples = 0.0, 0
+    for batch in batches:
+        x = inputs_of(batch)
+        n = int(x.shape[0])
+        key = f"{new_id()}"
+        for stage in range(trainer.stages):
+            x, _, _ = await trainer.calls.request(stage, "forward", key, n, [x])
+        with torch.no_grad():
+            total += float(loss_of(x, batch)) * n
+        samples += n
+    if samples == 0:
+        raise ValueError("no held-out samples")
+    return total / samples

@@ -1,0 +1,99 @@
+"""A pipeline's validation loss: held-out batches forward through the stages, training nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.peer.pipeline_validation import PipelineValidation
+from shoal.peer.trainer import TrainerStats
+from shoal.peer.training.tasks.bytegpt import make_task
+from shoal.peer.training.validation import Validation
+
+from .pipeline_swarm import TINY, Swarm, loop_for
+from .waiting import eventually
+
+GLOBAL_BATCH = 8
+
+
+async def _swarm(make_host: Callable[..., Any], task: Any) -> tuple[Swarm, Any]:
+    swarm = Swarm(make_host)
+    for k, module in enumerate(task.make_stages(5, 3)):
+        await swarm.stage_peer(k, module, global_batch=GLOBAL_BATCH)
+    trainer = await swarm.trainer(3, codec="none")
+    return swarm, loop_for(trainer, task, shard=0, global_batch=GLOBAL_BATCH, lag=0)
+
+
+def _local_loss(task: Any, swarm: Swarm, batches: list[Any]) -> float:
+    """The held-out loss of the stages' parameters as they are now, in one process."""
+    total, samples = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            y = task.stage_inputs(batch)
+            for k in range(3):
+                y = swarm.of_stage(k)[0].worker.module(y)
+            total += float(task.stage_loss(y, batch)) * len(batch)
+            samples += len(batch)
+    return total / samples
+
+
+@pytest.mark.timeout(60)
+async def test_the_held_out_loss_goes_forward_through_the_stages_and_trains_nothing(
+    make_host: Callable[..., Any],
+) -> None:
+    task = make_task(TINY)
+    swarm, loop = await _swarm(make_host, task)
+    try:
+        await loop.run(steps=1)
+        await loop.trainer.settled()
+        stats = TrainerStats()
+        validation = PipelineValidation(task, loop, stats, Validation(task, batches=3))
+        held = [(p.version, p.held_samples, p.optimizer.fingerprint()) for p in swarm.peers]
+        samples, microbatches = loop.trainer.counters.samples, loop.trainer.counters.microbatches
+        forwards = loop.trainer.counters.requests["forward"]
+
+        loss = await validation.score()
+
+        assert loss is not None and stats.val_loss == loss and stats.val_loss_at is not None
+        assert loss == pytest.approx(_local_loss(task, swarm, task.eval_batches(3)), rel=1e-5)
+        assert loop.trainer.counters.requests["forward"] == forwards + 3 * 3
+        # Nothing accumulated, nothing counted as trained, no stage stepped.
+        assert [(p.version, p.held_samples, p.optimizer.fingerprint()) for p in swarm.peers] == held
+        assert loop.trainer.counters.samples == samples
+        assert loop.trainer.counters.microbatches == microbatches
+        # The next scoring waits at least 30 s (and 20x what this one took).
+        schedule = validation.validation.schedule
+        assert schedule is not None and not schedule.due(time.monotonic() + 29.0)
+    finally:
+        loop.trainer.close()
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_trainer_scores_once_the_pipeline_stepped_and_then_not_within_30_s(
+    make_host: Callable[..., Any],
+) -> None:
+    task = make_task(TINY)
+    swarm, loop = await _swarm(make_host, task)
+    stop = asyncio.Event()
+    stats = TrainerStats()
+    validation = PipelineValidation(task, loop, stats, Validation(task, batches=2))
+    stepped: list[float] = []
+    for peer in swarm.peers:
+        peer.on_step = lambda _result: stepped.append(time.time())
+    running = asyncio.ensure_future(validation.run(stop))
+    try:
+        await loop.run(steps=2)
+        await eventually(lambda: stats.val_loss is not None, "a validation loss", 20)
+        assert stats.val_loss_at is not None and stats.val_loss_at > min(stepped)
+        assert 0 < stats.val_loss < 10 and len(validation.seconds) == 1
+    finally:
+        stop.set()
+        await running
+        loop.trainer.close()
+        await swarm.aclose()
