@@ -33,6 +33,7 @@ from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_sta
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
 from shoal.pipeline.rebalance import RebalancePolicy
+from shoal.pipeline.stage_losses import StageLosses
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import Microbatch, PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
@@ -40,8 +41,10 @@ from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest
+from .stage_checkpoints import StageCheckpoints
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
+from .training.checkpoint import CheckpointError
 from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
 from .training.task import Task, shard_of
 
@@ -78,7 +81,9 @@ class PipelineRun:
         role: str,
         stage: int | None,
         device: torch.device,
+        checkpoints: StageCheckpoints | None = None,
     ) -> None:
+        """`checkpoints`: where our stage is saved and restored from (None: nowhere)."""
         self.dht = dht
         self.manifest = manifest
         self.task = task
@@ -100,6 +105,8 @@ class PipelineRun:
         self._tokens_per_sample = 1
         self._view = PipelineStatus()  # the richer keys of status(): servers, flow, bans
         self.bounds: list[StageBounds] | None = None  # (`start` probes them)
+        self.checkpoints = checkpoints
+        self.losses = StageLosses(self.stages)
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
 
@@ -115,15 +122,14 @@ class PipelineRun:
             )  # fmt: skip
         await self.refresh_directory()
         if self.role in ("auto", "stage"):
+            held = None if self.checkpoints is None else await self.checkpoints.load()
             k = self.wanted_stage
+            if k is None and held is not None and not self.directory[held["stage"]]:
+                k = held["stage"]  # an orphaned stage we hold: restore it
             if k is None:
                 k = least_capacity_stage(self.directory)
             peer = await self._make_stage_peer(k)
-            # A stage some peer already serves has a state to download first; the first
-            # peer of a stage starts from the manifest's seed (waiting for holders that
-            # cannot exist cost each such joiner ~10 s). Should the records have been
-            # missed, the peer's loop sees the stage's newer version and re-syncs.
-            await peer.start(sync=bool(self.directory[k]))
+            await self._start_stage(peer, held if held is not None and held["stage"] == k else None)
             self.stage_peer = peer
             log.info("serving stage %d of %d (version %d)", k, self.stages, peer.version)
             period = float(self.options.get("rebalance_s", DEFAULTS["rebalance_s"]))
@@ -153,6 +159,32 @@ class PipelineRun:
                 lag=int(self.options["lag"]),
             )
             self.loop.on_microbatch = self._microbatch_done
+
+    async def _start_stage(self, peer: StagePeer, held: dict[str, Any] | None) -> None:
+        """Start `peer` with its stage's state: downloaded from the stage's peers; else
+        (none, or none could give it: all dead, their records not expired) restored
+        from our checkpoint `held`, else the manifest's seed. The first peer of a
+        stage starts from the seed without waiting for holders that cannot exist.
+        Should the records have been missed, the peer's loop sees the stage's newer
+        version and re-syncs."""
+        k = peer.stage
+        loaded = bool(self.directory[k]) and await peer.optimizer.sync(peer.sync_timeout)
+        if not loaded and self.checkpoints is not None:
+            if held is not None:
+                await self.checkpoints.restore(peer, held)
+                log.warning("stage %d: no live peer held its state; restored it from our "
+                            "checkpoint at version %d", k, peer.version)  # fmt: skip
+            else:
+                peer.server.checkpointed = 0  # (the seed's state: nothing to lose yet)
+        if not loaded and peer.server.restored is None:
+            peer.server.restored = 0  # (from the seed: observers know if that lost steps)
+            if self.directory[k]:
+                log.warning("stage %d: no live peer could give its state and we hold no "
+                            "checkpoint of it: starting it from the initial weights (its "
+                            "trained state is lost)", k)  # fmt: skip
+        elif loaded and self.checkpoints is not None:
+            peer.server.checkpointed = 0  # (until our first checkpoint of the stage)
+        await peer.start(sync=False)
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
@@ -188,6 +220,8 @@ class PipelineRun:
             self.directory = await read_stages(self.dht, self.manifest.experiment_id, self.stages)
         except Exception as e:  # the next refresh tries again
             log.debug("reading the stage records failed: %r", e)
+            return
+        self.losses.observe(self.directory, time.time())
 
     # ------------------------------------------------------------------ running
 
@@ -201,6 +235,9 @@ class PipelineRun:
         ]
         if self.mover is not None:
             background.append(asyncio.ensure_future(self.mover.run(stop)))
+        if self.checkpoints is not None and self.stage_peer is not None:
+            saving = self.checkpoints.run(stop, lambda: self.stage_peer, self._checkpointed)
+            background.append(asyncio.ensure_future(saving))
         try:
             if self.loop is not None:
                 await self.loop.run(stop)
@@ -260,6 +297,7 @@ class PipelineRun:
                 "throughput": sum(speeds) if speeds else None,
                 "peer_ids": [str(r.peer) for r in records],
                 "version": max((r.version for r in records), default=None),
+                **self.losses.status(s),  # (`lost`, `restored`: pipeline/stage_losses.py)
             })  # fmt: skip
         served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
         driven = loop.trainer.counters.microbatches if loop is not None else 0
@@ -350,3 +388,14 @@ class PipelineRun:
                 log.info("leaving with microbatch replays unfinished")
         if self.stage_peer is not None:
             await self.stage_peer.aclose()
+            if self.checkpoints is not None:  # (its last commit, frozen, outlives it)
+                try:
+                    await self.checkpoints.save(self.stage_peer)
+                    self._checkpointed()
+                except CheckpointError as e:
+                    log.warning("the last stage checkpoint was not written: %s", e)
+
+    def _checkpointed(self) -> None:
+        assert self.checkpoints is not None
+        self.stats.checkpoint_at = self.checkpoints.at
+        self.stats.checkpoint_error = self.checkpoints.error
