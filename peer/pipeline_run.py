@@ -163,12 +163,15 @@ class PipelineRun:
     async def _start_stage(self, peer: StagePeer, held: dict[str, Any] | None) -> None:
         """Start `peer` with its stage's state: downloaded from the stage's peers; else
         (none, or none could give it: all dead, their records not expired) restored
-        from our checkpoint `held`, else the manifest's seed. The first peer of a
-        stage starts from the seed without waiting for holders that cannot exist.
+        from our checkpoint `held`, else the manifest's seed. The first peers of a
+        stage (all at version 0) start from the seed without waiting for holders
+        that cannot exist.
         Should the records have been missed, the peer's loop sees the stage's newer
         version and re-syncs."""
         k = peer.stage
-        loaded = bool(self.directory[k]) and await peer.optimizer.sync(peer.sync_timeout)
+        # (Peers at version 0 serve no state: they committed nothing yet.)
+        trained = any(r.version > 0 for r in self.directory[k])
+        loaded = trained and await peer.optimizer.sync(peer.sync_timeout)
         if not loaded and self.checkpoints is not None:
             if held is not None:
                 await self.checkpoints.restore(peer, held)
@@ -178,7 +181,7 @@ class PipelineRun:
                 peer.server.checkpointed = 0  # (the seed's state: nothing to lose yet)
         if not loaded and peer.server.restored is None:
             peer.server.restored = 0  # (from the seed: observers know if that lost steps)
-            if self.directory[k]:
+            if trained:
                 log.warning("stage %d: no live peer could give its state and we hold no "
                             "checkpoint of it: starting it from the initial weights (its "
                             "trained state is lost)", k)  # fmt: skip

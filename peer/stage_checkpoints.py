@@ -90,8 +90,8 @@ class StageCheckpoints:
         """Write the stage's last committed state when it is newer than the last
         written; whether one was written. Raises CheckpointError."""
         version = peer.optimizer.averager.last_fingerprint_commits
-        if version is None or self.saved == (peer.stage, version):
-            return False
+        if version is None or self.saved == (peer.stage, version) or peer.optimizer.stepping:
+            return False  # (mid-step: the step's size is logged once the step returns)
         state = snapshot(
             peer.optimizer, experiment=self.experiment, stage=peer.stage, stages=self.stages
         )

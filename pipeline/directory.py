@@ -49,6 +49,7 @@ class StageRecord:
     # The version it restarted the stage at, having found no live peer to download
     # it from: from its checkpoint, or 0 from the initial weights (peer.stage_checkpoints).
     restored: int | None = None
+    since: float = 0.0  # when it (re)started serving: one restart of the peer from another
 
     @property
     def samples_per_s(self) -> float | None:
@@ -77,7 +78,7 @@ class StageRecord:
             restored = None
         return StageRecord(
             peer, _speed(fwd), _speed(bwd), max(0, queue), version, float(at), ready, leaving,
-            restored,
+            restored, float(since) if isinstance(since := value.get("since"), int | float) else 0.0,
         )  # fmt: skip
 
 

@@ -10,9 +10,9 @@ newest version each stage reached, and so knows what a restart cost:
 - `lost`: the stage had no live peer since `since` (UNIX time) when last seen at
   `version`; it stays set once a peer started the stage again from the initial
   weights (the swarm trains on from there: the steps are gone, loudly);
-- `restored`: a peer brought it back from its checkpoint at `version`; the steps
-  from there to `lost_version` were lost (trainers replayed what they still kept
-  of them: `pipeline.ledger`).
+- `restored`: a peer brought it back from its checkpoint at `version` (at `at`);
+  the steps from there to `lost_version` were lost (none when the two are equal;
+  trainers replayed what they still kept of them: `pipeline.ledger`).
 
 A peer knows only what it saw while it ran: one that joined after the loss
 does not know what was lost.
@@ -33,7 +33,7 @@ class StageLosses:
         self.known: list[int] = [0] * stages  # the newest version seen of each stage
         self.lost: list[dict[str, Any] | None] = [None] * stages
         self.restored: list[dict[str, Any] | None] = [None] * stages
-        self._restarts: set[tuple[int, Any, int]] = set()  # (stage, peer, version) seen
+        self._restarts: set[tuple[int, Any, float]] = set()  # (stage, peer, since) seen
 
     def observe(self, directory: Sequence[Sequence[StageRecord]], now: float) -> None:
         """The stage records as just read (`read_stages`: live ones only)."""
@@ -43,10 +43,10 @@ class StageLosses:
                     self.lost[s] = {"version": self.known[s], "since": now}
                 continue
             for r in records:
-                if r.restored is None or (s, r.peer, r.restored) in self._restarts:
+                if r.restored is None or (s, r.peer, r.since) in self._restarts:
                     continue
-                self._restarts.add((s, r.peer, r.restored))
-                if r.restored < self.known[s]:
+                self._restarts.add((s, r.peer, r.since))
+                if self.known[s] > 0:  # (else the stage's first peer: nothing to lose)
                     self._restart(s, r.restored, now)
             newest = max(r.version for r in records)
             lost = self.lost[s]

@@ -106,6 +106,7 @@ class StageOptimizer:
         self.committed_samples = 0  # samples of ours that went into committed steps
         self.step_samples: dict[int, int] = {}  # version stepped from -> the step's samples
         self.dropped_samples = 0  # samples of ours whose step went on without us
+        self.stepping = False  # in the averager's step (it commits before the log is written)
 
     @property
     def version(self) -> int:
@@ -132,7 +133,13 @@ class StageOptimizer:
                 view.copy_(total).mul_(scale)
 
         await off_loop(load, numel(self.params))
-        result = await self.averager.step(weight=float(taken.samples), timeout=timeout, alone=alone)
+        self.stepping = True  # (a checkpoint waits: the step's log is not written yet)
+        try:
+            result = await self.averager.step(
+                weight=float(taken.samples), timeout=timeout, alone=alone
+            )
+        finally:
+            self.stepping = False
         if result.resynced:
             self.worker.version = self.version  # (the averager downloaded the state)
         if result.committed:

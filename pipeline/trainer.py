@@ -101,7 +101,8 @@ class PipelineTrainer:
         # Stage checkpoints: the version every checkpointing peer of a stage saved
         # (None: its peers do not checkpoint) and the restores we replayed for.
         self.durable: list[int | None] = [None] * stages
-        self._restores: set[tuple[PeerID, int]] = set()  # (peer, version)
+        self._restores: set[tuple[PeerID, float]] = set()  # (peer, since)
+        self._restarted: list[tuple[float, int] | None] = [None] * stages  # (since, version)
         self.served_by = self.calls.served_by  # requests answered, per peer
         # A nonce per trainer run: keys of a restarted trainer never meet old answers.
         self._name = f"{str(dht.peer_id)[-8:]}.{secrets.token_hex(4)}"
@@ -215,7 +216,8 @@ class PipelineTrainer:
             peers.append((peer, speed if isinstance(speed, int | float) else None))
             view = views.get(peer)
             banned = view is not None and (view.banned_until > now or view.failing)
-            if isinstance(version, int) and not isinstance(version, bool) and not banned:
+            counts = _count(version) and not banned
+            if counts and not self._before_restart(s, version, since):
                 live_versions.append(version)
             if isinstance(since, int | float):
                 if since > self._announced.get(peer, since):
@@ -235,7 +237,7 @@ class PipelineTrainer:
         download it from: the stage's steps from there on are gone, their
         microbatches and the dead peers' held ones are replayed.
 
-        A restart is a claim: believed once per peer the records list and version,
+        A restart is a claim: believed once per start of a peer the records list,
         at most at its own version, and only while no peer we can still call that
         started before it holds a newer version (its download failed though the
         stage lived: it catches up, nothing was lost). A liar gets the kept
@@ -259,7 +261,7 @@ class PipelineTrainer:
         for peer, record, since in records:
             restored = record.get("restored")
             if not (_count(restored) and restored <= record["version"]) or (
-                (peer, restored) in self._restores or peer not in self.stage_peers[s]
+                (peer, since) in self._restores or peer not in self.stage_peers[s]
             ):
                 continue
             if any(
@@ -268,15 +270,28 @@ class PipelineTrainer:
                 if p != peer and p in self.stage_peers[s]
             ):
                 continue  # (asked again at the next refresh)
-            self._restores.add((peer, restored))
+            self._restores.add((peer, since))
+            self._restarted[s] = (since, restored)
+            self.versions[s] = record["version"]  # (not the dead peers' newer one)
             self._restored(s, peer, restored)
+
+    def _before_restart(self, s: int, version: int, since: Any) -> bool:
+        """A record of a peer that started before stage `s` was restarted, at a version
+        the restart went back from: a dead peer's (its record outlives it for a while),
+        which must not hold the stage's version above what its live peers serve."""
+        restart = self._restarted[s]
+        if restart is None or not _is_time(since):
+            return False
+        return bool(since < restart[0] and version > restart[1])
 
     def _restored(self, s: int, peer: PeerID, version: int) -> None:
         replay = self.ledger.lost(s, version)
         self.durable[s] = version
-        log.warning("stage %d was restored at version %d by %s from its checkpoint: "
-                    "replaying %d microbatches of the steps it lost", s, version,
-                    str(peer)[-8:], len(replay))  # fmt: skip
+        if replay or version > 0:
+            log.warning("stage %d was restarted at version %d by %s (%s): replaying %d "
+                        "microbatches of the steps it lost", s, version, str(peer)[-8:],
+                        "from its checkpoint" if version else "from the initial weights",
+                        len(replay))  # fmt: skip
         for entry in replay:
             self._replays.spawn(self._replay(entry))
 

@@ -129,9 +129,11 @@ def _trained_module() -> torch.nn.Module:
     return make_task(TINY).make_stages(3, 1)[0]  # type: ignore[no-any-return]
 
 
-def _record(version: int, restored: int | None = None, peer: Any = None) -> StageRecord:
+def _record(
+    version: int, restored: int | None = None, peer: Any = None, since: float = 0.0
+) -> StageRecord:
     peer = peer or Identity.generate().peer_id
-    return StageRecord(peer, 1.0, 1.0, 0, version, 0.0, restored=restored)
+    return StageRecord(peer, 1.0, 1.0, 0, version, 0.0, restored=restored, since=since)
 
 
 def test_a_stage_whose_peers_all_left_is_reported_lost_with_its_version() -> None:
@@ -145,9 +147,11 @@ def test_a_stage_whose_peers_all_left_is_reported_lost_with_its_version() -> Non
     assert losses.status(1) == {"lost": {"version": 5, "since": 120.0}, "restored": None}
     assert losses.status(0) == {"lost": None, "restored": None}
 
-    # A peer with no checkpoint starts it from the initial weights: still lost, said so.
-    losses.observe([[_record(9)], [_record(0, restored=0)]], now=130.0)
-    losses.observe([[_record(9)], [_record(6, restored=0)]], now=140.0)
+    # Its first peer, restarted with no checkpoint, starts it from the initial weights:
+    # still lost, and said so.
+    again = _record(0, restored=0, peer=first.peer, since=125.0)
+    losses.observe([[_record(9)], [again]], now=130.0)
+    losses.observe([[_record(9)], [_record(6, restored=0, peer=first.peer, since=125.0)]], 140.0)
     assert losses.status(1)["lost"] == {"version": 5, "since": 120.0}
 
 
