@@ -22,15 +22,17 @@ from typing import Any
 import torch
 
 from shoal.averaging.fingerprint import state_fingerprint
-from shoal.averaging.state_loading import write_state
+from shoal.averaging.lineage import declared_work
+from shoal.averaging.state_loading import restored_version, write_state
 from shoal.transport.identity import PeerID
 
-from .stage_optimizer import StageOptimizer, StepRecord
+from .stage_optimizer import STEP_LOG, StageOptimizer, StepRecord
 
-__all__ = ["KIND", "problem", "restore", "snapshot"]
+__all__ = ["KIND", "problem", "restore", "snapshot", "step_log", "step_sizes"]
 
 KIND = "pipeline-stage"
 MAX_STEP_SIZES = 4096  # the newest steps whose sizes a checkpoint keeps (accounting)
+MAX_MEMBERS = 1024  # members of one logged step, read back
 
 
 def snapshot(
@@ -88,6 +90,13 @@ def problem(
         if not isinstance(t, torch.Tensor) or t.shape != ours.shape or t.dtype != ours.dtype:
             got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
             return f"tensor {i} is {got}, stage {stage} has {(tuple(ours.shape), ours.dtype)}"
+    try:
+        restored_version(state["commits"], state.get("version"))
+    except ValueError as e:
+        return f"its version does not check ({e})"
+    work = state.get("work")
+    if work is not None and declared_work(work) is None:
+        return "its lineage's work is not a count"
     meta = state.get("metadata")
     if (
         not isinstance(meta, dict)
@@ -95,7 +104,11 @@ def problem(
         or meta.get("version") != state.get("version")
     ):
         return "its metadata do not match its version"
-    if state_fingerprint(tensors, meta) != state.get("fingerprint"):
+    try:
+        fingerprint = state_fingerprint(tensors, meta)
+    except (TypeError, ValueError, OverflowError):
+        return "its metadata cannot be hashed"
+    if fingerprint != state.get("fingerprint"):
         return "its tensors do not match its fingerprint (a damaged or edited file)"
     return None
 
@@ -108,21 +121,36 @@ async def restore(optimizer: StageOptimizer, state: dict[str, Any]) -> None:
     averager.restore(state["commits"], state.get("version"), state.get("work"),
                      state.get("certificates"))  # fmt: skip
     version = optimizer.version
-    for v, n in (state.get("step_samples") or {}).items():
-        if _count(v) and _count(n) and v < version:
-            optimizer.step_samples[v] = n
-    for item in state.get("steps") or ():
-        record = _step_record(item, version)
-        if record is not None:
-            optimizer.steps.append(record)
+    optimizer.step_samples.update(step_sizes(state, version))
+    optimizer.steps.extend(step_log(state, version))
     await asyncio.to_thread(optimizer.worker.drop_before, version)
     optimizer.worker.version = version
     await averager.publish_state()
 
 
+def step_sizes(state: dict[str, Any], version: int) -> dict[int, int]:
+    """The checkpoint's step sizes (version stepped from -> samples) before `version`."""
+    sizes = state.get("step_samples")
+    if not isinstance(sizes, dict):
+        return {}
+    valid = {v: n for v, n in sizes.items() if _count(v) and _count(n) and v < version}
+    return dict(sorted(valid.items())[-MAX_STEP_SIZES:])
+
+
+def step_log(state: dict[str, Any], version: int) -> list[StepRecord]:
+    """The checkpoint's last committed steps with their members (malformed ones left out)."""
+    items = state.get("steps")
+    if not isinstance(items, list):
+        return []
+    records = [_step_record(item, version) for item in items[-STEP_LOG:]]
+    return [r for r in records if r is not None]
+
+
 def _step_record(item: Any, version: int) -> StepRecord | None:
     try:
         v, members, samples = item
+        if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+            return None
         peers = tuple(PeerID(bytes.fromhex(m)) for m in members)
     except (TypeError, ValueError):
         return None
