@@ -13,6 +13,12 @@ K`` or, by default, the one with the least capacity in the stage records when
 the peer starts. A
 peer downloads its stage's state from the stage's peers before it announces
 itself (the first peer of a stage starts from the manifest's seed).
+
+Each stage peer checkpoints its stage in its data directory
+(`stage_checkpoints`). A peer that holds the checkpoint of a stage no live peer
+serves restores it from there (and, with no pinned stage, chooses that
+stage); with no copy left a stage starts again from the seed, and /status says
+it was lost (`pipeline.stages[k].lost`, `restored`: `pipeline.stage_losses`).
 """
 
 from __future__ import annotations
