@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,11 @@ from shoal.peer.training.checkpoint import CheckpointError
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import StageRecord
 from shoal.pipeline.ledger import Applied, MicrobatchLedger
+from shoal.pipeline.server import StageServer
+from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.stage_losses import StageLosses
 from shoal.pipeline.stage_peer import StagePeer
+from shoal.pipeline.trainer import PipelineTrainer
 from shoal.transport.identity import Identity
 
 from .pipeline_swarm import EXPERIMENT, TINY, Swarm, loop_for
@@ -166,7 +170,7 @@ def test_a_stage_restored_from_a_checkpoint_reports_what_it_lost() -> None:
     }
 
 
-def _applied(key: str, epoch: int, peer: str = "a") -> Applied:
+def _applied(key: str, epoch: int, peer: Any = "a") -> Applied:
     return Applied(0, key, peer, epoch, torch.zeros(2, 3), torch.zeros(2, 3), 2)
 
 
@@ -192,3 +196,53 @@ def test_without_checkpoints_the_ledger_keeps_nothing_it_counted() -> None:
     ledger.applied(_applied("m0", 0))
     ledger.resolve(0, [(0, frozenset({"a"}))], version=1)
     assert ledger.kept_samples(0) == 0 and ledger.counted == [2]
+
+
+async def _record_of(
+    swarm: Swarm, version: int, *, since: float, ckpt: int, restored: int | None = None
+) -> StageServer:
+    """A stage-0 peer's record in the DHT (nothing is served)."""
+    server = StageServer(await swarm.node(), EXPERIMENT, 0, StageWorker(torch.nn.Linear(2, 2)))
+    server.set_version(version)
+    server.since, server.checkpointed, server.restored = since, ckpt, restored
+    await server.announce()
+    return server
+
+
+@pytest.mark.timeout(30)
+async def test_a_trainer_replays_what_a_restart_lost_once_and_believes_no_restart_early(
+    make_host: Callable[..., Any],
+) -> None:
+    swarm = Swarm(make_host)
+    try:
+        trainer = PipelineTrainer(await swarm.node(), EXPERIMENT, 1, codec="none")
+        dead = await _record_of(swarm, 5, since=100.0, ckpt=3)  # killed: its record stays
+        gone = dead.dht.peer_id
+        await trainer.refresh()
+        assert trainer.durable == [3]
+        for key, epoch in (("m3", 3), ("m4", 4)):  # counted in steps 3 and 4, kept
+            trainer.ledger.applied(_applied(key, epoch, gone))
+        trainer.ledger.resolve(0, [(3, frozenset({gone})), (4, frozenset({gone}))], 5, 3)
+        assert trainer.ledger.kept_samples(0) == 4
+
+        # A liar: a restart above its own version is no claim at all.
+        await _record_of(swarm, 2, since=200.0, ckpt=0, restored=9)
+        back = await _record_of(swarm, 4, since=300.0, ckpt=4, restored=4)
+        await trainer.refresh()
+        assert trainer.ledger.restored == [0]  # the dead peer is ahead and still callable
+        assert trainer.versions[0] == 5
+
+        trainer.balancers[0].failed(gone, time.monotonic())  # its requests fail
+        await trainer.refresh()
+        assert trainer.ledger.restored == [2]  # step 4 was lost: m4 goes again
+        assert trainer.versions[0] == 4 and trainer.durable == [4]
+        await trainer.refresh()
+        assert trainer.ledger.restored == [2]  # once
+        back.since = 400.0  # it re-synced later: no restart any more
+        back.restored = None
+        await back.announce()
+        await trainer.refresh()
+        assert trainer.ledger.restored == [2]
+        await trainer._replays.aclose()
+    finally:
+        await swarm.aclose()
