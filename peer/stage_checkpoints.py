@@ -55,16 +55,16 @@ class StageCheckpoints:
         if state is None:
             return None
         if state.get("kind") != KIND or state.get("experiment_id") != self.experiment:
-            self._refuse(state, problem(state, experiment=self.experiment, stages=self.stages,
+            self._refuse(problem(state, experiment=self.experiment, stages=self.stages,
                                         like=[]))  # fmt: skip
         stage = state.get("stage")
         count = state.get("stages")
         if count != self.stages or not (isinstance(stage, int) and 0 <= stage < self.stages):
-            self._refuse(state, f"of stage {stage} of {count}, not of this "
+            self._refuse(f"of stage {stage} of {count}, not of this "
                          f"experiment's {self.stages} stages")  # fmt: skip
         return state
 
-    def _refuse(self, state: dict[str, Any], why: str | None) -> None:
+    def _refuse(self, why: str | None) -> None:
         raise CheckpointError(
             f"the checkpoint in {self.store.directory} is {why or 'not of this stage'}; "
             "move it away or use another --data-dir"
