@@ -26,6 +26,7 @@ from targets import _INITIATOR_KEY, _REMOTE, _RESPONDER_KEY  # noqa: E402
 from targets_net import _BOOK, _CERTIFIED, _MEMBERS, _ROUND, _STATE  # noqa: E402
 
 from shoal.averaging.compression import Int8BlockCodec, get_codec  # noqa: E402
+from shoal.averaging.fingerprint import state_fingerprint  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
 from shoal.peer.experiment import Manifest, stages_fingerprint  # noqa: E402
 from shoal.peer.training.checkpoint import CHECKPOINT_FORMAT, CheckpointStore  # noqa: E402
@@ -87,6 +88,23 @@ def checkpoint() -> bytes:
         store = CheckpointStore(Path(tmp))
         store.prepare()
         path = store.save({"format": CHECKPOINT_FORMAT, "model": {"w": torch.zeros(3)}, "step": 1})
+        return path.read_bytes()
+
+
+def stage_checkpoint() -> bytes:
+    """A pipeline stage's checkpoint (pipeline/stage_checkpoint.py) that loads."""
+    tensors = [torch.zeros(3)]
+    meta = {"commits": 2, "version": None, "step": 2}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(Path(tmp))
+        store.prepare()
+        path = store.save({
+            "kind": "pipeline-stage", "experiment_id": "exp", "stage": 1, "stages": 2,
+            "commits": 2, "version": None, "work": 2, "certificates": None,
+            "fingerprint": state_fingerprint(tensors, meta), "metadata": meta,
+            "tensors": tensors, "step_samples": {0: 8, 1: 8},
+            "steps": [[0, [_REMOTE.to_bytes().hex()], 8], [1, [], 8]],
+        })  # fmt: skip
         return path.read_bytes()
 
 
@@ -277,6 +295,8 @@ def new_seeds() -> dict[str, list[bytes]]:
                 owner_marker(_REMOTE): {"stage": 0, "sq": 2.5, "group": 1},
                 owner_marker(ME.peer_id): {"stage": 1, "sq": -1.0, "group": True},
             },
+            # stage checkpoints: the version saved, a restart from a checkpoint at 3
+            {"version": 5, "t": now, "since": now, "ckpt": 4, "restored": 3},
         ),
         "stage_audit": [
             commitment.encode(),
@@ -385,7 +405,7 @@ def seeds() -> dict[str, list[bytes]]:
             manifest("mytask:make_task", "ab" * 32),
             pipeline_manifest(),
         ],
-        "checkpoint": [checkpoint()],
+        "checkpoint": [checkpoint(), stage_checkpoint()],
         "status_inputs": [b"127.0.0.1:8080", msgpack.packb(status, use_bin_type=True)],
         "verification_evidence": list(conviction()),
         **new_seeds(),

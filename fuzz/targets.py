@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from harness import BytesStream, Target, run_now
 from harness import message as _message
 from harness import split as _split
@@ -36,6 +37,7 @@ from shoal.peer.experiment import Manifest, ManifestError, parse_experiment_ref
 from shoal.peer.status.cli import format_status
 from shoal.peer.status.server import parse_status_addr
 from shoal.peer.training.checkpoint import CheckpointError, CheckpointStore
+from shoal.pipeline import stage_checkpoint
 from shoal.transport import tensors
 from shoal.transport.errors import HandshakeError, ProtocolViolation
 from shoal.transport.identity import Identity, PeerID
@@ -257,7 +259,12 @@ def checkpoint(data: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = CheckpointStore(Path(tmp))
         store.latest.write_bytes(data)
-        store.load()
+        state = store.load()
+    if state is not None:  # (as a pipeline stage checkpoint: peer/stage_checkpoints.py)
+        why = stage_checkpoint.problem(state, experiment="exp", stages=2, like=[torch.zeros(3)])
+        assert why is None or isinstance(why, str)
+        assert all(v < 8 for v in stage_checkpoint.step_sizes(state, 8))
+        assert all(r.version < 8 for r in stage_checkpoint.step_log(state, 8))
 
 
 def status_inputs(data: bytes) -> None:

@@ -15,12 +15,14 @@ import torch
 from harness import REMOTE_IDENTITY, Target, expect, message, run_now
 
 from shoal.averaging.compression import CodecError
+from shoal.dht.records import owner_marker
 from shoal.peer import node
 from shoal.peer.experiment import _valid_manifests
 from shoal.peer.status.swarm_history import SwarmHistory
 from shoal.peer.verify import audit_round, reveals
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
+from shoal.pipeline.balancer import StageBalancer
 from shoal.pipeline.bounds import StageBounds
 from shoal.pipeline.clip_exchange import StagesSeen, read_claims
 from shoal.pipeline.clipping import NormClaims
@@ -91,9 +93,11 @@ def _trainer(stages: int) -> Any:
     t = SimpleNamespace(
         stage_peers=[[_PEER] for _ in range(stages)], versions=[0] * stages,
         step_sizes=[{} for _ in range(stages)], ledger=MicrobatchLedger(stages), _replays=set(),
-        balancers=[None] * stages, _changed=None, stages=stages,
+        balancers=[StageBalancer() for _ in range(stages)], _changed=None, stages=stages,
+        durable=[None] * stages, _restores=set(), _restarted=[None] * stages,
     )  # fmt: skip
     t._settle = lambda stage, meta: PipelineTrainer._settle(t, stage, meta)  # type: ignore[arg-type]
+    t._restored = lambda s, peer, version: PipelineTrainer._restored(t, s, peer, version)  # type: ignore[arg-type]
     return t
 
 
@@ -125,8 +129,20 @@ def pipeline_records(data: bytes) -> None:
     ctx = SimpleNamespace(peer=_PEER)
     # A step notification may only settle steps: there are none open here, so no replays.
     assert run_now(_stepped(_trainer(2), ctx, obj)) in (True, False)
+    # A stage record's checkpoint claims (`ckpt`, `restored`), as a trainer reads them.
+    trainer = _trainer(1)
+    PipelineTrainer._read_checkpoints(  # type: ignore[arg-type]
+        trainer, 0, SimpleNamespace(subkeys={owner_marker(_PEER): (obj, 0.0)})
+    )
+    durable = trainer.durable[0]
+    assert durable is None or 0 <= durable <= max(0, trainer.versions[0], *_versions(obj))
     sig = signature_from_wire(obj, _LIKE)
     assert sig is None or sig.elements == _LIKE.elements
+
+
+def _versions(obj: Any) -> list[int]:
+    version = obj.get("version") if isinstance(obj, dict) else None
+    return [version] if isinstance(version, int) else []
 
 
 async def _stepped(trainer: Any, ctx: Any, payload: Any) -> bool:

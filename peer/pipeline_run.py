@@ -18,6 +18,12 @@ A peer builds only the stage it serves (`stage_build.build_stage`), and checks i
 against the manifest's fingerprint of that stage: a peer that builds it otherwise
 (another torch that initializes differently) refuses to start it from its own
 build, and takes the stage's state from its peers if it has any.
+
+Each stage peer checkpoints its stage in its data directory
+(`stage_checkpoints`). A peer that holds the checkpoint of a stage no live peer
+serves restores it from there (and, with no pinned stage, chooses that
+stage); with no copy left a stage starts again from the seed, and /status says
+it was lost (`pipeline.stages[k].lost`, `restored`: `pipeline.stage_losses`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
 from shoal.pipeline.rebalance import RebalancePolicy
 from shoal.pipeline.stage_build import build_stage, stage_fingerprint, stage_fingerprints
+from shoal.pipeline.stage_losses import StageLosses
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import Microbatch, PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
@@ -47,8 +54,10 @@ from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest, stages_fingerprint
 from .pipeline_validation import PipelineValidation
+from .stage_checkpoints import StageCheckpoints
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
+from .training.checkpoint import CheckpointError
 from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
 from .training.task import Task, shard_of
 
@@ -89,7 +98,9 @@ class PipelineRun:
         role: str,
         stage: int | None,
         device: torch.device,
+        checkpoints: StageCheckpoints | None = None,
     ) -> None:
+        """`checkpoints`: where our stage is saved and restored from (None: nowhere)."""
         self.dht = dht
         self.manifest = manifest
         self.task = task
@@ -112,6 +123,8 @@ class PipelineRun:
         self._tokens_per_sample = 1
         self._view = PipelineStatus()  # the richer keys of status(): servers, flow, bans
         self.bounds: list[StageBounds] | None = None  # (`start` probes them)
+        self.checkpoints = checkpoints
+        self.losses = StageLosses(self.stages)
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
 
@@ -127,15 +140,14 @@ class PipelineRun:
             )  # fmt: skip
         await self.refresh_directory()
         if self.role in ("auto", "stage"):
+            held = None if self.checkpoints is None else await self.checkpoints.load()
             k = self.wanted_stage
+            if k is None and held is not None and not self.directory[held["stage"]]:
+                k = held["stage"]  # an orphaned stage we hold: restore it
             if k is None:
                 k = least_capacity_stage(self.directory)
             peer = await self._make_stage_peer(k)
-            # A stage some peer already serves has a state to download first; the first
-            # peer of a stage starts from the manifest's seed (waiting for holders that
-            # cannot exist cost each such joiner ~10 s). Should the records have been
-            # missed, the peer's loop sees the stage's newer version and re-syncs.
-            await peer.start(sync=bool(self.directory[k]))
+            await self._start_stage(peer, held if held is not None and held["stage"] == k else None)
             self.stage_peer = peer
             log.info("serving stage %d of %d (version %d)", k, self.stages, peer.version)
             period = float(self.options.get("rebalance_s", DEFAULTS["rebalance_s"]))
@@ -166,6 +178,35 @@ class PipelineRun:
             )
             self.loop.on_microbatch = self._microbatch_done
             self.validation = PipelineValidation(self.task, self.loop, self.stats)
+
+    async def _start_stage(self, peer: StagePeer, held: dict[str, Any] | None) -> None:
+        """Start `peer` with its stage's state: downloaded from the stage's peers; else
+        (none, or none could give it: all dead, their records not expired) restored
+        from our checkpoint `held`, else the manifest's seed. The first peers of a
+        stage (all at version 0) start from the seed without waiting for holders
+        that cannot exist.
+        Should the records have been missed, the peer's loop sees the stage's newer
+        version and re-syncs."""
+        k = peer.stage
+        # (Peers at version 0 serve no state: they committed nothing yet.)
+        trained = any(r.version > 0 for r in self.directory[k])
+        loaded = trained and await peer.optimizer.sync(peer.sync_timeout)
+        if not loaded and self.checkpoints is not None:
+            if held is not None:
+                await self.checkpoints.restore(peer, held)
+                log.warning("stage %d: no live peer held its state; restored it from our "
+                            "checkpoint at version %d", k, peer.version)  # fmt: skip
+            else:
+                peer.server.checkpointed = 0  # (the seed's state: nothing to lose yet)
+        if not loaded and peer.server.restored is None:
+            peer.server.restored = 0  # (from the seed: observers know if that lost steps)
+            if trained:
+                log.warning("stage %d: no live peer could give its state and we hold no "
+                            "checkpoint of it: starting it from the initial weights (its "
+                            "trained state is lost)", k)  # fmt: skip
+        elif loaded and self.checkpoints is not None:
+            peer.server.checkpointed = 0  # (until our first checkpoint of the stage)
+        await peer.start(sync=False)
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
@@ -228,6 +269,8 @@ class PipelineRun:
             self.directory = await read_stages(self.dht, self.manifest.experiment_id, self.stages)
         except Exception as e:  # the next refresh tries again
             log.debug("reading the stage records failed: %r", e)
+            return
+        self.losses.observe(self.directory, time.time())
 
     # ------------------------------------------------------------------ running
 
@@ -243,6 +286,9 @@ class PipelineRun:
             background.append(asyncio.ensure_future(self.mover.run(stop)))
         if self.validation is not None:
             background.append(asyncio.ensure_future(self.validation.run(stop)))
+        if self.checkpoints is not None and self.stage_peer is not None:
+            saving = self.checkpoints.run(stop, lambda: self.stage_peer, self._checkpointed)
+            background.append(asyncio.ensure_future(saving))
         try:
             if self.loop is not None:
                 await self.loop.run(stop)
@@ -302,6 +348,7 @@ class PipelineRun:
                 "throughput": sum(speeds) if speeds else None,
                 "peer_ids": [str(r.peer) for r in records],
                 "version": max((r.version for r in records), default=None),
+                **self.losses.status(s),  # (`lost`, `restored`: pipeline/stage_losses.py)
             })  # fmt: skip
         served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
         driven = loop.trainer.counters.microbatches if loop is not None else 0
@@ -401,3 +448,14 @@ class PipelineRun:
                 log.info("leaving with microbatch replays unfinished")
         if self.stage_peer is not None:
             await self.stage_peer.aclose()
+            if self.checkpoints is not None:  # (its last commit, frozen, outlives it)
+                try:
+                    await self.checkpoints.save(self.stage_peer)
+                    self._checkpointed()
+                except CheckpointError as e:
+                    log.warning("the last stage checkpoint was not written: %s", e)
+
+    def _checkpointed(self) -> None:
+        assert self.checkpoints is not None
+        self.stats.checkpoint_at = self.checkpoints.at
+        self.stats.checkpoint_error = self.checkpoints.error

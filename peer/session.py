@@ -48,6 +48,7 @@ from .experiment import (
 )
 from .joined import joined_path, load_joined, save_joined
 from .pipeline_run import PipelineRun, StageMismatch
+from .stage_checkpoints import StageCheckpoints
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .training.checkpoint import CheckpointError, CheckpointStore
 from .training.device import DeviceInventory, check_precision, describe, mfu, peak_flops
@@ -288,6 +289,12 @@ async def _pipeline_session(
             role=config.role,
             stage=config.stage,
             device=device,
+            checkpoints=StageCheckpoints(
+                config.checkpoints_dir / manifest.experiment_id,
+                manifest.experiment_id,
+                int(manifest.strategy_options["stages"]),
+                config.checkpoint_interval,
+            ),
         )
     except ValueError as e:
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
@@ -295,6 +302,8 @@ async def _pipeline_session(
         await run.start()
     except StageMismatch as e:
         raise SessionError(f"cannot start {manifest.describe()}: {e}") from None
+    except CheckpointError as e:
+        raise SessionError(str(e)) from None
     return Session(
         manifest,
         task,

@@ -46,6 +46,10 @@ class StageRecord:
     # The stage a peer arriving by a move leaves (None: not moving). Its record
     # there stays until it drains, so this is how that stage's peers know.
     leaving: int | None = None
+    # The version it restarted the stage at, having found no live peer to download
+    # it from: from its checkpoint, or 0 from the initial weights (peer.stage_checkpoints).
+    restored: int | None = None
+    since: float = 0.0  # when it (re)started serving: one restart of the peer from another
 
     @property
     def samples_per_s(self) -> float | None:
@@ -68,9 +72,14 @@ class StageRecord:
         leaving = value.get("from")
         if not (isinstance(leaving, int) and not isinstance(leaving, bool) and leaving >= 0):
             leaving = None
+        restored = value.get("restored")
+        ok = isinstance(restored, int) and not isinstance(restored, bool)
+        if not (ok and 0 <= restored <= version):
+            restored = None
         return StageRecord(
-            peer, _speed(fwd), _speed(bwd), max(0, queue), version, float(at), ready, leaving
-        )
+            peer, _speed(fwd), _speed(bwd), max(0, queue), version, float(at), ready, leaving,
+            restored, float(since) if isinstance(since := value.get("since"), int | float) else 0.0,
+        )  # fmt: skip
 
 
 def _speed(value: Any) -> float | None:

@@ -120,6 +120,10 @@ class StageServer:
         self.forward_speed = _Speed()
         self.backward_speed = _Speed()
         self.served = {"forward": 0, "backward": 0}
+        # Stage checkpoints (`peer.stage_checkpoints`), in the record: the version of
+        # our newest one (`ckpt`) and the version we restored the orphaned stage at.
+        self.checkpointed: int | None = None
+        self.restored: int | None = None
         self.bytes_sent = 0  # activation and gradient payloads, as sent
         self.on_backward: Callable[[], None] | None = None  # after each applied backward
         self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
@@ -179,7 +183,9 @@ class StageServer:
         return self.compute.batches
 
     def record(self) -> dict[str, Any]:
+        checkpoints = {"ckpt": self.checkpointed, "restored": self.restored}
         return {
+            **{k: v for k, v in checkpoints.items() if v is not None},
             "addrs": [a.to_bytes() for a in self.dht.host.addresses()][:8],
             "fwd": self.forward_speed.value,
             "bwd": self.backward_speed.value,

@@ -113,6 +113,7 @@ class StageOptimizer:
         self.clip: Callable[[int, float, int], Coroutine[Any, Any, float]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._work_before = 0
+        self.stepping = False  # in the averager's step (it commits before the log is written)
 
     @property
     def version(self) -> int:
@@ -140,7 +141,13 @@ class StageOptimizer:
 
         await off_loop(load, numel(self.params))
         self._loop, self._work_before = asyncio.get_running_loop(), self.averager.work
-        result = await self.averager.step(weight=float(taken.samples), timeout=timeout, alone=alone)
+        self.stepping = True  # (a checkpoint waits: the step's log is not written yet)
+        try:
+            result = await self.averager.step(
+                weight=float(taken.samples), timeout=timeout, alone=alone
+            )
+        finally:
+            self.stepping = False
         if result.resynced:
             self.worker.version = self.version  # (the averager downloaded the state)
         if result.committed:

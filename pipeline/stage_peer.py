@@ -278,6 +278,7 @@ class StagePeer:
             # does): a fresh peer for the trainers, whose bans of us lift.
             self.syncs += 1
             self.server.since = time.time()
+            self.server.restored = None  # (its restart is over: it holds the stage's state)
         if result.committed and self.on_step is not None:
             self.on_step(result)
         if result.committed:
@@ -308,6 +309,7 @@ class StagePeer:
         finally:
             self.server.serving = True
             self.server.since = time.time()
+            self.server.restored = None  # (as in `step`)
         await self._publish()
 
     async def _publish(self) -> None:

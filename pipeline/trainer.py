@@ -98,6 +98,11 @@ class PipelineTrainer:
         # Samples each stage's steps took (version stepped from -> samples), as step logs tell.
         self.step_sizes: list[dict[int, int]] = [{} for _ in range(stages)]
         self.stage_peers: list[list[PeerID]] = [[] for _ in range(stages)]
+        # Stage checkpoints: the version every checkpointing peer of a stage saved
+        # (None: its peers do not checkpoint) and the restores we replayed for.
+        self.durable: list[int | None] = [None] * stages
+        self._restores: set[tuple[PeerID, float]] = set()  # (peer, since)
+        self._restarted: list[tuple[float, int] | None] = [None] * stages  # (since, version)
         self.served_by = self.calls.served_by  # requests answered, per peer
         # A nonce per trainer run: keys of a restarted trainer never meet old answers.
         self._name = f"{str(dht.peer_id)[-8:]}.{secrets.token_hex(4)}"
@@ -211,7 +216,8 @@ class PipelineTrainer:
             peers.append((peer, speed if isinstance(speed, int | float) else None))
             view = views.get(peer)
             banned = view is not None and (view.banned_until > now or view.failing)
-            if isinstance(version, int) and not isinstance(version, bool) and not banned:
+            counts = _count(version) and not banned
+            if counts and not self._before_restart(s, version, since):
                 live_versions.append(version)
             if isinstance(since, int | float):
                 if since > self._announced.get(peer, since):
@@ -221,7 +227,73 @@ class PipelineTrainer:
             self.versions[s] = max(live_versions)
         balancer.set_peers(peers)
         self.stage_peers[s] = [p for p, _ in peers]
+        self._read_checkpoints(s, value)
         return len(peers)
+
+    def _read_checkpoints(self, s: int, value: DHTValue | None) -> None:
+        """What stage `s`'s records say of its checkpoints (`peer.stage_checkpoints`):
+        the version all its checkpointing peers saved (microbatches of later steps
+        are kept), and a peer that restarted the stage, finding no live peer to
+        download it from: the stage's steps from there on are gone, their
+        microbatches and the dead peers' held ones are replayed.
+
+        A restart is a claim: believed once per start of a peer the records list,
+        at most at its own version, and only while no peer we can still call that
+        started before it holds a newer version (its download failed though the
+        stage lived: it catches up, nothing was lost). A liar gets the kept
+        microbatches replayed once more, far less than its gradients could do."""
+        records = []
+        for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
+            peer = owner_of(subkey)
+            if peer is not None and isinstance(record, dict) and _count(record.get("version")):
+                since = record.get("since")
+                records.append((peer, record, float(since) if _is_time(since) else 0.0))
+        saved = [min(r["ckpt"], r["version"]) for _, r, _ in records if _count(r.get("ckpt"))]
+        if saved:
+            self.durable[s] = max(self.durable[s] or 0, min(saved))
+            self.ledger.release(s, self.durable[s] or 0, self.versions[s])
+        views, now = self.balancers[s].snapshot(), time.monotonic()
+
+        def callable_(peer: PeerID) -> bool:
+            view = views.get(peer)
+            return view is None or not (view.banned_until > now or view.failing)
+
+        for peer, record, since in records:
+            restored = record.get("restored")
+            if not (_count(restored) and restored <= record["version"]) or (
+                (peer, since) in self._restores or peer not in self.stage_peers[s]
+            ):
+                continue
+            if any(
+                r["version"] > restored and at < since and callable_(p)
+                for p, r, at in records
+                if p != peer and p in self.stage_peers[s]
+            ):
+                continue  # (asked again at the next refresh)
+            self._restores.add((peer, since))
+            self._restarted[s] = (since, restored)
+            self.versions[s] = record["version"]  # (not the dead peers' newer one)
+            self._restored(s, peer, restored)
+
+    def _before_restart(self, s: int, version: int, since: Any) -> bool:
+        """A record of a peer that started before stage `s` was restarted, at a version
+        the restart went back from: a dead peer's (its record outlives it for a while),
+        which must not hold the stage's version above what its live peers serve."""
+        restart = self._restarted[s]
+        if restart is None or not _is_time(since):
+            return False
+        return bool(since < restart[0] and version > restart[1])
+
+    def _restored(self, s: int, peer: PeerID, version: int) -> None:
+        replay = self.ledger.lost(s, version)
+        self.durable[s] = version
+        if replay or version > 0:
+            log.warning("stage %d was restarted at version %d by %s (%s): replaying %d "
+                        "microbatches of the steps it lost", s, version, str(peer)[-8:],
+                        "from its checkpoint" if version else "from the initial weights",
+                        len(replay))  # fmt: skip
+        for entry in replay:
+            self._replays.spawn(self._replay(entry))
 
     async def run(
         self,
@@ -296,7 +368,8 @@ class PipelineTrainer:
                 continue
             if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
                 self.step_sizes[stage][int(version)] = size
-        for entry in self.ledger.resolve(stage, steps, self.versions[stage]):
+        resolved = self.ledger.resolve(stage, steps, self.versions[stage], self.durable[stage])
+        for entry in resolved:
             log.info("stage %d step %d went without %s: replaying %s", stage, entry.epoch,
                      str(entry.peer)[-8:], entry.key)  # fmt: skip
             self._replays.spawn(self._replay(entry))
@@ -358,3 +431,11 @@ class PipelineTrainer:
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
     ) -> tuple[Any, dict[str, Any], PeerID]:
         return await self.calls.request(stage, method, key, samples, tensors)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

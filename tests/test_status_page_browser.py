@@ -157,6 +157,8 @@ class GrowingSwarm:
                         "peers": 2,
                         "throughput": None,
                         "peer_ids": [HOSTILE, self.peer_id],
+                        # (pipeline/stage_losses.py: every peer left, none had a checkpoint)
+                        "lost": {"version": 37, "since": 1.0},
                         "servers": [
                             self._server(HOSTILE, 7.25),
                             self._server(self.peer_id, 12.0, own=True),
@@ -464,6 +466,7 @@ async def test_page_renders_peers_and_a_growing_loss_curve_and_survives_a_restar
         assert "-312 s off" in page["attention"][0][1] and "NTP" in page["attention"][0][1]
         assert "No space left" in page["attention"][1][1]
         assert len(page["stages"]) == 2 and "410.5" in page["stages"][0]
+        assert "lost at version 37" in page["stages"][1] and "lost" not in page["stages"][0]
         assert page["pipelineRole"] == "serving stage 1 · training · 57 microbatches"
         # The drawing: a column per stage, a box per peer with its numbers and state.
         drawing = page["drawing"]

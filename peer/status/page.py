@@ -32,7 +32,9 @@ seen) with `#mismatches tbody tr[data-peer-id]` (one row per such peer),
 `#attention` (a warning card, hidden unless this peer's clock is off or its
 checkpoints fail) with `#attention-list li[data-problem]` (`clock`, `checkpoint`),
 `#pipeline` with `#stages tbody tr[data-stage]` (one row per stage of a
-pipelined experiment) and the drawing `#pipeline-drawing[data-stages][data-peers]`:
+pipelined experiment; its `td.stage-state[data-lost]` says the version a stage
+lost its state at, `[data-restored]` the version a checkpoint restored it at)
+and the drawing `#pipeline-drawing[data-stages][data-peers]`:
 `.stage-column[data-stage]` columns of `.peer-box[data-peer-id]` boxes (classes
 `self`, `banned`, `convicted`, `stale`; `data-flow`: requests/s), with
 `#pipeline-bans li[data-peer-id]` (peers routed around, and convicted ones).

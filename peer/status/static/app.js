@@ -416,9 +416,30 @@ function renderPipeline(p, self, convicted) {
       el("td", { class: "num", text: fmtNum(st.peers, 0) }),
       el("td", { class: "num", text: fmtNum(st.throughput, 1) }),
       el("td", { class: "mono", text: ids.map((id) => shortId(id, 4, 4)
-        + (id === self ? " (this peer)" : "")).join(", ") || "nobody" }));
+        + (id === self ? " (this peer)" : "")).join(", ") || "nobody" }),
+      stageState(st));
   }));
   drawPipeline(p, stages, self, convicted);
+}
+
+// A stage that lost its state (`lost`: every peer gone, no checkpoint restored it) or
+// came back from a checkpoint (`restored`): pipeline/stage_losses.py.
+function stageState(st) {
+  const lost = st.lost && typeof st.lost === "object" ? st.lost : null;
+  const back = st.restored && typeof st.restored === "object" ? st.restored : null;
+  if (lost) {
+    return el("td", { class: "stage-state", "data-lost": String(lost.version) },
+      el("span", { class: "badge bad", text: `lost at version ${fmtNum(lost.version, 0)}` }),
+      ` · ${fmtAgo(lost.since)}`);
+  }
+  if (back) {
+    const gone = isNum(back.lost_version) && back.lost_version > back.version
+      ? ` (steps ${fmtNum(back.version, 0)}–${fmtNum(back.lost_version - 1, 0)} lost)` : "";
+    return el("td", { class: "stage-state", "data-restored": String(back.version) },
+      el("span", { class: "badge warn", text: `restored at version ${fmtNum(back.version, 0)}` }),
+      gone);
+  }
+  return el("td", { class: "stage-state", text: "" });
 }
 
 const STALE_RECORD_S = 35;  // a stage record is refreshed every 15 s
