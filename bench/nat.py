@@ -17,6 +17,13 @@ trial starts the peer processes cold (Python start-up included: time_to_direct_c
 the others start fresh sessions (new identity and port) in running processes.
 
 Prints one JSON object.
+
+    sudo python bench/nat.py --baseline cf034cc [--ab-rounds 3] [--trials 4]
+
+A/B: runs this benchmark and REF's own (bench/baseline.py: a git worktree of
+REF, its code first on the path) alternately, each in a fresh process and lab,
+and prints each side's median and range of every figure and the ratio
+current/baseline.
 """
 
 from __future__ import annotations
@@ -25,12 +32,15 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline import checkout, compare, env_for, order
 from lab import PUB_IP, Lab, LabPeer, lab_unavailable
 
 PUB_PORT = 4001
@@ -133,17 +143,68 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+AB_KEYS = (
+    "time_to_direct_s",
+    "time_to_direct_max_s",
+    "time_to_direct_cold_s",
+    "relayed_MBps",
+    "direct_MBps",
+    "public_MBps",
+    "punch_successes",
+)
+
+
+def run_ab(args: argparse.Namespace, passed: list[str]) -> dict[str, Any]:
+    """This benchmark and the baseline's, alternately, each as its own process."""
+    runs: dict[str, list[dict[str, Any]]] = {"current": [], "baseline": []}
+    with checkout(args.baseline) as tree:
+        trees = {"current": None, "baseline": tree}
+        for i in range(args.ab_rounds):
+            for side in order(i):
+                root = trees[side] or Path(__file__).resolve().parents[1]
+                out = subprocess.run(
+                    [sys.executable, str(root / "bench" / "nat.py"), *passed],
+                    env=env_for(trees[side]),
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"{side}: {json.dumps(result)}", file=sys.stderr, flush=True)
+                runs[side].append(result)
+    return compare(runs, AB_KEYS, args.baseline)
+
+
+def _without_ab_options(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--baseline", "--ab-rounds"):
+            skip = True
+        elif not a.startswith(("--baseline=", "--ab-rounds=")):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--mb", type=int, default=200, help="MB per transfer")
     parser.add_argument("--repeats", type=int, default=3, help="transfers per path (best kept)")
     parser.add_argument("--prefix", default="bn-", help="LAB_PREFIX of the lab this run builds")
+    parser.add_argument(
+        "--baseline", help="A/B against this commit (or checkout): both codes, alternately"
+    )
+    parser.add_argument("--ab-rounds", type=int, default=3, help="A/B rounds (one run of each)")
     args = parser.parse_args()
     reason = lab_unavailable()
     if reason is not None:
         sys.exit(f"bench/nat.py: {reason}")
-    result = asyncio.run(run(args))
+    if args.baseline:
+        result = run_ab(args, _without_ab_options(sys.argv[1:]))
+    else:
+        result = asyncio.run(run(args))
     print(json.dumps(result))
 
 

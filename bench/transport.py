@@ -1,6 +1,11 @@
 """Transport benchmark: shoal's encrypted multiplexed streams and RPC against plain TCP.
 
     python bench/transport.py [--total-mib 1024] [--profile auto|always|never]
+    python bench/transport.py --baseline cf034cc [--ab-rounds 3] [--total-mib 256]
+
+The second form is an A/B against an older commit in the same run
+(bench/baseline.py): one stream run and the RPC runs, alternately with each
+code, each side's median and range and the ratio current/baseline.
 
 Prints one JSON object on stdout (logs go to stderr). Every measurement runs
 the sender and the receiver in separate processes (this file re-invoked with
@@ -651,7 +656,7 @@ class Child:
         self.proc = proc
 
     @classmethod
-    async def start(cls, role: str, *args: object) -> Child:
+    async def start(cls, role: str, *args: object, env: dict[str, str] | None = None) -> Child:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             SCRIPT,
@@ -661,6 +666,7 @@ class Child:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             limit=16 * MIB,
+            env=env,
         )
         _OUR_PIDS.add(proc.pid)
         return cls(role, proc)
@@ -701,8 +707,8 @@ class Children:
     def __init__(self) -> None:
         self._children: list[Child] = []
 
-    async def start(self, role: str, *args: object) -> Child:
-        child = await Child.start(role, *args)
+    async def start(self, role: str, *args: object, env: dict[str, str] | None = None) -> Child:
+        child = await Child.start(role, *args, env=env)
         self._children.append(child)
         return child
 
@@ -961,6 +967,104 @@ def _targets(r: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+AB_KEYS = (
+    "rpc_cpu_us_per_call",
+    "shoal_stream_MBps",
+    "rpc_calls_per_s",
+    "rpc_p50_ms",
+    "rpc_p99_ms",
+    "rpc_1caller_p50_ms",
+    "rpc_during_bulk_p50_ms",
+)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        data = f.read()
+    fields = data[data.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _ab_side(opts: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """One side's run: a server and a client of that side's code, one stream run, RPC."""
+    async with Children() as kids:
+        server = await kids.start("shoal-server", env=env)
+        addr = (await server.recv())["addr"]
+        client = await kids.start(
+            "shoal-client", "--addr", addr, "--write-size", opts.write_size, env=env
+        )
+        await client.recv()
+        request = client.request(cmd="stream", total=opts.total, streams=1, runs=1, profile=None)
+        stream = (await request)["runs"][0]
+        r = await client.request(
+            cmd="rpc",
+            concurrency=opts.rpc_concurrency,
+            seconds=opts.rpc_seconds,
+            warmup=0.5,
+            runs=1,
+            payload_bytes=opts.rpc_payload,
+            unloaded_seconds=0,
+            bulk_bytes=0,
+            profile=None,
+        )
+        # CPU per call, both processes (the warm-up included): what the code costs,
+        # which the load of others on this machine moves far less than calls/s.
+        before = [_cpu_seconds(k.proc.pid) for k in (server, client)]
+        r = await client.request(
+            cmd="rpc",
+            concurrency=opts.rpc_concurrency,
+            seconds=opts.rpc_seconds,
+            warmup=0.001,  # (run() divides by it; a few calls)
+            runs=1,
+            payload_bytes=opts.rpc_payload,
+            unloaded_seconds=0,
+            bulk_bytes=0,
+            profile=None,
+        )
+        cpu = sum(_cpu_seconds(k.proc.pid) for k in (server, client)) - sum(before)
+        calls = r["calls_measured"]
+        r1 = await client.request(
+            cmd="rpc",
+            concurrency=1,
+            seconds=0.5,
+            warmup=0.001,  # (run() divides by it; a few calls)
+            runs=1,
+            payload_bytes=opts.rpc_payload,
+            unloaded_seconds=1.0,
+            bulk_bytes=opts.total,
+            profile=None,
+        )
+        r.update(unloaded=r1["unloaded"], during_bulk=r1["during_bulk"])
+    return {
+        "rpc_cpu_us_per_call": round(cpu / calls * 1e6, 1),
+        "shoal_stream_MBps": round(stream["recv_MBps"], 1),
+        "rpc_calls_per_s": r["rates"][0],
+        "rpc_p50_ms": r["p50_ms"],
+        "rpc_p99_ms": r["p99_ms"],
+        "rpc_1caller_p50_ms": r["unloaded"]["p50_ms"],
+        "rpc_during_bulk_p50_ms": r["during_bulk"]["p50_ms"],
+    }
+
+
+async def orchestrate_ab(opts: argparse.Namespace) -> dict[str, Any]:
+    """The current code against `--baseline`'s, alternately (bench/baseline.py): the
+    roles are this file's, each side's processes import that side's shoal."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from baseline import checkout, compare, env_for, order
+
+    runs: dict[str, list[dict[str, Any]]] = {"current": [], "baseline": []}
+    mon = LoadMonitor(opts.quiet_wait)
+    with checkout(opts.baseline) as tree:
+        envs = {"current": env_for(None), "baseline": env_for(tree)}
+        for i in range(opts.ab_rounds):
+            for side in order(i):
+                result = await mon.measure(f"{side}_{i + 1}", _ab_side(opts, envs[side]))
+                log.info("%s: %s", side, result)
+                runs[side].append(result)
+    return {**compare(runs, AB_KEYS, opts.baseline), "background_load": mon.report}
+
+
 JUDGED_KEYS = (
     "plain_tcp_MBps",
     "shoal_stream_MBps",
@@ -1067,6 +1171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cProfile's timer: wall clock (default, cheap) or process CPU time (robust to "
         "preemption, but each timer read is a syscall, so it distorts more)",
     )
+    p.add_argument(
+        "--baseline",
+        help="A/B: this commit's (or checkout's) code against the current, alternately "
+        "(stream throughput and RPC only)",
+    )
+    p.add_argument("--ab-rounds", type=int, default=3, help="A/B rounds (one run of each)")
     # Internal: arguments of the roles.
     for name in ("--port", "--total", "--write-size"):
         p.add_argument(name, type=int, help=argparse.SUPPRESS)
@@ -1095,7 +1205,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.role is not None:
         uvloop.run(ROLES[opts.role](opts))
         return 0
-    result = uvloop.run(orchestrate(opts))
+    result = uvloop.run(orchestrate_ab(opts) if opts.baseline else orchestrate(opts))
     print(json.dumps(result, indent=2))
     return 0
 

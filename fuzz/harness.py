@@ -62,6 +62,10 @@ class BytesStream:
         """Bytes not read yet (all of them arrived at once)."""
         return len(self._data) - self._pos
 
+    def peek(self, n: int) -> bytes:
+        """The next `n` bytes (fewer at the end), left unread."""
+        return bytes(self._data[self._pos : self._pos + n])
+
     async def read(self, max_bytes: int = 65536) -> bytes:
         out = bytes(self._data[self._pos : self._pos + max_bytes])
         self._pos += len(out)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -143,6 +146,70 @@ async def test_a_dial_back_that_reaches_another_peer_counts_as_a_failure(make_pe
     result = await na.autonat.probe(conn, [listen_addr(c)])
     assert result is not None and not result.ok
     assert result.server == b.peer_id
+
+
+@contextlib.contextmanager
+def listener_dropping_syns() -> Iterator[Multiaddr]:
+    """A loopback listener whose accept queue is full: the kernel drops further SYNs,
+    as a NAT router does with unsolicited ones (no reset, no answer)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # one queued connection fills it
+        with socket.create_connection(listener.getsockname(), timeout=5):
+            yield Multiaddr(f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}")
+
+
+async def test_an_unanswered_syn_fails_the_dial_back_at_the_connect_deadline(make_peer) -> None:
+    """Behind a NAT nobody answers the dial-back's SYN: the server says "timeout" once
+    the connect's short deadline passes, not the whole dial-back's (a peer behind a NAT
+    looks for relays that much sooner: bench/nat.py's time_to_direct_s)."""
+    (a, na) = await make_peer(reachability="private")
+    (b, _) = await make_peer(dialback_connect_timeout=0.3, dialback_timeout=60.0)
+    conn = await a.connect(listen_addr(b).with_peer_id(b.peer_id))
+    with listener_dropping_syns() as dropped:
+        async with asyncio.timeout(20):  # the 60 s whole-dial-back deadline would not fit
+            result = await na.autonat.probe(conn, [dropped])
+    assert result is not None and not result.ok
+    assert result.kind == "timeout"  # weak evidence: weighs 1/2 (reachability.py)
+
+
+async def _forward_after(delay: float, target: Multiaddr) -> asyncio.Server:
+    """A loopback TCP forwarder that accepts at once (as a busy peer's kernel does) but
+    passes nothing on for `delay` seconds (its process is busy importing torch)."""
+    host, port = target.tcp_endpoint()
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(delay)
+        tr, tw = await asyncio.open_connection(host, port)
+        await asyncio.gather(pipe(r, tw), pipe(tr, w))
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_a_peer_slow_to_answer_its_handshake_is_still_dialed_back(make_peer) -> None:
+    """The short deadline is the connect's alone: a peer whose kernel accepts at once but
+    whose process answers the handshake late keeps the whole dial-back's deadline (a
+    busy peer is not taken for one behind a NAT)."""
+    (a, na) = await make_peer(reachability="private")
+    (b, _) = await make_peer(dialback_connect_timeout=0.3, dialback_timeout=10.0)
+    forwarder = await _forward_after(1.0, listen_addr(a))
+    try:
+        conn = await a.connect(listen_addr(b).with_peer_id(b.peer_id))
+        slow = Multiaddr(f"/ip4/127.0.0.1/tcp/{forwarder.sockets[0].getsockname()[1]}")
+        result = await na.autonat.probe(conn, [slow])
+    finally:
+        forwarder.close()
+    assert result is not None and result.ok and result.addr == slow
 
 
 async def test_a_server_claiming_a_dial_back_that_never_came_is_not_believed(make_peer) -> None:

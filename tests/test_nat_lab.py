@@ -148,6 +148,8 @@ async def test_two_peers_behind_one_nat_punch_over_their_lan_and_outlive_a_cut_u
         # What a LAN neighbour sees of us says nothing of the internet: neither takes its
         # LAN address for a public one (nor gets "dialed back" there and turns public).
         for peer, other in ((a, (await b.call("status"))["peer_id"]), (b, ra["peer_id"])):
+            # (b's own dial-back may still be out when the punch is done: wait for it)
+            assert (await peer.call("wait", what="reachability", value="private"))["met"]
             assert (await peer.call("wait", what="identified_direct", value=other))["met"]
             st = await peer.call("status")
             assert not any(A1_IP in o["addr"] for o in st["observed_addresses"]), st

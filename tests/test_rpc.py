@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from waiting import eventually
 
 from shoal.transport import rpc
 from shoal.transport.errors import (
@@ -252,6 +253,40 @@ async def test_a_garbage_request_resets_only_its_stream(served) -> None:
     with pytest.raises(StreamReset):
         await asyncio.wait_for(stream.read(), 2)
     assert await rpc.call(client, server.peer_id, PROTO, "echo", 1) == 1
+
+
+async def test_a_request_that_arrives_in_pieces_is_served(pair) -> None:
+    """Most requests are whole when their handler starts (read at once, no deadline to
+    arm); one that is not is waited for."""
+    client, server = pair
+    svc = RpcService(server, PROTO, rpc.RpcLimits(first_message_timeout=10.0))
+
+    @svc.unary("echo")
+    async def echo(ctx, payload):
+        return payload
+
+    await client.connect(server.addresses()[0])
+    stream = await client.open_stream(server.peer_id, PROTO)
+    message = rpc.pack_message(["echo", 5.0, "in pieces"])
+    await stream.write(message[:3])  # not even the whole frame header
+    await eventually(lambda: svc.in_flight(client.peer_id), "the handler waits for the rest")
+    await stream.write(message[3:9])
+    await stream.write(message[9:])
+    await stream.close()
+    reply = await rpc.MessageStream(stream).recv()
+    assert reply == [rpc.OK, "in pieces"]
+
+
+@pytest.mark.parametrize("cut", [3, 8], ids=["inside-the-header", "inside-the-body"])
+async def test_a_request_cut_short_is_reset_at_its_deadline(pair, cut: int) -> None:
+    client, server = pair
+    svc = RpcService(server, PROTO, rpc.RpcLimits(first_message_timeout=0.3))
+    await client.connect(server.addresses()[0])
+    stream = await client.open_stream(server.peer_id, PROTO)
+    await stream.write(rpc.pack_message(["echo", 5.0, "never finished"])[:cut])
+    with pytest.raises(StreamReset):
+        await asyncio.wait_for(stream.read(), 5)
+    assert svc.silent_streams == 1
 
 
 async def test_many_concurrent_calls_on_one_connection(served) -> None:

@@ -307,7 +307,10 @@ class AutoNAT:
         self._dialback_conns.add(conn)
         try:
             async with asyncio.timeout(timeout):
-                await loop.create_connection(lambda: conn, *endpoint)
+                # Two deadlines: the connect's (the kernel's part, short) and the whole
+                # dial-back's (the handshake waits on the peer's process, generous).
+                async with asyncio.timeout(min(timeout, self.config.dialback_connect_timeout)):
+                    await loop.create_connection(lambda: conn, *endpoint)
                 await asyncio.shield(conn.handshake_done)
                 stream = await conn.open_stream(DIALBACK_PROTOCOL)
                 ms = wire.messages(stream)

@@ -40,6 +40,12 @@ class NatConfig:
     # busy (importing torch, building its model) and answer its handshake late; a
     # timeout is weak evidence anyway (see reachability.py).
     dialback_timeout: float = 4.0
+    # Of which the TCP connect may take this long. The kernel answers a SYN however busy
+    # the process behind it is, so the connect needs only the round trip (and one lost
+    # SYN's retransmission after Linux's initial 1 s RTO, on links up to 250 ms RTT);
+    # a NAT dropping the SYN, the usual case, is told within it rather than within the
+    # 4 s a busy peer's handshake gets.
+    dialback_connect_timeout: float = 1.25
     probe_timeout: float = 20.0  # one whole request, dial-backs included
     # The failure weight (refused 1, timeout 1/2) since the last success that makes
     # PRIVATE; None: 3 with a public interface address, 1/2 behind a NAT. A success is
