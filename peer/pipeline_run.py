@@ -33,6 +33,7 @@ from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_sta
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
 from shoal.pipeline.rebalance import RebalancePolicy
+from shoal.pipeline.sizes import format_size
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import Microbatch, PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
@@ -40,6 +41,7 @@ from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest
+from .stage_budget import NoStageFits, StageBudget, available_memory
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
 from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
@@ -78,7 +80,10 @@ class PipelineRun:
         role: str,
         stage: int | None,
         device: torch.device,
+        max_memory: int | None = None,
     ) -> None:
+        """`max_memory`: this peer's memory budget in bytes (None: what the machine and
+        the device have free when it starts)."""
         self.dht = dht
         self.manifest = manifest
         self.task = task
@@ -100,6 +105,8 @@ class PipelineRun:
         self._tokens_per_sample = 1
         self._view = PipelineStatus()  # the richer keys of status(): servers, flow, bans
         self.bounds: list[StageBounds] | None = None  # (`start` probes them)
+        self.max_memory = max_memory
+        self.budget: StageBudget | None = None  # what each stage costs us (`start`)
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
 
@@ -113,11 +120,10 @@ class PipelineRun:
                 probe_bounds, self.task, self.manifest.seed, self.stages,
                 int(self.options["global_batch"]),
             )  # fmt: skip
+            self.budget = self._stage_budget(self.bounds)
         await self.refresh_directory()
         if self.role in ("auto", "stage"):
-            k = self.wanted_stage
-            if k is None:
-                k = least_capacity_stage(self.directory)
+            k = self._choose_stage()
             peer = await self._make_stage_peer(k)
             # A stage some peer already serves has a state to download first; the first
             # peer of a stage starts from the manifest's seed (waiting for holders that
@@ -135,6 +141,7 @@ class PipelineRun:
                 self.mover = StageMover(
                     self.dht, self.manifest.experiment_id, self.stages, peer,
                     self._make_stage_peer, policy=policy, on_moved=self._moved,
+                    fits=self._fitting,
                 )  # fmt: skip
         if self.role in ("auto", "trainer"):
             # (A manifest from before stage audits has no `verify`: none.)
@@ -153,6 +160,38 @@ class PipelineRun:
                 lag=int(self.options["lag"]),
             )
             self.loop.on_microbatch = self._microbatch_done
+
+    def _stage_budget(self, bounds: list[StageBounds]) -> StageBudget:
+        """Our budget and what each stage costs us; a trainer whose own microbatches
+        do not fit refuses (NoStageFits)."""
+        budget = self.max_memory or available_memory(self.device)
+        # Samples a trainer keeps in flight: what may wait in a stage's queue at once.
+        in_flight = (1 + int(self.options["lag"])) * int(self.options["global_batch"])
+        out = StageBudget(self.task, self.manifest.seed, bounds, budget=budget,
+                          in_flight=in_flight, trainer=self.role == "auto")  # fmt: skip
+        if self.role in ("auto", "trainer"):
+            out.check_trainer()
+        return out
+
+    def _fitting(self, records: list[list[StageRecord]]) -> list[int]:
+        """The stages that fit our memory, with the all-reduce groups the records show."""
+        assert self.budget is not None
+        self.budget.see_peers([len(r) for r in records])
+        return self.budget.fitting()
+
+    def _choose_stage(self) -> int:
+        """`--stage`, or the least-capacity stage among those that fit our memory; one
+        that does not fit is refused (NoStageFits)."""
+        assert self.budget is not None
+        fitting = self._fitting(self.directory)
+        k = self.wanted_stage
+        if k is not None and k not in fitting:
+            cost = self.budget.cost(k).total + self.budget.reserved
+            raise NoStageFits(f"stage {k} needs {format_size(cost)}, more than --max-memory "
+                              f"{format_size(self.budget.budget or 0)}")  # fmt: skip
+        if not fitting:
+            raise NoStageFits(self.budget.refusal())
+        return least_capacity_stage(self.directory, allowed=fitting) if k is None else k
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
@@ -260,11 +299,20 @@ class PipelineRun:
                 "throughput": sum(speeds) if speeds else None,
                 "peer_ids": [str(r.peer) for r in records],
                 "version": max((r.version for r in records), default=None),
+                # What serving the stage would cost us, by the estimate (bytes).
+                "memory_bytes": None if self.budget is None else self.budget.cost(s).total,
             })  # fmt: skip
         served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
         driven = loop.trainer.counters.microbatches if loop is not None else 0
+        budget = self.budget
         out = {
             "stage": None if peer is None else peer.stage,
+            # What --max-memory allows (or the memory free when we started), and what
+            # our stage costs by the estimate (pipeline/memory.py): bytes.
+            "memory_budget_bytes": None if budget is None else budget.budget,
+            "stage_memory_bytes": None
+            if budget is None or peer is None
+            else budget.cost(peer.stage).total,
             "trainer": loop is not None,
             "role": self.role,
             "stages": stages,

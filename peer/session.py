@@ -46,6 +46,7 @@ from .experiment import (
 )
 from .joined import joined_path, load_joined, save_joined
 from .pipeline_run import PipelineRun, pipeline_fingerprint
+from .stage_budget import NoStageFits
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .training.checkpoint import CheckpointError, CheckpointStore
 from .training.device import DeviceInventory, check_precision, describe, mfu, peak_flops
@@ -274,10 +275,15 @@ async def _pipeline_session(
             role=config.role,
             stage=config.stage,
             device=device,
+            max_memory=config.max_memory,
         )
     except ValueError as e:
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
-    await run.start()
+    try:
+        await run.start()
+    except NoStageFits as e:  # (one line: what does not fit, and what it needs)
+        await run.aclose()
+        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
     return Session(
         manifest,
         task,
