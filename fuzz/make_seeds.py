@@ -27,7 +27,7 @@ from targets_net import _BOOK, _CERTIFIED, _MEMBERS, _ROUND, _STATE  # noqa: E40
 
 from shoal.averaging.compression import Int8BlockCodec, get_codec  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
-from shoal.peer.experiment import Manifest  # noqa: E402
+from shoal.peer.experiment import Manifest, stages_fingerprint  # noqa: E402
 from shoal.peer.training.checkpoint import CHECKPOINT_FORMAT, CheckpointStore  # noqa: E402
 from shoal.peer.verify.audit_round import SECRET_BYTES  # noqa: E402
 from shoal.pipeline import wire as pipeline_wire  # noqa: E402
@@ -104,6 +104,25 @@ def manifest(task: str = "bytegpt", task_digest: str = "") -> bytes:
         seed=1,
         initial_fingerprint="0" * 64,
         created=1.7e9,
+    )
+    return m.to_bytes()
+
+
+def pipeline_manifest() -> bytes:
+    """A pipeline's manifest, with one fingerprint per stage (format 3)."""
+    stages = ["1" * 64, "2" * 64]
+    m = Manifest.create(
+        ME,
+        name="piped",
+        task="bytegpt",
+        task_config={"d_model": 32},
+        strategy="pipeline",
+        strategy_options={"stages": 2},
+        hyperparameters={},
+        seed=1,
+        initial_fingerprint=stages_fingerprint(stages),
+        created=1.7e9,
+        stage_fingerprints=stages,
     )
     return m.to_bytes()
 
@@ -359,6 +378,7 @@ def seeds() -> dict[str, list[bytes]]:
             manifest(),
             b"default@" + str(ME.peer_id).encode(),
             manifest("mytask:make_task", "ab" * 32),
+            pipeline_manifest(),
         ],
         "checkpoint": [checkpoint()],
         "status_inputs": [b"127.0.0.1:8080", msgpack.packb(status, use_bin_type=True)],

@@ -3,7 +3,8 @@
 An experiment is described by a `Manifest`: its name, the task and model
 configuration (and, for a custom task, the digest of its code: `task_code`),
 the hyperparameters, the averaging strategy, the fingerprint of the initial
-state and a format version, signed by the peer that created it (the *host*).
+state (a pipeline's: one per stage, and the initial one derived from them) and a
+format version, signed by the peer that created it (the *host*).
 Once published, nobody is special: the host may leave, and any participant
 keeps the manifest alive in the DHT.
 
@@ -30,6 +31,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ import msgpack
 
 from shoal.dht.node import DHTNode
 from shoal.dht.records import Record, RecordError, RecordValidator
+from shoal.pipeline.options import MAX_STAGES
 from shoal.transport.identity import Identity, PeerID
 
 log = logging.getLogger("shoal.experiment")
@@ -54,16 +57,21 @@ __all__ = [
     "parse_experiment_ref",
     "publish_manifest",
     "register_manifest_validator",
+    "stages_fingerprint",
 ]
 
 # Format 2 is format 1 plus `task_digest`, written only for a custom task: a shoal
 # that reads only format 1 (and would import a custom task's code unchecked)
 # refuses it, while built-in experiments stay format 1, joinable by either.
-MANIFEST_FORMAT = 2
-MANIFEST_FORMATS = (1, 2)
+# Format 3 is format 2 plus `stage_fingerprints`, written for a pipeline: its stages are
+# built one at a time (`make_stage`), initialized unlike the stages of an older shoal,
+# which must not join (it refuses format 3). Other experiments are written as before.
+MANIFEST_FORMAT = 3
+MANIFEST_FORMATS = (1, 2, 3)
 EXPERIMENT_PREFIX = "shoal/experiment/"
 MAX_MANIFEST_BYTES = 32 * 1024
 _SIGNING_DOMAIN = b"shoal-manifest:"
+_STAGES_DOMAIN = b"shoal/stage-fingerprints/v1\x00"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "1-64 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
 
@@ -84,6 +92,17 @@ def check_name(name: str) -> str:
 
 def manifest_key(name: str) -> str:
     return EXPERIMENT_PREFIX + check_name(name)
+
+
+def stages_fingerprint(stage_fingerprints: Sequence[str]) -> str:
+    """A pipeline's initial fingerprint, of its stages' (in order): the manifest's
+    `initial_fingerprint` of a pipeline, so that it names the whole initial model
+    although no peer ever builds the whole of it."""
+    h = hashlib.sha256(_STAGES_DOMAIN)
+    h.update(len(stage_fingerprints).to_bytes(4, "big"))
+    for fingerprint in stage_fingerprints:
+        h.update(bytes.fromhex(fingerprint))
+    return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +141,9 @@ class Manifest:
     host: PeerID
     created: float
     task_digest: str = ""  # a custom task's `task_code.task_digest`; "" for a built-in
+    # A pipeline's: each stage's initial parameters (format 3), computed by the host one
+    # stage at a time; a peer checks the one stage it builds against its entry.
+    stage_fingerprints: tuple[str, ...] = ()
     format: int = 1
     signature: bytes = field(default=b"", compare=False)
 
@@ -140,8 +162,12 @@ class Manifest:
         initial_fingerprint: str,
         created: float | None = None,
         task_digest: str = "",
+        stage_fingerprints: Sequence[str] = (),
     ) -> Manifest:
-        _check_task_digest(task, task_digest, 2 if task_digest else 1)
+        version = 3 if stage_fingerprints else 2 if task_digest else 1
+        _check_task_digest(task, task_digest, version)
+        if stage_fingerprints:
+            _check_stage_fingerprints(list(stage_fingerprints), initial_fingerprint)
         unsigned = cls(
             check_name(name),
             task,
@@ -154,7 +180,8 @@ class Manifest:
             identity.peer_id,
             time.time() if created is None else float(created),
             task_digest,
-            2 if task_digest else 1,
+            tuple(stage_fingerprints),
+            version,
         )
         signature = identity.sign(unsigned._signing_payload())
         signed = Manifest(*(getattr(unsigned, f) for f in _FIELDS), signature=signature)
@@ -177,6 +204,8 @@ class Manifest:
         }
         if self.format >= 2:
             body["task_digest"] = self.task_digest
+        if self.format >= 3:
+            body["stage_fingerprints"] = list(self.stage_fingerprints)
         return body
 
     def _signing_payload(self) -> bytes:
@@ -233,7 +262,7 @@ class Manifest:
         if version not in MANIFEST_FORMATS or isinstance(version, bool):
             raise ManifestError(
                 f"manifest format {version!r} is not supported by this shoal "
-                f"(it reads formats 1 and 2); upgrade shoal"
+                f"(it reads formats 1 to 3); upgrade shoal"
             )
         expected = {
             "format": int,
@@ -250,6 +279,8 @@ class Manifest:
         }
         if version >= 2:
             expected["task_digest"] = str
+        if version >= 3:
+            expected["stage_fingerprints"] = list
         if set(body) != set(expected):
             # (repr: a forged body may have keys of any type, which do not sort together)
             differ = sorted(set(body) ^ set(expected), key=repr)
@@ -265,6 +296,8 @@ class Manifest:
         try:
             check_name(body["name"])
             _check_task_digest(body["task"], body.get("task_digest", ""), version)
+            if version >= 3:
+                _check_stage_fingerprints(body["stage_fingerprints"], body["initial_fingerprint"])
             host = PeerID.from_base58(body["host"])
         except ManifestError:
             raise
@@ -282,6 +315,7 @@ class Manifest:
             host,
             body["created"],
             body.get("task_digest", ""),
+            tuple(body.get("stage_fingerprints", ())),
             body["format"],
             signature,
         )
@@ -311,6 +345,7 @@ _FIELDS = (
     "host",
     "created",
     "task_digest",
+    "stage_fingerprints",
     "format",
 )
 
@@ -325,6 +360,21 @@ def _check_task_digest(task: str, digest: str, version: int = 2) -> None:
         raise ManifestError(f"malformed manifest: built-in task {task!r} with a code digest")
     if version >= 2 and not builtin and not _DIGEST_RE.fullmatch(digest):
         raise ManifestError(f"malformed manifest: task {task!r} has no valid code digest")
+
+
+def _check_stage_fingerprints(stage_fingerprints: list[Any], initial: str) -> None:
+    """A pipeline's stage fingerprints: 2 to MAX_STAGES of 64 hex digits, from which its
+    initial fingerprint derives."""
+    if not 2 <= len(stage_fingerprints) <= MAX_STAGES or not all(
+        isinstance(f, str) and _DIGEST_RE.fullmatch(f) for f in stage_fingerprints
+    ):
+        raise ManifestError(
+            f"malformed manifest: stage_fingerprints must be 2 to {MAX_STAGES} fingerprints"
+        )
+    if initial != stages_fingerprint(stage_fingerprints):
+        raise ManifestError(
+            "malformed manifest: initial_fingerprint is not its stage_fingerprints' fingerprint"
+        )
 
 
 def _canonical(obj: Any) -> Any:

@@ -13,6 +13,11 @@ K`` or, by default, the one with the least capacity in the stage records when
 the peer starts. A
 peer downloads its stage's state from the stage's peers before it announces
 itself (the first peer of a stage starts from the manifest's seed).
+
+A peer builds only the stage it serves (`stage_build.build_stage`), and checks it
+against the manifest's fingerprint of that stage: a peer that builds it otherwise
+(another torch that initializes differently) refuses to start it from its own
+build, and takes the stage's state from its peers if it has any.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from typing import Any
 
 import torch
 
-from shoal.averaging.fingerprint import state_fingerprint
 from shoal.dht.node import DHTNode
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
@@ -34,20 +38,21 @@ from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
 from shoal.pipeline.rebalance import RebalancePolicy
 from shoal.pipeline.sizes import format_size
+from shoal.pipeline.stage_build import build_stage, stage_fingerprint, stage_fingerprints
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import Microbatch, PipelineTrainer
 from shoal.pipeline.trainer_loop import TrainerLoop
 from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
-from .experiment import Manifest
+from .experiment import Manifest, stages_fingerprint
 from .stage_budget import NoStageFits, StageBudget, available_memory
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
 from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
 from .training.task import Task, shard_of
 
-__all__ = ["PipelineRun", "pipeline_fingerprint"]
+__all__ = ["PipelineRun", "StageMismatch", "pipeline_fingerprint"]
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -63,9 +68,13 @@ def _last(steps: dict[int, int]) -> dict[str, int]:
 
 
 def pipeline_fingerprint(task: Task, seed: int, stages: int) -> str:
-    """The initial model's fingerprint, over every stage's parameters in order."""
-    modules = task.make_stages(seed, stages)  # type: ignore[attr-defined]
-    return state_fingerprint([p.detach() for m in modules for p in m.parameters()], {})
+    """The initial model's fingerprint (a manifest's `initial_fingerprint`), of each
+    stage's, the stages built one at a time."""
+    return stages_fingerprint(stage_fingerprints(task, seed, stages))
+
+
+class StageMismatch(ValueError):
+    """This peer builds its stage unlike the manifest's host; the message is one line."""
 
 
 class PipelineRun:
@@ -195,9 +204,9 @@ class PipelineRun:
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
-        modules = await asyncio.to_thread(self.task.make_stages, self.manifest.seed, self.stages)  # type: ignore[attr-defined]
-        module = await asyncio.to_thread(modules[k].to, self.device)
-        del modules
+        module = await asyncio.to_thread(build_stage, self.task, self.manifest.seed, self.stages, k)
+        await self._check_built(k, module)
+        module = await asyncio.to_thread(module.to, self.device)
         return StagePeer(
             self.dht,
             self.manifest.experiment_id,
@@ -213,6 +222,27 @@ class PipelineRun:
             device=self.device,
             bounds=None if self.bounds is None else self.bounds[k],
         )
+
+    async def _check_built(self, k: int, module: torch.nn.Module) -> None:
+        """Refuse stage `k` built unlike the host's when it would start from that build
+        (no peer serves it yet); with peers to download its state from, say so only."""
+        expected = self.manifest.stage_fingerprints
+        if not expected:  # (the session refuses a pipeline's manifest without them)
+            return
+        built = await asyncio.to_thread(stage_fingerprint, module)
+        if built == expected[k]:
+            return
+        if not self.directory[k]:
+            raise StageMismatch(
+                f"this peer builds stage {k} unlike the experiment's host (fingerprint "
+                f"{built[:12]}, manifest {expected[k][:12]}: another torch version?) and no "
+                "peer serves the stage's state yet; use the host's shoal and torch versions"
+            )
+        log.warning(
+            "this peer builds stage %d unlike the host (fingerprint %s, manifest %s: another "
+            "torch version?); downloading the stage's state from its peers",
+            k, built[:12], expected[k][:12],
+        )  # fmt: skip
 
     def _moved(self, old: StagePeer, new: StagePeer) -> None:
         """The mover moved us from `old`'s stage to `new`'s: our own trainer calls

@@ -32,6 +32,7 @@ from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.pipeline.options import PipelineOptions
+from shoal.pipeline.stage_build import builds_stages_alone, stage_fingerprints
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 
@@ -43,9 +44,10 @@ from .experiment import (
     find_manifest,
     parse_experiment_ref,
     publish_manifest,
+    stages_fingerprint,
 )
 from .joined import joined_path, load_joined, save_joined
-from .pipeline_run import PipelineRun, pipeline_fingerprint
+from .pipeline_run import PipelineRun, StageMismatch
 from .stage_budget import NoStageFits
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .training.checkpoint import CheckpointError, CheckpointStore
@@ -261,8 +263,20 @@ async def _pipeline_session(
 ) -> Session:
     """A pipelined experiment: this peer serves a stage and/or drives microbatches."""
     hosting = manifest.host == identity.peer_id
-    if not hasattr(task, "make_stages"):
+    if not _splits_into_stages(task):
         raise SessionError(f"task {manifest.task} cannot be split into pipeline stages")
+    stages = manifest.strategy_options.get("stages")
+    if not manifest.stage_fingerprints:
+        raise SessionError(
+            f"{manifest.describe()} was created by an older shoal (manifest format "
+            f"{manifest.format}): its stages were initialized as one model, which this shoal "
+            "never builds (a peer builds only its own stage); host a new experiment name"
+        )
+    if len(manifest.stage_fingerprints) != stages:
+        raise SessionError(
+            f"{manifest.describe()} has {len(manifest.stage_fingerprints)} stage "
+            f"fingerprints for {stages!r} stages: a malformed manifest"
+        )
     try:
         hyper = check_hyperparameters(manifest.hyperparameters)
         check_precision(hyper["precision"], device, inventory)
@@ -284,6 +298,8 @@ async def _pipeline_session(
     except NoStageFits as e:  # (one line: what does not fit, and what it needs)
         await run.aclose()
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
+    except StageMismatch as e:
+        raise SessionError(f"cannot start {manifest.describe()}: {e}") from None
     return Session(
         manifest,
         task,
@@ -465,11 +481,13 @@ async def _host_manifest(
     strategy, options, hyperparameters = _new_settings(config, task, name)
     seed = secrets.randbits(31)
     model = None
+    stages: list[str] = []
     if config.pipeline_stages:
         try:
-            fingerprint = await asyncio.to_thread(
-                pipeline_fingerprint, task, seed, config.pipeline_stages
-            )
+            # One stage at a time (built, hashed, freed): a host holds the whole model
+            # no more than any other peer does.
+            stages = await asyncio.to_thread(stage_fingerprints, task, seed, config.pipeline_stages)
+            fingerprint = stages_fingerprint(stages)
         except ValueError as e:  # e.g. more stages than the model has layers
             raise SessionError(
                 f"--pipeline-stages {config.pipeline_stages}: {e} (a larger model: "
@@ -491,6 +509,7 @@ async def _host_manifest(
             initial_fingerprint=fingerprint,
             created=time.time(),
             task_digest=digest,
+            stage_fingerprints=stages,
         )
     except ManifestError as e:
         raise SessionError(str(e)) from None
@@ -538,7 +557,7 @@ def _new_settings(
     strategy = PipelineOptions.name if config.pipeline_stages else config.strategy
     try:
         if config.pipeline_stages:
-            if not hasattr(task, "make_stages"):
+            if not _splits_into_stages(task):
                 raise SessionError(f"task {config.task} cannot be split into pipeline stages")
             batch_size = int(task.config().get("batch_size", 1))
             # Stage audits are calibrated for float32 (--verify on insists).
@@ -566,6 +585,10 @@ def _new_settings(
     except ValueError as e:
         raise SessionError(f"--strategy-option: {e}") from None
     return strategy, options, hyperparameters
+
+
+def _splits_into_stages(task: Task) -> bool:
+    return builds_stages_alone(task) or callable(getattr(task, "make_stages", None))
 
 
 def verification_options(

@@ -12,6 +12,10 @@ refuses such an answer, and a referee such an audit request, the same way.
 `probe_bounds` measures the elements per sample by running one sample of the
 task's held-out data through the stages, on PyTorch's meta device (shapes only:
 no memory, no compute), or, where a task's layers do not run there, on the CPU.
+A task that builds its stages alone (`stage_build`) has them built one at a time,
+each freed before the next, so that a peer holds no stage but its own for real
+(meta builds allocate and initialize nothing; a stage that does not run on the
+meta device is built on the CPU, said in the log).
 It assumes what every pipelined task keeps (`peer.task`): one sample's inputs
 have the same shape in every batch. An honest request holds one task batch,
 at most the experiment's ``global_batch`` samples (or the probed batch's,
@@ -28,6 +32,8 @@ from typing import Any
 import torch
 
 from shoal.transport.errors import PayloadTooLarge
+
+from .stage_build import build_stage, builds_stages_alone
 
 __all__ = ["StageBounds", "probe_bounds"]
 
@@ -63,12 +69,18 @@ def probe_bounds(task: Any, seed: int, stages: int, global_batch: int) -> list[S
     batch = task.eval_batches(1)[0]
     inputs = task.stage_inputs(batch)
     max_samples = max(global_batch, int(inputs.shape[0]))
-    try:
-        sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
-    except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:
-        log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
-        sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
+    if builds_stages_alone(task):
+        sizes, kept = _per_sample_alone(task, seed, stages, inputs[:1])
+    else:
+        try:
+            sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
+        except _NOT_ON_META as e:
+            log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
+            sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
     return [StageBounds(max_samples, sizes[k], sizes[k + 1], kept[k]) for k in range(stages)]
+
+
+_NOT_ON_META = (NotImplementedError, RuntimeError, TypeError, ValueError)
 
 
 def _per_sample(
@@ -106,6 +118,29 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Te
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(x)
     return sum(seen.values()), out
+
+
+def _per_sample_alone(
+    task: Any, seed: int, stages: int, x: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """As `_per_sample`, each stage built alone and freed before the next."""
+    sizes, kept = [_elements(x)], []
+    for k in range(stages):
+        try:
+            with torch.device("meta"):
+                module = build_stage(task, seed, stages, k)
+                saved, out = saved_bytes(module, x.to("meta"))
+        except _NOT_ON_META as e:
+            log.info("stage %d does not run on the meta device (%r): probing on the CPU", k, e)
+            with torch.device("cpu"):
+                module = build_stage(task, seed, stages, k)
+            # (The shapes are what counts.)
+            saved, out = saved_bytes(module, torch.zeros(x.shape, dtype=x.dtype))
+        x = out.detach()
+        del module, out
+        kept.append(saved)
+        sizes.append(_elements(x))
+    return sizes, kept
 
 
 def _elements(t: torch.Tensor) -> int:

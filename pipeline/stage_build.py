@@ -5,6 +5,12 @@ without building the others) and ``stage_size(count, k)`` (its parameter
 elements, from the config, cheap: nothing built). A task that only has
 ``make_stages(seed, count)`` still works: the whole model is built once and
 sliced, and its size is counted from the slice.
+
+Every stage a peer builds for real goes through `build_stage`; `stage_fingerprints`
+hashes a pipeline's initial stages one at a time (build, hash, free), so that the
+host writing a manifest never holds two stages at once. Builds on PyTorch's meta
+device (`pipeline.bounds`' shape probe) allocate and initialize nothing and are
+not counted as builds.
 """
 
 from __future__ import annotations
@@ -13,7 +19,15 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["build_stage", "builds_stages_alone", "stage_size"]
+from shoal.averaging.fingerprint import state_fingerprint
+
+__all__ = [
+    "build_stage",
+    "builds_stages_alone",
+    "stage_fingerprint",
+    "stage_fingerprints",
+    "stage_size",
+]
 
 
 def builds_stages_alone(task: Any) -> bool:
@@ -41,3 +55,21 @@ def stage_size(task: Any, seed: int, count: int, k: int) -> int:
         return int(sizer(count, k))
     module = build_stage(task, seed, count, k)
     return sum(p.numel() for p in module.parameters())
+
+
+def stage_fingerprint(module: nn.Module) -> str:
+    """The fingerprint of a stage's parameters (in order; hashed from the host)."""
+    return state_fingerprint([p.detach() for p in module.parameters()], {})
+
+
+def stage_fingerprints(task: Any, seed: int, count: int) -> list[str]:
+    """The initial fingerprint of each of the `count` stages, built one at a time and
+    freed once hashed (a task with only `make_stages`: built once, all together)."""
+    if not builds_stages_alone(task):
+        return [stage_fingerprint(m) for m in task.make_stages(seed, count)]
+    fingerprints = []
+    for k in range(count):
+        module = task.make_stage(seed, count, k)
+        fingerprints.append(stage_fingerprint(module))
+        del module  # (before the next is built: never two at once)
+    return fingerprints

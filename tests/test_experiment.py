@@ -36,6 +36,7 @@ from shoal.peer.experiment import (
     parse_experiment_ref,
     publish_manifest,
     register_manifest_validator,
+    stages_fingerprint,
 )
 from shoal.transport import rpc
 from shoal.transport.identity import Identity, PeerID
@@ -176,7 +177,7 @@ def test_a_custom_task_is_written_in_format_2_with_its_code_digest(
     host_identity: Identity,
 ) -> None:
     custom = make_manifest(host_identity, task="mytask:make_task", task_digest=DIGEST)
-    assert custom.format == MANIFEST_FORMAT == 2
+    assert custom.format == 2
     assert unpacked(custom)["body"]["task_digest"] == DIGEST
     again = Manifest.from_bytes(custom.to_bytes())
     assert again == custom
@@ -224,6 +225,67 @@ def test_a_format_2_body_without_the_digest_field_is_refused(host_identity: Iden
     outer = unpacked(make_manifest(host_identity, task="mytask:make_task", task_digest=DIGEST))
     del outer["body"]["task_digest"]
     with pytest.raises(ManifestError, match=r"fields \['task_digest'\] differ"):
+        Manifest.from_bytes(repacked(outer))
+
+
+# --- a pipeline's stage fingerprints (format 3) ---------------------------------------------
+
+STAGES = ["0a" * 32, "1b" * 32, "2c" * 32]
+
+
+def pipeline_manifest(identity: Identity, **changes: Any) -> Manifest:
+    fields: dict[str, Any] = {
+        "strategy": "pipeline",
+        "strategy_options": {"stages": 3},
+        "initial_fingerprint": stages_fingerprint(STAGES),
+        "stage_fingerprints": STAGES,
+    }
+    return make_manifest(identity, **{**fields, **changes})
+
+
+def test_a_pipeline_is_written_in_format_3_with_one_fingerprint_per_stage(
+    host_identity: Identity,
+) -> None:
+    """Its initial fingerprint derives from its stages' (in order); an older shoal, which
+    would build the stages otherwise, refuses format 3."""
+    piped = pipeline_manifest(host_identity)
+    assert piped.format == MANIFEST_FORMAT == 3
+    assert unpacked(piped)["body"]["stage_fingerprints"] == STAGES
+    again = Manifest.from_bytes(piped.to_bytes())
+    assert again == piped and again.stage_fingerprints == tuple(STAGES)
+    assert stages_fingerprint(STAGES) != stages_fingerprint(STAGES[::-1])
+    assert make_manifest(host_identity).format == 1  # (other experiments as before)
+
+
+@pytest.mark.parametrize(
+    ("stages", "problem"),
+    [
+        (STAGES[:1], "must be 2 to 64 fingerprints"),
+        (STAGES * 22, "must be 2 to 64 fingerprints"),
+        ([*STAGES[:2], "XY" * 32], "must be 2 to 64 fingerprints"),
+        ([*STAGES[:2], 7], "must be 2 to 64 fingerprints"),
+        (STAGES[::-1], "initial_fingerprint is not its stage_fingerprints'"),
+    ],
+)
+def test_stage_fingerprints_that_do_not_make_the_initial_one_are_refused(
+    host_identity: Identity, stages: list[Any], problem: str
+) -> None:
+    outer = unpacked(pipeline_manifest(host_identity))
+    outer["body"]["stage_fingerprints"] = stages
+    with pytest.raises(ManifestError, match=problem):
+        Manifest.from_bytes(repacked(outer))
+    with pytest.raises(ManifestError, match=problem):
+        pipeline_manifest(host_identity, stage_fingerprints=stages)
+
+
+def test_a_format_3_body_without_stage_fingerprints_is_refused(host_identity: Identity) -> None:
+    outer = unpacked(pipeline_manifest(host_identity))
+    del outer["body"]["stage_fingerprints"]
+    with pytest.raises(ManifestError, match=r"fields \['stage_fingerprints'\] differ"):
+        Manifest.from_bytes(repacked(outer))
+    outer = unpacked(pipeline_manifest(host_identity))
+    outer["body"]["stage_fingerprints"] = "0a" * 32
+    with pytest.raises(ManifestError, match="stage_fingerprints is not a list"):
         Manifest.from_bytes(repacked(outer))
 
 

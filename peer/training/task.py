@@ -110,7 +110,11 @@ The rules a task must keep:
   first takes what ``stage_inputs(batch)`` gives, the last returns what
   ``stage_loss(outputs, batch)`` scores). ``bytegpt`` splits its blocks
   evenly, with the embeddings on the first stage and an untied output layer
-  on the last.
+  on the last. Better, ``make_stage(seed, count, k)`` builds stage `k`
+  alone, equal to ``make_stages(seed, count)[k]`` (a peer then never builds
+  the stages it does not serve; without it, the whole model is built and
+  sliced), and ``stage_size(count, k)`` counts its parameter elements from
+  the config, without building it (`shoal.pipeline.stage_build`).
 - Mistakes of the user (bad config, missing or too little data) raise
   `TaskError` with a one-line message; the daemon shows it as is.
 - The factory may take a while (reading data): the daemon calls `load_task`

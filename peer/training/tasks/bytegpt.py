@@ -12,18 +12,27 @@ interpreter's standard library (`corpus.stdlib_files`, about 8 MB for Python
 in the config lets a joiner check that it has them. With ``--data PATH`` the
 task reads the user's text file, or the text files of a folder, instead.
 
-Pipelined (`make_stages`), config "bottleneck" R narrows what crosses the network
+Pipelined, each stage is built alone (`make_stage`): the embeddings, each block,
+the output layer and each bottleneck pair are drawn from RNG streams of their own,
+derived from the seed and what they are, so stage k built by itself is bit for bit
+stage k of `make_stages`, and `stage_size` counts a stage's parameters from the
+config without building it. Config "bottleneck" R narrows what crosses the network
 between stages to R learned coordinates and the byte ids per position: with R 12 of
 d_model 128 under bf16, ~21x fewer bytes than float32 hidden states both ways
 (`bench/pipeline.py`'s codec comparison).
+
+Config "preset" names a model size (`PRESETS`: "small" ~4.8 M parameters, "base"
+12 layers at d_model 512, ~38 M) whose keys the other config keys override; the
+experiment's config holds the resulting keys, not the preset's name.
 """
 
 from __future__ import annotations
 
-import copy
+import hashlib
 import logging
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +48,7 @@ from shoal.peer.training.tasks.corpus import (
     spaced_windows,
 )
 
-__all__ = ["DEFAULT_CONFIG", "VOCAB_SIZE", "ByteGPT", "ByteGPTTask", "make_task"]
+__all__ = ["DEFAULT_CONFIG", "PRESETS", "VOCAB_SIZE", "ByteGPT", "ByteGPTTask", "make_task"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,47 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "bottleneck": 0,
 }
 DATA_SOURCES = ("stdlib", "user")
+# Model sizes by name (`--task-option preset=base`); given keys override them. "base"
+# is a real model for pipelines: 12 blocks of d_model 512 (~38 M parameters, ~150 MB in
+# float32, ~600 MB with AdamW's state and gradients), about a second a step per stage
+# of four on a CPU core at batch 8.
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": {"d_model": 256, "n_layers": 6, "n_heads": 4, "context": 256},
+    "base": {"d_model": 512, "n_layers": 12, "n_heads": 8, "context": 256},
+}
+
+
+def init_parameters(module: nn.Module, n_layers: int) -> None:
+    """Initialize a ByteGPT or any of its parts (by parameter name) from the global RNG."""
+    # GPT-2's scheme: small normal weights, and the projections that add into
+    # the residual stream scaled down by depth so its variance stays put.
+    # The token embedding is smaller still: with the output tied to it, a
+    # byte's own embedding adds about std * d_model to its logit, and at
+    # GPT-2's 0.02 a fresh model would favour repeating its input byte.
+    # At 0.5 / d_model its predictions are uniform: a fresh loss of ln(256).
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if name.endswith(("token_embedding.weight", "head.weight")):
+                nn.init.normal_(parameter, std=0.5 / parameter.shape[1])
+            elif name.endswith("bias"):
+                nn.init.zeros_(parameter)
+            elif "ln_" in name:
+                nn.init.ones_(parameter)
+            elif name.endswith(("attention.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layers))
+            else:
+                nn.init.normal_(parameter, std=0.02)
+
+
+@contextmanager
+def drawn_from(seed: int, part: str) -> Iterator[None]:
+    """Draw `part` of the model from an RNG stream of its own, derived from the seed and
+    the part's name: any part is built alike alone or among the others. (The CPU
+    generator only, forked: the caller's RNG is left alone.)"""
+    digest = hashlib.sha256(f"shoal/bytegpt/init\x00{seed}\x00{part}".encode()).digest()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(int.from_bytes(digest[:8], "big"))
+        yield
 
 
 class CausalSelfAttention(nn.Module):
@@ -107,26 +157,7 @@ class ByteGPT(nn.Module):
         # Pipelined, the output layer lives on the last stage, far from the
         # embedding on the first: untied, each with its own weights.
         self.head = None if tied else nn.Linear(d_model, VOCAB_SIZE, bias=False)
-        self._init_parameters(n_layers)
-
-    def _init_parameters(self, n_layers: int) -> None:
-        # GPT-2's scheme: small normal weights, and the projections that add into
-        # the residual stream scaled down by depth so its variance stays put.
-        # The token embedding is smaller still: with the output tied to it, a
-        # byte's own embedding adds about std * d_model to its logit, and at
-        # GPT-2's 0.02 a fresh model would favour repeating its input byte.
-        # At 0.5 / d_model its predictions are uniform: a fresh loss of ln(256).
-        for name, parameter in self.named_parameters():
-            if name in ("token_embedding.weight", "head.weight"):
-                nn.init.normal_(parameter, std=0.5 / parameter.shape[1])
-            elif name.endswith("bias"):
-                nn.init.zeros_(parameter)
-            elif "ln_" in name:
-                nn.init.ones_(parameter)
-            elif name.endswith(("attention.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * n_layers))
-            else:
-                nn.init.normal_(parameter, std=0.02)
+        init_parameters(self, n_layers)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         x = self.embed(inputs)
@@ -146,6 +177,16 @@ class ByteGPT(nn.Module):
         return self.head(x) if self.head is not None else x @ self.token_embedding.weight.T
 
 
+class Embeddings(nn.Module):
+    """The token and learned position embeddings of byte ids (a stage's own copy)."""
+
+    def __init__(self, d_model: int, context: int) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(VOCAB_SIZE, d_model)
+        self.position_embedding = nn.Embedding(context, d_model)
+        self.context = context
+
+
 class BottleneckIn(nn.Module):
     """Where a stage after a bottleneck starts: it widens the narrow hidden states back to
     d_model and adds its own token and position embeddings of the byte ids that came
@@ -153,12 +194,12 @@ class BottleneckIn(nn.Module):
     could not carry, is never lost on the way (as the token embeddings that Pluralis'
     protocol models recompute at each stage, here learned per stage)."""
 
-    def __init__(self, rank: int, model: ByteGPT) -> None:
+    def __init__(self, rank: int, d_model: int, context: int) -> None:
         super().__init__()
-        self.up = nn.Linear(rank, model.position_embedding.weight.shape[1], bias=False)
-        self.token_embedding = copy.deepcopy(model.token_embedding)
-        self.position_embedding = copy.deepcopy(model.position_embedding)
-        self.context = model.context
+        self.up = nn.Linear(rank, d_model, bias=False)
+        self.token_embedding = nn.Embedding(VOCAB_SIZE, d_model)
+        self.position_embedding = nn.Embedding(context, d_model)
+        self.context = context
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (whatever a peer sent, an index stays within the table)
@@ -187,26 +228,26 @@ class ByteGPTStage(nn.Module):
 
     def __init__(
         self,
-        model: ByteGPT,
-        first: int,
-        last: int,
+        blocks: list[Block],
         *,
+        context: int,
+        embeddings: Embeddings | None = None,
+        output: tuple[nn.LayerNorm, nn.Linear] | None = None,
         entry: BottleneckIn | None = None,
         outlet: BottleneckOut | None = None,
     ) -> None:
         super().__init__()
-        self.is_first = first == 0
-        self.is_last = last == len(model.blocks)
-        self.context = model.context
-        if self.is_first:
-            self.token_embedding = model.token_embedding
-            self.position_embedding = model.position_embedding
+        self.is_first = embeddings is not None
+        self.is_last = output is not None
+        self.context = context
+        if embeddings is not None:
+            self.token_embedding = embeddings.token_embedding
+            self.position_embedding = embeddings.position_embedding
         self.entry = entry
-        self.blocks = nn.ModuleList(model.blocks[first:last])
+        self.blocks = nn.ModuleList(blocks)
         self.outlet = outlet
-        if self.is_last:
-            self.ln_final = model.ln_final
-            self.head = model.head
+        if output is not None:
+            self.ln_final, self.head = output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = x
@@ -223,18 +264,12 @@ class ByteGPTStage(nn.Module):
         return x
 
 
-def bottleneck(model: ByteGPT, rank: int) -> tuple[BottleneckOut, BottleneckIn]:
-    """The two sides of one stage boundary, down (d_model -> rank) and up (rank ->
-    d_model) initialized as an orthonormal basis of a random subspace and its
-    transpose (up(down(x)) starts as x's projection onto it, the residual stream's
-    scale kept); from the global RNG (make_stages seeds it)."""
-    d_model = model.position_embedding.weight.shape[1]
-    outlet, entry = BottleneckOut(d_model, rank), BottleneckIn(rank, model)
-    basis, _ = torch.linalg.qr(torch.randn(d_model, rank))  # orthonormal columns
-    with torch.no_grad():
-        outlet.down.weight.copy_(basis.T)
-        entry.up.weight.copy_(basis)
-    return outlet, entry
+def bottleneck_basis(d_model: int, rank: int) -> torch.Tensor:
+    """The columns of `up` (and rows of `down`) of a bottleneck: an orthonormal basis of a
+    random subspace, so that up(down(x)) starts as x's projection onto it, the residual
+    stream's scale kept (drawn first in the pair's stream, which each side draws alike)."""
+    basis, _ = torch.linalg.qr(torch.randn(d_model, rank))
+    return basis
 
 
 def split_layers(n_layers: int, count: int) -> list[tuple[int, int]]:
@@ -293,40 +328,76 @@ class ByteGPTTask:
         return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
 
     def make_stages(self, seed: int, count: int) -> list[nn.Module]:
-        """The model of `make_stages(seed, 1)` cut into `count` stages (untied output layer):
-        stage 0 takes byte ids, the last returns logits; deterministic like make_model.
+        """The `count` stages of the pipelined model (`make_stage` of each)."""
+        return [self.make_stage(seed, count, k) for k in range(count)]
+
+    def make_stage(self, seed: int, count: int, k: int) -> nn.Module:
+        """Stage `k` of `count` of the untied model, built without the others: stage 0
+        takes byte ids, the last returns logits. Each part is drawn from its own stream
+        (`drawn_from`): the stages of any count compose to ``make_stages(seed, 1)``,
+        deterministic like make_model.
 
         With config "bottleneck" r > 0, each boundary between stages gets a learned
         pair of projections, trained with the rest (IOTA's bottleneck layers): the
         stage before it ends with d_model -> r, the one after starts with r -> d_model
-        and adds its own copy of the embeddings of the byte ids that come along
-        (`BottleneckIn`), so the hidden states and the gradients between stages are
-        r + 1 wide. The stages then compose to a different model than
-        `make_stages(seed, 1)`, with more parameters (the experiment's fingerprint
-        covers them)."""
-        d_model, rank = self.settings["d_model"], self.settings["bottleneck"]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed % 2**64)
-            model = ByteGPT(
-                d_model=d_model,
-                n_layers=self.settings["n_layers"],
-                n_heads=self.settings["n_heads"],
-                context=self.settings["context"],
-                tied=False,
-            )
-            # Drawn after the model: without a bottleneck its parameters are unchanged.
-            pairs = [bottleneck(model, rank) for _ in range(count - 1)] if rank else []
-        bounds = split_layers(self.settings["n_layers"], count)
-        return [
-            ByteGPTStage(
-                model,
-                first,
-                last,
-                entry=pairs[i - 1][1] if pairs and i > 0 else None,
-                outlet=pairs[i][0] if pairs and i < count - 1 else None,
-            )
-            for i, (first, last) in enumerate(bounds)
-        ]
+        and adds its own embeddings of the byte ids that come along (`BottleneckIn`),
+        so the hidden states and the gradients between stages are r + 1 wide. The
+        stages then compose to a different model than `make_stages(seed, 1)`, with
+        more parameters (the experiment's fingerprints cover them); each pair is drawn
+        from the stream of its boundary, the other parameters as without one."""
+        d_model, n_layers, rank = (
+            self.settings[key] for key in ("d_model", "n_layers", "bottleneck")
+        )
+        n_heads, context = self.settings["n_heads"], self.settings["context"]
+        first, last = split_layers(n_layers, count)[k]
+        embeddings = output = entry = outlet = None
+        if k == 0:
+            with drawn_from(seed, "embeddings"):
+                embeddings = Embeddings(d_model, context)
+                init_parameters(embeddings, n_layers)
+        elif rank:
+            with drawn_from(seed, f"bottleneck/{first}"):
+                basis = bottleneck_basis(d_model, rank)
+                entry = BottleneckIn(rank, d_model, context)
+                init_parameters(entry, n_layers)
+                with torch.no_grad():
+                    entry.up.weight.copy_(basis)
+        blocks = []
+        for i in range(first, last):
+            with drawn_from(seed, f"block/{i}"):
+                block = Block(d_model, n_heads)
+                init_parameters(block, n_layers)
+            blocks.append(block)
+        if k == count - 1:
+            with drawn_from(seed, "output"):
+                output = (nn.LayerNorm(d_model), nn.Linear(d_model, VOCAB_SIZE, bias=False))
+                init_parameters(nn.ModuleDict({"ln_final": output[0], "head": output[1]}), n_layers)
+        elif rank:
+            with drawn_from(seed, f"bottleneck/{last}"):
+                basis = bottleneck_basis(d_model, rank)
+                outlet = BottleneckOut(d_model, rank)
+                with torch.no_grad():
+                    outlet.down.weight.copy_(basis.T)
+        return ByteGPTStage(
+            blocks, context=context, embeddings=embeddings, output=output, entry=entry,
+            outlet=outlet,
+        )  # fmt: skip
+
+    def stage_size(self, count: int, k: int) -> int:
+        """Parameter elements of stage `k` of `count`, from the config (nothing built)."""
+        d, n_layers, rank = (self.settings[key] for key in ("d_model", "n_layers", "bottleneck"))
+        first, last = split_layers(n_layers, count)[k]
+        embeddings = VOCAB_SIZE * d + self.settings["context"] * d
+        size = (last - first) * (12 * d * d + 13 * d)  # blocks: weights, biases, norms
+        if k == 0:
+            size += embeddings
+        elif rank:
+            size += rank * d + embeddings  # `BottleneckIn`
+        if k == count - 1:
+            size += 2 * d + VOCAB_SIZE * d  # the final norm and the untied output layer
+        elif rank:
+            size += d * rank  # `BottleneckOut`
+        return size
 
     def stage_inputs(self, batch: torch.Tensor) -> torch.Tensor:
         """What the first stage takes from a batch: the input bytes."""
@@ -390,11 +461,21 @@ def make_task(config: dict[str, Any], data: Path | None = None) -> ByteGPTTask:
 
 
 def _settings(config: dict[str, Any], data: Path | None) -> dict[str, Any]:
+    config = dict(config)
+    preset = config.pop("preset", None)
     unknown = sorted(set(config) - set(DEFAULT_CONFIG))
     if unknown:
         raise TaskError(
-            f"bytegpt: unknown config key {unknown[0]!r} (known: {', '.join(DEFAULT_CONFIG)})"
+            f"bytegpt: unknown config key {unknown[0]!r} (known: preset, "
+            f"{', '.join(DEFAULT_CONFIG)})"
         )
+    if preset is not None:
+        if preset not in PRESETS:
+            raise TaskError(
+                f"bytegpt: config 'preset' must be one of {', '.join(PRESETS)}, got {preset!r}"
+            )
+        # (written out as its keys: a shoal without this preset reads the experiment alike)
+        config = {**PRESETS[preset], **config}
     settings = dict(DEFAULT_CONFIG)
     for key, value in config.items():
         default = DEFAULT_CONFIG[key]
