@@ -185,7 +185,8 @@ class PipelineRun:
     def _fitting(self, records: list[list[StageRecord]]) -> list[int]:
         """The stages that fit our memory, with the all-reduce groups the records show."""
         assert self.budget is not None
-        self.budget.see_peers([len(r) for r in records])
+        me = self.dht.peer_id
+        self.budget.see_peers([sum(r.peer != me for r in stage) for stage in records])
         return self.budget.fitting()
 
     def _choose_stage(self) -> int:

@@ -98,7 +98,8 @@ class StageBudget:
         )
 
     def see_peers(self, peers: Sequence[int]) -> None:
-        """The stages' peer counts, as the records show them (our all-reduce groups)."""
+        """Each stage's other peers, as the records show them: with us, the stage's
+        all-reduce group (a liar's records can make a stage look dearer, never cheaper)."""
         self.groups = [max(MIN_GROUP, n + 1) for n in peers]
 
     def costs(self) -> list[int]:
