@@ -49,7 +49,11 @@ from .experiment import Manifest, stages_fingerprint
 from .stage_budget import NoStageFits, StageBudget, available_memory
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
-from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
+from .training.heap import (
+    TRIM_INTERVAL_S,
+    release_free_memory_every,
+    return_large_blocks_at_once,
+)
 from .training.task import Task, shard_of
 
 __all__ = ["PipelineRun", "StageMismatch", "pipeline_fingerprint"]
@@ -177,7 +181,10 @@ class PipelineRun:
         # Samples a trainer keeps in flight: what may wait in a stage's queue at once.
         in_flight = (1 + int(self.options["lag"])) * int(self.options["global_batch"])
         out = StageBudget(self.task, self.manifest.seed, bounds, budget=budget,
-                          in_flight=in_flight, trainer=self.role == "auto")  # fmt: skip
+                          in_flight=in_flight, trainer=self.role == "auto",
+                          audits=bool(self.options.get("verify", False)))  # fmt: skip
+        # What we free goes back at once: the peak is then what we hold (the estimate).
+        return_large_blocks_at_once()
         if self.role in ("auto", "trainer"):
             out.check_trainer()
         return out

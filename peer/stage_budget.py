@@ -80,9 +80,12 @@ class StageBudget:
         budget: int | None,
         in_flight: int,
         trainer: bool = False,
+        audits: bool = False,
     ) -> None:
         """`trainer`: we also drive microbatches (role auto): what our own trainer keeps
-        in flight comes off the budget before a stage's cost."""
+        in flight comes off the budget before a stage's cost; `audits`: the experiment
+        verifies its stages (a stage peer keeps its answers for audits)."""
+        self.audits = audits
         self.budget = budget
         self.bounds = list(bounds)
         self.in_flight = in_flight
@@ -93,9 +96,8 @@ class StageBudget:
 
     def cost(self, k: int) -> StageMemory:
         """What serving stage `k` costs."""
-        return stage_memory(
-            self.sizes[k], self.bounds[k], in_flight=self.in_flight, group_size=self.groups[k]
-        )
+        return stage_memory(self.sizes[k], self.bounds[k], in_flight=self.in_flight,
+                            group_size=self.groups[k], audits=self.audits)  # fmt: skip
 
     def see_peers(self, peers: Sequence[int]) -> None:
         """Each stage's other peers, as the records show them: with us, the stage's

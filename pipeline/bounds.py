@@ -50,6 +50,9 @@ class StageBounds:
     # Bytes autograd keeps for one sample's backward inside the stage (0: not probed):
     # what a memory budget counts for its activations (`memory.stage_memory`).
     activation_bytes: int = 0
+    # Whether the stage's inputs are floating point (a backward then answers with their
+    # gradient, which the worker keeps for retries: `stage.RETAINED_ANSWERS`).
+    input_floating: bool = True
 
     def check_samples(self, samples: int) -> None:
         """Refuse a request of more samples than a microbatch holds, before its tensors."""
@@ -77,7 +80,11 @@ def probe_bounds(task: Any, seed: int, stages: int, global_batch: int) -> list[S
         except _NOT_ON_META as e:
             log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
             sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
-    return [StageBounds(max_samples, sizes[k], sizes[k + 1], kept[k]) for k in range(stages)]
+    floating = inputs.is_floating_point()
+    return [
+        StageBounds(max_samples, sizes[k], sizes[k + 1], kept[k], floating or k > 0)
+        for k in range(stages)
+    ]
 
 
 _NOT_ON_META = (NotImplementedError, RuntimeError, TypeError, ValueError)

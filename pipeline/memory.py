@@ -19,10 +19,20 @@ stage's parameters (float32: 4 per element):
   frozen for downloads (parameters and moments: 3B) and, while the next commit
   or a state download freezes its successor, a second frozen copy and the
   downloaded tensors (6B);
+- audits (an experiment that verifies its stages): the answers' full-precision
+  results a stage peer keeps for its trainers' audits (`audit.OutputStore`: five
+  minutes, at most `RETENTION_BYTES`);
 - activations: what a computation keeps for its backward, for the samples one
   computation takes (`compute_queue.MAX_BATCH_SAMPLES`, or the trainers' samples
   in flight when fewer), and the boundary tensors (inputs and output gradients)
-  of every request waiting in the queue.
+  of every request waiting in the queue;
+- answers kept for retries: the input gradient of the last
+  `stage.RETAINED_ANSWERS` backwards (a retry gets the same answer), each of
+  up to a request's samples (none for a stage whose inputs are ids);
+- the server's own (`SERVER_BYTES`): the heaps of its compute, sealing and
+  worker threads and its bookkeeping, which a process that serves no stage
+  does not have (measured: a stage peer's peak came within 3 MiB over the rest
+  of the estimate above a trainer's, the largest of eight).
 
 So a stage costs about 17B plus its activations: the copies for downloads and
 the all-reduce weigh more than AdamW. What autograd keeps per sample is measured
@@ -41,11 +51,14 @@ from dataclasses import dataclass
 from shoal.averaging.butterfly import AllReduceConfig
 from shoal.averaging.reducer import float64_scratch
 
+from .audit import RETENTION_BYTES
 from .bounds import StageBounds
 from .compute_queue import MAX_BATCH_SAMPLES
+from .stage import RETAINED_ANSWERS
 
 __all__ = [
     "PRIOR_ACTIVATION_FACTOR",
+    "SERVER_BYTES",
     "StageMemory",
     "stage_memory",
     "stages_that_fit",
@@ -57,6 +70,7 @@ __all__ = [
 # keeps about 16 hidden-state sized tensors: this covers a few blocks).
 PRIOR_ACTIVATION_FACTOR = 64
 FLOAT32 = 4
+SERVER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -68,10 +82,14 @@ class StageMemory:
     optimizer: int
     averaging: int
     activations: int
+    audits: int = 0
+    answers: int = 0
+    server: int = SERVER_BYTES
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.averaging + self.activations
+        held = self.parameters + self.gradients + self.optimizer + self.averaging
+        return held + self.activations + self.audits + self.answers + self.server
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -80,6 +98,9 @@ class StageMemory:
             "optimizer": self.optimizer,
             "averaging": self.averaging,
             "activations": self.activations,
+            "audits": self.audits,
+            "answers": self.answers,
+            "server": self.server,
             "total": self.total,
         }
 
@@ -99,6 +120,7 @@ def stage_memory(
     group_size: int = 2,
     element_bytes: int = FLOAT32,
     allreduce: AllReduceConfig | None = None,
+    audits: bool = False,
 ) -> StageMemory:
     """The bytes serving a stage of `parameters` elements costs (see the module doc).
 
@@ -106,7 +128,8 @@ def stage_memory(
     the queue at once); `activation_bytes_per_sample`: what autograd keeps per
     sample in this stage (None: the bounds' probe, else `PRIOR_ACTIVATION_FACTOR`
     x its boundaries);
-    `group_size`: the peers of the stage's all-reduce (the receive slots)."""
+    `group_size`: the peers of the stage's all-reduce (the receive slots); `audits`:
+    the experiment verifies its stages (their answers are kept for audits)."""
     if parameters < 0 or in_flight < 0 or group_size < 1:
         raise ValueError("parameters >= 0, in_flight >= 0 and group_size >= 1")
     b = parameters * element_bytes
@@ -124,7 +147,18 @@ def stage_memory(
         optimizer=2 * b,
         averaging=2 * b + 9 * b + _receive_slots(parameters, group_size, allreduce),
         activations=activations,
+        audits=RETENTION_BYTES if audits else 0,
+        answers=_retained_answers(bounds, in_flight),
     )
+
+
+def _retained_answers(bounds: StageBounds, in_flight: int) -> int:
+    """Bytes of the input gradients the worker keeps for retries: the last
+    RETAINED_ANSWERS backwards, each of at most one request's samples."""
+    if not bounds.input_floating:
+        return 0
+    samples = min(bounds.max_samples, max(1, in_flight))
+    return RETAINED_ANSWERS * samples * bounds.input_elements * FLOAT32
 
 
 def _receive_slots(parameters: int, group_size: int, cfg: AllReduceConfig | None) -> int:

@@ -21,12 +21,19 @@ from shoal.peer.pipeline_run import PipelineRun
 from shoal.peer.stage_budget import NoStageFits, StageBudget
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.tasks.bytegpt import make_task
+from shoal.pipeline.audit import RETENTION_BYTES
 from shoal.pipeline.bounds import StageBounds, probe_bounds, saved_bytes
 from shoal.pipeline.directory import StageRecord, least_capacity_stage
-from shoal.pipeline.memory import PRIOR_ACTIVATION_FACTOR, stage_memory, stages_that_fit
+from shoal.pipeline.memory import (
+    PRIOR_ACTIVATION_FACTOR,
+    SERVER_BYTES,
+    stage_memory,
+    stages_that_fit,
+)
 from shoal.pipeline.rebalance import RebalancePolicy, plan_move
 from shoal.pipeline.server import RECORD_TTL, stage_key
 from shoal.pipeline.sizes import format_size, parse_size
+from shoal.pipeline.stage import RETAINED_ANSWERS
 from shoal.transport.identity import Identity
 
 from .pipeline_swarm import HOST_OPTS, TINY
@@ -80,10 +87,19 @@ def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_act
     assert cost.activations == 16 * PRIOR_ACTIVATION_FACTOR * boundary + 2 * 16 * boundary
     probed = stage_memory(p, replace(BOUNDS, activation_bytes=1000), in_flight=16)
     assert probed.activations == 16 * 1000 + 2 * 16 * boundary
+    # A verified experiment's stage peer keeps its answers for the trainers' audits.
+    assert cost.audits == 0
+    assert stage_memory(p, BOUNDS, in_flight=16, audits=True).audits == RETENTION_BYTES
     assert cost.total == sum(v for k, v in cost.as_dict().items() if k != "total")
-    # Twice the parameters, about twice the rest; more in flight, more activations.
+    # The input gradients of the last RETAINED_ANSWERS backwards, kept for retries
+    # (none for a stage whose inputs are ids), and the server's threads' own.
+    assert cost.answers == RETAINED_ANSWERS * 8 * 1024 * 4
+    assert stage_memory(p, replace(BOUNDS, input_floating=False), in_flight=16).answers == 0
+    assert cost.server == SERVER_BYTES
+    # Twice the parameters, about twice their part; more in flight, more activations.
     bigger = stage_memory(2 * p, BOUNDS, in_flight=16)
-    assert bigger.total - bigger.activations > 1.8 * (cost.total - cost.activations)
+    held = ("parameters", "gradients", "optimizer", "averaging")
+    assert sum(bigger.as_dict()[k] for k in held) > 1.8 * sum(cost.as_dict()[k] for k in held)
     assert stage_memory(p, BOUNDS, in_flight=64).activations > 3 * cost.activations
 
 
