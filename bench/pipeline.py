@@ -5,6 +5,7 @@
         [--concurrency 16] [--seconds-per-sample 0.005] [--profile FILE]
         [--codecs none,int8,bf16,bf16+bottleneck12] [--convergence-steps 200]
         [--convergence-global-batch 128] [--convergence-d-model 128] [--only-codecs]
+        [--memory] [--memory-budget 256M] [--memory-steps 3] [--only-memory]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -20,7 +21,10 @@ Prints one JSON object on stdout (logs go to stderr):
      "wire_bytes_per_sample": {CODEC: ..., ..., "ratio": {...}},
      "loss_after_n_steps": {CODEC: ..., ..., "steps": n, "relative": {CODEC: loss / none - 1}},
      "best_codec": {"name", "ratio", "loss_relative"}: the highest ratio within 3% of none,
-     "codec_runs": {CODEC: {...}}}
+     "codec_runs": {CODEC: {...}},
+     "memory": {"peers", "budget_bytes", "largest_model_bytes",
+         "single_peer_largest_model_bytes", "ratio", ...} (with --memory: see
+         bench/pipeline_memory.py)}
 
 Everything runs in this process on loopback, as the tests' in-process swarm does: one
 DHT node and host per stage peer (`StagePeer`: the stage server, its optimizer step over
@@ -128,6 +132,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pipeline_memory import add_arguments, memory_check  # (bench/, the script's folder)
 
 from shoal.averaging.compression import CODECS, get_codec
 from shoal.dht.node import DHTNode
@@ -584,8 +589,13 @@ async def run(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
-    """The throughput windows (unless --only-codecs), then the codec comparison."""
+    """The throughput windows (unless --only-codecs), then the codec comparison; with
+    --memory, the largest model N peers of a budget train (`pipeline_memory`)."""
+    if opts.only_memory:
+        return {"memory": await memory_check(opts, loopback_node)}
     out = {} if opts.only_codecs else await run(opts)
+    if opts.memory:
+        out["memory"] = await memory_check(opts, loopback_node)
     codecs = await compare_codecs(opts)
     out["targets"] = {**out.get("targets", {}), "activation_ratio": 20.0,
                       "loss_relative": LOSS_TOLERANCE}  # fmt: skip
@@ -621,6 +631,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the codec comparison model's width")  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches of the loss")
     p.add_argument("--only-codecs", action="store_true", help="skip the throughput windows")
+    add_arguments(p)
+    p.add_argument("--only-memory", action="store_true", help="--memory alone")
     opts = p.parse_args(argv)
     if not 0 <= opts.kill_stage < opts.stages or opts.peers_per_stage < 2:
         p.error("--kill-stage must name a stage, and a stage needs 2 peers to survive a kill")

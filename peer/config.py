@@ -25,6 +25,7 @@ from typing import Any
 
 from shoal.averaging.registry import outer_strategy_names
 from shoal.pipeline.options import ROLES  # (torch-free; registers the pipeline strategy)
+from shoal.pipeline.sizes import parse_size  # (torch-free)
 from shoal.transport.access import AccessControl, AccessFileError, read_allow_list, read_swarm_key
 from shoal.transport.host import DEFAULT_LISTEN, HostConfig
 from shoal.transport.identity import PeerID
@@ -238,6 +239,16 @@ OPTIONS: dict[str, Option] = {
             "the stage with the least capacity",
         ),
         Option(
+            "max_memory",
+            "SHOAL_MAX_MEMORY",
+            "in a pipelined experiment: the memory this peer may use for its stage "
+            "(parameters, gradients, AdamW moments, averaging buffers, activations), e.g. "
+            "2G or 512M; it serves, and moves to, only stages that fit, and refuses to "
+            "start when none does",
+            "SIZE",
+            "what the machine (and the GPU) has free at start",
+        ),
+        Option(
             "status_addr",
             "SHOAL_STATUS_ADDR",
             "HOST:PORT of the HTTP status endpoint (/status, /peers, /metrics, /healthz, "
@@ -339,6 +350,7 @@ class Config:
     pipeline_stages: int | None = None
     role: str = "auto"
     stage: int | None = None
+    max_memory: int | None = None  # bytes
     status_addr: tuple[str, int] | None = ("127.0.0.1", 8080)
     checkpoint_interval: float = DEFAULT_CHECKPOINT_INTERVAL
     threads: int | None = None
@@ -788,6 +800,14 @@ def _parse_stage(raw: str | Sequence[str], source: str) -> int:
     return value
 
 
+def _parse_memory(raw: str | Sequence[str], source: str) -> int:
+    assert isinstance(raw, str)
+    try:
+        return parse_size(raw)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
 def _parse_role(raw: str | Sequence[str], source: str) -> str:
     assert isinstance(raw, str)
     text = raw.strip().lower()
@@ -900,6 +920,7 @@ _PARSERS = {
     "pipeline_stages": _parse_stages,
     "role": _parse_role,
     "stage": _parse_stage,
+    "max_memory": _parse_memory,
     "status_addr": _parse_status_addr,
     "checkpoint_interval": _parse_interval,
     "threads": _positive_int,

@@ -44,6 +44,7 @@ from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_sta
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
 from shoal.pipeline.rebalance import RebalancePolicy
+from shoal.pipeline.sizes import format_size
 from shoal.pipeline.stage_build import build_stage, stage_fingerprint, stage_fingerprints
 from shoal.pipeline.stage_losses import StageLosses
 from shoal.pipeline.stage_peer import StagePeer
@@ -54,11 +55,16 @@ from shoal.verification.stage_audit import StageAuditPolicy
 
 from .experiment import Manifest, stages_fingerprint
 from .pipeline_validation import PipelineValidation
+from .stage_budget import NoStageFits, StageBudget, available_memory
 from .stage_checkpoints import StageCheckpoints
 from .status.pipeline_status import PipelineStatus
 from .trainer import RATE_WINDOW_S, TrainerStats
 from .training.checkpoint import CheckpointError
-from .training.heap import TRIM_INTERVAL_S, release_free_memory_every
+from .training.heap import (
+    TRIM_INTERVAL_S,
+    release_free_memory_every,
+    return_large_blocks_at_once,
+)
 from .training.task import Task, shard_of
 
 __all__ = ["PipelineRun", "StageMismatch", "pipeline_fingerprint"]
@@ -99,8 +105,11 @@ class PipelineRun:
         stage: int | None,
         device: torch.device,
         checkpoints: StageCheckpoints | None = None,
+        max_memory: int | None = None,
     ) -> None:
-        """`checkpoints`: where our stage is saved and restored from (None: nowhere)."""
+        """`checkpoints`: where our stage is saved and restored from (None: nowhere).
+        `max_memory`: this peer's memory budget in bytes (None: what the machine and
+        the device have free when it starts)."""
         self.dht = dht
         self.manifest = manifest
         self.task = task
@@ -125,6 +134,8 @@ class PipelineRun:
         self.bounds: list[StageBounds] | None = None  # (`start` probes them)
         self.checkpoints = checkpoints
         self.losses = StageLosses(self.stages)
+        self.max_memory = max_memory
+        self.budget: StageBudget | None = None  # what each stage costs us (`start`)
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
 
@@ -138,14 +149,15 @@ class PipelineRun:
                 probe_bounds, self.task, self.manifest.seed, self.stages,
                 int(self.options["global_batch"]),
             )  # fmt: skip
+            self.budget = self._stage_budget(self.bounds)
         await self.refresh_directory()
         if self.role in ("auto", "stage"):
             held = None if self.checkpoints is None else await self.checkpoints.load()
-            k = self.wanted_stage
-            if k is None and held is not None and not self.directory[held["stage"]]:
-                k = held["stage"]  # an orphaned stage we hold: restore it
-            if k is None:
-                k = least_capacity_stage(self.directory)
+            # An orphaned stage we hold a checkpoint of: restore it (if it fits).
+            orphan = None
+            if held is not None and not self.directory[held["stage"]]:
+                orphan = held["stage"]
+            k = self._choose_stage(preferred=orphan)
             peer = await self._make_stage_peer(k)
             await self._start_stage(peer, held if held is not None and held["stage"] == k else None)
             self.stage_peer = peer
@@ -159,6 +171,7 @@ class PipelineRun:
                 self.mover = StageMover(
                     self.dht, self.manifest.experiment_id, self.stages, peer,
                     self._make_stage_peer, policy=policy, on_moved=self._moved,
+                    fits=self._fitting,
                 )  # fmt: skip
         if self.role in ("auto", "trainer"):
             # (A manifest from before stage audits has no `verify`: none.)
@@ -207,6 +220,44 @@ class PipelineRun:
         elif loaded and self.checkpoints is not None:
             peer.server.checkpointed = 0  # (until our first checkpoint of the stage)
         await peer.start(sync=False)
+
+    def _stage_budget(self, bounds: list[StageBounds]) -> StageBudget:
+        """Our budget and what each stage costs us; a trainer whose own microbatches
+        do not fit refuses (NoStageFits)."""
+        budget = self.max_memory or available_memory(self.device)
+        # Samples a trainer keeps in flight: what may wait in a stage's queue at once.
+        in_flight = (1 + int(self.options["lag"])) * int(self.options["global_batch"])
+        out = StageBudget(self.task, self.manifest.seed, bounds, budget=budget,
+                          in_flight=in_flight, trainer=self.role == "auto",
+                          audits=bool(self.options.get("verify", False)))  # fmt: skip
+        # What we free goes back at once: the peak is then what we hold (the estimate).
+        return_large_blocks_at_once()
+        if self.role in ("auto", "trainer"):
+            out.check_trainer()
+        return out
+
+    def _fitting(self, records: list[list[StageRecord]]) -> list[int]:
+        """The stages that fit our memory, with the all-reduce groups the records show."""
+        assert self.budget is not None
+        me = self.dht.peer_id
+        self.budget.see_peers([sum(r.peer != me for r in stage) for stage in records])
+        return self.budget.fitting()
+
+    def _choose_stage(self, preferred: int | None = None) -> int:
+        """`--stage`, else `preferred` if it fits, else the least-capacity stage among
+        those that fit our memory; one that does not fit is refused (NoStageFits)."""
+        assert self.budget is not None
+        fitting = self._fitting(self.directory)
+        k = self.wanted_stage
+        if k is not None and k not in fitting:
+            cost = self.budget.cost(k).total + self.budget.reserved
+            raise NoStageFits(f"stage {k} needs {format_size(cost)}, more than --max-memory "
+                              f"{format_size(self.budget.budget or 0)}")  # fmt: skip
+        if not fitting:
+            raise NoStageFits(self.budget.refusal())
+        if k is None and preferred in fitting:
+            return preferred
+        return least_capacity_stage(self.directory, allowed=fitting) if k is None else k
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
@@ -349,11 +400,20 @@ class PipelineRun:
                 "peer_ids": [str(r.peer) for r in records],
                 "version": max((r.version for r in records), default=None),
                 **self.losses.status(s),  # (`lost`, `restored`: pipeline/stage_losses.py)
+                # What serving the stage would cost us, by the estimate (bytes).
+                "memory_bytes": None if self.budget is None else self.budget.cost(s).total,
             })  # fmt: skip
         served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
         driven = loop.trainer.counters.microbatches if loop is not None else 0
+        budget = self.budget
         out = {
             "stage": None if peer is None else peer.stage,
+            # What --max-memory allows (or the memory free when we started), and what
+            # our stage costs by the estimate (pipeline/memory.py): bytes.
+            "memory_budget_bytes": None if budget is None else budget.budget,
+            "stage_memory_bytes": None
+            if budget is None or peer is None
+            else budget.cost(peer.stage).total,
             "trainer": loop is not None,
             "role": self.role,
             "stages": stages,

@@ -48,6 +48,7 @@ from .experiment import (
 )
 from .joined import joined_path, load_joined, save_joined
 from .pipeline_run import PipelineRun, StageMismatch
+from .stage_budget import NoStageFits
 from .stage_checkpoints import StageCheckpoints
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .training.checkpoint import CheckpointError, CheckpointStore
@@ -295,11 +296,15 @@ async def _pipeline_session(
                 int(manifest.strategy_options["stages"]),
                 config.checkpoint_interval,
             ),
+            max_memory=config.max_memory,
         )
     except ValueError as e:
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
     try:
         await run.start()
+    except NoStageFits as e:  # (one line: what does not fit, and what it needs)
+        await run.aclose()
+        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
     except StageMismatch as e:
         raise SessionError(f"cannot start {manifest.describe()}: {e}") from None
     except CheckpointError as e:

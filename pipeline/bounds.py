@@ -47,6 +47,12 @@ class StageBounds:
     max_samples: int
     input_elements: int  # one sample of the stage's inputs
     output_elements: int  # one sample of its outputs (a backward's output gradient)
+    # Bytes autograd keeps for one sample's backward inside the stage (0: not probed):
+    # what a memory budget counts for its activations (`memory.stage_memory`).
+    activation_bytes: int = 0
+    # Whether the stage's inputs are floating point (a backward then answers with their
+    # gradient, which the worker keeps for retries: `stage.RETAINED_ANSWERS`).
+    input_floating: bool = True
 
     def check_samples(self, samples: int) -> None:
         """Refuse a request of more samples than a microbatch holds, before its tensors."""
@@ -67,14 +73,18 @@ def probe_bounds(task: Any, seed: int, stages: int, global_batch: int) -> list[S
     inputs = task.stage_inputs(batch)
     max_samples = max(global_batch, int(inputs.shape[0]))
     if builds_stages_alone(task):
-        sizes = _per_sample_alone(task, seed, stages, inputs[:1])
+        sizes, kept = _per_sample_alone(task, seed, stages, inputs[:1])
     else:
         try:
-            sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
+            sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
         except _NOT_ON_META as e:
             log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
-            sizes = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
-    return [StageBounds(max_samples, sizes[k], sizes[k + 1]) for k in range(stages)]
+            sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
+    floating = inputs.is_floating_point()
+    return [
+        StageBounds(max_samples, sizes[k], sizes[k + 1], kept[k], floating or k > 0)
+        for k in range(stages)
+    ]
 
 
 _NOT_ON_META = (NotImplementedError, RuntimeError, TypeError, ValueError)
@@ -82,36 +92,62 @@ _NOT_ON_META = (NotImplementedError, RuntimeError, TypeError, ValueError)
 
 def _per_sample(
     task: Any, seed: int, stages: int, x: torch.Tensor, device: torch.device
-) -> list[int]:
-    """Elements of one sample at each boundary: stage 0's inputs, then each output."""
+) -> tuple[list[int], list[int]]:
+    """Elements of one sample at each boundary (stage 0's inputs, then each output),
+    and the bytes each stage keeps for that sample's backward."""
     with device:
         modules = task.make_stages(seed, stages)
     x = x.to(device)
-    sizes = [_elements(x)]
-    with torch.no_grad():
-        for module in modules:
-            x = module(x)
-            sizes.append(_elements(x))
-    return sizes
+    sizes, kept = [_elements(x)], []
+    for module in modules:
+        saved, out = saved_bytes(module, x)
+        x = out.detach()
+        kept.append(saved)
+        sizes.append(_elements(x))
+    return sizes, kept
 
 
-def _per_sample_alone(task: Any, seed: int, stages: int, x: torch.Tensor) -> list[int]:
+def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes autograd keeps for the backward of `module(x)` (each storage once, the
+    parameters not; on the meta device too: nothing is allocated) and the output."""
+    # (A storage's identity: on the meta device every data pointer is 0.)
+    own = {p.untyped_storage()._cdata for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in own:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    if x.is_floating_point():
+        x = x.detach().requires_grad_(True)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    return sum(seen.values()), out
+
+
+def _per_sample_alone(
+    task: Any, seed: int, stages: int, x: torch.Tensor
+) -> tuple[list[int], list[int]]:
     """As `_per_sample`, each stage built alone and freed before the next."""
-    sizes = [_elements(x)]
-    with torch.no_grad():
-        for k in range(stages):
-            try:
-                with torch.device("meta"):
-                    module = build_stage(task, seed, stages, k)
-                    x = module(x.to("meta"))
-            except _NOT_ON_META as e:
-                log.info("stage %d does not run on the meta device (%r): probing on the CPU", k, e)
-                with torch.device("cpu"):
-                    module = build_stage(task, seed, stages, k)
-                x = module(torch.zeros(x.shape, dtype=x.dtype))  # (the shapes are what counts)
-            del module
-            sizes.append(_elements(x))
-    return sizes
+    sizes, kept = [_elements(x)], []
+    for k in range(stages):
+        try:
+            with torch.device("meta"):
+                module = build_stage(task, seed, stages, k)
+                saved, out = saved_bytes(module, x.to("meta"))
+        except _NOT_ON_META as e:
+            log.info("stage %d does not run on the meta device (%r): probing on the CPU", k, e)
+            with torch.device("cpu"):
+                module = build_stage(task, seed, stages, k)
+            # (The shapes are what counts.)
+            saved, out = saved_bytes(module, torch.zeros(x.shape, dtype=x.dtype))
+        x = out.detach()
+        del module, out
+        kept.append(saved)
+        sizes.append(_elements(x))
+    return sizes, kept
 
 
 def _elements(t: torch.Tensor) -> int:

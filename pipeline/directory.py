@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,10 +116,14 @@ def stage_capacity(records: Sequence[StageRecord], typical: float | None = None)
 
 
 def least_capacity_stage(
-    stages: Sequence[Sequence[StageRecord]], replicas: int = STAGE_REPLICAS
+    stages: Sequence[Sequence[StageRecord]],
+    replicas: int = STAGE_REPLICAS,
+    allowed: Collection[int] | None = None,
 ) -> int:
     """The stage a new peer should serve: one with fewer than `replicas` peers first
-    (the fewest), then the least capacity, then the fewest peers, then the first.
+    (the fewest), then the least capacity, then the fewest peers, then the first;
+    among `allowed` only (the stages that fit our memory: none is a ValueError),
+    whatever the records claim about the others.
 
     A stage's state lives only on its peers: a stage with one peer loses it to one
     kill (the stage starts again from its seed, and waits for a peer to move there).
@@ -127,8 +131,11 @@ def least_capacity_stage(
     stage that limits the pipeline (never one that leaves a stage unserved)."""
     measured = sorted(s for records in stages for r in records if (s := r.samples_per_s))
     typical = measured[len(measured) // 2] if measured else None
+    candidates = range(len(stages)) if allowed is None else sorted(set(allowed))
+    if not candidates:
+        raise ValueError("no stage to choose from")
     return min(
-        range(len(stages)),
+        candidates,
         key=lambda s: (
             min(len(stages[s]), replicas),
             stage_capacity(stages[s], typical),

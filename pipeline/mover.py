@@ -25,7 +25,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
@@ -60,7 +60,10 @@ class StageMover:
         sync_timeout: float = 120.0,
         drain_timeout: float | None = None,
         rng: random.Random | None = None,
+        fits: Callable[[list[list[StageRecord]]], Collection[int]] | None = None,
     ) -> None:
+        """`fits(records)`: the stages we may move into (those that fit our memory;
+        None: any)."""
         self.dht = dht
         self.experiment = experiment
         self.stages = stages
@@ -76,6 +79,7 @@ class StageMover:
         self.failed_moves = 0  # moves that failed (we then served our stage again)
         self.moves_given_way = 0  # moves that met another's and did not go ahead
         self.moving = False
+        self.fits = fits
 
     def _mine(self) -> StageRecord:
         server = self.peer.server
@@ -102,8 +106,9 @@ class StageMover:
                 log.debug("reading the stage records failed: %r", e)
                 self.rebalancer.wake_at = time.monotonic() + self.policy.period_s
                 continue
+            allowed = None if self.fits is None else self.fits(records)
             decision = self.rebalancer.wake(
-                time.monotonic(), records, self._mine(), self.peer.stage
+                time.monotonic(), records, self._mine(), self.peer.stage, allowed
             )
             if decision.target is None:
                 continue

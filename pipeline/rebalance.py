@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from shoal.transport.identity import PeerID
@@ -91,8 +91,10 @@ def plan_move(
     mine: StageRecord,
     my_stage: int,
     policy: RebalancePolicy,
+    allowed: Collection[int] | None = None,
 ) -> int | None:
-    """The stage our peer (`mine`, serving `my_stage`) should move to now, if any.
+    """The stage our peer (`mine`, serving `my_stage`) should move to now, if any:
+    one of `allowed` (the stages that fit our memory; None: any).
 
     `stages` are every stage's records as read from the DHT; ours is replaced by
     `mine` (the DHT may not have our newest yet)."""
@@ -110,7 +112,9 @@ def plan_move(
         return None  # a peer of ours is leaving or arriving: wait until it settled
     # (Capacity only: the joiners' replicas-first rule would name a stage this move's
     # capacity rules then refuse, and the stage that limits the pipeline would wait.)
-    target = least_capacity_stage(stages, replicas=1)
+    # (Among the stages that fit only: the records are claims, our memory is not.)
+    candidates = None if allowed is None else {*allowed, my_stage}
+    target = least_capacity_stage(stages, replicas=1, allowed=candidates)
     if target == my_stage:
         return None
     measured = [s for records in stages for r in records if (s := r.samples_per_s)]
@@ -188,8 +192,12 @@ class Rebalancer:
         stages: Sequence[Sequence[StageRecord]],
         mine: StageRecord,
         my_stage: int,
+        allowed: Collection[int] | None = None,
     ) -> Decision:
-        target = None if self._holding(now) else plan_move(stages, mine, my_stage, self.policy)
+        """`allowed`: the stages we may move to (those that fit our memory)."""
+        target = (
+            None if self._holding(now) else plan_move(stages, mine, my_stage, self.policy, allowed)
+        )
         pending, self.pending = self.pending, None
         if pending is not None:  # the re-check: the same move must still qualify
             self.wake_at = now + self._period()

@@ -35,6 +35,25 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 
 _MALLOC_TRIM = _find_malloc_trim()
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# Blocks from this size up are mapped on their own and unmapped when freed.
+LARGE_BLOCK = 1 << 20
+
+
+def return_large_blocks_at_once(threshold: int = LARGE_BLOCK) -> bool:
+    """Map every block of `threshold` bytes or more on its own, so that freeing it
+    gives it back at once (glibc's threshold otherwise rises with each large block
+    freed, and later ones stay in the heap: resident, free, until a trim). For a
+    peer held to a memory budget (`--max-memory`), whose peak must be what it holds,
+    not what it held. False where malloc has no such setting."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
 
 def release_free_memory() -> bool:
     """Return the heap's free pages to the system; False where malloc cannot.

@@ -1,0 +1,135 @@
+"""A peer's memory budget (`--max-memory`) and what each pipeline stage would cost it.
+
+The estimate of each stage (`pipeline.memory.stage_memory`) comes from the
+task's stage sizes (`stage_build.stage_size`: nothing built) and the stages'
+bounds; a peer chooses, and moves into, only stages whose estimate fits its
+budget. Without `--max-memory` the budget is what the machine has free when the
+peer starts (`MemAvailable`), plus the device's free memory on a GPU (the
+parameters, gradients and moments then live there).
+
+The records of other peers play no part in what fits: a peer that claims a huge
+capacity for some stage can make the others look emptier, never make a stage
+that does not fit look as if it did.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shoal.pipeline.bounds import StageBounds
+from shoal.pipeline.memory import (
+    StageMemory,
+    stage_memory,
+    stages_that_fit,
+    trainer_memory,
+)
+from shoal.pipeline.sizes import format_size
+from shoal.pipeline.stage_build import stage_size
+
+__all__ = ["NoStageFits", "StageBudget", "available_memory"]
+
+log = logging.getLogger("shoal.pipeline")
+
+MIN_GROUP = 2  # the receive slots of a stage's all-reduce: at least one other member
+
+
+class NoStageFits(ValueError):
+    """No stage of the experiment fits this peer's memory budget (or, for a trainer,
+    its own microbatches do not)."""
+
+
+def available_memory(device: torch.device, meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """What the machine (and the device, on a GPU) has free now; None when unknown."""
+    free: int | None = None
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        free = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        device_free, _ = torch.cuda.mem_get_info(device)
+        free = (free or 0) + int(device_free)
+    return free
+
+
+def _stage_sizes(task: Any, seed: int, count: int) -> list[int]:
+    """Each stage's parameter elements: the task's cheap `stage_size` when it has one,
+    else counted on the meta device (shapes only: nothing allocated)."""
+    if callable(getattr(task, "stage_size", None)):
+        return [stage_size(task, seed, count, k) for k in range(count)]
+    with torch.device("meta"):
+        modules = task.make_stages(seed, count)
+    return [sum(p.numel() for p in m.parameters()) for m in modules]
+
+
+class StageBudget:
+    """What each stage costs this peer, against its budget (None: no limit known)."""
+
+    def __init__(
+        self,
+        task: Any,
+        seed: int,
+        bounds: Sequence[StageBounds],
+        *,
+        budget: int | None,
+        in_flight: int,
+        trainer: bool = False,
+        audits: bool = False,
+    ) -> None:
+        """`trainer`: we also drive microbatches (role auto): what our own trainer keeps
+        in flight comes off the budget before a stage's cost; `audits`: the experiment
+        verifies its stages (a stage peer keeps its answers for audits)."""
+        self.audits = audits
+        self.budget = budget
+        self.bounds = list(bounds)
+        self.in_flight = in_flight
+        count = len(self.bounds)
+        self.sizes = _stage_sizes(task, seed, count)
+        self.groups = [MIN_GROUP] * count
+        self.reserved = trainer_memory(self.bounds, in_flight) if trainer else 0
+
+    def cost(self, k: int) -> StageMemory:
+        """What serving stage `k` costs."""
+        return stage_memory(self.sizes[k], self.bounds[k], in_flight=self.in_flight,
+                            group_size=self.groups[k], audits=self.audits)  # fmt: skip
+
+    def see_peers(self, peers: Sequence[int]) -> None:
+        """Each stage's other peers, as the records show them: with us, the stage's
+        all-reduce group (a liar's records can make a stage look dearer, never cheaper)."""
+        self.groups = [max(MIN_GROUP, n + 1) for n in peers]
+
+    def costs(self) -> list[int]:
+        return [self.cost(k).total for k in range(len(self.sizes))]
+
+    def fitting(self) -> list[int]:
+        """The stages within the budget (every stage without one)."""
+        costs = self.costs()
+        if self.budget is None:
+            return list(range(len(costs)))
+        return stages_that_fit(costs, self.budget - self.reserved)
+
+    def refusal(self) -> str:
+        """The one line a peer that can serve no stage says."""
+        assert self.budget is not None
+        smallest = min(range(len(self.sizes)), key=lambda k: self.cost(k).total)
+        trainer = f" plus {format_size(self.reserved)} for our trainer" if self.reserved else ""
+        return (
+            f"no stage fits --max-memory {format_size(self.budget)}: the smallest, stage "
+            f"{smallest}, needs {format_size(self.cost(smallest).total)}{trainer} (parameters, "
+            "gradients, AdamW moments, averaging buffers, activations)"
+        )
+
+    def check_trainer(self) -> None:
+        """Refuse (NoStageFits) when our own microbatches in flight exceed the budget."""
+        need = trainer_memory(self.bounds, self.in_flight)
+        if self.budget is not None and need > self.budget:
+            raise NoStageFits(
+                f"a trainer's microbatches in flight need {format_size(need)}, more than "
+                f"--max-memory {format_size(self.budget)}"
+            )

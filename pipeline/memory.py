@@ -1,0 +1,190 @@
+"""What serving one stage costs a peer in memory, estimated before the stage is built.
+
+Sans-I/O: the caller gives the stage's parameter elements (`stage_build.stage_size`,
+from the task's config: nothing built), its bounds (`bounds.StageBounds`: elements
+per sample at its two boundaries) and how many samples its trainers keep in
+flight; this counts every copy the code keeps of them. With B the bytes of the
+stage's parameters (float32: 4 per element):
+
+- parameters: B;
+- gradients: the worker's accumulation buckets (`stage.StageWorker`), one for the
+  step being averaged and one for the next, which backwards arriving meanwhile
+  fill (2B), and the gradients autograd makes in a backward before they are
+  added to a bucket (B);
+- optimizer: AdamW's two moments (2B);
+- averaging (`stage_optimizer.StageOptimizer`, `averaging.Averager`): the host
+  buffer the stage's all-reduce averages (B), the round's result vector that
+  the all-reduce's pool keeps from one round to the next (B), the receive slots
+  of each other member's stream (bounded by the chunking), the committed state
+  frozen for downloads (parameters and moments: 3B) and, while the next commit
+  or a state download freezes its successor, a second frozen copy, the
+  downloaded tensors, and an older frozen copy a slow downloader may still be
+  reading (9B: a re-sync measured ~2.8B over the 6B of the first two);
+- audits (an experiment that verifies its stages): the answers' full-precision
+  results a stage peer keeps for its trainers' audits (`audit.OutputStore`: five
+  minutes, at most `RETENTION_BYTES`);
+- activations: what a computation keeps for its backward, for the samples one
+  computation takes (`compute_queue.MAX_BATCH_SAMPLES`, or the trainers' samples
+  in flight when fewer), and the boundary tensors (inputs and output gradients)
+  of every request waiting in the queue;
+- answers kept for retries: the input gradient of the last
+  `stage.RETAINED_ANSWERS` backwards (a retry gets the same answer), each of
+  up to a request's samples (none for a stage whose inputs are ids);
+- the server's own (`SERVER_BYTES`): the heaps of its compute, sealing and
+  worker threads and its bookkeeping, which a process that serves no stage
+  does not have (measured: a stage peer's peak came within 3 MiB over the rest
+  of the estimate above a trainer's, the largest of eight).
+
+So a stage costs about 20B plus its activations: the copies for downloads and
+the all-reduce weigh more than AdamW. What autograd keeps per sample is measured
+where the bounds are probed (`bounds.probe_bounds`: one sample through the
+stages on the meta device, shapes only, with a hook on what autograd saves:
+`StageBounds.activation_bytes`); bounds that lack it (0) take
+`PRIOR_ACTIVATION_FACTOR` times the stage's two boundary tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shoal.averaging.butterfly import AllReduceConfig
+from shoal.averaging.reducer import float64_scratch
+
+from .audit import RETENTION_BYTES
+from .bounds import StageBounds
+from .compute_queue import MAX_BATCH_SAMPLES
+from .stage import RETAINED_ANSWERS
+
+__all__ = [
+    "PRIOR_ACTIVATION_FACTOR",
+    "SERVER_BYTES",
+    "StageMemory",
+    "stage_memory",
+    "stages_that_fit",
+    "trainer_memory",
+]
+
+# Activations a stage keeps per sample for its backward when its bounds were not
+# probed for them, as a multiple of its two boundary tensors (a transformer block
+# keeps about 16 hidden-state sized tensors: this covers a few blocks).
+PRIOR_ACTIVATION_FACTOR = 64
+FLOAT32 = 4
+SERVER_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes serving one stage costs, by what holds them (`total`: their sum)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    averaging: int
+    activations: int
+    audits: int = 0
+    answers: int = 0
+    server: int = SERVER_BYTES
+
+    @property
+    def total(self) -> int:
+        held = self.parameters + self.gradients + self.optimizer + self.averaging
+        return held + self.activations + self.audits + self.answers + self.server
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "averaging": self.averaging,
+            "activations": self.activations,
+            "audits": self.audits,
+            "answers": self.answers,
+            "server": self.server,
+            "total": self.total,
+        }
+
+
+def computed_samples(bounds: StageBounds, in_flight: int) -> int:
+    """Samples one computation of the stage takes at most: the compute queue joins
+    waiting requests up to MAX_BATCH_SAMPLES (one request may be larger)."""
+    return min(max(MAX_BATCH_SAMPLES, bounds.max_samples), max(1, in_flight))
+
+
+def stage_memory(
+    parameters: int,
+    bounds: StageBounds,
+    *,
+    in_flight: int,
+    activation_bytes_per_sample: int | None = None,
+    group_size: int = 2,
+    element_bytes: int = FLOAT32,
+    allreduce: AllReduceConfig | None = None,
+    audits: bool = False,
+) -> StageMemory:
+    """The bytes serving a stage of `parameters` elements costs (see the module doc).
+
+    `in_flight`: samples the trainers keep in flight (requests that may wait in
+    the queue at once); `activation_bytes_per_sample`: what autograd keeps per
+    sample in this stage (None: the bounds' probe, else `PRIOR_ACTIVATION_FACTOR`
+    x its boundaries);
+    `group_size`: the peers of the stage's all-reduce (the receive slots); `audits`:
+    the experiment verifies its stages (their answers are kept for audits)."""
+    if parameters < 0 or in_flight < 0 or group_size < 1:
+        raise ValueError("parameters >= 0, in_flight >= 0 and group_size >= 1")
+    b = parameters * element_bytes
+    boundary = (bounds.input_elements + bounds.output_elements) * FLOAT32
+    per_sample = activation_bytes_per_sample
+    if per_sample is None:
+        per_sample = bounds.activation_bytes or PRIOR_ACTIVATION_FACTOR * boundary
+    computed = computed_samples(bounds, in_flight)
+    # The computation's activations, and the boundaries of every request waiting,
+    # of the one computing, and of its answers (input gradients, outputs).
+    activations = computed * per_sample + 2 * max(in_flight, computed) * boundary
+    return StageMemory(
+        parameters=b,
+        gradients=3 * b,
+        optimizer=2 * b,
+        averaging=2 * b + 12 * b + _receive_slots(parameters, group_size, allreduce),
+        activations=activations,
+        audits=RETENTION_BYTES if audits else 0,
+        answers=_retained_answers(bounds, in_flight),
+    )
+
+
+def _retained_answers(bounds: StageBounds, in_flight: int) -> int:
+    """Bytes of the input gradients the worker keeps for retries: the last
+    RETAINED_ANSWERS backwards, each of at most one request's samples."""
+    if not bounds.input_floating:
+        return 0
+    samples = min(bounds.max_samples, max(1, in_flight))
+    return RETAINED_ANSWERS * samples * bounds.input_elements * FLOAT32
+
+
+def _receive_slots(parameters: int, group_size: int, cfg: AllReduceConfig | None) -> int:
+    """Bytes of the all-reduce's receive slots and its float64 scratch, for our part
+    of a round of `group_size` (see `butterfly._round_info`, `lanes`, `lane_sums`)."""
+    if group_size <= 1 or parameters == 0:
+        return 0
+    cfg = cfg or AllReduceConfig()
+    chunk = max(1, cfg.chunk_bytes // 4)
+    streams = cfg.streams_per_peer
+    senders = (group_size - 1) * streams
+    lane = math.ceil(parameters / group_size / streams)
+    chunks = max(1, math.ceil(lane / chunk))
+    window = max(2, min(cfg.window_chunks, (64 << 20) // (chunk * 4 * max(1, senders))))
+    slots = senders * min(window, chunks) * chunk * 4
+    return slots + streams * float64_scratch(chunk) * 8
+
+
+def trainer_memory(bounds: Sequence[StageBounds], in_flight: int) -> int:
+    """Bytes a trainer keeps for its microbatches in flight: each stage's inputs
+    (kept for the backward and for replays), outputs and the gradients coming back."""
+    per_sample = sum(2 * (b.input_elements + b.output_elements) * FLOAT32 for b in bounds)
+    return max(1, in_flight) * per_sample
+
+
+def stages_that_fit(costs: Sequence[int], budget: int) -> list[int]:
+    """The stages whose cost is within `budget` (bytes)."""
+    return [k for k, cost in enumerate(costs) if cost <= budget]

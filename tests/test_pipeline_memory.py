@@ -1,0 +1,231 @@
+"""Memory budgets (`--max-memory`): what a stage costs a peer, estimated before it is built
+(`pipeline/memory.py`), and a peer that chooses, and moves into, only stages that fit,
+whatever other peers' records claim (`peer/stage_budget.py`, `peer/pipeline_run.py`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.dht.node import DHTNode
+from shoal.dht.records import owner_marker
+from shoal.peer.cli import parse_command_line
+from shoal.peer.config import Config, ConfigError
+from shoal.peer.experiment import Manifest
+from shoal.peer.pipeline_run import PipelineRun
+from shoal.peer.stage_budget import NoStageFits, StageBudget
+from shoal.peer.trainer import check_hyperparameters
+from shoal.peer.training.tasks.bytegpt import make_task
+from shoal.pipeline.audit import RETENTION_BYTES
+from shoal.pipeline.bounds import StageBounds, probe_bounds, saved_bytes
+from shoal.pipeline.directory import StageRecord, least_capacity_stage
+from shoal.pipeline.memory import (
+    PRIOR_ACTIVATION_FACTOR,
+    SERVER_BYTES,
+    stage_memory,
+    stages_that_fit,
+)
+from shoal.pipeline.rebalance import RebalancePolicy, plan_move
+from shoal.pipeline.server import RECORD_TTL, stage_key
+from shoal.pipeline.sizes import format_size, parse_size
+from shoal.pipeline.stage import RETAINED_ANSWERS
+from shoal.transport.identity import Identity
+
+from .pipeline_swarm import HOST_OPTS, TINY
+
+pytestmark = pytest.mark.timeout(60)
+
+PEERS = [Identity.generate().peer_id for _ in range(8)]
+BOUNDS = StageBounds(max_samples=8, input_elements=1024, output_elements=1024)
+
+
+def rec(peer: int, speed: float) -> StageRecord:
+    return StageRecord(PEERS[peer], 2 * speed, 2 * speed, 0, 0, 0.0)
+
+
+def test_sizes_read_as_people_write_them() -> None:
+    assert parse_size("2G") == 2 << 30
+    assert parse_size("512M") == parse_size("512MiB") == parse_size("512mb") == 512 << 20
+    assert parse_size("1.5G") == 3 << 29
+    assert parse_size("4096") == 4096
+    for bad in ("", "-1G", "2X", "G", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert format_size(3 << 29) == "1.5 GiB" and format_size(300) == "300 B"
+
+
+def run_config(argv: list[str], environ: dict[str, str]) -> Config:
+    command, config = parse_command_line(["run", *argv], environ)
+    assert command == "run"
+    return config
+
+
+def test_the_max_memory_flag_takes_a_size_and_refuses_anything_else() -> None:
+    assert run_config(["--max-memory", "512M"], {}).max_memory == 512 << 20
+    assert run_config([], {"SHOAL_MAX_MEMORY": "2G"}).max_memory == 2 << 30
+    assert run_config([], {}).max_memory is None
+    with pytest.raises(ConfigError, match="--max-memory"):
+        run_config(["--max-memory", "lots"], {})
+
+
+def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_activations() -> None:
+    p = 1_000_000
+    cost = stage_memory(p, BOUNDS, in_flight=16, group_size=2)
+    b = 4 * p
+    assert cost.parameters == b
+    assert cost.optimizer == 2 * b  # AdamW's two moments
+    assert cost.gradients == 3 * b  # two epochs' buckets and autograd's own
+    # The all-reduce's buffer and result, the frozen state, and while a commit or a
+    # download freezes its successor: that, the received state and an older frozen
+    # copy a downloader still reads; plus the receive slots.
+    assert 14 * b < cost.averaging <= 14 * b + 16 * (4 << 20)
+    boundary = 2 * 1024 * 4  # (bounds without a probe of the activations: the prior)
+    assert cost.activations == 16 * PRIOR_ACTIVATION_FACTOR * boundary + 2 * 16 * boundary
+    probed = stage_memory(p, replace(BOUNDS, activation_bytes=1000), in_flight=16)
+    assert probed.activations == 16 * 1000 + 2 * 16 * boundary
+    # A verified experiment's stage peer keeps its answers for the trainers' audits.
+    assert cost.audits == 0
+    assert stage_memory(p, BOUNDS, in_flight=16, audits=True).audits == RETENTION_BYTES
+    assert cost.total == sum(v for k, v in cost.as_dict().items() if k != "total")
+    # The input gradients of the last RETAINED_ANSWERS backwards, kept for retries
+    # (none for a stage whose inputs are ids), and the server's threads' own.
+    assert cost.answers == RETAINED_ANSWERS * 8 * 1024 * 4
+    assert stage_memory(p, replace(BOUNDS, input_floating=False), in_flight=16).answers == 0
+    assert cost.server == SERVER_BYTES
+    # Twice the parameters, about twice their part; more in flight, more activations.
+    bigger = stage_memory(2 * p, BOUNDS, in_flight=16)
+    held = ("parameters", "gradients", "optimizer", "averaging")
+    assert sum(bigger.as_dict()[k] for k in held) > 1.8 * sum(cost.as_dict()[k] for k in held)
+    assert stage_memory(p, BOUNDS, in_flight=64).activations > 3 * cost.activations
+
+
+def test_the_probe_on_the_meta_device_covers_what_autograd_keeps_in_each_stage() -> None:
+    """The bounds' probe (shapes only, nothing allocated) against one real sample
+    through the built stages: never less, at most a third more."""
+    task = make_task(TINY)
+    bounds = probe_bounds(task, 0, 3, 8)
+    x = task.stage_inputs(task.eval_batches(1)[0])[:1]
+    for module, b in zip(task.make_stages(0, 3), bounds, strict=True):
+        kept, out = saved_bytes(module, x)
+        assert 0 < kept <= b.activation_bytes <= 4 * kept / 3, (kept, b.activation_bytes)
+        x = out.detach()
+
+
+def test_a_stage_that_does_not_fit_is_never_chosen_whatever_the_records_claim() -> None:
+    # Stage 0 has no peer (a joiner's first pick), stage 2 the least capacity; a liar
+    # claims a huge capacity on stage 1. Only stages 1 and 3 fit our memory.
+    stages = [[], [rec(0, 1e9)], [rec(1, 0.5)], [rec(2, 5.0)]]
+    assert least_capacity_stage(stages) == 0
+    assert least_capacity_stage(stages, allowed=[1, 3]) == 3
+    assert least_capacity_stage(stages, allowed=[1]) == 1
+    with pytest.raises(ValueError):
+        least_capacity_stage(stages, allowed=[])
+    assert stages_that_fit([300, 100, 200], 200) == [1, 2]
+
+
+def test_a_peer_never_moves_into_a_stage_that_does_not_fit() -> None:
+    stages = [[rec(0, 1.0), rec(1, 1.0), rec(2, 1.0)], [rec(3, 1.0)], [rec(4, 1.0)]]
+    policy = RebalancePolicy(period_s=10.0)
+    assert plan_move(stages, stages[0][0], 0, policy) in (1, 2)
+    assert plan_move(stages, stages[0][0], 0, policy, allowed=[2]) == 2
+    assert plan_move(stages, stages[0][0], 0, policy, allowed=[0]) is None
+    assert plan_move(stages, stages[0][0], 0, policy, allowed=[]) is None
+
+
+def test_a_budget_fits_the_stages_within_it_less_what_our_own_trainer_keeps() -> None:
+    task = make_task(TINY)
+    bounds = probe_bounds(task, 0, 2, 8)
+    free = StageBudget(task, 0, bounds, budget=None, in_flight=16)
+    costs = free.costs()
+    small, large = sorted(range(2), key=lambda k: costs[k])
+    assert costs[small] < costs[large] and free.fitting() == [0, 1]
+    between = StageBudget(task, 0, bounds, budget=(costs[0] + costs[1]) // 2, in_flight=16)
+    assert between.fitting() == [small]
+    # Our own trainer's microbatches (role auto) come off the budget.
+    reserved = StageBudget(task, 0, bounds, budget=None, in_flight=16, trainer=True).reserved
+    both = StageBudget(task, 0, bounds, budget=costs[small] + reserved, in_flight=16, trainer=True)
+    assert reserved > 0 and both.fitting() == [small]
+    short = StageBudget(task, 0, bounds, budget=costs[small] + reserved - 1, in_flight=16,
+                        trainer=True)  # fmt: skip
+    assert short.fitting() == [] and "for our trainer" in short.refusal()
+    none = StageBudget(task, 0, bounds, budget=costs[small] - 1, in_flight=16)
+    assert none.fitting() == []
+    line = none.refusal()
+    assert "\n" not in line and "no stage fits --max-memory" in line and f"stage {small}" in line
+    with pytest.raises(NoStageFits, match="trainer"):
+        StageBudget(task, 0, bounds, budget=1000, in_flight=16).check_trainer()
+
+
+def _manifest(identity: Identity, stages: int) -> Manifest:
+    return Manifest.create(
+        identity, name="mem", task="bytegpt", task_config=TINY, strategy="pipeline",
+        strategy_options={"stages": stages, "global_batch": 8, "lag": 1, "codec": "none"},
+        hyperparameters=check_hyperparameters({}), seed=5, initial_fingerprint="",
+    )  # fmt: skip
+
+
+async def _run(dht: DHTNode, manifest: Manifest, max_memory: int | None) -> PipelineRun:
+    identity = Identity.generate()
+    return PipelineRun(dht, identity, manifest, make_task(TINY), check_hyperparameters({}),
+                       role="stage", stage=None, device=torch.device("cpu"),
+                       max_memory=max_memory)  # fmt: skip
+
+
+async def test_a_peer_serves_the_stage_that_fits_though_a_liar_makes_another_look_emptier(
+    make_host: Callable[..., Any],
+) -> None:
+    """One stage fits our budget, the other does not. A liar's record on the one that
+    fits claims a huge capacity (without a budget, we would serve the emptier one):
+    we serve the one that fits, and /status.pipeline says what our budget is and
+    what each stage costs."""
+    manifest = _manifest(Identity.generate(), 2)
+    task = make_task(TINY)
+    bounds = probe_bounds(task, manifest.seed, 2, 8)
+    costs = StageBudget(task, manifest.seed, bounds, budget=None, in_flight=16).costs()
+    fits = min(range(2), key=lambda k: costs[k])
+    budget = (costs[0] + costs[1]) // 2
+    boot = await DHTNode.create(await make_host(**HOST_OPTS))
+    nodes = [boot]
+    for _ in range(2):
+        nodes.append(await DHTNode.create(await make_host(**HOST_OPTS),
+                                          bootstrap=[str(boot.host.addresses()[0])]))  # fmt: skip
+    liar, dht = nodes[1:]
+    now = time.time()
+    claim = {"fwd": 1e12, "bwd": 1e12, "queue": 0, "version": 0, "t": now}
+    assert await liar.store(stage_key(manifest.experiment_id, fits), claim, now + RECORD_TTL,
+                            subkey=owner_marker(liar.peer_id))  # fmt: skip
+    run = await _run(dht, manifest, budget)
+    try:
+        await run.refresh_directory()
+        assert [len(records) for records in run.directory] == [1 - fits, fits]
+        await run.start()
+        assert run.stage_peer is not None and run.stage_peer.stage == fits
+        status = run.status()
+        assert status["memory_budget_bytes"] == budget
+        assert status["stage_memory_bytes"] == costs[fits] <= budget
+        assert [s["memory_bytes"] <= budget for s in status["stages"]] == [fits == 0, fits == 1]
+    finally:
+        await run.aclose()
+        for node in reversed(nodes):
+            await node.aclose()
+
+
+async def test_a_peer_that_no_stage_fits_refuses_in_one_line(
+    make_host: Callable[..., Any],
+) -> None:
+    dht = await DHTNode.create(await make_host(**HOST_OPTS))
+    run = await _run(dht, _manifest(Identity.generate(), 2), 1 << 20)
+    try:
+        with pytest.raises(NoStageFits) as refused:
+            await run.start()
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith("no stage fits --max-memory 1.0 MiB")
+        assert run.stage_peer is None
+    finally:
+        await run.aclose()
+        await dht.aclose()

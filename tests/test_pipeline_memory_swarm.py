@@ -1,0 +1,147 @@
+"""Memory budgets in a swarm of `shoal run` processes: a 4-stage model trained by 8 stage
+peers and 2 trainers, each under `--max-memory`, none building a stage but its own.
+
+The baseline each peer's peak is measured against is a trainer of the same run
+(`--role trainer`): a process of the same stack that builds no stage (the
+interpreter, torch and what its first forward and backward set up, the task's
+corpus, the network stack, the status server), less what the estimate gives its
+own microbatches in flight. A peer that computes nothing (`--role monitor`) is no
+baseline: its peak is ~200 MiB below a trainer's, which is torch setting up its
+compute, not holding anything a budget counts. Peaks are each process's VmHWM,
+read at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from counting_task import LOG_ENV
+from daemon_harness import Daemon, wait_for
+
+from shoal.peer.stage_budget import StageBudget
+from shoal.peer.training.tasks.bytegpt import make_task
+from shoal.pipeline.bounds import probe_bounds
+from shoal.pipeline.memory import trainer_memory
+
+# Ten processes training 100 steps take 7-9 minutes on 2 cores: longer than CI's whole
+# serial group can give. A long run only, like the daemon soak.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        "SHOAL_MEMORY_SWARM" not in os.environ,
+        reason="10 processes for 7-9 minutes: SHOAL_MEMORY_SWARM=1 runs it",
+    ),
+]
+
+TASK = str(Path(__file__).with_name("counting_task.py")) + ":make_task"
+# The largest parameters that keep a step short on 2 cores: one 2.4 M-parameter block
+# a stage (d_model 448), a context of 8 bytes, one sample a microbatch and a step.
+MODEL = "d_model=448,n_layers=4,n_heads=4,context=8,batch_size=1,max_bytes=200000"
+STEPS = 100
+STAGES = 4
+
+
+def peak_rss(d: Daemon) -> int:
+    """The process's peak resident memory (bytes), from /proc (read while it runs)."""
+    for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {d.name}")
+
+
+def builds_by_pid(log: Path) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in log.read_text().splitlines() if log.exists() else []:
+        pid, what = line.split()
+        out.setdefault(int(pid), []).append(what)
+    return out
+
+
+def tails(daemons: list[Daemon]) -> Callable[[], str]:
+    return lambda: "\n".join(d.tail(10) for d in daemons)
+
+
+@pytest.mark.timeout(900)
+def test_a_model_larger_than_any_peers_budget_trains_with_every_peer_under_it(
+    tmp_path: Path,
+) -> None:
+    """Two stage peers a stage, the trainers' loss falls over 100 steps, every peer's
+    peak stays under its budget plus the baseline, /status.pipeline says the budget
+    and the stage's cost, and no peer builds a stage other than its own; the whole
+    model costs more than three budgets."""
+    # What each stage costs a peer by the estimate the peers make (`StageBudget`): the
+    # budget is the largest, so that every stage fits.
+    settings = {k: int(v) for k, v in (kv.split("=") for kv in MODEL.split(","))}
+    task = make_task(settings)
+    bounds = probe_bounds(task, 0, STAGES, 1)
+    costs = StageBudget(task, 0, bounds, budget=None, in_flight=2).costs()
+    budget = max(costs)
+    log = tmp_path / "builds.log"
+    env = {LOG_ENV: str(log), "SHOAL_TASK_OPTIONS": MODEL,
+           # (Without audits: what a stage peer keeps for them is not this test's.)
+           "SHOAL_STRATEGY_OPTIONS": "global_batch=1,lag=1,warmup_steps=5,inner_lr=3e-3,"
+                                     "verify=false,rebalance_s=0"}  # fmt: skip
+    host = Daemon("host", tmp_path, ["--host-experiment", "mem", "--pipeline-stages",
+                                     str(STAGES), "--task", TASK, "--role", "monitor"],
+                  env)  # fmt: skip
+    daemons = [host]
+    try:
+        host.wait_ready()
+        join = ["--join", host.join_ref, "--bootstrap", host.address, "--allow-task", TASK]
+        flags = ["--max-memory", str(budget)]
+        # All at once (each stage pinned: two peers a stage; the budget still decides,
+        # a pinned stage that does not fit is refused). Trainers: 1 sample in flight
+        # and the next (lag 1): what the stages' queues and the baseline count.
+        peers = [Daemon(f"stage-{i}", tmp_path,
+                        [*join, "--role", "stage", "--stage", str(i % STAGES), *flags], env)
+                 for i in range(2 * STAGES)]  # fmt: skip
+        trainers = [Daemon(f"trainer-{i}", tmp_path, [*join, "--role", "trainer", *flags], env)
+                    for i in range(2)]  # fmt: skip
+        daemons += [*peers, *trainers]
+        for d in daemons:
+            d.wait_ready(180)  # (eleven processes starting at once on 2 cores)
+        started = time.monotonic()
+        served = sorted(p.status()["pipeline"]["stage"] for p in peers)
+        assert served == sorted(list(range(STAGES)) * 2), served
+
+        def losses() -> list[float | None]:
+            return [t.status()["loss"] for t in trainers]
+
+        wait_for("every trainer's first loss", lambda: all(losses()), 180, debug=tails(daemons))
+        first_loss = max(x for x in losses() if x is not None)
+        wait_for(f"{STEPS} steps", lambda: min(p.status()["step"] for p in peers) >= STEPS,
+                 600, debug=tails(daemons))  # fmt: skip
+        trained_s = time.monotonic() - started
+        last_loss = max(x for x in losses() if x is not None)
+        assert last_loss < first_loss - 0.5, (first_loss, last_loss)
+
+        base = min(peak_rss(t) for t in trainers) - trainer_memory(bounds, 2)
+        for d in [*peers, *trainers]:
+            status = d.status()["pipeline"]
+            assert status["memory_budget_bytes"] == budget
+            if d in peers:
+                assert status["stage_memory_bytes"] == costs[status["stage"]] <= budget
+            assert peak_rss(d) <= base + budget, (d.name, peak_rss(d), base, budget)
+        # Each process built, for real, only the stage it serves (trainers: none).
+        built = builds_by_pid(log)
+        for p in peers:
+            assert built.get(p.proc.pid) == [str(p.status()["pipeline"]["stage"])]
+        assert all(t.proc.pid not in built for t in trainers)
+        # No one peer could train this model with its budget: it costs four.
+        assert sum(costs) >= 3 * budget
+        # A peer that no stage fits refuses to start, in one line.
+        small = Daemon("refused", tmp_path, [*join, "--role", "stage", "--max-memory", "1M"], env)
+        daemons.append(small)
+        assert small.proc.wait(120) == 1
+        errors = [x for x in small.log().splitlines() if x.startswith("shoal: error: ")]
+        assert len(errors) == 1 and "no stage fits --max-memory 1.0 MiB" in errors[0], errors
+        print(f"\n{STEPS} steps in {trained_s:.0f} s; loss {first_loss:.2f} -> {last_loss:.2f}; "
+              f"baseline {base >> 20} MiB; budget {budget >> 20} MiB; peaks (MiB over the "
+              f"baseline) {[(peak_rss(p) - base) >> 20 for p in peers]}")  # fmt: skip
+    finally:
+        for d in daemons:
+            d.kill()
