@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,13 @@ def test_the_bounds_probe_builds_each_stage_alone_on_the_meta_device(builds: Bui
     assert probe_bounds(task, 5, 4, 8) == whole
     assert builds.meta == [0, 1, 2, 3] and builds.real == []
     builds.meta.clear()
-    assert probe_bounds(OneStageNotOnMeta(task, 2), 5, 4, 8) == whole
+    # (The CPU's attention kernel saves other tensors for its backward than the meta
+    # device's: the activations probed differ, the sizes on the wire do not.)
+    on_cpu = probe_bounds(OneStageNotOnMeta(task, 2), 5, 4, 8)
+    assert [replace(b, activation_bytes=0) for b in on_cpu] == [
+        replace(b, activation_bytes=0) for b in whole
+    ]
+    assert on_cpu[2].activation_bytes > 0
     assert builds.meta == [0, 1, 2, 3] and builds.real == [2]
 
 
