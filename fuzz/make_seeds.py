@@ -253,6 +253,8 @@ def new_seeds() -> dict[str, list[bytes]]:
             {owner_marker(ME.peer_id): {"samples": 8, "version": 3, "t": now}},
             {"stage": 0, "version": 4, "steps": [[3, [_REMOTE.to_bytes()], 8]]},
             signature_to_wire(like),
+            # a step log with the keys of ours the sender's gradients held
+            {"stage": 0, "version": 4, "steps": [[3, [_REMOTE.to_bytes()], 8, ["t.1/0/0"]]]},
         ),
         "stage_audit": [
             commitment.encode(),

@@ -90,7 +90,7 @@ def _trainer(stages: int) -> Any:
         step_sizes=[{} for _ in range(stages)], ledger=MicrobatchLedger(stages), _replays=set(),
         balancers=[None] * stages, _changed=None, stages=stages,
     )  # fmt: skip
-    t._settle = lambda stage, meta: PipelineTrainer._settle(t, stage, meta)  # type: ignore[arg-type]
+    t._settle = lambda stage, meta, source=None: PipelineTrainer._settle(t, stage, meta, source)  # type: ignore[arg-type]
     return t
 
 
