@@ -96,7 +96,7 @@ def _trainer(stages: int) -> Any:
         balancers=[StageBalancer() for _ in range(stages)], _changed=None, stages=stages,
         durable=[None] * stages, _restores=set(), _restarted=[None] * stages,
     )  # fmt: skip
-    t._settle = lambda stage, meta: PipelineTrainer._settle(t, stage, meta)  # type: ignore[arg-type]
+    t._settle = lambda stage, meta, source=None: PipelineTrainer._settle(t, stage, meta, source)  # type: ignore[arg-type]
     t._restored = lambda s, peer, version: PipelineTrainer._restored(t, s, peer, version)  # type: ignore[arg-type]
     return t
 

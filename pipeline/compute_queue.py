@@ -40,7 +40,7 @@ class Fenced(Exception):
 
 @dataclass
 class Job:
-    kind: str  # "forward" | "backward"
+    kind: str  # "forward" | "backward" | "dry" (a backward that counts nothing)
     request: Any  # the inputs tensor, or a BackwardRequest
     samples: int
     audit: AuditRequest | None = None  # seal the answer (the request asked for a commitment)
@@ -189,6 +189,11 @@ def _run(worker: StageWorker, batch: list[Job]) -> tuple[list[Any], float, int |
         with worker.lock:  # (re-entered by forward_many: the version is the computation's)
             version = worker.version
             results: list[Any] = worker.forward_many([job.request for job in batch])
+    elif batch[0].kind == "dry":
+        with worker.lock:
+            version = worker.version
+            grads = worker.input_gradients([job.request for job in batch])
+        results = [(grad, None) for grad in grads]
     else:
         with worker.lock:
             version = worker.version

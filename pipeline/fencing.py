@@ -10,9 +10,10 @@ it: the peer never applies that attempt from then on (a request still queued,
 or still on the wire, is dropped) and says whether it applied the key before,
 with the answer it gave. Applied: the trainer takes that answer and asks no
 one else. Not applied: another peer may take it. No reply (the peer died, or
-is cut off): the trainer goes on elsewhere and counts the attempt as
-*unfenced*, the one case a microbatch may count twice (a peer that applied it
-and steps although the trainer cannot reach it).
+is cut off), or a computation of the key still under way: the attempt is
+*unfenced* and the backward in doubt at that peer (`ledger.Doubt`); the
+trainer goes on elsewhere with a dry backward (nothing counted there) until
+that peer's step log, a later fence or the stage's steps settle it.
 
 An error the peer's handler raised (`RemoteError`) or a dial that never
 connected means nothing was applied: no fence is needed.

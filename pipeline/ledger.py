@@ -7,9 +7,25 @@ answers, that the step from that epoch committed: with that peer among its
 members the microbatch counted; without it (the peer died, stalled, or was
 behind and dropped its gradients) the backward must be replayed on another
 peer. A peer that stepped has given its gradients to the step, so its death
-afterwards loses nothing.
+afterwards loses nothing. A peer's log of its own steps also lists which of
+this trainer's backwards its gradients in each step held (their keys): from
+that peer, the keys decide, not only its membership.
 
-Unless every peer of the stage dies: the stage then goes back to the newest
+A backward whose answer was lost at a peer the trainer could not then ask
+(`fencing`: no reply, or still computing) may have counted there, or not. It is
+*in doubt* (`Doubt`): the trainer goes on with a dry backward elsewhere (input
+gradient only, nothing counted), and the doubt is settled by the first of:
+
+- the peer's own step log listing its key: counted;
+- a fence that reaches the peer at last: applied (then an `Applied` entry at the
+  epoch it names) or never to be (replayed);
+- `DOUBT_STEPS` steps from the version it was sent at, all logged, none with
+  the peer among its members: whatever it applied died with it or was dropped
+  (replayed);
+- `GIVE_UP_VERSIONS` versions on: counted if the peer was a member of a step
+  since (assumed: the one case left open), replayed otherwise.
+
+A death loses something only when every peer of the stage dies: the stage goes back to the newest
 checkpoint a returning peer holds (`peer.stage_checkpoints`), and its steps
 after that are gone with the microbatches they counted. So where the stage's
 peers checkpoint, a counted entry is kept until a checkpoint of every such peer
@@ -26,13 +42,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Applied", "MicrobatchLedger"]
+__all__ = ["DOUBT_STEPS", "GIVE_UP_VERSIONS", "Applied", "Doubt", "MicrobatchLedger"]
 
 # How many versions past its epoch an entry waits for the step's log before it is
 # assumed counted (stage peers keep the last 8 steps; memory must stay bounded).
 GIVE_UP_VERSIONS = 8
 KEEP_VERSIONS = 256  # counted entries kept at most this far behind the stage's version
 KEEP_BYTES = 256 * 2**20  # and at most this much of their tensors, all stages together
+# Logged steps without the peer, from the version a doubt was sent at, that settle it
+# as not counted: the peer applies a backward at its version or the next (it refuses
+# while behind the version the trainer sends), then that epoch's step goes without it.
+DOUBT_STEPS = 3
+KEPT_STEPS = 64  # the steps' members a ledger remembers per stage
 
 
 @dataclass
@@ -48,12 +69,38 @@ class Applied:
     samples: int
 
 
+@dataclass
+class Doubt:
+    """A backward `peer` may have applied (its answer lost, the peer not reachable to
+    ask): the stage's version when it was sent, the attempt to fence, the tensors."""
+
+    stage: int
+    key: str
+    peer: Hashable
+    since: int
+    attempt: bytes
+    inputs: torch.Tensor
+    grad_outputs: torch.Tensor
+    samples: int
+
+    def applied_at(self, epoch: int) -> Applied:
+        return Applied(self.stage, self.key, self.peer, epoch, self.inputs,
+                       self.grad_outputs, self.samples)  # fmt: skip
+
+
+# A logged step: (version, members) or (version, members, keys of ours in the sender's
+# gradients, None when not told).
+Step = tuple[int, frozenset[Hashable]] | tuple[int, frozenset[Hashable], frozenset[str] | None]
+
+
 class MicrobatchLedger:
     def __init__(self, stages: int) -> None:
         self._open: list[dict[str, Applied]] = [{} for _ in range(stages)]
         # Counted, in a step no checkpoint is known to hold yet (stages that checkpoint).
         self._kept: list[dict[str, Applied]] = [{} for _ in range(stages)]
         self._kept_bytes = 0
+        self._doubts: list[dict[str, Doubt]] = [{} for _ in range(stages)]
+        self._members: list[dict[int, frozenset[Hashable]]] = [{} for _ in range(stages)]
         self.counted = [0] * stages  # samples known to be in a committed step, per stage
         self.replayed = [0] * stages  # samples sent again because their step went without them
         self.assumed = [0] * stages  # samples whose step was never seen (assumed counted)
@@ -62,31 +109,52 @@ class MicrobatchLedger:
     def applied(self, entry: Applied) -> None:
         self._open[entry.stage][entry.key] = entry
 
+    def doubted(self, doubt: Doubt) -> None:
+        self._doubts[doubt.stage][doubt.key] = doubt
+
     def open(self, stage: int) -> list[Applied]:
         """Backwards of `stage` whose step is not known yet."""
         return list(self._open[stage].values())
 
+    def doubts(self, stage: int) -> list[Doubt]:
+        """Backwards of `stage` not known to have been applied, nor not to have been."""
+        return list(self._doubts[stage].values())
+
+    def in_doubt(self, doubt: Doubt) -> bool:
+        return self._doubts[doubt.stage].get(doubt.key) is doubt
+
     def open_samples(self, stage: int) -> int:
-        return sum(e.samples for e in self._open[stage].values())
+        """Samples whose count is not known yet (open or in doubt)."""
+        open_ = sum(e.samples for e in self._open[stage].values())
+        return open_ + sum(d.samples for d in self._doubts[stage].values())
 
     def resolve(
         self,
         stage: int,
-        steps: Iterable[tuple[int, frozenset[Hashable]]],
+        steps: Iterable[Step],
         version: int,
         durable: int | None = None,
+        source: Hashable | None = None,
     ) -> list[Applied]:
-        """Given a stage peer's log of committed steps (version stepped from, members)
-        and the stage's version: settle what they settle; the entries to replay.
+        """Given a stage peer's log of committed steps (version stepped from, members,
+        and, when `source` sent it, the keys of ours its gradients held) and the
+        stage's version: settle what they settle; the entries to replay.
         `durable`: the version every checkpointing peer of the stage has saved (None:
         they do not checkpoint): counted entries of later steps are kept."""
-        log = dict(steps)
+        log: dict[int, frozenset[Hashable]] = {}
+        keys: dict[int, frozenset[str]] = {}
+        for step in steps:
+            log[step[0]] = step[1]
+            if source is not None and len(step) > 2 and step[2] is not None:  # type: ignore[misc]
+                keys[step[0]] = step[2]  # type: ignore[misc]
+        self._remember(stage, log)
         replay = []
         for key, entry in list(self._open[stage].items()):
-            members = log.get(entry.epoch)
+            members = self._members[stage].get(entry.epoch)  # (this log's, or an earlier one)
             if members is not None:
                 del self._open[stage][key]
-                if entry.peer in members:
+                mine = keys.get(entry.epoch) if entry.peer == source else None
+                if (key in mine) if mine is not None else (entry.peer in members):
                     self.counted[stage] += entry.samples
                     if durable is not None and entry.epoch >= durable:
                         self._keep(entry)
@@ -96,7 +164,50 @@ class MicrobatchLedger:
             elif version - entry.epoch > GIVE_UP_VERSIONS:
                 del self._open[stage][key]
                 self.assumed[stage] += entry.samples
+        for key, doubt in list(self._doubts[stage].items()):
+            held_by = [v for v, listed in keys.items() if key in listed]
+            if doubt.peer == source and held_by:
+                del self._doubts[stage][key]
+                self.counted[stage] += doubt.samples
+                if durable is not None and held_by[0] >= durable:
+                    self._keep(doubt.applied_at(held_by[0]))
+        return replay + self.settle_doubts(stage, version)
+
+    def settle_doubts(self, stage: int, version: int) -> list[Applied]:
+        """Doubts the steps known settle without the peer's word; those to replay."""
+        replay = []
+        for key, doubt in list(self._doubts[stage].items()):
+            with_peer = [v for v, m in self._members[stage].items()
+                         if v >= doubt.since and doubt.peer in m]  # fmt: skip
+            window = range(doubt.since, doubt.since + DOUBT_STEPS)
+            without = not with_peer and all(v in self._members[stage] for v in window)
+            if without or version - doubt.since > GIVE_UP_VERSIONS:
+                del self._doubts[stage][key]
+                if with_peer:
+                    self.assumed[stage] += doubt.samples
+                else:
+                    self.replayed[stage] += doubt.samples
+                    replay.append(doubt.applied_at(doubt.since))
         return replay
+
+    def fenced(self, doubt: Doubt, epoch: int | None) -> Applied | None:
+        """A fence reached the doubt's peer at last: it applied the backward at `epoch`
+        (then it is open at that epoch), or never will (None: the entry to replay)."""
+        if not self.in_doubt(doubt):
+            return None
+        del self._doubts[doubt.stage][doubt.key]
+        entry = doubt.applied_at(doubt.since if epoch is None else epoch)
+        if epoch is not None:
+            self.applied(entry)
+            return None
+        self.replayed[doubt.stage] += doubt.samples
+        return entry
+
+    def _remember(self, stage: int, log: dict[int, frozenset[Hashable]]) -> None:
+        members = self._members[stage]
+        members.update(log)
+        for v in sorted(members)[: max(0, len(members) - KEPT_STEPS)]:
+            del members[v]
 
     def _keep(self, entry: Applied) -> None:
         self._let_go(self._kept[entry.stage].get(entry.key, entry))  # (a replay's again)

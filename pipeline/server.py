@@ -10,8 +10,12 @@ names (`wire`: int8 by default, or none). A request of more samples, or tensors 
 more elements, than the stage's `bounds` allow is refused before anything of it
 is read or allocated (`RpcService.oversized_refused` counts them). Every answer
 also carries the stage version, for a backward the epoch its gradients went into,
-and the peer's last committed steps with their members, from which trainers
-learn which of their microbatches a step included.
+and the peer's last committed steps with their members and, of the asking
+trainer's backwards, the keys our gradients in each step held, from which
+trainers learn which of their microbatches a step included. A backward's key is
+the trainer's within its own name space (the peer ID it calls from): a trainer
+that claims another's key touches nothing of the other's. A *dry* backward
+(`dry` in the request) computes the input gradient and counts nothing.
 
 Requests are computed in a worker thread, in arrival order; requests of one
 kind that wait together (several trainers, or one trainer's concurrent
@@ -61,6 +65,9 @@ RECORD_TTL = 60.0
 BEHIND_WAIT_S = 3.0
 RECORD_REFRESH = 15.0
 _EMA = 0.1
+# The most keys of one trainer a step's log lists (more: none, and the trainer goes by
+# the step's members): an answer's header stays small whatever a trainer sent.
+LOGGED_KEYS = 512
 
 
 def pipeline_protocol(experiment: str) -> str:
@@ -303,35 +310,43 @@ class StageServer:
         if result is not None:
             self.audits.keep(commitment, result)
 
-    def _step_log(self) -> list[list[Any]]:
-        return [[r.version, [p.to_bytes() for p in r.members], r.samples] for r in self.steps]
+    def _step_log(self, caller: PeerID) -> list[list[Any]]:
+        """Our last steps: version, members, samples and `caller`'s keys in our part."""
+        return [
+            [r.version, [p.to_bytes() for p in r.members], r.samples, _keys_of(r, caller)]
+            for r in self.steps
+        ]
 
-    def _meta(self, seconds: float) -> dict[str, Any]:
+    def _meta(self, seconds: float, caller: PeerID) -> dict[str, Any]:
         return {
             "seconds": seconds,
             "queue": self.queued,
             "version": self.version,
-            "steps": self._step_log(),
+            "steps": self._step_log(caller),
         }
 
     def push_step(self) -> None:
         """Tell the trainers that sent us requests lately our new version and step log
         (`step_push`: a trainer waiting on this step is idle until it knows)."""
-        self.step_push.push({"stage": self.stage, "version": self.version,
-                             "steps": self._step_log()})  # fmt: skip
+        self.step_push.push(lambda trainer: {"stage": self.stage, "version": self.version,
+                                             "steps": self._step_log(trainer)})  # fmt: skip
 
     async def compute_forward(
-        self, inputs: torch.Tensor, samples: int, audit: AuditRequest | None = None
+        self,
+        inputs: torch.Tensor,
+        samples: int,
+        audit: AuditRequest | None = None,
+        caller: PeerID | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """A forward request's outputs and the answer's header (over RPC, or for a
-        trainer in this very process, which calls it directly)."""
+        trainer in this very process, which calls it directly: `caller` None)."""
         with self._request():
             _check_batch(inputs, samples)
             job = Job("forward", inputs, samples, audit)
             outputs, seconds = await self.compute.submit(job)
         self.forward_speed.add(samples, seconds)
         self.served["forward"] += 1
-        return outputs, self._meta(seconds) | _sealed(job)
+        return outputs, self._meta(seconds, caller or self.dht.peer_id) | _sealed(job)
 
     async def compute_backward(
         self,
@@ -341,19 +356,24 @@ class StageServer:
         samples: int,
         audit: AuditRequest | None = None,
         attempt: bytes | None = None,
+        caller: PeerID | None = None,
+        dry: bool = False,
     ) -> tuple[Any, dict[str, Any]]:
         """A backward request's input gradient (None for token ids) and the answer's
-        header (`compute_queue.Fenced`: its trainer fenced `attempt` meanwhile)."""
+        header (`compute_queue.Fenced`: its trainer fenced `attempt` meanwhile).
+        `caller`: the trainer (None: this process's); `dry`: count nothing."""
+        caller = caller or self.dht.peer_id
         with self._request():
             _check_batch(inputs, samples)
-            request: BackwardRequest = (key, inputs, grad_outputs, samples)
-            job = Job("backward", request, samples, audit, attempt=attempt)
+            request: BackwardRequest = ((caller.to_bytes(), key), inputs, grad_outputs, samples)
+            kind = "dry" if dry else "backward"
+            job = Job(kind, request, samples, None if dry else audit, attempt=attempt)
             (grad_inputs, epoch), seconds = await self.compute.submit(job)
         self.backward_speed.add(samples, seconds)
         self.served["backward"] += 1
-        if self.on_backward is not None:
+        if self.on_backward is not None and not dry:
             self.on_backward()
-        meta = {**self._meta(seconds), "epoch": epoch, "grad": grad_inputs is not None}
+        meta = {**self._meta(seconds, caller), "epoch": epoch, "grad": grad_inputs is not None}
         return grad_inputs, meta | _sealed(job)
 
     @property
@@ -379,7 +399,7 @@ class StageServer:
             encoded = bool(enc[:1] and enc[0])
             inputs = await recv_tensor(ctx, codec, encoded, rows=samples, max_elements=most)
             audit = _audit(payload, key, codec)
-            outputs, meta = await self.compute_forward(inputs, samples, audit)
+            outputs, meta = await self.compute_forward(inputs, samples, audit, ctx.peer)
             yield {**meta, "enc": encodes(codec, outputs)}
             sent = await send_tensor(ctx, outputs, codec)  # (`+= await` loses concurrent adds)
             self.bytes_sent += sent
@@ -398,25 +418,28 @@ class StageServer:
             )
             audit = _audit(payload, key, codec)
             grad_inputs, meta = await self.compute_backward(
-                key, inputs, grad_outputs, samples, audit, attempt
-            )
+                key, inputs, grad_outputs, samples, audit, attempt, ctx.peer,
+                dry=payload.get("dry") is True,
+            )  # fmt: skip
             yield {**meta, "enc": grad_inputs is not None and encodes(codec, grad_inputs)}
             if grad_inputs is not None:
                 sent = await send_tensor(ctx, grad_inputs, codec)
                 self.bytes_sent += sent
 
     async def fence(
-        self, key: Any, attempt: bytes
+        self, key: Any, attempt: bytes, caller: PeerID | None = None
     ) -> tuple[tuple[torch.Tensor | None, int] | None, bool, dict[str, Any]]:
-        """Fence a backward attempt its trainer gave up on (`fencing`): the answer it got
-        if applied, whether that is settled, and our header (also while re-syncing or
-        leaving: a trainer must learn where its microbatch counted)."""
-        answer, settled = await fence_answer(self.worker, key, attempt)
-        return answer, settled, self._meta(0.0)
+        """Fence a backward attempt its trainer (`caller`; None: this process's) gave up
+        on (`fencing`): the answer it got if applied, whether that is settled, and our
+        header (also while re-syncing or leaving: a trainer must learn where its
+        microbatch counted)."""
+        caller = caller or self.dht.peer_id
+        answer, settled = await fence_answer(self.worker, (caller.to_bytes(), key), attempt)
+        return answer, settled, self._meta(0.0, caller)
 
     async def _fence(self, ctx: rpc.CallContext, payload: Any):  # type: ignore[no-untyped-def]
         key, attempt, codec = parse_fence(payload, self.stage)
-        answer, settled, meta = await self.fence(key, attempt)
+        answer, settled, meta = await self.fence(key, attempt, ctx.peer)
         header, grad = fence_header(answer, settled, codec)
         yield {**meta, **header}
         if grad is not None:
@@ -452,6 +475,13 @@ def _audit(payload: dict[str, Any], key: Any, codec: Codec) -> AuditRequest | No
     if not isinstance(nonce, bytes) or len(nonce) != 32 or not isinstance(key, str):
         raise ValueError("nonce must be 32 bytes and key a string")
     return AuditRequest(key, nonce, codec)
+
+
+def _keys_of(record: StepRecord, caller: PeerID) -> list[Any] | None:
+    """`caller`'s keys among those `record` holds (None: more than LOGGED_KEYS)."""
+    mine = caller.to_bytes()
+    keys = [k[1] for k in record.keys if isinstance(k, tuple) and k[0] == mine]
+    return keys if len(keys) <= LOGGED_KEYS else None
 
 
 def _sealed(job: Job) -> dict[str, Any]:

@@ -18,6 +18,16 @@ step committed without this peer). Backward requests are idempotent by key: a
 retry of one already applied (the answer was lost on the way) returns the same
 input gradient and accumulates nothing.
 
+A step that did not commit gives its gradients back to their epoch; after an
+abort what arrives joins them, but after a round whose outcome this peer never
+learned (it may have committed with them) backwards go on accumulating for the
+epoch after it: a backward answered with an epoch is in that epoch's gradients
+only, whatever the step's outcome.
+
+A *dry* backward (`input_gradients`) computes the input gradient and counts
+nothing: the trainer's way on when a peer that may have applied the backward
+cannot be asked (`ledger`: the microbatch's count is then that peer's to tell).
+
 Across peers, a backward is applied at most once per trainer attempt that the
 trainer still waits for: a trainer whose attempt failed without an answer (a
 deadline, a lost connection) *fences* it (`fence`) before it tries another
@@ -142,6 +152,12 @@ class StageWorker:
                 for i, request in enumerate(requests)
             ]
 
+    def input_gradients(self, requests: list[BackwardRequest]) -> list[torch.Tensor | None]:
+        """The input gradients of `requests` as `backward_many` computes them, applied
+        nowhere: no gradient accumulates, no key is remembered (a dry backward)."""
+        with self.lock:
+            return self._backward(requests, None)
+
     def fence(
         self, key: Hashable, attempt: bytes
     ) -> tuple[bool, tuple[torch.Tensor | None, int] | None]:
@@ -160,12 +176,12 @@ class StageWorker:
         return self._buckets[epoch]
 
     def _backward(
-        self, requests: list[BackwardRequest], into: _Bucket
+        self, requests: list[BackwardRequest], into: _Bucket | None
     ) -> list[torch.Tensor | None]:
         """Backpropagate requests as one batch. Each output gradient is scaled by its
         request's samples first, so that the parameter gradients add up as the sum of
         samples x gradient (the weighting of the stage's mean), and the input
-        gradients are scaled back."""
+        gradients are scaled back. `into` None: the parameter gradients are dropped."""
         alone = len(requests) == 1
         x = torch.cat([r[1].to(self.device) for r in requests])
         if x.is_floating_point():
@@ -181,11 +197,12 @@ class StageWorker:
         )
         outputs.backward(grads)
         with torch.no_grad():
-            for acc, p in zip(into.sums, self.params, strict=True):
-                if p.grad is not None:
-                    acc.add_(p.grad, alpha=requests[0][3] if alone else 1)
+            for i, p in enumerate(self.params):
+                if p.grad is not None and into is not None:
+                    into.sums[i].add_(p.grad, alpha=requests[0][3] if alone else 1)
                 p.grad = None
-        into.samples += sum(r[3] for r in requests)
+        if into is not None:
+            into.samples += sum(r[3] for r in requests)
         if not x.is_floating_point():
             return [None] * len(requests)
         parts = x.grad.detach().split([len(r[1]) for r in requests])
@@ -202,16 +219,22 @@ class StageWorker:
             self.epoch = max(self.epoch, epoch + 1)
             return Gradients(bucket.sums, bucket.samples, frozenset(bucket.keys), epoch)
 
-    def give_back(self, taken: Gradients) -> None:
-        """Gradients taken for a step that did not happen (nobody committed it): they,
-        and what arrives from now on, are again for the step from `taken.epoch`."""
+    def give_back(self, taken: Gradients, *, reopen: bool = True) -> None:
+        """Gradients taken for a step that did not commit here: they are again for the
+        step from `taken.epoch`. `reopen`: nobody committed it (an abort), so what
+        arrives from now on joins them. Not when the round's outcome is unknown (we
+        were in doubt: it may have committed with them, out of our sight): then what
+        arrives stays for the epoch after it, as what arrived during the step, or a
+        step that never held it would claim it (the trainer counts a backward in the
+        step of its epoch when we are among that step's members)."""
         with self.lock, torch.no_grad():
             bucket = self._bucket(taken.epoch)
             for acc, total in zip(bucket.sums, taken.sums, strict=True):
                 acc.add_(total)
             bucket.samples += taken.samples
             bucket.keys |= taken.keys
-            self.epoch = taken.epoch
+            if reopen:
+                self.epoch = taken.epoch
 
     def drop_before(self, epoch: int) -> int:
         """Forget gradients for steps before `epoch` (the stage took those steps without

@@ -8,8 +8,11 @@ and reported queue predict, plus `DEADLINE_SLACK` for the network, between
 `DEADLINE_MIN` and the trainer's `deadline`. A backward attempt that fails
 without an answer is fenced at its peer before it goes to another
 (`fencing`): when the peer had applied it, its answer is taken from there and
-nobody else applies it. A stage this process serves itself is called
-directly, without the wire.
+nobody else applies it. When the peer cannot tell (no reply, or still
+computing it), the backward is *in doubt* there (`doubted`): its further
+attempts, here and after a failure, are dry (the input gradient, nothing
+counted) until the trainer's ledger settles the doubt. A stage this process
+serves itself is called directly, without the wire.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class TrainerCounters:
     # Backwards whose answer was lost but that the peer had applied (a fence told):
     # taken from that peer, sent nowhere else.
     recovered: int = 0
-    # Failed backwards sent elsewhere although the first peer could not be asked
-    # whether it applied them (`fencing`): the only way a microbatch counts twice.
+    # Failed backwards whose peer could not be asked whether it applied them
+    # (`fencing`): in doubt there, sent elsewhere dry (the ledger settles them).
     unfenced: int = 0
     # Answers refused for holding more than the stage's bounds (`bounds`).
     oversized_refused: int = 0
@@ -103,6 +106,9 @@ class StageCalls:
         self.auditor: TrainerAuditor | None = None  # audits answers (a trainer's option)
         # What each stage's answers may hold (`probe_bounds`); None: only the wire's bound.
         self.bounds: list[StageBounds] | None = None
+        # Backward keys in doubt at a peer (-> the peer, the attempt, the stage's version
+        # then): sent dry from then on; the trainer takes them with the answer.
+        self.doubted: dict[str, tuple[PeerID, bytes, int]] = {}
 
     async def request(
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
@@ -125,11 +131,15 @@ class StageCalls:
             nonce = None
             if self.auditor is not None and peer != self.dht.peer_id:
                 nonce = TrainerAuditor.new_nonce()
-            attempt_id = secrets.token_bytes(ATTEMPT_BYTES) if backward else None
+            dry = backward and key in self.doubted
+            attempt_id = secrets.token_bytes(ATTEMPT_BYTES) if backward and not dry else None
+            if dry:
+                nonce = None  # (nothing counted: nothing to audit)
             try:
                 result, meta = await self._call(
-                    peer, stage, method, key, samples, tensors, deadline, nonce, attempt_id
-                )
+                    peer, stage, method, key, samples, tensors, deadline, nonce, attempt_id,
+                    dry=dry,
+                )  # fmt: skip
             except (TransportError, TimeoutError, OSError, ValueError) as e:
                 banned = balancer.failed(peer, time.monotonic())
                 self.counters.retries += 1
@@ -137,9 +147,11 @@ class StageCalls:
                     self.counters.oversized_refused += 1
                 if attempt_id is not None and maybe_applied(e):
                     recovered = await self._fence(peer, stage, key, attempt_id, samples)
-                    if recovered is not None:  # it counted there: its answer was late
+                    if isinstance(recovered, tuple):  # it counted there: its answer was late
                         self._served(stage, method, peer, recovered[1])
                         return recovered[0], recovered[1], peer
+                    if recovered is False:  # it cannot tell: in doubt there
+                        self.doubted[key] = (peer, attempt_id, self.versions[stage])
                 log.info("stage %d %s on %s failed (%s: %s); banned for %.0fs, trying another peer",
                          stage, method, str(peer)[-8:], type(e).__name__, e, banned)  # fmt: skip
                 continue
@@ -169,9 +181,25 @@ class StageCalls:
 
     async def _fence(
         self, peer: PeerID, stage: int, key: str, attempt: bytes, samples: int
-    ) -> tuple[Any, dict[str, Any]] | None:
+    ) -> tuple[Any, dict[str, Any]] | bool:
         """Fence a failed backward attempt at `peer`: its answer if the peer had applied
-        it, else None (another peer may take it)."""
+        it, else whether it is settled that it never will (False: in doubt)."""
+        outcome = await self.fence_outcome(peer, stage, key, attempt, samples)
+        if outcome.applied and outcome.meta is not None:
+            self.counters.recovered += 1
+            log.info("stage %d backward %s: %s had applied it; its answer was late", stage,
+                     key, str(peer)[-8:])  # fmt: skip
+            return outcome.grad, outcome.meta
+        if not outcome.settled:
+            self.counters.unfenced += 1
+            log.info("stage %d backward %s: %s cannot tell whether it applied it; in doubt "
+                     "there, sent elsewhere dry", stage, key, str(peer)[-8:])  # fmt: skip
+        return outcome.settled
+
+    async def fence_outcome(
+        self, peer: PeerID, stage: int, key: str, attempt: bytes, samples: int
+    ) -> FenceOutcome:
+        """What fencing `attempt` of backward `key` at `peer` tells."""
         local = self.local.get(stage)
         if local is not None and peer == self.dht.peer_id:
             answer, settled, meta = await local.fence(key, attempt)
@@ -182,16 +210,7 @@ class StageCalls:
             payload = {"stage": stage, "key": key, "attempt": attempt, "codec": self.codec.name}
             outcome = await ask_fence(self.dht.host, peer, self.protocol, payload, self.codec,
                                       self._most(stage, "backward", samples))  # fmt: skip
-        if outcome.applied and outcome.meta is not None:
-            self.counters.recovered += 1
-            log.info("stage %d backward %s: %s had applied it; its answer was late", stage,
-                     key, str(peer)[-8:])  # fmt: skip
-            return outcome.grad, outcome.meta
-        if not outcome.settled:
-            self.counters.unfenced += 1
-            log.info("stage %d backward %s: %s cannot tell whether it applied it; sending it "
-                     "elsewhere (it may count twice)", stage, key, str(peer)[-8:])  # fmt: skip
-        return None
+        return outcome
 
     async def _call(
         self,
@@ -204,6 +223,8 @@ class StageCalls:
         deadline: float,
         nonce: tuple[bytes, bytes] | None = None,
         attempt: bytes | None = None,
+        *,
+        dry: bool = False,
     ) -> tuple[Any, dict[str, Any]]:
         local = self.local.get(stage)
         if local is not None and peer == self.dht.peer_id:  # our own stage: no wire
@@ -211,7 +232,7 @@ class StageCalls:
                 if method == "forward":
                     return await local.compute_forward(tensors[0], samples)
                 return await local.compute_backward(
-                    key, tensors[0], tensors[1], samples, attempt=attempt
+                    key, tensors[0], tensors[1], samples, attempt=attempt, dry=dry
                 )
         enc = [encodes(self.codec, t) for t in tensors]
         # The newest version we know of the stage: a peer behind it refuses (it missed a
@@ -222,6 +243,8 @@ class StageCalls:
             payload["nonce"] = nonce[1]
         if attempt is not None:  # (fenced if it fails: `fencing`)
             payload["attempt"] = attempt
+        if dry:  # (in doubt elsewhere: the input gradient only)
+            payload["dry"] = True
         async with (
             asyncio.timeout(deadline),
             rpc.open_call(

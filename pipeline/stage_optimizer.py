@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +43,13 @@ STEP_LOG = 8  # the last steps whose members a peer tells trainers about
 
 @dataclass(frozen=True)
 class StepRecord:
-    """Which peers' gradients the stage's step from `version` averaged."""
+    """Which peers' gradients the stage's step from `version` averaged, and which
+    backwards (their keys) our own gradients in it held."""
 
     version: int
     members: tuple[PeerID, ...]
     samples: int | None  # the step's global batch, all members' samples (None: unknown)
+    keys: frozenset[Hashable] = frozenset()
 
 
 def stage_averaging_key(experiment: str, stage: int) -> str:
@@ -67,7 +69,10 @@ class StageOptimizer:
         hyper: Mapping[str, Any],
         matchmaking: MatchmakingConfig | None = None,
         codec: str = "none",
+        adaptive_deadlines: bool = True,
     ) -> None:
+        """`adaptive_deadlines`: the round's timeouts are floors, raised by what the
+        stage's links measured (`averaging.deadlines`), as DiLoCo's are."""
         self.worker = worker
         self.hyper = dict(hyper)
         self.params = worker.params
@@ -93,6 +98,7 @@ class StageOptimizer:
             codec=codec,
             state_protocol=state_protocol(key),
             shared_state=True,
+            adaptive_deadlines=adaptive_deadlines,
         )
         self.averager = Averager(
             dht,
@@ -126,9 +132,10 @@ class StageOptimizer:
         by ourselves when no other peer of the stage is declared (see `Averager.step`).
 
         When nobody committed, the gradients go back to the worker for the next
-        try. When the stage stepped without us (we were behind and re-synced
-        instead), they are dropped: they were computed for a step that is gone, and
-        the trainers replay those microbatches on peers that took part.
+        try (after a round we were in doubt about, without what arrives meanwhile).
+        When the stage stepped without us (we were behind and re-synced instead),
+        they are dropped: they were computed for a step that is gone, and the
+        trainers replay those microbatches on peers that took part.
         """
         version = self.version
         # (In threads: they wait for the worker's lock, which a computation may hold.)
@@ -153,14 +160,15 @@ class StageOptimizer:
         if result.committed:
             self.committed_samples += taken.samples
             total = round(sum(result.weights.values())) if result.weights else None
-            self.steps.append(StepRecord(version, tuple(result.members), total))
+            self.steps.append(StepRecord(version, tuple(result.members), total, taken.keys))
             if total is not None:
                 self.step_samples[version] = total
         elif result.resynced or self.version != version:
             dropped = await asyncio.to_thread(self.worker.drop_before, self.version)
             self.dropped_samples += taken.samples + dropped
-        else:
-            await asyncio.to_thread(self.worker.give_back, taken)
+        else:  # (in doubt: the round may have committed them, see `give_back`)
+            reopen = not result.discarded
+            await asyncio.to_thread(lambda: self.worker.give_back(taken, reopen=reopen))
         return result
 
     async def sync(self, timeout: float) -> bool:

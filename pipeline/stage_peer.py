@@ -62,6 +62,9 @@ NEAR_POLL_S = 0.1  # ...and this often once its peers hold most of the global ba
 NEAR = 0.5
 DHT_READ_S = 1.0  # the stage's reports in the DHT are read this often (peers also push)
 REPORT_EVERY_S = 3.0  # an unchanged report is renewed this often (STALE_S is 10 s)
+UNREAD_PUSHERS = 64  # pushes kept from peers whose DHT report we have not read (yet)
+PUSH_TRIES = 4  # a progress push that timed out is sent again, this many times in all
+PUSH_RETRY_S = 0.25
 
 
 class StagePeer:
@@ -95,10 +98,12 @@ class StagePeer:
             min_matchmaking_time=0.05,
             give_up_alone_after=1.0,
         )
-        self.matchmaking = matchmaking  # (its min_group_size is set before each step)
         self.optimizer = StageOptimizer(
             dht, experiment, stage, self.worker, hyper=hyper, matchmaking=matchmaking
         )
+        # Its min_group_size is set before each step: on the averager's own copy, which
+        # its matchmaker reads (adaptive deadlines copy the config to change it).
+        self.matchmaking = self.optimizer.averager.config.matchmaking
         self.progress = StageProgress(dht, experiment, stage, global_batch)
         self.server.steps = self.optimizer.steps
         self.step_timeout = step_timeout
@@ -219,10 +224,13 @@ class StagePeer:
             await self.step(alone=live == 1)
 
     def _merged(self) -> list[Report]:
-        """Each stage peer's newest report: from the DHT, or pushed to us directly."""
+        """Each stage peer's newest report: from the DHT, or pushed to us directly (by
+        a peer whose DHT report we read: strangers are not stage peers)."""
         newest: dict[PeerID, Report] = {}
         blocked = self.server.dht.host.blocked()  # (convicted: its reports are no one's)
-        for r in [*self._stored, *self._heard.values()]:
+        stored = {r.peer for r in self._stored}
+        heard = [r for r in self._heard.values() if r.peer in stored]
+        for r in [*self._stored, *heard]:
             if r.peer in blocked:
                 continue
             if r.peer not in newest or r.at > newest[r.peer].at:
@@ -230,8 +238,13 @@ class StagePeer:
         return list(newest.values())
 
     def _heard_from(self, peer: PeerID, samples: int, version: int) -> None:
-        """A stage peer pushed its progress (the server's `progress` call)."""
-        if any(r.peer == peer for r in self._stored):  # strangers are not stage peers
+        """A stage peer pushed its progress (the server's `progress` call). Kept also
+        from a peer whose DHT report we have not read yet (it counts once we have):
+        dropped, a push of the batch's last samples was lost for good when its peer
+        went into the step on it, and the step waited for us until it timed out."""
+        stored = {r.peer for r in self._stored}
+        strangers = sum(1 for p in self._heard if p not in stored)
+        if peer in stored or peer in self._heard or strangers < UNREAD_PUSHERS:
             self._heard[peer] = Report(peer, samples, version, time.time())
             self._changed.set()
 
@@ -249,23 +262,37 @@ class StagePeer:
             gone = r.at <= self._gone.get(r.peer, -float("inf"))
             if r.peer != me and not gone and r.peer not in self._pushing:
                 self._pushing.add(r.peer)
-                task = self._pushes.spawn(self._send(r.peer))
-                task.add_done_callback(lambda _, p=r.peer: self._pushing.discard(p))
+                self._pushes.spawn(self._send(r.peer))
 
     async def _send(self, peer: PeerID) -> None:
-        sent = None
         try:
-            while sent != self._progress:
-                sent = samples, version = self._progress
+            await self._send_latest(peer)
+        finally:  # (here, not in a done callback: a push meanwhile must spawn a send)
+            self._pushing.discard(peer)
+
+    async def _send_latest(self, peer: PeerID) -> None:
+        sent, failures = None, 0
+        while sent != self._progress:
+            sent = samples, version = self._progress
+            try:
                 await rpc.call(self.server.dht.host, peer, self.server.protocol, "progress",
                                {"samples": samples, "version": version}, timeout=2.0)  # fmt: skip
-        except (DialError, ConnectionLost, ProtocolNotSupported):
-            # Not a slow peer (a timeout says nothing): one that cannot be reached or
-            # no longer serves the pipeline. A report of its own brings it back.
-            self._gone[peer] = time.time()
-            self._changed.set()
-        except Exception:  # the DHT report is the fallback
-            pass
+            except (DialError, ConnectionLost, ProtocolNotSupported):
+                # Not a slow peer (a timeout says nothing): one that cannot be reached or
+                # no longer serves the pipeline. A report of its own brings it back.
+                self._gone[peer] = time.time()
+                self._changed.set()
+                return
+            except Exception:
+                # Sent again (a loaded peer's answer came late): the DHT report is no
+                # fallback for a peer that went into its step on it, since it renews
+                # its report only after the step, which waits for the partner that
+                # never heard that the batch was complete.
+                failures += 1
+                if failures >= PUSH_TRIES:
+                    return
+                sent = None
+                await asyncio.sleep(PUSH_RETRY_S * failures)
 
     def _flush_asked(self) -> None:
         self._flush = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shoal.transport import rpc
@@ -45,15 +46,16 @@ class StepPush:
     def heard_from(self, peer: PeerID) -> None:
         self.trainers[peer] = time.monotonic()
 
-    def push(self, message: dict[str, Any]) -> None:
-        """Send `message` to every trainer heard from within TRAINER_SEEN_S."""
+    def push(self, message_for: Callable[[PeerID], dict[str, Any]]) -> None:
+        """Send each trainer heard from within TRAINER_SEEN_S its `message_for(trainer)`
+        (a step log lists the keys of that trainer's backwards only)."""
         now = time.monotonic()
         for peer, seen in list(self.trainers.items()):
             if now - seen > TRAINER_SEEN_S:
                 del self.trainers[peer]
         for peer in self.trainers:
             if peer != self.host.peer_id:  # (our own trainer calls us directly)
-                self._tasks.spawn(self._send(peer, message))
+                self._tasks.spawn(self._send(peer, message_for(peer)))
 
     async def _send(self, peer: PeerID, message: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # the DHT record is the fallback

@@ -14,7 +14,10 @@ applied it, its answer is taken from there and nobody else applies it. The
 `MicrobatchLedger` keeps each applied backward's tensors until a stage peer's
 step log says whether the step it was for included the peer that applied it;
 when it did not, the backward is replayed on a peer of the stage: every
-microbatch counts exactly once, whoever dies.
+microbatch counts exactly once, whoever dies. A backward whose peer could not
+be asked whether it applied it is in doubt there (`ledger.Doubt`): it went on
+dry elsewhere, and the trainer asks that peer again every `DOUBT_RETRY_S` until
+its answer, its step log or the stage's steps settle it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from shoal.verification.stage_audit import StageAuditPolicy
 
 from .auditor import TrainerAuditor
 from .balancer import StageBalancer
-from .ledger import Applied, MicrobatchLedger
+from .ledger import Applied, Doubt, MicrobatchLedger
 from .server import pipeline_protocol, stage_key
 from .stage_calls import StageCalls, StageFailed, TrainerCounters
 from .step_push import trainer_protocol
@@ -48,6 +51,9 @@ from .wire import codec_of
 __all__ = ["Microbatch", "PipelineTrainer", "StageFailed", "TrainerCounters"]
 
 log = logging.getLogger("shoal.pipeline")
+
+DOUBT_RETRY_S = 2.0  # a peer a backward is in doubt at is asked again this often
+STEP_KEYS = 512  # the most keys a logged step may list (as `server.LOGGED_KEYS`)
 
 
 @dataclass
@@ -109,6 +115,7 @@ class PipelineTrainer:
         self._announced: dict[PeerID, float] = {}
         self.local = self.calls.local  # stages this process serves: called directly
         self._replays = TaskSet(log, "replay")
+        self._doubts = TaskSet(log, "doubt")
         # Stage peers push their steps to us (`StageServer.push_step`); `changed` wakes
         # whoever waits for one.
         self._changed = asyncio.Event()
@@ -141,7 +148,7 @@ class PipelineTrainer:
             return False
         if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
             self.versions[stage] = max(self.versions[stage], version)
-        self._settle(stage, payload)
+        self._settle(stage, payload, ctx.peer)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         return True
@@ -149,6 +156,7 @@ class PipelineTrainer:
     def close(self) -> None:
         """Stop hearing of steps (the trainer is done)."""
         self._service.close()
+        self._doubts.cancel()
 
     @property
     def stages(self) -> int:
@@ -346,33 +354,66 @@ class PipelineTrainer:
     ) -> tuple[Any, dict[str, Any], PeerID]:
         grad, meta, peer = await self._request_from(stage, "backward", key, samples, tensors)
         epoch = meta.get("epoch")
+        doubted = self.calls.doubted.pop(key, None)
         if isinstance(epoch, int) and not isinstance(epoch, bool):
             applied = Applied(stage, key, peer, epoch, tensors[0], tensors[1], samples)
             self.ledger.applied(applied)
-        self._settle(stage, meta)
+        elif doubted is not None:  # (a dry answer: its count is the other peer's to tell)
+            at, attempt, since = doubted
+            doubt = Doubt(stage, key, at, since, attempt, tensors[0], tensors[1], samples)
+            self.ledger.doubted(doubt)
+            self._doubts.spawn(self._resolve(doubt))
+        self._settle(stage, meta, peer)
         return grad, meta, peer
 
-    def _settle(self, stage: int, meta: dict[str, Any]) -> None:
-        """What a stage peer's step log settles; replay what a step went without."""
+    def _settle(self, stage: int, meta: dict[str, Any], source: PeerID | None = None) -> None:
+        """What a stage peer's (`source`'s) step log settles; replay what a step went
+        without."""
         steps = []
         for item in meta.get("steps", ()) if isinstance(meta.get("steps"), list) else ():
             try:
-                version, members, size = item
+                version, members, size, *rest = item
                 # Members as bytes only: bytes(n) of a peer's integer n would allocate n bytes.
                 if isinstance(version, bool) or not isinstance(version, int):
                     continue
                 if not all(isinstance(m, bytes) for m in members):
                     continue
-                steps.append((version, frozenset(PeerID(m) for m in members)))
+                keys = _keys(rest[0]) if len(rest) == 1 else None
+                steps.append((version, frozenset(PeerID(m) for m in members), keys))
             except (TypeError, ValueError):
                 continue
             if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
                 self.step_sizes[stage][int(version)] = size
-        resolved = self.ledger.resolve(stage, steps, self.versions[stage], self.durable[stage])
+        resolved = self.ledger.resolve(
+            stage, steps, self.versions[stage], self.durable[stage], source=source
+        )
         for entry in resolved:
             log.info("stage %d step %d went without %s: replaying %s", stage, entry.epoch,
                      str(entry.peer)[-8:], entry.key)  # fmt: skip
             self._replays.spawn(self._replay(entry))
+
+    async def _resolve(self, doubt: Doubt) -> None:
+        """Ask the peer `doubt` is at until it tells, or the steps settle it."""
+        while self.ledger.in_doubt(doubt):
+            outcome = await self.calls.fence_outcome(
+                doubt.peer, doubt.stage, doubt.key, doubt.attempt, doubt.samples
+            )
+            epoch = (outcome.meta or {}).get("epoch")
+            if outcome.applied and isinstance(epoch, int) and not isinstance(epoch, bool):
+                self.ledger.fenced(doubt, epoch)
+                self._settle(doubt.stage, outcome.meta or {}, doubt.peer)
+                return
+            replay = [] if outcome.applied else self.ledger.settle_doubts(
+                doubt.stage, self.versions[doubt.stage])  # fmt: skip
+            if outcome.settled and not outcome.applied:  # never applied there, and never will
+                entry = self.ledger.fenced(doubt, None)
+                replay += [entry] if entry is not None else []
+            for entry in replay:
+                log.info("stage %d: %s did not count %s: replaying it", doubt.stage,
+                         str(entry.peer)[-8:], entry.key)  # fmt: skip
+                self._replays.spawn(self._replay(entry))
+            if self.ledger.in_doubt(doubt):
+                await asyncio.sleep(DOUBT_RETRY_S)
 
     async def _replay(self, entry: Applied) -> None:
         while True:
@@ -384,6 +425,10 @@ class PipelineTrainer:
             except StageFailed as e:
                 log.info("replaying %s: %s; trying again", entry.key, e)
                 await asyncio.sleep(1.0)
+
+    def doubts_settled(self) -> bool:
+        """Whether no backward is in doubt at a peer any more."""
+        return not any(self.ledger.doubts(s) for s in range(self.stages))
 
     def stepped(self, stage: int, since: int, typical: int) -> int:
         """Samples `stage` stepped from version `since` on, counting a step as at least
@@ -439,3 +484,12 @@ def _count(value: Any) -> bool:
 
 def _is_time(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _keys(value: Any) -> frozenset[str] | None:
+    """A logged step's keys of ours (None: not told, or not as keys are)."""
+    if not isinstance(value, list) or len(value) > STEP_KEYS:
+        return None
+    if not all(isinstance(k, str) and len(k) <= 200 for k in value):
+        return None
+    return frozenset(value)

@@ -504,6 +504,8 @@ async def test_noloco_pairs_follow_pairing_and_end_identical_without_a_group(
 ) -> None:
     peers = await swarm("noloco", 4, {"inner_steps": 2})
     assert isinstance(peers[0].strategy, NoLoCo)
+    # Pair rounds under adaptive deadlines, the default (`deadlines`, as DiLoCo's rounds).
+    assert all(p.strategy.gossip.config.adaptive for p in peers)
     ids = [p.dht.peer_id for p in peers]
     committed = 0
     for r in range(3):

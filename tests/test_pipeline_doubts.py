@@ -1,0 +1,118 @@
+"""A trainer's backwards in doubt (`ledger.Doubt`) and whose keys a step log tells: how the
+ledger settles a doubt, and that a trainer claiming another's keys touches nothing of
+the other's (keys live in the name space of the peer that sends them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.dht.node import DHTNode
+from shoal.pipeline.ledger import DOUBT_STEPS, GIVE_UP_VERSIONS, Applied, Doubt, MicrobatchLedger
+from shoal.pipeline.server import LOGGED_KEYS, StageServer, _keys_of
+from shoal.pipeline.stage_optimizer import StepRecord
+from shoal.pipeline.trainer import _keys
+from shoal.transport.identity import Identity
+
+from .test_pipeline_accounting import stage_and_requests
+
+PEERS = [Identity.generate().peer_id for _ in range(3)]
+
+
+def doubt(key: str, peer: int, since: int, samples: int = 4) -> Doubt:
+    return Doubt(0, key, PEERS[peer], since, b"attempt!", torch.zeros(1), torch.zeros(1), samples)
+
+
+def test_a_doubt_counts_when_its_peer_s_own_log_lists_its_key_and_no_one_else_s() -> None:
+    ledger = MicrobatchLedger(1)
+    ledger.doubted(doubt("a", 0, since=3))
+    members = frozenset({PEERS[0], PEERS[1]})
+    # Another peer's log that claims the key settles nothing: only the peer knows its part.
+    assert ledger.resolve(0, [(3, members, frozenset({"a"}))], 4, source=PEERS[1]) == []
+    assert ledger.doubts(0) and ledger.open_samples(0) == 4
+    # Its own log without the key: it may still hold it for a later step.
+    assert ledger.resolve(0, [(3, members, frozenset())], 4, source=PEERS[0]) == []
+    assert ledger.doubts(0)
+    assert ledger.resolve(0, [(4, members, frozenset({"a"}))], 5, source=PEERS[0]) == []
+    assert not ledger.doubts(0) and ledger.counted[0] == 4 and ledger.open_samples(0) == 0
+
+
+def test_a_doubt_is_replayed_once_the_steps_it_could_be_in_went_without_its_peer() -> None:
+    ledger = MicrobatchLedger(1)
+    ledger.doubted(doubt("a", 0, since=3))
+    others = frozenset({PEERS[1], PEERS[2]})
+    steps = [(v, others) for v in range(3, 3 + DOUBT_STEPS - 1)]
+    assert ledger.resolve(0, steps, 3 + DOUBT_STEPS - 1) == []  # one step short
+    (replay,) = ledger.resolve(0, [(3 + DOUBT_STEPS - 1, others)], 3 + DOUBT_STEPS)
+    assert replay.key == "a" and ledger.replayed[0] == 4 and not ledger.doubts(0)
+
+
+def test_a_doubt_whose_peer_stepped_but_never_told_is_assumed_counted_in_the_end() -> None:
+    ledger = MicrobatchLedger(1)
+    ledger.doubted(doubt("a", 0, since=3))
+    assert ledger.resolve(0, [(3, frozenset({PEERS[0], PEERS[1]}))], 4) == []
+    assert ledger.settle_doubts(0, 3 + GIVE_UP_VERSIONS) == [] and ledger.doubts(0)
+    assert ledger.settle_doubts(0, 4 + GIVE_UP_VERSIONS) == []
+    assert not ledger.doubts(0) and ledger.assumed[0] == 4
+
+
+def test_a_fence_that_reaches_the_peer_at_last_settles_a_doubt() -> None:
+    ledger = MicrobatchLedger(1)
+    applied, never = doubt("a", 0, since=3), doubt("b", 0, since=3)
+    ledger.doubted(applied)
+    ledger.doubted(never)
+    assert ledger.fenced(applied, 4) is None  # applied at 4: open there
+    assert [e.epoch for e in ledger.open(0)] == [4]
+    entry = ledger.fenced(never, None)  # never applied, never will be: replay it
+    assert isinstance(entry, Applied) and entry.key == "b" and ledger.replayed[0] == 4
+    assert ledger.fenced(never, None) is None  # (settled once)
+
+
+def test_the_keys_of_a_peer_s_own_log_decide_over_its_membership() -> None:
+    ledger = MicrobatchLedger(1)
+    x = torch.zeros(1)
+    ledger.applied(Applied(0, "in", PEERS[0], 3, x, x, 4))
+    ledger.applied(Applied(0, "out", PEERS[0], 3, x, x, 4))
+    log = [(3, frozenset({PEERS[0]}), frozenset({"in"}))]
+    (replay,) = ledger.resolve(0, log, 4, source=PEERS[0])
+    assert replay.key == "out" and ledger.counted[0] == 4 and ledger.replayed[0] == 4
+
+
+def test_a_step_log_s_keys_are_taken_only_as_a_bounded_list_of_short_strings() -> None:
+    assert _keys(["a", "b"]) == frozenset({"a", "b"})
+    for bad in ("a", [b"a"], ["x" * 201], [1], ["k"] * (LOGGED_KEYS + 1), None):
+        assert _keys(bad) is None
+
+
+@pytest.mark.timeout(30)
+async def test_a_trainer_that_claims_another_s_key_touches_nothing_of_the_other_s(
+    make_host: Callable[..., Any],
+) -> None:
+    """A liar sends a backward under the key the honest trainer will use: the honest one's
+    backward is still applied (not answered with the liar's), and each step log lists
+    each trainer's own keys only."""
+    host = await make_host()
+    dht = await DHTNode.create(host, bootstrap=[], hop_timeout=1.0)
+    worker, requests = stage_and_requests(2)
+    server = StageServer(dht, "exp", 0, worker)
+    liar, honest = PEERS[1], PEERS[2]
+    await server.start()
+    try:
+        key, x, g, n = requests[0]
+        await server.compute_backward(key, x, g, n, caller=liar)
+        _, y, h, m = requests[1]
+        answer, _ = await server.compute_backward(key, y, h, m, caller=honest)
+        assert worker.samples_for(0) == n + m and answer.shape == y.shape
+        taken = worker.take_gradients(0)
+        record = StepRecord(0, (dht.peer_id,), n + m, taken.keys)
+        assert _keys_of(record, honest) == [key] and _keys_of(record, liar) == [key]
+        assert _keys_of(record, PEERS[0]) == []
+        flood = frozenset((liar.to_bytes(), str(i)) for i in range(LOGGED_KEYS + 1))
+        many = StepRecord(0, (dht.peer_id,), 0, flood)
+        assert _keys_of(many, liar) is None and _keys_of(many, honest) == []
+    finally:
+        await server.aclose()
+        await dht.aclose()
