@@ -28,6 +28,7 @@ import torch
 
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.dht.node import DHTNode
+from shoal.pipeline.boundary import boundary_task
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
 from shoal.pipeline.mover import StageMover
@@ -60,9 +61,10 @@ def _last(steps: dict[int, int]) -> dict[str, int]:
     return {str(v): steps[v] for v in versions}
 
 
-def pipeline_fingerprint(task: Task, seed: int, stages: int) -> str:
-    """The initial model's fingerprint, over every stage's parameters in order."""
-    modules = task.make_stages(seed, stages)  # type: ignore[attr-defined]
+def pipeline_fingerprint(task: Task, seed: int, stages: int, codec: str = "none") -> str:
+    """The initial model's fingerprint, over every stage's parameters in order (with the
+    adapters the experiment's `codec` inserts)."""
+    modules = boundary_task(task, codec).make_stages(seed, stages)
     return state_fingerprint([p.detach() for m in modules for p in m.parameters()], {})
 
 
@@ -81,8 +83,9 @@ class PipelineRun:
     ) -> None:
         self.dht = dht
         self.manifest = manifest
-        self.task = task
         self.options = manifest.strategy_options
+        # Its stages as the experiment's codec builds them (WIRE+lowrankR: in adapters).
+        self.task = boundary_task(task, str(self.options.get("codec", "none")))
         self.stages = int(self.options["stages"])
         self.hyper = hyper
         self.role = role

@@ -462,7 +462,7 @@ async def _host_manifest(
     if config.pipeline_stages:
         try:
             fingerprint = await asyncio.to_thread(
-                pipeline_fingerprint, task, seed, config.pipeline_stages
+                pipeline_fingerprint, task, seed, config.pipeline_stages, options["codec"]
             )
         except ValueError as e:  # e.g. more stages than the model has layers
             raise SessionError(
