@@ -18,6 +18,7 @@ from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.boundary import boundary_task, probe_boundaries
 from shoal.pipeline.bounds import probe_bounds
 from shoal.pipeline.options import CodecSpec, PipelineOptions, parse_codec
+from shoal.pipeline.stage_build import build_stage, builds_stages_alone, stage_size
 from shoal.pipeline.wire import decode_tensor, encode_tensor, exact_tail, parse_header, recv_tensor
 from shoal.transport.errors import PayloadTooLarge
 
@@ -257,3 +258,28 @@ async def test_peers_of_a_stage_keep_equal_fingerprints_with_the_adapters(
             assert any(n.startswith(("entry.", "outlet.")) for n in names)
     finally:
         await swarm.aclose()
+
+
+def test_a_stage_built_alone_comes_wrapped_and_counts_its_adapters_in_its_size() -> None:
+    """A task that builds one stage alone (and sizes it) keeps doing so through the
+    codec; one that cannot, still cannot (`stage_build` falls back to slicing)."""
+    base = make_task(TINY)
+
+    class Alone:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(base, name)
+
+        def make_stage(self, seed: int, count: int, k: int) -> torch.nn.Module:
+            return base.make_stages(seed, count)[k]
+
+        def stage_size(self, count: int, k: int) -> int:
+            return sum(p.numel() for p in self.make_stage(0, count, k).parameters())
+
+    wrapped = boundary_task(Alone(), "int8+lowrank4")
+    whole = boundary_task(base, "int8+lowrank4").make_stages(5, 3)
+    for k in range(3):
+        stage = build_stage(wrapped, 5, 3, k)
+        assert stage_size(wrapped, 5, 3, k) == sum(p.numel() for p in stage.parameters())
+        assert all(torch.equal(p, q) for p, q in
+                   zip(stage.parameters(), whole[k].parameters(), strict=True))  # fmt: skip
+    assert not builds_stages_alone(boundary_task(base, "int8+lowrank4"))
