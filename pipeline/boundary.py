@@ -16,10 +16,11 @@ without being edited:
 
 Both the hidden states and their gradients then cross the network R + 1 wide (the
 gradient of the ids channel is all zeros, which costs no bytes), and WIRE (int8,
-bf16, ...) compresses them further. The two projections start as an orthonormal
-basis of a random subspace and its transpose (the residual stream's scale kept),
-the embeddings at zero; all are drawn from the experiment's seed and the boundary's
-index on the CPU, so every peer of a stage builds the same bytes. They are
+bf16, ...) compresses them further. The two projections start as a basis of
+nearly orthogonal unit columns (random signs over sqrt(d)) and its transpose (the
+residual stream's scale about kept), the embeddings at zero; all are drawn from the
+experiment's seed and the boundary's index by the CPU generator, with no linear
+algebra, so every peer of a stage builds the same bytes on any machine. They are
 parameters of the stages they sit in: trained, all-reduced, checkpointed and
 fingerprinted with the rest, so the peers of a stage keep committing the same bits
 as before (no state outside the stages, nothing to keep in step besides).
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +229,10 @@ def adapters(
     if not 1 <= rank < width:
         raise ValueError(f"lowrank{rank}: the rank must be from 1 to {width - 1} (the width)")
     outlet, entry = LowRankOut(width, rank), LowRankIn(rank, width, bounds.vocab, bounds.positions)
-    basis, _ = torch.linalg.qr(torch.randn(width, rank, generator=_generator(seed, boundary)))
+    # Random signs over sqrt(width): columns of norm 1 exactly, nearly orthogonal, and no
+    # linear algebra (a QR's last bits may differ between two machines' LAPACK builds).
+    signs = torch.randint(0, 2, (width, rank), generator=_generator(seed, boundary))
+    basis = (2.0 * signs.float() - 1.0) / math.sqrt(width)
     with torch.no_grad():
         outlet.down.weight.copy_(basis.T)
         entry.up.weight.copy_(basis)

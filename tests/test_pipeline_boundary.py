@@ -224,23 +224,23 @@ async def test_a_compressed_tensor_wider_than_the_boundary_is_refused_unread() -
     assert torch.isfinite(stage(bad)).all()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 async def test_peers_of_a_stage_keep_equal_fingerprints_with_the_adapters(
     make_host: Callable[..., Any],
 ) -> None:
-    """3 stages x 2 peers under int8+lowrank4: after a few steps, every stage's peers
+    """2 stages x 2 peers under int8+lowrank4: after a few steps, every stage's peers
     hold the same parameters, adapters included, and the stages have moved from the
     initial ones."""
-    task = boundary_task(make_task(TINY), "int8+lowrank4")
-    stages = task.make_stages(7, 3)
+    task = boundary_task(make_task({**TINY, "n_layers": 2}), "int8+lowrank4")
+    stages = task.make_stages(7, 2)
     initial = [state_fingerprint(params([m]), {}) for m in stages]
     swarm = Swarm(make_host)
-    steps = 4
+    steps = 3
     try:
         for s, module in enumerate(stages):
             for _ in range(2):
                 await swarm.stage_peer(s, copy.deepcopy(module), global_batch=8)
-        trainer = await swarm.trainer(3, codec="int8+lowrank4")
+        trainer = await swarm.trainer(2, codec="int8+lowrank4")
         assert trainer.codec.name == "int8"
         loop = loop_for(trainer, task, shard=0, global_batch=8, lag=0)
         await loop.run(steps=steps)
@@ -249,7 +249,7 @@ async def test_peers_of_a_stage_keep_equal_fingerprints_with_the_adapters(
             return all(p.optimizer.averager.last_fingerprint_commits == steps for p in swarm.peers)
 
         await eventually(applied, f"every stage peer applied step {steps}", 30.0)
-        for s in range(3):
+        for s in range(2):
             peers = swarm.of_stage(s)
             assert len({p.optimizer.fingerprint() for p in peers}) == 1
             held = {state_fingerprint(params([p.worker.module]), {}) for p in peers}
