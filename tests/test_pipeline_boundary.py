@@ -6,6 +6,7 @@ import copy
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from shoal.averaging.compression import CodecError, get_codec
 from shoal.averaging.fingerprint import state_fingerprint
-from shoal.peer.pipeline_run import pipeline_fingerprint
+from shoal.peer.pipeline_run import PipelineRun, pipeline_fingerprint
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.boundary import boundary_task, probe_boundaries
 from shoal.pipeline.bounds import probe_bounds
@@ -21,6 +22,7 @@ from shoal.pipeline.options import CodecSpec, PipelineOptions, parse_codec
 from shoal.pipeline.stage_build import build_stage, builds_stages_alone, stage_size
 from shoal.pipeline.wire import decode_tensor, encode_tensor, exact_tail, parse_header, recv_tensor
 from shoal.transport.errors import PayloadTooLarge
+from shoal.transport.identity import Identity
 
 from .pipeline_swarm import Swarm, loop_for
 from .waiting import eventually
@@ -283,3 +285,27 @@ def test_a_stage_built_alone_comes_wrapped_and_counts_its_adapters_in_its_size()
         assert all(torch.equal(p, q) for p, q in
                    zip(stage.parameters(), whole[k].parameters(), strict=True))  # fmt: skip
     assert not builds_stages_alone(boundary_task(base, "int8+lowrank4"))
+
+
+def pipeline_run(codec: str) -> PipelineRun:
+    """A stage peer's run of an experiment hosted with `codec` (not started)."""
+    options = {"stages": 3, "codec": codec, "global_batch": 8, "lag": 0}
+    manifest = SimpleNamespace(strategy_options=options, seed=5, experiment_id="e")
+    return PipelineRun(
+        None,  # type: ignore[arg-type]
+        Identity.generate(),
+        manifest,  # type: ignore[arg-type]
+        make_task(TINY),
+        {"num_shards": 1},
+        role="stage",
+        stage=None,
+        device=torch.device("cpu"),
+    )
+
+
+def test_a_pipeline_run_builds_its_stages_as_the_manifests_codec_says() -> None:
+    """A peer of an experiment hosted with codec int8+lowrank4 serves, probes and drives
+    the wrapped stages; one hosted with int8 the task's own."""
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert pipeline_run("int8+lowrank4").task.make_stages(5, 3)[0](ids).shape[-1] == 5
+    assert pipeline_run("int8").task.make_stages(5, 3)[0](ids).shape[-1] == 32
