@@ -64,6 +64,10 @@ __all__ = [
 
 log = logging.getLogger("shoal.pipeline")
 
+# The entry's embeddings start small and random (GPT-2's scale): distinct ids from the
+# first step, where zeros would leave the next stage blind to them until learned.
+EMBEDDING_STD = 0.02
+
 
 @dataclass(frozen=True)
 class Boundaries:
@@ -231,14 +235,15 @@ def adapters(
     outlet, entry = LowRankOut(width, rank), LowRankIn(rank, width, bounds.vocab, bounds.positions)
     # Random signs over sqrt(width): columns of norm 1 exactly, nearly orthogonal, and no
     # linear algebra (a QR's last bits may differ between two machines' LAPACK builds).
-    signs = torch.randint(0, 2, (width, rank), generator=_generator(seed, boundary))
+    generator = _generator(seed, boundary)
+    signs = torch.randint(0, 2, (width, rank), generator=generator)
     basis = (2.0 * signs.float() - 1.0) / math.sqrt(width)
     with torch.no_grad():
         outlet.down.weight.copy_(basis.T)
         entry.up.weight.copy_(basis)
         for table in (entry.token_embedding, entry.position_embedding):
             if table is not None:
-                table.weight.zero_()
+                table.weight.normal_(0.0, EMBEDDING_STD, generator=generator)
     return outlet, entry
 
 
