@@ -213,6 +213,16 @@ def pipeline_request() -> dict[str, object]:
             "body": bytes(payload)}  # fmt: skip
 
 
+def lowrank_request() -> dict[str, object]:
+    """Hidden states at a boundary of codec int8+lowrank4: 4 coordinates and the token
+    ids of a vocabulary wider than a byte (two bytes each, "ids16")."""
+    ids = torch.arange(300, 308, dtype=torch.float32).view(2, 4, 1)
+    hidden = torch.cat([torch.linspace(-1, 1, 32).view(2, 4, 4), ids], dim=-1)
+    head, payload = pipeline_wire.encode_tensor(hidden, get_codec("int8"))
+    request = {"stage": 1, "samples": 2, "key": "k", "codec": "int8", "enc": [True]}
+    return {**request, **head.header(), "body": bytes(payload)}
+
+
 def new_seeds() -> dict[str, list[bytes]]:
     """The targets of targets_net.py and targets_app.py."""
     addr = str(ADDR)
@@ -284,7 +294,7 @@ def new_seeds() -> dict[str, list[bytes]]:
             b"GET /swarm?x=1 HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n",
             b"POST /history HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
         ],
-        "pipeline_requests": _packed(pipeline_request()),
+        "pipeline_requests": _packed(pipeline_request(), lowrank_request()),
         "pipeline_records": _packed(
             {"fwd": 10.0, "bwd": 5.0, "queue": 1, "version": 3, "t": now, "ready": True},
             {owner_marker(ME.peer_id): {"samples": 8, "version": 3, "t": now}},

@@ -23,6 +23,7 @@ from shoal.peer.verify import audit_round, reveals
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
 from shoal.pipeline.balancer import StageBalancer
+from shoal.pipeline.boundary import LowRankIn
 from shoal.pipeline.bounds import StageBounds
 from shoal.pipeline.clip_exchange import StagesSeen, read_claims
 from shoal.pipeline.clipping import NormClaims
@@ -52,12 +53,15 @@ def _as_map(obj: object) -> dict[Any, Any]:
 # its requests may hold (a tensor past that is refused before its payload is decoded).
 _SERVER = SimpleNamespace(stage=1, _refuse_if_unavailable=lambda: None)
 _BOUNDS = StageBounds(max_samples=64, input_elements=1 << 10, output_elements=1 << 10)
+# The entry of a stage after a boundary of codec WIRE+lowrank4 (`pipeline.boundary`):
+# 4 coordinates and the token ids of a 512-token vocabulary, at most 16 positions.
+_LOWRANK_IN = LowRankIn(4, 8, 512, 16)
 
 
 def pipeline_requests(data: bytes) -> None:
     """A stage peer's request checks (stage, samples, key, codec, enc flags, audit nonce,
     backward attempt, a fence's request) and an encoded tensor: its header, then its
-    payload decoded under the named codec."""
+    payload decoded under the named codec, then read by a low-rank adapter's entry."""
     payload = _as_map(message(data))
     expect((ValueError,), lambda: parse_attempt(payload))
     expect((ValueError,), lambda: parse_fence(payload, 1))  # (the seeds' stage)
@@ -75,6 +79,10 @@ def pipeline_requests(data: bytes) -> None:
         if codec is not None and isinstance(body, bytes):
             out = expect((CodecError,), lambda: pipeline_wire.decode_tensor(head, body, codec))
             assert out is None or list(out.shape) == head.shape
+            if out is not None and out.dim() >= 2:  # what a stage's adapter makes of it
+                with torch.no_grad():
+                    got = expect((ValueError,), lambda: _LOWRANK_IN(out.float()))
+                assert got is None or got[0].shape[-1] == _LOWRANK_IN.up.out_features
 
 
 class _FoundDHT:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from shoal.dht.node import DHTNode
+from shoal.pipeline.boundary import boundary_task
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.clip_exchange import ClipExchange
 from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
@@ -82,10 +83,11 @@ def _last(steps: dict[int, int]) -> dict[str, int]:
     return {str(v): steps[v] for v in versions}
 
 
-def pipeline_fingerprint(task: Task, seed: int, stages: int) -> str:
+def pipeline_fingerprint(task: Task, seed: int, stages: int, codec: str = "none") -> str:
     """The initial model's fingerprint (a manifest's `initial_fingerprint`), of each
-    stage's, the stages built one at a time."""
-    return stages_fingerprint(stage_fingerprints(task, seed, stages))
+    stage's (with the adapters the experiment's `codec` inserts), the stages built
+    one at a time."""
+    return stages_fingerprint(stage_fingerprints(boundary_task(task, codec), seed, stages))
 
 
 class StageMismatch(ValueError):
@@ -112,8 +114,9 @@ class PipelineRun:
         the device have free when it starts)."""
         self.dht = dht
         self.manifest = manifest
-        self.task = task
         self.options = manifest.strategy_options
+        # Its stages as the experiment's codec builds them (WIRE+lowrankR: in adapters).
+        self.task = boundary_task(task, str(self.options.get("codec", "none")))
         self.stages = int(self.options["stages"])
         self.hyper = hyper
         self.role = role

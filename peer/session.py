@@ -31,6 +31,7 @@ from shoal.averaging.registry import can_verify, is_pipeline, schema_of
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
+from shoal.pipeline.boundary import boundary_task
 from shoal.pipeline.options import PipelineOptions
 from shoal.pipeline.stage_build import builds_stages_alone, stage_fingerprints
 from shoal.transport.identity import Identity
@@ -494,8 +495,9 @@ async def _host_manifest(
     if config.pipeline_stages:
         try:
             # One stage at a time (built, hashed, freed): a host holds the whole model
-            # no more than any other peer does.
-            stages = await asyncio.to_thread(stage_fingerprints, task, seed, config.pipeline_stages)
+            # no more than any other peer does. (With the adapters the codec inserts.)
+            built, count = boundary_task(task, options["codec"]), config.pipeline_stages
+            stages = await asyncio.to_thread(stage_fingerprints, built, seed, count)
             fingerprint = stages_fingerprint(stages)
         except ValueError as e:  # e.g. more stages than the model has layers
             raise SessionError(

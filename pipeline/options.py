@@ -17,15 +17,54 @@ from shoal.averaging.options import (
     boolean,
     integer,
     number,
-    one_of,
 )
 from shoal.averaging.registry import register
 
-__all__ = ["PIPELINE_STRATEGY", "ROLES", "PipelineOptions", "resolve_pipeline_options"]
+__all__ = [
+    "PIPELINE_STRATEGY",
+    "ROLES",
+    "CodecSpec",
+    "PipelineOptions",
+    "parse_codec",
+    "resolve_pipeline_options",
+]
 
 ROLES = ("auto", "trainer", "stage", "monitor")
 MAX_STAGES = 64
 MAX_GRAD_NORM = 1e6
+MAX_RANK = 1 << 16
+CODEC_FORMS = f"one of {', '.join(CODEC_NAMES)}, optionally +lowrankR (e.g. int8+lowrank16)"
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """An experiment's `codec`: the wire codec of what crosses stage boundaries and the
+    rank of the adapters shoal inserts at them (0: none; `boundary`)."""
+
+    wire: str
+    rank: int = 0
+
+
+def parse_codec(value: Any) -> CodecSpec:
+    """``WIRE`` or ``WIRE+lowrankR`` (ValueError in one line for anything else)."""
+    if isinstance(value, str):
+        wire, plus, rest = value.partition("+")
+        digits = rest.removeprefix("lowrank")
+        if wire in CODEC_NAMES and not plus:
+            return CodecSpec(wire)
+        if wire in CODEC_NAMES and rest.startswith("lowrank") and digits.isdecimal():
+            rank = int(digits)
+            if 1 <= rank <= MAX_RANK and digits == str(rank):
+                return CodecSpec(wire, rank)
+    raise ValueError(f"unknown codec {value!r}: {CODEC_FORMS}")
+
+
+def _codec(v: Any) -> bool:
+    try:
+        parse_codec(v)
+    except ValueError:
+        return False
+    return True
 
 
 def _global_batch(v: Any) -> bool:
@@ -71,13 +110,15 @@ class PipelineOptions(StrategyOptions):
     lag: int = Opt(
         integer(0, 4), "a whole number from 0 to 4", "global batches a trainer may run ahead"
     )(1)
-    # Activations and gradients between stages (`wire`). With a task's bottleneck
-    # between stages (bytegpt: config "bottleneck"), bf16 on its few coordinates is
-    # ~20x fewer bytes than float32 (bench/pipeline.py's codec comparison).
+    # Activations and gradients between stages (`wire`). +lowrankR: shoal's learned
+    # adapters narrow them to R coordinates and the token ids at every boundary, for
+    # any model (`boundary`); with a task's own bottleneck between stages (bytegpt:
+    # config "bottleneck"), bf16 on its few coordinates is ~20x fewer bytes than
+    # float32 (bench/pipeline.py's codec comparison).
     codec: str = Opt(
-        one_of(*CODEC_NAMES),
-        f"one of {', '.join(CODEC_NAMES)}",
-        "how activations and gradients travel between stages",
+        _codec,
+        CODEC_FORMS,
+        "how activations and gradients travel between stages (WIRE or WIRE+lowrankR)",
     )("int8")
     # Stage peers look this often for a stage that limits the pipeline more than
     # theirs, and move there (`rebalance`); 0: never (a peer stays where it joined).

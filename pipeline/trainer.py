@@ -43,6 +43,7 @@ from shoal.verification.stage_audit import StageAuditPolicy
 from .auditor import TrainerAuditor
 from .balancer import StageBalancer
 from .ledger import Applied, Doubt, MicrobatchLedger
+from .options import parse_codec
 from .server import pipeline_protocol, stage_key
 from .stage_calls import StageCalls, StageFailed, TrainerCounters
 from .step_push import trainer_protocol
@@ -87,13 +88,14 @@ class PipelineTrainer:
         codec: str = "int8",
         audit: StageAuditPolicy | None = None,
     ) -> None:
-        """`codec`: how activations and gradients travel (`wire`; "none" for exact).
+        """`codec`: how activations and gradients travel (`wire`; "none" for exact;
+        an experiment's WIRE+lowrankR sends WIRE: its adapters are in the stages).
         `audit`: audit the stage peers' answers under this policy (None: no audits)."""
         self.dht = dht
         self.experiment = experiment
         self.protocol = pipeline_protocol(experiment)
         self.balancers = [StageBalancer() for _ in range(stages)]
-        self.codec = codec_of(codec)
+        self.codec = codec_of(parse_codec(codec).wire)  # (the adapters are the stages')
         self.calls = StageCalls(
             dht, self.protocol, self.codec, self.balancers,
             deadline=deadline, attempts=attempts, refresh=self.refresh,

@@ -13,12 +13,15 @@ result is.
 
 A tensor whose last channel holds only whole numbers from 0 to 255 sends that
 channel exactly, one byte per value, after the codec's bytes of the other
-channels (``"tail": "ids"``), and one whose last channel is all zeros sends no
-bytes for it (``"zeros"``): the token IDs a stage with a bottleneck passes on
-with its narrow hidden states (`shoal.peer.training.tasks.bytegpt`), which blockwise int8
-would round off (a block's scale makes steps of about max/127), and the zero
-gradient that comes back for them. Any tensor may take these paths: they are
-lossless for that channel, so whether one applies is decided by the values alone.
+channels (``"tail": "ids"``; up to 65535 two bytes, ``"ids16"``; up to 2^24, the
+largest whole numbers float32 holds exactly, four, ``"ids32"``), and one whose
+last channel is all zeros sends no bytes for it (``"zeros"``): the token IDs a
+stage with a bottleneck passes on with its narrow hidden states
+(`shoal.peer.training.tasks.bytegpt`, `boundary`: a byte vocabulary or a
+tokenizer's), which blockwise int8 would round off (a block's scale makes steps
+of about max/127), and the zero gradient that comes back for them. Any tensor may
+take these paths: they are lossless for that channel, so whether one applies is
+decided by the values alone.
 
 A receiver says how many elements it expects at most (`recv_tensor`'s
 `max_elements`: a stage's `bounds`, never more than MAX_ELEMENTS); a header
@@ -31,6 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from shoal.averaging.compression import CODECS, Codec, CodecError, get_codec
@@ -53,8 +57,10 @@ __all__ = [
 
 MAX_ELEMENTS = 1 << 30  # whatever the receiver expects, never more than this
 _MAX_ITEMSIZE = 8  # (a plain tensor's bytes: float64 and int64 ids are the widest)
-MAX_ID = 255  # the exact channel's values fit a byte
-_TAILS = (None, "ids", "zeros")
+MAX_ID = 255  # the exact channel's values fit a byte ("ids")
+# An exact channel's widths: the largest value each holds, its bytes and numpy type.
+_ID_TAILS = {"ids": (MAX_ID, "<u1"), "ids16": ((1 << 16) - 1, "<u2"), "ids32": (1 << 24, "<u4")}
+_TAILS = (None, "zeros", *_ID_TAILS)
 _DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
@@ -80,7 +86,7 @@ class Encoded:
 
     shape: list[int]
     dtype: torch.dtype
-    tail: str | None  # the last channel: "ids" (exactly, a byte per value), "zeros" (no bytes)
+    tail: str | None  # the last channel: "ids", "ids16", "ids32" (exactly), "zeros" (no bytes)
 
     @property
     def numel(self) -> int:
@@ -90,7 +96,7 @@ class Encoded:
         if self.tail is None:
             return codec.encoded_size(self.numel)
         rows = self.numel // self.shape[-1]
-        return codec.encoded_size(self.numel - rows) + (rows if self.tail == "ids" else 0)
+        return codec.encoded_size(self.numel - rows) + rows * _tail_itemsize(self.tail)
 
     def header(self) -> dict[str, Any]:
         return {"shape": self.shape, "dtype": str(self.dtype), "tail": self.tail}
@@ -106,10 +112,11 @@ def encode_tensor(t: torch.Tensor, codec: Codec) -> tuple[Encoded, bytes | memor
     body = codec.encode(t[..., :-1].contiguous().view(-1))
     if head.tail == "zeros":
         return head, body
-    tail = t[..., -1].to(torch.uint8).contiguous().view(-1)
-    payload = bytearray(len(body) + tail.numel())
+    tail = t[..., -1].to(torch.int64).contiguous().view(-1).numpy()
+    raw = tail.astype(_ID_TAILS[head.tail][1]).tobytes()
+    payload = bytearray(len(body) + len(raw))
     payload[: len(body)] = body
-    payload[len(body) :] = tail.numpy().tobytes()
+    payload[len(body) :] = raw
     return head, payload
 
 
@@ -132,15 +139,18 @@ def decode_tensor(
     if head.tail == "zeros":
         out[..., -1] = 0.0
     else:
-        tail = torch.frombuffer(bytearray(memoryview(data)[body_size:]), dtype=torch.uint8)
-        out[..., -1] = tail.view(shape[:-1])
+        raw = np.frombuffer(memoryview(data)[body_size:], dtype=_ID_TAILS[head.tail][1])
+        if raw.size and int(raw.max()) > _ID_TAILS[head.tail][0]:
+            raise CodecError(f"an id past {_ID_TAILS[head.tail][0]} in an exact channel")
+        out[..., -1] = torch.from_numpy(raw.astype(np.float32)).view(shape[:-1])
     return out.to(head.dtype)
 
 
 def exact_tail(t: torch.Tensor) -> str | None:
     """How `t`'s last channel travels apart from the codec, exactly: "zeros" when it is
     all zeros (no bytes), "ids" when it holds only whole numbers from 0 to MAX_ID (a
-    byte each), None otherwise (or when there is no other channel)."""
+    byte each), "ids16" or "ids32" when they need two or four bytes (up to 2^24),
+    None otherwise (or when there is no other channel)."""
     if t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
         return None
     tail = t[..., -1]
@@ -149,7 +159,14 @@ def exact_tail(t: torch.Tensor) -> str | None:
     low, high = tail.aminmax()
     if low == 0 and high == 0:
         return "zeros"
-    return "ids" if low >= 0 and high <= MAX_ID else None
+    if low < 0:
+        return None
+    return next((name for name, (most, _) in _ID_TAILS.items() if high <= most), None)
+
+
+def _tail_itemsize(tail: str | None) -> int:
+    """Bytes per row of an exact channel."""
+    return np.dtype(_ID_TAILS[tail][1]).itemsize if tail in _ID_TAILS else 0
 
 
 async def send_tensor(stream: MessageStream, t: torch.Tensor, codec: Codec) -> int:
