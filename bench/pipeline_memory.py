@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from shoal.dht.node import DHTNode
-from shoal.peer.stage_budget import StageBudget
+from shoal.peer.pipelined.budget import StageBudget
 from shoal.peer.training.tasks.bytegpt import ByteGPTTask, make_task
 from shoal.pipeline.bounds import probe_bounds
 from shoal.pipeline.sizes import parse_size

@@ -260,7 +260,7 @@ def checkpoint(data: bytes) -> None:
         store = CheckpointStore(Path(tmp))
         store.latest.write_bytes(data)
         state = store.load()
-    if state is not None:  # (as a pipeline stage checkpoint: peer/stage_checkpoints.py)
+    if state is not None:  # (as a pipeline stage checkpoint: peer/pipelined/checkpoints.py)
         why = stage_checkpoint.problem(state, experiment="exp", stages=2, like=[torch.zeros(3)])
         assert why is None or isinstance(why, str)
         assert all(v < 8 for v in stage_checkpoint.step_sizes(state, 8))

@@ -48,9 +48,9 @@ from .experiment import (
     stages_fingerprint,
 )
 from .joined import joined_path, load_joined, save_joined
-from .pipeline_run import PipelineRun, StageMismatch
-from .stage_budget import NoStageFits
-from .stage_checkpoints import StageCheckpoints
+from .pipelined.budget import NoStageFits
+from .pipelined.checkpoints import StageCheckpoints
+from .pipelined.run import PipelineRun, StageMismatch
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .training.checkpoint import CheckpointError, CheckpointStore
 from .training.device import DeviceInventory, check_precision, describe, mfu, peak_flops

@@ -47,7 +47,7 @@ class StageRecord:
     # there stays until it drains, so this is how that stage's peers know.
     leaving: int | None = None
     # The version it restarted the stage at, having found no live peer to download
-    # it from: from its checkpoint, or 0 from the initial weights (peer.stage_checkpoints).
+    # it from: from its checkpoint, or 0 from the initial weights (peer.pipelined.checkpoints).
     restored: int | None = None
     since: float = 0.0  # when it (re)started serving: one restart of the peer from another
 

@@ -26,7 +26,7 @@ gradient only, nothing counted), and the doubt is settled by the first of:
   since (assumed: the one case left open), replayed otherwise.
 
 A death loses something only when every peer of the stage dies: the stage goes back to the newest
-checkpoint a returning peer holds (`peer.stage_checkpoints`), and its steps
+checkpoint a returning peer holds (`peer.pipelined.checkpoints`), and its steps
 after that are gone with the microbatches they counted. So where the stage's
 peers checkpoint, a counted entry is kept until a checkpoint of every such peer
 holds its step (`release`); when a peer restores the stage at version `v`

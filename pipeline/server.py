@@ -127,7 +127,7 @@ class StageServer:
         self.forward_speed = _Speed()
         self.backward_speed = _Speed()
         self.served = {"forward": 0, "backward": 0}
-        # Stage checkpoints (`peer.stage_checkpoints`), in the record: the version of
+        # Stage checkpoints (`peer.pipelined.checkpoints`), in the record: the version of
         # our newest one (`ckpt`) and the version we restored the orphaned stage at.
         self.checkpointed: int | None = None
         self.restored: int | None = None

@@ -1,6 +1,6 @@
 """A stage's state as a checkpoint: what a peer saves of its stage, and the checks to load it.
 
-Sans-I/O (the caller writes and reads the file: `peer.stage_checkpoints`). A
+Sans-I/O (the caller writes and reads the file: `peer.pipelined.checkpoints`). A
 checkpoint is the stage's state as of its last commit, the copy the averager
 froze off the event loop to serve joiners (`Averager._freeze`): parameters,
 AdamW moments and step count, bit for bit, with the commit count (the stage's

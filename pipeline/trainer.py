@@ -241,7 +241,7 @@ class PipelineTrainer:
         return len(peers)
 
     def _read_checkpoints(self, s: int, value: DHTValue | None) -> None:
-        """What stage `s`'s records say of its checkpoints (`peer.stage_checkpoints`):
+        """What stage `s`'s records say of its checkpoints (`peer.pipelined.checkpoints`):
         the version all its checkpointing peers saved (microbatches of later steps
         are kept), and a peer that restarted the stage, finding no live peer to
         download it from: the stage's steps from there on are gone, their

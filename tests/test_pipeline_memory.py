@@ -1,6 +1,6 @@
 """Memory budgets (`--max-memory`): what a stage costs a peer, estimated before it is built
 (`pipeline/memory.py`), and a peer that chooses, and moves into, only stages that fit,
-whatever other peers' records claim (`peer/stage_budget.py`, `peer/pipeline_run.py`)."""
+whatever other peers' records claim (`peer/pipelined/budget.py`, `peer/pipelined/run.py`)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from shoal.dht.records import owner_marker
 from shoal.peer.cli import parse_command_line
 from shoal.peer.config import Config, ConfigError
 from shoal.peer.experiment import Manifest
-from shoal.peer.pipeline_run import PipelineRun
-from shoal.peer.stage_budget import NoStageFits, StageBudget
+from shoal.peer.pipelined.run import PipelineRun
+from shoal.peer.pipelined.budget import NoStageFits, StageBudget
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.audit import RETENTION_BYTES

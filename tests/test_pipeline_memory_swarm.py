@@ -22,7 +22,7 @@ import pytest
 from counting_task import LOG_ENV
 from daemon_harness import Daemon, wait_for
 
-from shoal.peer.stage_budget import StageBudget
+from shoal.peer.pipelined.budget import StageBudget
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.bounds import probe_bounds
 from shoal.pipeline.memory import trainer_memory

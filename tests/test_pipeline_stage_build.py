@@ -16,7 +16,7 @@ from shoal.dht.node import DHTNode
 from shoal.peer import session
 from shoal.peer.config import Config
 from shoal.peer.experiment import Manifest, stages_fingerprint
-from shoal.peer.pipeline_run import PipelineRun, StageMismatch
+from shoal.peer.pipelined.run import PipelineRun, StageMismatch
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.device import DeviceInventory
 from shoal.peer.training.task_error import TaskError

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.peer.stage_checkpoints import StageCheckpoints
+from shoal.peer.pipelined.checkpoints import StageCheckpoints
 from shoal.peer.training.checkpoint import CheckpointError
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import StageRecord

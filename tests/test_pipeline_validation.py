@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.peer.pipeline_validation import PipelineValidation
+from shoal.peer.pipelined.validation import PipelineValidation
 from shoal.peer.trainer import TrainerStats
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.peer.training.validation import Validation

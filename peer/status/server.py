@@ -49,7 +49,7 @@ served as null so that every client's JSON parser accepts them.
                                 trainer; at most every 30 s and 5% of the time; null
                                 before the first such round, and on a pipeline peer that
                                 drives no microbatches (peer/training/validation.py,
-                                peer/pipeline_validation.py)
+                                peer/pipelined/validation.py)
     tokens_per_s    float|null  this peer's training throughput
     last_round      obj|null  the last averaging round this peer took part in:
         group_size      int
@@ -122,7 +122,7 @@ top-level `fingerprint` hashes; it lags `version` while a step is applied),
 answer was late but their peer had applied them: taken from there),
 `unfenced` (failed backwards sent elsewhere without knowing whether their first
 peer applied them: the one way a microbatch may count twice; pipeline/fencing.py);
-peer/pipeline_run.py; a trainer's `step` and `loss` are then its optimizer
+peer/pipelined/run.py; a trainer's `step` and `loss` are then its optimizer
 steps and training loss; for the page's drawing, `stages[].servers` (each
 peer of the stage: throughput, queue, version, requests/s between it and this
 peer, banned), `flow` (microbatches/s and requests/s per stage over the last

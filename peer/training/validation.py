@@ -7,7 +7,7 @@ a committed DiLoCo round the peer's parameters are the swarm's global ones;
 for NoLoCo (and Streaming DiLoCo, whose fragments merge into the parameters
 trained meanwhile) they are the peer's own. A pipelined experiment never
 holds the whole model on one peer: its trainers score the batches forward
-through the stages (peer/pipeline_validation.py).
+through the stages (peer/pipelined/validation.py).
 
 Evaluating costs forward passes on the training thread, so it is bounded:
 `batches` batches (8 by default) and, by `ValidationSchedule`, never more

@@ -19,9 +19,9 @@ from shoal.pipeline.evaluation import held_out_loss
 from shoal.pipeline.trainer import StageFailed
 from shoal.pipeline.trainer_loop import TrainerLoop
 
-from .trainer import TrainerStats
-from .training.task import Task
-from .training.validation import Validation
+from ..trainer import TrainerStats
+from ..training.task import Task
+from ..training.validation import Validation
 
 __all__ = ["PipelineValidation"]
 

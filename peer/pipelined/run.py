@@ -20,7 +20,7 @@ against the manifest's fingerprint of that stage: a peer that builds it otherwis
 build, and takes the stage's state from its peers if it has any.
 
 Each stage peer checkpoints its stage in its data directory
-(`stage_checkpoints`). A peer that holds the checkpoint of a stage no live peer
+(`checkpoints`). A peer that holds the checkpoint of a stage no live peer
 serves restores it from there (and, with no pinned stage, chooses that
 stage); with no copy left a stage starts again from the seed, and /status says
 it was lost (`pipeline.stages[k].lost`, `restored`: `pipeline.stage_losses`).
@@ -41,11 +41,10 @@ from shoal.dht.node import DHTNode
 from shoal.pipeline.boundary import boundary_task
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.clip_exchange import ClipExchange
-from shoal.pipeline.directory import StageRecord, least_capacity_stage, read_stages
+from shoal.pipeline.directory import StageRecord, read_stages
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
 from shoal.pipeline.rebalance import RebalancePolicy
-from shoal.pipeline.sizes import format_size
 from shoal.pipeline.stage_build import build_stage, stage_fingerprint, stage_fingerprints
 from shoal.pipeline.stage_losses import StageLosses
 from shoal.pipeline.stage_peer import StagePeer
@@ -54,33 +53,26 @@ from shoal.pipeline.trainer_loop import TrainerLoop
 from shoal.transport.identity import Identity
 from shoal.verification.stage_audit import StageAuditPolicy
 
-from .experiment import Manifest, stages_fingerprint
-from .pipeline_validation import PipelineValidation
-from .stage_budget import NoStageFits, StageBudget, available_memory
-from .stage_checkpoints import StageCheckpoints
-from .status.pipeline_status import PipelineStatus
-from .trainer import RATE_WINDOW_S, TrainerStats
-from .training.checkpoint import CheckpointError
-from .training.heap import (
+from ..experiment import Manifest, stages_fingerprint
+from ..status.pipeline_status import PipelineStatus
+from ..trainer import RATE_WINDOW_S, TrainerStats
+from ..training.checkpoint import CheckpointError
+from ..training.heap import (
     TRIM_INTERVAL_S,
     release_free_memory_every,
     return_large_blocks_at_once,
 )
-from .training.task import Task, shard_of
+from ..training.task import Task, shard_of
+from .budget import StageBudget, available_memory
+from .checkpoints import StageCheckpoints
+from .status import oversized_refused, run_status
+from .validation import PipelineValidation
 
 __all__ = ["PipelineRun", "StageMismatch", "pipeline_fingerprint"]
 
 log = logging.getLogger("shoal.pipeline")
 
 DIRECTORY_REFRESH_S = 5.0
-
-
-STEPS_SHOWN = 256
-
-
-def _last(steps: dict[int, int]) -> dict[str, int]:
-    versions = sorted(steps)[-STEPS_SHOWN:]
-    return {str(v): steps[v] for v in versions}
 
 
 def pipeline_fingerprint(task: Task, seed: int, stages: int, codec: str = "none") -> str:
@@ -92,6 +84,30 @@ def pipeline_fingerprint(task: Task, seed: int, stages: int, codec: str = "none"
 
 class StageMismatch(ValueError):
     """This peer builds its stage unlike the manifest's host; the message is one line."""
+
+
+async def check_built(
+    manifest: Manifest, records: list[StageRecord], k: int, module: torch.nn.Module
+) -> None:
+    """Refuse stage `k` built unlike the host's when it would start from that build
+    (no peer serves it yet); with peers to download its state from, say so only."""
+    expected = manifest.stage_fingerprints
+    if not expected:  # (the session refuses a pipeline's manifest without them)
+        return
+    built = await asyncio.to_thread(stage_fingerprint, module)
+    if built == expected[k]:
+        return
+    if not records:
+        raise StageMismatch(
+            f"this peer builds stage {k} unlike the experiment's host (fingerprint "
+            f"{built[:12]}, manifest {expected[k][:12]}: another torch version?) and no "
+            "peer serves the stage's state yet; use the host's shoal and torch versions"
+        )
+    log.warning(
+        "this peer builds stage %d unlike the host (fingerprint %s, manifest %s: another "
+        "torch version?); downloading the stage's state from its peers",
+        k, built[:12], expected[k][:12],
+    )  # fmt: skip
 
 
 class PipelineRun:
@@ -160,7 +176,8 @@ class PipelineRun:
             orphan = None
             if held is not None and not self.directory[held["stage"]]:
                 orphan = held["stage"]
-            k = self._choose_stage(preferred=orphan)
+            assert self.budget is not None
+            k = self.budget.choose(self.directory, self.dht.peer_id, self.wanted_stage, orphan)
             peer = await self._make_stage_peer(k)
             await self._start_stage(peer, held if held is not None and held["stage"] == k else None)
             self.stage_peer = peer
@@ -240,32 +257,14 @@ class PipelineRun:
         return out
 
     def _fitting(self, records: list[list[StageRecord]]) -> list[int]:
-        """The stages that fit our memory, with the all-reduce groups the records show."""
+        """(The mover's `fits`:) the stages that fit our memory."""
         assert self.budget is not None
-        me = self.dht.peer_id
-        self.budget.see_peers([sum(r.peer != me for r in stage) for stage in records])
-        return self.budget.fitting()
-
-    def _choose_stage(self, preferred: int | None = None) -> int:
-        """`--stage`, else `preferred` if it fits, else the least-capacity stage among
-        those that fit our memory; one that does not fit is refused (NoStageFits)."""
-        assert self.budget is not None
-        fitting = self._fitting(self.directory)
-        k = self.wanted_stage
-        if k is not None and k not in fitting:
-            cost = self.budget.cost(k).total + self.budget.reserved
-            raise NoStageFits(f"stage {k} needs {format_size(cost)}, more than --max-memory "
-                              f"{format_size(self.budget.budget or 0)}")  # fmt: skip
-        if not fitting:
-            raise NoStageFits(self.budget.refusal())
-        if k is None and preferred in fitting:
-            return preferred
-        return least_capacity_stage(self.directory, allowed=fitting) if k is None else k
+        return self.budget.fitting_for(records, self.dht.peer_id)
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
         module = await asyncio.to_thread(build_stage, self.task, self.manifest.seed, self.stages, k)
-        await self._check_built(k, module)
+        await check_built(self.manifest, self.directory[k], k, module)
         module = await asyncio.to_thread(module.to, self.device)
         peer = StagePeer(
             self.dht,
@@ -288,27 +287,6 @@ class PipelineRun:
                                 float(max_norm))  # fmt: skip
             peer.optimizer.clip = clip.factor
         return peer
-
-    async def _check_built(self, k: int, module: torch.nn.Module) -> None:
-        """Refuse stage `k` built unlike the host's when it would start from that build
-        (no peer serves it yet); with peers to download its state from, say so only."""
-        expected = self.manifest.stage_fingerprints
-        if not expected:  # (the session refuses a pipeline's manifest without them)
-            return
-        built = await asyncio.to_thread(stage_fingerprint, module)
-        if built == expected[k]:
-            return
-        if not self.directory[k]:
-            raise StageMismatch(
-                f"this peer builds stage {k} unlike the experiment's host (fingerprint "
-                f"{built[:12]}, manifest {expected[k][:12]}: another torch version?) and no "
-                "peer serves the stage's state yet; use the host's shoal and torch versions"
-            )
-        log.warning(
-            "this peer builds stage %d unlike the host (fingerprint %s, manifest %s: another "
-            "torch version?); downloading the stage's state from its peers",
-            k, built[:12], expected[k][:12],
-        )  # fmt: skip
 
     def _moved(self, old: StagePeer, new: StagePeer) -> None:
         """The mover moved us from `old`'s stage to `new`'s: our own trainer calls
@@ -391,85 +369,8 @@ class PipelineRun:
         )
 
     def status(self) -> dict[str, Any]:
-        """/status's `pipeline` object."""
-        peer, loop = self.stage_peer, self.loop
-        stages = []
-        for s, records in enumerate(self.directory):
-            speeds = [r.samples_per_s for r in records if r.samples_per_s]
-            stages.append({
-                "stage": s,
-                "peers": len(records),
-                "throughput": sum(speeds) if speeds else None,
-                "peer_ids": [str(r.peer) for r in records],
-                "version": max((r.version for r in records), default=None),
-                **self.losses.status(s),  # (`lost`, `restored`: pipeline/stage_losses.py)
-                # What serving the stage would cost us, by the estimate (bytes).
-                "memory_bytes": None if self.budget is None else self.budget.cost(s).total,
-            })  # fmt: skip
-        served = dict(peer.server.served) if peer is not None else {"forward": 0, "backward": 0}
-        driven = loop.trainer.counters.microbatches if loop is not None else 0
-        budget = self.budget
-        out = {
-            "stage": None if peer is None else peer.stage,
-            # What --max-memory allows (or the memory free when we started), and what
-            # our stage costs by the estimate (pipeline/memory.py): bytes.
-            "memory_budget_bytes": None if budget is None else budget.budget,
-            "stage_memory_bytes": None
-            if budget is None or peer is None
-            else budget.cost(peer.stage).total,
-            "trainer": loop is not None,
-            "role": self.role,
-            "stages": stages,
-            "microbatches": driven if loop is not None else served["backward"],
-            "served": served,
-            "version": None if peer is None else peer.version,
-            # The version the top-level `fingerprint` hashes (it lags `version` while a
-            # step is applied): compare fingerprints of peers at one fingerprint_version.
-            "fingerprint_version": None
-            if peer is None
-            else peer.optimizer.averager.last_fingerprint_commits,
-            "serving": None if peer is None else peer.server.serving,
-            "audits": self._audits(),
-            # Moves to the stage that limited the pipeline: [from, to, UNIX time].
-            "moves": None if self.mover is None else [list(m) for m in self.mover.moves],
-            # Moves given up because another peer decided one at the same moment.
-            "moves_given_way": None if self.mover is None else self.mover.moves_given_way,
-            # Moves that failed (making or starting the new stage's peer): we then served
-            # our stage again.
-            "moves_failed": None if self.mover is None else self.mover.failed_moves,
-            "syncs": None if peer is None else peer.syncs,
-            # Global gradient clipping (manifest option max_grad_norm): the last step's
-            # factor, steps clipped without some stage's norm, peers whose claim differed.
-            "clipping": self._clipping(),
-            "retries": None if loop is None else loop.trainer.counters.retries,
-            "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
-            "recovered": None if loop is None else loop.trainer.counters.recovered,
-            "unfenced": None if loop is None else loop.trainer.counters.unfenced,
-            # Requests (served stage) and answers (trainer) refused unread for holding
-            # more than the stage's bounds: pipeline/bounds.py.
-            "oversized_refused": self.status_oversized_refused(),
-            # Exactly-once accounting, for whoever checks it: samples this trainer
-            # completed; a stage peer's step sizes (version -> samples, the last
-            # STEPS_SHOWN) and the samples it holds for steps not taken yet.
-            "samples": None if loop is None else loop.trainer.counters.samples,
-            "step_samples": None if peer is None else _last(peer.optimizer.step_samples),
-            "pending_samples": None
-            if peer is None
-            else peer.worker.samples_for(peer.version) + peer.worker.samples_for(peer.version + 1),
-        }
-        return self._view.extend(
-            out,
-            self_id=self.dht.peer_id,
-            directory=self.directory,
-            trainer=None if loop is None else loop.trainer,
-            server=None if peer is None else peer.server,
-        )
-
-    def _clipping(self) -> dict[str, Any] | None:
-        peer = self.stage_peer
-        clip = None if peer is None else peer.optimizer.clip
-        exchange = getattr(clip, "__self__", None)
-        return exchange.status() if isinstance(exchange, ClipExchange) else None
+        """/status's `pipeline` object (`status.run_status`)."""
+        return run_status(self)
 
     @property
     def oversized_refused(self) -> int:
@@ -477,30 +378,13 @@ class PipelineRun:
         peer = self.stage_peer
         return 0 if peer is None else peer.optimizer.averager.oversized_refused
 
+    def close(self) -> None:
+        """(The trainer's synchronous close: nothing to do here.)"""
+
     def status_oversized_refused(self) -> int:
         """Requests our stage refused, and answers our trainer refused, unread for
         holding more than the stage's bounds."""
-        peer, loop = self.stage_peer, self.loop
-        served = 0
-        if peer is not None:
-            audits = peer.server.audits.counts["oversized_refused"]
-            served = peer.server.oversized_refused + audits
-        return served + (0 if loop is None else loop.trainer.counters.oversized_refused)
-
-    def _audits(self) -> dict[str, Any] | None:
-        """What this trainer's audits of stage answers found (None: it audits none)."""
-        auditor = None if self.loop is None else self.loop.trainer.auditor
-        if auditor is None:
-            return None
-        return {
-            "outcomes": dict(auditor.outcomes),  # audited answers by outcome, unsealed ones
-            "convicted": sorted(str(p) for p in auditor.bans.bans.banned),
-            "distrusted": sorted(str(p) for p in auditor.distrusted),
-            "bytes": auditor.bytes_sent + auditor.commitment_bytes,
-        }
-
-    def close(self) -> None:
-        """(The trainer's synchronous close: nothing to do here.)"""
+        return oversized_refused(self)
 
     async def aclose(self) -> None:
         if self.loop is not None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shoal.pipeline.bounds import StageBounds
+from shoal.pipeline.directory import StageRecord, least_capacity_stage
 from shoal.pipeline.memory import (
     StageMemory,
     stage_memory,
@@ -30,6 +31,7 @@ from shoal.pipeline.memory import (
 )
 from shoal.pipeline.sizes import format_size
 from shoal.pipeline.stage_build import stage_size
+from shoal.transport.identity import PeerID
 
 __all__ = ["NoStageFits", "StageBudget", "available_memory"]
 
@@ -133,3 +135,30 @@ class StageBudget:
                 f"a trainer's microbatches in flight need {format_size(need)}, more than "
                 f"--max-memory {format_size(self.budget)}"
             )
+
+    def fitting_for(self, records: Sequence[Sequence[StageRecord]], me: PeerID) -> list[int]:
+        """The stages that fit, with the all-reduce groups the records show."""
+        self.see_peers([sum(r.peer != me for r in stage) for stage in records])
+        return self.fitting()
+
+    def choose(
+        self,
+        records: Sequence[Sequence[StageRecord]],
+        me: PeerID,
+        wanted: int | None,
+        preferred: int | None = None,
+    ) -> int:
+        """`wanted` (`--stage`), else `preferred` if it fits, else the least-capacity
+        stage among those that fit; one that does not fit is refused (NoStageFits)."""
+        fitting = self.fitting_for(records, me)
+        if wanted is not None and wanted not in fitting:
+            cost = self.cost(wanted).total + self.reserved
+            raise NoStageFits(f"stage {wanted} needs {format_size(cost)}, more than "
+                              f"--max-memory {format_size(self.budget or 0)}")  # fmt: skip
+        if not fitting:
+            raise NoStageFits(self.refusal())
+        if wanted is not None:
+            return wanted
+        if preferred in fitting:
+            return preferred
+        return least_capacity_stage(list(map(list, records)), allowed=fitting)

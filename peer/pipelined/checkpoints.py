@@ -27,7 +27,7 @@ from typing import Any
 from shoal.pipeline.stage_checkpoint import KIND, problem, restore, snapshot
 from shoal.pipeline.stage_peer import StagePeer
 
-from .training.checkpoint import CheckpointError, CheckpointStore
+from ..training.checkpoint import CheckpointError, CheckpointStore
 
 __all__ = ["StageCheckpoints"]
 
