@@ -272,3 +272,18 @@ def test_the_parts_of_peer_import_one_another_only_in_their_order(
 
 def test_peer_keeps_a_small_shell() -> None:
     assert len(list((ROOT / "peer").glob("*.py"))) <= 15
+
+
+def test_every_package_of_the_tree_is_in_the_wheel() -> None:
+    """pyproject lists the packages one by one (no top-level `dht` in site-packages):
+    a new folder left out installs a shoal that cannot import itself."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = {setuptools["package-dir"][name] for name in setuptools["packages"]}
+    on_disk = {
+        str(init.parent.relative_to(ROOT))
+        for layer in LAYERS
+        for init in (ROOT / layer).rglob("__init__.py")
+    }
+    assert on_disk <= listed, sorted(on_disk - listed)

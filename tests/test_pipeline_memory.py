@@ -17,8 +17,8 @@ from shoal.dht.records import owner_marker
 from shoal.peer.cli import parse_command_line
 from shoal.peer.config import Config, ConfigError
 from shoal.peer.experiment import Manifest
-from shoal.peer.pipelined.run import PipelineRun
 from shoal.peer.pipelined.budget import NoStageFits, StageBudget
+from shoal.peer.pipelined.run import PipelineRun
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.audit import RETENTION_BYTES
