@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -201,8 +201,9 @@ class StagePeer:
             for r in self._merged()
             if now - r.at <= STALE_S and r.at > self._gone.get(r.peer, -float("inf"))
         ]
-        if any(r.version > version for r in fresh):
-            await self.catch_up()
+        ahead = [r for r in fresh if r.version > version]
+        if ahead:
+            await self.catch_up(ahead)
             return
         await self.optimizer.averager.refresh_presence()
         others = [r for r in fresh if r.peer != self.server.dht.peer_id]
@@ -322,8 +323,9 @@ class StagePeer:
             )
         await self._publish()
 
-    async def catch_up(self) -> None:
-        """We missed a step: stop serving until we hold the stage's current state."""
+    async def catch_up(self, ahead: Sequence[Report] = ()) -> None:
+        """We missed a step (`ahead`: the reports that say so): stop serving until we
+        hold the stage's current state."""
         self.server.serving = False
         try:
             log.info(
@@ -331,12 +333,21 @@ class StagePeer:
                 self.stage,
                 self.version,
             )
-            await self.optimizer.sync(self.sync_timeout)
-            self.syncs += 1
+            loaded = await self.optimizer.sync(self.sync_timeout)
         finally:
             self.server.serving = True
+        if loaded:
+            self.syncs += 1
             self.server.since = time.time()
             self.server.restored = None  # (as in `step`)
+        else:
+            # No peer gave us the state: those reports were dead peers' (their DHT
+            # reports outlive them), or their peers are out of reach for now. We serve
+            # on what we hold and believe those reports no more (a peer's next report
+            # counts again). A restart we made stays claimed once, under the same
+            # `since` (a new one would read as a second restart: replayed twice).
+            for r in ahead:
+                self._gone[r.peer] = max(self._gone.get(r.peer, -float("inf")), r.at)
         await self._publish()
 
     async def _publish(self) -> None:

@@ -25,6 +25,7 @@ from shoal.peer.training.checkpoint import CheckpointError
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import StageRecord
 from shoal.pipeline.ledger import Applied, MicrobatchLedger
+from shoal.pipeline.progress import Report
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker
 from shoal.pipeline.stage_losses import StageLosses
@@ -87,6 +88,42 @@ async def test_a_stage_checkpoint_restores_parameters_optimizer_state_and_versio
         assert fresh.optimizer.averager.state_version == peer.optimizer.averager.state_version
         assert fresh.optimizer.step_samples == peer.optimizer.step_samples
         assert [s.version for s in fresh.optimizer.steps] == [0, 1, 2]
+        await fresh.aclose()
+    finally:
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_restored_stage_that_cannot_download_a_dead_peers_newer_version_keeps_its_claim(
+    make_host: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The stage's last peer died one step after our checkpoint; its report (at the
+    newer version) outlives it. Failing to download that version, the restored
+    peer serves on what it holds: its restart stays claimed once, under the same
+    `since` (trainers replay a restart once per claim), and the dead report is
+    believed no more."""
+    swarm = Swarm(make_host)
+    try:
+        peer, module = await _trained_stage(swarm, 3)
+        store = StageCheckpoints(tmp_path, EXPERIMENT, 1, interval=60.0)
+        assert await store.save(peer)
+        dead = peer.server.dht.peer_id
+        await peer.aclose()  # (its records stay in the DHT for a while, as a dead peer's)
+
+        fresh = StagePeer(await swarm.node(), EXPERIMENT, 0, copy.deepcopy(module),
+                          hyper={"lr": 3e-3}, global_batch=4, sync_timeout=2.0)  # fmt: skip
+        state = await store.load()
+        assert state is not None
+        await store.restore(fresh, state)
+        since = fresh.server.since
+        ahead = Report(dead, 0, 4, time.time())
+        await fresh.catch_up([ahead])
+
+        assert fresh.version == 3 and fresh.server.serving
+        assert fresh.server.restored == 3 and fresh.server.since == since
+        assert fresh.server.record()["restored"] == 3
+        assert fresh.syncs == 0
+        assert fresh._gone[dead] >= ahead.at  # (its next report counts again)
         await fresh.aclose()
     finally:
         await swarm.aclose()
