@@ -40,10 +40,11 @@ frozen, so the state every member serves is the post-step one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -101,11 +102,17 @@ class Averager:
         state: Sequence[torch.Tensor] | None = None,
         on_commit: Callable[[], None] | None = None,
         service: AllReduceService | None = None,
+        live_state: bool = False,
     ) -> None:
         """`state`: the tensors served to joiners and fingerprinted (default: `tensors`).
         `on_commit`: called right after each commit, before the state is frozen.
         `service`: an all-reduce service shared by several averagers of one host (one
-        protocol handler per host; it stays open when this averager closes)."""
+        protocol handler per host; it stays open when this averager closes).
+        `live_state`: the state changes only through our commits and loads (and
+        writes the owner announces with `before_state_change`): it is served and
+        checkpointed from the live tensors, never copied whole but while a download
+        overlaps a change (`state_sync.StateServer.before_change`). Else each commit
+        freezes a host copy of it."""
         self.dht = dht
         self.key = key
         self.tensors = list(tensors)
@@ -133,10 +140,18 @@ class Averager:
         )
         # The state we serve is the one of our last commit, frozen then: the caller
         # changes its tensors between rounds.
+        self.live_state = live_state
         self._state_server = StateServer(
-            dht, key, self._current_state, protocol=self.config.state_protocol, copy=False
-        )
+            dht, key, self._current_state, protocol=self.config.state_protocol, copy=False,
+            live=live_state,
+        )  # fmt: skip
         self._committed: State | None = None
+        self._serving_copy = False  # `_committed` is a live state's copy (before_change)
+        # Readers of the live state that cannot take a copy (a checkpoint being
+        # written): a change waits for them (`pinned_state`).
+        self._pins = 0
+        self._unpinned = asyncio.Event()
+        self._unpinned.set()
         # A shared state's commit certificates: what decides which lineage anyone
         # adopts (`certifier`), served beside the state.
         self.certifier: Certifier | None = None
@@ -201,14 +216,44 @@ class Averager:
         meta.setdefault("step", self.commits)
         tensors = tuple(self.state)
         work = self.work
+        live = self.live_state
 
         def snapshot() -> State:
+            if live:  # (served in place: only its hash is taken)
+                return State(tensors, meta, state_fingerprint(tensors, meta), work)
             copies = tuple(t.detach().to("cpu", copy=True) for t in tensors)
             return State(copies, meta, state_fingerprint(copies, meta), work)
 
         self._committed = await asyncio.to_thread(snapshot)
+        self._serving_copy = False
         self.last_fingerprint = self._committed.fingerprint
         self.last_fingerprint_commits = self.commits
+
+    async def before_state_change(self, *, keep_reads: bool = True) -> None:
+        """A live state is about to change: wait for pinned readers, then keep a copy
+        for downloads reading it (`keep_reads`) or drop what is served. Call before
+        writing the state other than through a commit or a load (which call it)."""
+        if not self.live_state:
+            return
+        while self._pins:
+            await self._unpinned.wait()
+        kept = await self._state_server.before_change(keep=keep_reads)
+        self._committed = kept  # (None: nothing served until the next freeze)
+        self._serving_copy = kept is not None
+
+    @contextlib.asynccontextmanager
+    async def pinned_state(self) -> AsyncIterator[State | None]:
+        """The committed state (None: none yet), unchanged until the block ends: a
+        commit or load waits for it meanwhile. For readers that cannot take a copy
+        (writing a checkpoint of a live state); keep it short."""
+        self._pins += 1
+        self._unpinned.clear()
+        try:
+            yield self._current_state()
+        finally:
+            self._pins -= 1
+            if not self._pins:
+                self._unpinned.set()
 
     def _refused(self, holder: PeerID) -> None:
         self.oversized_refused += 1
@@ -226,6 +271,10 @@ class Averager:
         by the `deadline` (default: `timeout` seconds from now); with `version`, with
         the state of that version (from `sources` first: peers known to hold it)."""
         started = time.monotonic()
+        if self.live_state:  # (a copy kept for others' downloads makes room for ours)
+            self._state_server.drop_copies()
+            if self._serving_copy:
+                self._committed, self._serving_copy = None, False
         fetched = await fetch_state(
             self.dht, self.key, self.config.state_protocol, self.certifier,
             deadline or Deadline.after(timeout), version=version, sources=sources,
@@ -236,6 +285,7 @@ class Averager:
         state, lineage = fetched
         if self.deadlines is not None:
             self.deadlines.observe_download(state.tensors, time.monotonic() - started)
+        await self.before_state_change(keep_reads=False)  # (ours is behind: not worth a copy)
         await write_state(self.state, state.tensors, self.state_lock)
         self.commits, self.state_version = loaded_version(state.metadata)
         self.work = lineage_work(self.state_version, [state.work])
@@ -365,6 +415,7 @@ class Averager:
             self.state_version = _chained_version(self.commits, self.state_version, round_id)
         else:
             self.state_version = _version(self.commits)
+        await self.before_state_change()
         if self._on_commit is not None:
             if self.state_lock is not None:  # the hook takes it: never on the loop
                 await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(self._on_commit)))

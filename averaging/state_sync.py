@@ -13,7 +13,13 @@ never a bad state.
 
 A server hands out a *snapshot*: a copy of the state taken when the first
 client asks for it, kept while downloads of it may still run, so the swarm
-can go on averaging (and the live tensors on changing) meanwhile.
+can go on averaging (and the live tensors on changing) meanwhile. A *live*
+server (`live=True`) copies nothing while its owner's tensors stay unchanged:
+it serves them in place, chunk by chunk (through the host for device tensors),
+and its owner calls `before_change` before it changes them; a snapshot read
+lately is then copied once (at most one such copy at a time), any other is
+dropped. A model's state then costs its copy only while a download overlaps a
+change, not for the whole run.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ MAX_DIMS = 16
 # stepping and dropped the snapshot we were fetching): pause before looking again.
 STALE_PAUSE_S = 0.2
 MAX_STALE_PAUSE_S = 5.0
+# A live snapshot read within this long before its tensors change is copied for its
+# downloaders (a download fetches its ranges one request after another).
+KEEP_READ_S = 10.0
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
@@ -139,6 +148,22 @@ class _Snapshot:
     total: int
     taken: float
     last_used: float = field(default=0.0)
+    live: bool = False  # its views are the owner's live tensors (any device)
+    fetching: int = 0  # fetches streaming from it now
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], int]:
+    """Byte views of `tensors` and where each starts in their concatenation."""
+    views = [_byte_view(t) for t in tensors]
+    offsets, total = [], 0
+    for v in views:
+        offsets.append(total)
+        total += v.numel()
+    return views, offsets, total
+
+
+def _host_copies(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.detach().to("cpu", copy=True).contiguous() for t in tensors)
 
 
 class StateServer:
@@ -154,15 +179,19 @@ class StateServer:
         announce_ttl: float = 60.0,
         keep_snapshots: int = 2,
         copy: bool = True,
+        live: bool = False,
     ) -> None:
         """`copy=False`: the provider's tensors never change once handed out (it
-        gives frozen copies), so snapshots need not copy them again."""
+        gives frozen copies), so snapshots need not copy them again. `live=True`:
+        they are the owner's live tensors, served in place; the owner awaits
+        `before_change` before it changes them."""
         self.dht = dht
         self.key = key
         self.provider = provider
         self.announce_ttl = announce_ttl
         self.keep_snapshots = keep_snapshots
-        self.copy = copy
+        self.copy = copy and not live
+        self.live = live
         self._snapshots: dict[str, _Snapshot] = {}
         self.service = rpc.RpcService(dht.host, protocol)
         self.service.unary("info")(self._on_info)
@@ -203,6 +232,35 @@ class StateServer:
         self.service.close()
         self._snapshots.clear()
 
+    def drop_copies(self) -> None:
+        """Drop the copies `before_change` kept (a peer about to download a newer
+        state: those downloads move on to it, and their memory makes room for ours)."""
+        for fp in [f for f, s in self._snapshots.items() if not s.live]:
+            del self._snapshots[fp]
+
+    async def before_change(self, *, keep: bool = True) -> State | None:
+        """The owner's live tensors are about to change: a live snapshot read within
+        KEEP_READ_S (or being read) is copied to the host for its downloaders, when
+        `keep`, and replaces any copy kept before (one at a time); any other live one
+        is dropped. Returns the state kept (None: none)."""
+        now = time.monotonic()
+        kept: State | None = None
+        for fp, snap in list(self._snapshots.items()):
+            if not snap.live:
+                continue
+            del self._snapshots[fp]
+            if not (keep and (snap.fetching or now - snap.last_used < KEEP_READ_S)):
+                continue
+            self.drop_copies()  # (one copy at a time: their downloads move on)
+            copies = await asyncio.to_thread(_host_copies, snap.state.tensors)
+            # In place: fetches streaming from `snap` read the copies from here on.
+            snap.state = replace(snap.state, tensors=copies)
+            snap.views, snap.offsets, snap.total = _layout(copies)
+            snap.live = False
+            self._snapshots[fp] = kept_snap = snap
+            kept = kept_snap.state
+        return kept
+
     def _snapshot(self, fingerprint: str | None) -> _Snapshot:
         now = time.monotonic()
         if fingerprint is not None and fingerprint in self._snapshots:
@@ -216,22 +274,24 @@ class StateServer:
             raise LookupError(f"state {fingerprint[:12]} is gone; now at {state.fingerprint[:12]}")
         snap = self._snapshots.get(state.fingerprint)
         if snap is None:
-            # A copy: the live tensors change with the next commit, a download must not.
-            copies = tuple(
-                t.detach().to("cpu", copy=True).contiguous() if self.copy else t.contiguous()
-                for t in state.tensors
-            )
-            views = [_byte_view(t) for t in copies]
-            offsets, total = [], 0
-            for v in views:
-                offsets.append(total)
-                total += v.numel()
+            # A copy: the live tensors change with the next commit, a download must not
+            # (a live server's owner tells us first: `before_change`).
+            if self.copy:
+                tensors = _host_copies(state.tensors)
+            elif self.live:
+                tensors = tuple(t.detach() for t in state.tensors)  # (the same storage)
+            else:
+                tensors = tuple(t.contiguous() for t in state.tensors)
+            if self.live and not all(t.is_contiguous() for t in tensors):
+                raise LookupError("a live state must be contiguous tensors")
+            views, offsets, total = _layout(tensors)
             snap = _Snapshot(
-                State(copies, state.metadata, state.fingerprint, state.work),
+                State(tensors, state.metadata, state.fingerprint, state.work),
                 views,
                 offsets,
                 total,
                 now,
+                live=self.live,
             )
             self._snapshots[state.fingerprint] = snap
             while len(self._snapshots) > self.keep_snapshots:
@@ -262,10 +322,21 @@ class StateServer:
         if not 0 <= offset <= offset + length <= snap.total:
             raise ValueError(f"range {offset}+{length} outside 0..{snap.total}")
         end = offset + length
-        for index, (i, start, n) in enumerate(_pieces(snap.offsets, snap.views, offset, end)):
-            # Straight from the snapshot's storage: no copy.
-            await ctx.send_chunk(index, _bytes_of(snap.views[i][start : start + n]))
-            self.served_bytes += n
+        snap.fetching += 1
+        try:
+            pieces = _pieces(snap.offsets, snap.views, offset, end)
+            for index, (i, start, n) in enumerate(pieces):
+                piece = snap.views[i][start : start + n]
+                if snap.live:
+                    # A chunk's copy (through the host for a device): the live tensor may
+                    # change while the chunk is written, the copy does not.
+                    piece = piece.to("cpu", copy=True)
+                # Else straight from the snapshot's storage: no copy.
+                await ctx.send_chunk(index, _bytes_of(piece))
+                self.served_bytes += n
+                snap.last_used = time.monotonic()
+        finally:
+            snap.fetching -= 1
         yield {"done": end}
 
 

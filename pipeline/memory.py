@@ -15,11 +15,11 @@ stage's parameters (float32: 4 per element):
 - averaging (`stage_optimizer.StageOptimizer`, `averaging.Averager`): the host
   buffer the stage's all-reduce averages (B), the round's result vector that
   the all-reduce's pool keeps from one round to the next (B), the receive slots
-  of each other member's stream (bounded by the chunking), the committed state
-  frozen for downloads (parameters and moments: 3B) and, while the next commit
-  or a state download freezes its successor, a second frozen copy, the
-  downloaded tensors, and an older frozen copy a slow downloader may still be
-  reading (9B: a re-sync measured ~2.8B over the 6B of the first two);
+  of each other member's stream (bounded by the chunking), and one transient
+  copy of the parameters and moments (3B): the committed state is served to
+  downloaders and checkpointed from the live tensors (`Averager(live_state=
+  True)`), copied only when a commit comes while a download reads it, and a
+  re-sync drops that copy before it downloads its own (the downloaded tensors);
 - audits (an experiment that verifies its stages): the answers' full-precision
   results a stage peer keeps for its trainers' audits (`audit.OutputStore`: five
   minutes, at most `RETENTION_BYTES`);
@@ -35,8 +35,8 @@ stage's parameters (float32: 4 per element):
   does not have (measured: a stage peer's peak came within 3 MiB over the rest
   of the estimate above a trainer's, the largest of eight).
 
-So a stage costs about 20B plus its activations: the copies for downloads and
-the all-reduce weigh more than AdamW. What autograd keeps per sample is measured
+So a stage costs about 11B plus its activations (20B while every commit froze
+a copy for downloads: 3B held, up to 9B more while the next was taken). What autograd keeps per sample is measured
 where the bounds are probed (`bounds.probe_bounds`: one sample through the
 stages on the meta device, shapes only, with a hook on what autograd saves:
 `StageBounds.activation_bytes`); bounds that lack it (0) take
@@ -146,7 +146,7 @@ def stage_memory(
         parameters=b,
         gradients=3 * b,
         optimizer=2 * b,
-        averaging=2 * b + 12 * b + _receive_slots(parameters, group_size, allreduce),
+        averaging=2 * b + 3 * b + _receive_slots(parameters, group_size, allreduce),
         activations=activations,
         audits=RETENTION_BYTES if audits else 0,
         answers=_retained_answers(bounds, in_flight),

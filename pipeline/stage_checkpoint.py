@@ -39,7 +39,9 @@ def snapshot(
     optimizer: StageOptimizer, *, experiment: str, stage: int, stages: int
 ) -> dict[str, Any] | None:
     """The stage's last committed state as a checkpoint (None: nothing committed or
-    restored yet, e.g. a peer that started the stage from the seed and never stepped)."""
+    restored yet, e.g. a peer that started the stage from the seed and never stepped).
+    Its tensors are the served ones: keep the state pinned until they are written
+    (`Averager.pinned_state`)."""
     averager = optimizer.averager
     frozen = averager._current_state()
     if frozen is None:
@@ -59,7 +61,7 @@ def snapshot(
         "certificates": certificates,
         "fingerprint": frozen.fingerprint,
         "metadata": dict(frozen.metadata),  # (what the fingerprint hashes besides tensors)
-        "tensors": list(frozen.tensors),
+        "tensors": [t.detach().cpu() for t in frozen.tensors],  # (a device's: copied)
         "step_samples": dict(sorted(sizes.items())[-MAX_STEP_SIZES:]),
         "steps": [
             [r.version, [m.to_bytes().hex() for m in r.members], r.samples]
@@ -117,6 +119,7 @@ async def restore(optimizer: StageOptimizer, state: dict[str, Any]) -> None:
     """Load a checkpoint `problem` passed into the stage (its parameters, moments,
     version and accounting); then serve it as the stage's state."""
     averager = optimizer.averager
+    await averager.before_state_change(keep_reads=False)
     await write_state(averager.state, state["tensors"], averager.state_lock)
     averager.restore(state["commits"], state.get("version"), state.get("work"),
                      state.get("certificates"))  # fmt: skip

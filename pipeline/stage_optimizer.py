@@ -107,6 +107,7 @@ class StageOptimizer:
             config=config,
             state=[*self.params, *moments],
             on_commit=self._apply,
+            live_state=True,  # (they change only in `_apply` and loads: served in place)
         )
         self.averager.state_lock = worker.lock  # a download never meets a request half-way
         self.steps: deque[StepRecord] = deque(maxlen=STEP_LOG)

@@ -175,6 +175,58 @@ async def test_the_state_may_change_during_a_download(dhts: Callable[..., Any]) 
     assert_same(got, first)
 
 
+async def test_a_live_server_copies_its_owner_s_tensors_only_for_a_download_a_change_overlaps(
+    dhts: Callable[..., Any],
+) -> None:
+    """A live server holds no copy of a state nobody reads; when its owner is about
+    to change the tensors mid-download, the download finishes on a copy of the
+    state it began (bit for bit), and the next one gets the changed state."""
+    first = sample_state(5, step=1)
+    tensors = [t.clone() for t in first.tensors]
+    live = [make_state(tensors, first.metadata)]
+    a, loader = await dhts(2)
+    original = StateServer._on_fetch
+    changed: list[State | None] = []
+
+    async def changing_fetch(self: StateServer, ctx: Any, payload: Any) -> Any:
+        async for item in original(self, ctx, payload):
+            if not changed:  # the owner commits while the first chunks go out
+                changed.append(await self.before_change())
+                with torch.no_grad():
+                    tensors[0].add_(1.0)
+                live[0] = make_state(tensors, {"step": 2, "lr": 0.1})
+            yield item
+
+    StateServer._on_fetch = changing_fetch  # type: ignore[method-assign]
+    try:
+        server = StateServer(a, KEY, lambda: live[0], live=True)
+        served = server._snapshot(None).state.tensors
+        assert all(x.data_ptr() == y.data_ptr() for x, y in zip(served, tensors, strict=True))
+        await server.announce()
+        got = await load_state_from_peers(loader, KEY, chunk_bytes=64 * 1024)
+    finally:
+        StateServer._on_fetch = original  # type: ignore[method-assign]
+    assert changed and changed[0] is not None and changed[0].fingerprint == first.fingerprint
+    assert_same(got, first)
+
+    await server.announce()
+    again = await load_state_from_peers(loader, KEY, chunk_bytes=64 * 1024)
+    assert_same(again, live[0])
+    assert torch.equal(again.tensors[0], first.tensors[0] + 1.0)
+
+
+async def test_a_live_state_nobody_read_lately_is_dropped_not_copied_when_it_changes(
+    dhts: Callable[..., Any],
+) -> None:
+    (a,) = await dhts(1)
+    state = sample_state(5, step=1)
+    server = StateServer(a, KEY, lambda: state, live=True)
+    snap = server._snapshot(None)
+    snap.last_used -= 60.0  # (read a minute ago: its download is over)
+    assert await server.before_change() is None
+    assert server._snapshots == {}
+
+
 async def test_a_holder_that_stepped_since_it_announced_serves_its_state_now(
     dhts: Callable[..., Any],
 ) -> None:

@@ -80,10 +80,10 @@ def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_act
     assert cost.parameters == b
     assert cost.optimizer == 2 * b  # AdamW's two moments
     assert cost.gradients == 3 * b  # two epochs' buckets and autograd's own
-    # The all-reduce's buffer and result, the frozen state, and while a commit or a
-    # download freezes its successor: that, the received state and an older frozen
-    # copy a downloader still reads; plus the receive slots.
-    assert 14 * b < cost.averaging <= 14 * b + 16 * (4 << 20)
+    # The all-reduce's buffer and result, one transient copy of the state (parameters
+    # and moments: kept for a download a commit overlaps, or downloaded on a
+    # re-sync; the committed state is served in place), and the receive slots.
+    assert 5 * b < cost.averaging <= 5 * b + 16 * (4 << 20)
     boundary = 2 * 1024 * 4  # (bounds without a probe of the activations: the prior)
     assert cost.activations == 16 * PRIOR_ACTIVATION_FACTOR * boundary + 2 * 16 * boundary
     probed = stage_memory(p, replace(BOUNDS, activation_bytes=1000), in_flight=16)

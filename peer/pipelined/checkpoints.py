@@ -92,12 +92,15 @@ class StageCheckpoints:
         version = peer.optimizer.averager.last_fingerprint_commits
         if version is None or self.saved == (peer.stage, version) or peer.optimizer.stepping:
             return False  # (mid-step: the step's size is logged once the step returns)
-        state = snapshot(
-            peer.optimizer, experiment=self.experiment, stage=peer.stage, stages=self.stages
-        )
-        if state is None:
-            return False
-        path = await asyncio.to_thread(self.store.save, state)
+        # Written from the committed state as it is served (the live tensors of a stage,
+        # pinned meanwhile: the next commit waits for the write, never copies them).
+        async with peer.optimizer.averager.pinned_state():
+            state = snapshot(
+                peer.optimizer, experiment=self.experiment, stage=peer.stage, stages=self.stages
+            )
+            if state is None:
+                return False
+            path = await asyncio.to_thread(self.store.save, state)
         self.saved, self.at = (peer.stage, state["commits"]), time.time()
         peer.server.checkpointed = state["commits"]
         log.debug("stage %d checkpoint written: %s (version %d)", peer.stage, path,
