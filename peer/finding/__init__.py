@@ -96,7 +96,8 @@ async def find_bootstrap(
             found.error = str(e)
             return found
         if known is None:
-            found.error = f"unknown network {network!r}"
+            # A network known by name only (a LAN's, found over mDNS): no list, no error.
+            found.source += " (no list: neither shipped nor in --networks)"
             return found
         entries = known.bootstrap
         found.entries = [str(e) for e in entries]

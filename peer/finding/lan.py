@@ -82,6 +82,8 @@ class LanFinder:
         dht = self._dht
         if dht is None or self.host.connection(peer.peer_id) is not None:
             return
+        if not peer.settled:
+            return  # no DHT to join yet: it joins us, or says it is up (heard again) later
         if len(self._joins) >= MAX_JOINS_IN_FLIGHT:
             return
         task = asyncio.get_running_loop().create_task(self._join(dht, peer))

@@ -145,6 +145,7 @@ class MdnsDiscovery:
         self._zc: Any = None
         self._browser: Any = None
         self._info: Any = None
+        self._registering: Any = None
         self._lookups: set[asyncio.Task[None]] = set()
         self._heard = asyncio.Event()
 
@@ -157,7 +158,9 @@ class MdnsDiscovery:
         addrs = self._addrs()
         if addrs:
             self._info = _service_info(self._instance, self.peer_id, self.network, addrs, False)
-            await self._zc.async_register_service(self._info)
+            # Probing and announcing go on in this task (about a second): held, or the
+            # collector may take it, and awaited before the record changes.
+            self._registering = await self._zc.async_register_service(self._info)
         self._browser = AsyncServiceBrowser(
             self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change]
         )
@@ -166,11 +169,16 @@ class MdnsDiscovery:
         """Say that this peer has finished starting (a newcomer then joins it)."""
         if self._zc is None or self._info is None:
             return
-        self._info = _service_info(
-            self._instance, self.peer_id, self.network, self._addrs() or [], True
-        )
-        with contextlib.suppress(Exception):
-            await self._zc.async_update_service(self._info)
+        try:
+            if self._registering is not None:
+                await self._registering
+            self._info = _service_info(
+                self._instance, self.peer_id, self.network, self._addrs() or [], True
+            )
+            await (await self._zc.async_update_service(self._info))
+            log.info("mDNS: announced that this peer is up")
+        except Exception as e:  # still announced, as starting: newcomers tie-break by ID
+            log.info("mDNS: could not announce that this peer is up: %r", e)
 
     async def wait_for_peer(self, timeout: float) -> bool:
         """Whether a peer was heard within `timeout` seconds (at once if one was)."""
@@ -215,7 +223,12 @@ class MdnsDiscovery:
         if known == peer or (known is None and len(self.found) >= MAX_PEERS):
             return
         self.found[peer.peer_id] = peer
-        log.info("mDNS: found %s at %s", peer.peer_id.short(), ", ".join(map(str, peer.addrs)))
+        log.info(
+            "mDNS: found %s (%s) at %s",
+            peer.peer_id.short(),
+            "up" if peer.settled else "starting",
+            ", ".join(map(str, peer.addrs)),
+        )
         self._heard.set()
         if self._on_peer is not None:
             self._on_peer(peer)
@@ -226,6 +239,8 @@ class MdnsDiscovery:
         if self._browser is not None:
             with contextlib.suppress(Exception):
                 await self._browser.async_cancel()
+        if self._registering is not None:
+            self._registering.cancel()
         if self._zc is not None:
             with contextlib.suppress(Exception):
                 if self._info is not None:
