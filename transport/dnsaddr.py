@@ -22,10 +22,13 @@ import re
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from .identity import PeerID
 from .multiaddr import Multiaddr, MultiaddrError
+
+if TYPE_CHECKING:
+    from dns.asyncresolver import Resolver
 
 __all__ = [
     "DnsaddrName",
@@ -126,10 +129,6 @@ class DnsaddrWalk:
         self._asked: set[str] = set()
         self.lookups = 0
 
-    @property
-    def done(self) -> bool:
-        return not self._queue or len(self.result.addrs) >= MAX_ADDRS
-
     def next_query(self) -> tuple[DnsaddrName, int] | None:
         """The next (name, depth) to look up, or None when the walk is over."""
         while self._queue and len(self.result.addrs) < MAX_ADDRS:
@@ -227,7 +226,7 @@ def parse_nameserver(text: str) -> tuple[str, int]:
     return host, port
 
 
-def _resolver(nameservers: Sequence[tuple[str, int]]) -> object:
+def _resolver(nameservers: Sequence[tuple[str, int]]) -> Resolver:
     import dns.asyncresolver
     import dns.nameserver
 
@@ -238,14 +237,12 @@ def _resolver(nameservers: Sequence[tuple[str, int]]) -> object:
     return resolver
 
 
-async def _txt_values(resolver: object, query: str) -> list[bytes]:
+async def _txt_values(resolver: Resolver, query: str) -> list[bytes]:
     import dns.exception
     import dns.resolver
 
     try:
-        answer = await resolver.resolve(  # type: ignore[attr-defined]
-            query, "TXT", lifetime=LOOKUP_TIMEOUT, search=False
-        )
+        answer = await resolver.resolve(query, "TXT", lifetime=LOOKUP_TIMEOUT, search=False)
     except dns.resolver.NXDOMAIN:
         raise LookupError("no such name") from None
     except dns.resolver.NoAnswer:
@@ -266,7 +263,11 @@ async def resolve_dnsaddr(
     """The addresses behind `name` (never raises for what DNS says; see `.problems`).
     `nameservers`: (IP, port) of the DNS servers to ask; empty: the system's."""
     walk = DnsaddrWalk(name)
-    resolver = _resolver(nameservers)
+    try:
+        resolver = _resolver(nameservers)
+    except Exception as e:  # no /etc/resolv.conf, or one dnspython cannot read
+        walk.failed(name, f"no DNS resolver: {type(e).__name__}: {e}"[:200])
+        return walk.result
     try:
         async with asyncio.timeout(timeout):
             while (query := walk.next_query()) is not None:

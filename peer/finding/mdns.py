@@ -10,7 +10,7 @@ An announcement is a claim by anyone on the link: it is size-checked and
 parsed strictly (`parse_announcement`), kept only for our own network, and
 what it yields is addresses carrying the claimed /p2p/ID, so the dial that
 follows succeeds only if the handshake authenticates that very peer. The
-peers kept, the lookups in flight and the lookups per minute are bounded.
+peers kept, the properties read and the lookups in flight are bounded.
 """
 
 from __future__ import annotations
