@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import cli_env_path
+from daemon_harness import Daemon, cli_env_path
 from dns_server import Zone, dns_server
 
 from shoal.dht.node import DHTNode
@@ -209,3 +209,29 @@ async def test_doctor_names_the_network_and_what_its_dnsaddr_list_resolved_to(
     assert check["check"] == "network" and check["verdict"] == "ok"
     assert "/dnsaddr/boot.example -> 1 addresses" in check["detail"]
     assert "mDNS off" in check["detail"]  # (the harness turns it off)
+
+
+@pytest.mark.slow
+async def test_shoal_run_joins_through_a_dnsaddr_bootstrap_and_fails_clearly_on_an_empty_one(
+    make_host: Callable[..., Any], tmp_path: Path
+) -> None:
+    first = await DHTNode.create(await make_host(), hop_timeout=0.5)
+    zone = Zone({"_dnsaddr.test.example": [_txt(f"dnsaddr={first.host.addresses()[0]}")]})
+    try:
+        async with dns_server(zone) as (ip, port):
+            dns = ["--no-train", "--dns-server", f"{ip}:{port}", "--bootstrap"]
+            joiner = Daemon("joiner", tmp_path, [*dns, "/dnsaddr/test.example"], {})
+            lost = Daemon("lost", tmp_path, [*dns, "/dnsaddr/nothing.example"], {})
+            try:
+                await asyncio.to_thread(joiner.wait_ready)
+                assert "/dnsaddr/test.example resolves to 1 addresses" in joiner.log()
+                assert "joined the network: 1 peer known" in joiner.log(), joiner.tail()
+                code = await asyncio.to_thread(lost.proc.wait, 30)
+                assert code == 1
+                assert "the --bootstrap /dnsaddr/ names resolved to none" in lost.log()
+                assert "no such name" in lost.log()
+            finally:
+                joiner.kill()
+                lost.kill()
+    finally:
+        await first.aclose()

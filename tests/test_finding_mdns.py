@@ -254,3 +254,22 @@ def test_doctor_names_the_peers_heard_over_mdns() -> None:
     assert f"mDNS: 1 peers ({peer[:16]})" in check.detail
     nothing = network_check(Found("public", "network public"))
     assert nothing.verdict == "warn" and "its list is empty" in nothing.detail
+
+
+async def test_two_peers_starting_together_pick_the_lower_peer_id_as_host(
+    make_host: Callable[..., Any],
+) -> None:
+    network = _network()
+    hosts = sorted([await make_host(), await make_host()], key=lambda h: h.peer_id.to_bytes())
+    lans = [LanFinder(h, network, LOOPBACK) for h in hosts]  # neither says it is up
+    try:
+        for lan in lans:
+            await lan.start()
+        (heard_low, low_joins), (heard_high, high_joins) = await asyncio.gather(
+            *(lan.first_peers(10.0) for lan in lans)
+        )
+        assert heard_low and heard_high
+        assert not low_joins  # the lower ID hosts the default experiment ...
+        assert high_joins  # ... and the other joins it
+    finally:
+        await asyncio.gather(*(lan.aclose() for lan in lans))
