@@ -283,8 +283,8 @@ async def _start_network(
         stack.push_async_callback(lan.aclose)
         try:
             await lan.start()
-        except OSError as e:  # no multicast on this machine: the other ways in remain
-            log.warning("mDNS is off: %s", e)
+        except Exception as e:  # no multicast here, no such interface: other ways in remain
+            log.warning("mDNS is off: %r", e)
             lan = None
     dht, way_in = await _start_dht(host, config, nat, lan)
     stack.push_async_callback(dht.aclose)

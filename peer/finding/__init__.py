@@ -138,8 +138,8 @@ async def browse_mdns(
             await mdns.wait_for_peer(wait)
         else:
             await asyncio.sleep(wait)  # a report of everything heard in that time
-    except OSError as e:
-        found.mdns_error = str(e)
+    except Exception as e:  # no multicast here, no such interface
+        found.mdns_error = repr(e)[:200]
     finally:
         await mdns.aclose()
     for peer in mdns.found.values():
