@@ -234,6 +234,19 @@ def new_seeds() -> dict[str, list[bytes]]:
     conviction_commitment = conviction()[1]
     now = time.time()
     return {
+        "discovery_records": [
+            b"\x00" + b"\n".join([f"dnsaddr={addr}".encode(), b"dnsaddr=/dnsaddr/x.example"]),
+            b"\x00/dnsaddr/boot.example/p2p/" + str(ME.peer_id).encode(),
+            b"\x01"
+            + b"\n".join(
+                [
+                    b"id=" + str(ME.peer_id).encode(),
+                    b"net=fuzz",
+                    b"s=1",
+                    b"a0=/ip4/192.168.1.5/tcp/31337",
+                ]
+            ),
+        ],
         "secure_handshake": handshake(),
         "nat_protocols": _packed(
             {"v": 1, "observed": addr, "addrs": [addr], "protocols": ["/shoal/dht/1.0.0"]},

@@ -24,9 +24,11 @@ from shoal.averaging.lanes import RoundInfo, request_problem
 from shoal.averaging.matchmaking_rules import Declaration, JoinReply, JoinRequest, check_group
 from shoal.averaging.partition import Plan
 from shoal.averaging.provenance import ChainError, Provenance
+from shoal.peer.finding.mdns import MAX_ADDRS as MDNS_MAX_ADDRS
+from shoal.peer.finding.mdns import parse_announcement
 from shoal.peer.status.metrics import Metrics
 from shoal.peer.status.server import StatusServer
-from shoal.transport import rpc
+from shoal.transport import dnsaddr, rpc
 from shoal.transport.access import AccessControl
 from shoal.transport.errors import HandshakeError, RemoteError, TransportError
 from shoal.transport.identity import Identity
@@ -318,6 +320,34 @@ def status_http(data: bytes) -> None:
     run_in_loop(_http_requests(data))
 
 
+# ---------------------------------------------------------------- finding peers
+
+
+def discovery_records(data: bytes) -> None:
+    """What a peer looking for a first peer reads: /dnsaddr/ TXT values (mode 0: every
+    name's answer is the same values, so nested names recurse as far as the limits let
+    them) and mDNS TXT properties (mode 1: KEY=VALUE lines); a /dnsaddr/ name as text."""
+    mode, body = (data[0] % 2, data[1:]) if data else (0, b"")
+    lines = body.split(b"\n")
+    if mode == 0:
+        walk = dnsaddr.DnsaddrWalk(dnsaddr.DnsaddrName("fuzz.example"))
+        while (query := walk.next_query()) is not None:
+            walk.answer(query[0], query[1], lines)
+        assert len(walk.result.addrs) <= dnsaddr.MAX_ADDRS
+        assert walk.lookups <= dnsaddr.MAX_LOOKUPS
+        try:
+            name = dnsaddr.DnsaddrName.parse(body.decode("utf-8", "replace"))
+        except dnsaddr.DnsaddrError:
+            return
+        assert dnsaddr.DnsaddrName.parse(str(name)) == name
+        return
+    properties = {key: value for key, _, value in (line.partition(b"=") for line in lines)}
+    peer, _ = parse_announcement(properties, "fuzz")
+    if peer is not None:
+        assert 0 < len(peer.addrs) <= MDNS_MAX_ADDRS
+        assert all(a.peer_id == peer.peer_id for a in peer.addrs)
+
+
 NET_TARGETS = (
     Target("secure_handshake", secure_handshake, (HandshakeError,), secure_handshake.__doc__),
     Target("nat_protocols", nat_protocols, (), nat_protocols.__doc__),
@@ -328,4 +358,5 @@ NET_TARGETS = (
     Target("matchmaking_join", matchmaking_join, (), matchmaking_join.__doc__),
     Target("commit_certificates", commit_certificates, (), commit_certificates.__doc__),
     Target("status_http", status_http, (HttpProcessingError,), status_http.__doc__),
+    Target("discovery_records", discovery_records, (), discovery_records.__doc__),
 )

@@ -22,11 +22,13 @@ from shoal.averaging.registry import describe_strategies
 
 from . import __version__
 from .config import DEFAULT_DATA_DIR, OPTIONS, Config, ConfigError, add_options, build_config
-from .daemon import StartupError, load_identity, run_daemon
+from .daemon import StartupError, load_identity, load_known_peers, run_daemon
 
 if TYPE_CHECKING:
     from shoal.transport.access import AccessControl
     from shoal.transport.identity import Identity
+
+    from .finding import Found
 
 __all__ = ["build_parser", "main", "parse_command_line"]
 
@@ -36,14 +38,16 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell convention for "killed by SIGINT"
 
+# How `experiments` and `doctor` find a first peer, as `run` does.
+FINDING = ("bootstrap", "network", "networks", "mdns", "dns_server")
 # The options each command reads (flags and SHOAL_* variables); a variable for an
 # option the command does not use is ignored rather than validated.
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "id": ("data_dir", "log_level"),
     "run": tuple(OPTIONS),
     "status": (),  # its URL and --json are plain arguments (status/cli.py)
-    "experiments": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
-    "doctor": ("bootstrap", "data_dir", "log_level", "swarm_key", "allow_peers"),
+    "experiments": (*FINDING, "data_dir", "log_level", "swarm_key", "allow_peers"),
+    "doctor": (*FINDING, "data_dir", "log_level", "swarm_key", "allow_peers"),
     "swarm-key": (),  # its FILE is a plain argument
 }
 
@@ -152,8 +156,9 @@ def _add_experiments_command(commands: _Commands) -> None:
             "List the experiments with live peers in the network: NAME@HOST (what\n"
             "`shoal run --join` takes; NAME alone when it is unique), task and size,\n"
             "strategy, peers, the swarm's round, step and loss, age. The network is\n"
-            "reached through --bootstrap, else through the peers the last `shoal run`\n"
-            "with this data directory knew."
+            "reached through --bootstrap, else the --network's list (/dnsaddr/ names\n"
+            "resolved), else the peers the last `shoal run` with this data directory\n"
+            "knew, else peers of the network found over mDNS on the local link."
         ),
         epilog=ENV_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -170,7 +175,9 @@ def _add_doctor_command(commands: _Commands) -> None:
         "doctor",
         help="check whether this machine can take part, and say what to fix",
         description=(
-            "Diagnose this machine as a peer: bootstrap peers reached (or why not), how\n"
+            "Diagnose this machine as a peer: the network and how its peers were found\n"
+            "(--bootstrap or the --network's list, /dnsaddr/ names resolved, peers heard\n"
+            "over mDNS), bootstrap peers reached (or why not), how\n"
             "others see it (observed addresses, reachability, whether its NAT allows hole\n"
             "punching or needs a relay), relays, clock skew against the peers, free disk\n"
             "in the data directory, torch. Paste the output into a bug report. Exit\n"
@@ -255,39 +262,45 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _experiments(argv: Sequence[str] | None, config: Config) -> int:
-    from .daemon import load_known_peers
     from .discovery import experiments_command
 
     logging.basicConfig(level=max(config.logging_level, logging.WARNING), stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    bootstrap = list(config.bootstrap) or load_known_peers(config.data_dir)
     try:
         access, identity = _access_and_identity(config)
     except (ConfigError, StartupError) as e:
         return _fail(e, EXIT_USAGE if isinstance(e, ConfigError) else EXIT_RUNTIME)
-    status, text = _run(
-        experiments_command(bootstrap, json_output=args.json, access=access, identity=identity)
-    )
+
+    async def find_and_list() -> tuple[int, str]:
+        found = await _first_peers(config, mdns_until_first=True)
+        if found.error is not None:
+            return EXIT_USAGE, f"shoal: error: {found.error}\n"
+        return await experiments_command(
+            found.addrs, json_output=args.json, access=access, identity=identity
+        )
+
+    status, text = _run(find_and_list())
     (sys.stdout if status == 0 else sys.stderr).write(text)
     return status
 
 
 def _doctor(argv: Sequence[str] | None, config: Config) -> int:
-    from .daemon import load_known_peers
     from .doctor import doctor_command
 
     logging.basicConfig(level=max(config.logging_level, logging.ERROR), stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    bootstrap = list(config.bootstrap) or load_known_peers(config.data_dir)
     try:
         access, identity = _access_and_identity(config)
     except (ConfigError, StartupError) as e:
         return _fail(e, EXIT_USAGE if isinstance(e, ConfigError) else EXIT_RUNTIME)
-    status, text = _run(
-        doctor_command(
-            bootstrap, config.data_dir, json_output=args.json, access=access, identity=identity
+
+    async def find_and_diagnose() -> tuple[int, str]:
+        found = await _first_peers(config, mdns_until_first=False)
+        return await doctor_command(
+            found, config.data_dir, json_output=args.json, access=access, identity=identity
         )
-    )
+
+    status, text = _run(find_and_diagnose())
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -295,6 +308,29 @@ def _doctor(argv: Sequence[str] | None, config: Config) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status
+
+
+async def _first_peers(config: Config, *, mdns_until_first: bool) -> Found:
+    """Addresses to reach the network through, as `shoal run` finds them: --bootstrap or
+    the network's list, else the peers remembered, else (or, for the doctor's report,
+    also) the peers heard over mDNS."""
+    from shoal.transport.identity import Identity
+
+    from .finding import MDNS_FIRST_WAIT, browse_mdns, find_bootstrap
+
+    found = await find_bootstrap(
+        config.bootstrap, config.network, config.networks, config.dns_server
+    )
+    if found.error is not None:
+        return found
+    if not found.addrs:
+        found.addrs = load_known_peers(config.data_dir)
+        if found.addrs:
+            found.source = f"peers remembered in {config.data_dir}"
+    if not found.addrs or not mdns_until_first:
+        me = Identity.generate().peer_id  # heard peers are never "us"
+        await browse_mdns(found, me, config.mdns, MDNS_FIRST_WAIT, until_first=mdns_until_first)
+    return found
 
 
 def _access_and_identity(config: Config) -> tuple[AccessControl, Identity | None]:

@@ -27,9 +27,12 @@ from shoal.averaging.registry import outer_strategy_names
 from shoal.pipeline.options import ROLES  # (torch-free; registers the pipeline strategy)
 from shoal.pipeline.sizes import parse_size  # (torch-free)
 from shoal.transport.access import AccessControl, AccessFileError, read_allow_list, read_swarm_key
+from shoal.transport.dnsaddr import DnsaddrName, parse_nameserver
 from shoal.transport.host import DEFAULT_LISTEN, HostConfig
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
+
+from .finding.networks import DEFAULT_NETWORK, NetworkError, check_network_name, parse_entry
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -108,12 +111,46 @@ OPTIONS: dict[str, Option] = {
         Option(
             "bootstrap",
             "SHOAL_BOOTSTRAP",
-            "multiaddr of a peer to join the network through (/ip4/.../tcp/N/p2p/ID); "
-            "several may follow the flag; without any, this peer starts a new network",
+            "multiaddr of a peer to join the network through (/ip4/.../tcp/N/p2p/ID), or "
+            "/dnsaddr/DOMAIN (the addresses in the TXT records of _dnsaddr.DOMAIN); several "
+            "may follow the flag; they replace the --network's list",
             "MULTIADDR",
-            "none: start a new network",
+            "the --network's list; none there: peers found over mDNS, else a new network",
             repeatable=True,
             many=True,
+        ),
+        Option(
+            "network",
+            "SHOAL_NETWORK",
+            "the named network to join: its bootstrap list ships with shoal (or comes from "
+            "--networks)",
+            "NAME",
+            DEFAULT_NETWORK,
+        ),
+        Option(
+            "networks",
+            "SHOAL_NETWORKS",
+            'TOML file of named networks ([NAME] bootstrap = ["/dnsaddr/...", ...]) that '
+            "adds to the shipped ones and replaces them by name",
+            "FILE",
+            "none: the shipped list",
+        ),
+        Option(
+            "mdns",
+            "SHOAL_MDNS",
+            "find and be found by peers of the same network on the local link (mDNS): auto "
+            "(on the interfaces listened on, off for a loopback-only peer), on (loopback "
+            "too), off, or the IP of the one interface to use",
+            "MODE",
+            "auto",
+        ),
+        Option(
+            "dns_server",
+            "SHOAL_DNS_SERVER",
+            "DNS server (IP or IP:PORT) that resolves /dnsaddr/ names",
+            "ADDR",
+            "the system's resolver",
+            repeatable=True,
         ),
         Option(
             "log_level",
@@ -334,7 +371,11 @@ class Config:
     data_dir: Path = field(default_factory=lambda: Path(DEFAULT_DATA_DIR).expanduser())
     listen: tuple[Multiaddr, ...] = tuple(Multiaddr(a) for a in DEFAULT_LISTEN)
     announce: tuple[Multiaddr, ...] = ()
-    bootstrap: tuple[Multiaddr, ...] = ()
+    bootstrap: tuple[Multiaddr | DnsaddrName, ...] = ()
+    network: str = DEFAULT_NETWORK
+    networks: Path | None = None
+    mdns: str = "auto"
+    dns_server: tuple[tuple[str, int], ...] = ()
     log_level: str = "info"
     config: Path | None = None
     host_experiment: str | None = None
@@ -393,11 +434,13 @@ class Config:
     def checkpoints_dir(self) -> Path:
         return self.data_dir / "checkpoints"
 
-    def experiment_role(self) -> tuple[str, str] | None:
+    def experiment_role(self, has_way_in: bool | None = None) -> tuple[str, str] | None:
         """("host", NAME) or ("join", NAME[@PEERID]); None for a peer that does not train.
 
         Without --host-experiment or --join: a first peer (no --bootstrap) hosts
-        the default experiment, a peer given --bootstrap joins it.
+        the default experiment, a peer given --bootstrap joins it. `has_way_in`:
+        whether the peer joined a network (through --bootstrap, the --network's
+        list or mDNS); None: whether --bootstrap is given.
         """
         if self.no_train:
             return None
@@ -410,7 +453,8 @@ class Config:
             return ("host", self.host_experiment)
         if self.join:
             return ("join", self.join)
-        return ("join", DEFAULT_EXPERIMENT) if self.bootstrap else ("host", DEFAULT_EXPERIMENT)
+        joins = bool(self.bootstrap) if has_way_in is None else has_way_in
+        return ("join", DEFAULT_EXPERIMENT) if joins else ("host", DEFAULT_EXPERIMENT)
 
     def check_peer_id(self, peer_id: PeerID) -> None:
         """Refuse announce addresses that name another peer (the host would silently replace it)."""
@@ -464,6 +508,8 @@ class Config:
             value = getattr(self, name)
             if name == "status_addr":
                 text = "off" if value is None else f"{value[0]}:{value[1]}"
+            elif name == "dns_server":
+                text = ", ".join(f"{ip}:{port}" for ip, port in value) or "(the system's)"
             elif isinstance(value, tuple):
                 text = (
                     ", ".join(f"{v[0]}={v[1]}" if isinstance(v, tuple) else str(v) for v in value)
@@ -638,17 +684,61 @@ def _parse_announce(raw: str | Sequence[str], source: str) -> tuple[Multiaddr, .
     return tuple(addrs)
 
 
-def _parse_bootstrap(raw: str | Sequence[str], source: str) -> tuple[Multiaddr, ...]:
-    addrs = _multiaddrs(raw, source)
-    for addr in addrs:
-        # Without /p2p/ID the peer is whoever answers at that address: allowed
-        # (a DNS name for a public swarm), but the daemon warns.
-        if not (addr.is_direct_tcp or addr.is_relayed):
-            raise ConfigError(
-                f"{source}: cannot bootstrap from {addr}: give a peer's address, such as "
-                "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... (a running peer prints it at start)"
-            )
-    return tuple(addrs)
+def _parse_bootstrap(raw: str | Sequence[str], source: str) -> tuple[Multiaddr | DnsaddrName, ...]:
+    # Without /p2p/ID the peer is whoever answers at that address: allowed
+    # (a DNS name for a public swarm), but the daemon warns.
+    try:
+        entries = [parse_entry(text) for text in _items(raw)]
+    except NetworkError as e:
+        raise ConfigError(f"{source}: {e} (a running peer prints its address at start)") from None
+    if not entries:
+        raise ConfigError(f"{source}: no address given")
+    return tuple(dict.fromkeys(entries))
+
+
+def _parse_network(raw: str | Sequence[str], source: str) -> str:
+    assert isinstance(raw, str)
+    try:
+        return check_network_name(raw)
+    except NetworkError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _parse_networks(raw: str | Sequence[str], source: str) -> Path:
+    from .finding.networks import load_networks
+
+    assert isinstance(raw, str)
+    path = Path(raw.strip()).expanduser().absolute()
+    try:
+        load_networks(path)  # a bad file stops the start here, in one line
+    except NetworkError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return path
+
+
+def _parse_mdns(raw: str | Sequence[str], source: str) -> str:
+    import ipaddress
+
+    assert isinstance(raw, str)
+    text = raw.strip().lower()
+    if text in ("auto", "on", "off"):
+        return text
+    try:
+        return str(ipaddress.IPv4Address(text))
+    except ValueError:
+        raise ConfigError(
+            f"{source}: expected auto, on, off or an interface's IPv4 address, got {raw!r}"
+        ) from None
+
+
+def _parse_dns_server(raw: str | Sequence[str], source: str) -> tuple[tuple[str, int], ...]:
+    try:
+        servers = [parse_nameserver(text) for text in _items(raw)]
+    except ValueError:
+        raise ConfigError(f"{source}: expected IP or IP:PORT, got {raw!r}") from None
+    if not servers:
+        raise ConfigError(f"{source}: no DNS server given")
+    return tuple(dict.fromkeys(servers))
 
 
 def _parse_data_dir(raw: str | Sequence[str], source: str) -> Path:
@@ -905,6 +995,10 @@ _PARSERS = {
     "listen": _parse_listen,
     "announce": _parse_announce,
     "bootstrap": _parse_bootstrap,
+    "network": _parse_network,
+    "networks": _parse_networks,
+    "mdns": _parse_mdns,
+    "dns_server": _parse_dns_server,
     "log_level": _parse_log_level,
     "config": _parse_config,
     "host_experiment": _parse_name,

@@ -1,7 +1,8 @@
 """The daemon's lifecycle: load the identity, start the subsystems, serve until told to stop.
 
 In order: the transport host, NAT traversal, the DHT (joined through
-`--bootstrap`, or starting a new network), the HTTP status endpoint, then the
+`--bootstrap` or the --network's list, else peers heard over mDNS, else
+starting a new network), the HTTP status endpoint, then the
 experiment (hosted or joined, `session.py`) and its training loop. Each is
 pushed on one exit stack, so shutdown closes them in reverse order, and a
 start that fails half-way closes what had started.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import importlib
@@ -36,6 +38,8 @@ from shoal.transport.nat import NatConfig, NatManager
 from . import __version__
 from .config import Config, ConfigError
 from .experiment import register_manifest_validator
+from .finding import MDNS_FIRST_WAIT, find_bootstrap, mdns_interfaces
+from .finding.lan import LanFinder
 from .status.progress import Progress
 
 if TYPE_CHECKING:
@@ -200,7 +204,11 @@ async def run_daemon(
             torch.set_num_threads(config.threads)
         device, inventory = _choose_device(config) if role is not None else (None, None)
 
-        host, nat, dht = await _start_network(config, identity, stack)
+        host, nat, dht, lan, way_in = await _start_network(config, identity, stack)
+        # A peer that found its way in only now (a network list, mDNS) joins its experiment.
+        role = config.experiment_role(has_way_in=way_in)
+        if role is not None and role[0] == "join" and config.join is None:
+            config = dataclasses.replace(config, join=role[1])  # what open_session reads
 
         # Imported here: session loads torch, which `shoal id`, `shoal status` and a
         # --no-train peer (a bootstrap or relay on a small machine) never need. In a
@@ -228,6 +236,8 @@ async def run_daemon(
                 raise StartupError(str(e)) from None
             node.attach(session)
         print_addresses(host, out)
+        if lan is not None:
+            await lan.settled()  # a newcomer on the LAN now joins us rather than hosting
         if node.session is not None:
             print_join_command(node, config, out)
         if config.status_addr is not None and node.status_url:
@@ -247,8 +257,9 @@ async def run_daemon(
 
 async def _start_network(
     config: Config, identity: Identity, stack: contextlib.AsyncExitStack
-) -> tuple[Host, NatManager, DHTNode]:
-    """The transport, NAT traversal and the DHT, started, each closed by `stack`."""
+) -> tuple[Host, NatManager, DHTNode, LanFinder | None, bool]:
+    """The transport, NAT traversal, mDNS and the DHT, started, each closed by `stack`;
+    and whether the DHT joined an existing network."""
     access = config.access_control()
     _log_access(access, config)
     host = Host(identity, config.host_config(), access=access)
@@ -265,8 +276,20 @@ async def _start_network(
     nat = NatManager(host, config=NatConfig(reachability=config.reachability))
     await nat.start()
     stack.push_async_callback(nat.aclose)
-    dht = await _start_dht(host, config, nat)
+    lan = None
+    interfaces = mdns_interfaces(config.mdns, list(host.listen_addrs))
+    if interfaces is not False:
+        lan = LanFinder(host, config.network, interfaces or None)
+        stack.push_async_callback(lan.aclose)
+        try:
+            await lan.start()
+        except Exception as e:  # no multicast here, no such interface: other ways in remain
+            log.warning("mDNS is off: %r", e)
+            lan = None
+    dht, way_in = await _start_dht(host, config, nat, lan)
     stack.push_async_callback(dht.aclose)
+    if lan is not None:
+        lan.attach(dht)
     stack.callback(save_known_peers, dht, config.data_dir)  # runs before dht.aclose
     nat.directory = DHTRelayDirectory(dht)
     nat.address_listeners.append(dht.addresses_changed)
@@ -275,7 +298,7 @@ async def _start_network(
     # bootstrap requests carried no address, so tell our neighbours now, or they
     # list us only after a refresh (a lab test waited 30 s for it in vain).
     dht.addresses_changed()
-    return host, nat, dht
+    return host, nat, dht, lan, way_in
 
 
 async def _run_until_stopped(
@@ -372,8 +395,25 @@ def print_join_command(node: PeerNode, config: Config, out: TextIO | None = None
     out.flush()
 
 
-async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
-    for addr in config.bootstrap:
+async def _start_dht(
+    host: Host, config: Config, nat: NatManager, lan: LanFinder | None
+) -> tuple[DHTNode, bool]:
+    found = await find_bootstrap(
+        config.bootstrap, config.network, config.networks, config.dns_server
+    )
+    if found.error is not None:
+        raise StartupError(found.error)
+    for result in found.dnsaddr:
+        log.info("%s resolves to %d addresses", result.name, len(result.addrs))
+    bootstrap = found.addrs
+    if config.bootstrap and not bootstrap:
+        raise StartupError(
+            "no address to join through: the --bootstrap /dnsaddr/ names resolved to none "
+            f"({'; '.join(p for r in found.dnsaddr for p in r.problems[:2])})"
+        )
+    if found.entries and not bootstrap:
+        log.warning("the %s list resolved to no address", found.source)
+    for addr in bootstrap:
         if addr.peer_id is None:
             log.warning(
                 "bootstrap address %s names no peer ID: whoever answers there is trusted "
@@ -383,7 +423,7 @@ async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
     validator = RecordValidator()
     register_manifest_validator(validator)  # before any record can arrive
     options: dict[str, Any] = {"serves": lambda: nat.serves_dht, "validator": validator}
-    if not config.bootstrap:
+    if not bootstrap:
         # Peers this one knew when it last ran: a restarted peer (a host that left
         # its swarm for a moment) finds its swarm again instead of starting alone.
         known = load_known_peers(config.data_dir)
@@ -394,11 +434,20 @@ async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
                     "rejoined the network through peers known from the last run: %d peers",
                     len(dht.routing_table),
                 )
-                return dht
+                return dht, False
             except BootstrapError:
                 log.info("none of the %d peers known from the last run answers", len(known))
+        if lan is not None:
+            heard, joins = await lan.first_peers(MDNS_FIRST_WAIT)
+            if heard:
+                with contextlib.suppress(BootstrapError):
+                    dht = await DHTNode.create(
+                        host, bootstrap=heard, bootstrap_attempts=1, **options
+                    )
+                    log.info("joined the peers found over mDNS: %d known", len(dht.routing_table))
+                    return dht, joins
         log.info("no bootstrap peers: starting a new network")
-        return await DHTNode.create(host, **options)
+        return await DHTNode.create(host, **options), False
     # A peer that was in this network before (it saved the peers it knew) and finds
     # none of its bootstrap peers now is cut off (a partition, an outage), not
     # misconfigured: it starts anyway and the DHT joins again through them every
@@ -407,7 +456,7 @@ async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
     try:
         dht = await DHTNode.create(
             host,
-            bootstrap=config.bootstrap,
+            bootstrap=bootstrap,
             bootstrap_attempts=BOOTSTRAP_ATTEMPTS,
             bootstrap_backoff=BOOTSTRAP_BACKOFF,
             start_alone_on_failure=was_in_network,
@@ -419,7 +468,7 @@ async def _start_dht(host: Host, config: Config, nat: NatManager) -> DHTNode:
     if known:
         log.info("joined the network: %d %s known", known, "peer" if known == 1 else "peers")
         save_known_peers(dht, config.data_dir)  # also for a next start after a kill -9
-    return dht
+    return dht, True
 
 
 KNOWN_PEERS_FILE = "known-peers.json"

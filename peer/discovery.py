@@ -160,8 +160,10 @@ async def experiments_command(
 
     if not bootstrap:
         return 1, (
-            "shoal: error: no peer to ask: give --bootstrap ADDR (any peer of the network), "
-            "or run `shoal run` once with this --data-dir so that its peers are remembered\n"
+            "shoal: error: no peer to ask: the network's list is empty, nothing is remembered "
+            "and no peer answered over mDNS; give --bootstrap ADDR (any peer of the network, "
+            "or /dnsaddr/DOMAIN), or run `shoal run` once with this --data-dir so that its "
+            "peers are remembered\n"
         )
     # A throwaway identity: listing asks, it does not take part (but an allow-list
     # swarm admits only listed IDs: then the caller passes this peer's).

@@ -1,6 +1,8 @@
 """`shoal doctor`: measure what decides whether this machine can take part, then say so.
 
-It starts a throwaway peer (a fresh identity, a free port, the same NAT
+It names the network and how its first peers were found (--bootstrap or the
+network's list, each /dnsaddr/ name and what it resolved to, peers heard over
+mDNS: `finding.Found`), then starts a throwaway peer (a fresh identity, a free port, the same NAT
 traversal as `shoal run`, the same --swarm-key and --allow-peers; in an
 allow-list swarm it goes as this peer, whose ID the others list), reaches the
 bootstrap peers, asks them and other peers of the network how they see it
@@ -30,8 +32,9 @@ from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.nat import NatConfig, NatManager
 
-from .diagnosis import Facts, as_json, as_text, can_take_part, diagnose
+from .diagnosis import Check, Facts, as_json, as_text, can_take_part, diagnose
 from .discovery import list_experiments
+from .finding import Found
 
 __all__ = ["doctor_command"]
 
@@ -228,18 +231,45 @@ async def gather_facts(
         await host.aclose()
 
 
+def network_check(found: Found) -> Check:
+    """The network, and what each way of finding its peers found."""
+    if found.error is not None:
+        return Check("network", "fail", found.error, "fix the --network name or --networks file")
+    parts = [f"{found.network}: {found.source}"]
+    if found.source.startswith("network") and not found.entries:
+        parts.append("its list is empty")
+    for result in found.dnsaddr:
+        why = f" ({result.problems[0]})" if result.problems and not result.addrs else ""
+        parts.append(f"{result.name} -> {len(result.addrs)} addresses{why}")
+    if found.mdns_error is not None:
+        parts.append(f"mDNS failed: {found.mdns_error}")
+    elif not found.mdns_on:
+        parts.append("mDNS off")
+    else:
+        heard = ", ".join(p[:16] for p, _ in found.mdns[:4])
+        parts.append(f"mDNS: {len(found.mdns)} peers" + (f" ({heard})" if heard else ""))
+    if not found.addrs:
+        return Check(
+            "network", "warn", "; ".join(parts),
+            "no way in: give --bootstrap ADDR or a --network with a bootstrap list",
+        )  # fmt: skip
+    return Check("network", "ok", "; ".join(parts))
+
+
 async def doctor_command(
-    bootstrap: list[Multiaddr],
+    found: Found,
     data_dir: Path,
     *,
     json_output: bool,
     access: AccessControl | None = None,
     identity: Identity | None = None,
 ) -> tuple[int, str]:
-    """(exit status, text): 0 when the peer can take part."""
-    facts = await gather_facts(bootstrap, data_dir, access, identity)
-    checks = diagnose(facts)
+    """(exit status, text): 0 when the peer can take part. `found`: the network and the
+    addresses its peers were found at (cli.py's `_first_peers`)."""
+    facts = await gather_facts(found.addrs, data_dir, access, identity)
+    checks = [network_check(found), *diagnose(facts)]
     status = 0 if can_take_part(checks) else 1
     if json_output:
-        return status, json.dumps({"ok": status == 0, "checks": as_json(checks)}) + "\n"
+        report = {"ok": status == 0, "checks": as_json(checks), "network": found.as_json()}
+        return status, json.dumps(report) + "\n"
     return status, as_text(checks)

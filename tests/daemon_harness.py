@@ -53,6 +53,8 @@ def daemon_env(home: Path, **extra: str) -> dict[str, str]:
         SHOAL_STATUS_ADDR="127.0.0.1:0",
         SHOAL_THREADS="1",
         OMP_NUM_THREADS="1",
+        # No LAN discovery unless a test asks: parallel tests must not find each other.
+        SHOAL_MDNS="off",
     )
     env.update(extra)
     return env
@@ -62,6 +64,7 @@ def cli_env_path(home: Path) -> dict[str, str]:
     """The environment of a one-off `shoal` command with its own HOME."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
     env["HOME"] = str(home)
+    env["SHOAL_MDNS"] = "off"  # `doctor` and `experiments` would listen on every interface
     return env
 
 
