@@ -34,6 +34,7 @@ from shoal.transport.errors import DialError, RemoteError, TransportError
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 
+from .answers import Gone
 from .stage import StageWorker
 from .wire import MAX_ELEMENTS, codec_of, encodes, recv_tensor
 
@@ -95,11 +96,14 @@ async def fence_answer(
 ) -> tuple[tuple[torch.Tensor | None, int] | None, bool]:
     """Fence `attempt` at `worker`: the applied answer (input gradient, epoch) of `key`
     if any, and whether that is settled (False: a computation of the key was still
-    under way after `COMPUTING_WAIT_S`)."""
+    under way after `COMPUTING_WAIT_S`, or it was applied but its input gradient was
+    dropped for room: the trainer's doubt, which our step log settles)."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + COMPUTING_WAIT_S
     while True:
         computing, answer = worker.fence(key, attempt)
+        if answer is not None and isinstance(answer[0], Gone):
+            return None, False
         if answer is not None or not computing:
             return answer, True
         if loop.time() > give_up:

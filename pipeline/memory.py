@@ -27,19 +27,21 @@ stage's parameters (float32: 4 per element):
   computation takes (`compute_queue.MAX_BATCH_SAMPLES`, or the trainers' samples
   in flight when fewer), and the boundary tensors (inputs and output gradients)
   of every request waiting in the queue;
-- answers kept for retries: the input gradient of the last
+- answers kept for retries: the input gradients of the last
   `stage.RETAINED_ANSWERS` backwards (a retry gets the same answer), each of
-  up to a request's samples (none for a stage whose inputs are ids);
+  up to a request's samples, within `stage.RETAINED_ANSWER_BYTES` (none for a
+  stage whose inputs are ids);
 - the server's own (`SERVER_BYTES`): the heaps of its compute, sealing and
   worker threads and its bookkeeping, which a process that serves no stage
   does not have (measured: a stage peer's peak came within 3 MiB over the rest
   of the estimate above a trainer's, the largest of eight).
 
 So a stage costs about 11B plus its activations (20B while every commit froze
-a copy for downloads: 3B held, up to 9B more while the next was taken). What autograd keeps per sample is measured
-where the bounds are probed (`bounds.probe_bounds`: one sample through the
-stages on the meta device, shapes only, with a hook on what autograd saves:
-`StageBounds.activation_bytes`); bounds that lack it (0) take
+a copy for downloads: 3B held, up to 9B more while the next was taken). What
+autograd keeps per sample is measured where the bounds are probed
+(`bounds.probe_bounds`: one sample through the stages on the meta device, shapes
+only, with a hook on what autograd saves: `StageBounds.activation_bytes`);
+bounds that lack it (0) take
 `PRIOR_ACTIVATION_FACTOR` times the stage's two boundary tensors.
 """
 
@@ -55,7 +57,7 @@ from shoal.averaging.reducer import float64_scratch
 from .audit import RETENTION_BYTES
 from .bounds import StageBounds
 from .compute_queue import MAX_BATCH_SAMPLES
-from .stage import RETAINED_ANSWERS
+from .stage import RETAINED_ANSWER_BYTES, RETAINED_ANSWERS
 
 __all__ = [
     "PRIOR_ACTIVATION_FACTOR",
@@ -154,12 +156,14 @@ def stage_memory(
 
 
 def _retained_answers(bounds: StageBounds, in_flight: int) -> int:
-    """Bytes of the input gradients the worker keeps for retries: the last
-    RETAINED_ANSWERS backwards, each of at most one request's samples."""
+    """Bytes of the input gradients the worker keeps for retries: those of the last
+    RETAINED_ANSWERS backwards, each of at most one request's samples, within
+    RETAINED_ANSWER_BYTES (and at least the newest one: `answers.AnswerStore`)."""
     if not bounds.input_floating:
         return 0
     samples = min(bounds.max_samples, max(1, in_flight))
-    return RETAINED_ANSWERS * samples * bounds.input_elements * FLOAT32
+    one = samples * bounds.input_elements * FLOAT32
+    return min(RETAINED_ANSWERS * one, RETAINED_ANSWER_BYTES + one)
 
 
 def _receive_slots(parameters: int, group_size: int, cfg: AllReduceConfig | None) -> int:

@@ -43,12 +43,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from .answers import Answer, AnswerStore, Gone
+
 __all__ = ["BackwardRequest", "Gradients", "StageWorker"]
 
-RETAINED_ANSWERS = 4096  # backward answers kept for retries
+RETAINED_ANSWERS = 4096  # applied backwards whose keys (and epochs) are kept for retries
+RETAINED_ANSWER_BYTES = 64 << 20  # of their input gradients, the newest kept (`answers`)
 RETAINED_FENCES = 4096  # fenced attempts remembered (a fenced request may still arrive)
 
 # (idempotency key, the stage's inputs, gradient of its outputs, samples)
@@ -82,7 +86,7 @@ class StageWorker:
         # them; None while a download replaces them): what audits recompute at.
         self.version: int | None = 0
         self._buckets: dict[int, _Bucket] = {}
-        self._answers: OrderedDict[Hashable, tuple[torch.Tensor | None, int]] = OrderedDict()
+        self._answers = AnswerStore(RETAINED_ANSWERS, RETAINED_ANSWER_BYTES)
         # Attempts their trainers gave up on (never applied from then on) and the keys
         # being computed now; with `_answers`, under `_fence_lock`, which `fence` takes
         # alone: a fence must not wait for `lock` (a state download holds it for long).
@@ -134,6 +138,7 @@ class StageWorker:
                     if i not in fenced and request[0] not in self._answers:
                         fresh.setdefault(request[0], request)
                 self._computing |= fresh.keys()
+            computed: dict[Hashable, tuple[torch.Tensor | None, int]] = {}
             try:
                 if fresh:
                     bucket = self._bucket(self.epoch)
@@ -141,16 +146,31 @@ class StageWorker:
                     with self._fence_lock:
                         for key, answer in zip(fresh, answers, strict=True):
                             bucket.keys.add(key)
-                            self._answers[key] = (answer, self.epoch)
-                        while len(self._answers) > RETAINED_ANSWERS:
-                            self._answers.popitem(last=False)
+                            self._answers.put(key, answer, self.epoch)
+                            computed[key] = (answer, self.epoch)
             finally:
                 with self._fence_lock:
                     self._computing -= fresh.keys()
-            return [
-                None if i in fenced else self._answers[request[0]]
-                for i, request in enumerate(requests)
-            ]
+            return self._answered(requests, fenced, computed)
+
+    def _answered(
+        self, requests: list[BackwardRequest], fenced: set[int], computed: dict[Hashable, Any]
+    ) -> list[tuple[torch.Tensor | None, int] | None]:
+        """(Under `lock`:) each request's answer: computed now (`computed`: its own, even
+        if dropped from the store meanwhile), kept from before, or, for a retry of a
+        backward whose gradient was dropped for room, recomputed dry (counted once:
+        its parameter gradients went into its epoch the first time)."""
+        out: list[tuple[torch.Tensor | None, int] | None] = []
+        for i, request in enumerate(requests):
+            with self._fence_lock:
+                answer = computed.get(request[0]) or self._answers.get(request[0])
+            if i in fenced or answer is None:
+                out.append(None)
+            elif isinstance(answer[0], Gone):
+                out.append((self._backward([request], None)[0], answer[1]))
+            else:
+                out.append((answer[0], answer[1]))
+        return out
 
     def input_gradients(self, requests: list[BackwardRequest]) -> list[torch.Tensor | None]:
         """The input gradients of `requests` as `backward_many` computes them, applied
@@ -158,12 +178,10 @@ class StageWorker:
         with self.lock:
             return self._backward(requests, None)
 
-    def fence(
-        self, key: Hashable, attempt: bytes
-    ) -> tuple[bool, tuple[torch.Tensor | None, int] | None]:
+    def fence(self, key: Hashable, attempt: bytes) -> tuple[bool, Answer | None]:
         """Never apply `attempt` from now on (its trainer gave up waiting for it).
         Whether a backward of `key` is being computed right now (ask again shortly),
-        and its answer and epoch if one was applied."""
+        and its answer and epoch if one was applied (its answer GONE: dropped for room)."""
         with self._fence_lock:
             self._fenced[attempt] = None
             while len(self._fenced) > RETAINED_FENCES:
@@ -246,7 +264,7 @@ class StageWorker:
                 dropped += bucket.samples
                 with self._fence_lock:
                     for key in bucket.keys:  # a replay here must count again
-                        self._answers.pop(key, None)
+                        self._answers.pop(key)
             self.epoch = max(self.epoch, epoch)
             return dropped
 

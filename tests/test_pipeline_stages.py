@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
 import torch
 
 from shoal.peer.training.tasks.bytegpt import make_task, split_layers
+from shoal.pipeline.answers import GONE, AnswerStore
+from shoal.pipeline.fencing import fence_answer
 from shoal.pipeline.stage import StageWorker
 
 TINY = {"d_model": 32, "n_layers": 3, "n_heads": 2, "context": 32, "batch_size": 8}
@@ -76,6 +79,40 @@ def test_a_retried_backward_counts_once() -> None:
     sums = worker.take_gradients()
     assert sums.samples == 4 and sums.keys == {("trainer", 5)}
     assert worker.samples == 0
+
+
+def test_a_retry_whose_answer_was_dropped_for_room_counts_once_and_gets_it_recomputed() -> None:
+    """The worker keeps every applied key, but input gradients only within a byte
+    bound: a retry of an older one is recomputed dry (counted once), and a fence
+    of it reports the backward in doubt (the step log settles it)."""
+    task = make_task(TINY)
+    stage = task.make_stages(1, 3)[1]
+    worker = StageWorker(stage)
+    h, g = torch.randn(2, 4, 8, 32), torch.randn(2, 4, 8, 32)
+    one = h[0].numel() * 4
+    worker._answers.tensor_bytes = one  # (room for one answer)
+    first = worker.backward(("trainer", 1), h[0], g[0], samples=4)
+    worker.backward(("trainer", 2), h[1], g[1], samples=4)
+    assert worker._answers.dropped == 1 and worker._answers.bytes == one
+    again = worker.backward(("trainer", 1), h[0], g[0], samples=4)
+    assert again is not first and torch.allclose(again, first)
+    assert worker.samples == 8  # (the retry counted nothing)
+    assert asyncio.run(fence_answer(worker, ("trainer", 1), b"attempt1")) == (None, False)
+    applied, settled = asyncio.run(fence_answer(worker, ("trainer", 2), b"attempt2"))
+    assert settled and applied is not None and applied[1] == 0
+
+
+def test_the_answer_store_keeps_every_key_and_the_newest_gradients_within_its_bytes() -> None:
+    store = AnswerStore(keys=3, tensor_bytes=100)
+    for k in range(4):
+        store.put(k, torch.zeros(10), epoch=k)  # 40 bytes each
+    assert 0 not in store and len(store) == 3  # (keys: the newest 3)
+    assert store.get(1) == (GONE, 1) and store.bytes == 80 and store.dropped == 2
+    store.put(4, None, epoch=4)  # (ids in: no gradient)
+    assert 1 not in store and store.bytes == 80
+    store.put(5, torch.zeros(100), epoch=5)  # larger than the bound: the newest stays
+    assert store.get(3) == (GONE, 3) and store.bytes == 400
+    assert store.pop(5) is not None and store.bytes == 0
 
 
 def _single_process(task, stages, streams, steps, microbatches):
