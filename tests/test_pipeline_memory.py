@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,12 @@ from shoal.dht.records import owner_marker
 from shoal.peer.cli import parse_command_line
 from shoal.peer.config import Config, ConfigError
 from shoal.peer.experiment import Manifest
-from shoal.peer.pipelined.budget import NoStageFits, StageBudget
+from shoal.peer.pipelined.budget import (
+    NoStageFits,
+    StageBudget,
+    available_memory,
+    cgroup_memory_free,
+)
 from shoal.peer.pipelined.run import PipelineRun
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.tasks.bytegpt import make_task
@@ -71,6 +77,43 @@ def test_the_max_memory_flag_takes_a_size_and_refuses_anything_else() -> None:
     assert run_config([], {}).max_memory is None
     with pytest.raises(ConfigError, match="--max-memory"):
         run_config(["--max-memory", "lots"], {})
+
+
+def _cgroup(directory: Path, files: dict[str, str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text + "\n")
+
+
+def test_in_a_container_the_default_budget_is_what_is_left_of_its_memory_limit(
+    tmp_path: Path,
+) -> None:
+    """`docker run --memory` shows the host's MemAvailable inside: the cgroup's limit
+    (ours or an ancestor's, the least left) is what counts, v2 and v1."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 65536000 kB\nMemAvailable: 32768000 kB\n")
+    v2, proc = tmp_path / "v2", tmp_path / "cgroup"
+    proc.write_text("0::/docker/abc\n")
+    _cgroup(v2, {"memory.max": "max", "memory.current": "1"})
+    _cgroup(v2 / "docker", {"memory.max": str(8 << 30), "memory.current": str(1 << 30)})
+    _cgroup(v2 / "docker" / "abc", {"memory.max": str(2 << 30), "memory.current": str(512 << 20)})
+    cpu = torch.device("cpu")
+    assert cgroup_memory_free(proc, v2) == (2 << 30) - (512 << 20)
+    assert available_memory(cpu, meminfo, (proc, v2)) == (2 << 30) - (512 << 20)
+    proc.write_text("0::/\n")  # (a cgroup namespace: our cgroup is the mount's root)
+    _cgroup(v2, {"memory.max": str(1 << 30), "memory.current": str(256 << 20)})
+    assert cgroup_memory_free(proc, v2) == 768 << 20
+
+    v1 = tmp_path / "v1"
+    proc.write_text("12:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n")
+    _cgroup(v1 / "memory" / "docker" / "abc", {"memory.limit_in_bytes": "9223372036854771712",
+                                               "memory.usage_in_bytes": "5"})  # fmt: skip
+    assert cgroup_memory_free(proc, v1) is None  # (v1's "no limit")
+    assert available_memory(cpu, meminfo, (proc, v1)) == 32768000 * 1024
+    _cgroup(v1 / "memory" / "docker", {"memory.limit_in_bytes": str(3 << 30),
+                                       "memory.usage_in_bytes": str(1 << 30)})  # fmt: skip
+    assert cgroup_memory_free(proc, v1) == 2 << 30
+    assert cgroup_memory_free(tmp_path / "missing", v1) is None
 
 
 def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_activations() -> None:

@@ -4,8 +4,9 @@ The estimate of each stage (`pipeline.memory.stage_memory`) comes from the
 task's stage sizes (`stage_build.stage_size`: nothing built) and the stages'
 bounds; a peer chooses, and moves into, only stages whose estimate fits its
 budget. Without `--max-memory` the budget is what the machine has free when the
-peer starts (`MemAvailable`), plus the device's free memory on a GPU (the
-parameters, gradients and moments then live there).
+peer starts (`MemAvailable`, or what is left of a container's cgroup memory
+limit when less), plus the device's free memory on a GPU (the parameters,
+gradients and moments then live there).
 
 The records of other peers play no part in what fits: a peer that claims a huge
 capacity for some stage can make the others look emptier, never make a stage
@@ -33,7 +34,7 @@ from shoal.pipeline.sizes import format_size
 from shoal.pipeline.stage_build import stage_size
 from shoal.transport.identity import PeerID
 
-__all__ = ["NoStageFits", "StageBudget", "available_memory"]
+__all__ = ["NoStageFits", "StageBudget", "available_memory", "cgroup_memory_free"]
 
 log = logging.getLogger("shoal.pipeline")
 
@@ -45,8 +46,15 @@ class NoStageFits(ValueError):
     its own microbatches do not)."""
 
 
-def available_memory(device: torch.device, meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """What the machine (and the device, on a GPU) has free now; None when unknown."""
+def available_memory(
+    device: torch.device,
+    meminfo: Path = Path("/proc/meminfo"),
+    cgroups: tuple[Path, Path] = (Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")),
+) -> int | None:
+    """What the machine (and the device, on a GPU) has free now; None when unknown.
+    In a container (a cgroup with a memory limit: `docker run --memory`, compose's
+    `mem_limit`) the machine's MemAvailable is the host's: what is left of the
+    limit counts when it is less."""
     free: int | None = None
     try:
         for line in meminfo.read_text().splitlines():
@@ -54,10 +62,60 @@ def available_memory(device: torch.device, meminfo: Path = Path("/proc/meminfo")
                 free = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         free = None
+    limited = cgroup_memory_free(*cgroups)
+    if limited is not None:
+        free = limited if free is None else min(free, limited)
     if device.type == "cuda" and torch.cuda.is_available():
         device_free, _ = torch.cuda.mem_get_info(device)
         free = (free or 0) + int(device_free)
     return free
+
+
+# A cgroup limit at least this large is no limit (v1 writes "no limit" as ~2^63).
+_NO_LIMIT = 1 << 60
+
+
+def cgroup_memory_free(proc_cgroup: Path, root: Path) -> int | None:
+    """What is left of the memory limits of our cgroup and its ancestors (the least),
+    cgroup v2 (`memory.max`, `memory.current`) or v1 (`memory.limit_in_bytes`,
+    `memory.usage_in_bytes`); None when there is no limit or no cgroup to read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    places: list[tuple[Path, str, str]] = []
+    for line in lines:
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        relative = path.strip().lstrip("/")
+        if hierarchy == "0" and controllers == "":
+            places.append((root, relative, "v2"))
+        elif "memory" in controllers.split(","):
+            places.append((root / "memory", relative, "v1"))
+    least: int | None = None
+    for mount, relative, version in places:
+        here = mount / relative
+        if not here.is_dir():
+            here = mount  # (a cgroup namespace: our cgroup is its root)
+        for directory in [here, *here.parents]:
+            left = _left_in(directory, version)
+            if left is not None:
+                least = left if least is None else min(least, left)
+            if directory == mount:
+                break
+    return least
+
+
+def _left_in(directory: Path, version: str) -> int | None:
+    names = ("memory.max", "memory.current") if version == "v2" else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes")  # fmt: skip
+    try:
+        limit_text = (directory / names[0]).read_text().strip()
+        if limit_text == "max":
+            return None
+        limit, used = int(limit_text), int((directory / names[1]).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return None if limit >= _NO_LIMIT else max(0, limit - used)
 
 
 def _stage_sizes(task: Any, seed: int, count: int) -> list[int]:
