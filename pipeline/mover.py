@@ -92,6 +92,15 @@ class StageMover:
             time.time(),
         )
 
+    def _alive_here(self, records: list[list[StageRecord]]) -> list[list[StageRecord]]:
+        """The records, with those of our stage's peers we do not hear from left out: a
+        peer killed a moment ago still has its record, and counting it, we could
+        leave a stage it no longer serves with no peer at all."""
+        live = self.peer.live_partners()
+        me, k = self.dht.peer_id, self.peer.stage
+        here = [r for r in records[k] if r.peer == me or r.peer in live]
+        return [here if s == k else rs for s, rs in enumerate(records)]
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             delay = max(0.0, self.rebalancer.wake_at - time.monotonic())
@@ -107,6 +116,7 @@ class StageMover:
                 self.rebalancer.wake_at = time.monotonic() + self.policy.period_s
                 continue
             allowed = None if self.fits is None else self.fits(records)
+            records = self._alive_here(records)
             decision = self.rebalancer.wake(
                 time.monotonic(), records, self._mine(), self.peer.stage, allowed
             )

@@ -224,6 +224,19 @@ class StagePeer:
             self.matchmaking.min_group_size = live // 2 + 1
             await self.step(alone=live == 1)
 
+    def live_partners(self) -> set[PeerID]:
+        """The stage's other peers heard from lately: a report within STALE_S, and not
+        found gone since (a push to it failed). A dead peer's stage record outlives
+        it (RECORD_TTL): this is what tells them apart."""
+        now, me = time.time(), self.server.dht.peer_id
+        return {
+            r.peer
+            for r in self._merged()
+            if r.peer != me
+            and now - r.at <= STALE_S
+            and r.at > self._gone.get(r.peer, -float("inf"))
+        }
+
     def _merged(self) -> list[Report]:
         """Each stage peer's newest report: from the DHT, or pushed to us directly (by
         a peer whose DHT report we read: strangers are not stage peers)."""

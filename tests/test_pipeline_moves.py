@@ -170,6 +170,36 @@ async def test_two_peers_deciding_on_the_same_records_at_once_do_not_both_leave(
 
 
 @pytest.mark.timeout(60)
+async def test_a_mover_does_not_count_a_dead_peer_whose_record_outlives_it(make_host) -> None:
+    """Stages [2, 1]: one of stage 0's peers dies; its record stays in the DHT for a
+    while. The other must not count it (and leave stage 0 with nobody): it counts
+    the peers of its stage it hears from, and one a push failed to is gone."""
+    task = make_task(TINY)
+    modules = [Paced(m, SECONDS_PER_SAMPLE, 1.0) for m in task.make_stages(5, 2)]
+    swarm = Swarm(make_host)
+    try:
+        for stage in (0, 0, 1):
+            await swarm.stage_peer(stage, modules[stage], global_batch=GLOBAL_BATCH)
+        staying, dying = swarm.of_stage(0)[:2]
+
+        async def refuse(stage: int) -> StagePeer:
+            raise AssertionError("no move here")
+
+        mover = StageMover(swarm.nodes[0], EXPERIMENT, 2, staying, refuse)
+        dead = dying.server.dht.peer_id
+        await eventually(lambda: dead in staying.live_partners(), "it hears its partner", 10)
+        records = await read_stages(swarm.nodes[0], EXPERIMENT, 2)
+        assert [len(r) for r in mover._alive_here(records)] == [2, 1]
+
+        await dying.aclose()  # (a crash leaves its record: these, read before, show it)
+        staying._push(1, staying.version)  # (its next progress: the push fails)
+        await eventually(lambda: dead not in staying.live_partners(), "its partner is gone", 10)
+        assert [len(r) for r in mover._alive_here(records)] == [1, 1]
+    finally:
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(60)
 async def test_a_move_whose_new_stage_fails_to_start_serves_the_old_stage_again(
     make_host,
 ) -> None:
