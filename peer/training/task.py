@@ -201,7 +201,14 @@ def _make_bytegpt(config: dict[str, Any], data: Path | None = None) -> Task:
     return make_task(config, data=data)
 
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"bytegpt": _make_bytegpt}
+def _make_hf(config: dict[str, Any], data: Path | None = None) -> Task:
+    # transformers is imported on use too: a shoal without the `hf` extra still runs.
+    from shoal.peer.training.tasks.hf import make_task
+
+    return make_task(config, data=data)
+
+
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"bytegpt": _make_bytegpt, "hf": _make_hf}
 
 _SPEC_FORMS = "a built-in name, package.module:factory or path/to/file.py:factory"
 
