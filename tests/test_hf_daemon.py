@@ -116,3 +116,34 @@ def test_three_peers_train_a_tiny_llama_on_a_text_folder_with_a_tokenizer_traine
     finally:
         for d in peers:
             d.kill()
+
+
+@pytest.mark.timeout(240)
+def test_the_same_experiment_as_a_two_stage_pipeline_trains_with_falling_loss(
+    tmp_path: Path,
+) -> None:
+    """`--pipeline-stages 2`: the tiny Llama cut at its decoder layers, the embedding on
+    stage 0 and the norm and output layer on stage 1, one peer each."""
+    texts = write_texts(tmp_path / "texts")
+    env = {"SHOAL_TASK_OPTIONS": TINY_LLAMA, "SHOAL_STRATEGY_OPTIONS": "inner_lr=3e-3"}
+    args = ["--host-experiment", "piped-llama", "--task", "hf", "--data", str(texts)]
+    host = Daemon("host", tmp_path, [*args, "--pipeline-stages", "2"], env)
+    peers = [host]
+    try:
+        host.wait_ready()
+        join = ["--join", host.join_ref, "--bootstrap", host.address, "--data", str(texts)]
+        peers.append(Daemon("alice", tmp_path, join, {}))
+        peers[1].wait_ready()
+        served = sorted(d.status()["pipeline"]["stage"] for d in peers)
+        assert served == [0, 1], served
+        first = wait_for("the host's first loss", lambda: host.status()["loss"], 90,
+                         debug=lambda: "\n".join(d.tail(20) for d in peers))  # fmt: skip
+        wait_for("30 optimizer steps", lambda: host.status()["step"] >= 30, 120,
+                 debug=lambda: "\n".join(d.tail(20) for d in peers))  # fmt: skip
+        last = host.status()["loss"]
+        # ln 320 = 5.77 before it learns; 15 random words cost about ln 15 = 2.7.
+        assert first > 4.5 and last < first - 1.0, (first, last)
+        assert all(d.alive() for d in peers)
+    finally:
+        for d in peers:
+            d.kill()
