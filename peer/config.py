@@ -750,15 +750,15 @@ def _parse_key_values(raw: str | Sequence[str], source: str) -> tuple[tuple[str,
 
 
 def _top_level_items(raw: str | Sequence[str]) -> list[str]:
-    """As `_items`, but a comma inside brackets, braces or quotes stays in its item: a
-    value may be JSON (``--task-option 'config={"model_type": "llama", ...}'``)."""
+    """As `_items`, but a comma inside brackets or braces (and the quotes within them)
+    stays in its item: a value may be JSON (``config={"model_type": "llama", ...}``)."""
     items: list[str] = []
     for part in [raw] if isinstance(raw, str) else list(raw):
         depth, quote, start = 0, "", 0
         for i, char in enumerate(part):
             if quote:
                 quote = "" if char == quote and part[i - 1] != "\\" else quote
-            elif char in "\"'":
+            elif char in "\"'" and depth:  # (an apostrophe outside JSON is just text)
                 quote = char
             elif char in "[{":
                 depth += 1
