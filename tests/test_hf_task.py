@@ -271,3 +271,20 @@ def test_shoal_without_transformers_imports_and_says_how_to_get_the_hf_task() ->
     assert out.stdout.strip() == (
         "task hf needs transformers, which is not installed: pip install 'shoal[hf]'"
     )
+
+
+def test_the_example_llama_experiment_builds_from_its_toml_and_json(
+    texts: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.peer.cli import parse_command_line
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the example's paths are relative to where shoal runs
+    argv = ["run", "--config", "examples/hf_llama.toml", "--data", str(texts)]
+    command, config = parse_command_line(argv, {})
+    assert command == "run" and config.task == "hf"
+    task = load_task(config.task, dict(config.task_option), data=config.data)
+    model = task.make_model(0)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 3_950_848  # the example says 4.0 M
+    assert model.config.num_key_value_heads == 4 and task.config()["context"] == 256
