@@ -1,13 +1,15 @@
 """End to end: `shoal run --task hf` daemons train a tiny Llama on a local text folder.
 
 The host trains the tokenizer on its data when it creates the experiment and pins the
-data by its digest (so the experiment is verified); two joiners rebuild model and
-tokenizer from the manifest and read the same folder. Their loss falls, they commit
-equal fingerprints, and their audits of each other pass.
+data by its digest (so the experiment is verified); joiners rebuild model and tokenizer
+from the manifest and read the same folder. Their loss falls, they commit equal
+fingerprints, their audits of each other pass and a cheater among them is banned; the
+same experiment also trains as a 2-stage pipeline.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ pytest.importorskip("tokenizers", reason="the hf extra is not installed (pip ins
 from shoal.peer.training.task import load_task
 
 from .daemon_harness import ROUND_RE, Daemon, wait_for
+
+CHEATER_CODE = Path(__file__).parent / "cheater"
 
 pytestmark = pytest.mark.slow  # swarms of daemons
 
@@ -66,55 +70,73 @@ def rounds_of_all(d: Daemon, peers: int) -> dict[int, str]:
             if int(m.group(2)) >= peers}  # fmt: skip
 
 
+def tampered(code: Path) -> dict[str, str]:
+    path = [str(code), os.environ.get("PYTHONPATH")]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, path))}
+
+
 def verification(d: Daemon) -> dict[str, Any]:
     return d.status()["verification"]  # type: ignore[no-any-return]
 
 
-@pytest.mark.timeout(240)
-def test_three_peers_train_a_tiny_llama_on_a_text_folder_with_a_tokenizer_trained_at_hosting(
-    tmp_path: Path,
-) -> None:
-    texts = write_texts(tmp_path / "texts")
-    # The host pins the folder by its digest (as with bytegpt): every peer has it, so
-    # a referee can re-execute anyone's batches and the experiment is verified.
+def tiny_llama_on(texts: Path) -> tuple[str, float]:
+    """The task options of a verified tiny-Llama experiment on `texts`, pinned by its
+    digest (every peer has the folder, so a referee can re-execute anyone's batches),
+    and a fresh model's loss (ln 320 = 5.77: it knows nothing yet) on held-out batches."""
     options = dict(item.split("=") for item in TINY_LLAMA.split(","))
     task = load_task("hf", {k: int(v) if v.isdigit() else v for k, v in options.items()},
                      data=texts)  # fmt: skip
-    digest = task.corpus.digest
-    # A fresh model's loss (ln 320 = 5.77: it knows nothing yet), on the held-out batches.
     fresh = sum(task.loss(task.make_model(1), b).item() for b in task.eval_batches(4)) / 4
-    task_options = f"{TINY_LLAMA},data_digest={digest}"
+    return f"{TINY_LLAMA},data_digest={task.corpus.digest}", fresh
+
+
+@pytest.mark.timeout(300)
+def test_three_peers_train_a_tiny_llama_on_a_text_folder_and_ban_a_cheater(
+    tmp_path: Path,
+) -> None:
+    """A host, two honest joiners and a cheater (tests/cheater: noise after each inner
+    step) on a verified hf experiment with a tokenizer trained at hosting: the honest
+    peers' loss falls, they ban the cheater, commit equal fingerprints, and none of
+    them is accused."""
+    texts = write_texts(tmp_path / "texts")
+    task_options, fresh = tiny_llama_on(texts)
     args = ["--host-experiment", "tiny-llama", "--task", "hf", "--data", str(texts)]
     host = Daemon("host", tmp_path, args, {**ROUNDS, "SHOAL_TASK_OPTIONS": task_options})
     peers = [host]
     try:
         host.wait_ready()
         join = ["--join", host.join_ref, "--bootstrap", host.address, "--data", str(texts)]
-        peers += [Daemon(name, tmp_path, join, ROUNDS) for name in ("alice", "bob")]
-        for d in peers:
+        peers += [Daemon(name, tmp_path, join, {}) for name in ("alice", "bob")]
+        cheater = Daemon("cheater", tmp_path, join, tampered(CHEATER_CODE))
+        for d in [*peers, cheater]:
             d.wait_ready()
-        wait_for("two rounds of the three peers on every peer",
-                 lambda: all(len(rounds_of_all(d, 3)) >= 2 for d in peers), 150,
-                 debug=lambda: "\n".join(d.tail(20) for d in peers))  # fmt: skip
-        rounds = [rounds_of_all(d, 3) for d in peers]
-        common = set.intersection(*(set(r) for r in rounds))
-        assert common, rounds
-        for step in common:
-            assert len({r[step] for r in rounds}) == 1, (step, rounds)
+        cheater_id = cheater.status()["peer_id"]
+        wait_for("the honest peers to ban the cheater",
+                 lambda: all(verification(d)["banned"] == [cheater_id] for d in peers), 150,
+                 debug=lambda: "\n".join(d.tail(20) for d in [*peers, cheater]))  # fmt: skip
+        start = max(d.status()["outer_step"] for d in peers)
+
+        def honest_rounds_after_the_ban() -> dict[int, list[str]]:
+            rounds = [rounds_of_all(d, 3) for d in peers]
+            later = [s for s in rounds[0] if s > start and all(s in r for r in rounds)]
+            return {s: [r[s] for r in rounds] for s in later}
+
+        after = wait_for("a round of the three honest peers after the ban",
+                         honest_rounds_after_the_ban, 90,
+                         debug=lambda: "\n".join(d.tail(20) for d in peers))  # fmt: skip
+        assert all(len(set(prints)) == 1 for prints in after.values()), after
         for d in peers:
             # 15 random words soon cost about ln 15 = 2.7 a token.
             status = d.status()
             assert fresh > 5.0 and status["loss"] < fresh - 1.5, (fresh, status["loss"])
             assert 0 < status["val_loss"] < fresh, (fresh, status["val_loss"])
             v = verification(d)
-            assert v["enabled"] is True, v
-            assert v["banned"] == [] and v["convictions"] == [] and v["audits_failed"] == 0, v
+            assert v["enabled"] is True and v["convicted_self"] is False, v
+            assert [c["peer"] for c in v["convictions"]] in ([], [cheater_id]), v
             assert d.alive()
-        wait_for("an audit of hf work that passed",
-                 lambda: sum(verification(d)["audits_passed"] for d in peers) >= 1, 60)  # fmt: skip
-        assert all(verification(d)["audits_failed"] == 0 for d in peers)
+        assert sum(verification(d)["audits_passed"] for d in peers) >= 1
     finally:
-        for d in peers:
+        for d in [*peers, cheater]:
             d.kill()
 
 
