@@ -135,6 +135,24 @@ def test_training_the_tokenizer_twice_on_the_same_text_gives_the_same_one(
     assert again.config()["tokenizer_bpe"] == host.config()["tokenizer_bpe"]
 
 
+def test_a_tokenizer_file_is_pinned_by_its_digest_and_a_different_copy_is_refused(
+    host: HFTask, texts: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "tokenizer.json"
+    host.tokenizer.save(str(path))
+    task = load_task("hf", {**TINY_LLAMA, "tokenizer": str(path)}, data=texts)
+    config = through_manifest(task)
+    assert config["tokenizer_file"] == str(path) and config["tokenizer_bpe"] == ""
+    sample = "seven lazy peers"
+    assert task.tokenizer.encode(sample).ids == host.tokenizer.encode(sample).ids
+    assert load_task("hf", config, data=texts).tokenizer.encode(sample).ids == (
+        host.tokenizer.encode(sample).ids
+    )
+    path.write_text(path.read_text().replace('"<|endoftext|>"', '"<|end|>"'))
+    with pytest.raises(TaskError, match=r"tokenizer .* differs from the experiment's"):
+        load_task("hf", config, data=texts)
+
+
 def test_a_joiner_with_another_transformers_major_version_refuses_in_one_line(
     host: HFTask, texts: Path
 ) -> None:
