@@ -1,6 +1,7 @@
 """Training throughput of the built-in task per device and precision, CPU fp32 as the baseline.
 
     python bench/train_step.py [--steps 40] [--warmup 5] [--quick] [--task-option KEY=VALUE ...]
+        [--hf] [--hf-option KEY=VALUE ...]
 
 Runs the daemon's own inner step (`shoal.peer.training.inner`: the prefetcher, autocast,
 AdamW, the fp16 gradient scaler) on every device torch sees (the CPU always;
@@ -12,7 +13,12 @@ each CUDA GPU; an Apple GPU) at every precision, and prints one JSON object:
                "tokens_per_s": ..., "step_ms_median": ..., "step_ms_p90": ...,
                "peak_flops": null, "mfu": null, "vs_baseline": 1.0}, ...]}
 
-`vs_baseline` is tokens/s over the CPU fp32 run of the same invocation. MFU is
+`vs_baseline` is tokens/s over the CPU fp32 run of the same invocation.
+With ``--hf`` (needs ``pip install 'shoal[hf]'``) the `hf` task (`HF_BENCH`, a Llama
+of about the built-in task's size, on the standard library with a BPE trained there,
+overridden by ``--hf-option``) is measured too, under "hf": the same run fields, its
+`vs_baseline` against the built-in task's CPU fp32 run, and `bytes_per_token` (a BPE
+token is several bytes, a bytegpt token one: bytes/s = tokens/s x bytes_per_token). MFU is
 model FLOPs per token x tokens/s over the device's peak at that precision
 (`shoal.peer.training.device.peak_flops`), null where the peak is unknown (CPUs, GPUs
 not in the table). fp16 on the CPU is measured with a few steps only (`--quick`
@@ -35,6 +41,19 @@ from shoal.peer.training.inner import BatchPrefetcher, InnerOptimizer
 from shoal.peer.training.tasks.bytegpt import make_task
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# The hf arm's default: a Llama of about bytegpt's default width and depth.
+HF_BENCH: dict[str, Any] = {
+    "family": "llama",
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 512,
+    "vocab_size": 2048,
+    "context": 128,
+    "batch_size": 8,
+    "max_bytes": 4 * 2**20,
+}
 
 
 def _synchronize(device: torch.device) -> None:
@@ -88,18 +107,18 @@ def devices() -> list[torch.device]:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="skip fp16 on the CPU")
-    parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args()
-    config = {}
-    for item in args.task_option:
+def options(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
         key, _, value = item.partition("=")
-        config[key] = int(value)
-    task = make_task(config)
+        try:
+            out[key] = int(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def measure_all(task: Any, args: argparse.Namespace) -> list[dict]:
     runs = []
     for device in devices():
         for precision in PRECISIONS:
@@ -113,23 +132,54 @@ def main() -> None:
                 if major < 8:
                     continue
             runs.append(measure(task, device, precision, steps, args.warmup))
+    return runs
+
+
+def bytes_per_token(task: Any) -> float:
+    ids = task.corpus.train[:20000].tolist()
+    return round(len(task.tokenizer.decode(ids).encode()) / len(ids), 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="skip fp16 on the CPU")
+    parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--hf", action="store_true", help="measure the hf task too")
+    parser.add_argument("--hf-option", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    task = make_task(options(args.task_option))
+    runs = measure_all(task, args)
     baseline = next(r for r in runs if r["device"] == "cpu" and r["precision"] == "fp32")
     for r in runs:
         r["vs_baseline"] = round(r["tokens_per_s"] / baseline["tokens_per_s"], 3)
     model = task.make_model(0)
-    print(
-        json.dumps(
-            {
-                "task": task.config(),
-                "parameters": sum(p.numel() for p in model.parameters()),
-                "flops_per_token": task.flops_per_token(),
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-                "baseline": "cpu fp32",
-                "runs": runs,
-            }
-        )
-    )
+    result = {
+        "task": task.config(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "flops_per_token": task.flops_per_token(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "baseline": "cpu fp32",
+        "runs": runs,
+    }
+    if args.hf:
+        from shoal.peer.training.tasks.hf import make_task as make_hf_task
+
+        hf = make_hf_task({**HF_BENCH, **options(args.hf_option)})
+        hf_runs = measure_all(hf, args)
+        for r in hf_runs:
+            r["vs_baseline"] = round(r["tokens_per_s"] / baseline["tokens_per_s"], 3)
+        config = {k: v for k, v in hf.config().items() if k != "tokenizer_bpe"}
+        result["hf"] = {
+            "task": config,
+            "parameters": sum(p.numel() for p in hf.make_model(0).parameters()),
+            "flops_per_token": hf.flops_per_token(),
+            "bytes_per_token": bytes_per_token(hf),
+            "runs": hf_runs,
+        }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -223,6 +223,22 @@ def lowrank_request() -> dict[str, object]:
     return {**request, **head.header(), "body": bytes(payload)}
 
 
+def hf_tokenizer() -> list[bytes]:
+    """A byte-level BPE of 300 tokens as an hf manifest carries it (without the hf
+    extra: a compact form of one merge, written out)."""
+    try:
+        from shoal.peer.training.tasks.corpus import Document
+        from shoal.peer.training.tasks.hf_data import train_bpe
+
+        text = b"the quick brown fox jumps over the lazy dog; " * 200
+        return [train_bpe([Document("a", text)], vocab_size=300, train_bytes=4096).compact.encode()]
+    except ImportError:
+        import base64
+        import zlib
+
+        return [base64.b64encode(zlib.compress("\u0120 t".encode())).decode().encode()]
+
+
 def new_seeds() -> dict[str, list[bytes]]:
     """The targets of targets_net.py and targets_app.py."""
     addr = str(ADDR)
@@ -247,6 +263,7 @@ def new_seeds() -> dict[str, list[bytes]]:
                 ]
             ),
         ],
+        "hf_tokenizer": hf_tokenizer(),
         "secure_handshake": handshake(),
         "nat_protocols": _packed(
             {"v": 1, "observed": addr, "addrs": [addr], "protocols": ["/shoal/dht/1.0.0"]},

@@ -19,6 +19,8 @@ from shoal.dht.records import owner_marker
 from shoal.peer import node
 from shoal.peer.experiment import _valid_manifests
 from shoal.peer.status.swarm_history import SwarmHistory
+from shoal.peer.training.task_error import TaskError
+from shoal.peer.training.tasks.hf_data import rebuild_bpe
 from shoal.peer.verify import audit_round, reveals
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
@@ -201,10 +203,21 @@ def dht_reports(data: bytes) -> None:
     _valid_manifests(obj)
 
 
+def hf_tokenizer(data: bytes) -> None:
+    """The tokenizer an hf experiment's manifest carries (its "tokenizer_bpe": merges,
+    zlib-compressed, base64), rebuilt as every joiner rebuilds it; without the
+    tokenizers package, the one-line TaskError that says how to get it."""
+    tokenizer = expect((TaskError,), lambda: rebuild_bpe(data.decode("utf-8", "replace")))
+    if tokenizer is not None:
+        assert tokenizer.token_to_id("<|endoftext|>") == 0
+        tokenizer.encode(data[:64].decode("utf-8", "replace"))
+
+
 APP_TARGETS = (
     Target("pipeline_requests", pipeline_requests, (), pipeline_requests.__doc__),
     Target("pipeline_records", pipeline_records, (), pipeline_records.__doc__),
     Target("stage_audit", stage_audit, (), stage_audit.__doc__),
     Target("verification_rounds", verification_rounds, (), verification_rounds.__doc__),
     Target("dht_reports", dht_reports, (), dht_reports.__doc__),
+    Target("hf_tokenizer", hf_tokenizer, (), hf_tokenizer.__doc__),
 )

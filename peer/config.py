@@ -195,7 +195,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "task",
             "SHOAL_TASK",
-            "what a hosted experiment trains: a built-in task (bytegpt), or your own as "
+            "what a hosted experiment trains: a built-in task (bytegpt; hf, a Hugging Face "
+            "causal LM with pip install 'shoal[hf]'), or your own as "
             "package.module:factory or path/to/file.py:factory (see the README, Tasks)",
             "TASK",
             DEFAULT_TASK,
@@ -214,7 +215,8 @@ OPTIONS: dict[str, Option] = {
             "task_option",
             "SHOAL_TASK_OPTIONS",
             "a task setting of a hosted experiment, e.g. d_model=64 (bytegpt: preset=base, "
-            "a 38 M model); repeat the flag for several",
+            "a 38 M model; hf: family=llama,hidden_size=256 or config={JSON}); repeat the "
+            "flag for several",
             "KEY=VALUE",
             "the task's defaults",
             repeatable=True,
@@ -828,13 +830,35 @@ def _parse_allow_task(raw: str | Sequence[str], source: str) -> tuple[str, ...]:
 def _parse_key_values(raw: str | Sequence[str], source: str) -> tuple[tuple[str, Any], ...]:
     """KEY=VALUE items; values are read as TOML scalars (numbers, booleans), else text."""
     out: dict[str, Any] = {}
-    for item in _items(raw):
+    for item in _top_level_items(raw):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"{source}: expected KEY=VALUE, got {item!r}")
         out[key] = _scalar(value.strip())
     return tuple(out.items())
+
+
+def _top_level_items(raw: str | Sequence[str]) -> list[str]:
+    """As `_items`, but a comma inside brackets or braces (and the quotes within them)
+    stays in its item: a value may be JSON (``config={"model_type": "llama", ...}``)."""
+    items: list[str] = []
+    for part in [raw] if isinstance(raw, str) else list(raw):
+        depth, quote, start = 0, "", 0
+        for i, char in enumerate(part):
+            if quote:
+                quote = "" if char == quote and part[i - 1] != "\\" else quote
+            elif char in "\"'" and depth:  # (an apostrophe outside JSON is just text)
+                quote = char
+            elif char in "[{":
+                depth += 1
+            elif char in "]}":
+                depth = max(depth - 1, 0)
+            elif char == "," and depth == 0:
+                items.append(part[start:i])
+                start = i + 1
+        items.append(part[start:])
+    return [item.strip() for item in items if item.strip()]
 
 
 def _scalar(text: str) -> Any:

@@ -206,6 +206,19 @@ def test_key_values_read_numbers_booleans_and_strings() -> None:
     assert isinstance(dict(config.task_option)["d_model"], int)
 
 
+def test_a_json_value_keeps_its_commas_and_the_items_around_it_split() -> None:
+    config = run_config(
+        "--task-option", 'config={"model_type": "llama", "sizes": [1, 2], "n": "a,}"},context=32',
+        "--task-option", "name=it's,x=1",
+    )  # fmt: skip
+    assert dict(config.task_option) == {
+        "config": '{"model_type": "llama", "sizes": [1, 2], "n": "a,}"}',
+        "context": 32,
+        "name": "it's",
+        "x": 1,
+    }
+
+
 def test_a_repeated_key_keeps_the_last_value() -> None:
     config = run_config("--strategy-option", "outer_lr=0.5", "--strategy-option", "outer_lr=0.7")
     assert config.strategy_option == (("outer_lr", 0.7),)

@@ -314,7 +314,7 @@ def test_config_overrides_shape_the_model() -> None:
 
 
 def test_builtin_tasks_are_listed() -> None:
-    assert set(BUILTIN_TASKS) == {"bytegpt"}
+    assert set(BUILTIN_TASKS) == {"bytegpt", "hf"}
 
 
 def test_module_function_spec() -> None:
@@ -339,7 +339,8 @@ def test_the_names_from_before_the_move_give_the_same_objects() -> None:
 
 def test_unknown_task_name_lists_the_builtin_tasks() -> None:
     with pytest.raises(
-        TaskError, match=r"unknown task 'gpt5': built-in tasks are bytegpt; or give module:function"
+        TaskError,
+        match=r"unknown task 'gpt5': built-in tasks are bytegpt, hf; or give module:function",
     ):
         load_task("gpt5")
 

@@ -3,9 +3,11 @@
 A *task* is an object with the methods of `Task` below. The trainer asks it for
 a model, for endless training batches from this peer's shard of the data, for a
 loss, and for a fixed validation set; everything else (averaging, checkpoints,
-verification) is the daemon's business. shoal has one built-in task,
+verification) is the daemon's business. shoal has two built-in tasks,
 ``bytegpt`` (a small byte-level GPT on the Python standard library's source, or
-on your own text with ``--data``), and loads any other task from your code.
+on your own text with ``--data``) and ``hf`` (a Hugging Face ``transformers``
+causal LM built from a config, `shoal.peer.training.tasks.hf`: ``pip install
+'shoal[hf]'``), and loads any other task from your code.
 
 Writing a custom task
 ---------------------
@@ -57,7 +59,7 @@ and host an experiment with it::
 
 (``--task-option KEY=VALUE`` entries become the factory's ``config``.)
 
-``--task`` takes a built-in name (``bytegpt``), ``package.module:factory``
+``--task`` takes a built-in name (``bytegpt``, ``hf``), ``package.module:factory``
 (an importable module: installed, or on PYTHONPATH) or
 ``path/to/file.py:factory`` (a relative path is resolved against the working
 directory, the host's and each joiner's alike). Every peer that joins the
@@ -201,7 +203,14 @@ def _make_bytegpt(config: dict[str, Any], data: Path | None = None) -> Task:
     return make_task(config, data=data)
 
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"bytegpt": _make_bytegpt}
+def _make_hf(config: dict[str, Any], data: Path | None = None) -> Task:
+    # transformers is imported on use too: a shoal without the `hf` extra still runs.
+    from shoal.peer.training.tasks.hf import make_task
+
+    return make_task(config, data=data)
+
+
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"bytegpt": _make_bytegpt, "hf": _make_hf}
 
 _SPEC_FORMS = "a built-in name, package.module:factory or path/to/file.py:factory"
 
