@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import torch
@@ -108,7 +109,9 @@ def stage_checkpoint() -> bytes:
         return path.read_bytes()
 
 
-def manifest(task: str = "bytegpt", task_digest: str = "") -> bytes:
+def manifest(
+    task: str = "bytegpt", task_digest: str = "", hyperparameters: dict[str, Any] | None = None
+) -> bytes:
     """A built-in task's manifest (format 1), or a custom task's with its code digest (2)."""
     m = Manifest.create(
         ME,
@@ -118,7 +121,7 @@ def manifest(task: str = "bytegpt", task_digest: str = "") -> bytes:
         task_config={"d_model": 32},
         strategy="diloco",
         strategy_options={"inner_steps": 50},
-        hyperparameters={"inner_lr": 1e-3},
+        hyperparameters=hyperparameters or {"inner_lr": 1e-3},
         seed=1,
         initial_fingerprint="0" * 64,
         created=1.7e9,
@@ -444,6 +447,7 @@ def seeds() -> dict[str, list[bytes]]:
             b"default@" + str(ME.peer_id).encode(),
             manifest("mytask:make_task", "ab" * 32),
             pipeline_manifest(),
+            manifest(hyperparameters={"inner_optimizer": {"name": "SGD", "momentum": 0.9}}),
         ],
         "checkpoint": [checkpoint(), stage_checkpoint()],
         "status_inputs": [b"127.0.0.1:8080", msgpack.packb(status, use_bin_type=True)],

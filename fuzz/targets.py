@@ -13,6 +13,7 @@ to its end in one `send` (`run_now`) without an event loop.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
@@ -36,6 +37,7 @@ from shoal.dht.storage import LocalStorage
 from shoal.peer.experiment import Manifest, ManifestError, parse_experiment_ref
 from shoal.peer.status.cli import format_status
 from shoal.peer.status.server import parse_status_addr
+from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.checkpoint import CheckpointError, CheckpointStore
 from shoal.pipeline import stage_checkpoint
 from shoal.transport import tensors
@@ -244,13 +246,16 @@ def codec_int8(data: bytes) -> None:
 
 
 def manifest(data: bytes) -> None:
-    """A signed experiment manifest (from the DHT) and an experiment reference."""
+    """A signed experiment manifest (from the DHT), its hyperparameters (the inner
+    optimizer included) and an experiment reference."""
     try:
         m = Manifest.from_bytes(data)
     except ManifestError:
         pass
     else:
         assert Manifest.from_bytes(m.to_bytes()) == m
+        with contextlib.suppress(ValueError):
+            check_hyperparameters(m.hyperparameters)
     parse_experiment_ref(data.decode("utf-8", "replace"))
 
 

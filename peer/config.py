@@ -33,6 +33,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
 
 from .finding.networks import DEFAULT_NETWORK, NetworkError, check_network_name, parse_entry
+from .training.optimizers import INNER_OPTIMIZERS, parse_inner_optimizer  # (torch-free)
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -253,6 +254,17 @@ OPTIONS: dict[str, Option] = {
             repeatable=True,
         ),
         Option(
+            "inner_optimizer",
+            "SHOAL_INNER_OPTIMIZER",
+            "the inner optimizer of a hosted experiment, pinned in its manifest: "
+            + ", ".join(INNER_OPTIMIZERS)
+            + " with arguments, e.g. SGD:momentum=0.9,nesterov=true or JSON "
+            '\'{"name": "AdamW", "betas": [0.9, 0.99]}\' (the lr and weight decay stay the '
+            "experiment's inner_lr and weight_decay)",
+            "NAME[:KEY=VALUE,...]",
+            "AdamW",
+        ),
+        Option(
             "pipeline_stages",
             "SHOAL_PIPELINE_STAGES",
             "split a hosted experiment's model into N stages served by different peers "
@@ -390,6 +402,7 @@ class Config:
     strategy: str = DEFAULT_STRATEGY
     inner_steps: int = DEFAULT_INNER_STEPS
     strategy_option: tuple[tuple[str, Any], ...] = ()
+    inner_optimizer: dict[str, Any] | None = None  # None: AdamW
     pipeline_stages: int | None = None
     role: str = "auto"
     stage: int | None = None
@@ -976,6 +989,14 @@ def _parse_precision(raw: str | Sequence[str], source: str) -> str:
     return text
 
 
+def _parse_inner_optimizer(raw: str | Sequence[str], source: str) -> dict[str, Any]:
+    assert isinstance(raw, str)
+    try:
+        return parse_inner_optimizer(raw)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
 def _parse_verify(raw: str | Sequence[str], source: str) -> str:
     assert isinstance(raw, str)
     text = raw.strip().lower()
@@ -1035,6 +1056,7 @@ _PARSERS = {
     "strategy": _parse_strategy,
     "inner_steps": _positive_int,
     "strategy_option": _parse_key_values,
+    "inner_optimizer": _parse_inner_optimizer,
     "pipeline_stages": _parse_stages,
     "role": _parse_role,
     "stage": _parse_stage,

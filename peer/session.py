@@ -54,6 +54,7 @@ from .pipelined.run import PipelineRun, StageMismatch
 from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
 from .training.checkpoint import CheckpointError, CheckpointStore
 from .training.device import DeviceInventory, check_precision, describe, mfu, peak_flops
+from .training.optimizers import describe_inner_optimizer, is_default_inner_optimizer
 from .training.task import Task, TaskError, load_task, shard_of, trains_on_private_data
 from .training.task_code import check_consent, check_digest, is_builtin_spec, task_digest
 from .verify.ban_watch import BanWatcher
@@ -159,6 +160,7 @@ async def open_session(
         check_precision(hyper["precision"], device, inventory)
     except ValueError as e:  # DeviceError included
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
+    log.info("inner optimizer %s", describe_inner_optimizer(hyper["inner_optimizer"]))
     # On the device before the strategy takes the parameters (it keeps its global
     # copy on the host, where the wire and the fingerprints are).
     model = await asyncio.to_thread(model.to, device)
@@ -282,6 +284,8 @@ async def _pipeline_session(
     try:
         hyper = check_hyperparameters(manifest.hyperparameters)
         check_precision(hyper["precision"], device, inventory)
+        if not is_default_inner_optimizer(hyper["inner_optimizer"]):
+            raise ValueError("a pipeline's stage optimizer is AdamW; the manifest names another")
         run = PipelineRun(
             dht,
             identity,
@@ -565,6 +569,8 @@ def _new_settings(
     if config.precision != "fp32":
         # Only a non-default precision is written: a manifest without one reads as fp32.
         hyper_given["precision"] = config.precision
+    if config.inner_optimizer is not None:
+        hyper_given["inner_optimizer"] = config.inner_optimizer
     strategy = PipelineOptions.name if config.pipeline_stages else config.strategy
     try:
         if config.pipeline_stages:
@@ -593,6 +599,14 @@ def _new_settings(
             )
         if hyperparameters["precision"] == "fp32":
             del hyperparameters["precision"]
+        # Plain AdamW is not written either: peers of a shoal before the choice join it.
+        if is_default_inner_optimizer(hyperparameters["inner_optimizer"]):
+            del hyperparameters["inner_optimizer"]
+        elif config.pipeline_stages:
+            raise SessionError(
+                "--inner-optimizer: a pipeline's stage optimizer is AdamW (the choice is for "
+                "the outer strategies)"
+            )
     except ValueError as e:
         raise SessionError(f"--strategy-option: {e}") from None
     return strategy, options, hyperparameters

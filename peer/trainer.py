@@ -32,6 +32,7 @@ from .training.checkpoint import CheckpointError, CheckpointStore
 from .training.device import autocast
 from .training.heap import TRIM_INTERVAL_S, release_free_memory
 from .training.inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
+from .training.optimizers import DEFAULT_INNER_OPTIMIZER, check_inner_optimizer
 from .training.priority import lower_this_thread
 from .training.task import Task
 from .training.validation import Validation, changes_the_model
@@ -52,7 +53,7 @@ log = logging.getLogger("shoal.trainer")
 # the default experiment (DiLoCo, H = 50, bytegpt at its default size) with
 # bench/tune_defaults.py: see docs/guide/strategies.md, "Hyperparameters".
 DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
-    "inner_lr": 1.6e-2,  # peak lr of the inner AdamW
+    "inner_lr": 1.6e-2,  # peak lr of the inner optimizer
     "weight_decay": 0.1,
     "warmup_steps": 400,
     # The lr after warmup (peer/training/inner.py, `learning_rate_scale`): "constant", "cosine",
@@ -68,6 +69,9 @@ DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
     # The arithmetic of the inner steps (autocast dtype): every peer of an experiment
     # uses the same, so that recomputed work (verification) matches.
     "precision": "fp32",
+    # The inner optimizer, a `torch.optim` class of an allowlist with bounded arguments
+    # (peer/training/optimizers.py); written to a manifest only when not plain AdamW.
+    "inner_optimizer": DEFAULT_INNER_OPTIMIZER,
 }
 
 # What a manifest without a key means: the value it had when such manifests were
@@ -93,6 +97,7 @@ def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
     without them meant; a new experiment passes `DEFAULT_HYPERPARAMETERS` under its
     own); ValueError naming an unknown or bad value."""
     out = dict(LEGACY_HYPERPARAMETERS)
+    out["inner_optimizer"] = dict(DEFAULT_INNER_OPTIMIZER)  # (a copy: callers may change it)
     for key, value in hyper.items():
         if key not in DEFAULT_HYPERPARAMETERS:
             raise ValueError(
@@ -103,6 +108,9 @@ def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
             if value not in PRECISIONS:
                 raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
             out[key] = value
+            continue
+        if key == "inner_optimizer":
+            out[key] = check_inner_optimizer(value)
             continue
         if key == "lr_schedule":
             if value not in LR_SCHEDULES:

@@ -40,7 +40,9 @@ def referee(host: Any, shunned: list[tuple[PeerID, int]]) -> Referee:
     me = Identity.generate()
     dht = SimpleNamespace(host=host)
     # Only what an audit touches before any reveal arrives: no segment is re-run here.
-    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict), model=torch.nn.Linear(2, 2))
+    runner = SimpleNamespace(
+        inner=SimpleNamespace(state_dict=dict, state_layouts=list), model=torch.nn.Linear(2, 2)
+    )
     return Referee(
         dht, me, task=None, num_shards=1, namespace="exp", policy=None, runner=runner,
         pool=None, bans=None, retain_s=3600.0, shun=recorder(shunned),
@@ -126,7 +128,9 @@ async def test_an_audit_whose_draw_moved_is_dropped_without_an_error(
     soak: 'the auditor speaks first', an exception nobody retrieved)."""
     r = Round(6, salt="moving")
     prover, auditor, moved = moving_draw(r)
-    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict), model=torch.nn.Linear(2, 2))
+    runner = SimpleNamespace(
+        inner=SimpleNamespace(state_dict=dict, state_layouts=list), model=torch.nn.Linear(2, 2)
+    )
     ref = Referee(
         SimpleNamespace(host=await make_host()), r.by_peer[auditor], task=None, num_shards=1,
         namespace="exp", policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,
@@ -188,7 +192,9 @@ async def late_secret_round(
         yield  # (stream handlers are async generators)
 
     shunned: list[tuple[PeerID, int]] = []
-    runner = SimpleNamespace(inner=SimpleNamespace(state_dict=dict), model=torch.nn.Linear(2, 2))
+    runner = SimpleNamespace(
+        inner=SimpleNamespace(state_dict=dict, state_layouts=list), model=torch.nn.Linear(2, 2)
+    )
     ref = Referee(
         auditor, auditor.host.identity, task=None, num_shards=1, namespace="exp",
         policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,

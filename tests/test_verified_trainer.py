@@ -94,9 +94,16 @@ def commitment_of(work: Any, me: Identity, final: torch.Tensor, shape: RoundShap
     return c, secret
 
 
-async def test_a_reset_to_the_global_state_mid_round_starts_the_rounds_work_again() -> None:
+# The inner optimizer's state stays the peer's own through a re-sync (only the
+# parameters are set back): audits of the re-run reproduce it, AdamW's or SGD's.
+@pytest.mark.parametrize(
+    "inner_optimizer", [{"name": "AdamW"}, {"name": "SGD", "momentum": 0.9}], ids=["AdamW", "SGD"]
+)
+async def test_a_reset_to_the_global_state_mid_round_starts_the_rounds_work_again(
+    inner_optimizer: dict[str, Any],
+) -> None:
     task = load_task("bytegpt", dict(TINY))
-    hyper = check_hyperparameters({"warmup_steps": 0})
+    hyper = check_hyperparameters({"warmup_steps": 0, "inner_optimizer": inner_optimizer})
     me = Identity.from_seed(b"r" * 32)
     shards = hyper["num_shards"]
     model = task.make_model(0)
@@ -118,6 +125,7 @@ async def test_a_reset_to_the_global_state_mid_round_starts_the_rounds_work_agai
 
     work = log.current
     assert work is not None and work.round == ROUND
+    assert type(trainer.optimizer).__name__ == inner_optimizer["name"]
     assert (work.first_step, work.steps) == (RESET_AT, AFTER), "the work restarted at the reset"
     assert work.start_params == params_hash(strategy.globals), "from the global state"
     assert strategy.work_during_reset is None, "the stale run is not the current work"

@@ -1,4 +1,4 @@
-"""The inner step on a device: batches prefetched off the training thread, AdamW, precision.
+"""The inner step on a device: batches prefetched off its thread, the optimizer, precision.
 
 `BatchPrefetcher` draws the task's batches in a thread of its own, so a slow
 tokenizer or disk never leaves the device idle; on a CUDA device it puts them in
@@ -6,7 +6,8 @@ pinned host memory, and the training thread copies them with
 ``non_blocking=True`` (the copy overlaps the kernels queued before it).
 `InnerOptimizer` runs one step: forward under autocast at the experiment's
 precision, backward (through a gradient scaler for fp16, whose range is too
-narrow for small gradients), clipping, AdamW at the learning rate of
+narrow for small gradients), clipping, the experiment's optimizer (AdamW unless
+its manifest names another, `optimizers.py`) at the learning rate of
 `learning_rate_scale`. Parameters and optimizer state stay float32 whatever the
 precision.
 
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from .device import autocast
+from .optimizers import DEFAULT_INNER_OPTIMIZER, make_inner_optimizer, state_layout
 from .priority import lower_this_thread
 
 __all__ = [
@@ -155,7 +157,7 @@ class BatchPrefetcher:
 
 
 class InnerOptimizer:
-    """AdamW with the lr schedule, clipping and the experiment's precision, on its device."""
+    """The experiment's optimizer with the lr schedule, clipping and precision, on its device."""
 
     def __init__(
         self,
@@ -169,12 +171,7 @@ class InnerOptimizer:
         self.hyper = hyper
         self.device = device
         self.precision = precision
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=hyper["inner_lr"],
-            weight_decay=hyper["weight_decay"],
-            betas=(0.9, hyper["adam_beta2"]),
-        )
+        self.optimizer = make_inner_optimizer(model.parameters(), hyper)
         # fp16 only: bf16 has float32's range and needs no scaling.
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
@@ -195,6 +192,12 @@ class InnerOptimizer:
         self.scaler.update()
         # The one host-device synchronization of a step: the loss for the log.
         return float(loss.detach())
+
+    def state_layouts(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per parameter, the state tensors (name -> shape) the optimizer keeps once it
+        has stepped: what a reveal of this experiment's work may hold."""
+        choice = self.hyper.get("inner_optimizer") or DEFAULT_INNER_OPTIMIZER
+        return [state_layout(choice, p.shape) for p in self.model.parameters()]
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "grad_scaler": self.scaler.state_dict()}

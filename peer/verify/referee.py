@@ -90,6 +90,8 @@ class Referee:
         self.template = runner.inner.state_dict()
         # What a reveal holds: our model's parameters (more is refused unread).
         self.shapes = [p.shape for p in runner.model.parameters()]
+        # ... and the state our optimizer keeps of each (another state is refused unread).
+        self.layouts = runner.inner.state_layouts()
         self.pool = pool
         self.bans = bans
         self.retain_s = retain_s  # how long provers keep their work
@@ -191,7 +193,7 @@ class Referee:
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
                     timeout=max(1.0, deadline - time.monotonic()),
-                    secrets=rnd.secrets_to_wire(),
+                    secrets=rnd.secrets_to_wire(), layouts=self.layouts,
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
                 if time.monotonic() + REVEAL_RETRY_S >= deadline:

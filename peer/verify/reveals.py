@@ -15,11 +15,14 @@ parameters, start optimizer state in `keys` order, end parameters, final
 parameters), then ``{"done": true}``.
 
 The asker knows what a reveal holds before it comes: its own model has the same
-parameters (`fetch_reveal`'s `shapes`), and the optimizer's state of a parameter
-(AdamW: two moments of its shape, a step count) has at most as many elements,
-at most `MAX_STATES` tensors of it. A reveal announcing another parameter count,
-or a tensor larger than that, is refused before the tensor is allocated or read
-(`RevealTooLarge`: a malformed reveal).
+parameters (`fetch_reveal`'s `shapes`), and the experiment's optimizer keeps
+known state tensors of known shapes for each (`layouts`, from
+`optimizers.state_layout`: AdamW a step count and two moments of the parameter's
+shape, SGD with momentum one buffer, Adafactor a step count and a row and a column
+factor). A reveal announcing another parameter count, a state the optimizer does
+not keep, or a tensor of another shape, is refused before the tensor is allocated
+or read (`RevealTooLarge`: a malformed reveal). Without `layouts`, each state
+tensor is bounded by its parameter's elements, at most `MAX_STATES` of them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,10 +135,12 @@ async def fetch_reveal(
     *,
     timeout: float,
     secrets: list[list[bytes]] | None = None,
+    layouts: Sequence[Mapping[str, tuple[int, ...]]] | None = None,
 ) -> Reveal:
     """Ask `prover` to reveal `segment` of its work in `round_index`. `template`: an
     `InnerOptimizer.state_dict()` whose param groups the revealed state takes;
-    `shapes`: our own model's parameters', which the revealed ones must have.
+    `shapes`: our own model's parameters', which the revealed ones must have;
+    `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps.
     Raises (transport, remote or ValueError) when nothing well formed came;
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
     async with rpc.open_call(
@@ -147,8 +152,13 @@ async def fetch_reveal(
         head = await call.recv_item()
         n, keys, end_opt, final_opt = _header(head)
         _check_layout(n, keys, shapes)
+        if layouts is not None:
+            _check_states(keys, layouts)
         start = [await _recv(call, shape) for shape in shapes]
-        opt = [await _recv(call, shapes[i], exact=False) for i, _ in keys]
+        if layouts is None:
+            opt = [await _recv(call, shapes[i], exact=False) for i, _ in keys]
+        else:
+            opt = [await _recv(call, torch.Size(layouts[i][name])) for i, name in keys]
         end = [await _recv(call, shape) for shape in shapes]
         final = [await _recv(call, shape) for shape in shapes]
         done = await call.recv_item()
@@ -183,16 +193,32 @@ def _check_layout(n: int, keys: list[tuple[int, str]], shapes: Sequence[torch.Si
         raise RevealTooLarge("optimizer state named twice, or too many states of a parameter")
 
 
+def _check_states(
+    keys: list[tuple[int, str]], layouts: Sequence[Mapping[str, tuple[int, ...]]]
+) -> None:
+    """Each parameter's state is what our optimizer keeps for it once it has stepped,
+    all of it (or none: a parameter that has not stepped yet)."""
+    named: dict[int, set[str]] = {}
+    for i, name in keys:
+        named.setdefault(i, set()).add(name)
+    for i, names in named.items():
+        if names != set(layouts[i]):
+            raise RevealTooLarge(
+                f"optimizer state {sorted(names)} of parameter {i}; the experiment's "
+                f"optimizer keeps {sorted(layouts[i])}"[:200]
+            )
+
+
 async def _recv(call: rpc.Call, shape: torch.Size, *, exact: bool = True) -> torch.Tensor:
-    """The next tensor: of `shape` (`exact`), or at most its elements (optimizer state),
-    refused before it is allocated when it announces more."""
+    """The next tensor: of `shape` (`exact`), or at most its elements (optimizer state
+    without a layout), refused before it is allocated when it announces more."""
     elements = max(1, math.prod(shape))
     try:
         t = await call.recv_tensor(max_bytes=elements * 8, max_elements=elements)
     except PayloadTooLarge as e:
         raise RevealTooLarge(str(e)) from None
     if exact and t.shape != shape:
-        raise RevealError(f"a revealed parameter of shape {list(t.shape)}, ours is {list(shape)}")
+        raise RevealError(f"a revealed tensor of shape {list(t.shape)}, ours is {list(shape)}")
     return t
 
 
