@@ -50,6 +50,7 @@ here go down to 8 bits).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -64,7 +65,9 @@ from shoal.transport.identity import PeerID
 from .allreduce import AllReduceService
 from .attestation import Attestor
 from .averager import Averager, AveragerConfig, StepResult, restored_version
+from .compression import CodecError
 from .diloco_options import DiLoCoOptions, StreamingOptions
+from .error_feedback import ErrorFeedback
 from .fragments import Fragment, FragmentOutcome, committed
 from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
 from .lineage import declared_work
@@ -78,6 +81,7 @@ from .outer import (
     nesterov_outer_step,
     state_protocol,
 )
+from .sparse_codec import SparseCodec
 from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
 log = logging.getLogger("shoal.averaging.diloco")
@@ -148,11 +152,17 @@ class DiLoCo(OuterStrategyBase):
         self.momentum = [torch.zeros_like(g) for g in self.globals]
         # The pseudo-gradients in one buffer, averaged in place (views for the math).
         self._delta_buffer, self.deltas = host_flat_zeros(self.params)
+        config = _averager_config(key, self.options)
+        self.feedback = _error_feedback(self.options, self._delta_buffer)
+        if self.feedback is not None:
+            # The sparse contribution travels decoded, exactly, through the butterfly
+            # (an all-gather of the messages themselves is still to come).
+            config = dataclasses.replace(config, codec="none")
         self.averager = Averager(
             dht,
             key,
             [self._delta_buffer],
-            config=_averager_config(key, self.options),
+            config=config,
             metadata=self._metadata,
             state=[*self.globals, *self.momentum],
             on_commit=self._outer_step,
@@ -195,6 +205,8 @@ class DiLoCo(OuterStrategyBase):
             if loaded:
                 copy_into(self.params, self.globals)
                 self._synced_now()
+                if self.feedback is not None:
+                    self.feedback.reset()  # (it pushed a state this peer no longer holds)
         if not loaded:
             if not self._restored:
                 copy_into(self.globals, self.params)
@@ -226,8 +238,11 @@ class DiLoCo(OuterStrategyBase):
         clock = RoundClock(self.dht)
         size = numel(self.params)
         await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
+        if self.feedback is not None:
+            await off_loop(self._compress, size)
         timeout = float(self.options.round_timeout)
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
+        self._settle_feedback(result)
         contribution = (self.synced_at_step, self.inner_steps)
         if result.resynced or result.discarded:
             # Our work was dropped: the swarm's state replaced it, or it may be counted
@@ -252,6 +267,26 @@ class DiLoCo(OuterStrategyBase):
             result=result,
             contribution=contribution,
         )
+
+    def _compress(self) -> None:
+        """The pseudo-gradient plus the residual, through the sparse codec (in place)."""
+        assert self.feedback is not None
+        try:
+            self.feedback.compress(self._delta_buffer)
+        except CodecError as e:  # NaN or inf: sent as it is, for the round to refuse
+            log.warning("%s: the pseudo-gradient cannot be coded: %s", self.key, e)
+
+    def _settle_feedback(self, result: StepResult) -> None:
+        """The residual after the round: our message was applied only on a commit; a
+        re-sync drops it with the work it came from."""
+        if self.feedback is None:
+            return
+        if result.committed:
+            self.feedback.commit()
+        elif result.resynced:
+            self.feedback.reset()
+        else:  # aborted, no group, or in doubt: the next delta covers these steps again
+            self.feedback.abort()
 
     def _outer_step(self) -> None:
         """The commit hook: `deltas` hold the group's weighted mean pseudo-gradient."""
@@ -287,6 +322,8 @@ class DiLoCo(OuterStrategyBase):
             "certificates": self.averager.saved_certificates(),
             "inner_steps": self.inner_steps,
             "samples_since_sync": self.samples_since_sync,
+            # Private to this peer (never in the state it serves), so only here.
+            "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -294,6 +331,9 @@ class DiLoCo(OuterStrategyBase):
         globals_ = check_like("globals", state.get("globals"), self.globals)
         momentum = check_like("momentum", state.get("momentum"), self.momentum)
         inner, samples = checked_counters(state, ("inner_steps", "samples_since_sync"))
+        saved_feedback = state.get("error_feedback")
+        if self.feedback is not None and saved_feedback is not None:
+            self.feedback.load_state_dict(saved_feedback)  # (a checkpoint without one: zero)
         self.averager.restore(
             state.get("commits"),  # type: ignore[arg-type]
             state.get("version"),
@@ -306,6 +346,16 @@ class DiLoCo(OuterStrategyBase):
         self.samples_since_sync = samples
         self.synced_at_step = inner  # (this process's ledger counts from here)
         self._restored = True
+
+
+def _error_feedback(options: DiLoCoOptions, buffer: torch.Tensor) -> ErrorFeedback | None:
+    """The error feedback of a sparse codec (None for a dense one)."""
+    if not options.sparse:
+        return None
+    codec = SparseCodec.from_density(
+        options.codec, options.sparse_chunk, options.codec_density, options.codec_bits
+    )
+    return ErrorFeedback(codec, buffer.numel(), pin=buffer.is_pinned())
 
 
 # ---------------------------------------------------------------------- streaming
