@@ -69,6 +69,7 @@ from .compression import CodecError
 from .diloco_options import DiLoCoOptions, StreamingOptions
 from .error_feedback import ErrorFeedback
 from .fragments import Fragment, FragmentOutcome, committed
+from .group import Group
 from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
 from .lineage import declared_work
 from .options import GroupOptions
@@ -82,6 +83,7 @@ from .outer import (
     state_protocol,
 )
 from .sparse_codec import SparseCodec
+from .sparse_gather import SparseGather
 from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
 log = logging.getLogger("shoal.averaging.diloco")
@@ -154,10 +156,16 @@ class DiLoCo(OuterStrategyBase):
         self._delta_buffer, self.deltas = host_flat_zeros(self.params)
         config = _averager_config(key, self.options)
         self.feedback = _error_feedback(self.options, self._delta_buffer)
+        self.gather: SparseGather | None = None
+        self._message: bytes | None = None  # our sparse contribution this round
+        self._gathered = b""  # the round whose slots `_slots` hold, and its members
+        self._gathered_members: tuple[PeerID, ...] = ()
+        self._slots = torch.empty(0)
         if self.feedback is not None:
-            # The sparse contribution travels decoded, exactly, through the butterfly
-            # (an all-gather of the messages themselves is still to come).
-            config = dataclasses.replace(config, codec="none")
+            # The messages themselves travel, in slots that the owners unite bit for bit.
+            self.gather = SparseGather(self.feedback.codec, self._delta_buffer.numel())
+            allreduce = dataclasses.replace(config.allreduce, reduction="union")
+            config = dataclasses.replace(config, codec="none", allreduce=allreduce)
         self.averager = Averager(
             dht,
             key,
@@ -166,6 +174,7 @@ class DiLoCo(OuterStrategyBase):
             metadata=self._metadata,
             state=[*self.globals, *self.momentum],
             on_commit=self._outer_step,
+            round_tensors=None if self.gather is None else self._slots_for,
         )
 
     @property
@@ -269,12 +278,26 @@ class DiLoCo(OuterStrategyBase):
         )
 
     def _compress(self) -> None:
-        """The pseudo-gradient plus the residual, through the sparse codec (in place)."""
+        """The pseudo-gradient plus the residual, through the sparse codec; the delta
+        buffer holds what the message decodes to (what a lone commit applies)."""
         assert self.feedback is not None
+        self._message = None
         try:
-            self.feedback.compress(self._delta_buffer)
-        except CodecError as e:  # NaN or inf: sent as it is, for the round to refuse
+            self._message = self.feedback.compress(self._delta_buffer)
+        except CodecError as e:  # NaN or inf: we send nothing (an empty slot)
             log.warning("%s: the pseudo-gradient cannot be coded: %s", self.key, e)
+
+    def _slots_for(self, group: Group, weight: float) -> list[torch.Tensor]:
+        """A round's vector: one slot per member, ours filled (`sparse_gather`)."""
+        assert self.gather is not None
+        words = self.gather.words(group.size)
+        if self._slots.numel() != words:
+            self._slots = torch.zeros(words, dtype=torch.float32)
+        me = group.index(self.dht.host.peer_id)
+        sign = self.dht.host.identity.sign
+        self.gather.fill(self._slots, group.round_id, me, weight, self._message, sign)
+        self._gathered, self._gathered_members = group.round_id, group.peer_ids
+        return [self._slots]
 
     def _settle_feedback(self, result: StepResult) -> None:
         """The residual after the round: our message was applied only on a commit; a
@@ -289,7 +312,14 @@ class DiLoCo(OuterStrategyBase):
             self.feedback.abort()
 
     def _outer_step(self) -> None:
-        """The commit hook: `deltas` hold the group's weighted mean pseudo-gradient."""
+        """The commit hook: `deltas` hold the group's weighted mean pseudo-gradient
+        (a sparse round's: decoded from the slots every member now holds alike)."""
+        if self.gather is not None and self.averager.committing_round == self._gathered:
+            skipped = self.gather.mean_into(
+                self._slots, self._delta_buffer, self._gathered, self._gathered_members
+            )
+            if skipped:
+                log.warning("%s: malformed contributions skipped: slots %s", self.key, skipped)
         nesterov_outer_step(
             self.globals,
             self.deltas,

@@ -3,6 +3,8 @@ what they keep, and refusal of every malformed message."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 from shoal.averaging.compression import CodecError
 from shoal.averaging.dct_basis import dct_basis, dct_forward
 from shoal.averaging.sparse_codec import SparseCodec
+from shoal.averaging.sparse_gather import SparseGather
+from shoal.transport.identity import Identity
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -185,3 +189,47 @@ def test_non_zero_padding_bits_are_refused() -> None:
     data = _message(n=100)  # 4 + 3 kept values: 14 bits of codes in 2 bytes
     data[-1] |= 0x80
     assert "padding" in _refused(data, n=100)
+
+
+# ------------------------------------------------------------ gathered slots
+
+
+def _gathered(
+    weights: list[float],
+) -> tuple[SparseGather, list[Identity], torch.Tensor, list[bytes]]:
+    """One buffer holding the union of every member's filled slot."""
+    gather = SparseGather(TOPK, 200)
+    members = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(len(weights))]
+    messages = [TOPK.encode(_vector(200, seed=i)) for i in range(len(weights))]
+    union = torch.zeros(gather.words(len(weights))).view(torch.int32)
+    for slot, (me, w, m) in enumerate(zip(members, weights, messages, strict=True)):
+        mine = torch.empty(gather.words(len(weights)))
+        gather.fill(mine, b"round", slot, w, m, me.sign)
+        union |= mine.view(torch.int32)
+    return gather, members, union.view(torch.float32), messages
+
+
+def test_the_gathered_mean_weighs_each_valid_slot_and_skips_the_others() -> None:
+    gather, members, buffer, messages = _gathered([1.0, 3.0, 0.0])
+    ids = [m.peer_id for m in members]
+    mean = torch.empty(200)
+    assert gather.mean_into(buffer, mean, b"round", ids) == []
+    expected = TOPK.decode(messages[0], 200) * torch.tensor(0.25)
+    expected = expected + TOPK.decode(messages[1], 200) * torch.tensor(0.75)
+    assert torch.equal(mean, expected)
+    # Another round's slots, or slots attributed to other members, are not theirs.
+    assert gather.mean_into(buffer, mean, b"other", ids) == [0, 1]
+    assert not mean.any()
+    assert gather.mean_into(buffer, mean, b"round", [ids[1], ids[0], ids[2]]) == [0, 1]
+    with pytest.raises(ValueError):
+        gather.mean_into(buffer, mean, b"round", ids[:2])
+
+
+def test_a_slot_claiming_an_impossible_weight_is_skipped() -> None:
+    gather, members, buffer, _ = _gathered([1.0, 2.0])
+    raw = buffer.view(torch.uint8)
+    raw[:8] = torch.frombuffer(bytearray(struct.pack("<d", float("nan"))), dtype=torch.uint8)
+    mean = torch.empty(200)
+    assert gather.mean_into(buffer, mean, b"round", [m.peer_id for m in members]) == [0]
+    with pytest.raises(ValueError):
+        gather.fill(torch.empty(gather.words(2)), b"round", 0, 2.0**60, bytes(10), members[0].sign)
