@@ -5,8 +5,9 @@ One message codes a whole flat float32 vector of n elements, cut into chunks of
 `chunk` elements (the last may be shorter). Of every chunk, `k` entries are kept
 (the tail chunk keeps ceil(len * k / chunk), at least 1): for ``topk`` the
 largest values themselves, for ``dct`` the largest coefficients of the chunk's
-orthonormal DCT-II (`dct_basis`). Ties are broken by the lower index (a stable
-sort by magnitude), so the choice is a pure function of the input.
+orthonormal DCT-II (`dct_basis`). Ties are broken by the lower index (all
+entries above the k-th largest magnitude, then the lowest-indexed ones equal to
+it), so the choice is a pure function of the input.
 
 The kept values share one table of 2**bits float32 centroids: codes come from a
 uniform quantizer over 6 standard deviations of the kept values around their
@@ -170,8 +171,15 @@ class SparseCodec:
         coef = dct_forward(rows) if self.kind == "dct" else rows
         if self.kind == "dct" and bool((coef.abs() > MAX_MAGNITUDE).any()):
             raise CodecError(f"{self.name}: a DCT coefficient exceeds 2**64")
-        order = torch.sort(coef.abs(), dim=1, descending=True, stable=True).indices[:, :k]
-        idx = torch.sort(order, dim=1).values
+        magnitude = coef.abs()
+        # The k-th largest magnitude is the same whichever way topk orders ties; then
+        # everything above it, and of the entries equal to it the lowest indices.
+        threshold = torch.topk(magnitude, k, dim=1, sorted=False).values.min(dim=1, keepdim=True)
+        above = magnitude > threshold.values
+        at = magnitude == threshold.values
+        room = k - above.sum(dim=1, keepdim=True)
+        keep = above | (at & (torch.cumsum(at, dim=1) <= room))
+        idx = keep.nonzero()[:, 1].view(-1, k)  # row by row, ascending
         return idx, torch.gather(coef, 1, idx)
 
     # ------------------------------------------------------------ decode
