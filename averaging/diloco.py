@@ -65,7 +65,6 @@ from shoal.transport.identity import PeerID
 from .allreduce import AllReduceService
 from .attestation import Attestor
 from .averager import Averager, AveragerConfig, StepResult, restored_version
-from .compression import CodecError
 from .diloco_options import DiLoCoOptions, StreamingOptions
 from .error_feedback import ErrorFeedback
 from .fragments import Fragment, FragmentOutcome, committed
@@ -82,8 +81,7 @@ from .outer import (
     nesterov_outer_step,
     state_protocol,
 )
-from .sparse_codec import SparseCodec
-from .sparse_gather import SparseGather
+from .sparse_round import SparseContribution
 from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
 log = logging.getLogger("shoal.averaging.diloco")
@@ -155,15 +153,9 @@ class DiLoCo(OuterStrategyBase):
         # The pseudo-gradients in one buffer, averaged in place (views for the math).
         self._delta_buffer, self.deltas = host_flat_zeros(self.params)
         config = _averager_config(key, self.options)
-        self.feedback = _error_feedback(self.options, self._delta_buffer)
-        self.gather: SparseGather | None = None
-        self._message: bytes | None = None  # our sparse contribution this round
-        self._gathered = b""  # the round whose slots `_slots` hold, and its members
-        self._gathered_members: tuple[PeerID, ...] = ()
-        self._slots = torch.empty(0)
-        if self.feedback is not None:
-            # The messages themselves travel, in slots that the owners unite bit for bit.
-            self.gather = SparseGather(self.feedback.codec, self._delta_buffer.numel())
+        # A sparse codec: the messages themselves travel, in slots the owners unite.
+        self.sparse = SparseContribution.of(self.options, self._delta_buffer)
+        if self.sparse is not None:
             allreduce = dataclasses.replace(config.allreduce, reduction="union")
             config = dataclasses.replace(config, codec="none", allreduce=allreduce)
         self.averager = Averager(
@@ -174,8 +166,13 @@ class DiLoCo(OuterStrategyBase):
             metadata=self._metadata,
             state=[*self.globals, *self.momentum],
             on_commit=self._outer_step,
-            round_tensors=None if self.gather is None else self._slots_for,
+            round_tensors=None if self.sparse is None else self._slots_for,
         )
+
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        """The error feedback of a sparse codec (None with a dense one)."""
+        return None if self.sparse is None else self.sparse.feedback
 
     @property
     def outer_steps(self) -> int:
@@ -214,8 +211,8 @@ class DiLoCo(OuterStrategyBase):
             if loaded:
                 copy_into(self.params, self.globals)
                 self._synced_now()
-                if self.feedback is not None:
-                    self.feedback.reset()  # (it pushed a state this peer no longer holds)
+                if self.sparse is not None:
+                    self.sparse.reset()
         if not loaded:
             if not self._restored:
                 copy_into(self.globals, self.params)
@@ -247,11 +244,12 @@ class DiLoCo(OuterStrategyBase):
         clock = RoundClock(self.dht)
         size = numel(self.params)
         await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
-        if self.feedback is not None:
-            await off_loop(self._compress, size)
+        if self.sparse is not None:
+            await off_loop(self.sparse.compress, size)
         timeout = float(self.options.round_timeout)
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
-        self._settle_feedback(result)
+        if self.sparse is not None:
+            self.sparse.settle(result)
         contribution = (self.synced_at_step, self.inner_steps)
         if result.resynced or result.discarded:
             # Our work was dropped: the swarm's state replaced it, or it may be counted
@@ -277,49 +275,16 @@ class DiLoCo(OuterStrategyBase):
             contribution=contribution,
         )
 
-    def _compress(self) -> None:
-        """The pseudo-gradient plus the residual, through the sparse codec; the delta
-        buffer holds what the message decodes to (what a lone commit applies)."""
-        assert self.feedback is not None
-        self._message = None
-        try:
-            self._message = self.feedback.compress(self._delta_buffer)
-        except CodecError as e:  # NaN or inf: we send nothing (an empty slot)
-            log.warning("%s: the pseudo-gradient cannot be coded: %s", self.key, e)
-
     def _slots_for(self, group: Group, weight: float) -> list[torch.Tensor]:
-        """A round's vector: one slot per member, ours filled (`sparse_gather`)."""
-        assert self.gather is not None
-        words = self.gather.words(group.size)
-        if self._slots.numel() != words:
-            self._slots = torch.zeros(words, dtype=torch.float32)
-        me = group.index(self.dht.host.peer_id)
-        sign = self.dht.host.identity.sign
-        self.gather.fill(self._slots, group.round_id, me, weight, self._message, sign)
-        self._gathered, self._gathered_members = group.round_id, group.peer_ids
-        return [self._slots]
-
-    def _settle_feedback(self, result: StepResult) -> None:
-        """The residual after the round: our message was applied only on a commit; a
-        re-sync drops it with the work it came from."""
-        if self.feedback is None:
-            return
-        if result.committed:
-            self.feedback.commit()
-        elif result.resynced:
-            self.feedback.reset()
-        else:  # aborted, no group, or in doubt: the next delta covers these steps again
-            self.feedback.abort()
+        assert self.sparse is not None
+        host = self.dht.host
+        return self.sparse.slots_for(group, host.peer_id, weight, host.identity.sign)
 
     def _outer_step(self) -> None:
         """The commit hook: `deltas` hold the group's weighted mean pseudo-gradient
         (a sparse round's: decoded from the slots every member now holds alike)."""
-        if self.gather is not None and self.averager.committing_round == self._gathered:
-            skipped = self.gather.mean_into(
-                self._slots, self._delta_buffer, self._gathered, self._gathered_members
-            )
-            if skipped:
-                log.warning("%s: malformed contributions skipped: slots %s", self.key, skipped)
+        if self.sparse is not None:
+            self.sparse.mean_on_commit(self.averager.committing_round)
         nesterov_outer_step(
             self.globals,
             self.deltas,
@@ -353,7 +318,7 @@ class DiLoCo(OuterStrategyBase):
             "inner_steps": self.inner_steps,
             "samples_since_sync": self.samples_since_sync,
             # Private to this peer (never in the state it serves), so only here.
-            "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
+            "error_feedback": None if self.sparse is None else self.sparse.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,8 +327,8 @@ class DiLoCo(OuterStrategyBase):
         momentum = check_like("momentum", state.get("momentum"), self.momentum)
         inner, samples = checked_counters(state, ("inner_steps", "samples_since_sync"))
         saved_feedback = state.get("error_feedback")
-        if self.feedback is not None and saved_feedback is not None:
-            self.feedback.load_state_dict(saved_feedback)  # (a checkpoint without one: zero)
+        if self.sparse is not None and saved_feedback is not None:
+            self.sparse.load_state_dict(saved_feedback)  # (a checkpoint without one: zero)
         self.averager.restore(
             state.get("commits"),  # type: ignore[arg-type]
             state.get("version"),
@@ -376,16 +341,6 @@ class DiLoCo(OuterStrategyBase):
         self.samples_since_sync = samples
         self.synced_at_step = inner  # (this process's ledger counts from here)
         self._restored = True
-
-
-def _error_feedback(options: DiLoCoOptions, buffer: torch.Tensor) -> ErrorFeedback | None:
-    """The error feedback of a sparse codec (None for a dense one)."""
-    if not options.sparse:
-        return None
-    codec = SparseCodec.from_density(
-        options.codec, options.sparse_chunk, options.codec_density, options.codec_bits
-    )
-    return ErrorFeedback(codec, buffer.numel(), pin=buffer.is_pinned())
 
 
 # ---------------------------------------------------------------------- streaming
