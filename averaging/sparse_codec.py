@@ -144,9 +144,7 @@ class SparseCodec:
         n = x.numel()
         if not n:
             return b""
-        bad = ~torch.isfinite(x) | (x.abs() > MAX_MAGNITUDE)
-        if bool(bad.any()):
-            raise CodecError(f"{self.name}: NaN, inf or |x| > 2**64 at {int(bad.nonzero()[0])}")
+        _check_magnitude(x, self.name, "input")
         full, tail, tail_k = self._tail(n)
         parts = [(x[: full * self.chunk].view(full, self.chunk), self.k)] if full else []
         if tail:
@@ -169,16 +167,19 @@ class SparseCodec:
         """Per row, the offsets (ascending) and values of the k largest magnitudes of
         the row (topk) or of its DCT coefficients (dct)."""
         coef = dct_forward(rows) if self.kind == "dct" else rows
-        if self.kind == "dct" and bool((coef.abs() > MAX_MAGNITUDE).any()):
-            raise CodecError(f"{self.name}: a DCT coefficient exceeds 2**64")
+        if self.kind == "dct":
+            _check_magnitude(coef, self.name, "DCT coefficient")
         magnitude = coef.abs()
         # The k-th largest magnitude is the same whichever way topk orders ties; then
         # everything above it, and of the entries equal to it the lowest indices.
-        threshold = torch.topk(magnitude, k, dim=1, sorted=False).values.min(dim=1, keepdim=True)
-        above = magnitude > threshold.values
-        at = magnitude == threshold.values
-        room = k - above.sum(dim=1, keepdim=True)
-        keep = above | (at & (torch.cumsum(at, dim=1) <= room))
+        threshold = torch.topk(magnitude, k, dim=1, sorted=False).values.amin(1, keepdim=True)
+        keep = magnitude >= threshold
+        surplus = (keep.sum(dim=1) > k).nonzero().view(-1)  # rows with ties at the threshold
+        if surplus.numel():
+            rows, cut = magnitude[surplus], threshold[surplus]
+            at = rows == cut
+            room = k - (rows > cut).sum(dim=1, keepdim=True)
+            keep[surplus] = (rows > cut) | (at & (torch.cumsum(at, dim=1) <= room))
         idx = keep.nonzero()[:, 1].view(-1, k)  # row by row, ascending
         return idx, torch.gather(coef, 1, idx)
 
@@ -276,6 +277,16 @@ class SparseCodec:
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _check_magnitude(x: torch.Tensor, name: str, what: str) -> None:
+    """CodecError unless every value is finite and within MAX_MAGNITUDE (one pass:
+    a NaN makes both bounds NaN, which fails the comparison)."""
+    lo, hi = torch.aminmax(x)
+    if not (float(lo) >= -MAX_MAGNITUDE and float(hi) <= MAX_MAGNITUDE):
+        bad = ~torch.isfinite(x) | (x.abs() > MAX_MAGNITUDE)
+        where = int(bad.reshape(-1).nonzero()[0])
+        raise CodecError(f"{name}: NaN, inf or magnitude above 2**64 in {what} {where}")
 
 
 def _is_int(v: object) -> bool:
