@@ -104,9 +104,10 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
     """Start the arm's peers in their namespaces, start them together, collect results."""
     run_dir.mkdir(parents=True)
     strategy, divisor = SHORT_ARMS.get(arm, (arm, 1.0))
-    options = {}
+    options: dict[str, Any] = {}
     if arm in CODEC_ARMS:
         strategy, options = "diloco", {"codec": CODEC_ARMS[arm]}
+    options.update(args.options.get(arm, {}))
     budget = args.budget_s / divisor
     procs = []
     for rank in range(args.peers):
@@ -323,7 +324,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only draw --plot from a result this benchmark printed")  # fmt: skip
     for arm in ARMS:
         p.add_argument(f"--{arm.replace('_', '-')}-lr", type=float, default=PEAK_LR[arm])
+    p.add_argument(
+        "--options",
+        action="append",
+        default=[],
+        metavar="ARM=JSON",
+        help='an arm\'s strategy options, e.g. diloco_sparse={"outer_momentum": 0}',
+    )
     args = p.parse_args(argv)
+    options: dict[str, dict[str, Any]] = {}
+    for item in args.options:
+        arm, _, text = item.partition("=")
+        if arm not in ARMS or not isinstance(value := json.loads(text or "null"), dict):
+            p.error(f"--options takes ARM=JSON object, got {item!r}")
+        options[arm] = value
+    args.options = options
     args.arms = [a for a in args.arms.split(",") if a]
     if unknown := set(args.arms) - set(ARMS):
         p.error(f"unknown arms {sorted(unknown)}")
