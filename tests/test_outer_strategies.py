@@ -499,6 +499,26 @@ async def test_with_a_sparse_codec_peers_send_sparse_updates_commit_alike_and_ca
     assert a.strategy.feedback.residual.any() and b.strategy.feedback.residual.any()
 
 
+@pytest.mark.timeout(30)
+async def test_a_peer_alone_applies_its_own_decoded_message_and_carries_the_rest(
+    swarm: Callable[..., Any],
+) -> None:
+    (peer,) = await swarm("diloco", 1, {**SPARSE, "codec": "topk", "min_group_size": 1})
+    await peer.train(1)
+    peer.inner_step()
+    delta = _flat_delta(peer)
+    theta = torch.cat([g.reshape(-1) for g in peer.strategy.globals])
+    reports = await peer.strategy.after_inner_step(8)
+    assert [(r.committed, r.group_size) for r in reports] == [(True, 1)]
+    sparse = peer.strategy.feedback.codec
+    sent = sparse.decode(sparse.encode(delta), delta.numel())
+    assert torch.equal(peer.strategy._delta_buffer, sent)
+    assert torch.equal(peer.strategy.feedback.residual, delta - sent)
+    # The outer step moved only the coordinates the message carried (momentum was 0).
+    moved = torch.cat([g.reshape(-1) for g in peer.strategy.globals]) != theta
+    assert torch.equal(moved, sent != 0)
+
+
 @pytest.mark.timeout(40)
 async def test_the_residual_survives_a_checkpoint_bit_for_bit_and_is_never_served(
     swarm: Callable[..., Any],
