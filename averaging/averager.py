@@ -61,7 +61,7 @@ from .certifier import Certifier
 from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .fingerprint import state_fingerprint
-from .group import Member
+from .group import Group, Member
 from .host_state import numel, off_loop
 from .lineage import declared_work, lineage_work
 from .matchmaking import Matchmaker
@@ -102,10 +102,14 @@ class Averager:
         state: Sequence[torch.Tensor] | None = None,
         on_commit: Callable[[], None] | None = None,
         service: AllReduceService | None = None,
+        round_tensors: Callable[[Group, float], Sequence[torch.Tensor]] | None = None,
         live_state: bool = False,
     ) -> None:
         """`state`: the tensors served to joiners and fingerprinted (default: `tensors`).
         `on_commit`: called right after each commit, before the state is frozen.
+        `round_tensors`: what a round with this group, at this weight of ours, averages
+        instead of `tensors` (a vector whose layout depends on the group: the slots
+        of `sparse_gather`); `committing_round` tells the hook which round committed.
         `service`: an all-reduce service shared by several averagers of one host (one
         protocol handler per host; it stays open when this averager closes).
         `live_state`: the state changes only through our commits and loads (and
@@ -122,6 +126,9 @@ class Averager:
             self.config = replace(self.config, matchmaking=replace(self.config.matchmaking))
         self._metadata = metadata or dict
         self._on_commit = on_commit
+        self._round_tensors = round_tensors
+        # The round ID of the commit whose hook runs (b"alone:..." for a lone commit).
+        self.committing_round = b""
         self.state_version = GENESIS
         self.commits = 0
         # Members summed over the commits that made our state (lineage.py): what
@@ -405,10 +412,17 @@ class Averager:
         verified round owes the others; not a ban: nothing proves it to third parties)."""
         self._runner.shun(peer, seconds)
 
+    def tensors_for(self, group: Group, weight: float) -> list[torch.Tensor]:
+        """What a round with `group` averages (`round_tensors`, or `tensors`)."""
+        if self._round_tensors is None:
+            return self.tensors
+        return list(self._round_tensors(group, weight))
+
     async def _commit(self, round_id: bytes, members: Sequence[PeerID]) -> None:
         """After the tensors hold the round's result (of `members`): new version,
         commit hook, freeze, and (a shared state) our signature of the commit."""
         previous = self.state_version
+        self.committing_round = round_id
         self.commits += 1
         self.work += len(members)
         if self.config.shared_state:

@@ -73,7 +73,7 @@ from .lanes import (
     UnknownRound,
 )
 from .partition import Plan
-from .reducer import REDUCTIONS, make_reduction
+from .reducer import ALL_REDUCTIONS, make_reduction
 from .round_errors import Action, Crash, Side, classify, describe
 
 __all__ = [
@@ -141,8 +141,8 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.heartbeat_interval * 2 > self.stall_timeout:
             raise ValueError("heartbeat_interval must be at most half of stall_timeout")
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}")
+        if self.reduction not in ALL_REDUCTIONS:
+            raise ValueError(f"reduction must be one of {sorted(ALL_REDUCTIONS)}")
 
 
 @dataclass

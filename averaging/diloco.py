@@ -50,6 +50,7 @@ here go down to 8 bits).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -65,7 +66,9 @@ from .allreduce import AllReduceService
 from .attestation import Attestor
 from .averager import Averager, AveragerConfig, StepResult, restored_version
 from .diloco_options import DiLoCoOptions, StreamingOptions
+from .error_feedback import ErrorFeedback
 from .fragments import Fragment, FragmentOutcome, committed
+from .group import Group
 from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
 from .lineage import declared_work
 from .options import GroupOptions
@@ -78,6 +81,7 @@ from .outer import (
     nesterov_outer_step,
     state_protocol,
 )
+from .sparse_round import SparseContribution
 from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
 log = logging.getLogger("shoal.averaging.diloco")
@@ -148,15 +152,27 @@ class DiLoCo(OuterStrategyBase):
         self.momentum = [torch.zeros_like(g) for g in self.globals]
         # The pseudo-gradients in one buffer, averaged in place (views for the math).
         self._delta_buffer, self.deltas = host_flat_zeros(self.params)
+        config = _averager_config(key, self.options)
+        # A sparse codec: the messages themselves travel, in slots the owners unite.
+        self.sparse = SparseContribution.of(self.options, self._delta_buffer)
+        if self.sparse is not None:
+            allreduce = dataclasses.replace(config.allreduce, reduction="union")
+            config = dataclasses.replace(config, codec="none", allreduce=allreduce)
         self.averager = Averager(
             dht,
             key,
             [self._delta_buffer],
-            config=_averager_config(key, self.options),
+            config=config,
             metadata=self._metadata,
             state=[*self.globals, *self.momentum],
             on_commit=self._outer_step,
+            round_tensors=None if self.sparse is None else self._slots_for,
         )
+
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        """The error feedback of a sparse codec (None with a dense one)."""
+        return None if self.sparse is None else self.sparse.feedback
 
     @property
     def outer_steps(self) -> int:
@@ -195,6 +211,8 @@ class DiLoCo(OuterStrategyBase):
             if loaded:
                 copy_into(self.params, self.globals)
                 self._synced_now()
+                if self.sparse is not None:
+                    self.sparse.reset()
         if not loaded:
             if not self._restored:
                 copy_into(self.globals, self.params)
@@ -226,8 +244,12 @@ class DiLoCo(OuterStrategyBase):
         clock = RoundClock(self.dht)
         size = numel(self.params)
         await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
+        if self.sparse is not None:
+            await off_loop(self.sparse.compress, size)
         timeout = float(self.options.round_timeout)
         result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
+        if self.sparse is not None:
+            self.sparse.settle(result)
         contribution = (self.synced_at_step, self.inner_steps)
         if result.resynced or result.discarded:
             # Our work was dropped: the swarm's state replaced it, or it may be counted
@@ -253,8 +275,16 @@ class DiLoCo(OuterStrategyBase):
             contribution=contribution,
         )
 
+    def _slots_for(self, group: Group, weight: float) -> list[torch.Tensor]:
+        assert self.sparse is not None
+        host = self.dht.host
+        return self.sparse.slots_for(group, host.peer_id, weight, host.identity.sign)
+
     def _outer_step(self) -> None:
-        """The commit hook: `deltas` hold the group's weighted mean pseudo-gradient."""
+        """The commit hook: `deltas` hold the group's weighted mean pseudo-gradient
+        (a sparse round's: decoded from the slots every member now holds alike)."""
+        if self.sparse is not None:
+            self.sparse.mean_on_commit(self.averager.committing_round)
         nesterov_outer_step(
             self.globals,
             self.deltas,
@@ -287,6 +317,8 @@ class DiLoCo(OuterStrategyBase):
             "certificates": self.averager.saved_certificates(),
             "inner_steps": self.inner_steps,
             "samples_since_sync": self.samples_since_sync,
+            # Private to this peer (never in the state it serves), so only here.
+            "error_feedback": None if self.sparse is None else self.sparse.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -294,6 +326,9 @@ class DiLoCo(OuterStrategyBase):
         globals_ = check_like("globals", state.get("globals"), self.globals)
         momentum = check_like("momentum", state.get("momentum"), self.momentum)
         inner, samples = checked_counters(state, ("inner_steps", "samples_since_sync"))
+        saved_feedback = state.get("error_feedback")
+        if self.sparse is not None and saved_feedback is not None:
+            self.sparse.load_state_dict(saved_feedback)  # (a checkpoint without one: zero)
         self.averager.restore(
             state.get("commits"),  # type: ignore[arg-type]
             state.get("version"),

@@ -6,13 +6,16 @@ from dataclasses import dataclass
 
 from .options import (
     CODEC,
+    CODEC_NAMES,
     PROBABILITY,
     REDUCTION_NAMES,
+    SPARSE_CODEC_NAMES,
     GroupOptions,
     Opt,
     VerifyingOptions,
     integer,
     number,
+    one_of,
 )
 
 __all__ = ["DiLoCoOptions", "StreamingOptions"]
@@ -20,6 +23,14 @@ __all__ = ["DiLoCoOptions", "StreamingOptions"]
 
 def _reduction(v: object) -> bool:
     return v == "auto" or v in REDUCTION_NAMES
+
+
+_DILOCO_CODECS = (*CODEC_NAMES, *SPARSE_CODEC_NAMES)
+# A DCT basis is chunk x chunk floats, and its transforms cost chunk passes.
+MAX_DCT_CHUNK = 1024
+# SparseLoCo's 4096 (64 kept at the default density); a DCT chunk of 256 keeps 4
+# coefficients and costs 256 multiply-adds per element to transform.
+DEFAULT_CHUNKS = {"topk": 4096, "dct": 256}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +50,48 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
         "how part owners reduce: auto (centered_clip when verifying, else mean), "
         + ", ".join(REDUCTION_NAMES),
     )("auto")
+    codec: str = Opt(
+        one_of(*_DILOCO_CODECS),
+        f"one of {sorted(_DILOCO_CODECS)}",
+        "how the pseudo-gradients travel: " + ", ".join(CODEC_NAMES) + " (dense), or "
+        "topk / dct (sparse, with error feedback: codec_density, codec_bits, codec_chunk)",
+    )("none")
+    codec_density: float = Opt(
+        number(0, 0.5, lo_open=True),
+        "a number in (0, 0.5]",
+        "sparse codecs: the share of every chunk sent (at least one entry per chunk)",
+        added=True,
+    )(0.015625)  # SparseLoCo / Covenant-72B: 64 of 4096
+    codec_bits: int = Opt(
+        integer(1, 8), "an int in 1..8", "sparse codecs: bits per sent value", added=True
+    )(2)
+    codec_chunk: int = Opt(
+        lambda v: v == 0 or integer(16, 65536)(v),
+        "0 or an int in 16..65536",
+        "sparse codecs: elements per chunk; 0: the codec's own (topk 4096, dct 256; "
+        "dct at most 1024)",
+        added=True,
+    )(0)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the pseudo-gradients go through a sparse codec with error feedback."""
+        return self.codec in SPARSE_CODEC_NAMES
+
+    @property
+    def sparse_chunk(self) -> int:
+        """The chunk size of the sparse codec (`codec_chunk`, or the codec's own)."""
+        return self.codec_chunk or DEFAULT_CHUNKS.get(self.codec, 0)
+
+    def check_together(self) -> None:
+        super().check_together()
+        if self.codec == "dct" and self.sparse_chunk > MAX_DCT_CHUNK:
+            raise ValueError(f"option 'codec_chunk' must be at most {MAX_DCT_CHUNK} with codec dct")
+        if self.sparse and self.verify:
+            raise ValueError(
+                f"option 'verify' cannot be true with codec {self.codec}: audits of sparse "
+                "contributions are not built yet"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Self
 __all__ = [
     "CODEC_NAMES",
     "REDUCTION_NAMES",
+    "SPARSE_CODEC_NAMES",
     "GroupOptions",
     "Opt",
     "OuterOptions",
@@ -41,6 +42,8 @@ __all__ = [
 # The names of `compression.CODECS` and `reducer.REDUCTIONS`, here without torch
 # (tests/test_strategy_registry.py checks that they agree).
 CODEC_NAMES = ("none", "fp16", "bf16", "int8")
+# `sparse_codec.SPARSE_KINDS`: codecs of a whole pseudo-gradient, with error feedback.
+SPARSE_CODEC_NAMES = ("topk", "dct")
 REDUCTION_NAMES = ("mean", "centered_clip")
 
 Check = Callable[[Any], bool]
@@ -80,6 +83,10 @@ class Opt:
     check: Check
     what: str
     help: str
+    # An option added after experiments were created: a manifest records it only when
+    # it differs from its default, so that a new experiment with the defaults writes
+    # the manifest (and gets the ID) it did before the option existed.
+    added: bool = False
 
     def __call__(self, default: Any) -> Any:
         """The dataclass field of this option with `default`."""
@@ -134,7 +141,8 @@ class StrategyOptions(Mapping[str, Any]):
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
-        return {f.name: f.default for f in dataclasses.fields(cls)}
+        """What a manifest records for the defaults (options `added` later left out)."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if not _opt(f).added}
 
     @classmethod
     def help_lines(cls) -> list[str]:
@@ -142,8 +150,13 @@ class StrategyOptions(Mapping[str, Any]):
         return [f"{f.name}={_toml(f.default)}: {_opt(f).help}" for f in dataclasses.fields(cls)]
 
     def to_dict(self) -> dict[str, Any]:
-        """What the manifest records: every option, as given."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """What the manifest records: every option, as given (an option `added` later
+        only when it is not at its default)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not (_opt(f).added and getattr(self, f.name) == f.default)
+        }
 
     # A read-only mapping of the same keys (code written against the manifest's map).
 

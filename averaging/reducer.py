@@ -29,8 +29,10 @@ from .partition import Span
 from .round_errors import Veto
 
 __all__ = [
+    "ALL_REDUCTIONS",
     "NOTHING_TO_AVERAGE",
     "REDUCTIONS",
+    "BitwiseUnion",
     "CenteredClip",
     "ChunkJob",
     "Input",
@@ -217,6 +219,30 @@ class CenteredClip(Reduction):
         out.copy_(centered_clip(values, weights, iterations=self.iterations))
 
 
+class BitwiseUnion(Reduction):
+    """Not an average: the bitwise OR of the contributions' 32-bit words. For rounds
+    that move opaque bytes (`sparse_gather`): every member writes only its own slot
+    of the vector and leaves the rest zero, so the union is every member's slot as
+    its author wrote it (a member that writes into another's slot spoils that slot,
+    which its readers then refuse, all alike). Weights do not enter it."""
+
+    name = "union"
+
+    def reduce(
+        self,
+        inputs: Sequence[tuple[Input, float]],
+        out: torch.Tensor,
+        codec: Codec,
+        acc: torch.Tensor | None,
+    ) -> None:
+        words = out.view(torch.int32)
+        words.zero_()
+        for x, _ in inputs:
+            if not isinstance(x, torch.Tensor):
+                raise Veto("a union round moves raw words (codec none)")
+            words.bitwise_or_(x.view(torch.int32))
+
+
 def reduce_chunk(
     reduction: Reduction,
     codec: Codec,
@@ -236,14 +262,17 @@ def reduce_chunk(
             raise Veto(f"codec error: {e}") from None
 
 
+# What a manifest may choose (`options.REDUCTION_NAMES`) ...
 REDUCTIONS: dict[str, type[Reduction]] = {"mean": WeightedMean, "centered_clip": CenteredClip}
+# ... and what strategies also use internally.
+ALL_REDUCTIONS: dict[str, type[Reduction]] = {**REDUCTIONS, "union": BitwiseUnion}
 
 
 def make_reduction(name: str) -> Reduction:
     try:
-        return REDUCTIONS[name]()
+        return ALL_REDUCTIONS[name]()
     except KeyError:
-        raise ValueError(f"unknown reduction {name!r} (one of {sorted(REDUCTIONS)})") from None
+        raise ValueError(f"unknown reduction {name!r} (one of {sorted(ALL_REDUCTIONS)})") from None
 
 
 def float64_scratch(chunk_elements: int) -> int:

@@ -61,6 +61,8 @@ class StepOwner(Protocol):
 
     async def _commit(self, round_id: bytes, members: Sequence[PeerID]) -> None: ...
 
+    def tensors_for(self, group: Group, weight: float) -> list[torch.Tensor]: ...
+
     async def load_state_from_peers(
         self,
         timeout: float = ...,
@@ -145,7 +147,7 @@ class StepRunner:
         owner = self._owner
         outcome = await self._service.run(
             group,
-            owner.tensors,
+            owner.tensors_for(group, weight),
             weight,
             codec=owner.config.codec,
             attestor=owner.attestor,

@@ -1,6 +1,6 @@
 """All-reduce benchmark: shoal's butterfly all-reduce against torch.distributed gloo (and hivemind).
 
-    python bench/allreduce.py [--peers 4] [--sizes 10M,50M] [--rounds 5] [--codecs none,int8]
+    python bench/allreduce.py [--peers 4] [--sizes 10M,50M] [--rounds 5] [--codecs none,int8,topk]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -33,6 +33,14 @@ on the wire in one round (after compression, before encryption overhead). `kill_
 time from a kill -9 of one peer in the middle of a round to the next round
 the survivors commit.
 
+Sparse codecs (`topk`, `dct` in `--codecs`, density `--sparse-density`, values of
+`--sparse-bits` bits, the chunk DiLoCo uses by default) are measured the way
+DiLoCo runs them: each peer codes its vector, the peers gather their messages in
+signed slots over the butterfly (`averaging/sparse_gather.py`, reduction
+union), and each decodes the weighted mean. Their `seconds` cover coding, the
+round and decoding; `shoal_wire_bytes` is from the links as for the others, and
+`sparse_message_bytes` is one peer's message.
+
 Workers talk to the orchestrator in JSON lines (commands on stdin, results on
 stdout) and exit when their stdin closes.
 """
@@ -56,6 +64,7 @@ from typing import Any
 log = logging.getLogger("bench.allreduce")
 SCRIPT = os.path.abspath(__file__)
 CODECS = ("none", "fp16", "int8")
+SPARSE = ("topk", "dct")
 
 
 def _parse_size(text: str) -> int:
@@ -148,6 +157,8 @@ async def worker_shoal(args: argparse.Namespace) -> None:
         overrides["chunk_bytes"] = args.chunk_bytes
     if args.streams:
         overrides["streams_per_peer"] = args.streams
+    if args.role == "shoal_sparse":
+        overrides["reduction"] = "union"
     service = AllReduceService(host, AllReduceConfig(**overrides))
     _say({"peer": host.peer_id.to_base58(), "addrs": [str(a) for a in host.addresses()]})
     cmd = json.loads(await reader.readline())
@@ -180,7 +191,11 @@ async def worker_shoal(args: argparse.Namespace) -> None:
             c0, t0 = _cpu_now(), time.perf_counter()
             if profiler is not None:
                 profiler.enable()
-            outcome = await service.run(group, [t], weight=1.0, codec=cmd["codec"])
+            extra: dict[str, Any] = {}
+            if cmd["codec"] in SPARSE:
+                outcome, extra = await _sparse_round(args, service, host, group, t, cmd)
+            else:
+                outcome = await service.run(group, [t], weight=1.0, codec=cmd["codec"])
             if profiler is not None:
                 profiler.disable()
             _say(
@@ -190,6 +205,7 @@ async def worker_shoal(args: argparse.Namespace) -> None:
                     "committed": outcome.committed,
                     "reason": outcome.reason,
                     "bytes_sent": outcome.bytes_sent,
+                    **extra,
                 }
             )
     finally:
@@ -197,6 +213,46 @@ async def worker_shoal(args: argparse.Namespace) -> None:
         await host.aclose()
         if profiler is not None:
             profiler.dump_stats(os.path.join(args.profile_dir, f"shoal-{args.rank}.prof"))
+
+
+async def _sparse_round(
+    args: argparse.Namespace, service: Any, host: Any, group: Any, t: Any, cmd: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """One DiLoCo-style sparse round: code `t`, gather the messages, decode the mean
+    into `t` (timed parts in the reply)."""
+    import torch
+
+    from shoal.averaging.diloco_options import DiLoCoOptions
+    from shoal.averaging.sparse_codec import SparseCodec
+    from shoal.averaging.sparse_gather import SparseGather
+
+    options = DiLoCoOptions.parse(
+        {
+            "codec": cmd["codec"],
+            "codec_density": args.sparse_density,
+            "codec_bits": args.sparse_bits,
+        }
+    )
+    codec = SparseCodec.from_density(
+        options.codec, options.sparse_chunk, options.codec_density, options.codec_bits
+    )
+    gather = SparseGather(codec, t.numel())
+    t0 = time.perf_counter()
+    message = await asyncio.to_thread(codec.encode, t)
+    t1 = time.perf_counter()
+    slots = torch.empty(gather.words(group.size))
+    me = group.index(host.peer_id)
+    gather.fill(slots, group.round_id, me, 1.0, message, host.identity.sign)
+    outcome = await service.run(group, [slots], weight=1.0, codec="none")
+    t2 = time.perf_counter()
+    if outcome.committed:
+        await asyncio.to_thread(gather.mean_into, slots, t, group.round_id, group.peer_ids)
+    t3 = time.perf_counter()
+    return outcome, {
+        "encode_s": t1 - t0,
+        "decode_s": t3 - t2,
+        "message_bytes": len(message),
+    }
 
 
 async def worker_hivemind(args: argparse.Namespace) -> None:
@@ -355,11 +411,12 @@ async def _spawn_gloo(opts: argparse.Namespace) -> list[Proc]:
     return procs
 
 
-async def _spawn_shoal(opts: argparse.Namespace) -> list[Proc]:
+async def _spawn_shoal(opts: argparse.Namespace, role: str = "shoal") -> list[Proc]:
     extra = ["--chunk-bytes", str(opts.chunk_bytes), "--streams", str(opts.streams)]
+    extra += ["--sparse-density", str(opts.sparse_density), "--sparse-bits", str(opts.sparse_bits)]
     if opts.profile_dir:
         extra += ["--profile-dir", opts.profile_dir]
-    spawned = await asyncio.gather(*(Proc.spawn("shoal", r, *extra) for r in range(opts.peers)))
+    spawned = await asyncio.gather(*(Proc.spawn(role, r, *extra) for r in range(opts.peers)))
     procs = [p for p, _ in spawned]
     members = [[hello["peer"], hello["addrs"]] for _, hello in spawned]
     await asyncio.gather(*(p.call({"members": members}) for p in procs))
@@ -374,11 +431,14 @@ async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> 
     codecs = opts.codecs.split(",")
     gloo: list[Proc] = []
     shoal: list[Proc] = []
+    sparse: list[Proc] = []
     hivemind: list[Proc] = []
     try:
         if opts.gloo:
             gloo = await _spawn_gloo(opts)
         shoal = await _spawn_shoal(opts)
+        if any(c in SPARSE for c in codecs):
+            sparse = await _spawn_shoal(opts, "shoal_sparse")
         if opts.hivemind and _hivemind_installed():
             hivemind = await _spawn_hivemind(opts)
         result: dict[str, Any] = {}
@@ -393,7 +453,7 @@ async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> 
                 for r in range(opts.rounds + 1):
                     g = await _round(gloo, {"size": size}) if gloo else None
                     cmd = {"size": size, "codec": codec, "round": f"{name}-{codec}-{r}"}
-                    s = await _round(shoal, cmd)
+                    s = await _round(sparse if codec in SPARSE else shoal, cmd)
                     # hivemind without compression, beside shoal's "none" turns.
                     h = None
                     if hivemind and codec == codecs[0]:
@@ -410,7 +470,7 @@ async def bench_interleaved(opts: argparse.Namespace, sizes: dict[str, int]) -> 
                 result[name][codec]["paired"] = statistics.median(ratios)
         return result
     finally:
-        await asyncio.gather(*(p.close() for p in gloo + shoal + hivemind))
+        await asyncio.gather(*(p.close() for p in gloo + shoal + sparse + hivemind))
 
 
 def _summary(name: str, system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -421,6 +481,9 @@ def _summary(name: str, system: str, runs: list[dict[str, Any]]) -> dict[str, An
         "cpu": None,
         "sys": None,
     }
+    for key in ("encode_s", "decode_s", "message_bytes"):
+        if all(key in r for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
     if all(r["cpu"] is not None for r in runs):
         out["cpu"] = statistics.median(r["cpu"] for r in runs)
         out["sys"] = statistics.median(r["sys"] for r in runs)
@@ -594,8 +657,18 @@ async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
             "gloo_s": round(gloo["seconds"], 4) if gloo else None,
             "hivemind_s": round(m["hivemind"]["seconds"], 4) if "hivemind" in m else None,
             "shoal_s": {c: round(m[c]["seconds"], 4) for c in codecs},
-            "shoal_wire_bytes": {c: m[c]["wire"] for c in ("none", "int8") if c in m},
+            "shoal_wire_bytes": {c: m[c]["wire"] for c in ("none", "int8", *SPARSE) if c in m},
         }
+        sparse = [c for c in SPARSE if c in m]
+        if sparse:
+            entry["sparse_message_bytes"] = {c: m[c]["message_bytes"] for c in sparse}
+            entry["sparse_encode_s"] = {c: round(m[c]["encode_s"], 4) for c in sparse}
+            entry["sparse_decode_s"] = {c: round(m[c]["decode_s"], 4) for c in sparse}
+            for c in sparse:
+                for dense in ("none", "int8"):
+                    if dense in m:
+                        ratio = m[dense]["wire"] / m[c]["wire"]
+                        entry[f"{dense}_over_{c}_wire"] = round(ratio, 1)
         for codec in ("none", "int8"):
             if codec in m and gloo:
                 entry[f"shoal_{codec}_over_gloo"] = round(m[codec]["seconds"] / gloo["seconds"], 2)
@@ -640,6 +713,7 @@ def _hivemind_installed() -> bool:
 ROLES = {
     "gloo": worker_gloo,
     "shoal": worker_shoal,
+    "shoal_sparse": worker_shoal,
     "hivemind": worker_hivemind,
     "ticker": worker_ticker,
 }
@@ -672,6 +746,10 @@ def main(argv: list[str] | None = None) -> None:
         help="cProfile the measured shoal rounds of each worker into DIR/shoal-RANK.prof",
     )
     p.add_argument("--kill-size", type=int, default=10_000_000)
+    p.add_argument(
+        "--sparse-density", type=float, default=0.015625, help="sparse codecs: share sent"
+    )
+    p.add_argument("--sparse-bits", type=int, default=2, help="sparse codecs: bits per value")
     p.add_argument(
         "--loop-lag-seconds",
         type=float,

@@ -15,7 +15,14 @@ shard, AdamW, clipping) for the same wall-clock budget per arm:
 - ``diloco``, ``streaming``, ``noloco``: the outer strategies with the daemon's
   default options (H = `--inner-steps`);
 - ``diloco_third``: DiLoCo given a third of the budget (its lr schedule annealed
-  within it), which says whether DiLoCo reaches the target in a third of the time.
+  within it), which says whether DiLoCo reaches the target in a third of the time;
+- ``diloco_int8``, ``diloco_sparse``, ``diloco_dct``: DiLoCo with the pseudo-gradients
+  coded int8, or sparse with error feedback (codec topk or dct, the default density
+  and bits), its messages gathered (averaging/sparse_gather.py).
+
+Every arm's JSON says its `codec` and `bytes_per_round`: the bytes one peer's link
+sent per round (outer round; a step for data parallel; a fragment's round for
+Streaming DiLoCo), from the links' counters, averaged over the peers.
 
 Every `--snapshot-s` each peer keeps a copy of the model its arm would ship (the
 global parameters for DiLoCo and Streaming DiLoCo, every replica for NoLoCo, the
@@ -56,9 +63,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import ARM_TUNING, DEFAULT_DATA, MODEL_SEED, TASK_CONFIG
 from wan_lab import WanLab
 
+from shoal.averaging.outer import DEFAULT_OPTIONS
 from shoal.peer.training.task import load_task
 
-ARMS = ("gloo", "shoal_dp", "diloco", "streaming", "noloco", "diloco_third")
+ARMS = (
+    "gloo",
+    "shoal_dp",
+    "diloco",
+    "streaming",
+    "noloco",
+    "diloco_third",
+    "diloco_int8",
+    "diloco_sparse",
+    "diloco_dct",
+)
+# DiLoCo arms with another codec than the default one.
+CODEC_ARMS = {"diloco_int8": "int8", "diloco_sparse": "topk", "diloco_dct": "dct"}
 # `diloco_third`: DiLoCo given a third of the budget, its schedule annealed within it:
 # the other reading of "reaches the loss in a third of the time" (the full-budget
 # curve at a third has its lr still high). Either reading meets the target.
@@ -72,6 +92,7 @@ PEAK_LR = {
     "streaming": ARM_TUNING["streaming"].inner_lr,
     "noloco": ARM_TUNING["noloco"].inner_lr,
     "diloco_third": ARM_TUNING["diloco"].inner_lr,
+    **{arm: ARM_TUNING["diloco"].inner_lr for arm in CODEC_ARMS},
 }
 
 
@@ -83,6 +104,10 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
     """Start the arm's peers in their namespaces, start them together, collect results."""
     run_dir.mkdir(parents=True)
     strategy, divisor = SHORT_ARMS.get(arm, (arm, 1.0))
+    options: dict[str, Any] = {}
+    if arm in CODEC_ARMS:
+        strategy, options = "diloco", {"codec": CODEC_ARMS[arm]}
+    options.update(args.options.get(arm, {}))
     budget = args.budget_s / divisor
     procs = []
     for rank in range(args.peers):
@@ -95,6 +120,7 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
             "budget_s": budget,
             "snapshot_s": args.snapshot_s,
             "inner_steps": args.inner_steps,
+            "options": options,
             "data": str(args.data.resolve()),
             "task_config": json.loads(args.task_config),
             "tuning": {"inner_lr": args.lr[arm], "warmup_frac": args.warmup_frac},
@@ -179,6 +205,28 @@ def time_to(points: list[dict], target: float) -> float | None:
     return None
 
 
+def codec_of(arm: str) -> str:
+    """How the arm's peers code what they exchange."""
+    if arm in CODEC_ARMS:
+        return CODEC_ARMS[arm]
+    strategy = SHORT_ARMS.get(arm, (arm, 1.0))[0]
+    if strategy in ("gloo", "shoal_dp"):
+        return "none"
+    return str(DEFAULT_OPTIONS[strategy]["codec"])
+
+
+def bytes_per_round(results: list[dict]) -> float | None:
+    """Bytes one peer's link sent per round (outer round, or data-parallel step),
+    averaged over the peers."""
+    per_peer = []
+    for r in results:
+        rounds = sum(r["rounds"].values()) if "rounds" in r else r["steps"]
+        sent = r["snapshots"][-1]["sent"] - r["snapshots"][0]["sent"]
+        if rounds:
+            per_peer.append(sent / rounds)
+    return sum(per_peer) / len(per_peer) if per_peer else None
+
+
 def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, Any]:
     evals = task.eval_batches(args.eval_batches)
     arms: dict[str, dict[str, Any]] = {}
@@ -188,6 +236,8 @@ def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -
         arms[arm] = {
             "final_val_loss": points[-1]["val_loss"],
             "bytes": points[-1]["bytes"],
+            "codec": codec_of(arm),
+            "bytes_per_round": bytes_per_round(results),
             "steps": [r["steps"] for r in results],
             **extra,
             "curve": points,
@@ -274,7 +324,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only draw --plot from a result this benchmark printed")  # fmt: skip
     for arm in ARMS:
         p.add_argument(f"--{arm.replace('_', '-')}-lr", type=float, default=PEAK_LR[arm])
+    p.add_argument(
+        "--options",
+        action="append",
+        default=[],
+        metavar="ARM=JSON",
+        help='an arm\'s strategy options, e.g. diloco_sparse={"outer_momentum": 0}',
+    )
     args = p.parse_args(argv)
+    options: dict[str, dict[str, Any]] = {}
+    for item in args.options:
+        arm, _, text = item.partition("=")
+        if arm not in ARMS or not isinstance(value := json.loads(text or "null"), dict):
+            p.error(f"--options takes ARM=JSON object, got {item!r}")
+        options[arm] = value
+    args.options = options
     args.arms = [a for a in args.arms.split(",") if a]
     if unknown := set(args.arms) - set(ARMS):
         p.error(f"unknown arms {sorted(unknown)}")

@@ -265,7 +265,8 @@ async def run_shoal_dp(w: Worker) -> dict[str, Any]:
 
 
 async def run_strategy(w: Worker) -> dict[str, Any]:
-    """DiLoCo, Streaming DiLoCo or NoLoCo with the daemon's options (only H set)."""
+    """DiLoCo, Streaming DiLoCo or NoLoCo with the daemon's options (H set, and the
+    arm's own, e.g. its codec)."""
     arm = w.spec["arm"]
     host = await start_host(w)
     boot_file = w.run_dir / "bootstrap"
@@ -275,7 +276,7 @@ async def run_strategy(w: Worker) -> dict[str, Any]:
     else:
         boot = [await asyncio.to_thread(wait_file, boot_file)]
     dht = await DHTNode.create(host, bootstrap=boot)
-    options = {"inner_steps": w.spec["inner_steps"]}
+    options = {"inner_steps": w.spec["inner_steps"], **w.spec.get("options", {})}
     strategy = make_strategy(arm, dht, KEY, w.params, options)
     rounds: dict[str, int] = {}
 

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from harness import BytesStream, run_now  # noqa: E402
-from targets import _INITIATOR_KEY, _REMOTE, _RESPONDER_KEY  # noqa: E402
+from targets import _INITIATOR_KEY, _REMOTE, _RESPONDER_KEY, SPARSE_CODECS  # noqa: E402
 from targets_net import _BOOK, _CERTIFIED, _MEMBERS, _ROUND, _STATE  # noqa: E402
 
 from shoal.averaging.compression import Int8BlockCodec, get_codec  # noqa: E402
@@ -368,6 +368,17 @@ def new_seeds() -> dict[str, list[bytes]]:
     }
 
 
+def sparse_seeds() -> list[bytes]:
+    """One message per sparse codec of fuzz/targets.py, of 1275 elements (and one of
+    1000 for the DCT: a tail chunk of another length)."""
+    out = []
+    for i, codec in enumerate(SPARSE_CODECS):
+        for count in (255, 200) if codec.kind == "dct" else (255,):
+            x = torch.linspace(-1, 1, 5 * count) ** 3
+            out.append(bytes([i, count]) + codec.encode(x))
+    return out
+
+
 def seeds() -> dict[str, list[bytes]]:
     responder_input, initiator_input = noise()
     header, _ = tensors.describe(torch.zeros(3, 4))
@@ -442,6 +453,7 @@ def seeds() -> dict[str, list[bytes]]:
             )
         ],
         "codec_int8": [bytes([n // 3]) + encoded],
+        "codec_sparse": sparse_seeds(),
         "manifest": [
             manifest(),
             b"default@" + str(ME.peer_id).encode(),

@@ -31,6 +31,7 @@ from targets_net import NET_TARGETS
 from shoal.averaging import commit
 from shoal.averaging.compression import CodecError, Int8BlockCodec
 from shoal.averaging.matchmaking_rules import Declaration, parse_view
+from shoal.averaging.sparse_codec import SparseCodec
 from shoal.dht import protocol as dht_protocol
 from shoal.dht.records import Record, RecordError, RecordValidator
 from shoal.dht.storage import LocalStorage
@@ -242,6 +243,31 @@ def codec_int8(data: bytes) -> None:
     assert torch.isfinite(out).all()
 
 
+# One codec per layout branch: packed offsets (top-k and DCT), per-chunk bitmaps, and
+# 4096-chunk offsets of 12 bits with 3-bit codes.
+SPARSE_CODECS = (
+    SparseCodec("topk", 64, 4, 2),
+    SparseCodec("dct", 64, 4, 2),
+    SparseCodec("topk", 16, 8, 2),
+    SparseCodec("topk", 4096, 64, 3),
+)
+
+
+def codec_sparse(data: bytes) -> None:
+    """Sparse pseudo-gradient messages (top-k or DCT, offsets or bitmaps), checked then
+    decoded: byte 0 picks the codec, byte 1 the element count."""
+    import torch
+
+    if len(data) < 2:
+        return
+    codec = SPARSE_CODECS[data[0] % len(SPARSE_CODECS)]
+    n = data[1] * 5
+    message = codec.check(data[2:], n)
+    out = torch.zeros(n, dtype=torch.float32)
+    codec.add_decoded(message, out, 1.0)
+    assert torch.isfinite(out).all()
+
+
 # ---------------------------------------------------------------- peer
 
 
@@ -325,6 +351,7 @@ TARGETS: dict[str, Target] = {
             matchmaking_declarations.__doc__,
         ),
         Target("codec_int8", codec_int8, (CodecError,), codec_int8.__doc__),
+        Target("codec_sparse", codec_sparse, (CodecError,), codec_sparse.__doc__),
         Target("manifest", manifest, (ManifestError,), manifest.__doc__),
         Target("checkpoint", checkpoint, (CheckpointError,), checkpoint.__doc__),
         Target("status_inputs", status_inputs, (), status_inputs.__doc__),

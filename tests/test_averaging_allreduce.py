@@ -46,6 +46,8 @@ from shoal.averaging.commit import (
 from shoal.averaging.compression import get_codec
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.partition import Plan, partition, split_even
+from shoal.averaging.sparse_codec import SparseCodec
+from shoal.averaging.sparse_gather import SparseGather
 from shoal.transport import rpc
 from shoal.transport.errors import RemoteError
 from shoal.transport.host import Host, HostConfig
@@ -1418,3 +1420,111 @@ async def test_members_that_disagree_on_the_reduction_fail_as_a_plan_mismatch(
     outs = await c.run(c.group(), clone(make_inputs(2, 4)))
     assert all(isinstance(o, AllReduceOutcome) and not o.committed for o in outs)
     assert any("plan mismatch" in o.reason for o in outs)  # type: ignore[union-attr]
+
+
+# =============================================================================================
+# sparse contributions: their messages gathered in slots (sparse_gather) over the butterfly
+# =============================================================================================
+
+SPARSE = SparseCodec("topk", 64, 4, 2)
+SPARSE_ELEMENTS = 2000
+
+
+def sparse_messages(n: int, seed: int) -> list[bytes]:
+    g = torch.Generator().manual_seed(seed)
+    return [SPARSE.encode(torch.randn(SPARSE_ELEMENTS, generator=g)) for _ in range(n)]
+
+
+def filled_slots(
+    c: Cluster, group: Group, members: list[int], messages: list[bytes], weights: list[float]
+) -> list[torch.Tensor]:
+    gather = SparseGather(SPARSE, SPARSE_ELEMENTS)
+    out = []
+    for slot, i in enumerate(members):
+        buffer = torch.empty(gather.words(group.size))
+        sign = c.hosts[i].identity.sign
+        gather.fill(buffer, group.round_id, slot, weights[i], messages[i], sign)
+        out.append(buffer)
+    return out
+
+
+def gathered_mean(messages: list[bytes], weights: list[float]) -> torch.Tensor:
+    """By hand: each message decoded, times its share, added in group order (float32)."""
+    total = math.fsum(weights)
+    acc = torch.zeros(SPARSE_ELEMENTS)
+    for m, w in zip(messages, weights, strict=True):
+        acc = acc + SPARSE.decode(m, SPARSE_ELEMENTS) * torch.tensor(w / total)
+    return acc
+
+
+def means_of(c: Cluster, group: Group, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+    gather = SparseGather(SPARSE, SPARSE_ELEMENTS)
+    first = slots[0].view(torch.int32)
+    means = []
+    for buffer in slots:
+        assert torch.equal(buffer.view(torch.int32), first)  # the slots, bit for bit
+        mean = torch.empty(SPARSE_ELEMENTS)
+        assert gather.mean_into(buffer, mean, group.round_id, group.peer_ids) == []
+        means.append(mean)
+    return means
+
+
+def union(config: AllReduceConfig) -> AllReduceConfig:
+    return replace(config, reduction="union")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("victim", "point"), [(1, "mid_reduce_scatter"), (0, "before_ready")])
+async def test_gathered_sparse_messages_give_every_survivor_the_same_mean_when_a_member_dies(
+    cluster: Any, victim: int, point: str
+) -> None:
+    n = 4
+    box: list[Host] = []
+    cfgs = [union(killer(box, point) if i == victim else AllReduceConfig(**FAST)) for i in range(n)]
+    c = await cluster(n, configs=cfgs)
+    box.append(c.hosts[victim])
+    messages, weights = sparse_messages(n, seed=5), [1.0, 2.0, 3.0, 4.0]
+    group = c.group()
+    slots = filled_slots(c, group, list(range(n)), messages, weights)
+    outs = await c.run(group, [[s] for s in slots], weights)
+    assert isinstance(outs[victim], Killed)
+    assert survivors_agree(outs, victim) is False
+    # The survivors retry at once without it, each slot re-signed for the new round.
+    alive = [i for i in range(n) if i != victim]
+    for i in alive:
+        c.services[i].config = replace(c.services[i].config, **PATIENT)
+    retry = c.group(members=alive)
+    slots = filled_slots(c, retry, alive, messages, weights)
+    committed(await c.run(retry, [[s] for s in slots], [weights[i] for i in alive], members=alive))
+    expected = gathered_mean([messages[i] for i in alive], [weights[i] for i in alive])
+    for mean in means_of(c, retry, slots):
+        assert torch.equal(mean, expected)
+
+
+@pytest.mark.timeout(30)
+async def test_a_member_that_forges_another_slot_has_it_skipped_by_everyone_alike(
+    cluster: Any,
+) -> None:
+    """The union lets a member write anywhere: a slot that is not its author's (bad
+    signature, bad message) is skipped, by every member the same way; a member of weight
+    0 sends nothing and counts for nothing."""
+    n = 4
+    c = await cluster(n, union(AllReduceConfig(**PATIENT)))
+    messages, weights = sparse_messages(n, seed=6), [1.0, 0.0, 2.0, 3.0]
+    group = c.group()
+    slots = filled_slots(c, group, list(range(n)), messages, weights)
+    gather = SparseGather(SPARSE, SPARSE_ELEMENTS)
+    forged = slots[3].view(torch.uint8)  # member 3 scribbles over member 0's message
+    forged[100:110] = 0xFF
+    committed(await c.run(group, [[s] for s in slots], weights))
+    first = slots[0].view(torch.int32)
+    skipped = set()
+    means = []
+    for buffer in slots:
+        assert torch.equal(buffer.view(torch.int32), first)
+        mean = torch.empty(SPARSE_ELEMENTS)
+        skipped.add(tuple(gather.mean_into(buffer, mean, group.round_id, group.peer_ids)))
+        means.append(mean)
+    assert skipped == {(0,)}
+    expected = gathered_mean([messages[2], messages[3]], [2.0, 3.0])
+    assert all(torch.equal(m, expected) for m in means)

@@ -448,6 +448,106 @@ async def test_a_stalled_peer_does_not_hold_the_others_beyond_the_round_timeout(
     assert stalled.strategy.outer_steps == a.strategy.outer_steps == 3
 
 
+# ---------------------------------------------------------------------- sparse codecs
+
+SPARSE = {"inner_steps": 2, "codec_chunk": 16, "codec_density": 0.25}
+
+
+def _flat_delta(peer: Peer) -> torch.Tensor:
+    """The pseudo-gradient the strategy computes at its next round (same operations)."""
+    pairs = zip(peer.strategy.globals, peer.params, strict=True)
+    return torch.cat([torch.sub(g, p).reshape(-1) for g, p in pairs])
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("codec", ["topk", "dct"])
+async def test_with_a_sparse_codec_peers_send_sparse_updates_commit_alike_and_carry_the_rest(
+    swarm: Callable[..., Any], codec: str
+) -> None:
+    opts = {**SPARSE, "codec": codec, "matchmaking_time": 1.0, "round_timeout": 4.0}
+    a, b, stalled = peers = await swarm("diloco", 3, opts)
+    await asyncio.gather(*(p.train(1) for p in peers))
+    for peer in peers:
+        peer.inner_step()
+    deltas = [_flat_delta(p) for p in peers]
+    first = await asyncio.gather(*(p.strategy.after_inner_step(8) for p in peers))
+    assert all(r[0].committed and r[0].group_size == 3 for r in first)
+    assert len({p.strategy.fingerprint() for p in peers}) == 1
+    sparse = a.strategy.feedback.codec
+    sent = [sparse.decode(sparse.encode(d), d.numel()) for d in deltas]
+    for peer, delta, message in zip(peers, deltas, sent, strict=True):
+        assert int((message != 0).sum()) <= sparse.kept(delta.numel()) or codec == "dct"
+        # What was not sent is carried, exactly (the residual was zero before).
+        assert torch.equal(peer.strategy.feedback.residual, delta - message)
+    # The messages themselves were gathered: every member decoded them in the group's
+    # (peer-ID) order, each with its share of the weight, in float32.
+    order = sorted(range(3), key=lambda i: peers[i].dht.peer_id.to_bytes())
+    mean = torch.zeros_like(sent[0])
+    for i in order:
+        mean = mean + sent[i] * torch.tensor(16.0 / 48.0)
+    for peer in peers:
+        assert torch.equal(peer.strategy._delta_buffer, mean)
+    # A peer that misses a round re-syncs when it comes back: its residual, from work
+    # on globals it no longer holds, is dropped; the others keep theirs.
+    second = await asyncio.gather(a.train(2), b.train(2))
+    assert all(r[0].committed and r[0].group_size == 2 for r in second)
+    assert stalled.strategy.feedback.residual.any()
+    third = await asyncio.gather(a.train(2), b.train(2), stalled.train(2))
+    assert all(r[0].committed and r[0].group_size == 3 for r in third)
+    assert len({p.strategy.fingerprint() for p in peers}) == 1
+    assert not stalled.strategy.feedback.residual.any()
+    assert a.strategy.feedback.residual.any() and b.strategy.feedback.residual.any()
+
+
+@pytest.mark.timeout(30)
+async def test_a_peer_alone_applies_its_own_decoded_message_and_carries_the_rest(
+    swarm: Callable[..., Any],
+) -> None:
+    (peer,) = await swarm("diloco", 1, {**SPARSE, "codec": "topk", "min_group_size": 1})
+    await peer.train(1)
+    peer.inner_step()
+    delta = _flat_delta(peer)
+    theta = torch.cat([g.reshape(-1) for g in peer.strategy.globals])
+    reports = await peer.strategy.after_inner_step(8)
+    assert [(r.committed, r.group_size) for r in reports] == [(True, 1)]
+    sparse = peer.strategy.feedback.codec
+    sent = sparse.decode(sparse.encode(delta), delta.numel())
+    assert torch.equal(peer.strategy._delta_buffer, sent)
+    assert torch.equal(peer.strategy.feedback.residual, delta - sent)
+    # The outer step moved only the coordinates the message carried (momentum was 0).
+    moved = torch.cat([g.reshape(-1) for g in peer.strategy.globals]) != theta
+    assert torch.equal(moved, sent != 0)
+
+
+@pytest.mark.timeout(40)
+async def test_the_residual_survives_a_checkpoint_bit_for_bit_and_is_never_served(
+    swarm: Callable[..., Any],
+) -> None:
+    opts = {**SPARSE, "codec": "topk"}
+    peers = await swarm("diloco", 2, opts)
+    for _ in range(2):
+        await asyncio.gather(*(p.train(2) for p in peers))
+    residual = peers[0].strategy.feedback.residual.clone()
+    assert residual.any()
+    saved = peers[0].strategy.state_dict()
+    (restarted,) = await swarm("diloco", 1, opts, seed=9, start=False)
+    restarted.strategy.load_state_dict(saved)
+    assert torch.equal(restarted.strategy.feedback.residual, residual)
+    assert restarted.strategy.fingerprint() == peers[0].strategy.fingerprint()
+    # The served state is globals and momentum: a peer that loads it starts without a
+    # residual, whatever its checkpoint held.
+    (joiner,) = await swarm("diloco", 1, opts, seed=7, start=False)
+    joiner.strategy.load_state_dict(saved)
+    assert joiner.strategy.feedback.residual.any()
+    assert await joiner.strategy.start(join=True)
+    assert not joiner.strategy.feedback.residual.any()
+    assert joiner.strategy.fingerprint() == peers[0].strategy.fingerprint()
+    # A checkpoint of another codec's residual is refused.
+    (other,) = await swarm("diloco", 1, {**opts, "codec_density": 0.5}, start=False)
+    with pytest.raises(ValueError, match="error_feedback"):
+        other.strategy.load_state_dict(saved)
+
+
 # ---------------------------------------------------------------------- Streaming DiLoCo
 
 

@@ -1,0 +1,140 @@
+"""The all-gather of sparse contributions, over the butterfly's exact commits.
+
+Sparse messages with different indices cannot be summed part by part the way a
+butterfly sums dense ones (a partial sum is neither sparse nor low-bit). So a
+round moves the messages themselves: the vector averaged is one slot per group
+member (in the group's order), each member writes its weight and its message in
+its own slot and zeros elsewhere, and the owners reduce with the bitwise union
+(`reducer.BitwiseUnion`). On commit every member holds the same slots, bit for
+bit, and `mean_into` turns them into the weighted mean with one pure function:
+slot by slot in group order, each message checked (`SparseCodec.check`) and
+added with its share of the total weight. Each slot is signed by its author
+(over the round, the slot, the weight and the message), since the union lets
+any member write into any slot: a slot that is empty, forged, malformed or
+claims an impossible weight is skipped, by every member alike. A member that
+leaves mid-round aborts the round as in any butterfly.
+
+Slot layout: weight (float64, little-endian), the author's Ed25519 signature
+(64 bytes), the message; zero-padded to whole float32 words.
+
+On the wire a member sends about 2 (G - 1) slots per round (its slot to every
+part owner, every owner's result to every member) where a dedicated all-gather
+would send G - 1: the price of reusing the butterfly's commit machinery as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable, Sequence
+
+import torch
+
+from shoal.transport.identity import PeerID
+
+from .compression import CodecError
+from .sparse_codec import SparseCodec
+
+__all__ = ["MAX_WEIGHT", "SparseGather", "dense_bytes_per_peer", "gather_bytes_per_peer"]
+
+# A member's claimed weight (samples) above this is refused (a float64 counts exactly up
+# to 2**53).
+MAX_WEIGHT = float(2**53)
+_HEADER = struct.Struct("<d")  # the slot's weight
+_SIGNATURE = 64
+_CONTEXT = b"shoal/sparse-slot\x00"
+
+
+def _signed(round_id: bytes, slot: int, weight_bytes: bytes, message: bytes) -> bytes:
+    return b"".join((_CONTEXT, round_id, slot.to_bytes(4, "little"), weight_bytes, message))
+
+
+class SparseGather:
+    """Slots of messages of `codec` for vectors of `n` elements."""
+
+    def __init__(self, codec: SparseCodec, n: int) -> None:
+        self.codec = codec
+        self.n = n
+        self.message_bytes = codec.encoded_size(n)
+        # A whole number of float32 words, so that slots never share a word.
+        self._body = _HEADER.size + _SIGNATURE
+        self.slot_words = -(-(self._body + self.message_bytes) // 4)
+
+    def words(self, members: int) -> int:
+        return members * self.slot_words
+
+    def fill(
+        self,
+        buffer: torch.Tensor,
+        round_id: bytes,
+        slot: int,
+        weight: float,
+        message: bytes | None,
+        sign: Callable[[bytes], bytes],
+    ) -> None:
+        """Zero `buffer` (float32, `words(G)` elements) and write our slot of round
+        `round_id`: weight, signature and message. Weight 0 or no message: the slot
+        stays empty."""
+        if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.numel() % self.slot_words:
+            raise ValueError(f"buffer must be float32 slots of {self.slot_words} words")
+        buffer.zero_()
+        if message is None or not weight > 0:
+            return
+        if len(message) != self.message_bytes or not weight <= MAX_WEIGHT:
+            raise ValueError("message of the wrong size, or weight out of range")
+        weight_bytes = _HEADER.pack(float(weight))
+        signature = sign(_signed(round_id, slot, weight_bytes, message))
+        payload = weight_bytes + signature + message
+        start = slot * self.slot_words * 4
+        raw = buffer.view(torch.uint8)
+        raw[start : start + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    def mean_into(
+        self,
+        buffer: torch.Tensor,
+        out: torch.Tensor,
+        round_id: bytes,
+        members: Sequence[PeerID],
+    ) -> list[int]:
+        """`out` = the weighted mean of the valid slots' messages (zero if none is);
+        `members` are the round's, in group order (slot i is members[i]'s). Returns the
+        slots skipped (forged, malformed; empty ones are not). The same bits on every
+        member holding the same buffer."""
+        raw = buffer.view(torch.uint8).numpy().tobytes()
+        size = self.slot_words * 4
+        if len(raw) != size * len(members):
+            raise ValueError(f"{len(members)} members need {len(members)} slots")
+        checked: list[tuple[float, object]] = []
+        skipped: list[int] = []
+        for i, member in enumerate(members):
+            slot = raw[i * size : (i + 1) * size]
+            if not any(slot):
+                continue  # weight 0, or a member that had nothing to send
+            weight_bytes, signature = slot[: _HEADER.size], slot[_HEADER.size : self._body]
+            message = slot[self._body : self._body + self.message_bytes]
+            (weight,) = _HEADER.unpack(weight_bytes)
+            try:
+                if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+                    raise CodecError(f"weight {weight!r}")
+                if not member.verify(signature, _signed(round_id, i, weight_bytes, message)):
+                    raise CodecError("not its author's signature")
+                checked.append((weight, self.codec.check(message, self.n)))
+            except CodecError:
+                skipped.append(i)
+        out.zero_()
+        total = math.fsum(w for w, _ in checked)
+        for weight, message in checked:
+            self.codec.add_decoded(message, out, weight / total)  # type: ignore[arg-type]
+        return skipped
+
+
+def gather_bytes_per_peer(slot_bytes: int, members: int) -> int:
+    """Bytes one member sends in a round of `members` (equal bandwidths): its slot
+    contribution to every other owner's part, every other member's copy of its part."""
+    total = slot_bytes * members
+    return 2 * (members - 1) * total // members
+
+
+def dense_bytes_per_peer(encoded_bytes: int, members: int) -> int:
+    """The same for a dense butterfly of `encoded_bytes` per member."""
+    return 2 * (members - 1) * encoded_bytes // members

@@ -1,0 +1,143 @@
+"""Error feedback of the sparse codecs (averaging/error_feedback.py) and the DiLoCo
+options that choose them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.averaging import dct_basis, sparse_codec
+from shoal.averaging.compression import CodecError
+from shoal.averaging.diloco_options import MAX_DCT_CHUNK, DiLoCoOptions
+from shoal.averaging.error_feedback import ErrorFeedback
+from shoal.averaging.options import SPARSE_CODEC_NAMES
+from shoal.averaging.sparse_codec import SparseCodec
+
+pytestmark = pytest.mark.timeout(30)
+
+CODEC = SparseCodec("topk", 16, 2, 2)
+
+
+def _delta(seed: int, n: int = 64) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_compress_sends_the_decoded_message_and_commit_keeps_what_it_left_out() -> None:
+    ef = ErrorFeedback(CODEC, 64)
+    delta = _delta(1)
+    original = delta.clone()
+    message = ef.compress(delta)
+    assert torch.equal(delta, CODEC.decode(message, 64))
+    assert int((delta != 0).sum()) <= CODEC.kept(64)
+    assert not ef.residual.any()  # nothing is carried before the round commits
+    ef.commit()
+    assert torch.equal(ef.residual, original - delta)
+
+
+def test_the_residual_goes_into_the_next_message() -> None:
+    ef = ErrorFeedback(CODEC, 64)
+    ef.compress(_delta(1))
+    ef.commit()
+    carried = ef.residual.clone()
+    second = _delta(2)
+    message = ef.compress(second.clone())
+    assert message == CODEC.encode(carried + second)
+
+
+def test_over_many_rounds_everything_is_sent_but_the_last_residual() -> None:
+    ef = ErrorFeedback(CODEC, 64)
+    total_in, total_sent = (
+        torch.zeros(64, dtype=torch.float64),
+        torch.zeros(64, dtype=torch.float64),
+    )
+    for seed in range(20):
+        delta = _delta(seed)
+        total_in += delta.double()
+        ef.compress(delta)
+        ef.commit()
+        total_sent += delta.double()
+    assert torch.allclose(total_sent + ef.residual.double(), total_in, atol=1e-4)
+
+
+def test_an_aborted_round_leaves_the_residual_as_it_was_and_a_resync_zeroes_it() -> None:
+    ef = ErrorFeedback(CODEC, 64)
+    ef.compress(_delta(1))
+    ef.commit()
+    before = ef.residual.clone()
+    ef.compress(_delta(2))
+    assert ef.open
+    ef.abort()
+    assert not ef.open
+    assert torch.equal(ef.residual, before)
+    ef.commit()  # nothing open: nothing changes
+    assert torch.equal(ef.residual, before)
+    ef.reset()
+    assert not ef.residual.any()
+
+
+def test_the_residual_round_trips_a_checkpoint_and_refuses_another_codec_or_shape() -> None:
+    ef = ErrorFeedback(CODEC, 64)
+    ef.compress(_delta(1))
+    ef.commit()
+    saved = ef.state_dict()
+    restored = ErrorFeedback(CODEC, 64)
+    restored.load_state_dict(saved)
+    assert torch.equal(restored.residual, ef.residual)
+    for bad, other in (
+        (saved, ErrorFeedback(SparseCodec("topk", 16, 4, 2), 64)),
+        (saved, ErrorFeedback(CODEC, 65)),
+        ({**saved, "residual": torch.full((64,), float("nan"))}, ErrorFeedback(CODEC, 64)),
+        ("junk", ErrorFeedback(CODEC, 64)),
+    ):
+        with pytest.raises(ValueError):
+            other.load_state_dict(bad)
+
+
+def test_a_pseudo_gradient_with_nan_cannot_be_compressed_and_nothing_changes() -> None:
+    ef = ErrorFeedback(CODEC, 64)
+    delta = _delta(1)
+    delta[3] = float("nan")
+    with pytest.raises(CodecError):
+        ef.compress(delta)
+    assert not ef.open
+    assert not ef.residual.any()
+
+
+# ------------------------------------------------------------ options
+
+
+def test_the_torch_free_sparse_names_and_bounds_match_the_codecs() -> None:
+    assert SPARSE_CODEC_NAMES == sparse_codec.SPARSE_KINDS
+    assert MAX_DCT_CHUNK == dct_basis.MAX_DCT_CHUNK
+
+
+def test_the_default_codec_is_unchanged_and_the_sparse_options_stay_out_of_its_manifest() -> None:
+    options = DiLoCoOptions.parse({})
+    assert options.codec == "none" and not options.sparse
+    assert not any(key.startswith("codec_") for key in options.to_dict())
+    chosen = DiLoCoOptions.parse({"codec": "topk", "codec_density": 0.03125})
+    assert chosen.to_dict()["codec_density"] == 0.03125
+    assert DiLoCoOptions.parse(chosen.to_dict()) == chosen
+    assert chosen.sparse_chunk == 4096
+    assert DiLoCoOptions.parse({"codec": "dct"}).sparse_chunk == 256
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"codec": "zip"}, "'codec'"),
+        ({"codec": "topk", "codec_density": 0.0}, "'codec_density'"),
+        ({"codec": "topk", "codec_density": 0.75}, "'codec_density'"),
+        ({"codec": "topk", "codec_bits": 9}, "'codec_bits'"),
+        ({"codec": "topk", "codec_bits": 2.0}, "'codec_bits'"),
+        ({"codec": "topk", "codec_chunk": 8}, "'codec_chunk'"),
+        ({"codec": "dct", "codec_chunk": 4096}, "'codec_chunk'"),
+        ({"codec": "dct", "verify": True}, "'verify'"),
+    ],
+)
+def test_out_of_range_codec_options_are_refused_in_one_line(
+    options: dict[str, object], names: str
+) -> None:
+    with pytest.raises(ValueError) as e:
+        DiLoCoOptions.parse(options)
+    assert names in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,235 @@
+"""The sparse pseudo-gradient codecs (averaging/sparse_codec.py): sizes, determinism,
+what they keep, and refusal of every malformed message."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.averaging.compression import CodecError
+from shoal.averaging.dct_basis import dct_basis, dct_forward
+from shoal.averaging.sparse_codec import SparseCodec
+from shoal.averaging.sparse_gather import SparseGather
+from shoal.transport.identity import Identity
+
+pytestmark = pytest.mark.timeout(30)
+
+TOPK = SparseCodec("topk", 64, 4, 2)
+DCT = SparseCodec("dct", 64, 4, 2)
+
+
+def _vector(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("codec", [TOPK, DCT, SparseCodec("topk", 4096, 64, 2)])
+@pytest.mark.parametrize("n", [1, 63, 64, 1000, 64 * 70 + 5])
+def test_the_message_has_exactly_the_announced_size(codec: SparseCodec, n: int) -> None:
+    data = codec.encode(_vector(n))
+    assert len(data) == codec.encoded_size(n)
+    assert codec.decode(data, n).shape == (n,)
+
+
+def test_sixty_four_of_4096_at_two_bits_is_146_times_smaller_than_float32() -> None:
+    codec = SparseCodec.from_density("topk", 4096, 0.015625, 2)
+    n = 1 << 20
+    assert codec.k == 64
+    # 12-bit offsets and 2-bit codes per kept value, plus a 16-byte table.
+    assert codec.encoded_size(n) == 16 + (n // 4096) * 64 * 14 // 8
+    assert 4 * n / codec.encoded_size(n) > 146
+
+
+def test_topk_keeps_the_largest_values_of_every_chunk_and_zeroes_the_rest() -> None:
+    x = torch.zeros(128)
+    x[[3, 17, 40, 50]] = torch.tensor([5.0, -6.0, 0.5, 7.0])
+    x[[70, 80, 90, 100, 127]] = torch.tensor([-1.0, 2.0, 3.0, -4.0, 0.1])
+    message = SparseCodec("topk", 64, 4, 8).check(SparseCodec("topk", 64, 4, 8).encode(x), 128)
+    assert message.indices.tolist() == [3, 17, 40, 50, 70, 80, 90, 100]
+    # Eight bits and eight values: every value gets a bin of its own, exact.
+    assert torch.equal(message.values, x[message.indices])
+
+
+def test_ties_are_broken_by_the_lower_index_so_a_zero_chunk_keeps_its_first_entries() -> None:
+    x = torch.zeros(64)
+    x[[10, 20, 30, 40, 50]] = 1.0
+    message = TOPK.check(TOPK.encode(x), 64)
+    assert message.indices.tolist() == [10, 20, 30, 40]
+    zeros = TOPK.check(TOPK.encode(torch.zeros(64)), 64)
+    assert zeros.indices.tolist() == [0, 1, 2, 3]
+    assert not zeros.values.any()
+
+
+@pytest.mark.parametrize("codec", [TOPK, DCT])
+def test_encoding_and_decoding_are_pure_functions_of_the_input(codec: SparseCodec) -> None:
+    x = _vector(5000, seed=3)
+    data = codec.encode(x)
+    assert codec.encode(x.clone()) == data
+    assert torch.equal(codec.decode(data, 5000), codec.decode(bytes(data), 5000))
+
+
+def test_the_dct_basis_is_orthonormal_and_the_transform_matches_it() -> None:
+    basis = dct_basis(64)
+    assert torch.allclose(basis @ basis.T, torch.eye(64), atol=1e-6)
+    rows = _vector(3 * 64).view(3, 64)
+    assert torch.allclose(dct_forward(rows), rows @ basis.T, atol=1e-5)
+
+
+def test_dct_reconstructs_a_smooth_chunk_from_few_coefficients() -> None:
+    t = torch.arange(256, dtype=torch.float32)
+    x = torch.cos(t * 3.14159 / 64) + 0.5  # smooth: its energy is in a few coefficients
+    topk_error = (
+        SparseCodec("topk", 64, 4, 4).decode(SparseCodec("topk", 64, 4, 4).encode(x), 256) - x
+    ).norm()
+    dct = SparseCodec("dct", 64, 4, 4)
+    dct_error = (dct.decode(dct.encode(x), 256) - x).norm()
+    assert dct_error < 0.2 * topk_error
+
+
+def test_the_decoded_message_is_added_with_its_weight() -> None:
+    x = _vector(300)
+    data = TOPK.encode(x)
+    message = TOPK.check(data, 300)
+    out = torch.ones(300)
+    TOPK.add_decoded(message, out, 0.25)
+    assert torch.equal(out, 1.0 + TOPK.decode(data, 300) * torch.tensor(0.25))
+
+
+@pytest.mark.parametrize(
+    ("kind", "chunk", "k", "bits"),
+    [("topk", 8, 1, 2), ("topk", 64, 0, 2), ("topk", 64, 33, 2), ("topk", 64, 4, 0),
+     ("topk", 64, 4, 9), ("dct", 2048, 4, 2), ("lowrank", 64, 4, 2), ("topk", 64.0, 4, 2)],
+)  # fmt: skip
+def test_out_of_range_settings_are_refused(kind: str, chunk: int, k: int, bits: int) -> None:
+    with pytest.raises(ValueError):
+        SparseCodec(kind, chunk, k, bits)
+
+
+def test_non_finite_or_huge_input_is_refused() -> None:
+    for bad in (float("nan"), float("inf"), 2.0**70):
+        x = torch.zeros(64)
+        x[5] = bad
+        with pytest.raises(CodecError):
+            TOPK.encode(x)
+
+
+# ------------------------------------------------------------ malformed messages
+
+
+def _message(codec: SparseCodec = TOPK, n: int = 128) -> bytearray:
+    return bytearray(codec.encode(_vector(n)))
+
+
+def _refused(data: bytes | bytearray, codec: SparseCodec = TOPK, n: int = 128) -> str:
+    with pytest.raises(CodecError) as e:
+        codec.check(data, n)
+    return str(e.value)
+
+
+def test_a_message_of_the_wrong_length_is_refused() -> None:
+    data = _message()
+    assert "expected" in _refused(data[:-1])
+    assert "expected" in _refused(data + b"\0")
+
+
+def test_a_centroid_table_that_is_not_finite_bounded_and_sorted_is_refused() -> None:
+    for table in ([0, 1, float("nan"), 2], [0, 1, 2, 2.0**70], [0, 2, 1, 3]):
+        data = _message()
+        data[:16] = np.array(table, dtype="<f4").tobytes()
+        assert "table" in _refused(data)
+
+
+def _offsets(data: bytearray, codec: SparseCodec = TOPK, n: int = 128) -> np.ndarray:
+    width = codec._offset_bits
+    count = codec.kept(n)
+    raw = np.frombuffer(bytes(data[16 : 16 + -(-count * width // 8)]), dtype=np.uint8)
+    bits = np.unpackbits(raw, bitorder="little")[: count * width].reshape(count, width)
+    return (bits.astype(np.int64) << np.arange(width)).sum(axis=1)
+
+
+def _with_offsets(data: bytearray, offsets: list[int], codec: SparseCodec = TOPK) -> bytearray:
+    width = codec._offset_bits
+    planes = ((np.array(offsets)[:, None] >> np.arange(width)) & 1).astype(np.uint8)
+    packed = np.packbits(planes.ravel(), bitorder="little").tobytes()
+    data[16 : 16 + len(packed)] = packed
+    return data
+
+
+def test_indices_that_repeat_descend_or_leave_their_chunk_are_refused() -> None:
+    offsets = _offsets(_message()).tolist()
+    assert offsets == sorted(offsets[:4]) + sorted(offsets[4:])
+    repeated = offsets[:]
+    repeated[1] = repeated[0]
+    assert "ascending" in _refused(_with_offsets(_message(), repeated))
+    descending = [offsets[1], offsets[0], *offsets[2:]]
+    assert "ascending" in _refused(_with_offsets(_message(), descending))
+    # 6 bits cannot leave a chunk of 64; a tail chunk of 10 can be left.
+    tail = _message(n=74)
+    out_of_tail = _offsets(tail, n=74).tolist()
+    out_of_tail[-1] = 12
+    assert "past its chunk" in _refused(_with_offsets(tail, out_of_tail), n=74)
+
+
+def test_a_bitmap_without_exactly_k_bits_or_with_bits_past_the_chunk_is_refused() -> None:
+    codec = SparseCodec("topk", 16, 8, 2)  # 8 offsets of 4 bits > 16 bits: a bitmap
+    assert codec._bitmap()
+    data = bytearray(codec.encode(_vector(20)))
+    one_more = bytearray(data)
+    one_more[16] |= 0xFF
+    one_more[17] |= 0xFF
+    assert "exactly" in _refused(one_more, codec, 20)
+    past_end = bytearray(data)
+    past_end[18] |= 0x80  # the tail chunk is 4 long: bit 7 of its byte is past it
+    assert "past the chunk" in _refused(past_end, codec, 20)
+
+
+def test_non_zero_padding_bits_are_refused() -> None:
+    data = _message(n=100)  # 4 + 3 kept values: 14 bits of codes in 2 bytes
+    data[-1] |= 0x80
+    assert "padding" in _refused(data, n=100)
+
+
+# ------------------------------------------------------------ gathered slots
+
+
+def _gathered(
+    weights: list[float],
+) -> tuple[SparseGather, list[Identity], torch.Tensor, list[bytes]]:
+    """One buffer holding the union of every member's filled slot."""
+    gather = SparseGather(TOPK, 200)
+    members = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(len(weights))]
+    messages = [TOPK.encode(_vector(200, seed=i)) for i in range(len(weights))]
+    union = torch.zeros(gather.words(len(weights))).view(torch.int32)
+    for slot, (me, w, m) in enumerate(zip(members, weights, messages, strict=True)):
+        mine = torch.empty(gather.words(len(weights)))
+        gather.fill(mine, b"round", slot, w, m, me.sign)
+        union |= mine.view(torch.int32)
+    return gather, members, union.view(torch.float32), messages
+
+
+def test_the_gathered_mean_weighs_each_valid_slot_and_skips_the_others() -> None:
+    gather, members, buffer, messages = _gathered([1.0, 3.0, 0.0])
+    ids = [m.peer_id for m in members]
+    mean = torch.empty(200)
+    assert gather.mean_into(buffer, mean, b"round", ids) == []
+    expected = TOPK.decode(messages[0], 200) * torch.tensor(0.25)
+    expected = expected + TOPK.decode(messages[1], 200) * torch.tensor(0.75)
+    assert torch.equal(mean, expected)
+    # Another round's slots, or slots attributed to other members, are not theirs.
+    assert gather.mean_into(buffer, mean, b"other", ids) == [0, 1]
+    assert not mean.any()
+    assert gather.mean_into(buffer, mean, b"round", [ids[1], ids[0], ids[2]]) == [0, 1]
+    with pytest.raises(ValueError):
+        gather.mean_into(buffer, mean, b"round", ids[:2])
+
+
+def test_a_slot_claiming_an_impossible_weight_is_skipped() -> None:
+    gather, members, buffer, _ = _gathered([1.0, 2.0])
+    raw = buffer.view(torch.uint8)
+    raw[:8] = torch.frombuffer(bytearray(struct.pack("<d", float("nan"))), dtype=torch.uint8)
+    mean = torch.empty(200)
+    assert gather.mean_into(buffer, mean, b"round", [m.peer_id for m in members]) == [0]
+    with pytest.raises(ValueError):
+        gather.fill(torch.empty(gather.words(2)), b"round", 0, 2.0**60, bytes(10), members[0].sign)
