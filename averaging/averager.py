@@ -44,7 +44,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -66,6 +66,7 @@ from .host_state import numel, off_loop
 from .lineage import declared_work, lineage_work
 from .matchmaking import Matchmaker
 from .presence import Presence
+from .served_state import ServedState
 from .state_loading import GENESIS, fetch_state, loaded_version, restored_version, write_state
 from .state_loading import version_of as _version
 from .state_sync import State, StateServer
@@ -145,20 +146,14 @@ class Averager:
         self._matchmaker = Matchmaker(
             dht, key, self.config.matchmaking, bandwidth=self.config.bandwidth
         )
-        # The state we serve is the one of our last commit, frozen then: the caller
-        # changes its tensors between rounds.
+        # The state we serve is the one of our last commit, frozen then (or served
+        # live: `served_state`): the caller changes its tensors between rounds.
         self.live_state = live_state
         self._state_server = StateServer(
             dht, key, self._current_state, protocol=self.config.state_protocol, copy=False,
             live=live_state,
         )  # fmt: skip
-        self._committed: State | None = None
-        self._serving_copy = False  # `_committed` is a live state's copy (before_change)
-        # Readers of the live state that cannot take a copy (a checkpoint being
-        # written): a change waits for them (`pinned_state`).
-        self._pins = 0
-        self._unpinned = asyncio.Event()
-        self._unpinned.set()
+        self._served = ServedState(self._state_server, live=live_state)
         # A shared state's commit certificates: what decides which lineage anyone
         # adopts (`certifier`), served beside the state.
         self.certifier: Certifier | None = None
@@ -213,54 +208,25 @@ class Averager:
         return state_fingerprint(self.state, self.metadata())
 
     def _current_state(self) -> State | None:
-        return self._committed  # None before the first commit: nothing worth downloading
+        return self._served.committed  # None before the first commit: nothing to download
 
     async def _freeze(self) -> None:
-        """Snapshot the state for the state server: a copy and its hash, in a thread
-        (a whole model's worth of both would stall the event loop). Nothing writes
-        the state meanwhile: its owner awaits the step (or load) that froze it."""
+        """Serve the state as it is now (`served_state`). Nothing writes the state
+        meanwhile: its owner awaits the step (or load) that froze it."""
         meta = self.metadata()
         meta.setdefault("step", self.commits)
-        tensors = tuple(self.state)
-        work = self.work
-        live = self.live_state
-
-        def snapshot() -> State:
-            if live:  # (served in place: only its hash is taken)
-                return State(tensors, meta, state_fingerprint(tensors, meta), work)
-            copies = tuple(t.detach().to("cpu", copy=True) for t in tensors)
-            return State(copies, meta, state_fingerprint(copies, meta), work)
-
-        self._committed = await asyncio.to_thread(snapshot)
-        self._serving_copy = False
-        self.last_fingerprint = self._committed.fingerprint
+        frozen = await self._served.freeze(self.state, meta, self.work)
+        self.last_fingerprint = frozen.fingerprint
         self.last_fingerprint_commits = self.commits
 
     async def before_state_change(self, *, keep_reads: bool = True) -> None:
-        """A live state is about to change: wait for pinned readers, then keep a copy
-        for downloads reading it (`keep_reads`) or drop what is served. Call before
-        writing the state other than through a commit or a load (which call it)."""
-        if not self.live_state:
-            return
-        while self._pins:
-            await self._unpinned.wait()
-        kept = await self._state_server.before_change(keep=keep_reads)
-        self._committed = kept  # (None: nothing served until the next freeze)
-        self._serving_copy = kept is not None
+        """A live state is about to change (`served_state.ServedState.before_change`).
+        Call before writing the state other than through a commit or a load."""
+        await self._served.before_change(keep_reads=keep_reads)
 
-    @contextlib.asynccontextmanager
-    async def pinned_state(self) -> AsyncIterator[State | None]:
-        """The committed state (None: none yet), unchanged until the block ends: a
-        commit or load waits for it meanwhile. For readers that cannot take a copy
-        (writing a checkpoint of a live state); keep it short."""
-        self._pins += 1
-        self._unpinned.clear()
-        try:
-            yield self._current_state()
-        finally:
-            self._pins -= 1
-            if not self._pins:
-                self._unpinned.set()
+    def pinned_state(self) -> contextlib.AbstractAsyncContextManager[State | None]:
+        """The committed state, unchanged until the block ends (`ServedState.pinned`)."""
+        return self._served.pinned()
 
     def _refused(self, holder: PeerID) -> None:
         self.oversized_refused += 1
@@ -278,10 +244,7 @@ class Averager:
         by the `deadline` (default: `timeout` seconds from now); with `version`, with
         the state of that version (from `sources` first: peers known to hold it)."""
         started = time.monotonic()
-        if self.live_state:  # (a copy kept for others' downloads makes room for ours)
-            self._state_server.drop_copies()
-            if self._serving_copy:
-                self._committed, self._serving_copy = None, False
+        self._served.before_download()
         fetched = await fetch_state(
             self.dht, self.key, self.config.state_protocol, self.certifier,
             deadline or Deadline.after(timeout), version=version, sources=sources,
