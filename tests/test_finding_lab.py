@@ -185,3 +185,51 @@ def test_two_peers_behind_one_nat_with_its_uplink_cut_find_each_other_over_mdns_
         for d in daemons:
             d.kill()
         lab.sh("down")
+
+
+@pytest.mark.timeout(120)
+def test_lan_neighbours_found_over_mdns_do_not_make_peers_behind_a_nat_public(
+    tmp_path: Path,
+) -> None:
+    """Two hosts behind one router, a public bootstrap peer reachable: they join it,
+    and each other over mDNS. A neighbour's dial-back on the LAN proves nothing of the
+    internet: both find themselves private and take a relay address, and neither
+    advertises its LAN address as a public one (mDNS made them "public" at 10.0.1.x)."""
+    lab = Lab("l44r-")
+    lab.sh("up")
+    daemons: list[Daemon] = []
+    try:
+        lab.add_lan_host("natA", "a2", "10.0.1.3")
+        pub = Daemon("pub", tmp_path, ["--listen", "/ip4/0.0.0.0/tcp/4001", "--no-train"], {},
+                     netns=lab.ns("pub"))  # fmt: skip
+        daemons.append(pub)
+        pub.wait_ready()
+        env = {"SHOAL_MDNS": "auto", "SHOAL_NO_TRAIN": "1"}
+        args = ["--listen", "/ip4/0.0.0.0/tcp/4001", "--bootstrap", pub.address_on(PUB_IP)]
+        pair = [Daemon(ns, tmp_path, args, env, netns=lab.ns(ns)) for ns in ("a1", "a2")]
+        daemons += pair
+        for d in pair:
+            d.wait_ready()
+        wait_for(
+            "one to join the other over mDNS",
+            lambda: any("mDNS: joined" in d.log() for d in pair),
+            30,
+            debug=lambda: pair[0].tail(15) + "\n" + pair[1].tail(15),
+        )
+        for d in pair:
+            wait_for(
+                f"{d.name} to be private, on a relay",
+                lambda d=d: (
+                    (s := d.status())["reachability"] == "private"
+                    and any("p2p-circuit" in a for a in s["addresses"])
+                ),
+                30,
+                debug=d.tail,
+            )
+        for d in pair:
+            assert "-> public" not in d.log(), d.tail()
+            assert not any("/ip4/10.0.1." in a for a in d.status()["addresses"]), d.status()
+    finally:
+        for d in daemons:
+            d.kill()
+        lab.sh("down")
