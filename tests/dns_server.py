@@ -1,13 +1,18 @@
-"""A tiny authoritative DNS server on loopback UDP for tests: TXT records from a dict.
+"""A tiny authoritative DNS server over UDP for tests: TXT records from a dict.
 
 Built on dnspython's message API. `zone` maps a lowercased name (no trailing dot)
 to its TXT values; each value is one or more character-strings (bytes, at most
 255 each). Unknown names get NXDOMAIN; `silent` names get no answer at all.
+
+Run as a program it serves in another process (the NAT lab's public namespace):
+`python dns_server.py IP:PORT NAME=VALUE...` prints `ready IP:PORT` once it listens,
+serves until its stdin closes, then prints the names it was asked on stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -71,13 +76,35 @@ class _Protocol(asyncio.DatagramProtocol):
 
 
 @asynccontextmanager
-async def dns_server(zone: Zone) -> AsyncIterator[tuple[str, int]]:
-    """Serve `zone` on 127.0.0.1 (a free UDP port); yields (IP, port)."""
+async def dns_server(
+    zone: Zone, address: tuple[str, int] = ("127.0.0.1", 0)
+) -> AsyncIterator[tuple[str, int]]:
+    """Serve `zone` on `address` (default: 127.0.0.1, a free UDP port); yields (IP, port)."""
     loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(
-        lambda: _Protocol(zone), local_addr=("127.0.0.1", 0)
-    )
+    transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(zone), local_addr=address)
     try:
         yield transport.get_extra_info("sockname")[:2]
     finally:
         transport.close()
+
+
+async def _serve_until_stdin_closes(address: tuple[str, int], zone: Zone) -> None:
+    loop = asyncio.get_running_loop()
+    async with dns_server(zone, address) as (ip, port):
+        print(f"ready {ip}:{port}", flush=True)
+        # Until the parent closes our stdin (or dies): no process outlives its test.
+        await loop.run_in_executor(None, sys.stdin.read)
+    print(f"queries: {' '.join(zone.queries)}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> None:
+    ip, _, port = argv[0].rpartition(":")
+    zone = Zone()
+    for record in argv[1:]:
+        name, _, value = record.partition("=")
+        zone.records.setdefault(name.lower(), []).append(value.encode())
+    asyncio.run(_serve_until_stdin_closes((ip, int(port)), zone))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -172,6 +172,57 @@ class Lab:
     def ns(self, name: str) -> str:
         return f"{self.prefix}{name}"
 
+    def add_lan_host(self, router: str, host: str, ip: str) -> None:
+        """A second host `host` (namespace, e.g. "a2") at `ip` on the LAN of `router`
+        (e.g. "natA"), beside its first host: the router's LAN port becomes a bridge
+        (lab.sh gives each router one host on a veth), so the two hosts share one link,
+        its multicast included, and one public IP. `lab.sh down` deletes it with the rest."""
+        r, h = self.ns(router), self.ns(host)
+        gateway = subprocess.run(
+            ["ip", "-n", r, "-4", "-o", "addr", "show", "dev", "lan0"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[3]  # fmt: skip
+        steps = [
+            ["ip", "netns", "add", h],
+            ["ip", "-n", h, "link", "set", "lo", "up"],
+            ["ip", "netns", "exec", h, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
+             "net.ipv6.conf.default.disable_ipv6=1"],
+            ["ip", "-n", r, "link", "add", "brlan", "type", "bridge"],
+            ["ip", "-n", r, "addr", "del", gateway, "dev", "lan0"],
+            ["ip", "-n", r, "link", "set", "lan0", "master", "brlan"],
+            ["ip", "-n", r, "addr", "add", gateway, "dev", "brlan"],
+            ["ip", "-n", r, "link", "set", "brlan", "up"],
+            ["ip", "-n", r, "link", "add", "lan1", "type", "veth", "peer", "name", "eth0",
+             "netns", h],
+            ["ip", "-n", r, "link", "set", "lan1", "master", "brlan", "up"],
+            ["ip", "-n", h, "addr", "add", f"{ip}/{gateway.split('/')[1]}", "dev", "eth0"],
+            ["ip", "-n", h, "link", "set", "eth0", "up"],
+            ["ip", "-n", h, "route", "add", "default", "via", gateway.split("/")[0]],
+            # The router's rules name lan0; routed traffic now comes in on the bridge.
+            ["ip", "netns", "exec", r, "iptables", "-I", "FORWARD", "-i", "brlan", "-o", "wan0",
+             "-j", "ACCEPT"],
+            ["ip", "netns", "exec", r, "iptables", "-I", "FORWARD", "-i", "wan0", "-o", "brlan",
+             "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+            ["ip", "netns", "exec", r, "iptables", "-I", "INPUT", "-i", "brlan", "-j", "ACCEPT"],
+        ]  # fmt: skip
+        for step in steps:
+            res = subprocess.run(step, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                raise LabError(f"{' '.join(step)} failed: {res.stderr.strip()}")
+        # A switch, not a firewall, between the two hosts (where br_netfilter is loaded,
+        # bridged frames would meet the router's FORWARD policy, DROP).
+        subprocess.run(
+            ["ip", "netns", "exec", r, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0"],
+            capture_output=True, check=False,
+        )  # fmt: skip
+
+    def cut_uplink(self, router: str) -> None:
+        """Take `router`'s WAN port down: its LAN reaches nothing public."""
+        cmd = ["ip", "-n", self.ns(router), "link", "set", "wan0", "down"]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise LabError(f"{' '.join(cmd)} failed: {res.stderr.strip()}")
+
     async def __aenter__(self) -> Lab:
         try:
             await asyncio.to_thread(self.sh, "up")

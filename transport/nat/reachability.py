@@ -78,6 +78,16 @@ _NON_PUBLIC = tuple(
 )
 
 
+# Addresses behind a NAT (private, shared/CGNAT, link-local), where a peer dialled
+# directly is on our LAN; unlike `ip.is_private`, not the documentation ranges (the NAT
+# lab's "internet" is one: 198.51.100.0/24).
+_LAN = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+              "169.254.0.0/16", "fc00::/7", "fe80::/10")
+)  # fmt: skip
+
+
 def has_public_interface(addrs: Iterable[Multiaddr]) -> bool:
     """True when one of our interface addresses is outside the private, shared (CGNAT),
     loopback and link-local ranges: nothing translates between it and the internet."""
@@ -241,14 +251,17 @@ class ReachabilityTracker:
 
 
 def over_lan(conn: Connection) -> bool:
-    """A connection hole-punched over our LAN (to a peer behind our NAT, at its private
-    address): what it sees of us, and a dial back over it, say nothing of how the
-    internet reaches us (they made peers behind a NAT "public" at 10.0.1.2, advertised
-    to everyone), and a relay reached over it is no relay for the others."""
-    if conn.kind != "hole-punched" or conn.remote_address is None:
+    """A direct connection to a peer at a private address (behind our NAT: hole-punched
+    over our LAN, or dialled on it, as mDNS does): what it sees of us, and a dial back
+    over it, say nothing of how the internet reaches us (they made peers behind a NAT
+    "public" at 10.0.1.2, advertised to everyone), and a relay reached over it is no
+    relay for the others."""
+    if conn.kind == "relayed" or conn.remote_address is None:
         return False
     try:
         ip = ipaddress.ip_address(conn.remote_address[0].split("%", 1)[0])
     except ValueError:
         return False
-    return ip.is_private and not ip.is_loopback
+    if conn.kind == "hole-punched":
+        return ip.is_private and not ip.is_loopback
+    return not ip.is_loopback and any(ip in net for net in _LAN if net.version == ip.version)
