@@ -279,7 +279,7 @@ async def _start_network(
     lan = None
     interfaces = mdns_interfaces(config.mdns, list(host.listen_addrs))
     if interfaces is not False:
-        lan = LanFinder(host, config.network, interfaces or None)
+        lan = LanFinder(host, config.network, interfaces or None, nat.heard_on_lan)
         stack.push_async_callback(lan.aclose)
         try:
             await lan.start()

@@ -3,6 +3,9 @@ decision, relay bookkeeping and limits, hole-punch timing, identify message chec
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from shoal.transport.errors import ProtocolViolation
@@ -17,6 +20,7 @@ from shoal.transport.nat.reachability import (
     Reachability,
     ReachabilityTracker,
     has_public_interface,
+    over_lan,
 )
 from shoal.transport.nat.relay import RelayBook
 
@@ -302,3 +306,23 @@ def test_identify_round_trips_and_rejects_garbage() -> None:
     # Unparseable addresses are dropped, not fatal; a relayed "observed" means nothing.
     odd = IdentifyInfo.from_wire({**wire, "listen": ["garbage", str(NAT)], "observed": "/p2p/x"})
     assert odd.listen == (NAT,) and odd.observed is None
+
+
+def _conn(kind: str, ip: str) -> Any:
+    """What `over_lan` reads of a connection: its kind and the far end's address."""
+    return SimpleNamespace(kind=kind, remote_address=(ip, 4001))
+
+
+def test_only_a_hole_punched_lan_peer_or_one_heard_on_our_link_is_over_the_lan() -> None:
+    """A peer behind our NAT (hole-punched at its private address) or heard over mDNS
+    dials us back over the LAN: no proof the internet can. A peer at a private address
+    otherwise (a Docker network, a private cluster: the internet of the peers in it)
+    is not, or those peers could never learn they are reachable."""
+    heard = {"10.0.1.3"}
+    assert over_lan(_conn("hole-punched", "10.0.1.3"))
+    assert not over_lan(_conn("hole-punched", "84.17.40.2"))  # (a value: nothing is dialled)
+    assert over_lan(_conn("direct", "10.0.1.3"), heard)
+    assert not over_lan(_conn("direct", "10.0.1.3"))
+    assert not over_lan(_conn("direct", "172.18.0.5"), heard)
+    assert not over_lan(_conn("direct", "127.0.0.1"), {"127.0.0.1"})
+    assert not over_lan(_conn("relayed", "10.0.1.3"), heard)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from shoal.transport.multiaddr import Multiaddr
@@ -35,8 +35,17 @@ JOIN_TIMEOUT = 10.0
 class LanFinder:
     """mDNS for a daemon. `interfaces`: the IPs to use, None for every interface."""
 
-    def __init__(self, host: Host, network: str, interfaces: Sequence[str] | None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        network: str,
+        interfaces: Sequence[str] | None,
+        on_neighbour: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        """`on_neighbour`: given the IPs of each peer heard on our link
+        (`NatManager.heard_on_lan`: their dial-backs prove nothing of the internet)."""
         self.host = host
+        self._on_neighbour = on_neighbour
         self._interfaces = None if interfaces is None else list(interfaces)
         self.mdns = MdnsDiscovery(
             host.peer_id,
@@ -79,6 +88,8 @@ class LanFinder:
             self._heard(peer)
 
     def _heard(self, peer: MdnsPeer) -> None:
+        if self._on_neighbour is not None:
+            self._on_neighbour([e[0] for a in peer.addrs if (e := a.tcp_endpoint()) is not None])
         dht = self._dht
         if dht is None or self.host.connection(peer.peer_id) is not None:
             return

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..connection import Connection
 from ..host import Host
@@ -45,6 +45,7 @@ from .report import connection_kinds, reachability_detail
 log = logging.getLogger("shoal.transport.nat")
 
 PARALLEL_PROBES = 3  # AutoNAT servers asked at once while reachability is unknown
+LAN_NEIGHBOURS = 1024  # IPs of peers heard on our link kept (`heard_on_lan`)
 
 
 class NatManager:
@@ -96,11 +97,15 @@ class NatManager:
         self._probing: set[PeerID] = set()  # servers asked, answer pending
         self._unanswered = 0  # probes in a row that no server answered
         self._probed_at: dict[PeerID, float] = {}
+        # IPs of peers heard on our link (mDNS): direct connections to them are over
+        # the LAN (`over_lan`), no proof of how the internet reaches us.
+        self.lan_neighbours: set[str] = set()
         self.relay_keeper = RelayKeeper(
             host,
             config,
             self.relay_client,
             self._tasks,
+            lan_neighbours=self.lan_neighbours,
             peers=lambda: self.peers,
             reachability=lambda: self.reachability,
             confirmed_addresses=self.confirmed_addresses,
@@ -191,6 +196,14 @@ class NatManager:
         if self.reachability is not Reachability.PUBLIC:
             out += self.relay_addresses()
         return list(dict.fromkeys(a.with_peer_id(self.host.peer_id) for a in out))
+
+    def heard_on_lan(self, ips: Iterable[str]) -> None:
+        """Peers at `ips` were heard on our link (mDNS announcements: claims, which can
+        only make us trust fewer dial-backs). Bounded: the newest LAN_NEIGHBOURS."""
+        for ip in ips:
+            self.lan_neighbours.add(ip)
+        while len(self.lan_neighbours) > LAN_NEIGHBOURS:
+            self.lan_neighbours.pop()
 
     @property
     def serves_dht(self) -> bool:
@@ -296,7 +309,7 @@ class NatManager:
         if (
             self.reachability is Reachability.UNKNOWN
             and conn.kind != "relayed"
-            and not over_lan(conn)
+            and not over_lan(conn, self.lan_neighbours)
             and autonat.PROTOCOL in info.protocols
         ):
             self._next_probe = 0.0  # a new server while we do not know: ask it now
@@ -313,7 +326,9 @@ class NatManager:
 
     def _counts_as_observation(self, conn: Connection) -> bool:
         """Only connections from our listen port show the mapping others can dial."""
-        if conn.kind == "relayed" or conn.local_address is None or over_lan(conn):
+        if conn.kind == "relayed" or conn.local_address is None:
+            return False
+        if over_lan(conn, self.lan_neighbours):
             return False
         if not conn.outbound:
             return True
@@ -379,7 +394,7 @@ class NatManager:
             info = self.peers.get(peer)
             if conn.kind == "relayed" or info is None or autonat.PROTOCOL not in info.protocols:
                 continue
-            if over_lan(conn):
+            if over_lan(conn, self.lan_neighbours):
                 continue  # it would dial us back on the LAN: no proof the internet can
             if peer not in self._probing:
                 servers.append((self._probed_at.get(peer, -1e18), peer, conn))

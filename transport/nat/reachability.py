@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from ..connection import Connection
@@ -76,16 +76,6 @@ _NON_PUBLIC = tuple(
         "::/128",
     )
 )
-
-
-# Addresses behind a NAT (private, shared/CGNAT, link-local), where a peer dialled
-# directly is on our LAN; unlike `ip.is_private`, not the documentation ranges (the NAT
-# lab's "internet" is one: 198.51.100.0/24).
-_LAN = tuple(
-    ipaddress.ip_network(n)
-    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
-              "169.254.0.0/16", "fc00::/7", "fe80::/10")
-)  # fmt: skip
 
 
 def has_public_interface(addrs: Iterable[Multiaddr]) -> bool:
@@ -250,12 +240,14 @@ class ReachabilityTracker:
         return list(self._results)
 
 
-def over_lan(conn: Connection) -> bool:
-    """A direct connection to a peer at a private address (behind our NAT: hole-punched
-    over our LAN, or dialled on it, as mDNS does): what it sees of us, and a dial back
-    over it, say nothing of how the internet reaches us (they made peers behind a NAT
+def over_lan(conn: Connection, neighbours: Collection[str] = ()) -> bool:
+    """A direct connection over our LAN: hole-punched to a peer behind our NAT (at its
+    private address), or to a peer we heard on our link (`neighbours`: the IPs mDNS
+    announced, `NatManager.heard_on_lan`). What it sees of us, and a dial back over
+    it, say nothing of how the internet reaches us (they made peers behind a NAT
     "public" at 10.0.1.2, advertised to everyone), and a relay reached over it is no
-    relay for the others."""
+    relay for the others. (Not any private address: a Docker network or a private
+    cluster stands for the internet of the peers in it.)"""
     if conn.kind == "relayed" or conn.remote_address is None:
         return False
     try:
@@ -264,4 +256,4 @@ def over_lan(conn: Connection) -> bool:
         return False
     if conn.kind == "hole-punched":
         return ip.is_private and not ip.is_loopback
-    return not ip.is_loopback and any(ip in net for net in _LAN if net.version == ip.version)
+    return not ip.is_loopback and str(ip) in neighbours

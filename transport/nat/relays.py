@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ..host import Host
 from ..identity import PeerID
@@ -37,12 +37,14 @@ class RelayKeeper:
         relay_client: RelayClient,
         tasks: TaskSet,
         *,
+        lan_neighbours: Collection[str] = (),
         peers: Callable[[], dict[PeerID, IdentifyInfo]],
         reachability: Callable[[], Reachability],
         confirmed_addresses: Callable[[], list[Multiaddr]],
         notify: Callable[[], None],
     ) -> None:
         self.host = host
+        self._lan_neighbours = lan_neighbours  # (the manager's set: read as it grows)
         self.config = config
         self.relay_client = relay_client
         self._tasks = tasks
@@ -100,7 +102,7 @@ class RelayKeeper:
             info = peers.get(peer)
             if (
                 conn.kind != "relayed"
-                and not over_lan(conn)
+                and not over_lan(conn, self._lan_neighbours)
                 and info is not None
                 and relay.HOP_PROTOCOL in info.protocols
             ):
