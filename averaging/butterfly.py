@@ -177,9 +177,13 @@ class AllReduceOutcome:
 def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int, codec: Codec,
                 weight: float, attested: bool) -> RoundInfo:  # fmt: skip
     peers = group.peer_ids
+    owner_written = ALL_REDUCTIONS[cfg.reduction].owner_written
+    if owner_written and n_elements % group.size:
+        raise ValueError(f"{cfg.reduction}: {n_elements} elements are not one part per member")
     plan = Plan.build(
         n_elements,
-        [m.bandwidth for m in group.members],
+        # Owner-written rounds: part j is member j's slot, whatever the bandwidths.
+        [1.0] * group.size if owner_written else [m.bandwidth for m in group.members],
         streams=cfg.streams_per_peer,
         chunk_elements=max(1, cfg.chunk_bytes // 4),
     )
@@ -191,7 +195,7 @@ def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int,
     window = max(2, min(cfg.window_chunks, _SLOT_BUDGET // per_slot))
     return RoundInfo(group.round_id, group.index(host.peer_id), peers,
                      [p.short() for p in peers], plan, digest, weight, window,
-                     cfg.protocol)  # fmt: skip
+                     cfg.protocol, owner_written)  # fmt: skip
 
 
 class ButterflyRound:

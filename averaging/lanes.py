@@ -88,6 +88,8 @@ class RoundInfo:
     weight: float
     window: int
     protocol: str
+    # The reduction is `owner_written`: contributions to other parts are not sent.
+    owner_written: bool = False
 
 
 class DataPlane:
@@ -220,7 +222,8 @@ class DataPlane:
 
     async def _send_contribution(self, call: rpc.MessageStream, span: Span) -> None:
         plan = self.info.plan
-        chunks = plan.chunks(span) if self.info.weight > 0 else []
+        sends = self.info.weight > 0 and not self.info.owner_written
+        chunks = plan.chunks(span) if sends else []
         staging = None
         if not self.raw and chunks:
             staging = self.buffers.take_bytes(self.codec.encoded_size(plan.chunk_elements))
@@ -239,6 +242,9 @@ class DataPlane:
                 self._mid_rs_done = True
                 await self.side.hook("mid_reduce_scatter")
         await call.stream.close()
+        if not self._mid_rs_done:  # nothing to send (weight 0, owner-written): all went out
+            self._mid_rs_done = True
+            await self.side.hook("mid_reduce_scatter")
         self._contrib_pending -= 1
         if self._contrib_pending == 0:
             await self.side.hook("after_reduce_scatter")
@@ -296,8 +302,8 @@ class DataPlane:
             )
         if self.side.over():
             raise RoundOver(f"round {info.round_id.hex()[:12]} is over here")
-        lane, weight = self._check_request(sender, header)
-        if weight > 0:
+        lane, _ = self._check_request(sender, header)
+        if lane.reducer.contributes(sender):
             # Uncompressed, a slot is a float32 chunk; with a codec, the encoded bytes
             # (checked on arrival, decoded straight into the sum).
             count = min(lane.reducer.window, len(lane.reducer.chunks))
@@ -406,7 +412,7 @@ def plan_transfers(info: RoundInfo) -> tuple[int, Counter[int], dict[int, LaneRe
     for lane, span in enumerate(plan.lanes(info.me)):
         if span[1] > span[0]:
             reducers[lane] = LaneReducer(info.me, plan.chunks(span), senders, info.window,
-                                         info.weight)  # fmt: skip
+                                         info.weight, info.owner_written)  # fmt: skip
             pending += 1
             for i in senders:
                 need[i] += 1

@@ -66,9 +66,18 @@ class LaneReducer:
     """Bookkeeping of one lane of our part: attachments, arrivals, reductions."""
 
     def __init__(
-        self, me: int, chunks: list[Span], senders: list[int], window: int, weight: float
+        self,
+        me: int,
+        chunks: list[Span],
+        senders: list[int],
+        window: int,
+        weight: float,
+        owner_written: bool = False,
     ) -> None:
         self.me = me
+        # The reduction's `owner_written`: the others attach (with their weights) but
+        # send nothing, and our part is our own input alone.
+        self.owner_written = owner_written
         self.chunks = chunks
         self.senders = senders
         self.window = window
@@ -89,7 +98,8 @@ class LaneReducer:
         return all(i in self.weights for i in self.senders)
 
     def contributes(self, sender: int) -> bool:
-        return self.weights.get(sender, 0.0) > 0
+        """Does `sender` stream data into this lane (not just its weight)?"""
+        return not self.owner_written and self.weights.get(sender, 0.0) > 0
 
     def slot(self, chunk: int) -> int:
         return chunk % self.window
@@ -128,6 +138,9 @@ class LaneReducer:
             total = math.fsum(self.weights[i] for i in members)
             if total <= 0:
                 raise Veto(NOTHING_TO_AVERAGE)
+            if self.owner_written:
+                self._order = ((self.me, 1.0),)
+                return self._order
             self._order = tuple(
                 (i, self.weights[i] / total) for i in members if self.weights[i] > 0
             )
@@ -143,6 +156,11 @@ class Reduction:
     """
 
     name = "?"
+    # True: every member's input is zero outside its own part of an equal split (member j
+    # writes part j alone), so no contribution travels to another owner and an owner's
+    # result is its own input reduced alone: a round sends G - 1 parts per member, the
+    # all-gather half of a butterfly.
+    owner_written = False
 
     def reduce(
         self,
@@ -222,11 +240,13 @@ class CenteredClip(Reduction):
 class BitwiseUnion(Reduction):
     """Not an average: the bitwise OR of the contributions' 32-bit words. For rounds
     that move opaque bytes (`sparse_gather`): every member writes only its own slot
-    of the vector and leaves the rest zero, so the union is every member's slot as
-    its author wrote it (a member that writes into another's slot spoils that slot,
-    which its readers then refuse, all alike). Weights do not enter it."""
+    of the vector, which is its own part of the round (`owner_written`: the parts are
+    equal, one slot each), and leaves the rest zero. So nothing but an owner's own
+    words travels, and the result is every member's slot exactly as its author wrote
+    it: what a member writes outside its slot never leaves it. Weights do not enter it."""
 
     name = "union"
+    owner_written = True
 
     def reduce(
         self,

@@ -18,11 +18,17 @@ machine; the DCT's inverse is the fixed-order sum of `dct_inverse_sparse`.
 Layout (little-endian), its size a function of (n, codec) alone:
 
 - table: 2**bits float32, finite, non-decreasing, each within +-MAX_MAGNITUDE;
-- indices, full chunks first, then the tail: either every chunk's k offsets
-  (ascending within the chunk) as one stream of ceil(log2(chunk))-bit fields
-  (12 bits for 4096), or, when that is larger (k * width > chunk), one bitmap
-  per chunk (ceil(len / 8) bytes, bit i of byte j is offset 8j + i) with exactly
-  k bits set and none past the chunk's end;
+- indices, full chunks first, then the tail, each chunk's k offsets (ascending)
+  in the smallest of three fixed-size forms, chosen from (chunk, k) alone:
+  * fields: one stream of ceil(log2(chunk))-bit fields for every chunk's
+    offsets (12 bits for 4096);
+  * Elias-Fano: with b = floor(log2(len / k)), first every offset's low b bits
+    as one stream of b-bit fields, then per chunk an upper bitmap of
+    k + ((len - 1) >> b) + 1 bits where offset i sets bit (offset >> b) + i,
+    one stream for all chunks (k (b + 2) bits per chunk and change: 8 bits an
+    offset at 64 of 4096, where fields take 12); exactly k bits set per chunk;
+  * bitmap, when denser: one per chunk (ceil(len / 8) bytes, bit i of byte j is
+    offset 8j + i) with exactly k bits set and none past the chunk's end;
 - codes: k per chunk in the same order, `bits` bits each.
 
 Bit streams are packed from the low bit of each byte up, and the padding bits
@@ -115,13 +121,26 @@ class SparseCodec:
     def _offset_bits(self) -> int:
         return max(1, (self.chunk - 1).bit_length())
 
+    @property
+    def _scheme(self) -> str:
+        """How offsets are coded: the smallest for a full chunk (fields on a tie)."""
+        sizes = {
+            "fields": self.k * self._offset_bits,
+            "elias_fano": _ef_bits(self.chunk, self.k),
+            "bitmap": -(-self.chunk // 8) * 8,
+        }
+        return min(sizes, key=lambda s: sizes[s])  # dict order: fields, then the others
+
     def _bitmap(self) -> bool:
-        return self.k * self._offset_bits > self.chunk
+        return self._scheme == "bitmap"
 
     def _index_bytes(self, n: int) -> int:
         full, tail, tail_k = self._tail(n)
-        if self._bitmap():
+        scheme = self._scheme
+        if scheme == "bitmap":
             return full * -(-self.chunk // 8) + -(-tail // 8)
+        if scheme == "elias_fano":
+            return -(-(full * _ef_bits(self.chunk, self.k) + _ef_bits(tail, tail_k)) // 8)
         return -(-(full * self.k + tail_k) * self._offset_bits // 8)
 
     def kept(self, n: int) -> int:
@@ -157,6 +176,9 @@ class SparseCodec:
                 _bitmap_of(i.numpy(), rows.shape[1])
                 for (i, _), (rows, _) in zip(picked, parts, strict=True)
             )
+        elif self._scheme == "elias_fano":
+            index_bytes = _ef_encode([(i.numpy(), rows.shape[1]) for (i, _), (rows, _) in
+                                      zip(picked, parts, strict=True)])  # fmt: skip
         else:
             offsets = np.concatenate([i.numpy().ravel() for i, _ in picked])
             index_bytes = _pack_bits(offsets, self._offset_bits)
@@ -227,6 +249,9 @@ class SparseCodec:
                     if rows and length
                 ]
             )
+        if self._scheme == "elias_fano":
+            blocks = [(full, self.chunk, self.k), (1 if tail else 0, tail, tail_k)]
+            return _ef_decode(raw, [b for b in blocks if b[0]], self.name)
         flat = _unpack_bits(raw, full * self.k + tail_k, self._offset_bits, self.name)
         for rows, length, k, part in (
             (full, self.chunk, self.k, flat[: full * self.k]),
@@ -333,6 +358,79 @@ def _read_bitmap(raw: np.ndarray, rows: int, length: int, k: int, name: str) -> 
     if (bits.sum(axis=1) != k).any():
         raise CodecError(f"{name}: a chunk's bitmap does not have exactly {k} bits")
     return np.nonzero(bits)[1]
+
+
+def _ef_params(length: int, k: int) -> tuple[int, int]:
+    """Elias-Fano of k distinct offsets below `length`: (low bits, upper bitmap bits)."""
+    low = max(0, (length // k).bit_length() - 1)
+    return low, k + ((length - 1) >> low) + 1
+
+
+def _ef_bits(length: int, k: int) -> int:
+    """Bits of one chunk's Elias-Fano code (0 for no chunk)."""
+    if not length or not k:
+        return 0
+    low, upper = _ef_params(length, k)
+    return k * low + upper
+
+
+def _ef_encode(blocks: list[tuple[np.ndarray, int]]) -> bytes:
+    """Elias-Fano of every chunk's ascending offsets (blocks of rows of k offsets, all
+    rows of a block of one length): the low bits of all chunks, then their upper
+    bitmaps, as one bit stream."""
+    lows, uppers = [], []
+    for offsets, length in blocks:
+        rows, k = offsets.shape
+        low, upper = _ef_params(length, k)
+        idx = offsets.astype(np.int64)
+        if low:
+            lows.append(_bits_of(idx.ravel() & ((1 << low) - 1), low))
+        bitmap = np.zeros((rows, upper), dtype=np.uint8)
+        np.put_along_axis(bitmap, (idx >> low) + np.arange(k), 1, axis=1)
+        uppers.append(bitmap.ravel())
+    return np.packbits(np.concatenate(lows + uppers), bitorder="little").tobytes()
+
+
+def _ef_decode(raw: np.ndarray, blocks: list[tuple[int, int, int]], name: str) -> np.ndarray:
+    """The offsets `_ef_encode` wrote for blocks of (rows, length, k), checked: exactly
+    k upper bits per chunk, strictly ascending, within the chunk, zero padding."""
+    flat = np.unpackbits(raw, bitorder="little")
+    params = [(rows, length, k, *_ef_params(length, k)) for rows, length, k in blocks]
+    pos, lows = 0, []
+    for rows, _, k, low, _ in params:
+        count = rows * k * low
+        lows.append(_fields_of(flat[pos : pos + count], rows * k, low).reshape(rows, k))
+        pos += count
+    out = []
+    for (rows, length, k, low, upper), low_part in zip(params, lows, strict=True):
+        bitmap = flat[pos : pos + rows * upper].reshape(rows, upper)
+        pos += rows * upper
+        if (bitmap.sum(axis=1, dtype=np.int64) != k).any():
+            raise CodecError(f"{name}: an Elias-Fano chunk does not have exactly {k} bits")
+        high = np.nonzero(bitmap)[1].reshape(rows, k) - np.arange(k)
+        idx = (high << low) | low_part
+        if (idx[:, -1] >= length).any():
+            raise CodecError(f"{name}: an index is past its chunk's end ({length})")
+        if k > 1 and (np.diff(idx, axis=1) <= 0).any():
+            raise CodecError(f"{name}: a chunk's indices are not strictly ascending")
+        out.append(idx.ravel())
+    if flat[pos:].any():
+        raise CodecError(f"{name}: padding bits after the last field are not zero")
+    return np.concatenate(out)
+
+
+def _bits_of(values: np.ndarray, width: int) -> np.ndarray:
+    """`values` (< 2**width each) as `width` bits each, low bit first (uint8 0/1)."""
+    v = values.astype(np.uint32)
+    return ((v[:, None] >> np.arange(width, dtype=np.uint32)) & 1).astype(np.uint8).ravel()
+
+
+def _fields_of(bits: np.ndarray, count: int, width: int) -> np.ndarray:
+    """`count` fields of `width` bits (int64) from a 0/1 array, low bit first."""
+    if not width:
+        return np.zeros(count, dtype=np.int64)
+    planes = bits[: count * width].reshape(count, width).astype(np.int64)
+    return (planes << np.arange(width, dtype=np.int64)).sum(axis=1)
 
 
 def _pack_bits(values: np.ndarray, width: int) -> bytes:

@@ -5,21 +5,24 @@ butterfly sums dense ones (a partial sum is neither sparse nor low-bit). So a
 round moves the messages themselves: the vector averaged is one slot per group
 member (in the group's order), each member writes its weight and its message in
 its own slot and zeros elsewhere, and the owners reduce with the bitwise union
-(`reducer.BitwiseUnion`). On commit every member holds the same slots, bit for
+(`reducer.BitwiseUnion`). The union is owner-written: the round's parts are the
+slots, so slot j is member j's part and only its owner ever sends it (the zeros
+the others hold there never travel, and what a member writes outside its own
+slot never leaves it). On commit every member holds the same slots, bit for
 bit, and `mean_into` turns them into the weighted mean with one pure function:
 slot by slot in group order, each message checked (`SparseCodec.check`) and
 added with its share of the total weight. Each slot is signed by its author
-(over the round, the slot, the weight and the message), since the union lets
-any member write into any slot: a slot that is empty, forged, malformed or
-claims an impossible weight is skipped, by every member alike. A member that
-leaves mid-round aborts the round as in any butterfly.
+(over the round, the slot, the weight and the message), which binds a message
+to the member and round it was sent in: a slot that is empty, malformed, signed
+for another round or slot, or claims an impossible weight is skipped, by every
+member alike. A member that leaves mid-round aborts the round as in any
+butterfly (every member still opens its stream to every owner, with no data).
 
 Slot layout: weight (float64, little-endian), the author's Ed25519 signature
 (64 bytes), the message; zero-padded to whole float32 words.
 
-On the wire a member sends about 2 (G - 1) slots per round (its slot to every
-part owner, every owner's result to every member) where a dedicated all-gather
-would send G - 1: the price of reusing the butterfly's commit machinery as it is.
+On the wire a member sends its slot to each of the G - 1 others (an all-gather),
+plus the round's stream headers and control messages.
 """
 
 from __future__ import annotations
@@ -129,10 +132,9 @@ class SparseGather:
 
 
 def gather_bytes_per_peer(slot_bytes: int, members: int) -> int:
-    """Bytes one member sends in a round of `members` (equal bandwidths): its slot
-    contribution to every other owner's part, every other member's copy of its part."""
-    total = slot_bytes * members
-    return 2 * (members - 1) * total // members
+    """Bytes of data one member sends in a round of `members`: its slot to every
+    other member (the reduce-scatter half moves nothing)."""
+    return (members - 1) * slot_bytes
 
 
 def dense_bytes_per_peer(encoded_bytes: int, members: int) -> int:

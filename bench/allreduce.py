@@ -36,10 +36,12 @@ the survivors commit.
 Sparse codecs (`topk`, `dct` in `--codecs`, density `--sparse-density`, values of
 `--sparse-bits` bits, the chunk DiLoCo uses by default) are measured the way
 DiLoCo runs them: each peer codes its vector, the peers gather their messages in
-signed slots over the butterfly (`averaging/sparse_gather.py`, reduction
-union), and each decodes the weighted mean. Their `seconds` cover coding, the
-round and decoding; `shoal_wire_bytes` is from the links as for the others, and
-`sparse_message_bytes` is one peer's message.
+signed slots over the butterfly's owner-written union (`averaging/sparse_gather.py`:
+each slot sent only by its owner, to the others), and each decodes the weighted
+mean. Their `seconds` cover coding, the round and decoding; `shoal_wire_bytes` is
+from the links as for the others (`wire_bytes_per_peer`: divided by `--peers`),
+`sparse_message_bytes` is one peer's message, and `none_over_topk_wire` (etc.)
+the dense codecs' bytes over the sparse one's.
 
 Workers talk to the orchestrator in JSON lines (commands on stdin, results on
 stdout) and exit when their stdin closes.
@@ -658,6 +660,9 @@ async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
             "hivemind_s": round(m["hivemind"]["seconds"], 4) if "hivemind" in m else None,
             "shoal_s": {c: round(m[c]["seconds"], 4) for c in codecs},
             "shoal_wire_bytes": {c: m[c]["wire"] for c in ("none", "int8", *SPARSE) if c in m},
+        }
+        entry["wire_bytes_per_peer"] = {
+            c: wire // opts.peers for c, wire in entry["shoal_wire_bytes"].items()
         }
         sparse = [c for c in SPARSE if c in m]
         if sparse:

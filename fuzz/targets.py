@@ -250,11 +250,14 @@ SPARSE_CODECS = (
     SparseCodec("dct", 64, 4, 2),
     SparseCodec("topk", 16, 8, 2),
     SparseCodec("topk", 4096, 64, 3),
+    SparseCodec("topk", 256, 8, 2),  # Elias-Fano offsets, full chunks and a tail
+    SparseCodec("dct", 128, 8, 2),
 )
 
 
 def codec_sparse(data: bytes) -> None:
-    """Sparse pseudo-gradient messages (top-k or DCT, offsets or bitmaps), checked then
+    """Sparse pseudo-gradient messages (top-k or DCT; offsets as fields, Elias-Fano or
+    bitmaps), checked then
     decoded: byte 0 picks the codec, byte 1 the element count."""
     import torch
 

@@ -1502,20 +1502,23 @@ async def test_gathered_sparse_messages_give_every_survivor_the_same_mean_when_a
 
 
 @pytest.mark.timeout(30)
-async def test_a_member_that_forges_another_slot_has_it_skipped_by_everyone_alike(
+async def test_a_member_writes_only_its_own_slot_and_a_malformed_one_is_skipped_by_everyone(
     cluster: Any,
 ) -> None:
-    """The union lets a member write anywhere: a slot that is not its author's (bad
-    signature, bad message) is skipped, by every member the same way; a member of weight
-    0 sends nothing and counts for nothing."""
+    """Only an owner's slot leaves it: a member that scribbles over another's slot
+    changes nothing anyone else holds (its own copy is overwritten by the owner's);
+    a slot whose message does not match its author's signature is skipped by every
+    member the same way; a member of weight 0 sends nothing and counts for nothing."""
     n = 4
     c = await cluster(n, union(AllReduceConfig(**PATIENT)))
     messages, weights = sparse_messages(n, seed=6), [1.0, 0.0, 2.0, 3.0]
     group = c.group()
     slots = filled_slots(c, group, list(range(n)), messages, weights)
     gather = SparseGather(SPARSE, SPARSE_ELEMENTS)
-    forged = slots[3].view(torch.uint8)  # member 3 scribbles over member 0's message
-    forged[100:110] = 0xFF
+    slot_bytes = gather.slot_words * 4
+    slots[3].view(torch.uint8)[100:110] = 0xFF  # member 3 scribbles over member 0's slot
+    tampered = slots[2].view(torch.uint8)  # member 2 changes its message after signing
+    tampered[2 * slot_bytes + 100] ^= 0x01
     committed(await c.run(group, [[s] for s in slots], weights))
     first = slots[0].view(torch.int32)
     skipped = set()
@@ -1525,6 +1528,29 @@ async def test_a_member_that_forges_another_slot_has_it_skipped_by_everyone_alik
         mean = torch.empty(SPARSE_ELEMENTS)
         skipped.add(tuple(gather.mean_into(buffer, mean, group.round_id, group.peer_ids)))
         means.append(mean)
-    assert skipped == {(0,)}
-    expected = gathered_mean([messages[2], messages[3]], [2.0, 3.0])
+    assert skipped == {(2,)}
+    expected = gathered_mean([messages[0], messages[3]], [1.0, 3.0])
     assert all(torch.equal(m, expected) for m in means)
+
+
+@pytest.mark.timeout(30)
+async def test_a_gathered_round_sends_each_slot_only_from_its_owner(cluster: Any) -> None:
+    """The other members' contributions to our part are all zero by construction, so
+    none of them travels: a member sends its slot to the G - 1 others (plus the round's
+    few control messages), where a butterfly of the whole vector sends 2 (G - 1)."""
+    n, elements = 4, 200_000
+    c = await cluster(n, union(AllReduceConfig(**PATIENT)))
+    gather = SparseGather(SPARSE, elements)
+    group = c.group()
+    g = torch.Generator().manual_seed(7)
+    slots = []
+    for i in range(n):
+        buffer = torch.empty(gather.words(n))
+        message = SPARSE.encode(torch.randn(elements, generator=g))
+        gather.fill(buffer, group.round_id, i, 1.0, message, c.hosts[i].identity.sign)
+        slots.append(buffer)
+    outs = committed(await c.run(group, [[s] for s in slots], [1.0] * n))
+    slot_bytes = gather.slot_words * 4
+    for out in outs:
+        assert (n - 1) * slot_bytes <= out.bytes_sent < 1.25 * (n - 1) * slot_bytes
+    assert all(torch.equal(s.view(torch.int32), slots[0].view(torch.int32)) for s in slots)

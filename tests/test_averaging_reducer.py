@@ -45,6 +45,26 @@ def test_nothing_is_reduced_before_every_sender_attached() -> None:
     assert job.order == ((0, 0.2), (1, 0.2), (2, 0.6))
 
 
+def test_an_owner_written_lane_waits_for_every_sender_to_attach_but_for_no_data() -> None:
+    """The union of slots: the others' contributions to our part are zeros, so they
+    attach (their weights, which is how a member that never came is noticed) and send
+    nothing; the part is our own input alone, even when our weight is 0."""
+    r = LaneReducer(1, CHUNKS, senders=[0, 2], window=2, weight=0.0, owner_written=True)
+    assert r.attach(0, 1.0) is None
+    assert r.next_job() is None  # member 2 has not attached
+    assert r.attach(2, 3.0) is None
+    assert not r.contributes(0) and not r.contributes(2)
+    for c in range(len(CHUNKS)):
+        job = r.next_job()
+        assert job is not None and job.index == c and job.order == ((1, 1.0),)
+        r.finished(c)
+    assert r.complete
+    nobody = LaneReducer(1, CHUNKS, senders=[0], window=2, weight=0.0, owner_written=True)
+    nobody.attach(0, 0.0)
+    with pytest.raises(Veto):
+        nobody.next_job()  # a group with nothing to average vetoes, as any round
+
+
 def test_chunks_are_reduced_in_order_whatever_order_they_arrive_in() -> None:
     r = reducer(window=3)
     r.attach(0, 1.0)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from shoal.averaging import sparse_codec
 from shoal.averaging.compression import CodecError
 from shoal.averaging.dct_basis import dct_basis, dct_forward
 from shoal.averaging.sparse_codec import SparseCodec
@@ -33,13 +34,14 @@ def test_the_message_has_exactly_the_announced_size(codec: SparseCodec, n: int) 
     assert codec.decode(data, n).shape == (n,)
 
 
-def test_sixty_four_of_4096_at_two_bits_is_146_times_smaller_than_float32() -> None:
+def test_sixty_four_of_4096_at_two_bits_is_over_200_times_smaller_than_float32() -> None:
     codec = SparseCodec.from_density("topk", 4096, 0.015625, 2)
     n = 1 << 20
     assert codec.k == 64
-    # 12-bit offsets and 2-bit codes per kept value, plus a 16-byte table.
-    assert codec.encoded_size(n) == 16 + (n // 4096) * 64 * 14 // 8
-    assert 4 * n / codec.encoded_size(n) > 146
+    # Elias-Fano offsets (6 low bits each, a 128-bit upper bitmap per chunk: 8 bits an
+    # offset where fields take 12) and 2-bit codes per kept value, plus a 16-byte table.
+    assert codec.encoded_size(n) == 16 + (n // 4096) * 64 * (8 + 2) // 8
+    assert 4 * n / codec.encoded_size(n) > 200
 
 
 def test_topk_keeps_the_largest_values_of_every_chunk_and_zeroes_the_rest() -> None:
@@ -183,6 +185,53 @@ def test_a_bitmap_without_exactly_k_bits_or_with_bits_past_the_chunk_is_refused(
     past_end = bytearray(data)
     past_end[18] |= 0x80  # the tail chunk is 4 long: bit 7 of its byte is past it
     assert "past the chunk" in _refused(past_end, codec, 20)
+
+
+EF = SparseCodec("topk", 256, 8, 2)  # Elias-Fano: 8 x 5 low bits + 16 upper < 8 x 8 bits
+
+
+def _with_ef_offsets(data: bytearray, blocks: list[tuple[list[list[int]], int]]) -> bytearray:
+    """`data` (an EF message) with its offsets replaced: blocks of (rows, chunk length)."""
+    coded = sparse_codec._ef_encode([(np.array(rows), length) for rows, length in blocks])
+    data[16 : 16 + len(coded)] = coded
+    return data
+
+
+def test_elias_fano_offsets_decode_to_the_kept_entries_and_cost_their_bound() -> None:
+    assert EF._scheme == "elias_fano" and TOPK._scheme == "fields"
+    n = 256 * 3 + 10
+    x = _vector(n, seed=3)
+    decoded = EF.decode(EF.encode(x), n)
+    kept = decoded != 0
+    for a in range(0, n, 256):  # every chunk keeps its largest magnitudes
+        b = min(a + 256, n)
+        k = int(kept[a:b].sum())
+        assert k == (8 if b - a == 256 else 1)
+        assert x[a:b].abs()[kept[a:b]].min() >= x[a:b].abs()[~kept[a:b]].max()
+    # 3 chunks of 56 bits, a tail of 10 keeping 1 (3 low bits, 3 upper bits): 25 bytes.
+    assert EF.encoded_size(n) == 16 + -(-(3 * 56 + 6) // 8) + -(-25 * 2 // 8)
+
+
+def test_elias_fano_offsets_that_repeat_descend_leave_their_chunk_or_miscount_are_refused() -> None:
+    n = 256 * 2 + 10
+    data = bytearray(EF.encode(_vector(n)))
+    good = [list(range(0, 256, 32)), list(range(3, 256, 32))]
+    assert EF.check(bytes(_with_ef_offsets(bytearray(data), [(good, 256), ([[4]], 10)])), n)
+    repeated = [[5, 5, *good[0][2:]], good[1]]
+    assert "ascending" in _refused(_with_ef_offsets(data, [(repeated, 256), ([[4]], 10)]), EF, n)
+    descending = [[6, 5, *good[0][2:]], good[1]]
+    assert "ascending" in _refused(
+        _with_ef_offsets(bytearray(data), [(descending, 256), ([[4]], 10)]), EF, n
+    )
+    past = _with_ef_offsets(bytearray(data), [(good, 256), ([[12]], 10)])
+    assert "past its chunk" in _refused(past, EF, n)
+    # The first chunk's upper bitmap starts after the 2 x 8 x 5 + 3 low bits: one more bit.
+    extra = _with_ef_offsets(bytearray(data), [(good, 256), ([[4]], 10)])
+    first_upper = 2 * 8 * 5 + 3
+    byte, bit = divmod(first_upper + 15, 8)
+    assert not extra[16 + byte] >> bit & 1
+    extra[16 + byte] |= 1 << bit
+    assert "exactly" in _refused(extra, EF, n)
 
 
 def test_non_zero_padding_bits_are_refused() -> None:
