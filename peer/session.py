@@ -47,6 +47,7 @@ from .experiment import (
     publish_manifest,
     stages_fingerprint,
 )
+from .export import ExportError, load_initial_weights
 from .joined import joined_path, load_joined, save_joined
 from .pipelined.budget import NoStageFits
 from .pipelined.checkpoints import StageCheckpoints
@@ -149,6 +150,7 @@ async def open_session(
         model = None
         if not is_pipeline(manifest.strategy):  # (a pipeline never builds the whole model)
             model = await asyncio.to_thread(task.make_model, manifest.seed)
+            await _init_from(config, model)
     hosting = await _announce(dht, identity, manifest)
     if is_pipeline(manifest.strategy):
         return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
@@ -486,6 +488,7 @@ async def _host_manifest(
         if is_pipeline(manifest.strategy):
             return manifest, task, None
         model = await asyncio.to_thread(task.make_model, manifest.seed)
+        await _init_from(config, model)
         return manifest, task, model
     try:  # hashed before it is imported: the digest is of the code that runs
         digest = "" if is_builtin_spec(config.task) else task_digest(config.task)
@@ -496,6 +499,8 @@ async def _host_manifest(
     seed = secrets.randbits(31)
     model = None
     stages: list[str] = []
+    if config.pipeline_stages and config.init_from is not None:
+        raise SessionError("--init-from: a pipelined experiment starts from its seed's stages")
     if config.pipeline_stages:
         try:
             # One stage at a time (built, hashed, freed): a host holds the whole model
@@ -510,6 +515,9 @@ async def _host_manifest(
             ) from None
     else:
         model = await asyncio.to_thread(task.make_model, seed)
+        # The initial fingerprint is then of the loaded weights: joiners start from them
+        # (the same --init-from) or from the swarm's state, as after any round.
+        await _init_from(config, model)
         fingerprint = state_fingerprint([p.detach() for p in model.parameters()], {})
     try:
         manifest = Manifest.create(
@@ -539,6 +547,17 @@ async def _host_manifest(
         ) from None
     log.info("created %s", manifest.describe())
     return manifest, task, model
+
+
+async def _init_from(config: Config, model: torch.nn.Module) -> None:
+    """Replace `model`'s fresh weights by those of --init-from, if given."""
+    if config.init_from is None:
+        return
+    try:
+        await asyncio.to_thread(load_initial_weights, model, config.init_from)
+    except ExportError as e:
+        raise SessionError(f"--init-from: {e}") from None
+    log.info("initial weights loaded from %s", config.init_from)
 
 
 async def _hosted_task(config: Config, manifest: Manifest) -> Task:
