@@ -78,11 +78,14 @@ def run_args(data_dir: Path, texts: Path, task: str, options: str, *extra: str) 
 
 
 @asynccontextmanager
-async def hosted(make_host: MakeHost, args: list[str]) -> AsyncIterator[Session]:
-    """An experiment hosted in this process (its own DHT of one), closed afterwards."""
+async def hosted(
+    make_host: MakeHost, args: list[str], bootstrap: list[str] | None = None
+) -> AsyncIterator[Session]:
+    """An experiment hosted (or joined) in this process, closed afterwards; without
+    `bootstrap` in a DHT of its own."""
     _, config = parse_command_line(args, {})
     host = await make_host()
-    dht = await DHTNode.create(host, bootstrap=[])
+    dht = await DHTNode.create(host, bootstrap=bootstrap or [])
     session = await open_session(config, host.identity, dht)
     try:
         yield session
@@ -240,3 +243,30 @@ def test_the_export_command_line_takes_out_format_and_experiment() -> None:
     assert command == "export"
     with pytest.raises(ConfigError, match="invalid choice"):
         parse_command_line(["export", "--format", "pt", "OUT"], {})
+
+
+async def test_a_joiner_of_an_experiment_hosted_from_weights_starts_from_the_same_weights(
+    make_host: MakeHost, texts: Path, tmp_path: Path
+) -> None:
+    """Joiners start from the host's loaded weights, pinned by the manifest's initial
+    fingerprint: with --init-from the same folder they build them (and pass the
+    fingerprint check); without it their seed-built model differs, and they take the
+    state the host serves (before its first round too), as after any round."""
+    sizes = {k: int(v) for k, v in (pair.split("=") for pair in TINY_BYTEGPT.split(","))}
+    task = load_task("bytegpt", sizes, data=texts)
+    weights = task.make_model(7)
+    safetensors.torch.save_model(weights, str(tmp_path / WEIGHTS_FILE))
+    wanted = [p.detach() for p in weights.parameters()]
+    args = run_args(tmp_path / "host", texts, "bytegpt", TINY_BYTEGPT, "--init-from", str(tmp_path))
+    async with hosted(make_host, args) as host:
+        assert host.manifest.initial_fingerprint == state_fingerprint(wanted, {})
+        dht = host.strategy.averager.dht  # type: ignore[attr-defined]
+        address = str(dht.host.addresses()[0])
+        for extra in (["--init-from", str(tmp_path)], []):
+            join = ["run", "--data-dir", str(tmp_path / f"joiner{len(extra)}"), "--join",
+                    f"ft@{host.manifest.host}", "--data", str(texts), *extra]  # fmt: skip
+            async with hosted(make_host, join, bootstrap=[address]) as joiner:
+                assert joiner.manifest == host.manifest and not joiner.hosting
+                params = [p.detach() for p in joiner.trainer.model.parameters()]
+                assert all(torch.equal(p, w) for p, w in zip(params, wanted, strict=True))
+                assert joiner.loaded_from_swarm or extra  # (the host serves its state)
