@@ -16,6 +16,7 @@ import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,7 +120,15 @@ async def train_past_a_commit(session: Session) -> None:
 
 
 def global_params(session: Session) -> list[torch.Tensor]:
-    return [g.detach().clone() for g in session.strategy.globals]  # type: ignore[attr-defined]
+    """The strategy's global copy, in the model's parameter order (read from the
+    strategy's live objects, not its checkpoint form)."""
+    strategy: Any = session.strategy
+    if hasattr(strategy, "fragments"):  # Streaming DiLoCo: each fragment's own params
+        of = {id(p): g for f in strategy.fragments for p, g in zip(f.params, f.globals,
+                                                                   strict=True)}  # fmt: skip
+        return [of[id(p)].detach().clone() for p in session.trainer.model.parameters()]
+    copies = strategy.outer if hasattr(strategy, "outer") else strategy.globals  # NoLoCo's
+    return [g.detach().clone() for g in copies]
 
 
 def first_batch(session: Session) -> torch.Tensor:
@@ -135,7 +144,7 @@ async def test_an_hf_export_loads_with_from_pretrained_and_init_from_it_starts_a
     initial ones, not the inner ones): from_pretrained gives their logits bit for bit,
     tokenizer.json tokenizes as the experiment does; an experiment hosted with
     --init-from it pins their fingerprint and its first loss is the exported model's."""
-    args = run_args(tmp_path / "a", texts, "hf", TINY_LLAMA)
+    args = run_args(tmp_path / "a", texts, "hf", TINY_LLAMA, *QUICK)
     async with hosted(make_host, args) as session:
         initial = [p.detach().clone() for p in session.trainer.model.parameters()]
         await train_past_a_commit(session)
@@ -174,13 +183,23 @@ async def test_an_hf_export_loads_with_from_pretrained_and_init_from_it_starts_a
     assert first == expected.item()
 
 
+# Alone, a DiLoCo round commits after the matchmaking wait for others: kept short.
+QUICK = ["--strategy-option", "matchmaking_time=0.5"]
+STREAMING = ["--strategy", "streaming", *QUICK, "--strategy-option", "fragments=2,overlap_steps=1"]
+
+
+@pytest.mark.parametrize(
+    "strategy", [QUICK, STREAMING, ["--strategy", "noloco"]], ids=["diloco", "streaming", "noloco"]
+)
 async def test_a_safetensors_export_of_any_task_holds_the_global_parameters(
-    make_host: MakeHost, texts: Path, tmp_path: Path
+    make_host: MakeHost, texts: Path, tmp_path: Path, strategy: list[str]
 ) -> None:
     """bytegpt, --format safetensors (the default): model.safetensors holds the global
-    parameters by name; --format hf refuses a task that is not hf, in one line."""
+    parameters by name, whichever strategy keeps them; --format hf refuses a task that
+    is not hf, in one line."""
     data_dir = tmp_path / "a"
-    async with hosted(make_host, run_args(data_dir, texts, "bytegpt", TINY_BYTEGPT)) as session:
+    args = run_args(data_dir, texts, "bytegpt", TINY_BYTEGPT, *strategy)
+    async with hosted(make_host, args) as session:
         await train_past_a_commit(session)
         swarm = global_params(session)
         names = [n for n, _ in session.trainer.model.named_parameters()]
