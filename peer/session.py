@@ -488,7 +488,12 @@ async def _host_manifest(
         if is_pipeline(manifest.strategy):
             return manifest, task, None
         model = await asyncio.to_thread(task.make_model, manifest.seed)
-        await _init_from(config, model)
+        loaded = await _init_from(config, model)
+        if loaded is not None and loaded != manifest.initial_fingerprint:
+            raise SessionError(
+                f"--init-from: experiment {name!r} in {config.data_dir} started from other "
+                "weights; host a new experiment name to start from these"
+            )
         return manifest, task, model
     try:  # hashed before it is imported: the digest is of the code that runs
         digest = "" if is_builtin_spec(config.task) else task_digest(config.task)
@@ -549,15 +554,20 @@ async def _host_manifest(
     return manifest, task, model
 
 
-async def _init_from(config: Config, model: torch.nn.Module) -> None:
-    """Replace `model`'s fresh weights by those of --init-from, if given."""
+async def _init_from(config: Config, model: torch.nn.Module) -> str | None:
+    """Replace `model`'s fresh weights by those of --init-from, if given; their
+    fingerprint (None without --init-from)."""
     if config.init_from is None:
-        return
+        return None
     try:
         await asyncio.to_thread(load_initial_weights, model, config.init_from)
     except ExportError as e:
         raise SessionError(f"--init-from: {e}") from None
-    log.info("initial weights loaded from %s", config.init_from)
+    fingerprint = await asyncio.to_thread(
+        state_fingerprint, [p.detach() for p in model.parameters()], {}
+    )
+    log.info("initial weights loaded from %s (fingerprint %s)", config.init_from, fingerprint[:12])
+    return fingerprint
 
 
 async def _hosted_task(config: Config, manifest: Manifest) -> Task:

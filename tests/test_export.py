@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from shoal.averaging.fingerprint import state_fingerprint
 from shoal.dht.node import DHTNode
 from shoal.peer.cli import main, parse_command_line
 from shoal.peer.config import ConfigError
+from shoal.peer.daemon import load_identity
 from shoal.peer.export import (
     EXPERIMENT_FILE,
     WEIGHTS_FILE,
@@ -41,7 +42,7 @@ from shoal.peer.export import (
 )
 from shoal.peer.session import Session, SessionError, open_session
 from shoal.peer.training.task import load_task
-from shoal.transport.host import Host
+from shoal.transport.host import Host, HostConfig
 
 from .waiting import eventually
 
@@ -53,8 +54,6 @@ TINY_LLAMA = (
 )
 TINY_BYTEGPT = "d_model=32,n_layers=1,n_heads=2,context=32,batch_size=4"
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "seven", "peers"]
-
-MakeHost = Callable[..., "asyncio.Future[Host]"]
 
 
 def write_texts(folder: Path) -> Path:
@@ -79,21 +78,26 @@ def run_args(data_dir: Path, texts: Path, task: str, options: str, *extra: str) 
 
 
 @asynccontextmanager
-async def hosted(
-    make_host: MakeHost, args: list[str], bootstrap: list[str] | None = None
-) -> AsyncIterator[Session]:
+async def hosted(args: list[str], bootstrap: list[str] | None = None) -> AsyncIterator[Session]:
     """An experiment hosted (or joined) in this process, closed afterwards; without
     `bootstrap` in a DHT of its own."""
     _, config = parse_command_line(args, {})
-    host = await make_host()
-    dht = await DHTNode.create(host, bootstrap=bootstrap or [])
-    session = await open_session(config, host.identity, dht)
+    # The data directory's identity, as the daemon's: a host restarted is the same peer.
+    host = Host(load_identity(config), HostConfig(listen=("/ip4/127.0.0.1/tcp/0",)))
+    await host.start()
     try:
-        yield session
+        dht = await DHTNode.create(host, bootstrap=bootstrap or [])
+        try:
+            session = await open_session(config, host.identity, dht)
+            try:
+                yield session
+            finally:
+                await session.strategy.aclose()
+                session.trainer.close()
+        finally:
+            await dht.aclose()
     finally:
-        await session.strategy.aclose()
-        session.trainer.close()
-        await dht.aclose()
+        await host.aclose()
 
 
 async def train_past_a_commit(session: Session) -> None:
@@ -138,14 +142,14 @@ def first_batch(session: Session) -> torch.Tensor:
 
 
 async def test_an_hf_export_loads_with_from_pretrained_and_init_from_it_starts_at_its_loss(
-    make_host: MakeHost, texts: Path, tmp_path: Path
+    texts: Path, tmp_path: Path
 ) -> None:
     """The export of a real checkpoint is the swarm's global parameters (not the
     initial ones, not the inner ones): from_pretrained gives their logits bit for bit,
     tokenizer.json tokenizes as the experiment does; an experiment hosted with
     --init-from it pins their fingerprint and its first loss is the exported model's."""
     args = run_args(tmp_path / "a", texts, "hf", TINY_LLAMA, *QUICK)
-    async with hosted(make_host, args) as session:
+    async with hosted(args) as session:
         initial = [p.detach().clone() for p in session.trainer.model.parameters()]
         await train_past_a_commit(session)
         swarm = global_params(session)
@@ -173,7 +177,7 @@ async def test_an_hf_export_loads_with_from_pretrained_and_init_from_it_starts_a
     about = json.loads((out / EXPERIMENT_FILE).read_text())
     assert about["fingerprint"] == fingerprint and about["task"] == "hf"
     args = run_args(tmp_path / "b", texts, "hf", TINY_LLAMA, "--init-from", str(out))
-    async with hosted(make_host, args) as tuned:
+    async with hosted(args) as tuned:
         assert tuned.manifest.initial_fingerprint == fingerprint
         batch = first_batch(tuned)
         with torch.no_grad():
@@ -192,14 +196,14 @@ STREAMING = ["--strategy", "streaming", *QUICK, "--strategy-option", "fragments=
     "strategy", [QUICK, STREAMING, ["--strategy", "noloco"]], ids=["diloco", "streaming", "noloco"]
 )
 async def test_a_safetensors_export_of_any_task_holds_the_global_parameters(
-    make_host: MakeHost, texts: Path, tmp_path: Path, strategy: list[str]
+    texts: Path, tmp_path: Path, strategy: list[str]
 ) -> None:
     """bytegpt, --format safetensors (the default): model.safetensors holds the global
     parameters by name, whichever strategy keeps them; --format hf refuses a task that
     is not hf, in one line."""
     data_dir = tmp_path / "a"
     args = run_args(data_dir, texts, "bytegpt", TINY_BYTEGPT, *strategy)
-    async with hosted(make_host, args) as session:
+    async with hosted(args) as session:
         await train_past_a_commit(session)
         swarm = global_params(session)
         names = [n for n, _ in session.trainer.model.named_parameters()]
@@ -213,7 +217,7 @@ async def test_a_safetensors_export_of_any_task_holds_the_global_parameters(
         export_checkpoint(data_dir, tmp_path / "hf", format="hf", data=texts)
 
     args = run_args(tmp_path / "b", texts, "bytegpt", TINY_BYTEGPT, "--init-from", str(out))
-    async with hosted(make_host, args) as tuned:
+    async with hosted(args) as tuned:
         assert tuned.manifest.initial_fingerprint == state_fingerprint(swarm, {})
 
 
@@ -237,13 +241,33 @@ def test_init_from_weights_of_another_model_is_refused_in_one_line(
 
 
 async def test_hosting_from_weights_that_do_not_fit_is_a_one_line_session_error(
-    make_host: MakeHost, texts: Path, tmp_path: Path
+    texts: Path, tmp_path: Path
 ) -> None:
     task = load_task("bytegpt", {"d_model": 64, "n_layers": 1, "n_heads": 2}, data=texts)
     safetensors.torch.save_model(task.make_model(1), str(tmp_path / WEIGHTS_FILE))
     args = run_args(tmp_path / "a", texts, "bytegpt", TINY_BYTEGPT, "--init-from", str(tmp_path))
     with pytest.raises(SessionError, match=r"^--init-from: .*wants"):
-        async with hosted(make_host, args):
+        async with hosted(args):
+            pass
+
+
+async def test_a_restarted_host_keeps_its_init_from_weights_and_refuses_others(
+    texts: Path, tmp_path: Path
+) -> None:
+    """Hosting the saved experiment again with the same --init-from starts it alike;
+    with other weights it is refused in one line (they would be another experiment)."""
+    sizes = {k: int(v) for k, v in (pair.split("=") for pair in TINY_BYTEGPT.split(","))}
+    task = load_task("bytegpt", sizes, data=texts)
+    for seed, folder in ((1, tmp_path / "w1"), (2, tmp_path / "w2")):
+        folder.mkdir()
+        safetensors.torch.save_model(task.make_model(seed), str(folder / WEIGHTS_FILE))
+    args = run_args(tmp_path / "a", texts, "bytegpt", TINY_BYTEGPT, "--init-from")
+    async with hosted([*args, str(tmp_path / "w1")]) as first:
+        manifest = first.manifest
+    async with hosted([*args, str(tmp_path / "w1")]) as again:
+        assert again.manifest == manifest
+    with pytest.raises(SessionError, match=r"^--init-from: experiment 'ft' .* other weights"):
+        async with hosted([*args, str(tmp_path / "w2")]):
             pass
 
 
@@ -265,7 +289,7 @@ def test_the_export_command_line_takes_out_format_and_experiment() -> None:
 
 
 async def test_a_joiner_of_an_experiment_hosted_from_weights_starts_from_the_same_weights(
-    make_host: MakeHost, texts: Path, tmp_path: Path
+    texts: Path, tmp_path: Path
 ) -> None:
     """Joiners start from the host's loaded weights, pinned by the manifest's initial
     fingerprint: with --init-from the same folder they build them (and pass the
@@ -277,14 +301,14 @@ async def test_a_joiner_of_an_experiment_hosted_from_weights_starts_from_the_sam
     safetensors.torch.save_model(weights, str(tmp_path / WEIGHTS_FILE))
     wanted = [p.detach() for p in weights.parameters()]
     args = run_args(tmp_path / "host", texts, "bytegpt", TINY_BYTEGPT, "--init-from", str(tmp_path))
-    async with hosted(make_host, args) as host:
+    async with hosted(args) as host:
         assert host.manifest.initial_fingerprint == state_fingerprint(wanted, {})
         dht = host.strategy.averager.dht  # type: ignore[attr-defined]
         address = str(dht.host.addresses()[0])
         for extra in (["--init-from", str(tmp_path)], []):
             join = ["run", "--data-dir", str(tmp_path / f"joiner{len(extra)}"), "--join",
                     f"ft@{host.manifest.host}", "--data", str(texts), *extra]  # fmt: skip
-            async with hosted(make_host, join, bootstrap=[address]) as joiner:
+            async with hosted(join, bootstrap=[address]) as joiner:
                 assert joiner.manifest == host.manifest and not joiner.hosting
                 params = [p.detach() for p in joiner.trainer.model.parameters()]
                 assert all(torch.equal(p, w) for p, w in zip(params, wanted, strict=True))
