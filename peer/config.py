@@ -235,7 +235,8 @@ OPTIONS: dict[str, Option] = {
             "SHOAL_INIT_FROM",
             "start a new hosted experiment from these weights instead of a random init "
             "(fine-tuning): a folder of `shoal export` (model.safetensors), names, shapes "
-            "and dtypes as the task's model; a joiner given it starts from them too",
+            "and dtypes as the task's model (task hf: its config.json and tokenizer.json "
+            "unless --task-option names others); a joiner given it starts from them too",
             "DIR",
             "the task's random init",
         ),

@@ -499,7 +499,7 @@ async def _host_manifest(
         digest = "" if is_builtin_spec(config.task) else task_digest(config.task)
     except TaskError as e:
         raise SessionError(str(e)) from None
-    task = await _load_task(config.task, dict(config.task_option), config.data)
+    task = await _load_task(config.task, _task_options(config), config.data)
     strategy, options, hyperparameters = _new_settings(config, task, name)
     seed = secrets.randbits(31)
     model = None
@@ -552,6 +552,24 @@ async def _host_manifest(
         ) from None
     log.info("created %s", manifest.describe())
     return manifest, task, model
+
+
+def _task_options(config: Config) -> dict[str, Any]:
+    """A new experiment's task options; an `hf` experiment --init-from an `hf` export
+    takes the export's model config and tokenizer unless the options name their own
+    (the weights mean nothing with another tokenizer's ids)."""
+    options = dict(config.task_option)
+    folder = config.init_from
+    if config.task != "hf" or folder is None:
+        return options
+    if (
+        not {"family", "config", "config_file"} & set(options)
+        and (folder / "config.json").is_file()
+    ):
+        options["config_file"] = str(folder / "config.json")
+    if "tokenizer" not in options and (folder / "tokenizer.json").is_file():
+        options["tokenizer"] = str(folder / "tokenizer.json")
+    return options
 
 
 async def _init_from(config: Config, model: torch.nn.Module) -> str | None:

@@ -147,7 +147,8 @@ async def test_an_hf_export_loads_with_from_pretrained_and_init_from_it_starts_a
     """The export of a real checkpoint is the swarm's global parameters (not the
     initial ones, not the inner ones): from_pretrained gives their logits bit for bit,
     tokenizer.json tokenizes as the experiment does; an experiment hosted with
-    --init-from it pins their fingerprint and its first loss is the exported model's."""
+    --init-from it (its model config and tokenizer taken from there) pins their
+    fingerprint and its first loss is the exported model's."""
     args = run_args(tmp_path / "a", texts, "hf", TINY_LLAMA, *QUICK)
     async with hosted(args) as session:
         initial = [p.detach().clone() for p in session.trainer.model.parameters()]
@@ -176,9 +177,11 @@ async def test_an_hf_export_loads_with_from_pretrained_and_init_from_it_starts_a
     fingerprint = state_fingerprint(swarm, {})
     about = json.loads((out / EXPERIMENT_FILE).read_text())
     assert about["fingerprint"] == fingerprint and about["task"] == "hf"
-    args = run_args(tmp_path / "b", texts, "hf", TINY_LLAMA, "--init-from", str(out))
+    # The model config and the tokenizer come from the export (config.json, tokenizer.json).
+    args = run_args(tmp_path / "b", texts, "hf", "context=32,batch_size=4", "--init-from", str(out))
     async with hosted(args) as tuned:
         assert tuned.manifest.initial_fingerprint == fingerprint
+        assert tuned.task.tokenizer.encode(text).ids == task.tokenizer.encode(text).ids
         batch = first_batch(tuned)
         with torch.no_grad():
             expected = tuned.task.loss(exported, batch)
