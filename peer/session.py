@@ -185,6 +185,8 @@ async def open_session(
     # a host starting its experiment starts from its own initial parameters.
     join = not (hosting and not resumed)
     loaded = await strategy.start(join=join)
+    if loaded and strategy.outer_steps == 0:
+        await _check_round_zero(strategy, model, manifest)
     if loaded:
         log.info(
             "loaded the swarm's current state (%s)", (strategy.committed_fingerprint or "")[:12]
@@ -210,6 +212,25 @@ async def open_session(
         bans,
         verifier,
     )
+
+
+async def _check_round_zero(
+    strategy: OuterStrategy, model: torch.nn.Module, manifest: Manifest
+) -> None:
+    """A state served before the swarm's first commit claims to be the experiment's
+    initial model (no certificate covers it): it must hash to the initial fingerprint
+    the host signed in the manifest, else a peer could hand joiners any weights (with
+    --init-from, the host's loaded ones are what joiners download here)."""
+    served = await asyncio.to_thread(
+        state_fingerprint, [p.detach() for p in model.parameters()], {}
+    )
+    if served != manifest.initial_fingerprint:
+        await strategy.aclose()
+        raise SessionError(
+            f"cannot start {manifest.describe()}: the state a peer served before the first "
+            f"round is not the experiment's initial model (fingerprint {served[:12]}, the "
+            f"manifest's {manifest.initial_fingerprint[:12]}); retry later"
+        )
 
 
 async def _resume(store: CheckpointStore, trainer: Trainer, manifest: Manifest) -> bool:

@@ -316,3 +316,25 @@ async def test_a_joiner_of_an_experiment_hosted_from_weights_starts_from_the_sam
                 params = [p.detach() for p in joiner.trainer.model.parameters()]
                 assert all(torch.equal(p, w) for p, w in zip(params, wanted, strict=True))
                 assert joiner.loaded_from_swarm or extra  # (the host serves its state)
+
+
+async def test_a_joiner_refuses_a_round_zero_state_that_is_not_the_initial_model(
+    texts: Path, tmp_path: Path
+) -> None:
+    """The lying peer: before the first round, the state served (here by the host
+    itself, changed after it signed the manifest) is not the model whose fingerprint
+    the manifest pins; a joiner refuses it in one line, with --init-from or without."""
+    args = run_args(tmp_path / "host", texts, "bytegpt", TINY_BYTEGPT)
+    async with hosted(args) as host:
+        strategy: Any = host.strategy
+        with torch.no_grad():
+            for g in strategy.globals:
+                g.add_(0.01)
+        await strategy.averager.publish_state()  # (served as round 0's state from now on)
+        address = str(strategy.averager.dht.host.addresses()[0])
+        join = ["run", "--data-dir", str(tmp_path / "joiner"), "--join",
+                f"ft@{host.manifest.host}", "--data", str(texts)]  # fmt: skip
+        with pytest.raises(SessionError, match="not the experiment's initial model") as refused:
+            async with hosted(join, bootstrap=[address]):
+                pass
+        assert "\n" not in str(refused.value)
