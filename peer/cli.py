@@ -48,6 +48,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "status": (),  # its URL and --json are plain arguments (status/cli.py)
     "experiments": (*FINDING, "data_dir", "log_level", "swarm_key", "allow_peers"),
     "doctor": (*FINDING, "data_dir", "log_level", "swarm_key", "allow_peers"),
+    "export": ("data_dir", "log_level", "data"),  # OUT, --format, --experiment: plain
     "swarm-key": (),  # its FILE is a plain argument
 }
 
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status_command(commands)
     _add_experiments_command(commands)
     _add_doctor_command(commands)
+    _add_export_command(commands)
     _add_swarm_key_command(commands)
     return parser
 
@@ -190,6 +192,34 @@ def _add_doctor_command(commands: _Commands) -> None:
     doctor_parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_export_command(commands: _Commands) -> None:
+    """`shoal export` and its arguments."""
+    export_parser = commands.add_parser(
+        "export",
+        help="write the swarm's current model from a checkpoint, for others to load",
+        description=(
+            "Write the global parameters (the swarm's last committed average) of the latest\n"
+            "checkpoint in the data directory to the folder OUT: --format safetensors (any\n"
+            "task) writes model.safetensors and shoal_experiment.json; --format hf (task hf)\n"
+            "writes save_pretrained output (config.json, model.safetensors) and tokenizer.json,\n"
+            "which AutoModelForCausalLM.from_pretrained(OUT) loads. `shoal run --init-from OUT`\n"
+            "hosts a new experiment starting from these weights."
+        ),
+        epilog=ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_options(export_parser, COMMAND_OPTIONS["export"])
+    export_parser.add_argument("out", metavar="OUT", help="the folder to write (created)")
+    export_parser.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="safetensors (any task; the default) or hf (save_pretrained, task hf)",
+    )  # fmt: skip
+    export_parser.add_argument(
+        "--experiment", metavar="NAME",
+        help="the experiment to export, when the data directory holds several",
+    )  # fmt: skip
+
+
 def _add_swarm_key_command(commands: _Commands) -> None:
     """`shoal swarm-key new` and its arguments."""
     swarm_parser = commands.add_parser(
@@ -238,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _doctor(argv, config)
     if command == "swarm-key":
         return _swarm_key(build_parser().parse_args(argv).file)
+    if command == "export":
+        return _export(argv, config)
     logging.basicConfig(
         level=config.logging_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -339,6 +371,29 @@ def _access_and_identity(config: Config) -> tuple[AccessControl, Identity | None
     else None, a throwaway identity."""
     access = config.access_control()
     return access, load_identity(config) if access.restricts_peers else None
+
+
+def _export(argv: Sequence[str] | None, config: Config) -> int:
+    from pathlib import Path
+
+    from .export import ExportError, export_checkpoint
+
+    logging.basicConfig(level=max(config.logging_level, logging.WARNING), stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    out = Path(args.out).expanduser().absolute()
+    try:
+        saved = export_checkpoint(
+            config.data_dir, out, format=args.format, experiment=args.experiment,
+            data=config.data,
+        )  # fmt: skip
+    except ExportError as e:
+        return _fail(e, EXIT_RUNTIME)
+    print(
+        f"exported {saved.manifest.describe()} at step {saved.checkpoint.get('step')} "
+        f"({args.format}) to {out}",
+        flush=True,
+    )
+    return 0
 
 
 def _swarm_key(path: str) -> int:

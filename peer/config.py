@@ -231,6 +231,16 @@ OPTIONS: dict[str, Option] = {
             "the built-in corpus",
         ),
         Option(
+            "init_from",
+            "SHOAL_INIT_FROM",
+            "start a new hosted experiment from these weights instead of a random init "
+            "(fine-tuning): a folder of `shoal export` (model.safetensors), names, shapes "
+            "and dtypes as the task's model (task hf: its config.json and tokenizer.json "
+            "unless --task-option names others); a joiner given it starts from them too",
+            "DIR",
+            "the task's random init",
+        ),
+        Option(
             "strategy",
             "SHOAL_STRATEGY",
             "how a hosted experiment averages: " + ", ".join(outer_strategy_names()),
@@ -399,6 +409,7 @@ class Config:
     allow_task: tuple[str, ...] = ()
     task_option: tuple[tuple[str, Any], ...] = ()
     data: Path | None = None
+    init_from: Path | None = None  # a folder with model.safetensors (peer/training/export.py)
     strategy: str = DEFAULT_STRATEGY
     inner_steps: int = DEFAULT_INNER_STEPS
     strategy_option: tuple[tuple[str, Any], ...] = ()
@@ -889,6 +900,16 @@ def _parse_data(raw: str | Sequence[str], source: str) -> Path:
     return path
 
 
+def _parse_init_from(raw: str | Sequence[str], source: str) -> Path:
+    assert isinstance(raw, str)
+    path = Path(raw.strip()).expanduser().absolute()
+    if not (path / "model.safetensors").is_file():
+        raise ConfigError(
+            f"{source}: {path} holds no model.safetensors; give a folder `shoal export` wrote"
+        )
+    return path
+
+
 def _parse_strategy(raw: str | Sequence[str], source: str) -> str:
     assert isinstance(raw, str)
     name = raw.strip().lower()
@@ -1053,6 +1074,7 @@ _PARSERS = {
     "allow_task": _parse_allow_task,
     "task_option": _parse_key_values,
     "data": _parse_data,
+    "init_from": _parse_init_from,
     "strategy": _parse_strategy,
     "inner_steps": _positive_int,
     "strategy_option": _parse_key_values,

@@ -47,6 +47,7 @@ from .experiment import (
     publish_manifest,
     stages_fingerprint,
 )
+from .export import ExportError, load_initial_weights
 from .joined import joined_path, load_joined, save_joined
 from .pipelined.budget import NoStageFits
 from .pipelined.checkpoints import StageCheckpoints
@@ -149,6 +150,7 @@ async def open_session(
         model = None
         if not is_pipeline(manifest.strategy):  # (a pipeline never builds the whole model)
             model = await asyncio.to_thread(task.make_model, manifest.seed)
+            await _init_from(config, model)
     hosting = await _announce(dht, identity, manifest)
     if is_pipeline(manifest.strategy):
         return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
@@ -183,6 +185,8 @@ async def open_session(
     # a host starting its experiment starts from its own initial parameters.
     join = not (hosting and not resumed)
     loaded = await strategy.start(join=join)
+    if loaded and strategy.outer_steps == 0:
+        await _check_round_zero(strategy, model, manifest)
     if loaded:
         log.info(
             "loaded the swarm's current state (%s)", (strategy.committed_fingerprint or "")[:12]
@@ -208,6 +212,25 @@ async def open_session(
         bans,
         verifier,
     )
+
+
+async def _check_round_zero(
+    strategy: OuterStrategy, model: torch.nn.Module, manifest: Manifest
+) -> None:
+    """A state served before the swarm's first commit claims to be the experiment's
+    initial model (no certificate covers it): it must hash to the initial fingerprint
+    the host signed in the manifest, else a peer could hand joiners any weights (with
+    --init-from, the host's loaded ones are what joiners download here)."""
+    served = await asyncio.to_thread(
+        state_fingerprint, [p.detach() for p in model.parameters()], {}
+    )
+    if served != manifest.initial_fingerprint:
+        await strategy.aclose()
+        raise SessionError(
+            f"cannot start {manifest.describe()}: the state a peer served before the first "
+            f"round is not the experiment's initial model (fingerprint {served[:12]}, the "
+            f"manifest's {manifest.initial_fingerprint[:12]}); retry later"
+        )
 
 
 async def _resume(store: CheckpointStore, trainer: Trainer, manifest: Manifest) -> bool:
@@ -486,16 +509,24 @@ async def _host_manifest(
         if is_pipeline(manifest.strategy):
             return manifest, task, None
         model = await asyncio.to_thread(task.make_model, manifest.seed)
+        loaded = await _init_from(config, model)
+        if loaded is not None and loaded != manifest.initial_fingerprint:
+            raise SessionError(
+                f"--init-from: experiment {name!r} in {config.data_dir} started from other "
+                "weights; host a new experiment name to start from these"
+            )
         return manifest, task, model
     try:  # hashed before it is imported: the digest is of the code that runs
         digest = "" if is_builtin_spec(config.task) else task_digest(config.task)
     except TaskError as e:
         raise SessionError(str(e)) from None
-    task = await _load_task(config.task, dict(config.task_option), config.data)
+    task = await _load_task(config.task, _task_options(config), config.data)
     strategy, options, hyperparameters = _new_settings(config, task, name)
     seed = secrets.randbits(31)
     model = None
     stages: list[str] = []
+    if config.pipeline_stages and config.init_from is not None:
+        raise SessionError("--init-from: a pipelined experiment starts from its seed's stages")
     if config.pipeline_stages:
         try:
             # One stage at a time (built, hashed, freed): a host holds the whole model
@@ -510,6 +541,9 @@ async def _host_manifest(
             ) from None
     else:
         model = await asyncio.to_thread(task.make_model, seed)
+        # The initial fingerprint is then of the loaded weights: joiners start from them
+        # (the same --init-from) or from the swarm's state, as after any round.
+        await _init_from(config, model)
         fingerprint = state_fingerprint([p.detach() for p in model.parameters()], {})
     try:
         manifest = Manifest.create(
@@ -539,6 +573,40 @@ async def _host_manifest(
         ) from None
     log.info("created %s", manifest.describe())
     return manifest, task, model
+
+
+def _task_options(config: Config) -> dict[str, Any]:
+    """A new experiment's task options; an `hf` experiment --init-from an `hf` export
+    takes the export's model config and tokenizer unless the options name their own
+    (the weights mean nothing with another tokenizer's ids)."""
+    options = dict(config.task_option)
+    folder = config.init_from
+    if config.task != "hf" or folder is None:
+        return options
+    if (
+        not {"family", "config", "config_file"} & set(options)
+        and (folder / "config.json").is_file()
+    ):
+        options["config_file"] = str(folder / "config.json")
+    if "tokenizer" not in options and (folder / "tokenizer.json").is_file():
+        options["tokenizer"] = str(folder / "tokenizer.json")
+    return options
+
+
+async def _init_from(config: Config, model: torch.nn.Module) -> str | None:
+    """Replace `model`'s fresh weights by those of --init-from, if given; their
+    fingerprint (None without --init-from)."""
+    if config.init_from is None:
+        return None
+    try:
+        await asyncio.to_thread(load_initial_weights, model, config.init_from)
+    except ExportError as e:
+        raise SessionError(f"--init-from: {e}") from None
+    fingerprint = await asyncio.to_thread(
+        state_fingerprint, [p.detach() for p in model.parameters()], {}
+    )
+    log.info("initial weights loaded from %s (fingerprint %s)", config.init_from, fingerprint[:12])
+    return fingerprint
 
 
 async def _hosted_task(config: Config, manifest: Manifest) -> Task:

@@ -48,7 +48,7 @@ from shoal.peer.training.tasks.hf_data import (
 )
 from shoal.peer.training.tasks.hf_stages import split_model
 
-__all__ = ["DEFAULT_CONFIG", "FAMILIES", "MODEL_KEYS", "HFTask", "make_task"]
+__all__ = ["DEFAULT_CONFIG", "FAMILIES", "MODEL_KEYS", "HFTask", "make_task", "offline_task"]
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,20 @@ def make_task(config: dict[str, Any], data: Path | None = None) -> HFTask:
             f"{description} here (digest {corpus.digest[:12]}): give --data the host's data"
         )
     return HFTask(settings, corpus, tokenizer)
+
+
+def offline_task(config: dict[str, Any]) -> HFTask:
+    """The task of a manifest's config without its data: the model and the tokenizer, what
+    an export needs (`shoal export`); it has no corpus, so no batches."""
+    transformers = require("transformers")
+    settings = {**DEFAULT_CONFIG, **config}
+    if not settings["model_config"] or not (
+        settings["tokenizer_bpe"] or settings["tokenizer_file"]
+    ):
+        raise TaskError("hf: the experiment's config names no model or no tokenizer")
+    _check_version(settings["transformers_version"], transformers.__version__)
+    tokenizer = _tokenizer(settings, None, [])
+    return HFTask(settings, None, tokenizer)  # type: ignore[arg-type]
 
 
 def _settings(config: dict[str, Any], data: Path | None) -> dict[str, Any]:
