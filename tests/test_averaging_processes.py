@@ -204,9 +204,12 @@ def test_a3_kill_one_of_eight_mid_round_survivors_commit_their_mean(tmp_path: Pa
         victim.kill()
         killed_at = time.time()
         after = [p.next_commit(timeout=60) for p in survivors]
-        # the first commit may be a round that completed just before the kill
-        if any(victim.peer_id in r["members"] for r in after):
-            after = [p.next_commit(timeout=60) for p in survivors]
+        # Each survivor's first commit may be a round that completed (for it) just before
+        # the kill: its first round without the victim is the one that must be shared.
+        after = [
+            p.next_commit(timeout=60) if victim.peer_id in r["members"] else r
+            for p, r in zip(survivors, after, strict=True)
+        ]
         assert len({r["round_id"] for r in after}) == 1
         assert len({r["sha"] for r in after}) == 1
         assert all(victim.peer_id not in r["members"] for r in after)

@@ -55,7 +55,7 @@ async def test_a_peer_that_was_in_the_network_starts_cut_off(
     config = Config(data_dir=tmp_path, bootstrap=(daemon.Multiaddr(gone_address),))
     host: Host = await make_host(**HOST_OPTS)
     caplog.set_level(logging.INFO, logger="shoal.dht")
-    dht = await _start_dht(host, config, NAT)  # type: ignore[arg-type]
+    dht, _ = await _start_dht(host, config, NAT, None)  # type: ignore[arg-type]
     try:
         assert len(dht.routing_table) == 0
         assert "starting cut off, joining through them again every 30s" in caplog.text
@@ -69,7 +69,7 @@ async def test_a_first_start_with_nobody_at_the_address_fails_fast(
     config = Config(data_dir=tmp_path, bootstrap=(daemon.Multiaddr(gone_address),))
     host: Host = await make_host(**HOST_OPTS)
     with pytest.raises(StartupError, match="check the --bootstrap"):
-        await _start_dht(host, config, NAT)  # type: ignore[arg-type]
+        await _start_dht(host, config, NAT, None)  # type: ignore[arg-type]
 
 
 async def test_a_peer_that_joined_keeps_the_peers_it_knows_at_once(
@@ -77,12 +77,12 @@ async def test_a_peer_that_joined_keeps_the_peers_it_knows_at_once(
 ) -> None:
     """Saved when it joins, not only at a graceful stop: a kill -9 keeps them too."""
     first: Host = await make_host(**HOST_OPTS)
-    root = await _start_dht(first, Config(data_dir=tmp_path / "root"), NAT)  # type: ignore[arg-type]
+    root, _ = await _start_dht(first, Config(data_dir=tmp_path / "root"), NAT, None)  # type: ignore[arg-type]
     host: Host = await make_host(**HOST_OPTS)
     bootstrap = (first.addresses()[0].with_peer_id(first.peer_id),)
     config = Config(data_dir=tmp_path / "joiner", bootstrap=bootstrap)
     config.data_dir.mkdir()
-    dht = await _start_dht(host, config, NAT)  # type: ignore[arg-type]
+    dht, _ = await _start_dht(host, config, NAT, None)  # type: ignore[arg-type]
     try:
         assert daemon.load_known_peers(config.data_dir)
     finally:
