@@ -291,18 +291,30 @@ async def run_dht(scenario: Scenario, net: SimNetwork, rng: random.Random) -> di
     n = scenario.peers
     join_window = float(w.get("join_window_s", n * 0.05))
     concurrency = int(w.get("concurrency", 32))
+    wall0 = time.perf_counter()
+
+    def phase(name: str) -> None:  # progress on stderr: how far a long run got
+        log.warning("%s: virtual %.1f s, wall %.1f s, %d live peers", name, loop.time(),
+                    time.perf_counter() - wall0, len(run.live()))  # fmt: skip
+
     await run.join_all(n, join_window)
     joined_at = loop.time()
+    phase("joined")
     gc.collect()
     rss_joined = rss_bytes()
     requests_before, minutes_before = run.requests_sent(), run.peer_minutes(loop.time())
     await asyncio.sleep(float(w.get("settle_s", 30)))
     idle_requests = run.requests_sent() - requests_before
     idle_minutes = run.peer_minutes(loop.time()) - minutes_before
+    phase("settled")
     stored = await run.store_keys(int(w.get("keys", 100)), concurrency)
+    phase("stored")
     await run.churn(float(w.get("churn_s", 0)))
+    phase("churned")
     found, get_latencies = await run.get_keys(stored, concurrency)
+    phase("read")
     hops, lookup_latencies = await run.lookups(int(w.get("lookups", 100)), concurrency)
+    phase("looked up")
     now = loop.time()
     requests = run.requests_sent() - requests_before
     minutes = run.peer_minutes(now) - minutes_before
