@@ -19,12 +19,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from avg_scenario import run_averaging
 from dht_scenario import run_dht
 from scenario import Scenario, load
 from simnet import SimNetwork
 from vtime import VirtualTimeLoop, virtual_clocks
 
-WORKLOADS = {"dht": run_dht}
+WORKLOADS = {"dht": run_dht, "averaging": run_averaging}
 
 
 def simulate(scenario: Scenario) -> dict[str, Any]:

@@ -14,6 +14,9 @@ from typing import Any
 EPOCH = 1_800_000_000.0
 
 
+_THREAD_POLL_S = 0.05
+
+
 class SimDeadlock(RuntimeError):
     """Every task waits and no timer is scheduled: nothing can ever happen again."""
 
@@ -25,11 +28,16 @@ class _JumpingSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
+        self.threads_busy = 0  # executor jobs running: their results come in real time
 
     def select(self, timeout: float | None = None) -> list[Any]:
         events = super().select(0)
         if events or timeout == 0:
             return events
+        if self.threads_busy:
+            # A thread's work takes no virtual time: wait for it in real time (its
+            # result wakes the loop through the self-pipe), without moving the clock.
+            return super().select(_THREAD_POLL_S)
         if timeout is None:
             raise SimDeadlock("every task waits and no timer is scheduled")
         self.now += timeout
@@ -53,6 +61,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._jumper.now
+
+    def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
+        future = super().run_in_executor(executor, func, *args)
+        self._jumper.threads_busy += 1
+
+        def done(_: asyncio.Future[Any]) -> None:
+            self._jumper.threads_busy -= 1
+
+        future.add_done_callback(done)
+        return future
 
     async def create_connection(  # type: ignore[override]
         self, protocol_factory: Any, host: str | None = None, port: int | None = None, **kw: Any

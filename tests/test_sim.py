@@ -230,8 +230,41 @@ CONTRACT_KEYS = {
 def test_run_py_runs_real_dht_nodes_faster_than_real_time_and_finds_every_key(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "dht_ci.json"
-    path.write_text(json.dumps(SMALL))
+    result = run_scenario(tmp_path, SMALL)
+    assert result.keys() >= CONTRACT_KEYS
+    assert result["peers"] == 30
+    assert result["join_failures"] == 0
+    assert result["keys_stored"] == result["keys"] == 30
+    assert result["keys_found"] == 30
+    assert result["virtual_s"] > result["wall_s"]
+    assert result["dht_requests_per_peer_per_min"] > 0
+
+
+@pytest.mark.timeout(30)
+def test_work_in_a_thread_takes_no_virtual_time_and_is_waited_for() -> None:
+    async def main() -> tuple[float, int]:
+        loop = asyncio.get_running_loop()
+        sleeper = asyncio.ensure_future(asyncio.sleep(10))
+        t0 = loop.time()
+        value = await asyncio.to_thread(slow_seven)
+        taken = loop.time() - t0
+        await sleeper
+        return taken, value
+
+    (taken, value), _ = simulate(main(), network=False)
+    assert value == 7
+    assert taken == 0.0  # the 10 s timer did not fire while the thread ran
+
+
+def slow_seven() -> int:
+    time.sleep(0.2)  # real time, in a thread
+    return 7
+
+
+def run_scenario(tmp_path: Path, scenario: dict[str, Any]) -> dict[str, Any]:
+    """`python sim/run.py` on `scenario`: the one JSON object it prints."""
+    path = tmp_path / f"{scenario['name']}.json"
+    path.write_text(json.dumps(scenario))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
         [sys.executable, str(ROOT / "sim" / "run.py"), str(path)],
@@ -243,11 +276,23 @@ def test_run_py_runs_real_dht_nodes_faster_than_real_time_and_finds_every_key(
     )
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout
-    result = json.loads(lines[0])
-    assert result.keys() >= CONTRACT_KEYS
-    assert result["peers"] == 30
-    assert result["join_failures"] == 0
-    assert result["keys_stored"] == result["keys"] == 30
-    assert result["keys_found"] == 30
-    assert result["virtual_s"] > result["wall_s"]
-    assert result["dht_requests_per_peer_per_min"] > 0
+    return json.loads(lines[0])
+
+
+@pytest.mark.timeout(120)
+def test_real_averagers_over_the_simulator_commit_in_groups_of_every_peer(
+    tmp_path: Path,
+) -> None:
+    scenario = {
+        **SMALL,
+        "name": "avg_ci",
+        "peers": 4,
+        "churn": None,
+        "workload": {"kind": "averaging", "join_window_s": 1, "size": 256, "duration_s": 30},
+    }
+    result = run_scenario(tmp_path, scenario)
+    assert result["peers"] == 4
+    assert result["commits"] > 0
+    assert result["group_size_p50"] == 4
+    assert result["commits_per_peer_per_min"] > 0
+    assert result["virtual_s"] >= 30
