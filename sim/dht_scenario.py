@@ -117,10 +117,22 @@ class DHTRun:
         loop = asyncio.get_running_loop()
         starts = sorted(self.rng.uniform(0, window_s) for _ in range(count - 1))
         t0 = loop.time()
+        wall0 = time.perf_counter()
         tasks = []
+        step = max(1, count // 10)
+        done = 0
+
+        def progress(_: asyncio.Task[None]) -> None:  # how far a long run got (stderr)
+            nonlocal done
+            done += 1
+            if done % step == 0:
+                log.warning("%d of %d joins done: virtual %.1f s, wall %.1f s", done, count - 1,
+                            loop.time(), time.perf_counter() - wall0)  # fmt: skip
+
         for at in starts:
             await asyncio.sleep(max(0.0, t0 + at - loop.time()))
             tasks.append(self.start_peer(seed))
+            tasks[-1].add_done_callback(progress)
         await asyncio.gather(*tasks)
 
     def _crash(self, peer: SimPeer) -> None:

@@ -9,6 +9,7 @@ Prints one JSON object on stdout (logs go to stderr): the scenario's figures, pl
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -19,13 +20,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from avg_scenario import run_averaging
-from dht_scenario import run_dht
 from scenario import Scenario, load
 from simnet import SimNetwork
 from vtime import VirtualTimeLoop, virtual_clocks
 
-WORKLOADS = {"dht": run_dht, "averaging": run_averaging}
+# workload -> (module, function): imported when used (averaging brings in torch)
+WORKLOADS = {"dht": ("dht_scenario", "run_dht"), "averaging": ("avg_scenario", "run_averaging")}
 
 
 def simulate(scenario: Scenario) -> dict[str, Any]:
@@ -36,10 +36,13 @@ def simulate(scenario: Scenario) -> dict[str, Any]:
     loop = VirtualTimeLoop()
     rng = random.Random(scenario.seed)
     loop.network = SimNetwork(loop, rng)
+    loop.cpu_scale = float(scenario.workload.get("cpu_scale", 0.0))
     wall0 = time.perf_counter()
     try:
         with virtual_clocks(loop):
-            result = loop.run_until_complete(WORKLOADS[kind](scenario, loop.network, rng))
+            module, function = WORKLOADS[kind]
+            workload = getattr(importlib.import_module(module), function)
+            result = loop.run_until_complete(workload(scenario, loop.network, rng))
     finally:
         loop.close()
     wall = time.perf_counter() - wall0

@@ -29,8 +29,23 @@ class _JumpingSelector(selectors.DefaultSelector):
         super().__init__()
         self.now = 0.0
         self.threads_busy = 0  # executor jobs running: their results come in real time
+        # Virtual seconds charged per CPU second spent running callbacks: 0 makes
+        # computation free (protocol behaviour only); 1/cores models every peer
+        # sharing one machine's cores, as real processes on one machine do.
+        self.cpu_scale = 0.0
+        self._ran_since = time.thread_time()
 
     def select(self, timeout: float | None = None) -> list[Any]:
+        # (`timeout` is to the next timer from the clock before the CPU charge.)
+        before = self.now
+        if self.cpu_scale:
+            self.now += (time.thread_time() - self._ran_since) * self.cpu_scale
+        try:
+            return self._select(timeout, before)
+        finally:
+            self._ran_since = time.thread_time()
+
+    def _select(self, timeout: float | None, before: float) -> list[Any]:
         events = super().select(0)
         if events or timeout == 0:
             return events
@@ -40,15 +55,16 @@ class _JumpingSelector(selectors.DefaultSelector):
             return super().select(_THREAD_POLL_S)
         if timeout is None:
             raise SimDeadlock("every task waits and no timer is scheduled")
-        self.now += timeout
+        self.now = max(self.now, before + timeout)
         return []
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """An event loop whose `time()` is virtual: it never sleeps, it skips ahead.
 
-    Callbacks cost no virtual time; only timers (sleeps, timeouts, and the simulated
-    network's deliveries, which are timers too) move the clock. `network` is the
+    Callbacks cost no virtual time unless `cpu_scale` charges their CPU time; timers
+    (sleeps, timeouts, and the simulated network's deliveries, which are timers too)
+    move the clock. `network` is the
     simulated network that `create_connection` / `create_server` go through; nothing
     here touches a real socket.
     """
@@ -61,6 +77,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._jumper.now
+
+    @property
+    def cpu_scale(self) -> float:
+        """Virtual seconds charged per real second of callbacks (0: computation is free)."""
+        return self._jumper.cpu_scale
+
+    @cpu_scale.setter
+    def cpu_scale(self, value: float) -> None:
+        self._jumper.cpu_scale = value
 
     def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
         future = super().run_in_executor(executor, func, *args)
