@@ -8,6 +8,7 @@ import gc
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -336,6 +337,8 @@ async def run_dht(scenario: Scenario, net: SimNetwork, rng: random.Random) -> di
         "peers": n,
         "peers_live_at_end": len(run.live()),
         "join_failures": run.join_failures,
+        "links": dict(Counter(p.kind for p in run.peers)),
+        "nat_peers": sum(1 for p in run.peers if p.sim.nat),
         "departures": run.departures,
         "arrivals": run.arrivals,
         "bootstrap_s": round(joined_at, 3),
