@@ -38,12 +38,13 @@ class _JumpingSelector(selectors.DefaultSelector):
     def select(self, timeout: float | None = None) -> list[Any]:
         # (`timeout` is to the next timer from the clock before the CPU charge.)
         before = self.now
-        if self.cpu_scale:
-            self.now += (time.thread_time() - self._ran_since) * self.cpu_scale
+        if not self.cpu_scale:
+            return self._select(timeout, before)
+        self.now += (time.thread_time() - self._ran_since) * self.cpu_scale
         try:
             return self._select(timeout, before)
         finally:
-            self._ran_since = time.thread_time()
+            self._ran_since = time.thread_time()  # (a system call: only when charging)
 
     def _select(self, timeout: float | None, before: float) -> list[Any]:
         events = super().select(0)
@@ -86,6 +87,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     @cpu_scale.setter
     def cpu_scale(self, value: float) -> None:
         self._jumper.cpu_scale = value
+        self._jumper._ran_since = time.thread_time()  # charged from now on
 
     def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
         future = super().run_in_executor(executor, func, *args)

@@ -299,3 +299,21 @@ def test_real_averagers_over_the_simulator_commit_in_groups_of_every_peer(
     assert result["group_size_p50"] == 4
     assert result["commits_per_peer_per_min"] > 0
     assert result["virtual_s"] >= 20
+
+
+@pytest.mark.timeout(30)
+def test_cpu_scale_charges_the_cpu_time_of_callbacks_to_the_virtual_clock() -> None:
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(1)
+        loop.cpu_scale = 2.0  # type: ignore[attr-defined]
+        t0, cpu0 = loop.time(), time.thread_time()
+        while time.thread_time() - cpu0 < 0.05:  # a callback computing for 50 ms of CPU
+            pass
+        spent = time.thread_time() - cpu0
+        await asyncio.sleep(0)
+        return loop.time() - t0, spent
+
+    charged, spent = simulate(main(), network=False)[0]
+    assert charged >= 2 * spent
+    assert charged < 2 * spent + 1  # from the moment it was set, not since the loop began
