@@ -1,0 +1,319 @@
+"""The simulator (sim/): a virtual-time loop and an in-memory network under the real
+Host and DHTNode (issue 44, item 2).
+
+The loop skips to its next timer whenever every task waits; the network delivers
+bytes after each link's latency and serialisation delay, holds them across a
+partition, and loses them to a crashed host; and `python sim/run.py SCENARIO` runs
+real DHT nodes over it and prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "sim"))
+
+from simnet import Link, SimHost, SimNetwork  # noqa: E402
+from vtime import EPOCH, SimDeadlock, VirtualTimeLoop, virtual_clocks  # noqa: E402
+
+T = TypeVar("T")
+FAST = Link(up_Bps=1e9, down_Bps=1e9, latency_s=0.001)
+
+
+def simulate(main: Coroutine[Any, Any, T], network: bool = True) -> tuple[T, VirtualTimeLoop]:
+    loop = VirtualTimeLoop()
+    if network:
+        loop.network = SimNetwork(loop, random.Random(0))
+    try:
+        with virtual_clocks(loop):
+            return loop.run_until_complete(main), loop
+    finally:
+        loop.close()
+
+
+def on(host: SimHost, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    return asyncio.get_running_loop().create_task(coro, context=host.context.copy())
+
+
+class Collector(asyncio.Protocol):
+    """Records when each chunk arrived (virtual time) and when the stream ended."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[float, bytes]] = []
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append((asyncio.get_running_loop().time(), data))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+def net() -> SimNetwork:
+    return asyncio.get_running_loop().network  # type: ignore[attr-defined]
+
+
+async def pair(a_link: Link, b_link: Link) -> tuple[SimNetwork, SimHost, SimHost, list[Collector]]:
+    """Host a at 100.64.0.1 listening on 4001 (its accepted protocols in the list), b
+    at 100.64.1.1."""
+    network = net()
+    a = network.add_host("100.64.0.1", a_link)
+    b = network.add_host("100.64.1.1", b_link)
+    accepted: list[Collector] = []
+
+    def accept() -> Collector:
+        accepted.append(Collector())
+        return accepted[-1]
+
+    async def serve() -> None:
+        await asyncio.get_running_loop().create_server(accept, "100.64.0.1", 4001)
+
+    await on(a, serve())
+    return network, a, b, accepted
+
+
+async def dial(b: SimHost) -> tuple[asyncio.Transport, Collector]:
+    loop = asyncio.get_running_loop()
+    return await on(b, loop.create_connection(Collector, "100.64.0.1", 4001))  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(30)
+def test_an_hour_of_timers_passes_in_no_real_time_and_moves_the_wall_clock() -> None:
+    async def main() -> tuple[float, float]:
+        wall0 = time.time()
+        await asyncio.gather(asyncio.sleep(3600), asyncio.sleep(1800))
+        return asyncio.get_running_loop().time(), time.time() - wall0
+
+    real0 = time.perf_counter()
+    (virtual, wall_delta), _ = simulate(main(), network=False)
+    assert virtual == pytest.approx(3600)
+    assert wall_delta == pytest.approx(3600)  # time.time() follows: record expirations do
+    assert time.perf_counter() - real0 < 3600
+    assert abs(time.time() - EPOCH) > 1e6  # and the real clocks are back afterwards
+
+
+@pytest.mark.timeout(30)
+def test_a_loop_where_every_task_waits_forever_reports_a_deadlock() -> None:
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(SimDeadlock):
+        simulate(main(), network=False)
+
+
+@pytest.mark.timeout(30)
+def test_bytes_arrive_after_both_access_latencies_and_the_slower_ends_serialisation() -> None:
+    slow_up = Link(up_Bps=1e6, down_Bps=1e8, latency_s=0.010)  # 1 MB/s up
+    server_link = Link(up_Bps=1e8, down_Bps=1e8, latency_s=0.020)
+
+    async def main() -> tuple[float, float, list[Collector]]:
+        _, _, b, accepted = await pair(server_link, slow_up)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        transport, _ = await dial(b)
+        connected = loop.time() - t0
+        sent = loop.time()
+        transport.write(b"x" * 100_000)
+        transport.close()
+        await accepted[0].lost
+        return connected, sent, accepted
+
+    connected, sent, accepted = simulate(main())[0]
+    assert connected == pytest.approx(2 * 0.030)  # SYN, SYN-ACK: one round trip
+    ((arrived, data),) = accepted[0].chunks
+    assert len(data) == 100_000
+    # 0.1 s on the 1 MB/s uplink, 30 ms across, 1 ms on the fast downlink; ms slots
+    assert arrived - sent == pytest.approx(0.100 + 0.030 + 0.001, abs=0.0011)
+
+
+@pytest.mark.timeout(30)
+def test_a_closed_port_refuses_and_a_host_behind_nat_never_answers() -> None:
+    async def main() -> tuple[type, type]:
+        network, _, b, _ = await pair(FAST, FAST)
+        loop = asyncio.get_running_loop()
+        refused = await asyncio.gather(
+            on(b, loop.create_connection(Collector, "100.64.0.1", 9)), return_exceptions=True
+        )
+        network.add_host("100.64.2.1", FAST, nat=True)
+        silent = await asyncio.gather(
+            on(b, asyncio.wait_for(loop.create_connection(Collector, "100.64.2.1", 4001), 5)),
+            return_exceptions=True,
+        )
+        return type(refused[0]), type(silent[0])
+
+    refused, silent = simulate(main())[0]
+    assert refused is ConnectionRefusedError
+    assert silent is TimeoutError
+
+
+@pytest.mark.timeout(30)
+def test_a_partition_holds_bytes_back_until_it_heals_and_a_crash_loses_them() -> None:
+    async def main() -> tuple[list[tuple[float, bytes]], float, Any]:
+        network, a, b, accepted = await pair(FAST, FAST)
+        transport, _ = await dial(b)
+        network.partition([{a.ip}])
+        transport.write(b"held")
+        await asyncio.sleep(60)
+        before = list(accepted[0].chunks)
+        network.heal()
+        await asyncio.sleep(1)
+        healed_at = asyncio.get_running_loop().time()
+        network.crash(a)
+        transport.write(b"lost")
+        transport.abort()
+        await asyncio.sleep(60)
+        assert before == []
+        return accepted[0].chunks, healed_at, accepted[0].lost.done()
+
+    chunks, healed_at, told = simulate(main())[0]
+    assert [d for _, d in chunks] == [b"held"]
+    assert 60 < chunks[0][0] < healed_at
+    assert not told  # a crashed host hears nothing, not even the reset
+
+
+SMALL = {
+    "name": "dht_ci",
+    "peers": 30,
+    "seed": 3,
+    "links": {
+        "home": {"share": 0.8, "down_mbit": [10, 100], "up_mbit": [2, 20], "latency_ms": [10, 60]},
+        "datacenter": {
+            "share": 0.2,
+            "down_mbit": [1000, 1000],
+            "up_mbit": [1000, 1000],
+            "latency_ms": [1, 5],
+        },
+    },
+    "churn": {"mean_session_min": 60},
+    "workload": {
+        "kind": "dht",
+        "join_window_s": 15,
+        # Far buckets fill at the first refresh: a store from a peer that knows no one
+        # in the key's half of the ID space lands on the wrong replicas before it.
+        "dht_options": {"refresh_interval": 120},
+        "settle_s": 150,
+        "keys": 30,
+        "churn_s": 60,
+        "lookups": 30,
+        "concurrency": 16,
+    },
+}
+
+CONTRACT_KEYS = {
+    "peers",
+    "dht_requests_per_peer_per_min",
+    "keys_found",
+    "lookup_hops_p50",
+    "lookup_hops_p99",
+    "lookup_latency_ms_p50",
+    "lookup_latency_ms_p99",
+    "memory_per_peer_kB",
+    "virtual_s",
+    "wall_s",
+}
+
+
+@pytest.mark.timeout(120)
+def test_run_py_runs_real_dht_nodes_faster_than_real_time_and_finds_every_key(
+    tmp_path: Path,
+) -> None:
+    result = run_scenario(tmp_path, SMALL)
+    assert result.keys() >= CONTRACT_KEYS
+    assert result["peers"] == 30
+    assert result["join_failures"] == 0
+    assert result["keys_stored"] == result["keys"] == 30
+    assert result["keys_found"] == 30
+    assert result["virtual_s"] > result["wall_s"]
+    assert result["dht_requests_per_peer_per_min"] > 0
+
+
+@pytest.mark.timeout(30)
+def test_work_in_a_thread_takes_no_virtual_time_and_is_waited_for() -> None:
+    async def main() -> tuple[float, int]:
+        loop = asyncio.get_running_loop()
+        sleeper = asyncio.ensure_future(asyncio.sleep(10))
+        t0 = loop.time()
+        value = await asyncio.to_thread(slow_seven)
+        taken = loop.time() - t0
+        await sleeper
+        return taken, value
+
+    (taken, value), _ = simulate(main(), network=False)
+    assert value == 7
+    assert taken == 0.0  # the 10 s timer did not fire while the thread ran
+
+
+def slow_seven() -> int:
+    time.sleep(0.2)  # real time, in a thread
+    return 7
+
+
+def run_scenario(tmp_path: Path, scenario: dict[str, Any]) -> dict[str, Any]:
+    """`python sim/run.py` on `scenario`: the one JSON object it prints."""
+    path = tmp_path / f"{scenario['name']}.json"
+    path.write_text(json.dumps(scenario))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "sim" / "run.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=env,
+        check=True,
+    )
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout
+    return json.loads(lines[0])
+
+
+@pytest.mark.timeout(120)
+def test_real_averagers_over_the_simulator_commit_in_groups_of_every_peer(
+    tmp_path: Path,
+) -> None:
+    scenario = {
+        **SMALL,
+        "name": "avg_ci",
+        "peers": 4,
+        "churn": None,
+        "workload": {"kind": "averaging", "join_window_s": 1, "size": 256, "duration_s": 20},
+    }
+    result = run_scenario(tmp_path, scenario)
+    assert result["peers"] == 4
+    assert result["commits"] > 0
+    assert result["group_size_p50"] == 4
+    assert result["commits_per_peer_per_min"] > 0
+    assert result["virtual_s"] >= 20
+
+
+@pytest.mark.timeout(30)
+def test_cpu_scale_charges_the_cpu_time_of_callbacks_to_the_virtual_clock() -> None:
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(1)
+        loop.cpu_scale = 2.0  # type: ignore[attr-defined]
+        t0, cpu0 = loop.time(), time.thread_time()
+        while time.thread_time() - cpu0 < 0.05:  # a callback computing for 50 ms of CPU
+            pass
+        spent = time.thread_time() - cpu0
+        await asyncio.sleep(0)
+        return loop.time() - t0, spent
+
+    charged, spent = simulate(main(), network=False)[0]
+    assert charged >= 2 * spent
+    assert charged < 2 * spent + 1  # from the moment it was set, not since the loop began
