@@ -10,7 +10,6 @@ same experiment also trains as a 2-stage pipeline.
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ pytest.importorskip("tokenizers", reason="the hf extra is not installed (pip ins
 from shoal.peer.training.task import load_task
 
 from .daemon_harness import ROUND_RE, Daemon, wait_for
+from .hf_texts import write_texts
 
 CHEATER_CODE = Path(__file__).parent / "cheater"
 
@@ -36,32 +36,6 @@ ROUNDS = {
     # Every contribution audited (0.05 by default): the referees re-execute hf work.
     "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=20,stall_timeout=3,audit_rate=1",
 }
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "peers",
-    "train",
-    "one",
-    "model",
-]
-
-
-def write_texts(folder: Path) -> Path:
-    rng = random.Random(0)
-    folder.mkdir()
-    for i in range(4):
-        lines = (" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(150))
-        (folder / f"part{i}.txt").write_text(".\n".join(lines))
-    return folder
 
 
 def rounds_of_all(d: Daemon, peers: int) -> dict[int, str]:

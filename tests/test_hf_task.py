@@ -25,6 +25,8 @@ pytest.importorskip("tokenizers", reason="the hf extra is not installed (pip ins
 from shoal.peer.training.task import TaskError, load_task
 from shoal.peer.training.tasks.hf import HFTask
 
+from .hf_texts import WORDS, write_texts
+
 pytestmark = pytest.mark.timeout(60)
 
 TINY_LLAMA: dict[str, Any] = {
@@ -38,33 +40,6 @@ TINY_LLAMA: dict[str, Any] = {
     "context": 32,
     "batch_size": 4,
 }
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "peers",
-    "train",
-    "one",
-    "model",
-]
-
-
-def write_texts(folder: Path, files: int = 4, lines: int = 150, seed: int = 0) -> Path:
-    """A folder of text files of random sentences (deterministic in `seed`)."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(files):
-        sentences = (" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(lines))
-        (folder / f"part{i}.txt").write_text(".\n".join(sentences))
-    return folder
 
 
 def through_manifest(task: HFTask) -> dict[str, Any]:
