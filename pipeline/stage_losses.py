@@ -57,6 +57,9 @@ class StageLosses:
 
     def _restart(self, s: int, version: int, now: float) -> None:
         before = self.lost[s]["version"] if self.lost[s] is not None else self.known[s]
+        # (We may have read the stage's records last below the version restored: what
+        # it lost is then unknown to us beyond that version, not negative.)
+        before = max(before, version)
         since = self.lost[s]["since"] if self.lost[s] is not None else now
         if version == 0:  # from the initial weights: lost, and it stays said
             self.lost[s] = {"version": before, "since": since}

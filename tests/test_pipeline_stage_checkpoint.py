@@ -207,6 +207,15 @@ def test_a_stage_restored_from_a_checkpoint_reports_what_it_lost() -> None:
     }
 
 
+def test_an_observer_that_last_saw_the_stage_below_the_restored_version_reports_no_loss() -> None:
+    """It read the records at version 10; the stage reached 21 and came back at 20 (a
+    CI run): it knows of no loss below 20, never of a negative one."""
+    losses = StageLosses(1)
+    losses.observe([[_record(10)]], now=10.0)
+    losses.observe([[_record(20, restored=20)]], now=30.0)
+    assert losses.status(0)["restored"] == {"version": 20, "lost_version": 20, "at": 30.0}
+
+
 def _applied(key: str, epoch: int, peer: Any = "a") -> Applied:
     return Applied(0, key, peer, epoch, torch.zeros(2, 3), torch.zeros(2, 3), 2)
 
