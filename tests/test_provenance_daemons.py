@@ -44,6 +44,18 @@ def _debug(*daemons: Daemon) -> str:
     return "\n".join(d.tail(40) for d in daemons)
 
 
+def _attack_debug(usurper: Daemon, honest: list[Daemon]) -> str:
+    """What a usurper did besides committing, what it loaded, and which chains the
+    honest peers refused (an attack that never came: was it never asked?)."""
+    lines = [f"--- {usurper.name}: journal without commits, then what it loaded"]
+    lines += [json.dumps(e) for e in _journal(usurper) if "fp" not in e][-20:]
+    lines += [line for line in usurper.log().splitlines() if "loaded state" in line][-5:]
+    for d in honest:
+        refused = [line for line in d.log().splitlines() if "does not check" in line]
+        lines += [f"--- {d.name}: {len(refused)} chains refused, the last:", *refused[-5:]]
+    return "\n".join(lines)
+
+
 def _journal(usurper: Daemon) -> list[dict[str, Any]]:
     """What the usurper did (tests/usurper writes it): its commits and attacks."""
     journal = usurper.data_dir / "usurper.jsonl"
@@ -137,7 +149,7 @@ def test_peers_that_boast_forge_or_copy_for_states_of_their_own_take_over_nobody
             attack = ATTACKS[mode]
             wait_for(f"the {mode} usurper's {attack} attack",
                      lambda u=usurper, a=attack: any(a in e for e in _journal(u)), 120,
-                     debug=lambda u=usurper: _debug(u))  # fmt: skip
+                     debug=lambda u=usurper: _attack_debug(u, honest))  # fmt: skip
 
         # Nobody took a usurper's state, though each went on committing alone.
         for mode, usurper in usurpers.items():

@@ -87,6 +87,8 @@ async def _step_alone(self, weight=1.0, *, timeout=None, alone=True):  # type: i
         return await _honest_averager_step(self, weight, timeout=timeout, alone=alone)
     if MODE == "copy":
         await _usurp_honest_version(self)
+    elif MODE == "forge" and not _DONORS:
+        await _take_donor_round(self)
     self._runner.log.clear()
     result = await self._runner._commit_alone(time.monotonic(), 1, max(weight, 1.0))
     _journal(fp=self.last_fingerprint)
@@ -114,24 +116,32 @@ def _metadata(self):  # type: ignore[no-untyped-def]
     return meta
 
 
-async def _usurp_honest_version(self):  # type: ignore[no-untyped-def]
-    """Take the chain of the version most other peers announce, to announce it as ours."""
+async def _most_announced(self):  # type: ignore[no-untyped-def]
+    """The version most other peers announce and who announces it, or None."""
     from shoal.averaging.state_sync import find_holders
 
     if self.certifier is None:
-        return
+        return None
     try:
         holders = await find_holders(self.dht, self.key)
     except Exception:
-        return
+        return None
     by_version: dict[str, list] = {}
     for h in holders:
         if h.version and len(h.version) == 32:
             by_version.setdefault(h.version, []).append(h.peer_id)
     if not by_version:
-        return
+        return None
     version_hex, peers = max(by_version.items(), key=lambda vp: len(vp[1]))
-    version = bytes.fromhex(version_hex)
+    return bytes.fromhex(version_hex), peers
+
+
+async def _usurp_honest_version(self):  # type: ignore[no-untyped-def]
+    """Take the chain of the version most other peers announce, to announce it as ours."""
+    announced = await _most_announced(self)
+    if announced is None:
+        return
+    version, peers = announced
     if version == getattr(self, "_usurped", None):
         return
     found = await self.certifier.lineage(version, peers)
@@ -142,7 +152,26 @@ async def _usurp_honest_version(self):  # type: ignore[no-untyped-def]
     except ValueError:
         return
     self._usurped = version
-    _journal(usurped=version_hex)
+    _journal(usurped=version.hex())
+
+
+# ---------------------------------------------------------------- forge's donor rounds
+
+# Certificates of real rounds of several honest members, whose signatures the forge
+# copies. The state it loaded at its join brings some; a join whose load failed (a
+# slow machine) brings none, so it also fetches the chain the honest peers announce:
+# the attack must not hang on how its join went.
+_DONORS: list = []
+
+
+async def _take_donor_round(self):  # type: ignore[no-untyped-def]
+    announced = await _most_announced(self)
+    if announced is None:
+        return
+    found = await self.certifier.lineage(*announced)
+    if found is not None:
+        _DONORS.extend(c for c in found.certs if c.signers >= 2)
+        _journal(donors=len(_DONORS))
 
 
 if MODE == "copy":
@@ -176,7 +205,7 @@ if MODE == "forge":
 
     async def _forged_chain(self, ctx, payload):  # type: ignore[no-untyped-def]
         answer = await _honest_on_chain(self, ctx, payload)
-        rounds = [c for c in self.book._certs.values() if c.signers >= 2]
+        rounds = [c for c in self.book._certs.values() if c.signers >= 2] + _DONORS
         if not rounds:
             return answer
         donor = max(rounds, key=lambda c: c.statement.commits)
