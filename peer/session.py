@@ -148,6 +148,12 @@ async def open_session(
         manifest = await _find(config, dht, name)
         task = await _joined_task(config, manifest)
         model = None
+        if is_pipeline(manifest.strategy) and config.init_from is not None:
+            # (Said, not ignored: the user would believe the stages start from them.)
+            raise SessionError(
+                f"--init-from: {manifest.describe()} is pipelined: its stages start from "
+                "the host's seed or the swarm's state, never from weights given to a joiner"
+            )
         if not is_pipeline(manifest.strategy):  # (a pipeline never builds the whole model)
             model = await asyncio.to_thread(task.make_model, manifest.seed)
             await _init_from(config, model)

@@ -338,3 +338,25 @@ async def test_a_joiner_refuses_a_round_zero_state_that_is_not_the_initial_model
             async with hosted(join, bootstrap=[address]):
                 pass
         assert "\n" not in str(refused.value)
+
+
+async def test_a_joiner_of_a_pipelined_experiment_refuses_init_from_in_one_line(
+    texts: Path, tmp_path: Path
+) -> None:
+    """A pipeline's stages start from the host's seed (or the swarm's state): weights
+    given to a joiner would be ignored, so they are refused instead."""
+    safetensors.torch.save_model(
+        load_task("bytegpt", {"d_model": 32, "n_layers": 2, "n_heads": 2}).make_model(1),
+        str(tmp_path / WEIGHTS_FILE),
+    )
+    args = run_args(tmp_path / "host", texts, "bytegpt", "d_model=32,n_layers=2,n_heads=2",
+                    "--pipeline-stages", "2", "--role", "stage")  # fmt: skip
+    async with hosted(args) as host:
+        address = str(host.pipeline.dht.host.addresses()[0])  # type: ignore[union-attr]
+        join = ["run", "--data-dir", str(tmp_path / "joiner"), "--join",
+                f"ft@{host.manifest.host}", "--data", str(texts),
+                "--init-from", str(tmp_path)]  # fmt: skip
+        with pytest.raises(SessionError, match=r"^--init-from: .* is pipelined") as refused:
+            async with hosted(join, bootstrap=[address]):
+                pass
+        assert "\n" not in str(refused.value)
