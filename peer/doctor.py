@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.nat import NatConfig, NatManager
+from shoal.transport.nat.reachability import over_lan
 
 from .diagnosis import Check, Facts, as_json, as_text, can_take_part, diagnose
 from .discovery import list_experiments
@@ -75,6 +77,18 @@ async def _reach(host: Host, facts: Facts, bootstrap: list[Multiaddr]) -> list[M
             if skew is not None:
                 facts.clock_skews_s.append(skew)
     return reached
+
+
+LAN_ONLY = (
+    "only peers on this LAN answered, and none of them can tell how the internet "
+    "reaches this machine (peers of the same LAN train together all the same)"
+)
+
+
+def _only_lan_peers(host: Host, nat: NatManager) -> bool:
+    """Every connection is over our LAN (`over_lan`): no observer can decide."""
+    connections = list(host.connections.values())
+    return bool(connections) and all(over_lan(c, nat.lan_neighbours) for c in connections)
 
 
 async def _more_observers(host: Host, dht: DHTNode) -> None:
@@ -189,7 +203,10 @@ async def gather_facts(
     data_dir: Path,
     access: AccessControl | None = None,
     identity: Identity | None = None,
+    lan_ips: Iterable[str] = (),
 ) -> Facts:
+    """`lan_ips`: the IPs of peers heard over mDNS (on our link), whose view of us
+    says nothing of how the internet reaches us, as in the daemon."""
     facts = Facts()
     _local_facts(facts, data_dir)
     access = access or AccessControl()
@@ -206,6 +223,7 @@ async def gather_facts(
     await host.start()
     nat = NatManager(host, config=NatConfig(relay_service=False))
     await nat.start()
+    nat.heard_on_lan(lan_ips)
     dht: DHTNode | None = None
     try:
         reached = await _reach(host, facts, bootstrap)
@@ -214,6 +232,11 @@ async def gather_facts(
         with contextlib.suppress(Exception):
             dht = await DHTNode.create(host, bootstrap=reached, serves=lambda: False)
             await _more_observers(host, dht)
+        if _only_lan_peers(host, nat):
+            # Nobody who could decide answered: waiting would only add 25 s.
+            facts.reachability_reason = LAN_ONLY
+            facts.observed = _observations(host, nat)
+            return facts
         await nat.wait_for(lambda: nat.reachability.value != "unknown", REACHABILITY_WAIT)
         if nat.reachability.value == "private":
             await nat.wait_for(lambda: bool(nat.relay_client.reservations), RELAY_WAIT)
@@ -229,6 +252,12 @@ async def gather_facts(
             await dht.aclose()
         await nat.aclose()
         await host.aclose()
+
+
+def _ip_of(text: str) -> str | None:
+    """The IP of a multiaddr's text (/ip4/A/... or /ip6/A/...), None for others."""
+    parts = text.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
 
 
 def network_check(found: Found) -> Check:
@@ -266,7 +295,8 @@ async def doctor_command(
 ) -> tuple[int, str]:
     """(exit status, text): 0 when the peer can take part. `found`: the network and the
     addresses its peers were found at (cli.py's `_first_peers`)."""
-    facts = await gather_facts(found.addrs, data_dir, access, identity)
+    lan_ips = {ip for _, addrs in found.mdns for ip in map(_ip_of, addrs) if ip}
+    facts = await gather_facts(found.addrs, data_dir, access, identity, lan_ips)
     checks = [network_check(found), *diagnose(facts)]
     status = 0 if can_take_part(checks) else 1
     if json_output:
