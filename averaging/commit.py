@@ -44,7 +44,12 @@ ballots from then on. The leader takes the value with the highest ballot among
 the answers and its own accepted proposal: a decision reported is decided at
 once, an accepted proposal is proposed again at b; with none it proposes ABORT
 (a leader never originates COMMIT). A leader that meets a higher ballot stands
-back while that ballot's owner is alive (for at most ``decision_timeout``).
+back while that ballot's owner is alive (for at most ``decision_timeout``). A
+member left alone (every other one suspected) after voting READY, with no veto
+known and no COMMIT accepted, does not take over: a decider that suspects it in
+turn (a cut link, heartbeats late under load) may have committed its input, and
+an ABORT would have its caller retry that input in a second lineage. It is in
+doubt instead (below), and learns the decision if anyone answers.
 
 Why everyone agrees. COMMIT exists only if every member voted READY, so a veto
 and a COMMIT never coexist. A value decided at ballot b0 was accepted by every
@@ -88,7 +93,7 @@ from typing import Any, NamedTuple
 from .ballots import MAX_BALLOT, Ballots, Decision
 from .liveness import Liveness
 from .outbox import Outbox, Send
-from .votes import NO_VOTE, READY, VETO, Votes
+from .votes import LOCAL, NO_VOTE, READY, VETO, Votes
 
 __all__ = [
     "NO_VOTE",
@@ -203,6 +208,24 @@ def learned_decision(answers: Iterable[Status]) -> Decision | None:
     if any(s.accepted is not None and s.accepted.commit for s in answers):
         return None  # a COMMIT proposal may be decided by now, out of our sight
     return max(decisions, key=lambda d: d.ballot, default=None)
+
+
+def _alone_in_doubt(
+    vote: int, abort_known: bool, accepted: Decision | None, failed: frozenset[int]
+) -> Decision | None:
+    """What a member left alone (every other one suspected) concludes instead of the
+    ABORT a takeover of its own would decide, when that ABORT may contradict a COMMIT
+    decided out of its sight: it voted READY (so COMMIT was possible), no veto rules
+    COMMIT out, and it holds no COMMIT proposal (one accepted is proposed again
+    instead). A decider that suspects it as it suspects the decider (a cut link, a
+    partition, heartbeats late under load) commits with its input; an ABORT would have
+    its caller retry with the same input, counted in a second lineage (the soak's
+    `double_counted`). In doubt, its driver asks the others once more. None: a
+    takeover is safe."""
+    if vote != READY or abort_known or (accepted is not None and accepted.commit):
+        return None
+    why = "in doubt: voted READY, then every other member was lost before a decision"
+    return Decision(LOCAL, False, why, failed, in_doubt=True)
 
 
 class CommitProtocol:
@@ -475,6 +498,9 @@ class CommitProtocol:
             return  # still moving data; a member we need that failed will make us veto
         if b.takeover is None:
             waiting = set(self.liveness.others(self.suspected))
+            doubt = _alone_in_doubt(self.vote, self.abort_known, b.accepted, self._failed())
+            if not waiting and doubt is not None:
+                return self._decide(doubt, now, kind=None)
             ballot = b.lead(waiting, now)
             if ballot is None:
                 return
