@@ -232,7 +232,8 @@ def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -
     arms: dict[str, dict[str, Any]] = {}
     for arm, results in raw.items():
         points = curve(task, results, evals, per_replica=arm == "noloco")
-        extra = {k: v for k, v in results[0].items() if k not in ("snapshots", "rank")}
+        # (not "steps": rank 0's count would replace every peer's)
+        extra = {k: v for k, v in results[0].items() if k not in ("snapshots", "rank", "steps")}
         arms[arm] = {
             "final_val_loss": points[-1]["val_loss"],
             "bytes": points[-1]["bytes"],
