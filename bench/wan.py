@@ -232,7 +232,8 @@ def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -
     arms: dict[str, dict[str, Any]] = {}
     for arm, results in raw.items():
         points = curve(task, results, evals, per_replica=arm == "noloco")
-        extra = {k: v for k, v in results[0].items() if k not in ("snapshots", "rank")}
+        # (not "steps": rank 0's count would replace every peer's)
+        extra = {k: v for k, v in results[0].items() if k not in ("snapshots", "rank", "steps")}
         arms[arm] = {
             "final_val_loss": points[-1]["val_loss"],
             "bytes": points[-1]["bytes"],
@@ -269,6 +270,18 @@ def can_plot() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+def model_label(result: dict[str, Any], args: argparse.Namespace) -> str:
+    """The model in the plot's title: its width, and its depth and size when known
+    (runs at several sizes share the width)."""
+    model = result.get("settings", {}).get("model") or json.loads(args.task_config)
+    label = f"d_model {model.get('d_model', '?')}"
+    if "n_layers" in model:
+        label += f" x {model['n_layers']} layers"
+    if "parameters" in model:
+        label += f" ({model['parameters'] / 1e6:.2g}M params)"
+    return label
+
+
 def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
     if not can_plot():
         raise SystemExit(NO_PLOT)
@@ -291,8 +304,7 @@ def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
     by_bytes.set_xscale("symlog", linthresh=0.1)
     by_bytes.set_xlim(left=0)
     link = f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one way"
-    width = json.loads(args.task_config).get("d_model", "?")
-    by_time.set_title(f"{args.peers} peers, {link}, d_model {width}")
+    by_time.set_title(f"{args.peers} peers, {link}, {model_label(result, args)}")
     by_bytes.set_title("validation loss against bytes sent")
     for ax in (by_time, by_bytes):
         ax.grid(alpha=0.3)
