@@ -303,6 +303,18 @@ class ButterflyRound:
             raise
         finally:
             self._buffers.give_back()
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Drop the round's references to the caller's tensors and its buffers: the
+        round and its data plane refer to each other, so without this they would live
+        until the garbage collector's next full pass (a caller that averages a fresh
+        buffer each round, `pipeline.stage_optimizer`, would hold two meanwhile). A
+        thread still working on them keeps its own references."""
+        empty = torch.empty(0)
+        self.tensors = self.io.tensors = []
+        self.io.flat = self.io.result = empty
+        self.data.let_go()
 
     async def _attest(self) -> None:
         """Sign our commitment to what we send (its leaves hashed in a thread)."""

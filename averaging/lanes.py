@@ -182,6 +182,11 @@ class DataPlane:
 
     # --- our side of the other members' parts -------------------------------------------------
 
+    def let_go(self) -> None:
+        """(The round ended.) Drop our references to its input and result."""
+        empty = torch.empty(0)
+        self.flat = self.result = self._sums.flat = self._sums.result = empty
+
     async def run(self, flat: torch.Tensor, result: torch.Tensor) -> None:
         """Send our contributions, receive the others' results, reduce our part."""
         self.flat, self.result = flat, result
