@@ -38,7 +38,15 @@ from .partition import Plan, Span
 from .reducer import LaneReducer, Reduction
 from .round_errors import Action, Side, Veto, classify, first_of
 
-__all__ = ["AllReduceError", "BadRequest", "DataPlane", "NotAMember", "RoundOver", "RoundSide"]
+__all__ = [
+    "AllReduceError",
+    "BadRequest",
+    "DataPlane",
+    "NotAMember",
+    "RoundOver",
+    "RoundSide",
+    "let_go",
+]
 
 # Bytes of a received chunk above which its commitment check (SHA-256) runs in a thread.
 _HASH_IN_THREAD = 1 << 18
@@ -181,11 +189,6 @@ class DataPlane:
         return sum(rpc.CHUNK.size + self.codec.encoded_size(b - a) for a, b in chunks)
 
     # --- our side of the other members' parts -------------------------------------------------
-
-    def let_go(self) -> None:
-        """(The round ended.) Drop our references to its input and result."""
-        empty = torch.empty(0)
-        self.flat = self.result = self._sums.flat = self._sums.result = empty
 
     async def run(self, flat: torch.Tensor, result: torch.Tensor) -> None:
         """Send our contributions, receive the others' results, reduce our part."""
@@ -440,3 +443,9 @@ def request_problem(
     if second_stream:
         return f"second stream for lane {lane_index}"
     return None
+
+
+def let_go(plane: DataPlane) -> None:
+    """(Its round ended.) Drop the data plane's references to the round's input and
+    result (`butterfly._let_go`)."""
+    plane.flat = plane.result = plane._sums.flat = plane._sums.result = torch.empty(0)
