@@ -256,8 +256,11 @@ class StageWorker:
             ]
         )
         self._target = (into, requests[0][3] if alone else 1)
+        # (Each parameter's gradient goes to `_accumulated`. Should autograd's engine fail
+        # half-way, an allocation failing, the parameters it finished are in the bucket
+        # though the backward counts nowhere: its samples and key are not added.)
         try:
-            outputs.backward(grads)  # (each parameter's gradient goes to `_accumulated`)
+            outputs.backward(grads)
         finally:
             self._target = None
             for p in self.params:
