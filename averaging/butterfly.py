@@ -71,6 +71,7 @@ from .lanes import (
     RoundInfo,
     RoundOver,
     UnknownRound,
+    let_go,
 )
 from .partition import Plan
 from .reducer import ALL_REDUCTIONS, make_reduction
@@ -303,6 +304,7 @@ class ButterflyRound:
             raise
         finally:
             self._buffers.give_back()
+            _let_go(self)
 
     async def _attest(self) -> None:
         """Sign our commitment to what we send (its leaves hashed in a thread)."""
@@ -712,6 +714,17 @@ class RoundTensors:
                 if self.flat_is_input:
                     return
             _copy_out(self.result, self.tensors)
+
+
+def _let_go(rnd: ButterflyRound) -> None:
+    """(The round ended.) Drop its references to the caller's tensors and its buffers:
+    the round and its data plane refer to each other, so they would live until the
+    garbage collector's next full pass (a caller that averages a fresh buffer each
+    round, `pipeline.stage_optimizer`, would hold two meanwhile). A thread still
+    working on them keeps its own references."""
+    rnd.tensors = rnd.io.tensors = []
+    rnd.io.flat = rnd.io.result = torch.empty(0)
+    let_go(rnd.data)
 
 
 def _flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:

@@ -38,7 +38,15 @@ from .partition import Plan, Span
 from .reducer import LaneReducer, Reduction
 from .round_errors import Action, Side, Veto, classify, first_of
 
-__all__ = ["AllReduceError", "BadRequest", "DataPlane", "NotAMember", "RoundOver", "RoundSide"]
+__all__ = [
+    "AllReduceError",
+    "BadRequest",
+    "DataPlane",
+    "NotAMember",
+    "RoundOver",
+    "RoundSide",
+    "let_go",
+]
 
 # Bytes of a received chunk above which its commitment check (SHA-256) runs in a thread.
 _HASH_IN_THREAD = 1 << 18
@@ -435,3 +443,9 @@ def request_problem(
     if second_stream:
         return f"second stream for lane {lane_index}"
     return None
+
+
+def let_go(plane: DataPlane) -> None:
+    """(Its round ended.) Drop the data plane's references to the round's input and
+    result (`butterfly._let_go`)."""
+    plane.flat = plane.result = plane._sums.flat = plane._sums.result = torch.empty(0)

@@ -53,6 +53,9 @@ class StageBounds:
     # Whether the stage's inputs are floating point (a backward then answers with their
     # gradient, which the worker keeps for retries: `stage.RETAINED_ANSWERS`).
     input_floating: bool = True
+    # Elements of the stage's largest parameter (0: not probed): what the gradient
+    # of one parameter and AdamW's per-parameter temporaries cost (`memory`).
+    largest_parameter: int = 0
 
     def check_samples(self, samples: int) -> None:
         """Refuse a request of more samples than a microbatch holds, before its tensors."""
@@ -73,16 +76,16 @@ def probe_bounds(task: Any, seed: int, stages: int, global_batch: int) -> list[S
     inputs = task.stage_inputs(batch)
     max_samples = max(global_batch, int(inputs.shape[0]))
     if builds_stages_alone(task):
-        sizes, kept = _per_sample_alone(task, seed, stages, inputs[:1])
+        sizes, kept, largest = _per_sample_alone(task, seed, stages, inputs[:1])
     else:
         try:
-            sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
+            sizes, kept, largest = _per_sample(task, seed, stages, inputs[:1], torch.device("meta"))
         except _NOT_ON_META as e:
             log.info("the stages do not run on the meta device (%r): probing on the CPU", e)
-            sizes, kept = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
+            sizes, kept, largest = _per_sample(task, seed, stages, inputs[:1], torch.device("cpu"))
     floating = inputs.is_floating_point()
     return [
-        StageBounds(max_samples, sizes[k], sizes[k + 1], kept[k], floating or k > 0)
+        StageBounds(max_samples, sizes[k], sizes[k + 1], kept[k], floating or k > 0, largest[k])
         for k in range(stages)
     ]
 
@@ -92,9 +95,10 @@ _NOT_ON_META = (NotImplementedError, RuntimeError, TypeError, ValueError)
 
 def _per_sample(
     task: Any, seed: int, stages: int, x: torch.Tensor, device: torch.device
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], list[int]]:
     """Elements of one sample at each boundary (stage 0's inputs, then each output),
-    and the bytes each stage keeps for that sample's backward."""
+    the bytes each stage keeps for that sample's backward, and each stage's largest
+    parameter (elements)."""
     with device:
         modules = task.make_stages(seed, stages)
     x = x.to(device)
@@ -104,7 +108,11 @@ def _per_sample(
         x = out.detach()
         kept.append(saved)
         sizes.append(_elements(x))
-    return sizes, kept
+    return sizes, kept, [_largest_parameter(m) for m in modules]
+
+
+def _largest_parameter(module: torch.nn.Module) -> int:
+    return max((p.numel() for p in module.parameters()), default=0)
 
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -129,9 +137,9 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Te
 
 def _per_sample_alone(
     task: Any, seed: int, stages: int, x: torch.Tensor
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], list[int]]:
     """As `_per_sample`, each stage built alone and freed before the next."""
-    sizes, kept = [_elements(x)], []
+    sizes, kept, largest = [_elements(x)], [], []
     for k in range(stages):
         try:
             with torch.device("meta"):
@@ -144,10 +152,11 @@ def _per_sample_alone(
             # (The shapes are what counts.)
             saved, out = saved_bytes(module, torch.zeros(x.shape, dtype=x.dtype))
         x = out.detach()
+        largest.append(_largest_parameter(module))
         del module, out
         kept.append(saved)
         sizes.append(_elements(x))
-    return sizes, kept
+    return sizes, kept, largest
 
 
 def _elements(t: torch.Tensor) -> int:

@@ -7,19 +7,23 @@ flight; this counts every copy the code keeps of them. With B the bytes of the
 stage's parameters (float32: 4 per element):
 
 - parameters: B;
-- gradients: the worker's accumulation buckets (`stage.StageWorker`), one for the
-  step being averaged and one for the next, which backwards arriving meanwhile
-  fill (2B), and the gradients autograd makes in a backward before they are
-  added to a bucket (B);
+- gradients: the worker's accumulation bucket that backwards fill (`stage.
+  StageWorker`: B), and one parameter's worth at a time beside it (L, the
+  stage's largest parameter: autograd's gradient, added to the bucket and freed
+  the moment it is complete, or AdamW's per-parameter temporaries, never both
+  at once: 2L);
 - optimizer: AdamW's two moments (2B);
-- averaging (`stage_optimizer.StageOptimizer`, `averaging.Averager`): the host
-  buffer the stage's all-reduce averages (B), the round's result vector that
-  the all-reduce's pool keeps from one round to the next (B), the receive slots
-  of each other member's stream (bounded by the chunking), and one transient
-  copy of the parameters and moments (3B): the committed state is served to
-  downloaders and checkpointed from the live tensors (`Averager(live_state=
-  True)`), copied only when a commit comes while a download reads it, and a
-  re-sync drops that copy before it downloads its own (the downloaded tensors);
+- averaging (`stage_optimizer.StageOptimizer`, `averaging.Averager`): while a
+  step averages, its own bucket, which the all-reduce sends as it is (scaled in
+  place: B), the round's result vector that the all-reduce's pool keeps from
+  one round to the next (B), the receive slots of each other member's stream
+  (bounded by the chunking), and one transient copy of the parameters and
+  moments (3B): the committed state is served to downloaders and checkpointed
+  from the live tensors (`Averager(live_state=True)`), copied only when a commit
+  comes while a download reads it, and a re-sync drops that copy before it
+  downloads its own (the downloaded tensors). Parameters on a device (a GPU)
+  cost two more (2B): the host buffer the bucket is copied into for the round,
+  and the averaged gradients copied back for the step;
 - audits (an experiment that verifies its stages): the answers' full-precision
   results a stage peer keeps for its trainers' audits (`audit.OutputStore`: five
   minutes, at most `RETENTION_BYTES`);
@@ -36,8 +40,9 @@ stage's parameters (float32: 4 per element):
   does not have (measured: a stage peer's peak came within 3 MiB over the rest
   of the estimate above a trainer's, the largest of eight).
 
-So a stage costs about 11B plus its activations (20B while every commit froze
-a copy for downloads: 3B held, up to 9B more while the next was taken). What
+So a stage costs about 9B plus its activations (11B while the step copied its
+bucket into a buffer of the averager's and autograd's gradients all existed
+before they were added; 20B while every commit froze a copy for downloads). What
 autograd keeps per sample is measured where the bounds are probed
 (`bounds.probe_bounds`: one sample through the stages on the meta device, shapes
 only, with a hook on what autograd saves: `StageBounds.activation_bytes`);
@@ -124,6 +129,7 @@ def stage_memory(
     element_bytes: int = FLOAT32,
     allreduce: AllReduceConfig | None = None,
     audits: bool = False,
+    on_device: bool = False,
 ) -> StageMemory:
     """The bytes serving a stage of `parameters` elements costs (see the module doc).
 
@@ -132,7 +138,8 @@ def stage_memory(
     sample in this stage (None: the bounds' probe, else `PRIOR_ACTIVATION_FACTOR`
     x its boundaries);
     `group_size`: the peers of the stage's all-reduce (the receive slots); `audits`:
-    the experiment verifies its stages (their answers are kept for audits)."""
+    the experiment verifies its stages (their answers are kept for audits);
+    `on_device`: the parameters live on a device (a GPU), not in host memory."""
     if parameters < 0 or in_flight < 0 or group_size < 1:
         raise ValueError("parameters >= 0, in_flight >= 0 and group_size >= 1")
     b = parameters * element_bytes
@@ -144,11 +151,15 @@ def stage_memory(
     # The computation's activations, and the boundaries of every request waiting,
     # of the one computing, and of its answers (input gradients, outputs).
     activations = computed * per_sample + 2 * max(in_flight, computed) * boundary
+    # One parameter's gradient or AdamW temporaries (bounds that lack the largest
+    # parameter: as much as the whole stage's gradients).
+    one_parameter = 2 * bounds.largest_parameter * element_bytes or b
+    round_buffers = (2 + (2 if on_device else 0)) * b  # (the step's bucket, the result)
     return StageMemory(
         parameters=b,
-        gradients=3 * b,
+        gradients=b + one_parameter,
         optimizer=2 * b,
-        averaging=2 * b + 3 * b + _receive_slots(parameters, group_size, allreduce),
+        averaging=round_buffers + 3 * b + _receive_slots(parameters, group_size, allreduce),
         activations=activations,
         audits=RETENTION_BYTES if audits else 0,
         answers=_retained_answers(bounds, in_flight),

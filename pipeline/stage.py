@@ -8,7 +8,11 @@ and a peer that dies between the two loses nothing.
 
 Parameter gradients accumulate weighted by the microbatch's samples, so that
 the stage's all-reduce (a mean weighted by samples) gives the gradient of the
-mean loss over the global batch whichever peers served which microbatch.
+mean loss over the global batch whichever peers served which microbatch. Each
+parameter's gradient is added the moment autograd has it and freed at once (a
+hook), so a backward never holds a whole second copy of the gradients; an
+epoch's sums live in one flat buffer (`Gradients.flat`) that the stage's
+all-reduce sends as it is (`stage_optimizer`).
 
 Gradients accumulate per *epoch*: the stage version whose optimizer step they
 go into. While the step from version v is being averaged, new backwards
@@ -39,6 +43,7 @@ cannot count it a second time.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -67,13 +72,31 @@ class Gradients:
     samples: int
     keys: frozenset[Hashable]  # the backward requests counted in it
     epoch: int = 0  # the stage version whose step they are for
+    # The one buffer `sums` are views of, in parameter order (None: the parameters
+    # differ in dtype or device, each sum is a tensor of its own).
+    flat: torch.Tensor | None = None
 
 
 @dataclass
 class _Bucket:
     sums: list[torch.Tensor]
+    flat: torch.Tensor | None = None
     samples: int = 0
     keys: set[Hashable] = field(default_factory=set)
+
+
+def _zero_bucket(params: list[torch.Tensor]) -> _Bucket:
+    """An epoch's empty sums: views of one flat buffer when the parameters share a
+    dtype and device (the all-reduce then sends it without a copy)."""
+    if len({(p.dtype, p.device) for p in params}) != 1:
+        return _Bucket([torch.zeros_like(p) for p in params])
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                       device=params[0].device)  # fmt: skip
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return _Bucket(views, flat)
 
 
 class StageWorker:
@@ -97,6 +120,11 @@ class StageWorker:
         # a state download, which run in different threads: a request never sees
         # half-updated parameters.
         self.lock = threading.RLock()
+        # While `_backward` runs (under `lock`): the bucket each parameter's gradient
+        # goes into as autograd finishes it (None: dropped) and the factor it is added with.
+        self._target: tuple[_Bucket | None, float] | None = None
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The stage's outputs for `inputs` (no graph kept)."""
@@ -190,8 +218,22 @@ class StageWorker:
 
     def _bucket(self, epoch: int) -> _Bucket:
         if epoch not in self._buckets:
-            self._buckets[epoch] = _Bucket([torch.zeros_like(p) for p in self.params])
+            self._buckets[epoch] = _zero_bucket(self.params)
         return self._buckets[epoch]
+
+    def _accumulated(self, i: int, p: torch.Tensor) -> None:
+        """(Autograd's hook: parameter i's gradient of a backward is complete in
+        `p.grad`.) In a backward of ours, add it to its bucket and free it at once,
+        so that autograd's gradients never all exist beside the buckets (the same
+        sums, added in the same way, as once the backward returned)."""
+        target = self._target
+        if target is None or p is not self.params[i]:  # (not ours: left as autograd made it)
+            return
+        into, alpha = target
+        if into is not None and p.grad is not None:
+            with torch.no_grad():
+                into.sums[i].add_(p.grad, alpha=alpha)
+        p.grad = None
 
     def _backward(
         self, requests: list[BackwardRequest], into: _Bucket | None
@@ -213,11 +255,15 @@ class StageWorker:
                 for r in requests
             ]
         )
-        outputs.backward(grads)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if p.grad is not None and into is not None:
-                    into.sums[i].add_(p.grad, alpha=requests[0][3] if alone else 1)
+        self._target = (into, requests[0][3] if alone else 1)
+        # (Each parameter's gradient goes to `_accumulated`. Should autograd's engine fail
+        # half-way, an allocation failing, the parameters it finished are in the bucket
+        # though the backward counts nowhere: its samples and key are not added.)
+        try:
+            outputs.backward(grads)
+        finally:
+            self._target = None
+            for p in self.params:
                 p.grad = None
         if into is not None:
             into.samples += sum(r[3] for r in requests)
@@ -231,11 +277,10 @@ class StageWorker:
         on backwards accumulate for the epoch after it."""
         with self.lock:
             epoch = self.epoch if epoch is None else epoch
-            bucket = self._buckets.pop(epoch, None) or _Bucket(
-                [torch.zeros_like(p) for p in self.params]
-            )
+            bucket = self._buckets.pop(epoch, None) or _zero_bucket(self.params)
             self.epoch = max(self.epoch, epoch + 1)
-            return Gradients(bucket.sums, bucket.samples, frozenset(bucket.keys), epoch)
+            keys = frozenset(bucket.keys)
+            return Gradients(bucket.sums, bucket.samples, keys, epoch, bucket.flat)
 
     def give_back(self, taken: Gradients, *, reopen: bool = True) -> None:
         """Gradients taken for a step that did not commit here: they are again for the
@@ -246,9 +291,13 @@ class StageWorker:
         step that never held it would claim it (the trainer counts a backward in the
         step of its epoch when we are among that step's members)."""
         with self.lock, torch.no_grad():
-            bucket = self._bucket(taken.epoch)
-            for acc, total in zip(bucket.sums, taken.sums, strict=True):
-                acc.add_(total)
+            if taken.epoch not in self._buckets:  # (its own tensors become the bucket again)
+                self._buckets[taken.epoch] = _Bucket(list(taken.sums), taken.flat)
+                bucket = self._buckets[taken.epoch]
+            else:
+                bucket = self._buckets[taken.epoch]
+                for acc, total in zip(bucket.sums, taken.sums, strict=True):
+                    acc.add_(total)
             bucket.samples += taken.samples
             bucket.keys |= taken.keys
             if reopen:

@@ -91,7 +91,17 @@ class StageOptimizer:
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
             moments += [state["step"].view(1), state["exp_avg"], state["exp_avg_sq"]]
-        self._buffer, self.gradients = host_flat_zeros(self.params)
+        # What a step averages: on the CPU, the taken bucket itself (`Gradients.flat`,
+        # scaled in place: no copy of it); else its copy in one host float32 buffer.
+        self._in_place = all(
+            p.device.type == "cpu" and p.dtype == torch.float32 for p in self.params
+        )
+        if self._in_place:
+            self._buffer = torch.empty(numel(self.params), device="meta")  # (its size only)
+            self.gradients: list[torch.Tensor] = []  # (the step's bucket, while it runs)
+        else:
+            self._buffer, self.gradients = host_flat_zeros(self.params)
+        self._round_input = self._buffer
         key = stage_averaging_key(experiment, stage)
         config = AveragerConfig(
             matchmaking=matchmaking or MatchmakingConfig(),
@@ -107,6 +117,7 @@ class StageOptimizer:
             config=config,
             state=[*self.params, *moments],
             on_commit=self._apply,
+            round_tensors=lambda group, weight: [self._round_input],
             live_state=True,  # (they change only in `_apply` and loads: served in place)
         )
         self.averager.state_lock = worker.lock  # a download never meets a request half-way
@@ -142,8 +153,15 @@ class StageOptimizer:
         # (In threads: they wait for the worker's lock, which a computation may hold.)
         taken = await asyncio.to_thread(self.worker.take_gradients, version)
         scale = 1.0 / max(1, taken.samples)
+        in_place = self._in_place and taken.flat is not None
+        if in_place:
+            assert taken.flat is not None
+            self._round_input, self.gradients = taken.flat, list(taken.sums)
 
         def load() -> None:
+            if in_place:
+                self._round_input.mul_(scale)
+                return
             for view, total in zip(self.gradients, taken.sums, strict=True):
                 view.copy_(total).mul_(scale)
 
@@ -156,6 +174,14 @@ class StageOptimizer:
             )
         finally:
             self.stepping = False
+            if in_place:  # (the bucket is the worker's again, or freed)
+                self._round_input, self.gradients = self._buffer, []
+        if in_place and not result.committed and not result.resynced and self.version == version:
+            # Given back below: the sums again, as far as float32 undoes the scaling
+            # (a round that did not commit left the input untouched).
+            flat, samples = taken.flat, max(1, taken.samples)
+            assert flat is not None
+            await off_loop(lambda: flat.mul_(samples), numel(self.params))
         if result.resynced:
             self.worker.version = self.version  # (the averager downloaded the state)
         if result.committed:
@@ -198,7 +224,9 @@ class StageOptimizer:
                 group["lr"] = self.hyper["lr"] * scale
             with torch.no_grad():
                 for p, g in zip(self.params, self.gradients, strict=True):
-                    p.grad = g.to(p.device, copy=True)
+                    # (The averaged gradients are this step's own: used as they are, not
+                    # copied, where they already live on the parameter's device.)
+                    p.grad = g if g.device == p.device and g.dtype == p.dtype else g.to(p.device)
                     if factor != 1.0:
                         p.grad.mul_(factor)
             self.optimizer.step()

@@ -122,11 +122,19 @@ def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_act
     b = 4 * p
     assert cost.parameters == b
     assert cost.optimizer == 2 * b  # AdamW's two moments
-    assert cost.gradients == 3 * b  # two epochs' buckets and autograd's own
-    # The all-reduce's buffer and result, one transient copy of the state (parameters
-    # and moments: kept for a download a commit overlaps, or downloaded on a
-    # re-sync; the committed state is served in place), and the receive slots.
+    # The bucket backwards fill, and one parameter's gradient or AdamW temporaries at
+    # a time (bounds without the largest parameter: as much as all the gradients).
+    assert cost.gradients == 2 * b
+    largest = replace(BOUNDS, largest_parameter=1000)
+    assert stage_memory(p, largest, in_flight=16).gradients == b + 2 * 1000 * 4
+    # The step's bucket (sent as it is) and the round's result, one transient copy of
+    # the state (parameters and moments: kept for a download a commit overlaps, or
+    # downloaded on a re-sync; the committed state is served in place), and the
+    # receive slots; parameters on a GPU: the bucket's host copy and the gradients'
+    # copy back.
     assert 5 * b < cost.averaging <= 5 * b + 16 * (4 << 20)
+    on_device = stage_memory(p, BOUNDS, in_flight=16, group_size=2, on_device=True)
+    assert on_device.averaging == cost.averaging + 2 * b
     boundary = 2 * 1024 * 4  # (bounds without a probe of the activations: the prior)
     assert cost.activations == 16 * PRIOR_ACTIVATION_FACTOR * boundary + 2 * 16 * boundary
     probed = stage_memory(p, replace(BOUNDS, activation_bytes=1000), in_flight=16)
@@ -158,6 +166,7 @@ def test_the_probe_on_the_meta_device_covers_what_autograd_keeps_in_each_stage()
     for module, b in zip(task.make_stages(0, 3), bounds, strict=True):
         kept, out = saved_bytes(module, x)
         assert 0 < kept <= b.activation_bytes <= 4 * kept / 3, (kept, b.activation_bytes)
+        assert b.largest_parameter == max(p.numel() for p in module.parameters())
         x = out.detach()
 
 

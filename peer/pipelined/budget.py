@@ -141,11 +141,14 @@ class StageBudget:
         in_flight: int,
         trainer: bool = False,
         audits: bool = False,
+        on_device: bool = False,
     ) -> None:
         """`trainer`: we also drive microbatches (role auto): what our own trainer keeps
         in flight comes off the budget before a stage's cost; `audits`: the experiment
-        verifies its stages (a stage peer keeps its answers for audits)."""
+        verifies its stages (a stage peer keeps its answers for audits); `on_device`:
+        our stage would live on a device (a GPU), not in host memory."""
         self.audits = audits
+        self.on_device = on_device
         self.budget = budget
         self.bounds = list(bounds)
         self.in_flight = in_flight
@@ -157,7 +160,8 @@ class StageBudget:
     def cost(self, k: int) -> StageMemory:
         """What serving stage `k` costs."""
         return stage_memory(self.sizes[k], self.bounds[k], in_flight=self.in_flight,
-                            group_size=self.groups[k], audits=self.audits)  # fmt: skip
+                            group_size=self.groups[k], audits=self.audits,
+                            on_device=self.on_device)  # fmt: skip
 
     def see_peers(self, peers: Sequence[int]) -> None:
         """Each stage's other peers, as the records show them: with us, the stage's

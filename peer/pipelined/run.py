@@ -249,7 +249,8 @@ class PipelineRun:
         in_flight = (1 + int(self.options["lag"])) * int(self.options["global_batch"])
         out = StageBudget(self.task, self.manifest.seed, bounds, budget=budget,
                           in_flight=in_flight, trainer=self.role == "auto",
-                          audits=bool(self.options.get("verify", False)))  # fmt: skip
+                          audits=bool(self.options.get("verify", False)),
+                          on_device=self.device.type != "cpu")  # fmt: skip
         # What we free goes back at once: the peak is then what we hold (the estimate).
         return_large_blocks_at_once()
         if self.role in ("auto", "trainer"):
