@@ -1,0 +1,225 @@
+"""shoal as a library: scripts that train their own loop average with `shoal run` peers.
+
+The scripts (tests/library_peer.py, the async and the sync variant of the API) and a
+CLI peer train one experiment whose task is the script's own file; their commits carry
+equal fingerprints; a script killed with kill -9 leaves the others committing; the
+sync script shuts down cleanly on Ctrl+C. In-process: what a library peer refuses.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from daemon_harness import ROUND_RE, Daemon, daemon_env, die_with_parent, wait_for
+
+SCRIPT = Path(__file__).parent / "library_peer.py"
+TASK = f"{SCRIPT.resolve()}:make_task"
+COMMIT_RE = re.compile(r"^COMMIT (\d+) (\d+) (\w+)$")
+
+
+class Script:
+    """One `python tests/library_peer.py` process; its stdout lines read in a thread."""
+
+    def __init__(self, workdir: Path, name: str, args: list[str]) -> None:
+        self.home = workdir / name
+        self.home.mkdir(parents=True)
+        self.lines: list[str] = []
+        self.log_path = self.home / "stderr.log"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SCRIPT), *args[:1], str(self.home / "data"), *args[1:]],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=daemon_env(self.home),
+                preexec_fn=die_with_parent,  # noqa: PLW1509 (prctl only)
+            )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.append(raw.decode(errors="replace").strip())
+
+    def ready(self) -> tuple[str, str] | None:
+        for line in self.lines:
+            if line.startswith("READY "):
+                _, ref, addr = line.split()
+                return ref, addr
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the script exited {self.proc.returncode}:\n{self.tail()}")
+        return None
+
+    def commits(self) -> dict[int, tuple[int, str]]:
+        """outer step -> (group size, fingerprint)."""
+        found = (COMMIT_RE.match(line) for line in list(self.lines))
+        return {int(m[1]): (int(m[2]), m[3]) for m in found if m}
+
+    def tail(self) -> str:
+        log = self.log_path.read_text(errors="replace").splitlines()[-30:]
+        return "\n".join([f"--- {self.home.name}:", *self.lines[-5:], *log])
+
+
+def cli_commits(daemon: Daemon) -> dict[int, tuple[int, str]]:
+    found = ROUND_RE.finditer(daemon.log())
+    return {int(m[1]): (int(m[2]), m[3]) for m in found}
+
+
+def shared_step(peers: dict[str, dict[int, tuple[int, str]]], size: int, after: int = 0) -> int:
+    """An outer step past `after` that every peer committed in a group of `size`, their
+    fingerprints equal (the CLI logs a prefix of 16 hex digits); 0 if none yet."""
+    for step in sorted(set.intersection(*(set(c) for c in peers.values()))):
+        rows = [c[step] for c in peers.values()]
+        prints = {fp[:16] for _, fp in rows}
+        assert len(prints) == 1, f"fingerprints differ at outer step {step}: {peers}"
+        if step > after and all(group == size for group, _ in rows):
+            return step
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_library_scripts_and_a_cli_peer_average_then_survive_a_killed_script(
+    tmp_path: Path,
+) -> None:
+    host = Script(tmp_path, "async-host", ["async", "--host", "lib"])
+    procs: list[Script | Daemon] = [host]
+    try:
+        ref, addr = wait_for("the async script ready", host.ready, 60, debug=host.tail)
+        cli = Daemon("cli", tmp_path, ["--join", ref, "--bootstrap", addr, "--task", TASK], {})
+        sync = Script(tmp_path, "sync-joiner", ["sync", "--join", ref, "--bootstrap", addr])
+        procs += [cli, sync]
+
+        def debug() -> str:
+            return "\n".join(p.tail() for p in procs)
+
+        def peers() -> dict[str, dict[int, tuple[int, str]]]:
+            return {"async": host.commits(), "sync": sync.commits(), "cli": cli_commits(cli)}
+
+        together = wait_for(
+            "a round of all three with equal fingerprints",
+            lambda: shared_step(peers(), 3),
+            90,
+            debug=debug,
+        )
+        host.proc.kill()  # kill -9: mid-round or between rounds, nothing ends cleanly
+        host.proc.wait(timeout=10)
+        survivors = lambda: {"sync": sync.commits(), "cli": cli_commits(cli)}  # noqa: E731
+        wait_for(
+            "the CLI peer and the sync script committing on without the killed script",
+            lambda: shared_step(survivors(), 2, after=together),
+            60,
+            debug=debug,
+        )
+        sync.proc.send_signal(signal.SIGINT)
+        assert sync.proc.wait(timeout=30) == 0, debug()
+        wait_for("the sync script's clean close", lambda: "CLOSED" in sync.lines, 5, debug=debug)
+        assert cli.alive(), debug()
+    finally:
+        for p in procs:
+            if isinstance(p, Daemon):
+                p.kill()
+            elif p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------- in-process
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def test_import_shoal_loads_no_layer_until_the_api_is_used() -> None:
+    probe = (
+        "import sys, shoal; assert 'torch' not in sys.modules and 'shoal.peer' not in "
+        "sys.modules, sorted(sys.modules); print(*shoal.__all__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["LibraryError", "Outer", "Peer", "host", "join", "sync"]
+
+
+@pytest.mark.timeout(60)
+async def test_a_library_host_is_unverified_and_starts_your_model_from_the_manifests_weights(
+    tmp_path: Path,
+) -> None:
+    import torch
+    from torch import nn
+
+    import shoal
+    from shoal.averaging.fingerprint import state_fingerprint
+
+    with pytest.raises(shoal.LibraryError, match="referee cannot re-execute"):
+        await shoal.host("v", task=TASK, data_dir=tmp_path / "v", verify="on")
+    with pytest.raises(shoal.LibraryError, match="unknown option 'colour'"):
+        await shoal.host("v", task=TASK, data_dir=tmp_path / "v", colour="blue")
+
+    async with await shoal.host(
+        "lib", task=TASK, data_dir=tmp_path / "a", listen=LOOPBACK, mdns="off"
+    ) as peer:
+        assert peer.hosting and peer.manifest.strategy_options["verify"] is False
+        unlike = r"parameter '0.bias' is \(3,\) in yours, \(16,\)"
+        with pytest.raises(shoal.LibraryError, match=unlike):
+            await peer.outer(nn.Sequential(nn.Linear(3, 3)))
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))  # its own init
+        outer = await peer.outer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        params = [p.detach() for p in model.parameters()]
+        assert state_fingerprint(params, {}) == peer.manifest.initial_fingerprint
+        assert peer.join_command is not None and f"--join {peer.ref}" in peer.join_command
+        model(torch.ones(2, 8)).sum().backward()
+        await outer.step(tokens=2, loss=1.5)
+        assert outer.stats.step == 1 and outer.stats.last_loss == 1.5
+        assert all(p.grad is None for p in model.parameters())  # the step zeroed them
+        with pytest.raises(shoal.LibraryError, match="already trains"):
+            await peer.outer(model)
+    with pytest.raises(RuntimeError, match="shut down"):
+        await outer.step()
+
+
+@pytest.mark.timeout(60)
+async def test_a_library_peer_refuses_to_train_in_a_verified_experiment(tmp_path: Path) -> None:
+    import shoal
+    from shoal.dht.node import DHTNode
+    from shoal.peer.cli import parse_command_line
+    from shoal.peer.daemon import load_identity
+    from shoal.peer.session import open_session
+    from shoal.transport.host import Host, HostConfig
+
+    _, config = parse_command_line(
+        ["run", "--data-dir", str(tmp_path / "cli"), "--host-experiment", "checked",
+         "--task", TASK, "--verify", "on"],
+        {},
+    )  # fmt: skip
+    host = Host(load_identity(config), HostConfig(listen=(LOOPBACK,)))
+    await host.start()
+    try:
+        dht = await DHTNode.create(host)
+        session = await open_session(config, host.identity, dht)
+        try:
+            assert session.manifest.strategy_options["verify"] is True
+            address = f"{host.listen_addrs[0]}/p2p/{host.peer_id}"
+            async with await shoal.join(
+                str(session.manifest.ref),
+                bootstrap=[address],
+                task=TASK,
+                data_dir=tmp_path / "lib",
+                listen=LOOPBACK,
+                mdns="off",
+            ) as peer:
+                with pytest.raises(shoal.LibraryError, match="verifies work"):
+                    await peer.outer()
+        finally:
+            await session.strategy.aclose()
+            session.trainer.close()
+            await dht.aclose()
+    finally:
+        await host.aclose()
