@@ -5,6 +5,11 @@ It is also the experiment's task (`make_task`: a tiny MLP regression), so that a
 
     python tests/library_peer.py async|sync DATA_DIR --host NAME | --join REF --bootstrap ADDR
         [--rounds N]
+    python tests/library_peer.py hf DATA_DIR --host NAME --texts DIR --rounds N
+
+The `hf` variant hosts a tiny Llama (`--task hf` on the text folder) and trains it
+with a `transformers.Trainer` and shoal's callback, stopping after N rounds committed
+with another peer.
 
 It prints ``READY <ref> <address>`` once started, ``COMMIT <outer step> <group size>
 <fingerprint>`` after each committed round, and with --rounds stops cleanly after N
@@ -138,18 +143,70 @@ def run_sync(args: argparse.Namespace) -> None:
     _say("CLOSED")
 
 
+TINY_LLAMA = {
+    "family": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 320, "context": 32,
+    "batch_size": 4,
+}  # fmt: skip
+
+
+def run_hf(args: argparse.Namespace) -> None:
+    import transformers
+
+    import shoal
+
+    class Windows(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        """The task's training windows as the Trainer's samples (labels: the ids)."""
+
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            for batch in peer.task.batches(0, 1, int(time.time())):
+                for row in batch.long():
+                    yield {"input_ids": row, "labels": row}
+
+    class StopAfterRounds(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, _args: Any, _state: Any, control: Any, **_: Any) -> Any:
+            _report(callback.last_reports)
+            shared = [r for r in callback.last_reports if r.committed and r.group_size > 1]
+            self.rounds = getattr(self, "rounds", 0) + len(shared)
+            control.should_training_stop = self.rounds >= args.rounds
+            return control
+
+    with shoal.sync.host(
+        args.host, task="hf", data=args.texts, task_options=TINY_LLAMA, inner_steps=10,
+        strategy_options=FAST_ROUNDS, data_dir=args.data_dir, listen="/ip4/127.0.0.1/tcp/0",
+        mdns="off",
+    ) as peer:  # fmt: skip
+        outer = peer.outer(peer.model)  # the Trainer steps its own optimizer
+        callback = shoal.ShoalCallback(outer)
+        _say(f"READY {peer.ref} {peer.addresses[0]}")
+        training = transformers.TrainingArguments(
+            output_dir=str(Path(args.data_dir) / "hf-out"), max_steps=100_000,
+            per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=5,
+            save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=peer.model, args=training, train_dataset=Windows(),
+            callbacks=[callback, StopAfterRounds()],
+        )  # fmt: skip
+        trainer.train()
+    _say("CLOSED")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("variant", choices=["async", "sync"])
+    parser.add_argument("variant", choices=["async", "sync", "hf"])
     parser.add_argument("data_dir")
     parser.add_argument("--host")
     parser.add_argument("--join")
     parser.add_argument("--bootstrap")
     parser.add_argument("--rounds", type=int)
+    parser.add_argument("--texts")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.variant == "async":
         asyncio.run(run_async(args))
+    elif args.variant == "hf":
+        run_hf(args)
     else:
         run_sync(args)
 

@@ -131,6 +131,48 @@ def test_library_scripts_and_a_cli_peer_average_then_survive_a_killed_script(
                 p.proc.wait(timeout=10)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_transformers_trainer_with_the_callback_averages_a_tiny_llama_with_a_cli_peer(
+    tmp_path: Path,
+) -> None:
+    for extra in ("transformers", "tokenizers", "accelerate"):
+        pytest.importorskip(extra, reason="the hf extra is not installed (pip install shoal[hf])")
+    from hf_texts import write_texts
+
+    texts = write_texts(tmp_path / "texts")
+    args = ["hf", "--host", "tl", "--texts", str(texts), "--rounds", "2"]
+    script = Script(tmp_path, "hf-trainer", args)
+    procs: list[Script | Daemon] = [script]
+    try:
+        ref, addr = wait_for("the hf script ready", script.ready, 90, debug=script.tail)
+        joining = ["--join", ref, "--bootstrap", addr, "--data", str(texts)]
+        cli = Daemon("cli", tmp_path, joining, {})
+        procs.append(cli)
+
+        def debug() -> str:
+            return "\n".join(p.tail() for p in procs)
+
+        wait_for(
+            "a round of the Trainer's script and the CLI peer with equal fingerprints",
+            lambda: shared_step({"hf": script.commits(), "cli": cli_commits(cli)}, 2),
+            90,
+            debug=debug,
+        )
+        assert script.proc.wait(timeout=60) == 0, debug()  # it stops after 2 shared rounds
+        assert "CLOSED" in script.lines, debug()
+        logged = "\n".join(script.lines)
+        losses = [float(m[1]) for m in re.finditer(r"'loss': '([\d.]+)'", logged)]
+        assert losses[-1] < losses[0], f"the Trainer's loss did not fall: {losses}"
+    finally:
+        for p in procs:
+            if isinstance(p, Daemon):
+                p.kill()
+            elif p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(timeout=10)
+
+
 # ---------------------------------------------------------------------- in-process
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -145,7 +187,9 @@ def test_import_shoal_loads_no_layer_until_the_api_is_used() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["LibraryError", "Outer", "Peer", "host", "join", "sync"]
+    assert done.stdout.split() == [
+        "LibraryError", "Outer", "Peer", "ShoalCallback", "host", "join", "sync"
+    ]  # fmt: skip
 
 
 @pytest.mark.timeout(60)
