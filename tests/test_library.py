@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -208,7 +209,7 @@ async def test_a_library_host_is_unverified_and_starts_your_model_from_the_manif
         await shoal.host("v", task=TASK, data_dir=tmp_path / "v", colour="blue")
 
     async with await shoal.host(
-        "lib", task=TASK, data_dir=tmp_path / "a", listen=LOOPBACK, mdns="off"
+        "lib", task=TASK, data_dir=tmp_path / "a", listen=LOOPBACK, mdns="off", status="127.0.0.1:0"
     ) as peer:
         assert peer.hosting and peer.manifest.strategy_options["verify"] is False
         unlike = r"parameter '0.bias' is \(3,\) in yours, \(16,\)"
@@ -222,6 +223,9 @@ async def test_a_library_host_is_unverified_and_starts_your_model_from_the_manif
         model(torch.ones(2, 8)).sum().backward()
         await outer.step(tokens=2, loss=1.5)
         assert outer.stats.step == 1 and outer.stats.last_loss == 1.5
+        async with aiohttp.ClientSession() as http, http.get(f"{peer.status_url}/status") as r:
+            status = await r.json()
+        assert status["experiment"] == "lib" and status["step"] == 1
         assert all(p.grad is None for p in model.parameters())  # the step zeroed them
         with pytest.raises(shoal.LibraryError, match="already trains"):
             await peer.outer(model)

@@ -205,8 +205,8 @@ class Peer:
             self.model = model
         model = self.model
         initial = state_fingerprint([p.detach() for p in model.parameters()], {})
-        strategy = make_outer_strategy(manifest, self.node.dht, list(model.parameters()))
         try:
+            strategy = make_outer_strategy(manifest, self.node.dht, list(model.parameters()))
             loaded = await start_strategy(
                 strategy, model, manifest, join=self._join_swarm, initial=initial
             )
