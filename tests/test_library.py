@@ -1,9 +1,11 @@
 """shoal as a library: scripts that train their own loop average with `shoal run` peers.
 
-The scripts (tests/library_peer.py, the async and the sync variant of the API) and a
-CLI peer train one experiment whose task is the script's own file; their commits carry
-equal fingerprints; a script killed with kill -9 leaves the others committing; the
-sync script shuts down cleanly on Ctrl+C. In-process: what a library peer refuses.
+The scripts (tests/library_peer.py, the async and the sync variant of the API) and
+CLI peers train one experiment whose task is the script's own file; their commits
+carry equal fingerprints; a script killed with kill -9 leaves the others committing;
+the sync script shuts down cleanly on Ctrl+C; a `transformers.Trainer` with shoal's
+callback averages a tiny Llama with a CLI peer. In-process: what a library peer
+refuses, and what it starts from.
 """
 
 from __future__ import annotations
@@ -87,42 +89,46 @@ def shared_step(peers: dict[str, dict[int, tuple[int, str]]], size: int, after: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_library_scripts_and_a_cli_peer_average_then_survive_a_killed_script(
+def test_library_scripts_and_cli_peers_average_then_survive_a_killed_script(
     tmp_path: Path,
 ) -> None:
+    """The async script hosts; two CLI peers and the sync script join; all four commit
+    rounds with equal fingerprints; the host script killed with kill -9 (mid-round or
+    between rounds), the others commit on; Ctrl+C closes the sync script cleanly."""
     host = Script(tmp_path, "async-host", ["async", "--host", "lib"])
     procs: list[Script | Daemon] = [host]
     try:
         ref, addr = wait_for("the async script ready", host.ready, 60, debug=host.tail)
-        cli = Daemon("cli", tmp_path, ["--join", ref, "--bootstrap", addr, "--task", TASK], {})
+        joining = ["--join", ref, "--bootstrap", addr, "--task", TASK]
+        clis = [Daemon(f"cli-{i}", tmp_path, joining, {}) for i in range(2)]
         sync = Script(tmp_path, "sync-joiner", ["sync", "--join", ref, "--bootstrap", addr])
-        procs += [cli, sync]
+        procs += [*clis, sync]
 
         def debug() -> str:
             return "\n".join(p.tail() for p in procs)
 
-        def peers() -> dict[str, dict[int, tuple[int, str]]]:
-            return {"async": host.commits(), "sync": sync.commits(), "cli": cli_commits(cli)}
+        def commits(with_host: bool) -> dict[str, dict[int, tuple[int, str]]]:
+            found = {"sync": sync.commits(), **{d.name: cli_commits(d) for d in clis}}
+            return {"async": host.commits(), **found} if with_host else found
 
         together = wait_for(
-            "a round of all three with equal fingerprints",
-            lambda: shared_step(peers(), 3),
+            "a round of all four with equal fingerprints",
+            lambda: shared_step(commits(with_host=True), 4),
             90,
             debug=debug,
         )
-        host.proc.kill()  # kill -9: mid-round or between rounds, nothing ends cleanly
+        host.proc.kill()
         host.proc.wait(timeout=10)
-        survivors = lambda: {"sync": sync.commits(), "cli": cli_commits(cli)}  # noqa: E731
         wait_for(
-            "the CLI peer and the sync script committing on without the killed script",
-            lambda: shared_step(survivors(), 2, after=together),
+            "the CLI peers and the sync script committing on without the killed script",
+            lambda: shared_step(commits(with_host=False), 3, after=together),
             60,
             debug=debug,
         )
         sync.proc.send_signal(signal.SIGINT)
         assert sync.proc.wait(timeout=30) == 0, debug()
         wait_for("the sync script's clean close", lambda: "CLOSED" in sync.lines, 5, debug=debug)
-        assert cli.alive(), debug()
+        assert all(d.alive() for d in clis), debug()
     finally:
         for p in procs:
             if isinstance(p, Daemon):
