@@ -786,7 +786,7 @@ def _warn_ignored(config: Config, manifest: Manifest) -> None:
             "verify",
             "pipeline_stages",
         )
-        if o in config.sources
+        if o in config.sources and not _as_saved(config, manifest, o)
     ]
     if given:
         log.warning(
@@ -797,3 +797,23 @@ def _warn_ignored(config: Config, manifest: Manifest) -> None:
             time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created)),
             ", ".join("--" + o.replace("_", "-") for o in given),
         )
+
+
+def _as_saved(config: Config, manifest: Manifest, option: str) -> bool:
+    """Whether `option`'s value is what the saved manifest has already (nothing is
+    ignored: a script that hosts with the same arguments at every start is not warned)."""
+    if option == "task":
+        return config.task == manifest.task
+    if option == "strategy":
+        return config.strategy == manifest.strategy
+    if option == "inner_steps":
+        return bool(manifest.strategy_options.get("inner_steps") == config.inner_steps)
+    if option == "task_option":
+        return all(manifest.task_config.get(k) == v for k, v in config.task_option)
+    if option == "strategy_option":
+        saved = {**manifest.hyperparameters, **manifest.strategy_options}
+        return all(saved.get(k) == v for k, v in config.strategy_option)
+    if option == "verify":
+        verified = bool(manifest.strategy_options.get("verify"))
+        return config.verify != "auto" and verified == (config.verify == "on")
+    return False

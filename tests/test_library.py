@@ -10,6 +10,7 @@ refuses, and what it starts from.
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import subprocess
@@ -237,6 +238,26 @@ async def test_a_library_host_is_unverified_and_starts_your_model_from_the_manif
             await peer.outer(model)
     with pytest.raises(RuntimeError, match="shut down"):
         await outer.step()
+
+
+@pytest.mark.timeout(60)
+async def test_a_script_started_again_hosts_the_same_experiment_warned_only_of_what_changed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shoal
+
+    kwargs = {"task": TASK, "data_dir": tmp_path, "listen": LOOPBACK, "mdns": "off"}
+    async with await shoal.host("lib", inner_steps=10, **kwargs) as first:
+        experiment = first.manifest.experiment_id
+    caplog.set_level(logging.WARNING, "shoal.session")
+    async with await shoal.host("lib", inner_steps=10, **kwargs) as again:
+        assert again.manifest.experiment_id == experiment
+        outer = await again.outer()  # nobody serves a newer state: its initial weights
+        assert outer.outer_steps == 0
+    assert "keeps its own settings" not in caplog.text
+    async with await shoal.host("lib", inner_steps=20, **kwargs) as changed:
+        assert changed.manifest.strategy_options["inner_steps"] == 10
+    assert "ignoring --inner-steps (host a new name" in caplog.text
 
 
 @pytest.mark.timeout(60)
