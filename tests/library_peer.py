@@ -155,7 +155,7 @@ def run_hf(args: argparse.Namespace) -> None:
 
     import shoal
 
-    class Windows(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    class Windows(torch.utils.data.IterableDataset):
         """The task's training windows as the Trainer's samples (labels: the ids)."""
 
         def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -163,7 +163,7 @@ def run_hf(args: argparse.Namespace) -> None:
                 for row in batch.long():
                     yield {"input_ids": row, "labels": row}
 
-    class StopAfterRounds(transformers.TrainerCallback):  # type: ignore[misc]
+    class StopAfterRounds(transformers.TrainerCallback):
         def on_step_end(self, _args: Any, _state: Any, control: Any, **_: Any) -> Any:
             _report(callback.last_reports)
             shared = [r for r in callback.last_reports if r.committed and r.group_size > 1]

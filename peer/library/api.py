@@ -217,7 +217,7 @@ class Peer:
         session = Session(
             manifest,
             self.task,
-            loop,  # type: ignore[arg-type]  (what the node reads of a trainer: stats, on_round)
+            loop,  # type: ignore[arg-type]  # the node reads stats and on_round of a trainer
             strategy,
             self.hosting,
             False,

@@ -26,7 +26,7 @@ from .sync import SyncOuter
 __all__ = ["ShoalCallback"]
 
 
-class ShoalCallback(TrainerCallback):  # type: ignore[misc]  (transformers has no stubs)
+class ShoalCallback(TrainerCallback):
     """Hands each of the Trainer's steps to `outer` (a `shoal.sync` peer's `outer(model)`,
     made without an optimizer). `tokens_per_step`: what a step trains on, which weighs
     this peer's contribution (default: the samples of a step, as the Trainer's

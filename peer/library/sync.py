@@ -38,11 +38,12 @@ class _LoopThread:
     """An event loop running forever in a daemon thread; `run` waits for a coroutine."""
 
     def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop
         try:
             import uvloop
 
             self.loop = uvloop.new_event_loop()
-        except ImportError:
+        except ImportError:  # (not on Windows)
             self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self.loop.run_forever, name="shoal-loop", daemon=True
