@@ -201,10 +201,12 @@ class Peer:
                 "(a referee re-executes them), not by your loop; join it with `shoal run`"
             )
         if model is not None and model is not self.model:
-            _take_initial_weights(model, self.model, manifest)
+            await asyncio.to_thread(_take_initial_weights, model, self.model, manifest)
             self.model = model
         model = self.model
-        initial = state_fingerprint([p.detach() for p in model.parameters()], {})
+        # (Off the loop, as the daemon hashes: a large model takes a while.)
+        params = [p.detach() for p in model.parameters()]
+        initial = await asyncio.to_thread(state_fingerprint, params, {})
         try:
             strategy = make_outer_strategy(manifest, self.node.dht, list(model.parameters()))
             loaded = await start_strategy(
