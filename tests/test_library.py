@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -258,6 +259,32 @@ async def test_a_script_started_again_hosts_the_same_experiment_warned_only_of_w
     async with await shoal.host("lib", inner_steps=20, **kwargs) as changed:
         assert changed.manifest.strategy_options["inner_steps"] == 10
     assert "ignoring --inner-steps (host a new name" in caplog.text
+
+
+@pytest.mark.timeout(60)
+async def test_a_library_joiner_refuses_a_round_zero_state_that_is_not_the_initial_model(
+    tmp_path: Path,
+) -> None:
+    """The lying peer: before the first round, the state a peer serves (here the host's,
+    changed after it signed the manifest) is not the model the manifest pins; the
+    joiner's `outer` refuses it in one line instead of training from it."""
+    import torch
+
+    import shoal
+
+    options = {"task": TASK, "listen": LOOPBACK, "mdns": "off"}
+    async with await shoal.host("lib", data_dir=tmp_path / "host", **options) as host:
+        outer = await host.outer()
+        strategy: Any = outer.strategy
+        with torch.no_grad():
+            for g in strategy.globals:
+                g.add_(0.01)
+        await strategy.averager.publish_state()  # (served as round 0's state from now on)
+        async with await shoal.join(
+            host.ref, bootstrap=host.addresses, data_dir=tmp_path / "joiner", **options
+        ) as joiner:
+            with pytest.raises(shoal.LibraryError, match="not the experiment's initial model"):
+                await joiner.outer()
 
 
 @pytest.mark.timeout(60)
