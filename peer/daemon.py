@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "StartedNode",
     "StartupError",
+    "choose_device_of",
     "load_identity",
     "print_addresses",
     "print_join_command",
@@ -200,7 +201,7 @@ async def run_daemon(
             import torch
 
             torch.set_num_threads(config.threads)
-        device, inventory = _choose_device(config) if role is not None else (None, None)
+        device, inventory = choose_device_of(config) if role is not None else (None, None)
 
         started = await start_node(config, stack, load_training=role is not None)
         config, role, node, lan = started.config, started.role, started.node, started.lan
@@ -349,7 +350,7 @@ async def _run_until_stopped(
         await stop.wait()
 
 
-def _choose_device(config: Config) -> tuple[Any, Any]:
+def choose_device_of(config: Config) -> tuple[Any, Any]:
     """The training device and what torch sees; ConfigError (one line) when it is absent."""
     from .training.device import DeviceError, choose_device, describe, probe_inventory
 

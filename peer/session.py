@@ -142,11 +142,15 @@ async def open_session(
     *,
     device: torch.device | None = None,
     inventory: DeviceInventory | None = None,
+    experiment: tuple[Manifest, Task, torch.nn.Module | None, bool] | None = None,
 ) -> Session:
-    """Set up this peer's experiment, training on `device` (the CPU by default)."""
+    """Set up this peer's experiment, training on `device` (the CPU by default).
+    `experiment`: what `find_experiment` returned already (a library peer's)."""
     device = device or torch.device("cpu")
     inventory = inventory or DeviceInventory()
-    manifest, task, model, hosting = await find_experiment(config, identity, dht)
+    if experiment is None:
+        experiment = await find_experiment(config, identity, dht)
+    manifest, task, model, hosting = experiment
     if is_pipeline(manifest.strategy):
         return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
     assert model is not None

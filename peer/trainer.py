@@ -178,6 +178,8 @@ class Trainer:
             max_workers=1, thread_name_prefix="shoal-train", initializer=lower_this_thread
         )
         self._batches: BatchPrefetcher | None = None
+        self._begun = False  # (`begin` ran: the batches and the chores' clocks are set)
+        self._next_checkpoint = self._next_trim = 0.0
         self.work = work
 
     # ------------------------------------------------------------------ checkpoints
@@ -247,6 +249,15 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until `stop` is set; then end the strategy's round, write a checkpoint."""
+        await self.begin()
+        try:
+            while not stop.is_set():
+                await self.step(stop)
+        finally:
+            await self.end(checkpoint=stop.is_set())
+
+    async def begin(self) -> None:
+        """Ready the batches (a verified round's own stream) and the chores' clocks."""
         loop = asyncio.get_running_loop()
         if self.work is not None:
             await loop.run_in_executor(self._worker, self._begin_work)
@@ -255,27 +266,39 @@ class Trainer:
             self._batches = BatchPrefetcher(
                 self.task.batches(self.shard, num_shards, self.seed), self.device
             )
-        next_checkpoint = time.monotonic() + self.checkpoint_interval
-        next_trim = time.monotonic() + TRIM_INTERVAL_S
-        try:
-            while not stop.is_set():
-                loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
-                reports = await self.outer.after_step(loss, tokens, stop)
-                if changes_the_model(reports):
-                    await self.validate()
-                if self._new_work_round():
-                    await loop.run_in_executor(self._worker, self._begin_work)
-                if time.monotonic() >= next_checkpoint:
-                    await self._periodic_checkpoint()
-                    next_checkpoint = time.monotonic() + self.checkpoint_interval
-                if time.monotonic() >= next_trim:  # (after a checkpoint's snapshot is freed)
-                    await loop.run_in_executor(self._worker, release_free_memory)
-                    next_trim = time.monotonic() + TRIM_INTERVAL_S
-        finally:
-            # Graceful: the round in flight ends (commit or abort) before the state is saved.
-            await self.outer.finish()  # (a failure is said; the checkpoint is still written)
-            if stop.is_set():
-                await self.save_checkpoint()
+        self._next_checkpoint = time.monotonic() + self.checkpoint_interval
+        self._next_trim = time.monotonic() + TRIM_INTERVAL_S
+        self._begun = True
+
+    async def step(self, stop: asyncio.Event | None = None) -> list[RoundReport]:
+        """One inner step (in the worker thread), then the outer part: the strategy's turn
+        (`stop`, set, ends a round in flight), the validation after a change of the model,
+        a verified round's next batch stream, a checkpoint or a memory trim when due. The
+        reports of the rounds that ended."""
+        if not self._begun:
+            await self.begin()
+        loop = asyncio.get_running_loop()
+        loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
+        reports = await self.outer.after_step(loss, tokens, stop)
+        if changes_the_model(reports):
+            await self.validate()
+        if self._new_work_round():
+            await loop.run_in_executor(self._worker, self._begin_work)
+        if time.monotonic() >= self._next_checkpoint:
+            await self._periodic_checkpoint()
+            self._next_checkpoint = time.monotonic() + self.checkpoint_interval
+        if time.monotonic() >= self._next_trim:  # (after a checkpoint's snapshot is freed)
+            await loop.run_in_executor(self._worker, release_free_memory)
+            self._next_trim = time.monotonic() + TRIM_INTERVAL_S
+        return reports
+
+    async def end(self, *, checkpoint: bool = True) -> None:
+        """Graceful: the round in flight ends (commit or abort), then, with `checkpoint`,
+        the state is saved (a failure to end the round is said; the checkpoint is still
+        written)."""
+        await self.outer.finish()
+        if checkpoint:
+            await self.save_checkpoint()
 
     @property
     def on_round(self) -> Callable[[RoundReport], None] | None:

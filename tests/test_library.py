@@ -202,7 +202,7 @@ def test_import_shoal_loads_no_layer_until_the_api_is_used() -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_a_library_host_is_unverified_and_starts_your_model_from_the_manifests_weights(
+async def test_a_library_host_is_unverified_and_starts_your_model_from_its_initial_weights(
     tmp_path: Path,
 ) -> None:
     import torch
@@ -211,8 +211,6 @@ async def test_a_library_host_is_unverified_and_starts_your_model_from_the_manif
     import shoal
     from shoal.averaging.fingerprint import state_fingerprint
 
-    with pytest.raises(shoal.LibraryError, match="referee cannot re-execute"):
-        await shoal.host("v", task=TASK, data_dir=tmp_path / "v", verify="on")
     with pytest.raises(shoal.LibraryError, match="unknown option 'colour'"):
         await shoal.host("v", task=TASK, data_dir=tmp_path / "v", colour="blue")
 
@@ -288,7 +286,12 @@ async def test_a_library_joiner_refuses_a_round_zero_state_that_is_not_the_initi
 
 
 @pytest.mark.timeout(60)
-async def test_a_library_peer_refuses_to_train_in_a_verified_experiment(tmp_path: Path) -> None:
+async def test_in_a_verified_experiment_a_library_peer_trains_the_tasks_steps_not_its_own(
+    tmp_path: Path,
+) -> None:
+    """A verified experiment (hosted by `shoal run`, or by the library with verify='on'):
+    `outer` (the user's own batches, which no referee can re-execute) is refused in one
+    line; `task_trainer` trains the task's steps, logged for audits as the daemon's."""
     import shoal
     from shoal.dht.node import DHTNode
     from shoal.peer.cli import parse_command_line
@@ -317,11 +320,25 @@ async def test_a_library_peer_refuses_to_train_in_a_verified_experiment(tmp_path
                 listen=LOOPBACK,
                 mdns="off",
             ) as peer:
-                with pytest.raises(shoal.LibraryError, match="verifies work"):
+                with pytest.raises(shoal.LibraryError, match=r"verifies work.*task_trainer"):
                     await peer.outer()
+                trainer = await peer.task_trainer()
+                assert trainer.verified and peer.model is trainer.model
+                for _ in range(3):
+                    await trainer.step()
+                assert trainer.stats.step == 3
+                work = trainer.session.trainer.work
+                assert work is not None and work.log.current is not None
+                assert work.log.current.steps == 3  # logged for the referees
         finally:
             await session.strategy.aclose()
             session.trainer.close()
             await dht.aclose()
     finally:
         await host.aclose()
+    async with await shoal.host(
+        "own", task=TASK, data_dir=tmp_path / "own", listen=LOOPBACK, mdns="off", verify="on"
+    ) as verified:
+        assert verified.manifest.strategy_options["verify"] is True
+        with pytest.raises(shoal.LibraryError, match="verifies work"):
+            await verified.outer()

@@ -5,6 +5,6 @@ scripts (a background event loop); `import shoal` exposes both (`shoal.host`,
 `shoal.sync.host`).
 """
 
-from .api import LibraryError, Outer, Peer, host, join
+from .api import LibraryError, Outer, Peer, TaskTrainer, host, join
 
-__all__ = ["LibraryError", "Outer", "Peer", "host", "join"]
+__all__ = ["LibraryError", "Outer", "Peer", "TaskTrainer", "host", "join"]

@@ -19,9 +19,11 @@ that a `shoal run` peer builds the same model; the user's model must have the
 task model's parameters (names and shapes), and starts from the experiment's
 weights: the swarm's state when a peer serves it, else the initial ones the
 manifest pins. Its batches come from the user's loop, which a referee cannot
-re-execute: a library peer hosts its experiment unverified (the manifest says
-`verify: false`) and cannot join a verified one. `shoal.sync` runs the same on
-a background event loop for plain scripts.
+re-execute: a library peer hosts its experiment unverified unless told otherwise
+(the manifest says `verify: false`), and in a verified experiment it trains the
+task's own steps instead (`Peer.task_trainer`, `task_trainer.py`: the daemon's
+`Trainer`, a step per call). `shoal.sync` runs the same on a background event loop
+for plain scripts.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ from ..training.device import DeviceInventory
 from ..training.outer_loop import OuterLoop, TrainerStats
 from ..training.task import Task
 from ..verify.ban_watch import BanWatcher
+from .task_trainer import TaskTrainer, open_task_trainer
 
-__all__ = ["LibraryError", "Outer", "Peer", "host", "join"]
+__all__ = ["LibraryError", "Outer", "Peer", "TaskTrainer", "host", "join"]
 
 log = logging.getLogger("shoal.library")
 
@@ -89,16 +92,13 @@ async def host(
     or ``package.module:attr``): created on first use and kept in `data_dir`, as
     ``shoal run --host-experiment NAME`` does. `status`: ``"HOST:PORT"`` to serve the
     status endpoint (None: none). `options`: any other ``shoal run`` option by its name
-    (``mdns="off"``, ``network=...``). The experiment is unverified (the batches come
-    from your loop); LibraryError when anything cannot start."""
-    if options.get("verify", "off") != "off":
-        raise LibraryError(
-            "verify: a library peer's batches come from its own loop, which a referee "
-            "cannot re-execute; its experiment is unverified (verify='off')"
-        )
+    (``mdns="off"``, ``network=...``). `verify` is ``"off"`` unless given: the batches of
+    your own loop (`Peer.outer`) cannot be re-executed; a verified experiment
+    (``verify="on"``) trains through `Peer.task_trainer`. LibraryError when anything
+    cannot start."""
     flags = {
-        **options,
         "verify": "off",
+        **options,
         "host_experiment": name,
         "task": task,
         "strategy": strategy,
@@ -151,7 +151,7 @@ class Peer:
         self.model: torch.nn.Module | None = model
         self._stack = stack
         self._join_swarm = join_swarm or not self.hosting
-        self._outer: Outer | None = None
+        self._training: Outer | TaskTrainer | None = None  # (one per peer)
 
     @property
     def peer_id(self) -> str:
@@ -188,17 +188,14 @@ class Peer:
         manifest's initial weights. `optimizer`: the inner optimizer that `Outer.step`
         steps (and zeroes); None when your loop steps its own (a `transformers.Trainer`).
         """
-        if self._outer is not None:
-            raise LibraryError("this peer already trains a model (one per peer)")
+        self._check_trainable()
         manifest = self.manifest
-        if is_pipeline(manifest.strategy) or self.model is None:
-            raise LibraryError(
-                f"{manifest.describe()} is pipelined: its stages run in `shoal run` peers only"
-            )
+        assert self.model is not None
         if manifest.strategy_options.get("verify"):
             raise LibraryError(
                 f"{manifest.describe()} verifies work: its batches must be drawn by shoal "
-                "(a referee re-executes them), not by your loop; join it with `shoal run`"
+                "(a referee re-executes them), not by your loop; train it with "
+                "peer.task_trainer() (or `shoal run`)"
             )
         if model is not None and model is not self.model:
             await asyncio.to_thread(_take_initial_weights, model, self.model, manifest)
@@ -229,19 +226,49 @@ class Peer:
             "fp32",
             BanWatcher(self.node.dht, manifest.namespace),
         )
+        outer = Outer(loop, strategy, optimizer)
+        self._training = outer
+        self._attach(session)
+        return outer
+
+    async def task_trainer(self) -> TaskTrainer:
+        """The experiment's own training, one `await trainer.step()` per call in your loop:
+        `shoal run`'s steps (the task's batches and loss, the manifest's inner optimizer,
+        checkpoints in `data_dir`, on the device the `device` option names), which a
+        verified experiment's referees can re-execute. `trainer.model` is the model."""
+        self._check_trainable()
+        experiment = (self.manifest, self.task, self.model, self.hosting)
+        try:
+            trainer = await open_task_trainer(self.node, self.config, experiment)
+        except (SessionError, ConfigError) as e:
+            raise LibraryError(str(e)) from None
+        self.model = trainer.model
+        self._training = trainer
+        self._attach(trainer.session)
+        return trainer
+
+    def _check_trainable(self) -> None:
+        if self._training is not None:
+            raise LibraryError("this peer already trains a model (one per peer)")
+        if is_pipeline(self.manifest.strategy) or self.model is None:
+            raise LibraryError(
+                f"{self.manifest.describe()} is pipelined: its stages run in `shoal run` peers"
+            )
+
+    def _attach(self, session: Session) -> None:
+        """The node reports, serves and records this training as the daemon's."""
         self.node.attach(session)
         self.node.start_background(Progress(live=False))
         text = io.StringIO()
         print_join_command(self.node, self.config, text)
         log.info("%s", text.getvalue().strip())
-        self._outer = Outer(loop, strategy, optimizer)
-        return self._outer
 
     async def aclose(self) -> None:
-        """Shut down: the round in flight ends (commit or abort), then the strategy, the
-        status endpoint, the DHT, NAT traversal and the transport close in turn."""
-        if self._outer is not None:
-            await self._outer.finish()
+        """Shut down: the round in flight ends (commit or abort; a task trainer then writes
+        a checkpoint), then the strategy, the status endpoint, the DHT, NAT traversal and
+        the transport close in turn."""
+        if self._training is not None:
+            await self._training.finish()
         await self._stack.aclose()
 
     async def __aenter__(self) -> Peer:

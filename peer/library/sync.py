@@ -26,8 +26,9 @@ from shoal.averaging.outer import RoundReport
 
 from ..training.outer_loop import TrainerStats
 from . import api as library
+from .task_trainer import TaskTrainer
 
-__all__ = ["SyncOuter", "SyncPeer", "host", "join"]
+__all__ = ["SyncOuter", "SyncPeer", "SyncTaskTrainer", "host", "join"]
 
 T = TypeVar("T")
 # How long closing may take: the round in flight's bound and the transport's close.
@@ -96,6 +97,10 @@ class SyncPeer:
         """`Peer.outer`, blocking."""
         return SyncOuter(self._thread.run(self.peer.outer(model, optimizer)), self._thread)
 
+    def task_trainer(self) -> SyncTaskTrainer:
+        """`Peer.task_trainer`, blocking."""
+        return SyncTaskTrainer(self._thread.run(self.peer.task_trainer()), self._thread)
+
     def close(self) -> None:
         """The round in flight ends, the peer shuts down, then its event loop."""
         if self._closed:
@@ -145,3 +150,30 @@ class SyncOuter:
     @property
     def stats(self) -> TrainerStats:
         return self.outer.stats
+
+
+class SyncTaskTrainer:
+    """`library.TaskTrainer` for a synchronous loop: `step` blocks (a step and its round)."""
+
+    def __init__(self, trainer: TaskTrainer, thread: _LoopThread) -> None:
+        self.trainer = trainer
+        self._thread = thread
+
+    def step(self) -> list[RoundReport]:
+        return self._thread.run(self.trainer.step())
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.trainer.model
+
+    @property
+    def outer_steps(self) -> int:
+        return self.trainer.outer_steps
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.trainer.fingerprint
+
+    @property
+    def stats(self) -> TrainerStats:
+        return self.trainer.stats
