@@ -6,10 +6,12 @@ It is also the experiment's task (`make_task`: a tiny MLP regression), so that a
     python tests/library_peer.py async|sync DATA_DIR --host NAME | --join REF --bootstrap ADDR
         [--rounds N]
     python tests/library_peer.py hf DATA_DIR --host NAME --texts DIR --rounds N
+    python tests/library_peer.py task DATA_DIR --join REF --bootstrap ADDR
 
 The `hf` variant hosts a tiny Llama (`--task hf` on the text folder) and trains it
 with a `transformers.Trainer` and shoal's callback, stopping after N rounds committed
-with another peer.
+with another peer. The `task` variant joins and trains the experiment's own steps
+(`task_trainer`), as a library peer of a verified experiment does.
 
 It prints ``READY <ref> <address>`` once started, ``COMMIT <outer step> <group size>
 <fingerprint>`` after each committed round, and with --rounds stops cleanly after N
@@ -192,9 +194,26 @@ def run_hf(args: argparse.Namespace) -> None:
     _say("CLOSED")
 
 
+def run_task_trainer(args: argparse.Namespace) -> None:
+    """The experiment's own steps (`task_trainer`) in this loop: what a verified one takes."""
+    import shoal
+
+    _, kwargs = _peer_args(args)
+    with shoal.sync.join(**kwargs) as peer:
+        trainer = peer.task_trainer()
+        _say(f"READY {peer.ref} {peer.addresses[0]}")
+        try:
+            while True:
+                _report(trainer.step())
+                time.sleep(STEP_PAUSE_S)
+        except KeyboardInterrupt:
+            _say("INTERRUPTED")
+    _say("CLOSED")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("variant", choices=["async", "sync", "hf"])
+    parser.add_argument("variant", choices=["async", "sync", "hf", "task"])
     parser.add_argument("data_dir")
     parser.add_argument("--host")
     parser.add_argument("--join")
@@ -207,6 +226,8 @@ def main() -> None:
         asyncio.run(run_async(args))
     elif args.variant == "hf":
         run_hf(args)
+    elif args.variant == "task":
+        run_task_trainer(args)
     else:
         run_sync(args)
 

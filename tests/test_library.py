@@ -182,6 +182,55 @@ def test_a_transformers_trainer_with_the_callback_averages_a_tiny_llama_with_a_c
                 p.proc.wait(timeout=10)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_library_task_trainer_in_a_verified_experiment_passes_the_cli_hosts_audits(
+    tmp_path: Path,
+) -> None:
+    """Verification for a library peer whose batches are shoal's: a `shoal run` host of a
+    verified experiment (every contribution audited) and a script training it through
+    `task_trainer` commit rounds with equal fingerprints, and the host's referee
+    re-executes the script's work and passes it."""
+    audited = {
+        "SHOAL_INNER_STEPS": "10",
+        "SHOAL_STRATEGY_OPTIONS": "matchmaking_time=3,round_timeout=15,stall_timeout=3,"
+        "audit_rate=1",
+    }
+    cli = Daemon("cli-host", tmp_path, ["--host-experiment", "checked", "--task", TASK,
+                                        "--verify", "on"], audited)  # fmt: skip
+    procs: list[Script | Daemon] = [cli]
+    try:
+        cli.wait_ready()
+        args = ["task", "--join", cli.join_ref, "--bootstrap", cli.address]
+        script = Script(tmp_path, "task-trainer", args)
+        procs.append(script)
+
+        def debug() -> str:
+            return "\n".join(p.tail() for p in procs)
+
+        wait_for(
+            "a round of the CLI host and the script with equal fingerprints",
+            lambda: shared_step({"script": script.commits(), "cli": cli_commits(cli)}, 2),
+            90,
+            debug=debug,
+        )
+        verification = wait_for(
+            "the host's referee passing an audit of the script's work",
+            lambda: (v := cli.status()["verification"])["audits_passed"] >= 1 and v,
+            90,
+            debug=debug,
+        )
+        assert verification["enabled"] is True and verification["convictions"] == [], debug()
+        assert verification["audits_failed"] == 0, verification
+    finally:
+        for p in procs:
+            if isinstance(p, Daemon):
+                p.kill()
+            elif p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(timeout=10)
+
+
 # ---------------------------------------------------------------------- in-process
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
