@@ -46,11 +46,14 @@ if TYPE_CHECKING:
     from .node import PeerNode
 
 __all__ = [
+    "StartedNode",
     "StartupError",
+    "choose_device_of",
     "load_identity",
     "print_addresses",
     "print_join_command",
     "run_daemon",
+    "start_node",
 ]
 
 log = logging.getLogger("shoal.peer")
@@ -194,43 +197,22 @@ async def run_daemon(
             stop = asyncio.Event()
             stack.enter_context(_shutdown_on_signals(stop))
 
-        stack.enter_context(lock_data_dir(config.data_dir))
-        identity = load_identity(config)
-        config.check_peer_id(identity.peer_id)
-        log.info("peer ID %s", identity.peer_id)
         if config.threads is not None and role is not None:
             import torch
 
             torch.set_num_threads(config.threads)
-        device, inventory = _choose_device(config) if role is not None else (None, None)
+        device, inventory = choose_device_of(config) if role is not None else (None, None)
 
-        host, nat, dht, lan, way_in = await _start_network(config, identity, stack)
-        # A peer that found its way in only now (a network list, mDNS) joins its experiment.
-        role = config.experiment_role(has_way_in=way_in)
-        if role is not None and role[0] == "join" and config.join is None:
-            config = dataclasses.replace(config, join=role[1])  # what open_session reads
-
-        # Imported here: session loads torch, which `shoal id`, `shoal status` and a
-        # --no-train peer (a bootstrap or relay on a small machine) never need. In a
-        # thread: importing the training stack (averaging, numba's compiled loops)
-        # takes seconds on a loaded machine, and the event loop must keep answering
-        # handshakes meanwhile (a missed dial-back once made a public host conclude
-        # it was private).
-        if role is not None:
-            await asyncio.to_thread(importlib.import_module, "shoal.peer.session")
-        from .node import PeerNode
-
-        node = PeerNode(config, identity, host, nat, dht)
-        stack.push_async_callback(node.aclose)
-        if config.status_addr is not None:
-            await _start_status(node, config.status_addr, stack)
+        started = await start_node(config, stack, load_training=role is not None)
+        config, role, node, lan = started.config, started.role, started.node, started.lan
+        host = node.host
 
         if role is not None:
             from .session import SessionError, open_session
 
             try:
                 session = await open_session(
-                    config, identity, dht, device=device, inventory=inventory
+                    config, node.identity, node.dht, device=device, inventory=inventory
                 )
             except SessionError as e:
                 raise StartupError(str(e)) from None
@@ -253,6 +235,51 @@ async def run_daemon(
         await _run_until_stopped(node, stop, stack)
         log.info("shutting down")
     log.info("stopped")
+
+
+@dataclasses.dataclass
+class StartedNode:
+    """A peer's running network part (`start_node`): what the daemon and the library share."""
+
+    config: Config  # with --join filled in when the peer found its experiment's swarm now
+    role: tuple[str, str] | None  # ("host" | "join", NAME) or None (no experiment)
+    node: PeerNode
+    lan: LanFinder | None
+
+
+async def start_node(
+    config: Config, stack: contextlib.AsyncExitStack, *, load_training: bool = True
+) -> StartedNode:
+    """Lock the data directory, load the identity, start the transport, NAT traversal,
+    mDNS and the DHT, then the `PeerNode` and (unless `config.status_addr` is None) its
+    status endpoint; each is closed by `stack`. The one start-up of `shoal run` and of
+    the library (`shoal.peer.library`). StartupError or ConfigError when it cannot."""
+    stack.enter_context(lock_data_dir(config.data_dir))
+    identity = load_identity(config)
+    config.check_peer_id(identity.peer_id)
+    log.info("peer ID %s", identity.peer_id)
+
+    host, nat, dht, lan, way_in = await _start_network(config, identity, stack)
+    # A peer that found its way in only now (a network list, mDNS) joins its experiment.
+    role = config.experiment_role(has_way_in=way_in)
+    if role is not None and role[0] == "join" and config.join is None:
+        config = dataclasses.replace(config, join=role[1])  # what open_session reads
+
+    # Imported here: session loads torch, which `shoal id`, `shoal status` and a
+    # --no-train peer (a bootstrap or relay on a small machine) never need. In a
+    # thread: importing the training stack (averaging, numba's compiled loops)
+    # takes seconds on a loaded machine, and the event loop must keep answering
+    # handshakes meanwhile (a missed dial-back once made a public host conclude
+    # it was private).
+    if role is not None and load_training:
+        await asyncio.to_thread(importlib.import_module, "shoal.peer.session")
+    from .node import PeerNode
+
+    node = PeerNode(config, identity, host, nat, dht)
+    stack.push_async_callback(node.aclose)
+    if config.status_addr is not None:
+        await _start_status(node, config.status_addr, stack)
+    return StartedNode(config, role, node, lan)
 
 
 async def _start_network(
@@ -323,7 +350,7 @@ async def _run_until_stopped(
         await stop.wait()
 
 
-def _choose_device(config: Config) -> tuple[Any, Any]:
+def choose_device_of(config: Config) -> tuple[Any, Any]:
     """The training device and what torch sees; ConfigError (one line) when it is absent."""
     from .training.device import DeviceError, choose_device, describe, probe_inventory
 

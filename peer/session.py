@@ -62,7 +62,14 @@ from .verify.ban_watch import BanWatcher
 from .verify.verifier import Verifier
 from .verify.work_log import VerifiedWork, WorkLog
 
-__all__ = ["Session", "SessionError", "open_session"]
+__all__ = [
+    "Session",
+    "SessionError",
+    "find_experiment",
+    "make_outer_strategy",
+    "open_session",
+    "start_strategy",
+]
 
 log = logging.getLogger("shoal.session")
 
@@ -135,10 +142,65 @@ async def open_session(
     *,
     device: torch.device | None = None,
     inventory: DeviceInventory | None = None,
+    experiment: tuple[Manifest, Task, torch.nn.Module | None, bool] | None = None,
 ) -> Session:
-    """Set up this peer's experiment, training on `device` (the CPU by default)."""
+    """Set up this peer's experiment, training on `device` (the CPU by default).
+    `experiment`: what `find_experiment` returned already (a library peer's)."""
     device = device or torch.device("cpu")
     inventory = inventory or DeviceInventory()
+    if experiment is None:
+        experiment = await find_experiment(config, identity, dht)
+    manifest, task, model, hosting = experiment
+    if is_pipeline(manifest.strategy):
+        return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
+    assert model is not None
+
+    initial = state_fingerprint([p.detach() for p in model.parameters()], {})
+    try:
+        hyper = check_hyperparameters(manifest.hyperparameters)
+        check_precision(hyper["precision"], device, inventory)
+    except ValueError as e:  # DeviceError included
+        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
+    log.info("inner optimizer %s", describe_inner_optimizer(hyper["inner_optimizer"]))
+    # On the device before the strategy takes the parameters (it keeps its global
+    # copy on the host, where the wire and the fingerprints are).
+    model = await asyncio.to_thread(model.to, device)
+    strategy = make_outer_strategy(manifest, dht, list(model.parameters()))
+    store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
+    trainer = _trainer(config, identity, manifest, task, model, strategy, hyper, store, device)
+    bans = BanWatcher(dht, manifest.namespace)
+    verifier = None
+    if trainer.work is not None:
+        verifier = _verifier(dht, identity, task, hyper, strategy, trainer.work, trainer, bans)
+    resumed = await _resume(store, trainer, manifest)
+    # A joiner (or a restarted host) takes the swarm's state when the swarm has one;
+    # a host starting its experiment starts from its own initial parameters.
+    join = not (hosting and not resumed)
+    loaded = await start_strategy(
+        strategy, model, manifest, join=join, initial=None if resumed else initial
+    )
+    return Session(
+        manifest,
+        task,
+        trainer,
+        strategy,
+        hosting,
+        resumed,
+        loaded,
+        device,
+        inventory,
+        hyper["precision"],
+        bans,
+        verifier,
+    )
+
+
+async def find_experiment(
+    config: Config, identity: Identity, dht: DHTNode
+) -> tuple[Manifest, Task, torch.nn.Module | None, bool]:
+    """The experiment `config` hosts or joins, announced: its manifest, its task, its
+    model at the initial weights (None for a pipelined one: stages are built apart),
+    and whether this peer hosts it. The daemon's and the library's one way in."""
     role = config.experiment_role()
     assert role is not None
     kind, name = role
@@ -158,38 +220,30 @@ async def open_session(
             model = await asyncio.to_thread(task.make_model, manifest.seed)
             await _init_from(config, model)
     hosting = await _announce(dht, identity, manifest)
-    if is_pipeline(manifest.strategy):
-        return await _pipeline_session(config, identity, dht, manifest, task, device, inventory)
-    assert model is not None
+    return manifest, task, model, hosting
 
-    initial = state_fingerprint([p.detach() for p in model.parameters()], {})
-    try:
-        hyper = check_hyperparameters(manifest.hyperparameters)
-        check_precision(hyper["precision"], device, inventory)
-    except ValueError as e:  # DeviceError included
-        raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None
-    log.info("inner optimizer %s", describe_inner_optimizer(hyper["inner_optimizer"]))
-    # On the device before the strategy takes the parameters (it keeps its global
-    # copy on the host, where the wire and the fingerprints are).
-    model = await asyncio.to_thread(model.to, device)
-    strategy = _make_strategy(manifest, dht, list(model.parameters()))
-    store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
-    trainer = _trainer(config, identity, manifest, task, model, strategy, hyper, store, device)
-    bans = BanWatcher(dht, manifest.namespace)
-    verifier = None
-    if trainer.work is not None:
-        verifier = _verifier(dht, identity, task, hyper, strategy, trainer.work, trainer, bans)
-    resumed = await _resume(store, trainer, manifest)
-    if not resumed and initial != manifest.initial_fingerprint:
+
+async def start_strategy(
+    strategy: OuterStrategy,
+    model: torch.nn.Module,
+    manifest: Manifest,
+    *,
+    join: bool,
+    initial: str | None,
+) -> bool:
+    """Start `strategy` over `model`'s parameters; whether it loaded the swarm's state.
+    `join`: take the swarm's state when a peer serves it. `initial`: the fingerprint the
+    parameters had when built (None: they were resumed from a checkpoint); unlike the
+    manifest's, only the swarm's state may replace them, else SessionError."""
+    differs = initial is not None and initial != manifest.initial_fingerprint
+    if differs:
+        assert initial is not None
         log.warning(
             "this machine builds a different initial model than the host (fingerprint %s, "
             "manifest %s: another torch version?); waiting for the swarm's state",
             initial[:12],
             manifest.initial_fingerprint[:12],
         )
-    # A joiner (or a restarted host) takes the swarm's state when the swarm has one;
-    # a host starting its experiment starts from its own initial parameters.
-    join = not (hosting and not resumed)
     loaded = await strategy.start(join=join)
     if loaded and strategy.outer_steps == 0:
         await _check_round_zero(strategy, model, manifest)
@@ -197,27 +251,14 @@ async def open_session(
         log.info(
             "loaded the swarm's current state (%s)", (strategy.committed_fingerprint or "")[:12]
         )
-    elif not resumed and initial != manifest.initial_fingerprint:
+    elif differs:
         await strategy.aclose()
         raise SessionError(
             f"cannot start {manifest.describe()}: this peer builds a different initial model "
             "than the host and no peer serves the current state yet; use the same shoal and "
             "torch versions as the host, or retry once the swarm has averaged a round"
         )
-    return Session(
-        manifest,
-        task,
-        trainer,
-        strategy,
-        hosting,
-        resumed,
-        loaded,
-        device,
-        inventory,
-        hyper["precision"],
-        bans,
-        verifier,
-    )
+    return loaded
 
 
 async def _check_round_zero(
@@ -264,7 +305,9 @@ async def _resume(store: CheckpointStore, trainer: Trainer, manifest: Manifest) 
     return True
 
 
-def _make_strategy(manifest: Manifest, dht: DHTNode, params: list[torch.Tensor]) -> OuterStrategy:
+def make_outer_strategy(
+    manifest: Manifest, dht: DHTNode, params: list[torch.Tensor]
+) -> OuterStrategy:
     """The manifest's outer strategy over `params`; SessionError when its options do not fit."""
     try:
         return make_strategy(
@@ -747,7 +790,7 @@ def _warn_ignored(config: Config, manifest: Manifest) -> None:
             "verify",
             "pipeline_stages",
         )
-        if o in config.sources
+        if o in config.sources and not _as_saved(config, manifest, o)
     ]
     if given:
         log.warning(
@@ -758,3 +801,23 @@ def _warn_ignored(config: Config, manifest: Manifest) -> None:
             time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created)),
             ", ".join("--" + o.replace("_", "-") for o in given),
         )
+
+
+def _as_saved(config: Config, manifest: Manifest, option: str) -> bool:
+    """Whether `option`'s value is what the saved manifest has already (nothing is
+    ignored: a script that hosts with the same arguments at every start is not warned)."""
+    if option == "task":
+        return config.task == manifest.task
+    if option == "strategy":
+        return config.strategy == manifest.strategy
+    if option == "inner_steps":
+        return bool(manifest.strategy_options.get("inner_steps") == config.inner_steps)
+    if option == "task_option":
+        return all(manifest.task_config.get(k) == v for k, v in config.task_option)
+    if option == "strategy_option":
+        saved = {**manifest.hyperparameters, **manifest.strategy_options}
+        return all(saved.get(k) == v for k, v in config.strategy_option)
+    if option == "verify":
+        verified = bool(manifest.strategy_options.get("verify"))
+        return config.verify != "auto" and verified == (config.verify == "on")
+    return False

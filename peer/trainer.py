@@ -14,13 +14,11 @@ strategy round running in the background cannot tear them.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +31,7 @@ from .training.device import autocast
 from .training.heap import TRIM_INTERVAL_S, release_free_memory
 from .training.inner import LR_SCHEDULES, BatchPrefetcher, InnerOptimizer, to_device
 from .training.optimizers import DEFAULT_INNER_OPTIMIZER, check_inner_optimizer
+from .training.outer_loop import RATE_WINDOW_S, OuterLoop, TrainerStats
 from .training.priority import lower_this_thread
 from .training.task import Task
 from .training.validation import Validation, changes_the_model
@@ -42,6 +41,7 @@ from .verify.work_log import VerifiedWork
 __all__ = [
     "DEFAULT_HYPERPARAMETERS",
     "LEGACY_HYPERPARAMETERS",
+    "RATE_WINDOW_S",
     "Trainer",
     "TrainerStats",
     "check_hyperparameters",
@@ -83,13 +83,6 @@ LEGACY_HYPERPARAMETERS: dict[str, Any] = {
     "warmup_steps": 50,
     "lr_schedule": "constant",
 }
-
-
-# Tokens/s is measured over this many seconds of recent steps.
-RATE_WINDOW_S = 20.0
-HISTORY_POINTS = 1000
-# On shutdown, how long a round in flight may take to end (docker stop grants 10 s).
-FINISH_TIMEOUT_S = 4.0
 
 
 def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
@@ -136,31 +129,6 @@ def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class TrainerStats:
-    """What the status endpoint and the progress line show."""
-
-    step: int = 0  # inner steps of this peer, since the experiment started (resumed included)
-    tokens: int = 0
-    loss: float | None = None  # smoothed
-    last_loss: float | None = None
-    tokens_per_s: float | None = None
-    last_round: RoundReport | None = None
-    last_round_at: float | None = None  # UNIX time
-    last_commit_at: float | None = None  # UNIX time of the last committed round
-    rounds: collections.Counter[str] = field(default_factory=collections.Counter)
-    checkpoint_at: float | None = None
-    # Why the last periodic checkpoint could not be written (None: it was); training
-    # goes on, the last good checkpoint stays on disk.
-    checkpoint_error: str | None = None
-    # The mean loss over the task's held-out batches after a round (peer/training/validation.py).
-    val_loss: float | None = None
-    val_loss_at: float | None = None  # UNIX time
-    history: collections.deque[dict[str, Any]] = field(
-        default_factory=lambda: collections.deque(maxlen=HISTORY_POINTS)
-    )
-
-
 class Trainer:
     def __init__(
         self,
@@ -193,10 +161,10 @@ class Trainer:
         self.checkpoints = checkpoints
         self.checkpoint_interval = checkpoint_interval
         self._checkpoint_extra = checkpoint_extra or dict
-        self.on_round = on_round
         self.stats = TrainerStats()
+        # The outer part (accounting, the strategy's turn): the library's too.
+        self.outer = OuterLoop(strategy, self.stats, on_round)
         self.validation = validation or Validation(task)
-        self._alone = False  # the last round committed alone (nobody else to average with)
         # The model is already on `device` (the session put it there before the
         # strategy took its parameters).
         self.device = device or torch.device("cpu")
@@ -210,8 +178,9 @@ class Trainer:
             max_workers=1, thread_name_prefix="shoal-train", initializer=lower_this_thread
         )
         self._batches: BatchPrefetcher | None = None
+        self._begun = False  # (`begin` ran: the batches and the chores' clocks are set)
+        self._next_checkpoint = self._next_trim = 0.0
         self.work = work
-        self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -280,6 +249,15 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Train until `stop` is set; then end the strategy's round, write a checkpoint."""
+        await self.begin()
+        try:
+            while not stop.is_set():
+                await self.step(stop)
+        finally:
+            await self.end(checkpoint=stop.is_set())
+
+    async def begin(self) -> None:
+        """Ready the batches (a verified round's own stream) and the chores' clocks."""
         loop = asyncio.get_running_loop()
         if self.work is not None:
             await loop.run_in_executor(self._worker, self._begin_work)
@@ -288,64 +266,51 @@ class Trainer:
             self._batches = BatchPrefetcher(
                 self.task.batches(self.shard, num_shards, self.seed), self.device
             )
-        next_checkpoint = time.monotonic() + self.checkpoint_interval
-        next_trim = time.monotonic() + TRIM_INTERVAL_S
-        try:
-            while not stop.is_set():
-                loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
-                self._account(loss, tokens)
-                reports = await self._outer(tokens, stop)
-                for report in reports:
-                    self._record_round(report)
-                if changes_the_model(reports):
-                    await self.validate()
-                if self._new_work_round():
-                    await loop.run_in_executor(self._worker, self._begin_work)
-                if time.monotonic() >= next_checkpoint:
-                    await self._periodic_checkpoint()
-                    next_checkpoint = time.monotonic() + self.checkpoint_interval
-                if time.monotonic() >= next_trim:  # (after a checkpoint's snapshot is freed)
-                    await loop.run_in_executor(self._worker, release_free_memory)
-                    next_trim = time.monotonic() + TRIM_INTERVAL_S
-        finally:
-            # Graceful: the round in flight ends (commit or abort) before the state is saved.
-            try:
-                await self.strategy.finish()
-            except Exception as e:  # the checkpoint is still written; say what went wrong
-                log.warning("ending the averaging round at shutdown failed: %r", e)
-            if stop.is_set():
-                await self.save_checkpoint()
+        self._next_checkpoint = time.monotonic() + self.checkpoint_interval
+        self._next_trim = time.monotonic() + TRIM_INTERVAL_S
+        self._begun = True
 
-    async def _outer(self, tokens: int, stop: asyncio.Event) -> list[RoundReport]:
-        """The strategy's turn; a shutdown during a round ends the round (within
-        `FINISH_TIMEOUT_S`) instead of waiting for its deadline."""
-        outer = asyncio.ensure_future(self.strategy.after_inner_step(tokens))
-        stopped = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait({outer, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            if not outer.done():
-                log.info("shutdown during an averaging round: ending it")
-                try:
-                    async with asyncio.timeout(FINISH_TIMEOUT_S):
-                        await self.strategy.finish()
-                        await asyncio.wait({outer})
-                except TimeoutError:
-                    log.info("the round did not end within %.0fs: abandoning it", FINISH_TIMEOUT_S)
-                except Exception as e:
-                    log.warning("ending the averaging round at shutdown failed: %r", e)
-            if not outer.done():
-                # The round aborts for us; the others see a failed member and go on.
-                outer.cancel()
-                await asyncio.gather(outer, return_exceptions=True)
-                return []
-            return outer.result()
-        finally:
-            stopped.cancel()
-            if not outer.done():
-                outer.cancel()
-            await asyncio.gather(outer, stopped, return_exceptions=True)
+    async def step(self, stop: asyncio.Event | None = None) -> list[RoundReport]:
+        """One inner step (in the worker thread), then the outer part: the strategy's turn
+        (`stop`, set, ends a round in flight), the validation after a change of the model,
+        a verified round's next batch stream, a checkpoint or a memory trim when due. The
+        reports of the rounds that ended."""
+        if not self._begun:
+            await self.begin()
+        loop = asyncio.get_running_loop()
+        loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
+        reports = await self.outer.after_step(loss, tokens, stop)
+        if changes_the_model(reports):
+            await self.validate()
+        if self._new_work_round():
+            await loop.run_in_executor(self._worker, self._begin_work)
+        if time.monotonic() >= self._next_checkpoint:
+            await self._periodic_checkpoint()
+            self._next_checkpoint = time.monotonic() + self.checkpoint_interval
+        if time.monotonic() >= self._next_trim:  # (after a checkpoint's snapshot is freed)
+            await loop.run_in_executor(self._worker, release_free_memory)
+            self._next_trim = time.monotonic() + TRIM_INTERVAL_S
+        return reports
+
+    async def end(self, *, checkpoint: bool = True) -> None:
+        """Graceful: the round in flight ends (commit or abort), then, with `checkpoint`,
+        the state is saved (a failure to end the round is said; the checkpoint is still
+        written)."""
+        await self.outer.finish()
+        if checkpoint:
+            await self.save_checkpoint()
+
+    @property
+    def on_round(self) -> Callable[[RoundReport], None] | None:
+        """Told of every round that ended (the node's ledger and metrics)."""
+        return self.outer.on_round
+
+    @on_round.setter
+    def on_round(self, callback: Callable[[RoundReport], None] | None) -> None:
+        self.outer.on_round = callback
 
     def close(self) -> None:
+        self.outer.close()
         self._worker.shutdown(wait=True, cancel_futures=True)
         if self._batches is not None:
             self._batches.close()
@@ -377,48 +342,6 @@ class Trainer:
         self._batches = BatchPrefetcher(batches, self.device)
         resets = self.work.resets_of()
         self.work.log.begin(round_index, self.stats.step, self.model, self.inner, resets=resets)
-
-    def _account(self, loss: float, tokens: int) -> None:
-        s = self.stats
-        s.step += 1
-        s.tokens += tokens
-        s.last_loss = loss
-        if math.isfinite(loss):
-            s.loss = loss if s.loss is None else 0.95 * s.loss + 0.05 * loss
-        now = time.monotonic()
-        self._rate.append((now, tokens))
-        while len(self._rate) > 2 and now - self._rate[0][0] > RATE_WINDOW_S:
-            self._rate.popleft()
-        if len(self._rate) >= 2:
-            span = now - self._rate[0][0]
-            if span > 0:
-                s.tokens_per_s = sum(t for _, t in list(self._rate)[1:]) / span
-
-    def _record_round(self, report: RoundReport) -> None:
-        s = self.stats
-        s.last_round = report
-        s.last_round_at = time.time()
-        if report.committed:
-            s.last_commit_at = s.last_round_at
-        s.rounds[report.outcome.value] += 1
-        alone = report.committed and report.group_size == 1
-        if alone:
-            # Said once per stretch, not at every boundary.
-            if not self._alone:
-                log.info("no other peer is training this experiment: taking outer steps alone")
-        elif report.committed:
-            log.info(
-                "round committed: outer step %d, %d peers, %.2fs, fingerprint %s",
-                report.outer_step,
-                report.group_size,
-                report.duration_s,
-                (report.fingerprint or "")[:16],
-            )
-        else:
-            log.info("round not committed: %s (%.2fs)", report.describe(), report.duration_s)
-        self._alone = alone
-        if self.on_round is not None:
-            self.on_round(report)
 
     async def validate(self, *, force: bool = False) -> float | None:
         """Score the model on the held-out batches in the worker thread (between two inner
