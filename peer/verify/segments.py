@@ -131,9 +131,19 @@ class SegmentRunner:
         """The state after one inner step per batch from `start`; steps are numbered
         from `first_step` (the learning-rate warmup depends on it)."""
         self.load(start)
-        for i, batch in enumerate(batches):
-            self.inner.step(lambda b=batch: self.task.loss(self.model, b), first_step + i)
-        return self.capture()
+        try:
+            for i, batch in enumerate(batches):
+                self.inner.step(lambda b=batch: self.task.loss(self.model, b), first_step + i)
+            return self.capture()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Drop what a run leaves behind: the gradients and the optimizer's state (with
+        Adam three times the parameters' bytes, on every peer of a verified experiment
+        from its first audit on); the next run loads its start's again."""
+        self.model.zero_grad(set_to_none=True)
+        self.inner.optimizer.state.clear()
 
 
 def capture(model: torch.nn.Module, inner: InnerOptimizer) -> SegmentState:
