@@ -59,6 +59,7 @@ from .training.optimizers import describe_inner_optimizer, is_default_inner_opti
 from .training.task import Task, TaskError, load_task, shard_of, trains_on_private_data
 from .training.task_code import check_consent, check_digest, is_builtin_spec, task_digest
 from .verify.ban_watch import BanWatcher
+from .verify.segments import SegmentRunner
 from .verify.verifier import Verifier
 from .verify.work_log import VerifiedWork, WorkLog
 
@@ -172,7 +173,9 @@ async def open_session(
     bans = BanWatcher(dht, manifest.namespace)
     verifier = None
     if trainer.work is not None:
-        verifier = _verifier(dht, identity, task, hyper, strategy, trainer.work, trainer, bans)
+        verifier = await _verifier(
+            dht, identity, task, hyper, strategy, trainer.work, trainer, bans
+        )
     resumed = await _resume(store, trainer, manifest)
     if not resumed and initial != manifest.initial_fingerprint:
         log.warning(
@@ -405,7 +408,7 @@ def audit_policy(options: OuterOptions) -> AuditPolicy:
     )
 
 
-def _verifier(
+async def _verifier(
     dht: DHTNode,
     identity: Identity,
     task: Task,
@@ -418,6 +421,9 @@ def _verifier(
     """The verifier of a verified experiment, attached to the strategy's rounds."""
     if not isinstance(strategy, VerifyingStrategy):
         raise SessionError(f"strategy {strategy.name} verifies but offers no rounds to audit")
+    # (Audits re-run steps on a model of their own: built in a thread, as it takes
+    # seconds at real sizes, while the status endpoint already answers.)
+    runner = await asyncio.to_thread(SegmentRunner, task, hyper, precision=hyper["precision"])
     verifier = Verifier(
         dht,
         identity,
@@ -431,6 +437,7 @@ def _verifier(
         shape=strategy.audit_shape(),
         precision=hyper["precision"],
         shun=strategy.shun,
+        runner=runner,
     )
     strategy.attach_attestor(verifier)
     return verifier
