@@ -9,7 +9,8 @@ Prints one JSON object on stdout (logs go to stderr):
                        "shoal_s": {"none": ..., "fp16": ..., "int8": ...},
                        "shoal_wire_bytes": {"none": ..., "int8": ...}}, ...},
      "kill_to_commit_s": ...,
-     "loop_lag_p99_ms": ..., "loop_lag_baseline_p99_ms": ..., ...}
+     "loop_lag_p99_ms": ..., "loop_lag_baseline_p99_ms": ..., ...,
+     "status_p50_ms": ..., "status_p99_ms": ..., "status_max_ms": ..., "status_unanswered": ...}
 
 hivemind (1.1.12's DecentralizedAverager, `pip install hivemind==1.1.12`) is
 measured in the same run when it is installed: the group formed first, then
@@ -17,7 +18,13 @@ timed from allow_allreduce() to the result, as hivemind's optimizer schedules
 rounds (`hivemind_s`, `shoal_none_over_hivemind`). `loop_lag_p99_ms` comes from
 `--peers` real daemons training a `--loop-lag-size` model while /status is
 polled 10 times a second (see bench_loop_lag); the baseline is the same ticker
-in an idle process during the same minute.
+in an idle process during the same minute. `status_*_ms` are how long those polls
+took to answer, `status_unanswered` those that failed or took past 5 s.
+`--sizes ""` skips the all-reduce phase, `--kill-trials 0` the kill trials, so
+that the loop-lag phase runs alone:
+
+    python bench/allreduce.py --sizes "" --kill-trials 0 --no-gloo --peers 4 \
+        --loop-lag-size 50M --loop-lag-seconds 60
 
 Every system runs as `--peers` separate processes on 127.0.0.1, each
 averaging its own float32 vector of the given size. Times are medians over
