@@ -169,7 +169,11 @@ async def open_session(
     model = await asyncio.to_thread(model.to, device)
     strategy = _make_strategy(manifest, dht, list(model.parameters()))
     store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
-    trainer = _trainer(config, identity, manifest, task, model, strategy, hyper, store, device)
+    # (In a thread: the first optimizer imports torch's compiler stack, seconds that
+    # would hold the status endpoint, which already answers.)
+    trainer = await asyncio.to_thread(
+        _trainer, config, identity, manifest, task, model, strategy, hyper, store, device
+    )
     bans = BanWatcher(dht, manifest.namespace)
     verifier = None
     if trainer.work is not None:
