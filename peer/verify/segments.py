@@ -149,17 +149,20 @@ class SegmentRunner:
 def capture(model: torch.nn.Module, inner: InnerOptimizer) -> SegmentState:
     """The model's parameters and the inner optimizer's state, copied to the CPU."""
     params = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
-    return SegmentState(params, _to_cpu(copy.deepcopy(inner.state_dict())))
+    return SegmentState(params, _copied_to_cpu(inner.state_dict()))
 
 
-def _to_cpu(obj: Any) -> Any:
+def _copied_to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor copied by torch (which lets go of the interpreter
+    while it copies; `copy.deepcopy` copies a tensor's storage holding it, a second at
+    a time for a real model's optimizer state, against the event loop)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _copied_to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+        return type(obj)(_copied_to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def delta(start: SegmentState, end: SegmentState) -> torch.Tensor:
