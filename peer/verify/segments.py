@@ -125,7 +125,7 @@ class SegmentRunner:
         with torch.no_grad():
             for p, s in zip(self.model.parameters(), state.params, strict=True):
                 p.copy_(s)
-        self.inner.load_state_dict(copy.deepcopy(state.optimizer))
+        self.inner.load_state_dict(_copied_to_cpu(state.optimizer))
 
     def run(self, start: SegmentState, batches: Iterable[Any], first_step: int) -> SegmentState:
         """The state after one inner step per batch from `start`; steps are numbered
