@@ -54,7 +54,9 @@ class Attestor(Protocol):
     """What verifies contributions for a round: the peer layer implements it."""
 
     def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
-        """Our signed commitment for this round's contribution."""
+        """Our signed commitment for this round's contribution. Called in a worker
+        thread while the round waits for it (the model is not being trained meanwhile);
+        `accept` and `on_commit` are called on the event loop."""
         ...
 
     def accept(self, group: Group, commitment: Commitment, weight: float) -> str | None:

@@ -307,13 +307,25 @@ class ButterflyRound:
             _let_go(self)
 
     async def _attest(self) -> None:
-        """Sign our commitment to what we send (its leaves hashed in a thread)."""
+        """Sign our commitment to what we send, in a thread: the leaves are hashed there
+        and so is the attestor's commitment (a verifier's seals the work log: a copy and
+        a hash of the whole model and its optimizer, seconds at real sizes, which on the
+        event loop would hold every heartbeat and /status that long). A thread cannot
+        be interrupted: a cancelled round still waits for it, so nothing changes the
+        model (the trainer's next step, a reset) while the attestor reads it."""
         if self.attestor is None or self.n == 1 or not self.weight > 0:
             return
-        leaves = await self._buffers.in_thread(chunk_leaves, self.plan, self.io.flat, self.codec)
-        self.data.attestation = RoundAttestation.make(
-            self.attestor, self.group, self.plan, leaves, self.weight
-        )
+        job = asyncio.ensure_future(self._buffers.in_thread(self._attestation))
+        try:
+            self.data.attestation = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await asyncio.wait({job})
+            raise
+
+    def _attestation(self) -> RoundAttestation:
+        assert self.attestor is not None
+        leaves = chunk_leaves(self.plan, self.io.flat, self.codec)
+        return RoundAttestation.make(self.attestor, self.group, self.plan, leaves, self.weight)
 
     def _commitments(self) -> dict[PeerID, Commitment]:
         received = self.data.received

@@ -9,7 +9,8 @@ Prints one JSON object on stdout (logs go to stderr):
                        "shoal_s": {"none": ..., "fp16": ..., "int8": ...},
                        "shoal_wire_bytes": {"none": ..., "int8": ...}}, ...},
      "kill_to_commit_s": ...,
-     "loop_lag_p99_ms": ..., "loop_lag_baseline_p99_ms": ..., ...}
+     "loop_lag_p99_ms": ..., "loop_lag_baseline_p99_ms": ..., ...,
+     "status_p50_ms": ..., "status_p99_ms": ..., "status_max_ms": ..., "status_unanswered": ...}
 
 hivemind (1.1.12's DecentralizedAverager, `pip install hivemind==1.1.12`) is
 measured in the same run when it is installed: the group formed first, then
@@ -17,7 +18,13 @@ timed from allow_allreduce() to the result, as hivemind's optimizer schedules
 rounds (`hivemind_s`, `shoal_none_over_hivemind`). `loop_lag_p99_ms` comes from
 `--peers` real daemons training a `--loop-lag-size` model while /status is
 polled 10 times a second (see bench_loop_lag); the baseline is the same ticker
-in an idle process during the same minute.
+in an idle process during the same minute. `status_*_ms` are how long those polls
+took to answer, `status_unanswered` those that failed or took past 5 s.
+`--sizes ""` skips the all-reduce phase, `--kill-trials 0` the kill trials, so
+that the loop-lag phase runs alone:
+
+    python bench/allreduce.py --sizes "" --kill-trials 0 --no-gloo --peers 4 \
+        --loop-lag-size 50M --loop-lag-seconds 60
 
 Every system runs as `--peers` separate processes on 127.0.0.1, each
 averaging its own float32 vector of the given size. Times are medians over
@@ -51,8 +58,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import os
 import resource
 import socket
@@ -67,6 +76,7 @@ log = logging.getLogger("bench.allreduce")
 SCRIPT = os.path.abspath(__file__)
 CODECS = ("none", "fp16", "int8")
 SPARSE = ("topk", "dct")
+STATUS_TIMEOUT_S = 5.0  # the loop-lag phase: a /status slower than this is unanswered
 
 
 def _parse_size(text: str) -> int:
@@ -574,17 +584,24 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
         "SHOAL_CHECKPOINT_INTERVAL": "100000",
     }
     stop = threading.Event()
-    polls = [0]
+    answers: list[float] = []  # seconds each /status took to answer, every daemon
+    unanswered = [0]  # polls that failed or took past STATUS_TIMEOUT_S
+    measuring = threading.Event()
 
     def poll(d: Daemon) -> None:
         while not stop.wait(0.1):
+            asked = time.monotonic()
             try:
-                d.status()
-                polls[0] += 1
+                d.get("/status", timeout=STATUS_TIMEOUT_S)
             except OSError:
-                pass
+                if measuring.is_set():
+                    unanswered[0] += 1
+                continue
+            if measuring.is_set():
+                answers.append(time.monotonic() - asked)
 
-    with tempfile.TemporaryDirectory() as work:
+    keep = opts.loop_lag_keep
+    with tempfile.TemporaryDirectory() if keep is None else contextlib.nullcontext(keep) as work:
         host = Daemon("lag-host", Path(work), ["--host-experiment", "lag"], env)
         daemons = [host]
         try:
@@ -607,6 +624,7 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
             wait_for("a round of every peer", full_round_seen, 600, every=1.0)
             first = full_rounds()
             started = time.monotonic()
+            measuring.set()
             # The baseline, in the same minute: the same ticker in a process that does
             # nothing else, late only by what the machine's scheduler costs it.
             baseline = subprocess.run(
@@ -617,6 +635,7 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
             rounds = full_rounds() - first
             lags = [d.status()["loop_lag_ms"] for d in daemons]
             elapsed = time.monotonic() - started
+            measuring.clear()
         finally:
             stop.set()
             for d in daemons:
@@ -632,8 +651,23 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
         "loop_lag_params": 12 * d_model * d_model * n_layers,
         "loop_lag_rounds": rounds,
         "loop_lag_seconds": round(elapsed, 1),
-        "loop_lag_status_polls_per_s": round(polls[0] / max(elapsed, 1e-9), 1),
+        "loop_lag_status_polls_per_s": round(len(answers) / max(elapsed, 1e-9), 1),
+        # How long /status took to answer (each daemon polled 10 times a second while
+        # measuring; an unanswered poll is one that failed or waited past 5 s).
+        "status_p50_ms": _ms(_nearest_rank(answers, 0.50)),
+        "status_p99_ms": _ms(_nearest_rank(answers, 0.99)),
+        "status_max_ms": _ms(max(answers, default=None)),
+        "status_unanswered": unanswered[0],
     }
+
+
+def _nearest_rank(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
 
 
 async def worker_ticker(args: argparse.Namespace) -> None:
@@ -648,8 +682,9 @@ async def worker_ticker(args: argparse.Namespace) -> None:
 
 
 async def orchestrate(opts: argparse.Namespace) -> dict[str, Any]:
-    sizes = {s.strip(): _parse_size(s) for s in opts.sizes.split(",")}
-    measured = await bench_interleaved(opts, sizes)
+    # `--sizes ""` measures no all-reduce (e.g. only the loop-lag phase).
+    sizes = {s.strip(): _parse_size(s) for s in opts.sizes.split(",") if s.strip()}
+    measured = await bench_interleaved(opts, sizes) if sizes else {}
     out: dict[str, Any] = {"peers": opts.peers, "sizes": {}}
     for name in sizes:
         m = measured[name]
@@ -762,6 +797,11 @@ def main(argv: list[str] | None = None) -> None:
         help="measure the daemons' event-loop lag over this many seconds of rounds (0: skip)",
     )
     p.add_argument("--loop-lag-size", default="50M", help="parameters of the daemons' model")
+    p.add_argument(
+        "--loop-lag-keep",
+        metavar="DIR",
+        help="keep the loop-lag daemons' homes (their logs) in DIR instead of a temporary one",
+    )
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     try:

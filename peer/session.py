@@ -59,6 +59,7 @@ from .training.optimizers import describe_inner_optimizer, is_default_inner_opti
 from .training.task import Task, TaskError, load_task, shard_of, trains_on_private_data
 from .training.task_code import check_consent, check_digest, is_builtin_spec, task_digest
 from .verify.ban_watch import BanWatcher
+from .verify.segments import SegmentRunner
 from .verify.verifier import Verifier
 from .verify.work_log import VerifiedWork, WorkLog
 
@@ -167,11 +168,17 @@ async def open_session(
     model = await asyncio.to_thread(model.to, device)
     strategy = make_outer_strategy(manifest, dht, list(model.parameters()))
     store = CheckpointStore(config.checkpoints_dir / manifest.experiment_id)
-    trainer = _trainer(config, identity, manifest, task, model, strategy, hyper, store, device)
+    # (In a thread: the first optimizer imports torch's compiler stack, seconds that
+    # would hold the status endpoint, which already answers.)
+    trainer = await asyncio.to_thread(
+        _trainer, config, identity, manifest, task, model, strategy, hyper, store, device
+    )
     bans = BanWatcher(dht, manifest.namespace)
     verifier = None
     if trainer.work is not None:
-        verifier = _verifier(dht, identity, task, hyper, strategy, trainer.work, trainer, bans)
+        verifier = await _verifier(
+            dht, identity, task, hyper, strategy, trainer.work, trainer, bans
+        )
     resumed = await _resume(store, trainer, manifest)
     # A joiner (or a restarted host) takes the swarm's state when the swarm has one;
     # a host starting its experiment starts from its own initial parameters.
@@ -454,7 +461,7 @@ def audit_policy(options: OuterOptions) -> AuditPolicy:
     )
 
 
-def _verifier(
+async def _verifier(
     dht: DHTNode,
     identity: Identity,
     task: Task,
@@ -467,6 +474,9 @@ def _verifier(
     """The verifier of a verified experiment, attached to the strategy's rounds."""
     if not isinstance(strategy, VerifyingStrategy):
         raise SessionError(f"strategy {strategy.name} verifies but offers no rounds to audit")
+    # (Audits re-run steps on a model of their own: built in a thread, as it takes
+    # seconds at real sizes, while the status endpoint already answers.)
+    runner = await asyncio.to_thread(SegmentRunner, task, hyper, precision=hyper["precision"])
     verifier = Verifier(
         dht,
         identity,
@@ -480,6 +490,7 @@ def _verifier(
         shape=strategy.audit_shape(),
         precision=hyper["precision"],
         shun=strategy.shun,
+        runner=runner,
     )
     strategy.attach_attestor(verifier)
     return verifier

@@ -186,19 +186,32 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot (tensors copied), safe to write while training goes on."""
+        return self._snapshot(self._loop_state())
+
+    def _loop_state(self) -> dict[str, Any]:
+        """What the event loop changes (the strategy's rounds, the counters, the
+        history): read there."""
+        return {
+            "strategy": self.strategy.state_dict(),
+            "step": self.stats.step,
+            "tokens": self.stats.tokens,
+            "loss": self.stats.loss,
+            "val_loss": self.stats.val_loss,
+            # The page's loss curve goes on after a restart instead of starting over.
+            "history": list(self.stats.history),
+            **self._checkpoint_extra(),
+        }
+
+    def _snapshot(self, loop_state: dict[str, Any]) -> dict[str, Any]:
+        """The model's and the inner optimizer's state beside `loop_state`, all copied:
+        most of a checkpoint's bytes (three times the parameters' with Adam), so the
+        trainer copies them in its worker thread, between two inner steps."""
         return _clone(
             {
                 "model": self.model.state_dict(),
                 "inner_optimizer": self.optimizer.state_dict(),
                 "grad_scaler": self.inner.scaler.state_dict(),
-                "strategy": self.strategy.state_dict(),
-                "step": self.stats.step,
-                "tokens": self.stats.tokens,
-                "loss": self.stats.loss,
-                "val_loss": self.stats.val_loss,
-                # The page's loss curve goes on after a restart instead of starting over.
-                "history": list(self.stats.history),
-                **self._checkpoint_extra(),
+                **loop_state,
             }
         )
 
@@ -223,8 +236,10 @@ class Trainer:
     async def save_checkpoint(self) -> None:
         if self.checkpoints is None:
             return
-        snapshot = self.state_dict()
         loop = asyncio.get_running_loop()
+        # (A copy of a 50M-parameter model and its optimizer takes a second: on the
+        # event loop it would hold every heartbeat and /status that long.)
+        snapshot = await loop.run_in_executor(self._worker, self._snapshot, self._loop_state())
         path = await loop.run_in_executor(self._worker, self.checkpoints.save, snapshot)
         self.stats.checkpoint_at = time.time()
         log.info("checkpoint written: %s (step %d)", path, self.stats.step)

@@ -101,6 +101,19 @@ def test_the_same_machine_reproduces_a_segment_bit_for_bit(
     assert honest_segment(task, hyper, start, seed=12).digest() != a.digest()
 
 
+def test_a_runner_keeps_no_gradients_or_optimizer_state_between_runs_and_reruns_alike(
+    task: ByteGPTTask, hyper: dict[str, Any], start: SegmentState
+) -> None:
+    """(An auditor's second model: between audits it holds its parameters only, not
+    Adam's moments, three times more.)"""
+    runner = SegmentRunner(task, hyper)
+    batches = segment_batches(task, 3, SHARDS, 11, first=0, count=STEPS)
+    first = runner.run(start, batches, FIRST_STEP)
+    assert not runner.inner.optimizer.state
+    assert all(p.grad is None for p in runner.model.parameters())
+    assert runner.run(start, batches, FIRST_STEP).digest() == first.digest()
+
+
 def test_honest_re_executions_on_other_thread_counts_pass(
     task: ByteGPTTask, hyper: dict[str, Any], start: SegmentState, threads: None
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -153,3 +154,60 @@ async def test_a_member_without_an_attestor_cannot_join_a_verified_round(service
     )
     assert not any(o.committed for o in outs)
     assert any("plan mismatch" in o.reason for o in outs)
+
+
+class RecordingAttestor(Attestor):
+    """Notes whether its commitment was made on the event loop, and can be held in it."""
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        self.on_loop: list[bool] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+        self.finished = False
+
+    def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
+        try:
+            asyncio.get_running_loop()
+            self.on_loop.append(True)
+        except RuntimeError:
+            self.on_loop.append(False)
+        self.entered.set()
+        self.release.wait(10)  # (a verifier's seal: seconds at real model sizes)
+        commitment = super().commit(group, delta_root, parts, weight)
+        self.finished = True
+        return commitment
+
+
+async def test_the_commitment_is_made_off_the_event_loop(services: Any) -> None:
+    hosts, svcs = await services(2)
+    attestors = [RecordingAttestor(host) for host in hosts]
+    outs, _ = await run(svcs, attestors, group_of(hosts), "none")  # type: ignore[arg-type]
+    assert all(o.committed for o in outs), [o.reason for o in outs]
+    assert [a.on_loop for a in attestors] == [[False], [False]]
+
+
+async def test_a_cancelled_round_returns_only_once_the_commitment_in_its_thread_is_made(
+    services: Any,
+) -> None:
+    """The attestor reads the model in its thread: a round that returned while it still
+    read would let the trainer's next step change the model under it."""
+    hosts, svcs = await services(2)
+    slow, other = RecordingAttestor(hosts[0]), Attestor(hosts[1])
+    slow.release.clear()
+    g = group_of(hosts)
+    ones = [torch.ones(100), torch.ones(100)]
+    rounds = [
+        asyncio.create_task(s.run(g, [t], 1.0, attestor=a))
+        for s, t, a in zip(svcs, ones, [slow, other], strict=True)
+    ]
+    finished_when_done: list[bool] = []
+    rounds[0].add_done_callback(lambda _: finished_when_done.append(slow.finished))
+    assert await asyncio.to_thread(slow.entered.wait, 10)
+    rounds[0].cancel()
+    done, _ = await asyncio.wait({rounds[0]}, timeout=0.2)
+    assert not done  # still waiting for the thread
+    slow.release.set()
+    await asyncio.gather(*rounds, return_exceptions=True)
+    assert finished_when_done == [True]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 import torch
 from waiting import eventually
 
+import shoal.peer.trainer as trainer_module
 import shoal.peer.training.checkpoint as checkpoint_module
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
@@ -108,3 +110,22 @@ async def test_a_full_disk_stops_checkpoints_not_training(
         monkeypatch.undo()  # (the final checkpoint, at stop, must be written)
         stop.set()
         await asyncio.wait_for(running, 30)
+
+
+async def test_a_checkpoint_copies_the_model_in_the_trainers_thread_not_on_the_event_loop(
+    trainer: Trainer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Copying a 50M-parameter model and its Adam state takes a second: on the event
+    loop it would hold every heartbeat and /status that long.)"""
+    copied_in: list[str] = []
+    clone = trainer_module._clone
+
+    def recording_clone(obj: Any) -> Any:
+        if isinstance(obj, dict) and "model" in obj:
+            copied_in.append(threading.current_thread().name)
+        return clone(obj)
+
+    monkeypatch.setattr(trainer_module, "_clone", recording_clone)
+    await trainer.save_checkpoint()
+    assert len(copied_in) == 1 and copied_in[0].startswith("shoal-train")
+    assert trainer.checkpoints is not None and trainer.checkpoints.load() is not None

@@ -129,3 +129,13 @@ def test_a_perturbation_orthogonal_to_a_known_projection_is_caught_by_a_fresh_se
     assert reused.flips <= threshold  # the forger escapes a seed it knew in advance
     assert fresh.flips > threshold  # and is caught by one drawn after it committed
     assert fresh.angle == pytest.approx(0.05, rel=0.35)
+
+
+def test_the_flip_threshold_is_computed_once_per_signature_size_angle_and_rate() -> None:
+    """(Its search is pure Python, seconds for a real model's signature: every audit of
+    an experiment asks the same, and must not hold the interpreter each time.)"""
+    before = flip_threshold.cache_info()
+    first = flip_threshold(8192 + 7, 2e-3, 1e-6)
+    assert flip_threshold(8192 + 7, 2e-3, 1e-6) == first
+    after = flip_threshold.cache_info()
+    assert after.misses == before.misses + 1 and after.hits == before.hits + 1

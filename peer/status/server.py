@@ -107,7 +107,8 @@ averaging/certifier.py), null before the experiment starts and for NoLoCo:
 Optional keys: `val_loss_at` (float|null: UNIX time `val_loss` was scored),
 `config` ({option: value as text}, the effective configuration, secrets never),
 `loop_lag_ms` (obj|null: how late a 10 ms ticker on the event loop ran over the
-last minute, peer/status/loop_lag.py: p50_ms, p99_ms, max_ms, window_s), `verification`
+last minute, a stall weighed by its length, peer/status/loop_lag.py: p50_ms, p99_ms,
+max_ms, window_s), `verification`
 (obj|null, null before the experiment starts:
 `banned` [peer IDs this peer refuses], `convictions` [{peer, round, accusers,
 at}], `convicted_self` bool, `rejected_evidence` int: forged or altered

@@ -11,6 +11,7 @@ run and how fast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import re
@@ -176,6 +177,7 @@ def describe(device: torch.device, inventory: DeviceInventory) -> DeviceInfo:
     return DeviceInfo("cpu", _cpu_name(), _rss_bytes(), _ram_bytes())
 
 
+@functools.cache  # (/status asks 10 times a second; /proc/cpuinfo is long on big hosts)
 def _cpu_name() -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:

@@ -125,31 +125,44 @@ class SegmentRunner:
         with torch.no_grad():
             for p, s in zip(self.model.parameters(), state.params, strict=True):
                 p.copy_(s)
-        self.inner.load_state_dict(copy.deepcopy(state.optimizer))
+        self.inner.load_state_dict(_copied_to_cpu(state.optimizer))
 
     def run(self, start: SegmentState, batches: Iterable[Any], first_step: int) -> SegmentState:
         """The state after one inner step per batch from `start`; steps are numbered
         from `first_step` (the learning-rate warmup depends on it)."""
         self.load(start)
-        for i, batch in enumerate(batches):
-            self.inner.step(lambda b=batch: self.task.loss(self.model, b), first_step + i)
-        return self.capture()
+        try:
+            for i, batch in enumerate(batches):
+                self.inner.step(lambda b=batch: self.task.loss(self.model, b), first_step + i)
+            return self.capture()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Drop what a run leaves behind: the gradients and the optimizer's state (with
+        Adam three times the parameters' bytes, on every peer of a verified experiment
+        from its first audit on); the next run loads its start's again."""
+        self.model.zero_grad(set_to_none=True)
+        self.inner.optimizer.state.clear()
 
 
 def capture(model: torch.nn.Module, inner: InnerOptimizer) -> SegmentState:
     """The model's parameters and the inner optimizer's state, copied to the CPU."""
     params = [p.detach().to("cpu", torch.float32, copy=True) for p in model.parameters()]
-    return SegmentState(params, _to_cpu(copy.deepcopy(inner.state_dict())))
+    return SegmentState(params, _copied_to_cpu(inner.state_dict()))
 
 
-def _to_cpu(obj: Any) -> Any:
+def _copied_to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor copied by torch (which lets go of the interpreter
+    while it copies; `copy.deepcopy` copies a tensor's storage holding it, a second at
+    a time for a real model's optimizer state, against the event loop)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _copied_to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+        return type(obj)(_copied_to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def delta(start: SegmentState, end: SegmentState) -> torch.Tensor:

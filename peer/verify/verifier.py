@@ -80,9 +80,13 @@ class Verifier:
         shape: tuple[int, int, str],  # the all-reduce's streams, chunk bytes, codec
         precision: str = "fp32",
         shun: Callable[[PeerID, float], None] | None = None,
+        runner: SegmentRunner | None = None,
     ) -> None:
         """`shun(peer, seconds)`: leave a peer out of our rounds for a while (one that
-        withheld its secret or did not reveal; how long is `shunning`'s)."""
+        withheld its secret or did not reveal; how long is `shunning`'s). `runner`: the
+        model audits re-run steps on (default: built here; a caller on the event loop
+        builds it in a thread, `SegmentRunner(task, hyper, precision=...)`: building a
+        model of real size takes seconds)."""
         self.dht = dht
         self.identity = identity
         self.me = identity.peer_id
@@ -96,7 +100,7 @@ class Verifier:
         self._shape = shape
         # Audits and reveals re-run steps on a model of their own, one at a time,
         # below the training thread's priority.
-        self.runner = SegmentRunner(task, hyper, precision=precision)
+        self.runner = runner or SegmentRunner(task, hyper, precision=precision)
         self._pool = ThreadPoolExecutor(1, "shoal-audit", initializer=lower_this_thread)
         self.referee = Referee(
             dht, identity, task=task, num_shards=self.num_shards, namespace=self.namespace,
