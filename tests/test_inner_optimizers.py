@@ -117,6 +117,7 @@ def test_a_checkpoint_round_trip_is_bit_exact_and_the_next_step_identical(
 ) -> None:
     hyper = hyper_of(CHOICES[name])
     runner, state = warmed(task, hyper)
+    runner.load(state)  # (a run lets go of its optimizer state: a trainer's holds it)
     store = CheckpointStore(tmp_path / "ckpt")
     # The trainer's layout of a checkpoint (peer/trainer.py, `state_dict`).
     inner = runner.inner
