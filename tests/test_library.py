@@ -90,7 +90,7 @@ def shared_step(peers: dict[str, dict[int, tuple[int, str]]], size: int, after: 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_library_scripts_and_cli_peers_average_then_survive_a_killed_script(
     tmp_path: Path,
 ) -> None:
