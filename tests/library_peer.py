@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -222,6 +223,10 @@ def main() -> None:
     parser.add_argument("--texts")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # Ctrl+C raises KeyboardInterrupt as in a terminal, even when this process was
+    # started with SIGINT ignored (inherited from a shell's background job, as CI's
+    # run can be): Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.variant == "async":
         asyncio.run(run_async(args))
     elif args.variant == "hf":
