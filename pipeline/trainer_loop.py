@@ -18,7 +18,11 @@ loop's step count keeps what it had counted before.
 A microbatch that no peer of some stage could take stays in the loop and
 resumes where it stopped once the stage has peers again. A trainer that waits
 for a stage's step with nothing left in flight (with `lag` 0, part of the
-batch died with a peer) asks that stage to step with what it holds.
+batch died with a peer) asks that stage to step with what it holds. When its
+live peers hold nothing (the whole batch died with the peer that held it), that
+flush cannot make them step, and the ledger replays the dead peer's microbatches
+only once a step goes without it: the loop then starts one more microbatch than
+the pace allows, for the live peers to step on.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ class TrainerLoop:
         self._retry: list[Microbatch] = []
         self._warned = -float("inf")
         self._paced_since: float | None = None
+        # (the slowest version a flush last asked to step from, flushes since it stepped)
+        self._flushed: tuple[int, int] = (-1, 0)
+        self._overdraft = 0  # samples the pace lets through beyond `lag` (see `_flush_if_stuck`)
 
     def new_id(self) -> int:
         """A fresh microbatch id (also for requests that are no microbatch, such as the
@@ -177,7 +184,9 @@ class TrainerLoop:
                 self.trainer.stepped(s, self.base, self.global_batch)
                 for s in range(self.trainer.stages)
             )
-            allowed = stepped + (1 + self.lag) * self.global_batch
+            if self._overdraft and self.version > self._flushed[0]:
+                self._overdraft = 0  # (it stepped: the pace is `lag`'s again)
+            allowed = stepped + (1 + self.lag) * self.global_batch + self._overdraft
             if self.started_samples < allowed:
                 batch = next(self.batches)
                 mb = Microbatch(
@@ -209,6 +218,17 @@ class TrainerLoop:
             return  # microbatches still on their way
         self._paced_since = now
         slowest = min(self.trainer.versions)
+        flushed, times = self._flushed
+        times = times + 1 if flushed == slowest else 1
+        self._flushed = (slowest, times)
+        if times == 2:  # (once: more would not make a stage that cannot step step)
+            # A flush came and went with nothing in flight, and the stage did not step:
+            # its live peers hold nothing of this version (the batch died with a peer).
+            # One fresh microbatch gives them something to step on; that step, without
+            # the dead peer, is what replays its microbatches.
+            self._overdraft += 1
+            log.info("stage version %d: its live peers hold nothing to step on; one "
+                     "microbatch beyond the pace for them", slowest)  # fmt: skip
         for s, version in enumerate(self.trainer.versions):
             if version == slowest:
                 agreed = await self.trainer.flush(s)

@@ -137,3 +137,49 @@ async def test_a_stage_peer_killed_in_the_stage_all_reduce_does_not_stop_the_ste
         assert sum(steps.values()) + pending == trainer.counters.samples
     finally:
         await swarm.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_a_stage_peer_that_dies_holding_the_whole_batch_does_not_stop_the_stage(
+    make_host: Callable[..., Any],
+) -> None:
+    """Three peers serve one stage; only one takes the trainer's requests for the first
+    step, and it dies in that step's all-reduce holding the whole global batch: the two
+    others hold nothing to step on, and a flush alone cannot make them step. The
+    trainer's loop then sends one microbatch beyond its pace; the two step on it
+    without the dead peer, whose microbatches are then replayed: every sample the
+    trainer completed is in exactly one step."""
+    task = make_task(TINY)
+    (module,) = task.make_stages(3, 1)
+    swarm = Swarm(make_host)
+    try:
+        peers = [await swarm.stage_peer(0, module, global_batch=8) for _ in range(3)]
+        victim, survivors = peers[0], peers[1:]
+        for peer in survivors:  # (not ready: the trainer sends the first batch to the victim)
+            peer.server.serving = False
+            await peer.server.announce()
+
+        async def die_holding_the_batch(point: str) -> None:
+            if point == "before_ready" and victim.version == 0:
+                for peer in survivors:
+                    peer.server.serving = True
+                    await peer.server.announce()
+                kill(victim.server.dht.host)
+                raise Killed(point)
+
+        victim.optimizer.averager.config.allreduce.fault_hook = die_holding_the_batch
+        trainer = await swarm.trainer(1, codec="none")
+        loop = loop_for(trainer, task, shard=0, global_batch=8, lag=0, concurrency=4)
+        await loop.run(steps=3)
+        await trainer.settled()
+        assert victim.version == 0 and victim.server.served["backward"] >= 1
+        assert all(p.version >= 3 for p in survivors)
+        assert len({p.optimizer.fingerprint() for p in survivors}) == 1
+        steps: dict[int, int] = {}
+        for p in survivors:
+            steps.update(p.optimizer.step_samples)
+        pending = sum(p.worker.samples_for(p.version) for p in survivors)
+        assert sum(steps.values()) + pending == trainer.counters.samples
+        assert trainer.ledger.replayed[0] >= 8  # (the victim held the whole batch)
+    finally:
+        await swarm.aclose()
