@@ -253,6 +253,8 @@ class StepRunner:
         owner = self._owner
         me = owner.dht.host.peer_id
         round_id = b"alone:" + os.urandom(16)
+        if owner.config.alone_supersedes:
+            self._matchmaker.supersede(owner.state_version, SUPERSEDED_VERSION_S)
         await owner._commit(round_id, (me,))
         log.info("%s: nobody else declared for it: committed alone (commit %d, version %s)",
                  owner.key, owner.commits, owner.state_version.hex()[-12:])  # fmt: skip

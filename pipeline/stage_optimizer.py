@@ -108,6 +108,7 @@ class StageOptimizer:
             codec=codec,
             state_protocol=state_protocol(key),
             shared_state=True,
+            alone_supersedes=True,  # (a lone step is the stage's: see `stage_peer`)
             adaptive_deadlines=adaptive_deadlines,
         )
         self.averager = Averager(

@@ -175,7 +175,9 @@ async def closing() -> AsyncIterator[list[Any]]:
         await a.aclose()
 
 
-async def swarm_of(make_host: Callable[..., Any], n: int, closing: list[Any]) -> list[Averager]:
+async def swarm_of(
+    make_host: Callable[..., Any], n: int, closing: list[Any], **options: Any
+) -> list[Averager]:
     dhts: list[DHTNode] = []
     for _ in range(n):
         host = await make_host(max_connections_per_ip=10_000)
@@ -184,7 +186,7 @@ async def swarm_of(make_host: Callable[..., Any], n: int, closing: list[Any]) ->
     closing.extend(dhts)
     mm = MatchmakingConfig(min_group_size=2, target_group_size=n, matchmaking_time=1.0,
                            give_up_alone_after=0.5)  # fmt: skip
-    config = AveragerConfig(matchmaking=mm, shared_state=True)
+    config = AveragerConfig(**{"matchmaking": mm, "shared_state": True, **options})
     averagers = [
         Averager(d, KEY, [torch.full((64,), float(i + 1))], config=config)
         for i, d in enumerate(dhts)
@@ -201,6 +203,37 @@ async def signatures_of(averagers: list[Averager], count: int) -> None:
         return all(c is not None and c.signers == count for c in certs)
 
     await eventually(signed_by_all, f"{count} signatures on every member", timeout=10.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("alone_supersedes", [False, True])
+async def test_whether_commits_alone_leave_their_start_behind_for_a_peer_back_at_it(
+    make_host: Callable[..., Any], closing: list[Any], alone_supersedes: bool
+) -> None:
+    """Two peers commit a round; one then commits alone twice while the other is away,
+    and the other comes back looking with the version of their round. DiLoCo's rule
+    (certified work first, then fewer commits alone: a liar's lone chain is free) sends
+    the lone peer back onto that version, its lone work dropped. A pipeline stage's
+    averager (`alone_supersedes`: its peers step alone only when nobody else is at
+    their version) keeps its lone chain: the version it left is behind it."""
+    # (A declaration of 2 s: the one left by the round expires before the lone steps.)
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=1.0,
+                           give_up_alone_after=0.5, declaration_ttl=2.0)  # fmt: skip
+    stayed, away = await swarm_of(
+        make_host, 2, closing, matchmaking=mm, alone_supersedes=alone_supersedes
+    )
+    results = await asyncio.gather(*(a.step(timeout=20.0) for a in (stayed, away)))
+    assert all(r.committed and r.group_size == 2 for r in results), results
+    together = away.state_version
+    for _ in range(2):
+        result = await stayed.step(timeout=10.0, alone=True)
+        assert result.committed and result.group_size == 1, result
+    lone = stayed.state_version
+    mine, _ = await asyncio.gather(stayed.step(timeout=4.0), away.step(timeout=4.0))
+    if alone_supersedes:
+        assert not mine.resynced and stayed.state_version == lone
+    else:
+        assert mine.resynced and stayed.state_version == together
 
 
 @pytest.mark.timeout(90)
