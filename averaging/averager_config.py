@@ -21,9 +21,9 @@ class AveragerConfig:
     # One state shared by the whole swarm (see averager.py's docstring): hash-chained
     # versions, and a peer with nobody else to average with commits alone.
     shared_state: bool = False
-    # A commit alone leaves its version behind for good, as a commit with others does
-    # (`Matchmaker.supersede`): a peer that comes back at that older version does not
-    # pull us back onto it. Off for DiLoCo, whose certified lineages outrank a chain of
+    # A commit alone (or in a group of one) leaves its version behind, as a commit with
+    # others does (`Matchmaker.supersede`): a peer that comes back at that older version
+    # does not pull us back onto it. Off for DiLoCo, whose certified lineages outrank a chain of
     # lone commits (a liar's is free); on for a pipeline stage, whose peers step alone
     # only when no other peer is at their version (`stage_peer`), so the lone chain is
     # the stage's.

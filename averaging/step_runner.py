@@ -187,7 +187,7 @@ class StepRunner:
         self, group: Group, outcome: AllReduceOutcome, started: float, attempts: int
     ) -> StepResult:
         owner = self._owner
-        if group.size > 1:
+        if group.size > 1 or owner.config.alone_supersedes:  # (a group of one is alone)
             self._matchmaker.supersede(owner.state_version, SUPERSEDED_VERSION_S)
         await owner._commit(group.round_id, group.peer_ids)
         if owner.attestor is not None:

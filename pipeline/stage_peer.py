@@ -201,7 +201,10 @@ class StagePeer:
             for r in self._merged()
             if now - r.at <= STALE_S and r.at > self._gone.get(r.peer, -float("inf"))
         ]
-        ahead = [r for r in fresh if r.version > version]
+        # (Not our own report: one published before the stage went back, by a restore,
+        # would have us re-sync onto the version we hold, again and again.)
+        me = self.server.dht.peer_id
+        ahead = [r for r in fresh if r.version > version and r.peer != me]
         if ahead:
             await self.catch_up(ahead)
             return

@@ -210,7 +210,8 @@ async def signatures_of(averagers: list[Averager], count: int) -> None:
 async def test_whether_commits_alone_leave_their_start_behind_for_a_peer_back_at_it(
     make_host: Callable[..., Any], closing: list[Any], alone_supersedes: bool
 ) -> None:
-    """Two peers commit a round; one then commits alone twice while the other is away,
+    """Two peers commit a round; one then commits alone twice while the other is away
+    (with nobody declared, and as a group of one),
     and the other comes back looking with the version of their round. DiLoCo's rule
     (certified work first, then fewer commits alone: a liar's lone chain is free) sends
     the lone peer back onto that version, its lone work dropped. A pipeline stage's
@@ -225,9 +226,12 @@ async def test_whether_commits_alone_leave_their_start_behind_for_a_peer_back_at
     results = await asyncio.gather(*(a.step(timeout=20.0) for a in (stayed, away)))
     assert all(r.committed and r.group_size == 2 for r in results), results
     together = away.state_version
-    for _ in range(2):
-        result = await stayed.step(timeout=10.0, alone=True)
-        assert result.committed and result.group_size == 1, result
+    result = await stayed.step(timeout=10.0, alone=True)  # nobody else declared
+    assert result.committed and result.group_size == 1, result
+    stayed.config.matchmaking.min_group_size = 1  # (a pipeline stage's, with one peer live)
+    result = await stayed.step(timeout=10.0)  # a group of one
+    assert result.committed and result.group_size == 1, result
+    stayed.config.matchmaking.min_group_size = 2
     lone = stayed.state_version
     mine, _ = await asyncio.gather(stayed.step(timeout=4.0), away.step(timeout=4.0))
     if alone_supersedes:
