@@ -41,6 +41,9 @@ async def _steps(
                 "resynced": r.resynced,
                 "reason": r.reason,
                 "fingerprint": r.fingerprint,
+                "seconds": r.seconds,
+                "matchmaking_s": sum(a.matchmaking_s for a in r.attempt_log),
+                "averaging_s": sum(a.averaging_s for a in r.attempt_log),
             }
         )
         if not r.committed:
@@ -71,6 +74,7 @@ async def run_averaging(scenario: Scenario, net: SimNetwork, rng: random.Random)
     start = loop.time()
     until = start + float(w.get("duration_s", 300))
     wall0 = time.perf_counter()
+    cpu0, peer_cpu0 = time.thread_time(), getattr(loop, "peer_cpu_s", 0.0)
     per_peer = await asyncio.gather(
         *(
             run.on(p, _steps(p, a, size, until, random.Random(rng.getrandbits(32))))
@@ -78,6 +82,8 @@ async def run_averaging(scenario: Scenario, net: SimNetwork, rng: random.Random)
         )
     )
     elapsed_min = (loop.time() - start) / 60
+    cpu_s = time.thread_time() - cpu0
+    peer_cpu_s = getattr(loop, "peer_cpu_s", 0.0) - peer_cpu0
     for p, a in zip(run.live(), averagers, strict=True):
         await run.on(p, a.aclose())
     steps = [s for results in per_peer for s in results]
@@ -93,12 +99,25 @@ async def run_averaging(scenario: Scenario, net: SimNetwork, rng: random.Random)
         "group_sizes": dict(sorted(Counter(sizes).items())),
         "resyncs": sum(1 for s in steps if s["resynced"]),
         "aborts": dict(Counter(s["reason"] for s in steps if not s["committed"])),
+        **phases(committed),
+        # every peer's CPU (one thread runs them all) per step that committed; with
+        # "cores", the part of it charged to the peers (less the simulator's own)
+        "cpu_s_per_commit": round(cpu_s / len(committed), 4) if committed else None,
+        "peer_cpu_s_per_commit": round(peer_cpu_s / len(committed), 4) if committed else None,
         "averaging_wall_s": round(time.perf_counter() - wall0, 3),
         "net": vars(net.stats).copy(),
     }
     await run.close()
     result["virtual_s"] = round(loop.time(), 3)
     return result
+
+
+def phases(committed: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The mean seconds of a committed step, and of its matchmaking and averaging."""
+    return {
+        f"{k}_mean": round(sum(s[k] for s in committed) / len(committed), 4) if committed else None
+        for k in ("seconds", "matchmaking_s", "averaging_s")
+    }
 
 
 async def _make(peer: SimPeer, size: int, config: AveragerConfig) -> Averager:

@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scenario import Scenario, load
-from simnet import SimNetwork
+from simnet import CURRENT_HOST, SimNetwork
 from vtime import VirtualTimeLoop, virtual_clocks
 
 # workload -> (module, function): imported when used (averaging brings in torch)
@@ -37,6 +37,9 @@ def simulate(scenario: Scenario) -> dict[str, Any]:
     rng = random.Random(scenario.seed)
     loop.network = SimNetwork(loop, rng)
     loop.cpu_scale = float(scenario.workload.get("cpu_scale", 0.0))
+    if scenario.workload.get("cores"):
+        background = float(scenario.workload.get("background_load", 0.0))
+        loop.share_cores(int(scenario.workload["cores"]), CURRENT_HOST, background)
     wall0 = time.perf_counter()
     try:
         with virtual_clocks(loop):

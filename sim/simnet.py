@@ -11,7 +11,10 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vtime import VirtualTimeLoop
 
 # The simulated host whose code is running: the source of the connections it opens.
 CURRENT_HOST: contextvars.ContextVar[SimHost] = contextvars.ContextVar("sim_host")
@@ -88,7 +91,7 @@ class SimServer:
 class SimNetwork:
     """The hosts and the links between them; connections are pairs of SimTransports."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, rng: random.Random) -> None:
+    def __init__(self, loop: VirtualTimeLoop, rng: random.Random) -> None:
         self.loop = loop
         self.rng = rng
         self.hosts: dict[str, SimHost] = {}
@@ -189,7 +192,7 @@ class SimNetwork:
 
     def _deliver(self, slot: int) -> None:
         for to, kind, data in self._slots.pop(slot):
-            to.owner.context.run(to._receive, kind, data)
+            self.loop.run_as(to.owner.context, to._receive, kind, data)
 
     def _arrival(self, src: SimHost, dst: SimHost, n: int) -> float:
         """When `n` bytes written now by `src` have reached `dst`: queued behind what

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import selectors
 import time
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # The wall-clock time (UNIX seconds) that virtual time 0 stands for: DHT records carry
@@ -21,6 +23,20 @@ class SimDeadlock(RuntimeError):
     """Every task waits and no timer is scheduled: nothing can ever happen again."""
 
 
+def processor_sharing_s(cpu_s: list[float], cores: int, background: float) -> float:
+    """How long processes needing `cpu_s` seconds of CPU each, started together, take
+    to finish on `cores` cores that `background` other runnable tasks share (the
+    scheduler's fair share): while n of them still run, each gets min(1, cores /
+    (n + background)) of a core."""
+    elapsed, done = 0.0, 0.0
+    ordered = sorted(cpu_s)
+    for i, cpu in enumerate(ordered):
+        running = len(ordered) - i
+        elapsed += (cpu - done) * max(1.0, (running + background) / cores)
+        done = cpu
+    return elapsed
+
+
 class _JumpingSelector(selectors.DefaultSelector):
     """Polls the loop's real file descriptors (its self-pipe) without blocking; where
     the loop would sleep until its next timer, advances the virtual clock instead."""
@@ -30,9 +46,21 @@ class _JumpingSelector(selectors.DefaultSelector):
         self.now = 0.0
         self.threads_busy = 0  # executor jobs running: their results come in real time
         # Virtual seconds charged per CPU second spent running callbacks: 0 makes
-        # computation free (protocol behaviour only); 1/cores models every peer
-        # sharing one machine's cores, as real processes on one machine do.
+        # computation free (protocol behaviour only). With `cores`, it is the CPU a real
+        # peer spends per second of the simulator's (sockets, its own event loop).
         self.cpu_scale = 0.0
+        # With `cores`, each peer is a process of its own on a machine of that many
+        # cores, shared with `background` other runnable tasks on average (other work
+        # on the machine): the callbacks that were ready at one virtual instant (one
+        # pass of the loop) run side by side, and the pass takes as long as the
+        # processor sharing of those cores takes to finish them. Without `cores`,
+        # each pass takes its total CPU time (one core, no other load).
+        self.cores = 0
+        self.background = 0.0
+        self.owner: contextvars.ContextVar[Any] | None = None  # names a callback's peer
+        self.peer_cpu_s = 0.0  # CPU charged to peers so far (before `cpu_scale`)
+        self._spent: defaultdict[Any, float] = defaultdict(float)  # this pass, per peer
+        self._nested = 0.0  # CPU of metered calls inside the one running now
         self._ran_since = time.thread_time()
 
     def select(self, timeout: float | None = None) -> list[Any]:
@@ -40,11 +68,33 @@ class _JumpingSelector(selectors.DefaultSelector):
         before = self.now
         if not self.cpu_scale:
             return self._select(timeout, before)
-        self.now += (time.thread_time() - self._ran_since) * self.cpu_scale
+        if self.cores:
+            self.now += self._shared_pass_s() * self.cpu_scale
+        else:
+            self.now += (time.thread_time() - self._ran_since) * self.cpu_scale
         try:
             return self._select(timeout, before)
         finally:
             self._ran_since = time.thread_time()  # (a system call: only when charging)
+
+    def _shared_pass_s(self) -> float:
+        self._spent.pop(None, None)  # the simulator's own work (delivery): no peer does it
+        spent = list(self._spent.values())
+        self._spent.clear()
+        self.peer_cpu_s += sum(spent)
+        return processor_sharing_s(spent, self.cores, self.background)
+
+    def metered(self, callback: Callable[..., Any], *args: Any) -> Any:
+        """Run `callback`, adding its CPU time (less that of metered calls it makes)
+        to the peer whose context it runs in."""
+        t0, nested0 = time.thread_time(), self._nested
+        try:
+            return callback(*args)
+        finally:
+            spent = time.thread_time() - t0
+            owner = self.owner.get(None) if self.owner is not None else None
+            self._spent[owner] += spent - (self._nested - nested0)
+            self._nested = nested0 + spent
 
     def _select(self, timeout: float | None, before: float) -> list[Any]:
         events = super().select(0)
@@ -88,6 +138,50 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def cpu_scale(self, value: float) -> None:
         self._jumper.cpu_scale = value
         self._jumper._ran_since = time.thread_time()  # charged from now on
+
+    @property
+    def cores(self) -> int:
+        """The cores the peers share (0: CPU is charged as a total, not per peer)."""
+        return self._jumper.cores
+
+    @property
+    def peer_cpu_s(self) -> float:
+        """The CPU seconds charged to peers so far, before `cpu_scale` (with `cores`)."""
+        return self._jumper.peer_cpu_s
+
+    def share_cores(
+        self, cores: int, owner: contextvars.ContextVar[Any], background: float = 0.0
+    ) -> None:
+        """Charge each peer's CPU as a process's on `cores` cores shared with
+        `background` other runnable tasks; `owner` names the peer a context is."""
+        if cores < 1 or background < 0:
+            raise ValueError("need cores >= 1 and background >= 0")
+        self._jumper.cores, self._jumper.owner = cores, owner
+        self._jumper.background = background
+
+    def run_as(self, context: contextvars.Context, callback: Callable[..., Any], *args: Any) -> Any:
+        """`context.run(callback, *args)`, its CPU charged to that context's peer."""
+        if self._jumper.cores:
+            return context.run(self._jumper.metered, callback, *args)
+        return context.run(callback, *args)
+
+    def call_soon(
+        self, callback: Callable[..., Any], *args: Any, context: contextvars.Context | None = None
+    ) -> asyncio.Handle:
+        if self._jumper.cores:
+            callback, args = self._jumper.metered, (callback, *args)
+        return super().call_soon(callback, *args, context=context)
+
+    def call_at(
+        self,
+        when: float,
+        callback: Callable[..., Any],
+        *args: Any,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.TimerHandle:
+        if self._jumper.cores:
+            callback, args = self._jumper.metered, (callback, *args)
+        return super().call_at(when, callback, *args, context=context)
 
     def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
         future = super().run_in_executor(executor, func, *args)

@@ -96,6 +96,8 @@ async def main(opts: argparse.Namespace) -> None:
                 "fingerprint": averager.last_fingerprint,
                 "bytes": result.bytes_sent,
                 "seconds": result.seconds,
+                "matchmaking_s": sum(a.matchmaking_s for a in result.attempt_log),
+                "averaging_s": sum(a.averaging_s for a in result.attempt_log),
                 "t": time.time(),
             }
             if result.committed and opts.check and not opts.keep_state:

@@ -25,8 +25,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "sim"))
 
-from simnet import Link, SimHost, SimNetwork  # noqa: E402
-from vtime import EPOCH, SimDeadlock, VirtualTimeLoop, virtual_clocks  # noqa: E402
+from simnet import CURRENT_HOST, Link, SimHost, SimNetwork  # noqa: E402
+from vtime import (  # noqa: E402
+    EPOCH,
+    SimDeadlock,
+    VirtualTimeLoop,
+    processor_sharing_s,
+    virtual_clocks,
+)
 
 T = TypeVar("T")
 FAST = Link(up_Bps=1e9, down_Bps=1e9, latency_s=0.001)
@@ -317,3 +323,49 @@ def test_cpu_scale_charges_the_cpu_time_of_callbacks_to_the_virtual_clock() -> N
     charged, spent = simulate(main(), network=False)[0]
     assert charged >= 2 * spent
     assert charged < 2 * spent + 1  # from the moment it was set, not since the loop began
+
+
+def test_processes_on_shared_cores_take_their_fair_share_of_each_core() -> None:
+    assert processor_sharing_s([], cores=2, background=0) == 0
+    assert processor_sharing_s([0.1], cores=2, background=0) == pytest.approx(0.1)  # a core
+    # two on two cores side by side; four on two cores: twice as long as one alone
+    assert processor_sharing_s([0.1, 0.1], cores=2, background=0) == pytest.approx(0.1)
+    assert processor_sharing_s([0.1] * 4, cores=2, background=0) == pytest.approx(0.2)
+    # the short one done, the long one has a core to itself
+    assert processor_sharing_s([0.1, 0.1, 0.1, 1.0], cores=2, background=0) == pytest.approx(1.1)
+    # two other runnable tasks: one process gets 2/3 of a core
+    assert processor_sharing_s([0.1], cores=2, background=2) == pytest.approx(0.15)
+    assert processor_sharing_s([0.1, 0.1], cores=1, background=0) == pytest.approx(0.2)
+
+
+@pytest.mark.timeout(30)
+def test_with_shared_cores_a_callback_is_charged_to_the_peer_whose_context_runs_it() -> None:
+    """Two peers computing at the same virtual instant on two cores take as long as
+    one of them; on one core, as both."""
+
+    def burn(cpu_s: float) -> None:
+        cpu0 = time.thread_time()
+        while time.thread_time() - cpu0 < cpu_s:
+            pass
+
+    async def main(cores: int) -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+        loop.cpu_scale = 1.0
+        loop.share_cores(cores, CURRENT_HOST)
+        a, b = SimHost("100.64.0.1", FAST), SimHost("100.64.0.2", FAST)
+        for host in (a, b):
+            host.context.run(CURRENT_HOST.set, host)
+        await asyncio.sleep(1)
+        t0 = loop.time()
+        for host in (a, b):
+            loop.call_soon(burn, 0.03, context=host.context)
+        await asyncio.sleep(0)  # the burns run in the next pass, this after them,
+        await asyncio.sleep(0)  # and this after the pass was charged
+        return loop.time() - t0, loop.peer_cpu_s
+
+    (charged_2, cpu_2), _ = simulate(main(2), network=False)
+    assert cpu_2 >= 0.06
+    assert max(0.03, cpu_2 / 2) <= charged_2 < 0.75 * cpu_2
+    (charged_1, cpu_1), _ = simulate(main(1), network=False)
+    assert charged_1 >= cpu_1 >= 0.06
