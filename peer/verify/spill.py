@@ -1,6 +1,6 @@
-"""Kept states of the work log on disk: written past the log's RAM budget, read back
-(and checked against their committed digest) when a reveal needs them.
+"""The work log's kept states on disk, used only when they still hash as committed.
 
+They are written past the log's RAM budget and read back when a reveal needs them.
 A state on disk is one `torch.save` file (parameters and inner-optimizer state);
 it is read back with `weights_only=True` (no code runs from the file) and mapped
 rather than copied (`mmap=True`: its pages are the file's, which the kernel can
