@@ -10,7 +10,8 @@ Prints one JSON object on stdout (logs go to stderr):
                        "shoal_wire_bytes": {"none": ..., "int8": ...}}, ...},
      "kill_to_commit_s": ...,
      "loop_lag_p99_ms": ..., "loop_lag_baseline_p99_ms": ..., ...,
-     "status_p50_ms": ..., "status_p99_ms": ..., "status_max_ms": ..., "status_unanswered": ...}
+     "status_p50_ms": ..., "status_p99_ms": ..., "status_max_ms": ..., "status_unanswered": ...,
+     "rss_max_mb": ..., "work_log_disk_max_mb": ...}
 
 hivemind (1.1.12's DecentralizedAverager, `pip install hivemind==1.1.12`) is
 measured in the same run when it is installed: the group formed first, then
@@ -19,7 +20,9 @@ rounds (`hivemind_s`, `shoal_none_over_hivemind`). `loop_lag_p99_ms` comes from
 `--peers` real daemons training a `--loop-lag-size` model while /status is
 polled 10 times a second (see bench_loop_lag); the baseline is the same ticker
 in an idle process during the same minute. `status_*_ms` are how long those polls
-took to answer, `status_unanswered` those that failed or took past 5 s.
+took to answer, `status_unanswered` those that failed or took past 5 s;
+`rss_max_mb` is the largest peak resident memory (VmHWM) of a daemon, and
+`work_log_disk_max_mb` the most one daemon's work log held on disk.
 `--sizes ""` skips the all-reduce phase, `--kill-trials 0` the kill trials, so
 that the loop-lag phase runs alone:
 
@@ -600,6 +603,17 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
             if measuring.is_set():
                 answers.append(time.monotonic() - asked)
 
+    disk = [0]  # the most bytes of spilled work-log states one daemon held on disk
+
+    def sample_disk(ds: list[Daemon]) -> None:
+        while not stop.wait(1.0):
+            for d in list(ds):
+                held = 0
+                for f in (d.data_dir / "work-log").rglob("*"):
+                    with contextlib.suppress(OSError):  # let go of while we looked
+                        held += f.stat().st_size
+                disk[0] = max(disk[0], held)
+
     keep = opts.loop_lag_keep
     with tempfile.TemporaryDirectory() if keep is None else contextlib.nullcontext(keep) as work:
         host = Daemon("lag-host", Path(work), ["--host-experiment", "lag"], env)
@@ -611,6 +625,7 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
             for d in daemons[1:]:
                 d.wait_ready(timeout=300)
             pollers = [threading.Thread(target=poll, args=(d,), daemon=True) for d in daemons]
+            pollers.append(threading.Thread(target=sample_disk, args=(daemons,), daemon=True))
             for t in pollers:
                 t.start()
 
@@ -634,6 +649,7 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
             rounds = full_rounds() - first
             lags = [d.status()["loop_lag_ms"] for d in daemons]
+            peaks = [_peak_rss_mb(d.proc.pid) for d in daemons]
             elapsed = time.monotonic() - started
             measuring.clear()
         finally:
@@ -658,7 +674,17 @@ def bench_loop_lag(opts: argparse.Namespace) -> dict[str, Any]:
         "status_p99_ms": _ms(_nearest_rank(answers, 0.99)),
         "status_max_ms": _ms(max(answers, default=None)),
         "status_unanswered": unanswered[0],
+        # Each daemon's peak resident memory (VmHWM) and the most its work log held on
+        # disk (states past its RAM budget, <data dir>/work-log), the largest of the peers.
+        "rss_max_mb": max(peaks),
+        "work_log_disk_max_mb": round(disk[0] / 2**20),
     }
+
+
+def _peak_rss_mb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        peak = next(line for line in f if line.startswith("VmHWM:"))
+    return int(peak.split()[1]) // 1024
 
 
 def _nearest_rank(values: list[float], q: float) -> float | None:

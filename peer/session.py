@@ -426,7 +426,11 @@ def _trainer(
     work = None
     if strategy.options.verify:
         work = VerifiedWork(
-            WorkLog(audit_policy(strategy.options).segment_steps),
+            WorkLog(
+                audit_policy(strategy.options).segment_steps,
+                # states past the RAM budget go to disk (a 50M model's state is 600 MB)
+                spill_dir=config.data_dir / "work-log" / manifest.experiment_id,
+            ),
             manifest.namespace,
             identity.peer_id,
             shard,

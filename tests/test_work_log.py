@@ -5,7 +5,8 @@ reveal built from the log matches the commitment; an audit of an honest reveal
 passes, and every way a reveal can lie is named: altered states, a
 pseudo-gradient that is not the run's, a start that is not the global state.
 A log kept under a small memory budget re-runs the states it dropped and gets
-them bit for bit."""
+them bit for bit. A log that spills its states to disk reveals the same ones,
+never one whose file was altered, and leaves no file behind a round it let go."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from shoal.peer.training.task import load_task, shard_of
 from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
 from shoal.peer.verify.reveals import Replay, Reveal, reveal_of
 from shoal.peer.verify.segments import SegmentRunner, round_batch_seed
-from shoal.peer.verify.work_log import VerifiedWork, WorkLog
+from shoal.peer.verify.spill import Spilled
+from shoal.peer.verify.verifier import audit_round_of
+from shoal.peer.verify.work_log import VerifiedWork, WorkLog, state_bytes
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment
@@ -53,17 +56,20 @@ def train(task, me: Identity, log: WorkLog, hyper):  # type: ignore[no-untyped-d
         batch = next(batches)
         inner.step(lambda b=batch: task.loss(model, b), 40 + i)
         log.after_step(model, inner, int(task.batch_tokens(batch)))
-    return log.seal(model, inner), model
+    work = log.seal(model, inner)
+    log.begin(ROUND + 1, 40 + STEPS, model, inner)  # the next round (writes what is past RAM)
+    return work, model
 
 
-def setup(task, retain_bytes: int = 1 << 30):  # type: ignore[no-untyped-def]
+def setup(task, retain_bytes: int = 1 << 30, **log_options):  # type: ignore[no-untyped-def]
     hyper = check_hyperparameters({"warmup_steps": 0})
     me = Identity.from_seed(hashlib.sha256(b"prover").digest())
-    log = WorkLog(EVERY, retain_bytes=retain_bytes)
+    log = WorkLog(EVERY, retain_bytes=retain_bytes, **log_options)
     work, model = train(task, me, log, hyper)
     group = Group("k", make_round_id("k", [me.peer_id], b"n"), (Member(me.peer_id),))
     shape = RoundShape.of(group, 1, 4096, "none")
-    start = work.snapshots[0]
+    start = log.state_at(work, 0)
+    assert start is not None
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     secret = new_secret()
     c = Commitment(
@@ -73,8 +79,10 @@ def setup(task, retain_bytes: int = 1 << 30):  # type: ignore[no-untyped-def]
     ).signed(me)  # fmt: skip
     verified = VerifiedWork(log, NS, me.peer_id, shard_of(me.peer_id.to_bytes(), SHARDS),
                             lambda: ROUND)  # fmt: skip
-    rnd = AuditRound(ROUND, shape, {me.peer_id: c}, {me.peer_id: secret},
-                     RoundDraw.from_reveals([c], {me.peer_id: secret}), start.params)  # fmt: skip
+    draw = RoundDraw.from_reveals([c], {me.peer_id: secret})
+    rnd = audit_round_of(ROUND, group, (1, 4096, "none"), {me.peer_id: c}, {me.peer_id: secret},
+                         draw, log, 0.0)  # fmt: skip
+    assert rnd is not None
     return hyper, work, verified, c, rnd
 
 
@@ -130,7 +138,8 @@ def test_every_lie_in_a_reveal_is_named(task) -> None:  # type: ignore[no-untype
     finding = audit(task, hyper, rnd, other, 1, honest)
     assert finding.result is Result.FAIL and "pseudo-gradient" in finding.why
     # Work that did not start from the round's global state.
-    stale = AuditRound(**{**rnd.__dict__, "start_params": [p + 1 for p in rnd.start_params]})
+    wrong_start = [p + 1 for p in verified.log.state_at(work, 0).params]
+    stale = AuditRound(**{**rnd.__dict__, "start_params": wrong_start})
     finding = audit(task, hyper, stale, c, 1, honest)
     assert finding.result is Result.FAIL and "global state" in finding.why
 
@@ -155,3 +164,63 @@ def test_a_round_is_kept_for_the_retention_window(task) -> None:  # type: ignore
     for r in range(4):
         log.begin(r, 0, runner.model, runner.inner)
     assert [r for r in range(4) if log.get(r) is not None] == [2, 3]
+
+
+def test_states_spilled_to_disk_reveal_what_states_kept_in_ram_reveal(task, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    hyper, work, verified, c, _ = setup(task)
+    _, spilled, on_disk, _, disk_rnd = setup(task, spill_dir=tmp_path / "wl", memory_states=0)
+    assert all(isinstance(k, Spilled) for _, k in spilled.kept())  # nothing left in RAM
+    assert len(on_disk.log.spilled_files()) == len(spilled.kept()) + 1 == 5  # 0, 3, 6, 8; next
+    for step in (0, 3, 6, 8):
+        back = on_disk.log.state_at(spilled, step)
+        assert back is not None and back.digest() == work.digest_at(step)
+    for segment in range(c.segments):
+        kept = reveal(task, hyper, work, verified, c, segment)
+        read_back = reveal(task, hyper, spilled, on_disk, c, segment)
+        assert read_back.start.digest() == kept.start.digest()
+        pairs = zip(read_back.final_params + read_back.end_params,
+                    kept.final_params + kept.end_params, strict=True)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in pairs)
+        assert read_back.problem(c, segment) is None
+        assert audit(task, hyper, disk_rnd, c, segment, read_back).result is Result.PASS
+
+
+def test_only_the_newest_states_stay_in_ram(task, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, work, verified, _, _ = setup(task, spill_dir=tmp_path / "wl", memory_states=2)
+    in_ram = [s for s, k in work.kept() if not isinstance(k, Spilled)]
+    assert in_ram == [8]  # and the next round's start
+    assert len(verified.log.spilled_files()) == 3
+
+
+def test_a_corrupt_spilled_state_is_re_run_or_the_reveal_fails(task, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    hyper, work, verified, c, _ = setup(task)
+    _, spilled, on_disk, _, _ = setup(task, spill_dir=tmp_path / "wl", memory_states=0)
+    honest = reveal(task, hyper, work, verified, c, 1)  # states after 3, 6 and 8 steps
+    files = {s: k.path for s, k in spilled.kept() if isinstance(k, Spilled)}
+    files[3].write_bytes(files[3].read_bytes()[:-100])  # truncated
+    files[6].write_bytes(files[8].read_bytes())  # a whole file, of another state
+    assert on_disk.log.state_at(spilled, 3) is None and on_disk.log.state_at(spilled, 6) is None
+    r = reveal(task, hyper, spilled, on_disk, c, 1)  # both re-run from the start
+    assert r.start.digest() == honest.start.digest() and r.problem(c, 1) is None
+    files[0].write_bytes(b"not a state")
+    with pytest.raises(RuntimeError, match="no intact state"):
+        reveal(task, hyper, spilled, on_disk, c, 1)
+
+
+def test_spilled_files_go_with_their_round_and_at_start_up(task, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    runner = SegmentRunner(task, check_hyperparameters({}))
+    folder = tmp_path / "wl"
+    folder.mkdir()
+    (folder / "r7-s0-1.pt").write_bytes(b"a previous run's")
+    log = WorkLog(EVERY, keep_rounds=2, retain_s=0, spill_dir=folder, memory_states=0)
+    assert log.spilled_files() == []
+    for r in range(4):
+        log.begin(r, 0, runner.model, runner.inner)
+    assert [p.name.split("-")[0] for p in log.spilled_files()] == ["r2", "r3"]
+    # Past its byte budget a spilling log lets rounds go inside the window too.
+    two = 2 * state_bytes(runner.capture())
+    log = WorkLog(EVERY, keep_rounds=2, retain_bytes=two, spill_dir=folder, memory_states=0)
+    for r in range(4):
+        log.begin(r, 0, runner.model, runner.inner)
+    assert [r for r in range(4) if log.get(r) is not None] == [2, 3]
+    assert len(log.spilled_files()) == 2

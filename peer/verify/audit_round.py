@@ -133,7 +133,9 @@ class AuditRound:
     commitments: dict[PeerID, Commitment]
     secrets: dict[PeerID, bytes]
     draw: RoundDraw
-    start_params: list[torch.Tensor]  # the global state the round's work started from
+    # The global state the round's work started from, or how to read it back (the
+    # work log's start state, which may be on disk: blocking, RuntimeError when gone).
+    start_params: list[torch.Tensor] | Callable[[], list[torch.Tensor]]
     committed_at: float = 0.0  # monotonic time of the commit here
 
     def learn(self, wire: object) -> None:
@@ -276,9 +278,10 @@ def check_segment(
     problem = reveal.problem(commitment, segment)
     if problem is not None:
         return Finding(Result.BAD_REVEAL, problem)
-    if commitment.start != params_hash(rnd.start_params):
+    start_params = rnd.start_params if isinstance(rnd.start_params, list) else rnd.start_params()
+    if commitment.start != params_hash(start_params):
         return Finding(Result.FAIL, "the work did not start from the round's global state")
-    globals_flat = torch.cat([p.reshape(-1) for p in rnd.start_params])
+    globals_flat = torch.cat([p.reshape(-1) for p in start_params])
     final_flat = torch.cat([p.reshape(-1) for p in reveal.final_params])
     if rnd.shape.delta_root(globals_flat - final_flat) != commitment.delta_root:
         return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")

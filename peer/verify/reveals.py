@@ -268,11 +268,10 @@ class Replay:
 
     def state_after(self, work: RoundWork, step: int) -> SegmentState:
         """Our state after `step` steps of `work` (blocking)."""
-        with self.work.log.lock:
-            kept = work.state_at(step)
-            start, from_state = work.nearest_before(step)
+        kept = self.work.log.state_at(work, step)
         if kept is not None:
             return kept
+        start, from_state = self.work.log.nearest_before(work, step)
         seed = round_batch_seed(self.work.experiment, self.work.peer, work.round)
         shard, shards = self.work.shard, self.num_shards
         batches = segment_batches(self.task, shard, shards, seed, start, step - start)

@@ -19,6 +19,7 @@ rounds in our sight.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -48,7 +49,7 @@ from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
 from .shunning import Shunning
 from .withholding import DirectRecords, publish_while_gathering, recheck_withheld
-from .work_log import RoundWork, VerifiedWork
+from .work_log import RoundWork, VerifiedWork, WorkLog
 
 __all__ = ["PROBATION_ROUNDS", "Verifier"]
 
@@ -237,7 +238,7 @@ class Verifier:
         draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
         rnd = audit_round_of(
             mine.round, group, self._shape, commitments, secrets, draw,
-            self.work.log.get(mine.round), committed_at,
+            self.work.log, committed_at,
         )  # fmt: skip
         missing = draw.withheld - {self.me}
         if missing:
@@ -377,10 +378,12 @@ def audit_round_of(
     commitments: dict[PeerID, Commitment],
     secrets: dict[PeerID, bytes],
     draw: RoundDraw,
-    work: RoundWork | None,
+    log: WorkLog,
     committed_at: float,
 ) -> AuditRound | None:
-    """The round as audits see it, or None when we kept no work of it to start from."""
+    """The round as audits see it, or None when we kept no work of it to start from.
+    Its start is read from the log when an audit needs it (it may be on disk by then)."""
+    work = log.get(round_index)
     if work is None or 0 not in work.snapshots:
         return None
     streams, chunk_bytes, codec = shape
@@ -390,7 +393,7 @@ def audit_round_of(
         commitments,
         secrets,
         draw,
-        work.snapshots[0].params,
+        functools.partial(log.start_params, round_index, work.start_params),
         committed_at,
     )
 

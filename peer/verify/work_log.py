@@ -9,6 +9,13 @@ sends them without recomputation; past `retain_bytes`, only every other one
 is kept and a reveal re-runs the missing steps from the one before (bit for
 bit on the same machine: the digest is checked before anything is sent).
 
+With a folder to spill to (`spill_dir`: the daemon's `<data dir>/work-log/`),
+only the newest `memory_states` states stay in RAM; older ones are written
+there (where the inner steps run, never on the event loop), read back and
+checked against their committed digest when a reveal needs them, and deleted
+when their round is let go. `retain_bytes` then bounds the folder: past it the
+oldest rounds beyond `keep_rounds` go even inside `retain_s`.
+
 `begin`, `after_step` and `seal` touch the model: they run where the inner
 steps run (the trainer's worker thread), or while it is idle (`seal`, during
 the round). Reveals read older rounds from another thread: `lock` guards the
@@ -20,11 +27,13 @@ auditors may ask for it), and the last `keep_rounds` rounds in any case.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -33,11 +42,18 @@ from shoal.verification.commitment import state_digest
 
 from ..training.inner import InnerOptimizer
 from .segments import SegmentState, capture, optimizer_hash, params_hash
+from .spill import SpillDir, Spilled, load_kept
 
 __all__ = ["RoundWork", "VerifiedWork", "WorkLog"]
 
-DEFAULT_RETAIN_BYTES = 1 << 30
+log = logging.getLogger(__name__)
+
+DEFAULT_RETAIN_BYTES = 1 << 30  # states kept in RAM, without a folder to spill to
+DEFAULT_SPILL_BYTES = 8 << 30  # states kept (RAM and folder together), with one
+DEFAULT_MEMORY_STATES = 2  # the newest states, kept in RAM when spilling
 DEFAULT_RETAIN_S = 300.0
+
+Kept = SegmentState | Spilled
 
 
 def state_bytes(state: SegmentState) -> int:
@@ -58,8 +74,8 @@ class RoundWork:
     start_optimizer: bytes  # optimizer_hash of the start
     steps: int = 0
     checkpoints: list[bytes] = field(default_factory=list)  # after every `every` steps
-    snapshots: dict[int, SegmentState] = field(default_factory=dict)  # step -> state
-    sealed: tuple[int, bytes, SegmentState] | None = None  # the end, when steps % every
+    snapshots: dict[int, Kept] = field(default_factory=dict)  # step -> state
+    sealed: tuple[int, bytes, Kept] | None = None  # the end, when steps % every
     tokens_per_step: int = 0  # the most tokens one step trained on
     ended_at: float | None = None  # monotonic time the next round began
     resets: int = 0  # the strategy's `resets` when the run started (`VerifiedWork.resets_of`)
@@ -72,16 +88,20 @@ class RoundWork:
             raise RuntimeError("seal the run before committing to it")
         return (*self.checkpoints, self.sealed[1])
 
-    def state_at(self, step: int) -> SegmentState | None:
-        """The kept state after `step` steps (None: re-run from an earlier one)."""
+    def kept_at(self, step: int) -> Kept | None:
+        """The kept state after `step` steps, in RAM or on disk (None: re-run it)."""
         if self.sealed is not None and self.sealed[0] == step:
             return self.sealed[2]
         return self.snapshots.get(step)
 
-    def nearest_before(self, step: int) -> tuple[int, SegmentState]:
-        """The last kept state at or before `step` (the start is always kept)."""
-        best = max(s for s in list(self.snapshots) if s <= step)
-        return best, self.snapshots[best]
+    def kept_before(self, step: int) -> list[tuple[int, Kept]]:
+        """The kept states at or before `step`, the latest first (the start is last)."""
+        return [(s, self.snapshots[s]) for s in sorted(self.snapshots, reverse=True) if s <= step]
+
+    def kept(self) -> list[tuple[int, Kept]]:
+        """Every kept state of the run, by step."""
+        out = sorted(self.snapshots.items())
+        return out if self.sealed is None else [*out, (self.sealed[0], self.sealed[2])]
 
     def digest_at(self, step: int) -> bytes:
         """The committed hash of the state after `step` steps (0: the start)."""
@@ -102,14 +122,20 @@ class WorkLog:
         *,
         keep_rounds: int = 2,
         retain_s: float = DEFAULT_RETAIN_S,
-        retain_bytes: int = DEFAULT_RETAIN_BYTES,
+        retain_bytes: int | None = None,
+        spill_dir: Path | None = None,
+        memory_states: int = DEFAULT_MEMORY_STATES,
     ) -> None:
-        if every < 1 or keep_rounds < 1:
-            raise ValueError("every and keep_rounds must be >= 1")
+        if every < 1 or keep_rounds < 1 or memory_states < 0:
+            raise ValueError("every and keep_rounds must be >= 1, memory_states >= 0")
         self.every = every
         self.keep_rounds = keep_rounds
         self.retain_s = retain_s
+        self._disk = None if spill_dir is None else SpillDir(spill_dir)  # clears a past run's
+        if retain_bytes is None:
+            retain_bytes = DEFAULT_RETAIN_BYTES if self._disk is None else DEFAULT_SPILL_BYTES
         self.retain_bytes = retain_bytes
+        self.memory_states = memory_states
         self.lock = threading.Lock()
         self._rounds: OrderedDict[int, RoundWork] = OrderedDict()
         self.current: RoundWork | None = None
@@ -140,15 +166,19 @@ class WorkLog:
         with self.lock:
             if self.current is not None:
                 self.current.ended_at = now
-            self._rounds.pop(round_index, None)  # a re-run of a round replaces it
+            gone = []
+            replaced = self._rounds.pop(round_index, None)  # a re-run of a round replaces it
+            if replaced is not None:
+                gone.append(replaced)
             self._rounds[round_index] = work
             while len(self._rounds) > self.keep_rounds:
                 oldest = next(iter(self._rounds.values()))
                 if oldest.ended_at is not None and now - oldest.ended_at < self.retain_s:
                     break
-                self._rounds.popitem(last=False)
+                gone.append(self._rounds.popitem(last=False)[1])
             self.current = work
-            self._thin()
+            dropped = [k for w in gone for _, k in w.kept()] + self._thin()
+        self._spill(dropped)
         return work
 
     def after_step(self, model: torch.nn.Module, inner: InnerOptimizer, tokens: int) -> None:
@@ -164,7 +194,8 @@ class WorkLog:
         work.checkpoints.append(state.digest())
         with self.lock:
             work.snapshots[work.steps] = state
-            self._thin()
+            dropped = self._thin()
+        self._spill(dropped)
 
     def seal(self, model: torch.nn.Module, inner: InnerOptimizer) -> RoundWork:
         """The current round's work, its end hashed (when not on a checkpoint)."""
@@ -173,25 +204,103 @@ class WorkLog:
             raise RuntimeError("no round's work has begun")
         if work.steps % self.every and (work.sealed is None or work.sealed[0] != work.steps):
             state = capture(model, inner)
-            work.sealed = (work.steps, state.digest(), state)
+            with self.lock:
+                work.sealed = (work.steps, state.digest(), state)
+            # Not spilled here: a seal runs while the round waits for the commitment;
+            # the next `begin` writes what is past the budget, in the trainer's time.
         return work
 
     def get(self, round_index: int) -> RoundWork | None:
         with self.lock:
             return self._rounds.get(round_index)
 
-    def _thin(self) -> None:
+    def state_at(self, work: RoundWork, step: int) -> SegmentState | None:
+        """Our kept state after `step` steps of `work` (blocking: it may read a file);
+        None when not kept or its file no longer holds it (re-run it from an earlier one)."""
+        with self.lock:
+            kept = work.kept_at(step)
+        return load_kept(kept, work.digest_at(step))
+
+    def nearest_before(self, work: RoundWork, step: int) -> tuple[int, SegmentState]:
+        """The last intact kept state at or before `step` (blocking); RuntimeError when
+        none is left (not even the start): no reveal rather than a wrong one."""
+        with self.lock:
+            candidates = work.kept_before(step)
+        for s, kept in candidates:
+            state = load_kept(kept, work.digest_at(s))
+            if state is not None:
+                return s, state
+        raise RuntimeError(f"round {work.round}: no intact state of ours at or before {step}")
+
+    def start_params(self, round_index: int, start_hash: bytes) -> list[torch.Tensor]:
+        """The parameters our work of `round_index` started from, which hash to
+        `start_hash` (the round's global state; blocking); RuntimeError when gone."""
+        work = self.get(round_index)
+        state = None
+        if work is not None and work.start_params == start_hash:
+            state = self.state_at(work, 0)
+        if state is None:
+            raise RuntimeError(f"round {round_index}: our start state is gone")
+        return state.params
+
+    def spilled_files(self) -> list[Path]:
+        """The files of spilled states (none without a folder to spill to)."""
+        return [] if self._disk is None else self._disk.files()
+
+    def _thin(self) -> list[Kept]:
         """Keep at most `retain_bytes` of states over the kept rounds: drop every other
-        intermediate one, oldest rounds first (every round's start stays). Locked."""
+        intermediate one, oldest rounds first (every round's start stays); spilling,
+        then the oldest rounds beyond `keep_rounds`. Locked; returns what was dropped."""
+        dropped: list[Kept] = []
 
         def total() -> int:
-            return sum(len(w.snapshots) for w in self._rounds.values()) * self._state_bytes
+            return sum(len(w.kept()) for w in self._rounds.values()) * self._state_bytes
 
         for w in list(self._rounds.values()):
             if total() <= self.retain_bytes:
-                return
+                return dropped
             for s in sorted(w.snapshots)[1::2]:
-                del w.snapshots[s]
+                dropped.append(w.snapshots.pop(s))
+        while self._disk is not None and total() > self.retain_bytes:
+            if len(self._rounds) <= self.keep_rounds:
+                break
+            _, old = self._rounds.popitem(last=False)
+            log.warning("work log over %d bytes: round %d let go before its audit window "
+                        "ended", self.retain_bytes, old.round)  # fmt: skip
+            dropped += [k for _, k in old.kept()]
+        return dropped
+
+    def _spill(self, dropped: list[Kept]) -> None:
+        """Delete the files of `dropped` states, then write the states past the newest
+        `memory_states` in RAM to the folder (blocking: where the inner steps run)."""
+        for kept in dropped:
+            if isinstance(kept, Spilled):
+                kept.remove()
+        if self._disk is None:
+            return
+        with self.lock:
+            in_ram = [(w, s, k) for w in self._rounds.values() for s, k in w.kept()
+                      if isinstance(k, SegmentState)]  # fmt: skip
+        for work, step, state in in_ram[: max(0, len(in_ram) - self.memory_states)]:
+            spilled = self._disk.write(work.round, step, state)
+            with self.lock:
+                if not _replace(self._rounds.get(work.round), work, step, state, spilled):
+                    spilled.remove()  # let go (or thinned) while it was written
+
+
+def _replace(
+    kept_round: RoundWork | None, work: RoundWork, step: int, state: SegmentState, by: Spilled
+) -> bool:
+    """Put `by` in the place of `state` in `work`, if `work` still holds it there."""
+    if kept_round is not work:
+        return False
+    if work.snapshots.get(step) is state:
+        work.snapshots[step] = by
+        return True
+    if work.sealed is not None and work.sealed[2] is state:
+        work.sealed = (work.sealed[0], work.sealed[1], by)
+        return True
+    return False
 
 
 @dataclass

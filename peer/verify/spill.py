@@ -1,0 +1,83 @@
+"""The work log's kept states on disk, used only when they still hash as committed.
+
+They are written past the log's RAM budget and read back when a reveal needs them.
+A state on disk is one `torch.save` file (parameters and inner-optimizer state);
+it is read back with `weights_only=True` (no code runs from the file) and mapped
+rather than copied (`mmap=True`: its pages are the file's, which the kernel can
+drop, not the process's). A file that is gone, truncated or altered reads back as
+None, never as a wrong state: the caller compares the digest with the one it
+committed to before using it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .segments import SegmentState
+
+__all__ = ["SpillDir", "Spilled", "load_kept"]
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".pt"
+
+
+class Spilled:
+    """A kept state that lives in a file (the file is written once, never changed)."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self, digest: bytes) -> SegmentState | None:
+        """The state, when the file still holds the one whose digest is `digest`."""
+        try:
+            raw = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            state = SegmentState(list(raw["params"]), raw["optimizer"])
+            if state.digest() == digest:
+                return state
+            problem = "digest mismatch"
+        except Exception as e:  # gone, truncated, not a torch file, wrong layout
+            problem = repr(e)
+        log.warning("kept state %s is unusable (%s)", self.path.name, problem)
+        return None
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def load_kept(kept: SegmentState | Spilled | None, digest: bytes) -> SegmentState | None:
+    """A kept state as a state: one in RAM as it is, one on disk read back and checked."""
+    if isinstance(kept, Spilled):
+        return kept.load(digest)
+    return kept
+
+
+class SpillDir:
+    """The folder a work log writes its states to; what a previous run left there is
+    stale (a round's work is answerable only by the process that did it) and goes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._written = 0  # a re-run of a round gets files of its own
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+
+    def write(self, round_index: int, step: int, state: SegmentState) -> Spilled:
+        """`state` in a file of its own (blocking: run it where the inner steps run)."""
+        self._written += 1
+        final = self.path / f"r{round_index}-s{step}-{self._written}{SUFFIX}"
+        partial = final.with_suffix(".part")
+        torch.save({"params": state.params, "optimizer": state.optimizer}, partial)
+        os.replace(partial, final)  # a crash mid-write leaves no file that looks whole
+        return Spilled(final)
+
+    def files(self) -> list[Path]:
+        return sorted(self.path.iterdir())
