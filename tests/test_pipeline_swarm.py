@@ -94,6 +94,16 @@ class Killed(Exception):
     pass
 
 
+def assert_every_sample_in_one_step(survivors: list[Any], trainer: Any) -> None:
+    """Every sample the trainer completed is in exactly one of the survivors' steps, or
+    held by one of them for the step to come."""
+    steps: dict[int, int] = {}
+    for p in survivors:
+        steps.update(p.optimizer.step_samples)
+    pending = sum(p.worker.samples_for(p.version) for p in survivors)
+    assert sum(steps.values()) + pending == trainer.counters.samples
+
+
 @pytest.mark.timeout(120)
 async def test_a_stage_peer_killed_in_the_stage_all_reduce_does_not_stop_the_step(
     make_host: Callable[..., Any],
@@ -130,11 +140,7 @@ async def test_a_stage_peer_killed_in_the_stage_all_reduce_does_not_stop_the_ste
         assert victim.version == 2  # it died in its third step
         assert all(p.version >= 8 for p in survivors)
         assert 3 in prints and all(len(fps) == 1 for fps in prints.values()), prints
-        steps: dict[int, int] = {}
-        for p in survivors:
-            steps.update(p.optimizer.step_samples)
-        pending = sum(p.worker.samples_for(p.version) for p in survivors)
-        assert sum(steps.values()) + pending == trainer.counters.samples
+        assert_every_sample_in_one_step(survivors, trainer)
     finally:
         await swarm.aclose()
 
@@ -175,11 +181,7 @@ async def test_a_stage_peer_that_dies_holding_the_whole_batch_does_not_stop_the_
         assert victim.version == 0 and victim.server.served["backward"] >= 1
         assert all(p.version >= 3 for p in survivors)
         assert len({p.optimizer.fingerprint() for p in survivors}) == 1
-        steps: dict[int, int] = {}
-        for p in survivors:
-            steps.update(p.optimizer.step_samples)
-        pending = sum(p.worker.samples_for(p.version) for p in survivors)
-        assert sum(steps.values()) + pending == trainer.counters.samples
+        assert_every_sample_in_one_step(survivors, trainer)
         assert trainer.ledger.replayed[0] >= 8  # (the victim held the whole batch)
     finally:
         await swarm.aclose()
