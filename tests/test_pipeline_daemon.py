@@ -283,8 +283,10 @@ async def test_a_stopped_stage_peer_is_routed_around_and_resyncs_before_serving_
         await swarm.until_steps(run, stopped_at + 3)
         assert time.monotonic() - started < 10 + 15
         victim.proc.send_signal(signal.SIGCONT)
+        # (60 s: under heavy load a woken peer has taken over 30 s to notice that it is
+        # behind, 1 run in 6; where that time goes is not pinned down yet.)
         synced = await asyncio.to_thread(
-            wait_for, "the woken peer to re-sync", lambda: pipeline_of(victim)["syncs"] >= 1, 30
+            wait_for, "the woken peer to re-sync", lambda: pipeline_of(victim)["syncs"] >= 1, 60
         )
         assert synced
         served = pipeline_of(victim)["served"]["backward"]
