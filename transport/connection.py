@@ -321,6 +321,17 @@ class Stream:
     def at_eof(self) -> bool:
         return self._eof and not self._buffered
 
+    def peek(self, n: int) -> bytes:
+        """The first `n` buffered bytes (fewer if fewer are buffered), left unread."""
+        if self._chunks and len(self._chunks[0]) >= n:
+            return bytes(self._chunks[0][:n])
+        out = bytearray()
+        for chunk in self._chunks:
+            if len(out) >= n:
+                break
+            out += chunk[: n - len(out)]
+        return bytes(out)
+
     @property
     def buffered(self) -> int:
         """Bytes received and not read yet."""

@@ -634,7 +634,13 @@ class Multiplexer:
             self._drained.append(st.id)
 
     def _maybe_forget(self, st: _Stream) -> None:
-        if st.done and self._streams.pop(st.id, None) is not None:
+        # (`st.done`, spelled out: this runs on every read and write of every stream)
+        done = (
+            st.fin_sent
+            and not st.queued
+            and (st.abandoned or (st.remote_closed and st.recv_buffered <= 0))
+        )
+        if done and self._streams.pop(st.id, None) is not None:
             if st.abandoned and not st.remote_closed:
                 # Tell a remote that is still writing that nobody reads any more (as an
                 # HTTP/2 RST_STREAM after the response); our CLOSE went out before it,

@@ -47,6 +47,7 @@ import msgpack
 
 from . import tensors
 from .connection import Stream
+from .deadline import deadline
 from .errors import (
     ConnectionLost,
     PayloadTooLarge,
@@ -99,6 +100,7 @@ class RpcLimits:
 
 
 _DEFAULT_LIMITS = RpcLimits()
+_IDLE_SLOTS_KEPT = 1024  # peers whose (idle) call slots a service keeps
 
 
 def _unpack(body: bytes) -> Any:
@@ -160,6 +162,15 @@ class MessageStream:
         await self.stream.readexactly_into(into)
         return CHUNK.size + nbytes
 
+    def frame_buffered(self) -> bool:
+        """Whether a whole frame is buffered: the next `recv` returns without waiting."""
+        stream = self.stream
+        buffered = stream.buffered
+        return (
+            buffered >= FRAME.size
+            and buffered >= FRAME.size + FRAME.unpack(stream.peek(FRAME.size))[0]
+        )
+
     async def _read_frame(self) -> tuple[int, bytes] | None:
         head = await self.stream.readexactly(FRAME.size) if not self.stream.at_eof() else b""
         if not head:
@@ -219,18 +230,22 @@ class PeerBusy(RemoteError):
 class CallContext(MessageStream):
     """What a handler sees: the caller, its deadline, and the stream for streaming calls."""
 
-    __slots__ = ("method", "peer", "remote_ip", "timeout")
+    __slots__ = ("method", "peer", "timeout")
 
     def __init__(self, stream: Stream, method: str, timeout: float | None, limits: RpcLimits):
-        super().__init__(stream, limits)
+        self.stream = stream  # (MessageStream's two fields, set here: a call less per call)
+        self.limits = limits
         self.peer: PeerID = stream.remote_peer
-        # The IP the caller's connection comes from (not what it advertises), for
-        # per-IP limits; None on a relayed connection.
-        address = stream.connection.remote_address
-        relayed = stream.connection.kind == "relayed"
-        self.remote_ip: str | None = None if relayed or address is None else address[0]
         self.method = method
         self.timeout = timeout
+
+    @property
+    def remote_ip(self) -> str | None:
+        """The IP the caller's connection comes from (not what it advertises), for
+        per-IP limits; None on a relayed connection."""
+        conn = self.stream.connection
+        address = conn.remote_address
+        return None if conn.kind == "relayed" or address is None else address[0]
 
     async def send_item(self, item: Any) -> None:
         """One item of a streaming response."""
@@ -302,54 +317,78 @@ class RpcService:
 
     async def _serve(self, stream: Stream) -> None:
         peer = stream.remote_peer
-        refusal = self._refusal(peer)
-        if refusal is not None:
-            # Answered before the request is read: a flood costs one small write a stream.
-            self.busy_refusals += 1
-            self.host.remote_events.info(
-                f"{self.protocol} busy",
-                stream.connection.remote_key(),
-                "%s: refusing a call from %s: %s",
-                self.protocol,
-                peer.short(),
-                refusal,
-            )
-            await _try_send(MessageStream(stream, self.limits), [ERR, ["Busy", refusal]])
-            return
         slots = self._slots.get(peer)
+        if self._rates is not None or (
+            slots is not None and len(slots.waiting) >= self.limits.max_queued_per_peer
+        ):
+            refusal = self._refusal(peer)
+            if refusal is not None:
+                # Answered before the request is read: a flood costs one small write.
+                self._refuse(stream, peer, refusal)
+                await _try_send(MessageStream(stream, self.limits), [ERR, ["Busy", refusal]])
+                return
         if slots is None:
-            slots = self._slots[peer] = _PeerSlots(self.limits.max_concurrent_per_peer)
-        request_due = asyncio.get_running_loop().time() + self.limits.first_message_timeout
-        try:
+            slots = self._new_slots(peer)
+        request_due: float | None = None  # None: served at once, due from now
+        if not slots.try_acquire():
             # Queued calls wait before their request is read: they cost a task, and the
             # bytes the stream's window lets the peer send.
+            request_due = self._loop_time() + self.limits.first_message_timeout
             await slots.acquire()
-            try:
-                await self._serve_admitted(stream, request_due)
-            finally:
-                slots.release()
-        finally:
-            if slots.idle and self._slots.get(peer) is slots:
-                del self._slots[peer]
-
-    async def _serve_admitted(self, stream: Stream, request_due: float) -> None:
-        msgs = MessageStream(stream, self.limits)
-        # The request is due `first_message_timeout` after the stream opened, queueing
-        # included (so a queue of silent streams drains at once), but one that has
-        # begun to arrive gets the full time to finish.
-        deadline = request_due
-        if stream.buffered:
-            deadline = max(
-                deadline, asyncio.get_running_loop().time() + self.limits.first_message_timeout
-            )
         try:
-            async with asyncio.timeout_at(deadline):
-                request = await msgs.recv()
+            await self._serve_admitted(stream, request_due)
+        finally:
+            slots.release()
+
+    def _new_slots(self, peer: PeerID) -> _PeerSlots:
+        # A peer's slots outlive its calls (a quick handler would make and drop them
+        # on every call); the idle ones go when a new peer finds the table full.
+        if len(self._slots) >= _IDLE_SLOTS_KEPT:
+            self._slots = {p: s for p, s in self._slots.items() if not s.idle}
+        slots = self._slots[peer] = _PeerSlots(self.limits.max_concurrent_per_peer)
+        return slots
+
+    @staticmethod
+    def _loop_time() -> float:
+        return asyncio.get_running_loop().time()
+
+    def _refuse(self, stream: Stream, peer: PeerID, refusal: str) -> None:
+        self.busy_refusals += 1
+        self.host.remote_events.info(
+            f"{self.protocol} busy",
+            stream.connection.remote_key(),
+            "%s: refusing a call from %s: %s",
+            self.protocol,
+            peer.short(),
+            refusal,
+        )
+
+    async def _read_request(self, msgs: MessageStream, request_due: float | None) -> Any:
+        """The call's request, due `first_message_timeout` after the stream opened
+        (`request_due`, or now when it was not queued), queueing included (so a queue
+        of silent streams drains at once); one that has begun to arrive gets the full
+        time to finish."""
+        wait = self.limits.first_message_timeout
+        now = self._loop_time()
+        due = now + wait if request_due is None else request_due
+        if msgs.stream.buffered:
+            due = max(due, now + wait)
+        try:
+            async with asyncio.timeout_at(due):
+                return await msgs.recv()
         except TimeoutError:
             self.silent_streams += 1
-            raise ProtocolViolation(
-                f"no request within {self.limits.first_message_timeout:g} s"
-            ) from None
+            raise ProtocolViolation(f"no request within {wait:g} s") from None
+
+    async def _serve_admitted(self, stream: Stream, request_due: float | None) -> None:
+        msgs = MessageStream(stream, self.limits)
+        try:
+            if msgs.frame_buffered():
+                # Read without waiting (an honest request comes with the stream's
+                # opening): no deadline to arm, a timer less per call.
+                request = await msgs.recv()
+            else:
+                request = await self._read_request(msgs, request_due)
         except PayloadTooLarge as e:
             self._oversized(stream, "(request)", e)
             raise
@@ -361,9 +400,9 @@ class RpcService:
                 raise ProtocolViolation(f"bad RPC timeout {timeout!r}")
             timeout = min(float(timeout), self.limits.max_timeout)
         ctx = CallContext(stream, method, timeout, self.limits)
-        deadline = self.limits.default_timeout if timeout is None else timeout
+        limit = self.limits.default_timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(deadline):
+            with deadline(limit):
                 if method in self._unary:
                     result = await self._unary[method](ctx, payload)
                     await ctx.send([OK, result])
@@ -373,7 +412,7 @@ class RpcService:
                 else:
                     await ctx.send([ERR, ["UnknownMethod", f"{self.protocol} has no {method!r}"]])
         except TimeoutError:
-            await _try_send(ctx, [ERR, ["DeadlineExceeded", f"{method} exceeded {deadline:g}s"]])
+            await _try_send(ctx, [ERR, ["DeadlineExceeded", f"{method} exceeded {limit:g}s"]])
         except PayloadTooLarge as e:
             # Refused before its bytes were read: the caller learns why, then the stream
             # is reset (what it still sends is dropped, not buffered).
@@ -413,9 +452,15 @@ class _PeerSlots:
     def idle(self) -> bool:
         return self.running == 0 and not self.waiting
 
-    async def acquire(self) -> None:
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody waits (no suspension: the usual case)."""
         if self.running < self.limit and not self.waiting:
             self.running += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
             return
         fut = asyncio.get_running_loop().create_future()
         self.waiting.append(fut)
@@ -531,7 +576,7 @@ async def call(
     """A unary call: send `payload`, return the handler's result."""
     stream: Stream | None = None
     try:
-        async with asyncio.timeout(timeout):
+        with deadline(timeout):
             c = await _open(host, peer, protocol, method, payload, timeout, limits)
             stream = c.stream
             await stream.close()

@@ -361,6 +361,8 @@ class VersionGate:
         stream that waits for the hello, or one refused because the peer is incompatible."""
         conn = stream.connection
         entry = self._conns.get(conn)
+        if entry is not None and entry.state is _State.KNOWN and stream.protocol != HELLO_PROTOCOL:
+            return False  # (the usual case, first: this runs for every stream a peer opens)
         if entry is None and conn.handshake_done.done() and not conn.closed.done():
             # The remote's first frames came in the same read as the end of the
             # handshake: its streams arrive before the host's listeners ran.
