@@ -86,6 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_lab import PeerProcess, SoakLab, wait_until
 
 from shoal.peer.daemon import KNOWN_PEERS_FILE
+from shoal.peer.session import JOINED_DIR, MANIFESTS_DIR
 from shoal.peer.status.round_ledger import LEDGER_FILE, audit_rounds, read_ledger
 
 EXPERIMENT = "soak"
@@ -140,6 +141,15 @@ def make_peers(lab: SoakLab, workdir: Path, n: int, env: dict[str, str]) -> list
             args = ["--join", f"{EXPERIMENT}@{ids[0]}", "--bootstrap", *boot]
         peers.append(PeerProcess(f"p{i}-{ns}", ns, lab.ns(ns), port, 8100 + i, home, args, env))
     return peers
+
+
+def _joined(peer: PeerProcess) -> bool:
+    """Whether `peer` met the network and holds the experiment (hosts it, or kept the
+    manifest its `--join` found)."""
+    if not (peer.data_dir / KNOWN_PEERS_FILE).exists():
+        return False
+    hosts = "--host-experiment" in peer.args
+    return hosts or any((peer.data_dir / MANIFESTS_DIR / JOINED_DIR).glob("*.manifest"))
 
 
 class Chaos:
@@ -303,10 +313,11 @@ class Chaos:
 
     def _never_joined(self, namespaces: set[str]) -> bool:
         """Whether a peer in `namespaces` has not joined the network yet (it saves the
-        peers it knows once it has: `peer.daemon.save_known_peers`)."""
-        return any(
-            p.ns in namespaces and not (p.data_dir / KNOWN_PEERS_FILE).exists() for p in self.peers
-        )
+        peers it knows once it has: `peer.daemon.save_known_peers`), or has met the
+        network but not found the experiment yet (it keeps its manifest once it has:
+        `peer.joined`). A first join cut off from the host for longer than the
+        joiner looks for the manifest ends with "unknown experiment" by design."""
+        return any(p.ns in namespaces and not _joined(p) for p in self.peers)
 
     def _loss(self, _: list[PeerProcess]) -> None:
         ns = self.rng.choice(["pub", "a1", "b1", "c1"])

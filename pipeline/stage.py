@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,16 +303,21 @@ class StageWorker:
             if reopen:
                 self.epoch = taken.epoch
 
-    def drop_before(self, epoch: int) -> int:
+    def drop_before(self, epoch: int, taken: Collection[Hashable] = ()) -> int:
         """Forget gradients for steps before `epoch` (the stage took those steps without
-        this peer: its trainers replay them elsewhere); the samples dropped."""
+        this peer: its trainers replay them elsewhere); the samples dropped. `taken`:
+        the keys of gradients taken for a step that went without us (they are in no
+        bucket now, and were dropped with the step)."""
         with self.lock:
             dropped = 0
+            with self._fence_lock:
+                for key in taken:  # a replay here must count again (not get its old answer)
+                    self._answers.pop(key)
             for e in [e for e in self._buckets if e < epoch]:
                 bucket = self._buckets.pop(e)
                 dropped += bucket.samples
                 with self._fence_lock:
-                    for key in bucket.keys:  # a replay here must count again
+                    for key in bucket.keys:  # (as above)
                         self._answers.pop(key)
             self.epoch = max(self.epoch, epoch)
             return dropped

@@ -192,7 +192,7 @@ class StageOptimizer:
             if total is not None:
                 self.step_samples[version] = total
         elif result.resynced or self.version != version:
-            dropped = await asyncio.to_thread(self.worker.drop_before, self.version)
+            dropped = await asyncio.to_thread(self.worker.drop_before, self.version, taken.keys)
             self.dropped_samples += taken.samples + dropped
         else:  # (in doubt: the round may have committed them, see `give_back`)
             reopen = not result.discarded

@@ -23,6 +23,7 @@ its answer, its step log or the stage's steps settle it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -55,6 +56,7 @@ log = logging.getLogger("shoal.pipeline")
 
 DOUBT_RETRY_S = 2.0  # a peer a backward is in doubt at is asked again this often
 STEP_KEYS = 512  # the most keys a logged step may list (as `server.LOGGED_KEYS`)
+REPLAY_MARK = "~"  # a replay's key: the microbatch's, this and a count (`_replay`)
 
 
 @dataclass
@@ -117,6 +119,7 @@ class PipelineTrainer:
         self._announced: dict[PeerID, float] = {}
         self.local = self.calls.local  # stages this process serves: called directly
         self._replays = TaskSet(log, "replay")
+        self._replay_seq = itertools.count(1)  # (replays' keys: `_replay`)
         self._doubts = TaskSet(log, "doubt")
         # Stage peers push their steps to us (`StageServer.push_step`); `changed` wakes
         # whoever waits for one.
@@ -165,7 +168,9 @@ class PipelineTrainer:
         return len(self.balancers)
 
     def _candidates(self, stage: int) -> list[PeerID]:
-        return list(self.stage_peers[stage])
+        # Not our own stage peer: a referee is asked over the wire, and we do not dial
+        # ourselves (each try failed, and said so in the log, several times a second).
+        return [p for p in self.stage_peers[stage] if p != self.dht.peer_id]
 
     def _exclude(self, peer: PeerID) -> None:
         """A convicted (or caught) stage peer: no request goes to it from now on."""
@@ -418,14 +423,20 @@ class PipelineTrainer:
                 await asyncio.sleep(DOUBT_RETRY_S)
 
     async def _replay(self, entry: Applied) -> None:
+        # A replay is a backward of its own, under a key of its own. Under the old key a
+        # peer that applied it in a step the stage did not keep (its own lone step of a
+        # fork it re-synced away from) answers its old answer, at that step's epoch: the
+        # ledger replays it again at once, and again, each answer unsealed, until our
+        # auditor distrusts an honest peer. (Its retries keep the key: fencing needs it.)
+        key = f"{entry.key.split(REPLAY_MARK, 1)[0]}{REPLAY_MARK}{next(self._replay_seq)}"
         while True:
             try:
                 await self._backward(
-                    entry.stage, entry.key, entry.samples, [entry.inputs, entry.grad_outputs]
+                    entry.stage, key, entry.samples, [entry.inputs, entry.grad_outputs]
                 )
                 return
             except StageFailed as e:
-                log.info("replaying %s: %s; trying again", entry.key, e)
+                log.info("replaying %s as %s: %s; trying again", entry.key, key, e)
                 await asyncio.sleep(1.0)
 
     def doubts_settled(self) -> bool:

@@ -145,3 +145,37 @@ async def test_backwards_after_a_round_in_doubt_stay_for_the_next_epoch_and_coun
     finally:
         await optimizer.aclose()
         await dht.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_step_that_re_syncs_forgets_the_backwards_it_took_so_their_replay_counts_here(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P holds a backward for the step from version 0 and goes into that step; the round
+    finds the stage ahead (it stepped from 0 without P) and P downloads its state at
+    version 1 instead. The trainer replays that backward, and it may come back to P: P
+    computes it again and counts it in the step from 1. (Were P to keep its old answer,
+    at epoch 0, the trainer would see a step that went without P, replay it again, get
+    the same answer, and so on: a daemon's trainer did that ~25 times in 2 s, each
+    answer unsealed, until its auditor distrusted P, the stage's only live peer.)"""
+    host = await make_host()
+    dht = await DHTNode.create(host, bootstrap=[], hop_timeout=1.0)
+    try:
+        p, requests = stage_and_requests(1)
+        optimizer = StageOptimizer(dht, "exp", 0, p, hyper={"lr": 1e-3})
+        ((_, epoch),) = p.backward_many([requests[0]])
+        assert epoch == 0 and p.samples_for(0) == requests[0][3]
+
+        async def stage_was_ahead(weight: float, **_: Any) -> StepResult:
+            optimizer.averager.commits = 1  # (the download: the stage's state at version 1)
+            return StepResult(False, "re-synced with the swarm", resynced=True)
+
+        monkeypatch.setattr(optimizer.averager, "step", stage_was_ahead)
+        result = await optimizer.step(5.0)
+        assert result.resynced and optimizer.version == 1 and p.epoch == 1
+        assert optimizer.dropped_samples == requests[0][3]
+        ((_, epoch),) = p.backward_many([requests[0]])  # the trainer's replay, here
+        assert epoch == 1 and p.samples_for(1) == requests[0][3]
+    finally:
+        await optimizer.aclose()
+        await dht.aclose()
