@@ -161,9 +161,15 @@ async def test_a_stage_peer_that_dies_holding_the_whole_batch_does_not_stop_the_
     try:
         peers = [await swarm.stage_peer(0, module, global_batch=8) for _ in range(3)]
         victim, survivors = peers[0], peers[1:]
+        prints: dict[int, set[str]] = {}
         for peer in survivors:  # (not ready: the trainer sends the first batch to the victim)
             peer.server.serving = False
             await peer.server.announce()
+
+            def record(result: Any, peer: Any = peer) -> None:
+                prints.setdefault(peer.version, set()).add(peer.optimizer.fingerprint())
+
+            peer.on_step = record
 
         async def die_holding_the_batch(point: str) -> None:
             if point == "before_ready" and victim.version == 0:
@@ -180,7 +186,8 @@ async def test_a_stage_peer_that_dies_holding_the_whole_batch_does_not_stop_the_
         await trainer.settled()
         assert victim.version == 0 and victim.server.served["backward"] >= 1
         assert all(p.version >= 3 for p in survivors)
-        assert len({p.optimizer.fingerprint() for p in survivors}) == 1
+        # (Compared as each step left them: read now, one may be in its next step.)
+        assert prints and all(len(fps) == 1 for fps in prints.values()), prints
         assert_every_sample_in_one_step(survivors, trainer)
         assert trainer.ledger.replayed[0] >= 8  # (the victim held the whole batch)
     finally:
