@@ -308,8 +308,17 @@ async def test_stage_peers_training_with_clipping_all_scale_each_step_by_one_fac
         assert all(e.fallbacks == 0 and not e.disputed for e in exchanges)
         assert all(d.decision.factor < 1.0 for e in exchanges for d in e.decided)  # it clipped
         a, b = swarm.of_stage(1)
-        # (The slower peer may still be applying its step.)
-        await eventually(lambda: a.version == b.version, "stage 1's peers at one version", 20)
+        # (The slower peer may still be applying its step: a version counts a step
+        # before it is applied, and its state frozen.)
+        await eventually(
+            lambda: (
+                a.version == b.version
+                and a.optimizer.averager.last_fingerprint_commits == a.version
+                and b.optimizer.averager.last_fingerprint_commits == b.version
+            ),
+            "stage 1's peers at one version, applied",
+            20,
+        )
         assert a.optimizer.fingerprint() == b.optimizer.fingerprint()
     finally:
         trainer.close()

@@ -244,6 +244,8 @@ async def test_a_stage_peer_killed_mid_run_loses_no_microbatch_and_counts_none_t
                 versions = {p.version for p in alive}
                 if len(versions) > 1 or any(p.worker.epoch != p.version for p in alive):
                     return False  # a peer mid-step or behind
+                if any(p.optimizer.stepping for p in alive):
+                    return False  # a peer that counted its commit but not applied it yet
                 stepped = {v for p in [*alive, victim] if p.stage == s
                            for v in p.optimizer.step_samples}  # fmt: skip
                 if stepped != set(range(versions.pop())):
