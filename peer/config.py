@@ -359,6 +359,17 @@ OPTIONS: dict[str, Option] = {
             "auto",
         ),
         Option(
+            "work_log_max",
+            "SHOAL_WORK_LOG_MAX",
+            "in a verified experiment: the most training states this peer keeps for its "
+            "auditors, in RAM and in the data dir's work-log folder together, e.g. 2G; past it, "
+            "intermediate states go first (an audit re-runs them), then rounds older than "
+            "the last 2 even inside the 5-minute audit window (their audits fail as work "
+            "withheld)",
+            "SIZE",
+            "8G",
+        ),
+        Option(
             "reachability",
             "SHOAL_REACHABILITY",
             "auto: find out with the help of other peers; public: this address is "
@@ -424,6 +435,7 @@ class Config:
     device: str = "auto"
     precision: str = "fp32"
     verify: str = "auto"  # auto: on for strategies that support it
+    work_log_max: int | None = None  # bytes; None: the work log's default (8 GiB)
     reachability: str = "auto"
     swarm_key: Path | None = None
     allow_peers: Path | None = None
@@ -1089,6 +1101,7 @@ _PARSERS = {
     "device": _parse_device,
     "precision": _parse_precision,
     "verify": _parse_verify,
+    "work_log_max": _parse_memory,
     "reachability": _parse_reachability,
     "swarm_key": _parse_swarm_key,
     "allow_peers": _parse_allow_peers,

@@ -70,6 +70,7 @@ __all__ = [
     "make_outer_strategy",
     "open_session",
     "start_strategy",
+    "work_log_for",
 ]
 
 log = logging.getLogger("shoal.session")
@@ -410,6 +411,16 @@ async def _pipeline_session(
     )
 
 
+def work_log_for(config: Config, experiment_id: str, policy: AuditPolicy) -> WorkLog:
+    """A verifying trainer's work log: its states past the RAM budget go to disk (a 50M
+    model's state is 600 MB), at most `--work-log-max` of them in all."""
+    return WorkLog(
+        policy.segment_steps,
+        spill_dir=config.data_dir / "work-log" / experiment_id,
+        retain_bytes=config.work_log_max,
+    )
+
+
 def _trainer(
     config: Config,
     identity: Identity,
@@ -426,11 +437,7 @@ def _trainer(
     work = None
     if strategy.options.verify:
         work = VerifiedWork(
-            WorkLog(
-                audit_policy(strategy.options).segment_steps,
-                # states past the RAM budget go to disk (a 50M model's state is 600 MB)
-                spill_dir=config.data_dir / "work-log" / manifest.experiment_id,
-            ),
+            work_log_for(config, manifest.experiment_id, audit_policy(strategy.options)),
             manifest.namespace,
             identity.peer_id,
             shard,

@@ -6,7 +6,8 @@ passes, and every way a reveal can lie is named: altered states, a
 pseudo-gradient that is not the run's, a start that is not the global state.
 A log kept under a small memory budget re-runs the states it dropped and gets
 them bit for bit. A log that spills its states to disk reveals the same ones,
-never one whose file was altered, and leaves no file behind a round it let go."""
+never one whose file was altered, and leaves no file behind a round it let go;
+a daemon's log holds at most `--work-log-max` of states, RAM and disk together."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import pytest
 import torch
 
 from shoal.averaging.group import Group, Member, make_round_id
+from shoal.peer.cli import parse_command_line
+from shoal.peer.config import ConfigError
+from shoal.peer.session import work_log_for
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.task import load_task, shard_of
 from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
@@ -23,7 +27,7 @@ from shoal.peer.verify.reveals import Replay, Reveal, reveal_of
 from shoal.peer.verify.segments import SegmentRunner, round_batch_seed
 from shoal.peer.verify.spill import Spilled
 from shoal.peer.verify.verifier import audit_round_of
-from shoal.peer.verify.work_log import VerifiedWork, WorkLog, state_bytes
+from shoal.peer.verify.work_log import DEFAULT_SPILL_BYTES, VerifiedWork, WorkLog, state_bytes
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment
@@ -224,3 +228,28 @@ def test_spilled_files_go_with_their_round_and_at_start_up(task, tmp_path) -> No
         log.begin(r, 0, runner.model, runner.inner)
     assert [r for r in range(4) if log.get(r) is not None] == [2, 3]
     assert len(log.spilled_files()) == 2
+
+
+def test_a_daemons_work_log_holds_at_most_work_log_max_of_states(task, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    runner = SegmentRunner(task, check_hyperparameters({}))
+    two = 2 * state_bytes(runner.capture())
+    _, config = parse_command_line(
+        ["run", "--data-dir", str(tmp_path), "--work-log-max", str(two)], {}
+    )
+    log = work_log_for(config, "exp1", AuditPolicy(segment_steps=EVERY))
+    assert log.retain_bytes == two and log.every == EVERY
+    for r in range(4):  # (inside the audit window: only the bound lets rounds go)
+        log.begin(r, 0, runner.model, runner.inner)
+    assert [r for r in range(4) if log.get(r) is not None] == [2, 3]
+    assert {p.parent for p in log.spilled_files()} <= {tmp_path / "work-log" / "exp1"}
+
+    _, config = parse_command_line(
+        ["run", "--data-dir", str(tmp_path)], {"SHOAL_WORK_LOG_MAX": "2G"}
+    )
+    assert work_log_for(config, "exp1", AuditPolicy()).retain_bytes == 2 << 30
+    _, config = parse_command_line(["run", "--data-dir", str(tmp_path)], {})
+    assert (
+        work_log_for(config, "exp1", AuditPolicy()).retain_bytes == DEFAULT_SPILL_BYTES == 8 << 30
+    )
+    with pytest.raises(ConfigError, match="--work-log-max"):
+        parse_command_line(["run", "--work-log-max", "lots"], {})
