@@ -184,13 +184,15 @@ class StageBalancer:
         if state.virtual_time > floor:
             state.virtual_time = floor + (state.virtual_time - floor) * old / state.throughput
 
-    def failed(self, peer: Hashable, now: float) -> float:
-        """A request to `peer` failed or timed out: ban it; returns the ban's length."""
+    def failed(self, peer: Hashable, now: float, *, answered: bool = False) -> float:
+        """A request to `peer` failed or timed out: ban it; returns the ban's length.
+        `answered`: the peer itself refused it (behind its stage, re-syncing): banned
+        as well, but it is alive, not `failing`."""
         state = self._peers.get(peer)
         if state is None:
             return 0.0
         state.in_flight = max(0, state.in_flight - 1)
-        state.failing = True
+        state.failing = state.failing if answered else True
         if state.banned_until > now:
             # Requests sent before the ban fail with it: one fault, not several.
             return state.banned_until - now

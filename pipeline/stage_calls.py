@@ -30,7 +30,7 @@ import torch
 from shoal.averaging.compression import Codec
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
-from shoal.transport.errors import PayloadTooLarge, TransportError
+from shoal.transport.errors import PayloadTooLarge, RemoteError, TransportError
 from shoal.transport.identity import PeerID
 
 from .auditor import Answer, TrainerAuditor
@@ -102,6 +102,9 @@ class StageCalls:
         self.counters = TrainerCounters()
         self.versions = [0] * len(balancers)  # the newest version seen per stage
         self.served_by: dict[PeerID, int] = {}  # requests answered, per peer
+        # The newest version each peer answered (or pushed a step) at since its last
+        # (re)start: fresher than its DHT record, which lags its steps.
+        self.told: dict[PeerID, int] = {}
         self.local: dict[int, StageServer] = {}  # stages this process serves: called directly
         self.auditor: TrainerAuditor | None = None  # audits answers (a trainer's option)
         # What each stage's answers may hold (`probe_bounds`); None: only the wire's bound.
@@ -141,7 +144,9 @@ class StageCalls:
                     dry=dry,
                 )  # fmt: skip
             except (TransportError, TimeoutError, OSError, ValueError) as e:
-                banned = balancer.failed(peer, time.monotonic())
+                # (A refusal is an answer: the peer is alive, its record's version counts.)
+                answered = isinstance(e, RemoteError) or peer == self.dht.peer_id
+                banned = balancer.failed(peer, time.monotonic(), answered=answered)
                 self.counters.retries += 1
                 if isinstance(e, PayloadTooLarge):
                     self.counters.oversized_refused += 1
@@ -168,6 +173,7 @@ class StageCalls:
         version = meta.get("version")
         if isinstance(version, int) and not isinstance(version, bool):
             self.versions[stage] = max(self.versions[stage], version)
+            self.told[peer] = max(self.told.get(peer, version), version)
         self.counters.requests[method] += 1
         self.served_by[peer] = self.served_by.get(peer, 0) + 1
 

@@ -153,6 +153,7 @@ class PipelineTrainer:
             return False
         if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
             self.versions[stage] = max(self.versions[stage], version)
+            self.calls.told[ctx.peer] = max(self.calls.told.get(ctx.peer, version), version)
         self._settle(stage, payload, ctx.peer)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -212,12 +213,12 @@ class PipelineTrainer:
         reached, which its survivors could never serve (they would refuse as behind
         forever). Its microbatches of that step are replayed (the ledger). A peer
         whose last request failed stays out when its ban runs out: only an answer
-        or a newer record of its own says that it is back. A convicted peer counts
+        or a newer record of its own says that it is back. A peer that refused a
+        request (behind, re-syncing) answered: it counts. A convicted peer counts
         for nothing: it is called no more, and a version of its own (say it stepped
         alone, cut off by the bans) must not send the stage's honest peers refusing
         every request as behind."""
         balancer = self.balancers[s]
-        now = time.monotonic()
         views = balancer.snapshot()
         peers = []
         live_versions: list[int] = []
@@ -229,15 +230,19 @@ class PipelineTrainer:
                 continue  # arriving or re-syncing: it would refuse
             speed, version, since = record.get("fwd"), record.get("version"), record.get("since")
             peers.append((peer, speed if isinstance(speed, int | float) else None))
-            view = views.get(peer)
-            banned = view is not None and (view.banned_until > now or view.failing)
-            counts = _count(version) and not banned
-            if counts and not self._before_restart(s, version, since):
-                live_versions.append(version)
             if isinstance(since, int | float):
                 if since > self._announced.get(peer, since):
                     balancer.reannounced(peer)  # it restarted or re-synced: back
+                    self.calls.told.pop(peer, None)  # (what it told was another life's)
                 self._announced[peer] = since
+            # A peer banned for a refusal (behind, re-syncing) still counts: it is alive.
+            # Left out, a live peer behind a version only a dead peer reached would be
+            # sent that version, refuse, and be left out again, for ever. At the newest
+            # version it told us of: its record lags its steps.
+            view = views.get(peer)
+            counts = _count(version) and not (view is not None and view.failing)
+            if counts and not self._before_restart(s, version, since):
+                live_versions.append(max(version, self.calls.told.get(peer, version)))
         if live_versions:  # (with every peer banned for now: the version we knew)
             self.versions[s] = max(live_versions)
         balancer.set_peers(peers)
@@ -267,11 +272,11 @@ class PipelineTrainer:
         if saved:
             self.durable[s] = max(self.durable[s] or 0, min(saved))
             self.ledger.release(s, self.durable[s] or 0, self.versions[s])
-        views, now = self.balancers[s].snapshot(), time.monotonic()
+        views = self.balancers[s].snapshot()
 
-        def callable_(peer: PeerID) -> bool:
+        def callable_(peer: PeerID) -> bool:  # (alive: banned for a refusal is, `_read_stage`)
             view = views.get(peer)
-            return view is None or not (view.banned_until > now or view.failing)
+            return view is None or not view.failing
 
         for peer, record, since in records:
             restored = record.get("restored")

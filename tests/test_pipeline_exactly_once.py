@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from shoal.dht.node import DHTNode
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.ledger import Applied, MicrobatchLedger
 from shoal.pipeline.stage import StageWorker
+from shoal.pipeline.stage_calls import StageFailed
 from shoal.pipeline.stage_optimizer import StageOptimizer
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.transport.identity import Identity
@@ -179,3 +181,45 @@ async def test_a_step_that_re_syncs_forgets_the_backwards_it_took_so_their_repla
     finally:
         await optimizer.aclose()
         await dht.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_live_peer_behind_a_version_it_cannot_reach_is_not_left_out_for_good(
+    make_host: Callable[..., Any],
+) -> None:
+    """A trainer heard of a version of the stage that only a peer now dead reached (it
+    stepped alone, then died). The live peer, behind it, refuses the trainer's request
+    and is banned for a while; but it answered: it is alive, and the trainer's next read
+    of the stage takes the stage's version from it, so once the ban is over the peer
+    serves. (Counted as failing, it would be left out of the stage's version for good:
+    sent the dead peer's version, refusing, banned again. A daemon's stage stalled so.)"""
+    task = make_task(TINY)
+    (module,) = task.make_stages(3, 1)
+    swarm = Swarm(make_host)
+    try:
+        peer = await swarm.stage_peer(0, module, global_batch=64)
+        me = peer.server.dht.peer_id
+        trainer = await swarm.trainer(1, codec="none", attempts=1)
+        trainer.balancers[0].ban_base = 1.0  # (the test waits the ban out)
+        assert await trainer.refresh() == [1] and trainer.versions[0] == 0
+        batches = task.batches(0, 1, 0)
+
+        async def one(mb: int) -> None:
+            batch = next(batches)
+            await trainer.run(mb, task.stage_inputs(batch), lambda y: task.stage_loss(y, batch))
+
+        trainer.versions[0] = 1  # (the dead peer's lone step)
+        with pytest.raises(StageFailed):
+            await one(0)
+        view = trainer.balancers[0].snapshot()[me]
+        assert view.banned_until > 0 and not view.failing  # banned, but alive
+        await trainer.refresh()
+        assert trainer.versions[0] == 0
+        await eventually(
+            lambda: trainer.balancers[0].snapshot()[me].banned_until < time.monotonic(),
+            "the ban over", 10,
+        )  # fmt: skip
+        await one(1)
+        assert trainer.counters.samples == TINY["batch_size"]
+    finally:
+        await swarm.aclose()
