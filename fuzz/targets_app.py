@@ -105,6 +105,7 @@ def _trainer(stages: int) -> Any:
         step_sizes=[{} for _ in range(stages)], ledger=MicrobatchLedger(stages), _replays=set(),
         balancers=[StageBalancer() for _ in range(stages)], _changed=None, stages=stages,
         durable=[None] * stages, _restores=set(), _restarted=[None] * stages,
+        calls=SimpleNamespace(told={}),
     )  # fmt: skip
     t._settle = lambda stage, meta, source=None: PipelineTrainer._settle(t, stage, meta, source)  # type: ignore[arg-type]
     t._restored = lambda s, peer, version: PipelineTrainer._restored(t, s, peer, version)  # type: ignore[arg-type]
