@@ -566,7 +566,11 @@ class Gathering:
                 wake = min(wake, a.answer_by - self.margin)
         window = self._window_end()
         if self.started is not None and window is not None:
-            wake = min(wake, window)
+            # A window that has passed with the group too small wakes nobody: waking
+            # at once, every turn of the loop, till the deadline, was a busy wait
+            # (a lone leader burnt a core for the whole of its deadline).
+            if window > now:
+                wake = min(wake, window)
             if now < self.started + self.min_time:
                 wake = min(wake, self.started + self.min_time)
         for p in release:

@@ -386,6 +386,21 @@ def test_gathering_closes_when_full_or_when_nobody_else_is_expected() -> None:
     assert g.full and g.decide(0.1, pending=5, deadline=10.0).close  # capacity (4) reached
 
 
+def test_a_leader_alone_past_its_window_sleeps_until_something_changes() -> None:
+    """Below the minimum after `max_time`, nothing is due until the deadline (or a
+    change: a join, a poll); waking at once there was a busy wait that burnt a core
+    for the whole deadline (3.5 s of CPU in a 4 s wait)."""
+    g = make_gathering(max_time=3.0)
+    g.begin(0.0)
+    d = g.decide(3.5, pending=0, deadline=10.0)
+    assert not d.close and d.wake_at == pytest.approx(10.0)
+    (a,) = ids(1)  # (a joiner's answer is still due before the deadline)
+    g = make_gathering(min_size=3, max_time=3.0)
+    g.begin(0.0)
+    g.admit(Member(a), answer_by=8.0)
+    assert g.decide(3.5, pending=0, deadline=10.0).wake_at == pytest.approx(7.75)
+
+
 def test_gathering_answers_before_the_earliest_joiner_deadline() -> None:
     g = make_gathering(max_time=30.0)
     a, b = ids(2)
