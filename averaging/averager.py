@@ -65,6 +65,7 @@ from .group import Group, Member
 from .host_state import numel, off_loop
 from .lineage import declared_work, lineage_work
 from .matchmaking import Matchmaker
+from .moshpit import Grid
 from .presence import Presence
 from .served_state import ServedState
 from .state_loading import GENESIS, fetch_state, loaded_version, restored_version, write_state
@@ -123,6 +124,9 @@ class Averager:
         self.tensors = list(tensors)
         self.state = list(self.tensors if state is None else state)
         self.config = config or AveragerConfig()
+        if self.config.shared_state and self.config.matchmaking.grid is not None:
+            # One state bit for bit everywhere versus groups that each commit their own.
+            raise ValueError("a shared state cannot be averaged on a Moshpit grid")
         if self.config.adaptive_deadlines:  # its matchmaking deadlines are ours to change
             self.config = replace(self.config, matchmaking=replace(self.config.matchmaking))
         self._metadata = metadata or dict
@@ -175,6 +179,11 @@ class Averager:
                 c.matchmaking, c.allreduce, c.state_timeout, self.tensors, self.state
             )
         self._runner = StepRunner(self, self._matchmaker, self._service)
+
+    @property
+    def grid(self) -> Grid | None:
+        """Our place on the Moshpit grid (`MatchmakingConfig.grid_dims`), or None."""
+        return self._runner.grid
 
     async def aclose(self) -> None:
         if self._closed:

@@ -98,6 +98,29 @@ class Declarer:
         reply["cut_off"] = self.cut_off
         return reply
 
+    def move(self, dht_key: str) -> str:
+        """Declare under `dht_key` from now on (a Moshpit cell's); the key we left."""
+        left, self.dht_key = self.dht_key, dht_key
+        return left
+
+    async def withdraw(self, dht_key: str, *, timeout: float = DHT_TIMEOUT) -> bool:
+        """Declare "left" under `dht_key`, which we no longer declare under (a cell we
+        moved out of), so that its leaders stop waiting for us; our declaration
+        under the current key is unchanged."""
+        expiration = max(time.time() + self.declaration_ttl, self._expiration + 1e-3)
+        self._expiration = expiration
+        decl = Declaration(
+            self.peer_id, PeerState.LEFT, b"", self.addrs(), self.bandwidth, expiration, None
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.dht.store(
+                    dht_key, decl.to_value(), expiration, subkey=self._subkey
+                )
+        except (TimeoutError, DHTError, TransportError, OSError, RecordError) as e:
+            log.debug("%s: declaring that we left failed: %r", dht_key, e)
+            return False
+
     async def declare(
         self,
         state: PeerState,

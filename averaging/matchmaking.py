@@ -92,6 +92,7 @@ from .matchmaking_rules import (
 )
 from .matchmaking_upkeep import FIRST_POLL, Upkeep
 from .matchmaking_versions import Lineages, NeedsResync, Versions
+from .moshpit import cell_key
 
 __all__ = [
     "Lineages",
@@ -136,6 +137,9 @@ class Matchmaker:
         self.host = dht.host
         self.peer_id: PeerID = dht.peer_id
         self.key = key
+        # The key groups form under: `key`, or a Moshpit cell's (`enter_cell`).
+        self.group_key = key
+        self.cell: str | None = None
         self.config = config or MatchmakingConfig()
         self.bandwidth = float(bandwidth)
         self.dht_key = f"{key}/matchmaking"
@@ -245,6 +249,25 @@ class Matchmaker:
             PeerState.BUSY, state_version, timeout=timeout, work=work
         )
 
+    def enter_cell(self, cell: str | None) -> None:
+        """Form the next groups only with the peers of `cell` of the Moshpit grid
+        (`moshpit.Grid`; None: with every peer of the key). The RPC protocol stays
+        the key's, so a join that reaches us from our old cell is answered, and
+        refused as a group of another key. Our declaration in the cell we leave
+        becomes "left" (in the background), so that its leaders do not wait for us."""
+        if self._server.round is not None:
+            raise RuntimeError("form_group is running on this matchmaker")
+        group_key = self.key if cell is None else cell_key(self.key, cell)
+        if group_key == self.group_key:
+            return
+        self.cell, self.group_key = cell, group_key
+        for part in (self._server, self._prober, self._neighbors, self._client):
+            part.key = group_key
+        self.dht_key = f"{group_key}/matchmaking"
+        left = self.declarer.move(self.dht_key)
+        if self.declarer.declared[0] is not PeerState.LEFT:
+            self._busy_stores.spawn(self.declarer.withdraw(left, timeout=BUSY_STORE_LANDING_S))
+
     def set_aside_version(self, version: bytes, seconds: float) -> None:
         """Leave the peers declaring `version` out of our rounds (and out of the vote
         on which version is current) for `seconds`: a re-sync to it found no
@@ -282,6 +305,7 @@ class Matchmaker:
         rnd = self._server.round
         return {
             "key": self.key,
+            "cell": self.cell,
             "mode": rnd.mode if rnd is not None else "idle",
             "gathered": rnd.gathering.size if rnd is not None else 0,
             "suspected": len(self._suspicions),
@@ -302,7 +326,8 @@ class Matchmaker:
         excluded = (frozenset(exclude) | frozenset(self.host.blocked())) - {self.peer_id}
         set_aside, superseded = self._versions.left_out(time.monotonic())
         outlook = Outlook(
-            self.key, self.peer_id, version, excluded, self._suspicions, set_aside, superseded,
+            self.group_key, self.peer_id, version, excluded, self._suspicions, set_aside,
+            superseded,
             work, None if self.lineages is None else self.lineages.order,
         )  # fmt: skip
         gathering = Gathering(

@@ -25,6 +25,7 @@ from .matchmaking_rules import (
     Outlook,
     PeerState,
 )
+from .moshpit import MAX_GRID_DIMS
 
 T = TypeVar("T")
 
@@ -50,6 +51,13 @@ class MatchmakingConfig:
     # `NobodyElse` instead of waiting out the deadline. For callers whose round
     # is optional, such as an outer optimizer that trains on while it is alone.
     give_up_alone_after: float | None = None
+    # Moshpit averaging (`moshpit.Grid`): 0 for one key shared by all peers; else each
+    # round groups only the peers of one cell of a grid of this many dimensions, of
+    # `grid_side` cells each (0: half of `target_group_size`, so that a cell holding
+    # more peers than the side, as random places make common, still forms one group:
+    # the simulator's grids mix several times faster so). Not for a shared state.
+    grid_dims: int = 0
+    grid_side: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.target_group_size <= MAX_GROUP_SIZE:
@@ -64,6 +72,17 @@ class MatchmakingConfig:
             raise ValueError("protocol must look like /shoal/<name>/<version>")
         if self.give_up_alone_after is not None and self.give_up_alone_after < 0:
             raise ValueError("give_up_alone_after must be >= 0 (or None)")
+        if self.grid_dims and not 2 <= self.grid_dims <= MAX_GRID_DIMS:
+            raise ValueError(f"grid_dims must be 0 (no grid) or 2 to {MAX_GRID_DIMS}")
+        if self.grid_side and not 2 <= self.grid_side <= MAX_GROUP_SIZE:
+            raise ValueError(f"grid_side must be 0 (target_group_size) or 2 to {MAX_GROUP_SIZE}")
+
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        """(dimensions, side) of the Moshpit grid, or None without one."""
+        if not self.grid_dims:
+            return None
+        return self.grid_dims, self.grid_side or max(2, self.target_group_size // 2)
 
 
 class MatchmakingError(Exception):

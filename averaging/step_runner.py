@@ -28,6 +28,7 @@ from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .group import Group, Member
 from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
+from .moshpit import GRID_VERSION, Grid
 from .presence import Presence
 from .reducer import NOTHING_TO_AVERAGE
 from .step_result import AttemptLog, StepResult
@@ -84,12 +85,34 @@ class StepRunner:
         self._service = service
         self.shunned: dict[PeerID, float] = {}  # peer -> until (monotonic)
         self.log = AttemptLog()  # the current step's tries
+        grid = owner.config.matchmaking.grid
+        # Moshpit: our cell of the grid, where each step forms its groups.
+        self.grid = None if grid is None else Grid(*grid, owner.dht.peer_id)
+        if self.grid is not None:
+            matchmaker.enter_cell(self.grid.cell())
 
     def shun(self, peer: PeerID, seconds: float) -> None:
         self.shunned[peer] = max(self.shunned.get(peer, 0.0), time.monotonic() + seconds)
 
     async def run(self, weight: float, timeout: float | None, alone: bool) -> StepResult:
-        """One step (see `Averager.step`)."""
+        """One step (see `Averager.step`), in our cell of the grid when there is one."""
+        if self.grid is None:
+            return await self._run(weight, timeout, alone)
+        self._matchmaker.enter_cell(self.grid.cell())
+        result = await self._run(weight, timeout, alone)
+        if result.committed and result.round_id is not None:
+            self.grid.after_round(result.round_id, result.members)
+        else:
+            # Alone in the cell, or behind its peers (they moved on after their commit):
+            # try another one next time.
+            self.grid.scatter()
+        # Into the next cell now, not at the next step: what we declare until then
+        # (busy, between rounds) tells the leaders there to wait for us.
+        self._matchmaker.enter_cell(self.grid.cell())
+        self._owner.presence.lapsed()
+        return result
+
+    async def _run(self, weight: float, timeout: float | None, alone: bool) -> StepResult:
         owner = self._owner
         started = time.monotonic()
         stall = None
@@ -111,7 +134,7 @@ class StepRunner:
             looking, left_out = time.monotonic(), tuple(sorted(map(str, exclude)))
             try:
                 group = await self._matchmaker.form_group(
-                    state_version=owner.state_version,
+                    state_version=owner.state_version if self.grid is None else GRID_VERSION,
                     exclude=exclude,
                     deadline=deadline,
                     work=owner.work,

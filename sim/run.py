@@ -25,7 +25,11 @@ from simnet import CURRENT_HOST, SimNetwork
 from vtime import VirtualTimeLoop, virtual_clocks
 
 # workload -> (module, function): imported when used (averaging brings in torch)
-WORKLOADS = {"dht": ("dht_scenario", "run_dht"), "averaging": ("avg_scenario", "run_averaging")}
+WORKLOADS = {
+    "dht": ("dht_scenario", "run_dht"),
+    "averaging": ("avg_scenario", "run_averaging"),
+    "moshpit": ("moshpit_scenario", "run_moshpit"),
+}
 
 
 def simulate(scenario: Scenario) -> dict[str, Any]:

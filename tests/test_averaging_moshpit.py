@@ -1,0 +1,212 @@
+"""Moshpit averaging: a swarm larger than one group, grouped cell by cell on a virtual
+grid, holds the average of all after as many rounds as the grid has dimensions.
+
+First the grid's rules without a network, then real averagers over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.averaging.allreduce import AllReduceConfig
+from shoal.averaging.averager import Averager, AveragerConfig
+from shoal.averaging.matchmaking import MatchmakingConfig
+from shoal.averaging.matchmaking_rules import PeerState, parse_view
+from shoal.averaging.moshpit import Grid, cell_key, permutation
+from shoal.dht.node import DHTNode
+from shoal.transport.identity import Identity, PeerID
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def peers(n: int) -> list[PeerID]:
+    return sorted((Identity.generate().peer_id for _ in range(n)), key=lambda p: p.to_bytes())
+
+
+# ====================================================================== the grid's rules
+
+
+def test_a_peer_starts_in_a_cell_its_id_names_and_never_outside_the_grid() -> None:
+    for p in peers(50):
+        grid = Grid(3, 5, p)
+        assert grid.coords == Grid(3, 5, p).coords  # the same ID, the same cell
+        assert len(grid.coords) == 2 and all(0 <= c < 5 for c in grid.coords)
+        assert grid.cell() == ".".join(map(str, grid.coords))
+
+
+def test_the_members_of_a_round_move_on_to_distinct_coordinates() -> None:
+    members = peers(6)
+    grids = [Grid(2, 6, p) for p in members]
+    round_id = b"r" * 32
+    for g in grids:
+        g.after_round(round_id, members)
+    assert sorted(g.coords[-1] for g in grids) == list(range(6))
+    # Every member computes the one permutation, and it depends on the round.
+    assert permutation(round_id, 6) != permutation(b"s" * 32, 6)
+    assert sorted(permutation(round_id, 6)) == list(range(6))
+
+
+def test_the_oldest_coordinate_goes_first_and_a_lone_peer_scatters() -> None:
+    (me,) = peers(1)
+    grid = Grid(4, 7, me)
+    before = grid.coords
+    grid.after_round(b"x" * 32, [me])
+    assert grid.coords[:2] == before[1:]
+    grid.scatter()
+    assert len(grid.coords) == 3 and all(0 <= c < 7 for c in grid.coords)
+    assert grid.rounds == 2
+    with pytest.raises(ValueError, match="not a member"):
+        grid.after_round(b"x" * 32, peers(2))
+
+
+@pytest.mark.parametrize(("dims", "side"), [(2, 4), (3, 3), (4, 2)])
+def test_on_a_full_grid_every_peer_holds_the_exact_average_after_dims_rounds(
+    dims: int, side: int
+) -> None:
+    """side ** dims peers, one per place: grouping by cell and moving on as `Grid` says
+    mixes everyone with everyone in `dims` rounds (in exact arithmetic)."""
+    members = peers(side**dims)
+    grids = {p: Grid(dims, side, p) for p in members}
+    places = itertools.product(range(side), repeat=dims - 1)
+    for p, place in zip(members, itertools.cycle(places), strict=False):
+        grids[p].coords = place  # side peers per cell
+    values = {p: float(i) ** 2 for i, p in enumerate(members)}
+    mean = sum(values.values()) / len(values)
+    for r in range(dims):
+        cells: dict[str, list[PeerID]] = {}
+        for p in members:
+            cells.setdefault(grids[p].cell(), []).append(p)
+        assert sorted(map(len, cells.values())) == [side] * (len(members) // side)
+        for i, group in enumerate(cells.values()):
+            avg = sum(values[p] for p in group) / len(group)
+            for p in group:
+                values[p] = avg
+                grids[p].after_round(bytes([r, i]) * 16, group)
+    assert all(v == pytest.approx(mean, rel=1e-12) for v in values.values())
+
+
+def test_grid_settings_are_checked() -> None:
+    assert MatchmakingConfig().grid is None
+    assert MatchmakingConfig(grid_dims=3, target_group_size=8).grid == (3, 4)
+    assert MatchmakingConfig(grid_dims=2, grid_side=5).grid == (2, 5)
+    for bad in ({"grid_dims": 1}, {"grid_dims": 9}, {"grid_side": 1}, {"grid_side": 2000}):
+        with pytest.raises(ValueError, match="grid_"):
+            MatchmakingConfig(**bad)  # type: ignore[arg-type]
+    (p,) = peers(1)
+    with pytest.raises(ValueError):
+        Grid(2, 1, p)
+
+
+# ====================================================================== over loopback
+
+
+async def _swarm(make_host: Callable[..., Any], n: int) -> list[DHTNode]:
+    dhts: list[DHTNode] = []
+    for _ in range(n):
+        host = await make_host(max_connections_per_ip=10_000)
+        boot = [str(dhts[0].host.addresses()[0])] if dhts else []
+        dhts.append(await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0))
+    return dhts
+
+
+def _config(dims: int, side: int) -> AveragerConfig:
+    mm = MatchmakingConfig(
+        min_group_size=2, target_group_size=side, matchmaking_time=3.0,
+        min_matchmaking_time=0.3, grid_dims=dims, grid_side=side,
+    )  # fmt: skip
+    fast = AllReduceConfig(heartbeat_interval=0.05, stall_timeout=2.0, decision_timeout=0.3)
+    return AveragerConfig(matchmaking=mm, allreduce=fast)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("dims", "side"), [(2, 2), (3, 2)])
+async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
+    make_host: Callable[..., Any], dims: int, side: int
+) -> None:
+    """side ** dims real averagers, placed one per place of the grid: each round groups
+    exactly the peers of one cell (a group of `side`), the next round's groups mix the
+    previous ones, and after `dims` rounds every peer's vector is the mean of all the
+    inputs (to float32 rounding). Shared with one key for all, the same groups of
+    `side` would leave the swarm split."""
+    n = side**dims
+    dhts = await _swarm(make_host, n)
+    inputs = [torch.randn(256, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=_config(dims, side))
+            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
+    places = itertools.product(range(side), repeat=dims - 1)
+    for a, place in zip(avgs, itertools.cycle(places), strict=False):
+        assert a.grid is not None
+        a.grid.coords = place
+    try:
+        previous_groups: list[set[PeerID]] = []
+        for _ in range(dims):
+            cells = {a.dht.peer_id: a.grid.cell() for a in avgs if a.grid is not None}
+            results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+            groups = {r.round_id: set(r.members) for r in results}
+            for r in results:
+                assert r.committed and r.group_size == side, r.reason
+                assert len({cells[m] for m in r.members}) == 1  # one cell's peers only
+            for group in groups.values():  # each meets every group of the last round once
+                assert all(len(group & g) <= 1 for g in previous_groups)
+            previous_groups = list(groups.values())
+        mean = torch.stack([x.double() for x in inputs]).mean(0)
+        for a in avgs:
+            assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6, rtol=0)
+    finally:
+        for a in avgs:
+            await a.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_that_moves_on_leaves_its_old_cell_and_waits_in_the_new_one(
+    make_host: Callable[..., Any],
+) -> None:
+    """After a round, each member declares "left" in the cell it leaves (its leaders stop
+    waiting for it) and, once it announces itself between rounds, "busy" in the next."""
+    dhts = await _swarm(make_host, 2)
+    avgs = [Averager(d, "exp/moving", [torch.ones(8)], config=_config(2, 2)) for d in dhts]
+    for a in avgs:
+        assert a.grid is not None
+        a.grid.coords = (0,)
+    try:
+        results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+        assert all(r.committed for r in results)
+        me = avgs[0]
+        assert me.grid is not None and me.grid.cell() in {"0", "1"}
+        await me.announce_presence()
+
+        async def state_in(cell: str) -> PeerState | None:
+            got = await dhts[1].get(f"{cell_key('exp/moving', cell)}/matchmaking", latest=True)
+            view = parse_view(got.subkeys if got is not None else None, time.time())
+            decl = view.get(me.dht.peer_id)
+            return None if decl is None else decl.state
+
+        async with asyncio.timeout(20):  # (a DHT read has no event to wait on)
+            while await state_in("0") is not PeerState.LEFT and me.grid.cell() != "0":  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            while await state_in(me.grid.cell()) is not PeerState.BUSY:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    finally:
+        for a in avgs:
+            await a.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
+def test_a_shared_state_is_never_averaged_on_a_grid() -> None:
+    config = _config(2, 4)
+    config.shared_state = True
+
+    class _NoDHT:  # refused before the DHT is touched
+        pass
+
+    with pytest.raises(ValueError, match="Moshpit"):
+        Averager(_NoDHT(), "exp/shared", [torch.zeros(2)], config=config)  # type: ignore[arg-type]
