@@ -409,9 +409,14 @@ class Matchmaker:
         if decision.close:
             self._server.close(rnd)
             return
+        wake = min(decision.wake_at, next_poll, end)
+        if alone_after is not None and gathering.size == 1 and not pending:
+            give_up_at = gathering.started + alone_after  # (when it is due, if still alone)
+            if give_up_at > now:
+                wake = min(wake, give_up_at)
         rnd.changed.clear()
         try:
-            async with asyncio.timeout_at(min(decision.wake_at, next_poll, end)):
+            async with asyncio.timeout_at(wake):
                 await rnd.changed.wait()
         except TimeoutError:
             pass
