@@ -65,7 +65,7 @@ from .group import Group, Member
 from .host_state import numel, off_loop
 from .lineage import declared_work, lineage_work
 from .matchmaking import Matchmaker
-from .moshpit import Grid
+from .moshpit import GRID_VERSION, Grid
 from .presence import Presence
 from .served_state import ServedState
 from .state_loading import GENESIS, fetch_state, loaded_version, restored_version, write_state
@@ -340,7 +340,13 @@ class Averager:
         than the others from being left out of it (and then told to re-sync),
         however long the time between rounds.
         """
-        return await self.presence.announce(self.state_version, self.work, timeout)
+        return await self.presence.announce(self.matchmaking_version, self.work, timeout)
+
+    @property
+    def matchmaking_version(self) -> bytes:
+        """The version we declare and group by: our state's, or on a Moshpit grid the
+        one every peer there declares (`moshpit.GRID_VERSION`: nobody is behind)."""
+        return self.state_version if self._runner.grid is None else GRID_VERSION
 
     async def refresh_presence(self) -> bool:
         """`announce_presence` when our last declaration is a third of its TTL old (or

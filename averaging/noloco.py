@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,6 +81,15 @@ __all__ = ["NoLoCo"]
 ANNOUNCE_TIMEOUT = 5.0
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """How one round's exchange ended: its outcome, why, and the group's size."""
+
+    outcome: RoundOutcome
+    detail: str
+    group_size: int
+
+
 class NoLoCo(OuterStrategyBase):
     """NoLoCo over `params` (the model's parameters, changed in place)."""
 
@@ -97,16 +107,7 @@ class NoLoCo(OuterStrategyBase):
         # What is exchanged: a copy of the post-step outer parameters (float32, the
         # all-reduce's dtype), sent from its own storage while nothing else writes it.
         mixed_buffer, self._mixed = host_flat_zeros(self.params)
-        self.gossip = GossipAverager(
-            dht,
-            key,
-            [mixed_buffer],
-            config=GossipConfig(
-                allreduce=allreduce_config(self.options),
-                codec=self.options.codec,
-                adaptive=self.options.deadlines == "adaptive",
-            ),
-        )
+        self._make_exchange(mixed_buffer)
         self.outer_steps = 0  # also the round number that picks partners
         self.last_exchange: GossipResult | None = None
         self._protocol = state_protocol(key)
@@ -115,6 +116,29 @@ class NoLoCo(OuterStrategyBase):
             dht, key, lambda: self._frozen, protocol=self._protocol, copy=False
         )
         self._oversized_refused = 0
+
+    def _make_exchange(self, mixed_buffer: torch.Tensor) -> None:
+        """What averages `mixed_buffer` with others each round: a partner's gossip."""
+        self.gossip = GossipAverager(
+            self.dht,
+            self.key,
+            [mixed_buffer],
+            config=GossipConfig(
+                allreduce=allreduce_config(self.options),
+                codec=self.options.codec,
+                adaptive=self.options.deadlines == "adaptive",
+            ),
+        )
+
+    async def _exchange(self, round_number: int, weight: float) -> Exchange:
+        """Average the post-step outer parameters (`_mixed`, in place) with a partner."""
+        result = await self.gossip.step(round_number, weight=weight)
+        self.last_exchange = result
+        if result.committed:
+            return Exchange(RoundOutcome.COMMITTED, "", 2)
+        if result.partner is None:
+            return Exchange(RoundOutcome.NO_GROUP, result.reason, 1)
+        return Exchange(RoundOutcome.ABORTED, result.reason, 1)
 
     @property
     def oversized_refused(self) -> int:
@@ -166,17 +190,17 @@ class NoLoCo(OuterStrategyBase):
 
         await off_loop(outer_step, size)
         round_number = self.outer_steps
-        result = await self.gossip.step(round_number, weight=float(self.samples_since_sync))
-        self.last_exchange = result
+        exchange = await self._exchange(round_number, float(self.samples_since_sync))
+        committed = exchange.outcome is RoundOutcome.COMMITTED
         fingerprint = None
-        if result.committed:
+        if committed:
             fingerprint = await asyncio.to_thread(
                 state_fingerprint, self._mixed, {"round": round_number}
             )
         gamma = self.options.param_mixing
 
         def merge() -> None:
-            if result.committed:
+            if committed:
                 for o, m in zip(self.outer, self._mixed, strict=True):
                     o.lerp_(m.to(o.dtype), gamma)  # (exactly the mean at 1)
             copy_into(self.params, self.outer)
@@ -185,16 +209,10 @@ class NoLoCo(OuterStrategyBase):
         self.samples_since_sync = 0
         self.outer_steps += 1
         await self._publish()
-        if result.committed:
-            outcome, detail = RoundOutcome.COMMITTED, ""
-        elif result.partner is None:
-            outcome, detail = RoundOutcome.NO_GROUP, result.reason
-        else:
-            outcome, detail = RoundOutcome.ABORTED, result.reason
         return self._report(
-            outcome,
-            detail,
-            group_size=2 if result.committed else 1,
+            exchange.outcome,
+            exchange.detail,
+            group_size=exchange.group_size,
             fingerprint=fingerprint,
             duration_s=clock.seconds,
             bytes_sent=clock.bytes_sent,

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from .diloco_options import DiLoCoOptions, StreamingOptions
+from .moshpit_options import MoshpitOptions
 from .noloco_options import NoLoCoOptions
 from .options import OuterOptions, StrategyOptions, VerifyingOptions
 
@@ -57,6 +58,7 @@ def unregister(name: str) -> None:
 register(DiLoCoOptions)
 register(StreamingOptions)
 register(NoLoCoOptions)
+register(MoshpitOptions)
 
 
 def strategy_names() -> tuple[str, ...]:

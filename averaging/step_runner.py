@@ -100,6 +100,15 @@ class StepRunner:
             return await self._run(weight, timeout, alone)
         self._matchmaker.enter_cell(self.grid.cell())
         result = await self._run(weight, timeout, alone)
+        left = None if timeout is None else timeout - result.seconds
+        if _alone(result) and (left is None or left > 1.0):
+            # Nobody else in our cell (a swarm smaller than the grid, or an empty cell
+            # after churn): this round, with the peers of the whole key who are alone
+            # in theirs too, rather than with nobody.
+            self._matchmaker.enter_cell(None)
+            first, result = result, await self._run(weight, left, alone)
+            attempts = first.attempt_log + result.attempt_log
+            result = replace(result, seconds=first.seconds + result.seconds, attempt_log=attempts)
         if result.committed and result.round_id is not None:
             self.grid.after_round(result.round_id, result.members)
         else:
@@ -299,6 +308,15 @@ class StepRunner:
             {me: weight},
             attempt_log=tuple(self.log.attempts),
         )
+
+
+def _alone(result: StepResult) -> bool:
+    """Whether a step ended because nobody else was declared at all (`NobodyElse`)."""
+    return (
+        not result.committed
+        and bool(result.attempt_log)
+        and (result.attempt_log[-1].outcome == "alone")
+    )
 
 
 def _no_group_outcome(why: Exception) -> str:

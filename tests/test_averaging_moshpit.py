@@ -201,6 +201,38 @@ async def test_a_peer_that_moves_on_leaves_its_old_cell_and_waits_in_the_new_one
             await d.aclose()
 
 
+@pytest.mark.timeout(60)
+async def test_peers_alone_in_their_cells_average_together_under_the_whole_key(
+    make_host: Callable[..., Any],
+) -> None:
+    """A swarm smaller than its grid: three peers, each alone in a cell of its own,
+    give their cells up once nobody else is declared there and form one group of
+    three under the averaged key, then move on to cells of the grid again."""
+    dhts = await _swarm(make_host, 3)
+    mm = MatchmakingConfig(
+        min_group_size=2, target_group_size=16, matchmaking_time=3.0,
+        min_matchmaking_time=0.3, give_up_alone_after=0.5, grid_dims=2,
+    )  # fmt: skip
+    config = AveragerConfig(matchmaking=mm)
+    avgs = [Averager(d, "exp/sparse", [torch.full((8,), float(i))], config=config)
+            for i, d in enumerate(dhts)]  # fmt: skip
+    for i, a in enumerate(avgs):
+        assert a.grid is not None
+        a.grid.coords = (i,)
+    try:
+        results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+        for r in results:
+            assert r.committed and r.group_size == 3, r.reason
+            assert r.attempt_log[0].outcome == "alone"  # first in its cell
+        assert all(torch.equal(a.tensors[0], torch.full((8,), 1.0)) for a in avgs)
+        assert len({a.grid.cell() for a in avgs if a.grid is not None}) == 3
+    finally:
+        for a in avgs:
+            await a.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
 def test_a_shared_state_is_never_averaged_on_a_grid() -> None:
     config = _config(2, 4)
     config.shared_state = True

@@ -196,7 +196,9 @@ STREAMING = ["--strategy", "streaming", *QUICK, "--strategy-option", "fragments=
 
 
 @pytest.mark.parametrize(
-    "strategy", [QUICK, STREAMING, ["--strategy", "noloco"]], ids=["diloco", "streaming", "noloco"]
+    "strategy",
+    [QUICK, STREAMING, ["--strategy", "noloco"], ["--strategy", "moshpit", *QUICK]],
+    ids=["diloco", "streaming", "noloco", "moshpit"],
 )
 async def test_a_safetensors_export_of_any_task_holds_the_global_parameters(
     texts: Path, tmp_path: Path, strategy: list[str]

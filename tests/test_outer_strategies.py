@@ -1,4 +1,5 @@
-"""Outer optimizers (DiLoCo, Streaming DiLoCo, NoLoCo) over real hosts and DHT nodes on loopback.
+"""Outer optimizers (DiLoCo, Streaming DiLoCo, NoLoCo, Moshpit) over real hosts and DHT nodes
+on loopback.
 
 The "model" is a few small tensors; an inner step pulls them toward a target of
 the peer's own (so every peer's pseudo-gradient differs), in a worker thread
@@ -20,6 +21,7 @@ from shoal.averaging import host_state
 from shoal.averaging.averager import restored_version
 from shoal.averaging.diloco import DiLoCo, StreamingDiLoCo, split_fragments
 from shoal.averaging.gossip import pairing
+from shoal.averaging.moshpit_strategy import Moshpit
 from shoal.averaging.noloco import NoLoCo
 from shoal.averaging.outer import (
     DEFAULT_OPTIONS,
@@ -634,6 +636,47 @@ async def test_noloco_pairs_follow_pairing_and_end_identical_without_a_group(
     assert await peers[0].dht.get("exp/outer/matchmaking") is None
     # replicas stay apart (no all-reduce) but close
     assert len({p.strategy.fingerprint() for p in peers}) > 1
+
+
+# ---------------------------------------------------------------------- Moshpit
+
+
+@pytest.mark.timeout(90)
+async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
+    swarm: Callable[..., Any], whole_state_math: None
+) -> None:
+    """8 peers on a full 2 x 2 x 2 grid (groups of 2): each round's members commit the
+    same bits, each round's groups take one member from two groups of the round before,
+    and once the parameters stop moving (rounds 2 and 3 follow no inner step, and
+    without momentum the outer step is zero) every replica holds the one mean of all
+    8 after 3 rounds: a pair's gossip would still leave them apart."""
+    options = {"inner_steps": 1, "target_group_size": 2, "grid_dims": 3, "grid_side": 2,
+               "outer_momentum": 0.0}  # fmt: skip
+    peers = await swarm("moshpit", 8, options)
+    assert isinstance(peers[0].strategy, Moshpit)
+    places = [(a, b) for a in range(2) for b in range(2)] * 2
+    for peer, place in zip(peers, places, strict=True):
+        peer.strategy.averager.grid.coords = place
+    ids = [p.dht.peer_id for p in peers]
+    # Round 1 on trained parameters; rounds 2 and 3 average what round 1 left (no
+    # inner step moves the parameters: the strategy's round follows the zero step).
+    first = await asyncio.gather(*(p.train(1, samples=8) for p in peers))
+    previous = {frozenset(p.strategy.last_step.members) for p in peers}
+    for (report,) in first:
+        assert report.committed and report.group_size == 2
+    for _ in range(2):
+        reports = await asyncio.gather(*(p.strategy.after_inner_step(8) for p in peers))
+        assert all(r.committed and r.group_size == 2 for (r,) in reports)
+        groups = {frozenset(p.strategy.last_step.members) for p in peers}
+        assert all(len(g & h) <= 1 for g in groups for h in previous)
+        previous = groups
+        for p in peers:  # the members of a group hold the same bits
+            mates = [peers[ids.index(m)] for m in p.strategy.last_step.members]
+            assert all(torch.equal(p.strategy._mixed[0], m.strategy._mixed[0]) for m in mates)
+    flats = [torch.cat([t.flatten() for t in p.strategy.outer]) for p in peers]
+    spread = max(float((f - torch.stack(flats).mean(0)).abs().max()) for f in flats)
+    assert spread < 1e-5
+    assert await peers[0].dht.get("exp/outer/matchmaking") is None  # groups form in cells
 
 
 @pytest.mark.timeout(40)

@@ -189,7 +189,7 @@ def test_the_cli_reads_every_schema_without_torch() -> None:
         "from shoal.averaging.registry import strategy_names\n"
         "build_parser().format_help()\n"
         "names = strategy_names()\n"
-        "assert names == ('diloco', 'streaming', 'noloco', 'pipeline'), names\n"
+        "assert names == ('diloco', 'streaming', 'noloco', 'moshpit', 'pipeline'), names\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     command = [sys.executable, "-c", code]
@@ -228,6 +228,13 @@ LEGACY_DEFAULTS: dict[str, dict[str, Any]] = {
         "codec": "none", "round_timeout": 30.0, "stall_timeout": 5.0,
         "state_timeout": 120.0, "deadlines": "adaptive", "verify": False,
     },
+    "moshpit": {
+        "inner_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.9, "codec": "none",
+        "min_group_size": 2, "target_group_size": 64, "matchmaking_time": 5.0,
+        "round_timeout": 30.0, "stall_timeout": 5.0, "state_timeout": 120.0,
+        "deadlines": "adaptive", "verify": False, "param_mixing": 1.0, "grid_dims": 2,
+        "grid_side": 0,
+    },
 }  # fmt: skip
 
 
@@ -247,7 +254,7 @@ def test_a_manifest_without_a_newer_option_reads_as_its_default() -> None:
 
 
 def test_the_schemas_say_what_each_strategy_can_do(toy: type[ToyOptions]) -> None:
-    assert outer_strategy_names() == ("diloco", "streaming", "noloco", "toy")
+    assert outer_strategy_names() == ("diloco", "streaming", "noloco", "moshpit", "toy")
     assert [n for n in strategy_names() if can_verify(n)] == ["diloco", "pipeline"]
     assert [n for n in strategy_names() if is_pipeline(n)] == ["pipeline"]
     assert schema_of("pipeline") is PipelineOptions
