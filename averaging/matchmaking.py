@@ -67,7 +67,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from shoal.dht.node import DHTNode
@@ -83,6 +83,7 @@ from .matchmaking_join import ANSWER_MARGIN, JoinClient, JoinServer, Prober
 from .matchmaking_round import Closing, MatchmakingConfig, MatchmakingError, Mode, Round
 from .matchmaking_rules import (
     MAX_VERSION_BYTES,
+    Declaration,
     Gathering,
     JoinReply,
     Outlook,
@@ -140,6 +141,9 @@ class Matchmaker:
         # The key groups form under: `key`, or a Moshpit cell's (`enter_cell`).
         self.group_key = key
         self.cell: str | None = None
+        # Peers (us included) declared taking part in our last round's view: how
+        # crowded the key is (a Moshpit grid moves to its cells past one group).
+        self.last_crowd = 1
         self.config = config or MatchmakingConfig()
         self.bandwidth = float(bandwidth)
         self.dht_key = f"{key}/matchmaking"
@@ -220,6 +224,7 @@ class Matchmaker:
             if rnd.mode != Mode.CLOSED or rnd.waiters:
                 rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
             rnd.mode = Mode.CLOSED
+            self.last_crowd = crowd(rnd.view, self.peer_id)
             self._server.round = None
             self._idle.set()
             self._suspicions.prune(time.time())
@@ -429,3 +434,9 @@ class Matchmaker:
             return None
         began = max(d.expiration for d in syncing) - self.config.declaration_ttl
         return now + (began + self.config.resync_grace - time.time())
+
+
+def crowd(view: Mapping[PeerID, Declaration], me: PeerID) -> int:
+    """Peers taking part (looking, busy or syncing) in `view`, us included."""
+    active = (PeerState.LOOKING, PeerState.BUSY, PeerState.SYNCING)
+    return 1 + sum(1 for p, d in view.items() if p != me and d.state in active)

@@ -8,6 +8,13 @@ each and, every round, groups the peers that share all coordinates but one: afte
 ``dims`` rounds on a full grid (``side ** dims`` peers, every group complete), every
 peer holds the exact average of all.
 
+A peer starts under the averaged key itself, as without a grid: a swarm that fits
+in one group (`target_group_size`) agrees there in one round, where cells would
+only split it. Once a round there finds more peers declared than one group holds
+(or a newcomer finds nobody there twice in a row: the swarm is in its cells), the
+peer moves to the grid for good; a peer alone in its cell averages that round
+under the whole key with the others alone in theirs.
+
 Here a peer's place is the ``dims - 1`` coordinates that name its *cell*: the
 matchmaking key of its next round (`Matchmaker.enter_cell`). After a round, every
 member drops its oldest coordinate and appends a new one: its place in a
@@ -38,6 +45,8 @@ from shoal.transport.identity import PeerID
 __all__ = ["GRID_VERSION", "MAX_GRID_DIMS", "Grid", "cell_key", "permutation"]
 
 MAX_GRID_DIMS = 8
+# Rounds in a row alone under the whole key before a peer looks in its cell instead.
+ALONE_ROUNDS_TO_CELLS = 2
 # What every peer on a grid declares as its state version. Grouping by commit count,
 # as one key does, has a peer whose group committed later (or not at all) re-sync to
 # a faster group's state when they meet, throwing its input away: on a grid every
@@ -64,6 +73,23 @@ class Grid:
             int.from_bytes(seed[4 * i : 4 * i + 4], "big") % side for i in range(dims - 1)
         )
         self.rounds = 0  # rounds that moved us (commits and scatters)
+        # Under the whole key until it is crowded (`note_whole_key`): a swarm that fits
+        # in one group agrees in one round there, and would only be split by cells.
+        self.in_cells = False
+        self._alone_in_key = 0
+
+    def next_cell(self) -> str | None:
+        """Where our next round forms its group: our cell, or None for the whole key."""
+        return self.cell() if self.in_cells else None
+
+    def note_whole_key(self, crowd: int, alone: bool, target: int) -> None:
+        """After a round under the whole key where `crowd` peers (us included) were
+        declared: more than one group's worth (`target`) sends us to the cells for
+        good; so does finding nobody there twice in a row (a newcomer to a swarm
+        that is all in cells)."""
+        self._alone_in_key = self._alone_in_key + 1 if alone else 0
+        if crowd > target or self._alone_in_key >= ALONE_ROUNDS_TO_CELLS:
+            self.in_cells = True
 
     def cell(self) -> str:
         """The name of our cell: the suffix of the matchmaking key of our next round."""

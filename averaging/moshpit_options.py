@@ -34,7 +34,7 @@ class MoshpitOptions(GroupOptions):
     grid_side: int = Opt(
         integer(0, 1024),
         "0 or an int in 2..1024",
-        "cells per dimension (0: half of target_group_size)",
+        "cells per dimension (0: an eighth of target_group_size)",
     )(0)
 
     def check_together(self) -> None:

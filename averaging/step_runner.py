@@ -9,6 +9,7 @@ a lone commit when nobody else averages a shared state, or no group at all.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -18,7 +19,8 @@ from typing import Protocol
 
 import torch
 
-from shoal.dht.node import DHTNode
+from shoal.dht.node import DHTError, DHTNode
+from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 
 from .allreduce import AllReduceOutcome, AllReduceService
@@ -31,6 +33,7 @@ from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
 from .moshpit import GRID_VERSION, Grid
 from .presence import Presence
 from .reducer import NOTHING_TO_AVERAGE
+from .state_sync import find_holders
 from .step_result import AttemptLog, StepResult
 
 log = logging.getLogger("shoal.averaging")
@@ -40,6 +43,8 @@ UNREACHABLE_VERSION_S = 30.0
 # After a commit with others, peers still declaring the version we left are behind
 # (they missed the round): never re-sync back to it for this long.
 SUPERSEDED_VERSION_S = 60.0
+# A read of the state holders (how large a Moshpit grid's swarm is) takes at most this.
+HOLDERS_TIMEOUT = 2.0
 
 
 class StepOwner(Protocol):
@@ -88,8 +93,6 @@ class StepRunner:
         grid = owner.config.matchmaking.grid
         # Moshpit: our cell of the grid, where each step forms its groups.
         self.grid = None if grid is None else Grid(*grid, owner.dht.peer_id)
-        if self.grid is not None:
-            matchmaker.enter_cell(self.grid.cell())
 
     def shun(self, peer: PeerID, seconds: float) -> None:
         self.shunned[peer] = max(self.shunned.get(peer, 0.0), time.monotonic() + seconds)
@@ -98,17 +101,22 @@ class StepRunner:
         """One step (see `Averager.step`), in our cell of the grid when there is one."""
         if self.grid is None:
             return await self._run(weight, timeout, alone)
-        self._matchmaker.enter_cell(self.grid.cell())
+        cell = self.grid.next_cell()
+        self._matchmaker.enter_cell(cell)
         result = await self._run(weight, timeout, alone)
         left = None if timeout is None else timeout - result.seconds
-        if _alone(result) and (left is None or left > 1.0):
+        if cell is not None and _alone(result) and (left is None or left > 1.0):
             # Nobody else in our cell (a swarm smaller than the grid, or an empty cell
             # after churn): this round, with the peers of the whole key who are alone
             # in theirs too, rather than with nobody.
-            self._matchmaker.enter_cell(None)
+            self._matchmaker.enter_cell(cell := None)
             first, result = result, await self._run(weight, left, alone)
             attempts = first.attempt_log + result.attempt_log
             result = replace(result, seconds=first.seconds + result.seconds, attempt_log=attempts)
+        if cell is None and not self.grid.in_cells:
+            target = self._owner.config.matchmaking.target_group_size
+            crowd = max(self._matchmaker.last_crowd, await self._holders())
+            self.grid.note_whole_key(crowd, _alone(result), target)
         if result.committed and result.round_id is not None:
             self.grid.after_round(result.round_id, result.members)
         else:
@@ -117,9 +125,22 @@ class StepRunner:
             self.grid.scatter()
         # Into the next cell now, not at the next step: what we declare until then
         # (busy, between rounds) tells the leaders there to wait for us.
-        self._matchmaker.enter_cell(self.grid.cell())
+        self._matchmaker.enter_cell(self.grid.next_cell())
         self._owner.presence.lapsed()
         return result
+
+    async def _holders(self) -> int:
+        """Peers (us included) that announced a state of the key: how large the swarm
+        is, where one round's view under the whole key can miss most of it (a group
+        that formed fast saw only itself, and would never leave the key). A claim of
+        each peer, bounded by the DHT's record; a liar can only send peers to their
+        cells early, where a peer alone falls back to the whole key anyway."""
+        try:
+            async with asyncio.timeout(HOLDERS_TIMEOUT):
+                return 1 + len(await find_holders(self._owner.dht, self._owner.key))
+        except (TimeoutError, DHTError, TransportError, OSError) as e:
+            log.debug("%s: reading the state holders failed: %r", self._owner.key, e)
+            return 0
 
     async def _run(self, weight: float, timeout: float | None, alone: bool) -> StepResult:
         owner = self._owner

@@ -91,9 +91,27 @@ def test_on_a_full_grid_every_peer_holds_the_exact_average_after_dims_rounds(
     assert all(v == pytest.approx(mean, rel=1e-12) for v in values.values())
 
 
+def test_a_peer_leaves_the_whole_key_for_its_cell_once_the_key_is_crowded() -> None:
+    (p,) = peers(1)
+    grid = Grid(2, 4, p)
+    assert grid.next_cell() is None  # a swarm that fits in one group stays together
+    grid.note_whole_key(crowd=8, alone=False, target=8)
+    assert grid.next_cell() is None
+    grid.note_whole_key(crowd=9, alone=False, target=8)  # more than one group's worth
+    assert grid.next_cell() == grid.cell()
+    newcomer = Grid(2, 4, p)  # nobody under the key twice in a row: all are in cells
+    newcomer.note_whole_key(crowd=1, alone=True, target=8)
+    newcomer.note_whole_key(crowd=3, alone=False, target=8)
+    newcomer.note_whole_key(crowd=1, alone=True, target=8)
+    assert newcomer.next_cell() is None
+    newcomer.note_whole_key(crowd=1, alone=True, target=8)
+    assert newcomer.next_cell() == newcomer.cell()
+
+
 def test_grid_settings_are_checked() -> None:
     assert MatchmakingConfig().grid is None
-    assert MatchmakingConfig(grid_dims=3, target_group_size=8).grid == (3, 4)
+    assert MatchmakingConfig(grid_dims=3, target_group_size=64).grid == (3, 8)
+    assert MatchmakingConfig(grid_dims=3, target_group_size=8).grid == (3, 2)
     assert MatchmakingConfig(grid_dims=2, grid_side=5).grid == (2, 5)
     for bad in ({"grid_dims": 1}, {"grid_dims": 9}, {"grid_side": 1}, {"grid_side": 2000}):
         with pytest.raises(ValueError, match="grid_"):
@@ -142,7 +160,7 @@ async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
     places = itertools.product(range(side), repeat=dims - 1)
     for a, place in zip(avgs, itertools.cycle(places), strict=False):
         assert a.grid is not None
-        a.grid.coords = place
+        a.grid.coords, a.grid.in_cells = place, True
     try:
         previous_groups: list[set[PeerID]] = []
         for _ in range(dims):
@@ -165,6 +183,40 @@ async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
             await d.aclose()
 
 
+@pytest.mark.timeout(90)
+async def test_a_swarm_of_one_group_stays_under_the_key_and_a_larger_one_moves_to_cells(
+    make_host: Callable[..., Any],
+) -> None:
+    """Four peers with groups of up to 4: one group of all four, round after round,
+    under the averaged key (cells would only split them). Six: the first round under
+    the key sees more than a group's worth, and from the next one every peer is in
+    its cell."""
+    dhts = await _swarm(make_host, 6)
+    small = [Averager(d, "exp/small", [torch.full((8,), float(i))], config=_config(2, 4))
+             for i, d in enumerate(dhts[:4])]  # fmt: skip
+    large: list[Averager] = []
+    try:
+        for _ in range(2):
+            results = await asyncio.gather(*(a.step(timeout=30.0) for a in small))
+            assert all(r.committed and r.group_size == 4 for r in results), results
+            assert all(a.grid is not None and not a.grid.in_cells for a in small)
+        assert all(torch.equal(a.tensors[0], torch.full((8,), 1.5)) for a in small)
+        for a in small:  # (one all-reduce service per host: one averager at a time here)
+            await a.aclose()
+        large = [Averager(d, "exp/large", [torch.full((8,), float(i))], config=_config(2, 2))
+                 for i, d in enumerate(dhts)]  # fmt: skip
+        # (All six declared before they look, so that every view holds the crowd.)
+        assert all(await asyncio.gather(*(a.announce_presence() for a in large)))
+        await asyncio.gather(*(a.step(timeout=30.0) for a in large))
+        assert all(a.grid is not None and a.grid.in_cells for a in large)
+        assert all(a._matchmaker.cell == a.grid.cell() for a in large if a.grid is not None)
+    finally:
+        for a in small + large:
+            await a.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
 @pytest.mark.timeout(60)
 async def test_a_peer_that_moves_on_leaves_its_old_cell_and_waits_in_the_new_one(
     make_host: Callable[..., Any],
@@ -175,7 +227,7 @@ async def test_a_peer_that_moves_on_leaves_its_old_cell_and_waits_in_the_new_one
     avgs = [Averager(d, "exp/moving", [torch.ones(8)], config=_config(2, 2)) for d in dhts]
     for a in avgs:
         assert a.grid is not None
-        a.grid.coords = (0,)
+        a.grid.coords, a.grid.in_cells = (0,), True
     try:
         results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
         assert all(r.committed for r in results)
@@ -211,14 +263,14 @@ async def test_peers_alone_in_their_cells_average_together_under_the_whole_key(
     dhts = await _swarm(make_host, 3)
     mm = MatchmakingConfig(
         min_group_size=2, target_group_size=16, matchmaking_time=3.0,
-        min_matchmaking_time=0.3, give_up_alone_after=0.5, grid_dims=2,
+        min_matchmaking_time=0.3, give_up_alone_after=0.5, grid_dims=2, grid_side=8,
     )  # fmt: skip
     config = AveragerConfig(matchmaking=mm)
     avgs = [Averager(d, "exp/sparse", [torch.full((8,), float(i))], config=config)
             for i, d in enumerate(dhts)]  # fmt: skip
     for i, a in enumerate(avgs):
         assert a.grid is not None
-        a.grid.coords = (i,)
+        a.grid.coords, a.grid.in_cells = (i,), True
     try:
         results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
         for r in results:

@@ -657,6 +657,7 @@ async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
     places = [(a, b) for a in range(2) for b in range(2)] * 2
     for peer, place in zip(peers, places, strict=True):
         peer.strategy.averager.grid.coords = place
+        peer.strategy.averager.grid.in_cells = True
     ids = [p.dht.peer_id for p in peers]
     # Round 1 on trained parameters; rounds 2 and 3 average what round 1 left (no
     # inner step moves the parameters: the strategy's round follows the zero step).

@@ -311,16 +311,18 @@ def test_real_averagers_over_the_simulator_commit_in_groups_of_every_peer(
 def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     tmp_path: Path,
 ) -> None:
-    """16 peers, groups of at most 8 on a 4 x 4 grid: a burst of rounds brings their
-    vectors together, and no peer's input is thrown away by a re-sync (one key for
-    all, in the same run, is the baseline beside it)."""
+    """16 peers, groups of at most 8: the first rounds under the whole key find it
+    crowded and move the peers to the cells of a 2 x 2 grid, a burst of rounds brings
+    their vectors together, and no peer's input is thrown away by a re-sync (one key
+    for all, in the same run, is the baseline beside it)."""
     scenario = {
         **SMALL,
         "name": "moshpit_ci",
         "peers": 16,
         "churn": None,
         "workload": {"kind": "moshpit", "join_window_s": 2, "size": 64, "grid_dims": 2,
-                     "grid_side": 4, "rounds": 4, "min_matchmaking_time": 3.0},
+                     "grid_side": 2, "target_group_size": 8, "rounds": 5,
+                     "min_matchmaking_time": 3.0},
     }  # fmt: skip
     result = run_scenario(tmp_path, scenario)
     for arm in (result, result["one_key"]):
@@ -328,10 +330,10 @@ def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
             "rounds_to_agreement", "state_spread", "lost_work_fraction", "mean_error",
             "bytes_per_peer_per_round", "dht_requests_per_peer_per_min",
         }  # fmt: skip
-        assert len(arm["state_spread"]) == 4
+        assert len(arm["state_spread"]) == 5
     assert result["peers"] == 16 and result["grid_dims"] == 2
     assert result["lost_work_fraction"] == 0.0  # nobody on a grid re-syncs
-    assert result["state_spread"][-1] < result["state_spread"][0] / 10
+    assert result["state_spread"][-1] < result["state_spread"][0] / 4
     assert max(map(int, result["group_sizes"])) <= 8
 
 
