@@ -310,6 +310,9 @@ class Outlook:
     # decides between versions that went their own ways. None: nothing is certified,
     # every version is unverified alike.
     orders: Callable[[bytes], tuple[int, int]] | None = None
+    # Ranks computed so far: a pure function of (key, version, peer), asked for every
+    # candidate each time a leader wakes (each join), a hash and an encoding apiece.
+    _ranks: dict[PeerID, bytes] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def usable(self, decl: Declaration) -> bool:
         return (
@@ -328,7 +331,10 @@ class Outlook:
         ]
 
     def rank(self, peer: PeerID) -> bytes:
-        return rank(self.key, self.version, peer)
+        known = self._ranks.get(peer)
+        if known is None:
+            known = self._ranks[peer] = rank(self.key, self.version, peer)
+        return known
 
     def leader(self, view: View) -> PeerID:
         """Who we should join (or `me`: lead)."""
