@@ -11,9 +11,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_BALLOT", "Ballots", "Decision"]
+__all__ = ["MAX_BALLOT", "Ballots", "Decision", "quorums"]
 
 MAX_BALLOT = (1 << 31) - 1
+
+
+def quorums(n: int) -> tuple[int, int]:
+    """(prepare, accept): how many of `n` members (the leader or proposer included) a
+    takeover must hear promise its ballot, and how many must accept a proposal before
+    it is decided. Any two such sets share a member (prepare + accept > n), so a
+    takeover always hears of a value decided before it, whatever the failure detector
+    believed: two sides of a partition that each suspect the other can no longer both
+    decide (Flexible Paxos, Howard et al. 2016). A strict majority to take over, the
+    rest to decide: member 0 with half the group decides COMMIT, a takeover needs
+    more than half."""
+    prepare = n // 2 + 1
+    return prepare, n + 1 - prepare
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +50,7 @@ class _Takeover:
 class _Proposal:
     decision: Decision
     waiting: set[int]  # members yet to accept it
+    accepted_by: set[int]  # members known to have accepted it (its proposer first)
 
 
 class Ballots:
@@ -110,6 +124,7 @@ class Ballots:
                 decision is not None and decision.commit == mine.commit
             ):
                 p.waiting.discard(src)
+                p.accepted_by.add(src)
             # (One that promised a higher ballot will not accept: its leader asks us.)
 
     def not_started(self, src: int, kind: str) -> bool:
@@ -124,6 +139,7 @@ class Ballots:
         # It never voted, so the proposal can only be an ABORT to count it for.
         if kind == "accept" and p is not None and src in p.waiting and not p.decision.commit:
             p.waiting.discard(src)
+            p.accepted_by.add(src)  # (its promise holds: it can never vote READY here)
             return True
         return False
 
@@ -137,12 +153,23 @@ class Ballots:
     def propose(self, d: Decision, waiting: set[int]) -> None:
         """Our proposal `d` (we accept it first), to be accepted by `waiting`."""
         self.accepted = d
-        self.proposal = _Proposal(d, waiting)
+        self.proposal = _Proposal(d, waiting, {self.me})
 
-    def chosen(self) -> Decision | None:
-        """Our proposal, once every member we waited for accepted it."""
+    def chosen(self) -> tuple[Decision, int] | None:
+        """Our proposal, once every member we waited for accepted it or is suspected,
+        and how many members (us included) accepted it."""
         p = self.proposal
-        return p.decision if p is not None and not p.waiting else None
+        return (p.decision, len(p.accepted_by)) if p is not None and not p.waiting else None
+
+    def known_acceptors(self) -> int:
+        """How many members we know accepted the proposal we accepted: us, and its
+        proposer (which accepts its own first)."""
+        a = self.accepted
+        return 0 if a is None else len({self.me, a.ballot % self.n})
+
+    def promises(self) -> int:
+        """How many members (us included) promised our takeover's ballot so far."""
+        return 0 if self.takeover is None else 1 + len(self.takeover.answers)
 
     def lead(self, waiting: set[int], now: float) -> int | None:
         """Start a takeover: a ballot of ours above all seen, promised to ourselves.

@@ -26,10 +26,11 @@ Accepting before deciding (Paxos phase 2). A decider that could be contradicted
 does not decide at once: it *proposes* (its status carries the proposal,
 ``accepted``), every member that has promised no higher ballot accepts it (its
 status says so, its promise rises to that ballot), and the decider decides once
-every member it does not suspect has accepted. Without this, member 0 stopped
-(SIGSTOP) between deciding COMMIT and telling anyone would wake up committed
-while the others, finding nothing, aborted and retried with the same inputs:
-those inputs would count twice. Now it wakes up with a proposal nobody
+every member it does not suspect has accepted, and they are at least the accept
+quorum (`ballots.quorums`: half the group, rounded up, the decider included).
+Without phase 2, member 0 stopped (SIGSTOP) between deciding COMMIT and telling
+anyone would wake up committed while the others, finding nothing, aborted and
+retried with the same inputs: those inputs would count twice. Now it wakes up with a proposal nobody
 accepted, and learns their ABORT. Every COMMIT goes through phase 2, and so
 does a takeover's ABORT; an ABORT that nothing can contradict is decided at
 once: member 0's at ballot 0 (it proposed no COMMIT there, and COMMIT has no
@@ -38,33 +39,42 @@ other origin) and any ABORT once a veto is known.
 Takeover. When every member below k is suspected (dead or stalled), member k
 leads once it has voted: it picks a ballot b it owns above every ballot it has
 seen, sends PREPARE(b) to all non-suspected members and waits for each to
-answer (or to become suspected). A member answers with its status (decision
+answer (or to become suspected); the answers, its own included, must reach the
+prepare quorum (more than half the group), which shares a member with every
+accept quorum. A member answers with its status (decision
 and accepted proposal) and promises to ignore decisions and proposals of lower
 ballots from then on. The leader takes the value with the highest ballot among
 the answers and its own accepted proposal: a decision reported is decided at
 once, an accepted proposal is proposed again at b; with none it proposes ABORT
 (a leader never originates COMMIT). A leader that meets a higher ballot stands
 back while that ballot's owner is alive (for at most ``decision_timeout``). A
-member left alone (every other one suspected) after voting READY, with no veto
-known and no COMMIT accepted, does not take over: a decider that suspects it in
-turn (a cut link, heartbeats late under load) may have committed its input, and
-an ABORT would have its caller retry that input in a second lineage. It is in
-doubt instead (below), and learns the decision if anyone answers.
+member that would lead with fewer members than the prepare quorum left (the
+others suspected), after voting READY and with no veto known, does not take
+over: a decider that suspects it in turn (a partition, a cut link, heartbeats
+late under load) may have committed its input with the accept quorum on its
+side, and an ABORT would have its caller retry that input (the soak's
+`double_counted`). It decides what it accepted if that is known to be accepted
+by an accept quorum (itself and the proposer can be one), and is in doubt
+otherwise (below), learning the decision if anyone answers. A proposer whose
+proposal reached fewer than the accept quorum before every other member was
+suspected is in doubt too.
 
 Why everyone agrees. COMMIT exists only if every member voted READY, so a veto
-and a COMMIT never coexist. A value decided at ballot b0 was accepted by every
-member its decider did not suspect, each before promising anything higher; a
-later leader that heard from any of them, or is one, finds it (or a value of a
-higher ballot, by induction the same) and proposes nothing else. A member
-stopped or cut off at any point (before proposing, after proposing, after
-deciding) therefore never ends with a value the others did not take, unless
-the others' leader heard from none of the members that accepted it: that
-takes links between live members broken both ways (two sides suspecting each
-other), and then every member not named in the highest-ballot decision's
-``failed`` ends with that decision, or knows it is *in doubt*. A member named
-in ``failed`` is retried without, and a state version that moves only on commit
-keeps a member that missed a commit from mixing stale tensors into a later
-round. (Tested on a simulated network: `tests/test_averaging_allreduce.py`.)
+and a COMMIT never coexist. A value decided at ballot b0 was accepted by an
+accept quorum, each member of it before promising anything higher; a later
+leader heard from a prepare quorum, which holds one of them, so it finds that
+value (or a value of a higher ballot, by induction the same) and proposes
+nothing else. ABORTs decided without phase 2 contradict nothing: member 0's at
+ballot 0 (COMMIT never proposed, so nobody can find it) and any once a veto is
+known. This holds whatever the failure detector believes: a member stopped,
+killed or cut off at any point (before proposing, after proposing, after
+deciding), or two sides of a partition that each suspect the other, never end
+with COMMIT on one member and ABORT on another; a member that cannot tell is in
+doubt. Before the quorums (decisions by "every member not suspected"), the
+side of a partition without member 0 took over and aborted while member 0's
+side committed with its inputs, and it retried them: two committed rounds
+counted them (CI's soak, stop 48). (Tested on a simulated network:
+`tests/test_averaging_allreduce.py`.)
 
 Liveness. Every member heartbeats its status to every other one; nothing
 heard from a member for ``stall_timeout`` makes it suspected (a lost
@@ -90,7 +100,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from .ballots import MAX_BALLOT, Ballots, Decision
+from .ballots import MAX_BALLOT, Ballots, Decision, quorums
 from .liveness import Liveness
 from .outbox import Outbox, Send
 from .votes import LOCAL, NO_VOTE, READY, VETO, Votes
@@ -210,24 +220,6 @@ def learned_decision(answers: Iterable[Status]) -> Decision | None:
     return max(decisions, key=lambda d: d.ballot, default=None)
 
 
-def _alone_in_doubt(
-    vote: int, abort_known: bool, accepted: Decision | None, failed: frozenset[int]
-) -> Decision | None:
-    """What a member left alone (every other one suspected) concludes instead of the
-    ABORT a takeover of its own would decide, when that ABORT may contradict a COMMIT
-    decided out of its sight: it voted READY (so COMMIT was possible), no veto rules
-    COMMIT out, and it holds no COMMIT proposal (one accepted is proposed again
-    instead). A decider that suspects it as it suspects the decider (a cut link, a
-    partition, heartbeats late under load) commits with its input; an ABORT would have
-    its caller retry with the same input, counted in a second lineage (the soak's
-    `double_counted`). In doubt, its driver asks the others once more. None: a
-    takeover is safe."""
-    if vote != READY or abort_known or (accepted is not None and accepted.commit):
-        return None
-    why = "in doubt: voted READY, then every other member was lost before a decision"
-    return Decision(LOCAL, False, why, failed, in_doubt=True)
-
-
 class CommitProtocol:
     """One member's view of one round's decision. All methods take the current time."""
 
@@ -265,6 +257,7 @@ class CommitProtocol:
         self.veto: tuple[str, tuple[int, ...]] | None = None
         self.votes = Votes()  # everyone's, as far as we know
         self.ballots = Ballots(n, me, now, promised)
+        self.prepare_quorum, self.accept_quorum = quorums(n)
         self.decision: Decision | None = None
         self.last_progress = now  # anything changed (ours or anyone's state)
         self._outbox = Outbox()
@@ -482,11 +475,14 @@ class CommitProtocol:
         if self.decision is not None:
             return
         if b.proposal is not None:
-            d = b.chosen()  # accepted by every member not suspected
-            if d is not None:
-                d = Decision(d.ballot, d.commit, d.reason, d.failed | self._failed())
-                self._decide(d, now, kind="decision")
-            return
+            chosen = b.chosen()  # accepted by every member not suspected
+            if chosen is None:
+                return
+            d, accepted_by = chosen
+            if accepted_by < self.accept_quorum and not self.abort_known:
+                return self._decide(self._short_of_quorum("accepted our proposal"), now, kind=None)
+            d = Decision(d.ballot, d.commit, d.reason, d.failed | self._failed())
+            return self._decide(d, now, kind="decision")
         if self.leader() != self.me:
             return
         if b.deferring(self.suspected) and now < b.promised_at + self.decision_timeout:
@@ -498,9 +494,8 @@ class CommitProtocol:
             return  # still moving data; a member we need that failed will make us veto
         if b.takeover is None:
             waiting = set(self.liveness.others(self.suspected))
-            doubt = _alone_in_doubt(self.vote, self.abort_known, b.accepted, self._failed())
-            if not waiting and doubt is not None:
-                return self._decide(doubt, now, kind=None)
+            if 1 + len(waiting) < self.prepare_quorum and not self.abort_known:
+                return self._without_quorum(now)
             ballot = b.lead(waiting, now)
             if ballot is None:
                 return
@@ -508,10 +503,35 @@ class CommitProtocol:
             self._outbox.send(sorted(waiting), ["P", ballot], "prepare")
         found = b.takeover_decision(self._reason(), self._failed())
         if found is not None:  # (None: answers missing)
+            if b.promises() < self.prepare_quorum and not self.abort_known:
+                return self._without_quorum(now)  # (members lost while we asked)
             d, decided = found
             # Decided already (by its owner, after its own phase 2 where one was needed),
             # or an ABORT while a veto rules out COMMIT everywhere: nothing can differ.
             self._settle((d, not (decided or (self.abort_known and not d.commit))), now)
+
+    def _without_quorum(self, now: float) -> None:
+        """We would lead a takeover, but fewer members than its quorum are left (every
+        other one suspected: dead, stopped, or on the other side of a partition that
+        may be deciding without us). We voted READY and know no veto, so COMMIT may
+        have been decided out of our sight; an ABORT of ours could contradict it, and
+        our caller would retry an input counted already (the soak's
+        `double_counted`). What we accepted we decide if enough members accepted it to
+        make it the round's (`known_acceptors`); else we are in doubt, still accepting
+        proposals and taking decisions (the driver asks the others once more)."""
+        b = self.ballots
+        a = b.accepted
+        if a is not None and b.known_acceptors() >= self.accept_quorum:
+            d = Decision(a.ballot, a.commit, a.reason, a.failed | self._failed())
+            return self._decide(d, now, kind="relay")
+        self._decide(self._short_of_quorum("answer a takeover"), now, kind=None)
+
+    def _short_of_quorum(self, what: str) -> Decision:
+        """In doubt: fewer members than a quorum were left to `what`."""
+        left = self.n - len(self.suspected)
+        why = (f"in doubt: voted READY, then only {left} of {self.n} members were left to "
+               f"{what} before a decision")  # fmt: skip
+        return Decision(LOCAL, False, why, self._failed(), in_doubt=True)
 
     def _settle(self, chosen: tuple[Decision, bool] | None, now: float) -> None:
         """Propose (True) or decide at once (False) the decision chosen, if any."""

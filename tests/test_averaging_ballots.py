@@ -6,7 +6,7 @@ simulated network in test_averaging_allreduce.py.
 
 from __future__ import annotations
 
-from shoal.averaging.ballots import Ballots, Decision
+from shoal.averaging.ballots import Ballots, Decision, quorums
 
 COMMIT_0 = Decision(0, True, "", frozenset())
 
@@ -43,7 +43,14 @@ def test_a_proposal_is_chosen_once_every_member_waited_for_accepted_or_was_given
     b.heard(3, 6, None, None)  # it promised a higher ballot: it will not accept
     assert b.chosen() is None
     b.give_up_on(3)
-    assert b.chosen() == COMMIT_0
+    assert b.chosen() == (COMMIT_0, 3)  # accepted by three of four: the proposer, 1 and 2
+
+
+def test_quorums_of_a_takeover_and_of_a_decision_always_share_a_member() -> None:
+    assert [quorums(n) for n in range(1, 7)] == [(1, 1), (2, 1), (2, 2), (3, 2), (3, 3), (4, 3)]
+    for n in range(1, 50):
+        prepare, accept = quorums(n)
+        assert prepare + accept == n + 1 and prepare > n / 2
 
 
 def test_a_member_that_has_not_started_the_round_counts_for_an_abort_never_a_commit() -> None:
