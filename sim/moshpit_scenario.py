@@ -5,10 +5,14 @@ a row without changing it (a burst of rounds): the spread of the peers' vectors 
 each round says how far the swarm is from holding one state. Two arms over the same
 peers and links, one after the other: the Moshpit grid (`grid_dims`, `grid_side`),
 then one matchmaking key for everyone with the same target group size (today's
-default; twice the side unless the scenario says otherwise).
+default; twice the side unless the scenario says otherwise). `arms` in the workload
+picks which run (one key for hundreds of peers is slow to simulate: every leader's
+wake reads the whole key's declarations). With the scenario's `churn`, peers crash
+during each burst after exponential sessions of its mean (not replaced: a newcomer
+loads the state, it brings no input); `crashed` says how many.
 
 Figures per arm: `state_spread` (after each round k, the largest difference of any
-peer's vector to the peers' mean, over the inputs' largest magnitude),
+live peer's vector to the live peers' mean, over the inputs' largest magnitude),
 `rounds_to_agreement` (the first round whose spread is at most `AGREEMENT`, about 8
 float32 epsilons: what rounding in a different order leaves), `mean_error` (the
 final vectors against the exact mean of all inputs: work lost), `lost_work_fraction`
@@ -36,6 +40,7 @@ log = logging.getLogger("sim.moshpit")
 
 # A spread this small (relative to the inputs) is rounding: about 8 float32 epsilons.
 AGREEMENT = 1e-6
+ARMS = ("moshpit", "one_key")
 
 
 async def run_moshpit(scenario: Scenario, net: SimNetwork, rng: random.Random) -> dict[str, Any]:
@@ -46,16 +51,22 @@ async def run_moshpit(scenario: Scenario, net: SimNetwork, rng: random.Random) -
     await asyncio.sleep(float(w.get("settle_s", 0.0)))
     size = int(w.get("size", 1000))
     peers = run.live()
-    inputs = [
-        torch.randn(size, generator=torch.Generator().manual_seed(rng.getrandbits(32)))
-        for _ in peers
-    ]
+    inputs = {
+        p.index: torch.randn(size, generator=torch.Generator().manual_seed(rng.getrandbits(32)))
+        for p in peers
+    }
     arms = {}
-    for name, dims in (("moshpit", int(w["grid_dims"])), ("one_key", 0)):
-        log.warning("arm %s: %d peers, %d rounds", name, len(peers), int(w["rounds"]))
-        arms[name] = await _arm(run, net, peers, inputs, _config(w, dims), f"sim/{name}", w)
-    result = {"peers": len(peers), "grid_dims": int(w["grid_dims"]), **arms["moshpit"]}
-    result["one_key"] = arms["one_key"]
+    # `arms` (default both): which to run; one key for 256 peers and more is slow to
+    # simulate (every leader's wake scans the whole key's declarations).
+    for name in w.get("arms", ARMS):
+        dims = {"moshpit": int(w["grid_dims"]), "one_key": 0}[name]
+        live = [p for p in peers if p.live]  # (an arm with churn crashes some)
+        log.warning("arm %s: %d peers, %d rounds", name, len(live), int(w["rounds"]))
+        config, key = _config(w, dims), f"sim/{name}"
+        arms[name] = await _arm(run, net, live, [inputs[p.index] for p in live], config, key, w)
+    result = {"peers": len(peers), "grid_dims": int(w["grid_dims"]), **arms.get("moshpit", {})}
+    if "one_key" in arms:
+        result["one_key"] = arms["one_key"]
     await run.close()
     result["virtual_s"] = round(asyncio.get_running_loop().time(), 3)
     return result
@@ -92,24 +103,38 @@ async def _arm(
         for p, x in zip(peers, inputs, strict=True)
     ]
     t0, bytes0, requests0 = loop.time(), net.stats.bytes, run.requests_sent()
-    per_peer = await asyncio.gather(
-        *(run.on(p, _burst(a, rounds, timeout)) for p, a in zip(peers, averagers, strict=True))
-    )
+    outs: list[Out] = [([], []) for _ in peers]
+    bursts = {
+        p.index: run.on(p, _burst(a, rounds, timeout, out))
+        for p, a, out in zip(peers, averagers, outs, strict=True)
+    }
+    crashed = await _churn(run, peers, bursts) if run.scenario.churn is not None else set()
+    ends = await asyncio.gather(*bursts.values(), return_exceptions=True)
+    for index, ended in zip(bursts, ends, strict=True):
+        if isinstance(ended, BaseException) and index not in crashed:
+            raise ended
     minutes = (loop.time() - t0) / 60
     sent, requests = net.stats.bytes - bytes0, run.requests_sent() - requests0
     for p, a in zip(peers, averagers, strict=True):
-        await run.on(p, a.aclose())
+        if p.index in crashed:  # (its host is gone: whatever its close says is moot)
+            await asyncio.gather(run.on(p, a.aclose()), return_exceptions=True)
+        else:
+            await run.on(p, a.aclose())
+    # The spread over the peers live at the end; the error against every input's mean
+    # (a peer that crashed took nothing with it once a round had averaged its input).
+    survivors = [out for p, out in zip(peers, outs, strict=True) if p.index not in crashed]
     scale = float(torch.stack(inputs).abs().max())
-    spreads = [_spread([snaps[k] for snaps, _ in per_peer], scale) for k in range(rounds)]
+    spreads = [_spread([snaps[k] for snaps, _ in survivors], scale) for k in range(rounds)]
     exact = torch.stack([x.double() for x in inputs]).mean(0)
-    finals = torch.stack([snaps[-1].double() for snaps, _ in per_peer])
-    steps = [r for _, results in per_peer for r in results]
+    finals = torch.stack([snaps[-1].double() for snaps, _ in survivors])
+    steps = [r for _, results in outs for r in results]
     agreed = next((k + 1 for k, s in enumerate(spreads) if s <= AGREEMENT), None)
     return {
+        "crashed": len(crashed),
         "rounds_to_agreement": agreed,
         "state_spread": [float(f"{s:.3g}") for s in spreads],
         "mean_error": float(f"{float((finals - exact).abs().max()) / scale:.3g}"),
-        "lost_work_fraction": round(sum(map(_lost, (r for _, r in per_peer))) / len(peers), 4),
+        "lost_work_fraction": round(sum(map(_lost, (r for _, r in outs))) / len(peers), 4),
         "commits_fraction": round(sum(r.committed for r in steps) / len(steps), 4),
         "group_sizes": dict(sorted(Counter(r.group_size for r in steps if r.committed).items())),
         "aborts": dict(Counter(r.reason.split(":")[0] for r in steps if not r.committed)),
@@ -128,16 +153,42 @@ async def _make(peer: SimPeer, key: str, vector: torch.Tensor, config: AveragerC
     return Averager(peer.node, key, [vector], config=config)
 
 
-async def _burst(
-    averager: Averager, rounds: int, timeout: float
-) -> tuple[list[torch.Tensor], list[StepResult]]:
-    """`rounds` steps in a row on an unchanged vector; the vector after each."""
+Out = tuple[list[torch.Tensor], list[StepResult]]
+
+
+async def _burst(averager: Averager, rounds: int, timeout: float, out: Out) -> None:
+    """`rounds` steps in a row on an unchanged vector; the vector after each, and each
+    step's result, into `out` (what a peer that crashes midway did stays there)."""
     (vector,) = averager.tensors
-    snapshots, results = [], []
+    snapshots, results = out
     for _ in range(rounds):
         results.append(await averager.step(timeout=timeout))
         snapshots.append(vector.clone())
-    return snapshots, results
+
+
+async def _churn(
+    run: DHTRun, peers: list[SimPeer], bursts: dict[int, asyncio.Task[None]]
+) -> set[int]:
+    """While the bursts run: peers crash after exponential sessions of the scenario's
+    mean (a Poisson process of rate live / mean), as a pulled cable does (their burst
+    stops; the others learn it from their timeouts). Not replaced: a newcomer would
+    load the state, not bring an input. The crashed peers' indices."""
+    assert run.scenario.churn is not None
+    rate_per_peer = 1.0 / (run.scenario.churn.mean_session_min * 60)
+    crashed: set[int] = set()
+    while not all(t.done() for t in bursts.values()):
+        live = [p for p in peers if p.index not in crashed and not bursts[p.index].done()]
+        wait = run.rng.expovariate(rate_per_peer * max(1, len(live)))
+        done, _ = await asyncio.wait(bursts.values(), timeout=wait,
+                                     return_when=asyncio.ALL_COMPLETED)  # fmt: skip
+        live = [p for p in peers if p.index not in crashed and not bursts[p.index].done()]
+        if len(done) == len(bursts) or not live:
+            break
+        victim = run.rng.choice(live)
+        crashed.add(victim.index)
+        bursts[victim.index].cancel()
+        run._crash(victim)
+    return crashed
 
 
 def _spread(vectors: list[torch.Tensor], scale: float) -> float:

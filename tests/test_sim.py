@@ -337,6 +337,29 @@ def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     assert max(map(int, result["group_sizes"])) <= 8
 
 
+@pytest.mark.timeout(120)
+def test_peers_that_crash_during_a_moshpit_burst_leave_the_survivors_agreeing_on_more(
+    tmp_path: Path,
+) -> None:
+    """Sessions of 2 minutes on average: peers crash (a pulled cable) during the burst,
+    only the grid arm runs, and the spread is taken over the peers still live: they
+    come together while their groups lose members."""
+    scenario = {
+        **SMALL,
+        "name": "moshpit_churn_ci",
+        "peers": 12,
+        "churn": {"mean_session_min": 2.0},
+        "workload": {"kind": "moshpit", "join_window_s": 2, "size": 64, "grid_dims": 2,
+                     "grid_side": 2, "target_group_size": 6, "rounds": 4,
+                     "min_matchmaking_time": 3.0, "arms": ["moshpit"]},
+    }  # fmt: skip
+    result = run_scenario(tmp_path, scenario)
+    assert "one_key" not in result and result["peers"] == 12
+    assert 0 < result["crashed"] < 6
+    assert len(result["state_spread"]) == 4
+    assert result["state_spread"][-1] < result["state_spread"][0] / 4
+
+
 @pytest.mark.timeout(30)
 def test_cpu_scale_charges_the_cpu_time_of_callbacks_to_the_virtual_clock() -> None:
     async def main() -> tuple[float, float]:
