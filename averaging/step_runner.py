@@ -93,6 +93,7 @@ class StepRunner:
         grid = owner.config.matchmaking.grid
         # Moshpit: our cell of the grid, where each step forms its groups.
         self.grid = None if grid is None else Grid(*grid, owner.dht.peer_id)
+        self._looked = False  # (at the swarm's state holders, before our first step)
 
     def shun(self, peer: PeerID, seconds: float) -> None:
         self.shunned[peer] = max(self.shunned.get(peer, 0.0), time.monotonic() + seconds)
@@ -101,6 +102,11 @@ class StepRunner:
         """One step (see `Averager.step`), in our cell of the grid when there is one."""
         if self.grid is None:
             return await self._run(weight, timeout, alone)
+        if not self._looked:
+            self._looked = True
+            began = time.monotonic()
+            await self._join_crowded_grid()
+            timeout = None if timeout is None else timeout - (time.monotonic() - began)
         cell = self.grid.next_cell()
         self._matchmaker.enter_cell(cell)
         result = await self._run(weight, timeout, alone)
@@ -128,6 +134,17 @@ class StepRunner:
         self._matchmaker.enter_cell(self.grid.next_cell())
         self._owner.presence.lapsed()
         return result
+
+    async def _join_crowded_grid(self) -> None:
+        """Before our first step: a swarm whose state more than a group's worth of peers
+        announced is on its cells already; we go straight to ours rather than declare
+        under the whole key, where every peer's declaration would be read by every
+        other (at 1,000 peers, 1,000 subkeys of one record per poll)."""
+        assert self.grid is not None
+        target = self._owner.config.matchmaking.target_group_size
+        crowd = await self._holders()
+        if crowd > target:
+            self.grid.note_whole_key(crowd, False, target)
 
     async def _holders(self) -> int:
         """Peers (us included) that announced a state of the key: how large the swarm

@@ -218,6 +218,44 @@ async def test_a_swarm_of_one_group_stays_under_the_key_and_a_larger_one_moves_t
 
 
 @pytest.mark.timeout(60)
+async def test_a_newcomer_to_a_swarm_larger_than_a_group_starts_in_its_cell(
+    make_host: Callable[..., Any],
+) -> None:
+    """Five peers announced the swarm's state and groups hold 2: a sixth peer's first
+    step forms its group in its cell, never under the whole key (where every peer's
+    declaration is read by every other). Before anyone announced, a first step looks
+    under the whole key (a new swarm may fit in one group)."""
+    dhts = await _swarm(make_host, 6)
+    avgs = [Averager(d, "exp/crowded", [torch.full((8,), float(i))], config=_config(2, 2))
+            for i, d in enumerate(dhts)]  # fmt: skip
+    entered: dict[int, list[str | None]] = {i: [] for i in range(2)}
+
+    def spy(i: int) -> Callable[[str | None], None]:
+        enter = avgs[i]._matchmaker.enter_cell
+
+        def entering(cell: str | None) -> None:
+            entered[i].append(cell)
+            enter(cell)
+
+        return entering
+
+    for i in range(2):
+        avgs[i]._matchmaker.enter_cell = spy(i)  # type: ignore[method-assign]
+    try:
+        await avgs[0].step(timeout=1.5)  # (alone: nobody else steps)
+        assert entered[0][0] is None
+        await asyncio.gather(*(a.publish_state() for a in avgs[1:]))
+        await avgs[1].step(timeout=1.5)
+        assert avgs[1].grid is not None and avgs[1].grid.in_cells
+        assert entered[1][0] is not None
+    finally:
+        for a in avgs:
+            await a.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
+@pytest.mark.timeout(60)
 async def test_a_peer_that_moves_on_leaves_its_old_cell_and_waits_in_the_new_one(
     make_host: Callable[..., Any],
 ) -> None:
