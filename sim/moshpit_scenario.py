@@ -9,7 +9,9 @@ default; twice the side unless the scenario says otherwise). `arms` in the workl
 picks which run (one key for hundreds of peers is slow to simulate: every leader's
 wake reads the whole key's declarations). With the scenario's `churn`, peers crash
 during each burst after exponential sessions of its mean (not replaced: a newcomer
-loads the state, it brings no input); `crashed` says how many.
+loads the state, it brings no input); `crashed` says how many. Before the grid's
+burst the peers announce their states, as a running swarm's peers have (`announced`,
+default true): a swarm of more than a group then starts in its cells.
 
 Figures per arm: `state_spread` (after each round k, the largest difference of any
 live peer's vector to the live peers' mean, over the inputs' largest magnitude),
@@ -102,6 +104,11 @@ async def _arm(
         await run.on(p, _make(p, key, x.clone(), config))
         for p, x in zip(peers, inputs, strict=True)
     ]
+    if config.matchmaking.grid is not None and w.get("announced", True):
+        # A swarm that runs already: its peers announced their states (each commit
+        # does), so each peer's first step finds the crowd and starts in its cell.
+        pairs = zip(peers, averagers, strict=True)
+        await asyncio.gather(*(run.on(p, a.publish_state()) for p, a in pairs))
     t0, bytes0, requests0 = loop.time(), net.stats.bytes, run.requests_sent()
     outs: list[Out] = [([], []) for _ in peers]
     bursts = {

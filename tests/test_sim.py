@@ -311,10 +311,10 @@ def test_real_averagers_over_the_simulator_commit_in_groups_of_every_peer(
 def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     tmp_path: Path,
 ) -> None:
-    """16 peers, groups of at most 8: the first rounds under the whole key find it
-    crowded and move the peers to the cells of a 2 x 2 grid, a burst of rounds brings
-    their vectors together, and no peer's input is thrown away by a re-sync (one key
-    for all, in the same run, is the baseline beside it)."""
+    """16 peers, groups of at most 8, states announced as in a running swarm: each peer
+    starts in its cell of a 2 x 2 grid (more than a group's worth announced), a burst of
+    rounds brings their vectors together, and no peer's input is thrown away by a
+    re-sync (one key for all, in the same run, is the baseline beside it)."""
     scenario = {
         **SMALL,
         "name": "moshpit_ci",
