@@ -43,6 +43,8 @@ log = logging.getLogger("sim.moshpit")
 # A spread this small (relative to the inputs) is rounding: about 8 float32 epsilons.
 AGREEMENT = 1e-6
 ARMS = ("moshpit", "one_key")
+# Churn never crashes the last peers of a burst: a spread needs two.
+MIN_SURVIVORS = 2
 
 
 async def run_moshpit(scenario: Scenario, net: SimNetwork, rng: random.Random) -> dict[str, Any]:
@@ -179,7 +181,8 @@ async def _churn(
     """While the bursts run: peers crash after exponential sessions of the scenario's
     mean (a Poisson process of rate live / mean), as a pulled cable does (their burst
     stops; the others learn it from their timeouts). Not replaced: a newcomer would
-    load the state, not bring an input. The crashed peers' indices."""
+    load the state, not bring an input. The last `MIN_SURVIVORS` peers never crash.
+    The crashed peers' indices."""
     assert run.scenario.churn is not None
     rate_per_peer = 1.0 / (run.scenario.churn.mean_session_min * 60)
     crashed: set[int] = set()
@@ -189,7 +192,7 @@ async def _churn(
         done, _ = await asyncio.wait(bursts.values(), timeout=wait,
                                      return_when=asyncio.ALL_COMPLETED)  # fmt: skip
         live = [p for p in peers if p.index not in crashed and not bursts[p.index].done()]
-        if len(done) == len(bursts) or not live:
+        if len(done) == len(bursts) or len(live) <= MIN_SURVIVORS:
             break
         victim = run.rng.choice(live)
         crashed.add(victim.index)
