@@ -22,7 +22,9 @@ shard, AdamW, clipping) for the same wall-clock budget per arm:
 
 Every arm's JSON says its `codec` and `bytes_per_round`: the bytes one peer's link
 sent per round (outer round; a step for data parallel; a fragment's round for
-Streaming DiLoCo), from the links' counters, averaged over the peers.
+Streaming DiLoCo), from the links' counters, averaged over the peers; the outer
+strategies' arms add `bytes_per_round_by_protocol` (the hosts' tallies of stream
+payload by protocol: what a round's bytes are for).
 
 Every `--snapshot-s` each peer keeps a copy of the model its arm would ship (the
 global parameters for DiLoCo and Streaming DiLoCo, every replica for NoLoCo, the
@@ -227,18 +229,35 @@ def bytes_per_round(results: list[dict]) -> float | None:
     return sum(per_peer) / len(per_peer) if per_peer else None
 
 
+def bytes_per_round_by_protocol(results: list[dict]) -> dict[str, float] | None:
+    """`bytes_per_round` split by the protocol of the streams that carried it (the
+    hosts' own tallies of stream payload: without headers, encryption and handshakes,
+    so the parts sum to a little less than the links' counters)."""
+    per_peer = []
+    for r in results:
+        rounds = sum(r.get("rounds", {}).values())
+        if rounds and r.get("sent_by_protocol"):
+            per_peer.append({p: sent / rounds for p, sent in r["sent_by_protocol"].items()})
+    if not per_peer:
+        return None
+    protocols = sorted({p for tally in per_peer for p in tally})
+    return {p: round(sum(t.get(p, 0) for t in per_peer) / len(per_peer)) for p in protocols}
+
+
 def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, Any]:
     evals = task.eval_batches(args.eval_batches)
     arms: dict[str, dict[str, Any]] = {}
     for arm, results in raw.items():
         points = curve(task, results, evals, per_replica=arm == "noloco")
         # (not "steps": rank 0's count would replace every peer's)
-        extra = {k: v for k, v in results[0].items() if k not in ("snapshots", "rank", "steps")}
+        skip = ("snapshots", "rank", "steps", "sent_by_protocol")
+        extra = {k: v for k, v in results[0].items() if k not in skip}
         arms[arm] = {
             "final_val_loss": points[-1]["val_loss"],
             "bytes": points[-1]["bytes"],
             "codec": codec_of(arm),
             "bytes_per_round": bytes_per_round(results),
+            "bytes_per_round_by_protocol": bytes_per_round_by_protocol(results),
             "steps": [r["steps"] for r in results],
             **extra,
             "curve": points,

@@ -290,6 +290,7 @@ async def run_strategy(w: Worker) -> dict[str, Any]:
     try:
         await strategy.start(join=False)
         await asyncio.to_thread(w.ready_and_wait)
+        tally_at_start = host.bytes_sent_by_protocol()
         while w.elapsed() < w.budget:
             w.maybe_snapshot(shipped())
             tokens = await w.run(w.forward_backward)
@@ -298,11 +299,15 @@ async def run_strategy(w: Worker) -> dict[str, Any]:
                 rounds[report.outcome.value] = rounds.get(report.outcome.value, 0) + 1
         w.maybe_snapshot(shipped(), final=True)
         outer_steps = strategy.outer_steps
+        sent_by_protocol = {
+            protocol: sent - tally_at_start.get(protocol, 0)
+            for protocol, sent in host.bytes_sent_by_protocol().items()
+        }
     finally:
         await strategy.aclose()
         await dht.aclose()
         await host.aclose()
-    return {"rounds": rounds, "outer_steps": outer_steps}
+    return {"rounds": rounds, "outer_steps": outer_steps, "sent_by_protocol": sent_by_protocol}
 
 
 def main(spec_path: str) -> None:

@@ -228,6 +228,7 @@ class PeerNode:
             "last_round": None,
             "bytes_sent": self.host.bytes_sent,
             "bytes_received": self.host.bytes_received,
+            "bytes_sent_by_protocol": self.host.bytes_sent_by_protocol(),
             "uptime_s": time.time() - self.started,
             "loop_lag_ms": self.loop_lag.summary(time.monotonic()),
             # Ours minus the median of connected peers' clocks (None: not measured yet).

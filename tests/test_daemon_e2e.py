@@ -106,6 +106,10 @@ def test_host_and_joiners_train_survive_a_kill_a_join_and_the_host_leaving(
         assert status["last_round"]["group_size"] >= 2
         assert len(status["last_round"]["fingerprint"]) == 64
         assert status["bytes_sent"] > 0 and status["bytes_received"] > 0
+        # a committed round sent averaging payload, and the DHT carried its matchmaking
+        by_protocol = status["bytes_sent_by_protocol"]
+        assert by_protocol["/shoal/averaging/1.0.0"] > 0 and by_protocol["/shoal/dht/1.0.0"] > 0
+        assert sum(by_protocol.values()) < status["bytes_sent"]
         assert status["dht_peers"] >= 2
         assert status["device"]["kind"] == "cpu" and status["device"]["memory_total_bytes"] > 0
         assert status["mfu"] is None  # a CPU's peak is not known

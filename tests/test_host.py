@@ -23,11 +23,17 @@ from shoal.transport.identity import Identity
 from shoal.transport.multiaddr import Multiaddr
 
 ECHO = "/shoal/test-echo/1.0.0"
+SINK = "/shoal/test-sink/1.0.0"
 
 
 async def echo(stream) -> None:
     while data := await stream.read(1 << 20):
         await stream.write(data)
+
+
+async def drain(stream) -> None:
+    while await stream.read(1 << 20):
+        pass
 
 
 async def test_addresses_carry_the_peer_id_and_a_dial_meets_that_peer(pair) -> None:
@@ -79,6 +85,33 @@ async def test_a_stream_carries_bytes_both_ways_and_half_closes(pair) -> None:
     assert await s.readexactly(5) == b"hello"
     await s.close()
     assert await s.read() == b""  # the echo handler returned and closed its side
+
+
+async def test_sent_bytes_are_tallied_by_protocol_and_outlive_the_connection(pair) -> None:
+    """What an uplink carries for what: each side counts the payload it sent under the
+    protocol the stream was opened for, answers included, and keeps the counts when
+    the connection closes."""
+    a, b = pair
+    b.set_handler(ECHO, echo)
+    b.set_handler(SINK, drain)
+    s = await a.open_stream(b.addresses()[0], ECHO)
+    await s.write(b"x" * 1000)
+    assert await s.readexactly(1000) == b"x" * 1000
+    await s.close()
+    sink = await a.open_stream(b.peer_id, SINK)
+    await sink.write(b"y" * 300)
+    await sink.close()
+    await eventually(lambda: b.bytes_sent_by_protocol().get(ECHO) == 1000, "b echoed 1000")
+    await eventually(lambda: a.bytes_sent_by_protocol().get(SINK) == 300, "a queued 300")
+    tally = a.bytes_sent_by_protocol()
+    # The hosts' own exchange (their hello) is tallied too, under its own name.
+    assert tally.keys() >= {ECHO, SINK, "/shoal/hello/1.0.0"}
+    assert (tally[ECHO], tally[SINK]) == (1000, 300)
+    assert SINK not in b.bytes_sent_by_protocol()  # the sink answered nothing
+    assert sum(tally.values()) < a.bytes_sent  # headers and encryption are not payload
+    await a.disconnect(b.peer_id)
+    await eventually(lambda: b.peer_id not in a.connections, "a closed the connection")
+    assert a.bytes_sent_by_protocol() == tally
 
 
 async def test_an_unknown_protocol_is_refused_cleanly(pair) -> None:

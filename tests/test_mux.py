@@ -26,6 +26,7 @@ from shoal.transport.mux import (
     HEADER,
     HEADER_SIZE,
     MAX_MESSAGE_PLAINTEXT,
+    MAX_PROTOCOL_TALLIES,
     OPEN,
     PING,
     RESET,
@@ -216,6 +217,24 @@ def test_open_stream_announces_protocol_with_parity_ids_from_both_sides_at_once(
         assert side.mux.stream_count == 4
         assert side.mux.remote_stream_count == 2
         assert all(side.mux.is_open(s) for s in (1, 2, 3, 4))
+
+
+def test_sent_payload_is_tallied_by_the_protocol_named_at_open_with_names_bounded() -> None:
+    """The remote names the streams it opens: answering 40 differently named streams
+    tallies at most MAX_PROTOCOL_TALLIES names, the rest as "other"."""
+    pair = Pair()
+    mine = pair.a.mux.open_stream("/shoal/dht/1.0.0")
+    pair.a.mux.queue_data(mine, memoryview(b"q" * 10))
+    theirs = [pair.b.mux.open_stream(f"/made-up/{i}") for i in range(40)]
+    pair.pump()
+    for sid in theirs:
+        pair.a.mux.queue_data(sid, memoryview(b"answer"))
+    tally = pair.a.mux.sent_by_protocol
+    assert len(tally) == MAX_PROTOCOL_TALLIES + 1
+    assert tally["/shoal/dht/1.0.0"] == 10
+    assert sum(n for name, n in tally.items() if name.startswith("/made-up/")) == 6 * 31
+    assert tally["other"] == 6 * 9
+    assert pair.b.mux.sent_by_protocol == {}  # opening a stream sends no payload
 
 
 def test_protocol_name_too_long_is_refused_locally() -> None:

@@ -95,6 +95,10 @@ class FakeProvider:
             },
             "bytes_sent": 123_456,
             "bytes_received": 654_321,
+            "bytes_sent_by_protocol": {
+                "/shoal/averaging/1.0.0": 100_000,
+                "/shoal/dht/1.0.0": 20_000,
+            },
             "uptime_s": time.time() - self.started,
             "config": {"listen": "/ip4/127.0.0.1/tcp/31337", "status_addr": "127.0.0.1:8080"},
             "verification": {
@@ -352,6 +356,8 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     assert samples[("shoal_tokens_per_second", ())] == 1234.5
     assert samples[("shoal_bytes_sent_total", ())] == 123_456
     assert samples[("shoal_bytes_received_total", ())] == 654_321
+    for protocol, sent in (("/shoal/averaging/1.0.0", 100_000), ("/shoal/dht/1.0.0", 20_000)):
+        assert samples[("shoal_protocol_bytes_sent_total", (("protocol", protocol),))] == sent
     assert samples[("shoal_dht_peers", ())] == 7
     assert samples[("shoal_uptime_seconds", ())] >= 95
     for kind in ("direct", "relayed", "holepunched"):

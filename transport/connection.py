@@ -627,6 +627,11 @@ class Connection(asyncio.BufferedProtocol):
         """Graceful close: refuse new streams, let open ones finish, then close."""
         await self._life.aclose(timeout)
 
+    @property
+    def sent_by_protocol(self) -> dict[str, int]:
+        """Stream payload sent, by protocol (`Multiplexer.sent_by_protocol`); live."""
+        return self._mux.sent_by_protocol
+
     def stats(self) -> dict[str, object]:
         return {
             "peer_id": str(self.remote_peer) if self.remote_peer else None,

@@ -4,6 +4,7 @@ which of two duplicates to keep, and the byte totals that outlive them."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from .connection import Connection
@@ -26,6 +27,7 @@ class ConnectionTable:
         # Bytes of connections already closed: the totals must not drop when one closes.
         self.closed_bytes_sent = 0
         self.closed_bytes_received = 0
+        self.closed_sent_by_protocol: Counter[str] = Counter()
         self._listeners: list[tuple[ConnectionCallback | None, ConnectionCallback | None]] = []
 
     def add_listener(
@@ -83,6 +85,7 @@ class ConnectionTable:
             self.all.discard(conn)
             self.closed_bytes_sent += conn.bytes_sent
             self.closed_bytes_received += conn.bytes_received
+            self.closed_sent_by_protocol.update(conn.sent_by_protocol)
         if conn.remote_peer is not None and self.conns.get(conn.remote_peer) is conn:
             del self.conns[conn.remote_peer]
             # Promote a surviving duplicate, if any, so the peer stays reachable.
@@ -98,6 +101,12 @@ class ConnectionTable:
 
     def bytes_received(self) -> int:
         return self.closed_bytes_received + sum(c.bytes_received for c in self.all)
+
+    def sent_by_protocol(self) -> dict[str, int]:
+        total = self.closed_sent_by_protocol.copy()
+        for c in self.all:
+            total.update(c.sent_by_protocol)
+        return dict(total)
 
 
 class ExpectedPunches:

@@ -54,6 +54,10 @@ _FRAME_NAMES = {
 MAX_BULK_BODY = 256 * 1024
 
 
+# Distinct protocol names one connection tallies its sent bytes under (`sent_by_protocol`).
+MAX_PROTOCOL_TALLIES = 32
+
+
 @dataclass(frozen=True, slots=True)
 class MuxLimits:
     """Per-connection multiplexer limits (all enforced on untrusted input)."""
@@ -142,6 +146,7 @@ class _Stream:
         "fin_sent",
         "id",
         "last_update_at",
+        "protocol",
         "queued",
         "recv_buffered",
         "recv_window",
@@ -151,8 +156,9 @@ class _Stream:
         "window_max",
     )
 
-    def __init__(self, stream_id: int, initial_window: int) -> None:
+    def __init__(self, stream_id: int, initial_window: int, protocol: str = "") -> None:
         self.id = stream_id
+        self.protocol = protocol  # named at OPEN: what the stream's bytes are tallied under
         self.send_window = initial_window  # credit the remote granted us
         self.recv_window = initial_window  # credit we granted and that is still unused
         self.window_max = initial_window  # the receive window we currently aim for
@@ -281,6 +287,11 @@ class Multiplexer:
         self.local_goaway = False
         self.remote_goaway = False
         self.rtt = 0.0  # smoothed RTT estimate, fed by the driver; drives window growth
+        # Stream payload queued to send, by the protocol named at the stream's OPEN (what
+        # an uplink carries for what; frame headers and encryption not included). Names
+        # come from streams this side opened or answers, and the remote names the
+        # latter: past MAX_PROTOCOL_TALLIES names the rest count as "other".
+        self.sent_by_protocol: dict[str, int] = {}
 
     # --- inbound ----------------------------------------------------------------------------
 
@@ -369,7 +380,7 @@ class Multiplexer:
         if self._remote_open >= self.limits.max_streams:
             self._queue_reset_frame(sid, "too many streams")
             return
-        self._streams[sid] = _Stream(sid, self.limits.initial_window)
+        self._streams[sid] = _Stream(sid, self.limits.initial_window, protocol)
         self._remote_open += 1
         events.append(StreamOpened(sid, protocol))
 
@@ -406,7 +417,7 @@ class Multiplexer:
         if sid >= 1 << 32:
             raise ProtocolViolation("stream IDs exhausted on this connection")
         self._next_local_id += 2
-        self._streams[sid] = _Stream(sid, self.limits.initial_window)
+        self._streams[sid] = _Stream(sid, self.limits.initial_window, protocol)
         # OPEN goes through the control queue, which is always emptied before any
         # DATA is scheduled, so it can never be overtaken by this stream's data.
         self._control.append(HEADER.pack(OPEN, 0, sid, len(name)) + name)
@@ -420,6 +431,11 @@ class Multiplexer:
         if len(data):
             st.send_queue.append(data)
             st.queued += len(data)
+            tally = self.sent_by_protocol
+            name = st.protocol
+            if name not in tally and len(tally) >= MAX_PROTOCOL_TALLIES:
+                name = "other"
+            tally[name] = tally.get(name, 0) + len(data)
             if st.send_window > 0:
                 self._mark_ready(st)
 

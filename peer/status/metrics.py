@@ -5,7 +5,8 @@ Two kinds of series:
 - Gauges and totals read from `StatusProvider.status()` at scrape time (a
   custom collector), so they never drift from /status and cost nothing between
   scrapes: shoal_step, shoal_loss, shoal_val_loss, shoal_tokens_per_second,
-  shoal_bytes_sent_total, shoal_bytes_received_total, shoal_connections{kind},
+  shoal_bytes_sent_total, shoal_bytes_received_total,
+  shoal_protocol_bytes_sent_total{protocol}, shoal_connections{kind},
   shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
   shoal_event_loop_lag_p99_seconds, shoal_event_loop_lag_max_seconds,
   shoal_device_memory_used_bytes, shoal_device_memory_total_bytes,
@@ -221,6 +222,18 @@ def _runtime_metrics(status: dict[str, Any]) -> Iterator[Metric]:
                 f"Bytes {direction} over every connection since the daemon started.",
                 value=value,
             )
+    by_protocol = status.get("bytes_sent_by_protocol")
+    if isinstance(by_protocol, dict) and by_protocol:
+        family = CounterMetricFamily(
+            "shoal_protocol_bytes_sent",
+            "Stream payload sent since the daemon started, by the protocol each stream "
+            "was opened for (what the uplink carries for what).",
+            labels=["protocol"],
+        )
+        for protocol, sent in sorted(by_protocol.items()):
+            if _is_number(sent):
+                family.add_metric([str(protocol)], sent)
+        yield family
 
 
 def _refusal_metrics(status: dict[str, Any]) -> Iterator[Metric]:

@@ -58,6 +58,9 @@ served as null so that every client's JSON parser accepts them.
         fingerprint     str|null  hash of the averaged state (peers that committed agree)
     bytes_sent      int     total over the process's lifetime (closed connections included)
     bytes_received  int
+    bytes_sent_by_protocol  obj  {protocol: int}: stream payload sent, by the protocol each
+                                stream was opened for ("/shoal/averaging/1.0.0", "/shoal/dht/1.0.0",
+                                ...); headers and encryption are in bytes_sent only
     uptime_s        float   seconds since the daemon started
 
 Protocol versions (transport/version.py; docs/reference/protocols.md), on every
