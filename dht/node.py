@@ -140,6 +140,7 @@ class DHTNode:
         republish_interval: float = 3600.0,
         rejoin_check: float = REJOIN_CHECK_S,
         cache_along_path: bool = True,
+        delta_reads: bool = True,
         storage: LocalStorage | None = None,
         validator: RecordValidator | None = None,
         protocol: str = DEFAULT_PROTOCOL,
@@ -153,7 +154,9 @@ class DHTNode:
         (NAT: a private peer does not); while false we are a client: our requests
         say so and carry no addresses, and nobody adds us to a table. `addresses`:
         what we advertise in requests (default: the host's addresses).
-        `diversity`, `rate_limits`: the Sybil defences (see `admission`)."""
+        `diversity`, `rate_limits`: the Sybil defences (see `admission`).
+        `delta_reads`: a read of a key asks each replica read before only for what
+        it stored since (`replica_reads`); False reads everything every time."""
         self.host = host
         self._serves = serves
         self._addresses = addresses or host.addresses
@@ -190,7 +193,7 @@ class DHTNode:
             host, protocol, hop_timeout, max_connections, self._tasks, self.count
         )
         self._publisher = Publisher(self, republish_interval)
-        self._reader = Reader(self)
+        self._reader = Reader(self, delta_reads=delta_reads)
         self._upkeep = Maintenance(
             self.routing_table, self._publisher, self.find_nodes, refresh_interval, serves
         )

@@ -5,8 +5,17 @@ addresses (strings), so that the receiver can put the sender in its table.
 
 - ``ping``       {from}                    -> {from}
 - ``find_node``  {from, ids: [32 bytes]}    -> {peers, nearest}
-- ``find_value`` {from, keys: [str]}        -> {peers, nearest, values: {index: [record]}}
+- ``find_value`` {from, keys: [str], since?} -> {peers, nearest, values: {index: [record]},
+                                               cursors?}
 - ``store``      {from, records: [record]}  -> {stored: [bool]}
+
+Delta reads: ``cursors`` (``{index: [epoch, seq]}``, from replicas that support them)
+name the point of the responder's storage that its answer is complete up to; an asker
+that keeps what it read sends them back as ``since`` (same shape) on its next read
+of those keys, and gets only the records stored after them (a key's record set
+unchanged: none). A cursor of another epoch (the responder restarted) gets a full
+answer. Older peers ignore ``since`` and send no ``cursors``: a full answer, as
+before.
 
 ``peers`` is a list of contacts ``[peer_id_bytes, [addr strings]]`` shared by
 all requested keys; ``nearest[i]`` lists indexes into ``peers`` for the i-th
@@ -33,6 +42,7 @@ MAX_ADDRS: Final = 8
 MAX_ADDR_CHARS: Final = 512
 # Records per key in one find_value answer (subkeys of a dictionary).
 MAX_RECORDS_PER_KEY: Final = 4096
+MAX_EPOCH_BYTES: Final = 16  # a storage epoch in a delta read's cursor
 
 
 class DHTProtocolError(ValueError):
@@ -195,6 +205,35 @@ def parse_values(response: dict[str, Any], keys: list[str]) -> dict[str, list[Re
             raise DHTProtocolError("a record answers a key that was not asked for")
         if records:
             out[keys[i]] = records
+    return out
+
+
+Cursor = tuple[bytes, int]  # (storage epoch, seq): see the module docstring
+
+
+def cursors_to_wire(cursors: dict[int, Cursor]) -> dict[int, list[Any]]:
+    return {i: [epoch, seq] for i, (epoch, seq) in cursors.items()}
+
+
+def parse_cursors(raw: object, n_keys: int, field_name: str = "cursors") -> dict[int, Cursor]:
+    """`since` of a request or `cursors` of an answer: at most one (epoch, seq) per
+    requested key; absent is none. Anything else is malformed."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > n_keys:
+        raise DHTProtocolError(f"{field_name} must be a map of at most one entry per key")
+    out: dict[int, Cursor] = {}
+    for i, item in raw.items():
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_keys:
+            raise DHTProtocolError(f"{field_name} index out of range")
+        if not (isinstance(item, list) and len(item) == 2):
+            raise DHTProtocolError(f"{field_name} entries must be [epoch, seq]")
+        epoch, seq = item
+        if not isinstance(epoch, bytes) or len(epoch) > MAX_EPOCH_BYTES:
+            raise DHTProtocolError(f"{field_name} epoch must be at most {MAX_EPOCH_BYTES} bytes")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 1 << 63:
+            raise DHTProtocolError(f"{field_name} seq must be an int in [0, 2**63)")
+        out[i] = (epoch, seq)
     return out
 
 

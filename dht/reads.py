@@ -13,8 +13,16 @@ from shoal.transport.multiaddr import Multiaddr
 
 from .admission import DiversityPolicy
 from .lookup import ANSWERED, FAILED, Candidate, KeyLookup
-from .protocol import ID_BYTES, WireContact, parse_nearest, parse_values
+from .protocol import (
+    ID_BYTES,
+    WireContact,
+    cursors_to_wire,
+    parse_cursors,
+    parse_nearest,
+    parse_values,
+)
 from .records import RecordValidator
+from .replica_reads import ReplicaReads
 from .routing import RoutingTable, key_id
 from .storage import LocalStorage, StoredValue, merge_records
 
@@ -57,9 +65,11 @@ class ReadingNode(Protocol):
 class Reader:
     """Runs a node's value and node lookups, with their second tries."""
 
-    def __init__(self, node: ReadingNode) -> None:
+    def __init__(self, node: ReadingNode, *, delta_reads: bool = True) -> None:
         self.node = node
         self._loop = asyncio.get_running_loop()
+        # What each replica answered last, for delta reads (None: full reads).
+        self.replica_reads = ReplicaReads() if delta_reads else None
 
     def _answered(self, cand: Candidate) -> None:
         # We reached it at these addresses: it is a verified contact, and its group
@@ -85,18 +95,31 @@ class Reader:
     async def query_find_value(
         self, cand: Candidate, lookups: list[KeyLookup]
     ) -> list[list[WireContact]]:
-        keys = [lk.key for lk in lookups]
+        keys: list[str] = [lk.key for lk in lookups]  # type: ignore[misc]
         assert all(k is not None for k in keys)
-        reply = await self.node._request(
-            cand.peer_id, cand.addrs, "find_value", {**self.node.hello(), "keys": keys}
-        )
+        kept = self.replica_reads
+        since = {}
+        if kept is not None:
+            for i, key in enumerate(keys):
+                if (cursor := kept.since(key, cand.peer_id)) is not None:
+                    since[i] = cursor
+        request: dict[str, Any] = {**self.node.hello(), "keys": keys}
+        if since:
+            request["since"] = cursors_to_wire(since)
+        reply = await self.node._request(cand.peer_id, cand.addrs, "find_value", request)
         response, per_key = parse_nearest(
             reply, len(keys), self.node.k, local=self.node.peer_id, responder=cand.peer_id
         )
-        values = parse_values(response, keys)  # type: ignore[arg-type]
+        values = parse_values(response, keys)
+        cursors = parse_cursors(response.get("cursors"), len(keys))
         self._answered(cand)
-        for lk in lookups:
-            records = values.get(lk.key)  # type: ignore[arg-type]
+        now = time.time()
+        for i, lk in enumerate(lookups):
+            records = values.get(keys[i], [])
+            if kept is not None:
+                records = kept.answered(
+                    keys[i], cand.peer_id, since.get(i), cursors.get(i), records, now
+                )
             if records:
                 lk.records.extend(records)
                 lk.holders.append(cand)

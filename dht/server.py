@@ -24,7 +24,9 @@ from .admission import DiversityPolicy, RequestAdmission
 from .protocol import (
     DHTProtocolError,
     build_nearest,
+    cursors_to_wire,
     parse_addrs,
+    parse_cursors,
     parse_ids,
     parse_keys,
     parse_records,
@@ -148,11 +150,25 @@ class DHTServer:
     async def _on_find_value(self, ctx: rpc.CallContext, payload: Any) -> Any:
         payload = self._note_sender(ctx, payload)
         keys = parse_keys(payload.get("keys"))
-        values = self.node.storage.get_many(keys, time.time())
+        since = parse_cursors(payload.get("since"), len(keys), "since")
+        storage = self.node.storage
+        now = time.time()
+        values = storage.get_many(keys, now)
         answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
-        answer["values"] = {
-            i: [r.to_wire() for r in values[k].records()] for i, k in enumerate(keys) if k in values
-        }
+        found: dict[int, list[Any]] = {}
+        for i, key in enumerate(keys):
+            cursor = since.get(i)
+            if cursor is not None and cursor[0] == storage.epoch:
+                records = storage.changed_since(key, cursor[1], now)  # a delta read
+            else:
+                records = values[key].records() if key in values else []
+            if records:
+                found[i] = [r.to_wire() for r in records]
+        answer["values"] = found
+        # Complete up to here, for every key (one held nowhere too): the asker's next
+        # read sends these back and gets only what was stored after.
+        mark = (storage.epoch, storage.last_seq)
+        answer["cursors"] = cursors_to_wire(dict.fromkeys(range(len(keys)), mark))
         return answer
 
     async def _on_store(self, ctx: rpc.CallContext, payload: Any) -> Any:

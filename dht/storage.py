@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ RECORD_OVERHEAD_BYTES = 256
 # reads; far below either.
 DEFAULT_PEER_SHARE = 0.02
 DEFAULT_GROUP_SHARE = 0.05
+EPOCH_BYTES = 8  # `LocalStorage.epoch`
 _LOCAL: tuple[str] = ("local",)  # the account of records stored without an origin
 
 # Who stored a record: (peer, IP group or None); None for the node's own records.
@@ -149,7 +151,11 @@ class LocalStorage:
         # (effective expiration, seq, key, subkey); entries of replaced records stay
         # until popped or compacted (lazy deletion).
         self._heap: list[tuple[float, int, str, str | None]] = []
-        self._seq = itertools.count()
+        self._seq = itertools.count(1)
+        self.last_seq = 0  # the seq of the latest store: a reader's cursor (`changed_since`)
+        # Names this storage's seq numbering: a reader's cursor from another numbering
+        # (this node restarted) is not comparable, and gets a full answer.
+        self.epoch = os.urandom(EPOCH_BYTES)
         self._entries = 0
         self._bytes = 0
         self._counters = {
@@ -198,7 +204,7 @@ class LocalStorage:
             record,
             self.validator.effective_expiration(record, now),
             size,
-            next(self._seq),
+            self._next_seq(),
             _accounts(origin),
         )
         self._keys.setdefault(record.key, {})[record.subkey] = slot
@@ -236,6 +242,21 @@ class LocalStorage:
             if value is not None:
                 found[key] = value
         return found
+
+    def changed_since(self, key: str, since: int, now: float) -> list[Record]:
+        """The live records of `key` stored after seq `since` (a cursor this storage
+        gave as `last_seq`): what a reader holding the rest lacks. Records that
+        expired or were evicted since are not reported; a reader drops them by
+        their expiration, or keeps a record still valid that another replica holds."""
+        self.purge(now)
+        slots = self._keys.get(key)
+        if not slots:
+            return []
+        return [slot.record for slot in slots.values() if slot.seq > since]
+
+    def _next_seq(self) -> int:
+        self.last_seq = next(self._seq)
+        return self.last_seq
 
     def values(self, now: float) -> Iterator[StoredValue]:
         """All live values (e.g. for republishing); do not store while iterating."""
@@ -373,7 +394,7 @@ class LocalStorage:
             heapq.heapify(self._heap)
 
 
-def _newer(a: Record, b: Record) -> bool:
+def newer(a: Record, b: Record) -> bool:
     # Later expiration wins; ties are broken by content so that every reader
     # merging the same answers picks the same record.
     return (a.expiration, a.value, a.signature or b"") > (b.expiration, b.value, b.signature or b"")
@@ -402,11 +423,11 @@ def merge_records(
             except RecordError:
                 continue
         if record.subkey is None:
-            if plain is None or _newer(record, plain):
+            if plain is None or newer(record, plain):
                 plain = record
         else:
             current = subkeys.get(record.subkey)
-            if current is None or _newer(record, current):
+            if current is None or newer(record, current):
                 subkeys[record.subkey] = record
     if subkeys:
         return StoredValue(key, subkeys=subkeys)

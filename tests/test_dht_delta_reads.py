@@ -1,0 +1,267 @@
+"""Delta reads: a node that reads a key again asks each replica only for what that replica
+stored since its last answer, and still returns the whole value (dht/replica_reads.py,
+the ``since``/``cursors`` fields of find_value in dht/protocol.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from shoal.dht.node import DHTNode
+from shoal.dht.protocol import DHTProtocolError, parse_cursors
+from shoal.dht.records import Record
+from shoal.dht.replica_reads import ReplicaReads
+from shoal.dht.storage import LocalStorage
+from shoal.transport.identity import Identity
+
+HOST_OPTS = {"max_connections_per_ip": 100_000, "max_connections": 100_000, "close_grace": 0.1}
+DHT = "/shoal/dht/1.0.0"
+EPOCH = b"e" * 8
+REPLICA = Identity.generate().peer_id
+
+
+def record(subkey: str | None, value: bytes = b"v", expires_in: float = 60.0) -> Record:
+    return Record("key", subkey, value, time.time() + expires_in)
+
+
+# ------------------------------------------------------------------ the reader's side, alone
+
+
+def test_a_delta_answer_is_merged_into_what_the_replica_gave_before() -> None:
+    reads = ReplicaReads()
+    now = time.time()
+    first = reads.answered("key", REPLICA, None, (EPOCH, 5), [record("a"), record("b")], now)
+    assert sorted(r.subkey for r in first) == ["a", "b"]
+    assert reads.since("key", REPLICA) == (EPOCH, 5)
+    newer_a = record("a", b"a2", expires_in=90)
+    second = reads.answered("key", REPLICA, (EPOCH, 5), (EPOCH, 7), [newer_a, record("c")], now)
+    assert {r.subkey: r.value for r in second} == {"a": b"a2", "b": b"v", "c": b"v"}
+    assert reads.since("key", REPLICA) == (EPOCH, 7)
+    # nothing changed: an empty delta still gives the whole set
+    third = reads.answered("key", REPLICA, (EPOCH, 7), (EPOCH, 7), [], now)
+    assert sorted(r.subkey for r in third) == ["a", "b", "c"]
+
+
+def test_an_answer_of_another_epoch_or_without_a_cursor_replaces_what_was_kept() -> None:
+    reads = ReplicaReads()
+    now = time.time()
+    reads.answered("key", REPLICA, None, (EPOCH, 5), [record("a"), record("b")], now)
+    # the replica restarted: its answer to our cursor is complete, and all there is
+    restarted = reads.answered("key", REPLICA, (EPOCH, 5), (b"new epoch", 1), [record("c")], now)
+    assert [r.subkey for r in restarted] == ["c"]
+    assert reads.since("key", REPLICA) == (b"new epoch", 1)
+    # a replica without delta reads: its answer is everything, and nothing is kept
+    assert [r.subkey for r in reads.answered("key", REPLICA, None, None, [record("d")], now)] == [
+        "d"
+    ]
+    assert reads.since("key", REPLICA) is None and len(reads) == 0
+
+
+def test_kept_records_expire_and_are_bounded() -> None:
+    reads = ReplicaReads(max_records=5)
+    now = time.time()
+    short = record("short", expires_in=1.0)
+    reads.answered("key", REPLICA, None, (EPOCH, 1), [short, record("long")], now)
+    later = reads.answered("key", REPLICA, (EPOCH, 1), (EPOCH, 1), [], now + 2)
+    assert [r.subkey for r in later] == ["long"]
+    # least recently read first out, past max_records in all
+    others = [Identity.generate().peer_id for _ in range(3)]
+    for replica in others:
+        reads.answered("key", replica, None, (EPOCH, 1), [record("x"), record("y")], now)
+    assert len(reads) <= 5
+    assert reads.since("key", REPLICA) is None  # the oldest went first
+    assert reads.since("key", others[-1]) == (EPOCH, 1)
+
+
+def test_a_replica_answering_more_than_a_key_may_hold_is_not_kept() -> None:
+    reads = ReplicaReads()
+    flood = [record(f"s{i}") for i in range(4097)]
+    assert len(reads.answered("key", REPLICA, None, (EPOCH, 1), flood, time.time())) == 4097
+    assert reads.since("key", REPLICA) is None and len(reads) == 0
+
+
+# ------------------------------------------------------------------ the replica's side, alone
+
+
+def test_storage_reports_what_it_stored_after_a_cursor() -> None:
+    storage = LocalStorage()
+    now = time.time()
+    assert storage.store(record("a"), now) and storage.store(record("b"), now)
+    cursor = storage.last_seq
+    assert storage.changed_since("key", cursor, now) == []
+    replaced = record("a", b"a2", expires_in=120)
+    assert storage.store(replaced, now) and storage.store(record("c"), now)
+    assert storage.store(Record("other", None, b"o", now + 60), now)
+    assert sorted(r.subkey for r in storage.changed_since("key", cursor, now)) == ["a", "c"]
+    assert storage.changed_since("missing", 0, now) == []
+    assert len(storage.epoch) == 8 and LocalStorage().epoch != storage.epoch
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [1, 2],
+        {0: [b"e", 1], 1: [b"e", 2], 2: [b"e", 3]},  # more entries than keys
+        {5: [b"e", 1]},
+        {True: [b"e", 1]},
+        {0: [b"e"]},
+        {0: ["e", 1]},
+        {0: [b"e" * 17, 1]},
+        {0: [b"e", -1]},
+        {0: [b"e", 1 << 63]},
+        {0: [b"e", 1.5]},
+    ],
+)
+def test_malformed_cursors_are_refused(raw: object) -> None:
+    with pytest.raises(DHTProtocolError):
+        parse_cursors(raw, 2)
+
+
+def test_absent_cursors_are_none() -> None:
+    assert parse_cursors(None, 3) == {}
+    assert parse_cursors({1: [b"e", 7]}, 3) == {1: (b"e", 7)}
+
+
+# ------------------------------------------------------------------ nodes on loopback
+
+
+@pytest.fixture
+async def swarm(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
+    nodes: list[DHTNode] = []
+
+    async def make(n: int, **options: Any) -> list[DHTNode]:
+        out = []
+        for _ in range(n):
+            host = await make_host(**HOST_OPTS)
+            boot = [str(random.choice(nodes).host.addresses()[0])] if nodes else []
+            node = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0, **options)
+            nodes.append(node)
+            out.append(node)
+        return out
+
+    yield make
+    await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
+
+
+def dht_bytes_sent(nodes: list[DHTNode]) -> int:
+    return sum(n.host.bytes_sent_by_protocol().get(DHT, 0) for n in nodes)
+
+
+async def read_costs(reader: DHTNode, others: list[DHTNode], key: str) -> tuple[Any, int]:
+    """What `reader` reads of `key` (every replica), and what the others sent meanwhile."""
+    before = dht_bytes_sent(others)
+    value = await reader.get(key, latest=True)
+    return value, dht_bytes_sent(others) - before
+
+
+@pytest.mark.timeout(60)
+async def test_a_second_read_costs_the_replicas_only_what_changed(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(6)
+    reader, others = nodes[0], nodes[1:]
+    exp = time.time() + 60
+    for i in range(40):
+        assert await others[i % 5].store("peers", "x" * 200, exp, subkey=f"w{i}")
+    first, full_cost = await read_costs(reader, others, "peers")
+    assert first is not None and len(first.value) == 40
+    again, unchanged_cost = await read_costs(reader, others, "peers")
+    assert again.value == first.value
+    # 40 records of about 250 bytes from each of 5 replicas, then none
+    assert full_cost > 40_000 and unchanged_cost < full_cost / 5
+    assert await others[2].store("peers", "changed", exp + 1, subkey="w7")
+    assert await others[3].store("peers", "new", exp, subkey="w40")
+    changed, changed_cost = await read_costs(reader, others, "peers")
+    assert changed.value == {**first.value, "w7": "changed", "w40": "new"}
+    assert changed_cost < full_cost / 3
+    # and a node with full reads gets the same value
+    (plain,) = await swarm(1, delta_reads=False)
+    assert (await plain.get("peers", latest=True)).value == changed.value
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_that_restarted_or_knows_no_cursors_answers_in_full(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(5)
+    reader, others = nodes[0], nodes[1:]
+    exp = time.time() + 60
+    for i in range(6):
+        assert await others[i % 4].store("peers", i, exp, subkey=f"w{i}")
+    assert len((await reader.get("peers", latest=True)).value) == 6
+    # every replica "restarted" (a new numbering) and one of them lost w0 meanwhile
+    for node in others:
+        node.storage.epoch = os.urandom(8)
+    others[0].storage = LocalStorage(validator=others[0].validator)
+    others[0]._server.node.storage = others[0].storage
+    # an older peer: ignores `since` and sends no cursors
+    old = others[1]
+    handler = old._server._on_find_value
+
+    async def without_cursors(ctx: Any, payload: Any) -> Any:
+        payload.pop("since", None)
+        answer = await handler(ctx, payload)
+        answer.pop("cursors")
+        return answer
+
+    old._server._service.unary("find_value")(old._server._admitted(without_cursors))
+    assert await others[2].store("peers", "late", exp, subkey="w6")
+    for _ in range(2):
+        got = await reader.get("peers", latest=True)
+        assert got.value == {**{f"w{i}": i for i in range(6)}, "w6": "late"}
+    assert reader._reader.replica_reads.since("peers", old.peer_id) is None
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_that_hides_changes_behind_its_cursor_hides_nothing_the_others_hold(
+    swarm: Callable[..., Any],
+) -> None:
+    """A replica can always leave records out of an answer; with cursors it can claim
+    that nothing changed. The others' answers still carry the change."""
+    nodes = await swarm(6)
+    reader, liar = nodes[0], nodes[1]
+    exp = time.time() + 60
+    for i in range(5):
+        assert await nodes[1 + i].store("peers", i, exp, subkey=f"w{i}")
+    assert len((await reader.get("peers", latest=True)).value) == 5
+    handler = liar._server._on_find_value
+
+    async def nothing_changed(ctx: Any, payload: Any) -> Any:
+        answer = await handler(ctx, payload)
+        if payload.get("since"):
+            answer["values"] = {}
+        return answer
+
+    liar._server._service.unary("find_value")(liar._server._admitted(nothing_changed))
+    assert await nodes[4].store("peers", "changed", exp + 1, subkey="w3")
+    got = await reader.get("peers", latest=True)
+    assert got.value == {"w0": 0, "w1": 1, "w2": 2, "w3": "changed", "w4": 4}
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_answering_malformed_cursors_is_a_garbage_answer(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(6)
+    reader, bad = nodes[0], nodes[1]
+    exp = time.time() + 60
+    for i in range(5):
+        assert await nodes[1 + i].store("peers", i, exp, subkey=f"w{i}")
+    handler = bad._server._on_find_value
+
+    async def bad_cursors(ctx: Any, payload: Any) -> Any:
+        answer = await handler(ctx, payload)
+        answer["cursors"] = {0: [b"x" * 1000, -5]}
+        return answer
+
+    bad._server._service.unary("find_value")(bad._server._admitted(bad_cursors))
+    got = await reader.get("peers", latest=True)
+    assert got.value == {f"w{i}": i for i in range(5)}
+    assert reader.stats()["garbage_answers"] >= 1
+    assert reader._reader.replica_reads.since("peers", bad.peer_id) is None
