@@ -21,6 +21,10 @@ log = logging.getLogger("shoal.averaging.matchmaking")
 
 # Each DHT read or write of one call is bounded by this (and by the call's deadline).
 DHT_TIMEOUT = 2.0
+# Replicas a poll reads, drawn among the k its last full read found (`DHTNode.get`'s
+# `sample`): every declaration is stored on all k, and reading all k delivered each
+# one k times to every poller (180 KB a peer a round at 16 peers).
+POLL_REPLICAS = 3
 
 
 class Declarer:
@@ -75,7 +79,7 @@ class Declarer:
             # The outer bound only catches a lookup that does not stop when told.
             async with asyncio.timeout(timeout + DHT_TIMEOUT):
                 value = await self._abortable(
-                    self.dht.get(self.dht_key, latest=True, within=timeout)
+                    self.dht.get(self.dht_key, latest=True, within=timeout, sample=POLL_REPLICAS)
                 )
         except (TimeoutError, DHTError, TransportError, OSError) as e:
             log.debug("%s: reading declarations failed: %r", self.dht_key, e)

@@ -72,6 +72,7 @@ COUNTERS = (
     "cached",
     "value_retries",
     "partial_reads",  # reads that ran out of `within` and merged what came
+    "sampled_reads",  # latest reads of a few of the replicas a full read found
     "node_retries",
     "requests_redialed",
     "busy_answers",
@@ -323,7 +324,12 @@ class DHTNode:
         return await self._publisher.store_records(records)
 
     async def get(
-        self, key: str, *, latest: bool = False, within: float | None = None
+        self,
+        key: str,
+        *,
+        latest: bool = False,
+        within: float | None = None,
+        sample: int | None = None,
     ) -> DHTValue | None:
         """The value of `key` merged from several replicas, or None.
 
@@ -333,7 +339,14 @@ class DHTNode:
         replicas that answered by then (a partial read: a caller that merges
         reads, such as one of owner-signed subkeys, loses nothing by it), where
         a timeout around the call would give nothing at all.
+        `sample` (with `latest`): ask that many replicas drawn at random among the
+        k that the key's last full latest read found (at most `REPLICA_SET_TTL_S`
+        ago; else this read is that full read), for a key read again and again
+        (matchmaking's polls): see `replica_reads.ReplicaSets`.
         """
+        if latest and sample is not None:
+            stored = await self._reader.sampled_value(key, sample, within)
+            return _to_value(stored) if stored is not None else None
         return (await self.get_many([key], latest=latest, within=within))[key]
 
     async def get_many(

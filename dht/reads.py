@@ -8,13 +8,16 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
 from .admission import DiversityPolicy
+from .errors import PeerBusy
 from .lookup import ANSWERED, FAILED, Candidate, KeyLookup
 from .protocol import (
     ID_BYTES,
+    DHTProtocolError,
     WireContact,
     cursors_to_wire,
     parse_cursors,
@@ -22,7 +25,7 @@ from .protocol import (
     parse_values,
 )
 from .records import RecordValidator
-from .replica_reads import ReplicaReads
+from .replica_reads import ReplicaReads, ReplicaSets
 from .routing import RoutingTable, key_id
 from .storage import LocalStorage, StoredValue, merge_records
 
@@ -39,6 +42,7 @@ class ReadingNode(Protocol):
     routing_table: RoutingTable
 
     def count(self, counter: str, n: int = 1) -> int: ...
+    def _on_failure(self, cand: Candidate, exc: BaseException) -> None: ...
     def _blocked(self, peer: PeerID) -> bool: ...
     def _cache(self, lk: KeyLookup, merged: StoredValue) -> None: ...
     async def _traverse(
@@ -70,6 +74,8 @@ class Reader:
         self._loop = asyncio.get_running_loop()
         # What each replica answered last, for delta reads (None: full reads).
         self.replica_reads = ReplicaReads() if delta_reads else None
+        # The replicas each key's last full latest read found, for sampled reads.
+        self.replica_sets = ReplicaSets()
 
     def _answered(self, cand: Candidate) -> None:
         # We reached it at these addresses: it is a verified contact, and its group
@@ -163,8 +169,15 @@ class Reader:
         return any(self.node._blocked(c.peer_id) for c in nearest)
 
     async def find_values(
-        self, keys: list[str], *, latest: bool, within: float | None = None
+        self,
+        keys: list[str],
+        *,
+        latest: bool,
+        within: float | None = None,
+        first_lookups: list[KeyLookup] | None = None,
     ) -> dict[str, StoredValue]:
+        """The values of `keys` merged from the replicas found; `first_lookups`, when
+        given, receives each key's first lookup (the replicas it reached)."""
         node = self.node
         until = None if within is None else self._loop.time() + within
         local = node.storage.get_many(keys, time.time())
@@ -176,6 +189,8 @@ class Reader:
                 lk.records.extend(held.records())
                 lk.holders.append(Candidate(node.peer_id, node.routing_table.local_id, (), 0))
             lookups.append(lk)
+        if first_lookups is not None:
+            first_lookups.extend(lookups)
         if not await self._traverse_until(until, lookups, self.query_find_value):
             return self._merge_found(lookups)  # out of time: what answered so far
         # A key found nowhere while some of the peers asked for it failed (a timeout
@@ -199,6 +214,55 @@ class Reader:
             lookups += retry
             await self._traverse_until(until, retry, self.query_find_value, skip_blacklisted=False)
         return self._merge_found(lookups)
+
+    async def sampled_value(
+        self, key: str, sample: int, within: float | None
+    ) -> StoredValue | None:
+        """A latest read of `key` from `sample` replicas drawn at random among those
+        its last full latest read found (`ReplicaSets`), ourselves included when we
+        are one; a full latest read when none is known, or when none of those drawn
+        answers. A replica that fails is dropped from the set until the next full
+        read, which happens when the set is too small or too old."""
+        now = self._loop.time()
+        until = None if within is None else now + within
+        chosen = self.replica_sets.draw(key, sample, now, self.node._blocked)
+        if chosen is None:
+            return await self._full_latest_read(key, within)
+        lk = KeyLookup(key_id(key), key)
+        held = self.node.storage.get(key, time.time())
+        if held is not None:
+            lk.records.extend(held.records())
+        self.node.count("sampled_reads")
+
+        answered: list[Candidate] = []
+
+        async def ask(cand: Candidate) -> None:
+            try:
+                await self.query_find_value(cand, [lk])
+                answered.append(cand)
+            except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
+                self.node._on_failure(cand, e)
+                self.replica_sets.failed(key, cand.peer_id)
+
+        try:
+            async with asyncio.timeout_at(until):
+                await asyncio.gather(*(ask(c) for c in chosen))
+        except TimeoutError:
+            self.node.count("partial_reads")
+        if not answered:
+            left = None if until is None else until - self._loop.time()
+            if left is None or left > 0:
+                return await self._full_latest_read(key, left)
+        return merge_records(key, lk.records, time.time(), self.node.validator)
+
+    async def _full_latest_read(self, key: str, within: float | None) -> StoredValue | None:
+        """`find_values` of one key with latest, remembering the replicas it found."""
+        lookups: list[KeyLookup] = []
+        found = await self.find_values([key], latest=True, within=within, first_lookups=lookups)
+        if lookups:
+            replicas = lookups[0].closest_answered(self.node.k)
+            self.replica_sets.found(key, replicas, self._loop.time())
+        return found.get(key)
 
     async def _traverse_until(
         self, until: float | None, lookups: list[KeyLookup], query: Any, **kw: Any

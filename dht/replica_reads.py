@@ -1,5 +1,7 @@
-"""What a node last read of a key from each replica, so that its next read of that key
-asks the replica only for what changed (delta reads; the wire side is in `protocol`).
+"""What a node knows of a key's replicas from its last reads: what each replica answered,
+so that its next read asks the replica only for what changed (delta reads, the wire
+side is in `protocol`: `ReplicaReads`), and which replicas its last full read found,
+so that a frequent latest read asks a few of them rather than all k (`ReplicaSets`).
 
 A peer in matchmaking reads one key every second or so, and every replica used to
 answer with the whole record set: every peer's declaration, most of them unchanged
@@ -17,16 +19,19 @@ and `MAX_RECORDS_PER_KEY` per replica and key, past which nothing is kept for it
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.transport.identity import PeerID
 
+from .lookup import Candidate
 from .protocol import MAX_RECORDS_PER_KEY, Cursor
 from .records import Record
 from .storage import newer
 
-__all__ = ["DEFAULT_MAX_RECORDS", "ReplicaReads"]
+__all__ = ["DEFAULT_MAX_RECORDS", "REPLICA_SET_TTL_S", "ReplicaReads", "ReplicaSets"]
 
 # Records kept in all: about 300 bytes each for a matchmaking declaration.
 DEFAULT_MAX_RECORDS = 16_384
@@ -93,3 +98,68 @@ class ReplicaReads:
         while self._count > self.max_records and self._kept:
             _, oldest = self._kept.popitem(last=False)
             self._count -= len(oldest.records)
+
+
+# How long the replicas a full read found serve sampled reads: a key's neighbourhood
+# changes with churn, and a full read this often finds the peers that joined it.
+REPLICA_SET_TTL_S = 30.0
+MAX_REPLICA_SETS = 256  # keys
+
+
+class ReplicaSets:
+    """The replicas of each key that its last full latest read reached (the k closest
+    that answered), to draw a sampled read's replicas from.
+
+    Why sampling is sound: every store goes to the k closest, so any replica a write
+    reached serves it, and a record a drawn replica lacks is in the next read's draw.
+    Why it is needed: matchmaking polls its key about once a second, and a latest read
+    of all k replicas delivers every peer's declaration k times over; at 16 peers that
+    was 180 KB a peer a round against a 27 KB sparse payload. The lookup that found
+    the set capped each IP group's share of it (`admission`), so Sybils next to the
+    key hold as few of the draws as they hold of the set.
+    """
+
+    def __init__(
+        self,
+        ttl: float = REPLICA_SET_TTL_S,
+        max_keys: int = MAX_REPLICA_SETS,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.ttl = ttl
+        self.max_keys = max_keys
+        self._rng = rng or random.Random()
+        self._sets: OrderedDict[str, tuple[float, list[Candidate]]] = OrderedDict()
+
+    def found(self, key: str, replicas: list[Candidate], now: float) -> None:
+        """A full latest read of `key` reached `replicas` (loop time `now`)."""
+        self._sets.pop(key, None)
+        if replicas:
+            self._sets[key] = (now + self.ttl, list(replicas))
+            while len(self._sets) > self.max_keys:
+                self._sets.popitem(last=False)
+
+    def draw(
+        self, key: str, sample: int, now: float, blocked: Callable[[PeerID], bool]
+    ) -> list[Candidate] | None:
+        """`sample` replicas of `key` at random (all of them when there are fewer),
+        none blocked; None when a full read is due (no set, or an expired one)."""
+        entry = self._sets.get(key)
+        if entry is None or entry[0] <= now:
+            return None
+        live = [c for c in entry[1] if not blocked(c.peer_id)]
+        if not live:
+            return None
+        self._sets.move_to_end(key)
+        return live if len(live) <= sample else self._rng.sample(live, sample)
+
+    def failed(self, key: str, peer: PeerID) -> None:
+        """`peer` did not answer a read of `key`: not drawn again before the next full
+        read; a set left empty makes the next read a full one."""
+        entry = self._sets.get(key)
+        if entry is None:
+            return
+        left = [c for c in entry[1] if c.peer_id != peer]
+        if left:
+            self._sets[key] = (entry[0], left)
+        else:
+            del self._sets[key]

@@ -1,6 +1,8 @@
-"""Delta reads: a node that reads a key again asks each replica only for what that replica
-stored since its last answer, and still returns the whole value (dht/replica_reads.py,
-the ``since``/``cursors`` fields of find_value in dht/protocol.py)."""
+"""Reading a key again, cheaply (dht/replica_reads.py). Delta reads: a node asks each
+replica only for what that replica stored since its last answer, and still returns the
+whole value (the ``since``/``cursors`` fields of find_value in dht/protocol.py).
+Sampled reads: a latest read asks a few replicas drawn among those the key's last full
+read found, not all k."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from typing import Any
 
 import pytest
 
+from shoal.dht.lookup import Candidate
 from shoal.dht.node import DHTNode
 from shoal.dht.protocol import DHTProtocolError, parse_cursors
 from shoal.dht.records import Record
-from shoal.dht.replica_reads import ReplicaReads
+from shoal.dht.replica_reads import ReplicaReads, ReplicaSets
 from shoal.dht.storage import LocalStorage
 from shoal.transport.identity import Identity
 
@@ -265,3 +268,109 @@ async def test_a_replica_answering_malformed_cursors_is_a_garbage_answer(
     assert got.value == {f"w{i}": i for i in range(5)}
     assert reader.stats()["garbage_answers"] >= 1
     assert reader._reader.replica_reads.since("peers", bad.peer_id) is None
+
+
+# ------------------------------------------------------------------ sampled latest reads
+
+
+def candidates(n: int) -> list[Candidate]:
+    return [Candidate(Identity.generate().peer_id, i, (), 0) for i in range(n)]
+
+
+def test_a_sampled_read_draws_among_the_replicas_the_last_full_read_found() -> None:
+    sets = ReplicaSets(ttl=30.0, rng=random.Random(1))
+    replicas = candidates(10)
+    never = lambda peer: False  # noqa: E731
+    assert sets.draw("key", 3, 0.0, never) is None  # no full read yet
+    sets.found("key", replicas, 0.0)
+    drawn = sets.draw("key", 3, 1.0, never)
+    assert drawn is not None and len({c.peer_id for c in drawn}) == 3
+    assert {c.peer_id for c in drawn} <= {c.peer_id for c in replicas}
+    # over many draws every replica is asked: a record one lacks is in another draw
+    seen = set()
+    for _ in range(50):
+        seen |= {c.peer_id for c in sets.draw("key", 3, 1.0, never) or []}
+    assert seen == {c.peer_id for c in replicas}
+    assert sets.draw("key", 3, 30.0, never) is None  # too old: a full read is due
+
+
+def test_failed_and_blocked_replicas_are_not_drawn_and_an_empty_set_means_a_full_read() -> None:
+    sets = ReplicaSets()
+    replicas = candidates(4)
+    sets.found("key", replicas, 0.0)
+    blocked = {replicas[0].peer_id}
+    sets.failed("key", replicas[1].peer_id)
+    drawn = sets.draw("key", 3, 1.0, lambda peer: peer in blocked)
+    assert drawn is not None and {c.peer_id for c in drawn} == {c.peer_id for c in replicas[2:]}
+    for c in replicas:
+        sets.failed("key", c.peer_id)
+    assert sets.draw("key", 3, 1.0, lambda peer: False) is None
+
+
+def find_values_sent(node: DHTNode) -> Callable[[], int]:
+    """A counter of the find_value requests `node` sends from now on."""
+    count = 0
+    request = node._requester.request
+
+    async def counting(peer: Any, addrs: Any, method: str, payload: Any) -> Any:
+        nonlocal count
+        count += method == "find_value"
+        return await request(peer, addrs, method, payload)
+
+    node._requester.request = counting  # type: ignore[method-assign]
+    return lambda: count
+
+
+@pytest.mark.timeout(60)
+async def test_a_sampled_read_asks_three_replicas_and_reads_what_a_full_read_does(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(12)
+    reader = nodes[0]
+    exp = time.time() + 60
+    for i, node in enumerate(nodes[1:]):
+        assert await node.store("peers", i, exp, subkey=f"w{i}")
+    sent = find_values_sent(reader)
+    full = await reader.get("peers", latest=True, sample=3)  # no replica set yet: full
+    assert full is not None and len(full.value) == 11
+    after_full = sent()
+    assert after_full > 3
+    assert await nodes[5].store("peers", "changed", exp + 1, subkey="w4")
+    for _ in range(5):
+        got = await reader.get("peers", latest=True, sample=3)
+        assert got is not None and got.value == {**full.value, "w4": "changed"}
+    assert sent() - after_full == 5 * 3
+    assert reader.stats()["sampled_reads"] == 5
+
+
+@pytest.mark.timeout(60)
+async def test_a_sampled_read_survives_dead_and_lying_replicas(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(8)
+    reader = nodes[0]
+    exp = time.time() + 60
+    for i, node in enumerate(nodes[1:]):
+        assert await node.store("peers", i, exp, subkey=f"w{i}")
+    expected = {f"w{i}": i for i in range(7)}
+    assert (await reader.get("peers", latest=True, sample=3)).value == expected
+    # one replica answers that it holds nothing; two others are gone
+    liar = nodes[1]
+    handler = liar._server._on_find_value
+
+    async def holds_nothing(ctx: Any, payload: Any) -> Any:
+        answer = await handler(ctx, payload)
+        answer["values"] = {}
+        return answer
+
+    liar._server._service.unary("find_value")(liar._server._admitted(holds_nothing))
+    for dead in nodes[2:4]:
+        await dead.aclose()
+        await dead.host.aclose()
+    # a replica that lost a record is healed by another's answer, draw after draw
+    for _ in range(10):
+        got = await reader.get("peers", latest=True, sample=3, within=5.0)
+        assert got is not None and got.value == expected
+    # every replica drawn gone: the read falls back to a full one
+    reader._reader.replica_sets.found("peers", [], 0.0)
+    assert (await reader.get("peers", latest=True, sample=3)).value == expected
