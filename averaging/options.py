@@ -41,7 +41,7 @@ __all__ = [
 
 # The names of `compression.CODECS` and `reducer.REDUCTIONS`, here without torch
 # (tests/test_strategy_registry.py checks that they agree).
-CODEC_NAMES = ("none", "fp16", "bf16", "int8")
+CODEC_NAMES = ("none", "fp16", "bf16", "int8", "int4")
 # `sparse_codec.SPARSE_KINDS`: codecs of a whole pseudo-gradient, with error feedback.
 SPARSE_CODEC_NAMES = ("topk", "dct")
 REDUCTION_NAMES = ("mean", "centered_clip")

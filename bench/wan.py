@@ -19,6 +19,8 @@ shard, AdamW, clipping) for the same wall-clock budget per arm:
 - ``diloco_int8``, ``diloco_sparse``, ``diloco_dct``: DiLoCo with the pseudo-gradients
   coded int8, or sparse with error feedback (codec topk or dct, the default density
   and bits), its messages gathered (averaging/sparse_gather.py).
+- ``streaming_int4``: Streaming DiLoCo with its fragments' outer gradients in 4 bits
+  (the paper's setting; ``streaming`` is int8).
 
 Every arm's JSON says its `codec` and `bytes_per_round`: the bytes one peer's link
 sent per round (outer round; a step for data parallel; a fragment's round for
@@ -78,9 +80,15 @@ ARMS = (
     "diloco_int8",
     "diloco_sparse",
     "diloco_dct",
+    "streaming_int4",
 )
-# DiLoCo arms with another codec than the default one.
-CODEC_ARMS = {"diloco_int8": "int8", "diloco_sparse": "topk", "diloco_dct": "dct"}
+# Arms of a strategy with another codec than its default one: arm -> (strategy, codec).
+CODEC_ARMS = {
+    "diloco_int8": ("diloco", "int8"),
+    "diloco_sparse": ("diloco", "topk"),
+    "diloco_dct": ("diloco", "dct"),
+    "streaming_int4": ("streaming", "int4"),
+}
 # `diloco_third`: DiLoCo given a third of the budget, its schedule annealed within it:
 # the other reading of "reaches the loss in a third of the time" (the full-budget
 # curve at a third has its lr still high). Either reading meets the target.
@@ -94,7 +102,7 @@ PEAK_LR = {
     "streaming": ARM_TUNING["streaming"].inner_lr,
     "noloco": ARM_TUNING["noloco"].inner_lr,
     "diloco_third": ARM_TUNING["diloco"].inner_lr,
-    **{arm: ARM_TUNING["diloco"].inner_lr for arm in CODEC_ARMS},
+    **{arm: ARM_TUNING[strategy].inner_lr for arm, (strategy, _) in CODEC_ARMS.items()},
 }
 
 
@@ -108,7 +116,8 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
     strategy, divisor = SHORT_ARMS.get(arm, (arm, 1.0))
     options: dict[str, Any] = {}
     if arm in CODEC_ARMS:
-        strategy, options = "diloco", {"codec": CODEC_ARMS[arm]}
+        strategy, codec = CODEC_ARMS[arm]
+        options = {"codec": codec}
     options.update(args.options.get(arm, {}))
     budget = args.budget_s / divisor
     procs = []
@@ -210,7 +219,7 @@ def time_to(points: list[dict], target: float) -> float | None:
 def codec_of(arm: str) -> str:
     """How the arm's peers code what they exchange."""
     if arm in CODEC_ARMS:
-        return CODEC_ARMS[arm]
+        return CODEC_ARMS[arm][1]
     strategy = SHORT_ARMS.get(arm, (arm, 1.0))[0]
     if strategy in ("gloo", "shoal_dp"):
         return "none"

@@ -26,7 +26,7 @@ from harness import BytesStream, run_now  # noqa: E402
 from targets import _INITIATOR_KEY, _REMOTE, _RESPONDER_KEY, SPARSE_CODECS  # noqa: E402
 from targets_net import _BOOK, _CERTIFIED, _MEMBERS, _ROUND, _STATE  # noqa: E402
 
-from shoal.averaging.compression import Int8BlockCodec, get_codec  # noqa: E402
+from shoal.averaging.compression import Int4BlockCodec, Int8BlockCodec, get_codec  # noqa: E402
 from shoal.averaging.fingerprint import state_fingerprint  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
 from shoal.peer.experiment import Manifest, stages_fingerprint  # noqa: E402
@@ -453,6 +453,11 @@ def seeds() -> dict[str, list[bytes]]:
             )
         ],
         "codec_int8": [bytes([n // 3]) + encoded],
+        "codec_int4": [
+            # byte 0: the count / 3 shifted left once, the low bit the block size (64, 16)
+            bytes([(n // 3) << 1]) + bytes(Int4BlockCodec().encode(torch.linspace(-1, 1, n))),
+            bytes([1 << 1 | 1]) + bytes(Int4BlockCodec(16).encode(torch.linspace(-1, 1, 3))),
+        ],
         "codec_sparse": sparse_seeds(),
         "manifest": [
             manifest(),

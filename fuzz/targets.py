@@ -29,7 +29,7 @@ from targets_app import APP_TARGETS
 from targets_net import NET_TARGETS
 
 from shoal.averaging import commit
-from shoal.averaging.compression import CodecError, Int8BlockCodec
+from shoal.averaging.compression import CodecError, Int4BlockCodec, Int8BlockCodec
 from shoal.averaging.matchmaking_rules import Declaration, parse_view
 from shoal.averaging.sparse_codec import SparseCodec
 from shoal.dht import protocol as dht_protocol
@@ -243,6 +243,22 @@ def codec_int8(data: bytes) -> None:
     assert torch.isfinite(out).all()
 
 
+_INT4 = (Int4BlockCodec(), Int4BlockCodec(16))
+
+
+def codec_int4(data: bytes) -> None:
+    """int4 block-codec payloads (scales, then codes two to a byte) of a chunk, checked
+    then decoded: byte 0's low bit picks the block size, the rest the element count."""
+    import torch
+
+    head = data[0] if data else 0
+    codec, n = _INT4[head & 1], (head >> 1) * 3
+    out = torch.empty(n, dtype=torch.float32)
+    codec.check(data[1:], n)
+    codec.decode_checked(data[1:], out)
+    assert torch.isfinite(out).all()
+
+
 # One codec per layout branch: packed offsets (top-k and DCT), per-chunk bitmaps, and
 # 4096-chunk offsets of 12 bits with 3-bit codes.
 SPARSE_CODECS = (
@@ -354,6 +370,7 @@ TARGETS: dict[str, Target] = {
             matchmaking_declarations.__doc__,
         ),
         Target("codec_int8", codec_int8, (CodecError,), codec_int8.__doc__),
+        Target("codec_int4", codec_int4, (CodecError,), codec_int4.__doc__),
         Target("codec_sparse", codec_sparse, (CodecError,), codec_sparse.__doc__),
         Target("manifest", manifest, (ManifestError,), manifest.__doc__),
         Target("checkpoint", checkpoint, (CheckpointError,), checkpoint.__doc__),

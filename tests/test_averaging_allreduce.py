@@ -867,10 +867,10 @@ def assert_identical(tensors: list[list[torch.Tensor]]) -> torch.Tensor:
     return first
 
 
-ERROR_BOUND = {"none": 1e-6, "fp16": 3e-3, "bf16": 2e-2, "int8": 3e-2}
+ERROR_BOUND = {"none": 1e-6, "fp16": 3e-3, "bf16": 2e-2, "int8": 3e-2, "int4": 0.25}
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 async def test_members_end_bit_identical_near_the_weighted_mean(
     cluster: Any, n: int, codec: str
@@ -1099,6 +1099,19 @@ async def test_decider_dying_mid_broadcast_survivors_still_commit(cluster: Any) 
     assert rel_err(result, weighted_mean(inputs, [1.0] * 5)) < 1e-6
     for o in outs[1:]:
         assert c.hosts[0].peer_id in o.failed or o.failed == ()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+async def test_with_a_quantizing_codec_a_dying_deciders_survivors_commit_the_same_bits(
+    cluster: Any, codec: str
+) -> None:
+    _c, inputs, tensors, outs = await crash_round(
+        cluster, 5, 0, "decider_mid_broadcast", seed=42, codec=codec
+    )
+    assert survivors_agree(outs, 0) is True
+    result = assert_identical(tensors[1:])
+    assert rel_err(result, weighted_mean(inputs, [1.0] * 5)) < ERROR_BOUND[codec]
 
 
 @pytest.mark.timeout(30)
@@ -1464,7 +1477,7 @@ async def test_streams_that_arrive_while_a_member_still_flattens_its_input_are_s
     assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0] * 3)) < 1e-6
 
 
-@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
 async def test_a_centered_clip_round_is_bit_identical_and_bounds_a_scaled_contribution(
     cluster: Any, codec: str
 ) -> None:

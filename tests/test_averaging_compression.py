@@ -17,12 +17,20 @@ from shoal.averaging.compression import (
     Codec,
     CodecError,
     Float16Codec,
+    Int4BlockCodec,
     Int8BlockCodec,
     NoCodec,
     get_codec,
 )
 
-ALL_CODECS = [*CODECS.values(), Int8BlockCodec(16), Int8BlockCodec(64), Int8BlockCodec(4096)]
+ALL_CODECS = [
+    *CODECS.values(),
+    Int8BlockCodec(16),
+    Int8BlockCodec(64),
+    Int8BlockCodec(4096),
+    Int4BlockCodec(16),
+    Int4BlockCodec(256),
+]
 FP16_MAX = 65504.0
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 F32_MAX = float(np.finfo(np.float32).max)
@@ -56,14 +64,16 @@ def int8_bound(codec: Int8BlockCodec, x: torch.Tensor) -> torch.Tensor:
 # --- registry -------------------------------------------------------------------------
 
 
-def test_registry_has_the_four_required_codecs_with_distinct_codes() -> None:
-    assert set(CODECS) == {"none", "fp16", "bf16", "int8"}
+def test_registry_has_the_five_codecs_with_distinct_codes() -> None:
+    assert set(CODECS) == {"none", "fp16", "bf16", "int8", "int4"}
     assert isinstance(CODECS["none"], NoCodec)
     assert isinstance(CODECS["fp16"], Float16Codec)
     assert isinstance(CODECS["bf16"], BFloat16Codec)
-    assert isinstance(CODECS["int8"], Int8BlockCodec)
+    assert type(CODECS["int8"]) is Int8BlockCodec
     assert CODECS["int8"].block_size == 256
-    assert len({c.code for c in CODECS.values()}) == 4
+    assert isinstance(CODECS["int4"], Int4BlockCodec)
+    assert CODECS["int4"].block_size == 64 and CODECS["int4"].code == 0x26
+    assert len({c.code for c in CODECS.values()}) == 5
     assert all(0 <= c.code <= 0xFF for c in CODECS.values())
 
 
@@ -244,6 +254,111 @@ def test_int8_extreme_magnitudes_decode_finite_and_never_subnormal() -> None:
 def test_int8_wire_layout_is_float32_scales_then_int8_codes() -> None:
     data = Int8BlockCodec(16).encode(torch.tensor([1.0, -0.5, 0.25, -127.0]))
     assert bytes(data) == struct.pack("<f", 1.0) + bytes([1, 0, 0, 0x81])
+
+
+# --- int4 ---------------------------------------------------------------------------------
+
+
+def numpy_int4(x: np.ndarray, block_size: int) -> bytes:
+    """The int4 layout computed the plain way: int8's formulation with 7 levels a side,
+    then the codes packed two to a byte, low nibble first."""
+    tiny, qmax = np.finfo(np.float32).tiny, np.float32(7)
+    max_scale = np.float32(F32_MAX) / qmax
+    with np.errstate(over="ignore"):
+        while not np.isfinite(max_scale * qmax):
+            max_scale = np.nextafter(max_scale, np.float32(0))
+    scales, codes = [], []
+    for start in range(0, len(x), block_size):
+        block = x[start : start + block_size]
+        s = min(np.float32(np.abs(block).max()) / qmax, max_scale)
+        s = s if s >= tiny else np.float32(0)
+        scales.append(s)
+        q = np.clip(np.rint(block / (s if s else np.float32(1))), -7, 7)
+        codes.append(q.astype(np.int8))
+    nibbles = np.concatenate(codes).astype(np.uint8) & 0x0F
+    if len(nibbles) % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    return np.array(scales, "<f4").tobytes() + packed.astype(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 4096])
+def test_int4_encoding_equals_the_plain_numpy_formulation_bit_for_bit(block_size: int) -> None:
+    n = 3 * (1 << 16) + block_size // 2 + 3  # odd, with a short last block
+    x = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    x *= torch.logspace(-30, 30, n)
+    x[block_size : 2 * block_size] = 0.0
+    x[5 * block_size : 6 * block_size] *= 1e-40  # flushed to zero
+    x[-1] = F32_MAX
+    assert bytes(Int4BlockCodec(block_size).encode(x)) == numpy_int4(x.numpy(), block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_int4_error_is_at_most_a_14th_of_the_block_absmax(block_size: int) -> None:
+    codec = Int4BlockCodec(block_size)
+    x = torch.randn(20_001, generator=torch.Generator().manual_seed(block_size))
+    x *= torch.logspace(-3, 3, 20_001)
+    bs = block_size
+    pad = (-x.numel()) % bs
+    absmax = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, bs).amax(dim=1)
+    bound = absmax.repeat_interleave(bs)[: x.numel()] / 14 * (1 + 4e-5) + 1.5e-36
+    assert bool(((roundtrip(codec, x) - x).abs() <= bound).all())
+
+
+def test_int4_puts_about_a_seventh_of_the_float32_bytes_on_the_wire() -> None:
+    n = 1 << 20
+    assert get_codec("int4").encoded_size(n) == 4 * n // 64 + n // 2
+    assert get_codec("int4").encoded_size(n) / get_codec("none").encoded_size(n) < 0.15
+    assert get_codec("int4").encoded_size(3) == 4 + 2
+
+
+def test_int4_wire_layout_is_float32_scales_then_codes_low_nibble_first() -> None:
+    data = Int4BlockCodec(16).encode(torch.tensor([7.0, -1.0, 3.5, -7.0, 1.0]))
+    # codes 7, -1, 4 (3.5 rounds half to even), -7, 1; -1 = 0xF, -7 = 0x9; a zero tail nibble
+    assert bytes(data) == struct.pack("<f", 1.0) + bytes([0xF7, 0x94, 0x01])
+
+
+@pytest.mark.parametrize(
+    ("offset", "byte", "why"),
+    [(4, 0x08, "-8"), (5, 0x80, "-8"), (6, 0x10, "nibble")],
+    ids=["minus-8-low", "minus-8-high", "odd-tail"],
+)
+def test_int4_non_canonical_codes_are_rejected(offset: int, byte: int, why: str) -> None:
+    codec = Int4BlockCodec(16)
+    data = bytearray(codec.encode(torch.randn(5)))
+    data[offset] = byte
+    with pytest.raises(CodecError, match=why):
+        codec.decode(bytes(data), torch.empty(5))
+
+
+def test_int4_invalid_scale_raises_codec_error() -> None:
+    codec = Int4BlockCodec(16)
+    data = bytearray(codec.encode(torch.randn(40)))
+    for scale in (float("nan"), -1.0, 1e-40, F32_MAX):
+        data[4:8] = struct.pack("<f", scale)
+        with pytest.raises(CodecError, match="block 1"):
+            codec.decode(bytes(data), torch.empty(40))
+
+
+@given(
+    values=arrays(np.float32, st.integers(0, 300), elements=st.floats(-1e6, 1e6, width=32)),
+    block_size=st.sampled_from([16, 64]),
+)
+@settings(max_examples=60, deadline=None)
+def test_int4_property_every_decoding_path_agrees_and_encoding_is_deterministic(
+    values: np.ndarray, block_size: int
+) -> None:
+    codec = Int4BlockCodec(block_size)
+    x = torch.from_numpy(values.copy())
+    data = bytes(codec.encode(x))
+    assert bytes(Int4BlockCodec(block_size).encode(x)) == data
+    y = torch.empty(len(values))
+    codec.decode(data, y)
+    again = torch.empty(len(values))
+    codec.add_decoded(data, again, 1.0, overwrite=True)
+    assert torch.equal(y, again)
+    if len(values):
+        assert bool(((y - x).abs() <= x.abs().max() / 14 * (1 + 4e-5) + 1.5e-36).all())
 
 
 @pytest.mark.parametrize("codec", ALL_CODECS, ids=ids)

@@ -606,6 +606,21 @@ async def test_streaming_fragments_rotate_commit_identically_and_overlap_inner_s
     assert all(p.strategy.overlapped_steps > 0 for p in peers)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+async def test_streaming_fragments_at_eight_and_four_bits_commit_identically(
+    swarm: Callable[..., Any], codec: str
+) -> None:
+    """The paper's setting: the fragments' outer gradients in 4 bits (codec int4)."""
+    opts = {"inner_steps": 2, "fragments": 2, "overlap_steps": 1, "codec": codec}
+    peers = await swarm("streaming", 3, {**opts, "min_group_size": 3})
+    reports = await asyncio.gather(*(p.train(4, pause=0.05) for p in peers))
+    assert all(reports) and all(r.committed for rs in reports for r in rs)
+    await asyncio.gather(*(p.strategy.finish() for p in peers))
+    assert len({p.strategy.fingerprint() for p in peers}) == 1
+    assert peers[0].strategy.fragments[0].averager.config.codec == codec
+
+
 # ---------------------------------------------------------------------- NoLoCo
 
 
