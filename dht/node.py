@@ -73,6 +73,7 @@ COUNTERS = (
     "value_retries",
     "partial_reads",  # reads that ran out of `within` and merged what came
     "sampled_reads",  # latest reads of a few of the replicas a full read found
+    "stores_to_known_replicas",  # stores of a key with no lookup: its replicas were known
     "node_retries",
     "requests_redialed",
     "busy_answers",

@@ -46,6 +46,7 @@ class PublishingNode(Protocol):
         self, peer: PeerID, addrs: Sequence[Multiaddr], method: str, payload: Any
     ) -> Any: ...
     def _on_failure(self, cand: Candidate, exc: BaseException) -> None: ...
+    def _blocked(self, peer: PeerID) -> bool: ...
     async def _traverse(
         self, lookups: list[KeyLookup], query: Any, *, skip_blacklisted: bool = True
     ) -> None: ...
@@ -122,20 +123,35 @@ class Publisher:
         store requests then go to the closest candidates not known dead, and a
         peer that cannot be reached is replaced by the next closest (up to
         `STORE_ROUNDS` rounds). That saves the lookup's final round, which
-        would only have proved the same peers alive.
+        would only have proved the same peers alive. A key whose replicas a
+        recent full read found (`replica_reads.ReplicaSets`) has no lookup.
         """
         node = self.node
         by_key: dict[str, list[int]] = {}
         for i, r in enumerate(records):
             by_key.setdefault(r.key, []).append(i)
         lookups = [KeyLookup(key_id(key), key, settle=node.alpha) for key in by_key]
-        await node._traverse(lookups, node._reader.query_find_node)
+        # A key read with sampled reads has its replicas known from a full read at
+        # most REPLICA_SET_TTL_S ago (matchmaking's declarations): no lookup for it.
+        now = asyncio.get_running_loop().time()
+        sets = node._reader.replica_sets
+        known = {key: sets.known(key, now, node._blocked) for key in by_key}
+        await node._traverse(
+            [lk for lk in lookups if known.get(lk.key or "") is None],
+            node._reader.query_find_node,
+        )
         counts = [0] * len(records)
         queue: dict[str, list[Candidate]] = {}
         missing: dict[str, int] = {}
         for lk in lookups:
             assert lk.key is not None
-            closest = lk.closest_live(2 * node.replication)
+            replicas = known[lk.key]
+            if replicas is not None:
+                target = lk.target
+                closest = sorted(replicas, key=lambda c: c.node_id ^ target)
+                node.count("stores_to_known_replicas")
+            else:
+                closest = lk.closest_live(2 * node.replication)
             missing[lk.key] = node.replication
             if self._we_are_near(lk, closest):
                 # we are among the closest ourselves: keep a replica

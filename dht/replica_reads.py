@@ -152,6 +152,17 @@ class ReplicaSets:
         self._sets.move_to_end(key)
         return live if len(live) <= sample else self._rng.sample(live, sample)
 
+    def known(
+        self, key: str, now: float, blocked: Callable[[PeerID], bool]
+    ) -> list[Candidate] | None:
+        """Every replica of `key` in its fresh set, none blocked (None: no fresh set):
+        where a store can go without a lookup of its own."""
+        entry = self._sets.get(key)
+        if entry is None or entry[0] <= now:
+            return None
+        live = [c for c in entry[1] if not blocked(c.peer_id)]
+        return live or None
+
     def failed(self, key: str, peer: PeerID) -> None:
         """`peer` did not answer a read of `key`: not drawn again before the next full
         read; a set left empty makes the next read a full one."""

@@ -10,6 +10,7 @@ import asyncio
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -374,3 +375,38 @@ async def test_a_sampled_read_survives_dead_and_lying_replicas(
     # every replica drawn gone: the read falls back to a full one
     reader._reader.replica_sets.found("peers", [], 0.0)
     assert (await reader.get("peers", latest=True, sample=3)).value == expected
+
+
+def requests_sent(node: DHTNode) -> Counter[str]:
+    """The DHT requests `node` sends from now on, by method."""
+    sent: Counter[str] = Counter()
+    request = node._requester.request
+
+    async def counting(peer: Any, addrs: Any, method: str, payload: Any) -> Any:
+        sent[method] += 1
+        return await request(peer, addrs, method, payload)
+
+    node._requester.request = counting  # type: ignore[method-assign]
+    return sent
+
+
+@pytest.mark.timeout(60)
+async def test_a_store_to_a_key_whose_replicas_a_read_found_needs_no_lookup(
+    swarm: Callable[..., Any],
+) -> None:
+    nodes = await swarm(12)
+    writer, reader = nodes[0], nodes[11]
+    exp = time.time() + 60
+    sent = requests_sent(writer)
+    assert await writer.store("peers", "first", exp, subkey="w")
+    assert sent["find_node"] > 0  # nothing known of the key: a lookup
+    await writer.get("peers", latest=True, sample=3)  # a full read: the replicas
+    sent.clear()
+    assert await writer.store("peers", "second", exp + 1, subkey="w")
+    assert sent["find_node"] == 0 and sent["store"] >= 10
+    assert writer.stats()["stores_to_known_replicas"] == 1
+    got = await reader.get("peers", latest=True)
+    assert got is not None and got.value == {"w": "second"}
+    # another key still has its lookup
+    assert await writer.store("other", 1, exp)
+    assert sent["find_node"] > 0
