@@ -70,7 +70,7 @@ def test_a_codec_is_a_wire_codec_optionally_with_lowrank_adapters(value: str, sp
 
 
 @pytest.mark.parametrize(
-    "value", ["int4", "int8+lowrank", "int8+lowrank0", "int8+lowrank016", "int8+topk8",
+    "value", ["int3", "int8+lowrank", "int8+lowrank0", "int8+lowrank016", "int8+topk8",
               "lowrank16", "int8+lowrank16+x", 16, None, "int8+lowrank99999999"],
 )  # fmt: skip
 def test_the_manifest_refuses_an_unknown_codec_in_one_line(value: Any) -> None:
