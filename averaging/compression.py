@@ -344,16 +344,7 @@ class Int8BlockCodec(Codec):
     def _check(self, data: memoryview, n_elements: int) -> None:
         nb = self.n_blocks(n_elements)
         raw = np.frombuffer(data, dtype=np.uint8)  # numpy: cheap, and fine with read-only
-        # Valid scales are +0.0 or in [FLT_MIN, MAX_SCALE]. As unsigned integers,
-        # non-negative floats sort like their values, and NaN, inf and anything with
-        # the sign bit sort above MAX_SCALE_BITS; subtracting 1 wraps +0.0 to the
-        # top, so the subnormals are exactly what falls below FLT_MIN_BITS - 1.
-        bits = raw[: 4 * nb].view("<u4")
-        if bits.max() > MAX_SCALE_BITS or (bits - np.uint32(1) < FLT_MIN_BITS - 1).any():
-            valid = (bits == 0) | ((bits >= FLT_MIN_BITS) & (bits <= MAX_SCALE_BITS))
-            bad = int(np.argmin(valid))
-            scale = float(bits[bad : bad + 1].view("<f4")[0])
-            raise CodecError(f"{self.name}: invalid scale {scale!r} for block {bad}")
+        _check_scales(self.name, raw[: 4 * nb], MAX_SCALE_BITS)
         if raw[4 * nb :].view(np.int8).min() < -QMAX:
             raise CodecError(f"{self.name}: quantized value -128 is outside the symmetric range")
 
@@ -417,12 +408,7 @@ class Int4BlockCodec(Int8BlockCodec):
     def _check(self, data: memoryview, n_elements: int) -> None:
         nb = self.n_blocks(n_elements)
         raw = np.frombuffer(data, dtype=np.uint8)
-        bits = raw[: 4 * nb].view("<u4")  # valid scales as in int8, up to INT4_MAX_SCALE
-        if bits.max() > INT4_MAX_SCALE_BITS or (bits - np.uint32(1) < FLT_MIN_BITS - 1).any():
-            valid = (bits == 0) | ((bits >= FLT_MIN_BITS) & (bits <= INT4_MAX_SCALE_BITS))
-            bad = int(np.argmin(valid))
-            scale = float(bits[bad : bad + 1].view("<f4")[0])
-            raise CodecError(f"{self.name}: invalid scale {scale!r} for block {bad}")
+        _check_scales(self.name, raw[: 4 * nb], INT4_MAX_SCALE_BITS)
         packed = raw[4 * nb :]
         if ((packed & 0x0F) == 0x08).any() or ((packed & 0xF0) == 0x80).any():
             raise CodecError(f"{self.name}: quantized value -8 is outside the symmetric range")
@@ -441,6 +427,20 @@ class Int4BlockCodec(Int8BlockCodec):
     def _decode_from(self, data: memoryview, out: torch.Tensor) -> None:
         scales, packed = self._layout(data, out.numel())
         _int4_kernels().decode(packed.view(np.uint8), scales, self.block_size, out.numpy())
+
+
+def _check_scales(name: str, head: np.ndarray, max_bits: int) -> None:
+    """Raise `CodecError` unless every float32 scale in `head` (bytes) is +0.0 or in
+    [FLT_MIN, the codec's largest]. As unsigned integers, non-negative floats sort like
+    their values, and NaN, inf and anything with the sign bit sort above the largest
+    scale's bits; subtracting 1 wraps +0.0 to the top, so the subnormals are exactly
+    what falls below FLT_MIN_BITS - 1."""
+    bits = head.view("<u4")
+    if bits.max() > max_bits or (bits - np.uint32(1) < FLT_MIN_BITS - 1).any():
+        valid = (bits == 0) | ((bits >= FLT_MIN_BITS) & (bits <= max_bits))
+        bad = int(np.argmin(valid))
+        scale = float(bits[bad : bad + 1].view("<f4")[0])
+        raise CodecError(f"{name}: invalid scale {scale!r} for block {bad}")
 
 
 @functools.cache

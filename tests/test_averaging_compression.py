@@ -190,21 +190,29 @@ def test_int8_error_is_at_most_a_254th_of_the_block_absmax(block_size: int) -> N
     assert bool((err <= int8_bound(codec, x)).all())
 
 
-def numpy_int8(x: np.ndarray, block_size: int) -> bytes:
-    """The int8 layout computed the plain way, block by block, in numpy float32."""
-    tiny, qmax = np.finfo(np.float32).tiny, np.float32(127)
-    max_scale = np.float32(F32_MAX) / qmax
+def numpy_blocks(x: np.ndarray, block_size: int, qmax: int) -> tuple[bytes, np.ndarray]:
+    """The scales (bytes) and codes of a block codec with codes in [-qmax, qmax],
+    computed the plain way, block by block, in numpy float32."""
+    tiny, top = np.finfo(np.float32).tiny, np.float32(qmax)
+    max_scale = np.float32(F32_MAX) / top
     with np.errstate(over="ignore"):
-        while not np.isfinite(max_scale * qmax):
+        while not np.isfinite(max_scale * top):
             max_scale = np.nextafter(max_scale, np.float32(0))
     scales, codes = [], []
     for start in range(0, len(x), block_size):
         block = x[start : start + block_size]
-        s = min(np.float32(np.abs(block).max()) / qmax, max_scale)
+        s = min(np.float32(np.abs(block).max()) / top, max_scale)
         s = s if s >= tiny else np.float32(0)
         scales.append(s)
-        codes.append(np.rint(block / (s if s else np.float32(1))).astype(np.int8))
-    return np.array(scales, "<f4").tobytes() + np.concatenate(codes).tobytes()
+        q = np.clip(np.rint(block / (s if s else np.float32(1))), -qmax, qmax)
+        codes.append(q.astype(np.int8))
+    return np.array(scales, "<f4").tobytes(), np.concatenate(codes)
+
+
+def numpy_int8(x: np.ndarray, block_size: int) -> bytes:
+    """The int8 layout computed the plain way."""
+    scales, codes = numpy_blocks(x, block_size, 127)
+    return scales + codes.tobytes()
 
 
 @pytest.mark.parametrize("block_size", [16, 256, 4096])
@@ -262,24 +270,12 @@ def test_int8_wire_layout_is_float32_scales_then_int8_codes() -> None:
 def numpy_int4(x: np.ndarray, block_size: int) -> bytes:
     """The int4 layout computed the plain way: int8's formulation with 7 levels a side,
     then the codes packed two to a byte, low nibble first."""
-    tiny, qmax = np.finfo(np.float32).tiny, np.float32(7)
-    max_scale = np.float32(F32_MAX) / qmax
-    with np.errstate(over="ignore"):
-        while not np.isfinite(max_scale * qmax):
-            max_scale = np.nextafter(max_scale, np.float32(0))
-    scales, codes = [], []
-    for start in range(0, len(x), block_size):
-        block = x[start : start + block_size]
-        s = min(np.float32(np.abs(block).max()) / qmax, max_scale)
-        s = s if s >= tiny else np.float32(0)
-        scales.append(s)
-        q = np.clip(np.rint(block / (s if s else np.float32(1))), -7, 7)
-        codes.append(q.astype(np.int8))
-    nibbles = np.concatenate(codes).astype(np.uint8) & 0x0F
+    scales, codes = numpy_blocks(x, block_size, 7)
+    nibbles = codes.astype(np.uint8) & 0x0F
     if len(nibbles) % 2:
         nibbles = np.append(nibbles, np.uint8(0))
     packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    return np.array(scales, "<f4").tobytes() + packed.astype(np.uint8).tobytes()
+    return scales + packed.astype(np.uint8).tobytes()
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 4096])
