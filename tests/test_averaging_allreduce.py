@@ -799,6 +799,10 @@ class Cluster:
     ) -> list[AllReduceOutcome | BaseException]:
         idx = members if members is not None else list(range(len(tensors)))
         ws = weights or [1.0] * len(idx)
+        # A codec's compiled loops load (or compile, on a clean checkout) in the first
+        # round that uses them in this process: before the round, not inside the
+        # tests' 1 s stall timeout (CI once failed that way).
+        await asyncio.gather(*(self.services[i].prepare(codec) for i in idx))
         return await asyncio.gather(
             *(
                 self.services[i].run(group, ts, w, codec=codec)
@@ -875,7 +879,7 @@ ERROR_BOUND = {"none": 1e-6, "fp16": 3e-3, "bf16": 2e-2, "int8": 3e-2, "int4": 0
 async def test_members_end_bit_identical_near_the_weighted_mean(
     cluster: Any, n: int, codec: str
 ) -> None:
-    c = await cluster(n, AllReduceConfig(chunk_bytes=4096, **FAST))
+    c = await cluster(n, AllReduceConfig(chunk_bytes=4096, **PATIENT))
     inputs = make_inputs(n, seed=n)
     weights = [1.0 + i for i in range(n)]
     tensors = clone(inputs)
@@ -894,7 +898,7 @@ async def test_members_end_bit_identical_near_the_weighted_mean(
 
 
 async def test_weights_zero_weight_and_zero_bandwidth_members(cluster: Any) -> None:
-    c = await cluster(5, AllReduceConfig(chunk_bytes=1024, **FAST))
+    c = await cluster(5, AllReduceConfig(chunk_bytes=1024, **PATIENT))
     inputs = make_inputs(5, seed=11)
     weights = [3.0, 0.0, 1.0, 0.5, 2.0]  # member 1's input must not count at all
     inputs[1][0][0, 0] = math.nan  # ... not even a NaN
@@ -906,7 +910,7 @@ async def test_weights_zero_weight_and_zero_bandwidth_members(cluster: Any) -> N
 
 
 async def test_many_lanes_and_chunks_and_odd_sizes(cluster: Any) -> None:
-    c = await cluster(3, AllReduceConfig(chunk_bytes=256, streams_per_peer=3, **FAST))
+    c = await cluster(3, AllReduceConfig(chunk_bytes=256, streams_per_peer=3, **PATIENT))
     shapes = [(7,), (0,), (501,), (2, 3)]
     inputs = make_inputs(3, seed=12, shapes=shapes)
     tensors = clone(inputs)
@@ -952,7 +956,7 @@ async def test_a_group_of_one_commits_its_own_input(cluster: Any) -> None:
 
 
 async def test_consecutive_rounds_reuse_buffers_and_stay_correct(cluster: Any) -> None:
-    c = await cluster(3, AllReduceConfig(chunk_bytes=4096, **FAST))
+    c = await cluster(3, AllReduceConfig(chunk_bytes=4096, **PATIENT))
     for rnd in range(4):
         inputs = make_inputs(3, seed=100 + rnd)
         tensors = clone(inputs)
@@ -1484,7 +1488,7 @@ async def test_a_centered_clip_round_is_bit_identical_and_bounds_a_scaled_contri
     """The reduction is pluggable: with CenteredClip every owner clips its part, members
     still end bit-identical, and a member sending 100x its update cannot drag the
     average (the weighted mean would move by ~20x)."""
-    c = await cluster(5, AllReduceConfig(reduction="centered_clip", chunk_bytes=4096, **FAST))
+    c = await cluster(5, AllReduceConfig(reduction="centered_clip", chunk_bytes=4096, **PATIENT))
     inputs = [
         [torch.full((3000,), 1.0) + 0.01 * t for t in ts] for ts in make_inputs(5, 3, [(3000,)])
     ]
