@@ -57,6 +57,7 @@ class _JumpingSelector(selectors.DefaultSelector):
         # each pass takes its total CPU time (one core, no other load).
         self.cores = 0
         self.background = 0.0
+        self.loop: Any = None  # the VirtualTimeLoop this selects for (its timers)
         self.owner: contextvars.ContextVar[Any] | None = None  # names a callback's peer
         self.peer_cpu_s = 0.0  # CPU charged to peers so far (before `cpu_scale`)
         self._spent: defaultdict[Any, float] = defaultdict(float)  # this pass, per peer
@@ -76,6 +77,19 @@ class _JumpingSelector(selectors.DefaultSelector):
             return self._select(timeout, before)
         finally:
             self._ran_since = time.thread_time()  # (a system call: only when charging)
+
+    def _reach_due_timer(self) -> None:
+        """Move the clock to the next timer if it is due within the loop's clock
+        resolution: asyncio runs such a timer at once, and on a real clock time has
+        reached it by then. Here it may not have: a matchmaking leader whose deadline
+        was 4e-13 s ahead woke at once, found the deadline not reached, and waited
+        for it again, millions of times at one virtual instant, while other peers'
+        callbacks kept the loop from ever jumping (a 256-peer Moshpit run)."""
+        loop = self.loop
+        if loop is not None and loop._scheduled:
+            when = loop._scheduled[0]._when
+            if self.now < when <= self.now + loop._clock_resolution:
+                self.now = when
 
     def _shared_pass_s(self) -> float:
         self._spent.pop(None, None)  # the simulator's own work (delivery): no peer does it
@@ -98,6 +112,7 @@ class _JumpingSelector(selectors.DefaultSelector):
 
     def _select(self, timeout: float | None, before: float) -> list[Any]:
         events = super().select(0)
+        self._reach_due_timer()
         if events or timeout == 0:
             return events
         if self.threads_busy:
@@ -123,6 +138,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self._jumper = _JumpingSelector()
         super().__init__(self._jumper)
+        self._jumper.loop = self
         self._clock_resolution = 1e-9
         self.network: Any = None
 

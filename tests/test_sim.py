@@ -10,6 +10,7 @@ real DHT nodes over it and prints one JSON object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -112,6 +113,38 @@ def test_an_hour_of_timers_passes_in_no_real_time_and_moves_the_wall_clock() -> 
     assert wall_delta == pytest.approx(3600)  # time.time() follows: record expirations do
     assert time.perf_counter() - real0 < 3600
     assert abs(time.time() - EPOCH) > 1e6  # and the real clocks are back afterwards
+
+
+@pytest.mark.timeout(30)
+def test_a_deadline_within_the_clock_resolution_is_reached_while_other_tasks_run() -> None:
+    """asyncio runs a timer due within its clock resolution at once; on a real clock time
+    has reached it by then. While other callbacks keep the loop busy (no jump), the
+    virtual clock must reach it too, or a task that waits for that deadline until
+    `loop.time() >= deadline` spins at one instant forever."""
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(114.0)
+        deadline = loop.time() + 4e-13
+        busy = True
+
+        def keep_busy() -> None:  # another peer's callbacks, ready on every pass
+            if busy:
+                loop.call_soon(keep_busy)
+
+        loop.call_soon(keep_busy)
+        turns = 0
+        while loop.time() < deadline:
+            turns += 1
+            assert turns < 1000, "the clock never reaches the deadline"
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.Event().wait()
+        busy = False
+        return turns
+
+    turns, _ = simulate(main(), network=False)
+    assert turns == 1
 
 
 @pytest.mark.timeout(30)
