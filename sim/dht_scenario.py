@@ -9,7 +9,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -57,6 +57,10 @@ class DHTRun:
     join_failures: int = 0
     departures: int = 0
     arrivals: int = 0
+    # Told of each peer once its node is up, and when it leaves (a workload's own code
+    # on every peer, newcomers included).
+    on_join: Callable[[SimPeer], None] | None = None
+    on_leave: Callable[[SimPeer], None] | None = None
     _closing: set[asyncio.Task[None]] = field(default_factory=set)
 
     def _options(self) -> dict[str, Any]:
@@ -94,6 +98,8 @@ class DHTRun:
             return
         peer.joined_at = loop.time()
         peer.join_s = peer.joined_at - t0
+        if self.on_join is not None:
+            self.on_join(peer)
 
     def start_peer(self, bootstrap: list[str]) -> asyncio.Task[None]:
         peer = self._new_sim_host()
@@ -141,6 +147,8 @@ class DHTRun:
         peer.left_at = loop.time()
         self.net.crash(peer.sim)
         self.departures += 1
+        if self.on_leave is not None:
+            self.on_leave(peer)
 
         async def stop() -> None:  # its tasks end; the network already drops its traffic
             assert peer.node is not None and peer.host is not None

@@ -29,6 +29,7 @@ WORKLOADS = {
     "dht": ("dht_scenario", "run_dht"),
     "averaging": ("avg_scenario", "run_averaging"),
     "moshpit": ("moshpit_scenario", "run_moshpit"),
+    "bans": ("bans_scenario", "run_bans"),
 }
 
 
@@ -39,6 +40,7 @@ def simulate(scenario: Scenario) -> dict[str, Any]:
         raise ValueError(f"unknown workload {kind!r} (known: {', '.join(WORKLOADS)})")
     loop = VirtualTimeLoop()
     rng = random.Random(scenario.seed)
+    random.seed(scenario.seed)  # (the code under test draws jitter from the global one)
     loop.network = SimNetwork(loop, rng)
     loop.cpu_scale = float(scenario.workload.get("cpu_scale", 0.0))
     if scenario.workload.get("cores"):

@@ -140,9 +140,15 @@ async def test_a_stage_whose_peers_were_all_killed_resumes_from_a_restarted_peer
         await asyncio.wait_for(trainer.settled(), 30)
         alive = [host, restarted]
         samples = trainer.counters.samples
+
+        def ledger() -> str:  # (what each side counted, should the sums differ)
+            keys = ("stage", "version", "step_samples", "pending_samples", "syncs")
+            views = [{k: pipeline_of(d).get(k) for k in keys} for d in alive]
+            return f"{debug()}\ntrainer {samples} samples {trainer.counters}\nstages {views}"
+
         for s in (0, 1):
             await wait(f"stage {s} to account for every sample",
-                       lambda s=s: accounted(alive, s, samples), 30, debug)  # fmt: skip
+                       lambda s=s: accounted(alive, s, samples), 30, ledger)  # fmt: skip
         assert sum(trainer.ledger.restored) > 0 or resumed["version"] == before
 
         # Killed again, its checkpoint gone: no copy of the stage is left.

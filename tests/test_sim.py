@@ -394,6 +394,33 @@ def test_peers_that_crash_during_a_moshpit_burst_lose_only_their_own_inputs(
     assert result["lost_work_fraction"] <= result["crashed"] / 12
 
 
+@pytest.mark.timeout(120)
+def test_a_published_conviction_is_enforced_by_every_churning_peer_within_two_refreshes(
+    tmp_path: Path,
+) -> None:
+    """Every peer runs the daemon's ban watcher (newcomers too, with 2-minute sessions);
+    a referee publishes a real conviction of a live peer: by two refresh periods later
+    the peers live then ban it (the issue's bar: 95%), and the convicted peer knows.
+    The rounds' real audit draws pick contributions at the configured rate."""
+    scenario = {
+        **SMALL,
+        "name": "bans_ci",
+        "peers": 40,
+        "churn": {"mean_session_min": 2},
+        "workload": {"kind": "bans", "join_window_s": 10, "settle_s": 20, "warmup_s": 20,
+                     "periods": 2, "audit_rate": 0.2, "group_size": 8, "audit_rounds": 25},
+    }  # fmt: skip
+    result = run_scenario(tmp_path, scenario)
+    assert result["published"] and result["cheater_knows"]
+    assert result["departures"] > 0 and result["arrivals"] == result["departures"]
+    assert result["ban_coverage"] >= 0.95, result
+    assert result["ban_s_p50"] <= result["refresh_s"] * 1.2  # (the watchers' jitter)
+    audits = result["audit_fraction"]
+    assert audits["contributions"] >= 900
+    assert abs(audits["audited"] - 0.2) <= 4 * audits["standard_error"], audits
+    assert result["busiest_peer_requests_per_s"] > 0
+
+
 @pytest.mark.timeout(30)
 def test_cpu_scale_charges_the_cpu_time_of_callbacks_to_the_virtual_clock() -> None:
     async def main() -> tuple[float, float]:

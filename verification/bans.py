@@ -36,6 +36,12 @@ __all__ = [
 log = logging.getLogger("shoal.verification.bans")
 
 BAN_TTL = 7 * 24 * 3600.0  # how long a published conviction is kept (capped by the DHT)
+# Every peer reads the convictions every few seconds: a read asks this many of the key's
+# replicas, drawn at random from those the last full read found (one every
+# `REPLICA_SET_TTL_S`), not all k of them after a lookup. At 1,000 peers that is the
+# difference between hundreds of requests a second to each replica and a few dozen
+# (sim/scenarios/bans_1k.json).
+READ_REPLICAS = 3
 
 
 def convictions_key(experiment: str) -> str:
@@ -140,11 +146,13 @@ async def fetch(
     *,
     key: str | None = None,
     decode: Callable[[bytes], Any] = Evidence.decode,
+    sample: int | None = READ_REPLICAS,
 ) -> list[Any]:
     """The convictions published under `key` (default: `experiment`'s) that `decode`
-    takes (not yet checked: `BanList.consider` does that)."""
+    takes (not yet checked: `BanList.consider` does that). `sample`: replicas asked
+    (`DHTNode.get`); None asks all of them."""
     try:
-        value = await dht.get(key or convictions_key(experiment), latest=True)
+        value = await dht.get(key or convictions_key(experiment), latest=True, sample=sample)
     except (DHTError, TransportError, OSError) as e:
         log.debug("reading convictions failed: %r", e)
         return []

@@ -16,7 +16,7 @@ import random
 
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
-from shoal.verification.bans import BanList, enforce, fetch
+from shoal.verification.bans import READ_REPLICAS, BanList, enforce, fetch
 from shoal.verification.evidence import Evidence
 
 __all__ = ["BAN_REFRESH_S", "BanWatcher"]
@@ -31,17 +31,25 @@ BAN_REFRESH_S = 10.0
 class BanWatcher:
     """The convictions of one experiment, read from the DHT and enforced on our host."""
 
-    def __init__(self, dht: DHTNode, experiment: str, *, interval: float = BAN_REFRESH_S) -> None:
+    def __init__(
+        self,
+        dht: DHTNode,
+        experiment: str,
+        *,
+        interval: float = BAN_REFRESH_S,
+        read_replicas: int | None = READ_REPLICAS,
+    ) -> None:
         self.dht = dht
         self.experiment = experiment
         self.interval = interval
+        self.read_replicas = read_replicas  # (None: every replica, each read)
         self.bans = BanList(experiment)
         self.convicted_self = False
 
     async def refresh(self) -> list[PeerID]:
         """Read and check the published convictions; the peers newly banned."""
         new = []
-        for evidence in await fetch(self.dht, self.experiment):
+        for evidence in await fetch(self.dht, self.experiment, sample=self.read_replicas):
             if evidence.prover in self.bans:
                 continue
             peer = self.enforce(evidence)
