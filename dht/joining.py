@@ -41,7 +41,7 @@ def _reason(e: BaseException) -> str:
 
 class Joiner:
     """Pings bootstrap peers (with retries), hands each that answers to `reached`,
-    then fills the table with `fill` (a lookup of our own ID)."""
+    then fills the table with `fill` (a lookup of our own ID, then of every bucket)."""
 
     def __init__(
         self,
@@ -76,9 +76,7 @@ class Joiner:
                 f"could not reach any of {len(addrs)} bootstrap peers after "
                 f"{attempts} attempts each: " + "; ".join(errors)
             )
-        # Our own ID fills the deep buckets; the far ones fill from the traffic
-        # we answer and from the periodic refresh. Refreshing every bucket here
-        # would make each joiner talk to most of a small network.
+        # Our own ID fills the deep buckets, a lookup in every bucket the far ones.
         await self._fill()
 
     async def rejoin_when_cut_off(

@@ -78,10 +78,12 @@ class Maintenance:
                     pass
             await self.publisher.republish()
             if self._loop.time() >= next_refresh:
-                await self._refresh()
+                await self.refresh()
                 next_refresh = self._loop.time() + self.refresh_interval
 
-    async def _refresh(self) -> None:
+    async def refresh(self) -> None:
+        """Look up a random target in every bucket not refreshed for an interval (at
+        the join: every bucket, the far ones the lookup of our own ID left empty)."""
         now = self._loop.time()
         targets = self.table.buckets_to_refresh(now, self.refresh_interval)
         if not targets:

@@ -35,6 +35,7 @@ from dht_scenario import DHTRun, SimPeer
 from scenario import Scenario
 from simnet import SimNetwork
 
+from shoal.averaging import declarer
 from shoal.averaging.averager import Averager, AveragerConfig, StepResult
 from shoal.averaging.matchmaking import MatchmakingConfig
 
@@ -50,6 +51,8 @@ MIN_SURVIVORS = 2
 async def run_moshpit(scenario: Scenario, net: SimNetwork, rng: random.Random) -> dict[str, Any]:
     """`peers` peers join one DHT; then each arm's burst of rounds over them."""
     w = scenario.workload
+    if "poll_replicas" in w:  # (null: every poll reads every replica, as before sampling)
+        declarer.POLL_REPLICAS = w["poll_replicas"]
     run = DHTRun(scenario, net, rng)
     await run.join_all(scenario.peers, float(w.get("join_window_s", 10.0)))
     await asyncio.sleep(float(w.get("settle_s", 0.0)))

@@ -282,6 +282,46 @@ def test_run_py_runs_real_dht_nodes_faster_than_real_time_and_finds_every_key(
     assert result["dht_requests_per_peer_per_min"] > 0
 
 
+@pytest.mark.timeout(60)
+def test_a_peer_knows_someone_in_every_part_of_the_key_space_as_soon_as_it_joined(
+    tmp_path: Path,
+) -> None:
+    """Kademlia's join: a lookup of our own ID fills the deep buckets, a lookup in every
+    bucket the far ones. Each of 80 real DHT nodes, when its join returns (long before
+    the first refresh interval), has a contact in every bucket that holds any other
+    live peer. (Without the second part a joiner knew nobody in most of the key space
+    for ten minutes, and its lookups there ended at the first peers that answered:
+    keys stored where no reader looks.)"""
+    from dht_scenario import DHTRun
+    from scenario import load
+
+    path = tmp_path / "join.json"
+    path.write_text(json.dumps({**SMALL, "peers": 80, "churn": None}))
+    scenario = load(path)
+    gaps: list[tuple[int, int]] = []
+
+    async def main() -> None:
+        run = DHTRun(scenario, net(), random.Random(scenario.seed))
+        ids: dict[int, int] = {}
+
+        def check(peer: Any) -> None:  # (at the moment its join returned)
+            table = peer.node.routing_table
+            ids[peer.index] = table.local_id
+            known = {table.bucket_index(c.node_id) for c in table}
+            others = {table.bucket_index(i) for j, i in ids.items() if j != peer.index}
+            gaps.extend((peer.index, b) for b in others - known)
+
+        run.on_join = check
+        await run.join_all(scenario.peers, 20.0)
+        assert len(ids) == 80 and run.join_failures == 0
+        await run.close()
+
+    simulate(main())
+    # (A peer that joined earlier cannot know of a later one yet: only those before it
+    # count, and each of them answered its lookups.)
+    assert not gaps, gaps[:10]
+
+
 @pytest.mark.timeout(30)
 def test_work_in_a_thread_takes_no_virtual_time_and_is_waited_for() -> None:
     async def main() -> tuple[float, int]:
