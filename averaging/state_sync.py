@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from shoal.dht.node import DHTNode
+from shoal.dht.node import DHTNode, DHTValue
 from shoal.dht.records import RecordError, owner_marker, owner_of
 from shoal.transport import rpc
 from shoal.transport.errors import RemoteError, TransportError
@@ -359,7 +359,23 @@ async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
     """Who announced a state for `key`: the states of the most work first (see
     `Holder.rank`), then the newest, then the most announced."""
     found = await dht.get(f"{key}/state", latest=True)
-    if found is None or found.subkeys is None:
+    return [] if found is None else _holders_in(dht, found)
+
+
+async def count_holders(dht: DHTNode, key: str, *, within: float, sample: int) -> int | None:
+    """How many peers (us included) announced a state of `key`, from a partial
+    sampled read; None when it ran out of time having read nothing: unknown (1, when
+    the replicas answered that nobody did)."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    found = await dht.get(f"{key}/state", latest=True, within=within, sample=sample)
+    if found is None or not found.subkeys:
+        return None if loop.time() - began >= within else 1
+    return 1 + len(_holders_in(dht, found))
+
+
+def _holders_in(dht: DHTNode, found: DHTValue) -> list[Holder]:
+    if found.subkeys is None:
         return []
     holders = []
     for subkey, (value, _) in found.subkeys.items():

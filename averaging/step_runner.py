@@ -28,12 +28,13 @@ from .attestation import Attestor
 from .averager_config import AveragerConfig
 from .deadline import Deadline
 from .deadlines import AveragerDeadlines
+from .declarer import POLL_REPLICAS
 from .group import Group, Member
 from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
 from .moshpit import GRID_VERSION, Grid
 from .presence import Presence
 from .reducer import NOTHING_TO_AVERAGE
-from .state_sync import find_holders
+from .state_sync import count_holders
 from .step_result import AttemptLog, StepResult
 
 log = logging.getLogger("shoal.averaging")
@@ -121,7 +122,7 @@ class StepRunner:
             result = replace(result, seconds=first.seconds + result.seconds, attempt_log=attempts)
         if cell is None and not self.grid.in_cells:
             target = self._owner.config.matchmaking.target_group_size
-            crowd = max(self._matchmaker.last_crowd, await self._holders())
+            crowd = max(self._matchmaker.last_crowd, await self._holders() or 0)
             self.grid.note_whole_key(crowd, _alone(result), target)
         if result.committed and result.round_id is not None:
             self.grid.after_round(result.round_id, result.members)
@@ -143,21 +144,33 @@ class StepRunner:
         assert self.grid is not None
         target = self._owner.config.matchmaking.target_group_size
         crowd = await self._holders()
-        if crowd > target:
+        if crowd is None:
+            # Nothing read in time, not even our own announcement: hundreds of peers
+            # read it at once (a swarm that starts together), or the DHT is struggling.
+            # The cells: a peer alone in its cell averages under the whole key anyway.
+            self.grid.in_cells = True
+        elif crowd > target:
             self.grid.note_whole_key(crowd, False, target)
 
-    async def _holders(self) -> int:
+    async def _holders(self) -> int | None:
         """Peers (us included) that announced a state of the key: how large the swarm
         is, where one round's view under the whole key can miss most of it (a group
         that formed fast saw only itself, and would never leave the key). A claim of
         each peer, bounded by the DHT's record; a liar can only send peers to their
         cells early, where a peer alone falls back to the whole key anyway."""
+        # A partial read of a few replicas: when a swarm of hundreds starts at once,
+        # every peer reads every peer's announcement at the same moment, and a whole
+        # read of all k replicas (each of them sending hundreds of announcements to
+        # each reader, over home uplinks) ended with nothing by the deadline: every
+        # peer counted 0 and stayed under the whole key (sim: 128 peers, 2-20 Mbit/s).
+        # (None: unknown.)
+        dht, key = self._owner.dht, self._owner.key
         try:
-            async with asyncio.timeout(HOLDERS_TIMEOUT):
-                return 1 + len(await find_holders(self._owner.dht, self._owner.key))
+            async with asyncio.timeout(HOLDERS_TIMEOUT + 1.0):  # (a bound on the bound)
+                return await count_holders(dht, key, within=HOLDERS_TIMEOUT, sample=POLL_REPLICAS)
         except (TimeoutError, DHTError, TransportError, OSError) as e:
-            log.debug("%s: reading the state holders failed: %r", self._owner.key, e)
-            return 0
+            log.debug("%s: reading the state holders failed: %r", key, e)
+            return None
 
     async def _run(self, weight: float, timeout: float | None, alone: bool) -> StepResult:
         owner = self._owner

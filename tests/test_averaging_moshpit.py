@@ -256,6 +256,38 @@ async def test_a_newcomer_to_a_swarm_larger_than_a_group_starts_in_its_cell(
 
 
 @pytest.mark.timeout(60)
+async def test_a_newcomer_that_reads_nothing_of_the_swarm_in_time_starts_in_its_cell(
+    make_host: Callable[..., Any],
+) -> None:
+    """When hundreds of peers start together, each reads every peer's announcement at
+    the same moment, and a peer on a home uplink may read none of it by the deadline.
+    That is no evidence of a small swarm (which answers fast: nobody announced, a
+    first step looks under the whole key), so such a peer goes to its cell, where a
+    peer alone falls back to the whole key anyway."""
+    from shoal.averaging import step_runner
+
+    dhts = await _swarm(make_host, 2)
+    avg = Averager(dhts[1], "exp/slow", [torch.zeros(8)], config=_config(2, 2))
+    get = dhts[1].get
+
+    async def congested(key: str, **kw: Any) -> Any:
+        if key.endswith("/state") and kw.get("within") is not None:  # (the crowd's count)
+            await asyncio.sleep(kw["within"])
+            return None
+        return await get(key, **kw)
+
+    dhts[1].get = congested  # type: ignore[method-assign]
+    try:
+        assert step_runner.HOLDERS_TIMEOUT <= 2.0
+        await avg.step(timeout=3.0)  # (alone: nobody else steps)
+        assert avg.grid is not None and avg.grid.in_cells
+    finally:
+        await avg.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
+@pytest.mark.timeout(60)
 async def test_a_peer_that_moves_on_leaves_its_old_cell_and_waits_in_the_new_one(
     make_host: Callable[..., Any],
 ) -> None:
