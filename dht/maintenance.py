@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 from .publisher import Publisher
 from .routing import RoutingTable
@@ -24,7 +24,7 @@ class Maintenance:
         self,
         table: RoutingTable,
         publisher: Publisher,
-        find_nodes: Callable[[Sequence[int]], Awaitable[object]],
+        find_nodes: Callable[..., Awaitable[object]],
         refresh_interval: float,
         serves: Callable[[], bool] | None,
     ) -> None:
@@ -81,15 +81,16 @@ class Maintenance:
                 await self.refresh()
                 next_refresh = self._loop.time() + self.refresh_interval
 
-    async def refresh(self) -> None:
+    async def refresh(self, *, settle: int | None = None) -> None:
         """Look up a random target in every bucket not refreshed for an interval (at
-        the join: every bucket, the far ones the lookup of our own ID left empty)."""
+        the join: every bucket, the far ones the lookup of our own ID left empty;
+        `settle`: as `DHTNode.find_nodes`)."""
         now = self._loop.time()
         targets = self.table.buckets_to_refresh(now, self.refresh_interval)
         if not targets:
             return
         try:
-            await self._find_nodes(targets)
+            await self._find_nodes(targets, settle=settle)
         except Exception as e:
             log.warning("bucket refresh failed: %r", e)
             return

@@ -294,9 +294,11 @@ class DHTNode:
         knew nobody in most of the key space for a refresh interval, and a lookup there
         ended at the first peers that answered, none nearer: a 200-peer simulation's
         newcomers stored keys on 20 peers at the far side of the key space, where no
-        reader looks (about log2(N) lookups more, sent together)."""
+        reader looks (about log2(N) lookups more, sent together, each ending once the
+        `alpha` closest answered: contacts in the bucket are what we need, not the k
+        closest to a random point of it)."""
         await self.find_nodes([self.routing_table.local_id])
-        await self._upkeep.refresh()
+        await self._upkeep.refresh(settle=self.alpha)
 
     def _bootstrap_reached(self, peer: PeerID, reply: object, addr: Multiaddr) -> None:
         addrs = self._reply_addrs(peer, reply) or (addr,)
@@ -365,9 +367,12 @@ class DHTNode:
         found = await self._reader.find_values(keys, latest=latest, within=within)
         return {k: (_to_value(found[k]) if found.get(k) else None) for k in keys}
 
-    async def find_nodes(self, targets: Sequence[int]) -> list[LookupResult]:
-        """Iterative lookups of the k closest peers to each 256-bit target, together."""
-        lookups = await self._reader.find_nodes(targets)
+    async def find_nodes(
+        self, targets: Sequence[int], *, settle: int | None = None
+    ) -> list[LookupResult]:
+        """Iterative lookups of the k closest peers to each 256-bit target, together
+        (`settle`: each ends once that many of its closest candidates answered)."""
+        lookups = await self._reader.find_nodes(targets, settle=settle)
         return [LookupResult(lk.target, lk.closest_answered(self.k), lk.hops) for lk in lookups]
 
     async def find_node(self, target: int) -> LookupResult:

@@ -131,17 +131,22 @@ class Reader:
                 lk.holders.append(cand)
         return per_key
 
-    async def find_nodes(self, targets: Sequence[int]) -> list[KeyLookup]:
-        """One finished lookup per distinct target, its second try merged in."""
+    async def find_nodes(
+        self, targets: Sequence[int], *, settle: int | None = None
+    ) -> list[KeyLookup]:
+        """One finished lookup per distinct target, its second try merged in. `settle`:
+        each ends once that many of its closest candidates answered (`KeyLookup`)."""
         node = self.node
-        lookups = [KeyLookup(t) for t in dict.fromkeys(targets)]
+        lookups = [KeyLookup(t, settle=settle) for t in dict.fromkeys(targets)]
         await node._traverse(lookups, self.query_find_node)
         # Fewer than k peers answered and at least as many failed: more like a burst
         # of timeouts on our side (a loaded machine, a GC pause), which blacklists a
         # whole neighbourhood at once, than like dead peers. Look once more, asking
         # the peers the blacklist would skip, and keep the answers of both. A healthy
         # lookup, or a small network with a dead peer, still costs one traversal.
-        retry = {id(lk): KeyLookup(lk.target) for lk in lookups if self._mostly_failed(lk)}
+        retry = {
+            id(lk): KeyLookup(lk.target, settle=settle) for lk in lookups if self._mostly_failed(lk)
+        }
         if retry:
             node.count("node_retries", len(retry))
             await node._traverse(list(retry.values()), self.query_find_node, skip_blacklisted=False)
