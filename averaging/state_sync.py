@@ -362,13 +362,15 @@ async def find_holders(dht: DHTNode, key: str) -> list[Holder]:
     return [] if found is None else _holders_in(dht, found)
 
 
-async def count_holders(dht: DHTNode, key: str, *, within: float, sample: int) -> int | None:
-    """How many peers (us included) announced a state of `key`, from a partial
-    sampled read; None when it ran out of time having read nothing: unknown (1, when
-    the replicas answered that nobody did)."""
+async def count_holders(dht: DHTNode, key: str, *, within: float) -> int | None:
+    """How many peers (us included) announced a state of `key`, from a read of the
+    replicas that answer `within` seconds (all k, unless time runs out: a sample of
+    3 undercounts announcements that have not reached every replica yet); None when
+    it ran out of time having read nothing: unknown (1, when the replicas answered
+    that nobody did)."""
     loop = asyncio.get_running_loop()
     began = loop.time()
-    found = await dht.get(f"{key}/state", latest=True, within=within, sample=sample)
+    found = await dht.get(f"{key}/state", latest=True, within=within)
     if found is None or not found.subkeys:
         return None if loop.time() - began >= within else 1
     return 1 + len(_holders_in(dht, found))

@@ -28,7 +28,6 @@ from .attestation import Attestor
 from .averager_config import AveragerConfig
 from .deadline import Deadline
 from .deadlines import AveragerDeadlines
-from .declarer import POLL_REPLICAS
 from .group import Group, Member
 from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
 from .moshpit import GRID_VERSION, Grid
@@ -158,16 +157,15 @@ class StepRunner:
         that formed fast saw only itself, and would never leave the key). A claim of
         each peer, bounded by the DHT's record; a liar can only send peers to their
         cells early, where a peer alone falls back to the whole key anyway."""
-        # A partial read of a few replicas: when a swarm of hundreds starts at once,
-        # every peer reads every peer's announcement at the same moment, and a whole
-        # read of all k replicas (each of them sending hundreds of announcements to
-        # each reader, over home uplinks) ended with nothing by the deadline: every
-        # peer counted 0 and stayed under the whole key (sim: 128 peers, 2-20 Mbit/s).
-        # (None: unknown.)
+        # A partial read (None: unknown). When a swarm of hundreds starts at once,
+        # every peer reads every peer's announcement at the same moment, each replica
+        # sending hundreds of them to each reader over a home uplink: a read that had
+        # to finish ended with nothing by the deadline, every peer counted 0 and
+        # stayed under the whole key (sim: 128 peers on 2-20 Mbit/s uplinks).
         dht, key = self._owner.dht, self._owner.key
         try:
             async with asyncio.timeout(HOLDERS_TIMEOUT + 1.0):  # (a bound on the bound)
-                return await count_holders(dht, key, within=HOLDERS_TIMEOUT, sample=POLL_REPLICAS)
+                return await count_holders(dht, key, within=HOLDERS_TIMEOUT)
         except (TimeoutError, DHTError, TransportError, OSError) as e:
             log.debug("%s: reading the state holders failed: %r", key, e)
             return None
