@@ -115,6 +115,7 @@ async def _arm(
         pairs = zip(peers, averagers, strict=True)
         await asyncio.gather(*(run.on(p, a.publish_state()) for p, a in pairs))
     t0, bytes0, requests0 = loop.time(), net.stats.bytes, run.requests_sent()
+    counters0 = run.counters()
     outs: list[Out] = [([], []) for _ in peers]
     bursts = {
         p.index: run.on(p, _burst(a, rounds, timeout, out))
@@ -157,6 +158,9 @@ async def _arm(
         "bytes_per_peer_per_round": round(sent / len(peers) / rounds),
         "dht_requests_per_peer_per_min": round(requests / len(peers) / minutes, 1),
         "virtual_s": round(loop.time() - t0, 2),
+        # The DHT's counters over the burst, summed over the peers (busy and failed
+        # answers say whether the DHT kept up).
+        "dht_counters": {k: v - counters0.get(k, 0) for k, v in run.counters().items()},
     }
 
 
