@@ -1,6 +1,7 @@
 """docker/compose.yaml's `pipeline` profile: a bootstrap hosting a 3-stage pipelined
 experiment, 6 stage peers and 2 trainers. The trainers' loss falls within 5 minutes of
-`up`; `docker kill` of a stage peer costs the trainers' throughput for a few seconds
+`up`; every stage peer's memory budget is what its container's limit leaves;
+`docker kill` of a stage peer costs the trainers' throughput for a few seconds
 at most (back within 20 s), and of a trainer, nothing to the other."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ LOSS_DROP = 1.0
 RECOVERY_DEADLINE = 20.0
 RATE_WINDOW = 4.0  # seconds of microbatches a throughput reading spans
 RECOVERED = 0.5  # of the throughput before the kill
+MEMORY_LIMIT = 1 << 30  # the profile's default mem_limit (SHOAL_PIPE_MEM_LIMIT) of each peer
 
 
 @pytest.fixture
@@ -106,6 +108,15 @@ def test_the_pipeline_profile_trains_and_routes_around_a_killed_stage_peer_and_t
         assert [len(ids) for ids in servers] == [2, 2, 2], (service, servers)
     boot = project.status("pipe-bootstrap")["pipeline"]
     assert boot["role"] == "monitor" and boot["stage"] is None and not boot["trainer"]
+
+    # Every stage peer runs in its container's memory limit: its budget is what that
+    # limit left when it started (no --max-memory given), and its stage fits it.
+    for service in STAGE_PEERS:
+        limit = project.engine.inspect("container", project.container(service))["HostConfig"]
+        pipeline = project.status(service)["pipeline"]
+        budget, cost = pipeline["memory_budget_bytes"], pipeline["stage_memory_bytes"]
+        assert limit["Memory"] == MEMORY_LIMIT, (service, limit["Memory"])
+        assert 0 < cost <= budget < MEMORY_LIMIT, (service, cost, budget)
 
     # The throughput before, then `docker kill` of a stage-1 peer.
     meter = Throughput(project, TRAINERS)
