@@ -14,6 +14,8 @@ from shoal.peer.pipelined.validation import PipelineValidation
 from shoal.peer.trainer import TrainerStats
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.peer.training.validation import Validation
+from shoal.pipeline.evaluation import held_out_loss
+from shoal.pipeline.trainer import StageFailed
 
 from .pipeline_swarm import TINY, Swarm, loop_for
 from .waiting import eventually
@@ -97,3 +99,78 @@ async def test_a_trainer_scores_once_the_pipeline_stepped_and_then_not_within_30
         await running
         loop.trainer.close()
         await swarm.aclose()
+
+
+class _QueuedStages:
+    """Stages whose every answer waits until `together` requests are in flight at once
+    (a busy queue): held-out batches sent one at a time would never be answered. Each
+    stage adds its index to the input, so the loss of a batch is known."""
+
+    def __init__(self, stages: int, together: int, fail_stage: int | None = None) -> None:
+        self.stages = stages
+        self.calls = self
+        self.together = together
+        self.fail_stage = fail_stage
+        self.in_flight = 0
+        self.most = 0
+        self.answered = 0
+        self.cancelled = 0
+        self._enough = asyncio.Event()
+
+    async def request(
+        self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, Any], str]:
+        assert method == "forward"
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        if self.in_flight >= self.together:
+            self._enough.set()
+        try:
+            await self._enough.wait()
+            if stage == self.fail_stage and key == "0":
+                raise StageFailed(f"stage {stage} did not answer")
+            if self.fail_stage is not None:
+                await asyncio.Event().wait()  # (the others hang: they must be cancelled)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+        self.answered += 1
+        return tensors[0] + stage, {}, "peer"
+
+
+def _mean_of_first(x: torch.Tensor, _batch: Any) -> torch.Tensor:
+    return x[:, 0].mean()
+
+
+@pytest.mark.timeout(10)
+async def test_held_out_batches_go_through_the_stages_side_by_side_and_sum_in_batch_order() -> None:
+    stages = _QueuedStages(3, together=4)
+    batches = [torch.full((2, 3), float(i)) for i in range(6)]
+    ids = iter(range(100))
+
+    loss = await held_out_loss(
+        stages, batches, inputs_of=lambda b: b, loss_of=_mean_of_first,  # type: ignore[arg-type]
+        new_id=lambda: next(ids), in_flight=4,
+    )  # fmt: skip
+
+    # Each batch i ends at i + 0 + 1 + 2: the mean over batches of i + 3.
+    assert loss == pytest.approx(sum(i + 3 for i in range(6)) / 6)
+    assert stages.most == 4 and stages.answered == 6 * 3
+
+
+@pytest.mark.timeout(10)
+async def test_a_stage_that_fails_one_held_out_batch_fails_the_scoring_and_cancels_the_rest() -> (
+    None
+):
+    stages = _QueuedStages(2, together=3, fail_stage=0)
+    ids = iter(range(100))
+
+    with pytest.raises(StageFailed):
+        await held_out_loss(
+            stages, [torch.zeros(1, 2)] * 3, inputs_of=lambda b: b,  # type: ignore[arg-type]
+            loss_of=_mean_of_first, new_id=lambda: next(ids),
+        )  # fmt: skip
+
+    assert stages.in_flight == 0 and stages.cancelled == 2
