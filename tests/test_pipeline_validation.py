@@ -44,8 +44,21 @@ def _local_loss(task: Any, swarm: Swarm, batches: list[Any]) -> float:
     return total / samples
 
 
+class _LossRaises:
+    """A task whose loss function fails (a bug of the task's)."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.task, name)
+
+    def stage_loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        raise RuntimeError("no loss today")
+
+
 @pytest.mark.timeout(60)
-async def test_the_held_out_loss_goes_forward_through_the_stages_and_trains_nothing(
+async def test_the_held_out_loss_goes_forward_through_the_stages_trains_nothing_and_is_reported(
     make_host: Callable[..., Any],
 ) -> None:
     task = make_task(TINY)
@@ -71,6 +84,16 @@ async def test_the_held_out_loss_goes_forward_through_the_stages_and_trains_noth
         # The next scoring waits at least 30 s (and 20x what this one took).
         schedule = validation.validation.schedule
         assert schedule is not None and not schedule.due(time.monotonic() + 29.0)
+        report = validation.status()
+        assert report["scorings"] == 1 and report["failures"] == 0
+        assert report["last_error"] is None and len(report["seconds"]) == 1
+
+        # A task whose loss raises: no loss, training goes on, /status says why.
+        broken = PipelineValidation(_LossRaises(task), loop, stats, Validation(task, batches=1))
+        assert await broken.score() is None and stats.val_loss == loss
+        report = broken.status()
+        assert report["scorings"] == 0 and report["failures"] == 1
+        assert "no loss today" in report["last_error"]
     finally:
         loop.trainer.close()
         await swarm.aclose()

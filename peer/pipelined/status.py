@@ -68,6 +68,9 @@ def run_status(run: Any) -> dict[str, Any]:
         # Global gradient clipping (manifest option max_grad_norm): the last step's
         # factor, steps clipped without some stage's norm, peers whose claim differed.
         "clipping": _clipping(run),
+        # A trainer's held-out scorings: how many gave a loss, failed (and why the last
+        # did), and how long the last few took.
+        "validation": None if run.validation is None else run.validation.status(),
         "retries": None if loop is None else loop.trainer.counters.retries,
         "replayed": None if loop is None else sum(loop.trainer.ledger.replayed),
         "recovered": None if loop is None else loop.trainer.counters.recovered,

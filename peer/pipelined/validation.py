@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from shoal.pipeline.evaluation import held_out_loss
 from shoal.pipeline.trainer import StageFailed
@@ -43,6 +44,9 @@ class PipelineValidation:
         self.stats = stats
         self.validation = validation or Validation(task)
         self.seconds: list[float] = []  # how long each scoring took (the last few)
+        self.scorings = 0  # scorings that gave a loss
+        self.failures = 0  # scorings that gave none (a stage failed, or the task raised)
+        self.last_error: str | None = None  # why the last failed one failed
 
     async def run(self, stop: asyncio.Event) -> None:
         """Score whenever the schedule allows, once the pipeline has stepped, until `stop`."""
@@ -74,14 +78,31 @@ class PipelineValidation:
             )
         except StageFailed as e:  # the stages are in trouble: next time
             log.info("validation loss: %s", e)
+            self._failed(str(e))
             return None
         except Exception as e:  # a task's bug must not stop training; said, retried later
             log.warning("validation loss failed: %r", e)
+            self._failed(repr(e))
             return None
         finally:
             ended = time.monotonic()
             schedule.ran(started, ended)
             self.seconds = [*self.seconds[-7:], ended - started]
         self.stats.val_loss, self.stats.val_loss_at = loss, time.time()
+        self.scorings += 1
         log.info("validation loss %.4f (%d held-out batches)", loss, len(batches))
         return loss
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        self.last_error = why[:200]
+
+    def status(self) -> dict[str, Any]:
+        """/status's `pipeline.validation`: scorings that gave a loss and that failed
+        (and why the last one did), and how long the last few took (seconds)."""
+        return {
+            "scorings": self.scorings,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "seconds": [round(s, 3) for s in self.seconds],
+        }
