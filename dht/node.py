@@ -31,6 +31,7 @@ from shoal.transport.remote_log import RemoteEvents
 from shoal.transport.tasks import TaskSet
 
 from .admission import DiversityPolicy, RateLimits, RequestAdmission
+from .counted_reads import count_records
 from .errors import BootstrapError, DHTError, PeerBusy
 from .joining import REJOIN_CHECK_S, Joiner
 from .lookup import Candidate, KeyLookup, traverse
@@ -74,6 +75,7 @@ COUNTERS = (
     "partial_reads",  # reads that ran out of `within` and merged what came
     "sampled_reads",  # latest reads of a few of the replicas a full read found
     "stores_to_known_replicas",  # stores of a key with no lookup: its replicas were known
+    "counted_reads",  # reads of how many records a key holds (`count_records`)
     "node_retries",
     "requests_redialed",
     "busy_answers",
@@ -358,6 +360,12 @@ class DHTNode:
             stored = await self._reader.sampled_value(key, sample, within)
             return _to_value(stored) if stored is not None else None
         return (await self.get_many([key], latest=latest, within=within))[key]
+
+    async def count_records(self, key: str, *, within: float | None = None) -> int | None:
+        """How many live records (subkeys) `key` holds, read from its k closest
+        replicas without the records: the largest count any that answered by
+        `within` seconds claims; 0 when none holds it; None when none answered."""
+        return await count_records(self._reader, key, within)
 
     async def get_many(
         self, keys: Iterable[str], *, latest: bool = False, within: float | None = None

@@ -7,6 +7,7 @@ addresses (strings), so that the receiver can put the sender in its table.
 - ``find_node``  {from, ids: [32 bytes]}    -> {peers, nearest}
 - ``find_value`` {from, keys: [str], since?} -> {peers, nearest, values: {index: [record]},
                                                cursors?}
+- ``find_value`` {from, keys: [str], count: true} -> {peers, nearest, counts: {index: int}}
 - ``store``      {from, records: [record]}  -> {stored: [bool]}
 
 Delta reads: ``cursors`` (``{index: [epoch, seq]}``, from replicas that support them)
@@ -16,6 +17,11 @@ of those keys, and gets only the records stored after them (a key's record set
 unchanged: none). A cursor of another epoch (the responder restarted) gets a full
 answer. Older peers ignore ``since`` and send no ``cursors``: a full answer, as
 before.
+
+Counted reads (``count: true``) ask how many live records each key holds, not the
+records: how many peers announced under a key, where the records of hundreds of
+peers, sent by every replica to every asker at once, would fill the replicas'
+uplinks. Older peers ignore ``count`` and send ``values``: the asker counts those.
 
 ``peers`` is a list of contacts ``[peer_id_bytes, [addr strings]]`` shared by
 all requested keys; ``nearest[i]`` lists indexes into ``peers`` for the i-th
@@ -205,6 +211,22 @@ def parse_values(response: dict[str, Any], keys: list[str]) -> dict[str, list[Re
             raise DHTProtocolError("a record answers a key that was not asked for")
         if records:
             out[keys[i]] = records
+    return out
+
+
+def parse_counts(response: dict[str, Any], n_keys: int) -> dict[int, int]:
+    """The record counts of a counted find_value answer, by key index: each a claim
+    of the responder, bounded by what one answer could hold."""
+    raw = response.get("counts", {})
+    if not isinstance(raw, dict) or len(raw) > n_keys:
+        raise DHTProtocolError("counts must be a map of at most one entry per key")
+    out: dict[int, int] = {}
+    for i, n in raw.items():
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_keys:
+            raise DHTProtocolError("count index out of range")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_RECORDS_PER_KEY:
+            raise DHTProtocolError(f"a count must be an int in [0, {MAX_RECORDS_PER_KEY}]")
+        out[i] = n
     return out
 
 

@@ -155,6 +155,10 @@ class DHTServer:
         now = time.time()
         values = storage.get_many(keys, now)
         answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
+        if payload.get("count") is True:  # how many records, not the records
+            held = {i: values[k] for i, k in enumerate(keys) if k in values}
+            answer["counts"] = {i: len(v.subkeys) or 1 for i, v in held.items()}
+            return answer
         found: dict[int, list[Any]] = {}
         for i, key in enumerate(keys):
             cursor = since.get(i)

@@ -190,6 +190,7 @@ def dht_messages(data: bytes) -> None:
         lambda: dht_protocol.parse_addrs(_REMOTE, msg.get("addrs")),
         lambda: dht_protocol.parse_nearest(msg, 2, 20, local=_LOCAL, responder=_REMOTE),
         lambda: dht_protocol.parse_values(msg, ["a", "b"]),
+        lambda: dht_protocol.parse_counts(msg, 2),
         lambda: dht_protocol.parse_stored(msg, 2),
     ):
         try:

@@ -116,6 +116,7 @@ async def _arm(
         await asyncio.gather(*(run.on(p, a.publish_state()) for p, a in pairs))
     t0, bytes0, requests0 = loop.time(), net.stats.bytes, run.requests_sent()
     counters0 = run.counters()
+    queued0, net.stats.max_uplink_queue_s = net.stats.writes_queued_over_1s, 0.0
     outs: list[Out] = [([], []) for _ in peers]
     bursts = {
         p.index: run.on(p, _burst(a, rounds, timeout, out))
@@ -161,6 +162,9 @@ async def _arm(
         # The DHT's counters over the burst, summed over the peers (busy and failed
         # answers say whether the DHT kept up).
         "dht_counters": {k: v - counters0.get(k, 0) for k, v in run.counters().items()},
+        # Congested uplinks: writes that waited over 1 s behind earlier ones, the longest.
+        "writes_queued_over_1s": net.stats.writes_queued_over_1s - queued0,
+        "max_uplink_queue_s": round(net.stats.max_uplink_queue_s, 2),
     }
 
 

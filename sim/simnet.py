@@ -62,6 +62,10 @@ class NetStats:
     bytes: int = 0
     lost_segments: int = 0
     dropped_writes: int = 0  # to or from a crashed host
+    # Writes that waited behind earlier ones in their sender's uplink queue longer than
+    # a DHT request's usual deadline, and the longest wait: a congested uplink.
+    writes_queued_over_1s: int = 0
+    max_uplink_queue_s: float = 0.0
 
 
 class SimServer:
@@ -199,6 +203,10 @@ class SimNetwork:
         each end's link already carries, serialised at each end's rate, plus the
         propagation delay; a lost segment waits for its retransmission."""
         now = self.loop.time()
+        queued = src.up_free_at - now
+        if queued > 1.0:
+            self.stats.writes_queued_over_1s += 1
+            self.stats.max_uplink_queue_s = max(self.stats.max_uplink_queue_s, queued)
         depart = max(now, src.up_free_at) + n / src.link.up_Bps
         src.up_free_at = depart
         arrive = depart + src.link.latency_s + dst.link.latency_s

@@ -259,8 +259,8 @@ async def test_a_newcomer_to_a_swarm_larger_than_a_group_starts_in_its_cell(
 async def test_a_newcomer_that_reads_nothing_of_the_swarm_in_time_starts_in_its_cell(
     make_host: Callable[..., Any],
 ) -> None:
-    """When hundreds of peers start together, each reads every peer's announcement at
-    the same moment, and a peer on a home uplink may read none of it by the deadline.
+    """When hundreds of peers start together, each counts every peer's announcement at
+    the same moment, and a peer on a home uplink may hear no count by the deadline.
     That is no evidence of a small swarm (which answers fast: nobody announced, a
     first step looks under the whole key), so such a peer goes to its cell, where a
     peer alone falls back to the whole key anyway."""
@@ -268,15 +268,15 @@ async def test_a_newcomer_that_reads_nothing_of_the_swarm_in_time_starts_in_its_
 
     dhts = await _swarm(make_host, 2)
     avg = Averager(dhts[1], "exp/slow", [torch.zeros(8)], config=_config(2, 2))
-    get = dhts[1].get
+    count = dhts[1].count_records
 
     async def congested(key: str, **kw: Any) -> Any:
         if key.endswith("/state") and kw.get("within") is not None:  # (the crowd's count)
             await asyncio.sleep(kw["within"])
             return None
-        return await get(key, **kw)
+        return await count(key, **kw)
 
-    dhts[1].get = congested  # type: ignore[method-assign]
+    dhts[1].count_records = congested  # type: ignore[method-assign]
     try:
         assert step_runner.HOLDERS_TIMEOUT <= 2.0
         await avg.step(timeout=3.0)  # (alone: nobody else steps)
