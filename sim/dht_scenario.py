@@ -79,7 +79,10 @@ class DHTRun:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         identity = Identity.from_seed(self.rng.randbytes(32))  # reproducible runs
-        host = Host(identity, HostConfig(listen=(f"/ip4/{peer.sim.ip}/tcp/{PORT}",)))
+        listen = (f"/ip4/{peer.sim.ip}/tcp/{PORT}",)
+        # (`max_connections` in the workload: each host's limit, its trimming from 3/4)
+        limit = int(self.scenario.workload.get("max_connections", HostConfig().max_connections))
+        host = Host(identity, HostConfig(listen=listen, max_connections=limit))
         await host.start()
         peer.host = host
         nat = peer.sim.nat
@@ -269,6 +272,18 @@ class DHTRun:
 
     def requests_sent(self) -> int:
         return sum(p.node.count("requests_sent", 0) for p in self.peers if p.node)
+
+    def connections(self) -> dict[str, float]:
+        """Open connections per live peer (mean, max) and how many were trimmed in all
+        (`HostConfig.trim`): a peer's memory grows with the first, in the simulator
+        twice (both ends of every connection live in this process)."""
+        hosts = [p.host for p in self.peers if p.live and p.host is not None]
+        counts = [len(h.open_connections()) for h in hosts] or [0]
+        return {
+            "open_per_peer_mean": round(sum(counts) / len(counts), 1),
+            "open_per_peer_max": max(counts),
+            "trimmed": sum(h.connections_trimmed for h in hosts),
+        }
 
     def counters(self) -> dict[str, int]:
         """The DHT counters of every peer that ran, summed."""

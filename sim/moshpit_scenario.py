@@ -128,6 +128,7 @@ async def _arm(
         if isinstance(ended, BaseException) and index not in crashed:
             raise ended
     minutes = (loop.time() - t0) / 60
+    connections = run.connections()  # (before the averagers close theirs)
     sent, requests = net.stats.bytes - bytes0, run.requests_sent() - requests0
     for p, a in zip(peers, averagers, strict=True):
         if p.index in crashed:  # (its host is gone: whatever its close says is moot)
@@ -165,6 +166,7 @@ async def _arm(
         # Congested uplinks: writes that waited over 1 s behind earlier ones, the longest.
         "writes_queued_over_1s": net.stats.writes_queued_over_1s - queued0,
         "max_uplink_queue_s": round(net.stats.max_uplink_queue_s, 2),
+        "connections": connections,
     }
 
 

@@ -614,6 +614,24 @@ class Connection(asyncio.BufferedProtocol):
         self.streams.pop(stream.id, None)
         self._schedule_flush()
 
+    @property
+    def idle_for(self) -> float | None:
+        """Seconds since its last stream ended, none open now (or since the handshake,
+        when none ever opened); None while a stream is open or before the handshake."""
+        if self.streams or self._idle_since is None or not self.handshake_done.done():
+            return None
+        return _now() - self._idle_since
+
+    def close_idle(self, reason: str) -> None:
+        """Close a connection with no stream open, gracefully: a GOAWAY, then the socket
+        (`reason`: "idle" past `idle_timeout`, "trimmed" by the host's bound)."""
+        log.debug("closing %s connection to %s", reason, self._peer_name())
+        self.close_reason = reason
+        self._mux.go_away()
+        self._tx.flush()
+        if self._transport is not None:
+            self._transport.close()  # graceful: the GOAWAY goes out first
+
     def abort(self, reason: str) -> None:
         """Close at once, failing every stream with ConnectionLost(reason)."""
         if self.close_reason is None:
@@ -1112,12 +1130,7 @@ class _Lifecycle:
             return
         idle = c._idle_since is not None and not c.streams
         if cfg.idle_timeout and idle and now - c._idle_since >= cfg.idle_timeout:  # type: ignore[operator]
-            log.debug("closing idle connection to %s", c._peer_name())
-            c.close_reason = "idle"
-            c._mux.go_away()
-            c._tx.flush()
-            if c._transport is not None:
-                c._transport.close()  # graceful: the GOAWAY goes out first
+            c.close_idle("idle")
             return
         if now - c.last_activity >= cfg.ping_interval * 0.5 or oldest is None:
             opaque = next(c._ping_ids) & 0xFFFFFFFF

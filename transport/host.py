@@ -24,6 +24,7 @@ from .listening import ListenFailed, interface_addresses, listen
 from .multiaddr import Multiaddr
 from .remote_log import RemoteEvents
 from .tasks import TaskSet
+from .trimming import TrimPolicy
 from .version import VersionGate
 
 log = logging.getLogger("shoal.transport")
@@ -55,6 +56,19 @@ class HostConfig:
     # which TCP hole punching relies on. NAT traversal (transport.nat) needs it.
     reuse_port: bool = False
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
+    # Past `trim.high_water` established connections, the ones idle longest (at least
+    # `trim.grace` s) are closed down to `trim.low_water` (transport/trimming.py),
+    # before `max_connections`, past which everyone is refused. None: from 3/4 of
+    # `max_connections` down to half.
+    trim: TrimPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.trim is not None and self.trim.high_water > self.max_connections:
+            raise ValueError("trim.high_water must be at most max_connections (0: never trim)")
+
+    @property
+    def trim_policy(self) -> TrimPolicy:
+        return self.trim or TrimPolicy.for_limit(self.max_connections)
 
 
 class Host:
@@ -82,6 +96,8 @@ class Host:
         self.admission = _admission_for(self.config)
         self._dials: dict[PeerID, asyncio.Future[Connection]] = {}
         self._closing = False
+        self.connections_trimmed = 0  # idle ones closed past the trim policy's high water
+        self._trim_policy = self.config.trim_policy
         # Log lines remote ends cause (refusals, handshake timeouts, violations, handler
         # failures), rate-limited and summarized per kind.
         self.remote_events = RemoteEvents(log)
@@ -357,6 +373,7 @@ class Host:
             "connections": [c.stats() for c in conns],
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "connections_trimmed": self.connections_trimmed,
         }
 
     @property
@@ -443,6 +460,14 @@ class Host:
             return
         self._table.register(conn)
         self._table.notify(conn, opened=True)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Past the trim policy's high water, close the connections idle longest."""
+        established = [c for c in self._all if c.handshake_done.done()]
+        for conn in self._trim_policy.pick(established):
+            self.connections_trimmed += 1
+            conn.close_idle("trimmed")
 
     def _on_closed(self, conn: Connection) -> None:
         if self._table.closed(conn):

@@ -1,0 +1,92 @@
+"""A host past its trim policy's high water closes the connections idle longest, down
+to the low water (transport/trimming.py): a peer of a large swarm meets hundreds of
+others, and without a bound it would reach `max_connections` and refuse everyone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from waiting import eventually
+
+from shoal.transport.host import HostConfig
+from shoal.transport.trimming import TrimPolicy
+
+pytestmark = pytest.mark.timeout(30)
+SINK = "/shoal/test-sink/1.0.0"
+
+
+@dataclass
+class FakeConnection:
+    name: str
+    idle_for: float | None  # None: a stream is open
+    is_open: bool = True
+
+
+def test_nothing_is_closed_up_to_the_high_water() -> None:
+    policy = TrimPolicy(high_water=4, low_water=2, grace=0.0)
+    conns = [FakeConnection(str(i), 100.0) for i in range(4)]
+    assert policy.pick(conns) == []
+    # (closed ones do not count)
+    assert policy.pick([*conns, FakeConnection("gone", 100.0, is_open=False)]) == []
+
+
+def test_past_it_the_ones_idle_longest_go_down_to_the_low_water() -> None:
+    policy = TrimPolicy(high_water=4, low_water=2, grace=10.0)
+    conns = [
+        FakeConnection("busy", None),  # a stream open: never
+        FakeConnection("fresh", 3.0),  # idle within the grace: not yet
+        FakeConnection("idle 50", 50.0),
+        FakeConnection("idle 500", 500.0),
+        FakeConnection("idle 20", 20.0),
+        FakeConnection("idle 11", 11.0),
+    ]
+    picked = [c.name for c in policy.pick(conns)]
+    assert picked == ["idle 500", "idle 50", "idle 20", "idle 11"]  # 6 open, down to 2
+    # Fewer idle enough than asked: only those.
+    assert [c.name for c in policy.pick(conns[:5])] == ["idle 500", "idle 50", "idle 20"]
+    assert TrimPolicy(0, 0).pick(conns) == []  # high water 0: never
+
+
+def test_a_policy_is_checked_and_a_host_defaults_to_its_connection_limit() -> None:
+    with pytest.raises(ValueError):
+        TrimPolicy(high_water=4, low_water=5)
+    with pytest.raises(ValueError):
+        TrimPolicy(high_water=4, low_water=2, grace=-1.0)
+    with pytest.raises(ValueError, match="max_connections"):
+        HostConfig(max_connections=8, trim=TrimPolicy(16, 8))
+    assert HostConfig(max_connections=1024).trim_policy == TrimPolicy(768, 512)
+    assert HostConfig(max_connections=8).trim_policy == TrimPolicy(6, 4)
+
+
+async def sink(stream: Any) -> None:
+    while await stream.read(1 << 20):
+        pass
+
+
+async def test_a_host_past_its_high_water_closes_idle_connections_and_keeps_busy_ones(
+    make_host: Callable[..., Any],
+) -> None:
+    me = await make_host(trim=TrimPolicy(high_water=4, low_water=2, grace=0.0))
+    others = [await make_host() for _ in range(5)]
+    for other in others:
+        other.set_handler(SINK, sink)
+    # A stream held open to the first: a relay reservation, a round in progress.
+    busy = await me.open_stream(others[0].addresses()[0], SINK)
+    for other in others[1:4]:
+        await me.connect(other.addresses()[0])
+    assert len(me.connections) == 4 and me.connections_trimmed == 0  # at the high water
+    await me.connect(others[4].addresses()[0])  # past it: down to 2
+    await eventually(lambda: len(me.connections) == 2, "trimmed to the low water")
+    assert me.connections_trimmed == 3
+    assert set(me.connections) == {others[0].peer_id, others[4].peer_id}  # busy; newest
+    # The other ends see a graceful close, and a trimmed peer is dialed again when needed.
+    await eventually(lambda: me.peer_id not in others[1].connections, "the remote end closed")
+    await busy.write(b"still open")
+    again = await me.open_stream(others[1].addresses()[0], SINK)
+    await again.write(b"dialed again")
+    await asyncio.gather(busy.close(), again.close())
+    assert me.stats()["connections_trimmed"] == 3

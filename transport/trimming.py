@@ -1,0 +1,64 @@
+"""Which idle connections a host closes when it holds too many (sans-I/O).
+
+A peer of a large swarm meets hundreds of others: every DHT lookup dials the
+peers near a key, every averaging round its group's members, and a connection
+stays open until it has been idle for `ConnectionConfig.idle_timeout` (5
+minutes). Without a bound, a peer of a 1,000-peer swarm held hundreds of idle
+connections after a minute of Moshpit rounds (each about 20 KB of buffers and
+cipher state here, and socket buffers in the kernel) and would reach
+`max_connections`, past which it refuses everyone, group members included.
+Like libp2p's connection manager (its low and high watermarks and grace
+period), a host past `high_water` established connections closes the ones idle
+longest, down to `low_water`. A connection with an open stream is never
+closed (a relay reservation, a round in progress, a state download), nor one
+idle for less than `grace` seconds (the next request of a lookup or a round is
+likely on its way); a closed one is dialed again when needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+
+class Trimmable(Protocol):
+    """What the trimmer reads of a connection (`Connection` is one)."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    @property
+    def idle_for(self) -> float | None: ...
+
+
+C = TypeVar("C", bound=Trimmable)
+
+
+@dataclass(frozen=True, slots=True)
+class TrimPolicy:
+    high_water: int  # established connections past which idle ones are closed (0: never)
+    low_water: int  # closed down to this many
+    grace: float = 30.0  # seconds a connection must have been idle to be closed
+
+    @classmethod
+    def for_limit(cls, max_connections: int, grace: float = 30.0) -> TrimPolicy:
+        """A host's default: trim past three quarters of its connection limit, to half."""
+        return cls(max_connections * 3 // 4, max_connections // 2, grace)
+
+    def __post_init__(self) -> None:
+        if self.high_water and not 0 <= self.low_water <= self.high_water:
+            raise ValueError("need 0 <= low_water <= high_water (high_water 0: never trim)")
+        if self.grace < 0:
+            raise ValueError("grace must be >= 0 seconds")
+
+    def pick(self, connections: Iterable[C]) -> list[C]:
+        """The connections to close now: none while at most `high_water` are open;
+        else the ones idle longest (and at least `grace`), down to `low_water`."""
+        open_ = [c for c in connections if c.is_open]
+        if not self.high_water or len(open_) <= self.high_water:
+            return []
+        idle = [(c.idle_for, c) for c in open_]
+        idle_enough = [(t, c) for t, c in idle if t is not None and t >= self.grace]
+        idle_enough.sort(key=lambda tc: -tc[0])
+        return [c for _, c in idle_enough[: len(open_) - self.low_water]]
