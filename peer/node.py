@@ -212,6 +212,8 @@ class PeerNode:
             "access": self.host.access.status(),  # private swarms: mode, refusals
             "reachability_detail": self.nat.reachability_detail(),
             "connections": _connections_status(self.nat),
+            # Idle connections closed past the host's trim policy (transport/trimming.py).
+            "connections_trimmed": self.host.connections_trimmed,
             "dht_peers": len(self.dht.routing_table),
             "experiment": None,
             "experiment_id": None,

@@ -34,6 +34,7 @@ STATUS_KEYS = {
     "reachability",
     "reachability_detail",
     "connections",
+    "connections_trimmed",
     "dht_peers",
     "experiment",
     "step",

@@ -95,6 +95,7 @@ class FakeProvider:
             },
             "bytes_sent": 123_456,
             "bytes_received": 654_321,
+            "connections_trimmed": 12,
             "bytes_sent_by_protocol": {
                 "/shoal/averaging/1.0.0": 100_000,
                 "/shoal/dht/1.0.0": 20_000,
@@ -359,6 +360,7 @@ async def test_metrics_are_prometheus_text_read_from_the_status(
     for protocol, sent in (("/shoal/averaging/1.0.0", 100_000), ("/shoal/dht/1.0.0", 20_000)):
         assert samples[("shoal_protocol_bytes_sent_total", (("protocol", protocol),))] == sent
     assert samples[("shoal_dht_peers", ())] == 7
+    assert samples[("shoal_connections_trimmed_total", ())] == 12
     assert samples[("shoal_uptime_seconds", ())] >= 95
     for kind in ("direct", "relayed", "holepunched"):
         assert samples[("shoal_connections", (("kind", kind),))] == 1

@@ -7,6 +7,8 @@ Two kinds of series:
   scrapes: shoal_step, shoal_loss, shoal_val_loss, shoal_tokens_per_second,
   shoal_bytes_sent_total, shoal_bytes_received_total,
   shoal_protocol_bytes_sent_total{protocol}, shoal_connections{kind},
+  shoal_connections_trimmed_total (idle connections closed past the host's
+  trim policy; /status's connections_trimmed),
   shoal_dht_peers, shoal_uptime_seconds, shoal_mfu,
   shoal_event_loop_lag_p99_seconds, shoal_event_loop_lag_max_seconds,
   shoal_device_memory_used_bytes, shoal_device_memory_total_bytes,
@@ -222,6 +224,14 @@ def _runtime_metrics(status: dict[str, Any]) -> Iterator[Metric]:
                 f"Bytes {direction} over every connection since the daemon started.",
                 value=value,
             )
+    trimmed = status.get("connections_trimmed")
+    if _is_number(trimmed):
+        yield CounterMetricFamily(
+            "shoal_connections_trimmed",
+            "Idle connections closed because the host held more than its trim policy's "
+            "high water (the ones idle longest first).",
+            value=trimmed,
+        )
     by_protocol = status.get("bytes_sent_by_protocol")
     if isinstance(by_protocol, dict) and by_protocol:
         family = CounterMetricFamily(
