@@ -17,6 +17,7 @@ from shoal.transport.trimming import TrimPolicy
 
 pytestmark = pytest.mark.timeout(30)
 SINK = "/shoal/test-sink/1.0.0"
+ECHO = "/shoal/test-echo/1.0.0"
 
 
 @dataclass
@@ -90,3 +91,33 @@ async def test_a_host_past_its_high_water_closes_idle_connections_and_keeps_busy
     await again.write(b"dialed again")
     await asyncio.gather(busy.close(), again.close())
     assert me.stats()["connections_trimmed"] == 3
+
+
+async def echo(stream: Any) -> None:
+    while data := await stream.read(1 << 20):
+        await stream.write(data)
+
+
+async def test_a_stream_the_other_side_opens_as_we_trim_is_still_served(
+    make_host: Callable[..., Any],
+) -> None:
+    """Our GOAWAY and its OPEN cross on the wire: it could not know, and a round whose
+    stream met a closed socket would abort. Streams opened before the GOAWAY reached
+    the other side are served; the next one goes over a new connection."""
+    me, other = await make_host(), await make_host()
+    me.set_handler(ECHO, echo)
+    await other.connect(me.addresses()[0])
+    await eventually(lambda: other.peer_id in me.connections, "we hold the connection too")
+    ours = me.connections[other.peer_id]
+    # Both before either side's bytes travel: its OPEN is queued, our GOAWAY goes out.
+    stream = await other.open_stream(me.peer_id, ECHO)
+    ours.close_idle("trimmed")
+    await stream.write(b"crossed the GOAWAY")
+    assert await stream.readexactly(18) == b"crossed the GOAWAY"
+    await stream.close()
+    await eventually(ours.closed.done, "then it closes")
+    assert ours.close_reason == "trimmed"
+    again = await other.open_stream(me.addresses()[0], ECHO)  # a new connection
+    await again.write(b"next")
+    assert await again.readexactly(4) == b"next"
+    await again.close()

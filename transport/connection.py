@@ -75,6 +75,12 @@ _MIN_FREE = max(65535 + 2, MAX_BULK_BODY + 16)  # always room for one whole reco
 # connection is quiet. Growing on a full read also guarantees that a record larger
 # than the buffer always gets room.
 _RECV_BUFFER_IDLE = 4096
+# After an idle close's GOAWAY, streams the remote opened before it arrived are served
+# for this many round trips (within these bounds, in seconds) before the socket closes.
+_IN_FLIGHT_RTTS = 4
+_IN_FLIGHT_MIN_S = 0.5
+_IN_FLIGHT_MAX_S = 5.0
+_IN_FLIGHT_CLOSE_S = 120.0  # ... and those streams have this long to finish
 # Records this small are decrypted into their own exact-size buffer instead of a
 # pooled 64 KiB one: RPC traffic is mostly small records.
 _SMALL_RECORD = 2048
@@ -623,14 +629,24 @@ class Connection(asyncio.BufferedProtocol):
         return _now() - self._idle_since
 
     def close_idle(self, reason: str) -> None:
-        """Close a connection with no stream open, gracefully: a GOAWAY, then the socket
-        (`reason`: "idle" past `idle_timeout`, "trimmed" by the host's bound)."""
+        """Close a connection with no stream open, gracefully (`reason`: "idle" past
+        `idle_timeout`, "trimmed" by the host's bound). The remote may be opening a
+        stream at this moment: a GOAWAY first, then streams it opened before the
+        GOAWAY reached it are still served for a few round trips, and the socket
+        closes once they are done (a closed socket would fail them: a round aborts)."""
+        if self.close_reason is not None or self.closed.done():
+            return
         log.debug("closing %s connection to %s", reason, self._peer_name())
         self.close_reason = reason
-        self._mux.go_away()
+        self._mux.go_away(serve_in_flight=True)
         self._tx.flush()
-        if self._transport is not None:
-            self._transport.close()  # graceful: the GOAWAY goes out first
+        self.spawn(self._close_after_in_flight())
+
+    async def _close_after_in_flight(self) -> None:
+        rtt = self.rtt if self.rtt is not None else 0.25
+        await asyncio.sleep(min(_IN_FLIGHT_MAX_S, max(_IN_FLIGHT_MIN_S, _IN_FLIGHT_RTTS * rtt)))
+        self._mux.stop_serving_in_flight()
+        await self._life.aclose(_IN_FLIGHT_CLOSE_S)
 
     def abort(self, reason: str) -> None:
         """Close at once, failing every stream with ConnectionLost(reason)."""

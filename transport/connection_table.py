@@ -58,7 +58,9 @@ class ConnectionTable:
         better one is there (the other is retired)."""
         peer = conn.remote_peer
         current = self.conns.get(peer)
-        if current is None or not current.is_open or current.superseded:
+        if current is None or not current.accepting_streams:
+            # (none, closed, retired, or going away: an idle one that we or the remote
+            # closed while the other side dialed again, its last streams still served)
             self.conns[peer] = conn
             return
 

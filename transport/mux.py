@@ -286,6 +286,9 @@ class Multiplexer:
         self._bulk_min = bulk_min
         self.local_goaway = False
         self.remote_goaway = False
+        # After our GOAWAY, streams the remote opened before it reached them are still
+        # served while this holds (`go_away(serve_in_flight=True)`), not reset.
+        self.serving_in_flight = False
         self.rtt = 0.0  # smoothed RTT estimate, fed by the driver; drives window growth
         # Stream payload queued to send, by the protocol named at the stream's OPEN (what
         # an uplink carries for what; frame headers and encryption not included). Names
@@ -374,7 +377,7 @@ class Multiplexer:
             protocol = proto.decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolViolation("OPEN with a protocol name that is not UTF-8") from None
-        if self.local_goaway:
+        if self.local_goaway and not self.serving_in_flight:
             self._queue_reset_frame(sid, "connection is going away")
             return
         if self._remote_open >= self.limits.max_streams:
@@ -496,10 +499,17 @@ class Multiplexer:
     def ping(self, opaque: int) -> None:
         self._control.append(HEADER.pack(PING, 0, 0, opaque & 0xFFFFFFFF))
 
-    def go_away(self, code: int = 0) -> None:
+    def go_away(self, code: int = 0, *, serve_in_flight: bool = False) -> None:
+        """No new streams from us, and none from the remote once it reads this; with
+        `serve_in_flight`, streams it opened meanwhile are served until the driver
+        calls `stop_serving_in_flight` (an idle close the remote could not foresee)."""
         if not self.local_goaway:
             self.local_goaway = True
+            self.serving_in_flight = serve_in_flight
             self._control.append(HEADER.pack(GOAWAY, 0, 0, code))
+
+    def stop_serving_in_flight(self) -> None:
+        self.serving_in_flight = False
 
     # --- outbound -----------------------------------------------------------------------------
 
