@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import uvloop
@@ -72,6 +74,31 @@ async def make_host() -> AsyncIterator[Callable[..., asyncio.Future[Host]]]:
 
     yield make  # type: ignore[misc]
     await asyncio.gather(*(h.aclose() for h in hosts), return_exceptions=True)
+
+
+@pytest.fixture
+async def dht_swarm(
+    make_host: Callable[..., asyncio.Future[Host]],
+) -> AsyncIterator[Callable[..., Any]]:
+    """Factory of DHT nodes on loopback hosts, each bootstrapped from one made before
+    (`await dht_swarm(n, **DHTNode.create options)`), all closed at teardown."""
+    from shoal.dht.node import DHTNode
+
+    nodes: list[DHTNode] = []
+    opts = {"max_connections_per_ip": 100_000, "max_connections": 100_000, "close_grace": 0.1}
+
+    async def make(n: int, **options: Any) -> list[DHTNode]:
+        out = []
+        for _ in range(n):
+            host = await make_host(**opts)
+            boot = [str(random.choice(nodes).host.addresses()[0])] if nodes else []
+            node = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0, **options)
+            nodes.append(node)
+            out.append(node)
+        return out
+
+    yield make
+    await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
 
 
 @pytest.fixture

@@ -1,24 +1,21 @@
 """Counted reads (dht/counted_reads.py, ``count`` in find_value of dht/protocol.py):
 how many records a key holds, asked of its replicas without the records. A Moshpit
-peer counts a swarm's state announcements this way before its first step: read in
+peer counts a dht_swarm's state announcements this way before its first step: read in
 full, hundreds of peers' reads of hundreds of announcements filled the replicas'
 home uplinks (sim/scenarios/moshpit_256.json)."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from test_dht_delta_reads import dht_bytes_sent
 
 from shoal.dht.node import DHTNode
 from shoal.dht.protocol import MAX_RECORDS_PER_KEY, DHTProtocolError, parse_counts
-
-HOST_OPTS = {"max_connections_per_ip": 100_000, "max_connections": 100_000, "close_grace": 0.1}
-DHT = "/shoal/dht/1.0.0"
 
 
 @pytest.mark.parametrize(
@@ -44,28 +41,6 @@ def test_absent_counts_are_none() -> None:
     assert parse_counts({"counts": {1: 7}}, 2) == {1: 7}
 
 
-@pytest.fixture
-async def swarm(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
-    nodes: list[DHTNode] = []
-
-    async def make(n: int) -> list[DHTNode]:
-        out = []
-        for _ in range(n):
-            host = await make_host(**HOST_OPTS)
-            boot = [str(random.choice(nodes).host.addresses()[0])] if nodes else []
-            node = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0)
-            nodes.append(node)
-            out.append(node)
-        return out
-
-    yield make
-    await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
-
-
-def dht_bytes_sent(nodes: list[DHTNode]) -> int:
-    return sum(n.host.bytes_sent_by_protocol().get(DHT, 0) for n in nodes)
-
-
 def answer_find_value_with(node: DHTNode, change: Callable[[Any, Any], Any]) -> None:
     """`node` answers find_value with what `change(payload, its honest answer)` makes."""
     handler = node._server._on_find_value
@@ -78,9 +53,9 @@ def answer_find_value_with(node: DHTNode, change: Callable[[Any, Any], Any]) -> 
 
 @pytest.mark.timeout(60)
 async def test_a_count_is_what_a_full_read_holds_at_a_fraction_of_its_bytes(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(6)
+    nodes = await dht_swarm(6)
     reader, others = nodes[0], nodes[1:]
     exp = time.time() + 60
     for i in range(40):
@@ -98,14 +73,14 @@ async def test_a_count_is_what_a_full_read_holds_at_a_fraction_of_its_bytes(
 
 @pytest.mark.timeout(60)
 async def test_replicas_that_hide_records_are_outvoted_by_one_that_holds_them(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
     """Each count is a replica's claim: the largest wins, so replicas that say a key is
     empty (or hold fewer records, not reached yet by every store) count for nothing
     while one honest replica answers; a replica can only inflate a count, which
     makes a crowd look larger (a Moshpit peer then starts in its cell, where a peer
     alone falls back to the whole key)."""
-    nodes = await swarm(6)
+    nodes = await dht_swarm(6)
     reader, others = nodes[0], nodes[1:]
     exp = time.time() + 60
     for i in range(7):
@@ -117,9 +92,9 @@ async def test_replicas_that_hide_records_are_outvoted_by_one_that_holds_them(
 
 @pytest.mark.timeout(60)
 async def test_a_replica_answering_a_count_out_of_bounds_is_a_garbage_answer(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(6)
+    nodes = await dht_swarm(6)
     reader, bad = nodes[0], nodes[1]
     exp = time.time() + 60
     for i in range(3):
@@ -131,9 +106,9 @@ async def test_a_replica_answering_a_count_out_of_bounds_is_a_garbage_answer(
 
 @pytest.mark.timeout(60)
 async def test_a_replica_from_before_counted_reads_is_counted_from_its_records(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(5)
+    nodes = await dht_swarm(5)
     reader, others = nodes[0], nodes[1:]
     exp = time.time() + 60
     for i in range(5):
@@ -152,11 +127,11 @@ async def test_a_replica_from_before_counted_reads_is_counted_from_its_records(
 
 @pytest.mark.timeout(60)
 async def test_a_count_that_runs_out_of_time_having_heard_nothing_is_unknown(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    others = await swarm(3)
+    others = await dht_swarm(3)
     assert await others[0].store("peers", 1, time.time() + 60, subkey="w0")
-    (reader,) = await swarm(1)  # (joined after the store: holds none of it itself)
+    (reader,) = await dht_swarm(1)  # (joined after the store: holds none of it itself)
     for node in others:
         handler = node._server._on_find_value
 

@@ -6,12 +6,11 @@ read found, not all k."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ from shoal.dht.replica_reads import ReplicaReads, ReplicaSets
 from shoal.dht.storage import LocalStorage
 from shoal.transport.identity import Identity
 
-HOST_OPTS = {"max_connections_per_ip": 100_000, "max_connections": 100_000, "close_grace": 0.1}
 DHT = "/shoal/dht/1.0.0"
 EPOCH = b"e" * 8
 REPLICA = Identity.generate().peer_id
@@ -135,24 +133,6 @@ def test_absent_cursors_are_none() -> None:
 # ------------------------------------------------------------------ nodes on loopback
 
 
-@pytest.fixture
-async def swarm(make_host: Callable[..., Any]) -> AsyncIterator[Callable[..., Any]]:
-    nodes: list[DHTNode] = []
-
-    async def make(n: int, **options: Any) -> list[DHTNode]:
-        out = []
-        for _ in range(n):
-            host = await make_host(**HOST_OPTS)
-            boot = [str(random.choice(nodes).host.addresses()[0])] if nodes else []
-            node = await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0, **options)
-            nodes.append(node)
-            out.append(node)
-        return out
-
-    yield make
-    await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
-
-
 def dht_bytes_sent(nodes: list[DHTNode]) -> int:
     return sum(n.host.bytes_sent_by_protocol().get(DHT, 0) for n in nodes)
 
@@ -166,9 +146,9 @@ async def read_costs(reader: DHTNode, others: list[DHTNode], key: str) -> tuple[
 
 @pytest.mark.timeout(60)
 async def test_a_second_read_costs_the_replicas_only_what_changed(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(6)
+    nodes = await dht_swarm(6)
     reader, others = nodes[0], nodes[1:]
     exp = time.time() + 60
     for i in range(40):
@@ -185,15 +165,15 @@ async def test_a_second_read_costs_the_replicas_only_what_changed(
     assert changed.value == {**first.value, "w7": "changed", "w40": "new"}
     assert changed_cost < full_cost / 3
     # and a node with full reads gets the same value
-    (plain,) = await swarm(1, delta_reads=False)
+    (plain,) = await dht_swarm(1, delta_reads=False)
     assert (await plain.get("peers", latest=True)).value == changed.value
 
 
 @pytest.mark.timeout(60)
 async def test_a_replica_that_restarted_or_knows_no_cursors_answers_in_full(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(5)
+    nodes = await dht_swarm(5)
     reader, others = nodes[0], nodes[1:]
     exp = time.time() + 60
     for i in range(6):
@@ -224,11 +204,11 @@ async def test_a_replica_that_restarted_or_knows_no_cursors_answers_in_full(
 
 @pytest.mark.timeout(60)
 async def test_a_replica_that_hides_changes_behind_its_cursor_hides_nothing_the_others_hold(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
     """A replica can always leave records out of an answer; with cursors it can claim
     that nothing changed. The others' answers still carry the change."""
-    nodes = await swarm(6)
+    nodes = await dht_swarm(6)
     reader, liar = nodes[0], nodes[1]
     exp = time.time() + 60
     for i in range(5):
@@ -250,9 +230,9 @@ async def test_a_replica_that_hides_changes_behind_its_cursor_hides_nothing_the_
 
 @pytest.mark.timeout(60)
 async def test_a_replica_answering_malformed_cursors_is_a_garbage_answer(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(6)
+    nodes = await dht_swarm(6)
     reader, bad = nodes[0], nodes[1]
     exp = time.time() + 60
     for i in range(5):
@@ -324,9 +304,9 @@ def find_values_sent(node: DHTNode) -> Callable[[], int]:
 
 @pytest.mark.timeout(60)
 async def test_a_sampled_read_asks_three_replicas_and_reads_what_a_full_read_does(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(12)
+    nodes = await dht_swarm(12)
     reader = nodes[0]
     exp = time.time() + 60
     for i, node in enumerate(nodes[1:]):
@@ -346,9 +326,9 @@ async def test_a_sampled_read_asks_three_replicas_and_reads_what_a_full_read_doe
 
 @pytest.mark.timeout(60)
 async def test_a_sampled_read_survives_dead_and_lying_replicas(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(8)
+    nodes = await dht_swarm(8)
     reader = nodes[0]
     exp = time.time() + 60
     for i, node in enumerate(nodes[1:]):
@@ -392,9 +372,9 @@ def requests_sent(node: DHTNode) -> Counter[str]:
 
 @pytest.mark.timeout(60)
 async def test_a_store_to_a_key_whose_replicas_a_read_found_needs_no_lookup(
-    swarm: Callable[..., Any],
+    dht_swarm: Callable[..., Any],
 ) -> None:
-    nodes = await swarm(12)
+    nodes = await dht_swarm(12)
     writer, reader = nodes[0], nodes[11]
     exp = time.time() + 60
     sent = requests_sent(writer)
