@@ -72,7 +72,7 @@ async def test_a_host_past_its_high_water_closes_idle_connections_and_keeps_busy
     make_host: Callable[..., Any],
 ) -> None:
     me = await make_host(trim=TrimPolicy(high_water=4, low_water=2, grace=0.0))
-    others = [await make_host() for _ in range(5)]
+    others = [await make_host() for _ in range(6)]
     for other in others:
         other.set_handler(SINK, sink)
     # A stream held open to the first: a relay reservation, a round in progress.
@@ -81,9 +81,12 @@ async def test_a_host_past_its_high_water_closes_idle_connections_and_keeps_busy
         await me.connect(other.addresses()[0])
     assert len(me.connections) == 4 and me.connections_trimmed == 0  # at the high water
     await me.connect(others[4].addresses()[0])  # past it: down to 2
-    await eventually(lambda: len(me.connections) == 2, "trimmed to the low water")
+    await eventually(lambda: me.connections_trimmed == 3, "trimmed to the low water")
+    # Those closing (still serving what crossed their GOAWAY) count no more.
+    await me.connect(others[5].addresses()[0])
+    await eventually(lambda: len(me.connections) == 3, "the trimmed ones closed")
     assert me.connections_trimmed == 3
-    assert set(me.connections) == {others[0].peer_id, others[4].peer_id}  # busy; newest
+    assert set(me.connections) == {p.peer_id for p in (others[0], others[4], others[5])}
     # The other ends see a graceful close, and a trimmed peer is dialed again when needed.
     await eventually(lambda: me.peer_id not in others[1].connections, "the remote end closed")
     await busy.write(b"still open")

@@ -464,7 +464,8 @@ class Host:
 
     def _trim(self) -> None:
         """Past the trim policy's high water, close the connections idle longest."""
-        established = [c for c in self._all if c.handshake_done.done()]
+        # (not those closing already: retired duplicates, idle or trimmed ones draining)
+        established = [c for c in self._all if c.accepting_streams]
         for conn in self._trim_policy.pick(established):
             self.connections_trimmed += 1
             conn.close_idle("trimmed")
