@@ -134,7 +134,8 @@ class StageServer:
         self.bytes_sent = 0  # activation and gradient payloads, as sent
         self.on_backward: Callable[[], None] | None = None  # after each applied backward
         self.on_behind: Callable[[], None] | None = None  # a request knew a newer version
-        self.on_flush: Callable[[], None] | None = None  # a trainer waits on our step
+        # A trainer waits on this version's step: whether we will step (not when already stepping).
+        self.on_flush: Callable[[int], bool] | None = None
         self.on_progress: Callable[[PeerID, int, int], None] | None = None  # a peer's push
         # Trainers that sent us requests lately (-> when): told of each step at once.
         self.step_push = StepPush(dht.host, experiment)
@@ -452,8 +453,7 @@ class StageServer:
         version = payload.get("version") if isinstance(payload, dict) else None
         if version != self.version or not self.serving or self.on_flush is None:
             return False
-        self.on_flush()
-        return True
+        return self.on_flush(version)
 
     async def _progress(self, ctx: rpc.CallContext, payload: Any) -> None:
         """A peer of our stage tells its progress: samples held at its version."""

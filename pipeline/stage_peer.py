@@ -114,7 +114,7 @@ class StagePeer:
         self.server.on_backward = self._changed.set
         self.server.on_behind = self._changed.set  # look at the reports now: catch up
         self.server.on_flush = self._flush_asked
-        self._flush = False
+        self._flush: int | None = None  # the version a trainer asked us to step from
         self._task: asyncio.Task[None] | None = None
         self.on_step: Callable[[StepResult], None] | None = None  # after each committed step
         self._reported: tuple[int, int, float] = (-1, -1, 0.0)  # samples, version, when
@@ -212,7 +212,9 @@ class StagePeer:
         others = [r for r in fresh if r.peer != self.server.dht.peer_id]
         held = samples_at(others, version, now) + samples
         self._near = held >= NEAR * self.progress.global_batch
-        flush, self._flush = self._flush, False
+        # (Only for the version it was asked for: a flush that came during a slow step
+        # would otherwise make the next version step on its first microbatch.)
+        flush, self._flush = self._flush == version, None
         if held >= self.progress.global_batch or (flush and held > 0):
             # A step needs a majority of the stage's peers at our version: two groups
             # can then never both commit the same version apart (a split the swarm
@@ -311,9 +313,12 @@ class StagePeer:
                 sent = None
                 await asyncio.sleep(PUSH_RETRY_S * failures)
 
-    def _flush_asked(self) -> None:
-        self._flush = True
+    def _flush_asked(self, version: int) -> bool:
+        if self.optimizer.stepping:
+            return False  # (the step it waits for is under way: a slow round)
+        self._flush = version
         self._changed.set()
+        return True
 
     async def step(self, *, alone: bool = True) -> None:
         result = await self.optimizer.step(self.step_timeout, alone=alone)

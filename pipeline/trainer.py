@@ -480,7 +480,7 @@ class PipelineTrainer:
 
         local = self.local.get(stage)
         if local is not None and local.on_flush is not None and local.version == version:
-            local.on_flush()
+            local.on_flush(version)
         remote = [p for p in self.stage_peers[stage] if p != self.dht.peer_id]
         return sum(await asyncio.gather(*(ask(p) for p in remote)))
 
