@@ -120,6 +120,25 @@ class StagesSeen:
         self.serving.append(serving)
         self.newest.append(max(versions, default=None))
 
+    def merged(self, earlier: StagesSeen | None, *, versions: bool = True) -> StagesSeen:
+        """This read joined with an earlier one of the same step: a read can miss records
+        (replicas that did not answer in time), and a read that found only a liar's
+        record of a stage would let that liar's lone claim settle the stage's norm
+        (and drop its honest peers' claims as strangers'). Who serves a stage is what
+        any read of the step found. Without `versions`, the newest versions are this
+        read's only (`earlier` is the last step's: a stage nobody serves any more is
+        one where no claim can come)."""
+        if earlier is None:
+            return self
+        return StagesSeen(
+            [a | b for a, b in zip(self.members, earlier.members, strict=True)],
+            [max(a, b) for a, b in zip(self.serving, earlier.serving, strict=True)],
+            [
+                a if not versions or b is None else b if a is None else max(a, b)
+                for a, b in zip(self.newest, earlier.newest, strict=True)
+            ],
+        )
+
     def astray(self, claims: NormClaims, mine: int, version: int) -> bool:
         """Whether every stage still unsettled has no claim coming soon: nobody serves
         it, or its version is steps away from ours (it lost its state, or we are far
@@ -165,6 +184,7 @@ class ClipExchange:
         self.late_norms = 0
         self.disputed: set[PeerID] = set()  # peers whose claim differed from the settled one
         self.decided: deque[Decided] = deque(maxlen=DECISIONS_KEPT)
+        self._seen: tuple[int, StagesSeen] | None = None  # the last step's records, as read
 
     async def factor(self, version: int, squared: float, group: int) -> float:
         """Claim our stage's squared norm for the step from `version` (a step of `group`
@@ -177,11 +197,15 @@ class ClipExchange:
         expires = time.time() + 2 * deadline + 60
         await self.dht.store(key, claim, expires, subkey=owner_marker(self.dht.peer_id))
         stages, read_at = await self._stages(version), time.monotonic()
+        if self._seen is not None and self._seen[0] == version - 1:
+            # (Also what the last step's reads found: a stage that had two peers then
+            # needs two claims now, whatever a first read of this step missed.)
+            stages = stages.merged(self._seen[1], versions=False)
         await self._look_back(version, stages)
         delay = POLL_FIRST_S
         while True:
-            if time.monotonic() - read_at >= STAGES_EVERY_S:  # (joiners, leavers, versions)
-                stages, read_at = await self._stages(version), time.monotonic()
+            if time.monotonic() - read_at >= STAGES_EVERY_S:  # (joiners, versions)
+                stages, read_at = (await self._stages(version)).merged(stages), time.monotonic()
             claims = NormClaims(self.stages)
             found = await self.dht.get(key, latest=True)
             read_claims((found.subkeys or {}) if found else {}, claims, stages.members)
@@ -193,6 +217,7 @@ class ClipExchange:
                 self.max_norm, (self.stage, squared), stages.serving, final=final
             )
             if decision is not None:
+                self._seen = (version, stages)
                 self._note_disputes(claims, squared, stages.serving)
                 return self._decided(version, decision, time.monotonic() - started)
             left = deadline - (time.monotonic() - started)

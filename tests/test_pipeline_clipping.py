@@ -16,7 +16,7 @@ from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.peer.training.tasks.bytegpt import make_task
-from shoal.pipeline.clip_exchange import ClipExchange, clip_key
+from shoal.pipeline.clip_exchange import ClipExchange, StagesSeen, clip_key, read_claims
 from shoal.pipeline.clipping import NormClaims, clip_factor, rounded, stage_squared_norm
 from shoal.pipeline.options import PipelineOptions
 from shoal.pipeline.server import StageServer, stage_key
@@ -93,6 +93,29 @@ def test_a_liar_claiming_first_as_a_solo_step_sets_nothing_where_two_peers_serve
     assert claims.settled(0, serving=3) == 9.0
     decision = claims.decide(1.0, (1, 16.0), [3, 1])
     assert decision is not None and decision.factor == pytest.approx(1 / (5.0 + 1e-6))
+
+
+def test_a_read_that_misses_the_honest_records_does_not_let_a_liar_settle_the_stage() -> None:
+    """A read of the stage records can miss some (replicas that did not answer in time):
+    one that found only the liar's record of a stage would let its lone claim settle it,
+    and drop the honest peers' claims as strangers'. Any earlier read of the step, or
+    of the step before, still counts."""
+    a, b, liar = peer(), peer(), peer()
+    full, partial = StagesSeen([], [], []), StagesSeen([], [], [])
+    full.add({owner_marker(p): ({"version": 3}, 0.0) for p in (a, b, liar)}, 3)
+    partial.add({owner_marker(liar): ({"version": 3}, 0.0)}, 3)
+    claims = NormClaims(1)
+    read = {owner_marker(p): ({"stage": 0, "sq": sq, "group": g}, 0.0)
+            for p, sq, g in ((a, 4.0, 2), (b, 4.0, 2), (liar, 1e30, 1))}  # fmt: skip
+    alone = NormClaims(1)
+    read_claims(read, alone, partial.members)
+    assert alone.settled(0, partial.serving[0]) == rounded(1e30)  # the partial read, alone
+    seen = partial.merged(full)
+    assert seen.members == full.members and seen.serving == [3] and seen.newest == [3]
+    read_claims({owner_marker(liar): read[owner_marker(liar)]}, claims, seen.members)
+    assert claims.settled(0, seen.serving[0]) is None  # the liar alone: not settled
+    read_claims(read, claims, seen.members)
+    assert claims.settled(0, seen.serving[0]) == 4.0
 
 
 def test_claims_that_are_no_squared_norm_are_refused() -> None:
