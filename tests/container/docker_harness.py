@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -396,7 +395,9 @@ def container_set(engine: Engine, label: str) -> Iterator[ContainerSet]:
 class ComposeProject:
     """docker-compose on docker/compose.yaml with `profile`, under a unique project name;
     each service of `status_ports` (service -> the variable setting its published status
-    port) gets a free port of 127.0.0.1."""
+    port) publishes its status port on a port of 127.0.0.1 the engine chooses (0), read
+    back with `compose port`: a port picked free here could be taken by another test
+    before the engine binds it (a CI failure)."""
 
     def __init__(
         self,
@@ -408,11 +409,9 @@ class ComposeProject:
         self.engine = engine
         self.profile = profile
         self.name = f"shoal-test-{uuid.uuid4().hex[:6]}"
-        self.ports = {service: _free_port() for service in status_ports}
-        self.env = {
-            **env,
-            **{variable: str(self.ports[s]) for s, variable in status_ports.items()},
-        }
+        self.published = set(status_ports)
+        self._ports: dict[str, int] = {}  # service -> its status port, as last read back
+        self.env = {**env, **dict.fromkeys(status_ports.values(), "0")}
 
     def run(self, *args: str, timeout: float = CALL_TIMEOUT, check: bool = True) -> str:
         command = [*(compose_command() or []), "--project-name", self.name]
@@ -433,8 +432,13 @@ class ComposeProject:
         return self.run("ps", "--quiet", service).splitlines()[0]
 
     def status(self, service: str) -> dict[str, Any]:
-        if service in self.ports:
-            return get_json(f"http://127.0.0.1:{self.ports[service]}/status")  # type: ignore[no-any-return]
+        if service in self.published:
+            try:
+                return get_json(f"http://127.0.0.1:{self.port(service)}/status")  # type: ignore[no-any-return]
+            except OSError:
+                # (A container created again, by `up` or a restart, has another port.)
+                self._ports.pop(service, None)
+                return get_json(f"http://127.0.0.1:{self.port(service)}/status")  # type: ignore[no-any-return]
         # Behind the NAT nothing is published: ask from inside its network namespace.
         fetch = (
             "import sys, urllib.request; "
@@ -443,6 +447,13 @@ class ComposeProject:
         )
         out = self.engine.out("exec", self.container(service), "python3", "-c", fetch)
         return json.loads(out)  # type: ignore[no-any-return]
+
+    def port(self, service: str) -> int:
+        """The host port of `service`'s published status port."""
+        if service not in self._ports:
+            address = self.run("port", service, str(STATUS_PORT)).splitlines()[0]
+            self._ports[service] = int(address.rsplit(":", 1)[1])
+        return self._ports[service]
 
     def logs(self) -> str:
         return self.run("logs", "--no-color", "--tail", "40", check=False)
@@ -457,12 +468,6 @@ class ComposeProject:
         if left:
             self.engine.run("rm", "--force", "--volumes", *left, check=False)
             self.run("down", "--volumes", "--timeout", "10", timeout=120, check=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _without_shoal_variables() -> dict[str, str]:
