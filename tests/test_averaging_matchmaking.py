@@ -596,9 +596,12 @@ async def wait_until(cond: Callable[[], bool], timeout: float) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("n", [2, 5, 8])
 async def test_peers_agree_on_one_group(swarm: Callable[..., Any], n: int) -> None:
-    makers = await swarm(n)
+    # (A long matchmaking_time: closing early, once everyone declared has joined, is
+    # then told apart from closing at matchmaking_time on however loaded a machine.)
+    patient = {**FAST, "matchmaking_time": 8.0}
+    makers = await swarm(n, MatchmakingConfig(**patient))
     t0 = time.monotonic()
-    results = await form_all(makers, deadline=Deadline.after(10))
+    results = await form_all(makers, deadline=Deadline.after(12))
     elapsed = time.monotonic() - t0
     (group,) = assert_agreement(makers, results)
     assert set(group.peer_ids) == {m.peer_id for m in makers}
@@ -606,7 +609,7 @@ async def test_peers_agree_on_one_group(swarm: Callable[..., Any], n: int) -> No
     leader = group.extra["leader"]
     assert leader == min(group.peer_ids, key=lambda p: rank(KEY, b"v", p))
     # nobody else was expected: closed soon after min_matchmaking_time, not at matchmaking_time
-    assert elapsed < FAST["matchmaking_time"] + 0.5
+    assert elapsed < patient["matchmaking_time"]
 
     # Members declared themselves busy: nobody waits for them as leaders now. (A
     # round waits for that store 1 s at most; on a loaded machine it lands after.)
