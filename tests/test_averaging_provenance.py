@@ -25,6 +25,7 @@ from shoal.averaging.certificate import (
 )
 from shoal.averaging.lineage import commits_of
 from shoal.averaging.matchmaking import MatchmakingConfig
+from shoal.averaging.matchmaking_rules import parse_view
 from shoal.averaging.provenance import UNVERIFIED, ChainError, Provenance, Rank
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import Identity, PeerID
@@ -205,6 +206,19 @@ async def signatures_of(averagers: list[Averager], count: int) -> None:
     await eventually(signed_by_all, f"{count} signatures on every member", timeout=10.0)
 
 
+async def declarations_expired(reader: Averager, gone: Averager) -> None:
+    """Until `reader` reads no live matchmaking declaration of `gone` (the "busy" a
+    round leaves lives its TTL, and on a loaded machine it may land late)."""
+    key = gone._matchmaker.declarer.dht_key
+    async with asyncio.timeout(15):
+        while True:
+            found = await reader.dht.get(key, latest=True)
+            view = parse_view(found.subkeys if found is not None else None, time.time())
+            if gone.dht.peer_id not in view:
+                return
+            await asyncio.sleep(0.1)  # (a DHT read has no event to wait on)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("alone_supersedes", [False, True])
 async def test_whether_commits_alone_leave_their_start_behind_for_a_peer_back_at_it(
@@ -226,6 +240,7 @@ async def test_whether_commits_alone_leave_their_start_behind_for_a_peer_back_at
     results = await asyncio.gather(*(a.step(timeout=20.0) for a in (stayed, away)))
     assert all(r.committed and r.group_size == 2 for r in results), results
     together = away.state_version
+    await declarations_expired(stayed, away)
     result = await stayed.step(timeout=10.0, alone=True)  # nobody else declared
     assert result.committed and result.group_size == 1, result
     stayed.config.matchmaking.min_group_size = 1  # (a pipeline stage's, with one peer live)
