@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import resource
 from collections import Counter
 from typing import Any
 
@@ -122,7 +123,11 @@ async def _arm(
         p.index: run.on(p, _burst(a, rounds, timeout, out))
         for p, a, out in zip(peers, averagers, outs, strict=True)
     }
-    crashed = await _churn(run, peers, bursts) if run.scenario.churn is not None else set()
+    watch = asyncio.ensure_future(_report_progress(outs, rounds))
+    try:
+        crashed = await _churn(run, peers, bursts) if run.scenario.churn is not None else set()
+    finally:
+        watch.cancel()
     ends = await asyncio.gather(*bursts.values(), return_exceptions=True)
     for index, ended in zip(bursts, ends, strict=True):
         if isinstance(ended, BaseException) and index not in crashed:
@@ -176,6 +181,21 @@ async def _make(peer: SimPeer, key: str, vector: torch.Tensor, config: AveragerC
 
 
 Out = tuple[list[torch.Tensor], list[StepResult]]
+
+
+async def _report_progress(outs: list[Out], rounds: int, every_s: float = 60.0) -> None:
+    """Every `every_s` of virtual time: the steps done, of all, and this process's peak
+    memory (long runs: where a run that is stopped got to)."""
+    loop, started = asyncio.get_running_loop(), asyncio.get_running_loop().time()
+    while True:
+        await asyncio.sleep(every_s)
+        done = sum(len(results) for _, results in outs)
+        committed = sum(r.committed for _, results in outs for r in results)
+        peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        log.warning(
+            "burst: virtual %.0f s, %d of %d steps done (%d committed), peak %.1f GB",
+            loop.time() - started, done, len(outs) * rounds, committed, peak_gb,
+        )  # fmt: skip
 
 
 async def _burst(averager: Averager, rounds: int, timeout: float, out: Out) -> None:
