@@ -131,7 +131,7 @@ def pipeline_records(data: bytes) -> None:
         assert report.samples >= 0 and report.version >= 0
     claims = NormClaims(2)  # global clipping's norm claims, every claimant a stage peer
     read_claims(subkeys, claims, [{_PEER}, {_PEER}])
-    seen = StagesSeen([], [], [])  # (and the stage records as clipping reads them)
+    seen = StagesSeen()  # (and the stage records as clipping reads them)
     seen.add(subkeys, 3)
     assert seen.serving[0] <= len(seen.members[0])
     for s in range(2):

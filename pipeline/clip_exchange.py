@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.dht.node import DHTNode
@@ -90,19 +90,26 @@ def read_claims(
 @dataclass
 class StagesSeen:
     """What the stage records say for one step, per stage: who holds a record (serving
-    it, or left it lately: only they may claim), how many serve it ready at the step's
-    version or past it (or a step before, as records lag), and the newest version a
-    record names (None: no record)."""
+    it, or left it lately: only they may claim), who serves it ready at the step's
+    version or past it (or a step before, as records lag) and whose record says it
+    does not (left, or steps behind), and the newest version a record names (None:
+    no record)."""
 
-    members: list[set[PeerID]]
-    serving: list[int]
-    newest: list[int | None]
+    members: list[set[PeerID]] = field(default_factory=list)
+    ready: list[set[PeerID]] = field(default_factory=list)
+    unready: list[set[PeerID]] = field(default_factory=list)
+    newest: list[int | None] = field(default_factory=list)
+
+    @property
+    def serving(self) -> list[int]:
+        """Per stage, how many peers serve it (as `NormClaims.settled` takes it)."""
+        return [len(r) for r in self.ready]
 
     def add(self, subkeys: Mapping[Any, tuple[Any, float]], version: int) -> None:
         """The next stage's records (subkey -> (record, expiration))."""
         peers: set[PeerID] = set()
+        ready: set[PeerID] = set()
         versions: list[int] = []
-        serving = 0
         for subkey, (record, _) in subkeys.items():
             try:
                 peer = owner_of(subkey) if isinstance(subkey, str) else None
@@ -115,24 +122,28 @@ class StagesSeen:
             if isinstance(v, int) and not isinstance(v, bool):
                 versions.append(v)
                 # (A record may lag a step behind its peer's version: it still counts.)
-                serving += v >= version - 1 and record.get("ready", True) is True
+                if v >= version - 1 and record.get("ready", True) is True:
+                    ready.add(peer)
         self.members.append(peers)
-        self.serving.append(serving)
+        self.ready.append(ready)
+        self.unready.append(peers - ready)
         self.newest.append(max(versions, default=None))
 
     def merged(self, earlier: StagesSeen | None, *, versions: bool = True) -> StagesSeen:
-        """This read joined with an earlier one of the same step: a read can miss records
-        (replicas that did not answer in time), and a read that found only a liar's
-        record of a stage would let that liar's lone claim settle the stage's norm
-        (and drop its honest peers' claims as strangers'). Who serves a stage is what
-        any read of the step found. Without `versions`, the newest versions are this
-        read's only (`earlier` is the last step's: a stage nobody serves any more is
-        one where no claim can come)."""
+        """This read joined with an earlier one: a read can miss records (replicas that
+        did not answer in time), and a read that found only a liar's record of a stage
+        would let that liar's lone claim settle the stage's norm (and drop its honest
+        peers' claims as strangers'). A peer serves a stage when an earlier read found
+        it serving and this one did not find it otherwise. Without `versions`, the
+        newest versions are this read's only (`earlier` is the last step's reads: a
+        stage nobody serves any more is one where no claim can come)."""
         if earlier is None:
             return self
+        pairs = list(zip(self.ready, self.unready, earlier.ready, earlier.unready, strict=True))
         return StagesSeen(
             [a | b for a, b in zip(self.members, earlier.members, strict=True)],
-            [max(a, b) for a, b in zip(self.serving, earlier.serving, strict=True)],
+            [ready | (before - unready) for ready, unready, before, _ in pairs],
+            [unready | (before - ready) for ready, unready, _, before in pairs],
             [
                 a if not versions or b is None else b if a is None else max(a, b)
                 for a, b in zip(self.newest, earlier.newest, strict=True)
@@ -196,16 +207,18 @@ class ClipExchange:
         # Kept until a stage that steps up to a deadline after us has read it.
         expires = time.time() + 2 * deadline + 60
         await self.dht.store(key, claim, expires, subkey=owner_marker(self.dht.peer_id))
-        stages, read_at = await self._stages(version), time.monotonic()
-        if self._seen is not None and self._seen[0] == version - 1:
-            # (Also what the last step's reads found: a stage that had two peers then
-            # needs two claims now, whatever a first read of this step missed.)
-            stages = stages.merged(self._seen[1], versions=False)
+        # What this step's reads found, and with it what the last step's found (a stage
+        # that had two peers then needs two claims now, whatever a read missed since,
+        # unless a read shows one of them left): only the former is kept for the next.
+        last = self._seen[1] if self._seen is not None and self._seen[0] == version - 1 else None
+        reads, read_at = await self._stages(version), time.monotonic()
+        stages = reads.merged(last, versions=False)
         await self._look_back(version, stages)
         delay = POLL_FIRST_S
         while True:
             if time.monotonic() - read_at >= STAGES_EVERY_S:  # (joiners, versions)
-                stages, read_at = (await self._stages(version)).merged(stages), time.monotonic()
+                reads, read_at = (await self._stages(version)).merged(reads), time.monotonic()
+                stages = reads.merged(last, versions=False)
             claims = NormClaims(self.stages)
             found = await self.dht.get(key, latest=True)
             read_claims((found.subkeys or {}) if found else {}, claims, stages.members)
@@ -217,7 +230,7 @@ class ClipExchange:
                 self.max_norm, (self.stage, squared), stages.serving, final=final
             )
             if decision is not None:
-                self._seen = (version, stages)
+                self._seen = (version, reads)
                 self._note_disputes(claims, squared, stages.serving)
                 return self._decided(version, decision, time.monotonic() - started)
             left = deadline - (time.monotonic() - started)
@@ -275,7 +288,7 @@ class ClipExchange:
         """Every stage's records, as `StagesSeen` reads them for the step from `version`."""
         keys = [stage_key(self.experiment, s) for s in range(self.stages)]
         found = await self.dht.get_many(keys, latest=True)
-        seen = StagesSeen([], [], [])
+        seen = StagesSeen()
         for k in keys:
             value = found.get(k)
             seen.add((value.subkeys or {}) if value is not None else {}, version)

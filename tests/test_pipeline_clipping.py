@@ -101,7 +101,7 @@ def test_a_read_that_misses_the_honest_records_does_not_let_a_liar_settle_the_st
     and drop the honest peers' claims as strangers'. Any earlier read of the step, or
     of the step before, still counts."""
     a, b, liar = peer(), peer(), peer()
-    full, partial = StagesSeen([], [], []), StagesSeen([], [], [])
+    full, partial = StagesSeen(), StagesSeen()
     full.add({owner_marker(p): ({"version": 3}, 0.0) for p in (a, b, liar)}, 3)
     partial.add({owner_marker(liar): ({"version": 3}, 0.0)}, 3)
     claims = NormClaims(1)
@@ -116,6 +116,13 @@ def test_a_read_that_misses_the_honest_records_does_not_let_a_liar_settle_the_st
     assert claims.settled(0, seen.serving[0]) is None  # the liar alone: not settled
     read_claims(read, claims, seen.members)
     assert claims.settled(0, seen.serving[0]) == 4.0
+    # A peer that a later read shows leaving (its record no longer ready) is not
+    # counted from the earlier read: the stage then needs its remaining peers only.
+    left = StagesSeen()
+    left.add({owner_marker(a): ({"version": 3}, 0.0),
+              owner_marker(b): ({"version": 3, "ready": False}, 0.0)}, 3)  # fmt: skip
+    assert left.merged(full).ready == [{a, liar}]
+    assert left.merged(full).merged(partial).ready == [{a, liar}]
 
 
 def test_claims_that_are_no_squared_norm_are_refused() -> None:
