@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from scenario import Scenario, sim_ip
 from simnet import SimHost, SimNetwork
-from vtime import EPOCH
+from vtime import EPOCH, freeze_setup
 
 from shoal.dht.node import DHTNode
 from shoal.dht.routing import key_id
@@ -144,6 +144,7 @@ class DHTRun:
             tasks.append(self.start_peer(seed))
             tasks[-1].add_done_callback(progress)
         await asyncio.gather(*tasks)
+        freeze_setup()
 
     def _crash(self, peer: SimPeer) -> None:
         loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import selectors
 import time
 from collections import defaultdict
@@ -243,3 +244,12 @@ def virtual_clocks(loop: VirtualTimeLoop) -> Iterator[None]:
         yield
     finally:
         time.time, time.monotonic, connection._now = saved  # type: ignore[assignment]
+
+
+def freeze_setup() -> None:
+    """Called by a workload once its long-lived setup is built (the joins): where the
+    run asked for it (`run.py`'s tuned collector: the loop's `freeze_gc`), those
+    objects are never traversed by the garbage collector again."""
+    if getattr(asyncio.get_running_loop(), "freeze_gc", False):
+        gc.collect()
+        gc.freeze()
