@@ -436,3 +436,30 @@ async def test_a_write_that_resets_the_connection_ends_the_flush_without_an_erro
         loop.set_exception_handler(None)
     assert not errors, errors[0].get("exception")
     a.abort("done")
+
+
+async def test_a_connection_gives_its_buffers_back_about_a_second_after_a_large_message() -> None:
+    """One large message grows the receiver's buffer (and fills its pools); once the
+    connection is quiet for `_RELEASE_AFTER_S` it is back to an idle one's size, not
+    only at the next keepalive timer (15 s): a DHT node answering hundreds of peers
+    would otherwise hold a grown buffer on each of them."""
+    a, b, _, accepted = await wired()
+    s = await a.open_stream(SINK)
+    payload = os.urandom(200_000)
+    await s.write(payload)
+    r = await accepted.get()
+    got = bytearray()
+    async with asyncio.timeout(5):
+        while len(got) < len(payload):
+            got += await r.read(1 << 20)
+    assert got == payload
+    assert len(b._buf) > connection_module._RECV_BUFFER_IDLE  # it grew for the message
+    started = asyncio.get_running_loop().time()
+
+    def idle_sized() -> bool:
+        return len(b._buf) == connection_module._RECV_BUFFER_IDLE and not b._rx.plaintexts.holding
+
+    await eventually(idle_sized, "the receive buffer back to its idle size", timeout=5.0)
+    assert asyncio.get_running_loop().time() - started < b.config.ping_interval / 2
+    a.abort("done")
+    b.abort("done")

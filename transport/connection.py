@@ -75,6 +75,7 @@ _MIN_FREE = max(65535 + 2, MAX_BULK_BODY + 16)  # always room for one whole reco
 # connection is quiet. Growing on a full read also guarantees that a record larger
 # than the buffer always gets room.
 _RECV_BUFFER_IDLE = 4096
+_RELEASE_AFTER_S = 1.0  # quiet this long: a connection's buffers go back to the idle size
 # After an idle close's GOAWAY, streams the remote opened before it arrived are served
 # for this many round trips (within these bounds, in seconds) before the socket closes.
 _IN_FLIGHT_RTTS = 4
@@ -757,6 +758,8 @@ class Connection(asyncio.BufferedProtocol):
             # One read filled it: a big record or a stream is arriving. Grow to hold
             # any record at once, then double towards the streaming size.
             self._resize_buffer(min(_RECV_BUFFER_BUSY, max(_MIN_FREE, 2 * len(self._buf))))
+        if len(self._buf) > _RECV_BUFFER_IDLE or self._rx.plaintexts.holding:
+            self._life.watch_buffers()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -1116,18 +1119,40 @@ class _Lifecycle:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self._release: asyncio.TimerHandle | None = None
+
+    def watch_buffers(self) -> None:
+        """The connection holds more than an idle one (a grown receive buffer, pooled
+        record buffers): give it back once quiet, checked every `_RELEASE_AFTER_S`,
+        not only at the next keepalive timer (15 s). A DHT node answering hundreds of
+        peers grows many buffers for one large message each."""
+        if self._release is None:
+            self._release = self.conn._loop.call_later(_RELEASE_AFTER_S, self._release_if_quiet)
+
+    def _release_if_quiet(self) -> None:
+        self._release = None
+        if not self.conn.closed.done() and not self.release_buffers():
+            self.watch_buffers()  # (still busy: look again later)
+
+    def release_buffers(self) -> bool:
+        """Shrink the receive buffer and drop the pooled ones when the connection is
+        quiet (nothing buffered, nothing received for `_RELEASE_AFTER_S`); whether it was."""
+        c = self.conn
+        if c._start != c._end or _now() - c.last_activity <= _RELEASE_AFTER_S:
+            return False
+        if len(c._buf) > _RECV_BUFFER_IDLE:
+            c._resize_buffer(_RECV_BUFFER_IDLE)  # give the memory back
+        c._rx.plaintexts.clear()
+        c._rx.bodies_in.clear()
+        c._bodies_out.clear()
+        return True
 
     def on_timer(self) -> None:
         c = self.conn
         if c.closed.done():
             return
         now = _now()
-        quiet = c._start == c._end and now - c.last_activity > 1.0
-        if quiet and len(c._buf) > _RECV_BUFFER_IDLE:
-            c._resize_buffer(_RECV_BUFFER_IDLE)  # give the memory back
-            c._rx.plaintexts.clear()
-            c._rx.bodies_in.clear()
-            c._bodies_out.clear()
+        self.release_buffers()
         if not c.handshake_done.done():
             c.remote_events.info(
                 "handshake not finished",
@@ -1316,6 +1341,11 @@ class _BufferPool:
         if len(pool) < self._capacity:
             pool.append(buf)
         return buf
+
+    @property
+    def holding(self) -> bool:
+        """Whether it keeps any buffer."""
+        return bool(self._free)
 
     def clear(self) -> None:
         self._free.clear()
