@@ -478,12 +478,11 @@ class PipelineTrainer:
                 self.balancers[stage].failed(peer, time.monotonic())
                 return False
 
-        agreed = 0
         local = self.local.get(stage)
         if local is not None and local.on_flush is not None and local.version == version:
-            agreed += local.on_flush(version)
+            local.on_flush(version)
         remote = [p for p in self.stage_peers[stage] if p != self.dht.peer_id]
-        return agreed + sum(await asyncio.gather(*(ask(p) for p in remote)))
+        return sum(await asyncio.gather(*(ask(p) for p in remote)))
 
     async def _request(
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]

@@ -218,16 +218,6 @@ class TrainerLoop:
             return  # microbatches still on their way
         self._paced_since = now
         slowest = min(self.trainer.versions)
-        agreed = 0
-        for s, version in enumerate(self.trainer.versions):
-            if version == slowest:
-                asked = await self.trainer.flush(s)
-                agreed += asked
-                log.info(
-                    "stage %d has not stepped from %d: asked %d peers to step", s, version, asked
-                )
-        if agreed == 0:
-            return  # (refused: its peers are in the step we wait for, a slow one)
         flushed, times = self._flushed
         times = times + 1 if flushed == slowest else 1
         self._flushed = (slowest, times)
@@ -239,6 +229,12 @@ class TrainerLoop:
             self._overdraft += 1
             log.info("stage version %d: its live peers hold nothing to step on; one "
                      "microbatch beyond the pace for them", slowest)  # fmt: skip
+        for s, version in enumerate(self.trainer.versions):
+            if version == slowest:
+                agreed = await self.trainer.flush(s)
+                log.info(
+                    "stage %d has not stepped from %d: asked %d peers to step", s, version, agreed
+                )
 
     async def _refresh(self, *, force: bool = False, every: float = REFRESH_S) -> None:
         now = time.monotonic()

@@ -8,16 +8,13 @@ half the global batch, the rest replayed into a later step: a CI failure)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.stage_peer import StagePeer
-from shoal.pipeline.trainer_loop import TrainerLoop
 
 from .pipeline_swarm import EXPERIMENT, TINY, Swarm
 
@@ -85,33 +82,3 @@ async def test_a_flush_for_a_version_the_stage_left_does_not_step_the_next_one(
         assert stepped_from == []  # 4 of version 1's 8: the flush was for version 0
     finally:
         await swarm.aclose()
-
-
-class _FlushedTrainer:
-    """What `TrainerLoop._flush_if_stuck` reads of a trainer: its stages' versions,
-    its counters, and `flush` (answering how many peers agreed, as the RPC does)."""
-
-    def __init__(self, agreeing: int) -> None:
-        self.stages, self.versions, self.agreeing = 1, [5], agreeing
-        self.counters = SimpleNamespace(samples=0)
-        self.flushes = 0
-
-    async def flush(self, stage: int) -> int:
-        self.flushes += 1
-        return self.agreeing
-
-
-@pytest.mark.parametrize("agreeing", [0, 1])
-async def test_flushes_the_stage_refuses_do_not_let_the_trainer_run_ahead(agreeing: int) -> None:
-    """Two flushes of one version that peers agreed to, and the stage still did not
-    step: its live peers hold nothing, and one microbatch beyond the pace gives them
-    something to step on. Flushes its peers refused (they are in the step: a slow
-    one) are no such sign: the trainer stays at its pace."""
-    trainer = _FlushedTrainer(agreeing)
-    loop = TrainerLoop(trainer, iter(()), inputs_of=lambda b: b, loss_of=lambda y, b: y,  # type: ignore[arg-type]
-                       global_batch=GLOBAL_BATCH, lag=0)  # fmt: skip
-    for _ in range(2):
-        loop._paced_since = time.monotonic() - 60  # (paced long enough, nothing in flight)
-        await loop._flush_if_stuck()
-    assert trainer.flushes == 2
-    assert loop._overdraft == agreeing
