@@ -13,7 +13,7 @@ import pytest
 from waiting import eventually
 
 from shoal.transport.host import HostConfig
-from shoal.transport.trimming import TrimPolicy
+from shoal.transport.trimming import Trimmer, TrimPolicy
 
 pytestmark = pytest.mark.timeout(30)
 SINK = "/shoal/test-sink/1.0.0"
@@ -61,6 +61,29 @@ def test_a_policy_is_checked_and_a_host_defaults_to_its_connection_limit() -> No
         HostConfig(max_connections=8, trim=TrimPolicy(16, 8))
     assert HostConfig(max_connections=1024).trim_policy == TrimPolicy(768, 512)
     assert HostConfig(max_connections=8).trim_policy == TrimPolicy(6, 4)
+
+
+def test_a_host_scans_its_connections_only_past_the_high_water_and_not_at_every_handshake() -> None:
+    """A burst of rounds keeps every connection busy: past the high water, a scan that
+    found nothing to close waits `recheck_s` before the next (new connections keep
+    coming, each used to cost a scan of all of them)."""
+    trimmer = Trimmer(TrimPolicy(high_water=4, low_water=2, grace=10.0), recheck_s=1.0)
+    conns = [FakeConnection(str(i), 5.0) for i in range(6)]  # none idle for the grace
+    listed = 0
+
+    def listing() -> list[FakeConnection]:
+        nonlocal listed
+        listed += 1
+        return conns
+
+    assert trimmer.pick(4, listing, now=0.0) == [] and listed == 0  # a count decides
+    assert trimmer.pick(6, listing, now=0.0) == [] and listed == 1  # past it: one scan
+    assert trimmer.pick(6, listing, now=0.5) == [] and listed == 1  # not again so soon
+    conns[0].idle_for = 30.0
+    assert trimmer.pick(6, listing, now=1.0) == [conns[0]] and listed == 2  # then again
+    # One that found some to close does not wait: the next new connection looks again.
+    assert trimmer.pick(6, listing, now=1.1) == [conns[0]] and listed == 3
+    assert Trimmer(TrimPolicy(0, 0)).pick(100, listing, now=0.0) == [] and listed == 3
 
 
 async def sink(stream: Any) -> None:

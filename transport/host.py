@@ -24,7 +24,7 @@ from .listening import ListenFailed, interface_addresses, listen
 from .multiaddr import Multiaddr
 from .remote_log import RemoteEvents
 from .tasks import TaskSet
-from .trimming import TrimPolicy
+from .trimming import Trimmer, TrimPolicy
 from .version import VersionGate
 
 log = logging.getLogger("shoal.transport")
@@ -97,7 +97,7 @@ class Host:
         self._dials: dict[PeerID, asyncio.Future[Connection]] = {}
         self._closing = False
         self.connections_trimmed = 0  # idle ones closed past the trim policy's high water
-        self._trim_policy = self.config.trim_policy
+        self._trimmer = Trimmer(self.config.trim_policy)
         # Log lines remote ends cause (refusals, handshake timeouts, violations, handler
         # failures), rate-limited and summarized per kind.
         self.remote_events = RemoteEvents(log)
@@ -464,9 +464,13 @@ class Host:
 
     def _trim(self) -> None:
         """Past the trim policy's high water, close the connections idle longest."""
+
         # (not those closing already: retired duplicates, idle or trimmed ones draining)
-        established = [c for c in self._all if c.accepting_streams]
-        for conn in self._trim_policy.pick(established):
+        def established() -> list[Connection]:
+            return [c for c in self._all if c.accepting_streams]
+
+        now = asyncio.get_running_loop().time()
+        for conn in self._trimmer.pick(len(self._all), established, now):
             self.connections_trimmed += 1
             conn.close_idle("trimmed")
 
