@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -92,6 +93,16 @@ async def test_a_unary_call_returns_the_result(served) -> None:
     client, server, _ = served
     payload = {"a": [1, 2.5, "x", b"\x00\xff", None, True], "nested": {"k": {"v": 1}}}
     assert await rpc.call(client, server.peer_id, PROTO, "echo", payload) == payload
+
+
+async def test_a_message_larger_than_the_flow_control_window_goes_through(served) -> None:
+    """A message is read whole before it is decoded; the stream's window starts at 256
+    KiB and the sender sends no more until the reader reads, so a reader that waited
+    for the whole message to be buffered first waited forever."""
+    client, server, _ = served
+    payload = {"blob": os.urandom(3 * 256 * 1024 + 1), "n": 1}
+    got = await rpc.call(client, server.peer_id, PROTO, "echo", payload, timeout=10)
+    assert got == payload
 
 
 async def test_the_handler_sees_the_caller_and_its_deadline(served) -> None:

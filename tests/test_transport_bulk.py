@@ -463,3 +463,28 @@ async def test_a_connection_gives_its_buffers_back_about_a_second_after_a_large_
     assert asyncio.get_running_loop().time() - started < b.config.ping_interval / 2
     a.abort("done")
     b.abort("done")
+
+
+async def test_a_message_of_a_few_kb_grows_the_receive_buffer_to_fit_it_not_to_the_largest_record() -> None:
+    """A peer of a large swarm receives messages of a few KB (an averaging part, a DHT
+    answer) on hundreds of connections at once: each grows its buffer to about the
+    message, not to the 256-KB largest record. A large record still gets room whole,
+    and a stream still doubles the buffer towards the streaming size."""
+    a, b, _, accepted = await wired()
+    s = await a.open_stream(SINK)
+    r = await accepted.get() if not accepted.empty() else None
+    for size in (5_000, 6_000):  # two messages, each one record
+        payload = os.urandom(size)
+        await s.write(payload)
+        r = r or await accepted.get()
+        async with asyncio.timeout(5):
+            assert await r.readexactly(size) == payload
+    idle = connection_module._RECV_BUFFER_IDLE
+    assert idle < len(b._buf) <= 4 * idle  # grew, to about the record
+    stream = os.urandom(3 * MAX_BULK_BODY)
+    async with asyncio.timeout(5):
+        sent, got = await asyncio.gather(s.write(stream), r.readexactly(len(stream)))
+    assert got == stream
+    assert len(b._buf) >= MAX_BULK_BODY  # a body arrives whole
+    a.abort("done")
+    b.abort("done")

@@ -83,9 +83,14 @@ _IN_FLIGHT_MIN_S = 0.5
 _IN_FLIGHT_MAX_S = 5.0
 _IN_FLIGHT_CLOSE_S = 120.0  # ... and those streams have this long to finish
 # Records this small are decrypted into their own exact-size buffer instead of a
-# pooled 64 KiB one: RPC traffic is mostly small records.
-_SMALL_RECORD = 2048
+# pooled 64 KiB one: RPC traffic is mostly small records, and a pooled buffer stays
+# with its connection until it goes quiet (a peer of a large swarm receives
+# messages of a few KB on hundreds of connections at once).
+_SMALL_RECORD = 16384
 _RECV_BUFFER_BUSY = 1024 * 1024
+# `Stream.readexactly` of more than this takes the bytes as they arrive (below any
+# flow-control window, so that a read of n bytes never waits for credit it holds).
+_READ_WHOLE = 64 * 1024
 _PLAINTEXT_POOL = 64  # reusable record buffers per connection (4 MiB while busy)
 # Reusable bulk body buffers per connection. Received bodies that no reader posted a
 # buffer for wait in the stream until it is read, so up to a full window of them
@@ -273,6 +278,13 @@ class Stream:
 
     async def readexactly(self, n: int) -> bytes:
         """Exactly n bytes; raises StreamTruncated if the stream ends first."""
+        if n > _READ_WHOLE and n > self._buffered:
+            # Taken as it arrives: waiting for all n bytes to be buffered first would
+            # wait forever past the flow-control window (256 KiB at first), as the
+            # remote sends no more until we read (an RPC message of 300 KB hung so).
+            out = bytearray(n)
+            await self.readexactly_into(out)
+            return bytes(out)
         while self._buffered < n:
             if self._eof:
                 raise StreamTruncated(
@@ -755,9 +767,13 @@ class Connection(asyncio.BufferedProtocol):
             self._life.violation(e)
             return
         if filled and len(self._buf) < _RECV_BUFFER_BUSY and not self.closed.done():
-            # One read filled it: a big record or a stream is arriving. Grow to hold
-            # any record at once, then double towards the streaming size.
-            self._resize_buffer(min(_RECV_BUFFER_BUSY, max(_MIN_FREE, 2 * len(self._buf))))
+            # One read filled it: a big record or a stream is arriving. Grow to hold the
+            # record in progress whole, and double towards the streaming size. (Not at
+            # once to the largest record's size: a peer of a large swarm receives 5-KB
+            # messages on hundreds of connections at once; 128 KB each was most of a
+            # simulated 128-peer burst's memory.)
+            needed = self._rx.pending_record_size()
+            self._resize_buffer(min(_RECV_BUFFER_BUSY, max(needed, 2 * len(self._buf))))
         if len(self._buf) > _RECV_BUFFER_IDLE or self._rx.plaintexts.holding:
             self._life.watch_buffers()
 
@@ -902,6 +918,15 @@ class _Receiver:
         c._mux.ping(opaque)
         c.handshake_done.set_result(c.remote_peer)
         c._tx.flush()
+
+    def pending_record_size(self) -> int:
+        """The bytes the record at the buffer's start takes in all (0: not known yet)."""
+        c = self.conn
+        if self.body is not None:
+            return self.body.length + _TAG
+        if c._handshake is None and c._end - c._start >= 2:
+            return 2 + ((c._buf[c._start] << 8) | c._buf[c._start + 1])
+        return 0
 
     def process_records(self) -> None:
         c = self.conn
