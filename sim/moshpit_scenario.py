@@ -123,7 +123,7 @@ async def _arm(
         p.index: run.on(p, _burst(a, rounds, timeout, out))
         for p, a, out in zip(peers, averagers, outs, strict=True)
     }
-    watch = asyncio.ensure_future(_report_progress(outs, rounds))
+    watch = asyncio.ensure_future(_report_progress(run, outs, rounds))
     try:
         crashed = await _churn(run, peers, bursts) if run.scenario.churn is not None else set()
     finally:
@@ -183,18 +183,23 @@ async def _make(peer: SimPeer, key: str, vector: torch.Tensor, config: AveragerC
 Out = tuple[list[torch.Tensor], list[StepResult]]
 
 
-async def _report_progress(outs: list[Out], rounds: int, every_s: float = 60.0) -> None:
-    """Every `every_s` of virtual time: the steps done, of all, and this process's peak
-    memory (long runs: where a run that is stopped got to)."""
+async def _report_progress(
+    run: DHTRun, outs: list[Out], rounds: int, every_s: float = 20.0
+) -> None:
+    """Every `every_s` of virtual time: the steps done, of all, the open connections
+    per peer and this process's peak memory (long runs: where a stopped run got to)."""
     loop, started = asyncio.get_running_loop(), asyncio.get_running_loop().time()
     while True:
         await asyncio.sleep(every_s)
         done = sum(len(results) for _, results in outs)
         committed = sum(r.committed for _, results in outs for r in results)
         peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        conns = run.connections()
         log.warning(
-            "burst: virtual %.0f s, %d of %d steps done (%d committed), peak %.1f GB",
-            loop.time() - started, done, len(outs) * rounds, committed, peak_gb,
+            "burst: virtual %.0f s, %d of %d steps done (%d committed), %.0f connections"
+            " per peer (%d trimmed), peak %.1f GB",
+            loop.time() - started, done, len(outs) * rounds, committed,
+            conns["open_per_peer_mean"], conns["trimmed"], peak_gb,
         )  # fmt: skip
 
 
