@@ -219,6 +219,37 @@ def key_id(key: str) -> int:
 RecordCheck = Callable[[Record], None]
 
 
+class VerifiedSignatures:
+    """Signatures already found valid, remembered by a digest of signer, signature and
+    signed bytes (the newest `capacity`), so that a record seen again is not verified
+    again. A matchmaking peer reads the same declarations at every wake, and a read
+    gets each record from several replicas: Ed25519 checks of records already checked
+    were a fifth of a simulated 1,000-peer burst's time. Only valid ones are kept; a
+    digest binds all three (128 bits: a forged match is a second preimage)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._valid: dict[bytes, None] = {}  # insertion order: the oldest go first
+        self.hits = 0
+
+    def check(self, signer: PeerID, signature: bytes, data: bytes) -> bool:
+        """Whether `signature` is `signer`'s over `data` (verified unless seen valid)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for part in (signer.to_bytes(), bytes(signature), bytes(data)):
+            digest.update(len(part).to_bytes(4, "big"))
+            digest.update(part)
+        key = digest.digest()
+        if key in self._valid:
+            self.hits += 1
+            return True
+        if not signer.verify(signature, data):
+            return False
+        if len(self._valid) >= self.capacity:
+            del self._valid[next(iter(self._valid))]
+        self._valid[key] = None
+        return True
+
+
 class RecordValidator:
     """Checks a record against limits, the time rules, ownership and registered schemas.
 
@@ -242,6 +273,7 @@ class RecordValidator:
         self.max_ttl = float(max_ttl)
         self.clock_skew = float(clock_skew)
         self._checks: list[tuple[str, RecordCheck]] = []
+        self._verified = VerifiedSignatures()
 
     def register(self, prefix: str, check: RecordCheck) -> None:
         """Run `check(record)` on every record whose key starts with `prefix`."""
@@ -266,7 +298,7 @@ class RecordValidator:
                 raise RecordError(f"{record.describe()}: signature on a record with no owner")
         elif record.signature is None:
             raise RecordError(f"{record.describe()}: unsigned, owner is {signer.short()}")
-        elif not signer.verify(record.signature, record.signing_payload()):
+        elif not self._verified.check(signer, record.signature, record.signing_payload()):
             raise RecordError(f"{record.describe()}: bad signature, owner is {signer.short()}")
         for prefix, check in self._checks:
             if not record.key.startswith(prefix):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -20,12 +21,13 @@ from shoal.dht.records import (
     Record,
     RecordError,
     RecordValidator,
+    VerifiedSignatures,
     key_id,
     owner_marker,
     owner_of,
 )
 from shoal.dht.storage import RECORD_OVERHEAD_BYTES, LocalStorage, StoredValue, merge
-from shoal.transport.identity import Identity
+from shoal.transport.identity import Identity, PeerID
 
 NOW = 1_700_000_000.0
 TTL = 60.0
@@ -124,6 +126,41 @@ def test_altered_signed_record_is_rejected(change: dict[str, object]) -> None:
     altered = Record(**{**fields, **change, "signature": signed.signature})  # type: ignore[arg-type]
     with pytest.raises(RecordError, match="bad signature"):
         RecordValidator().validate(altered, NOW)
+
+
+def test_a_record_seen_again_is_not_verified_again_and_the_memory_binds_every_signed_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A matchmaking peer reads the same declarations at every wake, from several
+    replicas each: a signature once found valid is remembered (a bounded number), for
+    exactly that signer, signature and signed content."""
+    verified = []
+    real_verify = PeerID.verify
+    monkeypatch.setattr(
+        PeerID, "verify", lambda self, sig, data: verified.append(1) or real_verify(self, sig, data)
+    )
+    validator = RecordValidator()
+    fields = {"key": owned_key(ALICE), "subkey": "s", "value": val({"a": 1})}
+    signed = Record(**fields, expiration=NOW + TTL).sign(ALICE)  # type: ignore[arg-type]
+    for _ in range(3):
+        validator.validate(Record.from_wire(signed.to_wire()), NOW)
+    assert len(verified) == 1
+    for change in ({"value": val({"a": 2})}, {"expiration": NOW + TTL + 1}, {"subkey": "t"}):
+        altered = replace(signed, **change)  # type: ignore[arg-type]
+        with pytest.raises(RecordError, match="bad signature"):
+            validator.validate(altered, NOW)
+    # Another signer's marker on the same content and signature: checked, and refused.
+    moved = replace(signed, key=owned_key(BOB))
+    with pytest.raises(RecordError, match="bad signature"):
+        validator.validate(moved, NOW)
+    # Bounded: the oldest is forgotten (then verified again).
+    memory = VerifiedSignatures(capacity=2)
+    records = [Record(owned_key(ALICE), str(i), val(i), NOW + TTL).sign(ALICE) for i in range(3)]
+    for r in records:
+        assert memory.check(ALICE.peer_id, r.signature or b"", r.signing_payload())
+    before = len(verified)
+    assert memory.check(ALICE.peer_id, records[0].signature or b"", records[0].signing_payload())
+    assert len(verified) == before + 1 and memory.hits == 0
 
 
 def test_unsigned_record_under_owned_key_is_rejected() -> None:
