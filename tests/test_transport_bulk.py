@@ -440,7 +440,7 @@ async def test_a_write_that_resets_the_connection_ends_the_flush_without_an_erro
 
 async def test_a_connection_gives_its_buffers_back_about_a_second_after_a_large_message() -> None:
     """One large message grows the receiver's buffer (and fills its pools); once the
-    connection is quiet for `_RELEASE_AFTER_S` it is back to an idle one's size, not
+    connection is quiet for `_RELEASE_AFTER_S` it holds none (until its next bytes), not
     only at the next keepalive timer (15 s): a DHT node answering hundreds of peers
     would otherwise hold a grown buffer on each of them."""
     a, b, _, accepted = await wired()
@@ -457,15 +457,19 @@ async def test_a_connection_gives_its_buffers_back_about_a_second_after_a_large_
     started = asyncio.get_running_loop().time()
 
     def idle_sized() -> bool:
-        return len(b._buf) == connection_module._RECV_BUFFER_IDLE and not b._rx.plaintexts.holding
+        return len(b._buf) == 0 and not b._rx.plaintexts.holding
 
-    await eventually(idle_sized, "the receive buffer back to its idle size", timeout=5.0)
+    await eventually(idle_sized, "the receive buffer given back", timeout=5.0)
     assert asyncio.get_running_loop().time() - started < b.config.ping_interval / 2
+    # The next message gets a buffer again.
+    await s.write(b"after the quiet")
+    async with asyncio.timeout(5):
+        assert await r.readexactly(15) == b"after the quiet"
     a.abort("done")
     b.abort("done")
 
 
-async def test_a_message_of_a_few_kb_grows_the_receive_buffer_to_fit_it_not_to_the_largest_record() -> None:
+async def test_a_message_of_a_few_kb_grows_the_receive_buffer_to_its_size_not_the_largest() -> None:
     """A peer of a large swarm receives messages of a few KB (an averaging part, a DHT
     answer) on hundreds of connections at once: each grows its buffer to about the
     message, not to the 256-KB largest record. A large record still gets room whole,
@@ -483,7 +487,7 @@ async def test_a_message_of_a_few_kb_grows_the_receive_buffer_to_fit_it_not_to_t
     assert idle < len(b._buf) <= 4 * idle  # grew, to about the record
     stream = os.urandom(3 * MAX_BULK_BODY)
     async with asyncio.timeout(5):
-        sent, got = await asyncio.gather(s.write(stream), r.readexactly(len(stream)))
+        _, got = await asyncio.gather(s.write(stream), r.readexactly(len(stream)))
     assert got == stream
     assert len(b._buf) >= MAX_BULK_BODY  # a body arrives whole
     a.abort("done")
