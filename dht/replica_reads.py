@@ -41,6 +41,7 @@ DEFAULT_MAX_RECORDS = 16_384
 class _Kept:
     cursor: Cursor
     records: dict[str | None, Record]  # by subkey (None: a plain value)
+    until: float  # when the last of them expires (then nothing of it is worth keeping)
 
 
 class ReplicaReads:
@@ -83,7 +84,8 @@ class ReplicaReads:
                 merged[record.subkey] = record
         live = {sk: r for sk, r in merged.items() if r.expiration > now}
         if cursor is not None and len(live) <= MAX_RECORDS_PER_KEY:
-            self._keep(key, replica, _Kept(cursor, live))
+            until = max((r.expiration for r in live.values()), default=now)
+            self._keep(key, replica, _Kept(cursor, live, until), now)
         return list(live.values())
 
     def _forget(self, key: str, replica: PeerID) -> _Kept | None:
@@ -92,11 +94,17 @@ class ReplicaReads:
             self._count -= len(kept.records)
         return kept
 
-    def _keep(self, key: str, replica: PeerID, kept: _Kept) -> None:
+    def _keep(self, key: str, replica: PeerID, kept: _Kept, now: float) -> None:
         self._kept[(key, replica)] = kept
         self._count += len(kept.records)
-        while self._count > self.max_records and self._kept:
-            _, oldest = self._kept.popitem(last=False)
+        # Least recently read first out: past the bound, and before it whatever has all
+        # expired. A Moshpit peer reads a new cell's key every round and never the old
+        # ones again: their records, expired, filled the bound (about 5 MB a peer).
+        while self._kept:
+            oldest = next(iter(self._kept.values()))
+            if self._count <= self.max_records and oldest.until > now:
+                break
+            self._kept.popitem(last=False)
             self._count -= len(oldest.records)
 
 

@@ -81,6 +81,20 @@ def test_kept_records_expire_and_are_bounded() -> None:
     assert reads.since("key", others[-1]) == (EPOCH, 1)
 
 
+def test_what_was_kept_of_a_key_read_no_more_goes_once_all_of_it_expired() -> None:
+    """A Moshpit peer reads a new cell's key every round and never the old ones again:
+    their records, expired, would stay until the bound pushed them out."""
+    reads = ReplicaReads()
+    now = time.time()
+    old_cell = [Record("cell/1", "a", b"v", now + 5), Record("cell/1", "b", b"v", now + 8)]
+    reads.answered("cell/1", REPLICA, None, (EPOCH, 1), old_cell, now)
+    reads.answered("cell/2", REPLICA, None, (EPOCH, 1), [record("c")], now + 6)
+    assert reads.since("cell/1", REPLICA) == (EPOCH, 1) and len(reads) == 3  # "b" lives
+    reads.answered("cell/3", REPLICA, None, (EPOCH, 1), [record("d")], now + 9)
+    assert reads.since("cell/1", REPLICA) is None and len(reads) == 2  # all of it expired
+    assert reads.since("cell/2", REPLICA) == (EPOCH, 1)
+
+
 def test_a_replica_answering_more_than_a_key_may_hold_is_not_kept() -> None:
     reads = ReplicaReads()
     flood = [record(f"s{i}") for i in range(4097)]
