@@ -772,8 +772,8 @@ class Connection(asyncio.BufferedProtocol):
             # One read filled it: a big record or a stream is arriving. Grow to hold the
             # record in progress whole, and double towards the streaming size. (Not at
             # once to the largest record's size: a peer of a large swarm receives 5-KB
-            # messages on hundreds of connections at once; 128 KB each was most of a
-            # simulated 128-peer burst's memory.)
+            # messages on hundreds of connections at once; up to 256 KiB each was most
+            # of a simulated 128-peer burst's memory.)
             needed = self._rx.pending_record_size()
             self._resize_buffer(min(_RECV_BUFFER_BUSY, max(needed, 2 * len(self._buf))))
         if len(self._buf) > _RECV_BUFFER_IDLE or self._rx.plaintexts.holding:
