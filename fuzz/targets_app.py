@@ -134,8 +134,10 @@ def pipeline_records(data: bytes) -> None:
     seen = StagesSeen()  # (and the stage records as clipping reads them)
     seen.add(subkeys, 3)
     assert seen.serving[0] <= len(seen.members[0])
+    serving, skipped = seen.counts(claims)  # (a peer past the step without a claim skipped it)
+    assert serving[0] <= seen.serving[0] and skipped[0] <= len(seen.past[0])
     for s in range(2):
-        norm = claims.settled(s, seen.serving[0])
+        norm = claims.settled(s, serving[0], skipped[0])
         assert norm is None or (math.isfinite(norm) and norm >= 0)
     ctx = SimpleNamespace(peer=_PEER)
     # A step notification may only settle steps: there are none open here, so no replays.

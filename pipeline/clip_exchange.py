@@ -16,6 +16,13 @@ that no peer serves, or whose records name a version more than `ASTRAY_STEPS`
 from ours (it went back to an older version with a lost state), counts as
 missing after `ASTRAY_WAIT_S` already: its claim is not coming soon.
 
+A peer of a stage whose own record is already past the step, and which claimed
+nothing for it, is not waited for (`StagesSeen.counts`): a peer stores its claim
+in the step's commit hook, before it publishes its new version, so it took no
+part in that commit (its round aborted while its partners' committed, and it
+re-synced), and its partners' claims settle the stage alone. Only its own signed
+record says so: nobody makes another peer skip.
+
 The peers of one stage read the same records, so they settle on the same norms
 unless one arrives within moments of the deadline: then they can part (one
 scales by the full factor, another by its fallback), which the state's
@@ -92,24 +99,38 @@ class StagesSeen:
     """What the stage records say for one step, per stage: who holds a record (serving
     it, or left it lately: only they may claim), who serves it ready at the step's
     version or past it (or a step before, as records lag) and whose record says it
-    does not (left, or steps behind), and the newest version a record names (None:
-    no record)."""
+    does not (left, or steps behind), whose record is past the step (it took the
+    step, or re-synced past it), and the newest version a record names (None: no
+    record)."""
 
     members: list[set[PeerID]] = field(default_factory=list)
     ready: list[set[PeerID]] = field(default_factory=list)
     unready: list[set[PeerID]] = field(default_factory=list)
     newest: list[int | None] = field(default_factory=list)
+    past: list[set[PeerID]] = field(default_factory=list)
 
     @property
     def serving(self) -> list[int]:
         """Per stage, how many peers serve it (as `NormClaims.settled` takes it)."""
         return [len(r) for r in self.ready]
 
+    def counts(self, claims: NormClaims) -> tuple[list[int], list[int]]:
+        """Per stage, how many peers serve it at the step and how many of the stage's
+        peers skipped it (as `NormClaims.settled` takes them): those whose record is past
+        the step and which have no claim for it, stored before that record was."""
+        skipped = [
+            past - claims.claimants(t).keys() if t < claims.stages else set()
+            for t, past in enumerate(self.past)
+        ]
+        serving = [len(r - s) for r, s in zip(self.ready, skipped, strict=True)]
+        return serving, [len(s) for s in skipped]
+
     def add(self, subkeys: Mapping[Any, tuple[Any, float]], version: int) -> None:
         """The next stage's records (subkey -> (record, expiration))."""
         peers: set[PeerID] = set()
         ready: set[PeerID] = set()
         versions: list[int] = []
+        past: set[PeerID] = set()
         for subkey, (record, _) in subkeys.items():
             try:
                 peer = owner_of(subkey) if isinstance(subkey, str) else None
@@ -124,7 +145,10 @@ class StagesSeen:
                 # (A record may lag a step behind its peer's version: it still counts.)
                 if v >= version - 1 and record.get("ready", True) is True:
                     ready.add(peer)
+                if v > version:  # (a step from `version` ends at version + 1)
+                    past.add(peer)
         self.members.append(peers)
+        self.past.append(past)
         self.ready.append(ready)
         self.unready.append(peers - ready)
         self.newest.append(max(versions, default=None))
@@ -135,11 +159,15 @@ class StagesSeen:
         would let that liar's lone claim settle the stage's norm (and drop its honest
         peers' claims as strangers'). A peer serves a stage when an earlier read found
         it serving and this one did not find it otherwise. Without `versions`, the
-        newest versions are this read's only (`earlier` is the last step's reads: a
-        stage nobody serves any more is one where no claim can come)."""
+        newest versions, and who is past the step, are this read's only (`earlier` is
+        the last step's reads: a stage nobody serves any more is one where no claim can
+        come, and a peer past the last step may well claim this one)."""
         if earlier is None:
             return self
         pairs = list(zip(self.ready, self.unready, earlier.ready, earlier.unready, strict=True))
+        past = self.past
+        if versions:
+            past = [a | b for a, b in zip(self.past, earlier.past, strict=True)]
         return StagesSeen(
             [a | b for a, b in zip(self.members, earlier.members, strict=True)],
             [ready | (before - unready) for ready, unready, before, _ in pairs],
@@ -148,14 +176,16 @@ class StagesSeen:
                 a if not versions or b is None else b if a is None else max(a, b)
                 for a, b in zip(self.newest, earlier.newest, strict=True)
             ],
+            past,
         )
 
     def astray(self, claims: NormClaims, mine: int, version: int) -> bool:
         """Whether every stage still unsettled has no claim coming soon: nobody serves
         it, or its version is steps away from ours (it lost its state, or we are far
         behind)."""
+        serving, skipped = self.counts(claims)
         for t in range(claims.stages):
-            if t == mine or claims.settled(t, self.serving[t]) is not None:
+            if t == mine or claims.settled(t, serving[t], skipped[t]) is not None:
                 continue
             newest = self.newest[t]
             if newest is not None and abs(newest - version) <= ASTRAY_STEPS:
@@ -226,12 +256,13 @@ class ClipExchange:
             final = elapsed >= deadline or (
                 elapsed >= ASTRAY_WAIT_S and stages.astray(claims, self.stage, version)
             )
+            serving, skipped = stages.counts(claims)
             decision = claims.decide(
-                self.max_norm, (self.stage, squared), stages.serving, final=final
+                self.max_norm, (self.stage, squared), serving, final=final, skipped=skipped
             )
             if decision is not None:
                 self._seen = (version, reads)
-                self._note_disputes(claims, squared, stages.serving)
+                self._note_disputes(claims, squared, serving, skipped)
                 return self._decided(version, decision, time.monotonic() - started)
             left = deadline - (time.monotonic() - started)
             await asyncio.sleep(max(0.0, min(delay, left)))
@@ -265,10 +296,12 @@ class ClipExchange:
         waits = [d.seconds for d in self.decided if not d.decision.fell_back]
         return min(MAX_DEADLINE_S, max(self.deadline_s, DEADLINE_MARGIN * max(waits, default=0.0)))
 
-    def _note_disputes(self, claims: NormClaims, squared: float, serving: list[int]) -> None:
+    def _note_disputes(
+        self, claims: NormClaims, squared: float, serving: list[int], skipped: list[int]
+    ) -> None:
         for s in range(self.stages):
             if s != self.stage:
-                self.disputed.update(claims.disputed(s, serving[s]))
+                self.disputed.update(claims.disputed(s, serving[s], skipped[s]))
         mine = rounded(squared)  # (our own stage's peers claim what we computed)
         self.disputed.update(p for p, v in claims.claimants(self.stage).items() if v != mine)
 

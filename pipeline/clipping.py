@@ -12,7 +12,10 @@ A claim is what some peer says: `NormClaims` takes a stage's squared norm for v
 from the claims of the peers listed as serving it, as the value claimed by the
 most distinct peers, and only once `min(2, n)` of them claim it, `n` being the
 larger of the step group the stage's claims state and the number of peers its
-records show serving it at v. Every honest peer of the stage claims the same
+records show serving it at v. Peers known not to claim v are not waited for: a
+peer whose own record is past v and which claimed nothing for v (its round
+aborted while its partners committed, and it re-synced) counts neither among
+those serving nor in the group. Every honest peer of the stage claims the same
 bits, so a lone liar cannot set a stage's value where two or more peers serve it
 (itself among them): it never reaches two claimants alone, and claiming first
 gains it nothing. A stage whose claims tie, or whose claims do not
@@ -121,14 +124,18 @@ class NormClaims:
     def claimants(self, stage: int) -> Mapping[PeerID, float]:
         return {p: c.squared for p, c in self._claims[stage].items()}
 
-    def settled(self, stage: int, serving: int = 0) -> float | None:
+    def settled(self, stage: int, serving: int = 0, skipped: int = 0) -> float | None:
         """Stage `stage`'s squared norm, once enough of its peers agree on one (None: not yet,
         or a tie). `serving`: how many peers the stage's records show at the step's
-        version or past it (a lone claim of a stage that more peers serve needs a second)."""
+        version or past it (a lone claim of a stage that more peers serve needs a second);
+        `skipped`: how many of the step's group are known not to claim it (their own
+        records are past the step and they claimed nothing: their round aborted and they
+        re-synced), whom a claim's group size then does not wait for."""
         claims = self._claims[stage].values()
         if not claims:
             return None
-        need = min(CLAIM_QUORUM, max(serving, *(c.group for c in claims)))
+        group = max(c.group for c in claims) - skipped
+        need = min(CLAIM_QUORUM, max(serving, group))
         votes: dict[float, int] = {}
         for c in claims:
             votes[c.squared] = votes.get(c.squared, 0) + 1
@@ -138,10 +145,10 @@ class NormClaims:
             return None
         return best
 
-    def disputed(self, stage: int, serving: int = 0) -> list[PeerID]:
+    def disputed(self, stage: int, serving: int = 0, skipped: int = 0) -> list[PeerID]:
         """The peers whose claim for `stage` differs from its settled value (liars, or
         peers that left the step's group): for the status, not a conviction."""
-        value = self.settled(stage, serving)
+        value = self.settled(stage, serving, skipped)
         if value is None:
             return []
         return [p for p, c in self._claims[stage].items() if c.squared != value]
@@ -153,14 +160,15 @@ class NormClaims:
         serving: Sequence[int] = (),
         *,
         final: bool = False,
+        skipped: Sequence[int] = (),
     ) -> ClipDecision | None:
         """The factor once every stage's norm settled; with `final` (the deadline), over
         the stages that did (the others count as missing). `own`: our stage and its
-        squared norm, which we computed ourselves (no claim needed); `serving`: per
-        stage, as `settled` takes it."""
+        squared norm, which we computed ourselves (no claim needed); `serving` and
+        `skipped`: per stage, as `settled` takes them."""
         mine, squared = own
         norms = tuple(
-            rounded(squared) if s == mine else self.settled(s, _at(serving, s))
+            rounded(squared) if s == mine else self.settled(s, _at(serving, s), _at(skipped, s))
             for s in range(self.stages)
         )
         if any(n is None for n in norms) and not final:

@@ -125,6 +125,48 @@ def test_a_read_that_misses_the_honest_records_does_not_let_a_liar_settle_the_st
     assert left.merged(full).merged(partial).ready == [{a, liar}]
 
 
+def test_a_peer_whose_record_is_past_the_step_without_a_claim_is_not_waited_for() -> None:
+    """A round can commit for one peer of a stage while another's aborts (it missed the
+    decision): the latter takes no step, claims nothing, and re-syncs past it. Its own
+    record then says so, and its partner's claim, of a group of two, settles alone."""
+    a, b = peer(), peer()
+    claims = NormClaims(1)
+    claims.add(0, a, 4.0, 2)
+    for b_version, settled in ((7, None), (6, None), (8, 4.0), (9, 4.0)):
+        seen = StagesSeen()
+        seen.add({owner_marker(a): ({"version": 8}, 0.0),
+                  owner_marker(b): ({"version": b_version}, 0.0)}, 7)  # fmt: skip
+        serving, skipped = seen.counts(claims)
+        assert claims.settled(0, serving[0], skipped[0]) == settled, b_version
+    # Past the step with a claim: counted as ever (here a second honest one).
+    claims.add(0, b, 4.0, 2)
+    assert seen.counts(claims) == ([2], [0]) and claims.settled(0, 2) == 4.0
+    # Being past the last step says nothing of this one.
+    earlier = StagesSeen()
+    earlier.add({owner_marker(b): ({"version": 8}, 0.0)}, 7)
+    now = StagesSeen()
+    now.add({owner_marker(b): ({"version": 8}, 0.0)}, 8)
+    assert now.merged(earlier, versions=False).past == [set()]
+    assert now.merged(earlier).past == [{b}]  # (two reads of one step: it stays past)
+
+
+def test_only_a_peers_own_record_makes_it_skip_a_step_so_a_liar_still_settles_nothing() -> None:
+    """A liar's lone claim, as a solo step, where an honest peer serves the stage: while
+    the honest peer's record is at the step it is waited for (its claim may come), and a
+    liar whose own record is past the step skips only itself."""
+    honest, liar = peer(), peer()
+    claims = NormClaims(1)
+    claims.add(0, liar, 1e30, 1)
+    seen = StagesSeen()
+    seen.add({owner_marker(honest): ({"version": 7}, 0.0),
+              owner_marker(liar): ({"version": 9}, 0.0)}, 7)  # fmt: skip
+    serving, skipped = seen.counts(claims)
+    assert (serving, skipped) == ([2], [0])  # (the liar claimed: it did not skip)
+    assert claims.settled(0, serving[0], skipped[0]) is None
+    claims.add(0, honest, 9.0, 2)
+    assert claims.settled(0, *[c[0] for c in seen.counts(claims)]) is None  # a tie
+
+
 def test_claims_that_are_no_squared_norm_are_refused() -> None:
     claims = NormClaims(2)
     for bad in (-1.0, math.nan, math.inf, 1e300, "1.0", True, None):
@@ -197,6 +239,45 @@ async def test_a_stage_whose_norm_never_comes_counts_as_missing_after_the_deadli
         started = time.monotonic()
         assert await exchange.factor(9, 16.0, 1) == pytest.approx(1.0 / (4.0 + 1e-6))
         assert time.monotonic() - started < 15.0 and exchange.fallbacks == 2
+    finally:
+        for server in servers:
+            await server.aclose()
+        for n in nodes:
+            await n.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_peer_that_re_synced_past_a_step_is_not_waited_for(
+    make_host: Callable[..., Any],
+) -> None:
+    """Stage 1 has two peers at version 7. One commits the step from 7 and claims it for
+    a group of two; the other's round aborted. While the latter's record names version 7
+    its claim may still come: the step waits, up to the deadline. Once it re-synced past
+    the step (its record names 9), nobody waits for it."""
+    nodes: list[DHTNode] = []
+    servers: list[StageServer] = []
+    try:
+        for s in (0, 1, 1):
+            server = StageServer(await _dht(make_host, nodes), EXPERIMENT, s,
+                                 StageWorker(torch.nn.Linear(2, 2)))  # fmt: skip
+            server.set_version(7)
+            await server.start()
+            servers.append(server)
+        committed, aborted = nodes[1], servers[2]
+        claim = {"stage": 1, "sq": 9.0, "group": 2}
+        for v in (7, 8):
+            await committed.store(clip_key(EXPERIMENT, v), claim, time.time() + 60,
+                                  subkey=owner_marker(committed.peer_id))  # fmt: skip
+        exchange = ClipExchange(nodes[0], EXPERIMENT, 0, 2, 1.0, deadline_s=1.0)
+        assert await exchange.factor(7, 16.0, 1) == pytest.approx(1.0 / (4.0 + 1e-6))
+        assert exchange.fallbacks == 1  # (the lone claim of a group of two: not enough)
+        aborted.set_version(9)
+        await aborted.announce()
+        exchange.deadline_s = 30.0
+        started = time.monotonic()
+        assert await exchange.factor(8, 16.0, 1) == pytest.approx(1.0 / (5.0 + 1e-6))
+        assert time.monotonic() - started < 15.0 and exchange.fallbacks == 1
+        assert not exchange.disputed
     finally:
         for server in servers:
             await server.aclose()
