@@ -22,6 +22,10 @@ from .errors import busy_from
 REQUEST_RTTS = 4
 DIAL_RTTS = 8
 MAX_HOP_TIMEOUT = 10.0
+# The median RTT is computed again at most this often: a node dials new peers by
+# the dozen a second, and each computation sorts the RTTs of all its connections
+# (hundreds), which moves by little in a second.
+TYPICAL_RTT_TTL_S = 1.0
 # The blacklist drops its expired entries past this many.
 _BLACKLIST_BOUND = 4096
 
@@ -73,6 +77,7 @@ class Requester:
         self.dialed: dict[PeerID, None] = {}
         self._tasks = tasks
         self._count = count
+        self._typical: tuple[float, float] | None = None  # (loop time, median RTT)
 
     async def request(
         self, peer: PeerID, addrs: Sequence[Multiaddr], method: str, payload: Any
@@ -117,9 +122,16 @@ class Requester:
         return min(max(self.hop_timeout, rtts * rtt + 0.25), MAX_HOP_TIMEOUT)
 
     def typical_rtt(self) -> float:
-        """The median RTT of our connections (0 before any is measured)."""
+        """The median RTT of our connections (0 before any is measured), as of at most
+        `TYPICAL_RTT_TTL_S` ago."""
+        now = asyncio.get_running_loop().time()
+        if self._typical is not None and now - self._typical[0] < TYPICAL_RTT_TTL_S:
+            return self._typical[1]
         known = sorted(c.rtt for c in self.host.connections.values() if c.rtt is not None)
-        return known[len(known) // 2] if known else 0.0
+        if not known:
+            return 0.0
+        self._typical = (now, known[len(known) // 2])
+        return self._typical[1]
 
     def _prune_connections(self) -> None:
         assert self.max_connections is not None
