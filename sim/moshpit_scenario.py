@@ -132,19 +132,28 @@ async def _arm(
     for index, ended in zip(bursts, ends, strict=True):
         if isinstance(ended, BaseException) and index not in crashed:
             raise ended
-    minutes = (loop.time() - t0) / 60
+    burst_s = loop.time() - t0
+    minutes = burst_s / 60
     connections = run.connections()  # (before the averagers close theirs)
     sent, requests = net.stats.bytes - bytes0, run.requests_sent() - requests0
-    for p, a in zip(peers, averagers, strict=True):
-        if p.index in crashed:  # (its host is gone: whatever its close says is moot)
-            await asyncio.gather(run.on(p, a.aclose()), return_exceptions=True)
-        else:
-            await run.on(p, a.aclose())
+    # All at once, as the peers of a swarm stop: one after the other, each close's
+    # grace added a virtual second (1,000 peers: most of a run's virtual time).
+    pairs = list(zip(peers, averagers, strict=True))
+    # (A crashed peer's host is gone: whatever its close says is moot.)
+    await asyncio.gather(
+        *(run.on(p, a.aclose()) for p, a in pairs if p.index in crashed), return_exceptions=True
+    )
+    await asyncio.gather(*(run.on(p, a.aclose()) for p, a in pairs if p.index not in crashed))
     # The spread over the peers live at the end; the error against every input's mean
     # (a peer that crashed took nothing with it once a round had averaged its input).
     survivors = [out for p, out in zip(peers, outs, strict=True) if p.index not in crashed]
     scale = float(torch.stack(inputs).abs().max())
     spreads = [_spread([snaps[k] for snaps, _ in survivors], scale) for k in range(rounds)]
+    # The spread is the farthest peer's: one whose rounds all failed holds it up alone.
+    # Where the others stand, and how many rounds each survivor committed, say why.
+    spreads_p99 = [_spread_quantile([snaps[k] for snaps, _ in survivors], scale, 0.99)
+                   for k in range(rounds)]  # fmt: skip
+    per_survivor = Counter(sum(r.committed for r in results) for _, results in survivors)
     exact = torch.stack([x.double() for x in inputs]).mean(0)
     finals = torch.stack([snaps[-1].double() for snaps, _ in survivors])
     steps = [r for _, results in outs for r in results]
@@ -153,6 +162,9 @@ async def _arm(
         "crashed": len(crashed),
         "rounds_to_agreement": agreed,
         "state_spread": [float(f"{s:.3g}") for s in spreads],
+        "state_spread_p99": [float(f"{s:.3g}") for s in spreads_p99],
+        "survivors_by_commits": dict(sorted(per_survivor.items())),
+        "burst_s": round(burst_s, 2),
         "mean_error": float(f"{float((finals - exact).abs().max()) / scale:.3g}"),
         "lost_work_fraction": round(sum(map(_lost, (r for _, r in outs))) / len(peers), 4),
         "commits_fraction": round(sum(r.committed for r in steps) / len(steps), 4),
@@ -242,6 +254,13 @@ async def _churn(
 def _spread(vectors: list[torch.Tensor], scale: float) -> float:
     stacked = torch.stack([v.double() for v in vectors])
     return float((stacked - stacked.mean(0)).abs().max()) / scale
+
+
+def _spread_quantile(vectors: list[torch.Tensor], scale: float, q: float) -> float:
+    """The `q` quantile, over the peers, of each one's distance to the mean (as `_spread`)."""
+    stacked = torch.stack([v.double() for v in vectors])
+    per_peer = (stacked - stacked.mean(0)).abs().amax(1)
+    return float(torch.quantile(per_peer, q)) / scale
 
 
 def _lost(results: list[StepResult]) -> bool:

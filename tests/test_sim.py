@@ -409,6 +409,13 @@ def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     assert result["lost_work_fraction"] == 0.0  # nobody on a grid re-syncs
     assert result["state_spread"][-1] < result["state_spread"][0] / 4
     assert max(map(int, result["group_sizes"])) <= 8
+    # Beside the farthest peer's spread, the 99th percentile's, and how many rounds each
+    # survivor committed (what tells one stuck peer from a swarm that does not mix).
+    pairs = zip(result["state_spread_p99"], result["state_spread"], strict=True)
+    assert all(p <= m for p, m in pairs)
+    assert sum(result["survivors_by_commits"].values()) == 16
+    assert all(0 <= int(k) <= 5 for k in result["survivors_by_commits"])
+    assert 0 < result["burst_s"] <= result["virtual_s"]
 
 
 @pytest.mark.timeout(120)
@@ -433,6 +440,7 @@ def test_peers_that_crash_during_a_moshpit_burst_lose_only_their_own_inputs(
     assert 0 < result["crashed"] <= 10  # (two peers always survive)
     assert len(result["state_spread"]) == 4
     assert result["lost_work_fraction"] <= result["crashed"] / 12
+    assert sum(result["survivors_by_commits"].values()) == 12 - result["crashed"]
 
 
 @pytest.mark.timeout(120)
