@@ -107,16 +107,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=int, default=0, help="group size (0: twice the side)")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--in-cells", action="store_true",
+        help="start in the cells, as peers that found the state announced do (sim/run.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     target = args.target or 2 * args.side
     order = [Identity.from_seed(random.Random(args.seed * 7919 + i).randbytes(32)).peer_id
              for i in range(args.peers)]  # fmt: skip
     grids = {p: Grid(args.dims, args.side, p) for p in order}
+    for grid in grids.values():
+        grid.in_cells = args.in_cells
     result = {
         "peers": args.peers,
         "grid_dims": args.dims,
         "grid_side": args.side,
         "target_group_size": target,
+        "in_cells": args.in_cells,
         "moshpit": arm(args.peers, args.rounds, grid_round(grids, order, target), args.seed),
         "one_key": arm(args.peers, args.rounds, one_key_round(target), args.seed),
     }

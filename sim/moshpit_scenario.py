@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import resource
 from collections import Counter
 from typing import Any
@@ -105,6 +106,7 @@ async def _arm(
     w: dict[str, Any],
 ) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
+    names = {p.index: p.host.peer_id.short() for p in peers if p.host is not None}
     rounds, timeout = int(w["rounds"]), float(w.get("step_timeout_s", 30.0))
     averagers = [
         await run.on(p, _make(p, key, x.clone(), config))
@@ -169,7 +171,10 @@ async def _arm(
         "lost_work_fraction": round(sum(map(_lost, (r for _, r in outs))) / len(peers), 4),
         "commits_fraction": round(sum(r.committed for r in steps) / len(steps), 4),
         "group_sizes": dict(sorted(Counter(r.group_size for r in steps if r.committed).items())),
-        "aborts": dict(Counter(r.reason.split(":")[0] for r in steps if not r.committed)),
+        "aborts": dict(Counter(_abort_kind(r.reason) for r in steps if not r.committed)),
+        # The members the aborts named: peers the churn crashed, or live ones (which
+        # an abort should not have needed: a cause in the protocol or the network).
+        "aborts_blamed": _blamed(steps, {names[p.index] for p in peers if p.index in crashed}),
         "step_s_mean": round(sum(r.seconds for r in steps) / len(steps), 2),
         "matchmaking_s_mean": round(
             sum(a.matchmaking_s for r in steps for a in r.attempt_log) / len(steps), 2
@@ -261,6 +266,32 @@ def _spread_quantile(vectors: list[torch.Tensor], scale: float, q: float) -> flo
     stacked = torch.stack([v.double() for v in vectors])
     per_peer = (stacked - stacked.mean(0)).abs().amax(1)
     return float(torch.quantile(per_peer, q)) / scale
+
+
+_MEMBER = re.compile(r"…[1-9A-HJ-NP-Za-km-z]{8}")
+_ADDRESS = re.compile(r"@[0-9a-f.:\[\]]+")
+_PEER_ID = re.compile(r"(/p2p/)?12D3KooW[1-9A-HJ-NP-Za-km-z]+")
+_MULTIADDR = re.compile(r"/ip[46]/[^ ;]*")
+
+
+def _abort_kind(reason: str) -> str:
+    """An abort's reason without the names and addresses in it (so they add up), cut
+    short: "member … failed: stream reset by …" and its cause stay apart."""
+    plain = _MEMBER.sub("…", _PEER_ID.sub("ID", reason))
+    return _MULTIADDR.sub("ADDR", _ADDRESS.sub("", plain))[:160]
+
+
+def _blamed(steps: list[StepResult], crashed: set[str]) -> dict[str, int]:
+    """Aborts that named a member, and the distinct members named: crashed or live."""
+    named = [m.group(0) for r in steps if not r.committed
+             for m in [_MEMBER.search(r.reason)] if m]  # fmt: skip
+    distinct = set(named)
+    return {
+        "aborts_naming_crashed": sum(n in crashed for n in named),
+        "aborts_naming_live": sum(n not in crashed for n in named),
+        "crashed_named": len(distinct & crashed),
+        "live_named": len(distinct - crashed),
+    }
 
 
 def _lost(results: list[StepResult]) -> bool:

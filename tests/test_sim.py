@@ -441,6 +441,29 @@ def test_peers_that_crash_during_a_moshpit_burst_lose_only_their_own_inputs(
     assert len(result["state_spread"]) == 4
     assert result["lost_work_fraction"] <= result["crashed"] / 12
     assert sum(result["survivors_by_commits"].values()) == 12 - result["crashed"]
+    # Each abort that names a member says whether that member had crashed (a cause in
+    # the churn) or was live (a cause in the protocol or the network).
+    blamed = result["aborts_blamed"]
+    assert blamed["aborts_naming_crashed"] + blamed["aborts_naming_live"] <= sum(
+        result["aborts"].values()
+    )
+    assert blamed["crashed_named"] <= result["crashed"]
+    assert not any("12D3KooW" in kind for kind in result["aborts"])  # (kinds add up)
+
+
+def test_abort_reasons_add_up_by_kind_without_names_or_addresses() -> None:
+    from moshpit_scenario import _abort_kind
+
+    full = (
+        "member …x7vNBypL failed: could not connect to 12D3KooWDmRLDpbZwcTPqbi1QwASbf"
+        "iY6oMnvhTryGaJJZEvYyHh: /ip4/100.67.111.1/tcp/4001/p2p/12D3KooWDmRLDpbZwcTPqbi1Qw"
+        "ASbfiY6oMnvhTryGaJJZEvYyHh: connection limit (384) reached"
+    )
+    assert _abort_kind(full) == (
+        "member … failed: could not connect to ID: ADDR connection limit (384) reached"
+    )
+    reset = "member …Y6We4ajx stopped the transfer (stream reset by …Y6We4ajx@100.65.123.1:4001"
+    assert _abort_kind(reset) == "member … stopped the transfer (stream reset by …"
 
 
 @pytest.mark.timeout(120)
