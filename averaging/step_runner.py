@@ -226,14 +226,16 @@ class StepRunner:
 
     async def _average(self, group: Group, weight: float, stall: float | None) -> AllReduceOutcome:
         owner = self._owner
-        outcome = await self._service.run(
-            group,
-            owner.tensors_for(group, weight),
-            weight,
-            codec=owner.config.codec,
-            attestor=owner.attestor,
-            stall_timeout=stall,
-        )
+        # (Its members' connections stay open till it ends: see `Host.protecting`.)
+        with owner.dht.host.protecting(group.peer_ids):
+            outcome = await self._service.run(
+                group,
+                owner.tensors_for(group, weight),
+                weight,
+                codec=owner.config.codec,
+                attestor=owner.attestor,
+                stall_timeout=stall,
+            )
         if owner.deadlines is not None:
             owner.deadlines.observe_round(
                 owner.dht.host, group, outcome.bytes_received, outcome.busy_seconds

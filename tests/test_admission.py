@@ -102,3 +102,33 @@ def test_loopback_is_exempt_from_the_new_caps_but_not_from_the_old() -> None:
     strict = Admission(AdmissionLimits(max_pending_per_ip=1, exempt_loopback=False))
     strict.admit(1, "127.0.0.2", inbound=True, now=0)
     assert "per-IP handshake" in (strict.admit(2, "127.0.0.2", inbound=True, now=0).refusal or "")
+
+
+def test_a_connection_we_close_gives_its_slot_at_once_within_a_bound_on_draining_ones() -> None:
+    """A trimmed connection drains for seconds (streams in flight served, then its
+    socket closes): a newcomer at the limit takes its slot meanwhile, not a refusal.
+    Past `max_draining` closing ones, a closing one keeps its slot until it closes."""
+    adm = Admission(AdmissionLimits(max_connections=2, max_draining=1))
+    for key in ("a", "b"):
+        adm.admit(key, f"198.51.100.{len(key)}", inbound=False, now=0)
+    assert "connection limit (2)" in (
+        adm.admit("c", "192.0.2.1", inbound=True, now=0).refusal or ""
+    )
+    adm.closed("c")
+    adm.draining("a")
+    assert adm.established_count == 1 and adm.draining_count == 1 and not adm.can_drain
+    assert adm.admit("c", "192.0.2.1", inbound=True, now=0).refusal is None
+    assert adm.established("c") is None
+    adm.draining("b")  # past the bound: still counted
+    assert adm.established_count == 2 and adm.draining_count == 1
+    adm.closed("a")  # the drained socket closed
+    assert adm.draining_count == 0 and adm.can_drain and adm.established_count == 2
+    adm.draining("b")
+    adm.draining("b")  # (once only)
+    adm.closed("b")
+    assert adm.established_count == 1 and adm.draining_count == 0
+    adm.draining("nobody")  # (unknown keys and half-open ones: nothing to drain)
+    adm.admit("d", "192.0.2.9", inbound=True, now=0)
+    adm.draining("d")
+    assert adm.pending == 1 and adm.draining_count == 0
+    assert Admission(AdmissionLimits(max_connections=1024)).can_drain  # (an eighth: 128)

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from waiting import eventually
 
+from shoal.transport import trimming
+from shoal.transport.errors import TransportError
 from shoal.transport.host import HostConfig
 from shoal.transport.trimming import Trimmer, TrimPolicy
 
@@ -86,6 +88,30 @@ def test_a_host_scans_its_connections_only_past_the_high_water_and_not_at_every_
     assert Trimmer(TrimPolicy(0, 0)).pick(100, listing, now=0.0) == [] and listed == 3
 
 
+def test_at_the_limit_the_connection_idle_longest_makes_room_after_a_short_grace() -> None:
+    """At `max_connections` a newcomer (a group member's dial among them) used to be
+    refused while connections nobody had used for seconds stayed open."""
+    policy = TrimPolicy(high_water=0, low_water=0)  # (even a host that never trims)
+    conns = [FakeConnection("busy", None), FakeConnection("fresh", 0.5),
+             FakeConnection("idle 3", 3.0), FakeConnection("idle 9", 9.0),
+             FakeConnection("closed", 99.0, is_open=False)]  # fmt: skip
+    assert policy.room(conns, grace=2.0) is conns[3]
+    assert policy.room(conns[:3], grace=2.0) is conns[2]
+    assert policy.room(conns[:2], grace=2.0) is None
+    trimmer = Trimmer(policy, recheck_s=1.0)
+    listed = 0
+
+    def listing() -> list[FakeConnection]:
+        nonlocal listed
+        listed += 1
+        return conns[:2]
+
+    assert trimmer.room(listing, now=0.0) is None and listed == 1
+    assert trimmer.room(listing, now=0.5) is None and listed == 1  # not again so soon
+    conns[1].idle_for = 30.0
+    assert trimmer.room(listing, now=1.0) is conns[1] and listed == 2
+
+
 async def sink(stream: Any) -> None:
     while await stream.read(1 << 20):
         pass
@@ -147,3 +173,58 @@ async def test_a_stream_the_other_side_opens_as_we_trim_is_still_served(
     await again.write(b"next")
     assert await again.readexactly(4) == b"next"
     await again.close()
+
+
+async def test_a_host_at_its_limit_closes_an_idle_connection_for_a_newcomer_both_ways(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At `max_connections`, with one connection idle and one busy: a peer that dials
+    us gets in, and so does our own dial; the idle one closes gracefully. With none
+    idle, the limit refuses as before."""
+    monkeypatch.setattr(trimming, "AT_LIMIT_GRACE_S", 0.0)
+    me = await make_host(max_connections=2, trim=TrimPolicy(0, 0))
+    others = [await make_host() for _ in range(4)]
+    for host in (me, *others):
+        host.set_handler(SINK, sink)
+    busy = await others[0].open_stream(me.addresses()[0], SINK)
+    await others[1].connect(me.addresses()[0])  # idle from now on
+    await eventually(lambda: len(me.connections) == 2, "at the limit")
+    await others[2].connect(me.addresses()[0])  # inbound: makes room
+    await eventually(lambda: others[2].peer_id in me.connections, "the newcomer is in")
+    await eventually(lambda: me.peer_id not in others[1].connections, "the idle one closed")
+    assert others[0].peer_id in me.connections and me.connections_trimmed == 1
+    await busy.write(b"still open")
+    # Our own dial too: the newcomer of a moment ago is the idle one now.
+    out = await me.open_stream(others[3].addresses()[0], SINK)
+    await eventually(lambda: others[2].peer_id not in me.connections, "it made room")
+    assert me.connections_trimmed == 2
+    # Both left busy: refused, as before.
+    with pytest.raises(TransportError):
+        await others[1].open_stream(me.addresses()[0], SINK)
+    await asyncio.gather(busy.close(), out.close())
+
+
+async def test_a_rounds_members_connections_are_protected_from_trimming_while_it_runs(
+    make_host: Callable[..., Any],
+) -> None:
+    """A round's members' connections go quiet between its phases; closing one then
+    (idle, or to make room at the limit) made the member redial mid-round. Within
+    `protecting`, trimming leaves them open; after it, they may go."""
+    me = await make_host(trim=TrimPolicy(high_water=1, low_water=1, grace=0.0))
+    me._trimmer.recheck_s = 0.0  # (every handshake scans: the test connects in a row)
+    member, *others = [await make_host() for _ in range(4)]
+
+    def all_idle() -> bool:  # (each new connection's first stream, the hello, is done)
+        return all(c.idle_for is not None for c in me.open_connections())
+
+    with me.protecting([member.peer_id]), me.protecting([member.peer_id]):  # (nests)
+        await me.connect(member.addresses()[0])
+        await me.connect(others[0].addresses()[0])
+        await eventually(all_idle, "both idle")
+        await me.connect(others[1].addresses()[0])  # past the high water: not the member
+        await eventually(lambda: others[0].peer_id not in me.connections, "the other trimmed")
+        assert member.peer_id in me.connections and me.connections_trimmed == 1
+    await eventually(all_idle, "all idle")
+    await me.connect(others[2].addresses()[0])  # unprotected now: the member may go
+    await eventually(lambda: member.peer_id not in me.connections, "the member trimmed")
+    assert me._protected == {}

@@ -46,6 +46,9 @@ class AdmissionLimits:
     max_pending_per_ip: int = 16
     max_pending_per_subnet: int = 64
     exempt_loopback: bool = True
+    # Established connections being closed (trimmed or idle) that no longer hold a slot:
+    # at most this many (None: an eighth of max_connections, at least 8).
+    max_draining: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +57,7 @@ class Verdict:
     evict: tuple[Hashable, ...] = ()  # half-open connections to drop for this one
 
 
-PENDING, ESTABLISHED, EVICTED = "pending", "established", "evicted"
+PENDING, ESTABLISHED, EVICTED, DRAINING = "pending", "established", "evicted", "draining"
 
 
 @dataclass(slots=True)
@@ -112,6 +115,7 @@ class Admission:
         # Half-open loopback ones (exempt): they count against max_connections as before.
         self._exempt_pending = 0
         self.evicted = 0  # half-open connections dropped for newer ones
+        self.draining_count = 0  # established ones closing, out of the count (`draining`)
 
     @property
     def pending(self) -> int:
@@ -200,6 +204,28 @@ class Admission:
             self._add_established(entry)
         return refusal
 
+    @property
+    def can_drain(self) -> bool:
+        """Whether another closing connection may leave the established count."""
+        lim = self.limits
+        bound = lim.max_draining
+        if bound is None:
+            bound = max(8, lim.max_connections // 8)
+        return self.draining_count < bound
+
+    def draining(self, key: Hashable) -> None:
+        """An established connection we are closing gracefully (trimmed, idle): it
+        leaves the established count now, so that a newcomer takes its slot while it
+        drains (streams in flight served, then its socket closes: seconds), rather
+        than be refused. Within `max_draining` of them (`can_drain`), so the sockets
+        open stay bounded; past that it keeps its slot until it closes."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state != ESTABLISHED or not self.can_drain:
+            return
+        entry.state = DRAINING
+        self._drop_established(entry)
+        self.draining_count += 1
+
     def closed(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
@@ -208,6 +234,8 @@ class Admission:
             self._end_pending(key, EVICTED, entry)
         elif entry.state == ESTABLISHED:
             self._drop_established(entry)
+        elif entry.state == DRAINING:
+            self.draining_count -= 1
         if entry.ip is not None:
             _decrement(self._per_ip, entry.ip)
 

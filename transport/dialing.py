@@ -64,6 +64,7 @@ class TcpDialer:
         listen_addrs: Callable[[], list[Multiaddr]],
         blocked: dict[PeerID, str],
         current: Callable[[PeerID], Connection | None],
+        make_room: Callable[[], None] = lambda: None,
     ) -> None:
         self.admission = admission
         self.dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
@@ -74,6 +75,7 @@ class TcpDialer:
         self._listen_addrs = listen_addrs
         self._blocked = blocked
         self._current = current
+        self._make_room = make_room  # at the limit: close an idle connection first
 
     async def dial_any(
         self, peer: PeerID | None, candidates: list[Multiaddr], timeout: float
@@ -138,6 +140,7 @@ class TcpDialer:
         """One TCP dial and handshake. `reuse`: "auto" dials from the listen port when
         reuse_port is on (another port if that one cannot be used), "require" only from
         the listen port, "never" from an ephemeral port."""
+        self._make_room()
         if self.admission.established_count >= self.max_connections:
             raise LimitExceeded(f"connection limit ({self.max_connections}) reached")
         loop = asyncio.get_running_loop()

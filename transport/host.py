@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .access import AccessControl
@@ -98,6 +99,8 @@ class Host:
         self._closing = False
         self.connections_trimmed = 0  # idle ones closed past the trim policy's high water
         self._trimmer = Trimmer(self.config.trim_policy)
+        # Peers whose connections trimming leaves alone (`protecting`): a round's members.
+        self._protected: Counter[PeerID] = Counter()
         # Log lines remote ends cause (refusals, handshake timeouts, violations, handler
         # failures), rate-limited and summarized per kind.
         self.remote_events = RemoteEvents(log)
@@ -113,6 +116,7 @@ class Host:
             listen_addrs=lambda: self._listen_addrs,
             blocked=self._blocked,
             current=self._table.conns.get,
+            make_room=self._make_room,
         )
         self._address_provider: Callable[[], list[Multiaddr]] | None = None
         self._punches = ExpectedPunches()
@@ -421,6 +425,8 @@ class Host:
         ip = self._ip_key(conn)
         if self._closing:
             return "host is shutting down"
+        if not conn.outbound:
+            self._make_room()
         verdict = self.admission.admit(
             conn, ip, inbound=not conn.outbound, now=asyncio.get_running_loop().time()
         )
@@ -443,6 +449,8 @@ class Host:
     def _on_handshake(self, conn: Connection, fut: asyncio.Future[PeerID]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             return
+        if not conn.outbound:  # (its handshake took a while: the slots may have filled)
+            self._make_room()
         refusal = self.admission.established(conn)
         if refusal is not None:
             self.remote_events.info(
@@ -464,15 +472,48 @@ class Host:
 
     def _trim(self) -> None:
         """Past the trim policy's high water, close the connections idle longest."""
-
-        # (not those closing already: retired duplicates, idle or trimmed ones draining)
-        def established() -> list[Connection]:
-            return [c for c in self._all if c.accepting_streams]
-
         now = asyncio.get_running_loop().time()
-        for conn in self._trimmer.pick(len(self._all), established, now):
-            self.connections_trimmed += 1
-            conn.close_idle("trimmed")
+        for conn in self._trimmer.pick(len(self._all), self._established, now):
+            self._close_trimmed(conn, "trimmed")
+
+    def _make_room(self) -> None:
+        """At `max_connections`: close the connection idle longest (transport/trimming.py)
+        so that the one arriving takes its slot instead of being refused."""
+        if self.admission.established_count < self.config.max_connections:
+            return
+        if not self.admission.can_drain:
+            return
+        victim = self._trimmer.room(self._established, asyncio.get_running_loop().time())
+        if victim is not None:
+            self._close_trimmed(victim, "trimmed at the connection limit")
+
+    def _established(self) -> list[Connection]:
+        """The connections trimming may close: not those closing already (retired
+        duplicates, idle or trimmed ones draining), nor a protected peer's."""
+        protected = self._protected
+        return [c for c in self._all if c.accepting_streams and c.remote_peer not in protected]
+
+    @contextlib.contextmanager
+    def protecting(self, peers: Iterable[PeerID]) -> Iterator[None]:
+        """Within this block, trimming (past the high water, or at the limit) leaves
+        the connections to `peers` open even when idle, as libp2p's `Protect` does: a
+        round's members, whose connections go quiet between its phases (a member
+        waits for a slower one's part) and whose redial would abort the round when
+        the other end is at its limit. Nests; counts per peer."""
+        held = list(peers)
+        self._protected.update(held)
+        try:
+            yield
+        finally:
+            self._protected.subtract(held)
+            for peer in held:
+                if self._protected[peer] <= 0:
+                    del self._protected[peer]
+
+    def _close_trimmed(self, conn: Connection, reason: str) -> None:
+        self.connections_trimmed += 1
+        conn.close_idle(reason)
+        self.admission.draining(conn)  # its slot is free for the next one now
 
     def _on_closed(self, conn: Connection) -> None:
         if self._table.closed(conn):

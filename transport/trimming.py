@@ -13,6 +13,13 @@ longest, down to `low_water`. A connection with an open stream is never
 closed (a relay reservation, a round in progress, a state download), nor one
 idle for less than `grace` seconds (the next request of a lookup or a round is
 likely on its way); a closed one is dialed again when needed.
+
+At `max_connections` itself, a host used to refuse every newcomer, and a group
+member's dial with it: in a simulated 1,000-peer burst with a limit of 384,
+the busiest peers (replicas of the cells' keys) sat at the limit with every
+connection used within the grace, and the rounds that needed them aborted.
+There a new connection now takes the slot of the connection idle longest (at
+least `AT_LIMIT_GRACE_S`), which drains out of the count (`Admission.draining`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ class Trimmable(Protocol):
 
 
 C = TypeVar("C", bound=Trimmable)
+
+# At the connection limit, a connection idle this long makes room for a new one.
+AT_LIMIT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +73,17 @@ class TrimPolicy:
         idle_enough.sort(key=lambda tc: -tc[0])
         return [c for _, c in idle_enough[: len(open_) - self.low_water]]
 
+    def room(self, connections: Iterable[C], grace: float) -> C | None:
+        """At the connection limit: the open connection idle longest, if at least
+        `grace` s (a shorter grace than trimming's: a connection nobody used for a few
+        seconds against a peer refused, a group member's dial among them)."""
+        best: tuple[float, C] | None = None
+        for c in connections:
+            t = c.idle_for if c.is_open else None
+            if t is not None and t >= grace and (best is None or t > best[0]):
+                best = (t, c)
+        return None if best is None else best[1]
+
 
 class Trimmer:
     """A policy applied at every new connection, without a scan of every connection each
@@ -77,6 +98,7 @@ class Trimmer:
         self.policy = policy
         self.recheck_s = recheck_s
         self._quiet_until = float("-inf")  # no scan before this (the last one found none)
+        self._room_quiet_until = float("-inf")  # the same for `room`
         self.scans = 0
 
     def pick(self, count: int, connections: Callable[[], Iterable[C]], now: float) -> list[C]:
@@ -91,3 +113,13 @@ class Trimmer:
         if not picked:
             self._quiet_until = now + self.recheck_s
         return picked
+
+    def room(self, connections: Callable[[], Iterable[C]], now: float) -> C | None:
+        """At the connection limit: the connection to close for a new one, if any
+        (`TrimPolicy.room`); a scan that found none is not repeated for `recheck_s`."""
+        if now < self._room_quiet_until:
+            return None
+        victim = self.policy.room(connections(), AT_LIMIT_GRACE_S)
+        if victim is None:
+            self._room_quiet_until = now + self.recheck_s
+        return victim
