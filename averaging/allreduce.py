@@ -113,6 +113,7 @@ class AllReduceService:
         codec: str | None = None,
         attestor: Attestor | None = None,
         stall_timeout: float | None = None,
+        max_weight: float | None = None,
     ) -> AllReduceOutcome:
         """Average `tensors` with the group, weighted by `weight` (e.g. the samples behind
         this member's values; 0: contribute nothing, still receive the result).
@@ -126,7 +127,8 @@ class AllReduceService:
         without. They must not change while this runs (they are sent from their own
         storage). Raises only for bad arguments, cancellation, or a fault hook's crash.
         `stall_timeout`: this round's (adaptive deadlines), for the configured stall and
-        decision timeouts.
+        decision timeouts. `max_weight`: this round's bound on a member's weight, for
+        the configured one (a member over it is vetoed out of the round, named).
         """
         if self._closed:
             raise RuntimeError("the all-reduce service is closed")
@@ -145,6 +147,8 @@ class AllReduceService:
         config = self.config
         if stall_timeout is not None:
             config = replace(config, stall_timeout=stall_timeout, decision_timeout=stall_timeout)
+        if max_weight is not None:
+            config = replace(config, max_weight=max_weight)
         rnd = ButterflyRound(
             self.host,
             config,

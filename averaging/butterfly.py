@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +131,9 @@ class AllReduceConfig:
     window_chunks: int = 4
     # How an owner reduces its part (reducer.REDUCTIONS): "mean" or "centered_clip".
     reduction: str = "mean"
+    # The most weight a member may contribute with: a claim of the sender, bounded
+    # where its meaning bounds it (a Moshpit grid's masses: `moshpit.MAX_MASS`).
+    max_weight: float = math.inf
     # Tests: awaited at each of FAULT_POINTS; raising there simulates a crash (the
     # exception propagates out of run()).
     fault_hook: FaultHook | None = None
@@ -142,6 +146,8 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.heartbeat_interval * 2 > self.stall_timeout:
             raise ValueError("heartbeat_interval must be at most half of stall_timeout")
+        if not self.max_weight > 0:
+            raise ValueError("max_weight must be > 0")
         if self.reduction not in ALL_REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(ALL_REDUCTIONS)}")
 
@@ -196,7 +202,7 @@ def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int,
     window = max(2, min(cfg.window_chunks, _SLOT_BUDGET // per_slot))
     return RoundInfo(group.round_id, group.index(host.peer_id), peers,
                      [p.short() for p in peers], plan, digest, weight, window,
-                     cfg.protocol, owner_written)  # fmt: skip
+                     cfg.protocol, owner_written, cfg.max_weight)  # fmt: skip
 
 
 class ButterflyRound:

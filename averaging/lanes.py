@@ -98,6 +98,7 @@ class RoundInfo:
     protocol: str
     # The reduction is `owner_written`: contributions to other parts are not sent.
     owner_written: bool = False
+    max_weight: float = math.inf  # (`AllReduceConfig.max_weight`)
 
 
 class DataPlane:
@@ -438,6 +439,8 @@ def request_problem(
         return f"weight {weight!r} is not a number"
     if not math.isfinite(weight) or weight < 0:
         return f"weight {weight!r} is not a finite number >= 0"
+    if weight > info.max_weight:
+        return f"weight {weight!r} is above this round's bound ({info.max_weight:g})"
     if isinstance(lane_index, bool) or not isinstance(lane_index, int) or lane_index not in lanes:
         return f"lane {lane_index!r} does not exist"
     if second_stream:

@@ -27,6 +27,20 @@ draws a fresh last coordinate, so that it does not wait alone in an empty cell.
 Every peer on a grid declares one state version (`GRID_VERSION`): nobody is ever
 "behind" another, so nobody re-syncs and throws its input away.
 
+A swarm whose peers drew their cells from their IDs fills them unevenly, and a
+plain mean then mixes unevenly: a next cell gets two members of one group and
+none of another, and the grid needs several rounds more than `dims` to agree.
+So each peer carries a *mass* (push-sum, Kempe et al., 2003): the share of the
+swarm's inputs its vector stands for, 1 to start with. A round averages its
+members' vectors weighted by their masses, and hands the group's whole mass on
+in equal parts to the next cells its members move to, split evenly among the
+members that move to the same one (`after_round`). The swarm's total mass, and
+the mass-weighted sum of its vectors, never change, so every next cell that
+receives a member of every group of the last round holds the exact mean of their
+inputs, however uneven the groups were. Where cells hold between `side` and
+`target_group_size` peers (`N / side ** (dims - 1)`), that makes every peer hold
+the exact mean of all after `dims` rounds (`sim/moshpit_rules.py`).
+
 Nothing here is a claim of another peer: the round ID binds the members and the
 leader's nonce (`make_round_id`), and a peer that lies about its cell only changes
 which groups it is in, as a peer that declares under another key could today.
@@ -37,12 +51,13 @@ This is a sans-I/O piece; the step runner moves the matchmaker between cells.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from shoal.transport.identity import PeerID
 
-__all__ = ["GRID_VERSION", "MAX_GRID_DIMS", "Grid", "cell_key", "permutation"]
+__all__ = ["GRID_VERSION", "MAX_GRID_DIMS", "MAX_MASS", "Grid", "cell_key", "permutation"]
 
 MAX_GRID_DIMS = 8
 # Rounds in a row alone under the whole key before a peer looks in its cell instead.
@@ -54,6 +69,14 @@ ALONE_ROUNDS_TO_CELLS = 2
 # the state before its first step (`Averager.load_state_from_peers`), as a DiLoCo
 # peer does, rather than being told to by matchmaking.
 GRID_VERSION = b"moshpit"
+# The most mass a peer carries, and counts of another member. An honest peer's mass
+# stays near 1 (a round hands each member about the group's mean mass); a member's
+# weight is its own claim, and without this bound a liar's one inflated weight would
+# live on in the masses of every peer downstream of its group.
+MAX_MASS = 4.0
+# The least: a peer left with no mass (a group of members with nothing to add)
+# would never weigh anything again.
+MIN_MASS = 1.0 / 16
 _DOMAIN = b"shoal/moshpit/1"
 
 
@@ -73,6 +96,7 @@ class Grid:
             int.from_bytes(seed[4 * i : 4 * i + 4], "big") % side for i in range(dims - 1)
         )
         self.rounds = 0  # rounds that moved us (commits and scatters)
+        self.mass = 1.0  # our share of the swarm's inputs (module docstring)
         # Under the whole key until it is crowded (`note_whole_key`): a swarm that fits
         # in one group agrees in one round there, and would only be split by cells.
         self.in_cells = False
@@ -95,12 +119,28 @@ class Grid:
         """The name of our cell: the suffix of the matchmaking key of our next round."""
         return ".".join(map(str, self.coords))
 
-    def after_round(self, round_id: bytes, members: Sequence[PeerID]) -> None:
-        """Move on after a round with `members` (in the group's order) committed."""
+    def weight(self, work: float) -> float:
+        """What we weigh in our next round: our mass, or 0 with no work to add (a peer
+        that has nothing new still takes the round's mean, and a share of its mass)."""
+        return self.mass if work > 0 else 0.0
+
+    def after_round(
+        self,
+        round_id: bytes,
+        members: Sequence[PeerID],
+        weights: Mapping[PeerID, float] | None = None,
+    ) -> None:
+        """Move on after a round with `members` (in the group's order) committed, in
+        which each member weighed `weights` (what `weight` gave). Without them (a
+        member that owned no part of the round never saw the others' weights) our mass
+        stays: the swarm's total then drifts by the difference, never by more."""
         if self.peer_id not in members:
             raise ValueError("we were not a member of that round")
+        index = members.index(self.peer_id)
+        if weights:
+            self.mass = _mass_after(weights, len(members), self.side, index)
         order = permutation(round_id, self.side)
-        self._shift(order[members.index(self.peer_id) % self.side])
+        self._shift(order[index % self.side])
 
     def scatter(self) -> None:
         """Move on after a round that found no group: a random new coordinate."""
@@ -109,6 +149,17 @@ class Grid:
     def _shift(self, coordinate: int) -> None:
         self.coords = (*self.coords[1:], coordinate)
         self.rounds += 1
+
+
+def _mass_after(weights: Mapping[PeerID, float], size: int, side: int, index: int) -> float:
+    """The mass member `index` of a group of `size` carries on: the group's mass (each
+    member's weight, bounded) in equal parts to the next cells the members move to
+    (``min(size, side)`` of them), each part split among the members moving there
+    (member i moves with those whose ``i % side`` equals its own)."""
+    total = sum(min(max(w, 0.0), MAX_MASS) for w in weights.values() if math.isfinite(w))
+    cells = min(size, side)
+    along = size // side + (1 if index % side < size % side else 0)
+    return min(MAX_MASS, max(MIN_MASS, total / (cells * along)))
 
 
 def permutation(round_id: bytes, side: int) -> list[int]:

@@ -30,7 +30,7 @@ from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .group import Group, Member
 from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
-from .moshpit import GRID_VERSION, Grid
+from .moshpit import GRID_VERSION, MAX_MASS, Grid
 from .presence import Presence
 from .reducer import NOTHING_TO_AVERAGE
 from .state_sync import count_holders
@@ -109,6 +109,8 @@ class StepRunner:
             timeout = None if timeout is None else timeout - (time.monotonic() - began)
         cell = self.grid.next_cell()
         self._matchmaker.enter_cell(cell)
+        # On a grid a peer weighs its mass (`moshpit.Grid`), not its work.
+        weight = self.grid.weight(weight)
         result = await self._run(weight, timeout, alone)
         left = None if timeout is None else timeout - result.seconds
         if cell is not None and _alone(result) and (left is None or left > 1.0):
@@ -124,7 +126,7 @@ class StepRunner:
             crowd = max(self._matchmaker.last_crowd, await self._holders() or 0)
             self.grid.note_whole_key(crowd, _alone(result), target)
         if result.committed and result.round_id is not None:
-            self.grid.after_round(result.round_id, result.members)
+            self.grid.after_round(result.round_id, result.members, result.weights)
         else:
             # Alone in the cell, or behind its peers (they moved on after their commit):
             # try another one next time.
@@ -235,6 +237,8 @@ class StepRunner:
                 codec=owner.config.codec,
                 attestor=owner.attestor,
                 stall_timeout=stall,
+                # On a grid a weight is a mass: more than `MAX_MASS` is a lie.
+                max_weight=None if self.grid is None else MAX_MASS,
             )
         if owner.deadlines is not None:
             owner.deadlines.observe_round(

@@ -3,17 +3,19 @@
     python sim/moshpit_rules.py --peers 1000 --dims 3 --side 10 [--target 20] [--rounds 12]
 
 No network and no averager: the real `moshpit.Grid` (where each peer is, where it
-moves) and the real `split_sizes` (how matchmaking splits a crowded cell), with
-every round complete and every group's mean exact in float64. Peers start under
-the whole key and move to their cells once it is crowded, and a peer alone in its
-cell averages under the whole key with the others alone in theirs, as the step
-runner does. Beside it, in the same run, one key for all (groups of `target`,
-members drawn at random each round). Prints one JSON object: per arm, the spread
-after each round (largest difference of a peer's vector to the peers' mean, over
-the inputs' largest magnitude) and `rounds_to_agreement` (first round at most 1e-6,
-about 8 float32 epsilons). What the network adds (late peers, partial groups,
-churn) is `sim/run.py` with a `moshpit` scenario; this says what the rules
-themselves cost, from 100 to 10,000 peers in seconds.
+moves, what mass it carries) and the real `split_sizes` (how matchmaking splits a
+crowded cell), with every round complete and every group's mean (weighted by the
+members' masses) exact in float64. Peers start under the whole key and move to
+their cells once it is crowded, and a peer alone in its cell averages under the
+whole key with the others alone in theirs, as the step runner does. Beside it, in
+the same run, one key for all (groups of `target`, members drawn at random each
+round). Prints one JSON object: per arm, the spread after each round (largest
+difference of a peer's vector to the peers' mean, over the inputs' largest
+magnitude), `rounds_to_agreement` (first round at most 1e-6, about 8 float32
+epsilons) and `mean_error` (largest difference of a peer's vector to the exact
+mean of all inputs, over the same scale). What the network adds (late peers,
+partial groups, churn) is `sim/run.py` with a `moshpit` scenario; this says what
+the rules themselves cost, from 100 to 10,000 peers in seconds.
 """
 
 from __future__ import annotations
@@ -64,10 +66,13 @@ def grid_round(grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int) 
             group = sorted(members[start : start + size])
             start += size
             rows = [index[p] for p in group]
-            values[rows] = values[rows].mean(axis=0)
+            # Weighted by the members' masses, as the averagers of a grid weigh them.
+            weights = {p: grids[p].weight(1.0) for p in group}
+            mass = np.array([weights[p] for p in group])
+            values[rows] = (mass[:, None] * values[rows]).sum(axis=0) / mass.sum()
             round_id = hashlib.sha256(rng.randbytes(16)).digest()
             for p in group:
-                grids[p].after_round(round_id, group)
+                grids[p].after_round(round_id, group, weights)
         for p in members[start:]:
             grids[p].scatter()
 
@@ -91,12 +96,18 @@ def arm(peers: int, rounds: int, step: Rounds, seed: int) -> dict[str, object]:
     rng = random.Random(seed)
     values = np.random.default_rng(seed).standard_normal((peers, 16))
     scale = float(np.abs(values).max())
-    spreads = []
+    exact = values.mean(axis=0)
+    spreads, errors = [], []
     for _ in range(rounds):
         step(values, rng)
         spreads.append(float(np.abs(values - values.mean(axis=0)).max()) / scale)
+        errors.append(float(np.abs(values - exact).max()) / scale)
     agreed = next((k + 1 for k, s in enumerate(spreads) if s <= AGREEMENT), None)
-    return {"rounds_to_agreement": agreed, "state_spread": [float(f"{s:.3g}") for s in spreads]}
+    return {
+        "rounds_to_agreement": agreed,
+        "state_spread": [float(f"{s:.3g}") for s in spreads],
+        "mean_error": [float(f"{e:.3g}") for e in errors],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -233,7 +233,9 @@ class SimTransport(asyncio.Transport):
         self._closing = False  # we closed (or were told): no more writes
         self._lost = False  # connection_lost was called
         self._paused = False
-        self._inbox: deque[bytes] = deque()
+        # Arrived, not yet delivered (paused): made when needed, dropped once drained
+        # (thousands of peers' idle connections would hold an empty deque each).
+        self._inbox: deque[bytes] | None = None
         self._last_arrival = 0.0  # in order: no segment overtakes an earlier one
         self._held: list[tuple[str, Any]] = []  # sent across a partition, not yet arrived
         owner.transports.add(self)
@@ -336,15 +338,24 @@ class SimTransport(asyncio.Transport):
         if self._lost or not self.owner.alive:
             return
         if kind == "rst":
-            self._inbox.clear()
+            self._inbox = None
             self._closing = True
             self._finish(ConnectionResetError(errno.ECONNRESET, "connection reset by peer"))
             return
+        if self._inbox is None:
+            self._inbox = deque()
         self._inbox.append(data if kind == "data" else b"")  # b"": end of stream
         if not self._paused:
             self._drain_inbox()
 
     def _drain_inbox(self) -> None:
+        try:
+            self._deliver()
+        finally:
+            if not self._inbox:
+                self._inbox = None
+
+    def _deliver(self) -> None:
         protocol = self._protocol
         while self._inbox and not self._paused and not self._lost:
             data = self._inbox.popleft()

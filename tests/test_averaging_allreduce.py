@@ -909,6 +909,36 @@ async def test_weights_zero_weight_and_zero_bandwidth_members(cluster: Any) -> N
     assert rel_err(result, weighted_mean(inputs[:1] + inputs[2:], weights[:1] + weights[2:])) < 1e-6
 
 
+async def test_a_member_weighing_more_than_the_rounds_bound_is_vetoed_out_and_named(
+    cluster: Any,
+) -> None:
+    """A weight is its sender's claim: where the round bounds it (a Moshpit grid's
+    masses), a member over the bound is refused by every part it streams into, and the
+    others abort naming it, inputs untouched, to retry without it."""
+    c = await cluster(3, AllReduceConfig(**PATIENT))
+    inputs = make_inputs(3, seed=5)
+    tensors = clone(inputs)
+    group = c.group()
+    outs = await asyncio.gather(
+        *(c.services[i].run(group, tensors[i], w, max_weight=4.0)
+          for i, w in enumerate([1.0, 1e9, 2.0])),
+        return_exceptions=True,
+    )  # fmt: skip
+    liar = c.hosts[1].peer_id
+    for i in (0, 2):
+        out = outs[i]
+        assert isinstance(out, AllReduceOutcome) and not out.committed, out
+        assert liar in out.failed and "above this round's bound" in out.reason, out.reason
+        assert all(torch.equal(t, u) for t, u in zip(tensors[i], inputs[i], strict=True))
+    # At the bound, the same members commit the weighted mean.
+    tensors, group = clone(inputs), c.group()
+    committed(await asyncio.gather(
+        *(c.services[i].run(group, tensors[i], w, max_weight=4.0)
+          for i, w in enumerate([1.0, 4.0, 2.0])),
+    ))  # fmt: skip
+    assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0, 4.0, 2.0])) < 1e-6
+
+
 async def test_many_lanes_and_chunks_and_odd_sizes(cluster: Any) -> None:
     c = await cluster(3, AllReduceConfig(chunk_bytes=256, streams_per_peer=3, **PATIENT))
     shapes = [(7,), (0,), (501,), (2, 3)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,15 +19,22 @@ from shoal.averaging.allreduce import AllReduceConfig
 from shoal.averaging.averager import Averager, AveragerConfig
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.matchmaking_rules import PeerState, parse_view
-from shoal.averaging.moshpit import Grid, cell_key, permutation
+from shoal.averaging.moshpit import MAX_MASS, Grid, cell_key, permutation
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import Identity, PeerID
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def peers(n: int) -> list[PeerID]:
-    return sorted((Identity.generate().peer_id for _ in range(n)), key=lambda p: p.to_bytes())
+def peers(n: int, seed: int | None = None) -> list[PeerID]:
+    """`n` peer IDs (from `seed`, the same ones every run)."""
+    made = (
+        Identity.generate()
+        if seed is None
+        else Identity.from_seed(random.Random(seed * 7919 + i).randbytes(32))
+        for i in range(n)
+    )
+    return sorted((i.peer_id for i in made), key=lambda p: p.to_bytes())
 
 
 # ====================================================================== the grid's rules
@@ -91,6 +99,95 @@ def test_on_a_full_grid_every_peer_holds_the_exact_average_after_dims_rounds(
     assert all(v == pytest.approx(mean, rel=1e-12) for v in values.values())
 
 
+def test_a_round_hands_its_whole_mass_on_in_equal_parts_to_the_next_cells() -> None:
+    """7 members on a side of 3: each of the 3 next cells gets a third of the group's
+    mass, split evenly among the members that move there (3, 2 and 2 of them)."""
+    members = peers(7)
+    grids = {p: Grid(2, 3, p) for p in members}
+    weights = {p: 0.5 + i / 4 for i, p in enumerate(members)}  # masses of earlier rounds
+    for p in members:
+        grids[p].after_round(b"r" * 32, members, weights)
+    total = sum(weights.values())
+    assert sum(g.mass for g in grids.values()) == pytest.approx(total, rel=1e-12)
+    by_cell: dict[int, list[float]] = {}
+    for g in grids.values():
+        by_cell.setdefault(g.coords[-1], []).append(g.mass)
+    assert sorted(map(len, by_cell.values())) == [2, 2, 3]
+    for masses in by_cell.values():
+        assert sum(masses) == pytest.approx(total / 3, rel=1e-12)
+    # A group smaller than the side: a cell each, the group's mean mass each.
+    few = peers(2)
+    small = [Grid(2, 3, p) for p in few]
+    for g in small:
+        g.after_round(b"s" * 32, few, {few[0]: 1.0, few[1]: 2.0})
+    assert [g.mass for g in small] == [1.5, 1.5]
+
+
+def test_a_member_that_had_nothing_to_add_weighs_nothing_but_takes_its_share() -> None:
+    members = peers(2)
+    a, b = (Grid(2, 4, p) for p in members)
+    assert a.weight(0.0) == 0.0 and a.weight(3.0) == a.mass == 1.0  # mass, not samples
+    for g in (a, b):
+        g.after_round(b"t" * 32, members, {members[0]: 0.0, members[1]: 1.0})
+    assert a.mass == b.mass == 0.5
+
+
+def test_a_liars_weight_counts_only_up_to_the_bound_in_the_masses_it_leaves() -> None:
+    """A member's weight is its claim: the masses it leaves behind count it at most
+    `MAX_MASS`, so no lie lives on, inflated, in the peers downstream of its group;
+    and nobody's mass falls to nothing."""
+    members = peers(4)
+    grids = [Grid(2, 4, p) for p in members]
+    lies = {members[0]: 1e30, members[1]: float("nan"), members[2]: -5.0, members[3]: 1.0}
+    for g in grids:
+        g.after_round(b"u" * 32, members, lies)
+    assert all(g.mass == pytest.approx((MAX_MASS + 1.0) / 4) for g in grids)
+    lone = Grid(2, 4, members[0])
+    lone.after_round(b"v" * 32, members[:1], {members[0]: 0.0})
+    assert 0 < lone.mass < 1
+    # A member that owned no part of the round never saw the weights: it keeps its mass.
+    keeper = Grid(2, 4, members[0])
+    keeper.mass = 0.75
+    keeper.after_round(b"w" * 32, members, {})
+    assert keeper.mass == 0.75
+
+
+@pytest.mark.parametrize(("n", "dims", "side"), [(120, 2, 6), (300, 3, 4)])
+def test_on_an_unevenly_filled_grid_masses_give_the_exact_mean_after_dims_rounds(
+    n: int, dims: int, side: int
+) -> None:
+    """Peers in the cells their IDs name (some fuller than others, every one holding at
+    least `side`), one group per cell: weighted by their masses, every peer holds the
+    exact mean of all inputs after `dims` rounds. The plain mean of the same groups
+    is still far from it: a next cell gets two members of one group and one of another."""
+    members = peers(n, seed=n)
+    values = {p: float(i % 17) ** 2 + i / n for i, p in enumerate(members)}
+    mean = sum(values.values()) / n
+    weighted = _grid_rounds(members, dict(values), dims, side, masses=True)
+    plain = _grid_rounds(members, dict(values), dims, side, masses=False)
+    assert all(v == pytest.approx(mean, rel=1e-12) for v in weighted.values())
+    assert max(abs(v - mean) for v in plain.values()) > 1e-3 * mean
+
+
+def _grid_rounds(
+    members: list[PeerID], values: dict[PeerID, float], dims: int, side: int, masses: bool
+) -> dict[PeerID, float]:
+    grids = {p: Grid(dims, side, p) for p in members}
+    for r in range(dims):
+        cells: dict[str, list[PeerID]] = {}
+        for p in members:
+            cells.setdefault(grids[p].cell(), []).append(p)
+        assert min(map(len, cells.values())) >= side  # (the premise of exactness)
+        assert len(set(map(len, cells.values()))) > 1  # (uneven: IDs drew the cells)
+        for i, group in enumerate(cells.values()):
+            weights = {p: grids[p].weight(1.0) if masses else 1.0 for p in group}
+            avg = sum(weights[p] * values[p] for p in group) / sum(weights.values())
+            for p in group:
+                values[p] = avg
+                grids[p].after_round(bytes([r, i % 256, i // 256]) * 8, group, weights)
+    return values
+
+
 def test_a_peer_leaves_the_whole_key_for_its_cell_once_the_key_is_crowded() -> None:
     (p,) = peers(1)
     grid = Grid(2, 4, p)
@@ -133,9 +230,9 @@ async def _swarm(make_host: Callable[..., Any], n: int) -> list[DHTNode]:
     return dhts
 
 
-def _config(dims: int, side: int) -> AveragerConfig:
+def _config(dims: int, side: int, target: int = 0) -> AveragerConfig:
     mm = MatchmakingConfig(
-        min_group_size=2, target_group_size=side, matchmaking_time=3.0,
+        min_group_size=2, target_group_size=target or side, matchmaking_time=3.0,
         min_matchmaking_time=0.3, grid_dims=dims, grid_side=side,
     )  # fmt: skip
     # Fast heartbeats; failure detection left at a few seconds: nobody fails here, and a
@@ -179,6 +276,43 @@ async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
         mean = torch.stack([x.double() for x in inputs]).mean(0)
         for a in avgs:
             assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6, rtol=0)
+    finally:
+        for a in avgs:
+            await a.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_averagers_on_an_unevenly_filled_grid_hold_the_exact_mean_after_dims_rounds(
+    make_host: Callable[..., Any],
+) -> None:
+    """12 real averagers in cells of 3, 4 and 5 on a side of 3: each round commits
+    cell by cell, and weighted by the masses the rounds hand on, every peer holds the
+    mean of all inputs after 2 rounds (to float32 rounding), though the second
+    round's cells hold one member of some groups and two of others."""
+    n, dims, side = 12, 2, 3
+    dhts = await _swarm(make_host, n)
+    inputs = [
+        torch.randn(64, generator=torch.Generator().manual_seed(i)) * (1 + i) for i in range(n)
+    ]
+    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=_config(dims, side, target=6))
+            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
+    for a, cell in zip(avgs, [0] * 3 + [1] * 4 + [2] * 5, strict=True):
+        assert a.grid is not None
+        a.grid.coords, a.grid.in_cells = (cell,), True
+    try:
+        for round_index in range(dims):
+            results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+            assert all(r.committed for r in results), [(r.reason, r.attempt_log) for r in results]
+            if round_index == 0:  # two members of one group into one next cell weigh half each
+                assert len({round(a.grid.mass, 9) for a in avgs if a.grid is not None}) > 1
+        masses = [a.grid.mass for a in avgs if a.grid is not None]
+        assert sum(masses) == pytest.approx(n, rel=1e-9)  # no mass made or lost
+        mean = torch.stack([x.double() for x in inputs]).mean(0)
+        scale = float(mean.abs().max())
+        for a in avgs:
+            assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6 * scale, rtol=0)
     finally:
         for a in avgs:
             await a.aclose()

@@ -539,7 +539,9 @@ class Connection(asyncio.BufferedProtocol):
         self._ping_ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._idle_since: float | None = self.created_at
-        self._no_streams = asyncio.Event()
+        # Set once no stream is open, for a graceful close waiting on them (made only
+        # then: an asyncio.Event per connection is a deque of its own).
+        self._no_streams: asyncio.Future[None] | None = None
         self.superseded = False  # a duplicate connection kept only until its streams end
         self.kind = kind  # "direct" | "relayed" | "hole-punched"
         self.relay: PeerID | None = None  # for a relayed connection: the relay's peer ID
@@ -776,7 +778,7 @@ class Connection(asyncio.BufferedProtocol):
             # of a simulated 128-peer burst's memory.)
             needed = self._rx.pending_record_size()
             self._resize_buffer(min(_RECV_BUFFER_BUSY, max(needed, 2 * len(self._buf))))
-        if len(self._buf) > _RECV_BUFFER_IDLE or self._rx.plaintexts.holding:
+        if self._buf:  # (even an idle-sized one: 4 KiB on each of a DHT node's hundreds)
             self._life.watch_buffers()
 
     def pause_writing(self) -> None:
@@ -844,9 +846,14 @@ class Connection(asyncio.BufferedProtocol):
                 self.streams.pop(sid, None)
             self._note_idle()
 
+    def _streams_gone(self) -> None:
+        waiter = self._no_streams
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def _note_idle(self) -> None:
         if not self.streams:
-            self._no_streams.set()
+            self._streams_gone()
             if self._idle_since is None:
                 self._idle_since = _now()
 
@@ -1261,7 +1268,7 @@ class _Lifecycle:
             if stream.handler_task is not None:
                 stream.handler_task.cancel()
         c.streams.clear()
-        c._no_streams.set()
+        c._streams_gone()
         c._tasks.cancel()
         for _, fut in c._pings.values():
             if not fut.done():
@@ -1304,10 +1311,12 @@ class _Lifecycle:
             c._mux.go_away()
             c._schedule_flush()
             if c.streams:
-                c._no_streams.clear()
+                waiter = c._no_streams
+                if waiter is None or waiter.done():  # (two closes wait on one)
+                    c._no_streams = waiter = c._loop.create_future()
                 try:
                     async with asyncio.timeout(timeout):
-                        await c._no_streams.wait()  # also set when the connection dies
+                        await asyncio.shield(waiter)  # also set when the connection dies
                 except TimeoutError:
                     log.debug("closing %s with %d streams open", c._peer_name(), len(c.streams))
         if c.close_reason is None:
@@ -1353,10 +1362,14 @@ class _BufferPool:
     def __init__(self, size: int, capacity: int) -> None:
         self.size = size
         self._capacity = capacity
-        self._free: deque[bytearray] = deque()
+        # Made at the first take: an empty deque is about 600 bytes, and most of the
+        # connections of a DHT node (three pools each) never send a bulk body.
+        self._free: deque[bytearray] | None = None
 
     def take(self) -> bytearray:
         pool = self._free
+        if pool is None:
+            pool = self._free = deque()
         for _ in range(min(2, len(pool))):
             buf = pool[0]
             pool.rotate(-1)  # round-robin, so one long-held buffer does not block the rest
@@ -1377,4 +1390,4 @@ class _BufferPool:
         return bool(self._free)
 
     def clear(self) -> None:
-        self._free.clear()
+        self._free = None
