@@ -11,7 +11,9 @@ the post-step outer parameters, weighted by samples, moved toward by
 cell by cell on a grid of `grid_dims` dimensions (`MatchmakingConfig.grid_dims`):
 each round groups the peers that share all coordinates but one, so on a full
 grid every replica holds the swarm's mean after `grid_dims` rounds, and a swarm
-of thousands mixes in a few. Inside a group the commit is exact (every member
+of thousands mixes in a few. On the grid a replica weighs its mass, not its
+samples (`moshpit.Grid`: push-sum, so that cells filled unevenly still give the
+exact mean). Inside a group the commit is exact (every member
 the same bits, or nobody changes), as in DiLoCo; nobody re-syncs to another
 group's state, so no peer's work is thrown away.
 

@@ -778,7 +778,7 @@ class Connection(asyncio.BufferedProtocol):
             # of a simulated 128-peer burst's memory.)
             needed = self._rx.pending_record_size()
             self._resize_buffer(min(_RECV_BUFFER_BUSY, max(needed, 2 * len(self._buf))))
-        if self._buf:  # (even an idle-sized one: 4 KiB on each of a DHT node's hundreds)
+        if len(self._buf) > _RECV_BUFFER_IDLE or self._rx.plaintexts.holding:
             self._life.watch_buffers()
 
     def pause_writing(self) -> None:
