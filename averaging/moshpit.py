@@ -41,6 +41,13 @@ inputs, however uneven the groups were. Where cells hold between `side` and
 `target_group_size` peers (`N / side ** (dims - 1)`), that makes every peer hold
 the exact mean of all after `dims` rounds (`sim/moshpit_rules.py`).
 
+That needs each cell to form one group, so its peers must look for each other at
+the same time. A peer reaches its next cell when its own round ends, and its
+cell's leader closes with whoever is there after `min_matchmaking_time`: several
+groups per cell. With a `grid_period` every round starts in a slot, at a multiple
+of the period on each peer's clock (`slot_wait`): the cell's peers arrive within
+their clocks' skew, and a period longer than a round keeps them in step.
+
 Nothing here is a claim of another peer: the round ID binds the members and the
 leader's nonce (`make_round_id`), and a peer that lies about its cell only changes
 which groups it is in, as a peer that declares under another key could today.
@@ -57,7 +64,15 @@ from collections.abc import Mapping, Sequence
 
 from shoal.transport.identity import PeerID
 
-__all__ = ["GRID_VERSION", "MAX_GRID_DIMS", "MAX_MASS", "Grid", "cell_key", "permutation"]
+__all__ = [
+    "GRID_VERSION",
+    "MAX_GRID_DIMS",
+    "MAX_MASS",
+    "Grid",
+    "cell_key",
+    "permutation",
+    "slot_wait",
+]
 
 MAX_GRID_DIMS = 8
 # Rounds in a row alone under the whole key before a peer looks in its cell instead.
@@ -169,6 +184,16 @@ def permutation(round_id: bytes, side: int) -> list[int]:
         range(side),
         key=lambda i: hashlib.sha256(_DOMAIN + round_id + i.to_bytes(4, "big")).digest(),
     )
+
+
+def slot_wait(period: float, now: float, late: float) -> float:
+    """Seconds from `now` (wall clock) to the start of the round slot we take part in:
+    0 when a slot began at most `late` seconds ago (its groups are still gathering),
+    else the next multiple of `period`. Every peer computes the same slots from its
+    own clock, so the peers of a cell look for each other at the same moment and form
+    one group, where peers that arrive as their last rounds end form several."""
+    into = now % period
+    return 0.0 if into <= late else period - into
 
 
 def cell_key(key: str, cell: str) -> str:

@@ -36,8 +36,19 @@ class MoshpitOptions(GroupOptions):
         "0 or an int in 2..1024",
         "cells per dimension (0: an eighth of target_group_size)",
     )(0)
+    # Rounds that start together form one group per cell (`MatchmakingConfig.
+    # grid_period`); 0 keeps a round's start at its peer's outer step, where the
+    # leaders wait `matchmaking_time` for the peers of their cell declared taking part.
+    grid_period: float = Opt(
+        number(0, hi_open=True),
+        "0 or a number of seconds >= matchmaking_time",
+        "rounds start together at the multiples of this on the peers' clocks (0: as reached)",
+        added=True,
+    )(0.0)
 
     def check_together(self) -> None:
         super().check_together()
         if self.grid_side == 1:
             raise ValueError("option 'grid_side' must be 0 or at least 2")
+        if self.grid_period and self.grid_period < self.matchmaking_time:
+            raise ValueError("option 'grid_period' must be 0 or at least 'matchmaking_time'")

@@ -62,7 +62,10 @@ class Moshpit(NoLoCo):
         opts = self.options
         grid_key = self.key + GRID_SUFFIX
         matchmaking = dataclasses.replace(
-            matchmaking_config(opts), grid_dims=opts.grid_dims, grid_side=opts.grid_side
+            matchmaking_config(opts),
+            grid_dims=opts.grid_dims,
+            grid_side=opts.grid_side,
+            grid_period=opts.grid_period,
         )
         config = AveragerConfig(
             matchmaking=matchmaking,

@@ -92,6 +92,7 @@ def _config(w: dict[str, Any], dims: int) -> AveragerConfig:
             give_up_alone_after=w.get("give_up_alone_after_s"),
             grid_dims=dims,
             grid_side=side,
+            grid_period=float(w.get("grid_period_s", 0.0)) if dims else 0.0,
         )
     )
 

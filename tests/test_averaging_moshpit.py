@@ -19,7 +19,7 @@ from shoal.averaging.allreduce import AllReduceConfig
 from shoal.averaging.averager import Averager, AveragerConfig
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.matchmaking_rules import PeerState, parse_view
-from shoal.averaging.moshpit import MAX_MASS, Grid, cell_key, permutation
+from shoal.averaging.moshpit import MAX_MASS, Grid, cell_key, permutation, slot_wait
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import Identity, PeerID
 
@@ -216,6 +216,32 @@ def test_grid_settings_are_checked() -> None:
     (p,) = peers(1)
     with pytest.raises(ValueError):
         Grid(2, 1, p)
+    assert MatchmakingConfig(grid_dims=2, matchmaking_time=3.0, grid_period=3.0).grid_period == 3
+    for period in (1.0, -5.0, float("inf"), float("nan")):  # (a round must fit in its slot)
+        with pytest.raises(ValueError, match="grid_period"):
+            MatchmakingConfig(grid_dims=2, matchmaking_time=3.0, grid_period=period)
+
+
+def test_the_strategys_round_period_is_an_option_a_manifest_records_only_when_set() -> None:
+    from shoal.averaging.moshpit_options import MoshpitOptions
+
+    assert "grid_period" not in MoshpitOptions.parse({}).to_dict()  # (old manifests)
+    assert MoshpitOptions.parse({"grid_period": 30}).to_dict()["grid_period"] == 30
+    for bad in (1.0, -1.0, float("inf")):  # under the default matchmaking_time (5 s)
+        with pytest.raises(ValueError, match="grid_period"):
+            MoshpitOptions.parse({"grid_period": bad})
+
+
+def test_round_slots_start_at_the_multiples_of_the_period_and_take_a_peer_a_little_late() -> None:
+    """Every peer computes the same slots from its clock: one that calls between two
+    starts waits for the next, one at most `late` after a start takes that slot."""
+    assert slot_wait(10.0, now=1000.0, late=0.5) == 0.0  # at a start
+    assert slot_wait(10.0, now=1000.4, late=0.5) == 0.0  # a little late: this slot
+    assert slot_wait(10.0, now=1000.6, late=0.5) == pytest.approx(9.4)
+    assert slot_wait(10.0, now=1009.9, late=0.5) == pytest.approx(0.1)
+    # Peers that call anywhere between two starts all begin at the next one.
+    calls = [1001.0 + 0.37 * i for i in range(20)]
+    assert {round(t + slot_wait(10.0, t, late=0.5), 6) for t in calls} == {1010.0}
 
 
 # ====================================================================== over loopback
@@ -230,10 +256,10 @@ async def _swarm(make_host: Callable[..., Any], n: int) -> list[DHTNode]:
     return dhts
 
 
-def _config(dims: int, side: int, target: int = 0) -> AveragerConfig:
+def _config(dims: int, side: int, target: int = 0, period: float = 0.0) -> AveragerConfig:
     mm = MatchmakingConfig(
         min_group_size=2, target_group_size=target or side, matchmaking_time=3.0,
-        min_matchmaking_time=0.3, grid_dims=dims, grid_side=side,
+        min_matchmaking_time=0.3, grid_dims=dims, grid_side=side, grid_period=period,
     )  # fmt: skip
     # Fast heartbeats; failure detection left at a few seconds: nobody fails here, and a
     # 2-s stall / 0.3-s decision bound aborted a round of 8 peers on CI's loaded cores
@@ -313,6 +339,46 @@ async def test_averagers_on_an_unevenly_filled_grid_hold_the_exact_mean_after_di
         scale = float(mean.abs().max())
         for a in avgs:
             assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6 * scale, rtol=0)
+    finally:
+        for a in avgs:
+            await a.aclose()
+        for d in dhts:
+            await d.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_peers_that_call_at_different_times_start_their_rounds_together_in_slots(
+    make_host: Callable[..., Any],
+) -> None:
+    """9 averagers in cells of 3 on a side of 3, with a round period of 3 s, whose
+    steps are called over 1.2 s (their last rounds ended at different times): each
+    step waits for the next slot, so every cell forms one group of 3 (a leader that
+    closed with whoever was there 0.3 s after it came would have formed several),
+    and after 2 rounds every peer holds the exact mean. The wait is not the round's:
+    a step's timeout shorter than the wait still leaves the round its own."""
+    n, dims, side, period = 9, 2, 3, 3.0
+    dhts = await _swarm(make_host, n)
+    inputs = [torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=_config(dims, side, period=period))
+            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
+    for a, cell in zip(avgs, [0, 1, 2] * 3, strict=True):
+        assert a.grid is not None
+        a.grid.coords, a.grid.in_cells = (cell,), True
+
+    async def staggered(i: int) -> Any:
+        await asyncio.sleep(0.15 * i)  # (the spread of arrivals the slots undo)
+        return await avgs[i].step(timeout=2.5)
+
+    try:
+        # Start just after a slot began, so that every call falls before the next.
+        await asyncio.sleep(0.5 + slot_wait(period, time.time(), late=0.0))
+        for _ in range(dims):
+            results = await asyncio.gather(*(staggered(i) for i in range(n)))
+            for r in results:
+                assert r.committed and r.group_size == side, (r.reason, r.attempt_log)
+        mean = torch.stack([x.double() for x in inputs]).mean(0)
+        for a in avgs:
+            assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6, rtol=0)
     finally:
         for a in avgs:
             await a.aclose()
