@@ -21,6 +21,7 @@ from shoal.averaging import host_state
 from shoal.averaging.averager import restored_version
 from shoal.averaging.diloco import DiLoCo, StreamingDiLoCo, split_fragments
 from shoal.averaging.gossip import pairing
+from shoal.averaging.moshpit import slot_wait
 from shoal.averaging.moshpit_strategy import Moshpit
 from shoal.averaging.noloco import NoLoCo
 from shoal.averaging.outer import (
@@ -702,6 +703,46 @@ async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
     spread = max(float((f - torch.stack(flats).mean(0)).abs().max()) for f in flats)
     assert spread < 1e-5
     assert await peers[0].dht.get("exp/outer/matchmaking") is None  # groups form in cells
+
+
+@pytest.mark.timeout(60)
+async def test_moshpit_rounds_with_a_period_start_at_its_multiples_and_still_mix_into_one_mean(
+    swarm: Callable[..., Any], whole_state_math: None
+) -> None:
+    """The same full 2 x 2 grid with `grid_period`: the strategy's averager waits for
+    each slot, so every round's groups form at a multiple of the period (by the
+    peers' clock) and the replicas hold one mean after 2 rounds."""
+    period = 3.0
+    options = {"inner_steps": 1, "target_group_size": 2, "grid_dims": 2, "grid_side": 2,
+               "outer_momentum": 0.0, "matchmaking_time": 1.0, "grid_period": period}  # fmt: skip
+    peers = await swarm("moshpit", 4, options)
+    assert all(p.strategy.averager.config.matchmaking.grid_period == period for p in peers)
+    for peer, cell in zip(peers, [0, 1, 0, 1], strict=True):
+        peer.strategy.averager.grid.coords = (cell,)
+        peer.strategy.averager.grid.in_cells = True
+    entered: list[float] = []  # (wall clock) when each round's matchmaking began
+    for p in peers:
+        matchmaker = p.strategy.averager._runner._matchmaker
+        real = matchmaker.form_group
+
+        async def spying(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            entered.append(time.time())
+            return await _real(*args, **kwargs)
+
+        matchmaker.form_group = spying
+    # Train just after a slot began (a peer that came at the very end of a slot's
+    # lateness, and its cell-mate just before it, would meet in no slot).
+    await asyncio.sleep(0.3 + slot_wait(period, time.time(), late=0.0))
+    first = await asyncio.gather(*(p.train(1, samples=8) for p in peers))
+    second = await asyncio.gather(*(p.strategy.after_inner_step(8) for p in peers))
+    for (r,) in [*first, *second]:
+        assert r.committed and r.group_size == 2, r.describe()
+    assert len(entered) == 8
+    for t in entered:  # at a multiple of the period (a slot's start), give or take the loop
+        assert min(t % period, period - t % period) < 0.25, t % period
+    flats = [torch.cat([t.flatten() for t in p.strategy.outer]) for p in peers]
+    spread = max(float((f - torch.stack(flats).mean(0)).abs().max()) for f in flats)
+    assert spread < 1e-5
 
 
 @pytest.mark.timeout(40)
