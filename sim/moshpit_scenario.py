@@ -20,6 +20,10 @@ float32 epsilons: what rounding in a different order leaves), `mean_error` (the
 final vectors against the exact mean of all inputs: work lost), `lost_work_fraction`
 (inputs overwritten by a re-sync, or never committed, before any round averaged
 them), `bytes_per_peer_per_round` and `dht_requests_per_peer_per_min`.
+
+`grid_period_s` sets the grid's `MatchmakingConfig.grid_period` (rounds that start
+together); `start_spread_s` delays each peer's first step by up to that much, as
+peers of a training swarm reach their rounds at different times.
 """
 
 from __future__ import annotations
@@ -122,8 +126,11 @@ async def _arm(
     counters0 = run.counters()
     queued0, net.stats.max_uplink_queue_s = net.stats.writes_queued_over_1s, 0.0
     outs: list[Out] = [([], []) for _ in peers]
+    # Each peer's first step after a delay drawn up to `start_spread_s`: peers of a
+    # training swarm reach their rounds at different times (their speeds differ).
+    spread = float(w.get("start_spread_s", 0.0))
     bursts = {
-        p.index: run.on(p, _burst(a, rounds, timeout, out))
+        p.index: run.on(p, _burst(a, rounds, timeout, out, run.rng.uniform(0, spread)))
         for p, a, out in zip(peers, averagers, outs, strict=True)
     }
     watch = asyncio.ensure_future(_report_progress(run, outs, rounds))
@@ -221,9 +228,13 @@ async def _report_progress(
         )  # fmt: skip
 
 
-async def _burst(averager: Averager, rounds: int, timeout: float, out: Out) -> None:
-    """`rounds` steps in a row on an unchanged vector; the vector after each, and each
-    step's result, into `out` (what a peer that crashes midway did stays there)."""
+async def _burst(
+    averager: Averager, rounds: int, timeout: float, out: Out, delay: float = 0.0
+) -> None:
+    """`rounds` steps in a row on an unchanged vector, the first after `delay`; the
+    vector after each, and each step's result, into `out` (what a peer that crashes
+    midway did stays there)."""
+    await asyncio.sleep(delay)
     (vector,) = averager.tensors
     snapshots, results = out
     for _ in range(rounds):

@@ -419,6 +419,35 @@ def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
 
 
 @pytest.mark.timeout(120)
+def test_moshpit_rounds_in_slots_start_a_period_apart_and_agree_on_the_exact_mean(
+    tmp_path: Path,
+) -> None:
+    """24 peers on a 2 x 2 grid (cells of about 12, groups of up to 16) whose rounds
+    start in slots of 10 s (`grid_period_s`): each round waits for the next slot (3
+    rounds of about 5 s take more than two periods), every cell forms one group, and
+    weighted by their masses the swarm holds the exact mean of all inputs after 2
+    rounds (to float32 rounding)."""
+    period = 10.0
+    scenario = {
+        **SMALL,
+        "name": "moshpit_slots_ci",
+        "peers": 24,
+        "churn": None,
+        "workload": {"kind": "moshpit", "join_window_s": 2, "size": 64, "grid_dims": 2,
+                     "grid_side": 2, "target_group_size": 16, "rounds": 3,
+                     "min_matchmaking_time": 3.0, "grid_period_s": period,
+                     "arms": ["moshpit"]},
+    }  # fmt: skip
+    result = run_scenario(tmp_path, scenario)
+    assert result["burst_s"] > 2 * period  # (one slot per round)
+    assert result["commits_fraction"] == 1.0, result["aborts"]
+    assert result["rounds_to_agreement"] is not None and result["rounds_to_agreement"] <= 2, (
+        result["state_spread"], result["group_sizes"],
+    )  # fmt: skip
+    assert result["mean_error"] <= 1e-6  # the mean of all inputs, none lost
+
+
+@pytest.mark.timeout(120)
 def test_peers_that_crash_during_a_moshpit_burst_lose_only_their_own_inputs(
     tmp_path: Path,
 ) -> None:
