@@ -268,6 +268,12 @@ def _config(dims: int, side: int, target: int = 0, period: float = 0.0) -> Avera
     return AveragerConfig(matchmaking=mm, allreduce=fast)
 
 
+def _assert_all_hold_the_mean(avgs: list[Averager], inputs: list[torch.Tensor]) -> None:
+    mean = torch.stack([x.double() for x in inputs]).mean(0)
+    for a in avgs:
+        assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6, rtol=0)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("dims", "side"), [(2, 2), (3, 2)])
 async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
@@ -299,9 +305,7 @@ async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
             for group in groups.values():  # each meets every group of the last round once
                 assert all(len(group & g) <= 1 for g in previous_groups)
             previous_groups = list(groups.values())
-        mean = torch.stack([x.double() for x in inputs]).mean(0)
-        for a in avgs:
-            assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6, rtol=0)
+        _assert_all_hold_the_mean(avgs, inputs)
     finally:
         for a in avgs:
             await a.aclose()
@@ -376,9 +380,7 @@ async def test_peers_that_call_at_different_times_start_their_rounds_together_in
             results = await asyncio.gather(*(staggered(i) for i in range(n)))
             for r in results:
                 assert r.committed and r.group_size == side, (r.reason, r.attempt_log)
-        mean = torch.stack([x.double() for x in inputs]).mean(0)
-        for a in avgs:
-            assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6, rtol=0)
+        _assert_all_hold_the_mean(avgs, inputs)
     finally:
         for a in avgs:
             await a.aclose()

@@ -381,6 +381,18 @@ def test_real_averagers_over_the_simulator_commit_in_groups_of_every_peer(
     assert result["virtual_s"] >= 20
 
 
+def _moshpit(name: str, peers: int, churn: Any, **workload: Any) -> dict[str, Any]:
+    """A small Moshpit scenario: `peers` on a 2 x 2 grid, vectors of 64, a 3-s window."""
+    return {
+        **SMALL,
+        "name": name,
+        "peers": peers,
+        "churn": churn,
+        "workload": {"kind": "moshpit", "join_window_s": 2, "size": 64, "grid_dims": 2,
+                     "grid_side": 2, "min_matchmaking_time": 3.0, **workload},
+    }  # fmt: skip
+
+
 @pytest.mark.timeout(120)
 def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     tmp_path: Path,
@@ -389,15 +401,7 @@ def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     starts in its cell of a 2 x 2 grid (more than a group's worth announced), a burst of
     rounds brings their vectors together, and no peer's input is thrown away by a
     re-sync (one key for all, in the same run, is the baseline beside it)."""
-    scenario = {
-        **SMALL,
-        "name": "moshpit_ci",
-        "peers": 16,
-        "churn": None,
-        "workload": {"kind": "moshpit", "join_window_s": 2, "size": 64, "grid_dims": 2,
-                     "grid_side": 2, "target_group_size": 8, "rounds": 5,
-                     "min_matchmaking_time": 3.0},
-    }  # fmt: skip
+    scenario = _moshpit("moshpit_ci", 16, None, target_group_size=8, rounds=5)
     result = run_scenario(tmp_path, scenario)
     for arm in (result, result["one_key"]):
         assert arm.keys() >= {
@@ -428,16 +432,8 @@ def test_moshpit_rounds_in_slots_start_a_period_apart_and_agree_on_the_exact_mea
     weighted by their masses the swarm holds the exact mean of all inputs after 2
     rounds (to float32 rounding)."""
     period = 10.0
-    scenario = {
-        **SMALL,
-        "name": "moshpit_slots_ci",
-        "peers": 24,
-        "churn": None,
-        "workload": {"kind": "moshpit", "join_window_s": 2, "size": 64, "grid_dims": 2,
-                     "grid_side": 2, "target_group_size": 16, "rounds": 3,
-                     "min_matchmaking_time": 3.0, "grid_period_s": period,
-                     "arms": ["moshpit"]},
-    }  # fmt: skip
+    scenario = _moshpit("moshpit_slots_ci", 24, None, target_group_size=16, rounds=3,
+                        grid_period_s=period, arms=["moshpit"])  # fmt: skip
     result = run_scenario(tmp_path, scenario)
     assert result["burst_s"] > 2 * period  # (one slot per round)
     assert result["commits_fraction"] == 1.0, result["aborts"]
@@ -455,15 +451,8 @@ def test_peers_that_crash_during_a_moshpit_burst_lose_only_their_own_inputs(
     the grid arm runs, the spread is taken over the peers still live, and on a grid
     only a crashed peer's input can be lost (nobody re-syncs). (How many crash depends
     on how long the burst takes: the simulator charges CPU time to its clock.)"""
-    scenario = {
-        **SMALL,
-        "name": "moshpit_churn_ci",
-        "peers": 12,
-        "churn": {"mean_session_min": 0.5},
-        "workload": {"kind": "moshpit", "join_window_s": 2, "size": 64, "grid_dims": 2,
-                     "grid_side": 2, "target_group_size": 6, "rounds": 4,
-                     "min_matchmaking_time": 3.0, "arms": ["moshpit"]},
-    }  # fmt: skip
+    scenario = _moshpit("moshpit_churn_ci", 12, {"mean_session_min": 0.5},
+                        target_group_size=6, rounds=4, arms=["moshpit"])  # fmt: skip
     result = run_scenario(tmp_path, scenario)
     assert "one_key" not in result and result["peers"] == 12
     assert 0 < result["crashed"] <= 10  # (two peers always survive)
