@@ -675,8 +675,11 @@ async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
     and once the parameters stop moving (rounds 2 and 3 follow no inner step, and
     without momentum the outer step is zero) every replica holds the one mean of all
     8 after 3 rounds: a pair's gossip would still leave them apart."""
+    # A group of 2 closes as soon as both are in, so a long matchmaking_time costs
+    # nothing here; 1 s was shorter than the gap between 8 peers' first inner steps
+    # on loaded CI cores (a peer's cell-mate came after it had given up: no group).
     options = {"inner_steps": 1, "target_group_size": 2, "grid_dims": 3, "grid_side": 2,
-               "outer_momentum": 0.0}  # fmt: skip
+               "outer_momentum": 0.0, "matchmaking_time": 5.0}  # fmt: skip
     peers = await swarm("moshpit", 8, options)
     assert isinstance(peers[0].strategy, Moshpit)
     places = [(a, b) for a in range(2) for b in range(2)] * 2
