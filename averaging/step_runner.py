@@ -243,6 +243,10 @@ class StepRunner:
 
     async def _average(self, group: Group, weight: float, stall: float | None) -> AllReduceOutcome:
         owner = self._owner
+        if self.grid is not None and weight > 0:
+            # `weight` is our mass: with the group known, we weigh for the co-movers of
+            # our last group that are not in it too (`Grid.weight`).
+            weight = self.grid.weight(weight, group.peer_ids)
         # (Its members' connections stay open till it ends: see `Host.protecting`.)
         with owner.dht.host.protecting(group.peer_ids):
             outcome = await self._service.run(

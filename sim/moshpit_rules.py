@@ -37,17 +37,22 @@ from shoal.averaging.moshpit import Grid
 from shoal.transport.identity import Identity, PeerID
 
 AGREEMENT = 1e-6
-Rounds = Callable[[np.ndarray, random.Random], None]
+Rounds = Callable[[np.ndarray, np.ndarray, random.Random], None]
 
 
-def grid_round(grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int) -> Rounds:
-    """One round on the grid: groups by cell, lone peers together under the key."""
+def grid_round(
+    grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int, comovers: bool = True
+) -> Rounds:
+    """One round on the grid: groups by cell, lone peers together under the key.
+    `comovers=False`: members weigh their own mass whoever of their last group is
+    there (the rule before `Grid.weight` counted the co-movers present)."""
 
-    def run(values: np.ndarray, rng: random.Random) -> None:
+    def run(values: np.ndarray, alive: np.ndarray, rng: random.Random) -> None:
         index = {p: i for i, p in enumerate(order)}
         cells: dict[str | None, list[PeerID]] = {}
         for p in order:
-            cells.setdefault(grids[p].next_cell(), []).append(p)
+            if alive[index[p]]:
+                cells.setdefault(grids[p].next_cell(), []).append(p)
         whole = cells.pop(None, [])
         # A peer alone in its cell averages under the whole key this round.
         whole += [m[0] for m in cells.values() if len(m) == 1]
@@ -67,7 +72,7 @@ def grid_round(grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int) 
             start += size
             rows = [index[p] for p in group]
             # Weighted by the members' masses, as the averagers of a grid weigh them.
-            weights = {p: grids[p].weight(1.0) for p in group}
+            weights = {p: grids[p].weight(1.0, group if comovers else ()) for p in group}
             mass = np.array([weights[p] for p in group])
             values[rows] = (mass[:, None] * values[rows]).sum(axis=0) / mass.sum()
             round_id = hashlib.sha256(rng.randbytes(16)).digest()
@@ -80,8 +85,8 @@ def grid_round(grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int) 
 
 
 def one_key_round(target: int) -> Rounds:
-    def run(values: np.ndarray, rng: random.Random) -> None:
-        members = list(range(len(values)))
+    def run(values: np.ndarray, alive: np.ndarray, rng: random.Random) -> None:
+        members = [int(i) for i in np.flatnonzero(alive)]
         rng.shuffle(members)
         start = 0
         for size in split_sizes(len(members), target, 2):
@@ -92,16 +97,21 @@ def one_key_round(target: int) -> Rounds:
     return run
 
 
-def arm(peers: int, rounds: int, step: Rounds, seed: int) -> dict[str, object]:
-    rng = random.Random(seed)
+def arm(peers: int, rounds: int, step: Rounds, seed: int, crash: float) -> dict[str, object]:
+    """`crash`: the fraction of the live peers that crash before each round (drawn
+    alike in every arm); the spread and error are over the live peers."""
+    rng, crashes = random.Random(seed), np.random.default_rng(seed + 1)
     values = np.random.default_rng(seed).standard_normal((peers, 16))
+    alive = np.ones(peers, dtype=bool)
     scale = float(np.abs(values).max())
     exact = values.mean(axis=0)
     spreads, errors = [], []
     for _ in range(rounds):
-        step(values, rng)
-        spreads.append(float(np.abs(values - values.mean(axis=0)).max()) / scale)
-        errors.append(float(np.abs(values - exact).max()) / scale)
+        alive &= crashes.random(peers) >= crash
+        step(values, alive, rng)
+        live = values[alive]
+        spreads.append(float(np.abs(live - live.mean(axis=0)).max()) / scale)
+        errors.append(float(np.abs(live - exact).max()) / scale)
     agreed = next((k + 1 for k, s in enumerate(spreads) if s <= AGREEMENT), None)
     return {
         "rounds_to_agreement": agreed,
@@ -119,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--crash", type=float, default=0.0,
+        help="fraction of the live peers that crash before each round (hourly sessions "
+        "and 20-s rounds: 0.0055)",
+    )  # fmt: skip
+    parser.add_argument(
         "--in-cells", action="store_true",
         help="start in the cells, as peers that found the state announced do (sim/run.py)",
     )  # fmt: skip
@@ -126,18 +141,26 @@ def main(argv: list[str] | None = None) -> None:
     target = args.target or 2 * args.side
     order = [Identity.from_seed(random.Random(args.seed * 7919 + i).randbytes(32)).peer_id
              for i in range(args.peers)]  # fmt: skip
-    grids = {p: Grid(args.dims, args.side, p) for p in order}
-    for grid in grids.values():
-        grid.in_cells = args.in_cells
+
+    def grid_arm(comovers: bool) -> dict[str, object]:
+        grids = {p: Grid(args.dims, args.side, p) for p in order}
+        for grid in grids.values():
+            grid.in_cells = args.in_cells
+        step = grid_round(grids, order, target, comovers)
+        return arm(args.peers, args.rounds, step, args.seed, args.crash)
+
     result = {
         "peers": args.peers,
         "grid_dims": args.dims,
         "grid_side": args.side,
         "target_group_size": target,
         "in_cells": args.in_cells,
-        "moshpit": arm(args.peers, args.rounds, grid_round(grids, order, target), args.seed),
-        "one_key": arm(args.peers, args.rounds, one_key_round(target), args.seed),
+        "crash": args.crash,
+        "moshpit": grid_arm(comovers=True),
+        "one_key": arm(args.peers, args.rounds, one_key_round(target), args.seed, args.crash),
     }
+    if args.crash:
+        result["moshpit_without_comovers"] = grid_arm(comovers=False)
     print(json.dumps(result))
 
 
