@@ -328,6 +328,13 @@ def _config(dims: int, side: int, target: int = 0, period: float = 0.0) -> Avera
     return AveragerConfig(matchmaking=mm, allreduce=fast)
 
 
+async def _close(avgs: list[Averager], dhts: list[DHTNode]) -> None:
+    for a in avgs:
+        await a.aclose()
+    for d in dhts:
+        await d.aclose()
+
+
 def _assert_all_hold_the_mean(avgs: list[Averager], inputs: list[torch.Tensor]) -> None:
     mean = torch.stack([x.double() for x in inputs]).mean(0)
     for a in avgs:
@@ -367,10 +374,7 @@ async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
             previous_groups = list(groups.values())
         _assert_all_hold_the_mean(avgs, inputs)
     finally:
-        for a in avgs:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(avgs, dhts)
 
 
 @pytest.mark.timeout(90)
@@ -408,10 +412,7 @@ async def test_averagers_on_an_unevenly_filled_grid_hold_the_exact_mean_after_di
         for a in avgs:
             assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6 * scale, rtol=0)
     finally:
-        for a in avgs:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(avgs, dhts)
 
 
 @pytest.mark.timeout(90)
@@ -442,10 +443,7 @@ async def test_averagers_that_lost_a_peer_after_a_round_still_all_hold_the_exact
         assert sorted(r.group_size for r in results) == [3] * 3 + [4] * 4
         _assert_all_hold_the_mean(avgs, inputs)
     finally:
-        for a in avgs:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(avgs, dhts)
 
 
 @pytest.mark.timeout(90)
@@ -480,10 +478,7 @@ async def test_peers_that_call_at_different_times_start_their_rounds_together_in
                 assert r.committed and r.group_size == side, (r.reason, r.attempt_log)
         _assert_all_hold_the_mean(avgs, inputs)
     finally:
-        for a in avgs:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(avgs, dhts)
 
 
 @pytest.mark.timeout(90)
@@ -514,10 +509,7 @@ async def test_a_swarm_of_one_group_stays_under_the_key_and_a_larger_one_moves_t
         assert all(a.grid is not None and a.grid.in_cells for a in large)
         assert all(a._matchmaker.cell == a.grid.cell() for a in large if a.grid is not None)
     finally:
-        for a in small + large:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(small + large, dhts)
 
 
 @pytest.mark.timeout(60)
@@ -552,10 +544,7 @@ async def test_a_newcomer_to_a_swarm_larger_than_a_group_starts_in_its_cell(
         assert avgs[1].grid is not None and avgs[1].grid.in_cells
         assert entered[1][0] is not None
     finally:
-        for a in avgs:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(avgs, dhts)
 
 
 @pytest.mark.timeout(60)
@@ -620,10 +609,7 @@ async def test_a_peer_that_moves_on_leaves_its_old_cell_and_waits_in_the_new_one
             while await state_in(me.grid.cell()) is not PeerState.BUSY:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
     finally:
-        for a in avgs:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(avgs, dhts)
 
 
 @pytest.mark.timeout(60)
@@ -652,10 +638,7 @@ async def test_peers_alone_in_their_cells_average_together_under_the_whole_key(
         assert all(torch.equal(a.tensors[0], torch.full((8,), 1.0)) for a in avgs)
         assert len({a.grid.cell() for a in avgs if a.grid is not None}) == 3
     finally:
-        for a in avgs:
-            await a.aclose()
-        for d in dhts:
-            await d.aclose()
+        await _close(avgs, dhts)
 
 
 def test_a_shared_state_is_never_averaged_on_a_grid() -> None:
