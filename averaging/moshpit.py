@@ -76,6 +76,7 @@ __all__ = [
     "Grid",
     "cell_key",
     "permutation",
+    "slot_index",
     "slot_wait",
 ]
 
@@ -119,6 +120,9 @@ class Grid:
         self.mass = 1.0  # our share of the swarm's inputs (module docstring)
         # The members of our last group that moved to our cell with us (`weight`).
         self.comovers: frozenset[PeerID] = frozenset()
+        # With a round period: the slot of our next round, and of our last commit.
+        self.slot: int | None = None
+        self._committed_slot: int | None = None
         # Under the whole key until it is crowded (`note_whole_key`): a swarm that fits
         # in one group agrees in one round there, and would only be split by cells.
         self.in_cells = False
@@ -153,11 +157,32 @@ class Grid:
         whole, and the replicas never agreed). Every one of us present computes the
         same count, so our weights still sum to the share. A co-mover in another
         group of the same cell (a cell that split) has it counted twice; the masses'
-        bounds (`MAX_MASS`) cap that drift."""
+        bounds (`MAX_MASS`) cap that drift.
+
+        With a round period, a peer whose last round ran into the next slot comes a
+        slot late (`skipped_a_slot`), and its co-movers missing here most likely were
+        on time and weighed for it: it then weighs nothing (it takes the round's mean
+        and a share of its mass), where weighing its mass again would count its stale
+        vector twice (256 simulated peers: a few such peers held the spread at 0.005)."""
         if work <= 0:
             return 0.0
-        here = len(self.comovers.intersection(members)) + 1 if members else 1 + len(self.comovers)
-        return min(MAX_MASS, self.mass * (1 + len(self.comovers)) / here)
+        if not members:
+            return self.mass
+        here = len(self.comovers.intersection(members))
+        if here == len(self.comovers):
+            return self.mass
+        if self.skipped_a_slot():
+            return 0.0
+        return min(MAX_MASS, self.mass * (1 + len(self.comovers)) / (1 + here))
+
+    def enter_slot(self, slot: int) -> None:
+        """Our next round is in `slot` (the index of its period: `slot_index`)."""
+        self.slot = slot
+
+    def skipped_a_slot(self) -> bool:
+        """Whether our next round comes more than one slot after our last commit."""
+        last, now = self._committed_slot, self.slot
+        return last is not None and now is not None and now > last + 1
 
     def after_round(
         self,
@@ -173,6 +198,7 @@ class Grid:
             raise ValueError("we were not a member of that round")
         index = members.index(self.peer_id)
         self.comovers = frozenset()
+        self._committed_slot = self.slot
         if weights:
             self.mass = _mass_after(weights, len(members), self.side, index)
             self.comovers = frozenset(
@@ -185,6 +211,7 @@ class Grid:
     def scatter(self) -> None:
         """Move on after a round that found no group: a random new coordinate."""
         self.comovers = frozenset()
+        self._committed_slot = None
         self._shift(int.from_bytes(os.urandom(4), "big") % self.side)
 
     def _shift(self, coordinate: int) -> None:
@@ -210,6 +237,12 @@ def permutation(round_id: bytes, side: int) -> list[int]:
         range(side),
         key=lambda i: hashlib.sha256(_DOMAIN + round_id + i.to_bytes(4, "big")).digest(),
     )
+
+
+def slot_index(period: float, now: float, late: float) -> int:
+    """The index of the slot `slot_wait` puts a round that calls at `now` in."""
+    slot = math.floor(now / period)
+    return slot if now - slot * period <= late else slot + 1
 
 
 def slot_wait(period: float, now: float, late: float) -> float:

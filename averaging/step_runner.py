@@ -30,7 +30,7 @@ from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .group import Group, Member
 from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
-from .moshpit import GRID_VERSION, MAX_MASS, Grid, slot_wait
+from .moshpit import GRID_VERSION, MAX_MASS, Grid, slot_index, slot_wait
 from .presence import Presence
 from .reducer import NOTHING_TO_AVERAGE
 from .state_sync import count_holders
@@ -148,9 +148,10 @@ class StepRunner:
         lookups of its own (256 simulated peers: 728 DHT requests per peer per minute
         against 433, matchmaking 5.7 s against 6.2, agreement no sooner)."""
         mm = self._owner.config.matchmaking
-        if mm.grid_period:
-            wait = slot_wait(mm.grid_period, time.time(), late=mm.min_matchmaking_time / 2)
-            await asyncio.sleep(wait)
+        if mm.grid_period and self.grid is not None:
+            now, late = time.time(), mm.min_matchmaking_time / 2
+            self.grid.enter_slot(slot_index(mm.grid_period, now, late))
+            await asyncio.sleep(slot_wait(mm.grid_period, now, late))
 
     async def _join_crowded_grid(self) -> None:
         """Before our first step: a swarm whose state more than a group's worth of peers

@@ -19,7 +19,14 @@ from shoal.averaging.allreduce import AllReduceConfig
 from shoal.averaging.averager import Averager, AveragerConfig
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.matchmaking_rules import PeerState, parse_view
-from shoal.averaging.moshpit import MAX_MASS, Grid, cell_key, permutation, slot_wait
+from shoal.averaging.moshpit import (
+    MAX_MASS,
+    Grid,
+    cell_key,
+    permutation,
+    slot_index,
+    slot_wait,
+)
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import Identity, PeerID
 
@@ -177,6 +184,34 @@ def test_a_member_weighs_for_the_comovers_of_its_last_group_missing_from_its_gro
     assert grids[movers[0]].weight(0.0, [movers[0]]) == 0.0  # nothing to add: still nothing
     grids[movers[0]].scatter()  # a round without a group: nobody moved with us
     assert grids[movers[0]].comovers == frozenset()
+
+
+def test_a_member_a_slot_late_leaves_the_share_to_the_comovers_that_were_on_time() -> None:
+    """With a round period: members 0 and 4 of a group of 8 on a side of 4 move to
+    one cell together. One of them comes a slot late (its round ran over): the
+    other, on time and alone, weighed their cell's whole share in the slot before,
+    so the late one weighs nothing, and its stale vector is not counted twice. Late
+    with all its co-movers (the whole group ran over), it weighs its mass."""
+    members = peers(8)
+    grids = {p: Grid(2, 4, p) for p in members}
+    for p in members:
+        grids[p].enter_slot(10)
+        grids[p].after_round(b"l" * 32, members, {q: 1.0 for q in members})
+    first, second = members[0], members[4]
+    on_time, late = grids[first], grids[second]
+    assert on_time.comovers == {second} and late.comovers == {first}
+    others = peers(3, seed=4)
+    on_time.enter_slot(11)
+    assert not on_time.skipped_a_slot()
+    assert on_time.weight(1.0, [first, *others]) == pytest.approx(2 * on_time.mass)
+    late.enter_slot(12)
+    assert late.skipped_a_slot()
+    assert late.weight(1.0, [second, *others]) == 0.0
+    assert late.weight(1.0, [first, second, *others]) == late.mass
+    # Where a round calls: the slot that began at most `late` ago, else the next one.
+    assert slot_index(20.0, 200.5, late=1.5) == 10 and slot_wait(20.0, 200.5, 1.5) == 0
+    assert slot_index(20.0, 202.0, late=1.5) == 11 and slot_wait(20.0, 202.0, 1.5) == 18
+    assert slot_index(20.0, 219.9, late=1.5) == 11
 
 
 def test_after_crashes_the_comovers_left_keep_every_peer_on_the_exact_mean() -> None:
