@@ -163,6 +163,12 @@ async def _arm(
     # Where the others stand, and how many rounds each survivor committed, say why.
     spreads_p99 = [_spread_quantile([snaps[k] for snaps, _ in survivors], scale, 0.99)
                    for k in range(rounds)]  # fmt: skip
+    # The same over the survivors whose first k steps all committed: what the grid left
+    # apart from the peers whose own step failed (they hold a vector a round stale).
+    steady = [[snaps[k] for snaps, results in survivors
+               if len(results) > k and all(r.committed for r in results[: k + 1])]
+              for k in range(rounds)]  # fmt: skip
+    spreads_steady = [_spread(v, scale) if len(v) > 1 else 0.0 for v in steady]
     per_survivor = Counter(sum(r.committed for r in results) for _, results in survivors)
     exact = torch.stack([x.double() for x in inputs]).mean(0)
     finals = torch.stack([snaps[-1].double() for snaps, _ in survivors])
@@ -173,6 +179,8 @@ async def _arm(
         "rounds_to_agreement": agreed,
         "state_spread": [float(f"{s:.3g}") for s in spreads],
         "state_spread_p99": [float(f"{s:.3g}") for s in spreads_p99],
+        "state_spread_all_committed": [float(f"{s:.3g}") for s in spreads_steady],
+        "survivors_all_committed": [len(v) for v in steady],
         "survivors_by_commits": dict(sorted(per_survivor.items())),
         "burst_s": round(burst_s, 2),
         "mean_error": float(f"{float((finals - exact).abs().max()) / scale:.3g}"),

@@ -418,6 +418,11 @@ def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     pairs = zip(result["state_spread_p99"], result["state_spread"], strict=True)
     assert all(p <= m for p, m in pairs)
     assert sum(result["survivors_by_commits"].values()) == 16
+    # And the spread over the survivors that committed every round so far (apart from
+    # the peers a failed step left a round behind): never above the farthest peer's.
+    pairs = zip(result["state_spread_all_committed"], result["state_spread"], strict=True)
+    assert all(c <= m for c, m in pairs)
+    assert all(0 < n <= 16 for n in result["survivors_all_committed"])
     assert all(0 <= int(k) <= 5 for k in result["survivors_by_commits"])
     assert 0 < result["burst_s"] <= result["virtual_s"]
 
