@@ -41,11 +41,6 @@ inputs, however uneven the groups were. Where cells hold between `side` and
 `target_group_size` peers (`N / side ** (dims - 1)`), that makes every peer hold
 the exact mean of all after `dims` rounds (`sim/moshpit_rules.py`).
 
-The members that move to one next cell (its *co-movers*) hold the same vector, so
-any of them stands for all: in their next group they weigh their cell's whole share
-between the ones present (`Grid.weight`), and a co-mover that crashed between two
-rounds takes nothing out of the swarm (its input lives on in its group's mean).
-
 That needs each cell to form one group, so its peers must look for each other at
 the same time. A peer reaches its next cell when its own round ends, and its
 cell's leader closes with whoever is there after `min_matchmaking_time`: several
@@ -65,7 +60,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from shoal.transport.identity import PeerID
 
@@ -76,7 +71,6 @@ __all__ = [
     "Grid",
     "cell_key",
     "permutation",
-    "slot_index",
     "slot_wait",
 ]
 
@@ -118,11 +112,6 @@ class Grid:
         )
         self.rounds = 0  # rounds that moved us (commits and scatters)
         self.mass = 1.0  # our share of the swarm's inputs (module docstring)
-        # The members of our last group that moved to our cell with us (`weight`).
-        self.comovers: frozenset[PeerID] = frozenset()
-        # With a round period: the slot of our next round, and of our last commit.
-        self.slot: int | None = None
-        self._committed_slot: int | None = None
         # Under the whole key until it is crowded (`note_whole_key`): a swarm that fits
         # in one group agrees in one round there, and would only be split by cells.
         self.in_cells = False
@@ -145,44 +134,10 @@ class Grid:
         """The name of our cell: the suffix of the matchmaking key of our next round."""
         return ".".join(map(str, self.coords))
 
-    def weight(self, work: float, members: Collection[PeerID] = ()) -> float:
-        """What we weigh in a round with `members`: our mass, or 0 with no work to add
-        (a peer that has nothing new still takes the round's mean, and a share of its
-        mass). Our last group handed our cell its share of the group's mass split among
-        us and the `comovers` that moved here with us, and we all hold the same vector:
-        any of us stands for all. So the ones of us in this group weigh our cell's
-        whole share between them, and a co-mover that crashed, or is late, takes no
-        mass out of the swarm (with 1,000 simulated peers and hourly sessions, a few
-        crash each round and their shares were lost: another cell's group got them
-        whole, and the replicas never agreed). Every one of us present computes the
-        same count, so our weights still sum to the share. A co-mover in another
-        group of the same cell (a cell that split) has it counted twice; the masses'
-        bounds (`MAX_MASS`) cap that drift.
-
-        With a round period, a peer whose last round ran into the next slot comes a
-        slot late (`skipped_a_slot`), and its co-movers missing here most likely were
-        on time and weighed for it: it then weighs nothing (it takes the round's mean
-        and a share of its mass), where weighing its mass again would count its stale
-        vector twice (256 simulated peers: a few such peers held the spread at 0.005)."""
-        if work <= 0:
-            return 0.0
-        if not members:
-            return self.mass
-        here = len(self.comovers.intersection(members))
-        if here == len(self.comovers):
-            return self.mass
-        if self.skipped_a_slot():
-            return 0.0
-        return min(MAX_MASS, self.mass * (1 + len(self.comovers)) / (1 + here))
-
-    def enter_slot(self, slot: int) -> None:
-        """Our next round is in `slot` (the index of its period: `slot_index`)."""
-        self.slot = slot
-
-    def skipped_a_slot(self) -> bool:
-        """Whether our next round comes more than one slot after our last commit."""
-        last, now = self._committed_slot, self.slot
-        return last is not None and now is not None and now > last + 1
+    def weight(self, work: float) -> float:
+        """What we weigh in our next round: our mass, or 0 with no work to add (a peer
+        that has nothing new still takes the round's mean, and a share of its mass)."""
+        return self.mass if work > 0 else 0.0
 
     def after_round(
         self,
@@ -197,21 +152,13 @@ class Grid:
         if self.peer_id not in members:
             raise ValueError("we were not a member of that round")
         index = members.index(self.peer_id)
-        self.comovers = frozenset()
-        self._committed_slot = self.slot
         if weights:
             self.mass = _mass_after(weights, len(members), self.side, index)
-            self.comovers = frozenset(
-                m for j, m in enumerate(members)
-                if j % self.side == index % self.side and m != self.peer_id
-            )  # fmt: skip
         order = permutation(round_id, self.side)
         self._shift(order[index % self.side])
 
     def scatter(self) -> None:
         """Move on after a round that found no group: a random new coordinate."""
-        self.comovers = frozenset()
-        self._committed_slot = None
         self._shift(int.from_bytes(os.urandom(4), "big") % self.side)
 
     def _shift(self, coordinate: int) -> None:
@@ -237,12 +184,6 @@ def permutation(round_id: bytes, side: int) -> list[int]:
         range(side),
         key=lambda i: hashlib.sha256(_DOMAIN + round_id + i.to_bytes(4, "big")).digest(),
     )
-
-
-def slot_index(period: float, now: float, late: float) -> int:
-    """The index of the slot `slot_wait` puts a round that calls at `now` in."""
-    slot = math.floor(now / period)
-    return slot if now - slot * period <= late else slot + 1
 
 
 def slot_wait(period: float, now: float, late: float) -> float:

@@ -30,7 +30,7 @@ from .deadline import Deadline
 from .deadlines import AveragerDeadlines
 from .group import Group, Member
 from .matchmaking import Matchmaker, MatchmakingError, NeedsResync, NobodyElse
-from .moshpit import GRID_VERSION, MAX_MASS, Grid, slot_index, slot_wait
+from .moshpit import GRID_VERSION, MAX_MASS, Grid, slot_wait
 from .presence import Presence
 from .reducer import NOTHING_TO_AVERAGE
 from .state_sync import count_holders
@@ -148,10 +148,9 @@ class StepRunner:
         lookups of its own (256 simulated peers: 728 DHT requests per peer per minute
         against 433, matchmaking 5.7 s against 6.2, agreement no sooner)."""
         mm = self._owner.config.matchmaking
-        if mm.grid_period and self.grid is not None:
-            now, late = time.time(), mm.min_matchmaking_time / 2
-            self.grid.enter_slot(slot_index(mm.grid_period, now, late))
-            await asyncio.sleep(slot_wait(mm.grid_period, now, late))
+        if mm.grid_period:
+            wait = slot_wait(mm.grid_period, time.time(), late=mm.min_matchmaking_time / 2)
+            await asyncio.sleep(wait)
 
     async def _join_crowded_grid(self) -> None:
         """Before our first step: a swarm whose state more than a group's worth of peers
@@ -244,10 +243,6 @@ class StepRunner:
 
     async def _average(self, group: Group, weight: float, stall: float | None) -> AllReduceOutcome:
         owner = self._owner
-        if self.grid is not None and weight > 0:
-            # `weight` is our mass: with the group known, we weigh for the co-movers of
-            # our last group that are not in it too (`Grid.weight`).
-            weight = self.grid.weight(weight, group.peer_ids)
         # (Its members' connections stay open till it ends: see `Host.protecting`.)
         with owner.dht.host.protecting(group.peer_ids):
             outcome = await self._service.run(

@@ -1,13 +1,15 @@
 """The Moshpit grid's rules alone, at any scale: how many rounds until one state.
 
     python sim/moshpit_rules.py --peers 1000 --dims 3 --side 10 [--target 20] [--rounds 12]
+        [--crash 0.0055]
 
 No network and no averager: the real `moshpit.Grid` (where each peer is, where it
 moves, what mass it carries) and the real `split_sizes` (how matchmaking splits a
 crowded cell), with every round complete and every group's mean (weighted by the
 members' masses) exact in float64. Peers start under the whole key and move to
 their cells once it is crowded, and a peer alone in its cell averages under the
-whole key with the others alone in theirs, as the step runner does. Beside it, in
+whole key with the others alone in theirs, as the step runner does; with `--crash`,
+that fraction of the live peers crashes before each round, taking its mass. Beside it, in
 the same run, one key for all (groups of `target`, members drawn at random each
 round). Prints one JSON object: per arm, the spread after each round (largest
 difference of a peer's vector to the peers' mean, over the inputs' largest
@@ -40,12 +42,8 @@ AGREEMENT = 1e-6
 Rounds = Callable[[np.ndarray, np.ndarray, random.Random], None]
 
 
-def grid_round(
-    grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int, comovers: bool = True
-) -> Rounds:
-    """One round on the grid: groups by cell, lone peers together under the key.
-    `comovers=False`: members weigh their own mass whoever of their last group is
-    there (the rule before `Grid.weight` counted the co-movers present)."""
+def grid_round(grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int) -> Rounds:
+    """One round on the grid: groups by cell, lone peers together under the key."""
 
     def run(values: np.ndarray, alive: np.ndarray, rng: random.Random) -> None:
         index = {p: i for i, p in enumerate(order)}
@@ -72,7 +70,7 @@ def grid_round(
             start += size
             rows = [index[p] for p in group]
             # Weighted by the members' masses, as the averagers of a grid weigh them.
-            weights = {p: grids[p].weight(1.0, group if comovers else ()) for p in group}
+            weights = {p: grids[p].weight(1.0) for p in group}
             mass = np.array([weights[p] for p in group])
             values[rows] = (mass[:, None] * values[rows]).sum(axis=0) / mass.sum()
             round_id = hashlib.sha256(rng.randbytes(16)).digest()
@@ -141,14 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     target = args.target or 2 * args.side
     order = [Identity.from_seed(random.Random(args.seed * 7919 + i).randbytes(32)).peer_id
              for i in range(args.peers)]  # fmt: skip
-
-    def grid_arm(comovers: bool) -> dict[str, object]:
-        grids = {p: Grid(args.dims, args.side, p) for p in order}
-        for grid in grids.values():
-            grid.in_cells = args.in_cells
-        step = grid_round(grids, order, target, comovers)
-        return arm(args.peers, args.rounds, step, args.seed, args.crash)
-
+    grids = {p: Grid(args.dims, args.side, p) for p in order}
+    for grid in grids.values():
+        grid.in_cells = args.in_cells
+    step = grid_round(grids, order, target)
     result = {
         "peers": args.peers,
         "grid_dims": args.dims,
@@ -156,11 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         "target_group_size": target,
         "in_cells": args.in_cells,
         "crash": args.crash,
-        "moshpit": grid_arm(comovers=True),
+        "moshpit": arm(args.peers, args.rounds, step, args.seed, args.crash),
         "one_key": arm(args.peers, args.rounds, one_key_round(target), args.seed, args.crash),
     }
-    if args.crash:
-        result["moshpit_without_comovers"] = grid_arm(comovers=False)
     print(json.dumps(result))
 
 
