@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.averaging import host_state
+from shoal.averaging import host_state, outer
 from shoal.averaging.averager import restored_version
 from shoal.averaging.diloco import DiLoCo, StreamingDiLoCo, split_fragments
 from shoal.averaging.gossip import pairing
@@ -668,18 +668,22 @@ async def test_noloco_pairs_follow_pairing_and_end_identical_without_a_group(
 
 @pytest.mark.timeout(90)
 async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
-    swarm: Callable[..., Any], whole_state_math: None
+    swarm: Callable[..., Any], whole_state_math: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """8 peers on a full 2 x 2 x 2 grid (groups of 2): each round's members commit the
     same bits, each round's groups take one member from two groups of the round before,
     and once the parameters stop moving (rounds 2 and 3 follow no inner step, and
     without momentum the outer step is zero) every replica holds the one mean of all
     8 after 3 rounds: a pair's gossip would still leave them apart."""
-    # A group of 2 closes as soon as both are in, so a long matchmaking_time costs
-    # nothing here; 1 s was shorter than the gap between 8 peers' first inner steps
-    # on loaded CI cores (a peer's cell-mate came after it had given up: no group).
+    # A group of 2 closes as soon as both are in, and nobody fails here: long
+    # matchmaking and failure bounds cost nothing. On loaded CI cores 1 s was shorter
+    # than the gap between 8 peers' first inner steps (a peer's cell-mate came after
+    # it had given up: no group); in later rounds a peer gave up alone in its new cell
+    # after 1 s (`ALONE_AFTER`) before its cell-mate's declaration there was stored.
+    monkeypatch.setattr(outer, "ALONE_AFTER", 5.0)
     options = {"inner_steps": 1, "target_group_size": 2, "grid_dims": 3, "grid_side": 2,
-               "outer_momentum": 0.0, "matchmaking_time": 5.0}  # fmt: skip
+               "outer_momentum": 0.0, "matchmaking_time": 5.0, "stall_timeout": 10.0,
+               "round_timeout": 30.0}  # fmt: skip
     peers = await swarm("moshpit", 8, options)
     assert isinstance(peers[0].strategy, Moshpit)
     places = [(a, b) for a in range(2) for b in range(2)] * 2
@@ -692,10 +696,11 @@ async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
     first = await asyncio.gather(*(p.train(1, samples=8) for p in peers))
     previous = {frozenset(p.strategy.last_step.members) for p in peers}
     for (report,) in first:
-        assert report.committed and report.group_size == 2
+        assert report.committed and report.group_size == 2, report.describe()
     for _ in range(2):
         reports = await asyncio.gather(*(p.strategy.after_inner_step(8) for p in peers))
-        assert all(r.committed and r.group_size == 2 for (r,) in reports)
+        for (report,) in reports:
+            assert report.committed and report.group_size == 2, report.describe()
         groups = {frozenset(p.strategy.last_step.members) for p in peers}
         assert all(len(g & h) <= 1 for g in groups for h in previous)
         previous = groups
