@@ -419,9 +419,17 @@ def test_a_moshpit_grid_mixes_a_swarm_of_several_groups_and_loses_no_input(
     assert all(p <= m for p, m in pairs)
     assert sum(result["survivors_by_commits"].values()) == 16
     # And the spread over the survivors that committed every round so far (apart from
-    # the peers a failed step left a round behind): never above the farthest peer's.
-    pairs = zip(result["state_spread_all_committed"], result["state_spread"], strict=True)
-    assert all(c <= m for c, m in pairs)
+    # the peers a failed step left a round behind), each about their own mean: a subset's
+    # distance to its mean is at most the whole set's range, at most twice the farthest
+    # peer's distance (a few stale peers pull the live mean away from the steady ones).
+    # Where every survivor committed so far, the two are one set and one figure.
+    spreads = zip(
+        result["state_spread_all_committed"], result["state_spread"],
+        result["survivors_all_committed"], strict=True,
+    )  # fmt: skip
+    for steady, farthest, count in spreads:
+        assert steady <= 2 * farthest * 1.01  # (both printed to 3 figures)
+        assert count < 16 or steady == farthest
     assert all(0 < n <= 16 for n in result["survivors_all_committed"])
     assert all(0 <= int(k) <= 5 for k in result["survivors_by_commits"])
     assert 0 < result["burst_s"] <= result["virtual_s"]
