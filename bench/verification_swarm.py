@@ -14,6 +14,7 @@ probation rate is set to the default rate), so the figure is the steady state.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -123,7 +124,10 @@ def run_arm(verify: bool, peers: int, seconds: float, workdir: Path) -> dict[str
     tokens = sum(a["tokens"] - b["tokens"] for a, b in zip(after, before, strict=True))
     sent = sum(a["bytes_sent"] - b["bytes_sent"] for a, b in zip(after, before, strict=True))
     rounds = max(a["outer_step"] for a in after) - min(b["outer_step"] for b in before)
-    audits = sum(((a.get("verification") or {}).get("audits_done") or 0) for a in after)
+    # (`audits_done` counts since the daemon started: the window's are after - before.)
+    audits = sum(((s.get("verification") or {}).get("audits_done") or 0) for s in after) - sum(
+        ((s.get("verification") or {}).get("audits_done") or 0) for s in before
+    )
     return {
         "tokens_per_s": tokens / elapsed,
         "bytes_sent": sent,
@@ -134,13 +138,55 @@ def run_arm(verify: bool, peers: int, seconds: float, workdir: Path) -> dict[str
     }
 
 
-def reveal_bytes() -> int:
-    """What one audit's reveal moves: the segment's start parameters and the two Adam
-    moments, its end parameters and the run's final parameters (float32)."""
-    from shoal.peer.training.tasks.bytegpt import make_task
+def reveal_bytes() -> dict[str, int]:
+    """What one audit's reveal of the default task moves on the wire, counted by the
+    prover's host (framing and encryption included): today's (the segment's start
+    parameters and Adam moments, its end parameters: `peer/verify/reveals.py`), and
+    protocol 2.0's (the run's final parameters too) in the same run; and one model
+    size of float32."""
+    return asyncio.run(_reveal_bytes())
 
-    params = sum(p.numel() for p in make_task({}).make_model(0).parameters())
-    return 5 * 4 * params
+
+async def _reveal_bytes() -> dict[str, int]:
+    from shoal.peer.trainer import check_hyperparameters
+    from shoal.peer.training.tasks.bytegpt import make_task
+    from shoal.peer.verify.reveals import PROTOCOL, Reveal, fetch_reveal, reveal_of, send_reveal
+    from shoal.peer.verify.segments import SegmentRunner, segment_batches
+    from shoal.transport import rpc
+    from shoal.transport.host import Host, HostConfig
+    from shoal.transport.identity import Identity
+
+    task = make_task({})
+    runner = SegmentRunner(task, check_hyperparameters({}))
+    # A start past one step (the optimizer holds its moments), then a 3-step segment.
+    start = runner.run(runner.capture(), segment_batches(task, 0, 64, 1, first=0, count=1), 0)
+    end = runner.run(start, segment_batches(task, 0, 64, 1, first=1, count=3), 1)
+    reveals = {"reveal_bytes": reveal_of(start, end),
+               "reveal_bytes_protocol_2_0": reveal_of(start, end, end)}  # fmt: skip
+    config = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))
+    prover, referee = Host(Identity.generate(), config), Host(Identity.generate(), config)
+    serving: list[Reveal] = []
+
+    @rpc.RpcService(prover, PROTOCOL).stream("reveal")
+    async def reveal(ctx: rpc.CallContext, payload: Any) -> Any:
+        await send_reveal(ctx, serving[-1])
+        yield {"done": True}
+
+    out = {"model_bytes": 4 * sum(p.numel() for p in runner.model.parameters())}
+    try:
+        await prover.start()
+        await referee.start()
+        await referee.connect(prover.addresses()[0])
+        shapes = [p.shape for p in runner.model.parameters()]
+        for name, sent in reveals.items():
+            serving.append(sent)
+            before = prover.bytes_sent
+            await fetch_reveal(referee, prover.peer_id, 1, 0, runner.inner.state_dict(), shapes,
+                               timeout=60, layouts=runner.inner.state_layouts())  # fmt: skip
+            out[name] = prover.bytes_sent - before
+    finally:
+        await asyncio.gather(prover.aclose(), referee.aclose(), return_exceptions=True)
+    return out
 
 
 def measure(seconds: float, peers: int, rate: float = 0.05) -> dict[str, Any]:
@@ -152,7 +198,8 @@ def measure(seconds: float, peers: int, rate: float = 0.05) -> dict[str, Any]:
         shutil.rmtree(workdir, ignore_errors=True)
     # How many audits fall in a window is a matter of luck (Poisson, about rate x peers
     # per round): the expectation replaces the audits seen by the audits expected.
-    per_audit = reveal_bytes()
+    reveal = reveal_bytes()
+    per_audit = reveal["reveal_bytes"]
     rest = (
         on["bytes_per_round"]
         - off["bytes_per_round"]
@@ -163,7 +210,7 @@ def measure(seconds: float, peers: int, rate: float = 0.05) -> dict[str, Any]:
         "compute_overhead": 1 - on["tokens_per_s"] / off["tokens_per_s"],
         "bytes_overhead": on["bytes_per_round"] / off["bytes_per_round"] - 1,
         "bytes_overhead_expected": expected / off["bytes_per_round"],
-        "reveal_bytes": per_audit,
+        **reveal,
         "on": on,
         "off": off,
         "peers": peers,

@@ -348,6 +348,8 @@ def new_seeds() -> dict[str, list[bytes]]:
         "verification_rounds": _packed(
             [conviction_commitment, b"s" * SECRET_BYTES],
             {"params": 2, "keys": [[0, "exp_avg"]], "end_opt": bytes(32), "final_opt": bytes(32)},
+            # today's reveal: no final state follows
+            {"params": 2, "keys": [[0, "exp_avg"]], "end_opt": bytes(32)},
             # more parameters and state than the asker's model has: refused unread
             {"params": 3, "keys": [[5, "exp_avg"]], "end_opt": bytes(32), "final_opt": bytes(32)},
         ),

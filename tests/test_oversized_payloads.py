@@ -24,6 +24,7 @@ from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.peer.verify.reveals import PROTOCOL as REVEALS
 from shoal.peer.verify.reveals import Reveal, RevealTooLarge, fetch_reveal, send_reveal
 from shoal.peer.verify.segments import SegmentState
+from shoal.peer.verify.verifier import parse_reveal_request
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.server import pipeline_protocol
 from shoal.pipeline.stage_peer import StagePeer
@@ -239,23 +240,31 @@ async def test_a_reveal_announcing_more_than_our_model_is_refused_before_allocat
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("final", [False, True], ids=["today", "from-a-2.0-prover"])
 async def test_an_honest_reveal_of_our_models_layout_is_taken(
-    make_host: Callable[..., Any],
+    make_host: Callable[..., Any], final: bool
 ) -> None:
     """Parameters of our shapes and AdamW's state (two moments of a parameter's shape and
-    a step count each): exactly what the bounds allow."""
+    a step count each): exactly what the bounds allow. We ask without the run's final
+    state; a prover of protocol 2.0 sends it anyway, and that is read too."""
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
     params = [p.detach().clone() for p in model.parameters()]
     start = SegmentState(params, {"optimizer": opt.state_dict(), "grad_scaler": None})
-    sent = Reveal(start, params, b"e" * 32, params, b"f" * 32)
+    sent = (
+        Reveal(start, params, b"e" * 32, params, b"f" * 32)
+        if final
+        else Reveal(start, params, b"e" * 32)
+    )
     referee, prover = await make_host(), await make_host()
     service = rpc.RpcService(prover, REVEALS)
+    asked: list[Any] = []
 
     @service.stream("reveal")
     async def reveal(ctx: rpc.CallContext, payload: Any) -> Any:
+        asked.append(payload)
         await send_reveal(ctx, sent)
         yield {"done": True}
 
@@ -266,6 +275,21 @@ async def test_an_honest_reveal_of_our_models_layout_is_taken(
     assert all(torch.equal(a, b) for a, b in zip(got.start.params, params, strict=True))
     assert len(got.start.optimizer["optimizer"]["state"]) == 2
     assert got.end_optimizer == b"e" * 32
+    assert asked[0]["final"] is False
+    if final:
+        assert got.final_optimizer == b"f" * 32 and got.final_params is not None
+        assert all(torch.equal(a, b) for a, b in zip(got.final_params, params, strict=True))
+    else:
+        assert got.final_params is None and got.final_optimizer is None
+
+
+def test_a_referee_of_protocol_2_0_is_revealed_the_final_state_it_checks() -> None:
+    """Its request does not say `final`: it reads the final state after the end, so it
+    gets it; today's referees say they do not want it; anything else is refused."""
+    assert parse_reveal_request({"round": 3, "segment": 1}) == (3, 1, True)
+    assert parse_reveal_request({"round": 3, "segment": 1, "final": False}) == (3, 1, False)
+    with pytest.raises(ValueError):
+        parse_reveal_request({"round": 3, "segment": 1, "final": "no"})
 
 
 @pytest.mark.timeout(30)

@@ -90,11 +90,12 @@ def setup(task, retain_bytes: int = 1 << 30, **log_options):  # type: ignore[no-
     return hyper, work, verified, c, rnd
 
 
-def reveal(task, hyper, work, verified, c: Commitment, segment: int) -> Reveal:  # type: ignore[no-untyped-def]
+def reveal(task, hyper, work, verified, c: Commitment, segment: int, final: bool = False) -> Reveal:  # type: ignore[no-untyped-def]
+    """The prover's reveal of `segment`; with the run's `final` state as for a 2.0 referee."""
     replay = Replay(SegmentRunner(task, hyper), task, verified, SHARDS)
     first, end = c.segment_bounds(segment)
-    return reveal_of(replay.state_after(work, first), replay.state_after(work, end),
-                     replay.state_after(work, work.steps))  # fmt: skip
+    last = replay.state_after(work, work.steps) if final else None
+    return reveal_of(replay.state_after(work, first), replay.state_after(work, end), last)
 
 
 def audit(task, hyper, rnd, c, segment, r: Reveal):  # type: ignore[no-untyped-def]
@@ -110,10 +111,14 @@ def test_the_log_holds_a_checkpoint_every_k_steps_and_a_sealed_end(task) -> None
     assert [work.digest_at(s) for s in (3, 6, 8)] == list(c.checkpoints)
 
 
+@pytest.mark.parametrize("final", [False, True], ids=["today", "with-final"])
 @pytest.mark.parametrize("segment", [0, 1, 2])
-def test_an_honest_reveal_matches_the_commitment_and_passes_its_audit(task, segment: int) -> None:  # type: ignore[no-untyped-def]
+def test_an_honest_reveal_matches_the_commitment_and_passes_its_audit(  # type: ignore[no-untyped-def]
+    task, segment: int, final: bool
+) -> None:
     hyper, work, verified, c, rnd = setup(task)
-    r = reveal(task, hyper, work, verified, c, segment)
+    r = reveal(task, hyper, work, verified, c, segment, final)
+    assert (r.final_params is not None) == final
     assert r.problem(c, segment) is None
     finding = audit(task, hyper, rnd, c, segment, r)
     assert finding.result is Result.PASS and finding.flips == 0, finding
@@ -121,7 +126,7 @@ def test_an_honest_reveal_matches_the_commitment_and_passes_its_audit(task, segm
 
 def test_every_lie_in_a_reveal_is_named(task) -> None:  # type: ignore[no-untyped-def]
     hyper, work, verified, c, rnd = setup(task)
-    honest = reveal(task, hyper, work, verified, c, 1)
+    honest = reveal(task, hyper, work, verified, c, 1, final=True)
 
     def altered(**kw) -> Reveal:  # type: ignore[no-untyped-def]
         fields = dict(honest.__dict__)
@@ -136,7 +141,8 @@ def test_every_lie_in_a_reveal_is_named(task) -> None:  # type: ignore[no-untype
     start.params[1][0] += 1e-3
     assert "start state" in (altered(start=start).problem(c, 1) or "")
     assert audit(task, hyper, rnd, c, 1, altered(end_params=bumped)).result is Result.BAD_REVEAL
-    # A commitment whose pseudo-gradient root is not the run's (honest states, other bytes sent).
+    # A commitment whose pseudo-gradient root is not the run's (honest states, other bytes
+    # sent), against the final state a 2.0 prover reveals.
     other = Commitment(**{**c.__dict__, "delta_root": hashlib.sha256(b"x").digest(),
                           "signature": b""})  # fmt: skip
     finding = audit(task, hyper, rnd, other, 1, honest)
@@ -146,6 +152,25 @@ def test_every_lie_in_a_reveal_is_named(task) -> None:  # type: ignore[no-untype
     stale = AuditRound(**{**rnd.__dict__, "start_params": wrong_start})
     finding = audit(task, hyper, stale, c, 1, honest)
     assert finding.result is Result.FAIL and "global state" in finding.why
+
+
+def test_what_was_sent_is_checked_against_the_run_s_end_when_the_last_segment_is_audited(  # type: ignore[no-untyped-def]
+    task,
+) -> None:
+    """A prover that sends other bytes than its run's end gives (start minus end) is
+    caught by the audit of its last segment, whose end is the run's: without the final
+    state revealed (a fifth model size). Another segment's audit cannot catch it, with
+    or without that state: the prover could have committed a last checkpoint that
+    matches what it sent, and only re-running the last segment checks that one."""
+    hyper, work, verified, c, rnd = setup(task)
+    other = Commitment(**{**c.__dict__, "delta_root": hashlib.sha256(b"x").digest(),
+                          "signature": b""})  # fmt: skip
+    last = c.segments - 1
+    finding = audit(task, hyper, rnd, other, last, reveal(task, hyper, work, verified, c, last))
+    assert finding.result is Result.FAIL and "pseudo-gradient" in finding.why
+    for segment in range(last):  # (the honest run is re-run alike: nothing else to see)
+        r = reveal(task, hyper, work, verified, c, segment)
+        assert audit(task, hyper, rnd, other, segment, r).result is Result.PASS
 
 
 def test_states_dropped_under_a_small_budget_are_re_run_bit_for_bit(task) -> None:  # type: ignore[no-untyped-def]
@@ -179,8 +204,8 @@ def test_states_spilled_to_disk_reveal_what_states_kept_in_ram_reveal(task, tmp_
         back = on_disk.log.state_at(spilled, step)
         assert back is not None and back.digest() == work.digest_at(step)
     for segment in range(c.segments):
-        kept = reveal(task, hyper, work, verified, c, segment)
-        read_back = reveal(task, hyper, spilled, on_disk, c, segment)
+        kept = reveal(task, hyper, work, verified, c, segment, final=True)
+        read_back = reveal(task, hyper, spilled, on_disk, c, segment, final=True)
         assert read_back.start.digest() == kept.start.digest()
         pairs = zip(read_back.final_params + read_back.end_params,
                     kept.final_params + kept.end_params, strict=True)  # fmt: skip

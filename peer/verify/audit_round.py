@@ -10,11 +10,11 @@ them to members that own no part, and one member's two different commitments
 for one round are not accepted.
 
 `check_segment` is the audit itself (blocking; a thread runs it): the reveal
-against the commitment's hashes, the pseudo-gradient that was sent against the
-revealed final state (the same chunks and codec as the round, so the Merkle
-root must match bit for bit), the start against the global state, then the
-segment re-run on the prover's batches and compared by LSH with the seed
-drawn after the reveal.
+against the commitment's hashes, the start against the global state, in the
+last segment's audit the pseudo-gradient that was sent against the revealed end
+of the run (the same chunks and codec as the round, so the Merkle root must
+match bit for bit), then the segment re-run on the prover's batches and
+compared by LSH with the seed drawn after the reveal.
 """
 
 from __future__ import annotations
@@ -281,10 +281,16 @@ def check_segment(
     start_params = rnd.start_params if isinstance(rnd.start_params, list) else rnd.start_params()
     if commitment.start != params_hash(start_params):
         return Finding(Result.FAIL, "the work did not start from the round's global state")
-    globals_flat = torch.cat([p.reshape(-1) for p in start_params])
-    final_flat = torch.cat([p.reshape(-1) for p in reveal.final_params])
-    if rnd.shape.delta_root(globals_flat - final_flat) != commitment.delta_root:
-        return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")
+    # The pseudo-gradient sent against the run's end: the last segment's end (checked
+    # against its re-run below), or the final state a 2.0 prover reveals anyway. Any
+    # other segment's audit does not check it: a prover chooses its last checkpoint
+    # as freely as what it sends, and only re-running the last segment checks that.
+    final = reveal.end_params if segment == commitment.segments - 1 else reveal.final_params
+    if final is not None:
+        globals_flat = torch.cat([p.reshape(-1) for p in start_params])
+        final_flat = torch.cat([p.reshape(-1) for p in final])
+        if rnd.shape.delta_root(globals_flat - final_flat) != commitment.delta_root:
+            return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")
     first, end = commitment.segment_bounds(segment)
     prover = commitment.prover
     seed = round_batch_seed(namespace, prover, commitment.round)

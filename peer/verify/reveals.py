@@ -1,18 +1,27 @@
 """What a prover reveals of one segment of its work, on the wire and checked.
 
 A `Reveal` holds the state at the segment's start (parameters and the inner
-optimizer's per-parameter state), the parameters at its end with the hash of
-the optimizer state there, and the parameters at the end of the whole run with
-the hash of its optimizer state (they tie the pseudo-gradient that was sent,
-`Commitment.delta_root`, to the run). `problem` checks every part against the
-commitment's hashes, so nothing unrevealed or altered reaches the re-run.
+optimizer's per-parameter state) and the parameters at its end with the hash of
+the optimizer state there: four model sizes with AdamW. `problem` checks every
+part against the commitment's hashes, so nothing unrevealed or altered reaches
+the re-run.
+
+The parameters at the end of the whole run are not revealed (they were, as a
+fifth model size, by peers of protocol 2.0). They tied the pseudo-gradient that
+was sent (`Commitment.delta_root`) to the run's last checkpoint, but a prover
+chooses that checkpoint as freely as the pseudo-gradient: only re-running the
+last segment checks it. So the audit of the last segment, whose end is the
+run's end, ties the pseudo-gradient to its revealed end, and the audit of any
+other segment learns nothing from the final state (`audit_round.check_segment`).
 
 Wire (RPC method ``reveal`` of `PROTOCOL`, a stream): the request is
-``{"round", "segment", "secrets"}`` (the round's secrets as the asker knows
-them, so both compute the same draw); the answer is a header item ``{"params": n, "keys":
-[[param index, name], ...], "end_opt", "final_opt"}``, then the tensors (start
-parameters, start optimizer state in `keys` order, end parameters, final
-parameters), then ``{"done": true}``.
+``{"round", "segment", "secrets", "final"}`` (the round's secrets as the asker
+knows them, so both compute the same draw; ``"final": false`` from askers that
+do not need the final state, absent from 2.0 askers, who do); the answer is a
+header item ``{"params": n, "keys": [[param index, name], ...], "end_opt"}``,
+with ``"final_opt"`` when the final state follows, then the tensors (start
+parameters, start optimizer state in `keys` order, end parameters, and final
+parameters when announced), then ``{"done": true}``. An asker takes both forms.
 
 The asker knows what a reveal holds before it comes: its own model has the same
 parameters (`fetch_reveal`'s `shapes`), and the experiment's optimizer keeps
@@ -83,8 +92,9 @@ class Reveal:
     start: SegmentState
     end_params: list[torch.Tensor]
     end_optimizer: bytes  # optimizer_hash at the segment's end
-    final_params: list[torch.Tensor]
-    final_optimizer: bytes  # optimizer_hash at the run's end
+    # The run's final state, from a 2.0 prover (or for a 2.0 asker); None otherwise.
+    final_params: list[torch.Tensor] | None = None
+    final_optimizer: bytes | None = None
 
     def end_digest(self) -> bytes:
         return state_digest(params_hash(self.end_params), self.end_optimizer)
@@ -95,11 +105,15 @@ class Reveal:
             return "the revealed start state does not match the commitment"
         if self.end_digest() != commitment.checkpoints[segment]:
             return "the revealed end state does not match the commitment"
-        final = state_digest(params_hash(self.final_params), self.final_optimizer)
-        if final != commitment.checkpoints[-1]:
-            return "the revealed final state does not match the commitment"
+        revealed = [self.end_params]
+        if self.final_params is not None:
+            assert self.final_optimizer is not None
+            final = state_digest(params_hash(self.final_params), self.final_optimizer)
+            if final != commitment.checkpoints[-1]:
+                return "the revealed final state does not match the commitment"
+            revealed.append(self.final_params)
         shapes = [p.shape for p in self.start.params]
-        if any([p.shape for p in ps] != shapes for ps in (self.end_params, self.final_params)):
+        if any([p.shape for p in ps] != shapes for ps in revealed):
             return "revealed parameters of different shapes"
         return None
 
@@ -113,15 +127,16 @@ def _optimizer_tensors(state: SegmentState) -> tuple[list[list[Any]], list[torch
 async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
     """Answer a reveal request (the handler yields `{"done": True}` after this)."""
     keys, opt = _optimizer_tensors(reveal.start)
-    await ctx.send_item(
-        {
-            "params": len(reveal.start.params),
-            "keys": keys,
-            "end_opt": reveal.end_optimizer,
-            "final_opt": reveal.final_optimizer,
-        }
-    )
-    for t in [*reveal.start.params, *opt, *reveal.end_params, *reveal.final_params]:
+    head: dict[str, Any] = {
+        "params": len(reveal.start.params),
+        "keys": keys,
+        "end_opt": reveal.end_optimizer,
+    }
+    final = reveal.final_params or []
+    if reveal.final_params is not None:
+        head["final_opt"] = reveal.final_optimizer
+    await ctx.send_item(head)
+    for t in [*reveal.start.params, *opt, *reveal.end_params, *final]:
         await ctx.send_tensor(t.detach().contiguous())
 
 
@@ -145,7 +160,7 @@ async def fetch_reveal(
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
     async with rpc.open_call(
         host, prover, PROTOCOL, "reveal",
-        {"round": round_index, "segment": segment, "secrets": secrets or []},
+        {"round": round_index, "segment": segment, "secrets": secrets or [], "final": False},
         timeout=timeout,
     ) as call:  # fmt: skip
         await call.close_send()
@@ -160,7 +175,8 @@ async def fetch_reveal(
         else:
             opt = [await _recv(call, torch.Size(layouts[i][name])) for i, name in keys]
         end = [await _recv(call, shape) for shape in shapes]
-        final = [await _recv(call, shape) for shape in shapes]
+        # (A 2.0 prover sends the final state whatever we ask: read, checked, unused.)
+        final = None if final_opt is None else [await _recv(call, s) for s in shapes]
         done = await call.recv_item()
         if not isinstance(done, dict) or done.get("done") is not True:
             raise ValueError("the reveal ended out of step")
@@ -174,7 +190,7 @@ async def fetch_reveal(
         },
         "grad_scaler": copy.deepcopy(template.get("grad_scaler")),
     }
-    if any(t.dtype != torch.float32 for t in [*start, *end, *final]):
+    if any(t.dtype != torch.float32 for t in [*start, *end, *(final or [])]):
         raise ValueError("revealed parameters must be float32")
     return Reveal(SegmentState(start, optimizer), end, end_opt, final, final_opt)
 
@@ -222,7 +238,7 @@ async def _recv(call: rpc.Call, shape: torch.Size, *, exact: bool = True) -> tor
     return t
 
 
-def _header(head: object) -> tuple[int, list[tuple[int, str]], bytes, bytes]:
+def _header(head: object) -> tuple[int, list[tuple[int, str]], bytes, bytes | None]:
     if not isinstance(head, dict):
         raise RevealError("a reveal starts with its header")
     n, keys = head.get("params"), head.get("keys")
@@ -238,15 +254,21 @@ def _header(head: object) -> tuple[int, list[tuple[int, str]], bytes, bytes]:
         if not isinstance(k[1], str):
             raise RevealError("bad optimizer key")
         parsed.append((k[0], k[1]))
-    for h in (end_opt, final_opt):
-        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-            raise RevealError("bad optimizer hash")
-    assert isinstance(end_opt, bytes) and isinstance(final_opt, bytes)
+    if not _is_hash(end_opt) or not (final_opt is None or _is_hash(final_opt)):
+        raise RevealError("bad optimizer hash")  # (no "final_opt": no final state follows)
+    assert isinstance(end_opt, bytes) and (final_opt is None or isinstance(final_opt, bytes))
     return n, parsed, end_opt, final_opt
 
 
-def reveal_of(start: SegmentState, end: SegmentState, final: SegmentState) -> Reveal:
-    """The reveal of a segment from the prover's kept (or re-run) states."""
+def _is_hash(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == HASH_BYTES
+
+
+def reveal_of(start: SegmentState, end: SegmentState, final: SegmentState | None = None) -> Reveal:
+    """The reveal of a segment from the prover's kept (or re-run) states; with the
+    run's `final` state for an asker of protocol 2.0."""
+    if final is None:
+        return Reveal(start, end.params, optimizer_hash(end.optimizer))
     return Reveal(
         start,
         end.params,

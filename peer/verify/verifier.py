@@ -293,7 +293,7 @@ class Verifier:
         return await asyncio.wait_for(asyncio.shield(future), GATHER_TIMEOUT + 10)
 
     async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        round_index, segment = parse_reveal_request(payload)
+        round_index, segment, final = parse_reveal_request(payload)
         rnd = await self._round(round_index)
         mine = None if rnd is None else rnd.commitments.get(self.me)
         work = self.work.log.get(round_index)
@@ -309,7 +309,9 @@ class Verifier:
             raise PermissionError("this referee had our reveal already")
         loop = asyncio.get_running_loop()
         replay = Replay(self.runner, self.task, self.work, self.num_shards)
-        reveal = await loop.run_in_executor(self._pool, reveal_segment, replay, work, mine, segment)
+        reveal = await loop.run_in_executor(
+            self._pool, reveal_segment, replay, work, mine, segment, final
+        )
         await send_reveal(ctx, reveal)
         yield {"done": True}
 
@@ -398,14 +400,18 @@ def audit_round_of(
     )
 
 
-def parse_reveal_request(payload: object) -> tuple[int, int]:
-    """(round, segment) that a referee asks us to reveal; ValueError when malformed."""
+def parse_reveal_request(payload: object) -> tuple[int, int, bool]:
+    """(round, segment, whether the run's final state too) that a referee asks us to
+    reveal; ValueError when malformed. A 2.0 referee does not say: it wants the final."""
     if not isinstance(payload, dict):
         raise ValueError("bad reveal request")
     round_index, segment = payload.get("round"), payload.get("segment")
+    final = payload.get("final", True)
     if not isinstance(round_index, int) or not isinstance(segment, int):
         raise ValueError("bad reveal request")
-    return round_index, segment
+    if not isinstance(final, bool):
+        raise ValueError("bad reveal request")
+    return round_index, segment, final
 
 
 def parse_verdict_request(payload: object) -> tuple[int, PeerID, Verdict]:
@@ -429,8 +435,11 @@ def check_dispute(rnd: AuditRound, me: PeerID, prover: PeerID, accusation: Verdi
         raise PermissionError("no accusation of this commitment")
 
 
-def reveal_segment(replay: Replay, work: RoundWork, mine: Commitment, segment: int) -> Reveal:
-    """Our reveal of `segment` of the round's work (in the audit thread: it re-runs steps)."""
+def reveal_segment(
+    replay: Replay, work: RoundWork, mine: Commitment, segment: int, final: bool = False
+) -> Reveal:
+    """Our reveal of `segment` of the round's work, with the run's `final` state for a
+    referee of protocol 2.0 (in the audit thread: it re-runs steps)."""
     first, end = mine.segment_bounds(segment)
-    return reveal_of(replay.state_after(work, first), replay.state_after(work, end),
-                     replay.state_after(work, work.steps))  # fmt: skip
+    last = replay.state_after(work, work.steps) if final else None
+    return reveal_of(replay.state_after(work, first), replay.state_after(work, end), last)
