@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,42 @@ def test_a_signature_is_small_and_independent_of_dtype_and_shape() -> None:
     assert len(sig.bits) + len(sig.log_norms) == 64 * (64 // 8 + 2)  # 10 bytes per 1024 values
     assert sign(t.reshape(-1), b"s") == sig
     assert compare(sign(t.double(), b"s"), sig).flips == 0
+
+
+def whole_padded_signature_parts(t: torch.Tensor, seed: bytes) -> tuple[bytes, bytes]:
+    """The signature as first specified: the whole tensor zero-padded to full blocks,
+    each group of blocks projected, each block's norm in float64."""
+    from shoal.verification.lsh import GROUP_BLOCKS, _projection
+
+    flat = t.reshape(-1).float()
+    blocks = -(-flat.numel() // CONFIG.block)
+    rows = torch.zeros(blocks * CONFIG.block)
+    rows[: flat.numel()] = flat
+    rows = rows.view(blocks, CONFIG.block)
+    projected = torch.cat([
+        rows[start : start + GROUP_BLOCKS] @ _projection(seed, group, CONFIG)
+        for group, start in enumerate(range(0, blocks, GROUP_BLOCKS))
+    ])  # fmt: skip
+    norms = torch.linalg.vector_norm(rows.double(), dim=1).numpy()
+    with np.errstate(divide="ignore"):
+        logs = np.round(np.log2(norms) * 256)
+    quantized = np.where(norms > 0, np.clip(logs, -(2**15) + 1, 2**15 - 1), -(2**15))
+    return np.packbits((projected >= 0).numpy()).tobytes(), quantized.astype("<i2").tobytes()
+
+
+GROUP = 256 * 1024  # the elements of one group of blocks
+
+
+@pytest.mark.parametrize("elements", [1, 1023, 1024, GROUP, GROUP + 7, 3 * GROUP - 5])
+def test_a_signature_is_the_same_bits_however_it_is_computed_in_memory(elements: int) -> None:
+    # Peers compare signatures they computed apart (a stage audit sends its own), so
+    # signing a group of blocks at a time must give the whole-tensor definition's bits.
+    g = torch.Generator().manual_seed(elements)
+    t = torch.randn(elements, generator=g) * 1e-3
+    t[: elements // 5] = 0  # all-zero blocks keep their marker
+    sig = sign(t, b"k")
+    assert (sig.bits, sig.log_norms) == whole_padded_signature_parts(t, b"k")
+    assert sig.elements == elements
 
 
 def test_thresholds_match_the_binomial_table_of_the_design_note() -> None:

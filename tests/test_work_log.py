@@ -11,28 +11,27 @@ a daemon's log holds at most `--work-log-max` of states, RAM and disk together."
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import pytest
 import torch
+from verification_round import audited_round
 
-from shoal.averaging.group import Group, Member, make_round_id
 from shoal.peer.cli import parse_command_line
 from shoal.peer.config import ConfigError
 from shoal.peer.session import work_log_for
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.task import load_task, shard_of
-from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
+from shoal.peer.verify.audit_round import AuditRound, check_segment
 from shoal.peer.verify.reveals import Replay, Reveal, reveal_of
-from shoal.peer.verify.segments import SegmentRunner, round_batch_seed
+from shoal.peer.verify.segments import SegmentRunner, flat_difference, round_batch_seed
 from shoal.peer.verify.spill import Spilled
-from shoal.peer.verify.verifier import audit_round_of
-from shoal.peer.verify.work_log import DEFAULT_SPILL_BYTES, VerifiedWork, WorkLog, state_bytes
+from shoal.peer.verify.work_log import DEFAULT_SPILL_BYTES, WorkLog, state_bytes
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Result
-from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,23 +69,8 @@ def setup(task, retain_bytes: int = 1 << 30, **log_options):  # type: ignore[no-
     me = Identity.from_seed(hashlib.sha256(b"prover").digest())
     log = WorkLog(EVERY, retain_bytes=retain_bytes, **log_options)
     work, model = train(task, me, log, hyper)
-    group = Group("k", make_round_id("k", [me.peer_id], b"n"), (Member(me.peer_id),))
-    shape = RoundShape.of(group, 1, 4096, "none")
-    start = log.state_at(work, 0)
-    assert start is not None
-    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    secret = new_secret()
-    c = Commitment(
-        NS, me.peer_id, ROUND, work.start_params, work.start_optimizer, work.first_step,
-        work.steps, EVERY, work.commit_checkpoints(), shape.delta_root(start.flat() - final),
-        1, b"", seed_commit(secret),
-    ).signed(me)  # fmt: skip
-    verified = VerifiedWork(log, NS, me.peer_id, shard_of(me.peer_id.to_bytes(), SHARDS),
-                            lambda: ROUND)  # fmt: skip
-    draw = RoundDraw.from_reveals([c], {me.peer_id: secret})
-    rnd = audit_round_of(ROUND, group, (1, 4096, "none"), {me.peer_id: c}, {me.peer_id: secret},
-                         draw, log, 0.0)  # fmt: skip
-    assert rnd is not None
+    c, verified, rnd = audited_round(log, work, me, list(model.parameters()), namespace=NS,
+                                     shards=SHARDS)  # fmt: skip
     return hyper, work, verified, c, rnd
 
 
@@ -171,6 +155,44 @@ def test_what_was_sent_is_checked_against_the_run_s_end_when_the_last_segment_is
     for segment in range(last):  # (the honest run is re-run alike: nothing else to see)
         r = reveal(task, hyper, work, verified, c, segment)
         assert audit(task, hyper, rnd, other, segment, r).result is Result.PASS
+
+
+@pytest.mark.parametrize("segment", [0, 1, 2])
+def test_an_audit_that_consumes_its_reveal_finds_what_a_copying_one_finds(  # type: ignore[no-untyped-def]
+    task, segment: int
+) -> None:
+    """A referee re-runs the reveal's own optimizer state in place (`consume`: no copy
+    of the moments) and reads only the reveal's end afterwards: the same verdict, the
+    same bits compared, and the end it signs is still the one revealed."""
+    hyper, work, verified, c, rnd = setup(task)
+    copied = audit(task, hyper, rnd, c, segment, reveal(task, hyper, work, verified, c, segment))
+    r = copy.deepcopy(reveal(task, hyper, work, verified, c, segment))  # as read from the wire
+    end = r.end_digest()
+    consumed = check_segment(SegmentRunner(task, hyper), task, SHARDS, NS, rnd, c, segment, r,
+                             b"seed", AuditPolicy(), consume=True)  # fmt: skip
+    assert consumed == copied and consumed.result is Result.PASS
+    assert r.start.optimizer == {} and r.end_digest() == end
+    # A prover that sent other bytes than its run's is caught alike (the last segment).
+    other = Commitment(**{**c.__dict__, "delta_root": hashlib.sha256(b"x").digest(),
+                          "signature": b""})  # fmt: skip
+    r = copy.deepcopy(reveal(task, hyper, work, verified, c, segment))
+    lie = check_segment(SegmentRunner(task, hyper), task, SHARDS, NS, rnd, other, segment, r,
+                        b"seed", AuditPolicy(), consume=True)  # fmt: skip
+    assert lie.result is (Result.FAIL if segment == c.segments - 1 else Result.PASS)
+
+
+def test_a_flat_difference_is_the_difference_of_the_concatenations() -> None:
+    g = torch.Generator().manual_seed(1)
+    a = [
+        torch.randn(3, 4, generator=g),
+        torch.randn(5, generator=g),
+        torch.randn(1, 1, generator=g),
+    ]
+    b = [torch.randn_like(t) for t in a]
+    expected = torch.cat([t.reshape(-1) for t in a]) - torch.cat([t.reshape(-1) for t in b])
+    assert torch.equal(flat_difference(a, b), expected)
+    with pytest.raises(ValueError, match="shapes"):
+        flat_difference(a, [b[0], b[1].reshape(5, 1), b[2]])
 
 
 def test_states_dropped_under_a_small_budget_are_re_run_bit_for_bit(task) -> None:  # type: ignore[no-untyped-def]

@@ -4,7 +4,15 @@ verification tests: commitments, verdicts, disputes and convictions."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
+import torch
+
+from shoal.averaging.group import Group, Member, make_round_id
+from shoal.peer.training.task import shard_of
+from shoal.peer.verify.audit_round import AuditRound, RoundShape
+from shoal.peer.verify.verifier import audit_round_of
+from shoal.peer.verify.work_log import RoundWork, VerifiedWork, WorkLog
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.commitment import Commitment, MerkleTree, leaf_hash
 from shoal.verification.disputes import Dispute, Outcome
@@ -80,3 +88,35 @@ def conviction(r: Round, prover: PeerID | None = None) -> Evidence:
     d = r.dispute(prover or r.ids[0].peer_id, [Result.FAIL, Result.FAIL])
     assert d.outcome is Outcome.CONVICTED
     return d.evidence(r.commitments, r.secrets)
+
+
+def audited_round(
+    log: WorkLog,
+    work: RoundWork,
+    me: Identity,
+    final: Sequence[torch.Tensor],
+    *,
+    namespace: str,
+    shards: int,
+) -> tuple[Commitment, VerifiedWork, AuditRound]:
+    """`me` alone committed `work` of `log` (which ended at the parameters `final`):
+    its commitment, its verified work as a prover replays it, and the round as its
+    referees see it (`me` drew itself)."""
+    group = Group("k", make_round_id("k", [me.peer_id], b"n"), (Member(me.peer_id),))
+    shape = RoundShape.of(group, 1, 4096, "none")
+    start = log.state_at(work, 0)
+    assert start is not None
+    final_flat = torch.cat([p.detach().reshape(-1) for p in final])
+    secret = new_secret()
+    c = Commitment(
+        namespace, me.peer_id, work.round, work.start_params, work.start_optimizer,
+        work.first_step, work.steps, log.every, work.commit_checkpoints(),
+        shape.delta_root(start.flat() - final_flat), 1, b"", seed_commit(secret),
+    ).signed(me)  # fmt: skip
+    shard = shard_of(me.peer_id.to_bytes(), shards)
+    verified = VerifiedWork(log, namespace, me.peer_id, shard, lambda: work.round)
+    draw = RoundDraw.from_reveals([c], {me.peer_id: secret})
+    rnd = audit_round_of(work.round, group, (1, 4096, "none"), {me.peer_id: c},
+                         {me.peer_id: secret}, draw, log, 0.0)  # fmt: skip
+    assert rnd is not None
+    return c, verified, rnd

@@ -94,20 +94,23 @@ def _projection(seed: bytes, group: int, config: SignatureConfig) -> torch.Tenso
 
 
 def sign(tensor: torch.Tensor, seed: bytes, config: SignatureConfig | None = None) -> Signature:
-    """The signature of `tensor` (any shape, any float dtype, any device) under `seed`."""
+    """The signature of `tensor` (any shape, any float dtype, any device) under `seed`.
+
+    Works a group of blocks at a time: besides `tensor` itself (as float32 on the CPU)
+    it holds one group's rows, never a padded or float64 copy of the whole (an audit
+    signs two deltas of a whole model)."""
     config = config or SignatureConfig()
     flat = tensor.detach().reshape(-1).to("cpu", torch.float32)
     n = flat.numel()
     blocks = -(-n // config.block)
-    padded = torch.zeros(blocks * config.block, dtype=torch.float32)
-    padded[:n] = flat
-    rows = padded.view(blocks, config.block)
     bits = np.empty((blocks, config.bits_per_block), dtype=bool)
+    norms = np.empty(blocks, dtype=np.float64)
     for group, start in enumerate(range(0, blocks, GROUP_BLOCKS)):
         stop = min(blocks, start + GROUP_BLOCKS)
-        projected = rows[start:stop] @ _projection(seed, group, config)
+        rows = _rows(flat, start, stop, config.block)
+        projected = rows @ _projection(seed, group, config)
         bits[start:stop] = (projected >= 0).numpy()
-    norms = torch.linalg.vector_norm(rows.double(), dim=1).numpy()
+        norms[start:stop] = torch.linalg.vector_norm(rows.double(), dim=1).numpy()
     with np.errstate(divide="ignore"):
         logs = np.round(np.log2(norms) * NORM_SCALE)
     quantized = np.where(norms > 0, np.clip(logs, ZERO_NORM + 1, 2**15 - 1), ZERO_NORM)
@@ -118,6 +121,17 @@ def sign(tensor: torch.Tensor, seed: bytes, config: SignatureConfig | None = Non
         bits=np.packbits(bits).tobytes(),
         log_norms=quantized.astype("<i2").tobytes(),
     )
+
+
+def _rows(flat: torch.Tensor, start: int, stop: int, block: int) -> torch.Tensor:
+    """Blocks `start` to `stop` of `flat` as rows; the last block zero-padded (a copy
+    of these rows only where the last block is among them)."""
+    end = min(flat.numel(), stop * block)
+    if end == stop * block:
+        return flat[start * block : end].view(stop - start, block)
+    rows = torch.zeros((stop - start) * block, dtype=torch.float32)
+    rows[: end - start * block] = flat[start * block : end]
+    return rows.view(stop - start, block)
 
 
 @dataclass(frozen=True)

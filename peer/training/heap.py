@@ -44,8 +44,10 @@ def return_large_blocks_at_once(threshold: int = LARGE_BLOCK) -> bool:
     """Map every block of `threshold` bytes or more on its own, so that freeing it
     gives it back at once (glibc's threshold otherwise rises with each large block
     freed, and later ones stay in the heap: resident, free, until a trim). For a
-    peer held to a memory budget (`--max-memory`), whose peak must be what it holds,
-    not what it held. False where malloc has no such setting."""
+    process that is a peer (`shoal run`: a verifying 50M peer grew by about a model
+    state per round without it) and a peer held to a memory budget (`--max-memory`),
+    whose peak must be what it holds, not what it held. Process-wide: not for a
+    library user's process. False where malloc has no such setting."""
     if not sys.platform.startswith("linux"):
         return False
     try:

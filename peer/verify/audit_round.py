@@ -43,7 +43,14 @@ from shoal.verification.referees import SECRET_BYTES, RoundDraw, seed_commit
 
 from ..training.task import Task, shard_of
 from .reveals import Reveal
-from .segments import SegmentRunner, params_hash, round_batch_seed, segment_batches
+from .segments import (
+    SegmentRunner,
+    SegmentState,
+    flat_difference,
+    params_hash,
+    round_batch_seed,
+    segment_batches,
+)
 
 __all__ = [
     "AuditRound",
@@ -273,8 +280,15 @@ def check_segment(
     reveal: Reveal,
     lsh_seed: bytes,
     policy: AuditPolicy,
+    *,
+    consume: bool = False,
 ) -> Finding:
-    """Audit `segment` of `commitment` from what its prover revealed (blocking)."""
+    """Audit `segment` of `commitment` from what its prover revealed (blocking).
+
+    `consume`: the re-run steps the reveal's start optimizer state in place and drops
+    it from the reveal (two model sizes with Adam not copied). Only for a reveal this
+    process holds alone (read from the wire: a prover's own kept states must not be
+    stepped) and reads nothing of afterwards but its end (`Reveal.end_digest`)."""
     problem = reveal.problem(commitment, segment)
     if problem is not None:
         return Finding(Result.BAD_REVEAL, problem)
@@ -287,19 +301,23 @@ def check_segment(
     # as freely as what it sends, and only re-running the last segment checks that.
     final = reveal.end_params if segment == commitment.segments - 1 else reveal.final_params
     if final is not None:
-        globals_flat = torch.cat([p.reshape(-1) for p in start_params])
-        final_flat = torch.cat([p.reshape(-1) for p in final])
-        if rnd.shape.delta_root(globals_flat - final_flat) != commitment.delta_root:
+        sent = rnd.shape.delta_root(flat_difference(start_params, final))
+        if sent != commitment.delta_root:
             return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")
+    del start_params, final
     first, end = commitment.segment_bounds(segment)
     prover = commitment.prover
     seed = round_batch_seed(namespace, prover, commitment.round)
     shard = shard_of(prover.to_bytes(), num_shards)
     batches = segment_batches(task, shard, num_shards, seed, first, end - first)
-    recomputed = runner.run(reveal.start, batches, commitment.first_step + first)
-    start_flat = reveal.start.flat()
-    revealed_end = torch.cat([p.reshape(-1) for p in reveal.end_params])
-    j = judge(start_flat - revealed_end, start_flat - recomputed.flat(), lsh_seed, policy)
+    start = reveal.start
+    with runner.ran(start, batches, commitment.first_step + first, adopt=consume) as recomputed:
+        rerun = flat_difference(start.params, recomputed)
+    if consume:
+        reveal.start = SegmentState(start.params, {})
+    del start
+    claimed = flat_difference(reveal.start.params, reveal.end_params)
+    j = judge(claimed, rerun, lsh_seed, policy)
     c = j.comparison
     gap = c.mean_log2_norm_gap
     why = f"{c.flips} of {c.bits} bits differ (limit {j.flip_limit}), norm gap {gap:.4f}"

@@ -21,6 +21,7 @@ end in a ban.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -133,10 +134,11 @@ class Referee:
                 return None
         seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
         loop = asyncio.get_running_loop()
-        finding = await loop.run_in_executor(
-            self.pool, check_segment, self.runner, self.task, self.num_shards,
-            self.namespace, rnd, c, segment, reveal, seed, self.policy,
+        audit = functools.partial(
+            check_segment, self.runner, self.task, self.num_shards, self.namespace, rnd, c,
+            segment, reveal, seed, self.policy, consume=True,  # (only its end is read below)
         )  # fmt: skip
+        finding = await loop.run_in_executor(self.pool, audit)
         revealed = b""
         if finding.result is not Result.BAD_REVEAL:  # (a hash of a whole model: in a thread)
             revealed = await asyncio.to_thread(reveal.end_digest)

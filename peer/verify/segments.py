@@ -12,9 +12,10 @@ commitment's checkpoints hold.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "SegmentState",
     "capture",
     "delta",
+    "flat_difference",
     "optimizer_hash",
     "params_hash",
     "round_batch_seed",
@@ -121,20 +123,34 @@ class SegmentRunner:
         """The model's and optimizer's state now, copied to the CPU."""
         return capture(self.model, self.inner)
 
-    def load(self, state: SegmentState) -> None:
+    def load(self, state: SegmentState, *, adopt: bool = False) -> None:
+        """Start from `state`; with `adopt`, the optimizer steps `state`'s own state
+        tensors where they are already ours in place and type (no copy of the moments:
+        two model sizes with Adam), which leaves them changed."""
         with torch.no_grad():
             for p, s in zip(self.model.parameters(), state.params, strict=True):
                 p.copy_(s)
-        self.inner.load_state_dict(_copied_to_cpu(state.optimizer))
+        self.inner.load_state_dict(state.optimizer if adopt else _copied_to_cpu(state.optimizer))
 
     def run(self, start: SegmentState, batches: Iterable[Any], first_step: int) -> SegmentState:
         """The state after one inner step per batch from `start`; steps are numbered
         from `first_step` (the learning-rate warmup depends on it)."""
-        self.load(start)
+        with self.ran(start, batches, first_step):
+            return self.capture()
+
+    @contextlib.contextmanager
+    def ran(
+        self, start: SegmentState, batches: Iterable[Any], first_step: int, *, adopt: bool = False
+    ) -> Iterator[list[torch.Tensor]]:
+        """The model's parameters after one inner step per batch from `start`, valid
+        inside the block (released after it). What an audit compares needs no copy of
+        the end state: an audit holds a reveal of four model sizes already.
+        `adopt`: as `load`'s, for a start state nobody reads again."""
+        self.load(start, adopt=adopt)
         try:
             for i, batch in enumerate(batches):
                 self.inner.step(lambda b=batch: self.task.loss(self.model, b), first_step + i)
-            return self.capture()
+            yield [p.detach() for p in self.model.parameters()]
         finally:
             self.release()
 
@@ -167,4 +183,24 @@ def _copied_to_cpu(obj: Any) -> Any:
 
 def delta(start: SegmentState, end: SegmentState) -> torch.Tensor:
     """What a segment moved the parameters by (start minus end, flat), as a pseudo-gradient."""
-    return start.flat() - end.flat()
+    return flat_difference(start.params, end.params)
+
+
+def flat_difference(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`a` minus `b` (tensors of the same shapes, in order) as one flat float32 tensor
+    on the CPU, written a tensor at a time: the same bits as concatenating each side
+    and subtracting, without the two concatenations (a model size each)."""
+    out = torch.empty(sum(x.numel() for x in a), dtype=torch.float32)
+    offset = 0
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape:
+            raise ValueError(f"tensors of shapes {list(x.shape)} and {list(y.shape)}")
+        n = x.numel()
+        cpu = torch.device("cpu")
+        torch.sub(
+            x.detach().reshape(-1).to(cpu, torch.float32),
+            y.detach().reshape(-1).to(cpu, torch.float32),
+            out=out[offset : offset + n],
+        )
+        offset += n
+    return out
