@@ -1,4 +1,4 @@
-"""What one audit holds beyond the reveal it checks, in model sizes.
+"""What one audit holds beyond the reveal it checks, and the work log at its peak, in model sizes.
 
     python bench/audit_memory.py [--d-model 512] [--layers 4] [--segments 2]
 
@@ -17,11 +17,21 @@ copies, as for a reveal that is read again afterwards), for the first segment
 of a round (the round's first steps: Adam's moments carried from the previous
 round, or created) and the last.
 
+The prover's side, in a fresh process too: a work log spilling to a folder, as
+a daemon's (`WorkLog`, its 2 newest states in RAM, a state being the parameters
+and Adam's moments: 3 model sizes), over 6 rounds of 5 inner steps with a
+checkpoint every 2 (so each round also seals an end of its own); its peak over
+what it held before the first round, against the 6 model sizes of its budget
+(9 while a round's end is sealed: the commitment waits on that state, so what
+is past the budget is written at the next round's begin, not before the seal).
+
 Prints one JSON object:
 
     {"model_bytes": ..., "reveal_model_sizes": what the reveal held (4.0),
      "audit_peak_model_sizes": {"consume": {"first": x, "last": y}, "copy": {...}},
-     "left_after_model_sizes": {...}, "settings": {...}}
+     "left_after_model_sizes": {...},
+     "work_log_peak_model_sizes": ..., "work_log_budget_model_sizes": 6,
+     "settings": {...}}
 """
 
 from __future__ import annotations
@@ -123,13 +133,58 @@ def measure(d_model: int, layers: int, segments: int, segment: int, consume: boo
     }
 
 
+def measure_work_log(d_model: int, layers: int, rounds: int = 6) -> dict:
+    """A spilling work log's peak over `rounds` rounds, in this process."""
+    import tempfile
+
+    from shoal.peer.trainer import check_hyperparameters
+    from shoal.peer.training.heap import release_free_memory, return_large_blocks_at_once
+    from shoal.peer.training.task import load_task
+    from shoal.peer.verify.segments import SegmentRunner
+    from shoal.peer.verify.work_log import DEFAULT_MEMORY_STATES, WorkLog
+
+    return_large_blocks_at_once()
+    task = load_task("bytegpt", {"d_model": d_model, "n_layers": layers, "n_heads": 8,
+                                 "context": 16, "batch_size": 1})  # fmt: skip
+    runner = SegmentRunner(task, check_hyperparameters({"warmup_steps": 0}))
+    model, inner = runner.model, runner.inner
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    stream = task.batches(0, 1, 1)
+    step = 0
+
+    def train_step() -> None:
+        nonlocal step
+        batch = next(stream)
+        inner.step(lambda m=model, b=batch: task.loss(m, b), step)
+        step += 1
+
+    train_step()  # Adam's moments exist before the first round, as in a daemon
+    with tempfile.TemporaryDirectory() as folder:
+        log = WorkLog(2, spill_dir=Path(folder) / "work-log", retain_s=0)
+        release_free_memory()
+        Path("/proc/self/clear_refs").write_text("5")
+        before, _ = _memory()
+        for r in range(rounds):
+            log.begin(r, step, model, inner)
+            for _ in range(5):
+                train_step()
+                log.after_step(model, inner, 16)
+            log.seal(model, inner)
+        _, peak = _memory()
+    return {"peak": (peak - before) / size, "budget": 3 * DEFAULT_MEMORY_STATES}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--segments", type=int, default=2)
     parser.add_argument("--one", nargs=2, metavar=("SEGMENT", "WAY"), help=argparse.SUPPRESS)
+    parser.add_argument("--work-log", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.work_log:
+        print(json.dumps(measure_work_log(opts.d_model, opts.layers)))
+        return
     if opts.one:
         segment, way = int(opts.one[0]), opts.one[1]
         print(json.dumps(measure(opts.d_model, opts.layers, opts.segments, segment,
@@ -149,11 +204,19 @@ def main() -> None:
             model_bytes, reveal = result["model_bytes"], result["reveal"]
             peaks.setdefault(way, {})[name] = round(result["peak"], 2)
             left.setdefault(way, {})[name] = round(result["left"], 2)
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--d-model", str(opts.d_model), "--layers", str(opts.layers),
+         "--work-log"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    work_log = json.loads(out.stdout)
     print(json.dumps({
         "model_bytes": model_bytes,
         "reveal_model_sizes": round(reveal, 3),
         "audit_peak_model_sizes": peaks,
         "left_after_model_sizes": left,
+        "work_log_peak_model_sizes": round(work_log["peak"], 2),
+        "work_log_budget_model_sizes": work_log["budget"],
         "settings": {"task": "bytegpt", "d_model": opts.d_model, "layers": opts.layers,
                      "segments": opts.segments, "optimizer": "AdamW"},
     }, indent=2))  # fmt: skip

@@ -23,9 +23,15 @@ from shoal.peer.config import ConfigError
 from shoal.peer.session import work_log_for
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.task import load_task, shard_of
+from shoal.peer.verify import work_log as work_log_module
 from shoal.peer.verify.audit_round import AuditRound, check_segment
 from shoal.peer.verify.reveals import Replay, Reveal, reveal_of
-from shoal.peer.verify.segments import SegmentRunner, flat_difference, round_batch_seed
+from shoal.peer.verify.segments import (
+    SegmentRunner,
+    SegmentState,
+    flat_difference,
+    round_batch_seed,
+)
 from shoal.peer.verify.spill import Spilled
 from shoal.peer.verify.work_log import DEFAULT_SPILL_BYTES, WorkLog, state_bytes
 from shoal.transport.identity import Identity
@@ -241,6 +247,33 @@ def test_only_the_newest_states_stay_in_ram(task, tmp_path) -> None:  # type: ig
     in_ram = [s for s, k in work.kept() if not isinstance(k, Spilled)]
     assert in_ram == [8]  # and the next round's start
     assert len(verified.log.spilled_files()) == 3
+
+
+@pytest.mark.parametrize("memory_states", [0, 1, 2])
+def test_ram_never_holds_more_than_the_newest_states_not_even_while_one_is_captured(  # type: ignore[no-untyped-def]
+    task, tmp_path, monkeypatch, memory_states: int
+) -> None:
+    """What would be past `memory_states` with a new state is written before that
+    state is taken (a state is 3 model sizes with Adam): the peak is the budget."""
+    log = WorkLog(EVERY, spill_dir=tmp_path / "wl", memory_states=memory_states)
+    held_at_capture: list[int] = []
+    real_capture = work_log_module.capture
+
+    def counting_capture(model, inner):  # type: ignore[no-untyped-def]
+        held_at_capture.append(sum(
+            isinstance(k, SegmentState) for r in range(ROUND + 2)
+            if (w := log.get(r)) is not None for _, k in w.kept()
+        ))  # fmt: skip
+        return real_capture(model, inner)
+
+    monkeypatch.setattr(work_log_module, "capture", counting_capture)
+    me = Identity.from_seed(hashlib.sha256(b"prover").digest())
+    train(task, me, log, check_hyperparameters({"warmup_steps": 0}))
+    # The round's start, 2 checkpoints, the seal (taken while the round waits: it is
+    # written at the next begin), and the next round's start.
+    begin, checkpoint_3, checkpoint_6, seal, next_begin = held_at_capture
+    assert max(begin, checkpoint_3, checkpoint_6, next_begin) <= max(0, memory_states - 1)
+    assert seal <= memory_states  # (one more, for a moment: the commitment waits on it)
 
 
 def test_a_corrupt_spilled_state_is_re_run_or_the_reveal_fails(task, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,9 @@ is kept and a reveal re-runs the missing steps from the one before (bit for
 bit on the same machine: the digest is checked before anything is sent).
 
 With a folder to spill to (`spill_dir`: the daemon's `<data dir>/work-log/`),
-only the newest `memory_states` states stay in RAM; older ones are written
+only the newest `memory_states` states stay in RAM, counting one being taken
+(one more while a round's end is sealed: the commitment waits on the seal, so
+it writes nothing); older ones are written
 there (where the inner steps run, never on the event loop), read back and
 checked against their committed digest when a reveal needs them, and deleted
 when their round is let go. `retain_bytes` then bounds the folder: past it the
@@ -151,6 +153,7 @@ class WorkLog:
         resets: int = 0,
     ) -> RoundWork:
         """A new round's work starts now, from the model's (global) parameters."""
+        self._make_room()
         start = capture(model, inner)
         self._state_bytes = state_bytes(start)
         work = RoundWork(
@@ -190,6 +193,7 @@ class WorkLog:
         work.tokens_per_step = max(work.tokens_per_step, tokens)
         if work.steps % self.every:
             return
+        self._make_room()
         state = capture(model, inner)
         work.checkpoints.append(state.digest())
         with self.lock:
@@ -270,18 +274,27 @@ class WorkLog:
             dropped += [k for _, k in old.kept()]
         return dropped
 
-    def _spill(self, dropped: list[Kept]) -> None:
+    def _make_room(self) -> None:
+        """Before a state is captured: write what would be past the newest
+        `memory_states` with it, so that RAM never holds one more (a state is the
+        model and its optimizer: 3 model sizes with Adam; with the seal's, a round's
+        begin held 4 states for a moment). The same files as writing them after."""
+        self._spill([], self.memory_states - 1)
+
+    def _spill(self, dropped: list[Kept], in_ram_at_most: int | None = None) -> None:
         """Delete the files of `dropped` states, then write the states past the newest
-        `memory_states` in RAM to the folder (blocking: where the inner steps run)."""
+        `memory_states` (or `in_ram_at_most`) in RAM to the folder (blocking: where
+        the inner steps run)."""
         for kept in dropped:
             if isinstance(kept, Spilled):
                 kept.remove()
         if self._disk is None:
             return
+        keep = self.memory_states if in_ram_at_most is None else max(0, in_ram_at_most)
         with self.lock:
             in_ram = [(w, s, k) for w in self._rounds.values() for s, k in w.kept()
                       if isinstance(k, SegmentState)]  # fmt: skip
-        for work, step, state in in_ram[: max(0, len(in_ram) - self.memory_states)]:
+        for work, step, state in in_ram[: max(0, len(in_ram) - keep)]:
             spilled = self._disk.write(work.round, step, state)
             with self.lock:
                 if not _replace(self._rounds.get(work.round), work, step, state, spilled):
