@@ -1153,7 +1153,7 @@ async def test_dead_peers_declarations_neither_outvote_nor_stall_the_living(
     assert all(len(m._suspicions) >= 6 for m in living if m.peer_id == group.extra["leader"])
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(60)
 async def test_killing_the_assembler_again_and_again(swarm: Callable[..., Any]) -> None:
     """A8 in one process: kill the peer that assembled the group during its
     all-reduce; the survivors exclude it (as the Averager does) and commit
@@ -1210,10 +1210,15 @@ async def test_killing_the_assembler_again_and_again(swarm: Callable[..., Any]) 
             await wait_until(lambda c=c: len(commits) > c, 10)
             gaps.append(commits[c][0] - t_kill)
             assert victim not in commits[c][1].peer_ids
+        # The three survivors end in one group. (Not necessarily in the first commit after
+        # the last kill: on a loaded machine a survivor still backing off from the aborted
+        # round can miss that window, and the other two commit without it.)
+        survivors = {m.peer_id for m in makers} - dead
+        assert len(survivors) == 3
+        await wait_until(lambda: set(commits[-1][1].peer_ids) == survivors, 10)
     finally:
         for t in tasks.values():
             t.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
     print(f"\nkill -> next commit: {', '.join(f'{g:.2f}' for g in gaps)} s")
     assert max(gaps) < 3.0
-    assert commits[-1][1].size == 3
