@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
+from shoal.verification import lsh
 from shoal.verification.lsh import (
     SignatureConfig,
     compare,
@@ -105,6 +107,42 @@ def test_thresholds_match_the_binomial_table_of_the_design_note() -> None:
     assert flip_threshold(131072, 5e-3, 1e-6) == 281
     assert detection_probability(32768, 61, 1e-2) > 0.999
     assert detection_probability(32768, 61, 3e-3) < 1e-6 * 10
+
+
+def exact_tail(t: int, n: int, p: float) -> float:
+    """P[Bin(n, p) > t] = 1 - P[Bin(n, p) <= t], in exact rationals, then a float."""
+    q = Fraction(p)
+    return float(1 - sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(t + 1)))
+
+
+@pytest.mark.parametrize(
+    ("t", "n", "p"),
+    [(19, 8192, 2e-3 / math.pi), (5, 8192, 2e-3 / math.pi), (0, 300, 0.01), (40, 300, 0.01),
+     (150, 300, 0.01), (299, 300, 0.5), (120, 300, 0.5)],
+)  # fmt: skip
+def test_the_tail_is_the_binomial_tail_below_the_mode_above_it_and_underflowed(
+    t: int, n: int, p: float
+) -> None:
+    assert lsh._upper_tail(t, n, p) == pytest.approx(exact_tail(t, n, p), rel=1e-9, abs=1e-300)
+
+
+def test_a_tail_stops_where_its_terms_vanish_not_at_the_last_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thresholds of a 50M model's signature (3.2M bits) are searched in about 20 tails;
+    those far past the mode underflow to 0 at once and must end there. Summing their
+    zeros on to k = n took 25 million terms, 15 s of pure Python holding the
+    interpreter against the daemon's event loop."""
+    terms = []
+    real = lsh._log_pmf
+    monkeypatch.setattr(lsh, "_log_pmf", lambda k, n, p: terms.append(k) or real(k, n, p))
+    bits, angle = 3_161_152, 3.2e-3
+    assert lsh._upper_tail(bits // 2, bits, angle / math.pi) == 0.0
+    assert len(terms) == 1
+    flip_threshold.cache_clear()
+    terms.clear()
+    assert flip_threshold(bits, angle, 1e-6) == 3493
+    assert len(terms) < 10 * math.sqrt(bits)  # tails of a few standard deviations each
 
 
 def test_the_false_positive_rate_holds_for_honest_pairs_at_the_floor() -> None:

@@ -53,8 +53,11 @@ class CommitmentError(ValueError):
 
 def leaf_hash(data: bytes | memoryview) -> bytes:
     """The hash of one part as a Merkle leaf (domain-separated from inner nodes,
-    so that no inner node can pass for a leaf)."""
-    return hashlib.sha256(_LEAF + bytes(data)).digest()
+    so that no inner node can pass for a leaf). Hashed where it lies: a copy (bytes(),
+    +) of a megabyte chunk holds the interpreter, sha256 over a buffer does not."""
+    h = hashlib.sha256(_LEAF)
+    h.update(data)
+    return h.digest()
 
 
 def state_digest(params: bytes, optimizer: bytes) -> bytes:

@@ -180,12 +180,16 @@ def _upper_tail(t: int, n: int, p: float) -> float:
     start = t + 1
     peak = max(start, math.floor((n + 1) * p))
     total = 0.0
-    # Terms rise until the mode, then fall geometrically; stop once negligible.
+    # Terms rise until the mode, then fall geometrically; stop once negligible. Past
+    # the mode a term that is 0.0 (underflowed: the tail is below 1e-308) ends the sum
+    # too: every later one is smaller. (With `<` alone a tail of zeros went on to k = n:
+    # 25 million terms in pure Python, ~20 s of a core holding the interpreter, for
+    # the threshold of a 50M model's 3.2M-bit signature.)
     k = start
     while k <= n:
         term = math.exp(_log_pmf(k, n, p))
         total += term
-        if k > peak and term < total * 1e-17:
+        if k >= peak and term <= total * 1e-17:
             break
         k += 1
     return min(1.0, total)
@@ -194,10 +198,9 @@ def _upper_tail(t: int, n: int, p: float) -> float:
 @functools.lru_cache(maxsize=64)
 def flip_threshold(bits: int, honest_angle: float, false_positive_rate: float) -> int:
     """The largest flip count an honest pair at `honest_angle` exceeds with probability
-    at most `false_positive_rate`: pass iff flips <= threshold. Cached: for a model's
-    signature (600 000 bits at 50M parameters) the search sums binomial terms in pure
-    Python for seconds, holding the interpreter against the event loop at every audit;
-    every audit of one experiment asks the same."""
+    at most `false_positive_rate`: pass iff flips <= threshold. About 20 tails of a
+    few thousand terms each (a binary search); cached, since every audit of one
+    experiment asks the same."""
     p = min(1.0, max(0.0, honest_angle / math.pi))
     lo, hi = 0, bits
     while lo < hi:  # the smallest t with P[Bin(bits, p) > t] <= rate
