@@ -42,6 +42,7 @@ from .finding import MDNS_FIRST_WAIT, find_bootstrap, mdns_interfaces
 from .finding.lan import LanFinder
 from .status.progress import Progress
 from .training.heap import return_large_blocks_at_once
+from .training.priority import helper_executor
 
 if TYPE_CHECKING:
     from .node import PeerNode
@@ -182,10 +183,12 @@ async def run_daemon(
     """Run the peer until `stop` is set, or, without one, until SIGINT or SIGTERM.
 
     `freeze_heap` (for a process that is only this peer, as `shoal run`) moves
-    everything allocated during start-up out of the garbage collector's passes, and
-    has every large block the C heap gives out mapped on its own, so that freeing it
+    everything allocated during start-up out of the garbage collector's passes, has
+    every large block the C heap gives out mapped on its own, so that freeing it
     gives it back at once (`heap.return_large_blocks_at_once`: a verifying 50M peer
-    otherwise grew by about a model state per round, freed but kept by malloc).
+    otherwise grew by about a model state per round, freed but kept by malloc), and
+    runs the loop's default executor below the loop's priority
+    (`priority.helper_executor`).
 
     Raises StartupError (or ConfigError) when it cannot start; returns after a
     graceful shutdown: the round in flight ends, a checkpoint is written, the
@@ -197,6 +200,8 @@ async def run_daemon(
     role = config.experiment_role()  # a ConfigError here, before anything starts
     if freeze_heap:
         return_large_blocks_at_once()
+        # (run_until_complete shuts the default executor down at the end)
+        asyncio.get_running_loop().set_default_executor(helper_executor())
     async with contextlib.AsyncExitStack() as stack:
         if stop is None:
             # Installed first: Ctrl+C during start-up already means a clean shutdown.

@@ -68,3 +68,15 @@ def test_the_batch_prefetcher_draws_batches_below_the_loops_priority() -> None:
     finally:
         prefetcher.close()
     assert drawn == min(19, _nice() + TRAINING_NICE)
+
+
+def test_a_daemons_helper_threads_run_between_the_loop_and_training() -> None:
+    """`shoal run`'s default executor (a round's reductions and hashes, state reads and
+    writes) runs below the loop's priority and above training's."""
+    from shoal.peer.training.priority import HELPER_NICE, helper_executor
+
+    assert 0 < HELPER_NICE < TRAINING_NICE
+    before = _nice()
+    with helper_executor() as pool:
+        assert pool.submit(_nice).result(timeout=10) == min(19, before + HELPER_NICE)
+    assert _nice() == before

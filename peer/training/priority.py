@@ -19,13 +19,27 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["TRAINING_NICE", "lower_this_thread"]
+__all__ = ["HELPER_NICE", "TRAINING_NICE", "helper_executor", "lower_this_thread"]
 
 log = logging.getLogger("shoal.peer.training.priority")
 
 # Weight 110 against the loop's 1024 (nice 0): the loop gets ~90% of a shared core.
 TRAINING_NICE = 10
+# The loop's helper threads (its default executor: a round's reductions and hashes,
+# reads and writes of states) sit between the two: other peers wait on their work too,
+# but not as on the loop's, which answers heartbeats and deadlines (weight 335).
+HELPER_NICE = 5
+
+
+def helper_executor(nice: int = HELPER_NICE) -> ThreadPoolExecutor:
+    """An executor for the event loop's default (`loop.set_default_executor`) whose
+    threads run `nice` below the loop. For a process that is only the peer: a library
+    user's loop and its executor are theirs."""
+    return ThreadPoolExecutor(
+        thread_name_prefix="shoal-helper", initializer=lower_this_thread, initargs=(nice,)
+    )
 
 
 def lower_this_thread(nice: int = TRAINING_NICE) -> bool:
