@@ -153,10 +153,13 @@ class DiLoCo(OuterStrategyBase):
         # The pseudo-gradients in one buffer, averaged in place (views for the math).
         self._delta_buffer, self.deltas = host_flat_zeros(self.params)
         config = _averager_config(key, self.options)
-        # A sparse codec: the messages themselves travel, in slots the owners unite.
-        self.sparse = SparseContribution.of(self.options, self._delta_buffer)
+        # A sparse codec: the messages themselves travel, in slots the owners unite;
+        # the robust reduction clips each message's norm when every member decodes them.
+        clip = config.allreduce.reduction == "centered_clip"
+        self.sparse = SparseContribution.of(self.options, self._delta_buffer, clip=clip)
         if self.sparse is not None:
-            allreduce = dataclasses.replace(config.allreduce, reduction="union")
+            union = "union_clip" if clip else "union"
+            allreduce = dataclasses.replace(config.allreduce, reduction=union)
             config = dataclasses.replace(config, codec="none", allreduce=allreduce)
         self.averager = Averager(
             dht,

@@ -48,7 +48,8 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
         _reduction,
         f"auto or one of {sorted(REDUCTION_NAMES)}",
         "how part owners reduce: auto (centered_clip when verifying, else mean), "
-        + ", ".join(REDUCTION_NAMES),
+        + ", ".join(REDUCTION_NAMES)
+        + " (with a sparse codec, centered_clip clips each message to the median norm)",
     )("auto")
     codec: str = Opt(
         one_of(*_DILOCO_CODECS),

@@ -285,7 +285,14 @@ def reduce_chunk(
 # What a manifest may choose (`options.REDUCTION_NAMES`) ...
 REDUCTIONS: dict[str, type[Reduction]] = {"mean": WeightedMean, "centered_clip": CenteredClip}
 # ... and what strategies also use internally.
-ALL_REDUCTIONS: dict[str, type[Reduction]] = {**REDUCTIONS, "union": BitwiseUnion}
+# `union_clip` moves the same bytes as `union`; its own name in the plan keeps members
+# that clip the messages' norms when they decode them (`sparse_gather`) apart from
+# members that do not, which would commit other bits from the same slots.
+ALL_REDUCTIONS: dict[str, type[Reduction]] = {
+    **REDUCTIONS,
+    "union": BitwiseUnion,
+    "union_clip": BitwiseUnion,
+}
 
 
 def make_reduction(name: str) -> Reduction:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Final
 
 import numpy as np
@@ -69,10 +70,14 @@ _STD_RANGE = 6.0  # the quantizer spans 6 standard deviations (SparseLoCo's sett
 @dataclass(frozen=True)
 class SparseMessage:
     """A checked message: global indices (int64, ascending within a chunk, chunk by
-    chunk), their decoded float32 values, and the chunk geometry they belong to."""
+    chunk), their decoded float32 values, and the chunk geometry they belong to.
+    `norm`: the L2 norm of the values, exactly rounded from the centroid table and how
+    often each centroid is used, so that every machine computes the same float (for
+    dct it is the norm of the decoded vector too: the transform is orthonormal)."""
 
     indices: torch.Tensor
     values: torch.Tensor
+    norm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -234,7 +239,11 @@ class SparseCodec:
             [np.repeat(np.arange(full, dtype=np.int64) * self.chunk, self.k),
              np.full(tail_k, full * self.chunk, dtype=np.int64)]
         )  # fmt: skip
-        return SparseMessage(torch.from_numpy(offsets + starts), torch.from_numpy(table[codes]))
+        return SparseMessage(
+            torch.from_numpy(offsets + starts),
+            torch.from_numpy(table[codes]),
+            _exact_norm(table, np.bincount(codes, minlength=levels)),
+        )
 
     def _read_indices(self, raw: np.ndarray, full: int, tail: int, tail_k: int) -> np.ndarray:
         """The offsets of every chunk, chunk by chunk, checked: exactly k per chunk,
@@ -302,6 +311,16 @@ class SparseCodec:
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _exact_norm(table: np.ndarray, counts: np.ndarray) -> float:
+    """sqrt(sum_c counts[c] * table[c]**2), the sum exact (rationals) and rounded once:
+    no summation order to differ between machines. 2**bits terms at most."""
+    total = sum(
+        (Fraction(int(n)) * Fraction(float(t)) ** 2 for n, t in zip(counts, table, strict=True)),
+        Fraction(0),
+    )
+    return math.sqrt(float(total))
 
 
 def _check_magnitude(x: torch.Tensor, name: str, what: str) -> None:

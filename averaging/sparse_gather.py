@@ -15,7 +15,11 @@ added with its share of the total weight. Each slot is signed by its author
 (over the round, the slot, the weight and the message), which binds a message
 to the member and round it was sent in: a slot that is empty, malformed, signed
 for another round or slot, or claims an impossible weight is skipped, by every
-member alike. A member that leaves mid-round aborts the round as in any
+member alike. With the robust reduction (`centered_clip` in the
+options) each message is clipped to the median message norm before it is added
+(`verification.robust.norm_clip_scales`: why norms, not CenteredClip's centre),
+and the round's plan is named `union_clip`, so that members that clip never
+average with members that do not. A member that leaves mid-round aborts the round as in any
 butterfly (every member still opens its stream to every owner, with no data).
 
 Slot layout: weight (float64, little-endian), the author's Ed25519 signature
@@ -34,6 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shoal.transport.identity import PeerID
+from shoal.verification.robust import norm_clip_scales
 
 from .compression import CodecError
 from .sparse_codec import SparseCodec
@@ -98,11 +103,15 @@ class SparseGather:
         out: torch.Tensor,
         round_id: bytes,
         members: Sequence[PeerID],
+        *,
+        clip: bool = False,
     ) -> list[int]:
         """`out` = the weighted mean of the valid slots' messages (zero if none is);
-        `members` are the round's, in group order (slot i is members[i]'s). Returns the
-        slots skipped (forged, malformed; empty ones are not). The same bits on every
-        member holding the same buffer."""
+        `members` are the round's, in group order (slot i is members[i]'s). With `clip`,
+        each message is first scaled down to at most the lower median of the valid
+        messages' norms (`norm_clip_scales`), so that no member moves the mean further
+        than an honest one could. Returns the slots skipped (forged, malformed; empty
+        ones are not). The same bits on every member holding the same buffer."""
         raw = buffer.view(torch.uint8).numpy().tobytes()
         size = self.slot_words * 4
         if len(raw) != size * len(members):
@@ -126,8 +135,10 @@ class SparseGather:
                 skipped.append(i)
         out.zero_()
         total = math.fsum(w for w, _ in checked)
-        for weight, message in checked:
-            self.codec.add_decoded(message, out, weight / total)  # type: ignore[arg-type]
+        norms = [m.norm for _, m in checked]  # type: ignore[attr-defined]
+        scales = norm_clip_scales(norms) if clip else [1.0] * len(checked)
+        for (weight, message), scale in zip(checked, scales, strict=True):
+            self.codec.add_decoded(message, out, weight / total * scale)  # type: ignore[arg-type]
         return skipped
 
 

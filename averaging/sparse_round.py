@@ -33,8 +33,9 @@ class SparseContribution:
     """One peer's sparse contributions to the rounds of `delta` (its flat buffer of
     pseudo-gradients, which the strategy's outer step reads)."""
 
-    def __init__(self, codec: SparseCodec, delta: torch.Tensor) -> None:
+    def __init__(self, codec: SparseCodec, delta: torch.Tensor, *, clip: bool = False) -> None:
         self.delta = delta
+        self.clip = clip  # the robust mean: each message clipped to the median norm
         self.feedback = ErrorFeedback(codec, delta.numel(), pin=delta.is_pinned())
         self.gather = SparseGather(codec, delta.numel())
         self._message: bytes | None = None  # this round's, once coded
@@ -43,14 +44,16 @@ class SparseContribution:
         self._members: tuple[PeerID, ...] = ()
 
     @classmethod
-    def of(cls, options: DiLoCoOptions, delta: torch.Tensor) -> SparseContribution | None:
+    def of(
+        cls, options: DiLoCoOptions, delta: torch.Tensor, *, clip: bool = False
+    ) -> SparseContribution | None:
         """The contribution of a sparse codec's options; None for a dense codec."""
         if not options.sparse:
             return None
         codec = SparseCodec.from_density(
             options.codec, options.sparse_chunk, options.codec_density, options.codec_bits
         )
-        return cls(codec, delta)
+        return cls(codec, delta, clip=clip)
 
     def compress(self) -> None:
         """Code the pseudo-gradient plus the residual; `delta` then holds what the
@@ -79,7 +82,9 @@ class SparseContribution:
         commit, whose slots were never laid out, keeps our own decoded message)."""
         if round_id != self._round:
             return
-        skipped = self.gather.mean_into(self._slots, self.delta, self._round, self._members)
+        skipped = self.gather.mean_into(
+            self._slots, self.delta, self._round, self._members, clip=self.clip
+        )
         if skipped:
             log.warning("malformed or forged contributions skipped: slots %s", skipped)
 

@@ -33,6 +33,7 @@ from shoal.averaging.outer import (
 from shoal.averaging.reducer import NOTHING_TO_AVERAGE
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
+from shoal.verification.robust import norm_clip_scales
 
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
 SHAPES = [(40,), (6, 8), (24,), (3, 5)]
@@ -500,6 +501,36 @@ async def test_with_a_sparse_codec_peers_send_sparse_updates_commit_alike_and_ca
     assert len({p.strategy.fingerprint() for p in peers}) == 1
     assert not stalled.strategy.feedback.residual.any()
     assert a.strategy.feedback.residual.any() and b.strategy.feedback.residual.any()
+
+
+@pytest.mark.timeout(40)
+async def test_with_the_robust_reduction_a_huge_sparse_update_counts_as_a_median_one(
+    swarm: Callable[..., Any],
+) -> None:
+    opts = {**SPARSE, "codec": "topk", "reduction": "centered_clip", "matchmaking_time": 1.0}
+    peers = await swarm("diloco", 3, opts)
+    await asyncio.gather(*(p.train(1) for p in peers))
+    for peer in peers:
+        peer.inner_step()
+    with torch.no_grad():  # the third peer's update is a thousand times too large
+        for p, g in zip(peers[2].params, peers[2].strategy.globals, strict=True):
+            p.copy_(g + (p - g) * 1000)
+    deltas = [_flat_delta(p) for p in peers]
+    results = await asyncio.gather(*(p.strategy.after_inner_step(8) for p in peers))
+    assert all(r[0].committed and r[0].group_size == 3 for r in results)
+    assert len({p.strategy.fingerprint() for p in peers}) == 1
+    # Every member decoded the gathered messages in group order, each scaled to at most
+    # the median message norm before its share of the weight.
+    sparse = peers[0].strategy.feedback.codec
+    messages = [sparse.check(sparse.encode(d), d.numel()) for d in deltas]
+    order = sorted(range(3), key=lambda i: peers[i].dht.peer_id.to_bytes())
+    scales = norm_clip_scales([messages[i].norm for i in order])
+    assert scales[order.index(2)] < 0.01 and scales.count(1.0) == 2
+    mean = torch.zeros_like(deltas[0])
+    for i, scale in zip(order, scales, strict=True):
+        sparse.add_decoded(messages[i], mean, 16.0 / 48.0 * scale)
+    for peer in peers:
+        assert torch.equal(peer.strategy._delta_buffer, mean)
 
 
 @pytest.mark.timeout(30)

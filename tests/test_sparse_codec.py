@@ -3,6 +3,7 @@ what they keep, and refusal of every malformed message."""
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -282,3 +283,56 @@ def test_a_slot_claiming_an_impossible_weight_is_skipped() -> None:
     assert gather.mean_into(buffer, mean, b"round", [m.peer_id for m in members]) == [0]
     with pytest.raises(ValueError):
         gather.fill(torch.empty(gather.words(2)), b"round", 0, 2.0**60, bytes(10), members[0].sign)
+
+
+# ------------------------------------------------------------ the robust mean
+
+
+@pytest.mark.parametrize("codec", [TOPK, DCT, SparseCodec("dct", 64, 4, 8)])
+@pytest.mark.parametrize("n", [1, 64, 64 * 70 + 5])
+def test_a_message_norm_is_exact_and_is_the_decoded_vectors(codec: SparseCodec, n: int) -> None:
+    message = codec.check(codec.encode(_vector(n, seed=n) * 1e3), n)
+    squares = message.values.double().square().tolist()  # float32 squared: exact in float64
+    assert message.norm == math.sqrt(math.fsum(squares))  # correctly rounded, like fsum
+    decoded = codec.decode(codec.encode(_vector(n, seed=n) * 1e3), n)
+    assert message.norm == pytest.approx(float(decoded.double().norm()), rel=1e-5)
+
+
+def _slots_of(
+    vectors: list[torch.Tensor], n: int = 200
+) -> tuple[SparseGather, list[Identity], torch.Tensor]:
+    gather = SparseGather(TOPK, n)
+    members = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(len(vectors))]
+    union = torch.zeros(gather.words(len(vectors))).view(torch.int32)
+    for slot, (me, v) in enumerate(zip(members, vectors, strict=True)):
+        mine = torch.empty(gather.words(len(vectors)))
+        gather.fill(mine, b"round", slot, 1.0, TOPK.encode(v), me.sign)
+        union |= mine.view(torch.int32)
+    return gather, members, union.view(torch.float32)
+
+
+@pytest.mark.parametrize("attack", [1e3, -1e3])
+def test_clipping_bounds_what_one_member_moves_the_mean_by(attack: float) -> None:
+    honest = [_vector(200, seed=i) for i in range(3)]
+    gather, members, buffer = _slots_of([*honest, _vector(200, seed=3) * attack])
+    ids = [m.peer_id for m in members]
+    clipped, plain = torch.empty(200), torch.empty(200)
+    gather.mean_into(buffer, clipped, b"round", ids, clip=True)
+    gather.mean_into(buffer, plain, b"round", ids)
+    honest_mean = sum(TOPK.decode(TOPK.encode(v), 200) for v in honest) / 4
+    one_honest = max(float(TOPK.decode(TOPK.encode(v), 200).norm()) for v in honest)
+    # The attacker counts as at most one more honest-sized message (its share, a
+    # quarter, of at most the median norm), plus the little clipped off the honest
+    # messages longer than the median.
+    assert float((clipped - honest_mean).norm()) <= 1.5 * one_honest / 4
+    assert float((plain - honest_mean).norm()) > 100 * one_honest / 4  # the control
+
+
+def test_clipping_changes_nothing_when_no_message_is_longer_than_the_median() -> None:
+    same = [_vector(200, seed=5)] * 3  # three equal norms: the median, none above it
+    gather, members, buffer = _slots_of([*same, _vector(200, seed=5) * 0.5])
+    ids = [m.peer_id for m in members]
+    clipped, plain = torch.empty(200), torch.empty(200)
+    assert gather.mean_into(buffer, clipped, b"round", ids, clip=True) == []
+    gather.mean_into(buffer, plain, b"round", ids)
+    assert torch.equal(clipped, plain)

@@ -15,11 +15,12 @@ their hardware.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["centered_clip", "weighted_mean"]
+__all__ = ["centered_clip", "norm_clip_scales", "weighted_mean"]
 
 
 def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -67,3 +68,23 @@ def centered_clip(
             step.add_(diff, alpha=w * scale / total)
         centre += step
     return centre.float().reshape(values[0].shape)
+
+
+def norm_clip_scales(norms: Sequence[float]) -> list[float]:
+    """The factor each contribution is scaled by so that none is longer than the lower
+    median of `norms`: CenteredClip's bound for sparse contributions.
+
+    Sparse messages (chunked top-k, a DCT's largest coefficients) keep a percent or two
+    of the coordinates each, mostly different ones, so the coordinate-wise median that
+    CenteredClip starts from is zero nearly everywhere and tells nothing; the centre is
+    zero, and clipping around it is clipping norms. With a majority of honest members
+    the median is an honest member's norm, so a member's pull on the mean is bounded by
+    what an honest one could do, whatever it sent. A pure function of the norms (no
+    summation): the same factors on every member.
+    """
+    if not norms:
+        return []
+    if any(not (n >= 0 and math.isfinite(n)) for n in norms):
+        raise ValueError("norms must be finite and >= 0")
+    tau = sorted(norms)[(len(norms) - 1) // 2]
+    return [1.0 if n <= tau else tau / n for n in norms]
