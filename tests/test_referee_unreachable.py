@@ -238,3 +238,51 @@ async def test_a_prover_that_refuses_a_referee_of_the_shared_draw_is_left_out(
         assert shunned == [(prover, 7)] and ref.counts["reveals_missing"] == 1
     finally:
         await asyncio.gather(*(n.aclose() for n in nodes))
+
+
+def slow_prover(prover_host: Any, pause: float, *, stall_after: int | None = None) -> None:
+    """A prover whose reveal (of `referee`'s Linear(2, 2)) trickles in: a tensor every
+    `pause` seconds; with `stall_after`, it stops sending after that many tensors."""
+    service = rpc.RpcService(prover_host, PROTOCOL)
+
+    @service.stream("reveal")
+    async def trickle(ctx: Any, payload: Any) -> Any:
+        await ctx.send_item({"params": 2, "keys": [], "end_opt": b"o" * 32})
+        tensors = [torch.zeros(2, 2), torch.zeros(2), torch.ones(2, 2), torch.ones(2)]
+        for sent, t in enumerate(tensors):
+            if sent == stall_after:
+                await asyncio.Event().wait()  # connected, and silent
+            await asyncio.sleep(pause)
+            await ctx.send_tensor(t)
+        yield {"done": True}
+
+
+@pytest.mark.timeout(30)
+async def test_a_reveal_gets_the_time_its_size_needs_beyond_reaching_the_prover(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large model's reveal over a home uplink takes far longer than reaching its
+    prover does (4.8 GB at 300M parameters): the deadline counts its bytes at a
+    modest link rate. Here reaching gets 0.5 s and the 48-byte reveal 12 bytes a
+    second (4 s): a reveal arriving over 2 s is taken, one that stalls is not."""
+    monkeypatch.setattr(referee_mod, "REVEAL_TIMEOUT", 0.5)
+    monkeypatch.setattr(referee_mod, "REVEAL_RATE", 12.0)
+    prover_host, host = await make_host(), await make_host()
+    slow_prover(prover_host, 0.5)
+    await host.connect(prover_host.addresses()[0])
+    ref = referee(host, [])
+    ref.template = {"optimizer": {"param_groups": []}, "grad_scaler": None}
+    assert ref.reveal_bytes == 4 * (2 * 6)  # start and end of 6 parameters, no state
+    rnd = audit_round(identities(1, "p")[0])
+    started = time.monotonic()
+    reveal = await ref._fetch(rnd, prover_host.peer_id, 0)
+    assert time.monotonic() - started >= 2.0
+    assert [t.tolist() for t in reveal.end_params] == [[[1.0, 1.0]] * 2, [1.0, 1.0]]
+
+    stalling_host = await make_host()
+    slow_prover(stalling_host, 0.1, stall_after=2)
+    await host.connect(stalling_host.addresses()[0])
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await ref._fetch(rnd, stalling_host.peer_id, 0)
+    assert 4.0 <= time.monotonic() - started < 10.0

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from shoal.averaging.deadlines import PRIOR_RATE, SLACK
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.errors import (
@@ -46,14 +47,18 @@ from shoal.verification.evidence import EvidenceError, Result, Verdict
 from ..training.task import Task
 from .audit_round import AuditRound, check_segment, gather
 from .ban_watch import BanWatcher
-from .reveals import PROTOCOL, Reveal, RevealTooLarge, fetch_reveal
+from .reveals import PROTOCOL, Reveal, RevealTooLarge, fetch_reveal, reveal_bytes
 from .segments import SegmentRunner
 
 __all__ = ["Referee"]
 
 log = logging.getLogger("shoal.verifier")
 
-REVEAL_TIMEOUT = 60.0
+REVEAL_TIMEOUT = 60.0  # to reach the prover (a restart takes seconds) ...
+# ... plus, once reached, what its reveal takes to arrive: its size over the averaging
+# deadlines' prior link rate, with their slack (a fixed minute is 7 MB of reveal at the
+# default model and 4.8 GB at 300M parameters: no home uplink sends that in a minute).
+REVEAL_RATE = PRIOR_RATE / SLACK
 REVEAL_RETRY_S = 3.0
 LATE_SECRETS_TIMEOUT = 5.0  # a re-read of a round's secrets, after a prover refused us
 VERDICT_TIMEOUT = 180.0  # a referee fetches a reveal and re-runs a segment
@@ -93,6 +98,7 @@ class Referee:
         self.shapes = [p.shape for p in runner.model.parameters()]
         # ... and the state our optimizer keeps of each (another state is refused unread).
         self.layouts = runner.inner.state_layouts()
+        self.reveal_bytes = reveal_bytes(self.shapes, self.layouts)
         self.pool = pool
         self.bans = bans
         self.retain_s = retain_s  # how long provers keep their work
@@ -188,15 +194,20 @@ class Referee:
         rnd.learn([[p.to_bytes(), secret] for p, secret in secrets.items()])
         return len(rnd.secrets) > known
 
+    def transfer_s(self) -> float:
+        """How long a reveal may take to arrive once its prover is reached."""
+        return self.reveal_bytes / REVEAL_RATE
+
     async def _fetch(self, rnd: AuditRound, prover: PeerID, segment: int) -> Reveal:
         """The prover's reveal; a prover that cannot be reached is tried again until
-        `REVEAL_TIMEOUT` (a restart takes seconds; its checkpoint keeps its identity)."""
+        `REVEAL_TIMEOUT` (a restart takes seconds; its checkpoint keeps its identity),
+        and a reveal has `transfer_s` more to arrive."""
         deadline = time.monotonic() + REVEAL_TIMEOUT
         while True:
             try:
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
-                    timeout=max(1.0, deadline - time.monotonic()),
+                    timeout=max(1.0, deadline - time.monotonic()) + self.transfer_s(),
                     secrets=rnd.secrets_to_wire(), layouts=self.layouts,
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
@@ -258,7 +269,12 @@ class Referee:
         }
         try:
             reply = await rpc.call(
-                self.dht.host, referee, PROTOCOL, "verdict", payload, timeout=VERDICT_TIMEOUT
+                self.dht.host,
+                referee,
+                PROTOCOL,
+                "verdict",
+                payload,
+                timeout=VERDICT_TIMEOUT + self.transfer_s(),  # (it fetches the reveal too)
             )
             return Verdict.from_wire(reply)
         except Exception as e:

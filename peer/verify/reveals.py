@@ -69,6 +69,7 @@ __all__ = [
     "RevealError",
     "RevealTooLarge",
     "fetch_reveal",
+    "reveal_bytes",
     "reveal_of",
     "send_reveal",
 ]
@@ -193,6 +194,16 @@ async def fetch_reveal(
     if any(t.dtype != torch.float32 for t in [*start, *end, *(final or [])]):
         raise ValueError("revealed parameters must be float32")
     return Reveal(SegmentState(start, optimizer), end, end_opt, final, final_opt)
+
+
+def reveal_bytes(
+    shapes: Sequence[torch.Size], layouts: Sequence[Mapping[str, tuple[int, ...]]]
+) -> int:
+    """The bytes of a reveal of a model of parameters `shapes` whose optimizer keeps
+    `layouts` (float32 tensors: start and end parameters, the start's optimizer state)."""
+    params = sum(math.prod(shape) for shape in shapes)
+    states = sum(math.prod(shape) for layout in layouts for shape in layout.values())
+    return 4 * (2 * params + states)
 
 
 def _check_layout(n: int, keys: list[tuple[int, str]], shapes: Sequence[torch.Size]) -> None:
