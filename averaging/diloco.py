@@ -81,7 +81,7 @@ from .outer import (
     nesterov_outer_step,
     state_protocol,
 )
-from .sparse_round import SparseContribution
+from .sparse_round import SPARSE_SHAPE, SparseContribution
 from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
 log = logging.getLogger("shoal.averaging.diloco")
@@ -186,7 +186,14 @@ class DiLoCo(OuterStrategyBase):
 
     def audit_shape(self) -> tuple[int, int, str]:
         allreduce = self.averager.config.allreduce
-        return (allreduce.streams_per_peer, allreduce.chunk_bytes, self.averager.config.codec)
+        # (A sparse round sends slots of messages, not a coded pseudo-gradient: what an
+        # auditor can re-derive of it is named apart, `audit_round.RoundShape.sparse`.)
+        codec = (
+            self.averager.config.codec
+            if self.sparse is None
+            else SPARSE_SHAPE + self.sparse.gather.codec.name
+        )
+        return (allreduce.streams_per_peer, allreduce.chunk_bytes, codec)
 
     def shun(self, peer: PeerID, seconds: float) -> None:
         self.averager.shun(peer, seconds)

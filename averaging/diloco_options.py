@@ -88,11 +88,6 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
         super().check_together()
         if self.codec == "dct" and self.sparse_chunk > MAX_DCT_CHUNK:
             raise ValueError(f"option 'codec_chunk' must be at most {MAX_DCT_CHUNK} with codec dct")
-        if self.sparse and self.verify:
-            raise ValueError(
-                f"option 'verify' cannot be true with codec {self.codec}: audits of sparse "
-                "contributions are not built yet"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,11 @@ from .sparse_codec import SparseCodec
 from .sparse_gather import SparseGather
 from .step_result import StepResult
 
-__all__ = ["SparseContribution"]
+__all__ = ["SPARSE_SHAPE", "SparseContribution"]
+
+# How an audit shape names a sparse round's codec (`DiLoCo.audit_shape`): "sparse:"
+# and the codec's name.
+SPARSE_SHAPE = "sparse:"
 
 log = logging.getLogger("shoal.averaging.sparse")
 

@@ -35,11 +35,21 @@ def _tampered(code: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
 
 
+# A sparse experiment is verified when asked (auto leaves it unverified): audits re-run
+# the work as with a dense codec, and the robust reduction clips the messages.
+SPARSE = {
+    **ROUNDS,
+    "SHOAL_STRATEGY_OPTIONS": ROUNDS["SHOAL_STRATEGY_OPTIONS"] + ",codec=topk",
+    "SHOAL_VERIFY": "on",
+}
+
+
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("settings", [ROUNDS, SPARSE], ids=["dense", "topk"])
 def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on(
-    tmp_path: Path,
+    tmp_path: Path, settings: dict[str, str]
 ) -> None:
-    host = Daemon("host", tmp_path, ["--host-experiment", "verified"], ROUNDS)
+    host = Daemon("host", tmp_path, ["--host-experiment", "verified"], settings)
     peers = [host]
     try:
         host.wait_ready()
