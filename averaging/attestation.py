@@ -10,6 +10,13 @@ commitment its `Attestor` does not accept (another experiment, round or start
 state, or more weight than the committed steps can carry). A member that sends
 something other than what it committed to is vetoed out of the round, named.
 
+In an owner-written round (`reducer.BitwiseUnion`: the slots of sparse
+messages) nobody sends to another's part, so no owner checks chunks on
+arrival: each member re-derives every other member's root from that member's
+part as it came to everyone (`owner_part_root`: its slot, zeros elsewhere) and
+vetoes, naming it, a part that is not what its author committed to, or a
+non-empty part without a commitment (`owner_written_problem`, before its vote).
+
 After the round, the prover reveals its inner run to auditors; the root ties
 what it sent to its final state (`Attestor` owners re-derive it there). The
 chunks' leaves are computed by the sender before any byte moves (one extra
@@ -45,6 +52,8 @@ __all__ = [
     "chunk_leaves",
     "global_chunks",
     "lane_offset",
+    "owner_part_root",
+    "owner_written_problem",
 ]
 
 MAX_PROOF = 64  # hashes per proof (a tree of 2**64 chunks)
@@ -92,6 +101,44 @@ def chunk_leaves(plan: Plan, flat: torch.Tensor, codec: Codec) -> list[bytes]:
         codec.encode(flat[a:b], payload)
         leaves.append(leaf_hash(payload))
     return leaves
+
+
+def owner_part_root(plan: Plan, result: torch.Tensor, owner: int) -> bytes:
+    """The Merkle root of a contribution holding `result`'s part `owner` and zeros
+    elsewhere, uncompressed: in an owner-written round (`reducer.BitwiseUnion`) what
+    a member contributed is its own part as it arrives to everyone, so this is its
+    commitment's root re-derived from what it sent (blocking: hashes the part)."""
+    a_part, b_part = plan.parts[owner]
+    zeros: dict[int, bytes] = {}
+    leaves = []
+    for a, b in global_chunks(plan):
+        if a_part <= a and b <= b_part:
+            leaves.append(leaf_hash(bytes_of(result[a:b])))
+        else:
+            if b - a not in zeros:
+                zeros[b - a] = leaf_hash(bytes(4 * (b - a)))
+            leaves.append(zeros[b - a])
+    return MerkleTree(leaves).root
+
+
+def owner_written_problem(
+    plan: Plan, result: torch.Tensor, group: Group, me: int, received: ReceivedCommitments
+) -> tuple[str, int] | None:
+    """The first member of an owner-written round whose part (as everyone received it)
+    is not what it committed to, or is not empty without a commitment; None when every
+    part checks. Our own part is what we sent: not checked."""
+    for j, peer in enumerate(group.peer_ids):
+        if j == me:
+            continue
+        commitment = received.by_member.get(peer)
+        a, b = plan.parts[j]
+        if commitment is None:
+            if bool(result[a:b].view(torch.int32).any()):
+                return "sent a part without a commitment to it", j
+            continue
+        if owner_part_root(plan, result, j) != commitment.delta_root:
+            return "sent another part than it committed to", j
+    return None
 
 
 @dataclass

@@ -51,7 +51,13 @@ from shoal.transport.identity import PeerID
 from shoal.transport.rpc import CallContext
 from shoal.verification.commitment import Commitment
 
-from .attestation import Attestor, ReceivedCommitments, RoundAttestation, chunk_leaves
+from .attestation import (
+    Attestor,
+    ReceivedCommitments,
+    RoundAttestation,
+    chunk_leaves,
+    owner_written_problem,
+)
 from .buffers import BufferPool, RoundBuffers
 from .commit import (
     READY,
@@ -240,6 +246,7 @@ class ButterflyRound:
         n_elements = sum(t.numel() for t in tensors)
         info = _round_info(host, cfg, group, n_elements, codec, weight, attestor is not None)
         self.plan = info.plan
+        self.owner_written = info.owner_written
         self.attestor = attestor
         self.weight = weight
         self.state = CommitProtocol(
@@ -504,6 +511,8 @@ class ButterflyRound:
         log.debug("%s: data phase complete", self.names[self.me])
         if self.state.abort_known or self.state.decision is not None:
             return
+        if not await self._owner_parts_attested():
+            return
         await self.hook("before_ready")
         self.state.ready(time.monotonic())
         # Delivered from here, not by the driver, so that "after_ready" means delivered.
@@ -513,6 +522,22 @@ class ButterflyRound:
         if sends:
             await asyncio.wait(sends)
         await self.hook("after_ready")
+
+    async def _owner_parts_attested(self) -> bool:
+        """In an attested owner-written round, each member's part (its slot, as it came
+        to everyone) must be what it committed to: else we veto, naming it (blocking
+        hashes, in a thread). True when there is nothing to check or all checks."""
+        received = self.data.received
+        if received is None or not self.owner_written or self.n == 1:
+            return True
+        problem = await self._buffers.in_thread(
+            owner_written_problem, self.plan, self.io.result, self.group, self.me, received
+        )
+        if problem is None:
+            return True
+        reason, j = problem
+        self.fail(f"member {self.names[j]} {reason}", (j,))
+        return False
 
 
 class ControlLink:

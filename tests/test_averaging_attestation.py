@@ -211,3 +211,43 @@ async def test_a_cancelled_round_returns_only_once_the_commitment_in_its_thread_
     slow.release.set()
     await asyncio.gather(*rounds, return_exceptions=True)
     assert finished_when_done == [True]
+
+
+async def _union_round(
+    services: list[AllReduceService], attestors: list[Attestor], group: Group
+) -> list[AllReduceOutcome]:
+    """An owner-written round (the sparse slots' `union`): member i writes part i."""
+    size = 1024
+    tensors = []
+    for i in range(len(services)):
+        t = torch.zeros(size * len(services))
+        t[i * size : (i + 1) * size] = torch.randn(size, generator=torch.Generator().manual_seed(i))
+        tensors.append(t)
+    outs = await asyncio.gather(
+        *(
+            s.run(group, [t], 1.0, codec="none", attestor=a)
+            for s, t, a in zip(services, tensors, attestors, strict=True)
+        )
+    )
+    return list(outs)
+
+
+async def test_in_an_owner_written_round_a_part_other_than_committed_is_named_and_left_out(
+    services: Any,
+) -> None:
+    """In an owner-written round nobody sends to another's part, so no owner checks
+    chunks on arrival: each member checks every other member's part, as it came to
+    everyone, against that member's commitment before it votes."""
+    hosts, svcs = await services(4, chunk_bytes=1024, reduction="union")
+    attestors = [Attestor(host) for host in hosts]
+    outs = await _union_round(svcs, attestors, group_of(hosts))
+    assert all(o.committed for o in outs), [o.reason for o in outs]
+    attestors[1] = Attestor(hosts[1], lying=True)
+    outs = await _union_round(svcs, attestors, group_of(hosts))
+    assert not any(o.committed for o in outs)
+    honest = [o for i, o in enumerate(outs) if i != 1]
+    assert all(hosts[1].peer_id in o.failed for o in honest), [o.failed for o in honest]
+    assert any("another part than it committed to" in o.reason for o in honest)
+    outs = await _union_round([svcs[0], *svcs[2:]], [attestors[0], *attestors[2:]],
+                              group_of([hosts[0], *hosts[2:]]))  # fmt: skip
+    assert all(o.committed for o in outs), [o.reason for o in outs]
