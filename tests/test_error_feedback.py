@@ -132,7 +132,6 @@ def test_the_default_codec_is_unchanged_and_the_sparse_options_stay_out_of_its_m
         ({"codec": "topk", "codec_bits": 2.0}, "'codec_bits'"),
         ({"codec": "topk", "codec_chunk": 8}, "'codec_chunk'"),
         ({"codec": "dct", "codec_chunk": 4096}, "'codec_chunk'"),
-        ({"codec": "dct", "verify": True}, "'verify'"),
     ],
 )
 def test_out_of_range_codec_options_are_refused_in_one_line(
