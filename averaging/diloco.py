@@ -200,6 +200,11 @@ class DiLoCo(OuterStrategyBase):
 
     def attach_attestor(self, attestor: Attestor) -> None:
         self.averager.attestor = attestor
+        # A verifier of sparse rounds also commits to our error feedback and keeps what
+        # we sent, to reveal it (`peer.verify.verifier.Verifier.attach_sparse`).
+        attach = getattr(attestor, "attach_sparse", None)
+        if self.sparse is not None and attach is not None:
+            attach(self.sparse)
 
     @property
     def oversized_refused(self) -> int:

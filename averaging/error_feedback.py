@@ -8,17 +8,32 @@ it was (the next round's delta covers this round's steps again), and after a
 re-sync it is zeroed: it pushed directions of a state the peer no longer holds.
 The residual is private to the peer: it is checkpointed, never served in state
 sync.
+
+In a verified experiment the residual is committed to (`claims`: its hash at the
+round's start and the hash of what a commit leaves), and each residual carries the
+commitment that left it (`chain`, the encoded commitment, checkpointed with it), so
+that an audit can check that a round started from what the previous one left
+(`verification.commitment.residual_chains`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
 
+from .buffers import bytes_of
 from .sparse_codec import SparseCodec
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["MAX_CHAIN_BYTES", "ErrorFeedback", "residual_digest"]
+
+MAX_CHAIN_BYTES = 1 << 20  # an encoded commitment (4,096 checkpoints at most)
+
+
+def residual_digest(t: torch.Tensor) -> bytes:
+    """The hash a commitment carries of a residual (its float32 bytes; blocking)."""
+    return hashlib.sha256(bytes_of(t.contiguous())).digest()
 
 
 class ErrorFeedback:
@@ -33,6 +48,11 @@ class ErrorFeedback:
             self.residual = self.residual.pin_memory()
             self._pending = self._pending.pin_memory()
         self._open = False
+        self.chain = b""  # the encoded commitment whose commit left this residual
+        self._pending_chain = b""
+        # Verified: a residual must come from a committed commitment (a lone commit has
+        # none), or it is dropped on the commit; what it held cannot be vouched for.
+        self.require_chain = False
 
     @property
     def open(self) -> bool:
@@ -55,15 +75,29 @@ class ErrorFeedback:
         self._open = True
         return message
 
+    def claims(self) -> tuple[bytes, bytes]:
+        """(hash of the residual now, hash of the one a commit of the open message
+        leaves): what a verified member commits to (blocking: hashes two vectors)."""
+        after = self._pending if self._open else self.residual
+        return residual_digest(self.residual), residual_digest(after)
+
+    def propose_chain(self, encoded_commitment: bytes) -> None:
+        """The commitment made for the open message: it becomes `chain` on a commit."""
+        self._pending_chain = encoded_commitment
+
     def commit(self) -> None:
         """The message was applied: what it left out is the residual from now on."""
         if self._open:
             self.residual, self._pending = self._pending, self.residual
+            self.chain, self._pending_chain = self._pending_chain, b""
+            if self.require_chain and not self.chain:
+                self.residual.zero_()
             self._open = False
 
     def abort(self) -> None:
         """The message was not applied: the residual stays what it was."""
         self._open = False
+        self._pending_chain = b""
 
     def reset(self) -> None:
         """A re-sync or a join: start from no residual."""
@@ -73,7 +107,7 @@ class ErrorFeedback:
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.name, "residual": self.residual.clone()}
+        return {"codec": self.codec.name, "residual": self.residual.clone(), "chain": self.chain}
 
     def load_state_dict(self, state: Any) -> None:
         """Restore a checkpoint's residual; one of another codec (the experiment's
@@ -89,4 +123,6 @@ class ErrorFeedback:
         ):
             raise ValueError(f"checkpoint 'error_feedback' must hold {self.size} finite float32")
         self.residual.copy_(residual)
+        chain = state.get("chain", b"")  # (a checkpoint from before verified sparse rounds)
+        self.chain = chain if isinstance(chain, bytes) and len(chain) <= MAX_CHAIN_BYTES else b""
         self._open = False

@@ -112,6 +112,14 @@ class SparseCodec:
     def name(self) -> str:
         return f"{self.kind}-{self.chunk}-{self.k}-{self.bits}"
 
+    @classmethod
+    def parse(cls, name: str) -> SparseCodec:
+        """The codec `name` names (ValueError unless it is one)."""
+        parts = name.split("-")
+        if len(parts) != 4 or not all(p.isdigit() and len(p) <= 6 for p in parts[1:]):
+            raise ValueError(f"not a sparse codec name: {name!r}")
+        return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]))
+
     # ------------------------------------------------------------ geometry
 
     def _tail(self, n: int) -> tuple[int, int, int]:

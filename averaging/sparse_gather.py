@@ -97,6 +97,20 @@ class SparseGather:
         raw = buffer.view(torch.uint8)
         raw[start : start + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
+    def message_of(self, slot: bytes) -> bytes:
+        """The message bytes of one slot's bytes (`slot_words` words)."""
+        return slot[self._body : self._body + self.message_bytes]
+
+    def buffer_with(self, members: int, index: int, slot: bytes) -> torch.Tensor:
+        """The round vector its author sent: `slot` at `index`, zeros elsewhere."""
+        if len(slot) != self.slot_words * 4 or not 0 <= index < members:
+            raise ValueError("a slot of another size, or past the round's members")
+        buffer = torch.zeros(self.words(members))
+        start = index * self.slot_words * 4
+        raw = buffer.view(torch.uint8)
+        raw[start : start + len(slot)] = torch.frombuffer(bytearray(slot), dtype=torch.uint8)
+        return buffer
+
     def mean_into(
         self,
         buffer: torch.Tensor,

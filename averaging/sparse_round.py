@@ -81,6 +81,16 @@ class SparseContribution:
         self._round, self._members = group.round_id, group.peer_ids
         return [self._slots]
 
+    def own_slot(self, round_id: bytes, me: PeerID) -> tuple[int, int, bytes] | None:
+        """(our slot's index, the round's members, our slot's bytes) as laid out for
+        round `round_id`; None for another round (what a verified member keeps to
+        reveal what it sent)."""
+        if round_id != self._round or me not in self._members:
+            return None
+        index, words = self._members.index(me), self.gather.slot_words
+        raw = self._slots.view(torch.uint8)[index * words * 4 : (index + 1) * words * 4]
+        return index, len(self._members), raw.numpy().tobytes()
+
     def mean_on_commit(self, round_id: bytes) -> None:
         """Round `round_id` committed: `delta` becomes the mean of its slots (a lone
         commit, whose slots were never laid out, keeps our own decoded message)."""

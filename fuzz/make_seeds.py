@@ -352,6 +352,14 @@ def new_seeds() -> dict[str, list[bytes]]:
             {"params": 2, "keys": [[0, "exp_avg"]], "end_opt": bytes(32)},
             # more parameters and state than the asker's model has: refused unread
             {"params": 3, "keys": [[5, "exp_avg"]], "end_opt": bytes(32), "final_opt": bytes(32)},
+            # a sparse round's last segment: its previous commitment and its slot
+            {
+                "params": 2,
+                "keys": [],
+                "end_opt": bytes(32),
+                "chain": conviction_commitment,
+                "slot": [0, 2, bytes(40)],
+            },
         ),
         "dht_reports": _packed(
             [

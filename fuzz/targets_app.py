@@ -185,6 +185,10 @@ def verification_rounds(data: bytes) -> None:
     head = expect((reveals.RevealError,), lambda: reveals._header(message(data)))
     if head is not None:  # what our model (a Linear(3, 2)) can hold
         expect((reveals.RevealError,), lambda: reveals._check_layout(head[0], head[1], _SHAPES))
+        sparse = expect((reveals.RevealError,), lambda: reveals._sparse_header(message(data), 8))
+        if sparse is not None and sparse[1] is not None:  # a slot within our vector's bytes
+            index, members, raw = sparse[1]
+            assert 0 <= index < members and len(raw) <= 4 * 8 + 1024
 
 
 _SHAPES = [torch.Size([2, 3]), torch.Size([2])]

@@ -793,10 +793,6 @@ def verification_options(
                     "model sizes, many times a sparse round's bytes; --verify on audits "
                     "anyway)", name, out["codec"])  # fmt: skip
         out["verify"] = False
-    elif sparse and (config.verify == "on" or out.get("verify")):
-        log.warning("experiment %r uses codec %s: audits re-run every peer's inner steps; "
-                    "the sparse messages themselves are not yet checked against them (the "
-                    "robust reduction bounds what one peer sends)", name, out["codec"])  # fmt: skip
     if "verify" not in out:
         out["verify"] = config.verify == "on" or (
             config.verify == "auto" and can_verify(config.strategy)

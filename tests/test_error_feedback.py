@@ -9,7 +9,7 @@ import torch
 from shoal.averaging import dct_basis, sparse_codec
 from shoal.averaging.compression import CodecError
 from shoal.averaging.diloco_options import MAX_DCT_CHUNK, DiLoCoOptions
-from shoal.averaging.error_feedback import ErrorFeedback
+from shoal.averaging.error_feedback import ErrorFeedback, residual_digest
 from shoal.averaging.options import SPARSE_CODEC_NAMES
 from shoal.averaging.sparse_codec import SparseCodec
 
@@ -140,3 +140,28 @@ def test_out_of_range_codec_options_are_refused_in_one_line(
     with pytest.raises(ValueError) as e:
         DiLoCoOptions.parse(options)
     assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_verified_residual_carries_the_commitment_that_left_it_and_is_checkpointed() -> None:
+    codec = SparseCodec("topk", 16, 2, 2)
+    fb = ErrorFeedback(codec, 64)
+    fb.require_chain = True
+    delta = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    fb.compress(delta.clone())
+    start, after = fb.claims()
+    assert start == residual_digest(torch.zeros(64)) != after
+    fb.propose_chain(b"commitment of round 1")
+    fb.commit()
+    assert fb.chain == b"commitment of round 1" and residual_digest(fb.residual) == after
+    # An aborted round keeps the residual and its chain; its proposal is forgotten.
+    fb.compress(delta.clone())
+    fb.propose_chain(b"commitment of round 2")
+    fb.abort()
+    assert fb.chain == b"commitment of round 1" and residual_digest(fb.residual) == after
+    restored = ErrorFeedback(codec, 64)
+    restored.load_state_dict(fb.state_dict())
+    assert restored.chain == fb.chain and torch.equal(restored.residual, fb.residual)
+    # A commit without a commitment (a peer alone) cannot vouch for what it left out.
+    fb.compress(delta.clone())
+    fb.commit()
+    assert fb.chain == b"" and not fb.residual.any()

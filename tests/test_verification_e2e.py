@@ -17,6 +17,7 @@ from .daemon_harness import TINY_TASK, Daemon, wait_for
 pytestmark = pytest.mark.slow  # swarms of daemons
 
 CHEATER_CODE = Path(__file__).parent / "cheater"
+FLIPPER_CODE = Path(__file__).parent / "flipper"
 LIAR_CODE = Path(__file__).parent / "liar"
 ROUNDS = {
     "SHOAL_INNER_STEPS": "10",
@@ -45,17 +46,24 @@ SPARSE = {
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("settings", [ROUNDS, SPARSE], ids=["dense", "topk"])
+@pytest.mark.parametrize(
+    ("settings", "code"),
+    [(ROUNDS, CHEATER_CODE), (SPARSE, CHEATER_CODE), (SPARSE, FLIPPER_CODE)],
+    ids=["dense", "topk", "topk-flipped-message"],
+)
 def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on(
-    tmp_path: Path, settings: dict[str, str]
+    tmp_path: Path, settings: dict[str, str], code: Path
 ) -> None:
+    """The cheater trains with noise (`cheater`), or, in a sparse round, trains
+    honestly and sends its pseudo-gradient sign-flipped (`flipper`: caught when its
+    last segment is audited, the message re-derived from its run)."""
     host = Daemon("host", tmp_path, ["--host-experiment", "verified"], settings)
     peers = [host]
     try:
         host.wait_ready()
         join = ["--join", host.join_ref, "--bootstrap", host.address]
         peers += [Daemon(f"honest-{i}", tmp_path, join, {}) for i in (1, 2)]
-        cheater = Daemon("cheater", tmp_path, join, _tampered(CHEATER_CODE))
+        cheater = Daemon("cheater", tmp_path, join, _tampered(code))
         peers.append(cheater)
         for d in peers:
             d.wait_ready()

@@ -24,7 +24,7 @@ from shoal.peer.session import work_log_for
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.task import load_task, shard_of
 from shoal.peer.verify import work_log as work_log_module
-from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
+from shoal.peer.verify.audit_round import AuditRound, check_segment
 from shoal.peer.verify.reveals import Replay, Reveal, reveal_of
 from shoal.peer.verify.segments import (
     SegmentRunner,
@@ -161,29 +161,6 @@ def test_what_was_sent_is_checked_against_the_run_s_end_when_the_last_segment_is
     for segment in range(last):  # (the honest run is re-run alike: nothing else to see)
         r = reveal(task, hyper, work, verified, c, segment)
         assert audit(task, hyper, rnd, other, segment, r).result is Result.PASS
-
-
-def test_a_sparse_round_s_audits_check_the_work_and_not_yet_the_message(  # type: ignore[no-untyped-def]
-    task,
-) -> None:
-    """In a sparse round the commitment's root is over the member's slot (its signed
-    message), which an audit does not re-derive yet (the residual's chain,
-    docs/architecture/verification.md): the last segment's audit does not compare it,
-    and every segment's re-run still checks the work itself."""
-    hyper, work, verified, c, rnd = setup(task)
-    sparse = AuditRound(**{**rnd.__dict__, "shape": RoundShape(
-        rnd.shape.bandwidths, rnd.shape.streams, rnd.shape.chunk_elements, "sparse:topk-4096-64-2"
-    )})  # fmt: skip
-    slot_root = Commitment(**{**c.__dict__, "delta_root": hashlib.sha256(b"slot").digest(),
-                              "signature": b""})  # fmt: skip
-    for segment in range(c.segments):
-        r = reveal(task, hyper, work, verified, c, segment)
-        assert audit(task, hyper, sparse, slot_root, segment, r).result is Result.PASS
-    lazy = reveal(task, hyper, work, verified, c, c.segments - 1)
-    lazy.end_params = [p.clone() for p in lazy.start.params]  # no training at all
-    finding = check_segment(SegmentRunner(task, hyper), task, SHARDS, NS, sparse, slot_root,
-                            c.segments - 1, lazy, b"seed", AuditPolicy())  # fmt: skip
-    assert finding.result is not Result.PASS
 
 
 @pytest.mark.parametrize("segment", [0, 1, 2])

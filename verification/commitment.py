@@ -10,7 +10,10 @@ pseudo-gradient over the all-reduce's parts (`delta_root`: each part's owner
 checks the part it received against it), the previous round's commitment
 (`previous`: a chain, so a peer cannot rewrite its history) and the hash of a
 secret it reveals after every member committed (`seed_commit`: the round's
-shared randomness, `verification.referees`, which nobody can steer).
+shared randomness, `verification.referees`, which nobody can steer). A member
+of a sparse round also commits to its error feedback (`residual`: the hashes of
+the residual it started the round with and of the one the round leaves it if it
+commits), which its previous commitment's must chain to (`residual_chains`).
 
 Everything is encoded canonically (msgpack of a fixed-order list) and signed
 with the prover's identity key under a domain tag, so a commitment checks
@@ -34,6 +37,7 @@ __all__ = [
     "CommitmentError",
     "MerkleTree",
     "leaf_hash",
+    "residual_chains",
     "state_digest",
     "verify_inclusion",
 ]
@@ -148,6 +152,8 @@ class Commitment:
     previous: bytes
     seed_commit: bytes
     signature: bytes = field(default=b"", compare=False)
+    # Sparse rounds: (hash of the residual at the start, hash of the one after a commit).
+    residual: tuple[bytes, bytes] | None = None
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -175,6 +181,12 @@ class Commitment:
             return f"hashes must be {HASH_BYTES} bytes"
         if not isinstance(self.previous, bytes) or len(self.previous) not in (0, HASH_BYTES):
             return "previous must be a commitment digest or empty (the first round)"
+        if self.residual is not None and not (
+            isinstance(self.residual, tuple)
+            and len(self.residual) == 2
+            and all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in self.residual)
+        ):
+            return f"residual must be two hashes of {HASH_BYTES} bytes"
         return None
 
     @property
@@ -214,6 +226,8 @@ class Commitment:
                 self.parts,
                 self.previous,
                 self.seed_commit,
+                # (Only in sparse rounds: a dense commitment is what it always was.)
+                *([] if self.residual is None else [list(self.residual)]),
             ],
             use_bin_type=True,
         )
@@ -240,11 +254,15 @@ class Commitment:
         try:
             body, signature = msgpack.unpackb(data, raw=False, max_bin_len=1 << 20)
             fields = msgpack.unpackb(body, raw=False, max_array_len=MAX_CHECKPOINTS + 16)
+            if not isinstance(fields, list) or len(fields) not in (13, 14):
+                raise CommitmentError("a commitment has 13 fields, or 14 in a sparse round")
+            residual = tuple(fields.pop()) if len(fields) == 14 else None
             (experiment, prover, rnd, start, optimizer, first_step, steps, every,
              checkpoints, delta_root, parts, previous, seed_commit) = fields  # fmt: skip
             commitment = cls(
                 experiment, PeerID(prover), rnd, start, optimizer, first_step, steps, every,
                 tuple(checkpoints), delta_root, parts, previous, seed_commit, signature,
+                residual,  # type: ignore[arg-type]  # (checked in __post_init__)
             )  # fmt: skip
         except CommitmentError:
             raise
@@ -260,5 +278,27 @@ class Commitment:
 def _replace_signature(c: Commitment, signature: bytes) -> Commitment:
     return Commitment(
         c.experiment, c.prover, c.round, c.start, c.optimizer, c.first_step, c.steps, c.every,
-        c.checkpoints, c.delta_root, c.parts, c.previous, c.seed_commit, signature,
+        c.checkpoints, c.delta_root, c.parts, c.previous, c.seed_commit, signature, c.residual,
     )  # fmt: skip
+
+
+def residual_chains(commitment: Commitment, previous: Commitment | None, zero: bytes) -> str | None:
+    """Why `commitment`'s starting residual is not one an honest peer could start with,
+    or None. `previous`: the commitment its `previous` names (None for an empty one;
+    the caller checked that it hashes to it and is the same prover's); `zero`: the hash
+    of an all-zero residual (after a join or a re-sync, always allowed). Otherwise it
+    is what the previous round left: its residual after the commit (our message was
+    applied) or, had that round not applied it, its residual at the start."""
+    if commitment.residual is None:
+        return "a sparse round's commitment without its residual"
+    start = commitment.residual[0]
+    if start == zero:
+        return None
+    if previous is None:
+        return "a residual that chains to no previous commitment"
+    # (A peer that missed a round the swarm committed is behind: it re-syncs, to zero.)
+    if previous.round != commitment.round - 1:
+        return "a residual that chains to a commitment of another than the previous round"
+    if previous.residual is None or start not in previous.residual:
+        return "a residual that is not what the previous round left"
+    return None

@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import msgpack
 import torch
@@ -33,6 +32,7 @@ from shoal.averaging.attestation import chunk_leaves
 from shoal.averaging.compression import get_codec
 from shoal.averaging.group import Group
 from shoal.averaging.partition import Plan
+from shoal.averaging.sparse_codec import SparseCodec
 from shoal.averaging.sparse_round import SPARSE_SHAPE
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
@@ -43,6 +43,7 @@ from shoal.verification.evidence import Result
 from shoal.verification.referees import SECRET_BYTES, RoundDraw, seed_commit
 
 from ..training.task import Task, shard_of
+from .recent import RecentRounds
 from .reveals import Reveal
 from .segments import (
     SegmentRunner,
@@ -52,6 +53,7 @@ from .segments import (
     round_batch_seed,
     segment_batches,
 )
+from .sparse_work import SparseWork, check_chain, check_message
 
 __all__ = [
     "AuditRound",
@@ -61,6 +63,7 @@ __all__ = [
     "check_segment",
     "gather",
     "publish_record",
+    "read_commitment",
 ]
 
 log = logging.getLogger("shoal.audits")
@@ -68,43 +71,6 @@ log = logging.getLogger("shoal.audits")
 RECORD_TTL = 300.0  # the records serve the draw right after a commit
 GATHER_POLL_S = 0.5
 UNKNOWN_GRACE_S = 5.0
-
-
-T = TypeVar("T")
-
-
-class RecentRounds(Generic[T]):
-    """Something per committed round, kept `retain_s` after the round was added and
-    the last `keep` rounds however old.
-
-    A prover answers reveals as long as its work log keeps the work (`retain_s`):
-    referees may ask that late (their audits queue behind each other), and a prover
-    that answers "no work of round N" inside the window is left out of their rounds
-    as one that withheld. A count alone forgets rounds seconds after their commit
-    when rounds are fast."""
-
-    def __init__(
-        self, keep: int, retain_s: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.keep, self.retain_s, self._clock = keep, retain_s, clock
-        self._items: dict[int, tuple[float, T]] = {}
-
-    def add(self, round_index: int, item: T) -> None:
-        now = self._clock()
-        self._items[round_index] = (now, item)
-        for old in sorted(self._items)[: -self.keep]:
-            if now - self._items[old][0] > self.retain_s:
-                del self._items[old]
-
-    def get(self, round_index: int) -> T | None:
-        kept = self._items.get(round_index)
-        return None if kept is None else kept[1]
-
-    def oldest(self) -> int | None:
-        return min(self._items, default=None)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 def records_key(namespace: str, round_index: int) -> str:
@@ -197,6 +163,23 @@ async def publish_record(
         return False
 
 
+async def read_commitment(
+    dht: DHTNode, namespace: str, round_index: int, prover: PeerID
+) -> Commitment | None:
+    """`prover`'s commitment of a round from the round's records in the DHT (one read;
+    None when it is not there, or expired)."""
+    try:
+        value = await dht.get(records_key(namespace, round_index), latest=True)
+    except Exception as e:  # (best effort: the caller does without)
+        log.debug("reading round %d's records failed: %r", round_index, e)
+        return None
+    for raw, _expiration in value.subkeys.values() if value and value.subkeys else ():
+        parsed = _parse(raw)
+        if parsed is not None and parsed[0].prover == prover and parsed[0].round == round_index:
+            return parsed[0]
+    return None
+
+
 def encode_record(commitment: Commitment, secret: bytes) -> bytes:
     """A member's round record: what it stores in the DHT and answers when asked."""
     return msgpack.packb([commitment.encode(), secret], use_bin_type=True)
@@ -267,6 +250,30 @@ async def gather(
         await asyncio.sleep(GATHER_POLL_S)
 
 
+def _check_sparse(
+    rnd: AuditRound,
+    commitment: Commitment,
+    segment: int,
+    reveal: Reveal,
+    start_params: list[torch.Tensor],
+    anchor: Commitment | None,
+) -> Finding | None:
+    """A sparse round's checks beyond the re-run (`sparse_work`); None when they pass."""
+    elements = sum(p.numel() for p in start_params)
+    if reveal.chain is None or commitment.residual is None:
+        return Finding(Result.BAD_REVEAL, "a sparse round's reveal without its residual's chain")
+    why = check_chain(commitment, reveal.chain, elements, anchor)
+    if why is None and segment == commitment.segments - 1:
+        if reveal.slot is None or reveal.residual is None:
+            return Finding(Result.BAD_REVEAL, "the last segment's reveal without what was sent")
+        work = SparseWork(reveal.chain, reveal.slot, reveal.residual)
+        codec = SparseCodec.parse(rnd.shape.codec.removeprefix(SPARSE_SHAPE))
+        shape = rnd.shape
+        why = check_message(codec, commitment, work, start_params, reveal.end_params,
+                            shape.streams, shape.chunk_elements)  # fmt: skip
+    return None if why is None else Finding(Result.FAIL, why)
+
+
 @dataclass(frozen=True)
 class Finding:
     result: Result
@@ -289,13 +296,16 @@ def check_segment(
     policy: AuditPolicy,
     *,
     consume: bool = False,
+    anchor: Commitment | None = None,
 ) -> Finding:
     """Audit `segment` of `commitment` from what its prover revealed (blocking).
 
     `consume`: the re-run steps the reveal's start optimizer state in place and drops
     it from the reveal (two model sizes with Adam not copied). Only for a reveal this
     process holds alone (read from the wire: a prover's own kept states must not be
-    stepped) and reads nothing of afterwards but its end (`Reveal.end_digest`)."""
+    stepped) and reads nothing of afterwards but its end (`Reveal.end_digest`).
+    `anchor`: of a sparse round, the prover's previous commitment as its round received
+    it, when known (`sparse_work.check_chain`)."""
     problem = reveal.problem(commitment, segment)
     if problem is not None:
         return Finding(Result.BAD_REVEAL, problem)
@@ -307,10 +317,13 @@ def check_segment(
     # other segment's audit does not check it: a prover chooses its last checkpoint
     # as freely as what it sends, and only re-running the last segment checks that.
     final = reveal.end_params if segment == commitment.segments - 1 else reveal.final_params
-    # A sparse round's message is `encode(residual + delta)`, the residual private to the
-    # prover: checking it needs the residual's chain (docs/architecture/verification.md),
-    # not built yet. The re-run below still checks the work.
-    if final is not None and not rnd.shape.sparse:
+    # A sparse round's message is `encode(residual + delta)`: its chain and, with the
+    # run's end, the message itself are checked apart (`sparse_work`).
+    if rnd.shape.sparse:
+        finding = _check_sparse(rnd, commitment, segment, reveal, start_params, anchor)
+        if finding is not None:
+            return finding
+    elif final is not None:
         sent = rnd.shape.delta_root(flat_difference(start_params, final))
         if sent != commitment.delta_root:
             return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")

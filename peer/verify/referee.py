@@ -41,14 +41,16 @@ from shoal.transport.errors import (
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.bans import publish
+from shoal.verification.commitment import Commitment
 from shoal.verification.disputes import Dispute, Ledger, Outcome
 from shoal.verification.evidence import EvidenceError, Result, Verdict
 
 from ..training.task import Task
-from .audit_round import AuditRound, check_segment, gather
+from .audit_round import AuditRound, check_segment, gather, read_commitment
 from .ban_watch import BanWatcher
 from .reveals import PROTOCOL, Reveal, RevealTooLarge, fetch_reveal, reveal_bytes
 from .segments import SegmentRunner
+from .sparse_work import previous_round
 
 __all__ = ["Referee"]
 
@@ -82,9 +84,13 @@ class Referee:
         bans: BanWatcher,
         retain_s: float,
         shun: Callable[[PeerID, int], float | None] | None = None,
+        known: Callable[[int, PeerID], Commitment | None] | None = None,
     ) -> None:
         """`shun(prover, round)`: leave a prover that failed that round out of our
-        rounds; how long (None: that round's failure was counted already)."""
+        rounds; how long (None: that round's failure was counted already). `known(round,
+        prover)`: its commitment in a round we were in, if we kept it (the anchor of a
+        sparse round's chain; else the round's records in the DHT are read)."""
+        self.known = known
         self.dht = dht
         self.identity = identity
         self.me = identity.peer_id
@@ -140,9 +146,11 @@ class Referee:
                 return None
         seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
         loop = asyncio.get_running_loop()
+        anchor = await self._anchor(rnd, prover, reveal)
         audit = functools.partial(
             check_segment, self.runner, self.task, self.num_shards, self.namespace, rnd, c,
             segment, reveal, seed, self.policy, consume=True,  # (only its end is read below)
+            anchor=anchor,
         )  # fmt: skip
         finding = await loop.run_in_executor(self.pool, audit)
         revealed = b""
@@ -158,6 +166,15 @@ class Referee:
             finding.flips, finding.bits, finding.norm_gap,
         )  # fmt: skip
         return self._count(verdict.signed(self.identity))
+
+    async def _anchor(self, rnd: AuditRound, prover: PeerID, reveal: Reveal) -> Commitment | None:
+        """Of a sparse round, the prover's previous commitment as its round received it:
+        ours if we were there, else the round's records in the DHT (None: unknown)."""
+        previous = previous_round(reveal.chain) if rnd.shape.sparse else None
+        if previous is None:
+            return None
+        kept = None if self.known is None else self.known(previous, prover)
+        return kept or await read_commitment(self.dht, self.namespace, previous, prover)
 
     def _no_reveal(self, rnd: AuditRound, prover: PeerID, e: BaseException) -> None:
         """Unreachable, or without its work (a restart loses it): what an honest peer

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from shoal.averaging.error_feedback import MAX_CHAIN_BYTES
 from shoal.transport import rpc
 from shoal.transport.errors import PayloadTooLarge
 from shoal.transport.host import Host
@@ -96,6 +97,11 @@ class Reveal:
     # The run's final state, from a 2.0 prover (or for a 2.0 asker); None otherwise.
     final_params: list[torch.Tensor] | None = None
     final_optimizer: bytes | None = None
+    # A sparse round's (`sparse_work`): the previous commitment, encoded (b"": none), and
+    # with the last segment, our slot (index, members, bytes) and the starting residual.
+    chain: bytes | None = None
+    slot: tuple[int, int, bytes] | None = None
+    residual: torch.Tensor | None = None
 
     def end_digest(self) -> bytes:
         return state_digest(params_hash(self.end_params), self.end_optimizer)
@@ -136,8 +142,14 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
     final = reveal.final_params or []
     if reveal.final_params is not None:
         head["final_opt"] = reveal.final_optimizer
+    if reveal.chain is not None:
+        head["chain"] = reveal.chain
+    residual = []
+    if reveal.slot is not None and reveal.residual is not None:
+        head["slot"] = list(reveal.slot)
+        residual = [reveal.residual]
     await ctx.send_item(head)
-    for t in [*reveal.start.params, *opt, *reveal.end_params, *final]:
+    for t in [*reveal.start.params, *opt, *reveal.end_params, *final, *residual]:
         await ctx.send_tensor(t.detach().contiguous())
 
 
@@ -178,6 +190,10 @@ async def fetch_reveal(
         end = [await _recv(call, shape) for shape in shapes]
         # (A 2.0 prover sends the final state whatever we ask: read, checked, unused.)
         final = None if final_opt is None else [await _recv(call, s) for s in shapes]
+        chain, slot = _sparse_header(head, sum(math.prod(s) for s in shapes))
+        residual = None
+        if slot is not None:
+            residual = await _recv(call, torch.Size([sum(math.prod(s) for s in shapes)]))
         done = await call.recv_item()
         if not isinstance(done, dict) or done.get("done") is not True:
             raise ValueError("the reveal ended out of step")
@@ -193,7 +209,31 @@ async def fetch_reveal(
     }
     if any(t.dtype != torch.float32 for t in [*start, *end, *(final or [])]):
         raise ValueError("revealed parameters must be float32")
-    return Reveal(SegmentState(start, optimizer), end, end_opt, final, final_opt)
+    return Reveal(
+        SegmentState(start, optimizer), end, end_opt, final, final_opt, chain, slot, residual
+    )
+
+
+def _sparse_header(
+    head: dict[str, Any], elements: int
+) -> tuple[bytes | None, tuple[int, int, bytes] | None]:
+    """A sparse round's parts of a reveal header: (previous commitment, slot), each
+    None when absent; RevealError when malformed or larger than our model allows."""
+    chain, slot = head.get("chain"), head.get("slot")
+    if chain is not None and not (isinstance(chain, bytes) and len(chain) <= MAX_CHAIN_BYTES):
+        raise RevealError("bad previous commitment")
+    if slot is None:
+        return chain, None
+    ok = isinstance(slot, list) and len(slot) == 3
+    if not (ok and isinstance(slot[0], int) and isinstance(slot[1], int)):
+        raise RevealError("bad slot")
+    index, members, raw = slot
+    # (A slot is at most a whole message: fewer bytes than the float32 vector it codes.)
+    if not (isinstance(raw, bytes) and len(raw) <= 4 * elements + 1024):
+        raise RevealTooLarge("a slot larger than our model's vector")
+    if not 0 <= index < members <= 1 << 16:
+        raise RevealError("bad slot index")
+    return chain, (index, members, raw)
 
 
 def reveal_bytes(

@@ -48,6 +48,7 @@ from .referee import LATE_SECRETS_TIMEOUT, Referee
 from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
 from .shunning import Shunning
+from .sparse_work import SparseProver, SparseSource, SparseWork
 from .withholding import DirectRecords, publish_while_gathering, recheck_withheld
 from .work_log import RoundWork, VerifiedWork, WorkLog
 
@@ -106,7 +107,7 @@ class Verifier:
         self.referee = Referee(
             dht, identity, task=task, num_shards=self.num_shards, namespace=self.namespace,
             policy=policy, runner=self.runner, pool=self._pool, bans=bans,
-            retain_s=work.log.retain_s, shun=self._shun_for,
+            retain_s=work.log.retain_s, shun=self._shun_for, known=self._known_commitment,
         )  # fmt: skip
         self._secrets: dict[int, bytes] = {}
         self._previous = b""  # our last commitment's digest (the chain)
@@ -128,6 +129,7 @@ class Verifier:
         self._service.unary("verdict")(self._on_verdict)
         self._service.unary("convicted")(self._on_convicted)
         self.records = DirectRecords(self._service)
+        self.sparse: SparseProver | None = None  # (`attach_sparse`)
 
     def close(self) -> None:
         self._service.close()
@@ -136,16 +138,26 @@ class Verifier:
 
     # ------------------------------------------------------------------ Attestor
 
+    def attach_sparse(self, source: SparseSource) -> None:
+        """Our rounds are sparse: commit to the error feedback too, and keep what we
+        sent to reveal it (`sparse_work`)."""
+        self.sparse = SparseProver(source, KEEP_ROUNDS, self.work.log.retain_s)
+
     def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
         """(In a thread, while the trainer waits for the round.)"""
         work = self.work.log.seal(self._model, self._inner)
         secret = new_secret()
         self._secrets[work.round] = secret
+        previous, residual = self._previous, None
+        if self.sparse is not None:  # (the chain our residual came from)
+            previous, residual = self.sparse.commitment_fields()
         commitment = Commitment(
             self.namespace, self.me, work.round, work.start_params, work.start_optimizer,
             work.first_step, work.steps, work.every, work.commit_checkpoints(), delta_root,
-            parts, self._previous, seed_commit(secret),
+            parts, previous, seed_commit(secret), residual=residual,
         ).signed(self.identity)  # fmt: skip
+        if self.sparse is not None:
+            self.sparse.committed(work.round, group, self.me, commitment)
         return commitment
 
     def accept(self, group: Group, commitment: Commitment, weight: float) -> str | None:
@@ -161,6 +173,8 @@ class Verifier:
             return "work started from another global state"
         if c.every != self.policy.segment_steps:
             return f"checkpoints every {c.every} steps, not {self.policy.segment_steps}"
+        if (c.residual is None) != (self.sparse is None):
+            return "a sparse round's commitment without its residual, or a dense one with"
         last = self.work.log.current  # (any round's: what one step of our batches carries)
         if last is not None and last.tokens_per_step and weight > c.steps * last.tokens_per_step:
             return f"weight {weight:.0f} is more than {c.steps} steps can carry"
@@ -179,6 +193,14 @@ class Verifier:
         self._verdicts = {k: v for k, v in self._verdicts.items() if k[0] >= oldest}
         self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
         self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))
+
+    def _known_commitment(self, round_index: int, prover: PeerID) -> Commitment | None:
+        """`prover`'s commitment in a round we were in and still keep, else None."""
+        future = self._rounds.get(round_index)
+        if future is None or not future.done() or future.cancelled() or future.exception():
+            return None
+        rnd = future.result()
+        return None if rnd is None else rnd.commitments.get(prover)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A task of ours: cancelled by `close`."""
@@ -309,8 +331,11 @@ class Verifier:
             raise PermissionError("this referee had our reveal already")
         loop = asyncio.get_running_loop()
         replay = Replay(self.runner, self.task, self.work, self.num_shards)
+        sparse = None if self.sparse is None else self.sparse.kept(round_index)
+        if self.sparse is not None and sparse is None:
+            raise LookupError(f"no sparse work of round {round_index} here")
         reveal = await loop.run_in_executor(
-            self._pool, reveal_segment, replay, work, mine, segment, final
+            self._pool, reveal_segment, replay, work, mine, segment, final, sparse
         )
         await send_reveal(ctx, reveal)
         yield {"done": True}
@@ -436,10 +461,21 @@ def check_dispute(rnd: AuditRound, me: PeerID, prover: PeerID, accusation: Verdi
 
 
 def reveal_segment(
-    replay: Replay, work: RoundWork, mine: Commitment, segment: int, final: bool = False
+    replay: Replay,
+    work: RoundWork,
+    mine: Commitment,
+    segment: int,
+    final: bool = False,
+    sparse: SparseWork | None = None,
 ) -> Reveal:
     """Our reveal of `segment` of the round's work, with the run's `final` state for a
-    referee of protocol 2.0 (in the audit thread: it re-runs steps)."""
+    referee of protocol 2.0 (in the audit thread: it re-runs steps); of a sparse
+    round, with the previous commitment, and for the last segment what we sent."""
     first, end = mine.segment_bounds(segment)
     last = replay.state_after(work, work.steps) if final else None
-    return reveal_of(replay.state_after(work, first), replay.state_after(work, end), last)
+    reveal = reveal_of(replay.state_after(work, first), replay.state_after(work, end), last)
+    if sparse is not None:
+        reveal.chain = sparse.chain
+        if segment == mine.segments - 1:
+            reveal.slot, reveal.residual = sparse.slot, sparse.residual
+    return reveal
