@@ -71,6 +71,36 @@ def test_bad_arguments_are_refused() -> None:
         centered_clip([torch.zeros(2)], [0.0])
 
 
+def _replica_delta(task, model, globals_, stream, inner: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """One replica's pseudo-gradient: `inner` AdamW steps from the global state."""
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), globals_, strict=True):
+            p.copy_(g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(inner):
+        loss = task.loss(model, next(stream))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    pairs = zip(globals_, model.parameters(), strict=True)
+    return torch.cat([(g - p.detach()).reshape(-1) for g, p in pairs])
+
+
+def _outer_step(globals_: list[torch.Tensor], update: torch.Tensor) -> None:
+    offset = 0
+    for g in globals_:
+        g.sub_(0.7 * update[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _held_out_loss(task, model, globals_) -> float:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), globals_, strict=True):
+            p.copy_(g)
+        losses = [float(task.loss(model, b)) for b in task.eval_batches(4)]
+    return sum(losses) / len(losses)
+
+
 def _train(aggregate, attack: float | None, rounds: int = 12, inner: int = 5) -> float:
     """DiLoCo with 4 replicas of a tiny bytegpt, in one process; replica 3 may attack."""
     task = make_task(TINY)
@@ -81,32 +111,11 @@ def _train(aggregate, attack: float | None, rounds: int = 12, inner: int = 5) ->
     for _ in range(rounds):
         deltas = []
         for i in range(peers):
-            with torch.no_grad():
-                for p, g in zip(model.parameters(), globals_, strict=True):
-                    p.copy_(g)
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-            for _ in range(inner):
-                loss = task.loss(model, next(streams[i]))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            flat = torch.cat(
-                [
-                    (g - p.detach()).reshape(-1)
-                    for g, p in zip(globals_, model.parameters(), strict=True)
-                ]
-            )
+            flat = _replica_delta(task, model, globals_, streams[i], inner)
             deltas.append(flat * attack if i == 3 and attack is not None else flat)
         update = aggregate(deltas, [1.0] * len(deltas))
-        offset = 0
-        for g in globals_:
-            g.sub_(0.7 * update[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    with torch.no_grad():
-        for p, g in zip(model.parameters(), globals_, strict=True):
-            p.copy_(g)
-        losses = [float(task.loss(model, b)) for b in task.eval_batches(4)]
-    return sum(losses) / len(losses)
+        _outer_step(globals_, update)
+    return _held_out_loss(task, model, globals_)
 
 
 @pytest.mark.timeout(120)
@@ -140,21 +149,7 @@ def _train_sparse(clip: bool, attack: str | None, rounds: int = 12, inner: int =
         round_id = r.to_bytes(4, "little")
         union = torch.zeros(gather.words(peers)).view(torch.int32)
         for i in range(peers):
-            with torch.no_grad():
-                for p, g in zip(model.parameters(), globals_, strict=True):
-                    p.copy_(g)
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-            for _ in range(inner):
-                loss = task.loss(model, next(streams[i]))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            flat = torch.cat(
-                [
-                    (g - p.detach()).reshape(-1)
-                    for g, p in zip(globals_, model.parameters(), strict=True)
-                ]
-            )
+            flat = _replica_delta(task, model, globals_, streams[i], inner)
             if i < 3:
                 message = feedback[i].compress(flat)
                 feedback[i].commit()
@@ -168,15 +163,8 @@ def _train_sparse(clip: bool, attack: str | None, rounds: int = 12, inner: int =
         update = torch.empty(size)
         ids = [m.peer_id for m in members]
         assert gather.mean_into(union.view(torch.float32), update, round_id, ids, clip=clip) == []
-        offset = 0
-        for g in globals_:
-            g.sub_(0.7 * update[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    with torch.no_grad():
-        for p, g in zip(model.parameters(), globals_, strict=True):
-            p.copy_(g)
-        losses = [float(task.loss(model, b)) for b in task.eval_batches(4)]
-    return sum(losses) / len(losses)
+        _outer_step(globals_, update)
+    return _held_out_loss(task, model, globals_)
 
 
 @pytest.mark.timeout(120)
