@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT = 120.0
+# Segments of a round at the daemon's defaults (inner_steps 50, audit_segment_steps 3).
+SEGMENTS = 17
 
 
 class Daemon:
@@ -94,11 +96,15 @@ def _wait(check: Any, timeout: float, what: str) -> None:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def run_arm(verify: bool, peers: int, seconds: float, workdir: Path) -> dict[str, Any]:
+def run_arm(
+    verify: bool, peers: int, seconds: float, workdir: Path, codec: str = "none"
+) -> dict[str, Any]:
     """Tokens/s of the swarm and bytes sent per committed round, over `seconds`."""
     arm = "on" if verify else "off"
-    options = "audit_probation_rate=0.05" if verify else ""
-    env = {"SHOAL_STRATEGY_OPTIONS": options} if options else {}
+    options = ",".join(
+        o for o in ("audit_probation_rate=0.05" if verify else "", f"codec={codec}") if o
+    )
+    env = {"SHOAL_STRATEGY_OPTIONS": options}
     host = Daemon("host", workdir / arm / "host", ["--host-experiment", f"bench-{arm}",
                                                    "--verify", arm], env)  # fmt: skip
     daemons = [host]
@@ -189,17 +195,19 @@ async def _reveal_bytes() -> dict[str, int]:
     return out
 
 
-def measure(seconds: float, peers: int, rate: float = 0.05) -> dict[str, Any]:
+def measure(seconds: float, peers: int, rate: float = 0.05, codec: str = "none") -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="shoal-verify-bench-"))
     try:
-        on = run_arm(True, peers, seconds, workdir)
-        off = run_arm(False, peers, seconds, workdir)
+        on = run_arm(True, peers, seconds, workdir, codec)
+        off = run_arm(False, peers, seconds, workdir, codec)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     # How many audits fall in a window is a matter of luck (Poisson, about rate x peers
     # per round): the expectation replaces the audits seen by the audits expected.
     reveal = reveal_bytes()
     per_audit = reveal["reveal_bytes"]
+    if codec != "none":  # (a sparse round's last segment also reveals its residual)
+        per_audit += reveal["model_bytes"] // SEGMENTS
     rest = (
         on["bytes_per_round"]
         - off["bytes_per_round"]
@@ -214,6 +222,7 @@ def measure(seconds: float, peers: int, rate: float = 0.05) -> dict[str, Any]:
         "on": on,
         "off": off,
         "peers": peers,
+        "codec": codec,
     }
 
 
@@ -221,8 +230,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=180.0, help="measured time per arm")
     parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--codec", default="none", help="DiLoCo's codec, e.g. int8 or topk")
     args = parser.parse_args()
-    print(json.dumps(measure(args.seconds, args.peers)))
+    print(json.dumps(measure(args.seconds, args.peers, codec=args.codec)))
 
 
 if __name__ == "__main__":

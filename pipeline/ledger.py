@@ -30,7 +30,9 @@ checkpoint a returning peer holds (`peer.pipelined.checkpoints`), and its steps
 after that are gone with the microbatches they counted. So where the stage's
 peers checkpoint, a counted entry is kept until a checkpoint of every such peer
 holds its step (`release`); when a peer restores the stage at version `v`
-(`lost`), the entries of steps from `v` on, counted or not, are replayed.
+(`lost`), the entries of steps from `v` on, counted or not, and the doubts sent
+at `v` or later are replayed, and the dead peers' logs of those steps are
+forgotten (the versions are taken again, by other members).
 What is kept is bounded (KEEP_VERSIONS behind the stage, KEEP_BYTES in all):
 beyond it the oldest entries are let go, as without checkpoints.
 """
@@ -247,6 +249,17 @@ class MicrobatchLedger:
             if entry.epoch >= restored:
                 del self._open[stage][key]
                 replay.append(entry)
+        # A doubt sent at `restored` or later could only have been applied there, and is
+        # gone (earlier ones wait for the restored peer's log, as open entries do).
+        for key, doubt in list(self._doubts[stage].items()):
+            if doubt.since >= restored:
+                del self._doubts[stage][key]
+                replay.append(doubt.applied_at(doubt.since))
+        # The steps from `restored` on are taken again, by other members: the dead
+        # peers' logs of those versions must settle nothing more (a doubt of a peer that
+        # was a member there would be assumed counted).
+        for v in [v for v in self._members[stage] if v >= restored]:
+            del self._members[stage][v]
         self.restored[stage] += sum(e.samples for e in replay)
         self.replayed[stage] += sum(e.samples for e in replay)
         return replay
