@@ -3,7 +3,9 @@
 For step v every peer of every stage stores its claim `{stage, sq, group}` in its
 own signed subkey of `shoal/x/<experiment>/clip/<v>` (`clip_key`) and reads the
 key until every stage's norm settled (`clipping.NormClaims`), polling fast at
-first (the stages step within moments of each other) and slower later. A claim
+first (the stages step within moments of each other) and slower later. A store that
+no replica took is tried again every `STAGES_EVERY_S` while we wait, and
+before we step if we settled first (the others still wait for our norm). A claim
 counts only from a peer that holds a record of the stage it claims for (its
 stage record, which it signed: a stranger's claim is no stage's), and only its
 owner can write a subkey, so nobody claims in another's name.
@@ -236,7 +238,8 @@ class ClipExchange:
         deadline = self.deadline
         # Kept until a stage that steps up to a deadline after us has read it.
         expires = time.time() + 2 * deadline + 60
-        await self.dht.store(key, claim, expires, subkey=owner_marker(self.dht.peer_id))
+        subkey = owner_marker(self.dht.peer_id)
+        stored = await self.dht.store(key, claim, expires, subkey=subkey)
         # What this step's reads found, and with it what the last step's found (a stage
         # that had two peers then needs two claims now, whatever a read missed since,
         # unless a read shows one of them left): only the former is kept for the next.
@@ -247,6 +250,9 @@ class ClipExchange:
         delay = POLL_FIRST_S
         while True:
             if time.monotonic() - read_at >= STAGES_EVERY_S:  # (joiners, versions)
+                if not stored:  # (no replica took our claim: nobody would see our norm,
+                    # and the DHT's own republishing comes minutes later)
+                    stored = await self.dht.store(key, claim, expires, subkey=subkey)
                 reads, read_at = (await self._stages(version)).merged(reads), time.monotonic()
                 stages = reads.merged(last, versions=False)
             claims = NormClaims(self.stages)
@@ -261,12 +267,26 @@ class ClipExchange:
                 self.max_norm, (self.stage, squared), serving, final=final, skipped=skipped
             )
             if decision is not None:
+                if not stored:  # (the other stages still wait for our norm)
+                    await self._store_until(key, claim, expires, started + deadline)
                 self._seen = (version, reads)
                 self._note_disputes(claims, squared, serving, skipped)
                 return self._decided(version, decision, time.monotonic() - started)
             left = deadline - (time.monotonic() - started)
             await asyncio.sleep(max(0.0, min(delay, left)))
             delay = min(2 * delay, POLL_MAX_S)
+
+    async def _store_until(
+        self, key: str, claim: dict[str, Any], expires: float, until: float
+    ) -> None:
+        """Store our claim again until a replica takes it, or (monotonic) `until`."""
+        subkey = owner_marker(self.dht.peer_id)
+        while not await self.dht.store(key, claim, expires, subkey=subkey):
+            if time.monotonic() + STAGES_EVERY_S >= until:
+                log.warning("our gradient norm for %s could not be stored: the other "
+                            "stages will clip without it", key)  # fmt: skip
+                return
+            await asyncio.sleep(STAGES_EVERY_S)
 
     async def _look_back(self, version: int, stages: StagesSeen) -> None:
         """After a fallback for the step before `version`: did its missing norms come

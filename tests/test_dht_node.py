@@ -522,8 +522,10 @@ async def test_a_client_node_reads_and_writes_but_is_never_a_hop(
 ) -> None:
     nodes = await swarm(8)
     host = await make_host(**HOST_OPTS)
+    # (A generous hop: the claim is about who is a hop, and a loaded machine answered a
+    # lookup late enough that the client learnt 5 of the 8 nodes in CI.)
     client = await DHTNode.create(
-        host, bootstrap=[str(nodes[0].host.addresses()[0])], serves=lambda: False, hop_timeout=0.5
+        host, bootstrap=[str(nodes[0].host.addresses()[0])], serves=lambda: False, hop_timeout=5.0
     )
     try:
         exp = time.time() + 60

@@ -247,6 +247,45 @@ async def test_a_stage_whose_norm_never_comes_counts_as_missing_after_the_deadli
 
 
 @pytest.mark.timeout(60)
+async def test_a_claim_no_replica_took_is_stored_again_while_its_stage_waits(
+    make_host: Callable[..., Any],
+) -> None:
+    """A store that reached no replica (a loaded machine's lookup timed out) would leave
+    every other stage without our norm until its deadline, the DHT's republishing being
+    minutes away: the exchange stores it again while it waits. (A CI run of the
+    four-stage test fell back after 20 s on one stage's norm, seen by nobody.)"""
+    nodes: list[DHTNode] = []
+    servers: list[StageServer] = []
+    try:
+        for s in (0, 1):
+            server = StageServer(await _dht(make_host, nodes), EXPERIMENT, s,
+                                 StageWorker(torch.nn.Linear(2, 2)))  # fmt: skip
+            server.set_version(7)
+            await server.start()
+            servers.append(server)
+        real_store, failed = nodes[1].store, []
+
+        async def first_store_fails(key: str, *args: Any, **kwargs: Any) -> bool:
+            if key == clip_key(EXPERIMENT, 7) and not failed:
+                failed.append(key)
+                return False  # (stored nowhere)
+            return await real_store(key, *args, **kwargs)
+
+        nodes[1].store = first_store_fails  # type: ignore[method-assign]
+        exchanges = [ClipExchange(nodes[s], EXPERIMENT, s, 2, 1.0, deadline_s=20.0)
+                     for s in (0, 1)]  # fmt: skip
+        factors = await asyncio.gather(exchanges[0].factor(7, 16.0, 1),
+                                       exchanges[1].factor(7, 9.0, 1))  # fmt: skip
+        assert failed and factors[0] == factors[1] == pytest.approx(1.0 / (5.0 + 1e-6))
+        assert exchanges[0].fallbacks == exchanges[1].fallbacks == 0
+    finally:
+        for server in servers:
+            await server.aclose()
+        for n in nodes:
+            await n.aclose()
+
+
+@pytest.mark.timeout(60)
 async def test_a_stage_peer_that_re_synced_past_a_step_is_not_waited_for(
     make_host: Callable[..., Any],
 ) -> None:
