@@ -190,7 +190,8 @@ class AllReduceOutcome:
 def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int, codec: Codec,
                 weight: float, attested: bool) -> RoundInfo:  # fmt: skip
     peers = group.peer_ids
-    owner_written = ALL_REDUCTIONS[cfg.reduction].owner_written
+    reduction = ALL_REDUCTIONS[cfg.reduction]
+    owner_written = reduction.owner_written
     if owner_written and n_elements % group.size:
         raise ValueError(f"{cfg.reduction}: {n_elements} elements are not one part per member")
     plan = Plan.build(
@@ -208,7 +209,8 @@ def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int,
     window = max(2, min(cfg.window_chunks, _SLOT_BUDGET // per_slot))
     return RoundInfo(group.round_id, group.index(host.peer_id), peers,
                      [p.short() for p in peers], plan, digest, weight, window,
-                     cfg.protocol, owner_written, cfg.max_weight)  # fmt: skip
+                     cfg.protocol, owner_written, cfg.max_weight,
+                     reduction.caps_weights)  # fmt: skip
 
 
 class ButterflyRound:

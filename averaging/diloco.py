@@ -158,7 +158,7 @@ class DiLoCo(OuterStrategyBase):
         clip = config.allreduce.reduction == "centered_clip"
         self.sparse = SparseContribution.of(self.options, self._delta_buffer, clip=clip)
         if self.sparse is not None:
-            union = "union_clip" if clip else "union"
+            union = "union_clip_capped" if clip else "union"
             allreduce = dataclasses.replace(config.allreduce, reduction=union)
             config = dataclasses.replace(config, codec="none", allreduce=allreduce)
         self.averager = Averager(

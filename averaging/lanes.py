@@ -99,6 +99,7 @@ class RoundInfo:
     # The reduction is `owner_written`: contributions to other parts are not sent.
     owner_written: bool = False
     max_weight: float = math.inf  # (`AllReduceConfig.max_weight`)
+    caps_weights: bool = False  # (the reduction's `caps_weights`)
 
 
 class DataPlane:
@@ -421,7 +422,8 @@ def plan_transfers(info: RoundInfo) -> tuple[int, Counter[int], dict[int, LaneRe
     for lane, span in enumerate(plan.lanes(info.me)):
         if span[1] > span[0]:
             reducers[lane] = LaneReducer(info.me, plan.chunks(span), senders, info.window,
-                                         info.weight, info.owner_written)  # fmt: skip
+                                         info.weight, info.owner_written,
+                                         info.caps_weights)  # fmt: skip
             pending += 1
             for i in senders:
                 need[i] += 1

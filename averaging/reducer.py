@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.verification.robust import centered_clip
+from shoal.verification.robust import capped_weights, centered_clip
 
 from .compression import Codec, CodecError
 from .partition import Span
@@ -73,11 +73,13 @@ class LaneReducer:
         window: int,
         weight: float,
         owner_written: bool = False,
+        caps_weights: bool = False,
     ) -> None:
         self.me = me
         # The reduction's `owner_written`: the others attach (with their weights) but
         # send nothing, and our part is our own input alone.
         self.owner_written = owner_written
+        self.caps_weights = caps_weights  # (the reduction's `caps_weights`)
         self.chunks = chunks
         self.senders = senders
         self.window = window
@@ -135,14 +137,17 @@ class LaneReducer:
     def _member_order(self) -> tuple[tuple[int, float], ...]:
         if self._order is None:
             members = sorted(self.weights)
-            total = math.fsum(self.weights[i] for i in members)
+            weights = [self.weights[i] for i in members]
+            if self.caps_weights:
+                weights = capped_weights(weights)
+            total = math.fsum(weights)
             if total <= 0:
                 raise Veto(NOTHING_TO_AVERAGE)
             if self.owner_written:
                 self._order = ((self.me, 1.0),)
                 return self._order
             self._order = tuple(
-                (i, self.weights[i] / total) for i in members if self.weights[i] > 0
+                (i, w / total) for i, w in zip(members, weights, strict=True) if w > 0
             )
         return self._order
 
@@ -161,6 +166,10 @@ class Reduction:
     # result is its own input reduced alone: a round sends G - 1 parts per member, the
     # all-gather half of a butterfly.
     owner_written = False
+    # True: each member's weight counts at most `WEIGHT_OVER_MEDIAN` times the median
+    # member's (`verification.robust.capped_weights`): a robust reduction's bound on a
+    # contribution's pull means little if its claimed weight drowns the others.
+    caps_weights = False
 
     def reduce(
         self,
@@ -214,6 +223,7 @@ class CenteredClip(Reduction):
     CenteredClip iteration of `verification.robust`, per chunk)."""
 
     name = "centered_clip"
+    caps_weights = True
 
     def __init__(self, iterations: int = 20) -> None:
         self.iterations = iterations
@@ -285,13 +295,15 @@ def reduce_chunk(
 # What a manifest may choose (`options.REDUCTION_NAMES`) ...
 REDUCTIONS: dict[str, type[Reduction]] = {"mean": WeightedMean, "centered_clip": CenteredClip}
 # ... and what strategies also use internally.
-# `union_clip` moves the same bytes as `union`; its own name in the plan keeps members
-# that clip the messages' norms when they decode them (`sparse_gather`) apart from
-# members that do not, which would commit other bits from the same slots.
+# `union_clip_capped` moves the same bytes as `union`; its own name in the plan keeps
+# members that clip the messages' norms and cap their weights when they decode them
+# (`sparse_gather`) apart from members that do not, which would commit other bits from
+# the same slots. (`union_clip`, which clipped norms alone, is retired: its members
+# would commit other bits than these from a slot that claims a large weight.)
 ALL_REDUCTIONS: dict[str, type[Reduction]] = {
     **REDUCTIONS,
     "union": BitwiseUnion,
-    "union_clip": BitwiseUnion,
+    "union_clip_capped": BitwiseUnion,
 }
 
 

@@ -17,10 +17,12 @@ to the member and round it was sent in: a slot that is empty, malformed, signed
 for another round or slot, or claims an impossible weight is skipped, by every
 member alike. With the robust reduction (`centered_clip` in the
 options) each message is clipped to the median message norm before it is added
-(`verification.robust.norm_clip_scales`: why norms, not CenteredClip's centre),
-and the round's plan is named `union_clip`, so that members that clip never
-average with members that do not. A member that leaves mid-round aborts the round as in any
-butterfly (every member still opens its stream to every owner, with no data).
+(`verification.robust.norm_clip_scales`: why norms, not CenteredClip's centre)
+and each weight capped at twice the median weight (`capped_weights`), and the
+round's plan is named `union_clip_capped`, so that members that clip never average
+with members that do not (nor with stop-57 peers, which clipped norms alone). A
+member that leaves mid-round aborts the round as in any butterfly (every member
+still opens its stream to every owner, with no data).
 
 Slot layout: weight (float64, little-endian), the author's Ed25519 signature
 (64 bytes), the message; zero-padded to whole float32 words.
@@ -38,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shoal.transport.identity import PeerID
-from shoal.verification.robust import norm_clip_scales
+from shoal.verification.robust import capped_weights, norm_clip_scales
 
 from .compression import CodecError
 from .sparse_codec import SparseCodec
@@ -123,9 +125,11 @@ class SparseGather:
         """`out` = the weighted mean of the valid slots' messages (zero if none is);
         `members` are the round's, in group order (slot i is members[i]'s). With `clip`,
         each message is first scaled down to at most the lower median of the valid
-        messages' norms (`norm_clip_scales`), so that no member moves the mean further
-        than an honest one could. Returns the slots skipped (forged, malformed; empty
-        ones are not). The same bits on every member holding the same buffer."""
+        messages' norms (`norm_clip_scales`) and each weight capped at twice their
+        median (`capped_weights`), so that no member moves the mean further than an
+        honest one could, nor counts for more than two. Returns the slots skipped
+        (forged, malformed; empty ones are not). The same bits on every member holding
+        the same buffer."""
         raw = buffer.view(torch.uint8).numpy().tobytes()
         size = self.slot_words * 4
         if len(raw) != size * len(members):
@@ -148,10 +152,13 @@ class SparseGather:
             except CodecError:
                 skipped.append(i)
         out.zero_()
-        total = math.fsum(w for w, _ in checked)
-        norms = [m.norm for _, m in checked]  # type: ignore[attr-defined]
-        scales = norm_clip_scales(norms) if clip else [1.0] * len(checked)
-        for (weight, message), scale in zip(checked, scales, strict=True):
+        weights = [w for w, _ in checked]
+        scales = [1.0] * len(checked)
+        if clip:
+            weights = capped_weights(weights)
+            scales = norm_clip_scales([m.norm for _, m in checked])  # type: ignore[attr-defined]
+        total = math.fsum(weights)
+        for weight, (_, message), scale in zip(weights, checked, scales, strict=True):
             self.codec.add_decoded(message, out, weight / total * scale)  # type: ignore[arg-type]
         return skipped
 

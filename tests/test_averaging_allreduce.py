@@ -54,6 +54,7 @@ from shoal.transport.errors import RemoteError
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
 from shoal.transport.rpc import TENSOR
+from shoal.verification.robust import centered_clip
 
 PROTO = AllReduceConfig().protocol
 # Fast failure detection for tests on an idle loopback.
@@ -1540,6 +1541,27 @@ async def test_a_centered_clip_round_is_bit_identical_and_bounds_a_scaled_contri
     committed(await c.run(c.group(), tensors, codec=codec))
     result = assert_identical(tensors)
     assert (result - 1.0).abs().max() < 0.5
+
+
+async def test_in_a_centered_clip_round_a_member_claiming_a_billion_samples_counts_as_two(
+    cluster: Any,
+) -> None:
+    """A weight is a claim: with CenteredClip a member's weight counts at most twice
+    the median member's, so a liar whose update pulls one way cannot decide the
+    result alone by claiming a huge weight (uncapped, the result is its update)."""
+    c = await cluster(5, AllReduceConfig(reduction="centered_clip", chunk_bytes=4096, **PATIENT))
+    g = torch.Generator().manual_seed(5)
+    inputs = [[torch.randn(3000, generator=g) * 0.1] for _ in range(4)] + [[torch.ones(3000) * 10]]
+    weights = [1.0, 1.0, 1.0, 1.0, 1e9]
+    tensors = clone(inputs)
+    committed(await c.run(c.group(), tensors, weights=weights))
+    result = assert_identical(tensors)
+    # Uncapped, the liar moves the centre by tau at each of the 20 iterations: the
+    # result sits about 2 per coordinate towards its update. Capped, its share is
+    # 2 / (4 + 2) and the honest members pull the centre back within tau / 2.
+    uncapped = centered_clip([x[0] for x in inputs], weights)
+    assert float(uncapped.mean()) > 1.0
+    assert float(result.mean()) < 0.2
 
 
 async def test_members_that_disagree_on_the_reduction_fail_as_a_plan_mismatch(

@@ -45,6 +45,23 @@ def test_nothing_is_reduced_before_every_sender_attached() -> None:
     assert job.order == ((0, 0.2), (1, 0.2), (2, 0.6))
 
 
+def test_a_robust_lane_counts_no_weight_above_twice_the_median() -> None:
+    r = LaneReducer(1, CHUNKS, senders=[0, 2, 3], window=2, weight=2.0, caps_weights=True)
+    r.attach(0, 1e12)  # the liar
+    r.attach(2, 2.0)
+    r.attach(3, 0.0)  # a member that brings nothing stays out of the median
+    for i in (0, 2):
+        r.arrived(i, 0)
+    job = r.next_job()
+    assert job is not None and job.order == ((0, 0.5), (1, 0.25), (2, 0.25))
+    plain = reducer()
+    plain.attach(0, 1e12)
+    plain.attach(2, 2.0)
+    plain.arrived(0, 0)
+    plain.arrived(2, 0)
+    assert plain.next_job().order[0][1] > 0.999  # type: ignore[union-attr]
+
+
 def test_an_owner_written_lane_waits_for_every_sender_to_attach_but_for_no_data() -> None:
     """The union of slots: the others' contributions to our part are zeros, so they
     attach (their weights, which is how a member that never came is noticed) and send

@@ -507,6 +507,7 @@ async def test_with_a_sparse_codec_peers_send_sparse_updates_commit_alike_and_ca
 async def test_with_the_robust_reduction_a_huge_sparse_update_counts_as_a_median_one(
     swarm: Callable[..., Any],
 ) -> None:
+    """... and its claim of a billion samples as twice the median claim."""
     opts = {**SPARSE, "codec": "topk", "reduction": "centered_clip", "matchmaking_time": 1.0}
     peers = await swarm("diloco", 3, opts)
     await asyncio.gather(*(p.train(1) for p in peers))
@@ -515,12 +516,14 @@ async def test_with_the_robust_reduction_a_huge_sparse_update_counts_as_a_median
     with torch.no_grad():  # the third peer's update is a thousand times too large
         for p, g in zip(peers[2].params, peers[2].strategy.globals, strict=True):
             p.copy_(g + (p - g) * 1000)
+    peers[2].strategy.samples_since_sync = 10**9
     deltas = [_flat_delta(p) for p in peers]
     results = await asyncio.gather(*(p.strategy.after_inner_step(8) for p in peers))
     assert all(r[0].committed and r[0].group_size == 3 for r in results)
     assert len({p.strategy.fingerprint() for p in peers}) == 1
     # Every member decoded the gathered messages in group order, each scaled to at most
-    # the median message norm before its share of the weight.
+    # the median message norm before its share of the weight, the liar's weight capped
+    # at twice the median (16 samples each: 16 + 16 + 32).
     sparse = peers[0].strategy.feedback.codec
     messages = [sparse.check(sparse.encode(d), d.numel()) for d in deltas]
     order = sorted(range(3), key=lambda i: peers[i].dht.peer_id.to_bytes())
@@ -528,7 +531,7 @@ async def test_with_the_robust_reduction_a_huge_sparse_update_counts_as_a_median
     assert scales[order.index(2)] < 0.01 and scales.count(1.0) == 2
     mean = torch.zeros_like(deltas[0])
     for i, scale in zip(order, scales, strict=True):
-        sparse.add_decoded(messages[i], mean, 16.0 / 48.0 * scale)
+        sparse.add_decoded(messages[i], mean, (32.0 if i == 2 else 16.0) / 64.0 * scale)
     for peer in peers:
         assert torch.equal(peer.strategy._delta_buffer, mean)
 

@@ -12,7 +12,12 @@ from shoal.averaging.sparse_codec import SparseCodec
 from shoal.averaging.sparse_gather import SparseGather
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.transport.identity import Identity
-from shoal.verification.robust import centered_clip, norm_clip_scales, weighted_mean
+from shoal.verification.robust import (
+    capped_weights,
+    centered_clip,
+    norm_clip_scales,
+    weighted_mean,
+)
 
 TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "context": 32, "batch_size": 8}
 
@@ -60,6 +65,18 @@ def test_norm_clipping_scales_down_only_what_is_longer_than_the_median() -> None
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ValueError):
             norm_clip_scales([1.0, bad])
+
+
+def test_weights_are_capped_at_twice_their_median_and_zeros_stay_out() -> None:
+    assert capped_weights([1.0, 1.0, 1e9]) == [1.0, 1.0, 2.0]
+    assert capped_weights([8.0, 16.0, 16.0, 1e9]) == [8.0, 16.0, 16.0, 32.0]
+    # The median of the positive weights: members that bring nothing do not lower it.
+    assert capped_weights([0.0, 0.0, 0.0, 5.0, 7.0]) == [0.0, 0.0, 0.0, 5.0, 7.0]
+    assert capped_weights([0.0, 0.0]) == [0.0, 0.0]
+    assert capped_weights([3.0, 1e9], over_median=1.0) == [3.0, 3.0]
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError):
+            capped_weights([1.0, bad])
 
 
 def test_bad_arguments_are_refused() -> None:

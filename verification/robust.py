@@ -20,7 +20,18 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["centered_clip", "norm_clip_scales", "weighted_mean"]
+__all__ = [
+    "WEIGHT_OVER_MEDIAN",
+    "capped_weights",
+    "centered_clip",
+    "norm_clip_scales",
+    "weighted_mean",
+]
+
+# The most a member's weight (its claimed samples) counts in a robust reduction, as a
+# multiple of the lower median of the round's positive weights. 2: a DiLoCo member
+# whose last round failed honestly brings two rounds of samples.
+WEIGHT_OVER_MEDIAN = 2.0
 
 
 def weighted_mean(values: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -88,3 +99,27 @@ def norm_clip_scales(norms: Sequence[float]) -> list[float]:
         raise ValueError("norms must be finite and >= 0")
     tau = sorted(norms)[(len(norms) - 1) // 2]
     return [1.0 if n <= tau else tau / n for n in norms]
+
+
+def capped_weights(
+    weights: Sequence[float], over_median: float = WEIGHT_OVER_MEDIAN
+) -> list[float]:
+    """`weights` with each positive one capped at `over_median` times the lower median
+    of the positive ones.
+
+    A weight is the sender's claim (the samples behind its contribution). Clipping a
+    contribution's norm bounds where it pulls the result; without a bound on its
+    weight, a liar claiming a billion samples still decides the mean within that
+    bound alone. With a majority of honest members the median is an honest weight, so
+    a liar counts at most `over_median` honest members. Zero weights (members that
+    bring nothing) stay zero. A pure function of the weights: the same on every member.
+    """
+    if any(not (w >= 0 and math.isfinite(w)) for w in weights):
+        raise ValueError("weights must be finite and >= 0")
+    if not over_median >= 1:
+        raise ValueError("over_median must be >= 1")
+    positive = sorted(w for w in weights if w > 0)
+    if not positive:
+        return list(weights)
+    cap = positive[(len(positive) - 1) // 2] * over_median
+    return [min(w, cap) for w in weights]
