@@ -49,11 +49,12 @@ def referee(host: Any, shunned: list[tuple[PeerID, int]]) -> Referee:
     )  # type: ignore[arg-type]  # fmt: skip
 
 
-def audit_round(prover: Identity) -> Any:
+def audit_round(prover: Identity, sparse: bool = False) -> Any:
     c = commit(prover, b"s" * 32)
     return SimpleNamespace(
         round=c.round, commitments={prover.peer_id: c}, committed_at=time.monotonic(),
         draw=SimpleNamespace(segment=lambda _p, _n: 0), secrets_to_wire=list,
+        shape=SimpleNamespace(sparse=sparse),
     )  # fmt: skip
 
 
@@ -200,7 +201,8 @@ async def late_secret_round(
         policy=None, runner=runner, pool=None, bans=None, retain_s=3600.0,
         shun=recorder(shunned),
     )  # type: ignore[arg-type]  # fmt: skip
-    rnd = AuditRound(7, None, commitments, known, partial, [], time.monotonic())  # type: ignore[arg-type]
+    dense = SimpleNamespace(sparse=False)
+    rnd = AuditRound(7, dense, commitments, known, partial, [], time.monotonic())  # type: ignore[arg-type]
     return rnd, ref, prover.peer_id, answers, shunned, nodes
 
 
@@ -274,6 +276,9 @@ async def test_a_reveal_gets_the_time_its_size_needs_beyond_reaching_the_prover(
     ref.template = {"optimizer": {"param_groups": []}, "grad_scaler": None}
     assert ref.reveal_bytes == 4 * (2 * 6)  # start and end of 6 parameters, no state
     rnd = audit_round(identities(1, "p")[0])
+    # A sparse round's reveal brings the error feedback's residual too: 6 more floats.
+    assert ref.transfer_s(rnd) == 4.0
+    assert ref.transfer_s(audit_round(identities(1, "p")[0], sparse=True)) == 6.0
     started = time.monotonic()
     reveal = await ref._fetch(rnd, prover_host.peer_id, 0)
     assert time.monotonic() - started >= 2.0

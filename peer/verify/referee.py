@@ -105,6 +105,7 @@ class Referee:
         # ... and the state our optimizer keeps of each (another state is refused unread).
         self.layouts = runner.inner.state_layouts()
         self.reveal_bytes = reveal_bytes(self.shapes, self.layouts)
+        self.sparse_reveal_bytes = reveal_bytes(self.shapes, self.layouts, sparse=True)
         self.pool = pool
         self.bans = bans
         self.retain_s = retain_s  # how long provers keep their work
@@ -211,9 +212,11 @@ class Referee:
         rnd.learn([[p.to_bytes(), secret] for p, secret in secrets.items()])
         return len(rnd.secrets) > known
 
-    def transfer_s(self) -> float:
-        """How long a reveal may take to arrive once its prover is reached."""
-        return self.reveal_bytes / REVEAL_RATE
+    def transfer_s(self, rnd: AuditRound) -> float:
+        """How long a reveal of `rnd` may take to arrive once its prover is reached (a
+        sparse round's last segment brings the residual too: a model's size more)."""
+        size = self.sparse_reveal_bytes if rnd.shape.sparse else self.reveal_bytes
+        return size / REVEAL_RATE
 
     async def _fetch(self, rnd: AuditRound, prover: PeerID, segment: int) -> Reveal:
         """The prover's reveal; a prover that cannot be reached is tried again until
@@ -224,7 +227,7 @@ class Referee:
             try:
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
-                    timeout=max(1.0, deadline - time.monotonic()) + self.transfer_s(),
+                    timeout=max(1.0, deadline - time.monotonic()) + self.transfer_s(rnd),
                     secrets=rnd.secrets_to_wire(), layouts=self.layouts,
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
@@ -291,7 +294,7 @@ class Referee:
                 PROTOCOL,
                 "verdict",
                 payload,
-                timeout=VERDICT_TIMEOUT + self.transfer_s(),  # (it fetches the reveal too)
+                timeout=VERDICT_TIMEOUT + self.transfer_s(rnd),  # (it fetches the reveal too)
             )
             return Verdict.from_wire(reply)
         except Exception as e:

@@ -237,13 +237,17 @@ def _sparse_header(
 
 
 def reveal_bytes(
-    shapes: Sequence[torch.Size], layouts: Sequence[Mapping[str, tuple[int, ...]]]
+    shapes: Sequence[torch.Size],
+    layouts: Sequence[Mapping[str, tuple[int, ...]]],
+    *,
+    sparse: bool = False,
 ) -> int:
     """The bytes of a reveal of a model of parameters `shapes` whose optimizer keeps
-    `layouts` (float32 tensors: start and end parameters, the start's optimizer state)."""
+    `layouts` (float32 tensors: start and end parameters, the start's optimizer state;
+    of a `sparse` round's last segment, the error feedback's starting residual too)."""
     params = sum(math.prod(shape) for shape in shapes)
     states = sum(math.prod(shape) for layout in layouts for shape in layout.values())
-    return 4 * (2 * params + states)
+    return 4 * ((3 if sparse else 2) * params + states)
 
 
 def _check_layout(n: int, keys: list[tuple[int, str]], shapes: Sequence[torch.Size]) -> None:
