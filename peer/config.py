@@ -365,7 +365,8 @@ OPTIONS: dict[str, Option] = {
             "auditors, in RAM and in the data dir's work-log folder together, e.g. 2G; past it, "
             "intermediate states go first (an audit re-runs them), then rounds older than "
             "the last 2 even inside the 5-minute audit window (their audits fail as work "
-            "withheld)",
+            "withheld); sparse codecs keep their error feedback's residuals besides, in a "
+            "quarter of it",
             "SIZE",
             "8G",
         ),

@@ -22,17 +22,39 @@ class RecentRounds(Generic[T]):
     when rounds are fast."""
 
     def __init__(
-        self, keep: int, retain_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        keep: int,
+        retain_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        at_most: int | None = None,
+        on_drop: Callable[[T], None] | None = None,
     ) -> None:
+        """`at_most`: past this many rounds, the oldest beyond the last `keep` go even
+        inside `retain_s` (a bound on what they hold); `on_drop`: called with each
+        item let go (a replaced one too)."""
+        if keep < 1 or (at_most is not None and at_most < keep):
+            raise ValueError("keep >= 1 and at_most >= keep")
         self.keep, self.retain_s, self._clock = keep, retain_s, clock
+        self.at_most = at_most
+        self._on_drop = on_drop
         self._items: dict[int, tuple[float, T]] = {}
 
     def add(self, round_index: int, item: T) -> None:
         now = self._clock()
+        replaced = self._items.get(round_index)
         self._items[round_index] = (now, item)
-        for old in sorted(self._items)[: -self.keep]:
-            if now - self._items[old][0] > self.retain_s:
-                del self._items[old]
+        if replaced is not None:
+            self._dropped(replaced[1])
+        older = sorted(self._items)[: -self.keep]
+        over = 0 if self.at_most is None else max(0, len(self._items) - self.at_most)
+        for i, old in enumerate(older):
+            if i < over or now - self._items[old][0] > self.retain_s:
+                self._dropped(self._items.pop(old)[1])
+
+    def _dropped(self, item: T) -> None:
+        if self._on_drop is not None:
+            self._on_drop(item)
 
     def get(self, round_index: int) -> T | None:
         kept = self._items.get(round_index)

@@ -21,13 +21,19 @@ caught when its last segment is drawn, as one that sends another dense
 pseudo-gradient is; the robust reduction bounds what it sends meanwhile.
 
 What a prover keeps per round (`SparseProver`): the starting residual (a model
-size, while its round may be audited), the previous commitment and its slot.
+size, while its round may be audited), the previous commitment and its slot. The
+newest round's residual stays in RAM; with a folder (the work log's), older ones
+are written there and read back, checked against the committed hash, when a
+reveal needs them, and at most `retain_bytes` of residuals are kept in all (the
+oldest rounds beyond the last `keep` go first, as the work log's states do).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -49,6 +55,7 @@ from shoal.verification.commitment import (
 
 from .recent import RecentRounds
 from .segments import flat_difference
+from .spill import SpillDir, load_tensor
 
 __all__ = [
     "SparseProver",
@@ -78,13 +85,60 @@ class SparseWork:
     residual: torch.Tensor  # the residual the round started from
 
 
+class _KeptWork:
+    """A round's `SparseWork` as kept: its residual in RAM, or in a file once a newer
+    round's took its place (`digest`: the committed hash it must still have)."""
+
+    __slots__ = ("chain", "digest", "path", "residual", "slot")
+
+    def __init__(self, work: SparseWork, digest: bytes) -> None:
+        self.chain, self.slot, self.digest = work.chain, work.slot, digest
+        self.residual: torch.Tensor | None = work.residual
+        self.path: Path | None = None
+
+    def spill(self, disk: SpillDir, name: str) -> None:
+        if self.residual is not None:
+            self.path = disk.write_tensor(name, self.residual)
+            self.residual = None
+
+    def work(self) -> SparseWork | None:
+        residual = self.residual
+        if residual is None and self.path is not None:
+            residual = load_tensor(self.path)
+            if residual is not None and residual_digest(residual) != self.digest:
+                residual = None  # altered on disk: no reveal rather than a wrong one
+        return None if residual is None else SparseWork(self.chain, self.slot, residual)
+
+    def remove(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
 class SparseProver:
     """A verified member's error feedback in its commitments, and what it keeps."""
 
-    def __init__(self, source: SparseSource, keep: int, retain_s: float) -> None:
+    def __init__(
+        self,
+        source: SparseSource,
+        keep: int,
+        retain_s: float,
+        *,
+        spill_dir: Path | None = None,
+        retain_bytes: int | None = None,
+    ) -> None:
+        """`spill_dir`: where older rounds' residuals go (None: all stay in RAM);
+        `retain_bytes`: the most residual bytes kept, in RAM and folder together."""
         self.source = source
         source.feedback.require_chain = True
-        self._kept: RecentRounds[SparseWork] = RecentRounds(keep, retain_s)
+        self._disk = None if spill_dir is None else SpillDir(spill_dir)  # clears a past run's
+        self._names = itertools.count()
+        at_most = None
+        if retain_bytes is not None:
+            at_most = max(keep, retain_bytes // max(1, source.feedback.residual.nbytes))
+        self._kept: RecentRounds[_KeptWork] = RecentRounds(
+            keep, retain_s, at_most=at_most, on_drop=_KeptWork.remove
+        )
+        self._newest: _KeptWork | None = None
 
     def commitment_fields(self) -> tuple[bytes, tuple[bytes, bytes]]:
         """(`previous`, `residual`) of our commitment for the open message (blocking)."""
@@ -99,11 +153,23 @@ class SparseProver:
         slot = self.source.own_slot(group.round_id, me)
         if slot is None:
             return
-        self._kept.add(round_index, SparseWork(feedback.chain, slot, feedback.residual.clone()))
+        work = SparseWork(feedback.chain, slot, feedback.residual.clone())
+        if self._newest is not None and self._disk is not None:
+            self._newest.spill(self._disk, f"residual-{next(self._names)}")
+        claimed = commitment.residual
+        digest = claimed[0] if claimed is not None else residual_digest(work.residual)
+        self._newest = _KeptWork(work, digest)
+        self._kept.add(round_index, self._newest)
         feedback.propose_chain(commitment.encode())
 
     def kept(self, round_index: int) -> SparseWork | None:
-        return self._kept.get(round_index)
+        """What we reveal of the round (blocking: may read a file); None: not kept, or
+        its file is gone or altered."""
+        kept = self._kept.get(round_index)
+        return None if kept is None else kept.work()
+
+    def spilled_files(self) -> list[Path]:
+        return [] if self._disk is None else self._disk.files()
 
 
 def check_chain(

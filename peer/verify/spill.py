@@ -20,7 +20,7 @@ import torch
 
 from .segments import SegmentState
 
-__all__ = ["SpillDir", "Spilled", "load_kept"]
+__all__ = ["SpillDir", "Spilled", "load_kept", "load_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -79,5 +79,25 @@ class SpillDir:
         os.replace(partial, final)  # a crash mid-write leaves no file that looks whole
         return Spilled(final)
 
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> Path:
+        """One tensor in a file of its own, `name` unique among this folder's tensors
+        (blocking). Read it back with `load_tensor`."""
+        final = self.path / f"{name}{SUFFIX}"
+        partial = final.with_suffix(".part")
+        torch.save(tensor, partial)
+        os.replace(partial, final)
+        return final
+
     def files(self) -> list[Path]:
         return sorted(self.path.iterdir())
+
+
+def load_tensor(path: Path) -> torch.Tensor | None:
+    """A tensor `write_tensor` wrote, mapped; None when the file is gone or unreadable
+    (the caller checks it against what it committed to before using it)."""
+    try:
+        tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        log.warning("kept tensor %s is unusable (%r)", path.name, e)
+        return None
+    return tensor if isinstance(tensor, torch.Tensor) else None

@@ -141,7 +141,18 @@ class Verifier:
     def attach_sparse(self, source: SparseSource) -> None:
         """Our rounds are sparse: commit to the error feedback too, and keep what we
         sent to reveal it (`sparse_work`)."""
-        self.sparse = SparseProver(source, KEEP_ROUNDS, self.work.log.retain_s)
+        log_ = self.work.log
+        spill = log_.spill_path
+        self.sparse = SparseProver(
+            source,
+            KEEP_ROUNDS,
+            log_.retain_s,
+            spill_dir=None if spill is None else spill.with_name(spill.name + "-residuals"),
+            # A round's states are 2 or more of (parameters, 2 moments): its residual,
+            # one model size, is at most a sixth of them, so a quarter of the states'
+            # budget keeps the residuals of every round whose states are kept.
+            retain_bytes=log_.retain_bytes // 4,
+        )
 
     def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
         """(In a thread, while the trainer waits for the round.)"""
@@ -331,9 +342,11 @@ class Verifier:
             raise PermissionError("this referee had our reveal already")
         loop = asyncio.get_running_loop()
         replay = Replay(self.runner, self.task, self.work, self.num_shards)
-        sparse = None if self.sparse is None else self.sparse.kept(round_index)
-        if self.sparse is not None and sparse is None:
-            raise LookupError(f"no sparse work of round {round_index} here")
+        sparse = None
+        if self.sparse is not None:  # (may read a spilled residual back: off the loop)
+            sparse = await loop.run_in_executor(self._pool, self.sparse.kept, round_index)
+            if sparse is None:
+                raise LookupError(f"no sparse work of round {round_index} here")
         reveal = await loop.run_in_executor(
             self._pool, reveal_segment, replay, work, mine, segment, final, sparse
         )

@@ -247,6 +247,11 @@ class WorkLog:
             raise RuntimeError(f"round {round_index}: our start state is gone")
         return state.params
 
+    @property
+    def spill_path(self) -> Path | None:
+        """The folder states are spilled to (None: they all stay in RAM)."""
+        return None if self._disk is None else self._disk.path
+
     def spilled_files(self) -> list[Path]:
         """The files of spilled states (none without a folder to spill to)."""
         return [] if self._disk is None else self._disk.files()
