@@ -48,8 +48,11 @@ SPARSE = {
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     ("settings", "code"),
-    [(ROUNDS, CHEATER_CODE), (SPARSE, CHEATER_CODE), (SPARSE, FLIPPER_CODE)],
-    ids=["dense", "topk", "topk-flipped-message"],
+    # (A sparse swarm's noise cheater is caught by the re-run, as the dense one is; the
+    # sign flipper only by the sparse audit's re-derived message. So the sparse swarm
+    # runs the flipper alone: CI's slow tests run one after another.)
+    [(ROUNDS, CHEATER_CODE), (SPARSE, FLIPPER_CODE)],
+    ids=["dense", "topk-flipped-message"],
 )
 def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on(
     tmp_path: Path, settings: dict[str, str], code: Path
