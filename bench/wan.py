@@ -22,6 +22,10 @@ shard, AdamW, clipping) for the same wall-clock budget per arm:
 - ``streaming_int4``: Streaming DiLoCo with its fragments' outer gradients in 4 bits
   (the paper's setting; ``streaming`` is int8).
 
+``ARM:LABEL`` in `--arms` runs a variant of ARM with its own `--options` (for two
+settings of one arm side by side in one run: ``--arms diloco_sparse,diloco_sparse:h10
+--options 'diloco_sparse:h10={"inner_steps": 10}'``).
+
 Every arm's JSON says its `codec` and `bytes_per_round`: the bytes one peer's link
 sent per round (outer round; a step for data parallel; a fragment's round for
 Streaming DiLoCo), from the links' counters, averaged over the peers; the outer
@@ -110,15 +114,22 @@ def progress(message: str, *args: Any) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] " + message % args, file=sys.stderr, flush=True)
 
 
+def base_arm(arm: str) -> str:
+    """`diloco_sparse:h10` is a variant of `diloco_sparse` (its own `--options`), so
+    that two settings of one arm run side by side in one run."""
+    return arm.partition(":")[0]
+
+
 def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> list[dict]:
     """Start the arm's peers in their namespaces, start them together, collect results."""
     run_dir.mkdir(parents=True)
+    variant, arm = arm, base_arm(arm)
     strategy, divisor = SHORT_ARMS.get(arm, (arm, 1.0))
     options: dict[str, Any] = {}
     if arm in CODEC_ARMS:
         strategy, codec = CODEC_ARMS[arm]
         options = {"codec": codec}
-    options.update(args.options.get(arm, {}))
+    options.update(args.options.get(variant, {}))
     budget = args.budget_s / divisor
     procs = []
     for rank in range(args.peers):
@@ -218,6 +229,7 @@ def time_to(points: list[dict], target: float) -> float | None:
 
 def codec_of(arm: str) -> str:
     """How the arm's peers code what they exchange."""
+    arm = base_arm(arm)
     if arm in CODEC_ARMS:
         return CODEC_ARMS[arm][1]
     strategy = SHORT_ARMS.get(arm, (arm, 1.0))[0]
@@ -257,7 +269,7 @@ def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -
     evals = task.eval_batches(args.eval_batches)
     arms: dict[str, dict[str, Any]] = {}
     for arm, results in raw.items():
-        points = curve(task, results, evals, per_replica=arm == "noloco")
+        points = curve(task, results, evals, per_replica=base_arm(arm) == "noloco")
         # (not "steps": rank 0's count would replace every peer's)
         skip = ("snapshots", "rank", "steps", "sent_by_protocol")
         extra = {k: v for k, v in results[0].items() if k not in skip}
@@ -347,7 +359,9 @@ def plot(result: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data", nargs="?", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {ARMS}")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma-separated subset of {ARMS}; ARM:LABEL runs a variant of "
+                        "ARM with its own --options (e.g. diloco_sparse:h10)")  # fmt: skip
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--rate-mbit", type=float, default=50.0, help="each peer's link, each way")
     p.add_argument("--delay-ms", type=float, default=25.0, help="one way, between two peers")
@@ -375,14 +389,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     options: dict[str, dict[str, Any]] = {}
     for item in args.options:
         arm, _, text = item.partition("=")
-        if arm not in ARMS or not isinstance(value := json.loads(text or "null"), dict):
+        if base_arm(arm) not in ARMS or not isinstance(value := json.loads(text or "null"), dict):
             p.error(f"--options takes ARM=JSON object, got {item!r}")
         options[arm] = value
     args.options = options
     args.arms = [a for a in args.arms.split(",") if a]
-    if unknown := set(args.arms) - set(ARMS):
+    if unknown := {base_arm(a) for a in args.arms} - set(ARMS):
         p.error(f"unknown arms {sorted(unknown)}")
-    args.lr = {arm: getattr(args, f"{arm}_lr") for arm in ARMS}
+    if len(set(args.arms)) != len(args.arms):
+        p.error("an arm named twice (ARM:LABEL names a variant)")
+    args.lr = {arm: getattr(args, f"{base_arm(arm)}_lr") for arm in [*ARMS, *args.arms]}
     return args
 
 
@@ -396,7 +412,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     with WanLab(args.peers, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms) as lab:
         lab.wait_reachable()
         for arm in args.arms:
-            budget = args.budget_s / SHORT_ARMS.get(arm, (arm, 1.0))[1]
+            budget = args.budget_s / SHORT_ARMS.get(base_arm(arm), (arm, 1.0))[1]
             progress("arm %s: %d peers, %.0f s", arm, args.peers, budget)
             raw[arm] = run_arm(arm, lab, args, run_root / arm)
             progress("arm %s: steps %s", arm, [r["steps"] for r in raw[arm]])

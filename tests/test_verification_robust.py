@@ -118,8 +118,11 @@ def _held_out_loss(task, model, globals_) -> float:  # type: ignore[no-untyped-d
     return sum(losses) / len(losses)
 
 
-def _train(aggregate, attack: float | None, rounds: int = 12, inner: int = 5) -> float:
-    """DiLoCo with 4 replicas of a tiny bytegpt, in one process; replica 3 may attack."""
+def _train(  # type: ignore[no-untyped-def]
+    aggregate, attack: float | None, rounds: int = 12, inner: int = 5, weight: float = 1.0
+) -> float:
+    """DiLoCo with 4 replicas of a tiny bytegpt, in one process; replica 3 may attack
+    (its update times `attack`, claimed with `weight`)."""
     task = make_task(TINY)
     model = task.make_model(0)
     globals_ = [p.detach().clone() for p in model.parameters()]
@@ -130,7 +133,7 @@ def _train(aggregate, attack: float | None, rounds: int = 12, inner: int = 5) ->
         for i in range(peers):
             flat = _replica_delta(task, model, globals_, streams[i], inner)
             deltas.append(flat * attack if i == 3 and attack is not None else flat)
-        update = aggregate(deltas, [1.0] * len(deltas))
+        update = aggregate(deltas, [1.0] * 3 + [weight] * (len(deltas) - 3))
         _outer_step(globals_, update)
     return _held_out_loss(task, model, globals_)
 
@@ -145,6 +148,22 @@ def test_diloco_with_centered_clip_trains_through_a_peer_sending_garbage(attack:
     # The control: the plain mean is broken (how far x100 throws it depends on the
     # thread count: 8.3 on one thread, 5.1 on two, against 3.1 honest).
     assert not math.isfinite(plain) or plain >= 1.5 * honest_only, (plain, honest_only)
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_way_update_claimed_with_a_million_samples_counts_as_two_members() -> None:
+    """CenteredClip bounds how far a contribution pulls, not how much it counts: an
+    honest-sized update pointed the wrong way and claimed with a weight of a million
+    decides the result alone (8.45 against 3.09 here). Owners cap each weight at
+    twice the median (`capped_weights`, as `LaneReducer` does): 3.30."""
+    honest_only = _train(weighted_mean, None)
+
+    def capped(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        return centered_clip(values, capped_weights(weights))
+
+    uncapped = _train(centered_clip, -1.0, weight=1e6)
+    assert uncapped >= 1.5 * honest_only, (uncapped, honest_only)
+    assert _train(capped, -1.0, weight=1e6) <= 1.15 * honest_only
 
 
 def _train_sparse(clip: bool, attack: str | None, rounds: int = 12, inner: int = 5) -> float:
