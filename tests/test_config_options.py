@@ -392,6 +392,19 @@ def test_a_sparse_codec_is_hosted_unverified_by_auto_and_verified_when_asked() -
     assert resolve_options("diloco", on)["verify"] is True
 
 
+def test_a_sparse_codec_s_outer_step_defaults_to_sparseloco_s_and_is_recorded() -> None:
+    """Nesterov momentum on top of error feedback diverged (bench/wan.py); a sparse
+    codec takes momentum 0 and lr 1 unless told otherwise, and the manifest writes them
+    out, so an experiment keeps its outer step whatever later defaults say."""
+    sparse = resolve_options("diloco", {"codec": "topk"})
+    assert (sparse["outer_momentum"], sparse["outer_lr"]) == (0.0, 1.0)
+    assert sparse.to_dict()["outer_momentum"] == 0.0 and sparse.to_dict()["outer_lr"] == 1.0
+    given = resolve_options("diloco", {"codec": "dct", "outer_momentum": 0.9, "outer_lr": 0.7})
+    assert (given["outer_momentum"], given["outer_lr"]) == (0.9, 0.7)
+    dense = resolve_options("diloco", {"codec": "int8"})
+    assert (dense["outer_momentum"], dense["outer_lr"]) == (0.9, 0.7)
+
+
 def test_verification_options_are_checked_and_need_diloco() -> None:
     opts = resolve_options("diloco", {"verify": True, "audit_rate": 0.1})
     assert opts["audit_rate"] == 0.1 and opts["audit_segment_steps"] == 3
