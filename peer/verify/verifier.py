@@ -148,9 +148,10 @@ class Verifier:
             KEEP_ROUNDS,
             log_.retain_s,
             spill_dir=None if spill is None else spill.with_name(spill.name + "-residuals"),
-            # A round's states are 2 or more of (parameters, 2 moments): its residual,
-            # one model size, is at most a sixth of them, so a quarter of the states'
-            # budget keeps the residuals of every round whose states are kept.
+            # With AdamW a round's states are 2 or more of (parameters, 2 moments):
+            # its residual, one model size, is at most a sixth of them, so a quarter
+            # of the states' budget keeps the residual of every round whose states
+            # are kept (with a moment-free inner optimizer, of about half of them).
             retain_bytes=log_.retain_bytes // 4,
         )
 
