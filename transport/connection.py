@@ -466,6 +466,63 @@ class Stream:
 class Connection(asyncio.BufferedProtocol):
     """One TCP connection: Noise XX handshake, then the stream multiplexer."""
 
+    # Slots, not a dict per instance: a peer of a large swarm holds hundreds of these.
+    __slots__ = (
+        "_admit",
+        "_bodies_out",
+        "_buf",
+        "_drain_waiters",
+        "_end",
+        "_failure",
+        "_flush_scheduled",
+        "_handshake",
+        "_handshake_args",
+        "_handshake_started",
+        "_idle_since",
+        "_life",
+        "_loop",
+        "_lost_error",
+        "_mux",
+        "_mv",
+        "_no_streams",
+        "_on_closed",
+        "_on_stream",
+        "_paused",
+        "_ping_ids",
+        "_pings",
+        "_recv_cipher",
+        "_rx",
+        "_send_cipher",
+        "_start",
+        "_tasks",
+        "_timer",
+        "_transport",
+        "_tx",
+        "access",
+        "bulk_bytes_buffered",
+        "bulk_bytes_direct",
+        "bytes_received",
+        "bytes_sent",
+        "close_reason",
+        "closed",
+        "config",
+        "created_at",
+        "handshake_done",
+        "initiator",
+        "kind",
+        "last_activity",
+        "local_address",
+        "outbound",
+        "relay",
+        "remote_address",
+        "remote_events",
+        "remote_peer",
+        "rtt",
+        "serial",
+        "streams",
+        "superseded",
+    )
+
     _ids = itertools.count(1)
 
     def __init__(
@@ -885,6 +942,17 @@ class _Receiver:
     decrypted and their frames dispatched to streams (bulk bodies straight into a
     reader's buffer where one waits)."""
 
+    # Slots, not a dict per instance: a peer of a large swarm holds hundreds of these.
+    __slots__ = (
+        "bodies_in",
+        "body",
+        "conn",
+        "paused_for",
+        "plaintexts",
+        "reading_paused",
+        "resume_pending",
+    )
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         # Reusable buffers to decrypt records and bodies into.
@@ -1091,6 +1159,9 @@ class _Sender:
     """The sending side of a connection: the multiplexer's output framed, sealed and
     written in batches."""
 
+    # Slots, not a dict per instance: a peer of a large swarm holds hundreds of these.
+    __slots__ = ("conn",)
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
@@ -1150,6 +1221,12 @@ class _Sender:
 class _Lifecycle:
     """The life of a connection after it is made: its keepalive timer (handshake
     deadline, pings, idle close), its violations, its graceful close and its end."""
+
+    # Slots, not a dict per instance: a peer of a large swarm holds hundreds of these.
+    __slots__ = (
+        "_release",
+        "conn",
+    )
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn

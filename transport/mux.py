@@ -260,6 +260,30 @@ class Multiplexer:
     bytes (window permitting) as a BULK body instead of inside messages.
     """
 
+    # Slots, not a dict per instance: a peer of a large swarm holds hundreds of these.
+    __slots__ = (
+        "_bulk_min",
+        "_control",
+        "_drained",
+        "_finished",
+        "_head",
+        "_in_ready",
+        "_last_remote_id",
+        "_next_local_id",
+        "_ready",
+        "_remote_open",
+        "_remote_parity",
+        "_room",
+        "_streams",
+        "_tail",
+        "limits",
+        "local_goaway",
+        "remote_goaway",
+        "rtt",
+        "sent_by_protocol",
+        "serving_in_flight",
+    )
+
     def __init__(
         self,
         initiator: bool,
