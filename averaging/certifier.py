@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from shoal.transport import rpc
-from shoal.transport.errors import TransportError
+from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.identity import PeerID
 from shoal.transport.tasks import TaskSet
 
@@ -40,6 +40,7 @@ MAX_FETCHED = 8
 # Distinct versions a joiner looks at among the holders it finds.
 MAX_CANDIDATES = 8
 REFUSED_S = 30.0  # a version whose chain did not check is not asked for again meanwhile
+UNREACHED_S = 5.0  # ... one none of whose holders we reached, for this long
 FETCH_TIMEOUT = 10.0
 
 
@@ -124,6 +125,7 @@ class Certifier:
             certs = tuple(self.book.chain(version, limit=1))
             return Lineage(version, self.book.rank(version), certs)  # type: ignore[arg-type]
         self._inflight.add(version)
+        refused = 0  # holders that answered with no chain that checks
         try:
             for holder in list(holders)[:3]:
                 peer = holder.peer_id if isinstance(holder, Member) else holder
@@ -136,11 +138,15 @@ class Certifier:
                         self.host, peer, self.protocol, self.book, version,
                         known=self.book.locator(self.version), timeout=FETCH_TIMEOUT,
                     )  # fmt: skip
-                except (ChainError, CertificateError, TransportError, TimeoutError, OSError,
-                        ValueError, LookupError) as e:  # fmt: skip
+                except (ChainError, CertificateError, RemoteError, ValueError, LookupError) as e:
                     log.info("%s: the chain of version %s from %s does not check: %r",
                              self.key, version.hex()[-12:], peer.short(), e)  # fmt: skip
                     self.chains_refused += 1
+                    refused += 1
+                    continue
+                except (TransportError, TimeoutError, OSError) as e:
+                    log.info("%s: could not ask %s for the chain of version %s: %r",
+                             self.key, peer.short(), version.hex()[-12:], e)  # fmt: skip
                     continue
                 found = Lineage(version, rank, tuple(certs))
                 self._fetched[version] = found
@@ -149,12 +155,16 @@ class Certifier:
                 self.book.remember(version, rank)
                 self.chains_checked += 1
                 return found
-            self._refused[version] = time.monotonic() + REFUSED_S
+            # (Holders we could not reach said nothing against it: asked again sooner.)
+            wait = REFUSED_S if refused else UNREACHED_S
+            self._refused[version] = time.monotonic() + wait
             return None
         finally:
             self._inflight.discard(version)
 
-    async def best(self, candidates: Sequence[tuple[bytes, Sequence[PeerID]]]) -> Lineage | None:
+    async def best(
+        self, candidates: Sequence[tuple[bytes, Sequence[PeerID | Member]]]
+    ) -> Lineage | None:
         """The lineage of the highest certified rank among `candidates` (versions and
         who announces each, most announced first); None when none checks."""
         best: Lineage | None = None
@@ -202,7 +212,7 @@ class Certifier:
                 if lineage is None:
                     raise StateSyncError("no holder shows a certificate chain for its state")
                 targets: list[tuple[PeerID, Sequence[Any]]] = [
-                    (p, ()) for p in by_version[lineage.version]
+                    (m.peer_id, m.addrs) for m in by_version[lineage.version]
                 ]
             else:
                 lineage = await self.lineage(version, sources)
@@ -221,16 +231,17 @@ class Certifier:
         )  # fmt: skip
         return state, lineage
 
-    async def _announced(self, dht: Any) -> dict[bytes, list[PeerID]]:
-        """Who announces which chained version (claims: what is chosen is checked)."""
-        by_version: dict[bytes, list[PeerID]] = {}
+    async def _announced(self, dht: Any) -> dict[bytes, list[Member]]:
+        """Who announces which chained version, and where it is reached (claims: what
+        is chosen is checked; bandwidth 0: they are sources, not members of a round)."""
+        by_version: dict[bytes, list[Member]] = {}
         for h in await find_holders(dht, self.key):
             try:
                 held = bytes.fromhex(h.version) if h.version is not None else b""
             except ValueError:
                 continue
             if len(held) == VERSION_BYTES:
-                by_version.setdefault(held, []).append(h.peer_id)
+                by_version.setdefault(held, []).append(Member(h.peer_id, h.addrs, 0.0))
         return by_version
 
     async def _load_first(

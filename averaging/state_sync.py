@@ -1,7 +1,12 @@
 """State sync: a new or returning peer downloads the current state from peers that hold it.
 
 Holders announce ``{fingerprint, step}`` in the DHT under ``<key>/state`` (one
-owner-signed subkey each, so nobody can announce for someone else). A loader
+owner-signed subkey each, so nobody can announce for someone else), with the
+addresses they are reached at: a loader is often connected to none of them (a
+peer that just joined, or one back from a partition), and a peer ID alone
+cannot be dialed. Those addresses are claims like the rest: a handshake checks
+that whoever answers at them holds the holder's key, and a wrong one costs a
+failed dial. A loader
 picks the newest state (highest step, then the fingerprint most holders
 agree on), asks a holder for its layout and its state now (at least as new
 as the announced one: announcements lag a swarm that keeps stepping), and
@@ -36,6 +41,7 @@ import torch
 
 from shoal.dht.node import DHTNode, DHTValue
 from shoal.dht.records import RecordError, owner_marker, owner_of
+from shoal.dht.routing import dialable_addrs
 from shoal.transport import rpc
 from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.identity import PeerID
@@ -50,6 +56,7 @@ log = logging.getLogger("shoal.averaging.state")
 # 1.1.0: the bytes of a fetch travel as rpc chunks (1.0.0 framed each piece as a tensor).
 DEFAULT_PROTOCOL = "/shoal/state/1.1.0"
 CHUNK_BYTES = 4 * 1024 * 1024
+MAX_ANNOUNCED_ADDRS = 16  # (as many as a matchmaking declaration carries)
 MAX_TENSORS = 65536
 MAX_TOTAL_BYTES = 1 << 40
 MAX_DIMS = 16
@@ -196,7 +203,7 @@ class StateServer:
         self.service = rpc.RpcService(dht.host, protocol)
         self.service.unary("info")(self._on_info)
         self.service.stream("fetch")(self._on_fetch)
-        self._announced: tuple[str, float] | None = None
+        self._announced: tuple[str, list[str], float] | None = None
         self.served_bytes = 0
 
     async def announce(self) -> bool:
@@ -205,14 +212,15 @@ class StateServer:
         if state is None:
             return False
         now = time.time()
+        addrs = [str(a) for a in list(self.dht.host.addresses())[:MAX_ANNOUNCED_ADDRS]]
         if (
             self._announced is not None
-            and self._announced[0] == state.fingerprint
-            and self._announced[1] - now > self.announce_ttl / 2
+            and self._announced[:2] == (state.fingerprint, addrs)
+            and self._announced[2] - now > self.announce_ttl / 2
         ):
             return True
         expiration = now + self.announce_ttl
-        record: dict[str, Any] = {"fp": state.fingerprint, "step": state.step}
+        record: dict[str, Any] = {"fp": state.fingerprint, "step": state.step, "addrs": addrs}
         if state.work is not None:
             record["work"] = state.work  # the best lineage first (`find_holders`)
         version = state.metadata.get("version")
@@ -225,7 +233,7 @@ class StateServer:
             subkey=owner_marker(self.dht.peer_id),
         )
         if ok:
-            self._announced = (state.fingerprint, expiration)
+            self._announced = (state.fingerprint, addrs, expiration)
         return ok
 
     def close(self) -> None:
@@ -347,6 +355,7 @@ class Holder:
     step: int
     version: str | None = None  # the state's version (hex), when its holder says
     work: int | None = None  # its lineage's (see `State.work`), when its holder says
+    addrs: tuple[Multiaddr, ...] = ()  # where it says it is reached (dialable ones only)
 
     @property
     def rank(self) -> int:
@@ -387,12 +396,29 @@ def _holders_in(dht: DHTNode, found: DHTValue) -> list[Holder]:
         fp, step, version = value.get("fp"), value.get("step", 0), value.get("version")
         if isinstance(fp, str) and isinstance(step, int):
             version = version if isinstance(version, str) else None
-            holders.append(Holder(peer, fp, step, version, declared_work(value.get("work"))))
+            work = declared_work(value.get("work"))
+            holders.append(Holder(peer, fp, step, version, work, _announced_addrs(peer, value)))
     votes: dict[tuple[int, str], int] = {}
     for h in holders:
         votes[(h.step, h.fingerprint)] = votes.get((h.step, h.fingerprint), 0) + 1
     holders.sort(key=lambda h: (-h.rank, -h.step, -votes[(h.step, h.fingerprint)], h.fingerprint))
     return holders
+
+
+def _announced_addrs(peer: PeerID, value: Mapping[str, Any]) -> tuple[Multiaddr, ...]:
+    """The dialable addresses a holder announced (none: an older peer's record, or junk)."""
+    raw = value.get("addrs")
+    if not isinstance(raw, list):
+        return ()
+    strings = [a for a in raw[:MAX_ANNOUNCED_ADDRS] if isinstance(a, str) and len(a) <= 256]
+    return dialable_addrs(peer, strings, MAX_ANNOUNCED_ADDRS)
+
+
+async def reach(host: Any, peer: PeerID, addrs: Sequence[Multiaddr], timeout: float) -> None:
+    """Dial `peer` at `addrs` unless we are connected to it (an RPC to a peer ID alone
+    reaches only a peer we are connected to)."""
+    if addrs and host.connection(peer) is None:
+        await host.connect(peer, addrs, timeout=timeout)
 
 
 def _allocate(layout: object, like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -471,6 +497,7 @@ async def load_state_from_peers(
             stale = False
             for source in holders:  # newest first; the first that serves picks the state
                 try:
+                    await reach(dht.host, source.peer_id, source.addrs, request_timeout)
                     await download.from_source(source.peer_id)
                     break
                 except (TransportError, TimeoutError, OSError, ValueError, LookupError) as e:
@@ -536,15 +563,14 @@ async def load_version_from_peers(
             if not queue:
                 looked_up = True
                 holders = await find_holders(dht, key)
-                queue = [(h.peer_id, ()) for h in holders if h.version == version]
+                queue = [(h.peer_id, h.addrs) for h in holders if h.version == version]
                 continue
             peer, addrs = queue.pop(0)
             if peer in tried:
                 continue
             tried.add(peer)
             try:
-                if addrs and dht.host.connection(peer) is None:
-                    await dht.host.connect(peer, addrs, timeout=request_timeout)
+                await reach(dht.host, peer, addrs, request_timeout)
                 await download.from_source(peer)
             except (TransportError, TimeoutError, OSError, ValueError, LookupError) as e:
                 log.info("state download from %s stopped: %r", peer.short(), e)

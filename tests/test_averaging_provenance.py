@@ -165,6 +165,26 @@ def test_signatures_that_arrive_later_raise_the_rank() -> None:
     assert book.rank(cert.version) == Rank(2, 0)
 
 
+async def test_a_version_whose_holders_could_not_be_reached_is_asked_for_again_soon(
+    make_host: Callable[..., Any],
+) -> None:
+    """Holders that did not answer said nothing against a version (a partition, a
+    dial that failed): it is not set aside for the 30 s of a chain that failed its
+    check, which kept a peer that came back from a partition off the swarm's state."""
+    from shoal.averaging.certifier import REFUSED_S, UNREACHED_S, Certifier
+    from shoal.transport import rpc
+
+    host = await make_host()
+    certifier = Certifier(host, KEY, rpc.RpcService(host, "/test/state"))
+    version = chained_version(3, b"", b"r")
+    gone = Identity.generate().peer_id  # no address known: every dial fails at once
+    assert await certifier.lineage(version, [gone]) is None
+    assert certifier.chains_refused == 0
+    until = certifier._refused[version] - time.monotonic()
+    assert 0 < until <= UNREACHED_S < REFUSED_S
+    await certifier.aclose()
+
+
 # ====================================================================== swarms
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,6 +23,8 @@ from shoal.averaging.state_sync import (
     make_state,
 )
 from shoal.dht.node import DHTNode
+from shoal.dht.records import owner_marker
+from shoal.transport.multiaddr import Multiaddr
 
 HOST_OPTS = {"max_connections_per_ip": 100_000, "close_grace": 0.1}
 KEY = "exp/params"
@@ -335,3 +338,67 @@ async def test_a_re_sync_downloads_the_version_it_was_told_not_the_most_announce
     assert_same(got, theirs)
     with pytest.raises(StateSyncError, match="version cccccccccccc"):
         await load_version_from_peers(loader, KEY, "cc" * 16, deadline=Deadline.after(20))
+
+
+def bare(node: DHTNode) -> tuple[Multiaddr, ...]:
+    """`node`'s addresses without their /p2p/ID: as a record carries them."""
+    return tuple(Multiaddr(str(a).split("/p2p/")[0]) for a in node.host.addresses())
+
+
+async def _client_holder(
+    make_host: Callable[..., Any], boot: DHTNode, state: State
+) -> tuple[DHTNode, StateServer]:
+    """A holder that is a DHT client (a peer behind a NAT): nobody looks anything up
+    through it, so a loader that reads the DHT is connected to it only if it dials."""
+    host = await make_host(**HOST_OPTS)
+    node = await DHTNode.create(
+        host, bootstrap=[str(boot.host.addresses()[0])], hop_timeout=1.0, serves=lambda: False
+    )
+    server = StateServer(node, KEY, lambda: state)
+    assert await server.announce()
+    return node, server
+
+
+async def test_a_holder_nobody_is_connected_to_is_dialed_at_the_addresses_it_announced(
+    dhts: Callable[..., Any], make_host: Callable[..., Any]
+) -> None:
+    """Found in the soak: a peer that joined (or came back from a partition) held no
+    connection to the holders it read from the DHT, and a peer ID alone cannot be
+    dialed ("no address known"). Holders announce where they are reached."""
+    state = sample_state(6, 9, "dd" * 16)
+    (boot,) = await dhts(1)
+    holder, _ = await _client_holder(make_host, boot, state)
+    (loader,) = await dhts(1)  # (after the announcement: the holder never stored to it)
+    try:
+        (found,) = await find_holders(loader, KEY)
+        assert found.addrs == bare(holder)
+        assert loader.host.connection(holder.peer_id) is None
+        assert_same(await load_state_from_peers(loader, KEY, timeout=20), state)
+        await loader.host.disconnect(holder.peer_id)
+        got = await load_version_from_peers(loader, KEY, "dd" * 16, deadline=Deadline.after(20))
+        assert_same(got, state)
+    finally:
+        await holder.aclose()
+
+
+async def test_announced_addresses_are_claims_a_handshake_checks(
+    dhts: Callable[..., Any], make_host: Callable[..., Any]
+) -> None:
+    """A record's addresses are bounded and parsed (junk dropped), and one that points
+    at another peer costs a failed dial: the download goes on from the next holder."""
+    state = sample_state(7, 9)
+    boot, liar = await dhts(2)
+    holder, _ = await _client_holder(make_host, boot, state)
+    (loader,) = await dhts(1)
+    try:
+        record = {"fp": state.fingerprint, "step": 9,
+                  "addrs": ["junk", 5, "/ip4/127.0.0.1/tcp/0", *map(str, bare(boot)),
+                            *["/ip4/127.0.0.1/tcp/9"] * 1000]}  # fmt: skip
+        assert await liar.store(f"{KEY}/state", record, time.time() + 60,
+                                subkey=owner_marker(liar.peer_id))  # fmt: skip
+        by_peer = {h.peer_id: h for h in await find_holders(loader, KEY)}
+        assert by_peer[liar.peer_id].addrs == (*bare(boot), Multiaddr("/ip4/127.0.0.1/tcp/9"))
+        await liar.aclose()  # (its own address would answer for it: only the lie is left)
+        assert_same(await load_state_from_peers(loader, KEY, timeout=20), state)
+    finally:
+        await holder.aclose()
