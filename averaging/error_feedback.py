@@ -13,12 +13,16 @@ In a verified experiment the residual is committed to (`claims`: its hash at the
 round's start and the hash of what a commit leaves), and each residual carries the
 commitment that left it (`chain`, the encoded commitment, checkpointed with it), so
 that an audit can check that a round started from what the previous one left
-(`verification.commitment.residual_chains`).
+(`verification.commitment.residual_chains`), and the proof of that commitment (the
+receipts of its round, `verification.receipts`: opaque bytes here, from
+`chain_proof()`) is checkpointed with them, so that a restarted peer still proves
+its chain (`restored_proof`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +33,7 @@ from .sparse_codec import SparseCodec
 __all__ = ["MAX_CHAIN_BYTES", "ErrorFeedback", "residual_digest"]
 
 MAX_CHAIN_BYTES = 1 << 20  # an encoded commitment (4,096 checkpoints at most)
+MAX_PROOF_BYTES = 1 << 16  # the receipts of a round of 256 members at most
 
 
 def residual_digest(t: torch.Tensor) -> bytes:
@@ -53,6 +58,10 @@ class ErrorFeedback:
         # Verified: a residual must come from a committed commitment (a lone commit has
         # none), or it is dropped on the commit; what it held cannot be vouched for.
         self.require_chain = False
+        # Verified: the proof of `chain`, as bytes to checkpoint (None: none to keep),
+        # and the one a checkpoint restored (b"": none).
+        self.chain_proof: Callable[[], bytes | None] | None = None
+        self.restored_proof = b""
 
     @property
     def open(self) -> bool:
@@ -90,6 +99,7 @@ class ErrorFeedback:
         if self._open:
             self.residual, self._pending = self._pending, self.residual
             self.chain, self._pending_chain = self._pending_chain, b""
+            self.restored_proof = b""  # (of the chain before)
             if self.require_chain and not self.chain:
                 self.residual.zero_()
             self._open = False
@@ -107,7 +117,11 @@ class ErrorFeedback:
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.name, "residual": self.residual.clone(), "chain": self.chain}
+        state = {"codec": self.codec.name, "residual": self.residual.clone(), "chain": self.chain}
+        proof = None if self.chain_proof is None or not self.chain else self.chain_proof()
+        if proof:
+            state["chain_proof"] = proof
+        return state
 
     def load_state_dict(self, state: Any) -> None:
         """Restore a checkpoint's residual; one of another codec (the experiment's
@@ -125,4 +139,7 @@ class ErrorFeedback:
         self.residual.copy_(residual)
         chain = state.get("chain", b"")  # (a checkpoint from before verified sparse rounds)
         self.chain = chain if isinstance(chain, bytes) and len(chain) <= MAX_CHAIN_BYTES else b""
+        proof = state.get("chain_proof", b"")
+        ok = isinstance(proof, bytes) and len(proof) <= MAX_PROOF_BYTES and bool(self.chain)
+        self.restored_proof = proof if ok else b""  # (checked by whoever reads it)
         self._open = False

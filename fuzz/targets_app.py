@@ -189,6 +189,9 @@ def verification_rounds(data: bytes) -> None:
         if sparse is not None and sparse[1] is not None:  # a slot within our vector's bytes
             index, members, raw = sparse[1]
             assert 0 <= index < members and len(raw) <= 4 * 8 + 1024
+        if sparse is not None and sparse[2] is not None:  # receipts: only valid signatures
+            proof = sparse[2]
+            assert all(p in proof.receipt.members for p in proof.signatures)
 
 
 _SHAPES = [torch.Size([2, 3]), torch.Size([2])]

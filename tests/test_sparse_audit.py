@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,18 +23,23 @@ from shoal.averaging.partition import Plan
 from shoal.averaging.sparse_codec import SparseCodec
 from shoal.averaging.sparse_gather import SparseGather
 from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
-from shoal.peer.verify.reveals import Reveal
+from shoal.peer.verify.referee import Referee
+from shoal.peer.verify.reveals import PROTOCOL, Reveal, send_reveal
 from shoal.peer.verify.segments import SegmentRunner, flat_difference
+from shoal.transport import rpc
+from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment, MerkleTree, residual_chains
 from shoal.verification.evidence import Result
+from shoal.verification.receipts import ChainProof, Receipt
 
 pytestmark = pytest.mark.timeout(120)
 
 CODEC = SparseCodec.from_density("topk", 64, 0.0625, 2)
 CHUNK_ELEMENTS = 256
 ME = Identity.from_seed(hashlib.sha256(b"prover").digest())  # (test_work_log's prover)
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +139,17 @@ def test_a_picked_residual_breaks_the_chain_at_every_audit(task) -> None:  # typ
 
 def test_a_previous_commitment_its_round_never_received_breaks_the_chain(task) -> None:  # type: ignore[no-untyped-def]
     """A prover can sign a previous commitment it never sent, chaining to a residual it
-    picked: the previous round's members (or its records) know the one it sent."""
+    picked: a referee that was in the previous round knows the one it sent."""
     hyper, c, rnd, reveals = sparse_round(task)
     assert reveals[0].chain is not None
     revealed = Commitment.decode(reveals[0].chain)
     sent = dataclasses.replace(revealed, seed_commit=hashlib.sha256(b"sent").digest())
     sent = sent.signed(ME)
     finding = check_segment(SegmentRunner(task, hyper), task, SHARDS, NS, rnd, c, 0, reveals[0],
-                            b"seed", AuditPolicy(), anchor=sent)  # fmt: skip
+                            b"seed", AuditPolicy(), anchor=sent.digest())  # fmt: skip
     assert finding.result is Result.FAIL and "its round received" in finding.why, finding
     honest = check_segment(SegmentRunner(task, hyper), task, SHARDS, NS, rnd, c, 0, reveals[0],
-                           b"seed", AuditPolicy(), anchor=revealed)  # fmt: skip
+                           b"seed", AuditPolicy(), anchor=revealed.digest())  # fmt: skip
     assert honest.result is Result.PASS, honest
 
 
@@ -213,3 +219,57 @@ def test_a_sparse_commitment_round_trips_and_a_dense_one_is_unchanged() -> None:
     assert again.residual == (h, h) and again.digest() == sparse.digest() != dense.digest()
     with pytest.raises(ValueError):
         dataclasses.replace(base, residual=(h,))  # type: ignore[arg-type]
+
+
+async def test_a_chain_nobody_vouches_for_is_no_verdict_and_a_made_up_receipt_is_caught(
+    task,  # type: ignore[no-untyped-def]
+) -> None:
+    """Over the wire, as a referee that was not in the previous round meets them: a
+    reveal without the receipts of its chain's round, or with too few of them, gives
+    no verdict and leaves the prover out for a while (its round's other members may
+    have crashed before they handed out their receipts); receipts with a signature the
+    prover made up are a malformed reveal, which accuses it."""
+    hyper, c, rnd, reveals = sparse_round(task)
+    rnd.commitments = {ME.peer_id: c}
+    assert reveals[0].chain is not None
+    previous = Commitment.decode(reveals[0].chain)
+    others = [Identity.from_seed(hashlib.sha256(b"other %d" % i).digest()) for i in (1, 2)]
+    receipt = Receipt.of_round(NS, previous.round, b"round", previous.start,
+                               [ME.peer_id, *(o.peer_id for o in others)],
+                               {ME.peer_id: previous})  # fmt: skip
+    short = ChainProof(receipt)
+    assert short.add(ME.peer_id, receipt.sign(ME)) and short.add(
+        others[0].peer_id, receipt.sign(others[0])
+    )
+    made_up = ChainProof(receipt, {o.peer_id: receipt.sign(ME) for o in others})
+    shown: list[ChainProof | None] = [None]
+    prover = Host(ME, HostConfig(listen=LOOPBACK))
+    asker = Host(Identity.generate(), HostConfig(listen=LOOPBACK))
+    await prover.start()
+    await asker.start()
+    try:
+        service = rpc.RpcService(prover, PROTOCOL)
+
+        @service.stream("reveal")
+        async def serve(ctx: Any, payload: Any) -> Any:
+            revealed = dataclasses.replace(reveals[payload["segment"]], proof=shown[0])
+            await send_reveal(ctx, revealed)
+            yield {"done": True}
+
+        await asker.connect(prover.peer_id, prover.addresses())
+        shunned: list[int] = []
+        ref = Referee(
+            SimpleNamespace(host=asker), Identity.generate(), task=task, num_shards=SHARDS,
+            namespace=NS, policy=AuditPolicy(), runner=SegmentRunner(task, hyper), pool=None,
+            bans=None, retain_s=3600.0, shun=lambda _p, r: shunned.append(r) or 30.0,
+        )  # type: ignore[arg-type]  # fmt: skip
+        assert await ref.audit(rnd, ME.peer_id) is None  # no receipts at all
+        shown[0] = short
+        assert await ref.audit(rnd, ME.peer_id) is None  # one other member vouches
+        assert shunned == [rnd.round, rnd.round] and ref.counts["chains_unproven"] == 2
+        shown[0] = made_up
+        verdict = await ref.audit(rnd, ME.peer_id)
+        assert verdict is not None and verdict.result is Result.BAD_REVEAL
+    finally:
+        await asker.aclose()
+        await prover.aclose()

@@ -63,7 +63,6 @@ __all__ = [
     "check_segment",
     "gather",
     "publish_record",
-    "read_commitment",
 ]
 
 log = logging.getLogger("shoal.audits")
@@ -163,23 +162,6 @@ async def publish_record(
         return False
 
 
-async def read_commitment(
-    dht: DHTNode, namespace: str, round_index: int, prover: PeerID
-) -> Commitment | None:
-    """`prover`'s commitment of a round from the round's records in the DHT (one read;
-    None when it is not there, or expired)."""
-    try:
-        value = await dht.get(records_key(namespace, round_index), latest=True)
-    except Exception as e:  # (best effort: the caller does without)
-        log.debug("reading round %d's records failed: %r", round_index, e)
-        return None
-    for raw, _expiration in value.subkeys.values() if value and value.subkeys else ():
-        parsed = _parse(raw)
-        if parsed is not None and parsed[0].prover == prover and parsed[0].round == round_index:
-            return parsed[0]
-    return None
-
-
 def encode_record(commitment: Commitment, secret: bytes) -> bytes:
     """A member's round record: what it stores in the DHT and answers when asked."""
     return msgpack.packb([commitment.encode(), secret], use_bin_type=True)
@@ -256,13 +238,13 @@ def _check_sparse(
     segment: int,
     reveal: Reveal,
     start_params: list[torch.Tensor],
-    anchor: Commitment | None,
+    anchor: bytes | None,
 ) -> Finding | None:
     """A sparse round's checks beyond the re-run (`sparse_work`); None when they pass."""
     elements = sum(p.numel() for p in start_params)
     if reveal.chain is None or commitment.residual is None:
         return Finding(Result.BAD_REVEAL, "a sparse round's reveal without its residual's chain")
-    why = check_chain(commitment, reveal.chain, elements, anchor)
+    why = check_chain(commitment, reveal.chain, elements, anchor, reveal.proof)
     if why is None and segment == commitment.segments - 1:
         if reveal.slot is None or reveal.residual is None:
             return Finding(Result.BAD_REVEAL, "the last segment's reveal without what was sent")
@@ -296,7 +278,7 @@ def check_segment(
     policy: AuditPolicy,
     *,
     consume: bool = False,
-    anchor: Commitment | None = None,
+    anchor: bytes | None = None,
 ) -> Finding:
     """Audit `segment` of `commitment` from what its prover revealed (blocking).
 
@@ -304,8 +286,8 @@ def check_segment(
     it from the reveal (two model sizes with Adam not copied). Only for a reveal this
     process holds alone (read from the wire: a prover's own kept states must not be
     stepped) and reads nothing of afterwards but its end (`Reveal.end_digest`).
-    `anchor`: of a sparse round, the prover's previous commitment as its round received
-    it, when known (`sparse_work.check_chain`)."""
+    `anchor`: of a sparse round, the digest of the prover's previous commitment as we
+    received it in its round, when we were there (`sparse_work.check_chain`)."""
     problem = reveal.problem(commitment, segment)
     if problem is not None:
         return Finding(Result.BAD_REVEAL, problem)

@@ -15,7 +15,9 @@ is tried again for `REVEAL_TIMEOUT`, then left out of our rounds for a while
 (`shunning`: short at first, longer for a repeat offender). A referee's word
 that nothing came cannot be checked by anyone else, so it must not ban: two
 referees could frame any peer with it, and every crash of an honest peer would
-end in a ban.
+end in a ban. So does a sparse round whose residual chains to a previous commitment
+no other member of its round vouches for (`sparse_work.unproven_chain`): those
+members may have crashed before they handed out their receipts.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from shoal.averaging.deadlines import PRIOR_RATE, SLACK
+from shoal.averaging.error_feedback import residual_digest
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.errors import (
@@ -41,16 +47,16 @@ from shoal.transport.errors import (
 from shoal.transport.identity import Identity, PeerID
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.bans import publish
-from shoal.verification.commitment import Commitment
+from shoal.verification.commitment import Commitment, CommitmentError
 from shoal.verification.disputes import Dispute, Ledger, Outcome
 from shoal.verification.evidence import EvidenceError, Result, Verdict
 
 from ..training.task import Task
-from .audit_round import AuditRound, check_segment, gather, read_commitment
+from .audit_round import AuditRound, check_segment, gather
 from .ban_watch import BanWatcher
 from .reveals import PROTOCOL, Reveal, RevealTooLarge, fetch_reveal, reveal_bytes
 from .segments import SegmentRunner
-from .sparse_work import previous_round
+from .sparse_work import unproven_chain
 
 __all__ = ["Referee"]
 
@@ -84,12 +90,13 @@ class Referee:
         bans: BanWatcher,
         retain_s: float,
         shun: Callable[[PeerID, int], float | None] | None = None,
-        known: Callable[[int, PeerID], Commitment | None] | None = None,
+        known: Callable[[Commitment], bytes | None] | None = None,
     ) -> None:
         """`shun(prover, round)`: leave a prover that failed that round out of our
-        rounds; how long (None: that round's failure was counted already). `known(round,
-        prover)`: its commitment in a round we were in, if we kept it (the anchor of a
-        sparse round's chain; else the round's records in the DHT are read)."""
+        rounds; how long (None: that round's failure was counted already). `known(previous)`:
+        the digest of the commitment of `previous`'s prover as it came to us in
+        `previous`'s round, if we were there (first hand: never a record the prover
+        wrote itself): the anchor of a sparse round's chain."""
         self.known = known
         self.dht = dht
         self.identity = identity
@@ -115,6 +122,7 @@ class Referee:
         # Strikes of accusers that a majority overruled, as far as we saw.
         self.ledger = Ledger()
         self._confirming: set[tuple[int, PeerID]] = set()
+        self._zero: bytes | None = None
 
     async def audit(self, rnd: AuditRound, prover: PeerID) -> Verdict | None:
         """Our signed verdict on `prover`'s drawn segment; None when we asked too late
@@ -147,7 +155,11 @@ class Referee:
                 return None
         seed = rnd.draw.lsh_seed(prover, c.checkpoints[segment], self.me)
         loop = asyncio.get_running_loop()
-        anchor = await self._anchor(rnd, prover, reveal)
+        anchor = self._anchor(rnd, prover, reveal)
+        unproven = await self._unproven(rnd, c, reveal, anchor)
+        if unproven is not None:
+            self._no_reveal(rnd, prover, LookupError(unproven), unproven=True)
+            return None
         audit = functools.partial(
             check_segment, self.runner, self.task, self.num_shards, self.namespace, rnd, c,
             segment, reveal, seed, self.policy, consume=True,  # (only its end is read below)
@@ -168,16 +180,33 @@ class Referee:
         )  # fmt: skip
         return self._count(verdict.signed(self.identity))
 
-    async def _anchor(self, rnd: AuditRound, prover: PeerID, reveal: Reveal) -> Commitment | None:
-        """Of a sparse round, the prover's previous commitment as its round received it:
-        ours if we were there, else the round's records in the DHT (None: unknown)."""
-        previous = previous_round(reveal.chain) if rnd.shape.sparse else None
-        if previous is None:
+    def _anchor(self, rnd: AuditRound, prover: PeerID, reveal: Reveal) -> bytes | None:
+        """Of a sparse round, the digest of the prover's previous commitment as we
+        received it in its round, if we were there (None: we were not, or no longer
+        keep it). (Not its record in the DHT: the prover writes that itself, whenever
+        it likes.)"""
+        if not rnd.shape.sparse or not reveal.chain or self.known is None:
             return None
-        kept = None if self.known is None else self.known(previous, prover)
-        return kept or await read_commitment(self.dht, self.namespace, previous, prover)
+        try:
+            previous = Commitment.decode(reveal.chain)
+        except CommitmentError:
+            return None  # (`check_chain` says so)
+        return self.known(previous) if previous.prover == prover else None
 
-    def _no_reveal(self, rnd: AuditRound, prover: PeerID, e: BaseException) -> None:
+    async def _unproven(
+        self, rnd: AuditRound, c: Commitment, reveal: Reveal, anchor: bytes | None
+    ) -> str | None:
+        """Why nobody vouches for the sparse chain `reveal` shows (`unproven_chain`)."""
+        if not rnd.shape.sparse or c.residual is None:
+            return None
+        if self._zero is None:  # (the hash of a zero residual: a model size, hashed once)
+            elements = sum(math.prod(s) for s in self.shapes)
+            self._zero = await asyncio.to_thread(residual_digest, torch.zeros(elements))
+        return unproven_chain(c, reveal.chain, reveal.proof, anchor is not None, self._zero)
+
+    def _no_reveal(
+        self, rnd: AuditRound, prover: PeerID, e: BaseException, *, unproven: bool = False
+    ) -> None:
         """Unreachable, or without its work (a restart loses it): what an honest peer
         that crashed looks like, and nothing a third party could check (a referee's
         word that no reveal came would let two referees frame anyone). No verdict:
@@ -187,11 +216,12 @@ class Referee:
         if isinstance(e, RemoteError) and e.kind == "LookupError" and late:
             log.info("%s no longer keeps round %d: no verdict", prover.short(), rnd.round)
             return
-        self.counts["reveals_missing"] += 1
+        self.counts["chains_unproven" if unproven else "reveals_missing"] += 1
         seconds = None if self.shun is None else self.shun(prover, rnd.round)
         shunned = "" if seconds is None else f"; left out of our rounds for {seconds:.0f} s"
-        log.info("%s did not reveal round %d (%r): no verdict%s", prover.short(), rnd.round,
-                 e, shunned)  # fmt: skip
+        what = "showed no proof of its chain in" if unproven else "did not reveal"
+        log.info("%s %s round %d (%s): no verdict%s", prover.short(), what, rnd.round, e,
+                 shunned)  # fmt: skip
 
     async def _learn_late_secrets(self, rnd: AuditRound) -> bool:
         """Read the round's secrets from the DHT again; True when some were new here.

@@ -51,6 +51,7 @@ from shoal.transport.errors import PayloadTooLarge
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.verification.commitment import HASH_BYTES, Commitment, state_digest
+from shoal.verification.receipts import ChainProof, ReceiptError
 
 from ..training.task import Task
 from .segments import (
@@ -102,6 +103,7 @@ class Reveal:
     chain: bytes | None = None
     slot: tuple[int, int, bytes] | None = None
     residual: torch.Tensor | None = None
+    proof: ChainProof | None = None  # the receipts of the previous commitment's round
 
     def end_digest(self) -> bytes:
         return state_digest(params_hash(self.end_params), self.end_optimizer)
@@ -144,6 +146,8 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
         head["final_opt"] = reveal.final_optimizer
     if reveal.chain is not None:
         head["chain"] = reveal.chain
+    if reveal.proof is not None:
+        head["receipts"] = reveal.proof.to_wire()
     residual = []
     if reveal.slot is not None and reveal.residual is not None:
         head["slot"] = list(reveal.slot)
@@ -190,7 +194,7 @@ async def fetch_reveal(
         end = [await _recv(call, shape) for shape in shapes]
         # (A 2.0 prover sends the final state whatever we ask: read, checked, unused.)
         final = None if final_opt is None else [await _recv(call, s) for s in shapes]
-        chain, slot = _sparse_header(head, sum(math.prod(s) for s in shapes))
+        chain, slot, proof = _sparse_header(head, sum(math.prod(s) for s in shapes))
         residual = None
         if slot is not None:
             residual = await _recv(call, torch.Size([sum(math.prod(s) for s in shapes)]))
@@ -210,20 +214,29 @@ async def fetch_reveal(
     if any(t.dtype != torch.float32 for t in [*start, *end, *(final or [])]):
         raise ValueError("revealed parameters must be float32")
     return Reveal(
-        SegmentState(start, optimizer), end, end_opt, final, final_opt, chain, slot, residual
-    )
+        SegmentState(start, optimizer), end, end_opt, final, final_opt, chain, slot, residual,
+        proof,
+    )  # fmt: skip
 
 
 def _sparse_header(
     head: dict[str, Any], elements: int
-) -> tuple[bytes | None, tuple[int, int, bytes] | None]:
-    """A sparse round's parts of a reveal header: (previous commitment, slot), each
-    None when absent; RevealError when malformed or larger than our model allows."""
-    chain, slot = head.get("chain"), head.get("slot")
+) -> tuple[bytes | None, tuple[int, int, bytes] | None, ChainProof | None]:
+    """A sparse round's parts of a reveal header: (previous commitment, slot, the
+    receipts of the previous commitment's round), each None when absent; RevealError
+    when malformed, larger than our model allows, or with a signature that does not
+    verify (an honest prover checked each signature it keeps)."""
+    chain, slot, receipts = head.get("chain"), head.get("slot"), head.get("receipts")
     if chain is not None and not (isinstance(chain, bytes) and len(chain) <= MAX_CHAIN_BYTES):
         raise RevealError("bad previous commitment")
+    proof = None
+    if receipts is not None:
+        try:
+            proof = ChainProof.from_wire(receipts)
+        except ReceiptError as e:
+            raise RevealError(f"bad receipts: {e}") from None
     if slot is None:
-        return chain, None
+        return chain, None, proof
     ok = isinstance(slot, list) and len(slot) == 3
     if not (ok and isinstance(slot[0], int) and isinstance(slot[1], int)):
         raise RevealError("bad slot")
@@ -233,7 +246,7 @@ def _sparse_header(
         raise RevealTooLarge("a slot larger than our model's vector")
     if not 0 <= index < members <= 1 << 16:
         raise RevealError("bad slot index")
-    return chain, (index, members, raw)
+    return chain, (index, members, raw), proof
 
 
 def reveal_bytes(

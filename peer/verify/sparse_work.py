@@ -10,7 +10,10 @@ commitment whose commit left that residual (`ErrorFeedback.chain`). So:
 
 - every audit checks the chain: the starting residual is what the previous round
   left, or zero (a join, a re-sync): `residual_chains`. The previous commitment
-  comes with the reveal and must hash to `previous`;
+  comes with the reveal and must hash to `previous`, and with the receipts of its
+  round (`verification.receipts`): other members of that round vouch that it is
+  the one they received. A referee that was in that round compares its own copy
+  instead; a chain nobody vouches for gives no verdict (`unproven_chain`);
 - the audit of the last segment, whose end is the run's end, also gets the
   starting residual and the slot, and re-derives exactly (encoding is a pure
   function) the message the run gives and the residual it leaves: both must be
@@ -21,7 +24,8 @@ caught when its last segment is drawn, as one that sends another dense
 pseudo-gradient is; the robust reduction bounds what it sends meanwhile.
 
 What a prover keeps per round (`SparseProver`): the starting residual (a model
-size, while its round may be audited), the previous commitment and its slot. The
+size, while its round may be audited), the previous commitment with its round's
+receipts, and its slot. The
 newest round's residual stays in RAM; with a folder (the work log's), older ones
 are written there and read back, checked against the committed hash, when a
 reveal needs them, and at most `retain_bytes` of residuals are kept in all (the
@@ -31,11 +35,12 @@ oldest rounds beyond the last `keep` go first, as the work log's states do).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import msgpack
 import torch
 
 from shoal.averaging.attestation import chunk_leaves
@@ -52,6 +57,7 @@ from shoal.verification.commitment import (
     MerkleTree,
     residual_chains,
 )
+from shoal.verification.receipts import ChainProof, ReceiptError
 
 from .recent import RecentRounds
 from .segments import flat_difference
@@ -63,7 +69,7 @@ __all__ = [
     "SparseWork",
     "check_chain",
     "check_message",
-    "previous_round",
+    "unproven_chain",
 ]
 
 
@@ -83,16 +89,18 @@ class SparseWork:
     chain: bytes  # the previous commitment, encoded (b"": none)
     slot: tuple[int, int, bytes]  # (our index, the round's members, our slot's bytes)
     residual: torch.Tensor  # the residual the round started from
+    proof: ChainProof | None = None  # the receipts of the previous commitment's round
 
 
 class _KeptWork:
     """A round's `SparseWork` as kept: its residual in RAM, or in a file once a newer
     round's took its place (`digest`: the committed hash it must still have)."""
 
-    __slots__ = ("chain", "digest", "path", "residual", "slot")
+    __slots__ = ("chain", "digest", "path", "proof", "residual", "slot")
 
     def __init__(self, work: SparseWork, digest: bytes) -> None:
         self.chain, self.slot, self.digest = work.chain, work.slot, digest
+        self.proof = work.proof
         self.residual: torch.Tensor | None = work.residual
         self.path: Path | None = None
 
@@ -107,7 +115,9 @@ class _KeptWork:
             residual = load_tensor(self.path)
             if residual is not None and residual_digest(residual) != self.digest:
                 residual = None  # altered on disk: no reveal rather than a wrong one
-        return None if residual is None else SparseWork(self.chain, self.slot, residual)
+        if residual is None:
+            return None
+        return SparseWork(self.chain, self.slot, residual, self.proof)
 
     def remove(self) -> None:
         if self.path is not None:
@@ -125,10 +135,14 @@ class SparseProver:
         *,
         spill_dir: Path | None = None,
         retain_bytes: int | None = None,
+        proofs: Callable[[int], ChainProof | None] | None = None,
     ) -> None:
         """`spill_dir`: where older rounds' residuals go (None: all stay in RAM);
-        `retain_bytes`: the most residual bytes kept, in RAM and folder together."""
+        `retain_bytes`: the most residual bytes kept, in RAM and folder together;
+        `proofs(round)`: our receipt of a round we committed, with its signatures."""
         self.source = source
+        self._proofs = proofs
+        source.feedback.chain_proof = self._chain_proof_bytes
         source.feedback.require_chain = True
         self._disk = None if spill_dir is None else SpillDir(spill_dir)  # clears a past run's
         self._names = itertools.count()
@@ -153,7 +167,7 @@ class SparseProver:
         slot = self.source.own_slot(group.round_id, me)
         if slot is None:
             return
-        work = SparseWork(feedback.chain, slot, feedback.residual.clone())
+        work = SparseWork(feedback.chain, slot, feedback.residual.clone(), self._chain_proof())
         if self._newest is not None and self._disk is not None:
             self._newest.spill(self._disk, f"residual-{next(self._names)}")
         claimed = commitment.residual
@@ -161,6 +175,29 @@ class SparseProver:
         self._newest = _KeptWork(work, digest)
         self._kept.add(round_index, self._newest)
         feedback.propose_chain(commitment.encode())
+
+    def _chain_proof(self) -> ChainProof | None:
+        """The receipts of the round of our residual's chain: kept since that round
+        (their signatures may still come in), or restored from a checkpoint."""
+        feedback = self.source.feedback
+        if not feedback.chain:
+            return None
+        previous = Commitment.decode(feedback.chain)
+        proof = None if self._proofs is None else self._proofs(previous.round)
+        if proof is not None and proof.lie(previous) is None:
+            return proof
+        if not feedback.restored_proof:
+            return None
+        try:  # (a checkpoint's: our own bytes, but a file can be altered)
+            restored = ChainProof.from_wire(msgpack.unpackb(feedback.restored_proof))
+        except (ReceiptError, ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError):
+            return None
+        return restored if restored.lie(previous) is None else None
+
+    def _chain_proof_bytes(self) -> bytes | None:
+        """What a checkpoint keeps of `_chain_proof` (blocking: decodes the chain)."""
+        proof = self._chain_proof()
+        return None if proof is None else msgpack.packb(proof.to_wire(), use_bin_type=True)
 
     def kept(self, round_index: int) -> SparseWork | None:
         """What we reveal of the round (blocking: may read a file); None: not kept, or
@@ -173,13 +210,18 @@ class SparseProver:
 
 
 def check_chain(
-    commitment: Commitment, chain: bytes, elements: int, anchor: Commitment | None = None
+    commitment: Commitment,
+    chain: bytes,
+    elements: int,
+    anchor: bytes | None = None,
+    proof: ChainProof | None = None,
 ) -> str | None:
     """Why `commitment`'s starting residual does not follow from the revealed previous
     commitment `chain`, or None (blocking: hashes a zero residual). `anchor`: the
-    prover's commitment in that previous round as its members received it (ours, or
-    the round's records in the DHT), when known: a prover could otherwise sign a
-    previous commitment it never sent, chaining to any residual it likes."""
+    digest of the prover's commitment in that previous round as we received it, when
+    we were there; `proof`: the receipts of that round the prover revealed (a prover could
+    otherwise sign a previous commitment it never sent, chaining to any residual it
+    likes; whether enough members vouch is `unproven_chain`'s question)."""
     previous = None
     if chain:
         try:
@@ -188,19 +230,40 @@ def check_chain(
             return f"the previous commitment revealed does not decode: {e}"
         if previous.digest() != commitment.previous or previous.prover != commitment.prover:
             return "the previous commitment revealed is not the one named"
-        if anchor is not None and anchor.digest() != previous.digest():
+        if anchor is not None and anchor != previous.digest():
             return "the previous commitment revealed is not the one its round received"
+        lie = None if proof is None else proof.lie(previous)
+        if lie is not None:
+            return lie
     elif commitment.previous:
         return "the previous commitment named was not revealed"
     return residual_chains(commitment, previous, residual_digest(torch.zeros(elements)))
 
 
-def previous_round(chain: bytes | None) -> int | None:
-    """The round of a revealed previous commitment (None: none, or it does not decode)."""
+def unproven_chain(
+    commitment: Commitment,
+    chain: bytes | None,
+    proof: ChainProof | None,
+    anchored: bool,
+    zero: bytes,
+) -> str | None:
+    """Why nobody vouches for the previous commitment a sparse round's residual chains
+    to, or None (vouched for, not needed, or malformed: `check_chain` says). Needed
+    unless the residual starts at zero (`zero`: its hash) or the referee holds its own
+    copy of that commitment (`anchored`). Not a finding either way: the other members
+    may have crashed right after their commit, before they handed out their receipts."""
+    if commitment.residual is None or commitment.residual[0] == zero or not chain or anchored:
+        return None
     try:
-        return Commitment.decode(chain).round if chain else None
+        previous = Commitment.decode(chain)
     except CommitmentError:
         return None
+    if proof is None:
+        return "no receipts of the previous commitment's round"
+    if proof.lie(previous) is None and not proof.proves(previous):
+        return (f"{proof.vouchers(previous.prover)} other members vouch for the previous "
+                f"commitment, {proof.receipt.needed()} needed")  # fmt: skip
+    return None
 
 
 def check_message(

@@ -7,7 +7,9 @@
   from the same global state as ours, use the experiment's checkpoint spacing,
   and carry no more weight than its steps can;
 - `on_commit`: after the round, publish our secret, gather everyone's, draw,
-  and run the audits this peer was drawn for.
+  and run the audits this peer was drawn for; of a sparse round, sign our
+  receipt of the commitments we received and hand it to the members
+  (`receipt_book`: what a chain of error feedback is proven with).
 
 The audits themselves are the `referee`'s; the verifier serves the RPCs of a
 round: `reveal` (our work, to its referees), `verdict` (a referee's, to the
@@ -37,6 +39,7 @@ from shoal.transport.tasks import TaskSet
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
+from shoal.verification.receipts import Receipt
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
 from ..training.inner import InnerOptimizer
@@ -44,6 +47,7 @@ from ..training.priority import lower_this_thread
 from ..training.task import Task
 from .audit_round import AuditRound, RecentRounds, RoundShape, encode_record, gather
 from .ban_watch import BanWatcher
+from .receipt_book import ReceiptBook
 from .referee import LATE_SECRETS_TIMEOUT, Referee
 from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
 from .segments import SegmentRunner
@@ -107,7 +111,7 @@ class Verifier:
         self.referee = Referee(
             dht, identity, task=task, num_shards=self.num_shards, namespace=self.namespace,
             policy=policy, runner=self.runner, pool=self._pool, bans=bans,
-            retain_s=work.log.retain_s, shun=self._shun_for, known=self._known_commitment,
+            retain_s=work.log.retain_s, shun=self._shun_for, known=self._received_digest,
         )  # fmt: skip
         self._secrets: dict[int, bytes] = {}
         self._previous = b""  # our last commitment's digest (the chain)
@@ -129,6 +133,7 @@ class Verifier:
         self._service.unary("verdict")(self._on_verdict)
         self._service.unary("convicted")(self._on_convicted)
         self.records = DirectRecords(self._service)
+        self.receipts = ReceiptBook(self._service, identity, KEEP_ROUNDS, work.log.retain_s)
         self.sparse: SparseProver | None = None  # (`attach_sparse`)
 
     def close(self) -> None:
@@ -153,6 +158,7 @@ class Verifier:
             # of the states' budget keeps the residual of every round whose states
             # are kept (with a moment-free inner optimizer, of about half of them).
             retain_bytes=log_.retain_bytes // 4,
+            proofs=self.receipts.proof,
         )
 
     def commit(self, group: Group, delta_root: bytes, parts: int, weight: float) -> Commitment:
@@ -197,6 +203,13 @@ class Verifier:
         if mine is None:
             return  # we contributed nothing (weight 0): nothing to reveal, not drawn
         self._previous = mine.digest()
+        if self.sparse is not None:  # (the commitments as they came: first hand)
+            receipt = Receipt.of_round(
+                self.namespace, mine.round, group.round_id, mine.start, group.peer_ids,
+                commitments,
+            )  # fmt: skip
+            if len(receipt.members) > 1:
+                self._spawn(self.receipts.hand_out(self.dht.host, self.receipts.sign(receipt)))
         for peer in commitments:
             self._seen[peer] += 1
         future: asyncio.Future[AuditRound | None] = asyncio.get_running_loop().create_future()
@@ -206,13 +219,15 @@ class Verifier:
         self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
         self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))
 
-    def _known_commitment(self, round_index: int, prover: PeerID) -> Commitment | None:
-        """`prover`'s commitment in a round we were in and still keep, else None."""
-        future = self._rounds.get(round_index)
-        if future is None or not future.done() or future.cancelled() or future.exception():
-            return None
-        rnd = future.result()
-        return None if rnd is None else rnd.commitments.get(prover)
+    def _received_digest(self, previous: Commitment) -> bytes | None:
+        """The digest of the commitment of `previous`'s prover as it came to us in
+        `previous`'s round, if we committed that round (our receipt of it), else None.
+        (The round's commitments gathered from the DHT would not do: a prover writes
+        its own record, whenever it likes.)"""
+        proof = self.receipts.proof(previous.round)
+        if proof is None or not proof.receipt.lists(previous):
+            return None  # (not that round: another lineage's round of that commit count)
+        return proof.receipt.digest_of(previous.prover) or None
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         """A task of ours: cancelled by `close`."""
@@ -406,6 +421,11 @@ class Verifier:
             # Reveals refused unread for announcing more than our model holds
             # (peer/verify/reveals.py); each is a malformed reveal.
             "oversized_refused": counts["reveals_oversized"],
+            # Sparse rounds: audits that met a residual chained to a previous commitment
+            # no other member vouched for (no verdict: shunned), and the signatures of
+            # our receipts other members handed us (`receipt_book`).
+            "chains_unproven": counts["chains_unproven"],
+            "receipts_received": self.receipts.received,
         }
 
 
@@ -489,7 +509,7 @@ def reveal_segment(
     last = replay.state_after(work, work.steps) if final else None
     reveal = reveal_of(replay.state_after(work, first), replay.state_after(work, end), last)
     if sparse is not None:
-        reveal.chain = sparse.chain
+        reveal.chain, reveal.proof = sparse.chain, sparse.proof
         if segment == mine.segments - 1:
             reveal.slot, reveal.residual = sparse.slot, sparse.residual
     return reveal
