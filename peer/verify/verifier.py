@@ -39,7 +39,7 @@ from shoal.transport.tasks import TaskSet
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
-from shoal.verification.receipts import Receipt
+from shoal.verification.receipts import Receipt, ReceiptError
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
 from ..training.inner import InnerOptimizer
@@ -203,13 +203,8 @@ class Verifier:
         if mine is None:
             return  # we contributed nothing (weight 0): nothing to reveal, not drawn
         self._previous = mine.digest()
-        if self.sparse is not None:  # (the commitments as they came: first hand)
-            receipt = Receipt.of_round(
-                self.namespace, mine.round, group.round_id, mine.start, group.peer_ids,
-                commitments,
-            )  # fmt: skip
-            if len(receipt.members) > 1:
-                self._spawn(self.receipts.hand_out(self.dht.host, self.receipts.sign(receipt)))
+        if self.sparse is not None and group.size > 1:
+            self._sign_receipt(group, commitments, mine)
         for peer in commitments:
             self._seen[peer] += 1
         future: asyncio.Future[AuditRound | None] = asyncio.get_running_loop().create_future()
@@ -218,6 +213,21 @@ class Verifier:
         self._verdicts = {k: v for k, v in self._verdicts.items() if k[0] >= oldest}
         self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
         self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))
+
+    def _sign_receipt(
+        self, group: Group, commitments: Mapping[PeerID, Commitment], mine: Commitment
+    ) -> None:
+        """Sign our receipt of the round's commitments as they came to us (first hand),
+        and hand it to the members: what proves the chains of their residuals."""
+        try:
+            receipt = Receipt.of_round(
+                self.namespace, mine.round, group.round_id, mine.start, group.peer_ids,
+                commitments,
+            )  # fmt: skip
+        except ReceiptError as e:  # (a group outside a receipt's bounds: none then)
+            log.warning("round %d: no receipt: %s", mine.round, e)
+            return
+        self._spawn(self.receipts.hand_out(self.dht.host, self.receipts.sign(receipt)))
 
     def _received_digest(self, previous: Commitment) -> bytes | None:
         """The digest of the commitment of `previous`'s prover as it came to us in
