@@ -754,7 +754,10 @@ async def test_moshpit_rounds_with_a_period_start_at_its_multiples_and_still_mix
     """The same full 2 x 2 grid with `grid_period`: the strategy's averager waits for
     each slot, so every round's groups form at a multiple of the period (by the
     peers' clock) and the replicas hold one mean after 2 rounds."""
-    period = 3.0
+    # (A round must end within its slot: a peer whose first round ended more than a
+    # quarter second into the second slot waits for the third, and its cell-mate finds
+    # no group in the second. 3 s was too short once, on a loaded CI machine.)
+    period = 5.0
     options = {"inner_steps": 1, "target_group_size": 2, "grid_dims": 2, "grid_side": 2,
                "outer_momentum": 0.0, "matchmaking_time": 1.0, "grid_period": period}  # fmt: skip
     peers = await swarm("moshpit", 4, options)
