@@ -74,6 +74,11 @@ def test_a_chain_is_proven_by_two_other_members_receipts() -> None:
     # Carried in a reveal and read back, it proves the same.
     back = ChainProof.from_wire(msgpack.unpackb(msgpack.packb(proof.to_wire())))
     assert back.proves(sent) and back.signatures == proof.signatures
+    # What a prover shows: enough others' signatures and one more, not every member's.
+    assert proof.add(PEERS[3].peer_id, proof.receipt.sign(PEERS[3]))
+    shown = proof.shown(PROVER.peer_id)
+    assert len(shown.signatures) == 3 and PROVER.peer_id not in shown.signatures
+    assert shown.proves(sent)
     # In a round of two, the other member's receipt is all there is.
     pair = Receipt.of_round("exp", 6, b"r", H[1], [PROVER.peer_id, PEERS[1].peer_id],
                             {PROVER.peer_id: sent})  # fmt: skip

@@ -519,7 +519,8 @@ def reveal_segment(
     last = replay.state_after(work, work.steps) if final else None
     reveal = reveal_of(replay.state_after(work, first), replay.state_after(work, end), last)
     if sparse is not None:
-        reveal.chain, reveal.proof = sparse.chain, sparse.proof
+        reveal.chain = sparse.chain
+        reveal.proof = None if sparse.proof is None else sparse.proof.shown(mine.prover)
         if segment == mine.segments - 1:
             reveal.slot, reveal.residual = sparse.slot, sparse.residual
     return reveal
