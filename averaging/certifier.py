@@ -133,6 +133,10 @@ class Certifier:
                     continue
                 if isinstance(holder, Member):
                     await _connect(self.host, [holder])
+                if self.host.connection(peer) is None:  # (a peer ID alone cannot be dialed)
+                    log.info("%s: could not reach %s for the chain of version %s", self.key,
+                             peer.short(), version.hex()[-12:])  # fmt: skip
+                    continue
                 try:
                     rank, certs = await fetch_chain(
                         self.host, peer, self.protocol, self.book, version,
