@@ -62,6 +62,11 @@ class ErrorFeedback:
         # and the one a checkpoint restored (b"": none).
         self.chain_proof: Callable[[], bytes | None] | None = None
         self.restored_proof = b""
+        # Verified: whether other members vouch for `chain` now. A residual nobody
+        # vouches for is dropped before it is coded (`unvouched_dropped` counts it):
+        # a referee would leave us out of its rounds for an unproven chain.
+        self.chain_vouched: Callable[[], bool] | None = None
+        self.unvouched_dropped = 0
 
     @property
     def open(self) -> bool:
@@ -75,6 +80,10 @@ class ErrorFeedback:
         values) leaves everything as it was."""
         if delta.shape != (self.size,) or delta.dtype != torch.float32:
             raise ValueError(f"delta must be {self.size} float32 values")
+        if self.chain and self.chain_vouched is not None and not self.chain_vouched():
+            self.residual.zero_()
+            self.chain, self.restored_proof = b"", b""
+            self.unvouched_dropped += 1
         torch.add(self.residual, delta, out=self._pending)
         message = self.codec.encode(self._pending)
         decoded = torch.zeros_like(delta)

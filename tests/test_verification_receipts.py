@@ -14,9 +14,10 @@ from typing import Any
 
 import msgpack
 import pytest
+import torch
 from waiting import eventually
 
-from shoal.averaging.error_feedback import ErrorFeedback
+from shoal.averaging.error_feedback import ErrorFeedback, residual_digest
 from shoal.averaging.sparse_codec import SparseCodec
 from shoal.peer.verify.receipt_book import ReceiptBook
 from shoal.peer.verify.sparse_work import SparseProver, SparseWork, check_chain, unproven_chain
@@ -223,3 +224,24 @@ def test_a_restarted_prover_still_proves_its_chain_from_its_checkpoint() -> None
     # A checkpoint's proof of another chain (or none) proves nothing.
     restored.chain = commitment(residual=H[6]).encode()
     assert reveal_of_next_round(after).proof is None
+
+
+def test_an_honest_prover_drops_a_residual_nobody_vouches_for_before_coding_a_round() -> None:
+    """The members of the round that left our residual crashed before they handed out
+    their receipts: rather than show an unproven chain (a referee would leave us out),
+    the next round starts from a zero residual, which needs no proof."""
+    sent = commitment()
+    codec = SparseCodec.from_density("topk", 64, 0.0625, 2)
+    for proof, kept in ((signed_by(receipt_of([sent]), PEERS[1:3]), True),
+                        (signed_by(receipt_of([sent]), PEERS[:2]), False),
+                        (None, False)):  # fmt: skip
+        feedback = ErrorFeedback(codec, 256)
+        source = SimpleNamespace(feedback=feedback, gather=None, own_slot=lambda *_: None)
+        prover = SparseProver(source, 2, 300.0, proofs={6: proof}.get)  # type: ignore[arg-type]
+        feedback.residual.fill_(0.5)
+        feedback.chain = sent.encode()
+        feedback.compress(torch.zeros(256))
+        start = feedback.claims()[0]
+        assert (start != residual_digest(torch.zeros(256))) == kept
+        assert (feedback.chain == sent.encode()) == kept
+        assert prover.unvouched == (0 if kept else 1)

@@ -143,6 +143,7 @@ class SparseProver:
         self.source = source
         self._proofs = proofs
         source.feedback.chain_proof = self._chain_proof_bytes
+        source.feedback.chain_vouched = self._chain_vouched
         source.feedback.require_chain = True
         self._disk = None if spill_dir is None else SpillDir(spill_dir)  # clears a past run's
         self._names = itertools.count()
@@ -193,6 +194,15 @@ class SparseProver:
         except (ReceiptError, ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError):
             return None
         return restored if restored.lie(previous) is None else None
+
+    @property
+    def unvouched(self) -> int:
+        return self.source.feedback.unvouched_dropped
+
+    def _chain_vouched(self) -> bool:
+        """Whether enough other members vouch for our residual's chain (blocking)."""
+        proof = self._chain_proof()
+        return proof is not None and proof.proves(Commitment.decode(self.source.feedback.chain))
 
     def _chain_proof_bytes(self) -> bytes | None:
         """What a checkpoint keeps of `_chain_proof` (blocking: decodes the chain)."""

@@ -436,6 +436,9 @@ class Verifier:
             # our receipts other members handed us (`receipt_book`).
             "chains_unproven": counts["chains_unproven"],
             "receipts_received": self.receipts.received,
+            # Our residuals dropped before a round for want of receipts (the members
+            # of the round that left them crashed before they handed theirs out).
+            "residuals_unvouched": 0 if self.sparse is None else self.sparse.unvouched,
         }
 
 
