@@ -364,7 +364,12 @@ class Averager:
     # ------------------------------------------------------------------ step
 
     async def step(
-        self, weight: float = 1.0, *, timeout: float | None = None, alone: bool = True
+        self,
+        weight: float = 1.0,
+        *,
+        timeout: float | None = None,
+        alone: bool = True,
+        quorum: Callable[[], int] | None = None,
     ) -> StepResult:
         """One averaging round: commit (tensors averaged in place) or abort (untouched).
 
@@ -375,9 +380,12 @@ class Averager:
         commits alone (group size 1, reason "alone"; not with weight 0), unless
         `alone` is False: a caller that knows another peer holds our version (a
         stage's progress reports) ends the step without a group instead. An aborted
-        round is retried at once among the survivors (`step_runner`).
+        round is retried at once among the survivors (`step_runner`). `quorum`: the
+        smallest group to accept, asked again at every poll of matchmaking (for a
+        caller whose quorum depends on who is live); None: the config's
+        `min_group_size`.
         """
-        return await self._runner.run(weight, timeout, alone)
+        return await self._runner.run(weight, timeout, alone, quorum)
 
     @property
     def state_timeout(self) -> float:

@@ -67,7 +67,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from shoal.dht.node import DHTNode
@@ -145,6 +145,11 @@ class Matchmaker:
         # crowded the key is (a Moshpit grid moves to its cells past one group).
         self.last_crowd = 1
         self.config = config or MatchmakingConfig()
+        # The smallest group the caller accepts, asked again at every poll of a
+        # round (None: `config.min_group_size`). For a caller whose quorum depends
+        # on who is live: a member banned while it looks must stop counting then,
+        # not at its next call (a quorum that counts a banned peer can never form).
+        self.quorum: Callable[[], int] | None = None
         self.bandwidth = float(bandwidth)
         self.dht_key = f"{key}/matchmaking"
         # One handler per protocol name on a host: the key is part of the name,
@@ -337,13 +342,19 @@ class Matchmaker:
         )  # fmt: skip
         gathering = Gathering(
             me,
-            min_size=cfg.min_group_size,
+            min_size=self._min_group_size(),
             target=cfg.target_group_size,
             min_time=cfg.min_matchmaking_time,
             max_time=cfg.matchmaking_time,
             margin=ANSWER_MARGIN,
         )
         return Round(outlook, gathering, cfg.declaration_ttl)
+
+    def _min_group_size(self) -> int:
+        cfg = self.config
+        if self.quorum is None:
+            return cfg.min_group_size
+        return max(1, min(self.quorum(), cfg.target_group_size))
 
     async def _run(self, rnd: Round, end: float) -> Group:
         # Look before declaring: a peer whose state is behind must never
@@ -362,9 +373,10 @@ class Matchmaker:
             if rnd.group is not None:
                 return rnd.group
             if self._loop.time() >= end:
-                raise MatchmakingError(rnd.failure(self.config.min_group_size))
+                raise MatchmakingError(rnd.failure(rnd.gathering.min_size))
             if self._loop.time() >= next_poll:
                 next_poll = await self._upkeep.refresh(rnd, end)
+                rnd.gathering.min_size = self._min_group_size()
                 if rnd.group is not None:
                     continue  # a join filled the group meanwhile
             leader = rnd.outlook.leader(rnd.view)
@@ -372,7 +384,7 @@ class Matchmaker:
                 await self._lead(rnd, end, next_poll)
                 continue
             if end - self._loop.time() < ANSWER_MARGIN:  # no time for an answer
-                raise MatchmakingError(rnd.failure(self.config.min_group_size))
+                raise MatchmakingError(rnd.failure(rnd.gathering.min_size))
             group = await self._client.follow(rnd, leader, end)
             if group is not None:
                 return group
@@ -383,7 +395,7 @@ class Matchmaker:
         now = self._loop.time()
         gathering.begin(now)
         gathering.capacity = outlook.capacity(
-            rnd.view, gathering.members, cfg.target_group_size, cfg.min_group_size
+            rnd.view, gathering.members, cfg.target_group_size, gathering.min_size
         )
         pending = outlook.pending(rnd.view, gathering.members)
         assert gathering.started is not None

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -98,8 +98,18 @@ class StepRunner:
     def shun(self, peer: PeerID, seconds: float) -> None:
         self.shunned[peer] = max(self.shunned.get(peer, 0.0), time.monotonic() + seconds)
 
-    async def run(self, weight: float, timeout: float | None, alone: bool) -> StepResult:
+    async def run(
+        self, weight: float, timeout: float | None, alone: bool,
+        quorum: Callable[[], int] | None = None,
+    ) -> StepResult:  # fmt: skip
         """One step (see `Averager.step`), in our cell of the grid when there is one."""
+        self._matchmaker.quorum = quorum
+        try:
+            return await self._run_in_cell(weight, timeout, alone)
+        finally:
+            self._matchmaker.quorum = None
+
+    async def _run_in_cell(self, weight: float, timeout: float | None, alone: bool) -> StepResult:
         if self.grid is None:
             return await self._run(weight, timeout, alone)
         if not self._looked:

@@ -139,10 +139,14 @@ class StageOptimizer:
         """Optimizer steps the stage's state holds."""
         return self.averager.commits
 
-    async def step(self, timeout: float, *, alone: bool = True) -> StepResult:
+    async def step(
+        self, timeout: float, *, alone: bool = True, quorum: Callable[[], int] | None = None
+    ) -> StepResult:
         """Average the gradients accumulated here for the current version with the
         stage's other peers and take the optimizer step (on commit); `alone`: step
-        by ourselves when no other peer of the stage is declared (see `Averager.step`).
+        by ourselves when no other peer of the stage is declared; `quorum`: the
+        smallest group to accept, asked again while matchmaking runs (see
+        `Averager.step`).
 
         When nobody committed, the gradients go back to the worker for the next
         try (after a round we were in doubt about, without what arrives meanwhile).
@@ -171,7 +175,7 @@ class StageOptimizer:
         self.stepping = True  # (a checkpoint waits: the step's log is not written yet)
         try:
             result = await self.averager.step(
-                weight=float(taken.samples), timeout=timeout, alone=alone
+                weight=float(taken.samples), timeout=timeout, alone=alone, quorum=quorum
             )
         finally:
             self.stepping = False

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,9 +101,6 @@ class StagePeer:
         self.optimizer = StageOptimizer(
             dht, experiment, stage, self.worker, hyper=hyper, matchmaking=matchmaking
         )
-        # Its min_group_size is set before each step: on the averager's own copy, which
-        # its matchmaker reads (adaptive deadlines copy the config to change it).
-        self.matchmaking = self.optimizer.averager.config.matchmaking
         self.progress = StageProgress(dht, experiment, stage, global_batch)
         self.server.steps = self.optimizer.steps
         self.step_timeout = step_timeout
@@ -225,9 +222,7 @@ class StagePeer:
             # failed) or lost their declaration, and each of two would step alone.
             last = self.optimizer.steps[-1] if self.optimizer.steps else None
             stepped_with = last.members if last is not None and last.version + 1 == version else ()
-            live = 1 + len(peers_at(others, version, now, stepped_with=stepped_with))
-            self.matchmaking.min_group_size = live // 2 + 1
-            await self.step(alone=live == 1)
+            await self.step(peers_at(others, version, now, stepped_with=stepped_with))
 
     def live_partners(self) -> set[PeerID]:
         """The stage's other peers heard from lately: a report within STALE_S, and not
@@ -320,8 +315,25 @@ class StagePeer:
         self._changed.set()
         return True
 
-    async def step(self, *, alone: bool = True) -> None:
-        result = await self.optimizer.step(self.step_timeout, alone=alone)
+    async def step(self, partners: Collection[PeerID] = ()) -> None:
+        """The step from our version with `partners` (the stage's other peers at it):
+        a majority of us and them must be in its group (`tick` says why); alone
+        only when there are none."""
+        began = time.time()
+
+        def quorum() -> int:
+            # Asked again while matchmaking runs: a partner banned or found gone since
+            # the step began stops counting at once. A group of 3 out of 4 (a cheater
+            # among them) could never form once the cheater was banned, and the step
+            # waited out its timeout. Never more: a report going stale during a long
+            # step is no news of its peer.
+            blocked = self.server.dht.host.blocked()
+            live = 1 + sum(
+                1 for p in partners if p not in blocked and self._gone.get(p, -float("inf")) < began
+            )
+            return live // 2 + 1
+
+        result = await self.optimizer.step(self.step_timeout, alone=not partners, quorum=quorum)
         if result.resynced:
             # The round found the stage ahead and downloaded its state (as `catch_up`
             # does): a fresh peer for the trainers, whose bans of us lift.

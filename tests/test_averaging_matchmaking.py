@@ -937,6 +937,24 @@ async def test_min_group_size_not_reached_raises_by_the_deadline(
     assert elapsed < 2.5
 
 
+async def test_a_quorum_lowered_while_peers_look_forms_their_group_then(
+    swarm: Callable[..., Any],
+) -> None:
+    # A stage's majority: two peers need a group of 3 (a partner was counted when they
+    # called) until the partner is banned. The quorum is asked again at every poll, so
+    # they group then, not after their call's deadline (nor at their next call).
+    makers = await swarm(2)
+    quorum = {"size": 3}
+    for m in makers:
+        m.quorum = lambda: quorum["size"]
+    calls = asyncio.ensure_future(form_all(makers, deadline=Deadline.after(25)))
+    await wait_until(lambda: any(m.stats()["gathered"] == 2 for m in makers), 10)
+    assert not calls.done()  # (two gathered: short of the quorum, the leader waits)
+    quorum["size"] = 2
+    (group,) = assert_agreement(makers, await calls)
+    assert group.size == 2
+
+
 @pytest.mark.timeout(30)
 async def test_excluded_peers_are_left_out(swarm: Callable[..., Any]) -> None:
     makers = await swarm(4)

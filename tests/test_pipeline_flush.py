@@ -8,13 +8,14 @@ half the global batch, the rest replayed into a later step: a CI failure)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pytest
 
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.stage_peer import StagePeer
+from shoal.transport.identity import PeerID
 
 from .pipeline_swarm import EXPERIMENT, TINY, Swarm
 
@@ -30,7 +31,7 @@ async def lone_stage_peer(swarm: Swarm, held: dict[int, int]) -> tuple[StagePeer
     peer.worker.samples_for = lambda version: held.get(version, 0)  # type: ignore[method-assign]
     stepped_from: list[int] = []
 
-    async def record_step(*, alone: bool = True) -> None:
+    async def record_step(partners: Collection[PeerID] = ()) -> None:
         stepped_from.append(peer.version)
 
     peer.step = record_step  # type: ignore[method-assign]
