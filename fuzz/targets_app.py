@@ -108,7 +108,7 @@ def _trainer(stages: int) -> Any:
         calls=SimpleNamespace(told={}),
     )  # fmt: skip
     t._settle = lambda stage, meta, source=None: PipelineTrainer._settle(t, stage, meta, source)  # type: ignore[arg-type]
-    t._restored = lambda s, peer, version: PipelineTrainer._restored(t, s, peer, version)  # type: ignore[arg-type]
+    t._restored = lambda *args: PipelineTrainer._restored(t, *args)  # type: ignore[arg-type]
     return t
 
 

@@ -69,6 +69,9 @@ class Applied:
     inputs: torch.Tensor
     grad_outputs: torch.Tensor
     samples: int
+    # The incarnation of `peer` that applied it (its `since`, as its answer said; None:
+    # not told). A restore loses only what earlier incarnations applied.
+    since: float | None = None
 
 
 @dataclass
@@ -234,19 +237,30 @@ class MicrobatchLedger:
             if entry.epoch < durable or version - entry.epoch > KEEP_VERSIONS:
                 self._let_go(entry)
 
-    def lost(self, stage: int, restored: int) -> list[Applied]:
+    def lost(
+        self, stage: int, restored: int, survivor: tuple[Hashable, float] | None = None
+    ) -> list[Applied]:
         """Every peer of `stage` died and one restored it at version `restored`: what
         its steps from there on counted, and what the dead peers held for steps to
         come, is gone. The entries to replay (open ones of earlier epochs wait for
-        the restored peer's step log, which its checkpoint kept)."""
+        the restored peer's step log, which its checkpoint kept). `survivor`: the
+        restoring incarnation (peer, since). What it applied since it restored lives
+        on with it (the trainer learns of a restore seconds after the peer serves
+        again, and sends it backwards meanwhile): replayed too, they were counted
+        twice, once in its step and once in the replays' (a CI run: 32 samples)."""
         replay = []
+
+        def gone(entry: Applied) -> bool:
+            alive = survivor is not None and (entry.peer, entry.since) == survivor
+            return entry.epoch >= restored and not alive
+
         for entry in list(self._kept[stage].values()):
-            if entry.epoch >= restored:
+            if gone(entry):
                 self._let_go(entry)
                 self.counted[stage] -= entry.samples
                 replay.append(entry)
         for key, entry in list(self._open[stage].items()):
-            if entry.epoch >= restored:
+            if gone(entry):
                 del self._open[stage][key]
                 replay.append(entry)
         # A doubt sent at `restored` or later could only have been applied there, and is

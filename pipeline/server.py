@@ -323,6 +323,7 @@ class StageServer:
             "seconds": seconds,
             "queue": self.queued,
             "version": self.version,
+            "since": self.since,  # (which incarnation of ours applied a backward)
             "steps": self._step_log(caller),
         }
 

@@ -293,7 +293,7 @@ class PipelineTrainer:
             self._restores.add((peer, since))
             self._restarted[s] = (since, restored)
             self.versions[s] = record["version"]  # (not the dead peers' newer one)
-            self._restored(s, peer, restored)
+            self._restored(s, peer, restored, since)
 
     def _before_restart(self, s: int, version: int, since: Any) -> bool:
         """A record of a peer that started before stage `s` was restarted, at a version
@@ -304,8 +304,8 @@ class PipelineTrainer:
             return False
         return bool(since < restart[0] and version > restart[1])
 
-    def _restored(self, s: int, peer: PeerID, version: int) -> None:
-        replay = self.ledger.lost(s, version)
+    def _restored(self, s: int, peer: PeerID, version: int, since: float) -> None:
+        replay = self.ledger.lost(s, version, survivor=(peer, since))
         self.durable[s] = version
         if replay or version > 0:
             log.warning("stage %d was restarted at version %d by %s (%s): replaying %d "
@@ -368,7 +368,9 @@ class PipelineTrainer:
         epoch = meta.get("epoch")
         doubted = self.calls.doubted.pop(key, None)
         if isinstance(epoch, int) and not isinstance(epoch, bool):
-            applied = Applied(stage, key, peer, epoch, tensors[0], tensors[1], samples)
+            since = meta.get("since")  # (its incarnation: see `MicrobatchLedger.lost`)
+            incarnation = float(since) if _is_time(since) else None
+            applied = Applied(stage, key, peer, epoch, tensors[0], tensors[1], samples, incarnation)
             self.ledger.applied(applied)
         elif doubted is not None:  # (a dry answer: its count is the other peer's to tell)
             at, attempt, since = doubted

@@ -237,6 +237,27 @@ def test_the_ledger_replays_the_counted_microbatches_of_steps_a_restore_lost() -
     assert ledger.open_samples(0) == 0
 
 
+def test_a_restore_replays_nothing_the_restoring_incarnation_applied_since() -> None:
+    """Peer "a" died at version 9 and came back from its checkpoint at 5 (since=20.0).
+    The trainer learns of the restore seconds later, and meanwhile sent "a" backwards
+    it applied at 5 and 6: they live on in its steps, counted once. What "a" applied
+    at 7 before it died (since=10.0), and "b" at 6, are gone with the stage."""
+    ledger = MicrobatchLedger(1)
+    old_a = Applied(0, "old_a", "a", 7, torch.zeros(2, 3), torch.zeros(2, 3), 2, since=10.0)
+    new_a = Applied(0, "new_a", "a", 6, torch.zeros(2, 3), torch.zeros(2, 3), 2, since=20.0)
+    counted_a = Applied(0, "counted_a", "a", 5, torch.zeros(2, 3), torch.zeros(2, 3), 2, 20.0)
+    for entry in (old_a, new_a, counted_a, _applied("b", 6, peer="b")):
+        ledger.applied(entry)
+    # Its new step from 5 (the one before "a" died is forgotten by the restore) held
+    # counted_a: counted, and kept (nothing saved it yet).
+    ledger.resolve(0, [(5, frozenset({"a"}), frozenset({"counted_a"}))], 5, 0, source="a")
+    assert ledger.counted == [2]
+    replay = ledger.lost(0, restored=5, survivor=("a", 20.0))
+    assert sorted(e.key for e in replay) == ["b", "old_a"]
+    assert ledger.counted == [2] and ledger.restored == [4]
+    assert [e.key for e in ledger.open(0)] == ["new_a"]  # (its step from 6 will say)
+
+
 def test_without_checkpoints_the_ledger_keeps_nothing_it_counted() -> None:
     ledger = MicrobatchLedger(1)
     ledger.applied(_applied("m0", 0))
