@@ -265,8 +265,11 @@ class MicrobatchLedger:
                 replay.append(entry)
         # A doubt sent at `restored` or later could only have been applied there, and is
         # gone (earlier ones wait for the restored peer's log, as open entries do).
+        # Not one at the restoring peer: which incarnation it reached is not known, and
+        # the fence that asks the live one settles it (one it never saw: replayed).
         for key, doubt in list(self._doubts[stage].items()):
-            if doubt.since >= restored:
+            at_survivor = survivor is not None and doubt.peer == survivor[0]
+            if doubt.since >= restored and not at_survivor:
                 del self._doubts[stage][key]
                 replay.append(doubt.applied_at(doubt.since))
         # The steps from `restored` on are taken again, by other members: the dead

@@ -24,7 +24,7 @@ from shoal.peer.pipelined.checkpoints import StageCheckpoints
 from shoal.peer.training.checkpoint import CheckpointError
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import StageRecord
-from shoal.pipeline.ledger import Applied, MicrobatchLedger
+from shoal.pipeline.ledger import Applied, Doubt, MicrobatchLedger
 from shoal.pipeline.progress import Report
 from shoal.pipeline.server import StageServer
 from shoal.pipeline.stage import StageWorker
@@ -256,6 +256,19 @@ def test_a_restore_replays_nothing_the_restoring_incarnation_applied_since() -> 
     assert sorted(e.key for e in replay) == ["b", "old_a"]
     assert ledger.counted == [2] and ledger.restored == [4]
     assert [e.key for e in ledger.open(0)] == ["new_a"]  # (its step from 6 will say)
+
+
+def test_a_restore_leaves_a_doubt_at_the_restoring_peer_to_its_fence() -> None:
+    """A backward to "a" whose answer was lost, sent while the trainer still believed
+    the stage at 9: the old "a" or the restored one may hold it. The live one's fence
+    answer settles it; replayed now, it could count twice. One at "b" is gone."""
+    ledger = MicrobatchLedger(1)
+    for peer in ("a", "b"):
+        ledger.doubted(Doubt(0, f"at_{peer}", peer, 9, b"x", torch.zeros(2, 3),
+                             torch.zeros(2, 3), 2))  # fmt: skip
+    replay = ledger.lost(0, restored=5, survivor=("a", 20.0))
+    assert [e.key for e in replay] == ["at_b"]
+    assert [d.key for d in ledger.doubts(0)] == ["at_a"]
 
 
 def test_without_checkpoints_the_ledger_keeps_nothing_it_counted() -> None:
