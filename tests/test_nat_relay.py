@@ -128,6 +128,21 @@ async def test_a_private_peer_is_reachable_at_its_relay_address(make_peer) -> No
     assert kinds[str(c.peer_id)] == "relayed"
 
 
+async def test_a_private_peer_is_reachable_at_its_relay_address_as_records_store_it(
+    make_peer,
+) -> None:
+    # The DHT's routing table and state announcements keep a peer's addresses without
+    # their trailing /p2p/SELF (dht.routing.dialable_addrs): a dial to that peer at such
+    # a circuit address goes to it through the relay (it failed: "a circuit address
+    # needs /p2p/RELAY/p2p-circuit/p2p/TARGET", the soak's holders behind NATs).
+    r, _, a, _, addr = await relay_and_private(make_peer)
+    c, _ = await make_peer(hole_punching=False)
+    stored = addr.without_peer_id()
+    assert str(stored) == f"{dial_addr(r)}/p2p-circuit"
+    conn = await c.connect(a.peer_id, [stored])
+    assert conn.kind == "relayed" and conn.remote_peer == a.peer_id
+
+
 async def test_the_relay_splices_only_ciphertext(make_peer) -> None:
     _, nr, a, _, addr = await relay_and_private(make_peer)
     c, _ = await make_peer(hole_punching=False)

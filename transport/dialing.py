@@ -46,6 +46,12 @@ def resolve(
         candidates.insert(0, addr)
     if peer == local_peer:
         raise DialError("refusing to dial ourselves")
+    if peer is not None:
+        # A circuit address as records keep it (dht.routing.dialable_addrs strips the
+        # target, /p2p/RELAY/p2p-circuit): the target is the peer we dial.
+        candidates = [
+            a.with_peer_id(peer) if a.components[-1][0] == "p2p-circuit" else a for a in candidates
+        ]
     return peer, candidates
 
 
