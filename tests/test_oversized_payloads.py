@@ -271,7 +271,10 @@ async def test_an_honest_reveal_of_our_models_layout_is_taken(
     await referee.connect(prover.addresses()[0])
     template = {"optimizer": opt.state_dict(), "grad_scaler": None}
     shapes = [p.shape for p in model.parameters()]
-    got = await fetch_reveal(referee, prover.peer_id, 1, 0, template, shapes, timeout=10)
+    got = await fetch_reveal(
+        referee, prover.peer_id, 1, 0, template, shapes, timeout=10, commitment=b"c" * 32
+    )
+    assert asked[0]["commitment"] == b"c" * 32
     assert all(torch.equal(a, b) for a, b in zip(got.start.params, params, strict=True))
     assert len(got.start.optimizer["optimizer"]["state"]) == 2
     assert got.end_optimizer == b"e" * 32
@@ -286,10 +289,22 @@ async def test_an_honest_reveal_of_our_models_layout_is_taken(
 def test_a_referee_of_protocol_2_0_is_revealed_the_final_state_it_checks() -> None:
     """Its request does not say `final`: it reads the final state after the end, so it
     gets it; today's referees say they do not want it; anything else is refused."""
-    assert parse_reveal_request({"round": 3, "segment": 1}) == (3, 1, True)
-    assert parse_reveal_request({"round": 3, "segment": 1, "final": False}) == (3, 1, False)
+    assert parse_reveal_request({"round": 3, "segment": 1}) == (3, 1, True, None)
+    assert parse_reveal_request({"round": 3, "segment": 1, "final": False}) == (3, 1, False, None)
     with pytest.raises(ValueError):
         parse_reveal_request({"round": 3, "segment": 1, "final": "no"})
+
+
+def test_a_reveal_request_names_the_commitment_audited_or_is_refused() -> None:
+    """Since 2.4 a referee names the digest of the commitment it audits: a prover that
+    re-synced and committed the round index again keeps the later round's work only,
+    and refuses rather than reveal it against the earlier commitment (which would
+    read as a lie). A digest that is not bytes of a digest's size is malformed."""
+    request = {"round": 3, "segment": 1, "final": False, "commitment": b"d" * 32}
+    assert parse_reveal_request(request) == (3, 1, False, b"d" * 32)
+    for bad in ("d" * 32, b"d" * 65, 7):
+        with pytest.raises(ValueError):
+            parse_reveal_request({**request, "commitment": bad})
 
 
 @pytest.mark.timeout(30)

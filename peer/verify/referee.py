@@ -253,12 +253,14 @@ class Referee:
         `REVEAL_TIMEOUT` (a restart takes seconds; its checkpoint keeps its identity),
         and a reveal has `transfer_s` more to arrive."""
         deadline = time.monotonic() + REVEAL_TIMEOUT
+        c = rnd.commitments.get(prover)
         while True:
             try:
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
                     timeout=max(1.0, deadline - time.monotonic()) + self.transfer_s(rnd),
                     secrets=rnd.secrets_to_wire(), layouts=self.layouts,
+                    commitment=None if c is None else c.digest(),
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
                 if time.monotonic() + REVEAL_RETRY_S >= deadline:

@@ -168,18 +168,21 @@ async def fetch_reveal(
     timeout: float,
     secrets: list[list[bytes]] | None = None,
     layouts: Sequence[Mapping[str, tuple[int, ...]]] | None = None,
+    commitment: bytes | None = None,
 ) -> Reveal:
-    """Ask `prover` to reveal `segment` of its work in `round_index`. `template`: an
+    """Ask `prover` to reveal `segment` of its work in `round_index`, the round of the
+    commitment whose digest is `commitment` (None: whichever it has). `template`: an
     `InnerOptimizer.state_dict()` whose param groups the revealed state takes;
     `shapes`: our own model's parameters', which the revealed ones must have;
     `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps.
     Raises (transport, remote or ValueError) when nothing well formed came;
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
-    async with rpc.open_call(
-        host, prover, PROTOCOL, "reveal",
-        {"round": round_index, "segment": segment, "secrets": secrets or [], "final": False},
-        timeout=timeout,
-    ) as call:  # fmt: skip
+    request: dict[str, Any] = {
+        "round": round_index, "segment": segment, "secrets": secrets or [], "final": False,
+    }  # fmt: skip
+    if commitment is not None:
+        request["commitment"] = commitment
+    async with rpc.open_call(host, prover, PROTOCOL, "reveal", request, timeout=timeout) as call:
         await call.close_send()
         head = await call.recv_item()
         n, keys, end_opt, final_opt = _header(head)

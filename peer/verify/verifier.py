@@ -352,12 +352,17 @@ class Verifier:
         return await asyncio.wait_for(asyncio.shield(future), GATHER_TIMEOUT + 10)
 
     async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
-        round_index, segment, final = parse_reveal_request(payload)
+        round_index, segment, final, digest = parse_reveal_request(payload)
         rnd = await self._round(round_index)
         mine = None if rnd is None else rnd.commitments.get(self.me)
         work = self.work.log.get(round_index)
         if rnd is None or mine is None or work is None:
             raise LookupError(f"no work of round {round_index} here")
+        if digest is not None and digest != mine.digest():
+            # We re-synced onto another lineage and committed this round index again:
+            # the work we keep is that round's. Revealed against the asker's
+            # commitment, it would read as a lie (an honest peer convicted).
+            raise LookupError(f"no work of that round {round_index} here (a later one)")
         rnd.learn(payload.get("secrets"))
         if ctx.peer not in rnd.draw.referees(self.me):
             raise PermissionError("only this round's referees of our work may ask")
@@ -472,18 +477,22 @@ def audit_round_of(
     )
 
 
-def parse_reveal_request(payload: object) -> tuple[int, int, bool]:
-    """(round, segment, whether the run's final state too) that a referee asks us to
-    reveal; ValueError when malformed. A 2.0 referee does not say: it wants the final."""
+def parse_reveal_request(payload: object) -> tuple[int, int, bool, bytes | None]:
+    """(round, segment, whether the run's final state too, the digest of the commitment
+    audited) that a referee asks us to reveal; ValueError when malformed. A 2.0 referee
+    does not say whether: it wants the final. Before 2.4 none names the commitment."""
     if not isinstance(payload, dict):
         raise ValueError("bad reveal request")
     round_index, segment = payload.get("round"), payload.get("segment")
     final = payload.get("final", True)
+    digest = payload.get("commitment")
     if not isinstance(round_index, int) or not isinstance(segment, int):
         raise ValueError("bad reveal request")
     if not isinstance(final, bool):
         raise ValueError("bad reveal request")
-    return round_index, segment, final
+    if digest is not None and not (isinstance(digest, bytes) and len(digest) <= 64):
+        raise ValueError("bad reveal request")
+    return round_index, segment, final, digest
 
 
 def parse_verdict_request(payload: object) -> tuple[int, PeerID, Verdict]:
