@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from verification_round import commit
+from verification_round import commit, h
 
 from shoal.dht.node import DHTNode
 from shoal.peer.verify import audit_round
@@ -25,6 +25,7 @@ from shoal.verification.referees import RoundDraw, new_secret
 pytestmark = pytest.mark.timeout(60)
 ROUND = 7
 NS = "exp"
+START = h("global")  # (the global state `commit` says its rounds started from)
 
 
 @pytest.fixture
@@ -46,7 +47,10 @@ async def test_members_gather_the_same_secrets_and_draw_the_same(nodes: list[DHT
     )
     members = [n.peer_id for n in nodes]
     views = await asyncio.gather(
-        *(gather(n, NS, ROUND, {n.peer_id: mine[n.peer_id]}, members, 10.0) for n in nodes)
+        *(
+            gather(n, NS, ROUND, {n.peer_id: mine[n.peer_id]}, members, 10.0, start=START)
+            for n in nodes
+        )
     )
     for commitments, found in views:
         assert commitments == mine and found == secrets
@@ -69,7 +73,7 @@ async def test_a_member_without_a_commitment_is_waited_for_briefly_one_with_one_
     # of either known, the gather ends after the grace, not the deadline.
     started = time.monotonic()
     commitments, found = await gather(
-        a, NS, ROUND, {}, members, 20.0, {a.peer_id: secrets[a.peer_id]}
+        a, NS, ROUND, {}, members, 20.0, {a.peer_id: secrets[a.peer_id]}, start=START
     )
     assert 1.0 <= time.monotonic() - started < 10.0
     assert set(found) == set(commitments) == {a.peer_id, b.peer_id}
@@ -78,7 +82,7 @@ async def test_a_member_without_a_commitment_is_waited_for_briefly_one_with_one_
     # and the draw then names it as withholding.
     started = time.monotonic()
     commitments, found = await gather(a, NS, ROUND, {silent.peer_id: mine[silent.peer_id]},
-                                      members, 3.0)  # fmt: skip
+                                      members, 3.0, start=START)  # fmt: skip
     assert time.monotonic() - started >= 3.0
     draw = RoundDraw.from_reveals(list(commitments.values()), found)
     assert draw.withheld == frozenset({silent.peer_id})
@@ -92,7 +96,8 @@ async def test_a_second_commitment_of_a_member_for_the_round_is_not_taken(
     other_secret = new_secret()
     other = commit(b.host.identity, other_secret, rnd=ROUND, steps=9)
     await publish_record(b, NS, other, other_secret)
-    commitments, found = await gather(a, NS, ROUND, {b.peer_id: sent}, [b.peer_id], 1.0)
+    commitments, found = await gather(a, NS, ROUND, {b.peer_id: sent}, [b.peer_id], 1.0,
+                                      start=START)  # fmt: skip
     assert commitments[b.peer_id] == sent and b.peer_id not in found
 
 
@@ -128,10 +133,10 @@ async def test_records_the_dht_lacks_are_asked_of_their_members_directly(
         n.peer_id: DirectRecords(rpc.RpcService(n.host, "/shoal/test-records/1")) for n in nodes
     }
     for n in (b, c):  # published, but not in the DHT
-        served[n.peer_id].publish(ROUND, encode_record(mine[n.peer_id], secrets[n.peer_id]))
+        served[n.peer_id].publish(ROUND, START, encode_record(mine[n.peer_id], secrets[n.peer_id]))
     # c answers for the next round with b's record as if it were its own
     b_next = commit(b.host.identity, secrets[b.peer_id], rnd=ROUND + 1)
-    served[c.peer_id].publish(ROUND + 1, encode_record(b_next, secrets[b.peer_id]))
+    served[c.peer_id].publish(ROUND + 1, START, encode_record(b_next, secrets[b.peer_id]))
     for n in (b, c, late):
         await a.host.connect(n.host.addresses()[0])
     members = [n.peer_id for n in nodes]
@@ -140,7 +145,7 @@ async def test_records_the_dht_lacks_are_asked_of_their_members_directly(
     started = time.monotonic()
     commitments, found = await gather(
         a, NS, ROUND, known, members, 2.0, {a.peer_id: secrets[a.peer_id]},
-        ask=lambda peers: served[a.peer_id].ask(ROUND, peers),
+        ask=lambda peers: served[a.peer_id].ask(ROUND, START, peers), start=START,
     )  # fmt: skip
     assert found == {p: secrets[p] for p in (a.peer_id, b.peer_id, c.peer_id)}
     assert commitments == known
@@ -149,6 +154,29 @@ async def test_records_the_dht_lacks_are_asked_of_their_members_directly(
 
     _, found = await gather(
         a, NS, ROUND + 1, {}, [b.peer_id, c.peer_id], 0.5,
-        ask=lambda peers: served[a.peer_id].ask(ROUND + 1, peers),
+        ask=lambda peers: served[a.peer_id].ask(ROUND + 1, START, peers), start=START,
     )  # fmt: skip
     assert found == {}  # c's answer is b's record: not taken from c
+
+
+async def test_a_members_rounds_of_one_index_in_two_lineages_are_both_found(
+    nodes: list[DHTNode],
+) -> None:
+    """b was in round 7 of one lineage, re-synced onto another at a lower count and
+    committed its round 7 too. Both records stay found, each by the members of its
+    round: under the round index alone the second replaced the first, and the first
+    round's members saw b withhold its secret (the soak: an honest peer shunned)."""
+    a, b = nodes[:2]
+    first_secret, second_secret = new_secret(), new_secret()
+    first = commit(b.host.identity, first_secret, rnd=ROUND)
+    second = commit(b.host.identity, second_secret, rnd=ROUND, start=h("another lineage"))
+    served = DirectRecords(rpc.RpcService(b.host, "/shoal/test-records/1"))
+    asker = DirectRecords(rpc.RpcService(a.host, "/shoal/test-records/1"))
+    for c, secret in ((first, first_secret), (second, second_secret)):
+        assert await publish_record(b, NS, c, secret)
+        served.publish(ROUND, c.start, encode_record(c, secret))
+    for c, secret in ((first, first_secret), (second, second_secret)):
+        _, found = await gather(a, NS, ROUND, {b.peer_id: c}, [b.peer_id], 5.0, start=c.start)
+        assert found == {b.peer_id: secret}
+        (answer,) = await asker.ask(ROUND, c.start, [b.peer_id])
+        assert answer[1] == encode_record(c, secret)

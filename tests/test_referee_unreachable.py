@@ -23,7 +23,7 @@ from shoal.transport.identity import Identity, PeerID
 from shoal.verification.evidence import Result, Verdict
 from shoal.verification.referees import RoundDraw, new_secret
 
-from .verification_round import Round, commit, identities
+from .verification_round import Round, commit, h, identities
 
 
 def recorder(shunned: list[tuple[PeerID, int]]) -> Callable[[PeerID, int], float]:
@@ -202,7 +202,7 @@ async def late_secret_round(
         shun=recorder(shunned),
     )  # type: ignore[arg-type]  # fmt: skip
     dense = SimpleNamespace(sparse=False)
-    rnd = AuditRound(7, dense, commitments, known, partial, [], time.monotonic())  # type: ignore[arg-type]
+    rnd = AuditRound(7, dense, commitments, known, partial, [], time.monotonic(), h("global"))  # type: ignore[arg-type]
     return rnd, ref, prover.peer_id, answers, shunned, nodes
 
 

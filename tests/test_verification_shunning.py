@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from verification_round import commit, identities
+from verification_round import commit, h, identities
 
 from shoal.dht.node import DHTNode
 from shoal.dht.storage import LocalStorage
@@ -25,6 +25,7 @@ from shoal.verification.referees import new_secret
 
 ROUND = 7
 NS = "exp"
+START = h("global")  # (the global state `commit` says its rounds started from)
 
 
 def test_a_first_failure_costs_a_short_shun_and_each_further_one_doubles_it() -> None:
@@ -99,7 +100,7 @@ async def test_a_member_whose_secret_comes_late_is_not_shunned_one_that_never_do
     await publish_record(me, NS, mine[me.peer_id], secrets[me.peer_id])
     members = [n.peer_id for n in nodes]
     commitments, found = await gather(
-        me, NS, ROUND, mine, members, 1.0, {me.peer_id: secrets[me.peer_id]}
+        me, NS, ROUND, mine, members, 1.0, {me.peer_id: secrets[me.peer_id]}, start=START
     )
     missing = frozenset(commitments.keys() - found.keys())
     assert missing == {slow.peer_id, silent.peer_id}
@@ -112,7 +113,7 @@ async def test_a_member_whose_secret_comes_late_is_not_shunned_one_that_never_do
         return shunned[peer]
 
     recheck = asyncio.ensure_future(
-        recheck_withheld(me, NS, ROUND, commitments, missing, shun, after=0.5, timeout=3.0)
+        recheck_withheld(me, NS, (ROUND, START), commitments, missing, shun, after=0.5, timeout=3.0)
     )
     # `slow`'s record lands between our gather and the recheck (a partition healed).
     assert await publish_record(slow, NS, mine[slow.peer_id], secrets[slow.peer_id])
@@ -136,11 +137,13 @@ async def test_a_member_stores_its_record_again_while_it_still_gathers(
         publish_while_gathering(me, NS, record, secret, gathered, every=0.3, within=20.0)
     )
     try:
-        _, found = await gather(other, NS, ROUND, {}, [me.peer_id], 5.0)
+        _, found = await gather(other, NS, ROUND, {}, [me.peer_id], 5.0, start=START)
         assert found == {me.peer_id: secret}  # the first store
         for node in nodes:  # every replica lost
             node.storage = LocalStorage(validator=node.validator)
-        _, found = await gather(other, NS, ROUND, {me.peer_id: record}, [me.peer_id], 10.0)
+        _, found = await gather(
+            other, NS, ROUND, {me.peer_id: record}, [me.peer_id], 10.0, start=START
+        )
         assert found == {me.peer_id: secret}
     finally:
         gathered.set()

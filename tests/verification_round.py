@@ -31,14 +31,20 @@ def identities(n: int, salt: str = "") -> list[Identity]:
 
 
 def commit(
-    me: Identity, secret: bytes, *, rnd: int = 7, steps: int = 6, every: int = 2
+    me: Identity,
+    secret: bytes,
+    *,
+    rnd: int = 7,
+    steps: int = 6,
+    every: int = 2,
+    start: bytes = h("global"),
 ) -> Commitment:
     segments = -(-steps // every)
     return Commitment(
         EXPERIMENT,
         me.peer_id,
         rnd,
-        start=h("global"),
+        start=start,
         optimizer=h(f"opt {me.peer_id}"),
         first_step=100,
         steps=steps,

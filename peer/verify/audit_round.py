@@ -72,8 +72,12 @@ GATHER_POLL_S = 0.5
 UNKNOWN_GRACE_S = 5.0
 
 
-def records_key(namespace: str, round_index: int) -> str:
-    return f"{namespace}/work/{round_index}"
+def records_key(namespace: str, round_index: int, start: bytes) -> str:
+    """Where a round's records are: by its index and the global state it started from.
+    A peer that re-synced onto another lineage can commit the same index twice; under
+    the index alone its second record replaced the first, and the first round's
+    members found its secret missing ("withheld": an honest peer shunned)."""
+    return f"{namespace}/work/{round_index}/{start[:8].hex()}"
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class AuditRound:
     # work log's start state, which may be on disk: blocking, RuntimeError when gone).
     start_params: list[torch.Tensor] | Callable[[], list[torch.Tensor]]
     committed_at: float = 0.0  # monotonic time of the commit here
+    start: bytes = b""  # the digest of the global state it started from (`records_key`)
 
     def learn(self, wire: object) -> None:
         """Take secrets another member saw (`secrets_to_wire`): one that matches its
@@ -152,7 +157,7 @@ async def publish_record(
     value = encode_record(commitment, secret)
     try:
         return await dht.store(
-            records_key(namespace, commitment.round),
+            records_key(namespace, commitment.round, commitment.start),
             value,
             time.time() + RECORD_TTL,
             subkey=owner_marker(dht.peer_id),
@@ -186,9 +191,12 @@ async def gather(
     timeout: float,
     have: Mapping[PeerID, bytes] | None = None,
     ask: Callable[[list[PeerID]], Awaitable[list[tuple[PeerID, object]]]] | None = None,
+    *,
+    start: bytes,
 ) -> tuple[dict[PeerID, Commitment], dict[PeerID, bytes]]:
     """The round's commitments and matching secrets from the DHT, for `members`
-    (commitments already `known` must not change): until every member that committed
+    (commitments already `known` must not change), of the round of index `round_index`
+    that started from the global state `start`: until every member that committed
     has its secret there, or `timeout`. A member whose commitment we never saw may
     have contributed nothing (weight 0): it is waited for `UNKNOWN_GRACE_S` only.
     `ask`: the records of the members still missing after the first read, asked of
@@ -206,6 +214,8 @@ async def gather(
         c, secret = parsed
         if c.prover not in wanted or c.round != round_index or sender not in (None, c.prover):
             return
+        if c.start != start:
+            return  # (its round of this index in another lineage: asked directly, say)
         if c.prover in commitments and commitments[c.prover].digest() != c.digest():
             log.warning("%s published another commitment than it sent", c.prover.short())
             return
@@ -215,7 +225,7 @@ async def gather(
 
     while True:
         try:
-            value = await dht.get(records_key(namespace, round_index), latest=True)
+            value = await dht.get(records_key(namespace, round_index, start), latest=True)
         except Exception as e:  # a failed read is retried until the deadline
             log.debug("reading round records failed: %r", e)
             value = None

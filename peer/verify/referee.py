@@ -234,7 +234,7 @@ class Referee:
         try:
             _, secrets = await gather(
                 self.dht, self.namespace, rnd.round, rnd.commitments, list(rnd.commitments),
-                LATE_SECRETS_TIMEOUT, rnd.secrets,
+                LATE_SECRETS_TIMEOUT, rnd.secrets, start=rnd.start,
             )  # fmt: skip
         except Exception as e:
             log.debug("re-reading round %d's secrets failed: %r", rnd.round, e)

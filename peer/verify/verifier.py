@@ -280,7 +280,7 @@ class Verifier:
         committed_at: float,
     ) -> AuditRound | None:
         secret = self._secrets.pop(mine.round)
-        self.records.publish(mine.round, encode_record(mine, secret))
+        self.records.publish(mine.round, mine.start, encode_record(mine, secret))
         gathered = asyncio.Event()
         self._spawn(publish_while_gathering(
             self.dht, self.namespace, mine, secret, gathered,
@@ -290,14 +290,15 @@ class Verifier:
             commitments, secrets = await gather(
                 self.dht, self.namespace, mine.round, commitments, list(group.peer_ids),
                 GATHER_TIMEOUT, {self.me: secret},
-                ask=lambda peers: self.records.ask(mine.round, peers),
+                ask=lambda peers: self.records.ask(mine.round, mine.start, peers),
+                start=mine.start,
             )  # fmt: skip
         finally:
             gathered.set()
         draw = RoundDraw.from_reveals(list(commitments.values()), secrets)
         rnd = audit_round_of(
             mine.round, group, self._shape, commitments, secrets, draw,
-            self.work.log, committed_at,
+            self.work.log, committed_at, mine.start,
         )  # fmt: skip
         missing = draw.withheld - {self.me}
         if missing:
@@ -306,19 +307,19 @@ class Verifier:
             self.withheld += len(missing)
             log.info("round %d: %d members withheld their secret: %s", mine.round,
                      len(missing), ", ".join(p.short() for p in missing))  # fmt: skip
-            self._spawn(self._shun_withheld(mine.round, commitments, missing, rnd))
+            self._spawn(self._shun_withheld(mine, commitments, missing, rnd))
         return rnd
 
     async def _shun_withheld(
         self,
-        round_index: int,
+        mine: Commitment,
         commitments: dict[PeerID, Commitment],
         missing: frozenset[PeerID],
         rnd: AuditRound | None,
     ) -> None:
         found = await recheck_withheld(
-            self.dht, self.namespace, round_index, commitments, missing, self._shun_for,
-            after=WITHHELD_RECHECK_S, timeout=LATE_SECRETS_TIMEOUT,
+            self.dht, self.namespace, (mine.round, mine.start), commitments, missing,
+            self._shun_for, after=WITHHELD_RECHECK_S, timeout=LATE_SECRETS_TIMEOUT,
         )  # fmt: skip
         if found and rnd is not None:
             rnd.learn([[p.to_bytes(), s] for p, s in found.items()])
@@ -459,6 +460,7 @@ def audit_round_of(
     draw: RoundDraw,
     log: WorkLog,
     committed_at: float,
+    start: bytes = b"",
 ) -> AuditRound | None:
     """The round as audits see it, or None when we kept no work of it to start from.
     Its start is read from the log when an audit needs it (it may be on disk by then)."""
@@ -474,6 +476,7 @@ def audit_round_of(
         draw,
         functools.partial(log.start_params, round_index, work.start_params),
         committed_at,
+        start,
     )
 
 

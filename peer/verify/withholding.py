@@ -68,7 +68,7 @@ async def publish_while_gathering(
 async def recheck_withheld(
     dht: DHTNode,
     namespace: str,
-    round_index: int,
+    round_place: tuple[int, bytes],
     commitments: Mapping[PeerID, Commitment],
     missing: frozenset[PeerID],
     shun: Callable[[PeerID, int], float | None],
@@ -77,12 +77,16 @@ async def recheck_withheld(
     timeout: float,
 ) -> dict[PeerID, bytes]:
     """`after` seconds on, read the secrets of the `missing` members once more (for
-    up to `timeout`), and `shun` those still missing; the secrets found late."""
+    up to `timeout`), and `shun` those still missing; the secrets found late.
+    `round_place`: the round's index and the global state it started from."""
+    round_index, start = round_place
     await asyncio.sleep(after)
     found: dict[PeerID, bytes] = {}
     try:
         known = {p: commitments[p] for p in missing if p in commitments}
-        _, secrets = await gather(dht, namespace, round_index, known, list(missing), timeout)
+        _, secrets = await gather(
+            dht, namespace, round_index, known, list(missing), timeout, start=start
+        )
         found = {p: s for p, s in secrets.items() if p in missing}
     except Exception as e:  # (a failed re-read leaves them missing)
         log.debug("re-reading round %d's secrets failed: %r", round_index, e)
@@ -112,34 +116,46 @@ class DirectRecords:
 
     def __init__(self, service: rpc.RpcService) -> None:
         self._service = service
-        self._mine: dict[int, bytes] = {}  # round -> our record, once published
+        # (round, the global state it started from) -> our record, once published: a
+        # re-sync onto another lineage can make us commit a round index twice.
+        self._mine: dict[tuple[int, bytes], bytes] = {}
         self.served = 0
         self.found = 0
         service.unary("record")(self._on_record)
 
-    def publish(self, round_index: int, record: bytes) -> None:
-        self._mine[round_index] = record
-        for old in sorted(self._mine)[:-KEEP_RECORDS]:
+    def publish(self, round_index: int, start: bytes, record: bytes) -> None:
+        self._mine[(round_index, start)] = record
+        for old in list(self._mine)[:-KEEP_RECORDS]:  # (in the order published)
             del self._mine[old]
 
     async def _on_record(self, ctx: rpc.CallContext, payload: object) -> bytes:
         round_index = payload.get("round") if isinstance(payload, dict) else None
+        start = payload.get("start") if isinstance(payload, dict) else None
         if isinstance(round_index, bool) or not isinstance(round_index, int):
             raise ValueError("record request must name a round")
-        record = self._mine.get(round_index)
+        if start is None:  # (a 2.3 peer: our latest round of that index)
+            found = [r for (i, _), r in self._mine.items() if i == round_index]
+            record = found[-1] if found else None
+        elif isinstance(start, bytes):
+            record = self._mine.get((round_index, start))
+        else:
+            raise ValueError("record request: start must be bytes")
         if record is None:
             raise LookupError(f"no record of round {round_index} here")
         self.served += 1
         return record
 
-    async def ask(self, round_index: int, peers: list[PeerID]) -> list[tuple[PeerID, object]]:
-        """The records `peers` answer for `round_index` (those that answer in time)."""
+    async def ask(
+        self, round_index: int, start: bytes, peers: list[PeerID]
+    ) -> list[tuple[PeerID, object]]:
+        """The records `peers` answer for round `round_index` that started from the
+        global state `start` (those that answer in time)."""
 
         async def one(peer: PeerID) -> tuple[PeerID, object] | None:
             try:
                 raw = await rpc.call(
                     self._service.host, peer, self._service.protocol, "record",
-                    {"round": round_index}, timeout=ASK_TIMEOUT,
+                    {"round": round_index, "start": start}, timeout=ASK_TIMEOUT,
                 )  # fmt: skip
             except (TransportError, TimeoutError, OSError) as e:
                 log.debug("round %d: %s did not send its record: %r", round_index,
