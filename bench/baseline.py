@@ -73,6 +73,15 @@ def env_for(tree: Path | None) -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(_overlay(tree)), *filter(None, [env.get("PYTHONPATH")])]
         )
+        # Its tree is a worktree in a temporary folder, where the lab beside this
+        # checkout (shared/lab/lab.sh) is not found: bench/nat.py's A/B stopped there.
+        lab = next(
+            (c for d in Path(__file__).resolve().parents
+             if (c := d / "shared" / "lab" / "lab.sh").exists()),
+            None,
+        )  # fmt: skip
+        if lab is not None:
+            env.setdefault("SHOAL_LAB_SH", str(lab))
     return env
 
 
