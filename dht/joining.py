@@ -67,8 +67,20 @@ class Joiner:
         backoff: float = 0.2,
         quiet: bool = False,
     ) -> None:
+        # Not ourselves: a bootstrap peer started with its network's whole list dialed
+        # itself, failed `attempts` times and held the join that long (15 s with the
+        # daemon's backoff); alone on the list, it refused to start. A list of only
+        # ourselves is a new network's first peer.
+        parsed = [Multiaddr(str(a)) for a in addrs]
+        others = [a for a in parsed if a.peer_id != self.host.peer_id]
+        if len(others) < len(parsed):
+            log.log(logging.DEBUG if quiet else logging.INFO,
+                    "the bootstrap list names this peer: not dialed")  # fmt: skip
+        if not others and parsed:
+            return
+        addrs = others
         results = await asyncio.gather(
-            *(self._bootstrap_one(Multiaddr(str(a)), attempts, backoff, quiet) for a in addrs)
+            *(self._bootstrap_one(a, attempts, backoff, quiet) for a in others)
         )
         errors = [r for r in results if r is not None]
         if len(errors) == len(results):

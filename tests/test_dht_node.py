@@ -405,6 +405,33 @@ async def test_bootstrap_unreachable_raises(make_host: Callable[..., Any]) -> No
         await node.aclose()
 
 
+async def test_a_bootstrap_list_that_names_this_peer_is_joined_without_dialing_it(
+    make_host: Callable[..., Any],
+) -> None:
+    """A bootstrap peer started with its network's whole list: its own address is not
+    dialed (that failed every attempt and held the join for their backoff: 15 s in the
+    daemon), and a list of only itself starts a new network rather than failing."""
+    seed = await DHTNode.create(await make_host(**HOST_OPTS))
+    host: Host = await make_host(**HOST_OPTS)
+    me = str(host.addresses()[0].with_peer_id(host.peer_id))
+    try:
+        node = await DHTNode.create(
+            host,
+            bootstrap=[me, str(seed.host.addresses()[0])],
+            bootstrap_attempts=5,
+            bootstrap_backoff=10.0,
+            hop_timeout=0.5,
+        )  # fmt: skip  (a self-dial retried would take 150 s: past the test's timeout)
+        assert seed.peer_id in node.routing_table
+        await node.aclose()
+        alone = await DHTNode.create(host, bootstrap=[me], bootstrap_attempts=5,
+                                     bootstrap_backoff=10.0)  # fmt: skip
+        assert len(alone.routing_table) == 0
+        await alone.aclose()
+    finally:
+        await seed.aclose()
+
+
 async def test_bootstrap_retries_until_peer_appears(make_host: Callable[..., Any]) -> None:
     first = await make_host(listen=("/ip4/127.0.0.1/tcp/0",), **HOST_OPTS)
     port = first.addresses()[0].tcp_endpoint()[1]
