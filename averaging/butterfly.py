@@ -176,6 +176,11 @@ class AllReduceOutcome:
     # After an abort: the other members we had not heard from for a while, `failed` or
     # not (`CommitProtocol.quiet`). A retry with them would likely wait out another stall.
     quiet: tuple[PeerID, ...] = ()
+    # After an abort, whom the retry leaves out as this member judges the blame
+    # (`votes.Blame`): those certain, and those blamed on one member's word alone
+    # (blamed member -> its blamer, if we heard one), for the driver to ask itself.
+    left_out: tuple[PeerID, ...] = ()
+    contested: dict[PeerID, tuple[PeerID, ...]] = field(default_factory=dict)
     # Not committed here, but others may have committed: this member voted READY and
     # never learned the decision, not even by asking the others after giving up. Its
     # tensors are untouched; its input may be in their result, so it must not offer
@@ -363,8 +368,18 @@ class ButterflyRound:
                 await self.io.apply(self.data.encoded)
         failed = tuple(self.peers[j] for j in sorted(decision.failed) if j != self.me)
         now = time.monotonic()
-        quiet = () if decision.commit else tuple(self.peers[j] for j in self.state.quiet(now))
+        quiet_ids = () if decision.commit else self.state.quiet(now)
+        quiet = tuple(self.peers[j] for j in quiet_ids)
+        left_out: tuple[PeerID, ...] = ()
+        contested: dict[PeerID, tuple[PeerID, ...]] = {}
         if not decision.commit:
+            ours = set(self.state.suspected) | set(quiet_ids)
+            blame = self.state.votes.blame(self.me, ours, decision.failed)
+            left_out = tuple(self.peers[j] for j in sorted(blame.certain))
+            contested = {
+                self.peers[j]: tuple(self.peers[v] for v in sorted(by))
+                for j, by in sorted(blame.contested.items())
+            }
             log.info(
                 "all-reduce %s aborted on %s: %s",
                 self.round_id.hex()[:12],
@@ -381,6 +396,8 @@ class ButterflyRound:
             seconds=now - started,
             busy_seconds=max(0.0, self.data.last_received_at - started) or now - started,
             quiet=quiet,
+            left_out=left_out,
+            contested=contested,
             in_doubt=decision.in_doubt,
             commitments=self._commitments(),
             weights=self._weights() if decision.commit else {},

@@ -45,6 +45,8 @@ UNREACHABLE_VERSION_S = 30.0
 SUPERSEDED_VERSION_S = 60.0
 # A read of the state holders (how large a Moshpit grid's swarm is) takes at most this.
 HOLDERS_TIMEOUT = 2.0
+# After an abort, a member blamed on one member's word is asked for this long (a ping).
+BLAME_PING_TIMEOUT = 2.0
 
 
 class StepOwner(Protocol):
@@ -241,7 +243,8 @@ class StepRunner:
                 break
             # Not only the members blamed: one silent for a while at the abort (stopped,
             # or behind a loss spike) would likely make the retry wait out its stall too.
-            exclude.update(outcome.failed, outcome.quiet)
+            # (`left_out` holds those, and the blame we judged: see `_judged`.)
+            exclude.update(outcome.left_out)
             log.info(
                 "%s: round aborted (%s, stall %.1fs); retrying without %d peers (%d quiet)",
                 owner.key, reason, stall or self._service.config.stall_timeout, len(exclude),
@@ -265,6 +268,8 @@ class StepRunner:
                 # On a grid a weight is a mass: more than `MAX_MASS` is a lie.
                 max_weight=None if self.grid is None else MAX_MASS,
             )
+            if not outcome.committed and outcome.contested:
+                outcome = await self._judged(outcome)
         if owner.deadlines is not None:
             owner.deadlines.observe_round(
                 owner.dht.host, group, outcome.bytes_received, outcome.busy_seconds
@@ -273,6 +278,34 @@ class StepRunner:
         owner.presence.renewed()
         self.log.ended("committed" if outcome.committed else outcome.reason)
         return outcome
+
+    async def _judged(self, outcome: AllReduceOutcome) -> AllReduceOutcome:
+        """The abort's contested blame settled by asking each member blamed on one
+        member's word ourselves (`votes.Blame`): one that does not answer a ping is left
+        out; one that answers is left out with its blamer (one of the two lied, or
+        their link is broken). A liar's blame costs it its own place in our retry."""
+        host = self._owner.dht.host
+
+        async def answers(peer: PeerID) -> bool:
+            try:
+                await host.ping(peer, timeout=BLAME_PING_TIMEOUT)
+            except (TransportError, OSError, TimeoutError):
+                return False
+            return True
+
+        blamed = list(outcome.contested)
+        alive = await asyncio.gather(*(answers(p) for p in blamed))
+        left_out = set(outcome.left_out)
+        answering = [p for p, up in zip(blamed, alive, strict=True) if up]
+        left_out.update(blamed)
+        for peer in answering:
+            left_out.update(outcome.contested[peer])
+        if answering:
+            log.info(
+                "%s: blamed members that answer us: %s; left out with their blamers",
+                self._owner.key, ", ".join(p.short() for p in answering),
+            )  # fmt: skip
+        return replace(outcome, left_out=tuple(sorted(left_out, key=str)), contested={})
 
     async def _without_group(
         self,

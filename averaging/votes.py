@@ -3,20 +3,43 @@
 The vote half of the commit protocol (`commit.py`): who voted READY, who vetoed
 and whom each veto blames, and whether (since when, why) a veto is known, which
 rules COMMIT out at every ballot. From them and the suspects: the `failed` list
-and the reason of an ABORT.
+and the reason of an ABORT; and, for the retry that follows an ABORT, whom a
+veto's blame may leave out (`blame`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from .ballots import Decision
 
-__all__ = ["NO_VOTE", "READY", "VETO", "Votes"]
+__all__ = ["NO_VOTE", "READY", "VETO", "Blame", "Votes"]
 
 NO_VOTE, READY, VETO = 0, 1, 2
 LOCAL = -1  # ballot of a conclusion reached alone (a give-up): never relayed
+
+
+@dataclass(frozen=True, slots=True)
+class Blame:
+    """Whom a retry leaves out, as one member judges the blame of an aborted round.
+
+    A veto's blame is its vetoer's word. A cheater cut off by the honest member that
+    had just blocked it vetoed blaming that member, and every member then retried
+    without it: a liar could keep one honest member out of each retry of a step.
+    So: a member we suspect or stopped hearing from ourselves is left out (`certain`);
+    so is one blamed by two vetoers or more (a lone liar cannot make two), and a
+    vetoer that blames us (we know what we did). A member blamed by one vetoer alone,
+    or named only in the decision (its decider's word), is `contested`: the driver
+    asks it itself (a ping). One that does not answer is left out; one that answers
+    is left out with its blamer, since one of the two is lying or their link is
+    broken and we cannot tell which: a liar's blame then costs the liar its place too.
+    """
+
+    certain: frozenset[int] = frozenset()
+    # blamed member -> the one vetoer we heard blame it (empty: the decision's word)
+    contested: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 class Votes:
@@ -79,6 +102,26 @@ class Votes:
         for _, blamed in self.vetoes.values():
             failed.update(blamed)
         return frozenset(failed)
+
+    def blame(self, me: int, ours: Iterable[int], decided_failed: Iterable[int] = ()) -> Blame:
+        """Whom the retry after an ABORT leaves out (`Blame`), given the members we
+        suspect or stopped hearing from (`ours`) and the decision's failed set (which
+        may carry blame from vetoes that never reached us)."""
+        certain = set(ours) - {me}
+        blamers: dict[int, set[int]] = {}
+        for vetoer, (_, blamed) in self.vetoes.items():
+            if vetoer == me:
+                continue  # (what we blame, we suspect: in `ours`)
+            for j in blamed:
+                if j == me:
+                    certain.add(vetoer)
+                else:
+                    blamers.setdefault(j, set()).add(vetoer)
+        certain.update(j for j, by in blamers.items() if len(by) >= 2)
+        for j in decided_failed:
+            blamers.setdefault(j, set())
+        contested = {j: frozenset(by) for j, by in blamers.items() if j not in certain and j != me}
+        return Blame(frozenset(certain), contested)
 
     def reason(self, suspected: Mapping[int, str], names: Sequence[str]) -> str:
         """Why the round aborts."""
