@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,9 +18,11 @@ from verification_round import commit, h
 from shoal.dht.node import DHTNode
 from shoal.peer.verify import audit_round
 from shoal.peer.verify.audit_round import RecentRounds, encode_record, gather, publish_record
+from shoal.peer.verify.verifier import round_committed
 from shoal.peer.verify.withholding import DirectRecords
 from shoal.transport import rpc
 from shoal.transport.host import Host
+from shoal.transport.identity import Identity
 from shoal.verification.referees import RoundDraw, new_secret
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,6 +121,50 @@ def test_a_round_stays_answerable_for_the_retention_window_however_many_follow()
     now[0] = 10_000.0  # long after: the last `keep` stay however old
     rounds.add(51, "round 51")
     assert [r for r in range(52) if rounds.get(r)] == [48, 49, 50, 51]
+
+
+def test_a_round_index_committed_twice_keeps_both_rounds_under_their_starts() -> None:
+    """A peer that re-synced onto a lineage at a lower commit count commits an index
+    again: each round stays answerable under the state it started from (its referees
+    asked the prover about the first and were answered from the second, or not at
+    all), and the last rounds kept are the last added, not the highest indices."""
+    now = [0.0]
+    rounds: RecentRounds[str] = RecentRounds(keep=2, retain_s=0.0, clock=lambda: now[0])
+    rounds.add(7, "7 of lineage A", tag=b"A")
+    rounds.add(8, "8 of lineage A", tag=b"A")
+    now[0] = 1.0
+    rounds.add(7, "7 of lineage B", tag=b"B")  # re-synced: B's commit count was lower
+    assert rounds.get(7, b"A") is None  # (past its window, and not among the last 2)
+    assert rounds.get(7, b"B") == "7 of lineage B" and rounds.get(8, b"A") == "8 of lineage A"
+    rounds = RecentRounds(keep=4, retain_s=300.0, clock=lambda: now[0])
+    rounds.add(7, "7 of A", tag=b"A")
+    rounds.add(7, "7 of B", tag=b"B")
+    assert rounds.of_round(7) == ["7 of A", "7 of B"] and rounds.get(7) == "7 of B"
+    assert rounds.get(7, b"A") == "7 of A" and len(rounds) == 2
+    rounds.add(7, "7 of A, re-run", tag=b"A")  # (the same start: a replacement)
+    assert rounds.of_round(7) == ["7 of B", "7 of A, re-run"] and len(rounds) == 2
+
+
+async def test_a_reveal_or_verdict_is_answered_from_the_round_its_commitment_is_of() -> None:
+    """The prover (or a referee) holding two rounds of one index picks the round in
+    which the member committed to the digest asked about; with no digest (a 2.3
+    referee), the last round of the index; a digest of neither round finds none."""
+    me = Identity.generate()
+    first = commit(me, b"s" * 32, rnd=ROUND, start=h("lineage A"))
+    second = commit(me, b"t" * 32, rnd=ROUND, start=h("lineage B"))
+    rounds: RecentRounds[asyncio.Future[Any]] = RecentRounds(keep=4, retain_s=300.0)
+    made = {}
+    for c in (first, second):
+        future = asyncio.get_running_loop().create_future()
+        made[c.start] = SimpleNamespace(commitments={me.peer_id: c})
+        future.set_result(made[c.start])
+        rounds.add(ROUND, future, tag=c.start)
+    found = await round_committed(rounds, ROUND, me.peer_id, first.digest())
+    assert found is made[first.start]
+    assert await round_committed(rounds, ROUND, me.peer_id, second.digest()) is made[second.start]
+    assert await round_committed(rounds, ROUND, me.peer_id, None) is made[second.start]
+    assert await round_committed(rounds, ROUND, me.peer_id, h("neither")) is None
+    assert await round_committed(rounds, ROUND + 1, me.peer_id, None) is None
 
 
 async def test_records_the_dht_lacks_are_asked_of_their_members_directly(

@@ -297,9 +297,9 @@ def test_a_referee_of_protocol_2_0_is_revealed_the_final_state_it_checks() -> No
 
 def test_a_reveal_request_names_the_commitment_audited_or_is_refused() -> None:
     """Since 2.4 a referee names the digest of the commitment it audits: a prover that
-    re-synced and committed the round index again keeps the later round's work only,
-    and refuses rather than reveal it against the earlier commitment (which would
-    read as a lie). A digest that is not bytes of a digest's size is malformed."""
+    re-synced and committed the round index again reveals the work of the round that
+    commitment is of, never the other round's (which would read as a lie). A digest
+    that is not bytes of a digest's size is malformed."""
     request = {"round": 3, "segment": 1, "final": False, "commitment": b"d" * 32}
     assert parse_reveal_request(request) == (3, 1, False, b"d" * 32)
     for bad in ("d" * 32, b"d" * 65, 7):

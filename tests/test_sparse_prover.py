@@ -35,7 +35,7 @@ def commit_round(p: SparseProver, feedback: ErrorFeedback, index: int) -> torch.
     feedback.residual.fill_(float(index))
     residual = feedback.residual.clone()
     commitment = SimpleNamespace(
-        residual=(residual_digest(residual), b""), encode=f"c{index}".encode
+        residual=(residual_digest(residual), b""), encode=f"c{index}".encode, start=b"global"
     )
     p.committed(index, SimpleNamespace(round_id=b"r"), ME, commitment)  # type: ignore[arg-type]
     return residual

@@ -206,7 +206,7 @@ def test_a_restarted_prover_still_proves_its_chain_from_its_checkpoint() -> None
         return SparseProver(source, 2, 300.0, proofs=proofs), feedback  # type: ignore[arg-type]
 
     def reveal_of_next_round(p: SparseProver) -> SparseWork:
-        mine = SimpleNamespace(residual=(H[2], H[5]), encode=lambda: b"next")
+        mine = SimpleNamespace(residual=(H[2], H[5]), encode=lambda: b"next", start=b"g")
         p.committed(7, SimpleNamespace(round_id=b"r7"), PROVER.peer_id, mine)  # type: ignore[arg-type]
         kept = p.kept(7)
         assert kept is not None

@@ -223,6 +223,27 @@ def test_a_round_is_kept_for_the_retention_window(task) -> None:  # type: ignore
     assert [r for r in range(4) if log.get(r) is not None] == [2, 3]
 
 
+def test_a_round_index_done_twice_from_two_states_keeps_both(task) -> None:  # type: ignore[no-untyped-def]
+    """A peer that re-synced onto a lineage at a lower commit count does an index's work
+    again from another global state: each round's work stays, found by its start (a
+    referee of the first round was answered from the second's work, or not at all);
+    a re-run from the same state (a reset mid-round) replaces the round's work."""
+    hyper = check_hyperparameters({})
+    runner = SegmentRunner(task, hyper)
+    log = WorkLog(EVERY, keep_rounds=4, retain_s=3600)
+    first = log.begin(7, 0, runner.model, runner.inner)
+    with torch.no_grad():
+        for p in runner.model.parameters():
+            p.add_(1.0)  # (the state of the lineage re-synced onto)
+    second = log.begin(7, 0, runner.model, runner.inner)
+    assert first.start_params != second.start_params
+    assert log.get(7, first.start_params) is first and log.get(7, second.start_params) is second
+    assert log.get(7) is second  # (no start named: the last begun, as a 2.3 referee asks)
+    again = log.begin(7, 0, runner.model, runner.inner, resets=1)
+    assert log.get(7, second.start_params) is again and log.get(7, first.start_params) is first
+    assert log.start_params(7, first.start_params)[0].shape == first.snapshots[0].params[0].shape
+
+
 def test_states_spilled_to_disk_reveal_what_states_kept_in_ram_reveal(task, tmp_path) -> None:  # type: ignore[no-untyped-def]
     hyper, work, verified, c, _ = setup(task)
     _, spilled, on_disk, _, disk_rnd = setup(task, spill_dir=tmp_path / "wl", memory_states=0)

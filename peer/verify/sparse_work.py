@@ -174,7 +174,7 @@ class SparseProver:
         claimed = commitment.residual
         digest = claimed[0] if claimed is not None else residual_digest(work.residual)
         self._newest = _KeptWork(work, digest)
-        self._kept.add(round_index, self._newest)
+        self._kept.add(round_index, self._newest, tag=commitment.start)
         feedback.propose_chain(commitment.encode())
 
     def _chain_proof(self) -> ChainProof | None:
@@ -209,10 +209,11 @@ class SparseProver:
         proof = self._chain_proof()
         return None if proof is None else msgpack.packb(proof.to_wire(), use_bin_type=True)
 
-    def kept(self, round_index: int) -> SparseWork | None:
-        """What we reveal of the round (blocking: may read a file); None: not kept, or
-        its file is gone or altered."""
-        kept = self._kept.get(round_index)
+    def kept(self, round_index: int, start: bytes | None = None) -> SparseWork | None:
+        """What we reveal of the round (blocking: may read a file) that started from
+        `start` (None: the last of that index); None: not kept, or its file is gone or
+        altered."""
+        kept = self._kept.get(round_index, start)
         return None if kept is None else kept.work()
 
     def spilled_files(self) -> list[Path]:

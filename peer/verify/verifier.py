@@ -126,8 +126,9 @@ class Verifier:
         self.shunning = Shunning()
         # What one round may cost us, whoever asks: one verdict per (round, prover),
         # re-used for every asker, and at most two reveals per (round, referee).
-        self._verdicts: dict[tuple[int, PeerID], asyncio.Future[Verdict | None]] = {}
-        self._revealed: Counter[tuple[int, PeerID]] = Counter()
+        # (Keyed by round, commitment or start, and peer: an index may be ours twice.)
+        self._verdicts: dict[tuple[int, bytes, PeerID], asyncio.Future[Verdict | None]] = {}
+        self._revealed: Counter[tuple[int, bytes, PeerID]] = Counter()
         self._service = rpc.RpcService(dht.host, PROTOCOL)
         self._service.stream("reveal")(self._on_reveal)
         self._service.unary("verdict")(self._on_verdict)
@@ -208,7 +209,7 @@ class Verifier:
         for peer in commitments:
             self._seen[peer] += 1
         future: asyncio.Future[AuditRound | None] = asyncio.get_running_loop().create_future()
-        self._rounds.add(mine.round, future)
+        self._rounds.add(mine.round, future, tag=mine.start)
         oldest = self._rounds.oldest() or 0
         self._verdicts = {k: v for k, v in self._verdicts.items() if k[0] >= oldest}
         self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
@@ -346,37 +347,36 @@ class Verifier:
 
     # ------------------------------------------------------------------ serving
 
-    async def _round(self, round_index: int) -> AuditRound | None:
-        future = self._rounds.get(round_index)
-        if future is None:
-            return None
-        return await asyncio.wait_for(asyncio.shield(future), GATHER_TIMEOUT + 10)
+    async def _round(
+        self, round_index: int, member: PeerID, digest: bytes | None
+    ) -> AuditRound | None:
+        return await round_committed(self._rounds, round_index, member, digest)
 
     async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
         round_index, segment, final, digest = parse_reveal_request(payload)
-        rnd = await self._round(round_index)
+        # (Against another round's commitment than the asker's, a reveal would read as
+        # a lie: an honest peer convicted. A 2.3 referee names none: the last round.)
+        rnd = await self._round(round_index, self.me, digest)
         mine = None if rnd is None else rnd.commitments.get(self.me)
-        work = self.work.log.get(round_index)
+        work = None if mine is None else self.work.log.get(round_index, mine.start)
         if rnd is None or mine is None or work is None:
             raise LookupError(f"no work of round {round_index} here")
-        if digest is not None and digest != mine.digest():
-            # We re-synced onto another lineage and committed this round index again:
-            # the work we keep is that round's. Revealed against the asker's
-            # commitment, it would read as a lie (an honest peer convicted).
-            raise LookupError(f"no work of that round {round_index} here (a later one)")
         rnd.learn(payload.get("secrets"))
         if ctx.peer not in rnd.draw.referees(self.me):
             raise PermissionError("only this round's referees of our work may ask")
         if segment != rnd.draw.segment(self.me, mine.segments):
             raise PermissionError("not the segment drawn")
-        self._revealed[(round_index, ctx.peer)] += 1
-        if self._revealed[(round_index, ctx.peer)] > MAX_REVEALS:
+        asked = (round_index, mine.start, ctx.peer)
+        self._revealed[asked] += 1
+        if self._revealed[asked] > MAX_REVEALS:
             raise PermissionError("this referee had our reveal already")
         loop = asyncio.get_running_loop()
         replay = Replay(self.runner, self.task, self.work, self.num_shards)
         sparse = None
         if self.sparse is not None:  # (may read a spilled residual back: off the loop)
-            sparse = await loop.run_in_executor(self._pool, self.sparse.kept, round_index)
+            sparse = await loop.run_in_executor(
+                self._pool, self.sparse.kept, round_index, mine.start
+            )
             if sparse is None:
                 raise LookupError(f"no sparse work of round {round_index} here")
         reveal = await loop.run_in_executor(
@@ -388,7 +388,7 @@ class Verifier:
     async def _on_verdict(self, ctx: rpc.CallContext, payload: Any) -> Any:
         """A referee's verdict, asked for by the auditor who accused."""
         round_index, prover, accusation = parse_verdict_request(payload)
-        rnd = await self._round(round_index)
+        rnd = await self._round(round_index, prover, accusation.commitment)
         if rnd is None or prover not in rnd.commitments:
             raise LookupError(f"no commitment of {prover.short()} in round {round_index} here")
         rnd.learn(payload.get("secrets"))
@@ -396,7 +396,7 @@ class Verifier:
         if not self.referee.may_accuse(accusation.verifier):
             self.ignored_accusations += 1
             raise PermissionError("the accuser lost its refereeing: too many false accusations")
-        key = (round_index, prover)
+        key = (round_index, accusation.commitment, prover)
         job = self._verdicts.get(key)
         if job is None:
             job = self._verdicts[key] = self._spawn(self.referee.audit(rnd, prover))
@@ -464,7 +464,7 @@ def audit_round_of(
 ) -> AuditRound | None:
     """The round as audits see it, or None when we kept no work of it to start from.
     Its start is read from the log when an audit needs it (it may be on disk by then)."""
-    work = log.get(round_index)
+    work = log.get(round_index, start or None)
     if work is None or 0 not in work.snapshots:
         return None
     streams, chunk_bytes, codec = shape
@@ -478,6 +478,26 @@ def audit_round_of(
         committed_at,
         start,
     )
+
+
+async def round_committed(
+    rounds: RecentRounds[asyncio.Future[AuditRound | None]],
+    round_index: int,
+    member: PeerID,
+    digest: bytes | None,
+) -> AuditRound | None:
+    """Our round of `round_index` in which `member` committed to `digest` (None: the
+    last round of that index, as a 2.3 referee asks). An index may be ours twice:
+    after a re-sync onto a lineage at a lower commit count, we commit it again from
+    another state, and each round's referees must be answered from that round."""
+    for future in reversed(rounds.of_round(round_index)):
+        rnd = await asyncio.wait_for(asyncio.shield(future), GATHER_TIMEOUT + 10)
+        theirs = None if rnd is None else rnd.commitments.get(member)
+        if digest is None:
+            return rnd if theirs is not None else None
+        if theirs is not None and theirs.digest() == digest:
+            return rnd
+    return None
 
 
 def parse_reveal_request(payload: object) -> tuple[int, int, bool, bytes | None]:

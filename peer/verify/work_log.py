@@ -139,7 +139,10 @@ class WorkLog:
         self.retain_bytes = retain_bytes
         self.memory_states = memory_states
         self.lock = threading.Lock()
-        self._rounds: OrderedDict[int, RoundWork] = OrderedDict()
+        # By index and start (`start_params`): a peer that re-synced onto a lineage at a
+        # lower commit count does an index's work again from another state, and each
+        # round's referees must be answered from that round's work.
+        self._rounds: OrderedDict[tuple[int, bytes], RoundWork] = OrderedDict()
         self.current: RoundWork | None = None
         self._state_bytes = 0
 
@@ -170,10 +173,11 @@ class WorkLog:
             if self.current is not None:
                 self.current.ended_at = now
             gone = []
-            replaced = self._rounds.pop(round_index, None)  # a re-run of a round replaces it
+            # A re-run of a round from the same state (a reset mid-round) replaces it.
+            replaced = self._rounds.pop(_key(work), None)
             if replaced is not None:
                 gone.append(replaced)
-            self._rounds[round_index] = work
+            self._rounds[_key(work)] = work
             while len(self._rounds) > self.keep_rounds:
                 oldest = next(iter(self._rounds.values()))
                 if oldest.ended_at is not None and now - oldest.ended_at < self.retain_s:
@@ -214,9 +218,14 @@ class WorkLog:
             # the next `begin` writes what is past the budget, in the trainer's time.
         return work
 
-    def get(self, round_index: int) -> RoundWork | None:
+    def get(self, round_index: int, start: bytes | None = None) -> RoundWork | None:
+        """Our work of `round_index` from the parameters that hash to `start`; with no
+        `start`, the last begun of that index."""
         with self.lock:
-            return self._rounds.get(round_index)
+            if start is not None:
+                return self._rounds.get((round_index, start))
+            found = [w for (r, _), w in self._rounds.items() if r == round_index]
+            return found[-1] if found else None
 
     def state_at(self, work: RoundWork, step: int) -> SegmentState | None:
         """Our kept state after `step` steps of `work` (blocking: it may read a file);
@@ -239,9 +248,9 @@ class WorkLog:
     def start_params(self, round_index: int, start_hash: bytes) -> list[torch.Tensor]:
         """The parameters our work of `round_index` started from, which hash to
         `start_hash` (the round's global state; blocking); RuntimeError when gone."""
-        work = self.get(round_index)
+        work = self.get(round_index, start_hash)
         state = None
-        if work is not None and work.start_params == start_hash:
+        if work is not None:
             state = self.state_at(work, 0)
         if state is None:
             raise RuntimeError(f"round {round_index}: our start state is gone")
@@ -302,8 +311,12 @@ class WorkLog:
         for work, step, state in in_ram[: max(0, len(in_ram) - keep)]:
             spilled = self._disk.write(work.round, step, state)
             with self.lock:
-                if not _replace(self._rounds.get(work.round), work, step, state, spilled):
+                if not _replace(self._rounds.get(_key(work)), work, step, state, spilled):
                     spilled.remove()  # let go (or thinned) while it was written
+
+
+def _key(work: RoundWork) -> tuple[int, bytes]:
+    return work.round, work.start_params
 
 
 def _replace(
