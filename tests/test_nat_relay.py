@@ -19,6 +19,7 @@ from shoal.transport import rpc
 from shoal.transport.connection import Connection
 from shoal.transport.errors import (
     ConnectionLost,
+    DialError,
     RelayConnectRefused,
     RelayLimitExceeded,
     ReservationRefused,
@@ -141,6 +142,19 @@ async def test_a_private_peer_is_reachable_at_its_relay_address_as_records_store
     assert str(stored) == f"{dial_addr(r)}/p2p-circuit"
     conn = await c.connect(a.peer_id, [stored])
     assert conn.kind == "relayed" and conn.remote_peer == a.peer_id
+
+
+async def test_the_relay_of_a_peer_gone_says_so_when_dialing_it_through_itself(
+    make_peer,
+) -> None:
+    # Its circuit address names us as its relay: were it still our client it would be
+    # connected to us, so the dial fails at once, saying so (it said "refusing to dial
+    # ourselves", which read like a bug in the soak).
+    r, _, a, _, addr = await relay_and_private(make_peer)
+    await a.aclose()
+    await eventually(lambda: r.connection(a.peer_id) is None, "the relay saw it go")
+    with pytest.raises(DialError, match="not connected to us, the relay it names"):
+        await r.connect(a.peer_id, [addr], timeout=5)
 
 
 async def test_the_relay_splices_only_ciphertext(make_peer) -> None:

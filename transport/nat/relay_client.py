@@ -231,6 +231,9 @@ class RelayClient:
             raise DialError(f"{addr}: a circuit address needs /p2p/RELAY/p2p-circuit/p2p/TARGET")
         if expected is not None and expected != target:
             raise DialError(f"{addr} names {target}, not {expected}")
+        if relay == self.host.peer_id:
+            # (Its circuit through us: were it our client still, it would be connected.)
+            raise DialError(f"{target.short()} is not connected to us, the relay it names")
         head = relay_part(addr)
         candidates = [head] if head is not None else []
         candidates += self._known_addresses(relay)
