@@ -292,8 +292,9 @@ class JoinClient:
     def _accept(self, rnd: Round, target: PeerID, reply: JoinReply) -> Group | None:
         try:
             group = check_group(
-                reply, key=self.key, version=rnd.outlook.version, me=self.peer_id, leader=target
-            )
+                reply, key=self.key, version=rnd.outlook.version, me=self.peer_id,
+                leader=target, bandwidth=self.declarer.bandwidth,
+            )  # fmt: skip
         except ValueError as e:
             log.info("leader %s sent a bad group: %s", target.short(), e)
             rnd.failed(f"{target.short()}: bad group")

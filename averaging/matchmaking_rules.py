@@ -721,9 +721,20 @@ def _group_and_nonce(obj: dict[Any, Any]) -> dict[str, Any]:
     return {"group": Group.from_wire(obj.get("group"), max_members=MAX_GROUP_SIZE), "nonce": nonce}
 
 
-def check_group(reply: JoinReply, *, key: str, version: bytes, me: PeerID, leader: PeerID) -> Group:
+def check_group(
+    reply: JoinReply,
+    *,
+    key: str,
+    version: bytes,
+    me: PeerID,
+    leader: PeerID,
+    bandwidth: float | None = None,
+) -> Group:
     """The group of an ACCEPTED reply (or a BUSY one handing our group back) if it
-    is one we can be a member of; raises ValueError."""
+    is one we can be a member of; raises ValueError. With our `bandwidth` (as we
+    declared it): a group that states another one for us is refused too, since
+    the parts follow the bandwidths (a leader that gave the others 0 would own
+    every part it did not give its accomplices)."""
     group = reply.group
     if reply.kind not in (ReplyKind.ACCEPTED, ReplyKind.BUSY) or group is None:
         raise ValueError("not an accepted reply")
@@ -738,4 +749,6 @@ def check_group(reply: JoinReply, *, key: str, version: bytes, me: PeerID, leade
         key, ids, reply.nonce
     ):
         raise ValueError("round ID does not bind the members and the nonce")
+    if bandwidth is not None and group.members[group.index(me)].bandwidth != bandwidth:
+        raise ValueError("group states another bandwidth for us than we declared")
     return group

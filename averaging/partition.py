@@ -17,9 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["Plan", "partition", "split_even"]
+__all__ = ["MAX_BANDWIDTH_RATIO", "Plan", "partition", "split_even"]
 
 Span = tuple[int, int]  # [start, end) in elements of the flattened vector
+
+
+# A member's bandwidth counts at most this many times the median member's.
+MAX_BANDWIDTH_RATIO = 4
 
 
 def partition(n_elements: int, bandwidths: Sequence[float]) -> list[Span]:
@@ -29,6 +33,11 @@ def partition(n_elements: int, bandwidths: Sequence[float]) -> list[Span]:
     sum of the first k bandwidths and ``B`` their total: parts are proportional,
     adjacent, cover everything, and a member with bandwidth 0 gets an empty part.
     When every bandwidth is 0 the parts are equal (someone has to own the data).
+
+    A bandwidth is its member's claim, and a part's owner alone reduces it and
+    writes the result everyone applies: a member that claimed 1e9 owned all of
+    every vector. So each counts at most `MAX_BANDWIDTH_RATIO` times the median
+    of the non-zero ones (the lower middle one of an even count).
     """
     if not isinstance(n_elements, int) or n_elements < 0:
         raise ValueError(f"element count must be a non-negative int, got {n_elements!r}")
@@ -40,6 +49,9 @@ def partition(n_elements: int, bandwidths: Sequence[float]) -> list[Span]:
     weights = [Fraction(b) for b in bandwidths]
     if not any(weights):
         weights = [Fraction(1)] * len(weights)
+    given = sorted(w for w in weights if w)
+    cap = MAX_BANDWIDTH_RATIO * given[(len(given) - 1) // 2]
+    weights = [min(w, cap) for w in weights]
     total = sum(weights)
     bounds = [0]
     acc = Fraction(0)

@@ -72,11 +72,20 @@ PATIENT = {"heartbeat_interval": 0.05, "stall_timeout": 10.0, "decision_timeout"
 def test_parts_are_contiguous_cover_everything_and_follow_bandwidth() -> None:
     parts = partition(1000, [1.0, 3.0, 1.0])
     assert parts == [(0, 200), (200, 800), (800, 1000)]
-    parts = partition(10_000_001, [2.5, 1e9, 7.0, 0.25])
+    parts = partition(10_000_001, [2.5, 4.0, 7.0, 0.25])
     assert parts[0][0] == 0 and parts[-1][1] == 10_000_001
     assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
     sizes = [e - s for s, e in parts]
-    assert sizes[1] > 0.99999 * 10_000_001
+    assert sizes[2] == max(sizes) and sizes[3] == min(sizes)
+
+
+def test_a_member_claiming_a_huge_bandwidth_owns_at_most_four_median_shares() -> None:
+    # A part's owner alone writes its result: a claim of 1e9 owned every vector.
+    parts = partition(7_000, [1.0, 1e9, 1.0, 1.0])
+    assert [e - s for s, e in parts] == [1_000, 4_000, 1_000, 1_000]
+    # The median of the members that take a part (the lower middle of an even count).
+    parts = partition(800, [0.0, 1.0, 1.0, 2.0, 100.0])
+    assert [e - s for s, e in parts] == [0, 100, 100, 200, 400]
 
 
 def test_zero_bandwidth_members_get_empty_parts_unless_everyone_is_zero() -> None:

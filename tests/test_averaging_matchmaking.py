@@ -452,6 +452,11 @@ def test_gathering_finalizes_a_deterministic_verifiable_group() -> None:
     forged = JoinReply(ReplyKind.ACCEPTED, group=group, nonce=b"m" * 16)
     with pytest.raises(ValueError, match="round ID"):
         check_group(forged, key=KEY, version=b"ver", me=me, leader=leader)
+    # Parts follow the bandwidths: a group that misstates ours is refused (a leader
+    # that gave the others 0 would own every part it kept from them).
+    assert check_group(reply, key=KEY, version=b"ver", me=me, leader=leader, bandwidth=2.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        check_group(reply, key=KEY, version=b"ver", me=me, leader=leader, bandwidth=1.0)
 
 
 def test_declarations_in_the_dht_are_parsed_strictly() -> None:
