@@ -52,6 +52,7 @@ from .butterfly import (
     NotAMember,
     RoundOver,
     UnknownRound,
+    for_peer,
 )
 from .commit import CommitProtocol, parse_message
 from .compression import get_codec
@@ -218,7 +219,7 @@ class AllReduceService:
         rid, msg = payload
         rnd = self._rounds.get(rid)
         if rnd is not None:
-            return rnd.on_control(ctx.peer, msg)
+            return for_peer(self.host, ctx.peer, rnd.on_control(ctx.peer, msg))
         fin = self._finished.get(rid)
         if fin is not None:
             src = fin.index.get(ctx.peer)
@@ -228,7 +229,8 @@ class AllReduceService:
                 kind, body = parse_message(msg, fin.state.n)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-            return fin.state.on_message(src, kind, body, time.monotonic())
+            reply = fin.state.on_message(src, kind, body, time.monotonic())
+            return for_peer(self.host, ctx.peer, reply)
         if (
             isinstance(msg, list)
             and len(msg) == 2

@@ -49,6 +49,7 @@ from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.rpc import CallContext
+from shoal.transport.version import ProtocolVersion
 from shoal.verification.commitment import Commitment
 
 from .attestation import (
@@ -67,6 +68,7 @@ from .commit import (
     Status,
     learned_decision,
     parse_message,
+    without_results,
 )
 from .compression import Codec
 from .group import Group
@@ -82,6 +84,7 @@ from .lanes import (
 )
 from .partition import Plan
 from .reducer import ALL_REDUCTIONS, make_reduction
+from .result_digest import result_digests
 from .round_errors import Action, Crash, Side, classify, describe
 
 __all__ = [
@@ -190,6 +193,19 @@ class AllReduceOutcome:
     commitments: dict[PeerID, Commitment] = field(default_factory=dict)
     # After a commit: the weight each member contributed with (as our part received them).
     weights: dict[PeerID, float] = field(default_factory=dict)
+
+
+# The protocol whose READY statuses carry the parts' result digests (`Status.results`).
+RESULTS_PROTOCOL = ProtocolVersion(2, 5)
+
+
+def for_peer(host: Host, peer: PeerID, message: Any) -> Any:
+    """A control message as `peer` can read it: a 2.4 peer refuses a status with the
+    result digests (a 10th field), so it gets the 9 it knows (unknown: the same)."""
+    hello = host.versions.peer_version(peer)
+    return message if hello is not None and hello.protocol >= RESULTS_PROTOCOL else (
+        without_results(message)
+    )  # fmt: skip
 
 
 def _round_info(host: Host, cfg: AllReduceConfig, group: Group, n_elements: int, codec: Codec,
@@ -532,8 +548,11 @@ class ButterflyRound:
             return
         if not await self._owner_parts_attested():
             return
+        digests = await self._buffers.in_thread(
+            result_digests, self.plan, self.io.result, None if self.data.raw else self.data.encoded
+        )
         await self.hook("before_ready")
-        self.state.ready(time.monotonic())
+        self.state.ready(time.monotonic(), digests)
         # Delivered from here, not by the driver, so that "after_ready" means delivered.
         self._voting = True
         sends = self.link.flush()
@@ -658,9 +677,10 @@ class ControlLink:
             try:
                 async with asyncio.timeout(timeout):
                     await self.connect(j)
+                    status = for_peer(self.host, self.peers[j], self.state.status())
                     reply = await rpc.call(
                         self.host, self.peers[j], self.cfg.protocol, "m",
-                        [self.round_id, self.state.status()], timeout=None,
+                        [self.round_id, status], timeout=None,
                     )  # fmt: skip
                 kind, status = parse_message(reply, self.n)
             except (TimeoutError, RemoteError, TransportError, OSError, ValueError) as e:
@@ -694,8 +714,9 @@ class ControlLink:
                 return  # it told us it has decided (relays cross on the wire)
             async with asyncio.timeout(self.cfg.decision_timeout):
                 await self.connect(s.dest)
+                message = for_peer(self.host, peer, s.message)
                 reply = await rpc.call(
-                    self.host, peer, self.cfg.protocol, "m", [self.round_id, s.message],
+                    self.host, peer, self.cfg.protocol, "m", [self.round_id, message],
                     timeout=None,
                 )  # fmt: skip
         except (TimeoutError, RemoteError, TransportError, OSError) as e:

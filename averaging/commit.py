@@ -136,6 +136,13 @@ class Status(NamedTuple):
     promised: int
     progress: int  # data-phase progress counter (bytes received)
     accepted: Decision | None  # the highest-ballot proposal it accepted (not yet decided)
+    # With a READY vote (protocol 2.5): a digest of each part's result as it came to
+    # the member (`RESULT_DIGEST` bytes per part, in member order). b"": none said.
+    results: bytes = b""
+
+
+# Bytes of a part's result digest in a READY status (`Status.results`).
+RESULT_DIGEST = 8
 
 
 class ControlError(ValueError):
@@ -183,10 +190,13 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
         raise ControlError("control message must be a non-empty list")
     if msg[0] == "P" and len(msg) == 2:
         return "P", _check_int(msg[1], 1, MAX_BALLOT, "ballot")
-    if msg[0] == "S" and len(msg) == 9:
-        _, vote, reason, suspects, ak, decision, promised, progress, accepted = msg
+    if msg[0] == "S" and len(msg) in (9, 10):
+        _, vote, reason, suspects, ak, decision, promised, progress, accepted = msg[:9]
+        results = msg[9] if len(msg) == 10 else b""
         if not isinstance(ak, bool):
             raise ControlError("bad abort flag")
+        if not isinstance(results, bytes) or len(results) not in (0, RESULT_DIGEST * n):
+            raise ControlError("bad result digests")
         return "S", Status(
             _check_int(vote, 0, 2, "vote"),
             _check_str(reason, "reason"),
@@ -196,8 +206,17 @@ def parse_message(msg: object, n: int) -> tuple[str, Any]:
             _check_int(promised, 0, MAX_BALLOT, "promised ballot"),
             _check_int(progress, 0, (1 << 63) - 1, "progress"),
             _parse_decision(accepted, n),
+            results,
         )
     raise ControlError(f"unknown control message {str(msg[0])[:20]!r}")
+
+
+def without_results(message: object) -> object:
+    """`message` as a peer of protocol 2.4 reads it: a status of 9 fields (it refuses a
+    10th, the result digests of a READY; 2.5 added them)."""
+    if isinstance(message, list) and len(message) == 10 and message[0] == "S":
+        return message[:9]
+    return message
 
 
 def learned_decision(answers: Iterable[Status]) -> Decision | None:
@@ -256,6 +275,7 @@ class CommitProtocol:
         self.vote = NO_VOTE
         self.veto: tuple[str, tuple[int, ...]] | None = None
         self.votes = Votes()  # everyone's, as far as we know
+        self.results = b""  # our READY's digests of the parts' results
         self.ballots = Ballots(n, me, now, promised)
         self.prepare_quorum, self.accept_quorum = quorums(n)
         self.decision: Decision | None = None
@@ -290,7 +310,10 @@ class CommitProtocol:
         suspects = list(self.veto[1]) if self.veto else []
         ak, promised, progress = self.abort_known, self.ballots.promised, self.liveness.progress
         decision, accepted = _wire(self.decision), _wire(self.ballots.accepted)
-        return ["S", self.vote, reason, suspects, ak, decision, promised, progress, accepted]
+        status = ["S", self.vote, reason, suspects, ak, decision, promised, progress, accepted]
+        if self.vote == READY and self.results:
+            status.append(self.results)  # (a 2.4 peer reads 9: `without_results`)
+        return status
 
     def take_messages(self) -> list[Send]:
         return self._outbox.take()
@@ -359,11 +382,14 @@ class CommitProtocol:
         self.ballots.give_up_on(peer)
         self._evaluate(now)
 
-    def ready(self, now: float) -> None:
-        """Our data phase completed: vote READY (to the deciders; heartbeats tell the rest)."""
+    def ready(self, now: float, results: bytes = b"") -> None:
+        """Our data phase completed: vote READY (to the deciders; heartbeats tell the
+        rest), with the digests of the parts' results as they came to us (`results`:
+        member 0 commits only if every READY member's agree)."""
         if self.vote != NO_VOTE or self.decision is not None:
             return
         self.vote = READY
+        self.results = results
         self.last_progress = now
         deciders = [j for j in {0, self.leader()} - {self.me} if j not in self.suspected]
         self._outbox.send(deciders, self.status(), "vote")
@@ -416,7 +442,7 @@ class CommitProtocol:
         view = (st.vote, st.progress, st.decision, st.promised, st.abort_known, st.accepted)
         if self.liveness.reported(src, view):
             self.last_progress = now
-        self.votes.heard(src, st.vote, st.reason, st.suspects, st.abort_known, now)
+        self.votes.heard(src, st.vote, st.reason, st.suspects, st.abort_known, now, st.results)
         accepted = st.accepted
         if accepted is not None and self._undecided() and self.ballots.accept(src, accepted, now):
             self.last_progress = now
@@ -488,7 +514,10 @@ class CommitProtocol:
         if b.deferring(self.suspected) and now < b.promised_at + self.decision_timeout:
             return
         if self.me == 0 and b.promised == 0:
-            self._settle(self.votes.ballot_0(self.vote, self.n, self.suspected, self.names), now)
+            choice = self.votes.ballot_0(
+                self.vote, self.n, self.suspected, self.names, self.results
+            )
+            self._settle(choice, now)
             return
         if self.vote == NO_VOTE and not self.abort_known:
             return  # still moving data; a member we need that failed will make us veto

@@ -51,6 +51,7 @@ class Votes:
         self.abort_known = False  # a veto exists: every decision can only be ABORT
         self.abort_known_at = math.inf
         self.abort_reason = ""
+        self.results: dict[int, bytes] = {}  # member -> its READY's digests of the parts
 
     def know_abort(self, reason: str, now: float) -> None:
         if not self.abort_known:
@@ -60,11 +61,13 @@ class Votes:
 
     def heard(
         self, src: int, vote: int, reason: str, suspects: tuple[int, ...], abort_known: bool,
-        now: float,
+        now: float, results: bytes = b"",
     ) -> None:  # fmt: skip
         """What member `src`'s status says of its vote and of the vetoes it knows."""
         if vote == READY:
             self.ready_from.add(src)
+            if results:
+                self.results.setdefault(src, results)  # (a vote is final)
         elif vote == VETO and src not in self.vetoes:
             self.vetoes[src] = (reason, suspects)
             self.know_abort(reason, now)
@@ -72,14 +75,25 @@ class Votes:
             self.know_abort(reason, now)
 
     def ballot_0(
-        self, vote: int, n: int, suspected: Mapping[int, str], names: Sequence[str]
-    ) -> tuple[Decision, bool] | None:
+        self, vote: int, n: int, suspected: Mapping[int, str], names: Sequence[str],
+        ours: bytes = b"",
+    ) -> tuple[Decision, bool] | None:  # fmt: skip
         """Member 0's choice at ballot 0, the only one that may originate COMMIT: the
-        decision and whether it must be accepted first (a COMMIT), or None: not yet."""
+        decision and whether it must be accepted first (a COMMIT), or None: not yet.
+        `ours`: our READY's result digests."""
         failed = self.failed(suspected)
         if self.abort_known:
             return Decision(0, False, self.reason(suspected, names), failed), False
         if vote == READY and len(self.ready_from) == n - 1:
+            split = self.split_parts(n, ours)
+            if split:
+                # They would commit different bits: the part's owner sent members
+                # different results, or a member lies about what it received. Which,
+                # nobody can tell: the round aborts naming nobody (a liar could veto
+                # anyway), and no member commits bits the others do not hold.
+                owners = ", ".join(names[j] for j in split)
+                why = f"members received different results of the parts of {owners}"
+                return Decision(0, False, why, failed), False
             return Decision(0, True, "", failed), True
         if any(j not in self.ready_from for j in suspected):
             return Decision(0, False, self.reason(suspected, names), failed), False
@@ -95,6 +109,15 @@ class Votes:
             return Decision(LOCAL, False, self.reason(suspected, names), failed)
         why = f"in doubt: voted READY but learned no decision within {after:.0f}s"
         return Decision(LOCAL, False, why, failed, in_doubt=True)
+
+    def split_parts(self, n: int, ours: bytes) -> list[int]:
+        """The parts whose result came to two READY members differently (their digests
+        differ; members that said none, 2.4 peers, are not compared)."""
+        said = [d for d in (*self.results.values(), ours) if d]
+        if len(said) < 2:
+            return []
+        size = len(said[0]) // n
+        return [j for j in range(n) if len({d[j * size : (j + 1) * size] for d in said}) > 1]
 
     def failed(self, suspected: Mapping[int, str]) -> frozenset[int]:
         """The members suspected or blamed by a veto."""

@@ -86,9 +86,9 @@ async def test_a_liars_veto_blaming_an_honest_member_costs_the_liar_its_place_to
     blamed: list[str] = []
     honest_ready = CommitProtocol.ready
 
-    def lie_instead_of_voting_ready(self: CommitProtocol, now: float) -> None:
+    def lie_instead_of_voting_ready(self: CommitProtocol, now: float, results: bytes) -> None:
         if self.names[self.me] != liar:
-            return honest_ready(self, now)
+            return honest_ready(self, now, results)
         j = min(j for j in range(self.n) if j != self.me)
         blamed.append(self.names[j])
         return self.fail(f"member {self.names[j]} sent invalid data", (j,), now)
