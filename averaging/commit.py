@@ -142,7 +142,7 @@ class Status(NamedTuple):
 
 
 # Bytes of a part's result digest in a READY status (`Status.results`).
-RESULT_DIGEST = 8
+RESULT_DIGEST = 16  # (8 would let an owner find two results of one digest in 2**32 tries)
 
 
 class ControlError(ValueError):

@@ -4,9 +4,10 @@ the others do not hold (sans-IO, blocking: hashes the whole average).
 A part's owner reduces it alone and sends its result to every member. An honest
 owner encodes it once and sends everyone the same bytes; a Byzantine one could
 send each member other values, and every member would commit, each with other
-bits. So a READY vote carries, per part, a digest of its result as it came to the
-voter (our own part as we send it), and member 0 commits only if every READY
-member's digests agree (`Votes.split_parts`).
+bits. So in rounds that defend against Byzantine members, a READY vote carries,
+per part, a digest of its result as it came to the voter (our own part as we send
+it), and member 0 commits only if every READY member's digests agree
+(`Votes.split_parts`).
 """
 
 from __future__ import annotations

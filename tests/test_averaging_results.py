@@ -3,8 +3,10 @@
 A part's owner reduces it alone and sends its result to every member; an honest
 one encodes it once and sends everyone the same bytes. A Byzantine owner sent each
 member other values, and every member committed, each with other bits. Since
-protocol 2.5 a READY vote carries a digest of each part's result as it came to
-the voter, and member 0 commits only if every READY member's digests agree.
+protocol 2.5, in rounds that defend against Byzantine members (a robust
+reduction, attested contributions), a READY vote carries a digest of each part's
+result as it came to the voter, and member 0 commits only if every READY
+member's digests agree.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ async def test_an_owner_sending_members_different_results_is_never_committed(
     """Member 3 adds to its part's result a value of its own for each receiver. Every
     member would have committed other bits (it did before 2.5): the round aborts,
     and every input is as it was."""
-    c = await cluster(4, AllReduceConfig(chunk_bytes=4096, **FAST))
+    c = await cluster(4, AllReduceConfig(chunk_bytes=4096, reduction="centered_clip", **FAST))
     liar = 3
     honest_send = lanes.DataPlane._send_result
 
