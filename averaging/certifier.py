@@ -5,6 +5,7 @@ declares (`provenance` has the rules, `provenance_sync` the wire)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -26,6 +27,9 @@ from .group import Member
 from .provenance import ChainError, Provenance, Rank
 from .provenance_sync import ProvenanceService, fetch_chain, push_signature
 from .state_sync import (
+    MAX_STALE_PAUSE_S,
+    STALE_PAUSE_S,
+    MovedOn,
     State,
     StateSyncError,
     find_holders,
@@ -205,35 +209,67 @@ class Certifier:
         lineage of most certified work among those announced (or `version`'s, from
         `sources` first, refused when it ranks below `ours`), its bytes checked against
         the fingerprint its last certificate names. Raises StateSyncError (NoHolders
-        when nobody announces a state)."""
-        async with deadline.scope():
-            if version is None:
-                by_version = await self._announced(dht)
-                if not by_version:  # nothing committed yet (or only claims we cannot check)
-                    return await self._load_first(dht, deadline, like, on_refused), None
-                candidates = sorted(by_version.items(), key=lambda vh: -len(vh[1]))
-                lineage = await self.best(candidates)
-                if lineage is None:
-                    raise StateSyncError("no holder shows a certificate chain for its state")
-                targets: list[tuple[PeerID, Sequence[Any]]] = [
-                    (m.peer_id, m.addrs) for m in by_version[lineage.version]
-                ]
-            else:
-                lineage = await self.lineage(version, sources)
-                if lineage is None:
-                    raise StateSyncError(
-                        f"no holder of version {version.hex()[-12:]} shows its certificates"
-                    )
-                if lineage.rank.order < self.order(ours):
-                    raise StateSyncError(
-                        f"version {version.hex()[-12:]} has less certified work than ours"
-                    )
-                targets = [(m.peer_id, m.addrs) for m in sources]
-        state = await load_version_from_peers(
-            dht, self.key, lineage.version.hex(), sources=targets, protocol=self.protocol,
-            deadline=deadline, fingerprint=lineage.fingerprint, like=like, on_refused=on_refused,
-        )  # fmt: skip
-        return state, lineage
+        when nobody announces a state).
+
+        Looking for the newest (`version` None), holders that all moved on from the
+        version they announced (a stage that steps several times a second: before we
+        ask, or while a live state is between two commits) are asked again at the
+        version they announce then, with a growing pause, until the `deadline`: a
+        newcomer otherwise gives up on a live swarm's state."""
+        pause = STALE_PAUSE_S
+        while True:
+            async with deadline.scope():
+                if version is None:
+                    chosen = await self._newest(dht, deadline, like, on_refused)
+                    if isinstance(chosen, State):
+                        return chosen, None
+                    lineage, targets = chosen
+                else:
+                    lineage = await self._named(version, sources, ours)
+                    targets = [(m.peer_id, m.addrs) for m in sources]
+            try:
+                state = await load_version_from_peers(
+                    dht, self.key, lineage.version.hex(), sources=targets,
+                    protocol=self.protocol, deadline=deadline, fingerprint=lineage.fingerprint,
+                    like=like, on_refused=on_refused,
+                )  # fmt: skip
+            except MovedOn as e:
+                if version is not None:
+                    raise  # (that version is what the caller wants: none newer)
+                log.debug("%s: holders moved on (%s); looking again", self.key, e)
+                async with deadline.scope():
+                    await asyncio.sleep(pause)
+                pause = min(2 * pause, MAX_STALE_PAUSE_S)
+                continue
+            return state, lineage
+
+    async def _newest(
+        self,
+        dht: Any,
+        deadline: Deadline,
+        like: Sequence[torch.Tensor],
+        on_refused: Callable[[PeerID], None],
+    ) -> State | tuple[Lineage, list[tuple[PeerID, Sequence[Any]]]]:
+        """The lineage of most certified work announced and its holders; or, when no
+        version is announced, the initial state itself (`_load_first`)."""
+        by_version = await self._announced(dht)
+        if not by_version:  # nothing committed yet (or only claims we cannot check)
+            return await self._load_first(dht, deadline, like, on_refused)
+        candidates = sorted(by_version.items(), key=lambda vh: -len(vh[1]))
+        lineage = await self.best(candidates)
+        if lineage is None:
+            raise StateSyncError("no holder shows a certificate chain for its state")
+        return lineage, [(m.peer_id, m.addrs) for m in by_version[lineage.version]]
+
+    async def _named(self, version: bytes, sources: Sequence[Member], ours: bytes) -> Lineage:
+        """`version`'s lineage, from `sources` first; refused below ours."""
+        lineage = await self.lineage(version, sources)
+        named = version.hex()[-12:]
+        if lineage is None:
+            raise StateSyncError(f"no holder of version {named} shows its certificates")
+        if lineage.rank.order < self.order(ours):
+            raise StateSyncError(f"version {named} has less certified work than ours")
+        return lineage
 
     async def _announced(self, dht: Any) -> dict[bytes, list[Member]]:
         """Who announces which chained version, and where it is reached (claims: what

@@ -92,6 +92,13 @@ class NoHolders(StateSyncError):
     restart of a swarm of one), not a failure."""
 
 
+class MovedOn(StateSyncError):
+    """Every holder asked for a version had moved on from it (or was between two
+    commits of a live state): no fault of theirs, and a newer version is worth
+    looking up (a stage that steps several times a second moves on between the
+    lookup of its version and the first request for it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class State:
     """Tensors plus metadata (msgpack-able; ``step`` orders states)."""
@@ -548,6 +555,7 @@ async def load_version_from_peers(
     """
     tried: set[PeerID] = {dht.peer_id}
     errors: list[str] = []
+    stale = 0  # of the errors: sources that held another version (no fault)
     queue = list(sources)
     looked_up = False
 
@@ -575,6 +583,7 @@ async def load_version_from_peers(
             except (TransportError, TimeoutError, OSError, ValueError, LookupError) as e:
                 log.info("state download from %s stopped: %r", peer.short(), e)
                 errors.append(f"{peer.short()}: {e}")
+                stale += _is_stale(e)
                 continue
             state = await download.verified()
             if state is not None:
@@ -582,7 +591,8 @@ async def load_version_from_peers(
             errors.append(f"{peer.short()}: bytes do not match fingerprint")
             download = fresh()
     detail = "; ".join(errors[-3:]) or "nobody announces it"
-    raise StateSyncError(f"no reachable peer serves version {version[:12]} of {key!r}: {detail}")
+    error = MovedOn if errors and stale == len(errors) else StateSyncError
+    raise error(f"no reachable peer serves version {version[:12]} of {key!r}: {detail}")
 
 
 class _Stale(LookupError):
@@ -759,6 +769,7 @@ __all__ = [
     "DEFAULT_PROTOCOL",
     "Holder",
     "LayoutError",
+    "MovedOn",
     "NoHolders",
     "State",
     "StateProvider",

@@ -322,6 +322,38 @@ async def test_a_peer_that_declares_huge_work_for_its_own_state_is_never_loaded(
 
 
 @pytest.mark.timeout(60)
+async def test_a_newcomer_whose_holders_moved_on_before_it_asked_loads_their_next_version(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """A pipeline stage steps several times a second: between a newcomer's lookup of
+    the version its holders announce and its first request for it, they commit
+    again. Every holder then holds another version: no fault of theirs, and the
+    newcomer looks again and loads the version they announce now (it used to give
+    up, and a stage peer then started its stage from the initial weights)."""
+    a, b, newcomer = await swarm_of(make_host, 3, closing)
+    results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b)))
+    assert all(r.committed and r.group_size == 2 for r in results), results
+    await signatures_of([a, b], 2)
+    looked_up = newcomer.certifier._announced  # type: ignore[union-attr]
+    lookups: list[set[bytes]] = []
+
+    async def holders_step_right_after(dht: Any) -> Any:
+        found = await looked_up(dht)
+        lookups.append(set(found))
+        if len(lookups) == 1:  # the holders move on before the newcomer asks
+            moved = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b)))
+            assert all(r.committed for r in moved), moved
+            await signatures_of([a, b], 2)
+        return found
+
+    newcomer.certifier._announced = holders_step_right_after  # type: ignore[union-attr,method-assign]
+    assert await newcomer.load_state_from_peers(timeout=20.0)
+    assert newcomer.state_version == a.state_version == b.state_version
+    assert a.state_version not in lookups[0] and a.state_version in lookups[-1]
+    assert torch.equal(newcomer.tensors[0], a.tensors[0])
+
+
+@pytest.mark.timeout(60)
 async def test_a_holder_serving_other_bytes_under_a_certified_version_is_refused(
     make_host: Callable[..., Any], closing: list[Any]
 ) -> None:
