@@ -259,8 +259,9 @@ class PipelineTrainer:
 
         A restart is a claim: believed once per start of a peer the records list,
         at most at its own version, and only while no peer we can still call that
-        started before it holds a newer version (its download failed though the
-        stage lived: it catches up, nothing was lost). A liar gets the kept
+        started before it holds that version or a newer one (its download failed
+        though the stage lived: it catches up; or it joined a stage at version 0,
+        which nobody downloads: nothing was lost). A liar gets the kept
         microbatches replayed once more, far less than its gradients could do."""
         records = []
         for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
@@ -284,8 +285,11 @@ class PipelineTrainer:
                 (peer, since) in self._restores or peer not in self.stage_peers[s]
             ):
                 continue
+            # (At its version too: a peer joining a stage still at version 0 starts it
+            # from the initial weights beside a live peer that holds the gradients of the
+            # first step. Nothing was lost, and replaying them counted them twice.)
             if any(
-                r["version"] > restored and at < since and callable_(p)
+                r["version"] >= restored and at < since and callable_(p)
                 for p, r, at in records
                 if p != peer and p in self.stage_peers[s]
             ):
