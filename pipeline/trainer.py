@@ -259,9 +259,10 @@ class PipelineTrainer:
 
         A restart is a claim: believed once per start of a peer the records list,
         at most at its own version, and only while no peer we can still call that
-        started before it holds that version or a newer one (its download failed
-        though the stage lived: it catches up; or it joined a stage at version 0,
-        which nobody downloads: nothing was lost). A liar gets the kept
+        started before it holds a newer version (its download failed though the
+        stage lived: it catches up, nothing was lost). One that started beside such a
+        peer of its own version (a stage still at version 0, which nobody
+        downloads) restarted nothing: its claim is set aside for good. A liar gets the kept
         microbatches replayed once more, far less than its gradients could do."""
         records = []
         for subkey, (record, _) in ((value.subkeys or {}) if value else {}).items():
@@ -285,16 +286,20 @@ class PipelineTrainer:
                 (peer, since) in self._restores or peer not in self.stage_peers[s]
             ):
                 continue
-            # (At its version too: a peer joining a stage still at version 0 starts it
-            # from the initial weights beside a live peer that holds the gradients of the
-            # first step. Nothing was lost, and replaying them counted them twice.)
-            if any(
-                r["version"] >= restored and at < since and callable_(p)
+            older = [  # (at the newest version each told us of: records lag steps)
+                max(r["version"], self.calls.told.get(p, r["version"]))
                 for p, r, at in records
-                if p != peer and p in self.stage_peers[s]
-            ):
+                if p != peer and p in self.stage_peers[s] and at < since and callable_(p)
+            ]
+            if any(v > restored for v in older):
                 continue  # (asked again at the next refresh)
             self._restores.add((peer, since))
+            if restored in older:
+                # It started beside a live peer of its version: a stage still at version
+                # 0, which nobody downloads. Nothing was lost (replayed, what that peer
+                # held for the step counted twice); should that peer die, the step's log
+                # says what it held, as for any peer of a stage that lives on.
+                continue
             self._restarted[s] = (since, restored)
             self.versions[s] = record["version"]  # (not the dead peers' newer one)
             self._restored(s, peer, restored, since)
