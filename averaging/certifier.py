@@ -215,24 +215,13 @@ class Certifier:
         version they announced (a stage that steps several times a second: before we
         ask, or while a live state is between two commits) are asked again at the
         version they announce then, with a growing pause, until the `deadline`: a
-        newcomer otherwise gives up on a live swarm's state."""
+        newcomer otherwise gives up on a live swarm's state. So is a holder found with
+        no version announced that serves a committed state (it committed since)."""
         pause = STALE_PAUSE_S
         while True:
-            async with deadline.scope():
-                if version is None:
-                    chosen = await self._newest(dht, deadline, like, on_refused)
-                    if isinstance(chosen, State):
-                        return chosen, None
-                    lineage, targets = chosen
-                else:
-                    lineage = await self._named(version, sources, ours)
-                    targets = [(m.peer_id, m.addrs) for m in sources]
             try:
-                state = await load_version_from_peers(
-                    dht, self.key, lineage.version.hex(), sources=targets,
-                    protocol=self.protocol, deadline=deadline, fingerprint=lineage.fingerprint,
-                    like=like, on_refused=on_refused,
-                )  # fmt: skip
+                return await self._load_once(dht, deadline, version, sources, ours, like,
+                                             on_refused)  # fmt: skip
             except MovedOn as e:
                 if version is not None:
                     raise  # (that version is what the caller wants: none newer)
@@ -240,8 +229,31 @@ class Certifier:
                 async with deadline.scope():
                     await asyncio.sleep(pause)
                 pause = min(2 * pause, MAX_STALE_PAUSE_S)
-                continue
-            return state, lineage
+
+    async def _load_once(
+        self,
+        dht: Any,
+        deadline: Deadline,
+        version: bytes | None,
+        sources: Sequence[Member],
+        ours: bytes,
+        like: Sequence[torch.Tensor],
+        on_refused: Callable[[PeerID], None],
+    ) -> tuple[State, Lineage | None]:
+        async with deadline.scope():
+            if version is None:
+                chosen = await self._newest(dht, deadline, like, on_refused)
+                if isinstance(chosen, State):
+                    return chosen, None
+                lineage, targets = chosen
+            else:
+                lineage = await self._named(version, sources, ours)
+                targets = [(m.peer_id, m.addrs) for m in sources]
+        state = await load_version_from_peers(
+            dht, self.key, lineage.version.hex(), sources=targets, protocol=self.protocol,
+            deadline=deadline, fingerprint=lineage.fingerprint, like=like, on_refused=on_refused,
+        )  # fmt: skip
+        return state, lineage
 
     async def _newest(
         self,
@@ -298,7 +310,9 @@ class Certifier:
             on_refused=on_refused,
         )  # fmt: skip
         if state.metadata.get("commits", 0) != 0:
-            raise StateSyncError("a holder serves a committed state without its certificates")
+            # (It committed since we found no version announced: the swarm's first
+            # rounds. Its announcement of that version follows: looked up again.)
+            raise MovedOn("a holder serves a committed state without its certificates")
         return state
 
     # ------------------------------------------------------------------ checkpoints

@@ -93,8 +93,8 @@ class NoHolders(StateSyncError):
 
 
 class MovedOn(StateSyncError):
-    """Every holder asked for a version had moved on from it (or was between two
-    commits of a live state): no fault of theirs, and a newer version is worth
+    """No holder gave a version, and one at least had moved on from it (or was between
+    two commits of a live state): no fault of theirs, and a newer version is worth
     looking up (a stage that steps several times a second moves on between the
     lookup of its version and the first request for it)."""
 
@@ -555,7 +555,7 @@ async def load_version_from_peers(
     """
     tried: set[PeerID] = {dht.peer_id}
     errors: list[str] = []
-    stale = 0  # of the errors: sources that held another version (no fault)
+    stale = 0  # sources that held another version (no fault)
     queue = list(sources)
     looked_up = False
 
@@ -591,7 +591,9 @@ async def load_version_from_peers(
             errors.append(f"{peer.short()}: bytes do not match fingerprint")
             download = fresh()
     detail = "; ".join(errors[-3:]) or "nobody announces it"
-    error = MovedOn if errors and stale == len(errors) else StateSyncError
+    # (One that moved on holds a newer state, worth looking up, whatever the others did:
+    # holders behind NATs we could not dial, say.)
+    error = MovedOn if stale else StateSyncError
     raise error(f"no reachable peer serves version {version[:12]} of {key!r}: {detail}")
 
 

@@ -354,6 +354,31 @@ async def test_a_newcomer_whose_holders_moved_on_before_it_asked_loads_their_nex
 
 
 @pytest.mark.timeout(60)
+async def test_a_newcomer_that_found_no_version_announced_looks_again_at_a_committed_state(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """The swarm's first round: the newcomer finds no version announced yet (it looked
+    before the announcements), so it takes the initial state, and its holder serves
+    a committed one. That is refused (no certificates come with it), and looked up
+    again: the announcement of the round's version follows, and is what loads."""
+    a, b, newcomer = await swarm_of(make_host, 3, closing)
+    results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b)))
+    assert all(r.committed and r.group_size == 2 for r in results), results
+    await signatures_of([a, b], 2)
+    looked_up = newcomer.certifier._announced  # type: ignore[union-attr]
+    lookups = 0
+
+    async def nothing_announced_at_first(dht: Any) -> Any:
+        nonlocal lookups
+        lookups += 1
+        return {} if lookups == 1 else await looked_up(dht)
+
+    newcomer.certifier._announced = nothing_announced_at_first  # type: ignore[union-attr,method-assign]
+    assert await newcomer.load_state_from_peers(timeout=20.0)
+    assert lookups == 2 and newcomer.state_version == a.state_version
+
+
+@pytest.mark.timeout(60)
 async def test_a_holder_serving_other_bytes_under_a_certified_version_is_refused(
     make_host: Callable[..., Any], closing: list[Any]
 ) -> None:

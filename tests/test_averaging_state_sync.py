@@ -13,6 +13,7 @@ import torch
 
 from shoal.averaging.deadline import Deadline
 from shoal.averaging.state_sync import (
+    MovedOn,
     NoHolders,
     State,
     StateServer,
@@ -338,6 +339,26 @@ async def test_a_re_sync_downloads_the_version_it_was_told_not_the_most_announce
     assert_same(got, theirs)
     with pytest.raises(StateSyncError, match="version cccccccccccc"):
         await load_version_from_peers(loader, KEY, "cc" * 16, deadline=Deadline.after(20))
+
+
+async def test_a_version_whose_holders_moved_on_is_its_own_error(dhts: Callable[..., Any]) -> None:
+    """No holder serves the version asked for, and one that answered holds another
+    now: `MovedOn` (a newer version is worth looking up), even when the other
+    holders could not be dialed. Unreachable holders alone are a plain failure."""
+    moved, gone, loader = await dhts(3)
+    for node, state in ((moved, sample_state(4, 9, "bb" * 16)), (gone, sample_state(4, 8))):
+        assert await StateServer(node, KEY, lambda s=state: s).announce()
+    await gone.host.aclose()  # (its record lives on)
+    with pytest.raises(MovedOn, match="another version now"):
+        await load_version_from_peers(
+            loader, KEY, "aa" * 16, sources=[(gone.peer_id, ()), (moved.peer_id, ())],
+            deadline=Deadline.after(20),
+        )  # fmt: skip
+    with pytest.raises(StateSyncError) as refused:
+        await load_version_from_peers(
+            loader, KEY, "aa" * 16, sources=[(gone.peer_id, ())], deadline=Deadline.after(20)
+        )
+    assert not isinstance(refused.value, MovedOn)
 
 
 def bare(node: DHTNode) -> tuple[Multiaddr, ...]:
