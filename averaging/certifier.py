@@ -211,12 +211,13 @@ class Certifier:
         the fingerprint its last certificate names. Raises StateSyncError (NoHolders
         when nobody announces a state).
 
-        Looking for the newest (`version` None), holders that all moved on from the
-        version they announced (a stage that steps several times a second: before we
-        ask, or while a live state is between two commits) are asked again at the
-        version they announce then, with a growing pause, until the `deadline`: a
-        newcomer otherwise gives up on a live swarm's state. So is a holder found with
-        no version announced that serves a committed state (it committed since)."""
+        Looking for the newest (`version` None), when no holder gave the version they
+        announced and one at least moved on from it (a stage that steps several times
+        a second: before we ask, or while a live state is between two commits), the
+        holders are asked again at the version they announce then, with a growing
+        pause, until the `deadline`: a newcomer otherwise gives up on a live swarm's
+        state. So is a holder found with no version announced that serves a committed
+        state (it committed since: `MovedOn` both)."""
         pause = STALE_PAUSE_S
         while True:
             try:
