@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from cpu_report import pytest_runtest_protocol
 from timeouts import pytest_timeout_cancel_timer, pytest_timeout_set_timer, tracked
 
 from shoal.transport.host import Host, HostConfig
@@ -17,7 +18,8 @@ from shoal.transport.identity import Identity
 
 # pytest-timeout's hooks: a test past its timeout fails instead of ending its worker
 # (which would hang xdist's loadgroup scheduler); see tests/timeouts.py.
-__all__ = ["pytest_timeout_cancel_timer", "pytest_timeout_set_timer"]
+# (and cpu_report's: each test's CPU time beside its wall time, when asked for)
+__all__ = ["pytest_runtest_protocol", "pytest_timeout_cancel_timer", "pytest_timeout_set_timer"]
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
