@@ -31,7 +31,9 @@ PEER_SCRIPT = str(Path(__file__).with_name("averaging_peer.py"))
 class Peer:
     """One averaging process; its reports are read with deadlines, never blocking forever."""
 
-    def __init__(self, args: list[str], log_dir: Path, name: str) -> None:
+    def __init__(self, args: list[str], log_dir: Path, name: str, *, wait: bool = True) -> None:
+        """Starts the process; with `wait`, returns once it is ready (else call
+        `ready`: processes started together import torch on both cores at once)."""
         self.name = name
         self.stderr_path = log_dir / f"{name}.stderr"
         with self.stderr_path.open("wb") as err:
@@ -44,10 +46,15 @@ class Peer:
             )
         self._buf = b""
         self.reports: list[dict[str, Any]] = []
-        hello = self.next(timeout=30)
+        self.peer_id = self.addr = ""
+        if wait:
+            self.ready()
+
+    def ready(self, timeout: float = 60) -> None:
+        """Waits for the process's first report, which says it listens (and where)."""
+        hello = self.next(timeout)
         assert hello["event"] == "ready", hello
-        self.peer_id: str = hello["peer"]
-        self.addr: str = hello["addr"]
+        self.peer_id, self.addr = hello["peer"], hello["addr"]
 
     def _poll(self, timeout: float) -> dict[str, Any] | None:
         fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
@@ -105,9 +112,12 @@ def swarm(tmp_path: Path, n: int, *extra: str, checkers: int = 0) -> Iterator[li
     peers: list[Peer] = []
     try:
         for i in range(n):
+            # Every peer but the first bootstraps from the first: they start together.
             boot = ["--bootstrap", peers[0].addr] if peers else []
             check = ["--check"] if i < checkers else []
-            peers.append(Peer([*boot, *check, *extra], tmp_path, f"peer{i}"))
+            peers.append(Peer([*boot, *check, *extra], tmp_path, f"peer{i}", wait=not peers))
+        for p in peers[1:]:
+            p.ready()
         yield peers
     finally:
         for p in peers:
@@ -124,6 +134,13 @@ def full_round(peers: list[Peer], timeout: float = 60) -> list[dict[str, Any]]:
         out.append(r)
     assert len({r["round_id"] for r in out}) == 1
     return out
+
+
+def _first_commit_without(peer: Peer, member: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while member in (r := peer.next_commit(max(0.1, deadline - time.monotonic())))["members"]:
+        pass
+    return r
 
 
 def spawn(tmp_path: Path, peers: list[Peer], name: str, *extra: str) -> Peer:
@@ -199,17 +216,18 @@ def test_a3_kill_one_of_eight_mid_round_survivors_commit_their_mean(tmp_path: Pa
     with swarm(tmp_path, 8, *args, checkers=1) as peers:
         first = full_round(peers)
         victim, survivors = peers[3], [p for p in peers if p is not peers[3]]
-        # a random moment inside the next round (rounds take about this long)
+        # Rounds went on while the peers were read: reports queued so far are history.
+        # Time the kill from a round that ends now, to land inside the next one
+        # (rounds take about this long).
+        for p in peers:
+            p.drain()
+        peers[0].next_commit(timeout=60)
         time.sleep(random.uniform(0.05, max(0.1, first[0]["seconds"] * 0.8)))
         victim.kill()
         killed_at = time.time()
-        after = [p.next_commit(timeout=60) for p in survivors]
-        # Each survivor's first commit may be a round that completed (for it) just before
+        # A survivor's first commits may be rounds that completed (for it) just before
         # the kill: its first round without the victim is the one that must be shared.
-        after = [
-            p.next_commit(timeout=60) if victim.peer_id in r["members"] else r
-            for p, r in zip(survivors, after, strict=True)
-        ]
+        after = [_first_commit_without(p, victim.peer_id, timeout=60) for p in survivors]
         assert len({r["round_id"] for r in after}) == 1
         assert len({r["sha"] for r in after}) == 1
         assert all(victim.peer_id not in r["members"] for r in after)

@@ -467,7 +467,8 @@ def _lineage_head(side: list[Averager]) -> tuple[bytes, Rank]:
     return version, rank
 
 
-@pytest.mark.slow
+# Long (38 s) but idle: its six averagers in this process wait on rounds' deadlines
+# (4.8 s of CPU in all, SHOAL_TEST_CPU_LOG), so it runs beside the slow group.
 @pytest.mark.timeout(300)
 async def test_after_a_partition_every_peer_ends_on_the_lineage_of_most_certified_work(
     make_host: Callable[..., Any], closing: list[Any]
