@@ -217,15 +217,24 @@ class Certifier:
         holders are asked again at the version they announce then, with a growing
         pause, until the `deadline`: a newcomer otherwise gives up on a live swarm's
         state. So is a holder found with no version announced that serves a committed
-        state (it committed since: `MovedOn` both)."""
+        state (it committed since: `MovedOn` both).
+
+        A named `version` whose holders all moved on from it (a re-sync to the version
+        matchmaking saw, after its peers committed again) is a search for the newest
+        from then on, at once, never taking a lineage of less certified work than
+        `ours`: their next versions descend from the one named."""
         pause = STALE_PAUSE_S
+        floor: bytes | None = None  # (a named version's holders moved on: not below ours)
         while True:
             try:
                 return await self._load_once(dht, deadline, version, sources, ours, like,
-                                             on_refused)  # fmt: skip
+                                             on_refused, floor)  # fmt: skip
             except MovedOn as e:
                 if version is not None:
-                    raise  # (that version is what the caller wants: none newer)
+                    log.debug("%s: the holders of version %s moved on (%s); loading the "
+                              "newest", self.key, version.hex()[-12:], e)  # fmt: skip
+                    version, sources, floor = None, (), ours
+                    continue
                 log.debug("%s: holders moved on (%s); looking again", self.key, e)
                 async with deadline.scope():
                     await asyncio.sleep(pause)
@@ -240,10 +249,11 @@ class Certifier:
         ours: bytes,
         like: Sequence[torch.Tensor],
         on_refused: Callable[[PeerID], None],
+        floor: bytes | None = None,
     ) -> tuple[State, Lineage | None]:
         async with deadline.scope():
             if version is None:
-                chosen = await self._newest(dht, deadline, like, on_refused)
+                chosen = await self._newest(dht, deadline, like, on_refused, floor)
                 if isinstance(chosen, State):
                     return chosen, None
                 lineage, targets = chosen
@@ -262,16 +272,22 @@ class Certifier:
         deadline: Deadline,
         like: Sequence[torch.Tensor],
         on_refused: Callable[[PeerID], None],
+        floor: bytes | None = None,
     ) -> State | tuple[Lineage, list[tuple[PeerID, Sequence[Any]]]]:
         """The lineage of most certified work announced and its holders; or, when no
-        version is announced, the initial state itself (`_load_first`)."""
+        version is announced, the initial state itself (`_load_first`). With a
+        `floor`, only a lineage of more certified work than its version's."""
         by_version = await self._announced(dht)
         if not by_version:  # nothing committed yet (or only claims we cannot check)
+            if floor is not None:
+                raise StateSyncError("no holder announces a version any more")
             return await self._load_first(dht, deadline, like, on_refused)
         candidates = sorted(by_version.items(), key=lambda vh: -len(vh[1]))
         lineage = await self.best(candidates)
         if lineage is None:
             raise StateSyncError("no holder shows a certificate chain for its state")
+        if floor is not None and lineage.rank.order <= self.order(floor):
+            raise StateSyncError("no version announced has more certified work than ours")
         return lineage, [(m.peer_id, m.addrs) for m in by_version[lineage.version]]
 
     async def _named(self, version: bytes, sources: Sequence[Member], ours: bytes) -> Lineage:

@@ -23,6 +23,7 @@ from shoal.averaging.certificate import (
     Statement,
     chained_version,
 )
+from shoal.averaging.group import Member
 from shoal.averaging.lineage import commits_of
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.matchmaking_rules import parse_view
@@ -351,6 +352,66 @@ async def test_a_newcomer_whose_holders_moved_on_before_it_asked_loads_their_nex
     assert newcomer.state_version == a.state_version == b.state_version
     assert a.state_version not in lookups[0] and a.state_version in lookups[-1]
     assert torch.equal(newcomer.tensors[0], a.tensors[0])
+
+
+@pytest.mark.timeout(60)
+async def test_a_resync_to_a_version_whose_holders_moved_on_loads_their_next_one(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """Matchmaking told a peer left behind to re-sync to the version its partners
+    hold; they commit again before it asks them. The version it named is gone, and
+    what they hold now descends from it: the peer loads that (it used to give up,
+    lose the step, and leave the two out of its rounds for 30 s)."""
+    a, b, behind = await swarm_of(make_host, 3, closing)
+    results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b, behind)))
+    assert all(r.committed and r.group_size == 3 for r in results), results
+    await signatures_of([a, b, behind], 3)
+    for _ in range(2):  # the version named, then the one they moved on to
+        named = a.state_version
+        results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b)))
+        assert all(r.committed and r.group_size == 2 for r in results), results
+        await signatures_of([a, b], 2)
+    assert named not in {a.state_version, b.state_version, behind.state_version}
+    holders = [Member(p.dht.peer_id, p.dht.host.addresses(), 0.0) for p in (a, b)]
+
+    assert await behind.load_state_from_peers(timeout=20.0, version=named, sources=holders)
+    assert behind.state_version == a.state_version
+    assert torch.equal(behind.tensors[0], a.tensors[0])
+
+
+@pytest.mark.timeout(60)
+async def test_a_resync_whose_holders_moved_on_never_loads_less_work_than_its_own(
+    make_host: Callable[..., Any], closing: list[Any]
+) -> None:
+    """The same, but the only version the peer then finds announced is an older one
+    (a peer that stopped after the first round; replicas that lag): it has less
+    certified work than the peer's own state, so the re-sync fails and the peer
+    keeps its state instead of going back."""
+    a, b, behind, stopped = await swarm_of(make_host, 4, closing)
+    results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b, behind, stopped)))
+    assert all(r.committed and r.group_size == 4 for r in results), results
+    await signatures_of([a, b, behind, stopped], 4)
+    oldest = stopped.state_version
+    results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b, behind)))
+    assert all(r.committed and r.group_size == 3 for r in results), results
+    await signatures_of([a, b, behind], 3)
+    named = None
+    for _ in range(2):  # the version named, then the one they moved on to
+        results = await asyncio.gather(*(p.step(timeout=20.0) for p in (a, b)))
+        assert all(r.committed and r.group_size == 2 for r in results), results
+        await signatures_of([a, b], 2)
+        named = named or a.state_version
+    mine, own_tensor = behind.state_version, behind.tensors[0].clone()
+    holders = [Member(p.dht.peer_id, p.dht.host.addresses(), 0.0) for p in (a, b)]
+    announced = behind.certifier._announced  # type: ignore[union-attr]
+
+    async def only_the_oldest(dht: Any) -> dict[bytes, list[Member]]:
+        return {v: h for v, h in (await announced(dht)).items() if v == oldest}
+
+    behind.certifier._announced = only_the_oldest  # type: ignore[union-attr,method-assign]
+    assert named is not None and await announced(behind.dht)
+    assert not await behind.load_state_from_peers(timeout=10.0, version=named, sources=holders)
+    assert behind.state_version == mine and torch.equal(behind.tensors[0], own_tensor)
 
 
 @pytest.mark.timeout(60)
