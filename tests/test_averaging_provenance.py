@@ -528,8 +528,9 @@ def _lineage_head(side: list[Averager]) -> tuple[bytes, Rank]:
     return version, rank
 
 
-# Long (38 s) but idle: its six averagers in this process wait on rounds' deadlines
-# (4.8 s of CPU in all, SHOAL_TEST_CPU_LOG), so it runs beside the slow group.
+# Idle (38 s of wall, 4.8 s of CPU: SHOAL_TEST_CPU_LOG), yet kept from beside a swarm:
+# its rounds' timing is part of the scenario (there, a peer once committed alone).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_after_a_partition_every_peer_ends_on_the_lineage_of_most_certified_work(
     make_host: Callable[..., Any], closing: list[Any]
@@ -583,5 +584,7 @@ async def test_after_a_partition_every_peer_ends_on_the_lineage_of_most_certifie
         book = a.certifier.book  # type: ignore[union-attr]
         lineage = {c.version for c in book.chain(final, limit=commits_of(final) + 1)}
         assert fast_head in lineage and slow_head not in lineage
+        # It carries all the certified work of the two (a commit alone since, which a
+        # loaded machine can give, adds none, and ranks a lineage lower by design).
         rank = a.certifier.rank(final)  # type: ignore[union-attr]
-        assert rank is not None and rank.order >= fast_rank.order
+        assert rank is not None and rank.coop >= fast_rank.coop
