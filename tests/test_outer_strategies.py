@@ -722,8 +722,15 @@ async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
     assert isinstance(peers[0].strategy, Moshpit)
     places = [(a, b) for a in range(2) for b in range(2)] * 2
     for peer, place in zip(peers, places, strict=True):
-        peer.strategy.averager.grid.coords = place
-        peer.strategy.averager.grid.in_cells = True
+        grid = peer.strategy.averager.grid
+        grid.coords, grid.in_cells = place, True
+        # Into the cell now, as after a round (`StepRunner.run`), rather than when the
+        # peer's first round starts: in CI a peer's cell-mate, in the key's records
+        # until its own inner step ended, was not in the cell's yet and the peer gave
+        # its first round up alone (no group), ALONE_AFTER or not.
+        peer.strategy.averager._runner._matchmaker.enter_cell(grid.next_cell())
+    # Declared busy there, as at start: the cell's leader waits for its mate.
+    assert all(await asyncio.gather(*(p.strategy.averager.announce_presence(10.0) for p in peers)))
     ids = [p.dht.peer_id for p in peers]
     # Round 1 on trained parameters; rounds 2 and 3 average what round 1 left (no
     # inner step moves the parameters: the strategy's round follows the zero step).

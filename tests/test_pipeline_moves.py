@@ -25,7 +25,7 @@ from shoal.pipeline.stage_peer import StagePeer
 from .pipeline_swarm import EXPERIMENT, TINY, Swarm, loop_for
 from .test_pipeline_routing import Paced
 
-SECONDS_PER_SAMPLE = 0.002
+SECONDS_PER_SAMPLE = 0.01
 GLOBAL_BATCH = 16
 
 
@@ -59,7 +59,12 @@ async def test_a_peer_moves_to_the_starved_stage_and_serves_it_in_step(make_host
     task = make_task(TINY)
     modules = [Paced(m, SECONDS_PER_SAMPLE, 1.0) for m in task.make_stages(5, 2)]
     swarm = Swarm(make_host)
-    policy = RebalancePolicy(period_s=2.0, hold_periods=100)
+    # Four peers in one process share its cores, so what each measures is not the
+    # pace alone: stage 1's one peer measured 1.2x (idle machine) to 2x (loaded CI,
+    # with 2 ms a sample) stage 0's, a move then flips the order the policy keeps
+    # (`order_tolerance`), and no peer moved. The pace is 10 ms a sample, and the
+    # order kept within 2x: that the rules decide on noise is `plan_move`'s tests.
+    policy = RebalancePolicy(period_s=2.0, hold_periods=100, order_tolerance=0.5)
     stop = asyncio.Event()
     movers: list[StageMover] = []
     try:
