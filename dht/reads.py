@@ -139,14 +139,11 @@ class Reader:
         node = self.node
         lookups = [KeyLookup(t, settle=settle) for t in dict.fromkeys(targets)]
         await node._traverse(lookups, self.query_find_node)
-        # Fewer than k peers answered, and either at least as many failed (more like
-        # a burst of timeouts on our side, a loaded machine or a GC pause, which
-        # blacklists a whole neighbourhood at once, than like dead peers) or the
-        # lookup knew of k peers and ran out of ones to ask (the failed ones were
-        # the neighbourhood: the answers name the k closest, hardly any beyond).
-        # Look once more, asking the peers the blacklist would skip, and keep the
-        # answers of both. A healthy lookup, or a network of fewer than k peers
-        # with a dead one, still costs one traversal.
+        # Fewer than k peers answered and at least as many failed: more like a burst
+        # of timeouts on our side (a loaded machine, a GC pause), which blacklists a
+        # whole neighbourhood at once, than like dead peers. Look once more, asking
+        # the peers the blacklist would skip, and keep the answers of both. A healthy
+        # lookup, or a small network with a dead peer, still costs one traversal.
         retry = {
             id(lk): KeyLookup(lk.target, settle=settle) for lk in lookups if self._mostly_failed(lk)
         }
@@ -166,13 +163,8 @@ class Reader:
         unanswered = sum(1 for state in lk.state.values() if state != ANSWERED)
         if not lk.answered and self._skipped_all(lk):
             return True
-        answered, k = len(lk.answered), self.node.k
-        if answered >= k:
-            return False
-        burst = unanswered > 0 and answered <= unanswered
-        # (Skipped: blacklisted by an earlier lookup's failures, never asked here.)
-        ran_out = answered + unanswered + len(lk.skipped) >= k
-        return burst or ran_out
+        k = self.node.k
+        return unanswered > 0 and len(lk.answered) <= unanswered and len(lk.answered) < k
 
     def _skipped_all(self, lk: KeyLookup) -> bool:
         """No peer answered `lk`, and known peers near its target are blacklisted."""

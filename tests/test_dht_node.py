@@ -116,8 +116,11 @@ async def test_two_hundred_nodes(swarm: Callable[..., Any]) -> None:
     n = 200
     t0 = time.perf_counter()
     # 200 peers all talking to each other would need ~40k descriptors (the
-    # limit here is 20k): each node keeps at most 30 dialed connections.
-    nodes = await swarm(n, max_connections=30)
+    # limit here is 20k): each node keeps at most 30 dialed connections. All 200 answer
+    # on one event loop, on a core a CI neighbour shares: at the fixture's 0.5 s hop
+    # timeout some requests to live peers failed, their senders blacklisted them, and a
+    # lookup knew too few peers left to return k. Nobody here is dead: 2 s per hop.
+    nodes = await swarm(n, max_connections=30, hop_timeout=2.0)
     boot_s = time.perf_counter() - t0
     # 200 nodes share one heap here: a full garbage collection scans all of them at
     # once and stalls every node together for up to 0.6 s (measured), which times
@@ -192,44 +195,6 @@ async def test_a_lookup_whose_requests_all_timed_out_asks_again(
     got = await reader.get("survives-a-stall")
     assert got is not None and got.value == 7
     assert reader.stats()["value_retries"] == 1
-
-
-def _first_request_to_these_times_out(node: DHTNode, peers: set[Any]) -> None:
-    """A stall that hits only some of a lookup's requests (those to `peers`)."""
-    request = node._request
-
-    async def flaky(peer: Any, addrs: Any, method: str, payload: Any) -> Any:
-        if peer in peers:
-            peers.discard(peer)
-            node._counters["requests_sent"] += 1
-            raise TimeoutError
-        return await request(peer, addrs, method, payload)
-
-    node._request = flaky  # type: ignore[method-assign]
-
-
-@pytest.mark.parametrize("stalled", ["in this lookup", "in an earlier one"])
-async def test_a_lookup_that_ran_out_of_peers_after_a_stall_asks_the_blacklisted_again(
-    swarm: Callable[..., Any], stalled: str
-) -> None:
-    """A stall timed out the requests to a lookup's closest peers, though they are
-    alive (now, or in an earlier lookup, which blacklisted them); the rest answer,
-    but fewer than k are left to ask (more answered than failed: no burst of
-    timeouts). The network is bigger than k, so the k closest are out there: it
-    looks once more, asking the blacklisted peers too."""
-    nodes = await swarm(30)
-    finder = nodes[0]
-    target = random.getrandbits(256)
-    others = sorted(nodes[1:], key=lambda n: n.routing_table.local_id ^ target)
-    closest = {n.peer_id for n in others[:12]}
-    if stalled == "in this lookup":
-        _first_request_to_these_times_out(finder, closest)
-    else:
-        for peer in closest:
-            finder._blacklist[peer] = finder._loop.time() + 30.0
-    (found,) = await finder.find_nodes([target])
-    assert [c.peer_id for c in found.closest] == [n.peer_id for n in others[: finder.k]]
-    assert finder.stats()["node_retries"] == 1
 
 
 async def test_a_reader_that_blacklisted_every_holder_of_a_key_in_a_stall_still_reads_it(
