@@ -299,6 +299,31 @@ async def test_a_peer_that_stops_answering_is_declared_dead(make_host) -> None:
     assert b.peer_id not in a.connections
 
 
+async def test_keepalive_pings_go_only_over_a_quiet_connection(make_host) -> None:
+    """A connection that carries traffic is known alive: its keepalive timer sends no
+    ping (its RTT was measured at the handshake and is refreshed once a minute). Once
+    it falls quiet for an interval, the pings resume. (Every connection used to ping
+    at every tick, busy or not: most of an idle swarm's traffic.)"""
+    cfg = ConnectionConfig(ping_interval=1.0, ping_timeout=10.0)  # a tick every second
+    a = await make_host(connection=cfg)
+    b = await make_host(connection=cfg)
+    b.set_handler(ECHO, echo)
+    conn = await a.connect(b.addresses()[0])
+    await eventually(lambda: a.peer_id in b.connections and conn.rtt is not None, "a RTT")
+    back = b.connections[a.peer_id]
+    before = conn.keepalives_sent + back.keepalives_sent
+    stream = await a.open_stream(b.peer_id, ECHO)
+    for _ in range(50):  # 2.5 s of traffic: 2 ticks of each end's timer
+        await stream.write(b"x")
+        assert await stream.readexactly(1) == b"x"
+        await asyncio.sleep(0.05)
+    assert conn.keepalives_sent + back.keepalives_sent == before
+    await eventually(
+        lambda: conn.keepalives_sent + back.keepalives_sent > before, "a keepalive once quiet", 5
+    )
+    await stream.close()
+
+
 async def test_idle_connections_are_closed(make_host) -> None:
     cfg = ConnectionConfig(ping_interval=0.05, idle_timeout=0.3)
     a = await make_host(connection=cfg)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import socket
 import struct
 import time
@@ -82,6 +83,8 @@ _IN_FLIGHT_RTTS = 4
 _IN_FLIGHT_MIN_S = 0.5
 _IN_FLIGHT_MAX_S = 5.0
 _IN_FLIGHT_CLOSE_S = 120.0  # ... and those streams have this long to finish
+# A busy connection is pinged only to keep its RTT fresh (deadlines follow it), this often.
+_RTT_REFRESH_S = 60.0
 # Records this small are decrypted into their own exact-size buffer instead of a
 # pooled 64 KiB one: RPC traffic is mostly small records, and a pooled buffer stays
 # with its connection until it goes quiet (a peer of a large swarm receives
@@ -491,6 +494,7 @@ class Connection(asyncio.BufferedProtocol):
         "_ping_ids",
         "_pings",
         "_recv_cipher",
+        "_rtt_at",
         "_rx",
         "_send_cipher",
         "_start",
@@ -509,6 +513,7 @@ class Connection(asyncio.BufferedProtocol):
         "created_at",
         "handshake_done",
         "initiator",
+        "keepalives_sent",
         "kind",
         "last_activity",
         "local_address",
@@ -592,6 +597,8 @@ class Connection(asyncio.BufferedProtocol):
         self.created_at = _now()
         self.last_activity = self.created_at
         self.rtt: float | None = None
+        self._rtt_at = -math.inf  # when `rtt` was last sampled
+        self.keepalives_sent = 0  # pings of the keepalive timer
         self._pings: dict[int, tuple[float, asyncio.Future[float]]] = {}
         self._ping_ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
@@ -1148,6 +1155,7 @@ class _Receiver:
             if entry is not None:
                 rtt = _now() - entry[0]
                 c.rtt = rtt if c.rtt is None else 0.8 * c.rtt + 0.2 * rtt
+                c._rtt_at = _now()
                 c._mux.rtt = c.rtt
                 if not entry[1].done():
                     entry[1].set_result(rtt)
@@ -1286,10 +1294,17 @@ class _Lifecycle:
         if cfg.idle_timeout and idle and now - c._idle_since >= cfg.idle_timeout:  # type: ignore[operator]
             c.close_idle("idle")
             return
-        if now - c.last_activity >= cfg.ping_interval * 0.5 or oldest is None:
+        # A keepalive only for a connection quiet for a whole interval (or one whose RTT
+        # is stale), one ping at a time: pinging every connection at every tick, busy or
+        # not, was most of an idle swarm's traffic (4 records per connection per 10 s,
+        # on hundreds of connections a peer). The other side's pings and our pongs keep
+        # a quiet connection's two ends from both pinging.
+        quiet = now - c.last_activity >= cfg.ping_interval
+        if oldest is None and (quiet or now - c._rtt_at >= _RTT_REFRESH_S):
             opaque = next(c._ping_ids) & 0xFFFFFFFF
             c._pings[opaque] = (now, c._loop.create_future())
             c._mux.ping(opaque)
+            c.keepalives_sent += 1
             c._schedule_flush()
         c._timer = c._loop.call_later(
             min(cfg.ping_interval, cfg.ping_timeout / 2), c._life.on_timer
