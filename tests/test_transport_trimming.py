@@ -175,6 +175,26 @@ async def test_a_stream_the_other_side_opens_as_we_trim_is_still_served(
     await again.close()
 
 
+async def test_a_stream_the_other_side_opens_on_a_duplicate_as_we_retire_it_is_served(
+    make_host: Callable[..., Any],
+) -> None:
+    """Two peers dialed each other at once, and we retire our duplicate before the
+    other side's second handshake ended: it opens a stream on the duplicate as our
+    GOAWAY goes out. The stream is served (it was reset, and an all-reduce round whose
+    member's stream was reset aborted, in CI); then the duplicate closes."""
+    me, other = await make_host(), await make_host()
+    me.set_handler(ECHO, echo)
+    await other.connect(me.addresses()[0])
+    await eventually(lambda: other.peer_id in me.connections, "we hold the connection too")
+    ours = me.connections[other.peer_id]
+    stream = await other.open_stream(me.peer_id, ECHO)
+    ours.retire(5.0)
+    await stream.write(b"crossed the GOAWAY")
+    assert await stream.readexactly(18) == b"crossed the GOAWAY"
+    await stream.close()
+    await eventually(ours.closed.done, "then it closes")
+
+
 async def test_a_host_at_its_limit_closes_an_idle_connection_for_a_newcomer_both_ways(
     make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -686,11 +686,20 @@ class Connection(asyncio.BufferedProtocol):
 
     def retire(self, grace: float) -> None:
         """A duplicate of a better connection to the same peer: refuse new streams and
-        close once the streams already open are done (at most `grace` seconds)."""
+        close once the streams already open are done (at most `grace` seconds). The
+        remote may not know of the other connection yet (its handshake ends later on
+        its side) and open a stream on this one as we retire it: as for an idle close,
+        streams it opened before our GOAWAY reached it are served (reset, one aborted
+        an all-reduce round in CI)."""
         self.superseded = True
-        self._mux.go_away()
+        self._mux.go_away(serve_in_flight=True)
         self._schedule_flush()
-        self.spawn(self.aclose(grace))  # owned, and cancelled on close, by this connection
+        self.spawn(self._retire_after_in_flight(grace))  # owned (cancelled on close)
+
+    async def _retire_after_in_flight(self, grace: float) -> None:
+        await self._in_flight_window()
+        self._mux.stop_serving_in_flight()
+        await self.aclose(grace)
 
     def refuse_stream(self, stream: Stream, reason: str, *, unknown_protocol: bool) -> None:
         """Reset a stream the remote opened that nobody will serve; `unknown_protocol`
@@ -722,10 +731,14 @@ class Connection(asyncio.BufferedProtocol):
         self.spawn(self._close_after_in_flight())
 
     async def _close_after_in_flight(self) -> None:
-        rtt = self.rtt if self.rtt is not None else 0.25
-        await asyncio.sleep(min(_IN_FLIGHT_MAX_S, max(_IN_FLIGHT_MIN_S, _IN_FLIGHT_RTTS * rtt)))
+        await self._in_flight_window()
         self._mux.stop_serving_in_flight()
         await self._life.aclose(_IN_FLIGHT_CLOSE_S)
+
+    async def _in_flight_window(self) -> None:
+        """Until streams the remote opened before our GOAWAY reached it have arrived."""
+        rtt = self.rtt if self.rtt is not None else 0.25
+        await asyncio.sleep(min(_IN_FLIGHT_MAX_S, max(_IN_FLIGHT_MIN_S, _IN_FLIGHT_RTTS * rtt)))
 
     def abort(self, reason: str) -> None:
         """Close at once, failing every stream with ConnectionLost(reason)."""
