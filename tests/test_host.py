@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import time
 
 import pytest
 from waiting import eventually
@@ -322,6 +323,44 @@ async def test_keepalive_pings_go_only_over_a_quiet_connection(make_host) -> Non
         lambda: conn.keepalives_sent + back.keepalives_sent > before, "a keepalive once quiet", 5
     )
     await stream.close()
+
+
+async def test_a_connection_with_no_open_stream_is_pinged_after_four_quiet_intervals(
+    make_host,
+) -> None:
+    """Nobody waits on a connection with no open stream: its keepalive comes after 4
+    quiet intervals, not 1 (it still keeps a NAT's mapping and finds a dead peer
+    before the idle close)."""
+    cfg = ConnectionConfig(ping_interval=0.25, ping_timeout=10.0)
+    a = await make_host(connection=cfg)
+    b = await make_host(connection=cfg)
+    conn = await a.connect(b.addresses()[0])
+    await eventually(lambda: a.peer_id in b.connections, "b has the connection")
+    back = b.connections[a.peer_id]
+    await eventually(lambda: conn.rtt is not None and back.rtt is not None, "both RTTs")
+    heard_last = max(conn.last_activity, back.last_activity)
+    await eventually(lambda: conn.keepalives_sent + back.keepalives_sent > 0, "a keepalive", 5)
+    assert time.monotonic() - heard_last >= 4 * cfg.ping_interval
+
+
+async def test_a_stream_on_an_idle_connection_brings_its_keepalives_back_at_once(
+    make_host,
+) -> None:
+    """An idle connection's timer sleeps till its idle ping (4 intervals, 8 s here);
+    a stream opened on it wakes the timer, so a peer that freezes under the stream is
+    declared dead within an interval and the ping timeout (3 s), not after the sleep."""
+    cfg = ConnectionConfig(ping_interval=2.0, ping_timeout=1.0, idle_timeout=0)
+    a = await make_host(connection=cfg)
+    b = await make_host()
+    b.set_handler(SINK, drain)
+    conn = await a.connect(b.addresses()[0])
+    await eventually(lambda: a.peer_id in b.connections and conn.rtt is not None, "a RTT")
+    await asyncio.sleep(cfg.ping_interval * 1.5)  # (past the first tick: the timer sleeps)
+    b.connections[a.peer_id]._transport.pause_reading()  # b freezes
+    stream = await a.open_stream(b.peer_id, SINK)
+    await stream.write(b"x")
+    await asyncio.wait_for(asyncio.shield(conn.closed), 6)
+    assert "unresponsive" in conn.close_reason
 
 
 async def test_idle_connections_are_closed(make_host) -> None:
