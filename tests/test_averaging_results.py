@@ -118,7 +118,13 @@ async def test_an_owner_sending_members_different_results_is_never_committed(
     """Member 3 adds to its part's result a value of its own for each receiver. Every
     member would have committed other bits (it did before 2.5): the round aborts,
     and every input is as it was."""
-    c = await cluster(4, AllReduceConfig(chunk_bytes=4096, reduction="centered_clip", **FAST))
+    # (Stall bounds of 5 s, not FAST's 1 s: in a loaded local CI run this test took
+    # 2.3 s and 0.9 s of CPU, against 0.1 s alone, and the round aborted on a stalled
+    # member before the results were compared. No stall is under test here.)
+    slow_to_stall = {**FAST, "stall_timeout": 5.0, "decision_timeout": 5.0}
+    c = await cluster(
+        4, AllReduceConfig(chunk_bytes=4096, reduction="centered_clip", **slow_to_stall)
+    )
     liar = 3
     honest_send = lanes.DataPlane._send_result
 
