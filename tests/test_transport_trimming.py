@@ -13,8 +13,9 @@ import pytest
 from waiting import eventually
 
 from shoal.transport import trimming
+from shoal.transport.connection import Connection
 from shoal.transport.errors import TransportError
-from shoal.transport.host import HostConfig
+from shoal.transport.host import Host, HostConfig
 from shoal.transport.trimming import Trimmer, TrimPolicy
 
 pytestmark = pytest.mark.timeout(30)
@@ -150,24 +151,34 @@ async def echo(stream: Any) -> None:
         await stream.write(data)
 
 
+async def _a_stream_crosses_our_goaway(
+    make_host: Callable[..., Any], close: Callable[[Connection], None]
+) -> tuple[Host, Host, Connection]:
+    """The other side opens a stream and, before either side's bytes travel (its OPEN
+    queued), `close` sends our GOAWAY. The stream is served, then our end closes."""
+    me, other = await make_host(), await make_host()
+    me.set_handler(ECHO, echo)
+    await other.connect(me.addresses()[0])
+    await eventually(lambda: other.peer_id in me.connections, "we hold the connection too")
+    ours = me.connections[other.peer_id]
+    stream = await other.open_stream(me.peer_id, ECHO)
+    close(ours)
+    await stream.write(b"crossed the GOAWAY")
+    assert await stream.readexactly(18) == b"crossed the GOAWAY"
+    await stream.close()
+    await eventually(ours.closed.done, "then it closes")
+    return me, other, ours
+
+
 async def test_a_stream_the_other_side_opens_as_we_trim_is_still_served(
     make_host: Callable[..., Any],
 ) -> None:
     """Our GOAWAY and its OPEN cross on the wire: it could not know, and a round whose
     stream met a closed socket would abort. Streams opened before the GOAWAY reached
     the other side are served; the next one goes over a new connection."""
-    me, other = await make_host(), await make_host()
-    me.set_handler(ECHO, echo)
-    await other.connect(me.addresses()[0])
-    await eventually(lambda: other.peer_id in me.connections, "we hold the connection too")
-    ours = me.connections[other.peer_id]
-    # Both before either side's bytes travel: its OPEN is queued, our GOAWAY goes out.
-    stream = await other.open_stream(me.peer_id, ECHO)
-    ours.close_idle("trimmed")
-    await stream.write(b"crossed the GOAWAY")
-    assert await stream.readexactly(18) == b"crossed the GOAWAY"
-    await stream.close()
-    await eventually(ours.closed.done, "then it closes")
+    me, other, ours = await _a_stream_crosses_our_goaway(
+        make_host, lambda conn: conn.close_idle("trimmed")
+    )
     assert ours.close_reason == "trimmed"
     again = await other.open_stream(me.addresses()[0], ECHO)  # a new connection
     await again.write(b"next")
@@ -182,17 +193,7 @@ async def test_a_stream_the_other_side_opens_on_a_duplicate_as_we_retire_it_is_s
     other side's second handshake ended: it opens a stream on the duplicate as our
     GOAWAY goes out. The stream is served (it was reset, and an all-reduce round whose
     member's stream was reset aborted, in CI); then the duplicate closes."""
-    me, other = await make_host(), await make_host()
-    me.set_handler(ECHO, echo)
-    await other.connect(me.addresses()[0])
-    await eventually(lambda: other.peer_id in me.connections, "we hold the connection too")
-    ours = me.connections[other.peer_id]
-    stream = await other.open_stream(me.peer_id, ECHO)
-    ours.retire(5.0)
-    await stream.write(b"crossed the GOAWAY")
-    assert await stream.readexactly(18) == b"crossed the GOAWAY"
-    await stream.close()
-    await eventually(ours.closed.done, "then it closes")
+    await _a_stream_crosses_our_goaway(make_host, lambda conn: conn.retire(5.0))
 
 
 async def test_a_host_at_its_limit_closes_an_idle_connection_for_a_newcomer_both_ways(
