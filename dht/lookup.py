@@ -8,9 +8,11 @@ round trips as one `get`).
 Per key, up to `alpha` requests are in flight among its `k` closest
 candidates; the key converges when its `k` closest live candidates have all
 answered (or, for value lookups, when enough holders answered). A request that
-has been pending for `stall_after` seconds stops counting: the lookup moves on
+has been pending for `stall_after` seconds stops counting, toward the key's
+alpha and toward the traversal's limit on requests in flight: the lookup moves on
 to the next candidate instead of waiting for a slow peer, and still uses the
-answer if it comes before the hop timeout.
+answer if it comes before the hop timeout (a key left short of its k closest
+waits for it).
 
 Sybil resistance (see `admission`): with `per_group` set, one IP group takes at
 most that many of a key's `k` best candidates, so colluding peers in one /24
@@ -27,9 +29,10 @@ what it cannot make for free, its addresses.
 from __future__ import annotations
 
 import asyncio
-import heapq
+from bisect import insort
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from typing import Any, Final
 
 from shoal.transport.identity import PeerID
@@ -86,44 +89,55 @@ class KeyLookup:
     skipped: dict[PeerID, int] = field(default_factory=dict)
     hops: int = 0
     done: bool = False
+    # The candidates' peers by distance to the target, kept sorted as they come:
+    # every pass of the beam reads a key's best few of hundreds of candidates, and
+    # sorting them all each time was most of a joining peer's CPU (its table fill
+    # runs a dozen keys at once, each pass reading every key's best twice).
+    _by_distance: list[tuple[int, PeerID]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        target = self.target
+        self._by_distance = sorted((c.node_id ^ target, pid) for pid, c in self.candidates.items())
 
     def add(self, cand: Candidate) -> None:
         old = self.candidates.get(cand.peer_id)
+        if old is None:
+            insort(self._by_distance, (cand.node_id ^ self.target, cand.peer_id))
         if old is None or cand.depth < old.depth:
             self.candidates[cand.peer_id] = cand
 
     def best(self, k: int, stalled: set[PeerID]) -> list[Candidate]:
         """The k closest candidates that neither failed nor stalled."""
-        state = self.state
+        state, cands = self.state, self.candidates
         live = (
-            c
-            for c in self.candidates.values()
-            if state.get(c.peer_id) != FAILED and c.peer_id not in stalled
+            cands[pid]
+            for _, pid in self._by_distance
+            if state.get(pid) != FAILED and pid not in stalled
         )
         return self._closest(live, k)
 
     def closest_live(self, count: int) -> list[Candidate]:
         """The `count` closest candidates that did not fail (answered or not asked)."""
-        state = self.state
-        live = (c for c in self.candidates.values() if state.get(c.peer_id) != FAILED)
+        state, cands = self.state, self.candidates
+        live = (cands[pid] for _, pid in self._by_distance if state.get(pid) != FAILED)
         return self._closest(live, count)
 
     def closest_answered(self, count: int) -> list[Candidate]:
-        return self._closest(self.answered, count)
-
-    def _closest(self, cands: Iterable[Candidate], count: int) -> list[Candidate]:
-        """The `count` closest of `cands`, at most `per_group` per IP group first; the
-        closest of the rest only fill slots no other group could (and come last)."""
         target = self.target
+        return self._closest(sorted(self.answered, key=lambda c: c.node_id ^ target), count)
+
+    def _closest(self, ordered: Iterable[Candidate], count: int) -> list[Candidate]:
+        """The first `count` of `ordered` (closest first), at most `per_group` per IP
+        group first; the closest of the rest only fill slots no other group could (and
+        come last)."""
+        rest = iter(ordered)
+        near = list(islice(rest, count))
         if self.per_group is None:
-            return heapq.nsmallest(count, cands, key=lambda c: c.node_id ^ target)
-        pool = list(cands)
-        near = heapq.nsmallest(count, pool, key=lambda c: c.node_id ^ target)
+            return near
         groups = [c.group for c in near if c.group is not None]
         if len(groups) <= self.per_group or max(map(groups.count, set(groups))) <= self.per_group:
-            return near  # the common case: no group over its share, no full sort
-        pool.sort(key=lambda c: c.node_id ^ target)
-        return diverse(pool, self.per_group, _group, count, fill=True)
+            return near  # the common case: no group over its share
+        return diverse(chain(near, rest), self.per_group, _group, count, fill=True)
 
     def skipped_near(self, k: int) -> bool:
         """Whether a contact we blacklisted would have been among the `k` closest
@@ -180,6 +194,8 @@ class Beam:
         self.stall_after = stall_after
         self.blocked = blocked
         self.max_in_flight = max_in_flight
+        # Requests in flight, stalled or not: a key's k candidates past its alpha.
+        self.max_total = max_in_flight + k
         self.group_of = group_of
         # Keyed by request, not peer: one peer may have two requests in flight
         # (asked for one key, then, before answering, picked for another key by a
@@ -190,15 +206,22 @@ class Beam:
 
     def pick(self, now: float) -> list[Ask]:
         """The requests to send now (each to `sent` once sent); sets `finished`."""
-        stalled = {a.candidate.peer_id for a in self.in_flight if now >= a.stalls_at}
+        stalled_asks = [a for a in self.in_flight if now >= a.stalls_at]
+        stalled = {a.candidate.peer_id for a in stalled_asks}
         self._stalled = stalled
         active = [lk for lk in self.lookups if not lk.done]
-        wanted, order = self._wanted(active, stalled)
+        wanted, order = self._wanted(active, stalled, stalled_asks)
         if wanted and len(active) > 1:
             self._share(wanted, order, active, stalled)
         asks = []
+        # A stalled request no longer takes a place among the `max_in_flight`: slow
+        # peers must not keep the lookup from asking fast ones (with alpha places for
+        # one key, 3 slow peers once held every place until they answered). They
+        # still count toward a hard limit, so a lookup among slow peers does not pile
+        # up requests.
+        moving = len(self.in_flight) - len(stalled_asks)
         for pid in order:
-            if len(self.in_flight) >= self.max_in_flight:
+            if moving >= self.max_in_flight or len(self.in_flight) >= self.max_total:
                 break
             cand, lks = wanted[pid]
             if self.blocked(pid):
@@ -210,6 +233,7 @@ class Beam:
             ask = Ask(cand, lks)
             self.in_flight.add(ask)
             asks.append(ask)
+            moving += 1
         if not self.in_flight and (not wanted or all(lk.done for lk in self.lookups)):
             for lk in self.lookups:
                 lk.done = True
@@ -219,12 +243,13 @@ class Beam:
         return asks
 
     def _wanted(
-        self, active: list[KeyLookup], stalled: set[PeerID]
+        self, active: list[KeyLookup], stalled: set[PeerID], stalled_asks: list[Ask]
     ) -> tuple[dict[PeerID, tuple[Candidate, list[KeyLookup]]], list[PeerID]]:
         """Per peer to ask, the keys it is asked about, and the peers in order; marks the
         lookups that are done."""
         k = self.k
         waiting = {id(lk) for a in self.in_flight for lk in a.lookups}
+        waiting_on_stalled = {id(lk) for a in stalled_asks for lk in a.lookups}
         wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
         order: list[PeerID] = []
         for lk in active:
@@ -233,11 +258,15 @@ class Beam:
                 continue
             best = lk.best(k, stalled)
             need = best if lk.settle is None else best[: lk.settle]
-            # Converged: its best live candidates answered. Not while every one of
-            # them is a slow peer still expected to answer (a far link: all of
-            # them stalled, none to move on to): then it waits for them.
-            if all(lk.state.get(c.peer_id) == ANSWERED for c in need) and (
-                need or id(lk) not in waiting
+            # Converged: its best live candidates answered. Not while it is short of
+            # them and slow peers are still expected to answer (a far link: all of
+            # them stalled, none to move on to; or fewer fast peers than it needs):
+            # then it waits for the slow ones.
+            short = len(need) < (k if lk.settle is None else min(k, lk.settle))
+            if (
+                all(lk.state.get(c.peer_id) == ANSWERED for c in need)
+                and (need or id(lk) not in waiting)
+                and not (short and id(lk) in waiting_on_stalled)
             ):
                 lk.done = True
                 continue
