@@ -8,6 +8,7 @@ import gc
 import logging
 import random
 import time
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -18,9 +19,10 @@ from simnet import SimHost, SimNetwork
 from vtime import EPOCH, freeze_setup
 
 from shoal.dht.node import DHTNode
-from shoal.dht.routing import key_id
+from shoal.dht.routing import ID_BITS, bucket_range, key_id, node_id
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
+from shoal.transport.multiaddr import Multiaddr
 
 log = logging.getLogger("sim.dht")
 PORT = 4001
@@ -119,24 +121,28 @@ class DHTRun:
 
     # --- phases -------------------------------------------------------------------------------
 
-    async def join_all(self, count: int, window_s: float) -> None:
-        """The first peer starts the network; the others join through it, at times
-        spread uniformly over `window_s`."""
-        await self.start_peer([])
+    async def join_all(self, count: int, window_s: float, *, warm: int = 0) -> None:
+        """The first peer starts the network (or the first `warm` peers start at once,
+        `warm_all`); the others join through it, at times spread uniformly over
+        `window_s`."""
+        if warm > 0:
+            await self.warm_all(warm)
+        else:
+            await self.start_peer([])
         seed = [self.peers[0].addr()]
         loop = asyncio.get_running_loop()
-        starts = sorted(self.rng.uniform(0, window_s) for _ in range(count - 1))
+        starts = sorted(self.rng.uniform(0, window_s) for _ in range(count - len(self.peers)))
         t0 = loop.time()
         wall0 = time.perf_counter()
         tasks = []
-        step = max(1, count // 10)
+        step = max(1, len(starts) // 10)
         done = 0
 
         def progress(_: asyncio.Task[None]) -> None:  # how far a long run got (stderr)
             nonlocal done
             done += 1
             if done % step == 0:
-                log.warning("%d of %d joins done: virtual %.1f s, wall %.1f s", done, count - 1,
+                log.warning("%d of %d joins done: virtual %.1f s, wall %.1f s", done, len(starts),
                             loop.time(), time.perf_counter() - wall0)  # fmt: skip
 
         for at in starts:
@@ -145,6 +151,41 @@ class DHTRun:
             tasks[-1].add_done_callback(progress)
         await asyncio.gather(*tasks)
         freeze_setup()
+
+    async def warm_all(self, count: int) -> None:
+        """`count` peers up at once, each table filled as joins and refreshes would
+        have filled it (in every bucket, up to k peers drawn from its range of IDs),
+        none connected yet: a settled swarm whose idle connections have closed,
+        without paying for `count` joins (at 10,000 peers the joins, their dials and
+        Noise handshakes, were nearly all of a run's wall time). Only peers that serve
+        the DHT (not behind a NAT) go into tables, as they do when they join."""
+        wall0 = time.perf_counter()
+        peers = [self._new_sim_host() for _ in range(count)]
+        await asyncio.gather(*(self.on(p, self._start(p, [])) for p in peers))
+        for p in peers:
+            p.join_s = None  # (no join: the join figures are the real joins')
+        serving = sorted(
+            (node_id(p.host.peer_id), p)
+            for p in peers
+            if p.live and not p.sim.nat  # type: ignore[union-attr]
+        )
+        ids = [nid for nid, _ in serving]
+        addrs = {p.index: (Multiaddr(f"/ip4/{p.sim.ip}/tcp/{PORT}"),) for _, p in serving}
+        now = asyncio.get_running_loop().time()
+        for p in peers:
+            if not p.live:
+                continue
+            table = p.node.routing_table  # type: ignore[union-attr]
+            for index in range(ID_BITS):
+                low, high = bucket_range(table.local_id, index)
+                lo, hi = bisect_left(ids, low), bisect_right(ids, high)
+                span = range(lo, hi)
+                picks = span if len(span) <= table.k else self.rng.sample(span, table.k)
+                for j in picks:
+                    other = serving[j][1]
+                    table.add_or_update(other.host.peer_id, addrs[other.index], now)  # type: ignore[union-attr]
+        log.warning("%d peers started with filled tables: wall %.1f s", count,
+                    time.perf_counter() - wall0)  # fmt: skip
 
     def _crash(self, peer: SimPeer) -> None:
         loop = asyncio.get_running_loop()
@@ -334,7 +375,9 @@ async def run_dht(scenario: Scenario, net: SimNetwork, rng: random.Random) -> di
         log.warning("%s: virtual %.1f s, wall %.1f s, %d live peers", name, loop.time(),
                     time.perf_counter() - wall0, len(run.live()))  # fmt: skip
 
-    await run.join_all(n, join_window)
+    # `warm_start`: that many peers start with filled tables (`DHTRun.warm_all`), the
+    # rest join through the first of them for real (their joins are the join figures).
+    await run.join_all(n, join_window, warm=int(w.get("warm_start", 0)))
     joined_at = loop.time()
     phase("joined")
     gc.collect()

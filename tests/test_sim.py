@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -321,6 +322,43 @@ def test_a_peer_knows_someone_in_every_part_of_the_key_space_as_soon_as_it_joine
 
     simulate(main())
     assert not gaps, gaps[:10]
+
+
+@pytest.mark.timeout(90)
+def test_warm_started_peers_know_every_part_of_the_key_space_and_newcomers_join_them(
+    tmp_path: Path,
+) -> None:
+    """`warm_start`: the first peers start at once with tables filled from everyone's
+    IDs (no join each: at 10,000 peers the joins were nearly all of the run). Each
+    warm peer then knows someone in every bucket that holds another peer (as after a
+    join), min(k, peers there) of them; real newcomers join through them, and every
+    key stored afterwards is found."""
+    from dht_scenario import DHTRun
+    from scenario import load
+
+    path = tmp_path / "warm.json"
+    path.write_text(json.dumps({**SMALL, "peers": 40, "churn": None}))
+    scenario = load(path)
+
+    async def main() -> None:
+        run = DHTRun(scenario, net(), random.Random(scenario.seed))
+        await run.join_all(40, 10.0, warm=32)
+        assert run.join_failures == 0 and len(run.live()) == 40
+        warm, newcomers = run.peers[:32], run.peers[32:]
+        assert all(p.join_s is None for p in warm)
+        assert all(p.join_s is not None and p.join_s > 0 for p in newcomers)
+        ids = [p.node.routing_table.local_id for p in warm]
+        for p in warm:
+            table = p.node.routing_table
+            known = Counter(table.bucket_index(c.node_id) for c in table if c.node_id in ids)
+            there = Counter(table.bucket_index(i) for i in ids if i != table.local_id)
+            assert {b: min(n, table.k) for b, n in there.items()} == known
+        stored = await run.store_keys(20, 8)
+        found, _ = await run.get_keys(stored, 8)
+        assert len(stored) == found == 20
+        await run.close()
+
+    simulate(main())
 
 
 @pytest.mark.timeout(30)
