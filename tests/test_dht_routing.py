@@ -47,7 +47,9 @@ def peers_in_bucket(table: RoutingTable, index: int, n: int) -> list[PeerID]:
 
 
 def full_bucket(k: int = 4, **kw: object) -> tuple[RoutingTable, list[PeerID]]:
-    """A table whose bucket 0 holds k contacts added at t=0..k-1; returns also 4 newcomers."""
+    """A table whose bucket 0 holds k contacts added at t=0..k-1; returns also 4 newcomers.
+    (Its contacts count as stale at once, `recheck_after` 0, unless `kw` says otherwise.)"""
+    kw.setdefault("recheck_after", 0.0)
     table = RoutingTable(make_peer(), k, **kw)  # type: ignore[arg-type]
     peers = peers_in_bucket(table, 0, k + 4)
     for t, p in enumerate(peers[:k]):
@@ -110,6 +112,21 @@ def test_up_to_k_per_bucket_then_ping_the_least_recently_seen() -> None:
     assert result.needs_ping.peer_id == peers[0]
     assert peers[4] not in table
     assert table.replacements(node_id(peers[4]))[0].peer_id == peers[4]
+
+
+def test_a_full_bucket_heard_from_lately_asks_for_no_ping() -> None:
+    """Its least-recently-seen contact was heard from within `recheck_after`: no ping
+    (each one costs a dial, and the pinged peer, hearing from a stranger, pinged one of
+    its own contacts in turn: a chain through the swarm). The newcomer waits in the
+    replacement cache; once the contact is stale, the next newcomer asks for its ping."""
+    table, peers = full_bucket(k=4, recheck_after=300.0)  # contacts seen at t = 0..3
+    fresh = table.add_or_update(peers[4], [addr_of(4)], 299.0)
+    assert fresh.status is AddStatus.CACHED and fresh.needs_ping is None
+    assert peers[4] not in table
+    assert table.replacements(node_id(peers[4]))[0].peer_id == peers[4]
+    stale = table.add_or_update(peers[5], [addr_of(5)], 300.0)
+    assert stale.status is AddStatus.NEEDS_PING
+    assert stale.needs_ping is not None and stale.needs_ping.peer_id == peers[0]
 
 
 def test_other_buckets_are_not_affected_by_a_full_one() -> None:
