@@ -8,11 +8,9 @@ round trips as one `get`).
 Per key, up to `alpha` requests are in flight among its `k` closest
 candidates; the key converges when its `k` closest live candidates have all
 answered (or, for value lookups, when enough holders answered). A request that
-has been pending for `stall_after` seconds stops counting, toward the key's
-alpha and toward the traversal's limit on requests in flight: the lookup moves on
+has been pending for `stall_after` seconds stops counting: the lookup moves on
 to the next candidate instead of waiting for a slow peer, and still uses the
-answer if it comes before the hop timeout (a key left short of its k closest
-waits for it).
+answer if it comes before the hop timeout.
 
 Sybil resistance (see `admission`): with `per_group` set, one IP group takes at
 most that many of a key's `k` best candidates, so colluding peers in one /24
@@ -194,8 +192,6 @@ class Beam:
         self.stall_after = stall_after
         self.blocked = blocked
         self.max_in_flight = max_in_flight
-        # Requests in flight, stalled or not: a key's k candidates past its alpha.
-        self.max_total = max_in_flight + k
         self.group_of = group_of
         # Keyed by request, not peer: one peer may have two requests in flight
         # (asked for one key, then, before answering, picked for another key by a
@@ -206,22 +202,15 @@ class Beam:
 
     def pick(self, now: float) -> list[Ask]:
         """The requests to send now (each to `sent` once sent); sets `finished`."""
-        stalled_asks = [a for a in self.in_flight if now >= a.stalls_at]
-        stalled = {a.candidate.peer_id for a in stalled_asks}
+        stalled = {a.candidate.peer_id for a in self.in_flight if now >= a.stalls_at}
         self._stalled = stalled
         active = [lk for lk in self.lookups if not lk.done]
-        wanted, order = self._wanted(active, stalled, stalled_asks)
+        wanted, order = self._wanted(active, stalled)
         if wanted and len(active) > 1:
             self._share(wanted, order, active, stalled)
         asks = []
-        # A stalled request no longer takes a place among the `max_in_flight`: slow
-        # peers must not keep the lookup from asking fast ones (with alpha places for
-        # one key, 3 slow peers once held every place until they answered). They
-        # still count toward a hard limit, so a lookup among slow peers does not pile
-        # up requests.
-        moving = len(self.in_flight) - len(stalled_asks)
         for pid in order:
-            if moving >= self.max_in_flight or len(self.in_flight) >= self.max_total:
+            if len(self.in_flight) >= self.max_in_flight:
                 break
             cand, lks = wanted[pid]
             if self.blocked(pid):
@@ -233,7 +222,6 @@ class Beam:
             ask = Ask(cand, lks)
             self.in_flight.add(ask)
             asks.append(ask)
-            moving += 1
         if not self.in_flight and (not wanted or all(lk.done for lk in self.lookups)):
             for lk in self.lookups:
                 lk.done = True
@@ -243,13 +231,12 @@ class Beam:
         return asks
 
     def _wanted(
-        self, active: list[KeyLookup], stalled: set[PeerID], stalled_asks: list[Ask]
+        self, active: list[KeyLookup], stalled: set[PeerID]
     ) -> tuple[dict[PeerID, tuple[Candidate, list[KeyLookup]]], list[PeerID]]:
         """Per peer to ask, the keys it is asked about, and the peers in order; marks the
         lookups that are done."""
         k = self.k
         waiting = {id(lk) for a in self.in_flight for lk in a.lookups}
-        waiting_on_stalled = {id(lk) for a in stalled_asks for lk in a.lookups}
         wanted: dict[PeerID, tuple[Candidate, list[KeyLookup]]] = {}
         order: list[PeerID] = []
         for lk in active:
@@ -258,15 +245,11 @@ class Beam:
                 continue
             best = lk.best(k, stalled)
             need = best if lk.settle is None else best[: lk.settle]
-            # Converged: its best live candidates answered. Not while it is short of
-            # them and slow peers are still expected to answer (a far link: all of
-            # them stalled, none to move on to; or fewer fast peers than it needs):
-            # then it waits for the slow ones.
-            short = len(need) < (k if lk.settle is None else min(k, lk.settle))
-            if (
-                all(lk.state.get(c.peer_id) == ANSWERED for c in need)
-                and (need or id(lk) not in waiting)
-                and not (short and id(lk) in waiting_on_stalled)
+            # Converged: its best live candidates answered. Not while every one of
+            # them is a slow peer still expected to answer (a far link: all of
+            # them stalled, none to move on to): then it waits for them.
+            if all(lk.state.get(c.peer_id) == ANSWERED for c in need) and (
+                need or id(lk) not in waiting
             ):
                 lk.done = True
                 continue

@@ -342,7 +342,9 @@ async def test_averagers_on_an_unevenly_filled_grid_hold_the_exact_mean_after_di
     try:
         for round_index in range(dims):
             results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
-            assert all(r.committed for r in results), [(r.reason, r.attempt_log) for r in results]
+            failed = [(i, r.reason, r.attempt_log)
+                      for i, r in enumerate(results) if not r.committed]  # fmt: skip
+            assert not failed, (round_index, failed)
             if round_index == 0:  # two members of one group into one next cell weigh half each
                 assert len({round(a.grid.mass, 9) for a in avgs if a.grid is not None}) > 1
         masses = [a.grid.mass for a in avgs if a.grid is not None]

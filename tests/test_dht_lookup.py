@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from shoal.dht.lookup import Candidate, KeyLookup, traverse
@@ -147,72 +146,3 @@ async def test_a_deadline_passing_between_two_clock_readings_still_counts_as_a_s
             clock=clock,
         )
     assert [c.peer_id for c in lk.holders] == [other]
-
-
-class _ScriptedPeers:
-    """Answers every request with no contacts after `delay(peer)` seconds, logging
-    asks and answers and counting the requests out at once."""
-
-    def __init__(self, delay: Callable[[PeerID], float]) -> None:
-        self.delay = delay
-        self.events: list[tuple[str, PeerID]] = []
-        self.in_flight = 0
-        self.most_in_flight = 0
-
-    async def query(self, cand: Candidate, lookups: list[KeyLookup]) -> Any:
-        self.events.append(("asked", cand.peer_id))
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(self.delay(cand.peer_id))
-            self.events.append(("answered", cand.peer_id))
-            return [[] for _ in lookups]
-        finally:
-            self.in_flight -= 1
-
-
-async def test_slow_peers_do_not_keep_one_key_from_asking_fast_ones() -> None:
-    """One key, as `DHTNode` runs it: alpha = 3 and 3 places in flight. The 12 peers
-    closest to the target answer late; the 18 others at once. Stalled requests give
-    their places up, so every fast peer is asked before the first slow answer comes
-    back (once, 3 slow peers held the places until they answered: 4 rounds of the slow
-    answer). A key left short of k answers then waits for slow answers to fill it."""
-    target = 0
-    peers = sorted(_peers(30), key=lambda p: node_id(p) ^ target)
-    slow, fast = set(peers[:12]), set(peers[12:])
-    lk = KeyLookup(target)
-    for p in peers:
-        lk.add(_cand(p))
-    net = _ScriptedPeers(lambda p: 0.5 if p in slow else 0.0)
-
-    async with asyncio.timeout(10):
-        await traverse(
-            [lk], net.query, k=20, alpha=3, stall_after=0.02, max_in_flight=3,
-            on_failure=lambda c, e: None, blocked=lambda p: False,
-        )  # fmt: skip
-    events = net.events
-    first_slow_answer = events.index(next(e for e in events if e[0] == "answered" and e[1] in slow))
-    asked_before = {p for what, p in events[:first_slow_answer] if what == "asked"}
-    assert fast <= asked_before
-    # 18 fast answers leave the key short of 20: it waited for slow answers to fill it.
-    assert lk.done
-    answered = {c.peer_id for c in lk.closest_answered(20)}
-    assert len(answered) == 20 and answered & slow
-    assert net.most_in_flight <= 3 + 20  # stalled requests still count toward a hard limit
-
-
-async def test_a_lookup_among_slow_peers_keeps_a_hard_limit_on_requests_in_flight() -> None:
-    """Every peer is slow: stalls free places for new requests, but no more than
-    `max_in_flight + k` requests are ever out at once."""
-    lk = KeyLookup(0)
-    for p in _peers(60):
-        lk.add(_cand(p))
-    net = _ScriptedPeers(lambda p: 0.3)
-
-    async with asyncio.timeout(10):
-        await traverse(
-            [lk], net.query, k=4, alpha=2, stall_after=0.01, max_in_flight=2,
-            on_failure=lambda c, e: None, blocked=lambda p: False,
-        )  # fmt: skip
-    assert net.most_in_flight == 2 + 4
-    assert lk.done
