@@ -37,6 +37,7 @@ Time rules (`RecordValidator`), with ``now`` the local clock:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable
@@ -89,15 +90,27 @@ def owner_of(name: str) -> PeerID | None:
     end = name.find(_OWNER_CLOSE, body_start)
     if end < 0:
         raise RecordError(f"name {_short(name)} has an unterminated owner marker")
-    text = name[body_start:end]
+    peer, problem = _owner_peer(name[body_start:end])
+    if peer is None:
+        raise RecordError(f"name {_short(name)} has {problem}")
+    return peer
+
+
+@functools.lru_cache(maxsize=4096)
+def _owner_peer(text: str) -> tuple[PeerID | None, str]:
+    """The peer an owner marker's `text` names, or None and what is wrong with it.
+    Cached: every record stored or read names its owner, the same few peers again and
+    again (a base58 decode and encode each time was a tenth of a pipeline swarm's
+    DHT time), and one PeerID object keeps its parsed public key for every signature
+    it checks."""
     try:
         peer = PeerID.from_base58(text)
     except ValueError:
-        raise RecordError(f"name {_short(name)} has an invalid owner peer ID") from None
+        return None, "an invalid owner peer ID"
     if peer.to_base58() != text:
         # Two spellings of one owner would make two distinct names for one record.
-        raise RecordError(f"name {_short(name)} has a non-canonical owner peer ID")
-    return peer
+        return None, "a non-canonical owner peer ID"
+    return peer, ""
 
 
 def _check_name(what: str, name: object) -> None:

@@ -31,6 +31,7 @@ from shoal.averaging.fingerprint import state_fingerprint  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
 from shoal.peer.experiment import Manifest, stages_fingerprint  # noqa: E402
 from shoal.peer.training.checkpoint import CHECKPOINT_FORMAT, CheckpointStore  # noqa: E402
+from shoal.peer.verify import state_file  # noqa: E402
 from shoal.peer.verify.audit_round import SECRET_BYTES  # noqa: E402
 from shoal.pipeline import wire as pipeline_wire  # noqa: E402
 from shoal.pipeline.audit_service import signature_to_wire  # noqa: E402
@@ -89,6 +90,27 @@ def checkpoint() -> bytes:
         store = CheckpointStore(Path(tmp))
         store.prepare()
         path = store.save({"format": CHECKPOINT_FORMAT, "model": {"w": torch.zeros(3)}, "step": 1})
+        return path.read_bytes()
+
+
+def work_log_state() -> bytes:
+    """A spilled state of the work log (peer/verify/state_file.py): parameters and an
+    AdamW state dict, a tuple among its settings."""
+    tree = {
+        "params": [torch.zeros(2, 3), torch.ones(4)],
+        "optimizer": {
+            "optimizer": {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)}},
+                "param_groups": [
+                    {"lr": 0.1, "betas": (0.9, 0.95), "foreach": None, "params": [0, 1]}
+                ],
+            },
+            "grad_scaler": {},
+        },
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state"
+        state_file.write_tree(path, tree)
         return path.read_bytes()
 
 
@@ -477,6 +499,7 @@ def seeds() -> dict[str, list[bytes]]:
             manifest(hyperparameters={"inner_optimizer": {"name": "SGD", "momentum": 0.9}}),
         ],
         "checkpoint": [checkpoint(), stage_checkpoint()],
+        "work_log_state": [work_log_state()],
         "status_inputs": [b"127.0.0.1:8080", msgpack.packb(status, use_bin_type=True)],
         "verification_evidence": list(conviction()),
         **new_seeds(),

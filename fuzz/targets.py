@@ -40,6 +40,7 @@ from shoal.peer.status.cli import format_status
 from shoal.peer.status.server import parse_status_addr
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.checkpoint import CheckpointError, CheckpointStore
+from shoal.peer.verify import state_file
 from shoal.pipeline import stage_checkpoint
 from shoal.transport import tensors
 from shoal.transport.errors import HandshakeError, ProtocolViolation
@@ -318,6 +319,24 @@ def checkpoint(data: bytes) -> None:
         assert all(r.version < 8 for r in stage_checkpoint.step_log(state, 8))
 
 
+def work_log_state(data: bytes) -> None:
+    """A state file of the work log on disk (damaged, truncated or rewritten), read back
+    as a reveal reads it: a tree of tensors, each within the file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state"
+        path.write_bytes(data)
+        tree = state_file.read_tree(path)
+    stack = [tree]
+    while stack:  # (every tensor readable: its bytes are the file's)
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            node.sum()
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+
+
 def status_inputs(data: bytes) -> None:
     """What the status tools read: --status-addr, and another peer's /status and /peers."""
     try:
@@ -375,6 +394,12 @@ TARGETS: dict[str, Target] = {
         Target("codec_sparse", codec_sparse, (CodecError,), codec_sparse.__doc__),
         Target("manifest", manifest, (ManifestError,), manifest.__doc__),
         Target("checkpoint", checkpoint, (CheckpointError,), checkpoint.__doc__),
+        Target(
+            "work_log_state",
+            work_log_state,
+            (state_file.StateFileError,),
+            work_log_state.__doc__,
+        ),
         Target("status_inputs", status_inputs, (), status_inputs.__doc__),
         Target(
             "verification_evidence",

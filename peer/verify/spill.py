@@ -1,12 +1,12 @@
 """The work log's kept states on disk, used only when they still hash as committed.
 
 They are written past the log's RAM budget and read back when a reveal needs them.
-A state on disk is one `torch.save` file (parameters and inner-optimizer state);
-it is read back with `weights_only=True` (no code runs from the file) and mapped
-rather than copied (`mmap=True`: its pages are the file's, which the kernel can
-drop, not the process's). A file that is gone, truncated or altered reads back as
-None, never as a wrong state: the caller compares the digest with the one it
-committed to before using it.
+A state on disk is one file of `state_file`'s format (parameters and
+inner-optimizer state: raw tensor bytes after a msgpack header, no pickle, so no
+code runs from the file); it is mapped rather than copied when read back (its
+pages are the file's, which the kernel can drop, not the process's). A file that
+is gone, truncated or altered reads back as None, never as a wrong state: the
+caller compares the digest with the one it committed to before using it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from .segments import SegmentState
+from .state_file import read_tree, write_tree
 
 __all__ = ["SpillDir", "Spilled", "load_kept", "load_tensor"]
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".pt"
+SUFFIX = ".state"
 
 
 class Spilled:
@@ -38,12 +39,12 @@ class Spilled:
     def load(self, digest: bytes) -> SegmentState | None:
         """The state, when the file still holds the one whose digest is `digest`."""
         try:
-            raw = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            raw = read_tree(self.path)
             state = SegmentState(list(raw["params"]), raw["optimizer"])
             if state.digest() == digest:
                 return state
             problem = "digest mismatch"
-        except Exception as e:  # gone, truncated, not a torch file, wrong layout
+        except Exception as e:  # gone, truncated, not a state file, wrong layout
             problem = repr(e)
         log.warning("kept state %s is unusable (%s)", self.path.name, problem)
         return None
@@ -75,7 +76,7 @@ class SpillDir:
         self._written += 1
         final = self.path / f"r{round_index}-s{step}-{self._written}{SUFFIX}"
         partial = final.with_suffix(".part")
-        torch.save({"params": state.params, "optimizer": state.optimizer}, partial)
+        write_tree(partial, {"params": state.params, "optimizer": state.optimizer})
         os.replace(partial, final)  # a crash mid-write leaves no file that looks whole
         return Spilled(final)
 
@@ -84,7 +85,7 @@ class SpillDir:
         (blocking). Read it back with `load_tensor`."""
         final = self.path / f"{name}{SUFFIX}"
         partial = final.with_suffix(".part")
-        torch.save(tensor, partial)
+        write_tree(partial, tensor)
         os.replace(partial, final)
         return final
 
@@ -96,7 +97,7 @@ def load_tensor(path: Path) -> torch.Tensor | None:
     """A tensor `write_tensor` wrote, mapped; None when the file is gone or unreadable
     (the caller checks it against what it committed to before using it)."""
     try:
-        tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        tensor = read_tree(path)
     except Exception as e:
         log.warning("kept tensor %s is unusable (%r)", path.name, e)
         return None
