@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ from .presence import Presence
 from .served_state import ServedState
 from .state_loading import GENESIS, fetch_state, loaded_version, restored_version, write_state
 from .state_loading import version_of as _version
-from .state_sync import State, StateServer
+from .state_sync import State, StateServer, downloads_in
 from .step_result import Attempt, StepResult
 from .step_runner import SUPERSEDED_VERSION_S, UNREACHABLE_VERSION_S, StepRunner
 
@@ -106,6 +107,7 @@ class Averager:
         service: AllReduceService | None = None,
         round_tensors: Callable[[Group, float], Sequence[torch.Tensor]] | None = None,
         live_state: bool = False,
+        copies_dir: Path | None = None,
     ) -> None:
         """`state`: the tensors served to joiners and fingerprinted (default: `tensors`).
         `on_commit`: called right after each commit, before the state is frozen.
@@ -117,8 +119,8 @@ class Averager:
         `live_state`: the state changes only through our commits and loads (and
         writes the owner announces with `before_state_change`): it is served and
         checkpointed from the live tensors, never copied whole but while a download
-        overlaps a change (`state_sync.StateServer.before_change`). Else each commit
-        freezes a host copy of it."""
+        overlaps a change (`state_sync.StateServer.before_change`), in a file of
+        `copies_dir` when given. Else each commit freezes a host copy of it."""
         self.dht = dht
         self.key = key
         self.tensors = list(tensors)
@@ -153,9 +155,10 @@ class Averager:
         # The state we serve is the one of our last commit, frozen then (or served
         # live: `served_state`): the caller changes its tensors between rounds.
         self.live_state = live_state
+        self.copies_dir = copies_dir
         self._state_server = StateServer(
             dht, key, self._current_state, protocol=self.config.state_protocol, copy=False,
-            live=live_state,
+            live=live_state, copies_dir=copies_dir,
         )  # fmt: skip
         self._served = ServedState(self._state_server, live=live_state)
         # A shared state's commit certificates: what decides which lineage anyone
@@ -254,11 +257,12 @@ class Averager:
         the state of that version (from `sources` first: peers known to hold it)."""
         started = time.monotonic()
         self._served.before_download()
-        fetched = await fetch_state(
-            self.dht, self.key, self.config.state_protocol, self.certifier,
-            deadline or Deadline.after(timeout), version=version, sources=sources,
-            ours=self.state_version, like=self.state, on_refused=self._refused,
-        )  # fmt: skip
+        with downloads_in(self.copies_dir):  # (the downloaded tensors, until written)
+            fetched = await fetch_state(
+                self.dht, self.key, self.config.state_protocol, self.certifier,
+                deadline or Deadline.after(timeout), version=version, sources=sources,
+                ours=self.state_version, like=self.state, on_refused=self._refused,
+            )  # fmt: skip
         if fetched is None:
             return False
         state, lineage = fetched

@@ -24,17 +24,28 @@ it serves them in place, chunk by chunk (through the host for device tensors),
 and its owner calls `before_change` before it changes them; a snapshot read
 lately is then copied once (at most one such copy at a time), any other is
 dropped. A model's state then costs its copy only while a download overlaps a
-change, not for the whole run.
+change, not for the whole run. With a folder for copies (`copies_dir`) that copy
+goes to a file (`state_file`'s format, unlinked once mapped) and the download
+reads it from there: the state then costs no memory of its own, at the price of
+writing its bytes to disk (for a pipeline stage, 3 of the 9 parameter sizes a
+stage peer holds otherwise: parameters and both moments).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import itertools
 import logging
 import math
+import mmap
+import os
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +61,7 @@ from shoal.transport.multiaddr import Multiaddr
 from .deadline import Deadline
 from .fingerprint import state_fingerprint
 from .lineage import declared_work
+from .state_file import read_tree, write_tree
 
 log = logging.getLogger("shoal.averaging.state")
 
@@ -180,6 +192,24 @@ def _host_copies(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().to("cpu", copy=True).contiguous() for t in tensors)
 
 
+_copy_names = itertools.count()
+
+
+def _disk_copies(folder: Path, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Copies of `tensors` in a file of `folder`, mapped (copy-on-write) and unlinked:
+    the kernel holds their pages as it holds any file's, and drops them under
+    pressure; the file's space goes with the last tensor. (A device tensor passes
+    through the host one tensor at a time.)"""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"copy-{os.getpid()}-{next(_copy_names)}.state"
+    try:
+        write_tree(path, list(tensors))
+        copies = read_tree(path)
+    finally:
+        path.unlink(missing_ok=True)
+    return tuple(copies)
+
+
 class StateServer:
     """Serves snapshots of `provider()` and announces them in the DHT."""
 
@@ -194,11 +224,13 @@ class StateServer:
         keep_snapshots: int = 2,
         copy: bool = True,
         live: bool = False,
+        copies_dir: Path | None = None,
     ) -> None:
         """`copy=False`: the provider's tensors never change once handed out (it
         gives frozen copies), so snapshots need not copy them again. `live=True`:
         they are the owner's live tensors, served in place; the owner awaits
-        `before_change` before it changes them."""
+        `before_change` before it changes them. `copies_dir`: where a live state's
+        copy for a download that a change overlaps goes (None: host memory)."""
         self.dht = dht
         self.key = key
         self.provider = provider
@@ -206,6 +238,7 @@ class StateServer:
         self.keep_snapshots = keep_snapshots
         self.copy = copy and not live
         self.live = live
+        self.copies_dir = copies_dir
         self._snapshots: dict[str, _Snapshot] = {}
         self.service = rpc.RpcService(dht.host, protocol)
         self.service.unary("info")(self._on_info)
@@ -267,7 +300,7 @@ class StateServer:
             if not (keep and (snap.fetching or now - snap.last_used < KEEP_READ_S)):
                 continue
             self.drop_copies()  # (one copy at a time: their downloads move on)
-            copies = await asyncio.to_thread(_host_copies, snap.state.tensors)
+            copies = await asyncio.to_thread(self._copies, snap.state.tensors)
             # In place: fetches streaming from `snap` read the copies from here on.
             snap.state = replace(snap.state, tensors=copies)
             snap.views, snap.offsets, snap.total = _layout(copies)
@@ -275,6 +308,17 @@ class StateServer:
             self._snapshots[fp] = kept_snap = snap
             kept = kept_snap.state
         return kept
+
+    def _copies(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """A live state's copy for its downloads: in the copies folder, else (none, or
+        a disk that fails: full, read-only) in host memory."""
+        if self.copies_dir is not None:
+            try:
+                return _disk_copies(self.copies_dir, tensors)
+            except (OSError, TypeError) as e:
+                log.warning("copying the served state to %s failed (%r): copied in memory",
+                            self.copies_dir, e)  # fmt: skip
+        return _host_copies(tensors)
 
     def _snapshot(self, fingerprint: str | None) -> _Snapshot:
         now = time.monotonic()
@@ -456,10 +500,69 @@ def _allocate(layout: object, like: Sequence[torch.Tensor] | None = None) -> lis
         if total > MAX_TOTAL_BYTES:
             raise LayoutError("state too large")
         shapes.append((shape, dtype))
+    folder = _download_folder.get()
+    if folder is not None:
+        try:
+            return _file_backed(folder, shapes)
+        except OSError as e:  # (a full or read-only disk: in memory, as without a folder)
+            log.warning("cannot hold a download in %s (%r): in memory", folder, e)
     try:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
     except RuntimeError as e:  # more than this machine can hold
         raise LayoutError(f"cannot allocate the state: {e}") from None
+
+
+# Where downloads of the current task keep their tensors (None: in memory). A context
+# variable rather than an argument: the folder is the downloading peer's, and the
+# loaders between it and `_allocate` (certified, by version, newest) are five layers.
+_download_folder: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "shoal_download_folder", default=None
+)
+
+
+@contextlib.contextmanager
+def downloads_in(folder: Path | None) -> Iterator[None]:
+    """State downloads started inside the block keep their tensors in a file of
+    `folder` (shared-mapped: the kernel writes their pages back and can drop them, as
+    any file's) until they are copied into the owner's tensors; None: in memory."""
+    token = _download_folder.set(folder)
+    try:
+        yield
+    finally:
+        _download_folder.reset(token)
+
+
+def _file_backed(
+    folder: Path, shapes: Sequence[tuple[list[int], torch.dtype]]
+) -> list[torch.Tensor]:
+    """Empty tensors of `shapes` in one shared mapping of a file of `folder`, its blocks
+    reserved up front (a write into a hole of a full disk would kill the process),
+    unlinked at once: its space goes with the last tensor."""
+    sizes = [
+        math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in shapes
+    ]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // 64) * 64
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=folder, suffix=".download")
+    try:
+        os.unlink(name)
+        os.posix_fallocate(fd, 0, max(total, 1))
+        buffer = mmap.mmap(fd, max(total, 1), access=mmap.ACCESS_WRITE)
+    finally:
+        os.close(fd)
+    out = []
+    for (shape, dtype), offset in zip(shapes, offsets, strict=True):
+        count = math.prod(shape)
+        if count == 0:
+            out.append(torch.empty(shape, dtype=dtype))
+        else:
+            out.append(
+                torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+            )
+    return out
 
 
 async def load_state_from_peers(

@@ -14,6 +14,12 @@ the in-process swarm of the throughput windows (N stage peers, a trainer), the
 single model by plain forward, backward and AdamW steps; each run's growth of the
 process's peak resident memory over its start (Linux: the peak is reset through
 /proc/self/clear_refs) must stay within N budgets and one budget.
+
+`--memory-copies disk` (the default, a daemon's: its data directory) counts a
+stage state's transient copies (one a download a step overlaps reads, one a
+re-sync downloads) as files, `memory` as a library peer's without a folder
+holds them (3 parameter sizes more); `ratio_other_copies` gives the other's
+ratio from the estimates of the same run.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also the largest model N peers of --memory-budget train")  # fmt: skip
     p.add_argument("--memory-budget", default="256M", help="each peer's --max-memory")
     p.add_argument("--memory-steps", type=int, default=3, help="steps of each check's run")
+    p.add_argument("--memory-copies", choices=("disk", "memory"), default="disk",
+                   help="where a stage state's transient copies go: a folder, as a daemon's "
+                   "(its data directory), or memory, as a library peer's without one")  # fmt: skip
 
 
 def _with_layers(base: ByteGPTTask, layers: int) -> ByteGPTTask:
@@ -60,10 +70,14 @@ def _parameters(task: ByteGPTTask) -> int:
     return stage_size(task, 0, 1, 0)
 
 
-def _stage_costs(task: ByteGPTTask, stages: int, opts: argparse.Namespace) -> list[int]:
+def _stage_costs(
+    task: ByteGPTTask, stages: int, opts: argparse.Namespace, on_disk: bool | None = None
+) -> list[int]:
     bounds = probe_bounds(task, 0, stages, opts.global_batch)
+    on_disk = opts.memory_copies == "disk" if on_disk is None else on_disk
     return StageBudget(task, 0, bounds, budget=None,
-                       in_flight=(1 + opts.lag) * opts.global_batch).costs()  # fmt: skip
+                       in_flight=(1 + opts.lag) * opts.global_batch,
+                       copies_on_disk=on_disk).costs()  # fmt: skip
 
 
 def _alone_cost(task: ByteGPTTask, microbatch: int) -> int:
@@ -127,7 +141,7 @@ def _train_alone(task: ByteGPTTask, steps: int, warm: bool = True) -> int:
 
 
 async def _train_pipeline(
-    task: ByteGPTTask, stages: int, opts: argparse.Namespace, node: Any
+    task: ByteGPTTask, stages: int, opts: argparse.Namespace, node: Any, copies_dir: Path | None
 ) -> tuple[int, float]:
     """Peak memory growth (bytes) of a swarm of one peer a stage taking `steps` steps,
     and the trainer's last loss."""
@@ -138,8 +152,10 @@ async def _train_pipeline(
     try:
         for k in range(stages):
             module = task.make_stage(0, stages, k)
+            copies = None if copies_dir is None else copies_dir / str(k)
             peer = StagePeer(await node(nodes), EXPERIMENT, k, module, hyper={"lr": 1e-3},
-                             global_batch=opts.global_batch, bounds=bounds[k])  # fmt: skip
+                             global_batch=opts.global_batch, bounds=bounds[k],
+                             copies_dir=copies)  # fmt: skip
             del module
             await peer.start(sync=False)
             peers.append(peer)
@@ -177,13 +193,26 @@ async def memory_check(opts: argparse.Namespace, node: Any) -> dict[str, Any]:
     log.info("memory: %d layers over %d peers, %d alone; training each briefly", many,
              stages, alone)  # fmt: skip
     grown_alone = await asyncio.to_thread(_train_alone, small, opts.memory_steps)
-    grown_many, loss = await _train_pipeline(big, stages, opts, node)
+    with tempfile.TemporaryDirectory() as tmp:
+        copies = Path(tmp) if opts.memory_copies == "disk" else None
+        grown_many, loss = await _train_pipeline(big, stages, opts, node, copies)
+    # The same budget with the copies in memory (a library's stage peers without a
+    # folder): estimates only.
+    other = opts.memory_copies != "disk"
+    in_memory = _largest(
+        lambda n: max(_stage_costs(_with_layers(base, n), stages, opts, other)) <= budget,
+        stages,
+    )
     return {
         **out,
         "largest_model_bytes": largest,
         "single_peer_largest_model_bytes": single,
         "ratio": round(largest / single, 3),
         "target_ratio": round(0.8 * stages, 2),
+        "copies": opts.memory_copies,
+        "ratio_other_copies": None
+        if in_memory is None
+        else round(4 * _parameters(_with_layers(base, in_memory)) / single, 3),
         "layers": {"pipeline": many, "alone": alone, "d_model": opts.d_model},
         "checked": {
             # The estimates against the growth of this process's peak (the pipeline's:

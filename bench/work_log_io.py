@@ -6,7 +6,7 @@ A verified daemon captures its parameters and inner-optimizer state every
 `audit_segment_steps` inner steps (3) and writes the states past the newest two
 to `<data dir>/work-log/` (`peer/verify/work_log.py`); a reveal reads them back.
 This times, in CPU milliseconds per state of the built-in task at the given
-size: the product's writes and reads (`peer/verify/state_file.py`, through
+size: the product's writes and reads (`averaging/state_file.py`, through
 `SpillDir` and `Spilled.load`, the digest check included) against `torch.save`
 and `torch.load(mmap=True, weights_only=True)` of the same state (what the work
 log used before), alternating the two `--rounds` times; the capture and the

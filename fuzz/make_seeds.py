@@ -26,12 +26,12 @@ from harness import BytesStream, run_now  # noqa: E402
 from targets import _INITIATOR_KEY, _REMOTE, _RESPONDER_KEY, SPARSE_CODECS  # noqa: E402
 from targets_net import _BOOK, _CERTIFIED, _MEMBERS, _ROUND, _STATE  # noqa: E402
 
+from shoal.averaging import state_file  # noqa: E402
 from shoal.averaging.compression import Int4BlockCodec, Int8BlockCodec, get_codec  # noqa: E402
 from shoal.averaging.fingerprint import state_fingerprint  # noqa: E402
 from shoal.dht.records import Record, owner_marker  # noqa: E402
 from shoal.peer.experiment import Manifest, stages_fingerprint  # noqa: E402
 from shoal.peer.training.checkpoint import CHECKPOINT_FORMAT, CheckpointStore  # noqa: E402
-from shoal.peer.verify import state_file  # noqa: E402
 from shoal.peer.verify.audit_round import SECRET_BYTES  # noqa: E402
 from shoal.pipeline import wire as pipeline_wire  # noqa: E402
 from shoal.pipeline.audit_service import signature_to_wire  # noqa: E402
@@ -94,7 +94,7 @@ def checkpoint() -> bytes:
 
 
 def work_log_state() -> bytes:
-    """A spilled state of the work log (peer/verify/state_file.py): parameters and an
+    """A spilled state of the work log (averaging/state_file.py): parameters and an
     AdamW state dict, a tuple among its settings."""
     tree = {
         "params": [torch.zeros(2, 3), torch.ones(4)],

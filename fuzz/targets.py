@@ -28,7 +28,7 @@ from harness import split as _split
 from targets_app import APP_TARGETS
 from targets_net import NET_TARGETS
 
-from shoal.averaging import commit
+from shoal.averaging import commit, state_file
 from shoal.averaging.compression import CodecError, Int4BlockCodec, Int8BlockCodec
 from shoal.averaging.matchmaking_rules import Declaration, parse_view
 from shoal.averaging.sparse_codec import SparseCodec
@@ -40,7 +40,6 @@ from shoal.peer.status.cli import format_status
 from shoal.peer.status.server import parse_status_addr
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.checkpoint import CheckpointError, CheckpointStore
-from shoal.peer.verify import state_file
 from shoal.pipeline import stage_checkpoint
 from shoal.transport import tensors
 from shoal.transport.errors import HandshakeError, ProtocolViolation

@@ -382,6 +382,7 @@ async def _pipeline_session(
                 config.checkpoint_interval,
             ),
             max_memory=config.max_memory,
+            copies_dir=config.data_dir / "state-copies" / manifest.experiment_id,
         )
     except ValueError as e:
         raise SessionError(f"{manifest.describe()} cannot run here: {e}") from None

@@ -21,7 +21,10 @@ stage's parameters (float32: 4 per element):
   moments (3B): the committed state is served to downloaders and checkpointed
   from the live tensors (`Averager(live_state=True)`), copied only when a commit
   comes while a download reads it, and a re-sync drops that copy before it
-  downloads its own (the downloaded tensors). Parameters on a device (a GPU)
+  downloads its own (the downloaded tensors). With a folder for them (a daemon's
+  `<data dir>/state-copies/`: `state_sync.StateServer(copies_dir)` and
+  `state_sync.downloads_in`) both live in a file the kernel writes back and may
+  drop, not in the process's memory: 0. Parameters on a device (a GPU)
   cost two more (2B): the host buffer the bucket is copied into for the round,
   and the averaged gradients copied back for the step;
 - audits (an experiment that verifies its stages): the answers' full-precision
@@ -40,9 +43,10 @@ stage's parameters (float32: 4 per element):
   does not have (measured: a stage peer's peak came within 3 MiB over the rest
   of the estimate above a trainer's, the largest of eight).
 
-So a stage costs about 9B plus its activations (11B while the step copied its
-bucket into a buffer of the averager's and autograd's gradients all existed
-before they were added; 20B while every commit froze a copy for downloads). What
+So a stage costs about 9B plus its activations, 6B with its copies on disk
+(11B while the step copied its bucket into a buffer of the averager's and
+autograd's gradients all existed before they were added; 20B while every
+commit froze a copy for downloads). What
 autograd keeps per sample is measured where the bounds are probed
 (`bounds.probe_bounds`: one sample through the stages on the meta device, shapes
 only, with a hook on what autograd saves: `StageBounds.activation_bytes`);
@@ -130,6 +134,7 @@ def stage_memory(
     allreduce: AllReduceConfig | None = None,
     audits: bool = False,
     on_device: bool = False,
+    copies_on_disk: bool = False,
 ) -> StageMemory:
     """The bytes serving a stage of `parameters` elements costs (see the module doc).
 
@@ -139,7 +144,9 @@ def stage_memory(
     x its boundaries);
     `group_size`: the peers of the stage's all-reduce (the receive slots); `audits`:
     the experiment verifies its stages (their answers are kept for audits);
-    `on_device`: the parameters live on a device (a GPU), not in host memory."""
+    `on_device`: the parameters live on a device (a GPU), not in host memory;
+    `copies_on_disk`: the transient copy of the parameters and moments (3B) goes to
+    a file, not to memory (a peer with a data directory: `copies_dir`)."""
     if parameters < 0 or in_flight < 0 or group_size < 1:
         raise ValueError("parameters >= 0, in_flight >= 0 and group_size >= 1")
     b = parameters * element_bytes
@@ -159,7 +166,9 @@ def stage_memory(
         parameters=b,
         gradients=b + one_parameter,
         optimizer=2 * b,
-        averaging=round_buffers + 3 * b + _receive_slots(parameters, group_size, allreduce),
+        averaging=round_buffers
+        + (0 if copies_on_disk else 3 * b)
+        + _receive_slots(parameters, group_size, allreduce),
         activations=activations,
         audits=RETENTION_BYTES if audits else 0,
         answers=_retained_answers(bounds, in_flight),

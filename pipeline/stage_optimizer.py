@@ -22,6 +22,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ class StageOptimizer:
         matchmaking: MatchmakingConfig | None = None,
         codec: str = "none",
         adaptive_deadlines: bool = True,
+        copies_dir: Path | None = None,
     ) -> None:
         """`adaptive_deadlines`: the round's timeouts are floors, raised by what the
         stage's links measured (`averaging.deadlines`), as DiLoCo's are."""
@@ -120,6 +122,7 @@ class StageOptimizer:
             on_commit=self._apply,
             round_tensors=lambda group, weight: [self._round_input],
             live_state=True,  # (they change only in `_apply` and loads: served in place)
+            copies_dir=copies_dir,  # (a download a step overlaps reads its copy there)
         )
         self.averager.state_lock = worker.lock  # a download never meets a request half-way
         self.steps: deque[StepRecord] = deque(maxlen=STEP_LOG)

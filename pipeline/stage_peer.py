@@ -35,6 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,8 +85,11 @@ class StagePeer:
         step_timeout: float = 30.0,
         sync_timeout: float = 120.0,
         bounds: StageBounds | None = None,
+        copies_dir: Path | None = None,
     ) -> None:
-        """`bounds`: what a request of the stage may hold (`bounds.probe_bounds`)."""
+        """`bounds`: what a request of the stage may hold (`bounds.probe_bounds`);
+        `copies_dir`: where the stage's state is copied for a download that a step
+        overlaps (None: in memory; `state_sync.StateServer`)."""
         self.stage = stage
         self.worker = StageWorker(module, device=device)
         self.server = StageServer(dht, experiment, stage, self.worker, bounds)
@@ -99,8 +103,9 @@ class StagePeer:
             give_up_alone_after=1.0,
         )
         self.optimizer = StageOptimizer(
-            dht, experiment, stage, self.worker, hyper=hyper, matchmaking=matchmaking
-        )
+            dht, experiment, stage, self.worker, hyper=hyper, matchmaking=matchmaking,
+            copies_dir=copies_dir,
+        )  # fmt: skip
         self.progress = StageProgress(dht, experiment, stage, global_batch)
         self.server.steps = self.optimizer.steps
         self.step_timeout = step_timeout

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from shoal.averaging.state_sync import (
     State,
     StateServer,
     StateSyncError,
+    downloads_in,
     find_holders,
     load_state_from_peers,
     load_version_from_peers,
@@ -84,6 +86,31 @@ async def test_a_newcomer_downloads_the_newest_state_and_verifies_it(
     assert [h.step for h in holders] == [9, 9, 5]
     got = await load_state_from_peers(loader, KEY)
     assert_same(got, new)
+
+
+async def test_a_download_inside_downloads_in_lands_in_a_file_of_that_folder(
+    dhts: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A re-sync's downloaded tensors live in a shared mapping of an unlinked file of the
+    folder (the kernel may write their pages back and drop them), bit for bit; a
+    folder that cannot take them (here: a file in its place) leaves them in memory."""
+    new = sample_state(2, step=9)
+    a, loader = await dhts(2)
+    assert await StateServer(a, KEY, lambda: new).announce()
+    folder = tmp_path / "downloads"
+    with downloads_in(folder):
+        got = await load_state_from_peers(loader, KEY, chunk_bytes=64 * 1024)
+    assert_same(got, new)
+    assert list(folder.iterdir()) == []
+    assert [m.endswith(".download (deleted)") for m in mapped_files(folder)] == [True]
+    del got
+    assert mapped_files(folder) == []
+
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    with downloads_in(blocked):
+        again = await load_state_from_peers(loader, KEY, chunk_bytes=64 * 1024)
+    assert_same(again, new)
 
 
 async def test_the_state_of_most_work_is_downloaded_first_and_keeps_its_work(
@@ -179,12 +206,23 @@ async def test_the_state_may_change_during_a_download(dhts: Callable[..., Any]) 
     assert_same(got, first)
 
 
+def mapped_files(folder: Path) -> list[str]:
+    """Files of `folder` this process maps (deleted ones too: /proc/self/maps)."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return sorted({line.split(maxsplit=5)[5] for line in lines
+                   if len(line.split(maxsplit=5)) == 6 and str(folder) in line})  # fmt: skip
+
+
+@pytest.mark.parametrize("copies", ["in memory", "in a folder"])
 async def test_a_live_server_copies_its_owner_s_tensors_only_for_a_download_a_change_overlaps(
-    dhts: Callable[..., Any],
+    dhts: Callable[..., Any], tmp_path: Path, copies: str
 ) -> None:
     """A live server holds no copy of a state nobody reads; when its owner is about
     to change the tensors mid-download, the download finishes on a copy of the
-    state it began (bit for bit), and the next one gets the changed state."""
+    state it began (bit for bit), and the next one gets the changed state. With a
+    folder for copies the copy is a file of it, mapped and already unlinked: no
+    memory of the process's own, and nothing left in the folder."""
+    folder = tmp_path / "copies" if copies == "in a folder" else None
     first = sample_state(5, step=1)
     tensors = [t.clone() for t in first.tensors]
     live = [make_state(tensors, first.metadata)]
@@ -203,7 +241,7 @@ async def test_a_live_server_copies_its_owner_s_tensors_only_for_a_download_a_ch
 
     StateServer._on_fetch = changing_fetch  # type: ignore[method-assign]
     try:
-        server = StateServer(a, KEY, lambda: live[0], live=True)
+        server = StateServer(a, KEY, lambda: live[0], live=True, copies_dir=folder)
         served = server._snapshot(None).state.tensors
         assert all(x.data_ptr() == y.data_ptr() for x, y in zip(served, tensors, strict=True))
         await server.announce()
@@ -212,6 +250,10 @@ async def test_a_live_server_copies_its_owner_s_tensors_only_for_a_download_a_ch
         StateServer._on_fetch = original  # type: ignore[method-assign]
     assert changed and changed[0] is not None and changed[0].fingerprint == first.fingerprint
     assert_same(got, first)
+    if folder is not None:
+        assert list(folder.iterdir()) == []
+        assert [m.endswith(".state (deleted)") for m in mapped_files(folder)] == [True]
+        assert_same(changed[0], first)  # (the copy, read from its file)
 
     await server.announce()
     again = await load_state_from_peers(loader, KEY, chunk_bytes=64 * 1024)

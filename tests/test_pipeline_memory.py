@@ -135,6 +135,10 @@ def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_act
     assert 5 * b < cost.averaging <= 5 * b + 16 * (4 << 20)
     on_device = stage_memory(p, BOUNDS, in_flight=16, group_size=2, on_device=True)
     assert on_device.averaging == cost.averaging + 2 * b
+    # A daemon keeps the transient copy and a re-sync's download in a file of its data
+    # directory: none of the three parameter sizes in memory.
+    on_disk = stage_memory(p, BOUNDS, in_flight=16, group_size=2, copies_on_disk=True)
+    assert on_disk.averaging == cost.averaging - 3 * b
     boundary = 2 * 1024 * 4  # (bounds without a probe of the activations: the prior)
     assert cost.activations == 16 * PRIOR_ACTIVATION_FACTOR * boundary + 2 * 16 * boundary
     probed = stage_memory(p, replace(BOUNDS, activation_bytes=1000), in_flight=16)

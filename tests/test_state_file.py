@@ -1,4 +1,4 @@
-"""The work log's state files (peer/verify/state_file.py): what is written reads back bit
+"""The work log's state files (averaging/state_file.py): what is written reads back bit
 for bit and in the same shapes and types; a damaged file reads back as an error, never
 as something else; a read-back tensor changed in place leaves its file as it was."""
 
@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.averaging.state_file import StateFileError, read_tree, write_tree
 from shoal.peer.trainer import DEFAULT_HYPERPARAMETERS
 from shoal.peer.training.inner import InnerOptimizer
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.peer.verify.segments import capture
-from shoal.peer.verify.state_file import StateFileError, read_tree, write_tree
 
 pytestmark = pytest.mark.timeout(60)
 

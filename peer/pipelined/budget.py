@@ -142,13 +142,16 @@ class StageBudget:
         trainer: bool = False,
         audits: bool = False,
         on_device: bool = False,
+        copies_on_disk: bool = False,
     ) -> None:
         """`trainer`: we also drive microbatches (role auto): what our own trainer keeps
         in flight comes off the budget before a stage's cost; `audits`: the experiment
         verifies its stages (a stage peer keeps its answers for audits); `on_device`:
-        our stage would live on a device (a GPU), not in host memory."""
+        our stage would live on a device (a GPU), not in host memory; `copies_on_disk`:
+        the state's transient copies go to a folder (`memory.stage_memory`)."""
         self.audits = audits
         self.on_device = on_device
+        self.copies_on_disk = copies_on_disk
         self.budget = budget
         self.bounds = list(bounds)
         self.in_flight = in_flight
@@ -161,7 +164,8 @@ class StageBudget:
         """What serving stage `k` costs."""
         return stage_memory(self.sizes[k], self.bounds[k], in_flight=self.in_flight,
                             group_size=self.groups[k], audits=self.audits,
-                            on_device=self.on_device)  # fmt: skip
+                            on_device=self.on_device,
+                            copies_on_disk=self.copies_on_disk)  # fmt: skip
 
     def see_peers(self, peers: Sequence[int]) -> None:
         """Each stage's other peers, as the records show them: with us, the stage's

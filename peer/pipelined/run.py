@@ -31,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -124,10 +126,14 @@ class PipelineRun:
         device: torch.device,
         checkpoints: StageCheckpoints | None = None,
         max_memory: int | None = None,
+        copies_dir: Path | None = None,
     ) -> None:
         """`checkpoints`: where our stage is saved and restored from (None: nowhere).
         `max_memory`: this peer's memory budget in bytes (None: what the machine and
-        the device have free when it starts)."""
+        the device have free when it starts). `copies_dir`: a folder for the stage
+        state's transient copies (one a download of ours or of a peer's holds across
+        a step), which otherwise take 3 parameter sizes of memory (emptied here: what
+        is in it is a dead run's)."""
         self.dht = dht
         self.manifest = manifest
         self.options = manifest.strategy_options
@@ -154,6 +160,9 @@ class PipelineRun:
         self.checkpoints = checkpoints
         self.losses = StageLosses(self.stages)
         self.max_memory = max_memory
+        self.copies_dir = copies_dir
+        if copies_dir is not None:
+            shutil.rmtree(copies_dir, ignore_errors=True)
         self.budget: StageBudget | None = None  # what each stage costs us (`start`)
         if stage is not None and not 0 <= stage < self.stages:
             raise ValueError(f"--stage {stage}: this experiment has stages 0 to {self.stages - 1}")
@@ -250,7 +259,8 @@ class PipelineRun:
         out = StageBudget(self.task, self.manifest.seed, bounds, budget=budget,
                           in_flight=in_flight, trainer=self.role == "auto",
                           audits=bool(self.options.get("verify", False)),
-                          on_device=self.device.type != "cpu")  # fmt: skip
+                          on_device=self.device.type != "cpu",
+                          copies_on_disk=self.copies_dir is not None)  # fmt: skip
         # What we free goes back at once: the peak is then what we hold (the estimate).
         return_large_blocks_at_once()
         if self.role in ("auto", "trainer"):
@@ -281,6 +291,7 @@ class PipelineRun:
             global_batch=int(self.options["global_batch"]),
             device=self.device,
             bounds=None if self.bounds is None else self.bounds[k],
+            copies_dir=self.copies_dir,
         )
         max_norm = self.options.get("max_grad_norm")
         if max_norm is not None:  # every stage scales by the whole model's norm

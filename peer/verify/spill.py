@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from shoal.averaging.state_file import read_tree, write_tree
+
 from .segments import SegmentState
-from .state_file import read_tree, write_tree
 
 __all__ = ["SpillDir", "Spilled", "load_kept", "load_tensor"]
 

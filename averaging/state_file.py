@@ -1,4 +1,5 @@
-"""The work log's file format: tensors as raw bytes after a small msgpack header.
+"""A file format for tensors: raw bytes after a small msgpack header (the work log's
+states, a served state's copy while a download overlaps a change).
 
 `torch.save` pickles every tensor and writes a zip archive: for a state of the
 daemon's default model (28 parameters and their Adam moments, 5.4 MB) that was
@@ -65,12 +66,13 @@ class StateFileError(ValueError):
 
 def write_tree(path: Path, tree: Any) -> None:
     """Write `tree` (tensors inside dicts, lists and tuples of plain values) to `path`.
-    Tensors are written as they are on the CPU (contiguous copies where they are not)."""
+    Tensors are written as their bytes on the CPU, one at a time (a device tensor or a
+    non-contiguous one through a host copy of itself alone)."""
     tensors: list[torch.Tensor] = []
 
     def encode(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj.detach().to("cpu").contiguous())
+            tensors.append(obj.detach())
             return msgpack.ExtType(TENSOR_EXT, msgpack.packb(len(tensors) - 1))
         if isinstance(obj, tuple):
             return msgpack.ExtType(TUPLE_EXT, _pack(list(obj), encode))
@@ -90,8 +92,9 @@ def write_tree(path: Path, tree: Any) -> None:
         f.write(MAGIC + len(header).to_bytes(4, "big") + header)
         for t, (_, _, at) in zip(tensors, table, strict=True):
             f.seek(start + at)
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            if t.numel():  # (a device tensor through the host, one at a time)
+                host = t.to("cpu").contiguous()
+                f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
         f.truncate(start + offset)
 
 
