@@ -1158,6 +1158,10 @@ async def test_decider_dying_mid_broadcast_survivors_still_commit(cluster: Any) 
         assert c.hosts[0].peer_id in o.failed or o.failed == ()
 
 
+# One at a time (tests/conftest.py): the survivors commit only if they hear each other
+# within the round's stall timeout; beside a swarm of daemons on 2 cores they once all
+# aborted instead (the same decision everywhere, but not the commit this test is about).
+@pytest.mark.xdist_group("one-at-a-time")
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 async def test_with_a_quantizing_codec_a_dying_deciders_survivors_commit_the_same_bits(

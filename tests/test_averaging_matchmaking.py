@@ -1176,6 +1176,10 @@ async def test_dead_peers_declarations_neither_outvote_nor_stall_the_living(
     assert all(len(m._suspicions) >= 6 for m in living if m.peer_id == group.extra["leader"])
 
 
+# One at a time (tests/conftest.py): its waits and its 3-s gap are about the protocol,
+# not a scheduler. Beside the compose pipeline's nine containers on 2 cores, a group
+# took over 10 s to form after a kill (local CI, 2026-12-02); 6-8 s in all otherwise.
+@pytest.mark.xdist_group("one-at-a-time")
 @pytest.mark.timeout(60)
 async def test_killing_the_assembler_again_and_again(swarm: Callable[..., Any]) -> None:
     """A8 in one process: kill the peer that assembled the group during its
