@@ -81,7 +81,7 @@ from .outer import (
     nesterov_outer_step,
     state_protocol,
 )
-from .sparse_round import SPARSE_SHAPE, SparseContribution
+from .sparse_round import SparseContribution, sparse_shape, union_reduction
 from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
 log = logging.getLogger("shoal.averaging.diloco")
@@ -158,7 +158,7 @@ class DiLoCo(OuterStrategyBase):
         clip = config.allreduce.reduction == "centered_clip"
         self.sparse = SparseContribution.of(self.options, self._delta_buffer, clip=clip)
         if self.sparse is not None:
-            union = "union_clip_capped" if clip else "union"
+            union = union_reduction(clip=clip, senders=self.sparse.senders)
             allreduce = dataclasses.replace(config.allreduce, reduction=union)
             config = dataclasses.replace(config, codec="none", allreduce=allreduce)
         self.averager = Averager(
@@ -191,7 +191,7 @@ class DiLoCo(OuterStrategyBase):
         codec = (
             self.averager.config.codec
             if self.sparse is None
-            else SPARSE_SHAPE + self.sparse.gather.codec.name
+            else sparse_shape(self.sparse.gather.codec, self.sparse.feedback.decay)
         )
         return (allreduce.streams_per_peer, allreduce.chunk_bytes, codec)
 

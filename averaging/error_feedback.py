@@ -1,8 +1,12 @@
 """Error feedback for a lossy pseudo-gradient codec: what a round did not send is
 carried, in float32 on the host, into the next round's contribution.
 
-Transactional, because a round may abort: `compress` codes residual + delta and
-holds what the message leaves out; only `commit` (the round committed with our
+With `decay` below 1 (SparseLoCo's beta; the option `codec_feedback_decay`), each
+round keeps only that share of the residual: what went unsent for many rounds
+fades rather than arriving late and all at once.
+
+Transactional, because a round may abort: `compress` codes decay * residual +
+delta and holds what the message leaves out; only `commit` (the round committed with our
 message in it) makes that the new residual. After an abort the residual stays as
 it was (the next round's delta covers this round's steps again), and after a
 re-sync it is zeroed: it pushed directions of a state the peer no longer holds.
@@ -44,9 +48,18 @@ def residual_digest(t: torch.Tensor) -> bytes:
 class ErrorFeedback:
     """The residual of one flat float32 vector of `size` elements coded by `codec`."""
 
-    def __init__(self, codec: SparseCodec, size: int, *, pin: bool = False) -> None:
+    def __init__(
+        self, codec: SparseCodec, size: int, *, pin: bool = False, decay: float = 1.0
+    ) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"error feedback decay must be in [0, 1], got {decay!r}")
         self.codec = codec
         self.size = size
+        # What a round keeps of the residual before it adds the new delta (SparseLoCo's
+        # beta): a float32 scalar, multiplied and added in two roundings, so that an
+        # auditor re-derives the same bits on any machine (no fused multiply-add).
+        self.decay = decay
+        self._decay = torch.tensor(decay, dtype=torch.float32)
         self.residual = torch.zeros(size, dtype=torch.float32)
         self._pending = torch.zeros(size, dtype=torch.float32)
         if pin:
@@ -74,7 +87,7 @@ class ErrorFeedback:
         return self._open
 
     def compress(self, delta: torch.Tensor) -> bytes:
-        """Code residual + `delta` (flat float32, `size` elements) and replace `delta`
+        """Code decay * residual + `delta` (flat float32, `size` elements) and replace `delta`
         in place by what the message decodes to; returns the message. The residual it
         would leave is held until `commit` or `abort`. `CodecError` (non-finite
         values) leaves everything as it was."""
@@ -84,7 +97,11 @@ class ErrorFeedback:
             self.residual.zero_()
             self.chain, self.restored_proof = b"", b""
             self.unvouched_dropped += 1
-        torch.add(self.residual, delta, out=self._pending)
+        if self.decay == 1.0:
+            torch.add(self.residual, delta, out=self._pending)
+        else:
+            torch.mul(self.residual, self._decay, out=self._pending)
+            self._pending.add_(delta)
         message = self.codec.encode(self._pending)
         decoded = torch.zeros_like(delta)
         self.codec.add_decoded(self.codec.check(message, self.size), decoded, 1.0)

@@ -140,6 +140,13 @@ class StrategyOptions(Mapping[str, Any]):
         """What no single option says (one option below another): ValueError."""
 
     @classmethod
+    def for_new_experiment(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The options a new experiment records for `options` (the flags): today's
+        defaults where they differ from what a manifest without the key means
+        (that key's legacy value, kept for the experiments written before)."""
+        return dict(options)
+
+    @classmethod
     def defaults(cls) -> dict[str, Any]:
         """What a manifest records for the defaults (options `added` later left out)."""
         return {f.name: f.default for f in dataclasses.fields(cls) if not _opt(f).added}

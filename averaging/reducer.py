@@ -304,6 +304,9 @@ ALL_REDUCTIONS: dict[str, type[Reduction]] = {
     **REDUCTIONS,
     "union": BitwiseUnion,
     "union_clip_capped": BitwiseUnion,
+    # (the same, for members that take the senders' mean: `sparse_gather`)
+    "union_senders": BitwiseUnion,
+    "union_clip_capped_senders": BitwiseUnion,
 }
 
 

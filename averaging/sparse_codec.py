@@ -311,6 +311,53 @@ class SparseCodec:
             )
             y[full * self.chunk :] += rows.view(-1) * w
 
+    def add_sent(
+        self,
+        message: SparseMessage,
+        total: torch.Tensor,
+        weights: torch.Tensor,
+        value_weight: float,
+        share: float,
+    ) -> None:
+        """For the senders' mean, in the codec's own coordinates (topk: the values; dct:
+        the coefficients) at the message's indices: ``total += value_weight * values``
+        and ``weights += share`` (a clipped message's values weigh its share times its
+        clip scale; its share alone divides)."""
+        idx = message.indices
+        w = torch.tensor(value_weight, dtype=torch.float32)
+        total[idx] = total[idx] + message.values * w
+        weights[idx] = weights[idx] + torch.tensor(share, dtype=torch.float32)
+
+    def senders_mean_into(
+        self, total: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """``out`` = the decoded senders' mean: each coordinate of `total` divided by its
+        `weights` where a member sent it (zero elsewhere), then (dct) transformed back.
+        The same bits wherever it runs."""
+        y = _check_out(out)
+        sent = weights > 0
+        mean = torch.where(sent, total / torch.where(sent, weights, 1.0), 0.0)
+        if self.kind == "topk":
+            y.copy_(mean)
+            return
+        n = y.numel()
+        full, tail, _ = self._tail(n)
+        y.zero_()
+        parts = ((0, full, self.chunk), (full * self.chunk, 1 if tail else 0, tail))
+        for start, rows, width in parts:
+            if not rows:
+                continue
+            end = start + rows * width
+            mask = sent[start:end].view(rows, width)
+            kept = int(mask.sum(dim=1).max())
+            if not kept:
+                continue
+            # Each row's sent coefficients first, in ascending order (stable), padded
+            # with unsent ones, whose coefficient is zero and adds nothing.
+            order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :kept]
+            coefficients = mean[start:end].view(rows, width).gather(1, order)
+            y[start:end] = dct_inverse_sparse(order, coefficients, width).view(-1)
+
     def decode(self, data: BytesLike, n: int) -> torch.Tensor:
         """The n float32 values `data` codes (checked first)."""
         out = torch.zeros(n, dtype=torch.float32)

@@ -20,7 +20,10 @@ options) each message is clipped to the median message norm before it is added
 (`verification.robust.norm_clip_scales`: why norms, not CenteredClip's centre)
 and each weight capped at twice the median weight (`capped_weights`), and the
 round's plan is named `union_clip_capped`, so that members that clip never average
-with members that do not (nor with stop-57 peers, which clipped norms alone). A
+with members that do not (nor with stop-57 peers, which clipped norms alone).
+With the senders' mean (`codec_mean = "senders"`) each coordinate is divided by the
+weight of the members whose message sent it, not by all of theirs, and the plan's
+name ends in `_senders`, for the same reason. A
 member that leaves mid-round aborts the round as in any butterfly (every member
 still opens its stream to every owner, with no data).
 
@@ -121,8 +124,11 @@ class SparseGather:
         members: Sequence[PeerID],
         *,
         clip: bool = False,
+        senders: bool = False,
     ) -> list[int]:
         """`out` = the weighted mean of the valid slots' messages (zero if none is);
+        with `senders`, per coordinate, over the messages that sent it (SparseLoCo's
+        mean: a coordinate one member sent is not divided by the others' weight);
         `members` are the round's, in group order (slot i is members[i]'s). With `clip`,
         each message is first scaled down to at most the lower median of the valid
         messages' norms (`norm_clip_scales`) and each weight capped at twice their
@@ -158,8 +164,16 @@ class SparseGather:
             weights = capped_weights(weights)
             scales = norm_clip_scales([m.norm for _, m in checked])  # type: ignore[attr-defined]
         total = math.fsum(weights)
-        for weight, (_, message), scale in zip(weights, checked, scales, strict=True):
-            self.codec.add_decoded(message, out, weight / total * scale)  # type: ignore[arg-type]
+        shares = [weight / total for weight in weights]
+        messages = [message for _, message in checked]
+        if senders and checked:
+            sums, sent = torch.zeros(self.n), torch.zeros(self.n)
+            for share, message, scale in zip(shares, messages, scales, strict=True):
+                self.codec.add_sent(message, sums, sent, share * scale, share)  # type: ignore[arg-type]
+            self.codec.senders_mean_into(sums, sent, out)
+            return skipped
+        for share, message, scale in zip(shares, messages, scales, strict=True):
+            self.codec.add_decoded(message, out, share * scale)  # type: ignore[arg-type]
         return skipped
 
 

@@ -24,11 +24,38 @@ from .sparse_codec import SparseCodec
 from .sparse_gather import SparseGather
 from .step_result import StepResult
 
-__all__ = ["SPARSE_SHAPE", "SparseContribution"]
+__all__ = [
+    "SPARSE_SHAPE",
+    "SparseContribution",
+    "parse_sparse_shape",
+    "sparse_shape",
+    "union_reduction",
+]
 
-# How an audit shape names a sparse round's codec (`DiLoCo.audit_shape`): "sparse:"
-# and the codec's name.
+# How an audit shape names a sparse round's codec (`DiLoCo.audit_shape`): "sparse:",
+# the codec's name and, when the error feedback decays, "@" and the decay.
 SPARSE_SHAPE = "sparse:"
+
+
+def sparse_shape(codec: SparseCodec, decay: float) -> str:
+    """The audit shape of rounds of `codec` whose error feedback keeps `decay`."""
+    return SPARSE_SHAPE + codec.name + ("" if decay == 1.0 else f"@{decay!r}")
+
+
+def union_reduction(*, clip: bool, senders: bool) -> str:
+    """The name a sparse round's plan gives its reduction (`reducer.ALL_REDUCTIONS`):
+    the bitwise union of the slots, named after how the members decode them, so that
+    members that decode them otherwise never average together."""
+    return ("union_clip_capped" if clip else "union") + ("_senders" if senders else "")
+
+
+def parse_sparse_shape(shape: str) -> tuple[SparseCodec, float]:
+    """(codec, decay) of a `sparse_shape` (ValueError unless it is one)."""
+    if not shape.startswith(SPARSE_SHAPE):
+        raise ValueError(f"not a sparse round's shape: {shape!r}")
+    name, _, decay = shape.removeprefix(SPARSE_SHAPE).partition("@")
+    return SparseCodec.parse(name), float(decay) if decay else 1.0
+
 
 log = logging.getLogger("shoal.averaging.sparse")
 
@@ -37,10 +64,19 @@ class SparseContribution:
     """One peer's sparse contributions to the rounds of `delta` (its flat buffer of
     pseudo-gradients, which the strategy's outer step reads)."""
 
-    def __init__(self, codec: SparseCodec, delta: torch.Tensor, *, clip: bool = False) -> None:
+    def __init__(
+        self,
+        codec: SparseCodec,
+        delta: torch.Tensor,
+        *,
+        clip: bool = False,
+        decay: float = 1.0,
+        senders: bool = False,
+    ) -> None:
         self.delta = delta
         self.clip = clip  # the robust mean: each message clipped to the median norm
-        self.feedback = ErrorFeedback(codec, delta.numel(), pin=delta.is_pinned())
+        self.senders = senders  # the senders' mean, per coordinate (`SparseGather.mean_into`)
+        self.feedback = ErrorFeedback(codec, delta.numel(), pin=delta.is_pinned(), decay=decay)
         self.gather = SparseGather(codec, delta.numel())
         self._message: bytes | None = None  # this round's, once coded
         self._slots = torch.empty(0)
@@ -57,7 +93,13 @@ class SparseContribution:
         codec = SparseCodec.from_density(
             options.codec, options.sparse_chunk, options.codec_density, options.codec_bits
         )
-        return cls(codec, delta, clip=clip)
+        return cls(
+            codec,
+            delta,
+            clip=clip,
+            decay=options.codec_feedback_decay,
+            senders=options.codec_mean == "senders",
+        )
 
     def compress(self) -> None:
         """Code the pseudo-gradient plus the residual; `delta` then holds what the
@@ -97,8 +139,9 @@ class SparseContribution:
         if round_id != self._round:
             return
         skipped = self.gather.mean_into(
-            self._slots, self.delta, self._round, self._members, clip=self.clip
-        )
+            self._slots, self.delta, self._round, self._members, clip=self.clip,
+            senders=self.senders,
+        )  # fmt: skip
         if skipped:
             log.warning("malformed or forged contributions skipped: slots %s", skipped)
 

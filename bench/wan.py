@@ -72,6 +72,7 @@ from convergence import ARM_TUNING, DEFAULT_DATA, MODEL_SEED, TASK_CONFIG
 from wan_lab import WanLab
 
 from shoal.averaging.outer import DEFAULT_OPTIONS
+from shoal.averaging.registry import schema_of
 from shoal.peer.training.task import load_task
 
 ARMS = (
@@ -130,6 +131,8 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
         strategy, codec = CODEC_ARMS[arm]
         options = {"codec": codec}
     options.update(args.options.get(variant, {}))
+    if strategy not in {"gloo", "shoal_dp"}:  # (as a daemon hosts a new experiment)
+        options = schema_of(strategy, outer=True).for_new_experiment(options)
     budget = args.budget_s / divisor
     procs = []
     for rank in range(args.peers):

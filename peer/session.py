@@ -726,7 +726,8 @@ def _new_settings(
             private = trains_on_private_data(task, config.data)
             options = {"inner_steps": config.inner_steps, **given}
             options = verification_options(config, options, private_data=private, name=name)
-            options = schema_of(config.strategy, outer=True).parse(options).to_dict()
+            schema = schema_of(config.strategy, outer=True)
+            options = schema.parse(schema.for_new_experiment(options)).to_dict()
         # A new experiment writes every hyperparameter out, at today's defaults (a
         # manifest without a key means that key's legacy value). The defaults were
         # tuned for the inner optimizer of the outer strategies; the pipeline's stage

@@ -1623,30 +1623,37 @@ def gathered_mean(messages: list[bytes], weights: list[float]) -> torch.Tensor:
     return acc
 
 
-def means_of(c: Cluster, group: Group, slots: list[torch.Tensor]) -> list[torch.Tensor]:
+def means_of(
+    c: Cluster, group: Group, slots: list[torch.Tensor], *, senders: bool = False
+) -> list[torch.Tensor]:
     gather = SparseGather(SPARSE, SPARSE_ELEMENTS)
     first = slots[0].view(torch.int32)
     means = []
     for buffer in slots:
         assert torch.equal(buffer.view(torch.int32), first)  # the slots, bit for bit
         mean = torch.empty(SPARSE_ELEMENTS)
-        assert gather.mean_into(buffer, mean, group.round_id, group.peer_ids) == []
+        got = gather.mean_into(buffer, mean, group.round_id, group.peer_ids, senders=senders)
+        assert got == []
         means.append(mean)
     return means
 
 
-def union(config: AllReduceConfig) -> AllReduceConfig:
-    return replace(config, reduction="union")
+def union(config: AllReduceConfig, reduction: str = "union") -> AllReduceConfig:
+    return replace(config, reduction=reduction)
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("victim", "point"), [(1, "mid_reduce_scatter"), (0, "before_ready")])
+@pytest.mark.parametrize("reduction", ["union", "union_senders"])
 async def test_gathered_sparse_messages_give_every_survivor_the_same_mean_when_a_member_dies(
-    cluster: Any, victim: int, point: str
+    cluster: Any, victim: int, point: str, reduction: str
 ) -> None:
     n = 4
     box: list[Host] = []
-    cfgs = [union(killer(box, point) if i == victim else AllReduceConfig(**FAST)) for i in range(n)]
+    cfgs = [
+        union(killer(box, point) if i == victim else AllReduceConfig(**FAST), reduction)
+        for i in range(n)
+    ]
     c = await cluster(n, configs=cfgs)
     box.append(c.hosts[victim])
     messages, weights = sparse_messages(n, seed=5), [1.0, 2.0, 3.0, 4.0]
@@ -1662,6 +1669,12 @@ async def test_gathered_sparse_messages_give_every_survivor_the_same_mean_when_a
     retry = c.group(members=alive)
     slots = filled_slots(c, retry, alive, messages, weights)
     committed(await c.run(retry, [[s] for s in slots], [weights[i] for i in alive], members=alive))
+    if reduction == "union_senders":  # (each coordinate by the weight of its senders)
+        means = means_of(c, retry, slots, senders=True)
+        assert all(torch.equal(mean, means[0]) for mean in means)
+        assert not torch.equal(means[0], gathered_mean([messages[i] for i in alive],
+                                                       [weights[i] for i in alive]))  # fmt: skip
+        return
     expected = gathered_mean([messages[i] for i in alive], [weights[i] for i in alive])
     for mean in means_of(c, retry, slots):
         assert torch.equal(mean, expected)

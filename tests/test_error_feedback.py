@@ -12,6 +12,9 @@ from shoal.averaging.diloco_options import MAX_DCT_CHUNK, DiLoCoOptions
 from shoal.averaging.error_feedback import ErrorFeedback, residual_digest
 from shoal.averaging.options import SPARSE_CODEC_NAMES
 from shoal.averaging.sparse_codec import SparseCodec
+from shoal.peer.cli import parse_command_line
+from shoal.peer.session import _new_settings
+from shoal.peer.training.task import load_task
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -103,7 +106,59 @@ def test_a_pseudo_gradient_with_nan_cannot_be_compressed_and_nothing_changes() -
     assert not ef.residual.any()
 
 
+def test_a_decaying_feedback_codes_what_it_keeps_of_the_residual_plus_the_delta() -> None:
+    ef = ErrorFeedback(CODEC, 64, decay=0.9)
+    ef.compress(_delta(1))
+    ef.commit()
+    carried = ef.residual.clone()
+    second = _delta(2)
+    message = ef.compress(second.clone())
+    kept = carried * torch.tensor(0.9)  # rounded once, then the sum rounded again
+    assert message == CODEC.encode(kept + second)
+    ef.commit()
+    assert torch.equal(ef.residual, kept + second - CODEC.decode(message, 64))
+
+
+def test_a_feedback_that_keeps_nothing_sends_each_delta_alone() -> None:
+    ef = ErrorFeedback(CODEC, 64, decay=0.0)
+    ef.compress(_delta(1))
+    ef.commit()
+    assert ef.residual.any()  # what the round left out, forgotten by the next one
+    second = _delta(2)
+    assert ef.compress(second.clone()) == CODEC.encode(second)
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.5, float("nan")])
+def test_a_decay_outside_0_to_1_is_refused(decay: float) -> None:
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(CODEC, 64, decay=decay)
+
+
 # ------------------------------------------------------------ options
+
+
+def test_a_new_sparse_experiment_decays_its_feedback_and_takes_the_senders_mean() -> None:
+    new = DiLoCoOptions.parse(DiLoCoOptions.for_new_experiment({"codec": "topk"}))
+    assert (new.codec_feedback_decay, new.codec_mean) == (0.9, "senders")
+    manifest = new.to_dict()  # what its manifest records, and reads back
+    assert (manifest["codec_feedback_decay"], manifest["codec_mean"]) == (0.9, "senders")
+    assert DiLoCoOptions.parse(manifest) == new
+    # A manifest written before the options keeps the rules it was created with.
+    old = DiLoCoOptions.parse({"codec": "topk"})
+    assert (old.codec_feedback_decay, old.codec_mean) == (1.0, "members")
+    assert "codec_mean" not in old.to_dict()
+    # The flags still choose, and a dense experiment's manifest does not change.
+    chosen = DiLoCoOptions.for_new_experiment({"codec": "dct", "codec_mean": "members"})
+    assert (chosen["codec_mean"], chosen["codec_feedback_decay"]) == ("members", 0.9)
+    dense = DiLoCoOptions.parse(DiLoCoOptions.for_new_experiment({"codec": "int8"}))
+    assert dense.to_dict() == DiLoCoOptions.parse({"codec": "int8"}).to_dict()
+
+
+def test_a_hosted_sparse_experiment_writes_its_rules_into_the_manifest() -> None:
+    task = load_task("bytegpt", {"d_model": 32})
+    _, config = parse_command_line(["run", "--strategy-option", "codec=topk"], {})
+    _, options, _ = _new_settings(config, task, "sparse")
+    assert options["codec_feedback_decay"] == 0.9 and options["codec_mean"] == "senders"
 
 
 def test_the_torch_free_sparse_names_and_bounds_match_the_codecs() -> None:
@@ -132,6 +187,9 @@ def test_the_default_codec_is_unchanged_and_the_sparse_options_stay_out_of_its_m
         ({"codec": "topk", "codec_bits": 2.0}, "'codec_bits'"),
         ({"codec": "topk", "codec_chunk": 8}, "'codec_chunk'"),
         ({"codec": "dct", "codec_chunk": 4096}, "'codec_chunk'"),
+        ({"codec": "topk", "codec_feedback_decay": 1.5}, "'codec_feedback_decay'"),
+        ({"codec": "topk", "codec_feedback_decay": -0.5}, "'codec_feedback_decay'"),
+        ({"codec": "topk", "codec_mean": "median"}, "'codec_mean'"),
     ],
 )
 def test_out_of_range_codec_options_are_refused_in_one_line(

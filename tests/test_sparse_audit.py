@@ -22,6 +22,7 @@ from shoal.averaging.error_feedback import ErrorFeedback, residual_digest
 from shoal.averaging.partition import Plan
 from shoal.averaging.sparse_codec import SparseCodec
 from shoal.averaging.sparse_gather import SparseGather
+from shoal.averaging.sparse_round import parse_sparse_shape, sparse_shape
 from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
 from shoal.peer.verify.referee import Referee
 from shoal.peer.verify.reveals import PROTOCOL, Reveal, send_reveal
@@ -63,9 +64,10 @@ def _slot(message: bytes, n: int) -> bytes:
     return buffer.view(torch.uint8)[: gather.slot_words * 4].numpy().tobytes()
 
 
-def sparse_round(task, residual_scale: float = 1e-3, **lies: Any):  # type: ignore[no-untyped-def]
-    """An honest verified sparse round (or one with `lies`): the commitment, the round
-    as referees see it, and each segment's reveal."""
+def sparse_round(task, residual_scale: float = 1e-3, decay: float = 1.0, **lies: Any):  # type: ignore[no-untyped-def]
+    """An honest verified sparse round (or one with `lies`) of an experiment whose error
+    feedback keeps `decay`: the commitment, the round as referees see it, and each
+    segment's reveal."""
     hyper, work, verified, c, rnd = setup(task)
     start = rnd.start_params if isinstance(rnd.start_params, list) else rnd.start_params()
     final = reveal(task, hyper, work, verified, c, c.segments - 1).end_params
@@ -74,7 +76,7 @@ def sparse_round(task, residual_scale: float = 1e-3, **lies: Any):  # type: igno
     previous = Commitment(**{**c.__dict__, "round": c.round - 1, "signature": b"",
                              "residual": (hashlib.sha256(b"s").digest(),
                                           residual_digest(residual))}).signed(ME)  # fmt: skip
-    feedback = ErrorFeedback(CODEC, n)
+    feedback = ErrorFeedback(CODEC, n, decay=lies.get("prover_decay", decay))
     feedback.residual.copy_(lies.get("picked_residual", residual))
     message = feedback.compress(lies.get("delta", flat_difference(start, final)))
     claims = feedback.claims()
@@ -83,7 +85,7 @@ def sparse_round(task, residual_scale: float = 1e-3, **lies: Any):  # type: igno
         **c.__dict__, "delta_root": _slot_root(slot, n), "previous": previous.digest(),
         "signature": b"", "residual": (claims[0], lies.get("next_claim", claims[1])),
     }).signed(ME)  # fmt: skip
-    shape = RoundShape((1.0, 1.0), 1, CHUNK_ELEMENTS, "sparse:" + CODEC.name)
+    shape = RoundShape((1.0, 1.0), 1, CHUNK_ELEMENTS, sparse_shape(CODEC, decay))
     sparse_rnd = AuditRound(**{**rnd.__dict__, "shape": shape})
     reveals = []
     for segment in range(c.segments):
@@ -124,6 +126,27 @@ def test_a_message_other_than_the_run_s_is_caught_by_the_last_segment_s_audit(ta
     assert finding.result is Result.FAIL and "message sent" in finding.why, finding
     assert all(audit(task, hyper, rnd, c, s, reveals[s]).result is Result.PASS
                for s in range(last))  # fmt: skip
+
+
+def test_a_decaying_feedback_s_message_is_re_derived_with_the_experiment_s_decay(task) -> None:  # type: ignore[no-untyped-def]
+    """With `codec_feedback_decay`, the message codes decay * residual + delta: an
+    honest prover passes, and one that keeps its whole residual (sending more of
+    its past than the experiment lets it) is caught where the message is checked."""
+    hyper, c, rnd, reveals = sparse_round(task, residual_scale=1.0, decay=0.9)
+    last = len(reveals) - 1
+    assert rnd.shape.codec == f"sparse:{CODEC.name}@0.9"
+    assert audit(task, hyper, rnd, c, last, reveals[last]).result is Result.PASS
+    hyper, c, rnd, reveals = sparse_round(task, residual_scale=1.0, decay=0.9, prover_decay=1.0)
+    finding = audit(task, hyper, rnd, c, last, reveals[last])
+    assert finding.result is Result.FAIL and "message sent" in finding.why, finding
+
+
+def test_a_sparse_shape_names_its_codec_and_decay() -> None:
+    assert parse_sparse_shape(sparse_shape(CODEC, 1.0)) == (CODEC, 1.0)
+    assert sparse_shape(CODEC, 1.0) == "sparse:" + CODEC.name  # as before decays existed
+    assert parse_sparse_shape(sparse_shape(CODEC, 0.95)) == (CODEC, 0.95)
+    with pytest.raises(ValueError):
+        parse_sparse_shape("int8")
 
 
 def test_a_picked_residual_breaks_the_chain_at_every_audit(task) -> None:  # type: ignore[no-untyped-def]

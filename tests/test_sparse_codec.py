@@ -336,3 +336,93 @@ def test_clipping_changes_nothing_when_no_message_is_longer_than_the_median() ->
     assert gather.mean_into(buffer, clipped, b"round", ids, clip=True) == []
     gather.mean_into(buffer, plain, b"round", ids)
     assert torch.equal(clipped, plain)
+
+
+# ------------------------------------------------------------ the senders' mean
+
+
+def _slots_with(
+    codec: SparseCodec, vectors: list[torch.Tensor], weights: list[float], n: int
+) -> tuple[SparseGather, list[bytes], torch.Tensor]:
+    gather = SparseGather(codec, n)
+    members = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(len(vectors))]
+    union = torch.zeros(gather.words(len(vectors))).view(torch.int32)
+    for slot, (me, v, w) in enumerate(zip(members, vectors, weights, strict=True)):
+        mine = torch.empty(gather.words(len(vectors)))
+        gather.fill(mine, b"round", slot, w, codec.encode(v), me.sign)
+        union |= mine.view(torch.int32)
+    return gather, [m.peer_id for m in members], union.view(torch.float32)
+
+
+@pytest.mark.parametrize("codec", [TOPK, DCT])
+@pytest.mark.parametrize("n", [64 * 5, 64 * 5 + 21])
+def test_the_senders_mean_divides_each_coordinate_by_the_weight_of_those_that_sent_it(
+    codec: SparseCodec, n: int
+) -> None:
+    vectors, weights = [_vector(n, seed=i) for i in range(3)], [1.0, 2.0, 5.0]
+    gather, ids, buffer = _slots_with(codec, vectors, weights, n)
+    mean = torch.empty(n)
+    assert gather.mean_into(buffer, mean, b"round", ids, senders=True) == []
+    # In the codec's own coordinates (dct: the coefficients), in float64.
+    sums, sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for v, w in zip(vectors, weights, strict=True):
+        message = codec.check(codec.encode(v), n)
+        sums[message.indices] += message.values.double() * w
+        sent[message.indices] += w
+    expected = torch.where(sent > 0, sums / sent.clamp_min(1e-300), 0.0)
+    if codec.kind == "dct":  # each chunk (and the tail) transformed back
+        rows, chunks = [], [(s, min(s + 64, n)) for s in range(0, n, 64)]
+        for start, end in chunks:
+            rows.append(expected[start:end] @ dct_basis(end - start).double())
+        expected = torch.cat(rows)
+    assert torch.allclose(mean.double(), expected, atol=1e-5)
+    # A coordinate only one member sent is that member's value, whatever its weight:
+    # the members' mean would have divided it by the others' weight too.
+    members_mean = torch.empty(n)
+    gather.mean_into(buffer, members_mean, b"round", ids)
+    assert not torch.allclose(mean, members_mean, atol=1e-3)
+    again = torch.empty(n)  # every member decodes the same bits
+    gather.mean_into(buffer, again, b"round", ids, senders=True)
+    assert torch.equal(mean, again)
+
+
+def test_a_coordinate_one_member_sent_is_its_value_in_the_senders_mean() -> None:
+    n = 128
+    alone, quiet = torch.zeros(n), torch.zeros(n)
+    alone[[3, 70]] = torch.tensor([2.0, -3.0])  # every kept value in a different chunk
+    quiet[[40, 100]] = torch.tensor([1.0, 1.0])
+    codec = SparseCodec("topk", 64, 1, 8)
+    gather, ids, buffer = _slots_with(codec, [alone, quiet], [1.0, 9.0], n)
+    mean = torch.empty(n)
+    gather.mean_into(buffer, mean, b"round", ids, senders=True)
+    expected = codec.decode(codec.encode(alone), n) + codec.decode(codec.encode(quiet), n)
+    assert torch.equal(mean, expected)
+
+
+@pytest.mark.parametrize("attack", [1e3, -1e3])
+def test_with_the_senders_mean_clipping_still_bounds_what_one_member_moves(attack: float) -> None:
+    n = 200
+    honest = [_vector(n, seed=i) for i in range(3)]
+    gather, ids, buffer = _slots_with(TOPK, [*honest, _vector(n, seed=3) * attack], [1.0] * 4, n)
+    clipped, plain = torch.empty(n), torch.empty(n)
+    gather.mean_into(buffer, clipped, b"round", ids, clip=True, senders=True)
+    gather.mean_into(buffer, plain, b"round", ids, senders=True)
+    only_honest, honest_ids, honest_buffer = _slots_with(TOPK, honest, [1.0] * 3, n)
+    reference = torch.empty(n)
+    only_honest.mean_into(honest_buffer, reference, b"round", honest_ids, senders=True)
+    one_honest = max(float(TOPK.decode(TOPK.encode(v), n).norm()) for v in honest)
+    # Where it alone sent a coordinate, the attacker moves it by its whole (clipped)
+    # value: at most about one honest message's norm in all, not a quarter of it.
+    assert float((clipped - reference).norm()) <= 1.5 * one_honest
+    assert float((plain - reference).norm()) > 100 * one_honest  # the control
+
+
+def test_members_that_decode_the_slots_otherwise_name_their_round_s_reduction_otherwise() -> None:
+    from shoal.averaging.reducer import ALL_REDUCTIONS, BitwiseUnion
+    from shoal.averaging.sparse_round import union_reduction
+
+    names = {union_reduction(clip=c, senders=s) for c in (False, True) for s in (False, True)}
+    assert len(names) == 4  # (a plan's digest holds the name: they never average together)
+    assert union_reduction(clip=False, senders=False) == "union"  # as before the choice
+    assert union_reduction(clip=True, senders=False) == "union_clip_capped"
+    assert all(ALL_REDUCTIONS[name] is BitwiseUnion for name in names)

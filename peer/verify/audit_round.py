@@ -32,8 +32,7 @@ from shoal.averaging.attestation import chunk_leaves
 from shoal.averaging.compression import get_codec
 from shoal.averaging.group import Group
 from shoal.averaging.partition import Plan
-from shoal.averaging.sparse_codec import SparseCodec
-from shoal.averaging.sparse_round import SPARSE_SHAPE
+from shoal.averaging.sparse_round import SPARSE_SHAPE, parse_sparse_shape
 from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport.identity import PeerID
@@ -259,10 +258,10 @@ def _check_sparse(
         if reveal.slot is None or reveal.residual is None:
             return Finding(Result.BAD_REVEAL, "the last segment's reveal without what was sent")
         work = SparseWork(reveal.chain, reveal.slot, reveal.residual)
-        codec = SparseCodec.parse(rnd.shape.codec.removeprefix(SPARSE_SHAPE))
+        codec, decay = parse_sparse_shape(rnd.shape.codec)
         shape = rnd.shape
         why = check_message(codec, commitment, work, start_params, reveal.end_params,
-                            shape.streams, shape.chunk_elements)  # fmt: skip
+                            shape.streams, shape.chunk_elements, decay=decay)  # fmt: skip
     return None if why is None else Finding(Result.FAIL, why)
 
 

@@ -1,8 +1,9 @@
 """Verified sparse rounds: what a member commits to of its error feedback, keeps to
 reveal, and what an audit checks of the message it sent.
 
-A sparse message is `encode(residual + delta)` (`averaging.error_feedback`), the
-residual what earlier rounds did not send. The commitment's root is over the
+A sparse message is `encode(decay * residual + delta)` (`averaging.error_feedback`;
+`decay` the experiment's `codec_feedback_decay`, named in the round's audit shape),
+the residual what earlier rounds did not send. The commitment's root is over the
 member's slot (its signed message: `averaging.attestation` binds it to what
 everyone received), and the commitment also carries the residual's hashes at the
 round's start and after a commit (`Commitment.residual`), its `previous` the
@@ -285,6 +286,8 @@ def check_message(
     end: Sequence[torch.Tensor],
     streams: int,
     chunk_elements: int,
+    *,
+    decay: float = 1.0,
 ) -> str | None:
     """Why what the prover sent is not what its run gives, or None: from the round's
     global state `start`, the run's revealed `end` and its starting residual, the
@@ -294,7 +297,7 @@ def check_message(
     delta = flat_difference(start, end)  # (as the strategy computes it: global - end)
     if residual_digest(work.residual) != commitment.residual[0]:
         return "the residual revealed is not the one committed"
-    feedback = ErrorFeedback(codec, delta.numel())
+    feedback = ErrorFeedback(codec, delta.numel(), decay=decay)
     feedback.residual.copy_(work.residual)
     try:
         message = feedback.compress(delta)
