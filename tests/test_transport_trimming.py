@@ -13,7 +13,7 @@ import pytest
 from waiting import eventually
 
 from shoal.transport import trimming
-from shoal.transport.connection import Connection
+from shoal.transport.connection import _IN_FLIGHT_MAX_S, Connection
 from shoal.transport.errors import TransportError
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.trimming import Trimmer, TrimPolicy
@@ -166,7 +166,9 @@ async def _a_stream_crosses_our_goaway(
     await stream.write(b"crossed the GOAWAY")
     assert await stream.readexactly(18) == b"crossed the GOAWAY"
     await stream.close()
-    await eventually(ours.closed.done, "then it closes")
+    # The in-flight window is 4 smoothed RTTs, up to _IN_FLIGHT_MAX_S: on a loaded
+    # machine the first keepalive's RTT can be over a second (CI: a 5 s wait failed).
+    await eventually(ours.closed.done, "then it closes", timeout=_IN_FLIGHT_MAX_S + 10.0)
     return me, other, ours
 
 
