@@ -250,7 +250,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "inner_steps",
             "SHOAL_INNER_STEPS",
-            "local steps between two averaging rounds of a hosted experiment (DiLoCo's H)",
+            "local steps between two averaging rounds of a hosted experiment (DiLoCo's H; "
+            "a new experiment with a sparse codec defaults to 10)",
             "H",
             str(DEFAULT_INNER_STEPS),
         ),

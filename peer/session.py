@@ -724,7 +724,10 @@ def _new_settings(
             options = parsed.for_batch_size(batch_size).to_dict()
         else:
             private = trains_on_private_data(task, config.data)
-            options = {"inner_steps": config.inner_steps, **given}
+            # H only when given: each strategy has its default for a new experiment
+            # (50, DEFAULT_INNER_STEPS; a sparse codec's, SPARSE_INNER_STEPS).
+            given_h = "inner_steps" in config.sources
+            options = {**({"inner_steps": config.inner_steps} if given_h else {}), **given}
             options = verification_options(config, options, private_data=private, name=name)
             schema = schema_of(config.strategy, outer=True)
             options = schema.parse(schema.for_new_experiment(options)).to_dict()

@@ -8,11 +8,12 @@ import torch
 
 from shoal.averaging import dct_basis, sparse_codec
 from shoal.averaging.compression import CodecError
-from shoal.averaging.diloco_options import MAX_DCT_CHUNK, DiLoCoOptions
+from shoal.averaging.diloco_options import MAX_DCT_CHUNK, SPARSE_INNER_STEPS, DiLoCoOptions
 from shoal.averaging.error_feedback import ErrorFeedback, residual_digest
 from shoal.averaging.options import SPARSE_CODEC_NAMES
 from shoal.averaging.sparse_codec import SparseCodec
 from shoal.peer.cli import parse_command_line
+from shoal.peer.config import DEFAULT_INNER_STEPS
 from shoal.peer.session import _new_settings
 from shoal.peer.training.task import load_task
 
@@ -150,6 +151,9 @@ def test_a_new_sparse_experiment_decays_its_feedback_and_takes_the_senders_mean(
     # The flags still choose, and a dense experiment's manifest does not change.
     chosen = DiLoCoOptions.for_new_experiment({"codec": "dct", "codec_mean": "members"})
     assert (chosen["codec_mean"], chosen["codec_feedback_decay"]) == ("members", 0.9)
+    assert chosen["inner_steps"] == SPARSE_INNER_STEPS
+    given = DiLoCoOptions.for_new_experiment({"codec": "topk", "inner_steps": 50})
+    assert given["inner_steps"] == 50
     dense = DiLoCoOptions.parse(DiLoCoOptions.for_new_experiment({"codec": "int8"}))
     assert dense.to_dict() == DiLoCoOptions.parse({"codec": "int8"}).to_dict()
 
@@ -159,6 +163,28 @@ def test_a_hosted_sparse_experiment_writes_its_rules_into_the_manifest() -> None
     _, config = parse_command_line(["run", "--strategy-option", "codec=topk"], {})
     _, options, _ = _new_settings(config, task, "sparse")
     assert options["codec_feedback_decay"] == 0.9 and options["codec_mean"] == "senders"
+
+
+@pytest.mark.parametrize(
+    ("args", "inner_steps"),
+    [
+        (["--strategy-option", "codec=topk"], SPARSE_INNER_STEPS),  # a sparse round is cheap
+        (["--strategy-option", "codec=dct"], SPARSE_INNER_STEPS),
+        (["--strategy-option", "codec=topk", "--inner-steps", "50"], 50),  # as given
+        (["--strategy-option", "codec=int8"], DEFAULT_INNER_STEPS),
+        ([], DEFAULT_INNER_STEPS),
+        (["--inner-steps", "7"], 7),
+    ],
+)
+def test_a_new_sparse_experiment_averages_every_ten_steps_unless_told(
+    args: list[str], inner_steps: int
+) -> None:
+    task = load_task("bytegpt", {"d_model": 32})
+    _, config = parse_command_line(["run", *args], {})
+    _, options, _ = _new_settings(config, task, "h")
+    assert options["inner_steps"] == inner_steps
+    # The manifest records it, so the experiment keeps it whatever the defaults become.
+    assert DiLoCoOptions.parse(options).inner_steps == inner_steps
 
 
 def test_the_torch_free_sparse_names_and_bounds_match_the_codecs() -> None:

@@ -83,7 +83,7 @@ async def host(
     listen: str | Iterable[str] = LISTEN,
     status: str | None = None,
     strategy: str = "diloco",
-    inner_steps: int = 50,
+    inner_steps: int | None = None,
     task_options: Mapping[str, Any] | None = None,
     strategy_options: Mapping[str, Any] | None = None,
     **options: Any,
@@ -102,10 +102,11 @@ async def host(
         "host_experiment": name,
         "task": task,
         "strategy": strategy,
-        "inner_steps": inner_steps,
         "task_option": task_options or {},
         "strategy_option": strategy_options or {},
     }
+    if inner_steps is not None:  # (None: the strategy's default for a new experiment)
+        flags["inner_steps"] = inner_steps
     config = _config(flags, data_dir, bootstrap, listen, status)
     # A restarted script hosts its saved experiment: it takes the swarm's state.
     existed = (config.data_dir / MANIFESTS_DIR / f"{name}.manifest").exists()
