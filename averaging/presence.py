@@ -29,6 +29,11 @@ class Presence:
         """A round declared us busy (matchmaking does; after an abort it stays too)."""
         self.at = time.monotonic()
 
+    def standing(self) -> bool:
+        """Our last "busy" declaration has not expired: leaders still see it and wait
+        for us (False once a round replaced it, `lapsed`)."""
+        return time.monotonic() - self.at < self._ttl
+
     def due(self) -> bool:
         """Our last declaration is a third of its TTL old (or was left by a round that
         did not commit)."""

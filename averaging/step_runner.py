@@ -152,17 +152,33 @@ class StepRunner:
 
     async def _wait_for_slot(self) -> None:
         """With a `grid_period`: until our round's slot starts (not counted in the
-        step's timeout, which bounds the round itself). A peer up to half of
-        `min_matchmaking_time` late (its clock, or its call) still takes the slot that
-        began: its cell's leader waits that long for the peers it sees declared. The
+        step's timeout, which bounds the round itself). A peer a little late (its
+        clock, its call, a last round that ran long) still takes the slot that began,
+        for as long as its cell's leaders wait for it (`_slot_lateness`). The
         cell's key stays the same from slot to slot: a key per slot spared its leaders
         the last round's stale "busy" declarations, but each slot's new key took DHT
         lookups of its own (256 simulated peers: 728 DHT requests per peer per minute
         against 433, matchmaking 5.7 s against 6.2, agreement no sooner)."""
         mm = self._owner.config.matchmaking
         if mm.grid_period:
-            wait = slot_wait(mm.grid_period, time.time(), late=mm.min_matchmaking_time / 2)
+            wait = slot_wait(mm.grid_period, time.time(), late=self._slot_lateness())
             await asyncio.sleep(wait)
+
+    def _slot_lateness(self) -> float:
+        """How late into a slot we may still take it. A leader waits up to
+        `matchmaking_time` for the peers it sees declared busy in its cell, and we are
+        one of them when we declared there since we entered it (`refresh_presence`
+        between rounds, as the strategies call it): half of that, so that our join
+        reaches the leader before it closes. Undeclared, it waits for nobody beyond
+        `min_matchmaking_time`: half of that. A peer that took the next slot instead
+        kept its cell's leader waiting for it in vain and came to a cell whose peers
+        had averaged already (CI, 12 peers in slots of 4 s: one came to its cell a slot
+        after the other four and was alone there for its step's 30 s)."""
+        mm = self._owner.config.matchmaking
+        assert self.grid is not None
+        in_cell = self._matchmaker.cell == self.grid.next_cell()
+        declared = in_cell and self._owner.presence.standing()
+        return (mm.matchmaking_time if declared else mm.min_matchmaking_time) / 2
 
     async def _join_crowded_grid(self) -> None:
         """Before our first step: a swarm whose state more than a group's worth of peers

@@ -345,6 +345,9 @@ async def test_averagers_on_an_unevenly_filled_grid_hold_the_exact_mean_after_di
             failed = [(i, r.reason, r.attempt_log)
                       for i, r in enumerate(results) if not r.committed]  # fmt: skip
             assert not failed, (round_index, failed)
+            # Busy in the next cell, as the strategies declare between rounds: a cell's
+            # leader waits for its peers whose last round ran past the slot's start.
+            assert all(await asyncio.gather(*(a.refresh_presence() for a in avgs)))
             if round_index == 0:  # two members of one group into one next cell weigh half each
                 assert len({round(a.grid.mass, 9) for a in avgs if a.grid is not None}) > 1
         masses = [a.grid.mass for a in avgs if a.grid is not None]
@@ -387,6 +390,46 @@ async def test_peers_that_call_at_different_times_start_their_rounds_together_in
             results = await asyncio.gather(*(staggered(i) for i in range(n)))
             for r in results:
                 assert r.committed and r.group_size == side, (r.reason, r.attempt_log)
+        _assert_all_hold_the_mean(avgs, inputs)
+    finally:
+        await _close(avgs, dhts)
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_declared_in_its_next_cell_takes_the_slot_though_it_comes_late(
+    make_host: Callable[..., Any],
+) -> None:
+    """4 averagers in cells of 2 on a side of 2, rounds in slots of 4 s. After the first
+    round every peer declares itself busy in its next cell (`refresh_presence`, as the
+    strategies do between rounds). One peer calls its next step 1 s into a slot (its
+    training or its last round ran long): its cell's leader waits for the busy peer it
+    sees, and the late peer joins it in that slot. Had it taken the next slot, it would
+    have found its cell's peer averaged and gone, and the leader would have waited for
+    it in vain."""
+    n, dims, side, period = 4, 2, 2, 4.0
+    dhts = await _swarm(make_host, n)
+    inputs = [torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=_config(dims, side, period=period))
+            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
+    for a, cell in zip(avgs, [0, 0, 1, 1], strict=True):
+        assert a.grid is not None
+        a.grid.coords, a.grid.in_cells = (cell,), True
+
+    async def late(avg: Averager) -> Any:
+        await asyncio.sleep(1.0)  # (into the slot; the leader waits up to 3 s)
+        return await avg.step(timeout=10.0)
+
+    try:
+        first = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+        assert all(r.committed and r.group_size == 2 for r in first), first
+        assert all(await asyncio.gather(*(a.refresh_presence() for a in avgs)))
+        wait = slot_wait(period, time.time(), late=0.0)
+        slot_ends = time.time() + wait + period
+        await asyncio.sleep(wait)
+        results = await asyncio.gather(late(avgs[0]), *(a.step(timeout=10.0) for a in avgs[1:]))
+        for r in results:
+            assert r.committed and r.group_size == 2, (r.reason, r.attempt_log)
+        assert time.time() < slot_ends  # every round in the slot, the late peer's too
         _assert_all_hold_the_mean(avgs, inputs)
     finally:
         await _close(avgs, dhts)
