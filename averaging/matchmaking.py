@@ -27,8 +27,7 @@ One call of `Matchmaker.form_group` (the rules it applies are in
      expire.
    - The leader takes joins until it closes: at its share of a balanced split
      (`split_sizes`), or when nobody else is expected (`Outlook.pending`) and
-     ``min_matchmaking_time`` has passed or every peer of its last group is
-     back (`Gathering.expected`), or at ``matchmaking_time``, or just
+     ``min_matchmaking_time`` has passed, or at ``matchmaking_time``, or just
      before the earliest deadline of a joiner or of the call. Then it answers
      every pending join with the same group. A leader that sees a lower rank
      appear redirects its joiners there and joins it itself.
@@ -161,8 +160,6 @@ class Matchmaker:
         self._idle = asyncio.Event()
         self._idle.set()
         self._busy_stores = TaskSet(log, "busy store")  # landing after form_group
-        # The last group formed, and under which key (`Gathering.expected`).
-        self._last_group: tuple[str, frozenset[PeerID]] = ("", frozenset())
         self._closing = Closing()
         self._loop = asyncio.get_running_loop()
         ttl = self.config.declaration_ttl
@@ -241,7 +238,6 @@ class Matchmaker:
         # BUSY_STORE_TIMEOUT at most, but does not cancel it: on a slow DHT it lands
         # late rather than never (a "looking" left behind holds leaders waiting).
         self._neighbors.note(group.peer_ids)
-        self._last_group = (self.group_key, frozenset(group.peer_ids))
         busy = self._busy_stores.spawn(
             self.declarer.declare(
                 PeerState.BUSY, state_version, timeout=BUSY_STORE_LANDING_S, work=work
@@ -351,10 +347,6 @@ class Matchmaker:
             min_time=cfg.min_matchmaking_time,
             max_time=cfg.matchmaking_time,
             margin=ANSWER_MARGIN,
-            # (Less the peers the caller saw fail: they will not be back.)
-            expected=self._last_group[1] - excluded
-            if self._last_group[0] == self.group_key
-            else (),
         )
         return Round(outlook, gathering, cfg.declaration_ttl)
 

@@ -481,16 +481,9 @@ class Gathering:
 
     It closes when it reaches its capacity; or, with at least `min_size`
     members, once nobody else is expected and `min_time` has passed since it
-    began to lead, or sooner when every peer of our last group (`expected`) has
-    joined; or at the latest `max_time` after that, or `margin` before
+    began to lead; or at the latest `max_time` after that, or `margin` before
     the earliest deadline of a joiner (joiners must have their answer before
     they give up) or of the call. Times are the driver's monotonic clock.
-
-    `min_time` gives declarations that have not reached the leader's view yet the
-    time to: a peer new to the swarm. When the peers of the last round are all back
-    and nobody else is declared, the usual case of a settled swarm, waiting it out
-    was most of a round (4 DiLoCo peers on loopback: 0.53 s of matchmaking against
-    0.02 s of averaging); a newcomer that missed the close joins the next round.
     """
 
     def __init__(
@@ -502,12 +495,8 @@ class Gathering:
         min_time: float,
         max_time: float,
         margin: float,
-        expected: Collection[PeerID] = (),
     ) -> None:
         self.me = me
-        # Our last group's peers (under this key): when all have joined, and nobody
-        # else is declared, nobody is missing. (A group of one predicts nothing.)
-        self.expected = frozenset(expected) if len(set(expected)) > 1 else frozenset()
         self.min_size = min_size
         self.capacity = target
         self.min_time = min_time
@@ -572,7 +561,7 @@ class Gathering:
             if self.started is not None:
                 if now >= self.close_by(deadline):
                     return Decision(True, now)
-                if pending == 0 and (now >= self.started + self.min_time or self._all_back()):
+                if pending == 0 and now >= self.started + self.min_time:
                     return Decision(True, now)
         release = tuple(
             p for p, a in self._joined.items() if a.answer_by - self.margin <= now
@@ -593,10 +582,6 @@ class Gathering:
         for p in release:
             del self._joined[p]
         return Decision(False, max(wake, now), release)
-
-    def _all_back(self) -> bool:
-        """Every peer of our last group has joined (we are one of them)."""
-        return bool(self.expected) and self.expected <= {self.me.peer_id, *self._joined}
 
     def finalize(self, key: str, version: bytes, nonce: bytes) -> Group:
         """The group: members ordered by peer ID, the round ID bound to them and the nonce.

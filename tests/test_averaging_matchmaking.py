@@ -386,32 +386,6 @@ def test_gathering_closes_when_full_or_when_nobody_else_is_expected() -> None:
     assert g.full and g.decide(0.1, pending=5, deadline=10.0).close  # capacity (4) reached
 
 
-def test_a_gathering_closes_at_once_when_the_last_groups_peers_are_all_back() -> None:
-    """A settled swarm: the leader's last group was us, a and b. Once both joined and
-    nobody else is declared, nobody is missing: it closes before `min_time`. Not while
-    one of them is missing, nor while another peer is declared (pending); and a last
-    group of one (a commit alone) predicts nothing."""
-    a, b, newcomer = ids(3)
-    for joined, pending, closes in (
-        ([a, b], 0, True),
-        ([a], 0, False),  # b is not back yet: it may still come within min_time
-        ([a, b], 1, False),  # a peer declared looking or busy: wait for it as always
-        ([a, newcomer], 0, False),
-        ([a, b, newcomer], 0, True),
-    ):
-        g = make_gathering()
-        g.expected = frozenset({g.me.peer_id, a, b})
-        g.begin(0.0)
-        for p in joined:
-            g.admit(Member(p), answer_by=5.0)
-        assert g.decide(0.1, pending=pending, deadline=10.0).close is closes, (joined, pending)
-    (me,) = ids(1)
-    alone = Gathering(Member(me), min_size=1, target=4, min_time=0.5, max_time=3.0,
-                      margin=0.25, expected=[me])  # fmt: skip
-    alone.begin(0.0)
-    assert not alone.expected and not alone.decide(0.1, pending=0, deadline=10.0).close
-
-
 def test_a_leader_alone_past_its_window_sleeps_until_something_changes() -> None:
     """Below the minimum after `max_time`, nothing is due until the deadline (or a
     change: a join, a poll); waking at once there was a busy wait that burnt a core
@@ -952,34 +926,6 @@ async def test_a_version_tie_makes_two_groups_never_a_mixed_one(
     for g in groups:
         assert all(versions[makers.index(next(m for m in makers if m.peer_id == p))]
                    == g.state_version for p in g.peer_ids)  # fmt: skip
-
-
-@pytest.mark.timeout(60)
-async def test_a_settled_swarm_closes_as_soon_as_the_last_groups_peers_are_back(
-    swarm: Callable[..., Any],
-) -> None:
-    """3 peers with a 4-s min_matchmaking_time: the first round waits it out (who else
-    may come is unknown); the second, with the same three back and nobody else
-    declared, closes as soon as they joined. A newcomer that declared itself
-    (`declare_busy`, as a peer does at start) is waited for as before: the third
-    round holds all four."""
-    config = MatchmakingConfig(
-        **{**FAST, "min_matchmaking_time": 4.0, "matchmaking_time": 8.0, "join_timeout": 8.0}
-    )
-    makers = await swarm(3, config)
-    t0 = time.monotonic()
-    (first,) = assert_agreement(makers, await form_all(makers, b"v1", deadline=Deadline.after(20)))
-    assert first.size == 3 and time.monotonic() - t0 >= 4.0
-    t1 = time.monotonic()
-    (again,) = assert_agreement(makers, await form_all(makers, b"v2", deadline=Deadline.after(20)))
-    assert again.size == 3 and time.monotonic() - t1 < 4.0  # not min_matchmaking_time
-    (newcomer,) = await swarm(1, config)
-    assert await newcomer.declare_busy(b"v3")
-    everyone = [*makers, newcomer]
-    (third,) = assert_agreement(
-        everyone, await form_all(everyone, b"v3", deadline=Deadline.after(20))
-    )
-    assert third.size == 4
 
 
 @pytest.mark.timeout(30)
