@@ -700,7 +700,7 @@ async def test_noloco_pairs_follow_pairing_and_end_identical_without_a_group(
 # ---------------------------------------------------------------------- Moshpit
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
     swarm: Callable[..., Any], whole_state_math: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -713,11 +713,13 @@ async def test_moshpit_groups_mix_cell_by_cell_into_one_mean_and_commit_alike(
     # matchmaking and failure bounds cost nothing. On loaded CI cores 1 s was shorter
     # than the gap between 8 peers' first inner steps (a peer's cell-mate came after
     # it had given up: no group); in later rounds a peer gave up alone in its new cell
-    # after 1 s (`ALONE_AFTER`) before its cell-mate's declaration there was stored.
-    monkeypatch.setattr(outer, "ALONE_AFTER", 5.0)
+    # after 1 s (`ALONE_AFTER`) before its cell-mate's declaration there was stored;
+    # the project's CI once saw that after 5 s too, in a run where this test took 33 s
+    # (1 s here): a cell-mate may come that late, and this test is not about how soon.
+    monkeypatch.setattr(outer, "ALONE_AFTER", 20.0)
     options = {"inner_steps": 1, "target_group_size": 2, "grid_dims": 3, "grid_side": 2,
                "outer_momentum": 0.0, "matchmaking_time": 5.0, "stall_timeout": 10.0,
-               "round_timeout": 30.0}  # fmt: skip
+               "round_timeout": 60.0}  # fmt: skip
     peers = await swarm("moshpit", 8, options)
     assert isinstance(peers[0].strategy, Moshpit)
     places = [(a, b) for a in range(2) for b in range(2)] * 2
