@@ -70,6 +70,7 @@ __all__ = [
     "MAX_MASS",
     "Grid",
     "cell_key",
+    "next_slot",
     "permutation",
     "slot_wait",
 ]
@@ -186,14 +187,26 @@ def permutation(round_id: bytes, side: int) -> list[int]:
     )
 
 
-def slot_wait(period: float, now: float, late: float) -> float:
-    """Seconds from `now` (wall clock) to the start of the round slot we take part in:
-    0 when a slot began at most `late` seconds ago (its groups are still gathering),
-    else the next multiple of `period`. Every peer computes the same slots from its
-    own clock, so the peers of a cell look for each other at the same moment and form
-    one group, where peers that arrive as their last rounds end form several."""
-    into = now % period
-    return 0.0 if into <= late else period - into
+def next_slot(period: float, now: float, late: float, after: int | None = None) -> int:
+    """The index of the round slot we take part in (it starts at index x `period`,
+    wall clock): the one that began at most `late` seconds before `now` (its groups
+    are still gathering), else the next one; never one at or before `after`, the slot
+    our last round took. Every peer computes the same slots from its own clock, so the
+    peers of a cell look for each other at the same moment and form one group, where
+    peers that arrive as their last rounds end form several. A round that ended
+    early in its own slot must not take that slot again: its next cell's peers, in
+    other groups of that slot, take the next one unless their rounds ended as early
+    (cell-mates whose rounds ended 0.2 s and 0.3 s into a slot with a `late` of
+    0.25 s would take two different slots, and neither would find a group)."""
+    index = math.floor(now / period)
+    slot = index if now - index * period <= late else index + 1
+    return slot if after is None else max(slot, after + 1)
+
+
+def slot_wait(period: float, now: float, late: float, after: int | None = None) -> float:
+    """Seconds from `now` (wall clock) to the start of the slot we take part in
+    (`next_slot`): 0 for one that began already."""
+    return max(0.0, next_slot(period, now, late, after) * period - now)
 
 
 def cell_key(key: str, cell: str) -> str:

@@ -19,7 +19,14 @@ from shoal.averaging.allreduce import AllReduceConfig
 from shoal.averaging.averager import Averager, AveragerConfig
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.matchmaking_rules import PeerState, parse_view
-from shoal.averaging.moshpit import MAX_MASS, Grid, cell_key, permutation, slot_wait
+from shoal.averaging.moshpit import (
+    MAX_MASS,
+    Grid,
+    cell_key,
+    next_slot,
+    permutation,
+    slot_wait,
+)
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import Identity, PeerID
 
@@ -242,6 +249,18 @@ def test_round_slots_start_at_the_multiples_of_the_period_and_take_a_peer_a_litt
     # Peers that call anywhere between two starts all begin at the next one.
     calls = [1001.0 + 0.37 * i for i in range(20)]
     assert {round(t + slot_wait(10.0, t, late=0.5), 6) for t in calls} == {1010.0}
+
+
+def test_a_round_never_takes_the_slot_its_last_round_took() -> None:
+    """A round that ended early in its slot waits for the next one, as the peers of its
+    next cell do whose rounds ended later: the slot's lateness does not split them."""
+    assert next_slot(10.0, now=1000.2, late=0.5) == 100  # a first round: this slot
+    assert next_slot(10.0, now=1000.2, late=0.5, after=100) == 101  # ended in it: the next
+    assert next_slot(10.0, now=1000.3, late=0.5, after=100) == 101  # so does its cell-mate
+    assert next_slot(10.0, now=1010.2, late=0.5, after=100) == 101  # ran long: still late
+    assert slot_wait(10.0, now=1000.2, late=0.5, after=100) == pytest.approx(9.8)
+    # A clock set back never takes a slot again either.
+    assert next_slot(10.0, now=990.0, late=0.5, after=100) == 101
 
 
 # ====================================================================== over loopback
