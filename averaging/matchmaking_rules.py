@@ -209,9 +209,13 @@ def merge_views(
     A read that reached few of the replicas (a loaded machine's timeouts, a
     partition) then never takes back what an earlier one saw, and a peer whose
     reads keep missing its neighbours does not come to see nobody at all; what
-    has expired drops out as it would from the DHT."""
+    has expired drops out as it would from the DHT, whether it was read before or
+    just now (a neighbour's answer to ``hello`` is its last declaration, however
+    old: a "busy" expired since would hold a lone peer waiting for nobody)."""
     view = {p: d for p, d in previous.items() if d.expiration > now}
     for peer, decl in fresh.items():
+        if decl.expiration <= now:
+            continue
         known = view.get(peer)
         if known is None or decl.expiration >= known.expiration:
             view[peer] = decl

@@ -338,6 +338,7 @@ def test_a_read_that_misses_replicas_never_takes_back_what_an_earlier_one_saw() 
     assert merge_views(view, tie, now)[c].state_version == b"w"  # on a tie, the read
     # what has expired drops out, whether or not a read sees it again
     assert set(merge_views(view, {}, now + 22)) == {a, c}
+    assert set(merge_views(view, fresh, now + 26)) == {c}
     assert merge_views(view, {}, now + 31) == {}
 
 
@@ -674,6 +675,27 @@ async def test_peers_cut_off_from_the_dht_average_with_the_peers_they_still_reac
     finally:
         await asyncio.gather(*(m.aclose() for m in makers), return_exceptions=True)
         await asyncio.gather(*(n.aclose() for n in clients), return_exceptions=True)
+
+
+@pytest.mark.timeout(30)
+async def test_a_neighbours_expired_declaration_keeps_no_lone_peer_waiting(
+    swarm: Callable[..., Any],
+) -> None:
+    """A neighbour answers ``hello`` as cut off (a flag only as fresh as its last read,
+    which saw nobody else) with the "busy" its last round left, expired since. That
+    is nobody coming: the peer alone gives up alone, where it waited for that
+    neighbour until its deadline (a local CI run: 10 s, for a step that gives up
+    alone after half a second)."""
+    config = MatchmakingConfig(**FAST, give_up_alone_after=0.3, declaration_ttl=1.0)
+    lone, away = makers = await swarm(2, config)
+    (first,) = assert_agreement(makers, await form_all(makers, deadline=Deadline.after(10)))
+    assert first.size == 2
+    away.declarer.cut_off = True  # its last read saw nobody else
+    expired_at = away.declarer.hello()["expiration"]
+    await wait_until(lambda: time.time() > expired_at, 5)
+    with pytest.raises(NobodyElse):  # (not MatchmakingError at the deadline)
+        await lone.form_group(state_version=b"v", deadline=Deadline.after(10))
+    assert lone.stats()["island_reads"] > 0  # it asked its neighbour, and went on alone
 
 
 @pytest.mark.timeout(30)
