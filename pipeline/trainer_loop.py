@@ -22,7 +22,9 @@ batch died with a peer) asks that stage to step with what it holds. When its
 live peers hold nothing (the whole batch died with the peer that held it), that
 flush cannot make them step, and the ledger replays the dead peer's microbatches
 only once a step goes without it: the loop then starts one more microbatch than
-the pace allows, for the live peers to step on.
+the pace allows, for the live peers to step on, and one more after every second
+flush that still changed nothing (that microbatch too may have gone to the peer
+that was dying), never a global batch beyond the pace.
 """
 
 from __future__ import annotations
@@ -178,16 +180,9 @@ class TrainerLoop:
         """The next microbatch of our data, once the pace allows it (None: done)."""
         while not self._done(stop, steps):
             assert self.base is not None
-            # Steps take all their peers hold, often more than a global batch: pace by
-            # the samples the slowest stage stepped, not by its steps.
-            stepped = min(
-                self.trainer.stepped(s, self.base, self.global_batch)
-                for s in range(self.trainer.stages)
-            )
             if self._overdraft and self.version > self._flushed[0]:
                 self._overdraft = 0  # (it stepped: the pace is `lag`'s again)
-            allowed = stepped + (1 + self.lag) * self.global_batch + self._overdraft
-            if self.started_samples < allowed:
+            if self.started_samples < self._paced_allowance() + self._overdraft:
                 batch = next(self.batches)
                 mb = Microbatch(
                     self._next_id,
@@ -208,6 +203,17 @@ class TrainerLoop:
             await self._flush_if_stuck()
         return None
 
+    def _paced_allowance(self) -> int:
+        """The samples the pace lets us start since `base`: `lag + 1` global batches
+        beyond what the slowest stage stepped. Steps take all their peers hold, often
+        more than a global batch: pace by the samples stepped, not by the steps."""
+        assert self.base is not None
+        stepped = min(
+            self.trainer.stepped(s, self.base, self.global_batch)
+            for s in range(self.trainer.stages)
+        )
+        return stepped + (1 + self.lag) * self.global_batch
+
     async def _flush_if_stuck(self) -> None:
         """Everything sent has come back and the slowest stage still has not stepped:
         part of its batch died with a peer. Ask it to step with what it has."""
@@ -221,12 +227,17 @@ class TrainerLoop:
         flushed, times = self._flushed
         times = times + 1 if flushed == slowest else 1
         self._flushed = (slowest, times)
-        if times == 2:  # (once: more would not make a stage that cannot step step)
+        beyond = self.started_samples - self._paced_allowance()
+        if times % 2 == 0 and beyond < self.global_batch:
             # A flush came and went with nothing in flight, and the stage did not step:
             # its live peers hold nothing of this version (the batch died with a peer).
             # One fresh microbatch gives them something to step on; that step, without
-            # the dead peer, is what replays its microbatches.
-            self._overdraft += 1
+            # the dead peer, is what replays its microbatches. Again every second flush
+            # that changed nothing: the last such microbatch may have gone to the peer
+            # that died (it was still serving, slow in the step the flushes waited
+            # for), and a stage whose live peers hold nothing never steps. Never a
+            # global batch beyond the pace: by then they hold one and need no flush.
+            self._overdraft = beyond + 1
             log.info("stage version %d: its live peers hold nothing to step on; one "
                      "microbatch beyond the pace for them", slowest)  # fmt: skip
         for s, version in enumerate(self.trainer.versions):

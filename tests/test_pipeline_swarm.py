@@ -146,15 +146,20 @@ async def test_a_stage_peer_killed_in_the_stage_all_reduce_does_not_stop_the_ste
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("slow_step", [False, True], ids=["dies-at-once", "dies-slowly"])
 async def test_a_stage_peer_that_dies_holding_the_whole_batch_does_not_stop_the_stage(
-    make_host: Callable[..., Any],
+    make_host: Callable[..., Any], slow_step: bool
 ) -> None:
     """Three peers serve one stage; only one takes the trainer's requests for the first
     step, and it dies in that step's all-reduce holding the whole global batch: the two
     others hold nothing to step on, and a flush alone cannot make them step. The
     trainer's loop then sends one microbatch beyond its pace; the two step on it
     without the dead peer, whose microbatches are then replayed: every sample the
-    trainer completed is in exactly one step."""
+    trainer completed is in exactly one step.
+
+    Slowly: the victim's step is slow enough (a loaded machine: a CI hang) that the
+    microbatch beyond the pace goes to the victim too, and dies with it; the loop
+    sends one more, for the two."""
     task = make_task(TINY)
     (module,) = task.make_stages(3, 1)
     swarm = Swarm(make_host)
@@ -173,6 +178,13 @@ async def test_a_stage_peer_that_dies_holding_the_whole_batch_does_not_stop_the_
 
         async def die_holding_the_batch(point: str) -> None:
             if point == "before_ready" and victim.version == 0:
+                if slow_step:  # (still in the step when the microbatch beyond the pace comes)
+                    took = victim.server.served["backward"]
+                    await eventually(
+                        lambda: victim.server.served["backward"] > took,
+                        "the victim took the microbatch beyond the pace",
+                        60.0,
+                    )
                 for peer in survivors:
                     peer.server.serving = True
                     await peer.server.announce()
