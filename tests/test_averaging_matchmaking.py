@@ -512,6 +512,7 @@ wire = st.recursive(
 )  # fmt: skip
 
 
+@pytest.mark.timeout(120)  # (5 s of CPU, 14 s on a loaded local CI: no I/O to hang on)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(wire)
 def test_untrusted_join_messages_only_raise_value_error(obj: Any) -> None:
