@@ -489,7 +489,8 @@ async def _start_dht(
     # A peer that was in this network before (it saved the peers it knew) and finds
     # none of its bootstrap peers now is cut off (a partition, an outage), not
     # misconfigured: it starts anyway and the DHT joins again through them every
-    # `rejoin_check` seconds. A first start fails fast (most likely a wrong address).
+    # `rejoin_check` seconds. A first start fails fast (most likely a wrong address),
+    # unless peers of the network on our LAN answer (`_join_the_lan_instead`).
     was_in_network = bool(load_known_peers(config.data_dir))
     try:
         dht = await DHTNode.create(
@@ -501,12 +502,40 @@ async def _start_dht(
             **options,
         )
     except BootstrapError as e:
-        raise StartupError(f"{e}; check the --bootstrap (SHOAL_BOOTSTRAP) addresses") from None
+        lan_dht = await _join_the_lan_instead(host, lan, bootstrap, options)
+        if lan_dht is None:
+            raise StartupError(f"{e}; check the --bootstrap (SHOAL_BOOTSTRAP) addresses") from None
+        dht = lan_dht
     known = len(dht.routing_table)
     if known:
         log.info("joined the network: %d %s known", known, "peer" if known == 1 else "peers")
         save_known_peers(dht, config.data_dir)  # also for a next start after a kill -9
     return dht, True
+
+
+async def _join_the_lan_instead(
+    host: Host, lan: LanFinder | None, bootstrap: list[Multiaddr], options: dict[str, Any]
+) -> DHTNode | None:
+    """None of the bootstrap peers answered a first start, but peers of our network on
+    the LAN did finish starting (heard over mDNS): our uplink or theirs is cut (a CI
+    soak's peer, started in a partition, exited while two such neighbours were
+    heard). Join through them; the DHT joins through the bootstrap peers again once
+    cut off (`rejoin_check`). None: no such neighbour answers either."""
+    neighbours = lan.settled_addrs() if lan is not None else []
+    if not neighbours:
+        return None
+    try:
+        dht = await DHTNode.create(
+            host, bootstrap=[*neighbours, *bootstrap], bootstrap_attempts=1, **options
+        )
+    except BootstrapError:
+        return None
+    log.warning(
+        "none of the %d bootstrap peers answers: joined through the peers found on "
+        "this LAN over mDNS; joining through the bootstrap peers again when cut off",
+        len(bootstrap),
+    )
+    return dht
 
 
 KNOWN_PEERS_FILE = "known-peers.json"

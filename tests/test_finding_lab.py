@@ -190,6 +190,55 @@ def test_two_peers_behind_one_nat_with_its_uplink_cut_find_each_other_over_mdns_
         lab.sh("down")
 
 
+@pytest.mark.timeout(240)
+def test_a_first_start_whose_bootstrap_peers_are_cut_off_joins_through_its_lan_neighbour(
+    tmp_path: Path,
+) -> None:
+    """A peer behind router A joins the public host; then A's uplink is cut and a second
+    peer starts behind A with the same bootstrap address, which no longer answers. Its
+    neighbour, heard over mDNS, is in the network: the second peer joins through it
+    (it exited before: a CI soak's peer started in a partition), finds the host's
+    experiment there, and the two average."""
+    lab = Lab("l44b-")
+    lab.sh("up")
+    daemons: list[Daemon] = []
+    try:
+        lab.add_lan_host("natA", "a2", "10.0.1.3")
+        pub = Daemon("pub", tmp_path, ["--listen", "/ip4/0.0.0.0/tcp/4001"], TRAIN,
+                     netns=lab.ns("pub"))  # fmt: skip
+        daemons.append(pub)
+        pub.wait_ready()
+        boot = pub.address_on(PUB_IP)
+        env = TRAIN | {"SHOAL_MDNS": "auto"}
+        first = Daemon("a1", tmp_path, ["--listen", "/ip4/10.0.1.2/tcp/4001", "--bootstrap",
+                       boot], env, netns=lab.ns("a1"))  # fmt: skip
+        daemons.append(first)
+        first.wait_ready()
+        assert "joined the network" in first.log(), first.tail()
+        lab.cut_uplink("natA")
+        second = Daemon("a2", tmp_path, ["--listen", "/ip4/10.0.1.3/tcp/4001", "--bootstrap",
+                        boot], env, netns=lab.ns("a2"))  # fmt: skip
+        daemons.append(second)
+        second.wait_ready(timeout=120.0)
+        assert "joined through the peers found on this LAN" in second.log(), second.tail()
+        assert second.join_ref == pub.join_ref  # the host's experiment, read through a1
+
+        def a_round_of_both() -> list[int]:
+            rounds = [first.committed_rounds(), second.committed_rounds()]
+            return [s for s in rounds[0] if s in rounds[1] and rounds[0][s] == rounds[1][s]]
+
+        wait_for(
+            "a round committed by both with one fingerprint",
+            a_round_of_both,
+            90,
+            debug=lambda: first.tail(15) + "\n" + second.tail(15),
+        )
+    finally:
+        for d in daemons:
+            d.kill()
+        lab.sh("down")
+
+
 @pytest.mark.timeout(120)
 def test_lan_neighbours_found_over_mdns_do_not_make_peers_behind_a_nat_public(
     tmp_path: Path,

@@ -492,3 +492,48 @@ async def test_a_message_of_a_few_kb_grows_the_receive_buffer_to_its_size_not_th
     assert len(b._buf) >= MAX_BULK_BODY  # a body arrives whole
     a.abort("done")
     b.abort("done")
+
+
+class ClosedUnderUs(Wire):
+    """A transport whose handle closed while `is_closing()` still says no, as uvloop's can
+    (MagicStack/uvloop#506): every write raises, and connection_lost never comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handle_closed = False
+
+    def writelines(self, parts: list[bytes | bytearray | memoryview]) -> None:
+        if self.handle_closed:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+        super().writelines(parts)
+
+    def abort(self) -> None:
+        if self.handle_closed:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+        super().abort()
+
+
+async def test_a_transport_closed_under_the_connection_ends_it_at_the_next_write() -> None:
+    """The write's error reaches no event loop handler (a soak's peer logged it every
+    second for 23 s): the connection ends, its streams fail, and it writes no more."""
+    accepted: asyncio.Queue[Stream] = asyncio.Queue()
+    a = Connection(Identity.generate(), initiator=True)
+    b = Connection(Identity.generate(), initiator=False, on_stream=accepted.put_nowait)
+    wa, wb = ClosedUnderUs(), Wire()
+    wa.protocol, wa.other, wb.protocol, wb.other = a, wb, b, wa
+    a.connection_made(wa)
+    b.connection_made(wb)
+    async with asyncio.timeout(5):
+        await asyncio.gather(a.handshake_done, b.handshake_done)
+    s = await a.open_stream(SINK)
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    wa.handle_closed = True
+    await s.write(b"x" * 1000)
+    async with asyncio.timeout(5):
+        await a.closed
+    assert "the transport closed under us" in str(a.close_reason)
+    assert errors == []
+    with pytest.raises(TransportError):
+        await s.write(b"x")
+    b.abort("done")

@@ -18,6 +18,7 @@ ChaCha20-Poly1305 are specified for far longer messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -1223,7 +1224,8 @@ class _Sender:
                 size += len(record)
             if size >= _WRITE_BATCH:
                 c.bytes_sent += size
-                transport.writelines(batch)
+                if not _write(c, transport, batch):
+                    return
                 flushed += size
                 batch = []
                 size = 0
@@ -1236,12 +1238,30 @@ class _Sender:
                     break
         if batch:
             c.bytes_sent += size
-            transport.writelines(batch)
+            if not _write(c, transport, batch):
+                return
         for sid in mux.take_drained():
             stream = c.streams.get(sid)
             if stream is not None:
                 stream._wake_writer()
         c._drop_finished()
+
+
+def _write(
+    c: Connection, transport: asyncio.Transport, batch: list[bytearray | memoryview]
+) -> bool:
+    """Write `batch`; False when the transport turned out closed. uvloop can close a
+    stream's handle while `is_closing()` still says no (MagicStack/uvloop#506), and
+    raises on every write after; a soak's peer then logged that error every second
+    for 23 s, its connection never told it was lost. It ends here instead."""
+    try:
+        transport.writelines(batch)
+    except RuntimeError as e:  # ("unable to perform operation on ...: the handler is closed")
+        c.connection_lost(ConnectionResetError(f"the transport closed under us: {e}"))
+        with contextlib.suppress(Exception):
+            transport.abort()
+        return False
+    return True
 
 
 class _Lifecycle:

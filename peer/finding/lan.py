@@ -81,6 +81,10 @@ class LanFinder:
         joins = any(p.settled or p.peer_id.to_bytes() < me for p in peers)
         return [a for p in peers for a in p.addrs[:2]], joins
 
+    def settled_addrs(self) -> list[Multiaddr]:
+        """The addresses of the peers heard that finished starting (in a network)."""
+        return [a for p in self.mdns.found.values() if p.settled for a in p.addrs[:2]]
+
     def attach(self, dht: DHTNode) -> None:
         """Join peers heard from now on (and those heard already) into `dht`."""
         self._dht = dht
