@@ -10,6 +10,7 @@ same experiment also trains as a 2-stage pipeline.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,9 @@ def test_three_peers_train_a_tiny_llama_on_a_text_folder_and_ban_a_cheater(
     step) on a verified hf experiment with a tokenizer trained at hosting: the honest
     peers' loss falls, they ban the cheater, commit equal fingerprints, and none of
     them is accused."""
-    texts = write_texts(tmp_path / "texts")
+    # 100,000 words: the model cannot learn them by heart in the test's minute (on 6,000
+    # its training loss reached 0.24 and its held-out loss rose to 6.2, above a fresh one).
+    texts = write_texts(tmp_path / "texts", lines=2500)
     task_options, fresh = tiny_llama_on(texts)
     args = ["--host-experiment", "tiny-llama", "--task", "hf", "--data", str(texts)]
     host = Daemon("host", tmp_path, args, {**ROUNDS, "SHOAL_TASK_OPTIONS": task_options})
@@ -99,6 +102,12 @@ def test_three_peers_train_a_tiny_llama_on_a_text_folder_and_ban_a_cheater(
                          honest_rounds_after_the_ban, 90,
                          debug=lambda: "\n".join(d.tail(20) for d in peers))  # fmt: skip
         assert all(len(set(prints)) == 1 for prints in after.values()), after
+        # The first validation runs at a peer's start, on the weights it began with, the
+        # next ones 30 s or more apart: wait for one scored after that honest round.
+        honest_round_at = time.time()
+        wait_for("a validation loss scored after the honest round",
+                 lambda: all((d.status()["val_loss_at"] or 0) > honest_round_at for d in peers),
+                 90, debug=lambda: "\n".join(d.tail(5) for d in peers))  # fmt: skip
         for d in peers:
             # 15 random words soon cost about ln 15 = 2.7 a token.
             status = d.status()
