@@ -70,14 +70,22 @@ def _parameters(task: ByteGPTTask) -> int:
     return stage_size(task, 0, 1, 0)
 
 
+def _budgets(
+    task: ByteGPTTask, stages: int, opts: argparse.Namespace, on_disk: bool | None = None
+) -> StageBudget:
+    """What each stage costs a peer of the budget, served as such a peer serves it
+    (`StageBudget.limits`: leanly when it fits only so)."""
+    bounds = probe_bounds(task, 0, stages, opts.global_batch)
+    on_disk = opts.memory_copies == "disk" if on_disk is None else on_disk
+    return StageBudget(task, 0, bounds, budget=parse_size(opts.memory_budget),
+                       in_flight=(1 + opts.lag) * opts.global_batch,
+                       copies_on_disk=on_disk)  # fmt: skip
+
+
 def _stage_costs(
     task: ByteGPTTask, stages: int, opts: argparse.Namespace, on_disk: bool | None = None
 ) -> list[int]:
-    bounds = probe_bounds(task, 0, stages, opts.global_batch)
-    on_disk = opts.memory_copies == "disk" if on_disk is None else on_disk
-    return StageBudget(task, 0, bounds, budget=None,
-                       in_flight=(1 + opts.lag) * opts.global_batch,
-                       copies_on_disk=on_disk).costs()  # fmt: skip
+    return _budgets(task, stages, opts, on_disk).costs()
 
 
 def _alone_cost(task: ByteGPTTask, microbatch: int) -> int:
@@ -148,14 +156,14 @@ async def _train_pipeline(
     start = _reset_peak()
     nodes: list[DHTNode] = []
     peers: list[StagePeer] = []
-    bounds = probe_bounds(task, 0, stages, opts.global_batch)
+    budgets = _budgets(task, stages, opts)
     try:
         for k in range(stages):
             module = task.make_stage(0, stages, k)
             copies = None if copies_dir is None else copies_dir / str(k)
             peer = StagePeer(await node(nodes), EXPERIMENT, k, module, hyper={"lr": 1e-3},
-                             global_batch=opts.global_batch, bounds=bounds[k],
-                             copies_dir=copies)  # fmt: skip
+                             global_batch=opts.global_batch, bounds=budgets.bounds[k],
+                             copies_dir=copies, limits=budgets.limits(k))  # fmt: skip
             del module
             await peer.start(sync=False)
             peers.append(peer)
@@ -214,6 +222,8 @@ async def memory_check(opts: argparse.Namespace, node: Any) -> dict[str, Any]:
         if in_memory is None
         else round(4 * _parameters(_with_layers(base, in_memory)) / single, 3),
         "layers": {"pipeline": many, "alone": alone, "d_model": opts.d_model},
+        # How each stage peer of the largest model serves its stage within the budget.
+        "stage_limits": [_budgets(big, stages, opts).limits(k).as_dict() for k in range(stages)],
         "checked": {
             # The estimates against the growth of this process's peak (the pipeline's:
             # its N stage peers, its trainer and their DHT nodes, all in this process).

@@ -9,7 +9,9 @@ not computed is not counted; its trainer sends it to another peer), and a
 backward whose attempt its trainer fenced fails with `Fenced` (`StageWorker.fence`:
 its trainer asks another peer). Answers
 a trainer asked a commitment for are sealed in a second thread (`seal`), so
-the next batch need not wait for the hashing.
+the next batch need not wait for the hashing. While backwards are held
+(`hold_backwards`: a peer within a memory budget, while its step averages) they
+wait in order and the forwards behind them are computed.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class ComputeQueue:
         self.seal = seal
         self.batches = 0  # computations run (several requests may share one)
         self._jobs: list[Job] = []
+        self._backwards_held = False
         self._wake = asyncio.Event()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-seal{stage}")
@@ -83,6 +86,14 @@ class ComputeQueue:
         self._jobs.append(job)
         self._wake.set()
         return await job.done
+
+    def hold_backwards(self, held: bool) -> None:
+        """Compute no backward while `held` (a stage peer within a memory budget, while
+        its step averages: no bucket of the next step's gradients exists beside the
+        step's and the round's result; `memory.StageLimits`). They wait in order."""
+        self._backwards_held = held
+        if not held:
+            self._wake.set()
 
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the compute thread, behind the batches already running."""
@@ -104,8 +115,8 @@ class ComputeQueue:
             self._wake.clear()
             while self._jobs:
                 batch = self._take_batch()
-                if not batch:
-                    continue
+                if not batch:  # (none left, or only held backwards: until a wake)
+                    break
                 try:
                     results, seconds, version = await loop.run_in_executor(
                         self._compute, _run, self.worker, batch
@@ -142,20 +153,26 @@ class ComputeQueue:
     def _take_batch(self) -> list[Job]:
         """The first waiting job and those of its kind that fit with it, in order.
         Jobs whose callers gave up are dropped: a backward not computed is not
-        counted, and its trainer sends it to another peer."""
+        counted, and its trainer sends it to another peer. Held backwards stay."""
         self._jobs = [j for j in self._jobs if not j.done.done()]
-        if not self._jobs:
+        takeable = [j for j in self._jobs if not self._held(j)]
+        if not takeable:
             return []
-        first = self._jobs[0]
+        first = takeable[0]
         batch, rest, samples = [], [], 0
         for job in self._jobs:
-            if job.fits(first) and samples + job.samples <= max(MAX_BATCH_SAMPLES, first.samples):
+            if self._held(job):
+                rest.append(job)
+            elif job.fits(first) and samples + job.samples <= max(MAX_BATCH_SAMPLES, first.samples):
                 batch.append(job)
                 samples += job.samples
             else:
                 rest.append(job)
         self._jobs = rest
         return batch
+
+    def _held(self, job: Job) -> bool:
+        return self._backwards_held and job.kind == "backward"
 
 
 def _describe(batch: list[Job]) -> str:

@@ -13,37 +13,44 @@ stage's parameters (float32: 4 per element):
   the moment it is complete, or AdamW's per-parameter temporaries, never both
   at once: 2L);
 - optimizer: AdamW's two moments (2B);
-- averaging (`stage_optimizer.StageOptimizer`, `averaging.Averager`): while a
-  step averages, its own bucket, which the all-reduce sends as it is (scaled in
-  place: B), the round's result vector that the all-reduce's pool keeps from
-  one round to the next (B), the receive slots of each other member's stream
-  (bounded by the chunking), and one transient copy of the parameters and
-  moments (3B): the committed state is served to downloaders and checkpointed
-  from the live tensors (`Averager(live_state=True)`), copied only when a commit
-  comes while a download reads it, and a re-sync drops that copy before it
-  downloads its own (the downloaded tensors). With a folder for them (a daemon's
-  `<data dir>/state-copies/`: `state_sync.StateServer(copies_dir)` and
+- averaging (`stage_optimizer.StageOptimizer`, `averaging.Averager`): while a step
+  averages (beside the next step's bucket in `gradients`, unless backwards wait
+  meanwhile: `StageLimits.backwards_while_averaging`), its own bucket, which the
+  all-reduce sends as it is (scaled in place: B), the round's result vector that
+  the all-reduce's pool keeps from one round to the next (B), the receive slots of
+  each other member's stream (bounded by the chunking), and one transient copy of
+  the parameters and moments (3B): the committed state is served to downloaders and
+  checkpointed from the live tensors (`Averager(live_state=True)`), copied only
+  when a commit comes while a download reads it, and a re-sync drops that copy
+  before it downloads its own (the downloaded tensors). With a folder for them (a
+  daemon's `<data dir>/state-copies/`: `state_sync.StateServer(copies_dir)` and
   `state_sync.downloads_in`) both live in a file the kernel writes back and may
-  drop, not in the process's memory: 0. Parameters on a device (a GPU)
-  cost two more (2B): the host buffer the bucket is copied into for the round,
-  and the averaged gradients copied back for the step;
+  drop, not in the process's memory: 0. Parameters on a device (a GPU) cost two
+  more (2B): the host buffer the bucket is copied into for the round, and the
+  averaged gradients copied back for the step;
 - audits (an experiment that verifies its stages): the answers' full-precision
   results a stage peer keeps for its trainers' audits (`audit.OutputStore`: five
   minutes, at most `RETENTION_BYTES`);
-- activations: what a computation keeps for its backward, for the samples one
-  computation takes (`compute_queue.MAX_BATCH_SAMPLES`, or the trainers' samples
-  in flight when fewer), and the boundary tensors (inputs and output gradients)
-  of every request waiting in the queue;
+- activations: what a pass through the stage keeps for its backward, for the
+  samples a pass takes: those of one computation (`compute_queue.MAX_BATCH_SAMPLES`,
+  or the trainers' samples in flight when fewer), or fewer within a budget
+  (`StageLimits.pass_samples`); and the boundary tensors (inputs and output
+  gradients) of every request waiting in the queue;
 - answers kept for retries: the input gradients of the last
   `stage.RETAINED_ANSWERS` backwards (a retry gets the same answer), each of
-  up to a request's samples, within `stage.RETAINED_ANSWER_BYTES` (none for a
-  stage whose inputs are ids);
+  up to a request's samples, within `stage.RETAINED_ANSWER_BYTES` or less within
+  a budget (`StageLimits.answer_bytes`; none for a stage whose inputs are ids);
 - the server's own (`SERVER_BYTES`): the heaps of its compute, sealing and
   worker threads and its bookkeeping, which a process that serves no stage
   does not have (measured: a stage peer's peak came within 3 MiB over the rest
   of the estimate above a trainer's, the largest of eight).
 
-So a stage costs about 9B plus its activations, 6B with its copies on disk
+A peer with a budget serves a stage that fits only leanly with the limits
+`fit_stage` chooses (fewer answers kept, then backwards that wait while a step
+averages, then passes of fewer samples).
+
+So a stage costs about 9B plus its activations, 6B with its copies on disk (5B
+when backwards also wait while a step averages)
 (11B while the step copied its bucket into a buffer of the averager's and
 autograd's gradients all existed before they were added; 20B while every
 commit froze a copy for downloads). What
@@ -59,6 +66,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.averaging.butterfly import AllReduceConfig
 from shoal.averaging.reducer import float64_scratch
@@ -69,9 +77,12 @@ from .compute_queue import MAX_BATCH_SAMPLES
 from .stage import RETAINED_ANSWER_BYTES, RETAINED_ANSWERS
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "PRIOR_ACTIVATION_FACTOR",
     "SERVER_BYTES",
+    "StageLimits",
     "StageMemory",
+    "fit_stage",
     "stage_memory",
     "stages_that_fit",
     "trainer_memory",
@@ -117,6 +128,31 @@ class StageMemory:
         }
 
 
+@dataclass(frozen=True)
+class StageLimits:
+    """How a stage peer within a memory budget computes and what it keeps
+    (`fit_stage`): the most samples one pass through its layers takes (None: a
+    computation is one pass; `stage.StageWorker.pass_samples`) and the bytes of input
+    gradients kept for retries (`answers.AnswerStore`: at least the newest one)."""
+
+    pass_samples: int | None = None
+    answer_bytes: int = RETAINED_ANSWER_BYTES
+    # Whether backwards are computed while a step averages (False: they wait,
+    # `compute_queue.ComputeQueue.hold_backwards`, and no bucket of the next step's
+    # gradients exists beside the step's and the round's result: B less).
+    backwards_while_averaging: bool = True
+
+    def as_dict(self) -> dict[str, int | bool | None]:
+        return {
+            "pass_samples": self.pass_samples,
+            "answer_bytes": self.answer_bytes,
+            "backwards_while_averaging": self.backwards_while_averaging,
+        }
+
+
+DEFAULT_LIMITS = StageLimits()
+
+
 def computed_samples(bounds: StageBounds, in_flight: int) -> int:
     """Samples one computation of the stage takes at most: the compute queue joins
     waiting requests up to MAX_BATCH_SAMPLES (one request may be larger)."""
@@ -135,6 +171,7 @@ def stage_memory(
     audits: bool = False,
     on_device: bool = False,
     copies_on_disk: bool = False,
+    limits: StageLimits = DEFAULT_LIMITS,
 ) -> StageMemory:
     """The bytes serving a stage of `parameters` elements costs (see the module doc).
 
@@ -146,7 +183,8 @@ def stage_memory(
     the experiment verifies its stages (their answers are kept for audits);
     `on_device`: the parameters live on a device (a GPU), not in host memory;
     `copies_on_disk`: the transient copy of the parameters and moments (3B) goes to
-    a file, not to memory (a peer with a data directory: `copies_dir`)."""
+    a file, not to memory (a peer with a data directory: `copies_dir`); `limits`:
+    the samples a pass takes, the answers kept (`fit_stage` chooses them)."""
     if parameters < 0 or in_flight < 0 or group_size < 1:
         raise ValueError("parameters >= 0, in_flight >= 0 and group_size >= 1")
     b = parameters * element_bytes
@@ -155,13 +193,17 @@ def stage_memory(
     if per_sample is None:
         per_sample = bounds.activation_bytes or PRIOR_ACTIVATION_FACTOR * boundary
     computed = computed_samples(bounds, in_flight)
-    # The computation's activations, and the boundaries of every request waiting,
-    # of the one computing, and of its answers (input gradients, outputs).
-    activations = computed * per_sample + 2 * max(in_flight, computed) * boundary
+    in_pass = min(computed, limits.pass_samples or computed)
+    # A pass's activations, and the boundaries of every request waiting, of the
+    # computation's, and of its answers (input gradients, outputs).
+    activations = in_pass * per_sample + 2 * max(in_flight, computed) * boundary
     # One parameter's gradient or AdamW temporaries (bounds that lack the largest
     # parameter: as much as the whole stage's gradients).
     one_parameter = 2 * bounds.largest_parameter * element_bytes or b
-    round_buffers = (2 + (2 if on_device else 0)) * b  # (the step's bucket, the result)
+    # The step's bucket and the round's result; the next step's bucket, which backwards
+    # fill while the step averages, is `gradients` (none then when they wait).
+    held = 0 if limits.backwards_while_averaging else 1
+    round_buffers = (2 - held + (2 if on_device else 0)) * b
     return StageMemory(
         parameters=b,
         gradients=b + one_parameter,
@@ -171,19 +213,57 @@ def stage_memory(
         + _receive_slots(parameters, group_size, allreduce),
         activations=activations,
         audits=RETENTION_BYTES if audits else 0,
-        answers=_retained_answers(bounds, in_flight),
+        answers=_retained_answers(bounds, in_flight, limits.answer_bytes),
     )
 
 
-def _retained_answers(bounds: StageBounds, in_flight: int) -> int:
+def _retained_answers(bounds: StageBounds, in_flight: int, answer_bytes: int) -> int:
     """Bytes of the input gradients the worker keeps for retries: those of the last
     RETAINED_ANSWERS backwards, each of at most one request's samples, within
-    RETAINED_ANSWER_BYTES (and at least the newest one: `answers.AnswerStore`)."""
+    `answer_bytes` (and at least the newest one: `answers.AnswerStore`)."""
     if not bounds.input_floating:
         return 0
     samples = min(bounds.max_samples, max(1, in_flight))
     one = samples * bounds.input_elements * FLOAT32
-    return min(RETAINED_ANSWERS * one, RETAINED_ANSWER_BYTES + one)
+    return min(RETAINED_ANSWERS * one, answer_bytes + one)
+
+
+def fit_stage(
+    parameters: int, bounds: StageBounds, *, budget: int | None, **options: Any
+) -> tuple[StageMemory, StageLimits]:
+    """The limits a stage peer with `budget` bytes serves the stage with, and their
+    cost (`options`: `stage_memory`'s). The defaults when they fit (or with no budget).
+    Else, cheapest in speed first: the answers kept shrink, to the newest one (a retry
+    whose answer was dropped only costs a recomputation: `answers`); then backwards wait
+    while a step averages (B less: the next step's bucket; they are late by the round's
+    time, nothing is recomputed); then passes take the most samples that fit (one at the
+    least: activations grow with the samples a pass takes, while the state does not
+    shrink at all). The answers get back what is left, up to their default. The cost is
+    over the budget only when the stage does not fit at all (one sample a pass, one
+    answer kept, backwards waiting)."""
+
+    def cost(pass_samples: int | None, answer_bytes: int, during: bool) -> StageMemory:
+        limits = StageLimits(pass_samples, answer_bytes, during)
+        return stage_memory(parameters, bounds, limits=limits, **options)
+
+    def fitted(pass_samples: int | None, during: bool) -> tuple[StageMemory, StageLimits]:
+        answer_bytes = min(RETAINED_ANSWER_BYTES, budget - cost(pass_samples, 0, during).total)
+        limits = StageLimits(pass_samples, answer_bytes, during)
+        return cost(pass_samples, answer_bytes, during), limits
+
+    default = stage_memory(parameters, bounds, **options)
+    if budget is None or default.total <= budget:
+        return default, DEFAULT_LIMITS
+    for during in (True, False):
+        if cost(None, 0, during).total <= budget:
+            return fitted(None, during)
+    if cost(1, 0, False).total > budget:
+        return cost(1, 0, False), StageLimits(1, 0, False)
+    low, high = 1, computed_samples(bounds, options.get("in_flight", 1))
+    while low < high:  # (the most samples a pass: cost grows with them)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if cost(mid, 0, False).total <= budget else (low, mid - 1)
+    return fitted(low, False)
 
 
 def _receive_slots(parameters: int, group_size: int, cfg: AllReduceConfig | None) -> int:

@@ -100,16 +100,31 @@ def _zero_bucket(params: list[torch.Tensor]) -> _Bucket:
 
 
 class StageWorker:
-    def __init__(self, module: torch.nn.Module, *, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        device: torch.device | None = None,
+        pass_samples: int | None = None,
+        answer_bytes: int = RETAINED_ANSWER_BYTES,
+    ) -> None:
+        """`pass_samples`: the most samples one pass through the module takes (a
+        computation of more runs in passes of at most that many, its parameter
+        gradients added up: what autograd keeps for a backward is then bounded by a
+        memory budget, `memory.fit_stage`; None: a computation is one pass);
+        `answer_bytes`: the input gradients kept for retries (`answers.AnswerStore`)."""
+        if pass_samples is not None and pass_samples < 1:
+            raise ValueError("pass_samples >= 1")
         self.module = module
         self.device = device or torch.device("cpu")
+        self.pass_samples = pass_samples
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.epoch = 0  # where backwards accumulate now
         # The stage version the parameters hold (set under `lock` by whoever changes
         # them; None while a download replaces them): what audits recompute at.
         self.version: int | None = 0
         self._buckets: dict[int, _Bucket] = {}
-        self._answers = AnswerStore(RETAINED_ANSWERS, RETAINED_ANSWER_BYTES)
+        self._answers = AnswerStore(RETAINED_ANSWERS, answer_bytes)
         # Attempts their trainers gave up on (never applied from then on) and the keys
         # being computed now; with `_answers`, under `_fence_lock`, which `fence` takes
         # alone: a fence must not wait for `lock` (a state download holds it for long).
@@ -134,10 +149,17 @@ class StageWorker:
         """The outputs of several requests, computed as one batch (samples are
         independent: the stage's layers never mix samples)."""
         with self.lock, torch.no_grad():
-            if len(inputs) == 1:
-                return [self.module(inputs[0].to(self.device))]
-            outputs = self.module(torch.cat([x.to(self.device) for x in inputs]))
-            return list(outputs.split([len(x) for x in inputs]))
+            x = inputs[0].to(self.device) if len(inputs) == 1 else torch.cat(
+                [x.to(self.device) for x in inputs])  # fmt: skip
+            parts = x.split(self._pass_length(len(x)))
+            outputs = self.module(x) if len(parts) == 1 else torch.cat(
+                [self.module(part) for part in parts])  # fmt: skip
+            return [outputs] if len(inputs) == 1 else list(
+                outputs.split([len(x) for x in inputs]))  # fmt: skip
+
+    def _pass_length(self, samples: int) -> int:
+        """Samples a pass of a computation of `samples` takes (all, without a limit)."""
+        return max(1, min(samples, self.pass_samples or samples))
 
     def answered(self, key: Hashable) -> bool:
         """Whether a backward of `key` was applied already (a retry gets its old answer)."""
@@ -244,23 +266,18 @@ class StageWorker:
         gradients are scaled back. `into` None: the parameter gradients are dropped."""
         alone = len(requests) == 1
         x = torch.cat([r[1].to(self.device) for r in requests])
-        if x.is_floating_point():
-            x = x.detach().requires_grad_(True)
+        grads = torch.cat([r[2].to(self.device) * (1 if alone else r[3]) for r in requests])
         for p in self.params:
             p.grad = None
-        outputs = self.module(x)
-        grads = torch.cat(
-            [
-                r[2].to(device=self.device, dtype=outputs.dtype) * (1 if alone else r[3])
-                for r in requests
-            ]
-        )
         self._target = (into, requests[0][3] if alone else 1)
-        # (Each parameter's gradient goes to `_accumulated`. Should autograd's engine fail
-        # half-way, an allocation failing, the parameters it finished are in the bucket
-        # though the backward counts nowhere: its samples and key are not added.)
+        # (Each parameter's gradient goes to `_accumulated`, pass after pass. Should
+        # autograd's engine fail half-way, an allocation failing, the parameters it
+        # finished are in the bucket though the backward counts nowhere: its samples
+        # and key are not added.)
         try:
-            outputs.backward(grads)
+            step = self._pass_length(len(x))
+            passes = zip(x.split(step), grads.split(step), strict=True)
+            input_grads = [self._one_pass(xs, gs) for xs, gs in passes]
         finally:
             self._target = None
             for p in self.params:
@@ -269,8 +286,17 @@ class StageWorker:
             into.samples += sum(r[3] for r in requests)
         if not x.is_floating_point():
             return [None] * len(requests)
-        parts = x.grad.detach().split([len(r[1]) for r in requests])
+        whole = input_grads[0] if len(input_grads) == 1 else torch.cat(input_grads)
+        parts = whole.split([len(r[1]) for r in requests])
         return [g if alone else g / r[3] for g, r in zip(parts, requests, strict=True)]
+
+    def _one_pass(self, x: torch.Tensor, grads: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one pass (`_target` set); its input gradient."""
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        outputs = self.module(x)
+        outputs.backward(grads.to(outputs.dtype))
+        return x.grad.detach() if x.is_floating_point() else None
 
     def take_gradients(self, epoch: int | None = None) -> Gradients:
         """The gradients accumulated for `epoch` (default: the current one); from now

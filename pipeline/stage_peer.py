@@ -49,6 +49,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.tasks import TaskSet
 
 from .bounds import StageBounds
+from .memory import DEFAULT_LIMITS, StageLimits
 from .progress import STALE_S, Report, StageProgress, peers_at, samples_at
 from .server import StageServer
 from .stage import StageWorker
@@ -86,12 +87,17 @@ class StagePeer:
         sync_timeout: float = 120.0,
         bounds: StageBounds | None = None,
         copies_dir: Path | None = None,
+        limits: StageLimits = DEFAULT_LIMITS,
     ) -> None:
         """`bounds`: what a request of the stage may hold (`bounds.probe_bounds`);
         `copies_dir`: where the stage's state is copied for a download that a step
-        overlaps (None: in memory; `state_sync.StateServer`)."""
+        overlaps (None: in memory; `state_sync.StateServer`); `limits`: the samples
+        a pass takes, the answers kept and whether backwards wait while a step
+        averages, within a memory budget (`memory.fit_stage`)."""
         self.stage = stage
-        self.worker = StageWorker(module, device=device)
+        self.limits = limits
+        self.worker = StageWorker(module, device=device, pass_samples=limits.pass_samples,
+                                  answer_bytes=limits.answer_bytes)  # fmt: skip
         self.server = StageServer(dht, experiment, stage, self.worker, bounds)
         matchmaking = MatchmakingConfig(
             min_group_size=1,
@@ -338,7 +344,16 @@ class StagePeer:
             )
             return live // 2 + 1
 
-        result = await self.optimizer.step(self.step_timeout, alone=not partners, quorum=quorum)
+        # Within a memory budget, backwards wait while the step averages (`memory.
+        # StageLimits`): their gradients would need a bucket beside the step's.
+        hold = not self.limits.backwards_while_averaging
+        if hold:
+            self.server.compute.hold_backwards(True)
+        try:
+            result = await self.optimizer.step(self.step_timeout, alone=not partners, quorum=quorum)
+        finally:
+            if hold:
+                self.server.compute.hold_backwards(False)
         if result.resynced:
             # The round found the stage ahead and downloaded its state (as `catch_up`
             # does): a fresh peer for the trainers, whose bans of us lift.

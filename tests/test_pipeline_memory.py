@@ -33,6 +33,8 @@ from shoal.pipeline.directory import StageRecord, least_capacity_stage
 from shoal.pipeline.memory import (
     PRIOR_ACTIVATION_FACTOR,
     SERVER_BYTES,
+    StageLimits,
+    fit_stage,
     stage_memory,
     stages_that_fit,
 )
@@ -195,13 +197,55 @@ def test_a_peer_never_moves_into_a_stage_that_does_not_fit() -> None:
     assert plan_move(stages, stages[0][0], 0, policy, allowed=[]) is None
 
 
+def test_a_lean_stage_keeps_fewer_answers_then_holds_backwards_then_passes_fewer() -> None:
+    """What a stage costs with its defaults (every request the queue joins in one
+    pass, 64 MiB of answers, backwards computed while a step averages) when they fit;
+    else the answers kept go first (a retry whose answer was dropped is only
+    recomputed), then the next step's bucket (backwards wait while a step averages),
+    then the samples a pass takes, never past the budget while one sample a pass and
+    one answer fit."""
+    p = 1_000_000
+    b = 4 * p
+    bounds = replace(BOUNDS, activation_bytes=200_000)
+    opts: dict[str, Any] = {"in_flight": 16, "group_size": 2}
+    default = stage_memory(p, bounds, **opts)
+    assert fit_stage(p, bounds, budget=None, **opts) == (default, StageLimits())
+    assert fit_stage(p, bounds, budget=default.total, **opts) == (default, StageLimits())
+    one_answer = 8 * 1024 * 4
+    # A little short: fewer answers kept, every pass whole.
+    cost, limits = fit_stage(p, bounds, budget=default.total - (1 << 20), **opts)
+    assert limits == StageLimits(None, RETAINED_ANSWER_BYTES - (1 << 20))
+    assert cost.total == default.total - (1 << 20) and cost.activations == default.activations
+    # Shorter than all the answers: backwards wait while a step averages (one bucket
+    # less), and the answers get what is left.
+    cost, limits = fit_stage(p, bounds, budget=default.total - RETAINED_ANSWER_BYTES - 1, **opts)
+    assert limits == StageLimits(None, b - 1, backwards_while_averaging=False)
+    assert cost.averaging == default.averaging - b and cost.activations == default.activations
+    # Shorter than that too: passes of fewer samples, one answer kept.
+    lean = default.total - RETAINED_ANSWER_BYTES - b - 5 * 200_000
+    cost, limits = fit_stage(p, bounds, budget=lean, **opts)
+    assert limits == StageLimits(11, 0, False) and cost.answers == one_answer
+    assert cost.activations == default.activations - 5 * 200_000 and cost.total <= lean
+    # What is left after the passes goes back to the answers.
+    cost, limits = fit_stage(p, bounds, budget=lean + 150_000, **opts)
+    assert limits == StageLimits(11, 150_000, False) and cost.total == lean + 150_000
+    # One sample a pass is the least: below it the stage does not fit (its cost says
+    # by how much).
+    least = stage_memory(p, bounds, limits=StageLimits(1, 0, False), **opts)
+    assert fit_stage(p, bounds, budget=least.total, **opts) == (least, StageLimits(1, 0, False))
+    cost, limits = fit_stage(p, bounds, budget=least.total - 1, **opts)
+    assert cost == least and cost.total > least.total - 1
+    assert least.activations == 200_000 + 2 * 16 * (2 * 1024 * 4)
+
+
 def test_a_budget_fits_the_stages_within_it_less_what_our_own_trainer_keeps() -> None:
     task = make_task(TINY)
     bounds = probe_bounds(task, 0, 2, 8)
     free = StageBudget(task, 0, bounds, budget=None, in_flight=16)
-    costs = free.costs()
+    assert free.fitting() == [0, 1] and free.limits(0) == StageLimits()
+    costs = StageBudget(task, 0, bounds, budget=1, in_flight=16).costs()  # (the leanest)
     small, large = sorted(range(2), key=lambda k: costs[k])
-    assert costs[small] < costs[large] and free.fitting() == [0, 1]
+    assert costs[small] < costs[large] < free.costs()[large]
     between = StageBudget(task, 0, bounds, budget=(costs[0] + costs[1]) // 2, in_flight=16)
     assert between.fitting() == [small]
     # Our own trainer's microbatches (role auto) come off the budget.
@@ -211,6 +255,9 @@ def test_a_budget_fits_the_stages_within_it_less_what_our_own_trainer_keeps() ->
     short = StageBudget(task, 0, bounds, budget=costs[small] + reserved - 1, in_flight=16,
                         trainer=True)  # fmt: skip
     assert short.fitting() == [] and "for our trainer" in short.refusal()
+    # A stage that fits only leanly is served leanly: the peer gets the limits.
+    assert both.limits(small) == StageLimits(1, 0, backwards_while_averaging=False)
+    assert both.cost(small).total == costs[small]
     none = StageBudget(task, 0, bounds, budget=costs[small] - 1, in_flight=16)
     assert none.fitting() == []
     line = none.refusal()
@@ -244,7 +291,8 @@ async def test_a_peer_serves_the_stage_that_fits_though_a_liar_makes_another_loo
     manifest = _manifest(Identity.generate(), 2)
     task = make_task(TINY)
     bounds = probe_bounds(task, manifest.seed, 2, 8)
-    costs = StageBudget(task, manifest.seed, bounds, budget=None, in_flight=16).costs()
+    # (each stage at its leanest: one sample a pass, one answer kept)
+    costs = StageBudget(task, manifest.seed, bounds, budget=1, in_flight=16).costs()
     fits = min(range(2), key=lambda k: costs[k])
     budget = (costs[0] + costs[1]) // 2
     boot = await DHTNode.create(await make_host(**HOST_OPTS))
@@ -265,7 +313,10 @@ async def test_a_peer_serves_the_stage_that_fits_though_a_liar_makes_another_loo
         assert run.stage_peer is not None and run.stage_peer.stage == fits
         status = run.status()
         assert status["memory_budget_bytes"] == budget
-        assert status["stage_memory_bytes"] == costs[fits] <= budget
+        assert costs[fits] <= status["stage_memory_bytes"] <= budget
+        limits = run.stage_peer.limits
+        assert status["stage_limits"] == limits.as_dict() and limits != StageLimits()
+        assert run.stage_peer.worker.pass_samples == limits.pass_samples
         assert [s["memory_bytes"] <= budget for s in status["stages"]] == [fits == 0, fits == 1]
     finally:
         await run.aclose()

@@ -102,6 +102,57 @@ def test_a_retry_whose_answer_was_dropped_for_room_counts_once_and_gets_it_recom
     assert settled and applied is not None and applied[1] == 0
 
 
+def test_a_computation_in_passes_of_fewer_samples_gives_the_same_answers_and_gradients() -> None:
+    """Within a memory budget a worker computes in passes of at most `pass_samples`
+    (`memory.fit_stage`): the outputs, input gradients and the bucket's sums are
+    those of one pass (to float tolerance), and the samples count once."""
+    task = make_task(TINY)
+    stage = task.make_stages(1, 3)[1]
+    whole, sliced = StageWorker(copy.deepcopy(stage)), StageWorker(stage, pass_samples=3)
+    h, g = torch.randn(2, 4, 8, 32), torch.randn(2, 4, 8, 32)
+    requests = [(("t", i), h[i], g[i], 4) for i in range(2)]  # 8 samples: passes of 3, 3, 2
+    for got, want in zip(sliced.forward_many(list(h)), whole.forward_many(list(h)), strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    answers = zip(sliced.backward_many(requests), whole.backward_many(requests), strict=True)
+    for got, want in answers:
+        assert got is not None and want is not None and got[1] == want[1] == 0
+        assert torch.allclose(got[0], want[0], rtol=1e-4, atol=1e-7)
+    ours, theirs = sliced.take_gradients(), whole.take_gradients()
+    assert ours.samples == theirs.samples == 8 and ours.keys == theirs.keys
+    for a, b in zip(ours.sums, theirs.sums, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError):
+        StageWorker(stage, pass_samples=0)
+
+
+def test_a_pass_of_fewer_samples_keeps_that_much_less_for_its_backward() -> None:
+    """What autograd keeps for a backward (the tensors a pass's forward saves, all held
+    until its backward) is one pass's: a quarter with passes of 2 of 8 samples."""
+    stage = make_task(TINY).make_stages(1, 3)[1]
+    h, g = torch.randn(8, 8, 32), torch.randn(8, 8, 32)
+
+    def most_kept(worker: StageWorker) -> int:
+        kept: list[int] = []  # per pass
+        params = {p.untyped_storage().data_ptr() for p in worker.params}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:  # (weights, views of them)
+                kept[-1] += t.numel() * t.element_size()
+            return t
+
+        hook = worker.module.register_forward_pre_hook(lambda *_: kept.append(0))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                worker.backward("k", h, g, samples=8)
+        finally:
+            hook.remove()
+        return max(kept)
+
+    one_pass = most_kept(StageWorker(copy.deepcopy(stage)))
+    assert one_pass > 0
+    assert most_kept(StageWorker(stage, pass_samples=2)) * 4 == one_pass
+
+
 def test_the_answer_store_keeps_every_key_and_the_newest_gradients_within_its_bytes() -> None:
     store = AnswerStore(keys=3, tensor_bytes=100)
     for k in range(4):

@@ -6,7 +6,9 @@ bounds; a peer chooses, and moves into, only stages whose estimate fits its
 budget. Without `--max-memory` the budget is what the machine has free when the
 peer starts (`MemAvailable`, or what is left of a container's cgroup memory
 limit when less), plus the device's free memory on a GPU (the parameters,
-gradients and moments then live there).
+gradients and moments then live there). A stage that fits only leanly is served
+leanly (`StageBudget.limits`, `memory.fit_stage`): fewer answers kept for retries,
+then passes of fewer samples, so that what autograd keeps stays within the budget.
 
 The records of other peers play no part in what fits: a peer that claims a huge
 capacity for some stage can make the others look emptier, never make a stage
@@ -25,8 +27,9 @@ import torch
 from shoal.pipeline.bounds import StageBounds
 from shoal.pipeline.directory import StageRecord, least_capacity_stage
 from shoal.pipeline.memory import (
+    StageLimits,
     StageMemory,
-    stage_memory,
+    fit_stage,
     stages_that_fit,
     trainer_memory,
 )
@@ -161,11 +164,20 @@ class StageBudget:
         self.reserved = trainer_memory(self.bounds, in_flight) if trainer else 0
 
     def cost(self, k: int) -> StageMemory:
-        """What serving stage `k` costs."""
-        return stage_memory(self.sizes[k], self.bounds[k], in_flight=self.in_flight,
-                            group_size=self.groups[k], audits=self.audits,
-                            on_device=self.on_device,
-                            copies_on_disk=self.copies_on_disk)  # fmt: skip
+        """What serving stage `k` costs, with the limits it would be served with."""
+        return self._fitted(k)[0]
+
+    def limits(self, k: int) -> StageLimits:
+        """How we would serve stage `k` within our budget (less what our trainer keeps):
+        the samples a pass takes, the answers kept (`memory.fit_stage`)."""
+        return self._fitted(k)[1]
+
+    def _fitted(self, k: int) -> tuple[StageMemory, StageLimits]:
+        room = None if self.budget is None else self.budget - self.reserved
+        return fit_stage(self.sizes[k], self.bounds[k], budget=room, in_flight=self.in_flight,
+                         group_size=self.groups[k], audits=self.audits,
+                         on_device=self.on_device,
+                         copies_on_disk=self.copies_on_disk)  # fmt: skip
 
     def see_peers(self, peers: Sequence[int]) -> None:
         """Each stage's other peers, as the records show them: with us, the stage's

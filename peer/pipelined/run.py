@@ -44,9 +44,11 @@ from shoal.pipeline.boundary import boundary_task
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.clip_exchange import ClipExchange
 from shoal.pipeline.directory import StageRecord, read_stages
+from shoal.pipeline.memory import DEFAULT_LIMITS
 from shoal.pipeline.mover import StageMover
 from shoal.pipeline.options import DEFAULTS
 from shoal.pipeline.rebalance import RebalancePolicy
+from shoal.pipeline.sizes import format_size
 from shoal.pipeline.stage_build import build_stage, stage_fingerprint, stage_fingerprints
 from shoal.pipeline.stage_losses import StageLosses
 from shoal.pipeline.stage_peer import StagePeer
@@ -274,6 +276,13 @@ class PipelineRun:
 
     async def _make_stage_peer(self, k: int) -> StagePeer:
         """A peer for stage `k`, built from the manifest's seed (not started)."""
+        limits = DEFAULT_LIMITS if self.budget is None else self.budget.limits(k)
+        if self.budget is not None and limits != DEFAULT_LIMITS:
+            log.info("stage %d within --max-memory %s: passes of at most %s samples, %s of "
+                     "answers kept for retries, backwards %s while a step averages", k,
+                     format_size(self.budget.budget or 0), limits.pass_samples or "all",
+                     format_size(limits.answer_bytes),
+                     "computed" if limits.backwards_while_averaging else "waiting")  # fmt: skip
         module = await asyncio.to_thread(build_stage, self.task, self.manifest.seed, self.stages, k)
         await check_built(self.manifest, self.directory[k], k, module)
         module = await asyncio.to_thread(module.to, self.device)
@@ -292,6 +301,7 @@ class PipelineRun:
             device=self.device,
             bounds=None if self.bounds is None else self.bounds[k],
             copies_dir=self.copies_dir,
+            limits=limits,
         )
         max_norm = self.options.get("max_grad_norm")
         if max_norm is not None:  # every stage scales by the whole model's norm

@@ -44,6 +44,10 @@ def run_status(run: Any) -> dict[str, Any]:
         "stage_memory_bytes": None
         if budget is None or peer is None
         else budget.cost(peer.stage).total,
+        # How our stage is served to stay within the budget (`memory.fit_stage`): the
+        # samples a pass takes (null: a computation in one pass), the answers kept, and
+        # whether backwards are computed while a step averages.
+        "stage_limits": None if peer is None else peer.limits.as_dict(),
         "trainer": loop is not None,
         "role": run.role,
         "stages": stages,
