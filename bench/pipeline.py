@@ -7,6 +7,7 @@
         [--convergence-global-batch 128] [--convergence-d-model 128] [--only-codecs]
         [--memory] [--memory-budget 256M] [--memory-steps 3] [--only-memory]
         [--task examples/pipeline_task.py:make_task] [--task-config JSON]
+        [--stage-limits JSON] [--only-throughput]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -26,7 +27,12 @@ Prints one JSON object on stdout (logs go to stderr):
      "codec_runs": {CODEC: {...}},
      "memory": {"peers", "budget_bytes", "largest_model_bytes",
          "single_peer_largest_model_bytes", "ratio", ...} (with --memory: see
-         bench/pipeline_memory.py)}
+         bench/pipeline_memory.py),
+     "stage_limits": {"limits", "samples_per_s", "efficiency", "samples_per_s_ratio", ...}
+         (with --stage-limits: the throughput windows again, every stage peer served as
+         a peer within a memory budget serves a stage that fits only leanly,
+         `memory.StageLimits`, e.g. '{"backwards_while_averaging": false}'; the ratio
+         is against the windows above, same run)}
 
 Everything runs in this process on loopback, as the tests' in-process swarm does: one
 DHT node and host per stage peer (`StagePeer`: the stage server, its optimizer step over
@@ -160,6 +166,7 @@ from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.balancer import BACKWARD_COST
 from shoal.pipeline.boundary import boundary_task
 from shoal.pipeline.bounds import probe_bounds
+from shoal.pipeline.memory import DEFAULT_LIMITS, StageLimits
 from shoal.pipeline.options import parse_codec
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import PipelineTrainer
@@ -247,6 +254,7 @@ class Bench:
         self.speeds: dict[int, float] = {}  # id(peer) -> its artificial speed
         self.lags: list[float] = []
         self.step_events: dict[int, dict[int, dict[str, float]]] = {}
+        self.limits = DEFAULT_LIMITS  # (how the stage peers serve: `--stage-limits`)
 
     async def node(self) -> DHTNode:
         return await loopback_node(self.nodes)
@@ -261,7 +269,8 @@ class Bench:
                 i += 1
                 paced = Paced(copy.deepcopy(module), o.seconds_per_sample, speed)
                 peer = StagePeer(await self.node(), self.experiment, s, paced,
-                                 hyper={"lr": 1e-3}, global_batch=o.global_batch)  # fmt: skip
+                                 hyper={"lr": 1e-3}, global_batch=o.global_batch,
+                                 limits=self.limits)  # fmt: skip
                 await peer.start(sync=False)
                 self.peers.append(peer)
                 self.speeds[id(peer)] = speed
@@ -565,8 +574,9 @@ def single_process(task: Any, modules: list[torch.nn.Module], opts: argparse.Nam
             opt.zero_grad()
 
 
-async def run(opts: argparse.Namespace) -> dict[str, Any]:
+async def run(opts: argparse.Namespace, limits: StageLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     bench = Bench(opts)
+    bench.limits = limits
     ticker = asyncio.ensure_future(bench.ticker())
     try:
         await bench.start()
@@ -642,8 +652,20 @@ async def main_async(opts: argparse.Namespace) -> dict[str, Any]:
     if opts.only_memory:
         return {"memory": await memory_check(opts, loopback_node)}
     out = {} if opts.only_codecs else await run(opts)
+    if opts.stage_limits and not opts.only_codecs:
+        limits = StageLimits(**json.loads(opts.stage_limits))
+        lean = await run(opts, limits)
+        out["stage_limits"] = {
+            "limits": limits.as_dict(),
+            **{k: lean[k] for k in ("samples_per_s", "capacity_bound_samples_per_s",
+                                    "efficiency", "after_kill_efficiency")},
+            "samples_per_s_ratio": round(lean["samples_per_s"] / out["samples_per_s"], 3),
+            "diagnostics": lean["diagnostics"],
+        }  # fmt: skip
     if opts.memory:
         out["memory"] = await memory_check(opts, loopback_node)
+    if opts.only_throughput:
+        return {**out, "settings": {k: v for k, v in vars(opts).items() if k != "profile"}}
     codecs = await compare_codecs(opts)
     out["targets"] = {**out.get("targets", {}), **TARGETS}
     return {**out, **codecs, "settings": {k: v for k, v in vars(opts).items() if k != "profile"}}
@@ -678,6 +700,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="the codec comparison model's width")  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=16, help="held-out batches of the loss")
     p.add_argument("--only-codecs", action="store_true", help="skip the throughput windows")
+    p.add_argument("--only-throughput", action="store_true", help="skip the codec comparison")
+    p.add_argument("--stage-limits", default="",
+                   help="the throughput windows again with the stage peers served so "
+                   "(pipeline.memory.StageLimits' fields as JSON), vs the default")  # fmt: skip
     add_arguments(p)
     p.add_argument("--only-memory", action="store_true", help="--memory alone")
     p.add_argument("--task", default="bytegpt",

@@ -130,11 +130,19 @@ def run_arm(
     tokens = sum(a["tokens"] - b["tokens"] for a, b in zip(after, before, strict=True))
     sent = sum(a["bytes_sent"] - b["bytes_sent"] for a, b in zip(after, before, strict=True))
     rounds = max(a["outer_step"] for a in after) - min(b["outer_step"] for b in before)
+
     # (`audits_done` counts since the daemon started: the window's are after - before.)
-    audits = sum(((s.get("verification") or {}).get("audits_done") or 0) for s in after) - sum(
-        ((s.get("verification") or {}).get("audits_done") or 0) for s in before
-    )
+    def window(key: str) -> int:
+        def total(states: list[dict[str, Any]]) -> int:
+            return sum(((s.get("verification") or {}).get(key) or 0) for s in states)
+
+        return total(after) - total(before)
+
+    audits = window("audits_done")
     return {
+        # Audits whose re-run ended in the committed state (no end sent), and ends asked.
+        "audits_bit_exact": window("audits_bit_exact"),
+        "reveal_ends_fetched": window("reveal_ends_fetched"),
         "tokens_per_s": tokens / elapsed,
         "bytes_sent": sent,
         "rounds": rounds,
@@ -147,9 +155,10 @@ def run_arm(
 def reveal_bytes() -> dict[str, int]:
     """What one audit's reveal of the default task moves on the wire, counted by the
     prover's host (framing and encryption included): today's (the segment's start
-    parameters and Adam moments, its end parameters: `peer/verify/reveals.py`), and
-    protocol 2.0's (the run's final parameters too) in the same run; and one model
-    size of float32."""
+    parameters and Adam moments, the end withheld: `peer/verify/reveals.py`; a re-run
+    that does not end in the committed state bit for bit asks for the end too),
+    protocol 2.4's (the end parameters too) and 2.0's (and the run's final parameters)
+    in the same run; and one model size of float32."""
     return asyncio.run(_reveal_bytes())
 
 
@@ -167,7 +176,8 @@ async def _reveal_bytes() -> dict[str, int]:
     # A start past one step (the optimizer holds its moments), then a 3-step segment.
     start = runner.run(runner.capture(), segment_batches(task, 0, 64, 1, first=0, count=1), 0)
     end = runner.run(start, segment_batches(task, 0, 64, 1, first=1, count=3), 1)
-    reveals = {"reveal_bytes": reveal_of(start, end),
+    reveals = {"reveal_bytes": reveal_of(start, end, with_end=False),
+               "reveal_bytes_protocol_2_4": reveal_of(start, end),
                "reveal_bytes_protocol_2_0": reveal_of(start, end, end)}  # fmt: skip
     config = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))
     prover, referee = Host(Identity.generate(), config), Host(Identity.generate(), config)
@@ -188,7 +198,8 @@ async def _reveal_bytes() -> dict[str, int]:
             serving.append(sent)
             before = prover.bytes_sent
             await fetch_reveal(referee, prover.peer_id, 1, 0, runner.inner.state_dict(), shapes,
-                               timeout=60, layouts=runner.inner.state_layouts())  # fmt: skip
+                               timeout=60, layouts=runner.inner.state_layouts(),
+                               end=False)  # fmt: skip
             out[name] = prover.bytes_sent - before
     finally:
         await asyncio.gather(prover.aclose(), referee.aclose(), return_exceptions=True)

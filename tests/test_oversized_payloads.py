@@ -22,9 +22,16 @@ from shoal.averaging.state_sync import StateServer, load_state_from_peers, make_
 from shoal.dht.node import DHTNode
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.peer.verify.reveals import PROTOCOL as REVEALS
-from shoal.peer.verify.reveals import Reveal, RevealTooLarge, fetch_reveal, send_reveal
+from shoal.peer.verify.reveals import (
+    Reveal,
+    RevealTooLarge,
+    fetch_reveal,
+    fetch_reveal_end,
+    send_reveal,
+    send_reveal_end,
+)
 from shoal.peer.verify.segments import SegmentState
-from shoal.peer.verify.verifier import parse_reveal_request
+from shoal.peer.verify.verifier import parse_reveal_parts, parse_reveal_request
 from shoal.pipeline.bounds import StageBounds, probe_bounds
 from shoal.pipeline.server import pipeline_protocol
 from shoal.pipeline.stage_peer import StagePeer
@@ -284,6 +291,67 @@ async def test_an_honest_reveal_of_our_models_layout_is_taken(
         assert all(torch.equal(a, b) for a, b in zip(got.final_params, params, strict=True))
     else:
         assert got.final_params is None and got.final_optimizer is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("prover_withholds", [True, False], ids=["2.6-prover", "2.5-prover"])
+async def test_a_reveal_asked_without_its_end_comes_without_it_and_the_end_alone_after(
+    make_host: Callable[..., Any], prover_withholds: bool
+) -> None:
+    """A 2.6 referee asks without the segment's end (it hashes its own re-run's end
+    first): a 2.6 prover withholds it and says so, a 2.5 prover sends it anyway and it
+    is read. Asked for the end alone, a prover sends its parameters and the hash of
+    its optimizer state, checked against our model's shapes."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    start = SegmentState(params, {"optimizer": opt.state_dict(), "grad_scaler": None})
+    end = [p + 1 for p in params]
+    referee, prover = await make_host(), await make_host()
+    service = rpc.RpcService(prover, REVEALS)
+    asked: list[Any] = []
+
+    @service.stream("reveal")
+    async def reveal(ctx: rpc.CallContext, payload: Any) -> Any:
+        asked.append(payload)
+        with_end, only_end = parse_reveal_parts(payload)
+        if only_end:
+            await send_reveal_end(ctx, SegmentState(end, start.optimizer))
+        else:
+            withheld = prover_withholds and not with_end
+            await send_reveal(ctx, Reveal(start, None if withheld else end, b"e" * 32))
+        yield {"done": True}
+
+    await referee.connect(prover.addresses()[0])
+    template = {"optimizer": opt.state_dict(), "grad_scaler": None}
+    shapes = [p.shape for p in model.parameters()]
+    got = await fetch_reveal(referee, prover.peer_id, 1, 0, template, shapes, timeout=10,
+                             end=False)  # fmt: skip
+    assert asked[0]["end"] is False and got.end_optimizer == b"e" * 32
+    if prover_withholds:
+        assert got.end_params is None
+    else:
+        assert got.end_params is not None
+        assert all(torch.equal(a, b) for a, b in zip(got.end_params, end, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got.start.params, params, strict=True))
+    alone, end_opt = await fetch_reveal_end(referee, prover.peer_id, 1, 0, shapes, timeout=10)
+    assert asked[1]["only_end"] is True
+    assert all(torch.equal(a, b) for a, b in zip(alone, end, strict=True))
+    assert len(end_opt) == 32
+    with pytest.raises(RevealTooLarge):  # (an end of another model: refused unread)
+        await fetch_reveal_end(referee, prover.peer_id, 1, 0, shapes[:1], timeout=10)
+
+
+def test_a_reveal_request_says_whether_the_end_goes_with_it_or_alone() -> None:
+    """Before 2.6 a request says neither: the whole reveal, end included."""
+    assert parse_reveal_parts({"round": 3, "segment": 1}) == (True, False)
+    assert parse_reveal_parts({"end": False}) == (False, False)
+    assert parse_reveal_parts({"only_end": True}) == (True, True)
+    for bad in ({"end": 0}, {"only_end": "yes"}):
+        with pytest.raises(ValueError):
+            parse_reveal_parts(bad)
 
 
 def test_a_referee_of_protocol_2_0_is_revealed_the_final_state_it_checks() -> None:

@@ -23,7 +23,13 @@ from shoal.averaging.partition import Plan
 from shoal.averaging.sparse_codec import SparseCodec
 from shoal.averaging.sparse_gather import SparseGather
 from shoal.averaging.sparse_round import parse_sparse_shape, sparse_shape
-from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
+from shoal.peer.verify.audit_round import (
+    AuditRound,
+    EndNeeded,
+    RoundShape,
+    check_segment,
+    check_segment_exact,
+)
 from shoal.peer.verify.referee import Referee
 from shoal.peer.verify.reveals import PROTOCOL, Reveal, send_reveal
 from shoal.peer.verify.segments import SegmentRunner, flat_difference
@@ -139,6 +145,24 @@ def test_a_decaying_feedback_s_message_is_re_derived_with_the_experiment_s_decay
     hyper, c, rnd, reveals = sparse_round(task, residual_scale=1.0, decay=0.9, prover_decay=1.0)
     finding = audit(task, hyper, rnd, c, last, reveals[last])
     assert finding.result is Result.FAIL and "message sent" in finding.why, finding
+
+
+def test_a_sparse_round_s_audits_without_the_end_revealed_find_the_same(task) -> None:  # type: ignore[no-untyped-def]
+    """A 2.5 referee hashes its re-run's end instead of reading the prover's: an honest
+    round passes every segment bit for bit, and the last segment's audit re-derives the
+    message from the re-run's end, so a message other than the run's fails as before."""
+    n = _elements(task)
+    other = CODEC.encode(torch.randn(n, generator=torch.Generator().manual_seed(9)))
+    for message, last_result in ((None, Result.PASS), (other, Result.FAIL)):
+        lies = {} if message is None else {"message": message}
+        hyper, c, rnd, reveals = sparse_round(task, **lies)
+        for segment, r in enumerate(reveals):
+            r.end_params = None
+            finding = check_segment_exact(SegmentRunner(task, hyper), task, SHARDS, NS, rnd,
+                                          c, segment, r)  # fmt: skip
+            last = segment == len(reveals) - 1
+            assert not isinstance(finding, EndNeeded)
+            assert finding.result is (last_result if last else Result.PASS), (segment, finding)
 
 
 def test_a_sparse_shape_names_its_codec_and_decay() -> None:

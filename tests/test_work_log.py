@@ -24,19 +24,27 @@ from shoal.peer.session import work_log_for
 from shoal.peer.trainer import check_hyperparameters
 from shoal.peer.training.task import load_task, shard_of
 from shoal.peer.verify import work_log as work_log_module
-from shoal.peer.verify.audit_round import AuditRound, check_segment
+from shoal.peer.verify.audit_round import (
+    AuditRound,
+    EndNeeded,
+    check_against_end,
+    check_segment,
+    check_segment_exact,
+)
 from shoal.peer.verify.reveals import Replay, Reveal, reveal_of
 from shoal.peer.verify.segments import (
     SegmentRunner,
     SegmentState,
     flat_difference,
+    optimizer_hash,
+    params_hash,
     round_batch_seed,
 )
 from shoal.peer.verify.spill import Spilled
 from shoal.peer.verify.work_log import DEFAULT_SPILL_BYTES, WorkLog, state_bytes
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
-from shoal.verification.commitment import Commitment
+from shoal.verification.commitment import Commitment, state_digest
 from shoal.verification.evidence import Result
 
 pytestmark = pytest.mark.timeout(120)
@@ -185,6 +193,71 @@ def test_an_audit_that_consumes_its_reveal_finds_what_a_copying_one_finds(  # ty
     lie = check_segment(SegmentRunner(task, hyper), task, SHARDS, NS, rnd, other, segment, r,
                         b"seed", AuditPolicy(), consume=True)  # fmt: skip
     assert lie.result is (Result.FAIL if segment == c.segments - 1 else Result.PASS)
+
+
+def withheld(task, hyper, work, verified, c: Commitment, segment: int):  # type: ignore[no-untyped-def]
+    """The prover's reveal of `segment` without its end (as a 2.6 referee asks), and
+    the end it withheld."""
+    replay = Replay(SegmentRunner(task, hyper), task, verified, SHARDS)
+    first, end = c.segment_bounds(segment)
+    stop = replay.state_after(work, end)
+    return reveal_of(replay.state_after(work, first), stop, with_end=False), stop
+
+
+def exact(task, hyper, rnd, c, segment, r: Reveal):  # type: ignore[no-untyped-def]
+    return check_segment_exact(SegmentRunner(task, hyper), task, SHARDS, NS, rnd, c, segment,
+                               copy.deepcopy(r), consume=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("segment", [0, 1, 2])
+def test_a_re_run_that_ends_in_the_committed_state_passes_without_the_end_revealed(  # type: ignore[no-untyped-def]
+    task, segment: int
+) -> None:
+    """The end is the one part of a reveal an honest re-run reproduces: hashed against
+    the commitment's checkpoint, equal bits are a pass, and the reveal is a model size
+    smaller. What was sent is still checked against the run's end (the re-run's, in the
+    last segment's audit)."""
+    hyper, work, verified, c, rnd = setup(task)
+    r, _ = withheld(task, hyper, work, verified, c, segment)
+    assert r.end_params is None and r.problem(c, segment) is None
+    finding = exact(task, hyper, rnd, c, segment, r)
+    assert finding.result is Result.PASS and "bit for bit" in finding.why, finding
+    other = Commitment(**{**c.__dict__, "delta_root": hashlib.sha256(b"x").digest(),
+                          "signature": b""})  # fmt: skip
+    lie = exact(task, hyper, rnd, other, segment, r)
+    assert lie.result is (Result.FAIL if segment == c.segments - 1 else Result.PASS), lie
+
+
+def test_a_re_run_that_ends_elsewhere_is_judged_against_the_end_the_prover_then_reveals(  # type: ignore[no-untyped-def]
+    task,
+) -> None:
+    """Another machine's rounding makes an honest re-run end in other bits: the referee
+    then asks for the end and compares it by LSH, as a whole reveal was. A prover that
+    committed an end its steps do not give (the update reversed here) reaches the same
+    comparison and fails it; an end that is not the committed one is a malformed reveal."""
+    hyper, work, verified, c, rnd = setup(task)
+    r, stop = withheld(task, hyper, work, verified, c, 1)
+    # The honest end compared with a re-run's (as when its bits differ): a pass.
+    honest = copy.deepcopy(r)
+    honest.end_params = stop.params
+    rerun = EndNeeded(flat_difference(r.start.params, stop.params))
+    finding = check_against_end(rnd, c, 1, honest, rerun, b"seed", AuditPolicy())
+    assert finding.result is Result.PASS and finding.flips == 0, finding
+    # A commitment to a reversed update: the re-run's end is not it, the end is asked for.
+    reversed_end = [2 * s - e for s, e in zip(r.start.params, stop.params, strict=True)]
+    checkpoints = list(c.checkpoints)
+    checkpoints[1] = state_digest(params_hash(reversed_end), optimizer_hash(stop.optimizer))
+    lied = Commitment(**{**c.__dict__, "checkpoints": tuple(checkpoints), "signature": b""})
+    needed = exact(task, hyper, rnd, lied, 1, r)
+    assert isinstance(needed, EndNeeded)
+    assert torch.equal(needed.rerun, rerun.rerun)  # (the re-run is the honest one)
+    cheat = copy.deepcopy(r)
+    cheat.end_params = reversed_end
+    finding = check_against_end(rnd, lied, 1, cheat, needed, b"seed", AuditPolicy())
+    assert finding.result is Result.FAIL and finding.flips > 0, finding
+    # An end that is not the committed one.
+    finding = check_against_end(rnd, lied, 1, honest, needed, b"seed", AuditPolicy())
+    assert finding.result is Result.BAD_REVEAL and "end state" in finding.why
 
 
 def test_a_flat_difference_is_the_difference_of_the_concatenations() -> None:

@@ -37,7 +37,7 @@ from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport.identity import PeerID
 from shoal.verification.audit import AuditPolicy, judge
-from shoal.verification.commitment import Commitment, CommitmentError, MerkleTree
+from shoal.verification.commitment import Commitment, CommitmentError, MerkleTree, state_digest
 from shoal.verification.evidence import Result
 from shoal.verification.referees import SECRET_BYTES, RoundDraw, seed_commit
 
@@ -48,6 +48,7 @@ from .segments import (
     SegmentRunner,
     SegmentState,
     flat_difference,
+    optimizer_hash,
     params_hash,
     round_batch_seed,
     segment_batches,
@@ -56,10 +57,13 @@ from .sparse_work import SparseWork, check_chain, check_message
 
 __all__ = [
     "AuditRound",
+    "EndNeeded",
     "Finding",
     "RecentRounds",
     "RoundShape",
+    "check_against_end",
     "check_segment",
+    "check_segment_exact",
     "gather",
     "publish_record",
 ]
@@ -248,21 +252,51 @@ def _check_sparse(
     reveal: Reveal,
     start_params: list[torch.Tensor],
     anchor: bytes | None,
+    end: Sequence[torch.Tensor] | None,
 ) -> Finding | None:
-    """A sparse round's checks beyond the re-run (`sparse_work`); None when they pass."""
+    """A sparse round's checks beyond the re-run (`sparse_work`); None when they pass.
+    `end`: the segment's end parameters (of the last segment, the run's end)."""
     elements = sum(p.numel() for p in start_params)
     if reveal.chain is None or commitment.residual is None:
         return Finding(Result.BAD_REVEAL, "a sparse round's reveal without its residual's chain")
     why = check_chain(commitment, reveal.chain, elements, anchor, reveal.proof)
     if why is None and segment == commitment.segments - 1:
-        if reveal.slot is None or reveal.residual is None:
+        if reveal.slot is None or reveal.residual is None or end is None:
             return Finding(Result.BAD_REVEAL, "the last segment's reveal without what was sent")
         work = SparseWork(reveal.chain, reveal.slot, reveal.residual)
         codec, decay = parse_sparse_shape(rnd.shape.codec)
         shape = rnd.shape
-        why = check_message(codec, commitment, work, start_params, reveal.end_params,
+        why = check_message(codec, commitment, work, start_params, list(end),
                             shape.streams, shape.chunk_elements, decay=decay)  # fmt: skip
     return None if why is None else Finding(Result.FAIL, why)
+
+
+def _check_sent(
+    rnd: AuditRound,
+    commitment: Commitment,
+    segment: int,
+    reveal: Reveal,
+    anchor: bytes | None,
+    end: Sequence[torch.Tensor] | None,
+) -> Finding | None:
+    """The reveal's start against the round's global state, and what was sent against
+    the run's end: the last segment's `end` (its re-run's, or the revealed one checked
+    against the re-run), or the final state a 2.0 prover reveals anyway. Any other
+    segment's audit does not check what was sent: a prover chooses its last
+    checkpoint as freely as what it sends, and only re-running the last segment
+    checks that. A sparse round's message is `encode(residual + delta)`: its chain
+    and, with the run's end, the message itself are checked apart (`sparse_work`)."""
+    start_params = rnd.start_params if isinstance(rnd.start_params, list) else rnd.start_params()
+    if commitment.start != params_hash(start_params):
+        return Finding(Result.FAIL, "the work did not start from the round's global state")
+    final = end if segment == commitment.segments - 1 else reveal.final_params
+    if rnd.shape.sparse:
+        return _check_sparse(rnd, commitment, segment, reveal, start_params, anchor, end)
+    if final is not None:
+        sent = rnd.shape.delta_root(flat_difference(start_params, final))
+        if sent != commitment.delta_root:
+            return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")
+    return None
 
 
 @dataclass(frozen=True)
@@ -272,6 +306,26 @@ class Finding:
     flips: int = 0
     bits: int = 0
     norm_gap: float = 0.0
+
+
+@dataclass
+class EndNeeded:
+    """A re-run that did not end in the committed state bit for bit (another
+    machine's rounding, or a lie): the prover's end is needed, and is compared by LSH
+    with `rerun` (the re-run's pseudo-gradient) in `check_against_end`."""
+
+    rerun: torch.Tensor
+
+
+def _batches(task: Task, num_shards: int, namespace: str, commitment: Commitment,
+             segment: int) -> tuple[list[object], int]:  # fmt: skip
+    """The prover's batches of `segment` and the number of its first step."""
+    first, end = commitment.segment_bounds(segment)
+    prover = commitment.prover
+    seed = round_batch_seed(namespace, prover, commitment.round)
+    shard = shard_of(prover.to_bytes(), num_shards)
+    batches = segment_batches(task, shard, num_shards, seed, first, end - first)
+    return batches, commitment.first_step + first
 
 
 def check_segment(
@@ -289,7 +343,8 @@ def check_segment(
     consume: bool = False,
     anchor: bytes | None = None,
 ) -> Finding:
-    """Audit `segment` of `commitment` from what its prover revealed (blocking).
+    """Audit `segment` of `commitment` from what its prover revealed, end included
+    (blocking).
 
     `consume`: the re-run steps the reveal's start optimizer state in place and drops
     it from the reveal (two model sizes with Adam not copied). Only for a reveal this
@@ -297,39 +352,84 @@ def check_segment(
     stepped) and reads nothing of afterwards but its end (`Reveal.end_digest`).
     `anchor`: of a sparse round, the digest of the prover's previous commitment as we
     received it in its round, when we were there (`sparse_work.check_chain`)."""
+    assert reveal.end_params is not None, "a reveal without its end: check_segment_exact"
     problem = reveal.problem(commitment, segment)
     if problem is not None:
         return Finding(Result.BAD_REVEAL, problem)
-    start_params = rnd.start_params if isinstance(rnd.start_params, list) else rnd.start_params()
-    if commitment.start != params_hash(start_params):
-        return Finding(Result.FAIL, "the work did not start from the round's global state")
-    # The pseudo-gradient sent against the run's end: the last segment's end (checked
-    # against its re-run below), or the final state a 2.0 prover reveals anyway. Any
-    # other segment's audit does not check it: a prover chooses its last checkpoint
-    # as freely as what it sends, and only re-running the last segment checks that.
-    final = reveal.end_params if segment == commitment.segments - 1 else reveal.final_params
-    # A sparse round's message is `encode(residual + delta)`: its chain and, with the
-    # run's end, the message itself are checked apart (`sparse_work`).
-    if rnd.shape.sparse:
-        finding = _check_sparse(rnd, commitment, segment, reveal, start_params, anchor)
-        if finding is not None:
-            return finding
-    elif final is not None:
-        sent = rnd.shape.delta_root(flat_difference(start_params, final))
-        if sent != commitment.delta_root:
-            return Finding(Result.FAIL, "the pseudo-gradient sent is not the one of the run")
-    del start_params, final
-    first, end = commitment.segment_bounds(segment)
-    prover = commitment.prover
-    seed = round_batch_seed(namespace, prover, commitment.round)
-    shard = shard_of(prover.to_bytes(), num_shards)
-    batches = segment_batches(task, shard, num_shards, seed, first, end - first)
+    finding = _check_sent(rnd, commitment, segment, reveal, anchor, reveal.end_params)
+    if finding is not None:
+        return finding
+    batches, first_step = _batches(task, num_shards, namespace, commitment, segment)
     start = reveal.start
-    with runner.ran(start, batches, commitment.first_step + first, adopt=consume) as recomputed:
+    with runner.ran(start, batches, first_step, adopt=consume) as recomputed:
         rerun = flat_difference(start.params, recomputed)
     if consume:
         reveal.start = SegmentState(start.params, {})
-    del start
+    return _compare(reveal, rerun, lsh_seed, policy)
+
+
+def check_segment_exact(
+    runner: SegmentRunner,
+    task: Task,
+    num_shards: int,
+    namespace: str,
+    rnd: AuditRound,
+    commitment: Commitment,
+    segment: int,
+    reveal: Reveal,
+    *,
+    consume: bool = False,
+    anchor: bytes | None = None,
+) -> Finding | EndNeeded:
+    """Audit `segment` of `commitment` from a reveal that withheld its end (blocking):
+    re-run it and hash the state it ends in (parameters and optimizer state) against
+    the commitment's checkpoint. Equal, the prover's end is the re-run's bit for bit
+    (a pass, once what was sent is checked against it); else `EndNeeded`: ask the
+    prover for its end (`reveals.fetch_reveal_end`) and `check_against_end`.
+    `consume` and `anchor` as `check_segment`'s."""
+    problem = reveal.problem(commitment, segment)
+    if problem is not None:
+        return Finding(Result.BAD_REVEAL, problem)
+    batches, first_step = _batches(task, num_shards, namespace, commitment, segment)
+    start = reveal.start
+    with runner.ran(start, batches, first_step, adopt=consume) as recomputed:
+        ended = state_digest(params_hash(recomputed), optimizer_hash(runner.inner.state_dict()))
+        if ended == commitment.checkpoints[segment]:
+            finding = _check_sent(rnd, commitment, segment, reveal, anchor, recomputed)
+            exact = "the re-run ends in the committed state, bit for bit"
+            return finding or Finding(Result.PASS, exact)
+        rerun = flat_difference(start.params, recomputed)
+    if consume:
+        reveal.start = SegmentState(start.params, {})
+    return EndNeeded(rerun)
+
+
+def check_against_end(
+    rnd: AuditRound,
+    commitment: Commitment,
+    segment: int,
+    reveal: Reveal,
+    needed: EndNeeded,
+    lsh_seed: bytes,
+    policy: AuditPolicy,
+    *,
+    anchor: bytes | None = None,
+) -> Finding:
+    """The rest of `check_segment_exact`'s audit once the prover's end came (in
+    `reveal.end_params`): the end against the commitment, what was sent against it,
+    and the re-run compared with it by LSH (blocking)."""
+    problem = reveal.end_problem(commitment, segment)
+    if problem is not None:
+        return Finding(Result.BAD_REVEAL, problem)
+    finding = _check_sent(rnd, commitment, segment, reveal, anchor, reveal.end_params)
+    if finding is not None:
+        return finding
+    return _compare(reveal, needed.rerun, lsh_seed, policy)
+
+
+def _compare(reveal: Reveal, rerun: torch.Tensor, lsh_seed: bytes, policy: AuditPolicy) -> Finding:
+    """The revealed pseudo-gradient of the segment against the re-run's, by LSH."""
+    assert reveal.end_params is not None
     claimed = flat_difference(reveal.start.params, reveal.end_params)
     j = judge(claimed, rerun, lsh_seed, policy)
     c = j.comparison

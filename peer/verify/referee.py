@@ -52,9 +52,23 @@ from shoal.verification.disputes import Dispute, Ledger, Outcome
 from shoal.verification.evidence import EvidenceError, Result, Verdict
 
 from ..training.task import Task
-from .audit_round import AuditRound, check_segment, gather
+from .audit_round import (
+    AuditRound,
+    Finding,
+    check_against_end,
+    check_segment,
+    check_segment_exact,
+    gather,
+)
 from .ban_watch import BanWatcher
-from .reveals import PROTOCOL, Reveal, RevealTooLarge, fetch_reveal, reveal_bytes
+from .reveals import (
+    PROTOCOL,
+    Reveal,
+    RevealTooLarge,
+    fetch_reveal,
+    fetch_reveal_end,
+    reveal_bytes,
+)
 from .segments import SegmentRunner
 from .sparse_work import unproven_chain
 
@@ -134,6 +148,7 @@ class Referee:
             segment = rnd.draw.segment(prover, c.segments)
             try:
                 reveal = await self._fetch(rnd, prover, segment)
+                assert isinstance(reveal, Reveal)
                 break
             except ValueError as e:  # it answered, with something that is no reveal
                 if isinstance(e, RevealTooLarge):  # (refused before it was read)
@@ -160,14 +175,21 @@ class Referee:
         if unproven is not None:
             self._no_reveal(rnd, prover, LookupError(unproven), unproven=True)
             return None
-        audit = functools.partial(
-            check_segment, self.runner, self.task, self.num_shards, self.namespace, rnd, c,
-            segment, reveal, seed, self.policy, consume=True,  # (only its end is read below)
-            anchor=anchor,
-        )  # fmt: skip
-        finding = await loop.run_in_executor(self.pool, audit)
+        if reveal.end_params is None:  # (withheld: our re-run's end is hashed first)
+            finding = await self._check_exact(rnd, prover, segment, reveal, seed, anchor)
+            if finding is None:
+                return None
+        else:  # (a prover before 2.6 sends its end whatever we ask)
+            audit = functools.partial(
+                check_segment, self.runner, self.task, self.num_shards, self.namespace, rnd,
+                c, segment, reveal, seed, self.policy, consume=True,  # (its end is read below)
+                anchor=anchor,
+            )  # fmt: skip
+            finding = await loop.run_in_executor(self.pool, audit)
         revealed = b""
-        if finding.result is not Result.BAD_REVEAL:  # (a hash of a whole model: in a thread)
+        if reveal.end_params is None:  # (the re-run ended in the committed end: bit for bit)
+            revealed = c.checkpoints[segment] if finding.result is not Result.BAD_REVEAL else b""
+        elif finding.result is not Result.BAD_REVEAL:  # (a hash of a whole model: in a thread)
             revealed = await asyncio.to_thread(reveal.end_digest)
         log.log(
             logging.INFO if finding.result is Result.PASS else logging.WARNING,
@@ -179,6 +201,44 @@ class Referee:
             finding.flips, finding.bits, finding.norm_gap,
         )  # fmt: skip
         return self._count(verdict.signed(self.identity))
+
+    async def _check_exact(
+        self,
+        rnd: AuditRound,
+        prover: PeerID,
+        segment: int,
+        reveal: Reveal,
+        seed: bytes,
+        anchor: bytes | None,
+    ) -> Finding | None:
+        """The audit of a reveal that withheld its end: our re-run's end hashed against
+        the commitment, and only when it differs the prover's end fetched and compared
+        by LSH. None: the end did not come (no verdict, as for a missing reveal)."""
+        c, loop = rnd.commitments[prover], asyncio.get_running_loop()
+        exact = functools.partial(
+            check_segment_exact, self.runner, self.task, self.num_shards, self.namespace, rnd,
+            c, segment, reveal, consume=True, anchor=anchor,
+        )  # fmt: skip
+        outcome = await loop.run_in_executor(self.pool, exact)
+        if isinstance(outcome, Finding):
+            self.counts["audits_bit_exact"] += 1
+            return outcome
+        self.counts["reveal_ends_fetched"] += 1
+        try:
+            fetched = await self._fetch(rnd, prover, segment, only_end=True)
+        except ValueError as e:  # (an answer that is no end: as a malformed reveal)
+            log.warning("%s revealed round %d's end malformed: %s", prover.short(), rnd.round, e)
+            return Finding(Result.BAD_REVEAL, f"a malformed end: {e}"[:200])
+        except (RemoteError, TransportError, OSError, TimeoutError) as e:
+            self._no_reveal(rnd, prover, e)
+            return None
+        assert isinstance(fetched, tuple)
+        reveal.end_params, reveal.end_optimizer = fetched
+        against = functools.partial(
+            check_against_end, rnd, c, segment, reveal, outcome, seed, self.policy,
+            anchor=anchor,
+        )  # fmt: skip
+        return await loop.run_in_executor(self.pool, against)
 
     def _anchor(self, rnd: AuditRound, prover: PeerID, reveal: Reveal) -> bytes | None:
         """Of a sparse round, the digest of the prover's previous commitment as we
@@ -248,19 +308,28 @@ class Referee:
         size = self.sparse_reveal_bytes if rnd.shape.sparse else self.reveal_bytes
         return size / REVEAL_RATE
 
-    async def _fetch(self, rnd: AuditRound, prover: PeerID, segment: int) -> Reveal:
-        """The prover's reveal; a prover that cannot be reached is tried again until
+    async def _fetch(
+        self, rnd: AuditRound, prover: PeerID, segment: int, *, only_end: bool = False
+    ) -> Reveal | tuple[list[torch.Tensor], bytes]:
+        """The prover's reveal, its end withheld (`check_segment_exact`), or with
+        `only_end` that end alone; a prover that cannot be reached is tried again until
         `REVEAL_TIMEOUT` (a restart takes seconds; its checkpoint keeps its identity),
         and a reveal has `transfer_s` more to arrive."""
         deadline = time.monotonic() + REVEAL_TIMEOUT
         c = rnd.commitments.get(prover)
+        digest = None if c is None else c.digest()
         while True:
+            timeout = max(1.0, deadline - time.monotonic()) + self.transfer_s(rnd)
             try:
+                if only_end:
+                    return await fetch_reveal_end(
+                        self.dht.host, prover, rnd.round, segment, self.shapes,
+                        timeout=timeout, secrets=rnd.secrets_to_wire(), commitment=digest,
+                    )  # fmt: skip
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
-                    timeout=max(1.0, deadline - time.monotonic()) + self.transfer_s(rnd),
-                    secrets=rnd.secrets_to_wire(), layouts=self.layouts,
-                    commitment=None if c is None else c.digest(),
+                    timeout=timeout, secrets=rnd.secrets_to_wire(), layouts=self.layouts,
+                    commitment=digest, end=False,
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
                 if time.monotonic() + REVEAL_RETRY_S >= deadline:

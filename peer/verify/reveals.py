@@ -23,6 +23,19 @@ with ``"final_opt"`` when the final state follows, then the tensors (start
 parameters, start optimizer state in `keys` order, end parameters, and final
 parameters when announced), then ``{"done": true}``. An asker takes both forms.
 
+The end parameters are the one part of a reveal an honest re-run reproduces:
+since 2.6 a referee asks with ``"end": false``, re-runs the segment and hashes
+the state it ends in (parameters and optimizer state) against the commitment's
+checkpoint (`audit_round.check_segment_exact`). Equal, the prover's end is the
+re-run's, bit for bit, and never crosses the wire: a reveal is three model sizes
+with AdamW, not four. A prover that withholds it says so in its header
+(``"end": false``; a 2.5 prover sends it whatever is asked, and the asker reads
+it). Only when the hashes differ (another machine's float rounding, or a lie)
+does the referee ask for the end alone (``{"round", "segment", "secrets",
+"commitment", "only_end": true}``: a header ``{"params": n, "end_opt",
+"only_end": true}``, the end parameters, ``{"done": true}``) and compare by LSH
+as before.
+
 The asker knows what a reveal holds before it comes: its own model has the same
 parameters (`fetch_reveal`'s `shapes`), and the experiment's optimizer keeps
 known state tensors of known shapes for each (`layouts`, from
@@ -71,9 +84,11 @@ __all__ = [
     "RevealError",
     "RevealTooLarge",
     "fetch_reveal",
+    "fetch_reveal_end",
     "reveal_bytes",
     "reveal_of",
     "send_reveal",
+    "send_reveal_end",
 ]
 
 PROTOCOL = "/shoal/audit/1.0.0"
@@ -93,7 +108,9 @@ class RevealTooLarge(RevealError):
 @dataclass
 class Reveal:
     start: SegmentState
-    end_params: list[torch.Tensor]
+    # The parameters at the segment's end; None: withheld (the asker re-runs and
+    # compares hashes first, `audit_round.check_segment_exact`).
+    end_params: list[torch.Tensor] | None
     end_optimizer: bytes  # optimizer_hash at the segment's end
     # The run's final state, from a 2.0 prover (or for a 2.0 asker); None otherwise.
     final_params: list[torch.Tensor] | None = None
@@ -106,15 +123,23 @@ class Reveal:
     proof: ChainProof | None = None  # the receipts of the previous commitment's round
 
     def end_digest(self) -> bytes:
+        assert self.end_params is not None, "the end was withheld"
         return state_digest(params_hash(self.end_params), self.end_optimizer)
 
     def problem(self, commitment: Commitment, segment: int) -> str | None:
-        """Why this is not what `commitment` committed to for `segment`, or None."""
+        """Why this is not what `commitment` committed to for `segment`, or None (of
+        a reveal that withholds its end: its start and final state)."""
         if self.start.digest() != commitment.segment_start(segment):
             return "the revealed start state does not match the commitment"
-        if self.end_digest() != commitment.checkpoints[segment]:
-            return "the revealed end state does not match the commitment"
-        revealed = [self.end_params]
+        return self.end_problem(commitment, segment)
+
+    def end_problem(self, commitment: Commitment, segment: int) -> str | None:
+        """`problem`'s checks of the end and final states (those revealed)."""
+        revealed = []
+        if self.end_params is not None:
+            if self.end_digest() != commitment.checkpoints[segment]:
+                return "the revealed end state does not match the commitment"
+            revealed.append(self.end_params)
         if self.final_params is not None:
             assert self.final_optimizer is not None
             final = state_digest(params_hash(self.final_params), self.final_optimizer)
@@ -141,6 +166,9 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
         "keys": keys,
         "end_opt": reveal.end_optimizer,
     }
+    end = reveal.end_params
+    if end is None:
+        head["end"] = False
     final = reveal.final_params or []
     if reveal.final_params is not None:
         head["final_opt"] = reveal.final_optimizer
@@ -153,8 +181,56 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
         head["slot"] = list(reveal.slot)
         residual = [reveal.residual]
     await ctx.send_item(head)
-    for t in [*reveal.start.params, *opt, *reveal.end_params, *final, *residual]:
+    for t in [*reveal.start.params, *opt, *(end or []), *final, *residual]:
         await ctx.send_tensor(t.detach().contiguous())
+
+
+async def send_reveal_end(ctx: rpc.CallContext, end: SegmentState) -> None:
+    """Answer a request for a segment's end alone (the handler yields `{"done": True}`
+    after this): its parameters and the hash of its optimizer state."""
+    head = {"params": len(end.params), "end_opt": optimizer_hash(end.optimizer), "only_end": True}
+    await ctx.send_item(head)
+    for t in end.params:
+        await ctx.send_tensor(t.detach().contiguous())
+
+
+async def fetch_reveal_end(
+    host: Host,
+    prover: PeerID,
+    round_index: int,
+    segment: int,
+    shapes: Sequence[torch.Size],
+    *,
+    timeout: float,
+    secrets: list[list[bytes]] | None = None,
+    commitment: bytes | None = None,
+) -> tuple[list[torch.Tensor], bytes]:
+    """The end of `segment` (its parameters, of our model's `shapes`, and the hash of
+    the optimizer state there) that `prover` withheld from its reveal: asked when our
+    re-run did not end in the committed state. Raises as `fetch_reveal`."""
+    request: dict[str, Any] = {
+        "round": round_index, "segment": segment, "secrets": secrets or [], "final": False,
+        "only_end": True,
+    }  # fmt: skip
+    if commitment is not None:
+        request["commitment"] = commitment
+    async with rpc.open_call(host, prover, PROTOCOL, "reveal", request, timeout=timeout) as call:
+        await call.close_send()
+        head = await call.recv_item()
+        if not isinstance(head, dict) or head.get("only_end") is not True:
+            raise RevealError("an end's reveal starts with its header")
+        n, end_opt = head.get("params"), head.get("end_opt")
+        if not isinstance(n, int) or not _is_hash(end_opt):
+            raise RevealError("bad end header")
+        assert isinstance(end_opt, bytes)
+        _check_layout(n, [], shapes)
+        end = [await _recv(call, shape) for shape in shapes]
+        done = await call.recv_item()
+        if not isinstance(done, dict) or done.get("done") is not True:
+            raise ValueError("the reveal ended out of step")
+    if any(t.dtype != torch.float32 for t in end):
+        raise ValueError("revealed parameters must be float32")
+    return end, end_opt
 
 
 async def fetch_reveal(
@@ -169,9 +245,11 @@ async def fetch_reveal(
     secrets: list[list[bytes]] | None = None,
     layouts: Sequence[Mapping[str, tuple[int, ...]]] | None = None,
     commitment: bytes | None = None,
+    end: bool = True,
 ) -> Reveal:
     """Ask `prover` to reveal `segment` of its work in `round_index`, the round of the
-    commitment whose digest is `commitment` (None: whichever it has). `template`: an
+    commitment whose digest is `commitment` (None: whichever it has); `end`: with the
+    segment's end parameters (False: withheld, if the prover is of 2.6). `template`: an
     `InnerOptimizer.state_dict()` whose param groups the revealed state takes;
     `shapes`: our own model's parameters', which the revealed ones must have;
     `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps.
@@ -179,6 +257,7 @@ async def fetch_reveal(
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
     request: dict[str, Any] = {
         "round": round_index, "segment": segment, "secrets": secrets or [], "final": False,
+        "end": end,
     }  # fmt: skip
     if commitment is not None:
         request["commitment"] = commitment
@@ -186,6 +265,8 @@ async def fetch_reveal(
         await call.close_send()
         head = await call.recv_item()
         n, keys, end_opt, final_opt = _header(head)
+        # (Withheld only when asked: an end that did not come is not the prover's pick.)
+        withheld = not end and isinstance(head, dict) and head.get("end", True) is False
         _check_layout(n, keys, shapes)
         if layouts is not None:
             _check_states(keys, layouts)
@@ -194,7 +275,7 @@ async def fetch_reveal(
             opt = [await _recv(call, shapes[i], exact=False) for i, _ in keys]
         else:
             opt = [await _recv(call, torch.Size(layouts[i][name])) for i, name in keys]
-        end = [await _recv(call, shape) for shape in shapes]
+        end_params = None if withheld else [await _recv(call, shape) for shape in shapes]
         # (A 2.0 prover sends the final state whatever we ask: read, checked, unused.)
         final = None if final_opt is None else [await _recv(call, s) for s in shapes]
         chain, slot, proof = _sparse_header(head, sum(math.prod(s) for s in shapes))
@@ -214,11 +295,11 @@ async def fetch_reveal(
         },
         "grad_scaler": copy.deepcopy(template.get("grad_scaler")),
     }
-    if any(t.dtype != torch.float32 for t in [*start, *end, *(final or [])]):
+    if any(t.dtype != torch.float32 for t in [*start, *(end_params or []), *(final or [])]):
         raise ValueError("revealed parameters must be float32")
     return Reveal(
-        SegmentState(start, optimizer), end, end_opt, final, final_opt, chain, slot, residual,
-        proof,
+        SegmentState(start, optimizer), end_params, end_opt, final, final_opt, chain, slot,
+        residual, proof,
     )  # fmt: skip
 
 
@@ -335,14 +416,22 @@ def _is_hash(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == HASH_BYTES
 
 
-def reveal_of(start: SegmentState, end: SegmentState, final: SegmentState | None = None) -> Reveal:
+def reveal_of(
+    start: SegmentState,
+    end: SegmentState,
+    final: SegmentState | None = None,
+    *,
+    with_end: bool = True,
+) -> Reveal:
     """The reveal of a segment from the prover's kept (or re-run) states; with the
-    run's `final` state for an asker of protocol 2.0."""
+    run's `final` state for an asker of protocol 2.0; `with_end`: False withholds the
+    end's parameters (sends only the hash of its optimizer state)."""
+    end_params = end.params if with_end else None
     if final is None:
-        return Reveal(start, end.params, optimizer_hash(end.optimizer))
+        return Reveal(start, end_params, optimizer_hash(end.optimizer))
     return Reveal(
         start,
-        end.params,
+        end_params,
         optimizer_hash(end.optimizer),
         final.params,
         optimizer_hash(final.optimizer),

@@ -49,7 +49,7 @@ from .audit_round import AuditRound, RecentRounds, RoundShape, encode_record, ga
 from .ban_watch import BanWatcher
 from .receipt_book import ReceiptBook
 from .referee import LATE_SECRETS_TIMEOUT, Referee
-from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal
+from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal, send_reveal_end
 from .segments import SegmentRunner
 from .shunning import Shunning
 from .sparse_work import SparseProver, SparseSource, SparseWork
@@ -354,6 +354,7 @@ class Verifier:
 
     async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
         round_index, segment, final, digest = parse_reveal_request(payload)
+        with_end, only_end = parse_reveal_parts(payload)
         # (Against another round's commitment than the asker's, a reveal would read as
         # a lie: an honest peer convicted. A 2.3 referee names none: the last round.)
         rnd = await self._round(round_index, self.me, digest)
@@ -366,12 +367,18 @@ class Verifier:
             raise PermissionError("only this round's referees of our work may ask")
         if segment != rnd.draw.segment(self.me, mine.segments):
             raise PermissionError("not the segment drawn")
-        asked = (round_index, mine.start, ctx.peer)
+        asked = (round_index, mine.start, ctx.peer, only_end)
         self._revealed[asked] += 1
         if self._revealed[asked] > MAX_REVEALS:
             raise PermissionError("this referee had our reveal already")
         loop = asyncio.get_running_loop()
         replay = Replay(self.runner, self.task, self.work, self.num_shards)
+        if only_end:  # (its re-run did not end in our committed state bit for bit)
+            _, step = mine.segment_bounds(segment)
+            end = await loop.run_in_executor(self._pool, replay.state_after, work, step)
+            await send_reveal_end(ctx, end)
+            yield {"done": True}
+            return
         sparse = None
         if self.sparse is not None:  # (may read a spilled residual back: off the loop)
             sparse = await loop.run_in_executor(
@@ -380,7 +387,7 @@ class Verifier:
             if sparse is None:
                 raise LookupError(f"no sparse work of round {round_index} here")
         reveal = await loop.run_in_executor(
-            self._pool, reveal_segment, replay, work, mine, segment, final, sparse
+            self._pool, reveal_segment, replay, work, mine, segment, final, sparse, with_end
         )
         await send_reveal(ctx, reveal)
         yield {"done": True}
@@ -423,6 +430,10 @@ class Verifier:
             "audits_done": counts["audits_done"],
             "audits_passed": counts["audits_passed"],
             "audits_failed": counts["audits_failed"],
+            # Audits whose re-run ended in the committed state bit for bit (the end never
+            # crossed the wire), and those that then asked the prover for its end.
+            "audits_bit_exact": counts["audits_bit_exact"],
+            "reveal_ends_fetched": counts["reveal_ends_fetched"],
             "disputes": dict(self.referee.disputes),
             "withheld": self.withheld,
             # Round records asked of their members directly (the DHT lacked them).
@@ -518,6 +529,16 @@ def parse_reveal_request(payload: object) -> tuple[int, int, bool, bytes | None]
     return round_index, segment, final, digest
 
 
+def parse_reveal_parts(payload: dict[str, Any]) -> tuple[bool, bool]:
+    """(whether the segment's end parameters go with the reveal, whether they go alone)
+    of a reveal request (parsed by `parse_reveal_request` before); askers before 2.6
+    say neither: the whole reveal, end included. ValueError when malformed."""
+    with_end, only_end = payload.get("end", True), payload.get("only_end", False)
+    if not isinstance(with_end, bool) or not isinstance(only_end, bool):
+        raise ValueError("bad reveal request")
+    return with_end, only_end
+
+
 def parse_verdict_request(payload: object) -> tuple[int, PeerID, Verdict]:
     """(round, prover, accusation) of an auditor's verdict request; ValueError when malformed."""
     if not isinstance(payload, dict) or not isinstance(payload.get("prover"), bytes):
@@ -546,13 +567,17 @@ def reveal_segment(
     segment: int,
     final: bool = False,
     sparse: SparseWork | None = None,
+    with_end: bool = True,
 ) -> Reveal:
     """Our reveal of `segment` of the round's work, with the run's `final` state for a
     referee of protocol 2.0 (in the audit thread: it re-runs steps); of a sparse
-    round, with the previous commitment, and for the last segment what we sent."""
+    round, with the previous commitment, and for the last segment what we sent;
+    without the end's parameters unless `with_end` (a referee of 2.6 hashes its own
+    re-run's end first)."""
     first, end = mine.segment_bounds(segment)
     last = replay.state_after(work, work.steps) if final else None
-    reveal = reveal_of(replay.state_after(work, first), replay.state_after(work, end), last)
+    start, stop = replay.state_after(work, first), replay.state_after(work, end)
+    reveal = reveal_of(start, stop, last, with_end=with_end)
     if sparse is not None:
         reveal.chain = sparse.chain
         reveal.proof = None if sparse.proof is None else sparse.proof.shown(mine.prover)
