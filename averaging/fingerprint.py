@@ -26,6 +26,8 @@ from typing import Any, Generic, TypeVar
 import msgpack
 import torch
 
+from .paged import release
+
 __all__ = ["FingerprintReport", "compare_fingerprints", "state_fingerprint"]
 
 _DOMAIN = b"shoal/state-fingerprint/v1\x00"
@@ -55,6 +57,7 @@ def state_fingerprint(
         header = [str(t.dtype).removeprefix("torch."), list(t.shape), len(raw)]
         h.update(_frame(msgpack.packb(header)))
         h.update(raw)
+        release(t)  # (a file-mapped tensor's pages: given back once hashed)
     h.update(_frame(_canonical_msgpack(dict(metadata or {}))))
     return h.hexdigest()
 

@@ -16,6 +16,7 @@ from shoal.transport.identity import PeerID
 from .certifier import Certifier, Lineage
 from .deadline import Deadline
 from .group import Member
+from .paged import release
 from .state_sync import (
     NoHolders,
     State,
@@ -136,6 +137,8 @@ async def write_state(
         with torch.no_grad():
             for d, s in zip(dst, src, strict=True):
                 d.copy_(s)
+                release(d)  # (file-mapped tensors: a download's, a budget's moments)
+                release(s)
 
     if lock is None:
         copy()

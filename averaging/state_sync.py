@@ -39,9 +39,7 @@ import contextvars
 import itertools
 import logging
 import math
-import mmap
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -61,6 +59,7 @@ from shoal.transport.multiaddr import Multiaddr
 from .deadline import Deadline
 from .fingerprint import state_fingerprint
 from .lineage import declared_work
+from .paged import file_tensors, release, release_range
 from .state_file import read_tree, write_tree
 
 log = logging.getLogger("shoal.averaging.state")
@@ -392,6 +391,7 @@ class StateServer:
                     piece = piece.to("cpu", copy=True)
                 # Else straight from the snapshot's storage: no copy.
                 await ctx.send_chunk(index, _bytes_of(piece))
+                release(snap.views[i])  # (a file-mapped tensor's pages, once sent)
                 self.served_bytes += n
                 snap.last_used = time.monotonic()
         finally:
@@ -503,7 +503,7 @@ def _allocate(layout: object, like: Sequence[torch.Tensor] | None = None) -> lis
     folder = _download_folder.get()
     if folder is not None:
         try:
-            return _file_backed(folder, shapes)
+            return file_tensors(folder, shapes, suffix=".download")
         except OSError as e:  # (a full or read-only disk: in memory, as without a folder)
             log.warning("cannot hold a download in %s (%r): in memory", folder, e)
     try:
@@ -530,39 +530,6 @@ def downloads_in(folder: Path | None) -> Iterator[None]:
         yield
     finally:
         _download_folder.reset(token)
-
-
-def _file_backed(
-    folder: Path, shapes: Sequence[tuple[list[int], torch.dtype]]
-) -> list[torch.Tensor]:
-    """Empty tensors of `shapes` in one shared mapping of a file of `folder`, its blocks
-    reserved up front (a write into a hole of a full disk would kill the process),
-    unlinked at once: its space goes with the last tensor."""
-    sizes = [
-        math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in shapes
-    ]
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += -(-size // 64) * 64
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=folder, suffix=".download")
-    try:
-        os.unlink(name)
-        os.posix_fallocate(fd, 0, max(total, 1))
-        buffer = mmap.mmap(fd, max(total, 1), access=mmap.ACCESS_WRITE)
-    finally:
-        os.close(fd)
-    out = []
-    for (shape, dtype), offset in zip(shapes, offsets, strict=True):
-        count = math.prod(shape)
-        if count == 0:
-            out.append(torch.empty(shape, dtype=dtype))
-        else:
-            out.append(
-                torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
-            )
-    return out
 
 
 async def load_state_from_peers(
@@ -863,7 +830,11 @@ async def _fetch(
         ) as call:  # fmt: skip
             await call.close_send()
             for index, (i, start, n) in enumerate(_pieces(starts, views, offset, end)):
-                await call.recv_chunk_into(index, _bytes_of(views[i][start : start + n]))
+                piece = views[i][start : start + n]
+                await call.recv_chunk_into(index, _bytes_of(piece))
+                # (A download into a file's mapping, `downloads_in`: its pages, once
+                # written, go to the page cache, not the process's resident set.)
+                release_range(piece.data_ptr(), n)
             done = await call.recv_item()
             if not isinstance(done, dict) or done.get("done") != end:
                 raise ValueError("fetch ended out of step")

@@ -47,10 +47,11 @@ stage's parameters (float32: 4 per element):
 
 A peer with a budget serves a stage that fits only leanly with the limits
 `fit_stage` chooses (fewer answers kept, then backwards that wait while a step
-averages, then passes of fewer samples).
+averages, then AdamW's moments in a file, then passes of fewer samples).
 
 So a stage costs about 9B plus its activations, 6B with its copies on disk (5B
-when backwards also wait while a step averages)
+when backwards also wait while a step averages, 3B with AdamW's moments in a file
+too: `StageLimits.moments_on_disk`)
 (11B while the step copied its bucket into a buffer of the averager's and
 autograd's gradients all existed before they were added; 20B while every
 commit froze a copy for downloads). What
@@ -141,12 +142,17 @@ class StageLimits:
     # `compute_queue.ComputeQueue.hold_backwards`, and no bucket of the next step's
     # gradients exists beside the step's and the round's result: B less).
     backwards_while_averaging: bool = True
+    # Whether AdamW's moments live in a file of the peer's data directory, their pages
+    # given back after each use (`averaging.paged`, `StageOptimizer(moments_dir=...)`):
+    # one parameter's moments held at a time instead of all of them (2B less).
+    moments_on_disk: bool = False
 
     def as_dict(self) -> dict[str, int | bool | None]:
         return {
             "pass_samples": self.pass_samples,
             "answer_bytes": self.answer_bytes,
             "backwards_while_averaging": self.backwards_while_averaging,
+            "moments_on_disk": self.moments_on_disk,
         }
 
 
@@ -207,7 +213,8 @@ def stage_memory(
     return StageMemory(
         parameters=b,
         gradients=b + one_parameter,
-        optimizer=2 * b,
+        # (On disk: the moments of the parameter being stepped, a largest one's at most.)
+        optimizer=one_parameter if limits.moments_on_disk else 2 * b,
         averaging=round_buffers
         + (0 if copies_on_disk else 3 * b)
         + _receive_slots(parameters, group_size, allreduce),
@@ -236,20 +243,28 @@ def fit_stage(
     Else, cheapest in speed first: the answers kept shrink, to the newest one (a retry
     whose answer was dropped only costs a recomputation: `answers`); then backwards wait
     while a step averages (B less: the next step's bucket; they are late by the round's
-    time, nothing is recomputed); then passes take the most samples that fit (one at the
+    time, nothing is recomputed); then, for a peer with a data directory
+    (`copies_on_disk`) and the parameters on the CPU, AdamW's moments go to a file (2B
+    less: a step reads and writes them through the page cache, and the disk when the
+    kernel drops them); then passes take the most samples that fit (one at the
     least: activations grow with the samples a pass takes, while the state does not
     shrink at all). The answers get back what is left, up to their default. The cost is
     over the budget only when the stage does not fit at all (one sample a pass, one
-    answer kept, backwards waiting)."""
+    answer kept, backwards waiting, moments on disk where they can be)."""
 
-    def cost(pass_samples: int | None, answer_bytes: int, during: bool) -> StageMemory:
-        limits = StageLimits(pass_samples, answer_bytes, during)
+    def cost(
+        pass_samples: int | None, answer_bytes: int, during: bool, disk: bool = False
+    ) -> StageMemory:
+        limits = StageLimits(pass_samples, answer_bytes, during, disk)
         return stage_memory(parameters, bounds, limits=limits, **options)
 
-    def fitted(pass_samples: int | None, during: bool) -> tuple[StageMemory, StageLimits]:
-        answer_bytes = min(RETAINED_ANSWER_BYTES, budget - cost(pass_samples, 0, during).total)
-        limits = StageLimits(pass_samples, answer_bytes, during)
-        return cost(pass_samples, answer_bytes, during), limits
+    def fitted(
+        pass_samples: int | None, during: bool, disk: bool = False
+    ) -> tuple[StageMemory, StageLimits]:
+        spare = budget - cost(pass_samples, 0, during, disk).total
+        answer_bytes = min(RETAINED_ANSWER_BYTES, spare)
+        limits = StageLimits(pass_samples, answer_bytes, during, disk)
+        return cost(pass_samples, answer_bytes, during, disk), limits
 
     default = stage_memory(parameters, bounds, **options)
     if budget is None or default.total <= budget:
@@ -257,13 +272,19 @@ def fit_stage(
     for during in (True, False):
         if cost(None, 0, during).total <= budget:
             return fitted(None, during)
-    if cost(1, 0, False).total > budget:
-        return cost(1, 0, False), StageLimits(1, 0, False)
+    # Moments in a file need the data directory's folder (the copies' one) and the
+    # parameters on the CPU.
+    disk = bool(options.get("copies_on_disk")) and not options.get("on_device")
+    if disk and cost(None, 0, False, disk).total <= budget:
+        return fitted(None, False, disk)
+    if cost(1, 0, False, disk).total > budget:
+        return cost(1, 0, False, disk), StageLimits(1, 0, False, disk)
     low, high = 1, computed_samples(bounds, options.get("in_flight", 1))
     while low < high:  # (the most samples a pass: cost grows with them)
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if cost(mid, 0, False).total <= budget else (low, mid - 1)
-    return fitted(low, False)
+        fits = cost(mid, 0, False, disk).total <= budget
+        low, high = (mid, high) if fits else (low, mid - 1)
+    return fitted(low, False, disk)
 
 
 def _receive_slots(parameters: int, group_size: int, cfg: AllReduceConfig | None) -> int:

@@ -31,6 +31,7 @@ from shoal.averaging.averager import Averager, AveragerConfig, StepResult
 from shoal.averaging.host_state import host_flat_zeros, numel, off_loop
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.outer import state_protocol
+from shoal.averaging.paged import file_tensors, release
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 
@@ -72,26 +73,38 @@ class StageOptimizer:
         codec: str = "none",
         adaptive_deadlines: bool = True,
         copies_dir: Path | None = None,
+        moments_dir: Path | None = None,
     ) -> None:
         """`adaptive_deadlines`: the round's timeouts are floors, raised by what the
-        stage's links measured (`averaging.deadlines`), as DiLoCo's are."""
+        stage's links measured (`averaging.deadlines`), as DiLoCo's are. `moments_dir`:
+        AdamW's moments live in a file there, their pages given back after each use
+        (`averaging.paged`: a peer within a memory budget, `memory.StageLimits.
+        moments_on_disk`; parameters on the CPU only); None: in memory."""
         self.worker = worker
         self.hyper = dict(hyper)
         self.params = worker.params
+        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        self.moments_paged = moments_dir is not None and on_cpu
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=hyper["lr"],
             weight_decay=hyper.get("weight_decay", 0.0),
             betas=(0.9, hyper.get("adam_beta2", 0.999)),
+            # (One tensor at a time, as on the CPU by default: stepped a parameter at a
+            # time, file-mapped moments give the same bits as moments in memory.)
+            foreach=False if on_cpu else None,
         )
         # The moments exist from the start (AdamW makes them at its first step): they
         # are part of the state a joiner downloads and the fingerprint.
+        shapes = [(p.shape, p.dtype) for p in self.params]
+        paged = file_tensors(moments_dir, shapes * 2, suffix=".moments") if (
+            moments_dir is not None and self.moments_paged) else None  # fmt: skip
         moments: list[torch.Tensor] = []
-        for p in self.params:
+        for i, p in enumerate(self.params):
             state = self.optimizer.state[p]
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
+            state["exp_avg"] = torch.zeros_like(p) if paged is None else paged[i]
+            state["exp_avg_sq"] = torch.zeros_like(p) if paged is None else paged[len(shapes) + i]
             moments += [state["step"].view(1), state["exp_avg"], state["exp_avg_sq"]]
         # What a step averages: on the CPU, the taken bucket itself (`Gradients.flat`,
         # scaled in place: no copy of it); else its copy in one host float32 buffer.
@@ -237,10 +250,28 @@ class StageOptimizer:
                     p.grad = g if g.device == p.device and g.dtype == p.dtype else g.to(p.device)
                     if factor != 1.0:
                         p.grad.mul_(factor)
-            self.optimizer.step()
+            if self.moments_paged:
+                self._step_paged()
+            else:
+                self.optimizer.step()
             for p in self.params:
                 p.grad = None
             self.worker.version = self.version  # (the commit counted this step already)
+
+    def _step_paged(self) -> None:
+        """AdamW's step a parameter at a time (it steps only the parameters with a
+        gradient), each one's moments given back once stepped: the process holds one
+        parameter's moments at a time, not all of them."""
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+            self.optimizer.step()
+            p.grad = None
+            state = self.optimizer.state[p]
+            release(state["exp_avg"])
+            release(state["exp_avg_sq"])
 
     def _clip_factor(self) -> float:
         """(In the commit hook's thread.) The global clipping factor of this step: our

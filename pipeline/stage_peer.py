@@ -92,8 +92,9 @@ class StagePeer:
         """`bounds`: what a request of the stage may hold (`bounds.probe_bounds`);
         `copies_dir`: where the stage's state is copied for a download that a step
         overlaps (None: in memory; `state_sync.StateServer`); `limits`: the samples
-        a pass takes, the answers kept and whether backwards wait while a step
-        averages, within a memory budget (`memory.fit_stage`)."""
+        a pass takes, the answers kept, whether backwards wait while a step
+        averages and whether AdamW's moments live in a file of `copies_dir`, within a
+        memory budget (`memory.fit_stage`)."""
         self.stage = stage
         self.limits = limits
         self.worker = StageWorker(module, device=device, pass_samples=limits.pass_samples,
@@ -111,6 +112,8 @@ class StagePeer:
         self.optimizer = StageOptimizer(
             dht, experiment, stage, self.worker, hyper=hyper, matchmaking=matchmaking,
             copies_dir=copies_dir,
+            # (AdamW's moments in a file where the budget asks it: the copies' folder.)
+            moments_dir=copies_dir if limits.moments_on_disk else None,
         )  # fmt: skip
         self.progress = StageProgress(dht, experiment, stage, global_batch)
         self.server.steps = self.optimizer.steps
@@ -350,6 +353,12 @@ class StagePeer:
         if hold:
             self.server.compute.hold_backwards(True)
         try:
+            if hold:
+                # A backward the compute thread runs now finishes first, into this step's
+                # bucket: done after the take, it would start the next step's beside it
+                # (B more: the swarm test's stage peers peaked up to 1.1 B over the
+                # estimate).
+                await self.server.compute.in_thread(lambda: None)
             result = await self.optimizer.step(self.step_timeout, alone=not partners, quorum=quorum)
         finally:
             if hold:

@@ -41,9 +41,9 @@ def tails(daemons: list[Daemon]) -> Callable[[], str]:
     return lambda: "\n".join(d.tail(15) for d in daemons)
 
 
-# Above the sum of its waits (four rounds of starts, 90 + 90 + 120 s), so a slow run
-# names the wait it failed in (41-48 s usually; one local CI run took 153 s).
-@pytest.mark.timeout(420)
+# Above the sum of its waits (four rounds of starts of 60 s, 90 + 90 + 90 + 120 s), so a
+# slow run names the wait it failed in (41-48 s usually; one local CI run took 153 s).
+@pytest.mark.timeout(660)
 def test_a_host_and_five_joiners_train_a_three_stage_pipeline_through_a_kill(
     tmp_path: Path,
 ) -> None:
@@ -77,8 +77,13 @@ def test_a_host_and_five_joiners_train_a_three_stage_pipeline_through_a_kill(
             return [d.status()["loss"] for d in daemons if d.alive()]
 
         wait_for("every trainer's first loss", lambda: all(losses()), 90, debug=tails(daemons))
-        steps_before = wait_for("5 optimizer steps", lambda: (s := host.status()["step"]) >= 5
-                                and s, 90, debug=tails(daemons))  # fmt: skip
+        wait_for("5 optimizer steps", lambda: host.status()["step"] >= 5, 90, debug=tails(daemons))
+        # Every trainer's own shard learned before the kill: a joiner that starts training
+        # late (here after 48 steps, under CI's load) first reports the loss of a shard
+        # the stages never saw (7.3 once), which falls within a few steps.
+        learned = lambda: max(x or 9.0 for x in losses()) < 4.5  # noqa: E731
+        wait_for("every trainer's loss below 4.5", learned, 90, debug=tails(daemons))
+        steps_before = host.status()["step"]
         at_kill = [x for x in losses() if x is not None]
 
         # A peer of a stage that another peer also serves, not the host's: the stage

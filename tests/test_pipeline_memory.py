@@ -238,6 +238,33 @@ def test_a_lean_stage_keeps_fewer_answers_then_holds_backwards_then_passes_fewer
     assert least.activations == 200_000 + 2 * 16 * (2 * 1024 * 4)
 
 
+def test_a_peer_with_a_data_directory_puts_the_moments_in_a_file_before_passing_fewer() -> None:
+    """With a folder for them (a daemon's data directory) and the parameters on the CPU,
+    AdamW's moments go to a file once backwards already wait: two parameter sizes less
+    (the largest parameter's moments are held while it steps), every pass still whole;
+    shorter still, passes of fewer samples with the moments in the file. On a device
+    they stay where they are."""
+    p = 1_000_000
+    b = 4 * p
+    bounds = replace(BOUNDS, activation_bytes=200_000, largest_parameter=p // 4)
+    opts: dict[str, Any] = {"in_flight": 16, "group_size": 2, "copies_on_disk": True}
+    waiting = stage_memory(p, bounds, limits=StageLimits(None, 0, False), **opts)
+    cost, limits = fit_stage(p, bounds, budget=waiting.total - 1, **opts)
+    assert limits.moments_on_disk and limits.pass_samples is None
+    assert not limits.backwards_while_averaging
+    assert cost.optimizer == 2 * (p // 4) * 4 and cost.total <= waiting.total - 1
+    assert cost.total == waiting.total - 1  # (the answers take what the moments left)
+    assert waiting.optimizer - cost.optimizer == 2 * b - 2 * (p // 4) * 4
+    on_disk = stage_memory(p, bounds, limits=StageLimits(None, 0, False, True), **opts)
+    cost, limits = fit_stage(p, bounds, budget=on_disk.total - 5 * 200_000, **opts)
+    assert limits == StageLimits(11, 0, False, True)
+    assert fit_stage(p, bounds, budget=None, **opts)[1] == StageLimits()
+    for elsewhere in ({"copies_on_disk": False}, {"on_device": True}):
+        _, limits = fit_stage(p, bounds, budget=waiting.total - 1, **{**opts, **elsewhere})
+        assert not limits.moments_on_disk and limits.pass_samples is not None
+    assert StageLimits(moments_on_disk=True).as_dict()["moments_on_disk"] is True
+
+
 def test_a_budget_fits_the_stages_within_it_less_what_our_own_trainer_keeps() -> None:
     task = make_task(TINY)
     bounds = probe_bounds(task, 0, 2, 8)

@@ -155,3 +155,56 @@ async def test_a_step_without_a_group_gives_its_own_bucket_back_with_the_sums_it
         await lonely.aclose()
         for n in nodes:
             await n.aclose()
+
+
+def resident_kib(t: torch.Tensor) -> int:
+    """KiB of the mapping holding `t` that this process has resident (/proc/self/smaps)."""
+    address, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and all(c in "0123456789abcdef-" for c in first):
+                low, high = (int(x, 16) for x in first.split("-"))
+                inside = low <= address < high
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the tensor")
+
+
+async def test_moments_in_a_file_step_the_same_bits_and_are_not_held_between_steps(
+    make_host: Callable[..., Any], tmp_path: Any
+) -> None:
+    """A peer within a memory budget keeps AdamW's moments in a file (`moments_dir`) and
+    steps a parameter at a time: the same bits as its partner's moments in memory, step
+    after step, and once a step is over none of their pages is left in the process."""
+    nodes: list[DHTNode] = []
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0)
+    module = stage_module()
+    optimizers = []
+    for i in range(2):
+        boot = [str(nodes[0].host.addresses()[0])] if nodes else []
+        node = await DHTNode.create(await make_host(**HOST_OPTS), bootstrap=boot, hop_timeout=1.0)
+        nodes.append(node)
+        optimizers.append(StageOptimizer(
+            node, "paged", 0, StageWorker(copy.deepcopy(module)),
+            hyper={"lr": 1e-2, "weight_decay": 0.1, "warmup_steps": 2}, matchmaking=mm,
+            moments_dir=tmp_path if i == 0 else None,
+        ))  # fmt: skip
+    paged, plain = optimizers
+    try:
+        assert paged.moments_paged and not plain.moments_paged
+        for step in range(3):
+            for i, o in enumerate(optimizers):
+                o.worker.backward(*request(f"k{step}-{i}", samples=2 + i))
+            results = await asyncio.gather(*(o.step(timeout=30.0) for o in optimizers))
+            assert all(r.committed for r in results), results
+            assert paged.fingerprint() == plain.fingerprint()  # (hashing gives pages back)
+        moments = [paged.optimizer.state[p][k] for p in paged.params
+                   for k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+        assert all(resident_kib(m) == 0 for m in moments)
+        assert all(m.abs().sum() > 0 for m in moments)  # (stepped: read back from the file)
+        assert all(resident_kib(m) > 0 for m in moments)  # (and held again once read)
+    finally:
+        await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
+        for n in nodes:
+            await n.aclose()

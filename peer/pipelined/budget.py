@@ -8,7 +8,9 @@ peer starts (`MemAvailable`, or what is left of a container's cgroup memory
 limit when less), plus the device's free memory on a GPU (the parameters,
 gradients and moments then live there). A stage that fits only leanly is served
 leanly (`StageBudget.limits`, `memory.fit_stage`): fewer answers kept for retries,
-then passes of fewer samples, so that what autograd keeps stays within the budget.
+then backwards that wait while a step averages, then AdamW's moments in a file of
+the data directory, then passes of fewer samples, so that what the stage keeps stays
+within the budget.
 
 The records of other peers play no part in what fits: a peer that claims a huge
 capacity for some stage can make the others look emptier, never make a stage

@@ -279,10 +279,12 @@ class PipelineRun:
         limits = DEFAULT_LIMITS if self.budget is None else self.budget.limits(k)
         if self.budget is not None and limits != DEFAULT_LIMITS:
             log.info("stage %d within --max-memory %s: passes of at most %s samples, %s of "
-                     "answers kept for retries, backwards %s while a step averages", k,
+                     "answers kept for retries, backwards %s while a step averages, "
+                     "AdamW's moments %s", k,
                      format_size(self.budget.budget or 0), limits.pass_samples or "all",
                      format_size(limits.answer_bytes),
-                     "computed" if limits.backwards_while_averaging else "waiting")  # fmt: skip
+                     "computed" if limits.backwards_while_averaging else "waiting",
+                     "in a file" if limits.moments_on_disk else "in memory")  # fmt: skip
         module = await asyncio.to_thread(build_stage, self.task, self.manifest.seed, self.stages, k)
         await check_built(self.manifest, self.directory[k], k, module)
         module = await asyncio.to_thread(module.to, self.device)

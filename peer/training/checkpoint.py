@@ -19,9 +19,12 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+import numpy as np
 import torch
+
+from shoal.averaging.paged import PAGE, release_range
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "CheckpointStore"]
 
@@ -34,6 +37,25 @@ log = logging.getLogger("shoal.checkpoint")
 
 class CheckpointError(Exception):
     """A checkpoint cannot be written or read; the message says what to do."""
+
+
+class _Releasing:
+    """A file that gives back the pages of file-mapped tensors (`averaging.paged`: a
+    stage's moments within a memory budget) once `torch.save` wrote them: it hands
+    each tensor's storage to `write` as it is, one after the other."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+
+    def write(self, data: Any) -> int:
+        written = self.f.write(data)
+        view = memoryview(data)
+        if view.nbytes >= PAGE:
+            release_range(np.frombuffer(view, np.uint8).ctypes.data, view.nbytes)
+        return written
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 class CheckpointStore:
@@ -70,7 +92,7 @@ class CheckpointStore:
             fd, tmp = tempfile.mkstemp(prefix=".latest-", suffix=".tmp", dir=self.directory)
             try:
                 with os.fdopen(fd, "wb") as f:
-                    torch.save({"format": CHECKPOINT_FORMAT, **state}, f)
+                    torch.save({"format": CHECKPOINT_FORMAT, **state}, _Releasing(f))
                     f.flush()
                     os.fsync(f.fileno())
                 if self.latest.exists():

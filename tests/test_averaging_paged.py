@@ -1,0 +1,79 @@
+"""Tensors in a file mapping (`averaging/paged.py`): zeroed, each from a page of its own,
+keeping what is written when their pages are given back; and every code that reads or
+writes a state whole (its fingerprint, a load into it, a checkpoint) gives them back,
+so a peer holds none of a budget's moments between uses."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.averaging.fingerprint import state_fingerprint
+from shoal.averaging.paged import PAGE, file_tensors, release, release_range
+from shoal.averaging.state_loading import write_state
+from shoal.peer.training.checkpoint import CheckpointStore
+
+from .test_pipeline_stage_memory import resident_kib
+
+pytestmark = pytest.mark.timeout(60)
+
+BIG = 1 << 20  # elements: 4 MiB of float32
+
+
+def test_file_tensors_are_zeroed_page_aligned_and_keep_their_contents_once_released(
+    tmp_path: Path,
+) -> None:
+    a, b, empty = file_tensors(tmp_path, [((BIG,), torch.float32), ((3, 5), torch.int64),
+                                          ((0,), torch.float32)])  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # (unlinked at once: its space goes with it)
+    assert a.data_ptr() % PAGE == 0 and b.data_ptr() % PAGE == 0
+    assert a.abs().sum() == 0 and b.abs().sum() == 0 and empty.numel() == 0
+    a.fill_(1.5)
+    b.copy_(torch.arange(15).view(3, 5))
+    assert resident_kib(a) >= BIG * 4 // 1024
+    release(a)
+    release(b)
+    release(empty)  # (nothing to give back)
+    assert resident_kib(a) == 0
+    assert torch.equal(a, torch.full((BIG,), 1.5)) and torch.equal(b, torch.arange(15).view(3, 5))
+
+
+def test_a_range_gives_back_its_whole_pages_only_and_other_tensors_are_left_alone(
+    tmp_path: Path,
+) -> None:
+    (a,) = file_tensors(tmp_path, [((BIG,), torch.float32)])
+    a.fill_(2.0)
+    start = a.data_ptr() + PAGE // 2  # (the first page is half outside: kept)
+    release_range(start, 4 * PAGE)
+    resident = resident_kib(a)
+    assert BIG * 4 // 1024 - 4 * PAGE // 1024 <= resident < BIG * 4 // 1024
+    plain = torch.ones(BIG)
+    release(plain)  # (not a file's: a lookup, nothing else)
+    release_range(plain.data_ptr(), BIG * 4)
+    assert plain.sum() == BIG and torch.equal(a, torch.full((BIG,), 2.0))
+
+
+def test_a_fingerprint_a_load_and_a_checkpoint_give_the_pages_back(tmp_path: Path) -> None:
+    moments = file_tensors(tmp_path / "moments", [((BIG,), torch.float32)] * 2)
+    for i, m in enumerate(moments):
+        m.fill_(float(i + 1))
+    copies = [m.clone() for m in moments]
+    assert state_fingerprint(moments, {}) == state_fingerprint(copies, {})
+    assert [resident_kib(m) for m in moments] == [0, 0]
+    downloaded = file_tensors(tmp_path / "downloads", [((BIG,), torch.float32)] * 2)
+    for i, d in enumerate(downloaded):
+        d.fill_(float(i + 5))
+    asyncio.run(write_state(moments, downloaded, None))
+    assert [resident_kib(t) for t in [*moments, *downloaded]] == [0, 0, 0, 0]
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save({"tensors": moments})
+    # (torch.save reads a tensor for its checksum, writes it, and then reads a page or
+    # so of it again: one tensor's pages at a time, and next to none once saved.)
+    assert all(resident_kib(m) <= 256 for m in moments)
+    loaded = store.load()
+    assert loaded is not None
+    assert [t[0].item() for t in loaded["tensors"]] == [5.0, 6.0]
+    assert all(torch.equal(t, m) for t, m in zip(loaded["tensors"], moments, strict=True))
