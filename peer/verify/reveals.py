@@ -208,12 +208,7 @@ async def fetch_reveal_end(
     """The end of `segment` (its parameters, of our model's `shapes`, and the hash of
     the optimizer state there) that `prover` withheld from its reveal: asked when our
     re-run did not end in the committed state. Raises as `fetch_reveal`."""
-    request: dict[str, Any] = {
-        "round": round_index, "segment": segment, "secrets": secrets or [], "final": False,
-        "only_end": True,
-    }  # fmt: skip
-    if commitment is not None:
-        request["commitment"] = commitment
+    request = _request(round_index, segment, secrets, commitment, only_end=True)
     async with rpc.open_call(host, prover, PROTOCOL, "reveal", request, timeout=timeout) as call:
         await call.close_send()
         head = await call.recv_item()
@@ -255,12 +250,7 @@ async def fetch_reveal(
     `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps.
     Raises (transport, remote or ValueError) when nothing well formed came;
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
-    request: dict[str, Any] = {
-        "round": round_index, "segment": segment, "secrets": secrets or [], "final": False,
-        "end": end,
-    }  # fmt: skip
-    if commitment is not None:
-        request["commitment"] = commitment
+    request = _request(round_index, segment, secrets, commitment, end=end)
     async with rpc.open_call(host, prover, PROTOCOL, "reveal", request, timeout=timeout) as call:
         await call.close_send()
         head = await call.recv_item()
@@ -301,6 +291,23 @@ async def fetch_reveal(
         SegmentState(start, optimizer), end_params, end_opt, final, final_opt, chain, slot,
         residual, proof,
     )  # fmt: skip
+
+
+def _request(
+    round_index: int,
+    segment: int,
+    secrets: list[list[bytes]] | None,
+    commitment: bytes | None,
+    **parts: bool,
+) -> dict[str, Any]:
+    """A reveal request (the module doc): never for the run's final state."""
+    request: dict[str, Any] = {
+        "round": round_index, "segment": segment, "secrets": secrets or [], "final": False,
+        **parts,
+    }  # fmt: skip
+    if commitment is not None:
+        request["commitment"] = commitment
+    return request
 
 
 def _sparse_header(
