@@ -27,10 +27,12 @@ from shoal.averaging.registry import outer_strategy_names
 from shoal.pipeline.options import ROLES  # (torch-free; registers the pipeline strategy)
 from shoal.pipeline.sizes import parse_size  # (torch-free)
 from shoal.transport.access import AccessControl, AccessFileError, read_allow_list, read_swarm_key
+from shoal.transport.connection import ConnectionConfig
 from shoal.transport.dnsaddr import DnsaddrName, parse_nameserver
 from shoal.transport.host import DEFAULT_LISTEN, HostConfig
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr, MultiaddrError
+from shoal.transport.mux import LEAN_MAX_WINDOW, MuxLimits
 
 from .finding.networks import DEFAULT_NETWORK, NetworkError, check_network_name, parse_entry
 from .training.optimizers import INNER_OPTIMIZERS, parse_inner_optimizer  # (torch-free)
@@ -454,11 +456,17 @@ class Config:
         return getattr(logging, self.log_level.upper())  # type: ignore[no-any-return]
 
     def host_config(self) -> HostConfig:
+        connection = ConnectionConfig()
+        if self.max_memory is not None:
+            # Held to a budget: less may wait in a stream for a slow reader (what the
+            # stage's memory estimate counts, `memory.stage_memory`).
+            connection = ConnectionConfig(mux=MuxLimits(max_window=LEAN_MAX_WINDOW))
         return HostConfig(
             listen=tuple(str(a) for a in self.listen),
             announce=tuple(str(a) for a in self.announce),
             # Hole punching dials out from the listening port (NAT traversal).
             reuse_port=True,
+            connection=connection,
         )
 
     def access_control(self) -> AccessControl:

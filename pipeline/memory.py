@@ -18,7 +18,10 @@ stage's parameters (float32: 4 per element):
   meanwhile: `StageLimits.backwards_while_averaging`), its own bucket, which the
   all-reduce sends as it is (scaled in place: B), the round's result vector that
   the all-reduce's pool keeps from one round to the next (B), the receive slots of
-  each other member's stream (bounded by the chunking), and one transient copy of
+  each other member's stream (bounded by the chunking), the connection's buffers of
+  each other member's two streams (what waits for its reader: a flow-control window
+  each, `transport.connection.bulk_buffer_bytes`; 2 MiB for a peer held to a budget,
+  `transport.mux.LEAN_MAX_WINDOW`), and one transient copy of
   the parameters and moments (3B): the committed state is served to downloaders and
   checkpointed from the live tensors (`Averager(live_state=True)`), copied only
   when a commit comes while a download reads it, and a re-sync drops that copy
@@ -71,6 +74,8 @@ from typing import Any
 
 from shoal.averaging.butterfly import AllReduceConfig
 from shoal.averaging.reducer import float64_scratch
+from shoal.transport.connection import bulk_buffer_bytes
+from shoal.transport.mux import DEFAULT_MAX_WINDOW, MuxLimits
 
 from .audit import RETENTION_BYTES
 from .bounds import StageBounds
@@ -178,6 +183,7 @@ def stage_memory(
     on_device: bool = False,
     copies_on_disk: bool = False,
     limits: StageLimits = DEFAULT_LIMITS,
+    window: int = DEFAULT_MAX_WINDOW,
 ) -> StageMemory:
     """The bytes serving a stage of `parameters` elements costs (see the module doc).
 
@@ -190,7 +196,8 @@ def stage_memory(
     `on_device`: the parameters live on a device (a GPU), not in host memory;
     `copies_on_disk`: the transient copy of the parameters and moments (3B) goes to
     a file, not to memory (a peer with a data directory: `copies_dir`); `limits`:
-    the samples a pass takes, the answers kept (`fit_stage` chooses them)."""
+    the samples a pass takes, the answers kept (`fit_stage` chooses them); `window`:
+    the receive window of our connections (`MuxLimits.max_window`)."""
     if parameters < 0 or in_flight < 0 or group_size < 1:
         raise ValueError("parameters >= 0, in_flight >= 0 and group_size >= 1")
     b = parameters * element_bytes
@@ -217,7 +224,8 @@ def stage_memory(
         optimizer=one_parameter if limits.moments_on_disk else 2 * b,
         averaging=round_buffers
         + (0 if copies_on_disk else 3 * b)
-        + _receive_slots(parameters, group_size, allreduce),
+        + _receive_slots(parameters, group_size, allreduce)
+        + _connection_buffers(group_size, window),
         activations=activations,
         audits=RETENTION_BYTES if audits else 0,
         answers=_retained_answers(bounds, in_flight, limits.answer_bytes),
@@ -301,6 +309,15 @@ def _receive_slots(parameters: int, group_size: int, cfg: AllReduceConfig | None
     window = max(2, min(cfg.window_chunks, (64 << 20) // (chunk * 4 * max(1, senders))))
     slots = senders * min(window, chunks) * chunk * 4
     return slots + streams * float64_scratch(chunk) * 8
+
+
+def _connection_buffers(group_size: int, window: int) -> int:
+    """Bytes the connections to the other members of a round buffer at most: each
+    carries two of the round's streams (its contribution to our part, our part's
+    result from its)."""
+    if group_size <= 1:
+        return 0
+    return (group_size - 1) * bulk_buffer_bytes(MuxLimits(max_window=window), streams=2)
 
 
 def trainer_memory(bounds: Sequence[StageBounds], in_flight: int) -> int:

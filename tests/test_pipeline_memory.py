@@ -42,7 +42,9 @@ from shoal.pipeline.rebalance import RebalancePolicy, plan_move
 from shoal.pipeline.server import RECORD_TTL, stage_key
 from shoal.pipeline.sizes import format_size, parse_size
 from shoal.pipeline.stage import RETAINED_ANSWER_BYTES, RETAINED_ANSWERS
+from shoal.transport.connection import bulk_buffer_bytes
 from shoal.transport.identity import Identity
+from shoal.transport.mux import DEFAULT_MAX_WINDOW, LEAN_MAX_WINDOW, MuxLimits
 
 from .pipeline_swarm import HOST_OPTS, TINY
 
@@ -79,6 +81,14 @@ def test_the_max_memory_flag_takes_a_size_and_refuses_anything_else() -> None:
     assert run_config([], {}).max_memory is None
     with pytest.raises(ConfigError, match="--max-memory"):
         run_config(["--max-memory", "lots"], {})
+
+
+def test_a_peer_held_to_a_budget_grants_its_connections_smaller_windows() -> None:
+    """What may wait in a stream for a slow reader is a receive window: a peer with
+    --max-memory grants 2 MiB (what its stages' estimates count), others 16 MiB."""
+    lean = run_config(["--max-memory", "512M"], {}).host_config().connection.mux
+    assert lean.max_window == LEAN_MAX_WINDOW
+    assert run_config([], {}).host_config().connection.mux.max_window == DEFAULT_MAX_WINDOW
 
 
 def _cgroup(directory: Path, files: dict[str, str]) -> None:
@@ -141,6 +151,13 @@ def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_act
     # directory: none of the three parameter sizes in memory.
     on_disk = stage_memory(p, BOUNDS, in_flight=16, group_size=2, copies_on_disk=True)
     assert on_disk.averaging == cost.averaging - 3 * b
+    # What waits for its reader on the two streams of the round a connection carries (a
+    # receive window each), and the bodies sent: a peer held to a budget grants less.
+    lean = stage_memory(p, BOUNDS, in_flight=16, group_size=2, window=LEAN_MAX_WINDOW)
+    assert cost.averaging - lean.averaging == 2 * (DEFAULT_MAX_WINDOW - LEAN_MAX_WINDOW)
+    fixed = bulk_buffer_bytes(MuxLimits(), streams=2)
+    trio = stage_memory(p, BOUNDS, in_flight=16, group_size=3)
+    assert trio.averaging - cost.averaging >= fixed  # (and the third member's slots)
     boundary = 2 * 1024 * 4  # (bounds without a probe of the activations: the prior)
     assert cost.activations == 16 * PRIOR_ACTIVATION_FACTOR * boundary + 2 * 16 * boundary
     probed = stage_memory(p, replace(BOUNDS, activation_bytes=1000), in_flight=16)
@@ -159,7 +176,9 @@ def test_a_stage_costs_its_parameters_gradients_moments_averaging_copies_and_act
     # Twice the parameters, about twice their part; more in flight, more activations.
     bigger = stage_memory(2 * p, BOUNDS, in_flight=16)
     held = ("parameters", "gradients", "optimizer", "averaging")
-    assert sum(bigger.as_dict()[k] for k in held) > 1.8 * sum(cost.as_dict()[k] for k in held)
+    assert sum(bigger.as_dict()[k] for k in held) - fixed > 1.8 * (
+        sum(cost.as_dict()[k] for k in held) - fixed
+    )
     assert stage_memory(p, BOUNDS, in_flight=64).activations > 3 * cost.activations
 
 

@@ -27,6 +27,7 @@ from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.bounds import probe_bounds
 from shoal.pipeline.memory import StageLimits, trainer_memory
 from shoal.pipeline.stage_build import stage_size
+from shoal.transport.mux import LEAN_MAX_WINDOW
 
 # Ten processes training 100 steps: 7-9 minutes on 2 cores, served without limits;
 # 155 s served leanly (2026-12-03), still more than CI's serial group can spare. A
@@ -99,9 +100,11 @@ def test_a_model_larger_than_any_peers_budget_trains_with_every_peer_under_it(
     task = make_task(settings)
     bounds = probe_bounds(task, 0, STAGES, 1)
     # (A daemon copies the state a download reads into its data directory: on disk.)
-    leanest = StageBudget(task, 0, bounds, budget=1, in_flight=2, copies_on_disk=True)
+    # (A peer held to a budget grants its connections smaller windows.)
+    lean = {"in_flight": 2, "copies_on_disk": True, "window": LEAN_MAX_WINDOW}
+    leanest = StageBudget(task, 0, bounds, budget=1, **lean)
     budget = max(leanest.costs())
-    fitted = StageBudget(task, 0, bounds, budget=budget, in_flight=2, copies_on_disk=True)
+    fitted = StageBudget(task, 0, bounds, budget=budget, **lean)
     costs = fitted.costs()
     assert all(fitted.limits(k) != StageLimits() for k in range(STAGES))
     log = tmp_path / "builds.log"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.averaging import butterfly
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.dht.node import DHTNode
 from shoal.pipeline.stage import Gradients, StageWorker
@@ -126,6 +127,41 @@ async def test_a_stage_step_averages_the_bucket_itself_and_lets_go_of_it_once_co
         finally:
             gc.enable()
         assert optimizers[0].fingerprint() == optimizers[1].fingerprint()
+    finally:
+        await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
+        for n in nodes:
+            await n.aclose()
+
+
+async def test_a_finished_round_holds_none_of_the_buffers_it_borrowed(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round's objects refer to each other: the collector frees them at its next full
+    pass, rounds later. Meanwhile they must not hold the receive slots the pool lends
+    the next round (a stage peer so held two or three rounds' slots over its estimate)."""
+    rounds: list[Any] = []
+    let_go = butterfly._let_go
+
+    def finished(rnd: Any) -> None:
+        rounds.append(rnd)
+        let_go(rnd)
+
+    monkeypatch.setattr(butterfly, "_let_go", finished)
+    nodes: list[DHTNode] = []
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0)
+    optimizers = await two_stage_peers(make_host, nodes, mm, 2)
+    try:
+        for step in range(2):
+            for i, o in enumerate(optimizers):
+                o.worker.backward(*request(f"k{step}.{i}", samples=2 + i))
+            results = await asyncio.gather(*(o.step(timeout=30.0) for o in optimizers))
+            assert all(r.committed and r.group_size == 2 for r in results), results
+        assert len(rounds) == 4
+        for rnd in rounds:
+            plane = rnd.data
+            assert plane.flat.numel() == plane.result.numel() == 0
+            assert not plane.encoded
+            assert all(not lane.slots and not lane.encoded for lane in plane._lanes.values())
     finally:
         await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
         for n in nodes:

@@ -99,12 +99,11 @@ _READ_WHOLE = 64 * 1024
 _PLAINTEXT_POOL = 64  # reusable record buffers per connection (4 MiB while busy)
 # Reusable bulk body buffers per connection. Received bodies that no reader posted a
 # buffer for wait in the stream until it is read, so up to a full window of them
-# (max_window / MAX_BULK_BODY = 64) can be out at once: a smaller pool would run
-# dry and allocate (and zero) a fresh buffer per body, which took a quarter of the
-# receiver's CPU in bench/transport.py. The pool keeps only what was in use at once
-# (then up to 16 MiB) and is emptied when the connection goes quiet. Sent bodies
-# are out only until the kernel takes them.
-_BODY_POOL_IN = 64
+# (the mux's max_window / MAX_BULK_BODY: 64 by default) can be out at once: a smaller
+# pool would run dry and allocate (and zero) a fresh buffer per body, which took a
+# quarter of the receiver's CPU in bench/transport.py. The pool keeps at most a
+# window's worth (16 MiB by default; `body_pool_capacity`) and is emptied when the
+# connection goes quiet. Sent bodies are out only until the kernel takes them.
 _BODY_POOL_OUT = 8
 # Queued pieces this large go as bulk bodies: below it, the extra AEAD call and BULK
 # frame cost more than copying into a message.
@@ -981,7 +980,7 @@ class _Receiver:
         self.conn = conn
         # Reusable buffers to decrypt records and bodies into.
         self.plaintexts = _BufferPool(MAX_MESSAGE_PLAINTEXT, _PLAINTEXT_POOL)
-        self.bodies_in = _BufferPool(MAX_BULK_BODY, _BODY_POOL_IN)
+        self.bodies_in = _BufferPool(MAX_BULK_BODY, body_pool_capacity(conn.config.mux))
         self.body: BulkIncoming | None = None  # announced, and next on the wire
         # Record processing paused for one loop iteration (see process_records), and
         # the body it paused for (it pauses once per body).
@@ -1502,6 +1501,19 @@ def _multiplexer(initiator: bool, config: ConnectionConfig) -> Multiplexer:
     return Multiplexer(
         initiator, config.mux, head_room=_LEN.size, tail_room=_TAG, bulk_min=_BULK_MIN
     )
+
+
+def bulk_buffer_bytes(limits: MuxLimits, streams: int) -> int:
+    """The most a connection's buffers hold for `streams` streams of bulk data at
+    once: what waits on each for its reader (a receive window: the pool's received
+    bodies) and the pool of bodies sent that the kernel has not taken yet."""
+    return streams * limits.max_window + _BODY_POOL_OUT * (MAX_BULK_BODY + _TAG)
+
+
+def body_pool_capacity(limits: MuxLimits) -> int:
+    """Received bulk bodies a connection keeps for reuse: as many as its streams'
+    windows let the remote have in flight to one stream (`MuxLimits.max_window`)."""
+    return max(1, -(-limits.max_window // MAX_BULK_BODY))
 
 
 class _BufferPool:

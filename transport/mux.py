@@ -52,6 +52,13 @@ _FRAME_NAMES = {
 # Largest bulk body. Part of the wire protocol (a receiver refuses larger ones), and
 # what a receiver must be able to buffer whole, since a body authenticates as one.
 MAX_BULK_BODY = 256 * 1024
+# The largest receive window of a peer held to a memory budget (`shoal run
+# --max-memory`): what the remote may have in flight to one of its streams, and so what
+# may wait there for a slow reader. 16 MiB (the default) fills links of 1 Gbit/s at
+# 130 ms; 2 MiB still fills 160 Mbit/s at 100 ms, and a stage peer of a 64 M-parameter
+# model held up to 20 MiB less at its peaks (tests/test_pipeline_memory_swarm.py).
+LEAN_MAX_WINDOW = 2 * 1024 * 1024
+DEFAULT_MAX_WINDOW = 16 * 1024 * 1024  # (`MuxLimits.max_window`)
 
 
 # Distinct protocol names one connection tallies its sent bytes under (`sent_by_protocol`).
@@ -67,7 +74,7 @@ class MuxLimits:
     # it is part of the wire protocol: it must be equal on both ends (it is set only
     # by tests). Larger windows come from auto-tuning, up to max_window.
     initial_window: int = 256 * 1024
-    max_window: int = 16 * 1024 * 1024
+    max_window: int = DEFAULT_MAX_WINDOW
     max_protocol_len: int = 256
     max_reason_len: int = 256
     max_pending_control: int = 4096  # queued control frames (e.g. pongs) before we call it a flood

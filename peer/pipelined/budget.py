@@ -38,6 +38,7 @@ from shoal.pipeline.memory import (
 from shoal.pipeline.sizes import format_size
 from shoal.pipeline.stage_build import stage_size
 from shoal.transport.identity import PeerID
+from shoal.transport.mux import DEFAULT_MAX_WINDOW
 
 __all__ = ["NoStageFits", "StageBudget", "available_memory", "cgroup_memory_free"]
 
@@ -148,15 +149,18 @@ class StageBudget:
         audits: bool = False,
         on_device: bool = False,
         copies_on_disk: bool = False,
+        window: int = DEFAULT_MAX_WINDOW,
     ) -> None:
         """`trainer`: we also drive microbatches (role auto): what our own trainer keeps
         in flight comes off the budget before a stage's cost; `audits`: the experiment
         verifies its stages (a stage peer keeps its answers for audits); `on_device`:
         our stage would live on a device (a GPU), not in host memory; `copies_on_disk`:
-        the state's transient copies go to a folder (`memory.stage_memory`)."""
+        the state's transient copies go to a folder; `window`: our connections'
+        receive window (`memory.stage_memory`)."""
         self.audits = audits
         self.on_device = on_device
         self.copies_on_disk = copies_on_disk
+        self.window = window
         self.budget = budget
         self.bounds = list(bounds)
         self.in_flight = in_flight
@@ -179,7 +183,7 @@ class StageBudget:
         return fit_stage(self.sizes[k], self.bounds[k], budget=room, in_flight=self.in_flight,
                          group_size=self.groups[k], audits=self.audits,
                          on_device=self.on_device,
-                         copies_on_disk=self.copies_on_disk)  # fmt: skip
+                         copies_on_disk=self.copies_on_disk, window=self.window)  # fmt: skip
 
     def see_peers(self, peers: Sequence[int]) -> None:
         """Each stage's other peers, as the records show them: with us, the stage's

@@ -262,7 +262,8 @@ class PipelineRun:
                           in_flight=in_flight, trainer=self.role == "auto",
                           audits=bool(self.options.get("verify", False)),
                           on_device=self.device.type != "cpu",
-                          copies_on_disk=self.copies_dir is not None)  # fmt: skip
+                          copies_on_disk=self.copies_dir is not None,
+                          window=self.dht.host.config.connection.mux.max_window)  # fmt: skip
         # What we free goes back at once: the peak is then what we hold (the estimate).
         return_large_blocks_at_once()
         if self.role in ("auto", "trainer"):
