@@ -45,8 +45,8 @@ TASK = str(Path(__file__).with_name("counting_task.py")) + ":make_task"
 # a stage (d_model 448), a context of 8 bytes, one sample a microbatch and a step.
 # SHOAL_MEMORY_SWARM_MODEL runs another (the task's options): with
 # "d_model=576,n_layers=16,n_heads=4,context=8,batch_size=1,max_bytes=200000" (64 M
-# parameters) the parameters and AdamW's moments alone are over three budgets
-# (docs/guide/pipelines.md: what that run measured).
+# parameters) the parameters and AdamW's moments alone are 2.98 budgets; its peaks
+# still come 5-14% over them (docs/guide/pipelines.md: what that run measured).
 MODEL = os.environ.get(
     "SHOAL_MEMORY_SWARM_MODEL",
     "d_model=448,n_layers=4,n_heads=4,context=8,batch_size=1,max_bytes=200000",
@@ -163,7 +163,7 @@ def test_a_model_larger_than_any_peers_budget_trains_with_every_peer_under_it(
             assert built.get(p.proc.pid) == [str(p.status()["pipeline"]["stage"])]
         assert all(t.proc.pid not in built for t in trainers)
         # No one peer could train this model with its budget: it costs four. (Its
-        # parameters and AdamW's moments alone: `state_budgets` below, over three
+        # parameters and AdamW's moments alone: `state_budgets` below, near three
         # budgets only for stages whose fixed costs weigh less: the larger model.)
         assert sum(costs) >= 3 * budget
         assert all(fitted.limits(k).moments_on_disk for k in range(STAGES))
