@@ -105,7 +105,7 @@ def _trainer(stages: int) -> Any:
         step_sizes=[{} for _ in range(stages)], ledger=MicrobatchLedger(stages), _replays=set(),
         balancers=[StageBalancer() for _ in range(stages)], _changed=None, stages=stages,
         durable=[None] * stages, _restores=set(), _restarted=[None] * stages,
-        calls=SimpleNamespace(told={}),
+        _last_restore=[None] * stages, calls=SimpleNamespace(told={}, restores=[0] * stages),
     )  # fmt: skip
     t._settle = lambda stage, meta, source=None: PipelineTrainer._settle(t, stage, meta, source)  # type: ignore[arg-type]
     t._restored = lambda *args: PipelineTrainer._restored(t, *args)  # type: ignore[arg-type]

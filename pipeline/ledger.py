@@ -22,6 +22,10 @@ gradient only, nothing counted), and the doubt is settled by the first of:
 - `DOUBT_STEPS` steps from the version it was sent at, all logged, none with
   the peer among its members: whatever it applied died with it or was dropped
   (replayed);
+- the stage restored at `v` after every peer died: what the peer's part of each
+  of its steps from the doubt's version to `v` held, by its own word before it
+  died (`held`): the key in one, counted (the checkpoint holds that step); in
+  none, whatever it applied was lost (replayed);
 - `GIVE_UP_VERSIONS` versions on: counted if the peer was a member of a step
   since (assumed: the one case left open), replayed otherwise.
 
@@ -106,6 +110,9 @@ class MicrobatchLedger:
         self._kept_bytes = 0
         self._doubts: list[dict[str, Doubt]] = [{} for _ in range(stages)]
         self._members: list[dict[int, frozenset[Hashable]]] = [{} for _ in range(stages)]
+        # A member's own word on which of our keys its part of a step held (version ->
+        # peer -> keys): what settles a doubt at a peer that can no longer be asked.
+        self._held: list[dict[int, dict[Hashable, frozenset[str]]]] = [{} for _ in range(stages)]
         self.counted = [0] * stages  # samples known to be in a committed step, per stage
         self.replayed = [0] * stages  # samples sent again because their step went without them
         self.assumed = [0] * stages  # samples whose step was never seen (assumed counted)
@@ -152,7 +159,7 @@ class MicrobatchLedger:
             log[step[0]] = step[1]
             if source is not None and len(step) > 2 and step[2] is not None:  # type: ignore[misc]
                 keys[step[0]] = step[2]  # type: ignore[misc]
-        self._remember(stage, log)
+        self._remember(stage, log, keys, source)
         replay = []
         for key, entry in list(self._open[stage].items()):
             members = self._members[stage].get(entry.epoch)  # (this log's, or an earlier one)
@@ -208,11 +215,76 @@ class MicrobatchLedger:
         self.replayed[doubt.stage] += doubt.samples
         return entry
 
-    def _remember(self, stage: int, log: dict[int, frozenset[Hashable]]) -> None:
-        members = self._members[stage]
+    def held(self, stage: int, version: int, peer: Hashable, key: str) -> bool | None:
+        """Whether `peer`'s part of `stage`'s step from `version` held `key`, as the
+        peer's own log said (None: it did not say)."""
+        keys = self._held[stage].get(version, {}).get(peer)
+        return None if keys is None else key in keys
+
+    def doubted_before(
+        self, doubt: Doubt, restored: int, survivor: tuple[Hashable, float] | None
+    ) -> Applied | None:
+        """`doubted`, for a doubt whose version was read before its stage was restored
+        at `restored` (by `survivor`): settled as `lost` settled the doubts it found;
+        the entry to replay, if it is one."""
+        self.doubted(doubt)
+        entry = self._lost_doubt(doubt, restored, survivor)
+        if entry is not None:
+            self.restored[doubt.stage] += entry.samples
+            self.replayed[doubt.stage] += entry.samples
+        return entry
+
+    def _lost_doubt(
+        self, doubt: Doubt, restored: int, survivor: tuple[Hashable, float] | None
+    ) -> Applied | None:
+        """(`lost`.) A doubt sent at `restored` or later could only have been applied
+        there, and is gone. One sent before is in a step the restore kept or not, as the
+        peer's own word on its steps says (`_held_before`; not told: it waits, as open
+        entries do, for the restored peer's log). Not one at the restoring peer: which
+        incarnation it reached is not known, and the fence that asks the live one
+        settles it (one it never saw: replayed). The entry to replay, if it is one."""
+        at_survivor = survivor is not None and doubt.peer == survivor[0]
+        before = self._held_before(doubt, restored) if doubt.since < restored else None
+        if before is True:  # (in a step the checkpoint holds)
+            del self._doubts[doubt.stage][doubt.key]
+            self.counted[doubt.stage] += doubt.samples
+            return None
+        if before is False or (doubt.since >= restored and not at_survivor):
+            del self._doubts[doubt.stage][doubt.key]
+            return doubt.applied_at(doubt.since)
+        return None
+
+    def _held_before(self, doubt: Doubt, restored: int) -> bool | None:
+        """Whether the doubt's peer put its key in one of the stage's steps from the
+        doubt's version to `restored` (those a restore at `restored` keeps), by its
+        own word; None: a step of that span not logged, or its part not told."""
+        told, stage = True, doubt.stage
+        for v in range(doubt.since, restored):
+            members = self._members[stage].get(v)
+            if members is None:
+                return None
+            if doubt.peer in members:
+                held = self.held(stage, v, doubt.peer, doubt.key)
+                if held:
+                    return True
+                told = told and held is not None
+        return False if told else None
+
+    def _remember(
+        self,
+        stage: int,
+        log: dict[int, frozenset[Hashable]],
+        keys: dict[int, frozenset[str]],
+        source: Hashable | None,
+    ) -> None:
+        members, held = self._members[stage], self._held[stage]
         members.update(log)
+        for v, listed in keys.items():
+            held.setdefault(v, {})[source] = listed
         for v in sorted(members)[: max(0, len(members) - KEPT_STEPS)]:
             del members[v]
+        for v in [v for v in held if v not in members]:
+            del held[v]
 
     def _keep(self, entry: Applied) -> None:
         self._let_go(self._kept[entry.stage].get(entry.key, entry))  # (a replay's again)
@@ -263,20 +335,15 @@ class MicrobatchLedger:
             if gone(entry):
                 del self._open[stage][key]
                 replay.append(entry)
-        # A doubt sent at `restored` or later could only have been applied there, and is
-        # gone (earlier ones wait for the restored peer's log, as open entries do).
-        # Not one at the restoring peer: which incarnation it reached is not known, and
-        # the fence that asks the live one settles it (one it never saw: replayed).
-        for key, doubt in list(self._doubts[stage].items()):
-            at_survivor = survivor is not None and doubt.peer == survivor[0]
-            if doubt.since >= restored and not at_survivor:
-                del self._doubts[stage][key]
-                replay.append(doubt.applied_at(doubt.since))
+        for doubt in list(self._doubts[stage].values()):
+            entry = self._lost_doubt(doubt, restored, survivor)
+            replay += [entry] if entry is not None else []
         # The steps from `restored` on are taken again, by other members: the dead
         # peers' logs of those versions must settle nothing more (a doubt of a peer that
         # was a member there would be assumed counted).
         for v in [v for v in self._members[stage] if v >= restored]:
             del self._members[stage][v]
+            self._held[stage].pop(v, None)
         self.restored[stage] += sum(e.samples for e in replay)
         self.replayed[stage] += sum(e.samples for e in replay)
         return replay

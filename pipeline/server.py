@@ -479,7 +479,10 @@ def _audit(payload: dict[str, Any], key: Any, codec: Codec) -> AuditRequest | No
 
 
 def _keys_of(record: StepRecord, caller: PeerID) -> list[Any] | None:
-    """`caller`'s keys among those `record` holds (None: more than LOGGED_KEYS)."""
+    """`caller`'s keys among those `record` holds (None: more than LOGGED_KEYS, or not
+    known: a step read back from a checkpoint without them)."""
+    if record.keys is None:
+        return None
     mine = caller.to_bytes()
     keys = [k[1] for k in record.keys if isinstance(k, tuple) and k[0] == mine]
     return keys if len(keys) <= LOGGED_KEYS else None

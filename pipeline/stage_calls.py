@@ -110,8 +110,12 @@ class StageCalls:
         # What each stage's answers may hold (`probe_bounds`); None: only the wire's bound.
         self.bounds: list[StageBounds] | None = None
         # Backward keys in doubt at a peer (-> the peer, the attempt, the stage's version
-        # then): sent dry from then on; the trainer takes them with the answer.
-        self.doubted: dict[str, tuple[PeerID, bytes, int]] = {}
+        # and restores then): sent dry from then on; the trainer takes them with the answer.
+        self.doubted: dict[str, tuple[PeerID, bytes, int, int]] = {}
+        # Restores of each stage the trainer learned of (`PipelineTrainer._restored`): a
+        # doubt whose version was read before one is settled as the restore settled
+        # those it found (its dry answer, which makes it a doubt, may come after).
+        self.restores = [0] * len(balancers)
 
     async def request(
         self, stage: int, method: str, key: str, samples: int, tensors: list[torch.Tensor]
@@ -156,7 +160,8 @@ class StageCalls:
                         self._served(stage, method, peer, recovered[1])
                         return recovered[0], recovered[1], peer
                     if recovered is False:  # it cannot tell: in doubt there
-                        self.doubted[key] = (peer, attempt_id, self.versions[stage])
+                        self.doubted[key] = (peer, attempt_id, self.versions[stage],
+                                             self.restores[stage])  # fmt: skip
                 log.info("stage %d %s on %s failed (%s: %s); banned for %.0fs, trying another peer",
                          stage, method, str(peer)[-8:], type(e).__name__, e, banned)  # fmt: skip
                 continue

@@ -17,6 +17,7 @@ cannot be loaded into a given stage, before anything is written.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ __all__ = ["KIND", "problem", "restore", "snapshot", "step_log", "step_sizes"]
 KIND = "pipeline-stage"
 MAX_STEP_SIZES = 4096  # the newest steps whose sizes a checkpoint keeps (accounting)
 MAX_MEMBERS = 1024  # members of one logged step, read back
+MAX_KEYS = 16384  # backwards (trainer, key) our part of one logged step held, read back
 
 
 def snapshot(
@@ -64,7 +66,7 @@ def snapshot(
         "tensors": [t.detach().cpu() for t in frozen.tensors],  # (a device's: copied)
         "step_samples": dict(sorted(sizes.items())[-MAX_STEP_SIZES:]),
         "steps": [
-            [r.version, [m.to_bytes().hex() for m in r.members], r.samples]
+            [r.version, [m.to_bytes().hex() for m in r.members], r.samples, _saved_keys(r)]
             for r in optimizer.steps
             if r.version < commits
         ],
@@ -149,17 +151,55 @@ def step_log(state: dict[str, Any], version: int) -> list[StepRecord]:
     return [r for r in records if r is not None]
 
 
+def _saved_keys(record: StepRecord) -> list[list[str]] | None:
+    """The backwards our part of a step held, as (trainer hex, key) pairs (None: not
+    known, or keys that are not a trainer's string ones)."""
+    if record.keys is None:
+        return None
+    pairs = [[k[0].hex(), k[1]] for k in record.keys if _trainer_key(k)]
+    return pairs if len(pairs) == len(record.keys) else None
+
+
+def _trainer_key(key: Hashable) -> bool:
+    """A backward's key as a stage keeps it: (the trainer's peer ID bytes, its key)."""
+    return (
+        isinstance(key, tuple)
+        and len(key) == 2
+        and isinstance(key[0], bytes)
+        and isinstance(key[1], str)
+    )
+
+
 def _step_record(item: Any, version: int) -> StepRecord | None:
+    """One logged step read back. Its keys tell trainers what our previous incarnation
+    counted: a step saved without them (an older checkpoint) says nothing of keys
+    (None), never that it held none."""
     try:
-        v, members, samples = item
-        if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+        v, members, samples, *rest = item
+        if not isinstance(members, list) or len(members) > MAX_MEMBERS or len(rest) > 1:
             return None
         peers = tuple(PeerID(bytes.fromhex(m)) for m in members)
+        keys = _read_keys(rest[0]) if rest else None
     except (TypeError, ValueError):
         return None
     if not _count(v) or v >= version or not (samples is None or _count(samples)):
         return None
-    return StepRecord(v, peers, samples)
+    return StepRecord(v, peers, samples, keys)
+
+
+def _read_keys(pairs: Any) -> frozenset[Hashable] | None:
+    if not isinstance(pairs, list) or len(pairs) > MAX_KEYS:
+        return None
+    keys: set[Hashable] = set()
+    for pair in pairs:
+        if not (
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)
+        ):
+            return None
+        if len(pair[1]) > 200:  # (as a request's key)
+            return None
+        keys.add((bytes.fromhex(pair[0]), pair[1]))
+    return frozenset(keys)
 
 
 def _count(value: Any) -> bool:

@@ -51,7 +51,8 @@ class StepRecord:
     version: int
     members: tuple[PeerID, ...]
     samples: int | None  # the step's global batch, all members' samples (None: unknown)
-    keys: frozenset[Hashable] = frozenset()
+    # (None: not known, a step read back from a checkpoint that did not keep them)
+    keys: frozenset[Hashable] | None = frozenset()
 
 
 def stage_averaging_key(experiment: str, stage: int) -> str:

@@ -137,3 +137,56 @@ def test_a_restore_replays_the_doubts_it_lost_and_forgets_the_dead_peers_steps()
     # makes the remaining doubt's peer a member of them.
     ledger.resolve(0, [(v, frozenset({PEERS[0]})) for v in range(7, 10)], version=10)
     assert ledger.replayed == [4] and ledger.assumed == [0]
+
+
+def test_a_dead_peers_doubt_is_settled_by_the_keys_its_steps_held_before_it_died() -> None:
+    """Backwards to PEERS[1] whose answers were lost while the trainer saw the stage at
+    5 (the deadline passed while the peer computed; it cannot be asked: it died with
+    the whole stage). Its answers to others told its steps 5 and 6, and which of our
+    keys they held: "in" was in step 5, "out" in neither (applied at 7 or later, if at
+    all). The stage comes back from a checkpoint at 7: "in" is in it (counted), "out"
+    is lost or never was (replayed), not assumed counted because PEERS[1] was a member
+    of steps 5 and 6 (a CI run of the stage-recovery test: 8 samples short). A live
+    peer's log without the key settles nothing: it may hold the key for a later step."""
+    ledger = MicrobatchLedger(1)
+    dead = frozenset({PEERS[0], PEERS[1]})
+    ledger.doubted(doubt("in", 1, since=5))
+    ledger.doubted(doubt("out", 1, since=5))
+    log = [(5, dead, frozenset({"in", "other"})), (6, dead, frozenset({"other"}))]
+    assert ledger.resolve(0, log, version=7, source=PEERS[1]) == []
+    assert ledger.counted == [4] and [d.key for d in ledger.doubts(0)] == ["out"]
+    (replay,) = ledger.lost(0, restored=7)
+    assert replay.key == "out" and ledger.replayed == [4] and ledger.restored == [4]
+    assert ledger.assumed == [0] and not ledger.doubts(0)
+
+
+def test_a_dead_peers_doubt_its_steps_never_told_of_is_still_the_one_case_assumed() -> None:
+    """The same, with no word from PEERS[1] on its steps' keys (its logs reached us only
+    through others' membership): counted once GIVE_UP_VERSIONS pass, as before."""
+    ledger = MicrobatchLedger(1)
+    dead = frozenset({PEERS[0], PEERS[1]})
+    ledger.doubted(doubt("unknown", 1, since=5))
+    ledger.resolve(0, [(5, dead), (6, dead)], version=7)
+    assert ledger.lost(0, restored=7) == []
+    assert ledger.resolve(0, [(v, frozenset({PEERS[0]})) for v in (7, 8)], version=9) == []
+    assert ledger.settle_doubts(0, 6 + GIVE_UP_VERSIONS) == [] and ledger.assumed == [4]
+
+
+def test_a_doubt_whose_version_was_read_before_a_restore_is_settled_as_the_restore_settled() -> (
+    None
+):
+    """A backward to PEERS[1] failed while the trainer saw the stage at 19; its fence
+    found no one, and the dry backward elsewhere answered only after the trainer had
+    learned that the stage was restored at 5 (every peer died). Its version counts
+    in the lost steps' numbering: gone, replayed at once, not left waiting for the
+    restored stage to log steps 19 to 21 (a CI run: 8 samples unsettled at its end).
+    One at the restoring peer's own ID waits for its fence, as `lost` leaves it."""
+    ledger = MicrobatchLedger(1)
+    ledger.resolve(0, [(v, frozenset(PEERS[:2])) for v in range(0, 19)], version=19)
+    survivor = (PEERS[0], 20.0)
+    assert ledger.lost(0, restored=5, survivor=survivor) == []
+    entry = ledger.doubted_before(doubt("late", 1, since=19), 5, survivor)
+    assert entry is not None and entry.key == "late" and not ledger.doubts(0)
+    assert ledger.restored == [4] and ledger.replayed == [4]
+    assert ledger.doubted_before(doubt("at_survivor", 0, since=19), 5, survivor) is None
+    assert [d.key for d in ledger.doubts(0)] == ["at_survivor"]

@@ -26,9 +26,11 @@ from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.pipeline.directory import StageRecord
 from shoal.pipeline.ledger import Applied, Doubt, MicrobatchLedger
 from shoal.pipeline.progress import Report
-from shoal.pipeline.server import StageServer
+from shoal.pipeline.server import StageServer, _keys_of
 from shoal.pipeline.stage import StageWorker
+from shoal.pipeline.stage_checkpoint import step_log
 from shoal.pipeline.stage_losses import StageLosses
+from shoal.pipeline.stage_optimizer import StepRecord
 from shoal.pipeline.stage_peer import StagePeer
 from shoal.pipeline.trainer import PipelineTrainer
 from shoal.transport.identity import Identity
@@ -88,6 +90,10 @@ async def test_a_stage_checkpoint_restores_parameters_optimizer_state_and_versio
         assert fresh.optimizer.averager.state_version == peer.optimizer.averager.state_version
         assert fresh.optimizer.step_samples == peer.optimizer.step_samples
         assert [s.version for s in fresh.optimizer.steps] == [0, 1, 2]
+        # With the backwards each step held: what the trainers' ledgers settle by (the
+        # keys of the peer's previous life, told again after a restore).
+        assert [s.keys for s in fresh.optimizer.steps] == [s.keys for s in peer.optimizer.steps]
+        assert all(s.keys for s in fresh.optimizer.steps)
         await fresh.aclose()
     finally:
         await swarm.aclose()
@@ -271,6 +277,24 @@ def test_a_restore_leaves_a_doubt_at_the_restoring_peer_to_its_fence() -> None:
     assert [d.key for d in ledger.doubts(0)] == ["at_a"]
 
 
+def test_a_step_read_from_a_checkpoint_that_kept_no_keys_tells_trainers_nothing_of_keys() -> None:
+    """A checkpoint written before steps kept their keys: its steps say nothing of what
+    they held (None), which a trainer takes as "not told" (membership decides), never
+    as "held none of yours" (which would replay, and count twice, what they held)."""
+    trainer = Identity.generate().peer_id
+    old = {"steps": [[3, [trainer.to_bytes().hex()], 4]]}
+    (record,) = step_log(old, version=4)
+    assert record.keys is None and _keys_of(record, trainer) is None
+    kept = {"steps": [[3, [trainer.to_bytes().hex()], 4, [[trainer.to_bytes().hex(), "k"]]]]}
+    (record,) = step_log(kept, version=4)
+    assert _keys_of(record, trainer) == ["k"]
+    for bad in ("k", [["zz", "k"]], [[trainer.to_bytes().hex(), 1]], [["a"]]):
+        assert step_log({"steps": [[3, [], 4, bad]]}, version=4) in (
+            [],
+            [StepRecord(3, (), 4, None)],
+        )
+
+
 def test_without_checkpoints_the_ledger_keeps_nothing_it_counted() -> None:
     ledger = MicrobatchLedger(1)
     ledger.applied(_applied("m0", 0))
@@ -315,7 +339,10 @@ async def test_a_trainer_replays_what_a_restart_lost_once_and_believes_no_restar
         trainer.balancers[0].failed(gone, time.monotonic())  # its requests fail
         await trainer.refresh()
         assert trainer.ledger.restored == [2]  # step 4 was lost: m4 goes again
-        assert trainer.versions[0] == 4 and trainer.durable == [4]
+        # m3 is in the restored checkpoint, and in the dead peer's (at 3) only should
+        # the dead one come back: kept until its record is gone or says more.
+        assert trainer.versions[0] == 4 and trainer.durable == [3]
+        assert trainer.ledger.kept_samples(0) == 2
         await trainer.refresh()
         assert trainer.ledger.restored == [2]  # once
         back.since = 400.0  # it re-synced later: no restart any more
@@ -323,6 +350,16 @@ async def test_a_trainer_replays_what_a_restart_lost_once_and_believes_no_restar
         await back.announce()
         await trainer.refresh()
         assert trainer.ledger.restored == [2]
+
+        # That lineage dies too, and the peer first killed comes back from its own
+        # checkpoint at 3: step 3 is lost now, m3 goes again.
+        trainer.balancers[0].failed(back.dht.peer_id, time.monotonic())
+        dead.since, dead.checkpointed, dead.restored = 500.0, 3, 3
+        dead.set_version(3)
+        await dead.announce()
+        trainer.balancers[0].reannounced(gone)
+        await trainer.refresh()
+        assert trainer.ledger.restored == [4] and trainer.versions[0] == 3
         await trainer._replays.aclose()
     finally:
         await swarm.aclose()
