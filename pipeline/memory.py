@@ -12,7 +12,10 @@ stage's parameters (float32: 4 per element):
   stage's largest parameter: autograd's gradient, added to the bucket and freed
   the moment it is complete, or AdamW's per-parameter temporaries, never both
   at once: 2L);
-- optimizer: AdamW's two moments (2B);
+- optimizer: AdamW's two moments (2B); in a file (`StageLimits.moments_on_disk`),
+  what a step holds of them: two slices of the parameter it steps
+  (`averaging.paged_adamw`: 1 MiB each, or the largest parameter when smaller),
+  whose temporaries are as small (within the 2L above);
 - averaging (`stage_optimizer.StageOptimizer`, `averaging.Averager`): while a step
   averages (beside the next step's bucket in `gradients`, unless backwards wait
   meanwhile: `StageLimits.backwards_while_averaging`), its own bucket, which the
@@ -73,6 +76,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.averaging.butterfly import AllReduceConfig
+from shoal.averaging.paged_adamw import slice_bytes
 from shoal.averaging.reducer import float64_scratch
 from shoal.transport.connection import bulk_buffer_bytes
 from shoal.transport.mux import DEFAULT_MAX_WINDOW, MuxLimits
@@ -149,7 +153,7 @@ class StageLimits:
     backwards_while_averaging: bool = True
     # Whether AdamW's moments live in a file of the peer's data directory, their pages
     # given back after each use (`averaging.paged`, `StageOptimizer(moments_dir=...)`):
-    # one parameter's moments held at a time instead of all of them (2B less).
+    # one slice's moments held at a time instead of all of them (2B less).
     moments_on_disk: bool = False
 
     def as_dict(self) -> dict[str, int | bool | None]:
@@ -213,6 +217,7 @@ def stage_memory(
     # One parameter's gradient or AdamW temporaries (bounds that lack the largest
     # parameter: as much as the whole stage's gradients).
     one_parameter = 2 * bounds.largest_parameter * element_bytes or b
+    paged_slice = slice_bytes(bounds.largest_parameter * element_bytes or b, element_bytes)
     # The step's bucket and the round's result; the next step's bucket, which backwards
     # fill while the step averages, is `gradients` (none then when they wait).
     held = 0 if limits.backwards_while_averaging else 1
@@ -220,8 +225,8 @@ def stage_memory(
     return StageMemory(
         parameters=b,
         gradients=b + one_parameter,
-        # (On disk: the moments of the parameter being stepped, a largest one's at most.)
-        optimizer=one_parameter if limits.moments_on_disk else 2 * b,
+        # (On disk: the pages of the two moments' slices being stepped.)
+        optimizer=2 * paged_slice if limits.moments_on_disk else 2 * b,
         averaging=round_buffers
         + (0 if copies_on_disk else 3 * b)
         + _receive_slots(parameters, group_size, allreduce)

@@ -31,7 +31,8 @@ from shoal.averaging.averager import Averager, AveragerConfig, StepResult
 from shoal.averaging.host_state import host_flat_zeros, numel, off_loop
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.outer import state_protocol
-from shoal.averaging.paged import file_tensors, release
+from shoal.averaging.paged import file_tensors
+from shoal.averaging.paged_adamw import step_in_slices
 from shoal.dht.node import DHTNode
 from shoal.transport.identity import PeerID
 
@@ -251,28 +252,13 @@ class StageOptimizer:
                     p.grad = g if g.device == p.device and g.dtype == p.dtype else g.to(p.device)
                     if factor != 1.0:
                         p.grad.mul_(factor)
-            if self.moments_paged:
-                self._step_paged()
+            if self.moments_paged:  # (the same bits, a slice's moments held at a time)
+                step_in_slices(self.optimizer)
             else:
                 self.optimizer.step()
             for p in self.params:
                 p.grad = None
             self.worker.version = self.version  # (the commit counted this step already)
-
-    def _step_paged(self) -> None:
-        """AdamW's step a parameter at a time (it steps only the parameters with a
-        gradient), each one's moments given back once stepped: the process holds one
-        parameter's moments at a time, not all of them."""
-        grads = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
-            self.optimizer.step()
-            p.grad = None
-            state = self.optimizer.state[p]
-            release(state["exp_avg"])
-            release(state["exp_avg_sq"])
 
     def _clip_factor(self) -> float:
         """(In the commit hook's thread.) The global clipping factor of this step: our

@@ -45,8 +45,8 @@ TASK = str(Path(__file__).with_name("counting_task.py")) + ":make_task"
 # a stage (d_model 448), a context of 8 bytes, one sample a microbatch and a step.
 # SHOAL_MEMORY_SWARM_MODEL runs another (the task's options): with
 # "d_model=576,n_layers=16,n_heads=4,context=8,batch_size=1,max_bytes=200000" (64 M
-# parameters) the parameters and AdamW's moments alone are 2.98 budgets; its peaks
-# still come 5-14% over them (docs/guide/pipelines.md: what that run measured).
+# parameters) the parameters and AdamW's moments alone are 3.08 budgets; half its
+# stage peers still peak up to 10% over (docs/guide/pipelines.md: what it measured).
 MODEL = os.environ.get(
     "SHOAL_MEMORY_SWARM_MODEL",
     "d_model=448,n_layers=4,n_heads=4,context=8,batch_size=1,max_bytes=200000",

@@ -211,7 +211,7 @@ async def test_moments_in_a_file_step_the_same_bits_and_are_not_held_between_ste
     make_host: Callable[..., Any], tmp_path: Any
 ) -> None:
     """A peer within a memory budget keeps AdamW's moments in a file (`moments_dir`) and
-    steps a parameter at a time: the same bits as its partner's moments in memory, step
+    steps a slice at a time: the same bits as its partner's moments in memory, step
     after step, and once a step is over none of their pages is left in the process."""
     nodes: list[DHTNode] = []
     mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0)
