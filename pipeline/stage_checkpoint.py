@@ -29,7 +29,7 @@ from shoal.transport.identity import PeerID
 
 from .stage_optimizer import STEP_LOG, StageOptimizer, StepRecord
 
-__all__ = ["KIND", "problem", "restore", "snapshot", "step_log", "step_sizes"]
+__all__ = ["KIND", "damaged", "problem", "restore", "snapshot", "step_log", "step_sizes"]
 
 KIND = "pipeline-stage"
 MAX_STEP_SIZES = 4096  # the newest steps whose sizes a checkpoint keeps (accounting)
@@ -108,8 +108,18 @@ def problem(
         or meta.get("version") != state.get("version")
     ):
         return "its metadata do not match its version"
+    return damaged(state)
+
+
+def damaged(state: dict[str, Any]) -> str | None:
+    """Why a stage checkpoint's tensors and metadata are not what it was written with
+    (None: they are): their hash against the fingerprint it holds. A checkpoint's own
+    checksum (written without torch's: `CheckpointStore.save(crc32=False)`)."""
+    tensors, meta = state.get("tensors"), state.get("metadata")
+    if not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "its tensors are not a list of tensors"
     try:
-        fingerprint = state_fingerprint(tensors, meta)
+        fingerprint = state_fingerprint(tensors, meta if isinstance(meta, dict) else None)
     except (TypeError, ValueError, OverflowError):
         return "its metadata cannot be hashed"
     if fingerprint != state.get("fingerprint"):

@@ -220,6 +220,31 @@ def test_both_files_corrupt_is_one_line_naming_the_file_and_what_to_do(
     assert "weights_only" not in message
 
 
+def test_a_checkpoint_without_checksums_falls_back_on_what_its_own_check_finds(
+    store: CheckpointStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saved without torch's CRC-32 (a stage's, whose fingerprint is its checksum), a
+    flipped byte in a tensor loads: the caller's check finds it, and the previous
+    checkpoint is read instead, as for any unreadable one."""
+    store.save(a_state(1), crc32=False)
+    store.save(a_state(2), crc32=False)
+    good = store.latest.read_bytes()
+    weights = a_state(2)["model"]["w"].numpy().tobytes()
+    at = good.index(weights) + 5
+    store.latest.write_bytes(good[:at] + bytes([good[at] ^ 1]) + good[at + 1 :])
+
+    def check(state: dict[str, Any]) -> str | None:
+        same = torch.equal(state["model"]["w"], a_state(state["step"])["model"]["w"])
+        return None if same else "its weights are not what was written"
+
+    assert store.load()["step"] == 2  # (no checksum: the flipped byte goes unseen)
+    with caplog.at_level(logging.WARNING, logger="shoal.checkpoint"):
+        loaded = store.load(check)
+    assert loaded is not None and loaded["step"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "its weights are not what was written" in warnings[0]
+
+
 def test_only_a_corrupt_previous_is_an_error_too(store: CheckpointStore) -> None:
     store.directory.mkdir(parents=True)
     (store.directory / "previous.pt").write_bytes(b"")
