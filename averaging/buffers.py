@@ -77,5 +77,10 @@ class RoundBuffers:
             self._threads -= 1
 
     def give_back(self) -> None:
+        """(The round ended.) The buffers go back to the pool, unless a thread still
+        works on them: then they are freed once it is done (its own references), not
+        when the collector's next full pass frees the round (its objects refer to each
+        other): until then the next round would take fresh ones beside them."""
         if self._threads == 0:
             self._pool.keep(self._taken)
+        self._taken = []

@@ -25,10 +25,11 @@ and its owner calls `before_change` before it changes them; a snapshot read
 lately is then copied once (at most one such copy at a time), any other is
 dropped. A model's state then costs its copy only while a download overlaps a
 change, not for the whole run. With a folder for copies (`copies_dir`) that copy
-goes to a file (`state_file`'s format, unlinked once mapped) and the download
-reads it from there: the state then costs no memory of its own, at the price of
-writing its bytes to disk (for a pipeline stage, 3 of the 9 parameter sizes a
-stage peer holds otherwise: parameters and both moments).
+goes to a file (`paged.file_tensors`: mapped, unlinked at once) and the download
+reads it from there, each page given back once read: the state then costs no
+memory of its own, at the price of writing its bytes to disk (for a pipeline
+stage, 3 of the 9 parameter sizes a stage peer holds otherwise: parameters and
+both moments).
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import itertools
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -60,7 +59,6 @@ from .deadline import Deadline
 from .fingerprint import state_fingerprint
 from .lineage import declared_work
 from .paged import file_tensors, release, release_range
-from .state_file import read_tree, write_tree
 
 log = logging.getLogger("shoal.averaging.state")
 
@@ -191,21 +189,20 @@ def _host_copies(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().to("cpu", copy=True).contiguous() for t in tensors)
 
 
-_copy_names = itertools.count()
-
-
 def _disk_copies(folder: Path, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Copies of `tensors` in a file of `folder`, mapped (copy-on-write) and unlinked:
-    the kernel holds their pages as it holds any file's, and drops them under
-    pressure; the file's space goes with the last tensor. (A device tensor passes
-    through the host one tensor at a time.)"""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"copy-{os.getpid()}-{next(_copy_names)}.state"
-    try:
-        write_tree(path, list(tensors))
-        copies = read_tree(path)
-    finally:
-        path.unlink(missing_ok=True)
+    """Copies of `tensors` in a file of `folder` (`paged.file_tensors`: mapped, already
+    unlinked: the kernel holds their pages as it holds any file's and drops them under
+    pressure; the file's space goes with the last tensor). One tensor at a time, the
+    copy's pages and its source's are given back once copied (a budget's moments in a
+    file are such a source: all of them came into the process before, 2B), and a
+    download served from the copies gives theirs back as it goes (`release`). (A
+    device tensor passes through the host one tensor at a time.)"""
+    copies = file_tensors(folder, [(t.shape, t.dtype) for t in tensors], suffix=".state")
+    with torch.no_grad():
+        for copy, t in zip(copies, tensors, strict=True):
+            copy.copy_(t.detach())
+            release(copy)
+            release(t)
     return tuple(copies)
 
 

@@ -15,6 +15,7 @@ import torch
 from shoal.averaging.fingerprint import state_fingerprint
 from shoal.averaging.paged import PAGE, file_tensors, release, release_range
 from shoal.averaging.state_loading import write_state
+from shoal.averaging.state_sync import _disk_copies
 from shoal.peer.training import checkpoint as checkpoint_module
 from shoal.peer.training.checkpoint import CheckpointStore
 
@@ -110,3 +111,22 @@ def test_a_checkpoint_without_checksums_holds_about_one_tensors_pages_while_it_w
     loaded = store.load()
     assert loaded is not None
     assert all(torch.equal(t, m) for t, m in zip(loaded["tensors"], moments, strict=True))
+
+
+def test_a_copy_for_downloads_of_moments_in_a_file_holds_none_of_either_once_made(
+    tmp_path: Path,
+) -> None:
+    """A live state's copy for the downloads a commit overlaps (`state_sync.
+    _disk_copies`, a daemon's): of moments in a file, it leaves neither theirs nor its
+    own pages in the process (before, writing the copy read every moment's: 2B); and
+    it serves, bit for bit, what it copied."""
+    moments = file_tensors(tmp_path / "moments", [((BIG,), torch.float32)] * 2)
+    for i, m in enumerate(moments):
+        m.fill_(float(i + 1))
+        release(m)
+    copies = _disk_copies(tmp_path / "copies", moments)
+    assert [resident_kib(t) for t in [*moments, *copies]] == [0, 0, 0, 0]
+    assert all(torch.equal(c, m) for c, m in zip(copies, moments, strict=True))
+    for c in copies:  # (a download served from the copy gives its pages back too)
+        release(c)
+    assert resident_kib(copies[0]) == 0  # (one mapping holds both)
