@@ -5,8 +5,8 @@ addresses (strings), so that the receiver can put the sender in its table.
 
 - ``ping``       {from}                    -> {from}
 - ``find_node``  {from, ids: [32 bytes]}    -> {peers, nearest}
-- ``find_value`` {from, keys: [str], since?} -> {peers, nearest, values: {index: [record]},
-                                               cursors?}
+- ``find_value`` {from, keys: [str], since?, known?, contacts?} -> {peers, nearest,
+                                               values: {index: [record]}, cursors?, had?}
 - ``find_value`` {from, keys: [str], count: true} -> {peers, nearest, counts: {index: int}}
 - ``store``      {from, records: [record]}  -> {stored: [bool]}
 
@@ -17,6 +17,17 @@ of those keys, and gets only the records stored after them (a key's record set
 unchanged: none). A cursor of another epoch (the responder restarted) gets a full
 answer. Older peers ignore ``since`` and send no ``cursors``: a full answer, as
 before.
+
+Known records: ``known`` (``{index: [tag]}``, each tag `Record.tag`'s 8 bytes) names
+records the asker already holds for a key, from another replica's answer; the
+responder leaves those out of ``values`` and lists them in ``had`` (same shape), so
+the asker still knows this replica's whole record set. A latest read of a few
+replicas asks one first and the others with what it answered (dht/reads.py): each
+change comes once, not once from every replica. Older peers ignore ``known`` and
+send the records; older askers send no ``known``.
+
+A read of replicas already found (a sampled read) sends ``contacts: false``: the
+answer's ``peers`` and ``nearest`` are then empty (older peers fill them anyway).
 
 Counted reads (``count: true``) ask how many live records each key holds, not the
 records: how many peers announced under a key, where the records of hundreds of
@@ -32,13 +43,14 @@ that a peer answering garbage costs one failed request and one log line.
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Final
 
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
 
-from .records import Record, RecordError
+from .records import TAG_BYTES, Record, RecordError
 from .routing import dialable_addrs
 
 ID_BYTES: Final = 32
@@ -256,6 +268,29 @@ def parse_cursors(raw: object, n_keys: int, field_name: str = "cursors") -> dict
         if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 1 << 63:
             raise DHTProtocolError(f"{field_name} seq must be an int in [0, 2**63)")
         out[i] = (epoch, seq)
+    return out
+
+
+def tags_to_wire(tags: dict[int, Collection[bytes]]) -> dict[int, list[bytes]]:
+    return {i: list(t) for i, t in tags.items() if t}
+
+
+def parse_tags(raw: object, n_keys: int, field_name: str) -> dict[int, set[bytes]]:
+    """`known` of a request or `had` of an answer: per requested key, at most
+    MAX_RECORDS_PER_KEY record tags of TAG_BYTES each; absent is none."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or len(raw) > n_keys:
+        raise DHTProtocolError(f"{field_name} must be a map of at most one entry per key")
+    out: dict[int, set[bytes]] = {}
+    for i, tags in raw.items():
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_keys:
+            raise DHTProtocolError(f"{field_name} index out of range")
+        if not isinstance(tags, list) or len(tags) > MAX_RECORDS_PER_KEY:
+            raise DHTProtocolError(f"{field_name} must list at most {MAX_RECORDS_PER_KEY} tags")
+        if not all(isinstance(t, bytes) and len(t) == TAG_BYTES for t in tags):
+            raise DHTProtocolError(f"{field_name} tags must be {TAG_BYTES} bytes")
+        out[i] = set(tags)
     return out
 
 

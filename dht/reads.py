@@ -22,9 +22,11 @@ from .protocol import (
     cursors_to_wire,
     parse_cursors,
     parse_nearest,
+    parse_tags,
     parse_values,
+    tags_to_wire,
 )
-from .records import RecordValidator
+from .records import Record, RecordValidator
 from .replica_reads import ReplicaReads, ReplicaSets
 from .routing import RoutingTable, key_id
 from .storage import LocalStorage, StoredValue, merge_records
@@ -66,6 +68,11 @@ class ReadingNode(Protocol):
     ) -> Any: ...
 
 
+# A sampled read asks its other replicas this long after the first at the latest,
+# when the first has not answered by then (see `Reader.sampled_value`).
+HEDGE_S = 0.5
+
+
 class Reader:
     """Runs a node's value and node lookups, with their second tries."""
 
@@ -99,8 +106,16 @@ class Reader:
         return per_key
 
     async def query_find_value(
-        self, cand: Candidate, lookups: list[KeyLookup]
+        self,
+        cand: Candidate,
+        lookups: list[KeyLookup],
+        known: dict[int, dict[bytes, Record]] | None = None,
+        *,
+        contacts: bool = True,
     ) -> list[list[WireContact]]:
+        """Ask `cand` for the lookups' keys; `known` (by key index, records by tag):
+        what we hold already, which it names rather than sends (protocol: ``known``);
+        not `contacts`: no nearest peers wanted (a read of replicas already found)."""
         keys: list[str] = [lk.key for lk in lookups]  # type: ignore[misc]
         assert all(k is not None for k in keys)
         kept = self.replica_reads
@@ -112,16 +127,24 @@ class Reader:
         request: dict[str, Any] = {**self.node.hello(), "keys": keys}
         if since:
             request["since"] = cursors_to_wire(since)
+        if known:
+            request["known"] = tags_to_wire(known)
+        if not contacts:
+            request["contacts"] = False
         reply = await self.node._request(cand.peer_id, cand.addrs, "find_value", request)
         response, per_key = parse_nearest(
             reply, len(keys), self.node.k, local=self.node.peer_id, responder=cand.peer_id
         )
         values = parse_values(response, keys)
         cursors = parse_cursors(response.get("cursors"), len(keys))
+        had = parse_tags(response.get("had"), len(keys), "had") if known else {}
         self._answered(cand)
         now = time.time()
         for i, lk in enumerate(lookups):
             records = values.get(keys[i], [])
+            if had.get(i):  # (named, not sent: ours, which it holds too)
+                ours = (known or {}).get(i, {})
+                records = [*records, *(ours[t] for t in had[i] if t in ours)]
             if kept is not None:
                 records = kept.answered(
                     keys[i], cand.peer_id, since.get(i), cursors.get(i), records, now
@@ -241,19 +264,34 @@ class Reader:
 
         answered: list[Candidate] = []
 
-        async def ask(cand: Candidate) -> None:
+        async def ask(cand: Candidate, known: dict[bytes, Record] | None = None) -> None:
             try:
-                await self.query_find_value(cand, [lk])
+                await self.query_find_value(
+                    cand, [lk], {0: known} if known else None, contacts=False
+                )
                 answered.append(cand)
             except (TransportError, TimeoutError, OSError, DHTProtocolError, PeerBusy) as e:
                 self.node._on_failure(cand, e)
                 self.replica_sets.failed(key, cand.peer_id)
 
+        # One replica first, the others once it answered (or HEDGE_S passed) with what
+        # it sent named rather than sent again: every replica holds every change, and
+        # asked at once each sent it (three times over in matchmaking's polls, about
+        # half of a sparse round's DHT bytes).
+        first = asyncio.ensure_future(ask(chosen[0]))
         try:
             async with asyncio.timeout_at(until):
-                await asyncio.gather(*(ask(c) for c in chosen))
+                if len(chosen) > 1:
+                    hedge = HEDGE_S if until is None else min(HEDGE_S, (until - now) / 3)
+                    await asyncio.wait({first}, timeout=hedge)
+                    held = {r.tag(): r for r in lk.records}
+                    await asyncio.gather(first, *(ask(c, held) for c in chosen[1:]))
+                else:
+                    await first
         except TimeoutError:
             self.node.count("partial_reads")
+        finally:
+            first.cancel()
         if not answered:
             left = None if until is None else until - self._loop.time()
             if left is None or left > 0:

@@ -58,6 +58,7 @@ _SIGNING_DOMAIN = b"shoal-dht-record:"
 _OWNER_OPEN = "[owner:"
 _OWNER_CLOSE = "]"
 _WIRE_FIELDS = 5
+TAG_BYTES = 8  # a record's tag (`Record.tag`)
 
 
 class RecordError(ValueError):
@@ -184,6 +185,14 @@ class Record:
 
     def to_wire(self) -> list[Any]:
         return [self.key, self.subkey, self.value, self.expiration, self.signature]
+
+    def tag(self) -> bytes:
+        """TAG_BYTES that name this exact record (a hash of its wire form): what a reader
+        that holds it sends a replica instead of having it sent again (find_value's
+        ``known``). A collision only ever costs the reader a record it is sent twice
+        or, from that one replica, not at all."""
+        wire = msgpack.packb(self.to_wire(), use_bin_type=True)
+        return hashlib.blake2b(wire, digest_size=TAG_BYTES).digest()
 
     @classmethod
     def from_wire(cls, obj: object) -> Record:

@@ -30,6 +30,8 @@ from .protocol import (
     parse_ids,
     parse_keys,
     parse_records,
+    parse_tags,
+    tags_to_wire,
 )
 from .records import RecordError
 from .routing import RoutingTable, key_id
@@ -151,24 +153,35 @@ class DHTServer:
         payload = self._note_sender(ctx, payload)
         keys = parse_keys(payload.get("keys"))
         since = parse_cursors(payload.get("since"), len(keys), "since")
+        known = parse_tags(payload.get("known"), len(keys), "known")
         storage = self.node.storage
         now = time.time()
         values = storage.get_many(keys, now)
-        answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
+        if payload.get("contacts") is False:  # (a sampled read: not a lookup's step)
+            answer = build_nearest([[] for _ in keys])
+        else:
+            answer = self._nearest_for([key_id(k) for k in keys], ctx.peer)
         if payload.get("count") is True:  # how many records, not the records
             held = {i: values[k] for i, k in enumerate(keys) if k in values}
             answer["counts"] = {i: len(v.subkeys) or 1 for i, v in held.items()}
             return answer
         found: dict[int, list[Any]] = {}
+        had: dict[int, list[bytes]] = {}
         for i, key in enumerate(keys):
             cursor = since.get(i)
             if cursor is not None and cursor[0] == storage.epoch:
                 records = storage.changed_since(key, cursor[1], now)  # a delta read
             else:
                 records = values[key].records() if key in values else []
+            if known.get(i):  # (what the asker holds already: named, not sent)
+                tags = [r.tag() for r in records]
+                had[i] = [t for t in tags if t in known[i]]
+                records = [r for r, t in zip(records, tags, strict=True) if t not in known[i]]
             if records:
                 found[i] = [r.to_wire() for r in records]
         answer["values"] = found
+        if any(had.values()):
+            answer["had"] = tags_to_wire(had)
         # Complete up to here, for every key (one held nowhere too): the asker's next
         # read sends these back and gets only what was stored after.
         mark = (storage.epoch, storage.last_seq)

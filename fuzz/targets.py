@@ -192,6 +192,8 @@ def dht_messages(data: bytes) -> None:
         lambda: dht_protocol.parse_values(msg, ["a", "b"]),
         lambda: dht_protocol.parse_counts(msg, 2),
         lambda: dht_protocol.parse_stored(msg, 2),
+        lambda: dht_protocol.parse_cursors(msg.get("since"), 2, "since"),
+        lambda: dht_protocol.parse_tags(msg.get("known"), 2, "known"),
     ):
         try:
             parse()

@@ -2,10 +2,12 @@
 replica only for what that replica stored since its last answer, and still returns the
 whole value (the ``since``/``cursors`` fields of find_value in dht/protocol.py).
 Sampled reads: a latest read asks a few replicas drawn among those the key's last full
-read found, not all k."""
+read found, not all k; one first, then the others with what it sent named rather than
+sent again (``known``/``had``), and none of them for contacts."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import time
@@ -17,7 +19,7 @@ import pytest
 
 from shoal.dht.lookup import Candidate
 from shoal.dht.node import DHTNode
-from shoal.dht.protocol import DHTProtocolError, parse_cursors
+from shoal.dht.protocol import DHTProtocolError, parse_cursors, parse_tags
 from shoal.dht.records import Record
 from shoal.dht.replica_reads import ReplicaReads, ReplicaSets
 from shoal.dht.storage import LocalStorage
@@ -137,6 +139,34 @@ def test_storage_reports_what_it_stored_after_a_cursor() -> None:
 def test_malformed_cursors_are_refused(raw: object) -> None:
     with pytest.raises(DHTProtocolError):
         parse_cursors(raw, 2)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [b"t" * 8],
+        {0: [b"t" * 8], 1: [b"t" * 8], 2: [b"t" * 8]},  # more entries than keys
+        {5: [b"t" * 8]},
+        {True: [b"t" * 8]},
+        {0: b"t" * 8},
+        {0: [b"t" * 7]},
+        {0: ["t" * 8]},
+        {0: [b"t" * 8] * 4097},
+    ],
+)
+def test_malformed_tags_are_refused(raw: object) -> None:
+    with pytest.raises(DHTProtocolError):
+        parse_tags(raw, 2, "known")
+
+
+def test_a_records_tag_names_its_exact_content() -> None:
+    a = record("a")
+    assert len(a.tag()) == 8 and a.tag() == Record.from_wire(a.to_wire()).tag()
+    assert record("a", b"other").tag() != a.tag() and record("b").tag() != a.tag()
+    signed = Record("key", None, b"v", a.expiration).sign(Identity.generate())
+    assert signed.tag() != Record("key", None, b"v", a.expiration).tag()
+    assert parse_tags(None, 3, "had") == {}
+    assert parse_tags({1: [a.tag()]}, 3, "had") == {1: {a.tag()}}
 
 
 def test_absent_cursors_are_none() -> None:
@@ -404,3 +434,100 @@ async def test_a_store_to_a_key_whose_replicas_a_read_found_needs_no_lookup(
     # another key still has its lookup
     assert await writer.store("other", 1, exp)
     assert sent["find_node"] > 0
+
+
+def find_value_requests(node: DHTNode) -> list[tuple[Any, dict[str, Any]]]:
+    """The find_value requests `node` sends from now on: (peer, payload)."""
+    sent: list[tuple[Any, dict[str, Any]]] = []
+    request = node._requester.request
+
+    async def recording(peer: Any, addrs: Any, method: str, payload: Any) -> Any:
+        if method == "find_value":
+            sent.append((peer, payload))
+        return await request(peer, addrs, method, payload)
+
+    node._requester.request = recording  # type: ignore[method-assign]
+    return sent
+
+
+def read_only_from(reader: DHTNode, key: str, replicas: list[DHTNode]) -> None:
+    """The replica set `reader`'s next sampled reads of `key` draw from."""
+    now = asyncio.get_running_loop().time()
+    found = [
+        Candidate(n.peer_id, reader.routing_table.local_id, tuple(n.host.addresses()), 0)
+        for n in replicas
+    ]
+    reader._reader.replica_sets.found(key, found, now)
+
+
+async def sampled_read_costs(reader: DHTNode, others: list[DHTNode], key: str) -> tuple[Any, int]:
+    before = dht_bytes_sent(others)
+    value = await reader.get(key, latest=True, sample=3)
+    return (None if value is None else value.value), dht_bytes_sent(others) - before
+
+
+@pytest.mark.timeout(60)
+async def test_a_sampled_read_gets_each_change_once_not_from_every_replica(
+    dht_swarm: Callable[..., Any],
+) -> None:
+    nodes = await dht_swarm(8)
+    reader, others = nodes[0], nodes[1:]
+    exp = time.time() + 60
+    for i, node in enumerate(others):
+        assert await node.store("peers", i, exp, subkey=f"w{i}")
+    expected = {f"w{i}": i for i in range(7)}
+    assert (await reader.get("peers", latest=True, sample=3)).value == expected  # full
+    requests = find_value_requests(reader)
+    # a 20 KB change: sent by the first replica asked, named by the two others
+    big = "x" * 20_000
+    assert await others[0].store("peers", big, exp + 1, subkey="w0")
+    value, cost = await sampled_read_costs(reader, others, "peers")
+    assert value == {**expected, "w0": big}
+    assert 20_000 < cost < 2 * 20_000
+    assert len(requests) == 3 and sum("known" in p for _, p in requests) == 2
+    assert all(p.get("contacts") is False for _, p in requests)  # no contacts wanted
+    # what a replica named is kept as part of what it holds: read from it alone
+    # (a delta read: nothing changed), the value is still whole
+    by_id = {n.peer_id: n for n in others}
+    for peer, payload in requests:
+        if "known" in payload:
+            read_only_from(reader, "peers", [by_id[peer]])
+            got = await reader.get("peers", latest=True, sample=3)
+            assert got is not None and got.value == {**expected, "w0": big}
+
+
+@pytest.mark.timeout(60)
+async def test_replicas_that_ignore_known_or_lie_about_what_they_had_change_nothing(
+    dht_swarm: Callable[..., Any],
+) -> None:
+    """An older replica sends what we named (it ignores ``known``); one that claims to
+    have had records it was never named, or names garbage, adds nothing to the read."""
+    nodes = await dht_swarm(6)
+    reader, others = nodes[0], nodes[1:]
+    exp = time.time() + 60
+    for i, node in enumerate(others):
+        assert await node.store("peers", i, exp, subkey=f"w{i}")
+    expected = {f"w{i}": i for i in range(5)}
+    assert (await reader.get("peers", latest=True, sample=3)).value == expected
+    older, liar, garbage = others[:3]
+
+    def serve(node: DHTNode, change: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
+        handler = node._server._on_find_value
+
+        async def changed(ctx: Any, payload: Any) -> Any:
+            change(payload, {})
+            answer = await handler(ctx, payload)
+            change({}, answer)
+            return answer
+
+        node._server._service.unary("find_value")(node._server._admitted(changed))
+
+    serve(older, lambda request, answer: request.pop("known", None))
+    serve(liar, lambda request, answer: answer.update(had={0: [b"f" * 8, b"g" * 8]}))
+    serve(garbage, lambda request, answer: answer.update(had={0: b"not a list"}))
+    assert await others[3].store("peers", "changed", exp + 1, subkey="w3")
+    for _ in range(5):
+        read_only_from(reader, "peers", [older, liar, garbage])
+        got = await reader.get("peers", latest=True, sample=3)
+        assert got is not None and got.value == {**expected, "w3": "changed"}
+    assert reader.stats()["garbage_answers"] >= 1
