@@ -421,6 +421,11 @@ class DHTNode:
             self._hello_cache = (now, hello)
         return self._hello_cache[1]
 
+    def _rtt(self, peer: PeerID) -> float | None:
+        """Our connection's measured RTT to `peer`; None when not connected or unknown."""
+        conn = self.host.connection(peer)
+        return None if conn is None else conn.rtt
+
     def _observed_ip(self, peer: PeerID) -> str | None:
         """The IP our connection to `peer` goes to; None when relayed or not connected."""
         conn = self.host.connection(peer)

@@ -55,6 +55,7 @@ class ReadingNode(Protocol):
 
     def hello(self) -> dict[str, Any]: ...
     def _observed_ip(self, peer: PeerID) -> str | None: ...
+    def _rtt(self, peer: PeerID) -> float | None: ...
     def add_contact(
         self,
         peer: PeerID,
@@ -68,9 +69,13 @@ class ReadingNode(Protocol):
     ) -> Any: ...
 
 
-# A sampled read asks its other replicas this long after the first at the latest,
-# when the first has not answered by then (see `Reader.sampled_value`).
+# A sampled read asks its other replicas once the first answered, or HEDGE_RTTS of
+# its RTT (and HEDGE_SLACK_S for the two loops) after asking it, at most HEDGE_S:
+# a slow first replica (a loaded peer, a loaded us) then costs the bytes it would
+# have saved, not the read's time (see `Reader.sampled_value`).
 HEDGE_S = 0.5
+HEDGE_RTTS = 2.0
+HEDGE_SLACK_S = 0.05
 
 
 class Reader:
@@ -274,7 +279,7 @@ class Reader:
                 self.node._on_failure(cand, e)
                 self.replica_sets.failed(key, cand.peer_id)
 
-        # One replica first, the others once it answered (or HEDGE_S passed) with what
+        # One replica first, the others once it answered (or its hedge passed) with what
         # it sent named rather than sent again: every replica holds every change, and
         # asked at once each sent it (three times over in matchmaking's polls, about
         # half of a sparse round's DHT bytes).
@@ -282,8 +287,7 @@ class Reader:
         try:
             async with asyncio.timeout_at(until):
                 if len(chosen) > 1:
-                    hedge = HEDGE_S if until is None else min(HEDGE_S, (until - now) / 3)
-                    await asyncio.wait({first}, timeout=hedge)
+                    await asyncio.wait({first}, timeout=self._hedge(chosen[0], until))
                     held = {r.tag(): r for r in lk.records}
                     await asyncio.gather(first, *(ask(c, held) for c in chosen[1:]))
                 else:
@@ -297,6 +301,15 @@ class Reader:
             if left is None or left > 0:
                 return await self._full_latest_read(key, left)
         return merge_records(key, lk.records, time.time(), self.node.validator)
+
+    def _hedge(self, first: Candidate, until: float | None) -> float:
+        """How long a sampled read waits for its first replica before asking the others
+        (HEDGE_RTTS of the RTT to it, at most HEDGE_S and a third of the time left)."""
+        rtt = self.node._rtt(first.peer_id)
+        hedge = HEDGE_S if rtt is None else min(HEDGE_S, HEDGE_RTTS * rtt + HEDGE_SLACK_S)
+        if until is not None:
+            hedge = min(hedge, (until - self._loop.time()) / 3)
+        return max(0.0, hedge)
 
     async def _full_latest_read(self, key: str, within: float | None) -> StoredValue | None:
         """`find_values` of one key with latest, remembering the replicas it found."""

@@ -20,6 +20,7 @@ import pytest
 from shoal.dht.lookup import Candidate
 from shoal.dht.node import DHTNode
 from shoal.dht.protocol import DHTProtocolError, parse_cursors, parse_tags
+from shoal.dht.reads import HEDGE_S
 from shoal.dht.records import Record
 from shoal.dht.replica_reads import ReplicaReads, ReplicaSets
 from shoal.dht.storage import LocalStorage
@@ -531,3 +532,38 @@ async def test_replicas_that_ignore_known_or_lie_about_what_they_had_change_noth
         got = await reader.get("peers", latest=True, sample=3)
         assert got is not None and got.value == {**expected, "w3": "changed"}
     assert reader.stats()["garbage_answers"] >= 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_slow_first_replica_does_not_hold_back_the_others(
+    dht_swarm: Callable[..., Any],
+) -> None:
+    """The others are asked once the first replica's hedge (a few of its RTTs, at most
+    HEDGE_S) has passed, not once it answers; the read is whole all the same."""
+    nodes = await dht_swarm(5)
+    reader, others = nodes[0], nodes[1:]
+    exp = time.time() + 60
+    for i, node in enumerate(others):
+        assert await node.store("peers", i, exp, subkey=f"w{i}")
+    expected = {f"w{i}": i for i in range(4)}
+    assert (await reader.get("peers", latest=True, sample=3)).value == expected
+    slow = others[0]
+    handler = slow._server._on_find_value
+
+    async def stalled(ctx: Any, payload: Any) -> Any:
+        await asyncio.sleep(1.5)  # (past the request's own deadline here: it fails)
+        return await handler(ctx, payload)
+
+    slow._server._service.unary("find_value")(slow._server._admitted(stalled))
+    asked: list[float] = []
+    request = reader._requester.request
+
+    async def timed(peer: Any, addrs: Any, method: str, payload: Any) -> Any:
+        asked.append(asyncio.get_running_loop().time())
+        return await request(peer, addrs, method, payload)
+
+    reader._requester.request = timed  # type: ignore[method-assign]
+    read_only_from(reader, "peers", others[:3])  # drawn in this order: the slow one first
+    got = await reader.get("peers", latest=True, sample=3, within=5.0)
+    assert got is not None and got.value == expected
+    assert len(asked) == 3 and asked[1] - asked[0] <= HEDGE_S + 0.25
