@@ -43,7 +43,7 @@ that a peer answering garbage costs one failed request and one log line.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -271,7 +271,7 @@ def parse_cursors(raw: object, n_keys: int, field_name: str = "cursors") -> dict
     return out
 
 
-def tags_to_wire(tags: dict[int, Collection[bytes]]) -> dict[int, list[bytes]]:
+def tags_to_wire(tags: Mapping[int, Collection[bytes]]) -> dict[int, list[bytes]]:
     return {i: list(t) for i, t in tags.items() if t}
 
 

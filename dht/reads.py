@@ -288,8 +288,8 @@ class Reader:
             async with asyncio.timeout_at(until):
                 if len(chosen) > 1:
                     await asyncio.wait({first}, timeout=self._hedge(chosen[0], until))
-                    held = {r.tag(): r for r in lk.records}
-                    await asyncio.gather(first, *(ask(c, held) for c in chosen[1:]))
+                    gathered = {r.tag(): r for r in lk.records}
+                    await asyncio.gather(first, *(ask(c, gathered) for c in chosen[1:]))
                 else:
                     await first
         except TimeoutError:

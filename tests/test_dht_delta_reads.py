@@ -467,17 +467,26 @@ async def sampled_read_costs(reader: DHTNode, others: list[DHTNode], key: str) -
     return (None if value is None else value.value), dht_bytes_sent(others) - before
 
 
-@pytest.mark.timeout(60)
-async def test_a_sampled_read_gets_each_change_once_not_from_every_replica(
-    dht_swarm: Callable[..., Any],
-) -> None:
-    nodes = await dht_swarm(8)
+async def each_stores_one(
+    dht_swarm: Callable[..., Any], n: int
+) -> tuple[DHTNode, list[DHTNode], dict[str, int], float]:
+    """`n` nodes: a reader, and the others each storing subkey w<i> = i of "peers",
+    which a first sampled (so full) read returns: (reader, others, value, expiration)."""
+    nodes = await dht_swarm(n)
     reader, others = nodes[0], nodes[1:]
     exp = time.time() + 60
     for i, node in enumerate(others):
         assert await node.store("peers", i, exp, subkey=f"w{i}")
-    expected = {f"w{i}": i for i in range(7)}
-    assert (await reader.get("peers", latest=True, sample=3)).value == expected  # full
+    expected = {f"w{i}": i for i in range(n - 1)}
+    assert (await reader.get("peers", latest=True, sample=3)).value == expected
+    return reader, others, expected, exp
+
+
+@pytest.mark.timeout(60)
+async def test_a_sampled_read_gets_each_change_once_not_from_every_replica(
+    dht_swarm: Callable[..., Any],
+) -> None:
+    reader, others, expected, exp = await each_stores_one(dht_swarm, 8)
     requests = find_value_requests(reader)
     # a 20 KB change: sent by the first replica asked, named by the two others
     big = "x" * 20_000
@@ -503,13 +512,7 @@ async def test_replicas_that_ignore_known_or_lie_about_what_they_had_change_noth
 ) -> None:
     """An older replica sends what we named (it ignores ``known``); one that claims to
     have had records it was never named, or names garbage, adds nothing to the read."""
-    nodes = await dht_swarm(6)
-    reader, others = nodes[0], nodes[1:]
-    exp = time.time() + 60
-    for i, node in enumerate(others):
-        assert await node.store("peers", i, exp, subkey=f"w{i}")
-    expected = {f"w{i}": i for i in range(5)}
-    assert (await reader.get("peers", latest=True, sample=3)).value == expected
+    reader, others, expected, exp = await each_stores_one(dht_swarm, 6)
     older, liar, garbage = others[:3]
 
     def serve(node: DHTNode, change: Callable[[dict[str, Any], dict[str, Any]], None]) -> None:
@@ -540,13 +543,7 @@ async def test_a_slow_first_replica_does_not_hold_back_the_others(
 ) -> None:
     """The others are asked once the first replica's hedge (a few of its RTTs, at most
     HEDGE_S) has passed, not once it answers; the read is whole all the same."""
-    nodes = await dht_swarm(5)
-    reader, others = nodes[0], nodes[1:]
-    exp = time.time() + 60
-    for i, node in enumerate(others):
-        assert await node.store("peers", i, exp, subkey=f"w{i}")
-    expected = {f"w{i}": i for i in range(4)}
-    assert (await reader.get("peers", latest=True, sample=3)).value == expected
+    reader, others, expected, _ = await each_stores_one(dht_swarm, 5)
     slow = others[0]
     handler = slow._server._on_find_value
 
