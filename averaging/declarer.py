@@ -11,6 +11,7 @@ from typing import Any
 
 from shoal.dht.node import DHTError, DHTNode
 from shoal.dht.records import RecordError, owner_marker
+from shoal.dht.routing import dialable_addrs
 from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
@@ -62,7 +63,11 @@ class Declarer:
         return ours is not None and ours.expiration >= self._expiration
 
     def addrs(self) -> tuple[Multiaddr, ...]:
-        return tuple(self.host.addresses())[:MAX_ADDRS]
+        """Our addresses as declarations and groups carry them: without the trailing
+        /p2p/ of our own ID (the record's owner names us; a dial adds it back), which
+        was 53 of a declaration's 139 bytes, stored on 3 replicas and read by every
+        poller, twice a round."""
+        return dialable_addrs(self.peer_id, self.host.addresses(), MAX_ADDRS)
 
     async def poll(
         self, previous: dict[PeerID, Declaration], end: float

@@ -72,6 +72,21 @@ async def test_store_then_get_from_another_node(swarm: Callable[..., Any]) -> No
     assert nodes[2].snapshot()["size"] == 4
 
 
+async def test_every_request_names_the_senders_addresses_without_its_own_id(
+    swarm: Callable[..., Any],
+) -> None:
+    """The connection proves who sent a request: its addresses come without the /p2p/
+    of its ID (53 bytes of each), and the receiver dials them all the same."""
+    a, b = await swarm(2)  # b joined through a: a learnt b from b's requests
+    sent = b.hello()["from"]
+    assert sent and not any(str(b.peer_id) in addr for addr in sent)
+    contact = a.routing_table.get(b.peer_id)
+    assert contact is not None and contact.addrs
+    await a.host.disconnect(b.peer_id)
+    await a.host.connect(b.peer_id, contact.addrs)
+    assert a.host.connection(b.peer_id) is not None
+
+
 async def test_dictionary_subkeys_from_several_writers_merge(swarm: Callable[..., Any]) -> None:
     nodes = await swarm(8)
     exp = time.time() + 60
