@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import prefork
+
 # Small enough that an inner step takes milliseconds on a loaded 2-core machine.
 TINY_TASK = "d_model=32,n_layers=1,n_heads=2,context=32,batch_size=4"
 START_TIMEOUT = 60.0
@@ -91,12 +93,13 @@ class Daemon:
         self.stdout_lines: list[str] = []
         self._ready = threading.Event()
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
+            # (forked from a process that imported torch, unless in a namespace)
+            self.proc = prefork.popen(
                 [*self._in_ns, sys.executable, "-m", "shoal.peer", "run", *args],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 env=daemon_env(self.home, **env),
-                preexec_fn=die_with_parent,  # noqa: PLW1509 (prctl only: see its doc)
+                preexec_fn=die_with_parent,
             )
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()

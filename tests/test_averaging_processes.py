@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import prefork
 import pytest
 from daemon_harness import die_with_parent
 
@@ -38,12 +39,12 @@ class Peer:
         self.name = name
         self.stderr_path = log_dir / f"{name}.stderr"
         with self.stderr_path.open("wb") as err:
-            self.proc = subprocess.Popen(
+            self.proc = prefork.popen(  # (forked from a process that imported torch)
                 [sys.executable, PEER_SCRIPT, *args],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
-                preexec_fn=die_with_parent,  # noqa: PLW1509 (prctl only: see its doc)
+                preexec_fn=die_with_parent,
             )
         # Its lines are read as they come, by a thread: a peer whose pipe filled while
         # the test waited on another would block in `print`, its event loop with it
