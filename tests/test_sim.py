@@ -541,7 +541,8 @@ def test_a_published_conviction_is_enforced_by_every_churning_peer_within_two_re
 ) -> None:
     """Every peer runs the daemon's ban watcher (newcomers too, with 2-minute sessions);
     a referee publishes a real conviction of a live peer: by two refresh periods later
-    the peers live then ban it (the issue's bar: 95%), and the convicted peer knows.
+    the peers live then ban it (the issue's bar: 95%; newcomers of less than a period,
+    who may not have read yet, are counted apart), and the convicted peer knows.
     The rounds' real audit draws pick contributions at the configured rate."""
     scenario = {
         **SMALL,
