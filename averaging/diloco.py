@@ -564,8 +564,9 @@ class StreamingDiLoCo(OuterStrategyBase):
             a = self.mixing
 
             def mix() -> None:
+                # The globals live on the host; the model may train on a GPU.
                 for p, g in zip(frag.params, frag.globals, strict=True):
-                    p.mul_(a).add_(g.to(p.dtype), alpha=1 - a)
+                    p.mul_(a).add_(g.to(p.device, p.dtype), alpha=1 - a)
 
             await off_loop(mix, numel(frag.params))
         else:
