@@ -4,6 +4,7 @@
         [--rounds 3] [--fill 10] [--d-model 256] [--context 64] [--microbatch 8]
         [--seconds-per-sample 0.05]
         [--concurrency 16] [--observers 20] [--trials 300] [--honest 10000]
+        [--prover-device cpu|cuda] [--only-detection]
 
 Prints one JSON object on stdout (logs go to stderr):
 
@@ -219,6 +220,25 @@ async def throughput(o: Any) -> dict[str, Any]:
     }
 
 
+def _honest_pairs(
+    prover: StageWorker, referee: StageWorker, xs: list[torch.Tensor]
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(direction, the prover's answer, the referee's recomputation alone) for every
+    input, forward and backward: the prover answers a batch as a server batches; it
+    may run on another device than the referee (a GPU stage audited by a CPU peer)."""
+    cpu = torch.device("cpu")
+    pairs = [("forward", a.to(cpu), recompute(referee, 0, "forward", x))
+             for a, x in zip(prover.forward_many(xs), xs, strict=True)]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for x, (_, z, _) in zip(xs, list(pairs), strict=True):
+        grad = torch.randn(z.shape, generator=g) / z.numel() ** 0.5
+        mine = recompute(prover, 0, "backward", x, grad)
+        theirs = recompute(referee, 0, "backward", x, grad)
+        if mine is not None and theirs is not None:
+            pairs.append(("backward", mine.to(cpu), theirs))
+    return pairs
+
+
 def detection(o: Any) -> dict[str, Any]:
     """Per-audit detection of 1e-2 noise on the bench's stage, and honest false alarms."""
     torch.set_num_threads(1)
@@ -240,13 +260,17 @@ def detection(o: Any) -> dict[str, Any]:
         caught["wire"] += wire.result is Result.FAIL
     xs = [wire_roundtrip(stages[0](task.stage_inputs(next(batches))).detach(), INT8)
           for _ in range(16)]  # fmt: skip
-    pairs = [(a, recompute(worker, 0, "forward", x)) for a, x in
-             zip(worker.forward_many(xs), xs, strict=True)]  # fmt: skip
-    failures = sum(
-        judge_tokens(wire_roundtrip(a, INT8), wire_roundtrip(b, INT8),
-                     k.to_bytes(8, "little"), policy).result is not Result.PASS
-        for k, (a, b) in ((k, pairs[k % len(pairs)]) for k in range(o.honest))
-    )  # fmt: skip
+    prover_device = torch.device(o.prover_device)
+    prover = StageWorker(copy.deepcopy(stages[1]).to(prover_device), device=prover_device)
+    pairs = _honest_pairs(prover, worker, xs)
+    failures: Counter[str] = Counter()
+    worst = dict.fromkeys(("forward", "backward"), 0.0)
+    for k in range(o.honest):
+        direction, a, b = pairs[k % len(pairs)]
+        verdict = judge_tokens(wire_roundtrip(a, INT8), wire_roundtrip(b, INT8),
+                               k.to_bytes(8, "little"), policy)  # fmt: skip
+        failures[direction] += verdict.result is not Result.PASS
+        worst[direction] = max(worst[direction], verdict.comparison.angle)
     d = caught["full"] / o.trials
     rate = policy.rate
     rng = random.Random(0)
@@ -257,7 +281,9 @@ def detection(o: Any) -> dict[str, Any]:
     return {
         "detection_1e-2_noise": {k: v / o.trials for k, v in caught.items()},
         "trials": o.trials,
-        "honest_audit_failures": failures,
+        "honest_audit_failures": sum(failures.values()),
+        "honest_audit_failures_by_direction": dict(failures),
+        "honest_max_angle": worst,
         "honest_audits": o.honest,
         "audit_rate": rate,
         "conviction_within_150": 1 - (1 - rate * d) ** 150,
@@ -321,6 +347,8 @@ async def propagation(o: Any) -> dict[str, Any]:
 
 async def run(o: Any) -> dict[str, Any]:
     det = detection(o)
+    if o.only_detection:
+        return {**det, "settings": vars(o)}
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     prop = await propagation(o)
     tput = await throughput(o)
@@ -332,6 +360,8 @@ async def run(o: Any) -> dict[str, Any]:
         "conviction_within_150_monte_carlo": det["conviction_within_150_monte_carlo"],
         "detection_1e-2_noise": det["detection_1e-2_noise"],
         "honest_audit_failures": det["honest_audit_failures"],
+        "honest_audit_failures_by_direction": det["honest_audit_failures_by_direction"],
+        "honest_max_angle": det["honest_max_angle"],
         "honest_audits": det["honest_audits"],
         "propagation": prop,
         "targets": {"throughput_ratio": 0.93, "verification_bytes_ratio": 0.03,
@@ -358,6 +388,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--observers", type=int, default=20)
     p.add_argument("--trials", type=int, default=300)
     p.add_argument("--honest", type=int, default=10_000)
+    p.add_argument("--prover-device", default="cpu",
+                   help="where the honest answers are computed (cuda: a GPU stage peer "
+                   "audited by a CPU referee)")  # fmt: skip
+    p.add_argument("--only-detection", action="store_true",
+                   help="detection and honest audits alone (no swarm)")  # fmt: skip
     o = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")  # fmt: skip

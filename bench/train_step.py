@@ -1,7 +1,7 @@
 """Training throughput of the built-in task per device and precision, CPU fp32 as the baseline.
 
-    python bench/train_step.py [--steps 40] [--warmup 5] [--quick] [--task-option KEY=VALUE ...]
-        [--hf] [--hf-option KEY=VALUE ...]
+    python bench/train_step.py [--steps 40] [--warmup 5] [--cpu-steps N] [--quick]
+        [--task-option KEY=VALUE ...] [--hf] [--hf-option KEY=VALUE ...]
 
 Runs the daemon's own inner step (`shoal.peer.training.inner`: the prefetcher, autocast,
 AdamW, the fp16 gradient scaler) on every device torch sees (the CPU always;
@@ -122,16 +122,19 @@ def measure_all(task: Any, args: argparse.Namespace) -> list[dict]:
     runs = []
     for device in devices():
         for precision in PRECISIONS:
-            steps = args.steps
+            steps, warmup = args.steps, args.warmup
+            if device.type == "cpu" and args.cpu_steps:
+                # A model sized for a GPU runs seconds a step on a CPU: a few steps tell.
+                steps, warmup = args.cpu_steps, min(args.warmup, 1)
             if device.type == "cpu" and precision == "fp16":
                 if args.quick:
                     continue
-                steps = max(2, args.steps // 10)  # >10x slower: a few steps tell
+                steps = max(2, steps // 10)  # >10x slower: a few steps tell
             if device.type == "cuda" and precision == "bf16":
                 major = torch.cuda.get_device_capability(device)[0]
                 if major < 8:
                     continue
-            runs.append(measure(task, device, precision, steps, args.warmup))
+            runs.append(measure(task, device, precision, steps, warmup))
     return runs
 
 
@@ -144,6 +147,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--cpu-steps",
+        type=int,
+        default=0,
+        help="steps of the CPU runs, after one warm-up step (default: --steps, --warmup)",
+    )
     parser.add_argument("--quick", action="store_true", help="skip fp16 on the CPU")
     parser.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--hf", action="store_true", help="measure the hf task too")

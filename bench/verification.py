@@ -1,7 +1,8 @@
 """LSH verification of training segments: the honest floor, thresholds, detection per cheat.
 
     python bench/verification.py --calibrate [--pairs 60] [--steps 3] [--trials 10] [--margin 4]
-        [--fp-pairs N] [--precision fp32|bf16] [--ban-runs 201] [--overhead-seconds 180]
+        [--fp-pairs N] [--precision fp32|bf16] [--prover-device cpu|cuda] [--ban-runs 201]
+        [--overhead-seconds 180]
 
 A *segment* is `--steps` inner steps of the built-in task (bytegpt, the
 daemon's default size and its inner optimizer) from a given start state on the
@@ -18,7 +19,8 @@ Prints one JSON object:
     {"honest_floor_angle": max over honest pairs, "honest_floor_norm_gap": ...,
      "honest_angles": {"median", "p90", "max"},
      "threshold_angle": --margin (4) x the floor (at least 1e-4), "flip_threshold": t,
-     "product_threshold_angle": what audits use by default (verification.audit),
+     "product_threshold_angle": what audits use by default at --precision (verification.audit;
+         bf16 and fp16 experiments: peer.session.REDUCED_PRECISION_THRESHOLD),
      "product_false_positives": {"failures", "audits"}: every calibration pair judged
          with the daemon's default policy (`--pairs 10000` for 10,000 honest audits),
      "norm_gap_limit": ..., "bits": B, "false_positive_rate": {"observed", "audits"},
@@ -74,6 +76,7 @@ from typing import Any
 import torch
 import verification_swarm
 
+from shoal.peer.session import REDUCED_PRECISION_THRESHOLD
 from shoal.peer.trainer import LEGACY_HYPERPARAMETERS, check_hyperparameters
 from shoal.peer.training.tasks.bytegpt import make_task
 from shoal.peer.verify.segments import SegmentRunner, SegmentState, delta, segment_batches
@@ -103,11 +106,18 @@ class Segments:
     re-execution code (`peer.segments.SegmentRunner`: the trainer's own inner step)."""
 
     def __init__(
-        self, steps: int, precision: str = "fp32", task_config: dict[str, Any] | None = None
+        self,
+        steps: int,
+        precision: str = "fp32",
+        task_config: dict[str, Any] | None = None,
+        prover_device: torch.device | None = None,
     ) -> None:
         self.task = make_task(task_config or {})
         self.steps = steps
         self.precision = precision
+        # Where an honest pair's first run trains (the prover's GPU); the referee's
+        # re-execution runs where the daemon's verifier runs it, on the CPU.
+        self.prover_device = prover_device or torch.device("cpu")
         # Past warmup, at 8e-3 (8x the former default rate): the size of a tuned run's steps.
         lr = 8 * LEGACY_HYPERPARAMETERS["inner_lr"]
         self.hyper = check_hyperparameters({"inner_lr": lr})
@@ -124,12 +134,14 @@ class Segments:
         steps: int,
         permute: bool = False,
         noise: float = 0.0,
+        device: torch.device | None = None,
     ) -> SegmentState:
-        runner = self._runner()
+        runner = self._runner(device)
         batches = segment_batches(self.task, shard, 64, seed, first=0, count=steps)
         g = torch.Generator().manual_seed(seed)
         if permute:
             batches = [b[torch.randperm(b.shape[0], generator=g)] for b in batches]
+        batches = [b.to(runner.device) for b in batches]
         if not noise:
             return runner.run(start, batches, FIRST_STEP)
         runner.load(start)
@@ -140,8 +152,8 @@ class Segments:
                     p.add_(torch.randn(p.shape, generator=g) * noise * p.norm() / p.numel() ** 0.5)
         return runner.capture()
 
-    def _runner(self) -> SegmentRunner:
-        return SegmentRunner(self.task, self.hyper, precision=self.precision)
+    def _runner(self, device: torch.device | None = None) -> SegmentRunner:
+        return SegmentRunner(self.task, self.hyper, device=device, precision=self.precision)
 
     def delta(self, shard: int, seed: int, **kw: Any) -> torch.Tensor:
         start = kw.pop("start", self.start)
@@ -151,7 +163,7 @@ class Segments:
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            first = self.delta(shard, seed, steps=self.steps)
+            first = self.delta(shard, seed, steps=self.steps, device=self.prover_device)
             torch.set_num_threads(max(2, threads))
             second = self.delta(shard, seed, steps=self.steps, permute=True)
         finally:
@@ -224,6 +236,12 @@ def _args() -> argparse.Namespace:
     )
     parser.add_argument("--precision", default="fp32", help="fp32 or bf16 (autocast on the CPU)")
     parser.add_argument(
+        "--prover-device",
+        default="cpu",
+        help="where the first run of each honest pair trains (cuda: a GPU prover audited "
+        "by a CPU referee, as in a daemon)",
+    )
+    parser.add_argument(
         "--task-option",
         action="append",
         default=[],
@@ -240,12 +258,20 @@ def _args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def product_policy(precision: str) -> AuditPolicy:
+    """The policy a daemon's audits use at `precision` (`peer.session`: bf16 and fp16
+    experiments are hosted with a wider threshold)."""
+    if precision == "fp32":
+        return AuditPolicy()
+    return AuditPolicy(threshold_angle=REDUCED_PRECISION_THRESHOLD)
+
+
 def calibrate(
     segments: Segments, pairs: int, margin: float, config: SignatureConfig
 ) -> tuple[dict[str, Any], AuditPolicy, list[torch.Tensor]]:
     """The honest floor over `pairs` honest re-executions, and the policy it gives."""
     angles, gaps, honest = [], [], []
-    product = AuditPolicy()  # what the daemon's audits use
+    product = product_policy(segments.precision)  # what the daemon's audits use
     product_failures = 0
     for i in range(pairs):
         a, b = segments.honest_pair(shard=i % 64, seed=1000 + i)
@@ -275,7 +301,7 @@ def calibrate(
             "max": floor,
         },
         "threshold_angle": threshold_angle,
-        "product_threshold_angle": AuditPolicy().threshold_angle,
+        "product_threshold_angle": product.threshold_angle,
         "flip_threshold": flip_threshold(bits, threshold_angle, FALSE_POSITIVE_TARGET),
         "norm_gap_limit": norm_limit,
         "bits": bits,
@@ -331,7 +357,7 @@ def main() -> None:
     args = _args()
     config = SignatureConfig()
     task_config = {k: int(v) for k, v in (o.split("=", 1) for o in args.task_option)}
-    segments = Segments(args.steps, args.precision, task_config)
+    segments = Segments(args.steps, args.precision, task_config, torch.device(args.prover_device))
     out, policy, honest = calibrate(segments, args.pairs, args.margin, config)
     fp_pairs = args.pairs if args.fp_pairs is None else args.fp_pairs
     out.update(detect(segments, policy, config, honest, fp_pairs, args.trials))
@@ -350,6 +376,7 @@ def main() -> None:
         overhead_detail=overhead,
         settings={
             "precision": args.precision,
+            "prover_device": str(segments.prover_device),
             "task": segments.task.config(),
             "steps": args.steps,
             "pairs": args.pairs,
