@@ -32,8 +32,10 @@ stage's parameters (float32: 4 per element):
   daemon's `<data dir>/state-copies/`: `state_sync.StateServer(copies_dir)` and
   `state_sync.downloads_in`) both live in a file the kernel writes back and may
   drop, not in the process's memory: 0. Parameters on a device (a GPU) cost two
-  more (2B): the host buffer the bucket is copied into for the round, and the
-  averaged gradients copied back for the step;
+  more (2B): the host buffer the bucket is copied into for the round (which the
+  step then reads), and the float32 host copy of the parameters that the step
+  runs on, by the CPU's code, for the same bits as a CPU peer's
+  (`stage_optimizer`; the moments live on the host with it);
 - audits (an experiment that verifies its stages): the answers' full-precision
   results a stage peer keeps for its trainers' audits (`audit.OutputStore`: five
   minutes, at most `RETENTION_BYTES`);

@@ -139,7 +139,7 @@ async def restore(optimizer: StageOptimizer, state: dict[str, Any]) -> None:
     optimizer.step_samples.update(step_sizes(state, version))
     optimizer.steps.extend(step_log(state, version))
     await asyncio.to_thread(optimizer.worker.drop_before, version)
-    optimizer.worker.version = version
+    await optimizer.state_loaded()  # (a stage on a GPU: into its module)
     await averager.publish_state()
 
 

@@ -6,7 +6,10 @@ fault-tolerant all-reduce (`averaging.Averager`, one group per stage): each peer
 contributes its mean gradient weighted by its samples, so every member gets the
 gradient of the mean loss over all the stage's microbatches, bit-identical; then
 each applies the same AdamW step to the same parameters and moments, so the
-stage's parameters stay bit-identical on every peer (equal fingerprints).
+stage's parameters stay bit-identical on every peer (equal fingerprints). A
+stage on a GPU takes that step on a float32 host copy of its parameters, with
+the moments on the host too, by the CPU's code, and copies the result into its
+module: the same bits as its CPU peers'.
 
 The stage's state (parameters, AdamW moments and step count) is the averager's
 shared state: versioned by commits, served to a peer that joins the stage or
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 from shoal.averaging.averager import Averager, AveragerConfig, StepResult
-from shoal.averaging.host_state import host_flat_zeros, numel, off_loop
+from shoal.averaging.host_state import copy_into, host_clone, host_flat_zeros, numel, off_loop
 from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.outer import state_protocol
 from shoal.averaging.paged import file_tensors
@@ -84,9 +87,17 @@ class StageOptimizer:
         moments_on_disk`; parameters on the CPU only); None: in memory."""
         self.worker = worker
         self.hyper = dict(hyper)
-        self.params = worker.params
-        on_cpu = all(p.device.type == "cpu" for p in self.params)
-        self.moments_paged = moments_dir is not None and on_cpu
+        # What the step steps, serves and fingerprints: the module's parameters where
+        # they are float32 on the CPU; else (a stage on a GPU) a float32 host copy,
+        # stepped by the same CPU code and copied into the module after every step and
+        # load. The stage's peers then hold the same bits whatever device serves it: a
+        # GPU's AdamW rounds otherwise (a CUDA and a CPU peer of one stage parted after
+        # their first step, tests/test_pipeline_network.py on an H200).
+        self._in_place = all(
+            p.device.type == "cpu" and p.dtype == torch.float32 for p in worker.params
+        )
+        self.params = worker.params if self._in_place else [host_clone(p) for p in worker.params]
+        self.moments_paged = moments_dir is not None and self._in_place
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=hyper["lr"],
@@ -94,7 +105,7 @@ class StageOptimizer:
             betas=(0.9, hyper.get("adam_beta2", 0.999)),
             # (One tensor at a time, as on the CPU by default: stepped a parameter at a
             # time, file-mapped moments give the same bits as moments in memory.)
-            foreach=False if on_cpu else None,
+            foreach=False,
         )
         # The moments exist from the start (AdamW makes them at its first step): they
         # are part of the state a joiner downloads and the fingerprint.
@@ -109,15 +120,13 @@ class StageOptimizer:
             state["exp_avg_sq"] = torch.zeros_like(p) if paged is None else paged[len(shapes) + i]
             moments += [state["step"].view(1), state["exp_avg"], state["exp_avg_sq"]]
         # What a step averages: on the CPU, the taken bucket itself (`Gradients.flat`,
-        # scaled in place: no copy of it); else its copy in one host float32 buffer.
-        self._in_place = all(
-            p.device.type == "cpu" and p.dtype == torch.float32 for p in self.params
-        )
+        # scaled in place: no copy of it); else its copy in one host float32 buffer
+        # (pinned for a GPU's copies), which the host step then reads as it is.
         if self._in_place:
             self._buffer = torch.empty(numel(self.params), device="meta")  # (its size only)
             self.gradients: list[torch.Tensor] = []  # (the step's bucket, while it runs)
         else:
-            self._buffer, self.gradients = host_flat_zeros(self.params)
+            self._buffer, self.gradients = host_flat_zeros(worker.params)
         self._round_input = self._buffer
         key = stage_averaging_key(experiment, stage)
         config = AveragerConfig(
@@ -206,7 +215,7 @@ class StageOptimizer:
             assert flat is not None
             await off_loop(lambda: flat.mul_(samples), numel(self.params))
         if result.resynced:
-            self.worker.version = self.version  # (the averager downloaded the state)
+            await self.state_loaded()  # (the averager downloaded the state)
         if result.committed:
             self.committed_samples += taken.samples
             total = round(sum(result.weights.values())) if result.weights else None
@@ -229,10 +238,30 @@ class StageOptimizer:
         try:
             loaded = await self.averager.load_state_from_peers(timeout)
         finally:
-            self.worker.version = self.version
+            await self.state_loaded()
         dropped = await asyncio.to_thread(self.worker.drop_before, self.version)
         self.dropped_samples += dropped
         return loaded
+
+    async def state_loaded(self) -> None:
+        """The averager's state was replaced (a download, a checkpoint): the module
+        computes with it from now on, at its version."""
+        if self._in_place:  # (it computes with the state's own tensors)
+            self.worker.version = self.version
+        else:
+            await asyncio.to_thread(self._loaded)
+
+    def _loaded(self) -> None:
+        with self.worker.lock:
+            self._into_module()
+            self.worker.version = self.version
+
+    def _into_module(self) -> None:
+        """(Under the worker's lock.) The module's parameters = the stepped state's,
+        where the step runs on a host copy."""
+        if not self._in_place:
+            with torch.no_grad():
+                copy_into(self.worker.params, self.params)
 
     def _apply(self) -> None:
         """The commit hook (in a thread): `gradients` hold the stage's mean gradient.
@@ -247,9 +276,9 @@ class StageOptimizer:
                 group["lr"] = self.hyper["lr"] * scale
             with torch.no_grad():
                 for p, g in zip(self.params, self.gradients, strict=True):
-                    # (The averaged gradients are this step's own: used as they are, not
-                    # copied, where they already live on the parameter's device.)
-                    p.grad = g if g.device == p.device and g.dtype == p.dtype else g.to(p.device)
+                    # (The averaged gradients are this step's own, on the host in
+                    # float32 as the parameters stepped: used as they are, not copied.)
+                    p.grad = g
                     if factor != 1.0:
                         p.grad.mul_(factor)
             if self.moments_paged:  # (the same bits, a slice's moments held at a time)
@@ -258,6 +287,7 @@ class StageOptimizer:
                 self.optimizer.step()
             for p in self.params:
                 p.grad = None
+            self._into_module()
             self.worker.version = self.version  # (the commit counted this step already)
 
     def _clip_factor(self) -> float:

@@ -25,7 +25,14 @@ TINY = {"d_model": 32, "n_layers": 3, "n_heads": 2, "context": 32, "batch_size":
 EXPERIMENT = "pipe-test"
 
 
-async def make_swarm(make_host: Callable[..., Any], stages: list[torch.nn.Module], per_stage: int):
+async def make_swarm(
+    make_host: Callable[..., Any],
+    stages: list[torch.nn.Module],
+    per_stage: int,
+    devices: tuple[str, ...] = ("cpu",),
+):
+    """A trainer's node and `per_stage` servers of each stage, the i-th of a stage
+    computing on `devices[i % len(devices)]`."""
     nodes: list[DHTNode] = []
 
     async def node() -> DHTNode:
@@ -38,8 +45,10 @@ async def make_swarm(make_host: Callable[..., Any], stages: list[torch.nn.Module
     trainer_dht = await node()
     servers = []
     for s, module in enumerate(stages):
-        for _ in range(per_stage):
-            server = StageServer(await node(), EXPERIMENT, s, StageWorker(copy.deepcopy(module)))
+        for i in range(per_stage):
+            device = torch.device(devices[i % len(devices)])
+            worker = StageWorker(copy.deepcopy(module).to(device), device=device)
+            server = StageServer(await node(), EXPERIMENT, s, worker)
             await server.start()
             servers.append(server)
     return trainer_dht, servers, nodes
@@ -206,6 +215,50 @@ async def test_a_stage_step_leaves_every_peer_of_a_stage_with_the_same_parameter
         optimizers.append(joiner)
         assert await joiner.sync(timeout=20.0)
         assert joiner.version == 2 and joiner.fingerprint() == optimizers[-2].fingerprint()
+    finally:
+        await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
+        await close_swarm(servers, nodes)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+async def test_a_stage_served_from_a_gpu_and_from_the_cpu_steps_to_one_state(
+    make_host: Callable[..., Any],
+) -> None:
+    """One peer of each stage computes on a CUDA GPU, the other on the CPU: the
+    trainer's microbatches land on either, the stage's step averages their gradients
+    and steps on the host, and both peers of a stage end with the same state, bit for
+    bit (a GPU's own AdamW would round otherwise)."""
+    task = make_task(TINY)
+    stages = task.make_stages(5, 2)
+    trainer_dht, servers, nodes = await make_swarm(
+        make_host, stages, per_stage=2, devices=("cuda", "cpu")
+    )
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0)
+    optimizers = [
+        StageOptimizer(
+            srv.dht, EXPERIMENT, srv.stage, srv.worker, hyper={"lr": 1e-2}, matchmaking=mm
+        )
+        for srv in servers
+    ]
+    try:
+        trainer = PipelineTrainer(trainer_dht, EXPERIMENT, 2, deadline=10.0, codec="none")
+        await trainer.refresh()
+        batches = task.batches(0, 1, 0)
+        for step in range(2):
+            for mb in range(6):
+                batch = next(batches)
+                await trainer.run(step * 6 + mb, task.stage_inputs(batch),
+                                  lambda y, b=batch: task.stage_loss(y, b))  # fmt: skip
+            results = await asyncio.gather(*(o.step(timeout=30.0) for o in optimizers))
+            assert all(r.committed and r.group_size == 2 for r in results), results
+        for s in range(2):
+            gpu, cpu = (o for o, srv in zip(optimizers, servers, strict=True) if srv.stage == s)
+            assert {p.device.type for p in gpu.worker.params} == {"cuda"}
+            assert gpu.version == cpu.version == 2
+            assert gpu.fingerprint() == cpu.fingerprint()
+            for a, b in zip(gpu.worker.params, cpu.worker.params, strict=True):
+                assert torch.equal(a.cpu(), b)
     finally:
         await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
         await close_swarm(servers, nodes)
