@@ -264,6 +264,65 @@ async def test_a_stage_served_from_a_gpu_and_from_the_cpu_steps_to_one_state(
         await close_swarm(servers, nodes)
 
 
+class InFloat64(torch.nn.Module):
+    """A stage computing in float64 between float32 boundaries: on the CPU, a module
+    whose parameters the step cannot take in place (as a GPU's)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x.double()).float()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stage_whose_parameters_are_not_host_float32_steps_a_host_copy_alike(
+    make_host: Callable[..., Any],
+) -> None:
+    """The path a stage on a GPU takes, on the CPU: a peer whose module is in float64
+    steps a float32 host copy of its parameters with the CPU peer's own AdamW, copies
+    it into its module after the step, and after a download: both peers of the stage
+    hold one state, and the modules the same values."""
+    task = make_task(TINY)
+    stage = task.make_stages(5, 2)[1]
+    nodes: list[DHTNode] = []
+    for _ in range(3):
+        boot = [str(nodes[0].host.addresses()[0])] if nodes else []
+        nodes.append(await DHTNode.create(await make_host(**HOST_OPTS), bootstrap=boot,
+                                          hop_timeout=1.0))  # fmt: skip
+    mm = MatchmakingConfig(min_group_size=2, target_group_size=2, matchmaking_time=2.0)
+    workers = [StageWorker(copy.deepcopy(stage)), StageWorker(InFloat64(copy.deepcopy(stage)))]
+    optimizers = [
+        StageOptimizer(node, EXPERIMENT, 1, w, hyper={"lr": 1e-2}, matchmaking=mm)
+        for node, w in zip(nodes[:2], workers, strict=True)
+    ]
+    try:
+        torch.manual_seed(0)
+        for step in range(2):
+            for i, worker in enumerate(workers):
+                n = 2 + i + step
+                worker.backward(f"k{step}.{i}", torch.randn(n, 32, 32), torch.randn(n, 32, 256), n)
+            results = await asyncio.gather(*(o.step(timeout=20.0) for o in optimizers))
+            assert all(r.committed and r.group_size == 2 for r in results), results
+        plain, wide = optimizers
+        assert plain.params is workers[0].params and wide.params is not workers[1].params
+        assert plain.fingerprint() == wide.fingerprint() and wide.version == 2
+        for a, b in zip(plain.params, workers[1].params, strict=True):
+            assert b.dtype == torch.float64 and torch.equal(a.double(), b)
+        # A third peer of the stage in float64 downloads the state into its module.
+        joiner = StageWorker(InFloat64(copy.deepcopy(stage)))
+        optimizers.append(StageOptimizer(nodes[2], EXPERIMENT, 1, joiner, hyper={"lr": 1e-2},
+                                         matchmaking=mm))  # fmt: skip
+        assert await optimizers[2].sync(timeout=20.0)
+        assert optimizers[2].fingerprint() == plain.fingerprint() and joiner.version == 2
+        for a, b in zip(plain.params, joiner.params, strict=True):
+            assert torch.equal(a.double(), b)
+    finally:
+        await asyncio.gather(*(o.aclose() for o in optimizers), return_exceptions=True)
+        await asyncio.gather(*(n.aclose() for n in nodes), return_exceptions=True)
+
+
 @pytest.mark.timeout(60)
 async def test_a_stage_step_that_finds_no_group_gives_the_gradients_back(
     make_host: Callable[..., Any],
