@@ -22,7 +22,8 @@ token is several bytes, a bytegpt token one: bytes/s = tokens/s x bytes_per_toke
 model FLOPs per token x tokens/s over the device's peak at that precision
 (`shoal.peer.training.device.peak_flops`), null where the peak is unknown (CPUs, GPUs
 not in the table). fp16 on the CPU is measured with a few steps only (`--quick`
-skips it): it is the figure behind the daemon refusing fp16 experiments there.
+skips it): where it is far below fp32, a CPU daemon refuses fp16 experiments (it measures
+a proxy at start, `shoal.peer.training.device.cpu_fp16_slowdown`, and refuses above 3x).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from shoal.transport.tasks import TaskSet
 
 from .audit import AuditRequest
@@ -58,6 +60,20 @@ class Job:
         return self.kind == other.kind and a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
 
 
+def use_device_in_thread(device: torch.device) -> None:
+    """Make `device` the thread's current CUDA device (a pool's initializer): a backward
+    run first in a fresh thread otherwise finds no CUDA context there (torch warns
+    "Attempting to run cuBLAS, but there was no current CUDA context"; seen on an
+    H200). Never raises: an initializer that raises breaks the pool, and with it every
+    computation of the stage, where the warning alone is harmless."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.set_device(device)
+    except Exception as e:  # (the first computation then reports what is wrong)
+        log.warning("could not make %s this stage thread's device: %r", device, e)
+
+
 class ComputeQueue:
     """Runs `worker`'s requests in batches; `seal(job, version, answer)` (in the sealing
     thread) makes the commitment of a job that asked for one."""
@@ -72,7 +88,10 @@ class ComputeQueue:
         self._jobs: list[Job] = []
         self._backwards_held = False
         self._wake = asyncio.Event()
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-stage{stage}")
+        self._compute = ThreadPoolExecutor(
+            1, thread_name_prefix=f"shoal-stage{stage}",
+            initializer=use_device_in_thread, initargs=(worker.device,),
+        )  # fmt: skip
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix=f"shoal-seal{stage}")
         self._sealing = TaskSet(log, "stage sealing")
 

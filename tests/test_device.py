@@ -7,6 +7,7 @@ skipped (with the reason) where torch sees no CUDA device.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,12 +20,14 @@ from shoal.averaging.fingerprint import state_fingerprint
 from shoal.averaging.host_state import check_params, copy_into, delta_into, host_clone
 from shoal.peer.trainer import DEFAULT_HYPERPARAMETERS, check_hyperparameters
 from shoal.peer.training.device import (
+    MAX_CPU_FP16_SLOWDOWN,
     DeviceError,
     DeviceInfo,
     DeviceInventory,
     GpuInfo,
     check_precision,
     choose_device,
+    cpu_fp16_slowdown,
     describe,
     mfu,
     peak_flops,
@@ -81,10 +84,28 @@ def test_precision_is_refused_where_it_cannot_run_well() -> None:
     check_precision("fp16", torch.device("cuda", 1), TWO_GPUS)
     with pytest.raises(DeviceError, match=r"compute capability 8\.0"):
         check_precision("bf16", torch.device("cuda", 1), TWO_GPUS)  # a T4
-    with pytest.raises(DeviceError, match="slower than fp32"):
-        check_precision("fp16", torch.device("cpu"), NONE)
     with pytest.raises(DeviceError, match="expected fp32"):
         check_precision("fp8", torch.device("cpu"), NONE)
+
+
+def test_fp16_on_a_cpu_is_refused_where_that_cpu_runs_it_much_slower_than_fp32() -> None:
+    """CPUs differ (fp16 17x slower than fp32 on a 2-core EPYC, 0.89x on an H200
+    machine's Xeon), so a CPU peer measures its own before it refuses an fp16
+    experiment, and says what it measured."""
+    slow_cpu = DeviceInventory(cpu_fp16_slowdown=17.0)
+    with pytest.raises(DeviceError, match="this CPU runs 17x slower than fp32"):
+        check_precision("fp16", torch.device("cpu"), slow_cpu)
+    check_precision("fp16", torch.device("cpu"), DeviceInventory(cpu_fp16_slowdown=0.89))
+    a_gpu_beside_it = DeviceInventory(cuda=(A100, T4), cpu_fp16_slowdown=17.0)
+    check_precision("fp16", torch.device("cuda", 1), a_gpu_beside_it)
+    measured = cpu_fp16_slowdown()  # (not measured yet in NONE: measured when asked)
+    assert measured > 0 and math.isfinite(measured)
+    assert cpu_fp16_slowdown() == measured  # once per process
+    if measured > MAX_CPU_FP16_SLOWDOWN:
+        with pytest.raises(DeviceError, match="slower than fp32"):
+            check_precision("fp16", torch.device("cpu"), NONE)
+    else:
+        check_precision("fp16", torch.device("cpu"), NONE)
 
 
 def test_precision_is_an_experiment_hyperparameter_defaulting_to_fp32() -> None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from shoal.pipeline.compute_queue import ComputeQueue, Job
+from shoal.pipeline.compute_queue import ComputeQueue, Job, use_device_in_thread
 from shoal.pipeline.stage import StageWorker
 
 
@@ -41,3 +41,31 @@ async def test_held_backwards_wait_while_forwards_go_on_and_all_run_once_release
     finally:
         runner.cancel()
         queue.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_compute_thread_takes_the_stage_device_and_a_device_it_cannot_take_breaks_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stage's compute thread makes a CUDA stage's device its own before the first
+    computation (a backward in a fresh thread otherwise finds no CUDA context there),
+    and a device it cannot make current is logged, never raised: a raising
+    initializer would break the pool, and every computation of the stage with it."""
+    taken: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", taken.append)
+    use_device_in_thread(torch.device("cpu"))
+    use_device_in_thread(torch.device("cuda", 1))
+    assert taken == [torch.device("cuda", 1)]
+
+    def no_such_device(device: torch.device) -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_such_device)
+    worker = StageWorker(torch.nn.Linear(4, 4))
+    worker.device = torch.device("cuda", 7)  # (computes on the CPU all the same below)
+    queue = ComputeQueue(worker, 0, lambda job, version, answer: None)
+    try:
+        assert asyncio.run(queue.in_thread(lambda: 6 * 7)) == 42
+    finally:
+        queue.close()
+    assert "could not make cuda:7 this stage thread's device" in caplog.text

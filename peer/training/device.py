@@ -15,6 +15,7 @@ import functools
 import os
 import platform
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "autocast",
     "check_precision",
     "choose_device",
+    "cpu_fp16_slowdown",
     "describe",
     "mfu",
     "peak_flops",
@@ -55,6 +57,9 @@ class DeviceInventory:
 
     cuda: tuple[GpuInfo, ...] = ()
     mps: bool = False
+    # How many times slower the CPU runs fp16 autocast than fp32 (`cpu_fp16_slowdown`);
+    # None: not measured yet, measured when asked (tests give it).
+    cpu_fp16_slowdown: float | None = None
 
 
 def probe_inventory() -> DeviceInventory:
@@ -121,12 +126,45 @@ def check_precision(precision: str, device: torch.device, inventory: DeviceInven
             )
         return
     if device.type == "cpu" and precision == "fp16":
-        # Measured (bench/train_step.py, torch 2.13 on an EPYC): fp16 autocast on the CPU
-        # runs 17x slower than fp32 (bf16 runs about as fast as fp32).
-        raise DeviceError(
-            "this experiment trains in fp16, which the CPU runs over 10x slower than fp32; "
-            "join it from a GPU (--device cuda)"
-        )
+        # CPUs differ: a 2-core EPYC trained fp16 17x slower than fp32 (bench/train_step.py,
+        # torch 2.13), an H200 machine's Xeon at 0.89x its fp32 (fp16 arithmetic). So this
+        # CPU is measured, not assumed.
+        slowdown = inventory.cpu_fp16_slowdown
+        if slowdown is None:
+            slowdown = cpu_fp16_slowdown()
+        if slowdown > MAX_CPU_FP16_SLOWDOWN:
+            raise DeviceError(
+                f"this experiment trains in fp16, which this CPU runs {slowdown:.0f}x slower "
+                "than fp32 (measured now); join it from a GPU (--device cuda)"
+            )
+
+
+# A CPU peer takes an fp16 experiment only if its fp16 is at most this many times slower
+# than its fp32 (where it is 17x slower, a peer would hold its group back for nothing).
+MAX_CPU_FP16_SLOWDOWN = 3.0
+_PROBE_SIZE, _PROBE_REPEATS = 256, 3
+
+
+@functools.cache
+def cpu_fp16_slowdown() -> float:
+    """How many times slower this CPU multiplies matrices under fp16 autocast than in
+    float32: the best of 3 products of 256 x 256 each way, after one of each (about
+    0.1 s where fp16 is 20x slower; once per process). A proxy for a training step,
+    which is mostly such products."""
+
+    def best(dtype: torch.dtype | None) -> float:
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
+        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
+        timings = []
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            for _ in range(_PROBE_REPEATS + 1):
+                start = time.perf_counter()
+                a @ b
+                timings.append(time.perf_counter() - start)
+        return max(min(timings[1:]), 1e-9)
+
+    return best(torch.float16) / best(None)
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
