@@ -1,17 +1,20 @@
 """What one averaging round costs each peer on the wire, by protocol and by DHT request.
 
-    python bench/round_bytes.py [--peers 4,16] [--rounds 8] [--codec topk]
+    python bench/round_bytes.py [--peers 4,16] [--rounds 8] [--codec topk] [--arms ...]
 
 N DiLoCo peers in one process on loopback (real hosts, DHT nodes and matchmaking), a
 model of the daemon's default size (446K parameters, in four tensors), H = 2, run
-until every peer committed `--rounds` rounds. Two arms per swarm size, in the same
-run: `full_reads` (every matchmaking poll reads all k replicas in full: the code
-before delta and sampled reads) and `default` (delta reads, and polls that read 3
-replicas drawn among the k). Each reports, per peer per round: the stream payload
+until every peer committed `--rounds` rounds. Three arms per swarm size, in the same
+run (`--arms`): `full_reads` (every matchmaking poll reads all k replicas in full: the
+code before delta and sampled reads), `from_every_request` (as the default, but every
+DHT request names its sender's addresses: the code before they went once per
+connection) and `default` (delta reads, polls that read 3 replicas drawn among the
+k, addresses once per connection). Each reports, per peer per round: the stream payload
 sent by protocol (`Host.bytes_sent_by_protocol`), everything its connections sent
 (`bytes_sent`), and the DHT requests it sent by method.
 
-Prints one JSON object on stdout: {"<peers>": {"<arm>": {...}}, "ratios": ...}.
+Prints one JSON object on stdout: {"<peers>": {"<arm>": {...}}, "ratios_default_to_<arm>":
+...}.
 """
 
 from __future__ import annotations
@@ -60,8 +63,26 @@ class RequestCount:
         requester.Requester.request = self._original  # type: ignore[method-assign]
 
 
-async def run_swarm(n: int, rounds: int, codec: str, full_reads: bool) -> dict[str, Any]:
+ARMS = ("full_reads", "from_every_request", "default")
+
+
+def _from_every_request(self: Any, conn: Any, payload: Any) -> tuple[Any, None]:
+    return payload, None  # (what `Requester._over` did before: `from` on every request)
+
+
+async def run_swarm(n: int, rounds: int, codec: str, arm: str) -> dict[str, Any]:
+    full_reads = arm == "full_reads"
     declarer.POLL_REPLICAS = None if full_reads else 3  # type: ignore[assignment]
+    over = requester.Requester._over
+    if arm == "from_every_request":
+        requester.Requester._over = _from_every_request  # type: ignore[assignment,method-assign]
+    try:
+        return await _run_swarm(n, rounds, codec, full_reads)
+    finally:
+        requester.Requester._over = over  # type: ignore[method-assign]
+
+
+async def _run_swarm(n: int, rounds: int, codec: str, full_reads: bool) -> dict[str, Any]:
     hosts, dhts, strategies, params = [], [], [], []
     try:
         for i in range(n):
@@ -123,26 +144,33 @@ def main() -> None:
     p.add_argument("--peers", default="4,16", help="comma-separated swarm sizes")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--codec", default="topk")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS}")
     args = p.parse_args()
+    chosen = args.arms.split(",")
+    if unknown := set(chosen) - set(ARMS):
+        p.error(f"unknown arms {sorted(unknown)}: expected some of {ARMS}")
     out: dict[str, Any] = {"codec": args.codec, "rounds": args.rounds, "params": PARAMS}
-    ratios = {}
+    ratios: dict[str, dict[str, Any]] = {arm: {} for arm in chosen if arm != "default"}
     for n in (int(x) for x in args.peers.split(",")):
         arms = {}
-        for arm, full in (("full_reads", True), ("default", False)):
+        for arm in chosen:
             print(f"[{time.strftime('%H:%M:%S')}] {n} peers, {arm}", file=sys.stderr)
-            arms[arm] = asyncio.run(run_swarm(n, args.rounds, args.codec, full))
+            arms[arm] = asyncio.run(run_swarm(n, args.rounds, args.codec, arm))
         out[str(n)] = arms
-        dht = [a["payload_per_round_by_protocol"].get("dht", 0) for a in arms.values()]
-        ratios[str(n)] = {
-            "dht_bytes": round(dht[1] / dht[0], 3) if dht[0] else None,
-            "bytes_sent": round(
-                arms["default"]["bytes_sent_per_round"]
-                / arms["full_reads"]["bytes_sent_per_round"],
-                3,
-            ),
-        }
-    out["ratios_default_to_full_reads"] = ratios
+        if "default" in arms:
+            for arm, by_size in ratios.items():
+                by_size[str(n)] = _ratios(arms["default"], arms[arm])
+    for arm, by_size in ratios.items():
+        out[f"ratios_default_to_{arm}"] = by_size
     print(json.dumps(out))
+
+
+def _ratios(default: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    dht = [a["payload_per_round_by_protocol"].get("dht", 0) for a in (default, other)]
+    return {
+        "dht_bytes": round(dht[0] / dht[1], 3) if dht[1] else None,
+        "bytes_sent": round(default["bytes_sent_per_round"] / other["bytes_sent_per_round"], 3),
+    }
 
 
 if __name__ == "__main__":

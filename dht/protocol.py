@@ -1,7 +1,10 @@
 """DHT wire messages: building and validating them. No I/O.
 
 Every request is a msgpack map carrying ``"from"``: the sender's dialable
-addresses (strings), so that the receiver can put the sender in its table.
+addresses (strings), so that the receiver can put the sender in its table; once
+the connection's remote answered a request that carried them, later requests over
+that connection leave them out while they do not change (the receiver uses what the
+connection carried last; docs/architecture/dht.md, "Addresses once per connection").
 
 - ``ping``       {from}                    -> {from}
 - ``find_node``  {from, ids: [32 bytes]}    -> {peers, nearest}

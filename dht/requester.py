@@ -4,10 +4,12 @@ answers, idle-connection pruning) and the blacklist of peers that failed us."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from shoal.transport import rpc
+from shoal.transport.connection import Connection
 from shoal.transport.errors import ConnectionLost, ProtocolNotSupported, StreamReset
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
@@ -78,6 +80,33 @@ class Requester:
         self._tasks = tasks
         self._count = count
         self._typical: tuple[float, float] | None = None  # (loop time, median RTT)
+        # The addresses (`from`) each connection's remote has taken from us: a request
+        # over that connection leaves them out while they are still ours.
+        self._said: weakref.WeakKeyDictionary[Connection, list[str]] = weakref.WeakKeyDictionary()
+
+    def _over(self, conn: Connection | None, payload: Any) -> tuple[Any, list[str] | None]:
+        """`payload` as it goes over `conn`, and the addresses it tells the remote (None:
+        none new). Addresses once per connection (docs/architecture/dht.md): a request
+        leaves out the `from` that this connection's remote answered a request with
+        before, so a round's dozens of small requests do not each carry 30 to 60 bytes
+        the remote holds already. A new connection, or addresses that changed, get it."""
+        if not isinstance(payload, dict) or payload.get("client") is True:
+            return payload, None
+        said = payload.get("from")
+        if not said:
+            return payload, None
+        if conn is not None and self._said.get(conn) == said:
+            return {k: v for k, v in payload.items() if k != "from"}, None
+        return payload, said
+
+    async def _call(self, peer: PeerID, method: str, payload: Any, timeout: float) -> Any:
+        conn = self.host.connection(peer)
+        sent, said = self._over(conn, payload)
+        reply = await rpc.call(self.host, peer, self.protocol, method, sent, timeout=timeout)
+        if said is not None and conn is not None and busy_from(peer, reply) is None:
+            # (A busy answer came before the request was read: it took nothing.)
+            self._said[conn] = said
+        return reply
 
     async def request(
         self, peer: PeerID, addrs: Sequence[Multiaddr], method: str, payload: Any
@@ -93,7 +122,7 @@ class Requester:
                 self.dialed[peer] = None
                 self._prune_connections()
             try:
-                reply = await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+                reply = await self._call(peer, method, payload, hop)
             except (ConnectionLost, StreamReset) as e:
                 if not reused or isinstance(e, ProtocolNotSupported):
                     raise
@@ -103,7 +132,7 @@ class Requester:
                 # a fresh connection, within the same deadline.
                 self._count("requests_redialed")
                 await self.host.connect(peer, addrs, timeout=hop)
-                reply = await rpc.call(self.host, peer, self.protocol, method, payload, timeout=hop)
+                reply = await self._call(peer, method, payload, hop)
         busy = busy_from(peer, reply)
         if busy is not None:
             raise busy

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from shoal.transport import rpc
+from shoal.transport.connection import Connection
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
@@ -84,6 +86,11 @@ class DHTServer:
     def __init__(self, node: ServedNode) -> None:
         self.node = node
         self._service = rpc.RpcService(node.host, node.protocol)
+        # The addresses each connection's remote last said it has (`from`): its later
+        # requests over that connection leave them out (the requester's `_over`).
+        self._heard: weakref.WeakKeyDictionary[Connection, tuple[Multiaddr, ...]] = (
+            weakref.WeakKeyDictionary()
+        )
         for method, handler in (
             ("ping", self._on_ping),
             ("find_node", self._on_find_node),
@@ -122,11 +129,15 @@ class DHTServer:
         self.node.count("requests_served")
         if payload.get("client") is True:
             return payload  # a client (e.g. behind NAT): answer it, never route through it
-        raw = payload.get("from", [])
-        try:
-            addrs = parse_addrs(ctx.peer, raw)
-        except DHTProtocolError:
-            addrs = ()
+        conn = ctx.stream.connection
+        if "from" in payload:
+            try:
+                addrs = parse_addrs(ctx.peer, payload["from"])
+            except DHTProtocolError:
+                addrs = ()
+            self._heard[conn] = addrs
+        else:  # what it said before on this connection (none on a new one: kept as known)
+            addrs = self._heard.get(conn, ())
         self.node.add_contact(ctx.peer, addrs, replace=bool(addrs), observed_ip=ctx.remote_ip)
         return payload
 

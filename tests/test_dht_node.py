@@ -19,6 +19,7 @@ from waiting import eventually
 from shoal.dht.lookup import Candidate
 from shoal.dht.node import BootstrapError, DHTNode
 from shoal.dht.records import Record, RecordError, owner_marker
+from shoal.dht.server import DHTServer
 from shoal.transport import rpc
 from shoal.transport.host import Host
 
@@ -85,6 +86,61 @@ async def test_every_request_names_the_senders_addresses_without_its_own_id(
     await a.host.disconnect(b.peer_id)
     await a.host.connect(b.peer_id, contact.addrs)
     assert a.host.connection(b.peer_id) is not None
+
+
+async def test_a_connection_carries_the_senders_addresses_once(
+    swarm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Addresses once per connection: once a request of b's over a connection was
+    answered, b's later requests over it leave its addresses out (30 to 60 bytes of
+    each of a round's dozens of small requests); a that dropped b from its table
+    takes it back at the addresses b said on that connection; a new connection, or
+    addresses that changed, carry them again."""
+    a, b = await swarm(2)  # (b joined through a: its first requests named its addresses)
+    heard: list[Any] = []
+    note_sender = DHTServer._note_sender
+
+    def spy(self: DHTServer, ctx: rpc.CallContext, payload: Any) -> Any:
+        if ctx.peer == b.peer_id:
+            heard.append(payload.get("from"))
+        return note_sender(self, ctx, payload)
+
+    monkeypatch.setattr(DHTServer, "_note_sender", spy)
+    said = b.hello()["from"]
+    expiration = time.time() + 60
+    assert await b.store("k1", 1, expiration)
+    assert heard and heard == [None] * len(heard)  # (one store: a is its only replica)
+    a.routing_table.remove(b.peer_id)
+    assert await b.store("k2", 2, expiration)
+    contact = a.routing_table.get(b.peer_id)
+    assert contact is not None and {str(x) for x in contact.addrs} >= set(said)
+
+    heard.clear()
+    await b.host.disconnect(a.peer_id)
+    assert await b.store("k3", 3, expiration)
+    assert heard[0] == said and heard[1:] == [None] * (len(heard) - 1)
+
+    heard.clear()
+    moved = {"from": [*said, "/ip4/127.0.0.9/tcp/4001"]}
+    monkeypatch.setattr(b, "hello", lambda: moved)
+    assert await b.store("k4", 4, expiration)
+    assert await b.store("k5", 5, expiration)
+    assert heard[0] == moved["from"] and heard[-1] is None
+
+
+async def test_a_request_without_addresses_on_a_new_connection_adds_no_address(
+    swarm: Callable[..., Any], make_host: Callable[..., Any]
+) -> None:
+    """A peer that never said where it is (no `from` on a connection that carried
+    none) is answered, and is in no table with an address it did not give."""
+    (a,) = await swarm(1)
+    stranger = await make_host(**HOST_OPTS)
+    await stranger.connect(a.peer_id, a.host.addresses(), timeout=5)
+    reply = await rpc.call(stranger, a.peer_id, a.protocol, "find_node", {"ids": [bytes(32)]},
+                           timeout=5)  # fmt: skip
+    assert isinstance(reply, dict)
+    contact = a.routing_table.get(stranger.peer_id)
+    assert contact is None or not contact.addrs
 
 
 async def test_dictionary_subkeys_from_several_writers_merge(swarm: Callable[..., Any]) -> None:

@@ -471,7 +471,10 @@ class Connection(asyncio.BufferedProtocol):
     """One TCP connection: Noise XX handshake, then the stream multiplexer."""
 
     # Slots, not a dict per instance: a peer of a large swarm holds hundreds of these.
+    # (`__weakref__`: layers above keep notes per connection in weak maps, e.g. the
+    # DHT's addresses said once per connection.)
     __slots__ = (
+        "__weakref__",
         "_admit",
         "_bodies_out",
         "_buf",
