@@ -52,8 +52,13 @@ SPARSE_NEW = {"codec_feedback_decay": 0.9, "codec_mean": "senders"}
 # the rules above, H = 10 against H = 50: bench/sparse_outer.py 2.262 against 2.516;
 # bench/wan.py at 50 Mbit/s, same 180 s, 2.466 against 2.638 (and 2.508 against 2.539
 # with the legacy rules), and H = 10 ended 0.6% and 0.9% below int8 at H = 50; at
-# 10 Mbit/s and 50 ms, 600 s, 2.129 against 2.166 (int8 at H = 50: 2.243).
-SPARSE_INNER_STEPS = 10
+# 10 Mbit/s and 50 ms, 600 s, 2.129 against 2.166 (int8 at H = 50: 2.243). But a round
+# costs about a second of latency whatever it carries (matchmaking's half-second
+# minimum, the DHT's and the all-gather's round trips: 1.03 s at 25 ms one way), which
+# at the default model's 0.1 s a step was half of the time at H = 10: on a faster day
+# (2026-12-04, every arm 30-40% more steps) H = 20 ended at 2.282 and 2.310, H = 10 at
+# 2.417, 2.461 and 2.428 (2.428 against 2.310 in one run; int8 2.253 to 2.352).
+SPARSE_INNER_STEPS = 20
 SPARSE_MEANS = ("members", "senders")
 
 
