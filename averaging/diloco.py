@@ -69,7 +69,15 @@ from .diloco_options import DiLoCoOptions, StreamingOptions
 from .error_feedback import ErrorFeedback
 from .fragments import Fragment, FragmentOutcome, committed
 from .group import Group
-from .host_state import copy_into, delta_into, host_clone, host_flat_zeros, numel, off_loop
+from .host_state import (
+    copy_into,
+    delta_into,
+    host_clone,
+    host_flat_zeros,
+    numel,
+    off_loop,
+    shift_into,
+)
 from .lineage import declared_work
 from .options import GroupOptions
 from .outer import (
@@ -81,6 +89,7 @@ from .outer import (
     nesterov_outer_step,
     state_protocol,
 )
+from .overlap import OverlappingRounds
 from .sparse_round import SparseContribution, sparse_shape, union_reduction
 from .strategy_base import OuterStrategyBase, RoundClock, checked_counters, round_bound
 
@@ -137,7 +146,7 @@ def _averager_config(key: str, opts: GroupOptions) -> AveragerConfig:
     )
 
 
-class DiLoCo(OuterStrategyBase):
+class DiLoCo(OverlappingRounds):
     """DiLoCo over `params` (the model's parameters, changed in place)."""
 
     name = "diloco"
@@ -171,6 +180,7 @@ class DiLoCo(OuterStrategyBase):
             on_commit=self._outer_step,
             round_tensors=None if self.sparse is None else self._slots_for,
         )
+        self._init_overlap(int(self.options.overlap_steps))
 
     @property
     def feedback(self) -> ErrorFeedback | None:
@@ -231,6 +241,11 @@ class DiLoCo(OuterStrategyBase):
         if not loaded:
             if not self._restored:
                 copy_into(self.globals, self.params)
+            elif self._params_behind:
+                log.info("%s: the checkpoint was taken between a commit and its merge: the "
+                         "parameters restart from its globals", self.key)  # fmt: skip
+                copy_into(self.params, self.globals)
+                self._synced_now()
             elif self.averager.attestor is not None and self.samples_since_sync:
                 # A verified round's work starts from the global state and is in this
                 # process's work log. The steps taken before the restart since the last
@@ -251,41 +266,66 @@ class DiLoCo(OuterStrategyBase):
         await self.averager.refresh_presence()
 
     async def _close_parts(self) -> None:
+        await self._drop_pending()
         await self.averager.aclose()
 
     # ------------------------------------------------------------------ the round
 
     async def _round(self) -> RoundReport:
-        clock = RoundClock(self.dht)
+        started_at, synced_at = self.inner_steps, self.synced_at_step
+        weight = await self._prepare()
+        done = await self._run_round(weight)
+        return await self._settle(done, weight, started_at, synced_at, overlapped=False)
+
+    async def _prepare(self) -> int:
+        """The pseudo-gradient (and a sparse codec's message) of the steps since the
+        last sync; the samples behind them, which the round takes from the count."""
         size = numel(self.params)
         await off_loop(lambda: delta_into(self.deltas, self.globals, self.params), size)
         if self.sparse is not None:
             await off_loop(self.sparse.compress, size)
+        weight, self.samples_since_sync = self.samples_since_sync, 0
+        return weight
+
+    async def _run_round(self, weight: int) -> FragmentOutcome:
+        clock = RoundClock(self.dht)
         timeout = float(self.options.round_timeout)
-        result = await self.averager.step(weight=float(self.samples_since_sync), timeout=timeout)
+        result = await self.averager.step(weight=float(weight), timeout=timeout)
         if self.sparse is not None:
             self.sparse.settle(result)
-        contribution = (self.synced_at_step, self.inner_steps)
-        if result.resynced or result.discarded:
+        resynced = result.resynced
+        if resynced:
+            again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
+            if again is not None and again.committed:
+                result = again
+        return FragmentOutcome(result, resynced, clock.bytes_sent, clock.seconds)
+
+    async def _settle(
+        self, done: FragmentOutcome, weight: int, started_at: int, synced_at: int, *,
+        overlapped: bool,
+    ) -> RoundReport:  # fmt: skip
+        """The round's outcome applied to the local parameters and the counters."""
+        result, size = done.result, numel(self.params)
+        contribution = (synced_at, started_at)
+        if done.resynced or result.discarded:
             # Our work was dropped: the swarm's state replaced it, or it may be counted
             # already (a round we were in doubt of); our parameters go back to the globals.
             contribution = (self.inner_steps, self.inner_steps)
             self._synced_now()
-            if result.resynced:
-                again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
-                if again is not None and again.committed:
-                    result = again
-            # (a commit did it already)
             await off_loop(lambda: copy_into(self.params, self.globals), size)
-        if result.committed:
-            self.samples_since_sync = 0  # the outer step already moved globals and params
-            self.synced_at_step = self.inner_steps
+        elif result.committed:
+            # (Without overlap the outer step already set the parameters to the globals.)
+            if overlapped:
+                await off_loop(lambda: shift_into(self.params, self.globals, self._anchor), size)
+            self.synced_at_step = started_at
+        else:
+            self.samples_since_sync += weight  # the next round's pseudo-gradient covers them
         return self._report(
             *_outcome(result),
             group_size=result.group_size,
             fingerprint=result.fingerprint,
-            duration_s=clock.seconds,
-            bytes_sent=clock.bytes_sent,
+            duration_s=done.seconds,
+            bytes_sent=done.bytes_sent,
             result=result,
             contribution=contribution,
         )
@@ -307,7 +347,10 @@ class DiLoCo(OuterStrategyBase):
             lr=self.options.outer_lr,
             mu=self.options.outer_momentum,
         )
-        copy_into(self.params, self.globals)
+        if not self.overlap_steps:
+            copy_into(self.params, self.globals)
+        # (Overlapped, an inner step may be running on the parameters right now: the
+        # merge moves them, `_settle`.)
 
     # ------------------------------------------------------------------ state
 
@@ -331,7 +374,7 @@ class DiLoCo(OuterStrategyBase):
             "work": self.averager.work,
             "certificates": self.averager.saved_certificates(),
             "inner_steps": self.inner_steps,
-            "samples_since_sync": self.samples_since_sync,
+            **self._unsynced(),
             # Private to this peer (never in the state it serves), so only here.
             "error_feedback": None if self.sparse is None else self.sparse.state_dict(),
         }
@@ -355,6 +398,7 @@ class DiLoCo(OuterStrategyBase):
         self.inner_steps = inner
         self.samples_since_sync = samples
         self.synced_at_step = inner  # (this process's ledger counts from here)
+        self._params_behind = state.get("params_behind") is True
         self._restored = True
 
 

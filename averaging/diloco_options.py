@@ -119,6 +119,16 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
         added=True,
     )(0)
 
+    overlap_steps: int = Opt(
+        integer(0),
+        "an int >= 0",
+        "the most inner steps a round overlaps: training goes on while it averages, and "
+        "its outer step lands after the first step that ends with it done, at the latest "
+        "that many steps after it began, the steps taken meanwhile kept (0: training "
+        "waits for the round; below inner_steps; not with verify)",
+        added=True,
+    )(0)
+
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> Self:
         """As any strategy's, except that a sparse codec's outer step defaults to
@@ -151,6 +161,12 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
         super().check_together()
         if self.codec == "dct" and self.sparse_chunk > MAX_DCT_CHUNK:
             raise ValueError(f"option 'codec_chunk' must be at most {MAX_DCT_CHUNK} with codec dct")
+        if self.overlap_steps >= self.inner_steps:
+            raise ValueError("option 'overlap_steps' must be below 'inner_steps'")
+        if self.overlap_steps and self.verify:
+            # An audit re-runs a segment from where the work log says it started; a
+            # merge moves the parameters mid-segment by what the round committed.
+            raise ValueError("option 'overlap_steps' must be 0 when verifying")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ __all__ = [
     "host_zeros",
     "numel",
     "off_loop",
+    "shift_into",
 ]
 
 
@@ -90,6 +91,18 @@ def delta_into(
             _synchronize(params)
             for o, b in zip(out, base, strict=True):
                 torch.sub(b, o, out=o)
+
+
+def shift_into(
+    params: Sequence[torch.Tensor], to: Sequence[torch.Tensor], since: Sequence[torch.Tensor]
+) -> None:
+    """params += to - since: the steps taken from `since` moved onto `to` (host float32
+    tensors; `params` may be on a device, in its own dtype). The difference is taken
+    on the host in float32 first, so a low-precision model adds one rounding, not two."""
+    with torch.no_grad():
+        for p, t, s in zip(params, to, since, strict=True):
+            p.add_(torch.sub(t, s).to(p.device, p.dtype))
+    _synchronize(params)
 
 
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

@@ -19,7 +19,10 @@ Variants (comma-separated, each `name` or `name:key=value/key=value`):
   `decay` (`codec_feedback_decay`, 1: none), `mean` (`codec_mean`: ``members``, the
   members' weighted mean, or ``senders``, per coordinate the mean over the members
   that sent it, SparseLoCo's `scatter_reduce(mean)`), `lr` (outer lr, 1) and
-  `momentum` (0).
+  `momentum` (0);
+- either, with ``overlap=K``: a round's result arrives K inner steps after the
+  round began, and the steps taken meanwhile stay, moved onto the new global
+  parameters (DiLoCo's ``overlap_steps``).
 
 Prints one JSON object: each variant's validation loss after every round and at
 the end, the ratio of its final loss to the first variant's.
@@ -81,11 +84,7 @@ class SimPeer:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def load(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        flat_into(self.model, flat)
 
 
 def schedule(total: int, peak: float, warmup_frac: float = 0.1, floor: float = 0.1) -> list[float]:
@@ -160,21 +159,48 @@ def run_variant(task: Any, name: str, opts: dict[str, Any], args: argparse.Names
     else:
         raise SystemExit(f"unknown variant {name!r}: int8 or sparse")
     evals = task.eval_batches(args.eval_batches)
+    judge = task.make_model(MODEL_SEED)  # the global parameters, evaluated
+    overlap = int(opts.get("overlap", 0))
+    h = args.inner_steps
+    if not 0 <= overlap < h:
+        raise SystemExit(f"overlap must be in 0..{h - 1}")
+    anchors: list[torch.Tensor] | None = None  # each peer's parameters when it sent
     curve = []
     for r in range(args.rounds):
         deltas = []
-        for peer in peers:
-            peer.inner_steps(args.inner_steps, lrs[r * args.inner_steps :])
+        for i, peer in enumerate(peers):
+            lrs_now = lrs[r * h :]
+            if anchors is None:
+                peer.inner_steps(h, lrs_now)
+            else:
+                # The last round's result arrives `overlap` steps late: the steps taken
+                # meanwhile stay, moved onto the new global parameters (DiLoCo's
+                # overlap_steps).
+                peer.inner_steps(overlap, lrs_now)
+                peer.load(peer.flat() + (global_params - anchors[i]))
+                peer.inner_steps(h - overlap, lrs_now[overlap:])
             deltas.append(global_params - peer.flat())
+        if overlap:
+            anchors = [peer.flat() for peer in peers]
         step = combine(deltas)
         # Nesterov as the product's nesterov_outer_step (momentum 0: plain SGD).
         momentum.mul_(mu).add_(step)
         global_params -= outer_lr * (step + mu * momentum if mu else step)
-        for peer in peers:
-            peer.load(global_params)
-        curve.append(val_loss(task, peers[0].model, evals))
+        if not overlap:
+            for peer in peers:
+                peer.load(global_params)
+        flat_into(judge, global_params)
+        curve.append(val_loss(task, judge, evals))
         print(f"{name} {opts} round {r + 1}: {curve[-1]:.4f}", file=sys.stderr)
     return {"options": opts, "curve": curve, "final_val_loss": curve[-1]}
+
+
+def flat_into(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def val_loss(task: Any, model: torch.nn.Module, evals: list[Any]) -> float:
