@@ -34,6 +34,11 @@ others (a joiner) waits at its boundary, up to `round_timeout`, for them to
 arrive, and is in phase from the round they share (or, when they moved on
 meanwhile, it re-syncs and joins their round with weight 0, see `_catch_up`).
 
+With `overlap_steps` K > 0 a round runs in the background while the next inner
+steps do, and is merged once it is done (at the latest K steps after it began)
+with the steps taken meanwhile kept (`overlap.OverlappingRounds`): a round's
+latency, about a second whatever it carries, is spent training.
+
 Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
 communication"). The parameter tensors are split into F fragments balanced by
 size, each averaged under its own key with its own global copy, momentum and

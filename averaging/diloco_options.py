@@ -141,11 +141,16 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
     @classmethod
     def for_new_experiment(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         """A new sparse experiment decays its error feedback, takes the senders' mean
-        (`SPARSE_NEW`) and averages every `SPARSE_INNER_STEPS` inner steps, unless the
+        (`SPARSE_NEW`), averages every `SPARSE_INNER_STEPS` inner steps and, unverified,
+        overlaps each round with up to H - 1 inner steps (`overlap_steps`), unless the
         options say otherwise."""
-        if options.get("codec") in SPARSE_CODEC_NAMES:
-            return {**SPARSE_NEW, "inner_steps": SPARSE_INNER_STEPS, **options}
-        return dict(options)
+        if options.get("codec") not in SPARSE_CODEC_NAMES:
+            return dict(options)
+        new = {**SPARSE_NEW, "inner_steps": SPARSE_INNER_STEPS, **options}
+        h = new["inner_steps"]
+        if not new.get("verify") and isinstance(h, int) and not isinstance(h, bool) and h > 0:
+            new.setdefault("overlap_steps", h - 1)
+        return new
 
     @property
     def sparse(self) -> bool:

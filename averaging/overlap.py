@@ -145,9 +145,12 @@ class OverlappingRounds(OuterStrategyBase):
 
     async def _merge(self) -> RoundReport:
         """Wait for the round in flight (bounded by its own deadlines) and apply it."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         assert pending is not None
-        done = await pending.task
+        # (Shielded: a caller cancelled meanwhile leaves the round pending, for
+        # `_drop_pending` to give its samples back or set the parameters right.)
+        done = await asyncio.shield(pending.task)
+        self._pending = None
         return await self._settle(
             done, pending.weight, pending.started_at, pending.synced_at, overlapped=True
         )

@@ -164,3 +164,27 @@ async def test_a_checkpoint_between_a_commit_and_its_merge_restarts_from_the_glo
         torch.equal(p, g) for p, g in zip(restarted.params, restarted.strategy.globals, strict=True)
     )
     assert restarted.strategy.samples_since_sync == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_step_cancelled_while_it_waits_for_the_merge_leaves_the_round_to_close(
+    swarm: Callable[..., Any],
+) -> None:
+    """The trainer's stop cancels a step whose merge is waiting for the round: the round
+    stays pending, and dropping it (what closing does once `finish` gave up waiting)
+    gives its samples back, nothing having moved, instead of losing them."""
+    opts = {**OVERLAP, "min_group_size": 2, "matchmaking_time": 5.0, "round_timeout": 10.0}
+    (peer,) = await swarm("diloco", 1, opts)
+    await peer.train(5)
+    pending = peer.strategy._pending
+    assert pending is not None and not pending.task.done()
+    await asyncio.to_thread(peer.inner_step)
+    waiting = asyncio.ensure_future(peer.strategy.after_inner_step(8))  # step 6: must wait
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert peer.strategy._pending is pending and not pending.task.done()
+    await peer.strategy._drop_pending()
+    assert pending.task.cancelled() and peer.strategy._pending is None
+    assert peer.strategy.samples_since_sync == 48

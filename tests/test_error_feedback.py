@@ -158,11 +158,35 @@ def test_a_new_sparse_experiment_decays_its_feedback_and_takes_the_senders_mean(
     assert dense.to_dict() == DiLoCoOptions.parse({"codec": "int8"}).to_dict()
 
 
+def test_a_new_unverified_sparse_experiment_overlaps_its_rounds_with_the_next_steps() -> None:
+    """A sparse round's latency (about a second) is most of what it costs: a new
+    experiment spends it training, up to H - 1 steps; a verified one cannot overlap."""
+    new = DiLoCoOptions.parse(DiLoCoOptions.for_new_experiment({"codec": "topk"}))
+    assert new.overlap_steps == SPARSE_INNER_STEPS - 1
+    assert new.to_dict()["overlap_steps"] == SPARSE_INNER_STEPS - 1  # the manifest keeps it
+    given = DiLoCoOptions.for_new_experiment({"codec": "topk", "inner_steps": 8})
+    assert given["overlap_steps"] == 7
+    chosen = DiLoCoOptions.for_new_experiment({"codec": "topk", "overlap_steps": 0})
+    assert chosen["overlap_steps"] == 0
+    verified = DiLoCoOptions.parse(
+        DiLoCoOptions.for_new_experiment({"codec": "topk", "verify": True})
+    )
+    assert verified.overlap_steps == 0 and "overlap_steps" not in verified.to_dict()
+    dense = DiLoCoOptions.for_new_experiment({"codec": "int8"})
+    assert "overlap_steps" not in dense
+    # A manifest written before the option: no overlap.
+    assert DiLoCoOptions.parse({"codec": "topk"}).overlap_steps == 0
+
+
 def test_a_hosted_sparse_experiment_writes_its_rules_into_the_manifest() -> None:
     task = load_task("bytegpt", {"d_model": 32})
     _, config = parse_command_line(["run", "--strategy-option", "codec=topk"], {})
     _, options, _ = _new_settings(config, task, "sparse")
     assert options["codec_feedback_decay"] == 0.9 and options["codec_mean"] == "senders"
+    assert options["overlap_steps"] == SPARSE_INNER_STEPS - 1  # --verify auto: unverified
+    _, config = parse_command_line(["run", "--strategy-option", "codec=topk", "--verify", "on"], {})
+    _, options, _ = _new_settings(config, task, "sparse")
+    assert options["verify"] is True and "overlap_steps" not in options
 
 
 @pytest.mark.parametrize(
