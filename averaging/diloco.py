@@ -59,7 +59,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -134,6 +134,28 @@ async def _catch_up(
     for d in deltas:
         d.zero_()
     return await averager.step(weight=0.0, timeout=timeout)
+
+
+async def _one_round(
+    dht: DHTNode,
+    averager: Averager,
+    deltas: Sequence[torch.Tensor],
+    weight: int,
+    timeout: float,
+    settle: Callable[[StepResult], None] | None = None,
+) -> FragmentOutcome:
+    """The averager's step on `deltas` (then `settle(result)`, a sparse codec's error
+    feedback) and, right after a re-sync, the catch-up round."""
+    clock = RoundClock(dht)
+    result = await averager.step(weight=float(weight), timeout=timeout)
+    if settle is not None:
+        settle(result)
+    resynced = result.resynced
+    if resynced:
+        again = await _catch_up(averager, deltas, timeout - result.seconds)
+        if again is not None and again.committed:
+            result = again
+    return FragmentOutcome(result, resynced, clock.bytes_sent, clock.seconds)
 
 
 def _averager_config(key: str, opts: GroupOptions) -> AveragerConfig:
@@ -293,17 +315,9 @@ class DiLoCo(OverlappingRounds):
         return weight
 
     async def _run_round(self, weight: int) -> FragmentOutcome:
-        clock = RoundClock(self.dht)
+        settle = None if self.sparse is None else self.sparse.settle
         timeout = float(self.options.round_timeout)
-        result = await self.averager.step(weight=float(weight), timeout=timeout)
-        if self.sparse is not None:
-            self.sparse.settle(result)
-        resynced = result.resynced
-        if resynced:
-            again = await _catch_up(self.averager, self.deltas, timeout - result.seconds)
-            if again is not None and again.committed:
-                result = again
-        return FragmentOutcome(result, resynced, clock.bytes_sent, clock.seconds)
+        return await _one_round(self.dht, self.averager, self.deltas, weight, timeout, settle)
 
     async def _settle(
         self, done: FragmentOutcome, weight: int, started_at: int, synced_at: int, *,
@@ -586,15 +600,8 @@ class StreamingDiLoCo(OuterStrategyBase):
         await frag.begin(lambda: self.inner_steps, run, f"{self.key}/fragment{frag.index}")
 
     async def _run_round(self, frag: Fragment, weight: int) -> FragmentOutcome:
-        clock = RoundClock(self.dht)
         timeout = float(self.options.round_timeout)
-        result = await frag.avg.step(weight=float(weight), timeout=timeout)
-        resynced = result.resynced
-        if resynced:
-            again = await _catch_up(frag.avg, frag.deltas, timeout - result.seconds)
-            if again is not None and again.committed:
-                result = again
-        return FragmentOutcome(result, resynced, clock.bytes_sent, clock.seconds)
+        return await _one_round(self.dht, frag.avg, frag.deltas, weight, timeout)
 
     async def _merge(self, frag: Fragment) -> RoundReport:
         """Wait for the fragment's round (bounded by its own deadlines) and merge it."""
