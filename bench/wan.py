@@ -40,8 +40,9 @@ gives the curves. The target is gloo data parallel's final validation loss.
 
 Prints one JSON object on stdout (progress goes to stderr):
 
-    {"target_val_loss": ..., "arms": {ARM: {"final_val_loss", "time_to_target_s",
-     "bytes", "steps", "curve": [{"t", "val_loss", "bytes"}, ...], ...}},
+    {"target_val_loss": ..., "arms": {ARM: {"final_val_loss", "tail_val_loss" (the mean
+     over the last 30 s), "time_to_target_s", "bytes", "steps",
+     "curve": [{"t", "val_loss", "bytes"}, ...], ...}},
      "diloco_time_to_target_fraction": ..., "diloco_third_budget_val_loss": ...,
      "diloco_reaches_target_in_a_third": ..., "diloco_ends_lower": ...,
      "diloco_meets_targets": ..., "settings": {...}}
@@ -219,6 +220,20 @@ def curve(task: Any, results: list[dict], evals: list[Any], per_replica: bool) -
     return points
 
 
+# `tail_val_loss`: the mean over the budget's last this many seconds. A DiLoCo arm's
+# globals jump at each commit, so the final snapshot depends on where the last commit
+# fell (int8 at H = 50 commits every 6-7 s; a sparse arm every 2); the tail's mean
+# compares arms at the same phase of their curves.
+TAIL_S = 30.0
+
+
+def tail_mean(points: list[dict], seconds: float) -> float:
+    """The mean validation loss of the snapshots in the curve's last `seconds`."""
+    end = points[-1]["t"]
+    tail = [p["val_loss"] for p in points if p["t"] >= end - seconds]
+    return sum(tail) / len(tail)
+
+
 def time_to(points: list[dict], target: float) -> float | None:
     """When the curve first reached `target` (linear between snapshots), or None."""
     for a, b in itertools.pairwise(points):
@@ -278,6 +293,7 @@ def summarize(task: Any, raw: dict[str, list[dict]], args: argparse.Namespace) -
         extra = {k: v for k, v in results[0].items() if k not in skip}
         arms[arm] = {
             "final_val_loss": points[-1]["val_loss"],
+            "tail_val_loss": tail_mean(points, TAIL_S),
             "bytes": points[-1]["bytes"],
             "codec": codec_of(arm),
             "bytes_per_round": bytes_per_round(results),
