@@ -22,6 +22,11 @@ shard, AdamW, clipping) for the same wall-clock budget per arm:
 - ``streaming_int4``: Streaming DiLoCo with its fragments' outer gradients in 4 bits
   (the paper's setting; ``streaming`` is int8).
 
+The outer arms take the options a daemon records for a new experiment under `--verify
+auto` (the peers themselves do not audit): a dense DiLoCo arm the verified defaults (no
+overlapped rounds), a sparse one the unverified defaults (`overlap_steps` H - 1);
+``--options 'diloco_int8={"verify": false}'`` gives a dense arm the unverified ones.
+
 ``ARM:LABEL`` in `--arms` runs a variant of ARM with its own `--options` (for two
 settings of one arm side by side in one run: ``--arms diloco_sparse,diloco_sparse:h10
 --options 'diloco_sparse:h10={"inner_steps": 10}'``).
@@ -72,8 +77,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import ARM_TUNING, DEFAULT_DATA, MODEL_SEED, TASK_CONFIG
 from wan_lab import WanLab
 
+from shoal.averaging.options import SPARSE_CODEC_NAMES
 from shoal.averaging.outer import DEFAULT_OPTIONS
-from shoal.averaging.registry import schema_of
+from shoal.averaging.registry import can_verify, schema_of
 from shoal.peer.training.task import load_task
 
 ARMS = (
@@ -122,6 +128,24 @@ def base_arm(arm: str) -> str:
     return arm.partition(":")[0]
 
 
+def new_experiment_options(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a daemon records for a new experiment of `strategy` with `options`
+    under `--verify auto`: a dense experiment of a strategy that can verify is verified
+    there, so it takes the verified defaults (no overlapped rounds); a sparse one is
+    not. The arm's own peers do not audit (verification's cost is
+    bench/verification_swarm.py's), so `verify` is not passed on to them."""
+    schema = schema_of(strategy, outer=True)
+    verified = (
+        "verify" not in options
+        and options.get("codec") not in SPARSE_CODEC_NAMES
+        and can_verify(strategy)
+    )
+    new = schema.for_new_experiment({**options, "verify": True} if verified else options)
+    if verified:
+        del new["verify"]
+    return new
+
+
 def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> list[dict]:
     """Start the arm's peers in their namespaces, start them together, collect results."""
     run_dir.mkdir(parents=True)
@@ -133,7 +157,7 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
         options = {"codec": codec}
     options.update(args.options.get(variant, {}))
     if strategy not in {"gloo", "shoal_dp"}:  # (as a daemon hosts a new experiment)
-        options = schema_of(strategy, outer=True).for_new_experiment(options)
+        options = new_experiment_options(strategy, options)
     budget = args.budget_s / divisor
     procs = []
     for rank in range(args.peers):

@@ -791,10 +791,10 @@ def verification_options(
         out["verify"] = False
     sparse = out.get("codec") in SPARSE_CODEC_NAMES
     if "verify" not in out and config.verify == "auto" and sparse:
-        # An audit reveals four model sizes, against a hundredth of one in a sparse round:
+        # An audit reveals three model sizes, against a hundredth of one in a sparse round:
         # at the default audit rate, many times the rounds' own traffic. Auto is off for
         # them; --verify on audits them anyway.
-        log.warning("experiment %r uses codec %s: hosted UNVERIFIED (an audit reveals four "
+        log.warning("experiment %r uses codec %s: hosted UNVERIFIED (an audit reveals three "
                     "model sizes, many times a sparse round's bytes; --verify on audits "
                     "anyway)", name, out["codec"])  # fmt: skip
         out["verify"] = False

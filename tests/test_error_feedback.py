@@ -154,13 +154,14 @@ def test_a_new_sparse_experiment_decays_its_feedback_and_takes_the_senders_mean(
     assert chosen["inner_steps"] == SPARSE_INNER_STEPS
     given = DiLoCoOptions.for_new_experiment({"codec": "topk", "inner_steps": 50})
     assert given["inner_steps"] == 50
-    dense = DiLoCoOptions.parse(DiLoCoOptions.for_new_experiment({"codec": "int8"}))
-    assert dense.to_dict() == DiLoCoOptions.parse({"codec": "int8"}).to_dict()
+    dense = DiLoCoOptions.for_new_experiment({"codec": "int8", "verify": True})
+    assert dense == {"codec": "int8", "verify": True}
 
 
-def test_a_new_unverified_sparse_experiment_overlaps_its_rounds_with_the_next_steps() -> None:
-    """A sparse round's latency (about a second) is most of what it costs: a new
-    experiment spends it training, up to H - 1 steps; a verified one cannot overlap."""
+def test_a_new_unverified_experiment_overlaps_its_rounds_with_the_next_steps() -> None:
+    """A sparse round's latency (about a second) is most of what it costs, and a dense
+    one's transfer: a new experiment spends them training, up to H - 1 steps; a
+    verified one cannot overlap."""
     new = DiLoCoOptions.parse(DiLoCoOptions.for_new_experiment({"codec": "topk"}))
     assert new.overlap_steps == SPARSE_INNER_STEPS - 1
     assert new.to_dict()["overlap_steps"] == SPARSE_INNER_STEPS - 1  # the manifest keeps it
@@ -172,10 +173,15 @@ def test_a_new_unverified_sparse_experiment_overlaps_its_rounds_with_the_next_st
         DiLoCoOptions.for_new_experiment({"codec": "topk", "verify": True})
     )
     assert verified.overlap_steps == 0 and "overlap_steps" not in verified.to_dict()
-    dense = DiLoCoOptions.for_new_experiment({"codec": "int8"})
+    # Dense rounds overlap alike, at the dense H (50 unless given).
+    assert DiLoCoOptions.for_new_experiment({"codec": "int8"})["overlap_steps"] == 49
+    assert DiLoCoOptions.for_new_experiment({"verify": False})["overlap_steps"] == 49
+    assert DiLoCoOptions.for_new_experiment({"inner_steps": 5})["overlap_steps"] == 4
+    dense = DiLoCoOptions.for_new_experiment({"codec": "int8", "verify": True})
     assert "overlap_steps" not in dense
     # A manifest written before the option: no overlap.
     assert DiLoCoOptions.parse({"codec": "topk"}).overlap_steps == 0
+    assert DiLoCoOptions.parse({"codec": "int8"}).overlap_steps == 0
 
 
 def test_a_hosted_sparse_experiment_writes_its_rules_into_the_manifest() -> None:
@@ -187,6 +193,16 @@ def test_a_hosted_sparse_experiment_writes_its_rules_into_the_manifest() -> None
     _, config = parse_command_line(["run", "--strategy-option", "codec=topk", "--verify", "on"], {})
     _, options, _ = _new_settings(config, task, "sparse")
     assert options["verify"] is True and "overlap_steps" not in options
+
+
+def test_a_hosted_dense_experiment_overlaps_only_when_unverified() -> None:
+    task = load_task("bytegpt", {"d_model": 32})
+    _, config = parse_command_line(["run"], {})  # --verify auto: DiLoCo verifies
+    _, options, _ = _new_settings(config, task, "dense")
+    assert options["verify"] is True and "overlap_steps" not in options
+    _, config = parse_command_line(["run", "--verify", "off", "--inner-steps", "30"], {})
+    _, options, _ = _new_settings(config, task, "dense")
+    assert options["verify"] is False and options["overlap_steps"] == 29
 
 
 @pytest.mark.parametrize(
