@@ -37,6 +37,7 @@ from shoal.pipeline.stage_build import builds_stages_alone, stage_fingerprints
 from shoal.transport.identity import Identity
 from shoal.verification.audit import AuditPolicy
 
+from .codec_default import with_default_codec
 from .config import Config
 from .experiment import (
     Manifest,
@@ -729,6 +730,7 @@ def _new_settings(
             given_h = "inner_steps" in config.sources
             options = {**({"inner_steps": config.inner_steps} if given_h else {}), **given}
             options = verification_options(config, options, private_data=private, name=name)
+            options = with_default_codec(config.strategy, options, task, name)
             schema = schema_of(config.strategy, outer=True)
             options = schema.parse(schema.for_new_experiment(options)).to_dict()
         # A new experiment writes every hyperparameter out, at today's defaults (a
