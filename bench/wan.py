@@ -187,7 +187,9 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
         wait_ready(run_dir, args.peers, procs)
         (run_dir / "go").write_text(repr(time.monotonic() + 0.5))
         for proc, _ in procs:
-            proc.wait(timeout=budget + 180)
+            # A data-parallel step may end well past the budget (a 25M model's at 10
+            # Mbit/s takes about 2 minutes).
+            proc.wait(timeout=budget * 1.5 + 180)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
@@ -198,7 +200,15 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
     if failed:
         tail = (run_dir / f"log-{failed[0]}.txt").read_text()[-3000:]
         raise RuntimeError(f"{arm}: peers {failed} failed:\n{tail}")
-    return [torch.load(run_dir / f"result-{k}.pt") for k in range(args.peers)]
+    results = [torch.load(run_dir / f"result-{k}.pt") for k in range(args.peers)]
+    if base_arm(arm) != "noloco":
+        # Only rank 0's snapshots are evaluated (`curve`): the others' parameters would
+        # hold every arm's models in memory until the end (a 25M model's 900 s at 60-s
+        # snapshots is 6.4 GB an arm; three such arms ran this machine out of memory).
+        for r in results[1:]:
+            for snapshot in r["snapshots"]:
+                snapshot.pop("params", None)
+    return results
 
 
 def wait_ready(run_dir: Path, peers: int, procs: list[Any], timeout: float = 180.0) -> None:
