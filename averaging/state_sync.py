@@ -59,6 +59,7 @@ from .deadline import Deadline
 from .fingerprint import state_fingerprint
 from .lineage import declared_work
 from .paged import file_tensors, release, release_range
+from .request_sizing import RequestSizer
 
 log = logging.getLogger("shoal.averaging.state")
 
@@ -808,8 +809,10 @@ async def _fetch(
     chunk_bytes: int,
     request_timeout: float,
 ) -> None:
-    """Download from `progress[0]` to the end, advancing `progress[0]` after each
-    completed request, so that after a failure another source resumes there."""
+    """Download from `progress[0]` to the end in requests sized to the link
+    (`RequestSizer`: each must end within `request_timeout`, at most `chunk_bytes`),
+    advancing `progress[0]` after each piece received, so that after a failure
+    another source resumes there (the fingerprint checks every byte at the end)."""
     total = sum(v.numel() for v in views)
     offset = progress[0]
     starts = []
@@ -817,9 +820,11 @@ async def _fetch(
     for v in views:
         starts.append(acc)
         acc += v.numel()
+    sizer = RequestSizer(request_timeout, chunk_bytes)
     while offset < total:
-        length = min(chunk_bytes, total - offset)
+        length = min(sizer.next_bytes, total - offset)
         end = offset + length
+        opened = time.monotonic()
         async with rpc.open_call(
             host, peer, protocol, "fetch",
             {"fp": fingerprint, "offset": offset, "length": length},
@@ -832,9 +837,11 @@ async def _fetch(
                 # (A download into a file's mapping, `downloads_in`: its pages, once
                 # written, go to the page cache, not the process's resident set.)
                 release_range(piece.data_ptr(), n)
+                progress[0] = starts[i] + start + n
             done = await call.recv_item()
             if not isinstance(done, dict) or done.get("done") != end:
                 raise ValueError("fetch ended out of step")
+        sizer.observe(length, time.monotonic() - opened)
         offset = progress[0] = end
 
 

@@ -37,9 +37,12 @@ class Session:
         self.host = host
         self.nat = nat
         self.dht: Any = None
+        self.state_server: Any = None
         self.started = time.monotonic()
 
     async def aclose(self) -> None:
+        if self.state_server is not None:
+            self.state_server.close()
         if self.dht is not None:
             await self.dht.aclose()
         await self.nat.aclose()
@@ -245,6 +248,32 @@ class Peer:
     async def cmd_dht_get(self, key: str) -> dict[str, Any]:
         found = await self.s.dht.get(key, latest=True)
         return {"value": None if found is None else found.value}
+
+    async def cmd_state_serve(self, key: str, mbytes: float, seed: int = 0) -> dict[str, Any]:
+        """Serve (and announce in the DHT) a state of `mbytes` MiB of seeded noise."""
+        import torch
+
+        from shoal.averaging.state_sync import StateServer, make_state
+
+        noise = torch.randn(
+            int(mbytes * (1 << 20)) // 4, generator=torch.Generator().manual_seed(seed)
+        )
+        state = make_state([noise], {"step": 1})
+        self.s.state_server = StateServer(self.s.dht, key, lambda: state)
+        return {"fingerprint": state.fingerprint, "announced": await self.s.state_server.announce()}
+
+    async def cmd_state_load(
+        self, key: str, request_timeout: float = 30.0, timeout: float = 120.0
+    ) -> dict[str, Any]:
+        """Download the newest state of `key` from its holders."""
+        from shoal.averaging.state_sync import load_state_from_peers
+
+        t0 = time.monotonic()
+        state = await load_state_from_peers(
+            self.s.dht, key, timeout=timeout, request_timeout=request_timeout
+        )
+        nbytes = sum(t.numel() * t.element_size() for t in state.tensors)
+        return {"fingerprint": state.fingerprint, "bytes": nbytes, "seconds": time.monotonic() - t0}
 
     # --- plumbing -------------------------------------------------------------------------------
 
