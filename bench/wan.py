@@ -54,7 +54,9 @@ Prints one JSON object on stdout (progress goes to stderr):
 
 and then writes a PNG (`--plot`) of validation loss against wall-clock time and against
 bytes sent (with the optional `bench` extra, matplotlib; without it `"plot"` is null).
-`bytes` are what the peers' links sent (IP packets, every protocol).
+`bytes` are what the peers' links sent (IP packets, every protocol). Each peer's log is
+the run directory's `log-RANK.txt` (kept with `--keep`; `SHOAL_WAN_LOG=INFO` logs each
+round and re-sync there).
 """
 
 from __future__ import annotations

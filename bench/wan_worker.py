@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import sys
@@ -311,6 +312,12 @@ async def run_strategy(w: Worker) -> dict[str, Any]:
 
 
 def main(spec_path: str) -> None:
+    # (SHOAL_WAN_LOG=INFO: each round's and re-sync's story in the run directory's
+    # log-RANK.txt, kept with --keep.)
+    logging.basicConfig(
+        level=os.environ.get("SHOAL_WAN_LOG", "WARNING"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)  # the peers share the machine's cores
     torch.manual_seed(spec["rank"])
