@@ -210,6 +210,13 @@ class AveragerDeadlines:
     def state_timeout(self) -> float:
         return self.policy.deadlines(self.group_size).state_timeout
 
+    def stall_timeout(self, group_size: int) -> float:
+        """The stall timeout of a round among `group_size` members, once its group is
+        formed: each member's chunks share its uplink with every other member's, so
+        the round's group, not the last one's, sets how long a chunk may take (a first
+        round among 4 timed for `min_group_size` 2 allowed a third of what it needed)."""
+        return self.policy.deadlines(group_size).stall_timeout
+
     def observe_round(self, host: Host, group: Group, received: int, seconds: float) -> None:
         """What an all-reduce showed of our links: its rate and the members' round trips."""
         self.group_size = group.size

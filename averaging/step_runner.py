@@ -225,7 +225,6 @@ class StepRunner:
         stall = None
         if owner.deadlines is not None:
             adaptive = owner.deadlines.next_round()
-            stall = adaptive.stall_timeout
             if timeout is not None:  # (its floor is 0: what the links add to ours)
                 timeout += adaptive.round_timeout
         deadline = Deadline.after(timeout)
@@ -250,6 +249,8 @@ class StepRunner:
                 self.log.matched(looking, 0, _no_group_outcome(e), left_out)
                 return await self._without_group(e, deadline, started, attempts, weight, alone)
             self.log.matched(looking, group.size, "averaging", left_out)
+            if owner.deadlines is not None:
+                stall = owner.deadlines.stall_timeout(group.size)
             outcome = await self._average(group, weight, stall)
             if outcome.committed:
                 return await self._committed(group, outcome, started, attempts)

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from shoal.averaging.deadlines import CEILINGS, PRIOR_RATE, SLACK, AdaptiveDeadlines, Deadlines
+from shoal.averaging.butterfly import AllReduceConfig
+from shoal.averaging.deadlines import (
+    CEILINGS,
+    PRIOR_RATE,
+    SLACK,
+    AdaptiveDeadlines,
+    AveragerDeadlines,
+    Deadlines,
+)
+from shoal.averaging.matchmaking_round import MatchmakingConfig
 
 FLOORS = Deadlines(
     matchmaking_time=5.0, join_timeout=7.0, round_timeout=30.0, stall_timeout=5.0,
@@ -88,3 +98,17 @@ def test_a_floor_above_the_ceiling_wins() -> None:
     floors = Deadlines(1.0, 2.0, 3.0, 500.0, 4.0)
     p = AdaptiveDeadlines(floors, payload_bytes=MB, state_bytes=MB, chunk_bytes=MB)
     assert p.deadlines().stall_timeout == 500.0
+
+
+def test_a_round_is_timed_for_the_group_it_formed_not_the_last_one() -> None:
+    # Before any round the last group is taken to be `min_group_size` (2); a first
+    # round among 4 members shares each uplink three ways, so a chunk may take 3x.
+    payload = [torch.zeros(25 * MB // 4)]  # (a 25 MB float32 pseudo-gradient)
+    averager = AveragerDeadlines(
+        MatchmakingConfig(min_group_size=2), AllReduceConfig(stall_timeout=5.0), 120.0,
+        payload, payload,
+    )  # fmt: skip
+    before = averager.next_round().stall_timeout
+    assert before == pytest.approx(SLACK * 4 * MB / PRIOR_RATE)
+    assert averager.stall_timeout(4) == pytest.approx(3 * before)
+    assert averager.stall_timeout(2) == pytest.approx(before)

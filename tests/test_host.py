@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 import time
 
 import pytest
@@ -46,6 +47,19 @@ async def test_addresses_carry_the_peer_id_and_a_dial_meets_that_peer(pair) -> N
     assert conn.remote_peer == b.peer_id
     await eventually(lambda: a.peer_id in b.connections, "b has the connection too")
     assert b.connections[a.peer_id].remote_peer == a.peer_id
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="no TCP_NOTSENT_LOWAT here")
+async def test_the_kernel_holds_little_unsent_data_so_the_mux_orders_what_goes_out(pair) -> None:
+    # The mux sends control frames first and streams in turn; what the kernel holds
+    # unsent is past its reach (megabytes by default: seconds on a slow uplink).
+    a, b = pair
+    conn = await a.connect(b.addresses()[0])
+    await eventually(lambda: a.peer_id in b.connections, "b has the connection too")
+    for c in (conn, b.connections[a.peer_id]):
+        sock = c._transport.get_extra_info("socket")
+        lowat = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+        assert 0 < lowat <= 256 * 1024
 
 
 async def test_a_blocked_peer_gets_no_connection_either_way(pair, make_host) -> None:

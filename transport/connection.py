@@ -122,6 +122,24 @@ _FLUSH_BUDGET = 512 * 1024
 _LOST_REPORT_TIMEOUT = 1.0
 _COPY_SMALL_WRITES = 64 * 1024  # writes up to this size are copied and return at once
 _STREAM_HIGH_WATER = 256 * 1024  # ... while the stream has less than this queued
+# Bytes the kernel may hold of ours not yet sent (TCP_NOTSENT_LOWAT). By default it
+# takes up to the send buffer, 4 MiB: on a slow uplink shared by several connections
+# (10 Mbit/s among 3 all-reduce peers: 0.4 MB/s each) a heartbeat then waited
+# behind 10 s of bulk data in the kernel, where the mux's control-first round robin
+# cannot reach it, and rounds aborted for a "stalled" member that was only queued
+# behind (bench/wan.py, 25M parameters). Capped, what is unsent stays in the mux,
+# which sends control frames first; in-flight data is not capped (the window still
+# grows to the path's bandwidth-delay product).
+_NOTSENT_LOWAT = 128 * 1024
+
+
+def _limit_unsent(sock: socket.socket) -> None:
+    """Cap the unsent bytes the kernel holds (`_NOTSENT_LOWAT`), where the OS can."""
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if option is None:  # (not every platform has it: there, as before)
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, option, _NOTSENT_LOWAT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -789,6 +807,7 @@ class Connection(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
+            _limit_unsent(sock)
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
         self.remote_address = (peer[0], peer[1]) if peer else None
