@@ -112,6 +112,7 @@ def measure(d_model: int, layers: int, segments: int, segment: int, consume: boo
     policy = AuditPolicy()
     warm = check_segment(referee, task, SHARDS, NS, rnd, c, segment, received(), b"s", policy)
     reveal = received()
+    assert reveal.start is not None
     held = sum(t.numel() * t.element_size() for t in [*reveal.start.params, *reveal.end_params])
     for per_param in reveal.start.optimizer["optimizer"]["state"].values():
         held += sum(v.numel() * v.element_size() for v in per_param.values() if v.dim())

@@ -4,7 +4,13 @@ machine), training throughput and bytes sent per committed round compared.
 
 Used by `bench/verification.py --overhead-seconds S`; runnable alone:
 
-    python bench/verification_swarm.py [--seconds 180] [--peers 4]
+    python bench/verification_swarm.py [--seconds 180] [--peers 4] [--codec int8]
+        [--inner-state reset]
+
+`--inner-state reset` starts each round's inner optimizer afresh (both arms, so that
+they train alike): a referee then rebuilds the segment's start from the round's
+global state and the prover sends a header instead of three model sizes
+(`peer/verify/rebuild.py`); `starts_rebuilt` and `starts_fetched` count those audits.
 
 Every daemon trains the built-in task at its default size with one CPU thread. The
 audit rate is the default one and new peers are not put on probation (the
@@ -29,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT = 120.0
-# Segments of a round at the daemon's defaults (inner_steps 50, audit_segment_steps 3).
-SEGMENTS = 17
+# Segments of a sparse round at the daemon's defaults (inner_steps 20, audit_segment_steps
+# 3): one in that many audits is of the last segment, which reveals the residual too.
+SPARSE_SEGMENTS = 7
+SPARSE_CODECS = ("topk", "dct")
 
 
 class Daemon:
@@ -97,13 +105,18 @@ def _wait(check: Any, timeout: float, what: str) -> None:
 
 
 def run_arm(
-    verify: bool, peers: int, seconds: float, workdir: Path, codec: str = "none"
+    verify: bool,
+    peers: int,
+    seconds: float,
+    workdir: Path,
+    codec: str = "none",
+    inner_state: str = "carry",
 ) -> dict[str, Any]:
     """Tokens/s of the swarm and bytes sent per committed round, over `seconds`."""
     arm = "on" if verify else "off"
-    options = ",".join(
-        o for o in ("audit_probation_rate=0.05" if verify else "", f"codec={codec}") if o
-    )
+    given = ("audit_probation_rate=0.05" if verify else "", f"codec={codec}",
+             f"inner_state={inner_state}")  # fmt: skip
+    options = ",".join(o for o in given if o)
     env = {"SHOAL_STRATEGY_OPTIONS": options}
     host = Daemon("host", workdir / arm / "host", ["--host-experiment", f"bench-{arm}",
                                                    "--verify", arm], env)  # fmt: skip
@@ -143,6 +156,9 @@ def run_arm(
         # Audits whose re-run ended in the committed state (no end sent), and ends asked.
         "audits_bit_exact": window("audits_bit_exact"),
         "reveal_ends_fetched": window("reveal_ends_fetched"),
+        # Audits whose start was rebuilt here (a header crossed the wire), and fetched.
+        "starts_rebuilt": window("starts_rebuilt"),
+        "starts_fetched": window("starts_fetched"),
         "tokens_per_s": tokens / elapsed,
         "bytes_sent": sent,
         "rounds": rounds,
@@ -177,6 +193,7 @@ async def _reveal_bytes() -> dict[str, int]:
     start = runner.run(runner.capture(), segment_batches(task, 0, 64, 1, first=0, count=1), 0)
     end = runner.run(start, segment_batches(task, 0, 64, 1, first=1, count=3), 1)
     reveals = {"reveal_bytes": reveal_of(start, end, with_end=False),
+               "reveal_bytes_rebuilt": reveal_of(None, end, with_end=False),
                "reveal_bytes_protocol_2_4": reveal_of(start, end),
                "reveal_bytes_protocol_2_0": reveal_of(start, end, end)}  # fmt: skip
     config = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))
@@ -199,26 +216,29 @@ async def _reveal_bytes() -> dict[str, int]:
             before = prover.bytes_sent
             await fetch_reveal(referee, prover.peer_id, 1, 0, runner.inner.state_dict(), shapes,
                                timeout=60, layouts=runner.inner.state_layouts(),
-                               end=False)  # fmt: skip
+                               end=False, start=name != "reveal_bytes_rebuilt")  # fmt: skip
             out[name] = prover.bytes_sent - before
     finally:
         await asyncio.gather(prover.aclose(), referee.aclose(), return_exceptions=True)
     return out
 
 
-def measure(seconds: float, peers: int, rate: float = 0.05, codec: str = "none") -> dict[str, Any]:
+def measure(
+    seconds: float, peers: int, rate: float = 0.05, codec: str = "none", inner_state: str = "carry"
+) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="shoal-verify-bench-"))
     try:
-        on = run_arm(True, peers, seconds, workdir, codec)
-        off = run_arm(False, peers, seconds, workdir, codec)
+        on = run_arm(True, peers, seconds, workdir, codec, inner_state)
+        off = run_arm(False, peers, seconds, workdir, codec, inner_state)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     # How many audits fall in a window is a matter of luck (Poisson, about rate x peers
     # per round): the expectation replaces the audits seen by the audits expected.
     reveal = reveal_bytes()
-    per_audit = reveal["reveal_bytes"]
-    if codec != "none":  # (a sparse round's last segment also reveals its residual)
-        per_audit += reveal["model_bytes"] // SEGMENTS
+    # (A reset round's start is rebuilt by its referee: a header crosses the wire.)
+    per_audit = reveal["reveal_bytes_rebuilt" if inner_state == "reset" else "reveal_bytes"]
+    if codec in SPARSE_CODECS:  # (a sparse round's last segment also reveals its residual)
+        per_audit += reveal["model_bytes"] // SPARSE_SEGMENTS
     rest = (
         on["bytes_per_round"]
         - off["bytes_per_round"]
@@ -234,6 +254,7 @@ def measure(seconds: float, peers: int, rate: float = 0.05, codec: str = "none")
         "off": off,
         "peers": peers,
         "codec": codec,
+        "inner_state": inner_state,
     }
 
 
@@ -242,8 +263,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=180.0, help="measured time per arm")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--codec", default="none", help="DiLoCo's codec, e.g. int8 or topk")
+    parser.add_argument(
+        "--inner-state",
+        default="carry",
+        choices=("carry", "reset"),
+        help="the inner optimizer's state at each round: carried or reset",
+    )
     args = parser.parse_args()
-    print(json.dumps(measure(args.seconds, args.peers, codec=args.codec)))
+    result = measure(args.seconds, args.peers, codec=args.codec, inner_state=args.inner_state)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ overlapped rounds), a sparse one the unverified defaults (`overlap_steps` H - 1)
 
 ``ARM:LABEL`` in `--arms` runs a variant of ARM with its own `--options` (for two
 settings of one arm side by side in one run: ``--arms diloco_sparse,diloco_sparse:h10
---options 'diloco_sparse:h10={"inner_steps": 10}'``).
+--options 'diloco_sparse:h10={"inner_steps": 10}'``). One key of `--options` is the
+inner loop's, not the strategy's: ``"inner_state": "reset"`` starts the inner AdamW
+afresh at each new global state, as the daemon's hyperparameter of that name does.
 
 Every arm's JSON says its `codec` and `bytes_per_round`: the bytes one peer's link
 sent per round (outer round; a step for data parallel; a fragment's round for
@@ -158,6 +160,9 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
         strategy, codec = CODEC_ARMS[arm]
         options = {"codec": codec}
     options.update(args.options.get(variant, {}))
+    # (The trainer's, not the strategy's: `"inner_state": "reset"` starts Adam afresh
+    # at each new global state, as the daemon's hyperparameter does.)
+    inner_state = options.pop("inner_state", "carry")
     if strategy not in {"gloo", "shoal_dp"}:  # (as a daemon hosts a new experiment)
         options = new_experiment_options(strategy, options)
     budget = args.budget_s / divisor
@@ -173,6 +178,7 @@ def run_arm(arm: str, lab: WanLab, args: argparse.Namespace, run_dir: Path) -> l
             "snapshot_s": args.snapshot_s,
             "inner_steps": args.inner_steps,
             "options": options,
+            "inner_state": inner_state,
             "data": str(args.data.resolve()),
             "task_config": json.loads(args.task_config),
             "tuning": {"inner_lr": args.lr[arm], "warmup_frac": args.warmup_frac},

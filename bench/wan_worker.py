@@ -42,6 +42,7 @@ from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.strategies import make_strategy
 from shoal.dht.node import DHTNode
 from shoal.peer.training.task import load_task
+from shoal.peer.training.validation import changes_the_model
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity, PeerID
 from shoal.transport.multiaddr import Multiaddr
@@ -285,6 +286,7 @@ async def run_strategy(w: Worker) -> dict[str, Any]:
     options = {"inner_steps": w.spec["inner_steps"], **w.spec.get("options", {})}
     strategy = make_strategy(arm, dht, KEY, w.params, options)
     rounds: dict[str, int] = {}
+    reset_inner = w.spec.get("inner_state", "carry") == "reset"
 
     def shipped() -> list[torch.Tensor]:
         if arm == "diloco":
@@ -301,8 +303,11 @@ async def run_strategy(w: Worker) -> dict[str, Any]:
             w.maybe_snapshot(shipped())
             tokens = await w.run(w.forward_backward)
             await w.run(w.apply, w.elapsed())
-            for report in await strategy.after_inner_step(tokens):
+            reports = await strategy.after_inner_step(tokens)
+            for report in reports:
                 rounds[report.outcome.value] = rounds.get(report.outcome.value, 0) + 1
+            if reset_inner and changes_the_model(reports):
+                w.optimizer.state.clear()  # (as the daemon's `inner_state` "reset")
         w.maybe_snapshot(shipped(), final=True)
         outer_steps = strategy.outer_steps
         sent_by_protocol = {

@@ -745,6 +745,9 @@ def _new_settings(
             )
         if hyperparameters["precision"] == "fp32":
             del hyperparameters["precision"]
+        # Nor is a carried inner state: peers of a shoal before the choice join it.
+        if hyperparameters["inner_state"] == "carry":
+            del hyperparameters["inner_state"]
         # Plain AdamW is not written either: peers of a shoal before the choice join it.
         if is_default_inner_optimizer(hyperparameters["inner_optimizer"]):
             del hyperparameters["inner_optimizer"]

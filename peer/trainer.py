@@ -49,6 +49,8 @@ __all__ = [
 
 log = logging.getLogger("shoal.trainer")
 
+INNER_STATES = ("carry", "reset")
+
 # What a new experiment's manifest gets (session.py writes them all out). Tuned for
 # the default experiment (DiLoCo, H = 50, bytegpt at its default size) with
 # bench/tune_defaults.py: see docs/guide/strategies.md, "Hyperparameters".
@@ -72,6 +74,11 @@ DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
     # The inner optimizer, a `torch.optim` class of an allowlist with bounded arguments
     # (peer/training/optimizers.py); written to a manifest only when not plain AdamW.
     "inner_optimizer": DEFAULT_INNER_OPTIMIZER,
+    # What the inner optimizer's state (Adam's moments) does at each new global state:
+    # "carry" it on, or "reset" it (each round's work then starts from a state every
+    # peer can rebuild: an audit re-runs it instead of reading three model sizes;
+    # docs/architecture/verification.md). Written to a manifest only when "reset".
+    "inner_state": "carry",
 }
 
 # What a manifest without a key means: the value it had when such manifests were
@@ -82,6 +89,14 @@ LEGACY_HYPERPARAMETERS: dict[str, Any] = {
     "inner_lr": 1e-3,
     "warmup_steps": 50,
     "lr_schedule": "constant",
+}
+
+
+# The hyperparameters that name one of a few choices.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "precision": PRECISIONS,
+    "inner_state": INNER_STATES,
+    "lr_schedule": LR_SCHEDULES,
 }
 
 
@@ -97,19 +112,13 @@ def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
                 f"unknown hyperparameter {key!r}; known: {', '.join(DEFAULT_HYPERPARAMETERS)}"
             )
         default = DEFAULT_HYPERPARAMETERS[key]
-        if key == "precision":
-            if value not in PRECISIONS:
-                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
-            out[key] = value
-            continue
         if key == "inner_optimizer":
             out[key] = check_inner_optimizer(value)
             continue
-        if key == "lr_schedule":
-            if value not in LR_SCHEDULES:
-                raise ValueError(
-                    f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {value!r}"
-                )
+        choices = _CHOICES.get(key)
+        if choices is not None:
+            if value not in choices:
+                raise ValueError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
             out[key] = value
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
@@ -296,6 +305,8 @@ class Trainer:
         loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
         reports = await self.outer.after_step(loss, tokens, stop)
         if changes_the_model(reports):
+            if self.work is None and self.hyper["inner_state"] == "reset":
+                await loop.run_in_executor(self._worker, self.inner.reset)
             await self.validate()
         if self._new_work_round():
             await loop.run_in_executor(self._worker, self._begin_work)
@@ -356,6 +367,8 @@ class Trainer:
         batches = self.task.batches(self.shard, self.hyper["num_shards"], seed)
         self._batches = BatchPrefetcher(batches, self.device)
         resets = self.work.resets_of()
+        if self.hyper["inner_state"] == "reset":
+            self.inner.reset()
         self.work.log.begin(round_index, self.stats.step, self.model, self.inner, resets=resets)
 
     async def validate(self, *, force: bool = False) -> float | None:

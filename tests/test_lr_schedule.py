@@ -128,8 +128,9 @@ def test_bad_schedule_values_are_refused(given: dict, complaint: str) -> None:
 
 def test_a_new_experiment_writes_the_tuned_defaults_and_flags_override_them() -> None:
     _, _, hyper = _new_settings(Config(), task=None)  # type: ignore[arg-type]
-    # (a manifest without precision reads as fp32, without inner_optimizer as AdamW)
-    unwritten = ("precision", "inner_optimizer")
+    # (a manifest without precision reads as fp32, without inner_optimizer as AdamW,
+    # without inner_state as carry)
+    unwritten = ("precision", "inner_optimizer", "inner_state")
     assert hyper == {k: v for k, v in DEFAULT_HYPERPARAMETERS.items() if k not in unwritten}
     # Read back by a peer, the manifest means the same.
     assert check_hyperparameters(hyper) == DEFAULT_HYPERPARAMETERS
@@ -137,6 +138,8 @@ def test_a_new_experiment_writes_the_tuned_defaults_and_flags_override_them() ->
     _, _, hyper = _new_settings(flags, task=None)  # type: ignore[arg-type]
     assert hyper["inner_lr"] == 3e-3 and hyper["lr_schedule"] == "constant"
     assert hyper["warmup_steps"] == DEFAULT_HYPERPARAMETERS["warmup_steps"]
+    reset = Config(strategy_option=(("inner_state", "reset"),))
+    assert _new_settings(reset, task=None)[2]["inner_state"] == "reset"  # type: ignore[arg-type]
 
 
 def test_a_new_pipeline_experiment_keeps_the_legacy_stage_optimizer_rates(tmp_path: Path) -> None:

@@ -48,6 +48,18 @@ SPARSE = {
     ),
     "SHOAL_VERIFY": "on",
 }
+# Each round's work from a fresh inner optimizer (`inner_state` "reset"): the honest
+# referees rebuild the starts they audit from the round's global state (the prover
+# sends a header), and the cheater's noise still convicts it: its starts past the
+# first segment are not where an honest re-run arrives, so they are fetched.
+RESET = {
+    **ROUNDS,
+    "SHOAL_STRATEGY_OPTIONS": ROUNDS["SHOAL_STRATEGY_OPTIONS"] + ",inner_state=reset",
+}
+SPARSE_RESET = {
+    **SPARSE,
+    "SHOAL_STRATEGY_OPTIONS": SPARSE["SHOAL_STRATEGY_OPTIONS"] + ",inner_state=reset",
+}
 
 
 @pytest.mark.timeout(420)
@@ -56,8 +68,13 @@ SPARSE = {
     # (A sparse swarm's noise cheater is caught by the re-run, as the dense one is; the
     # sign flipper only by the sparse audit's re-derived message. So the sparse swarm
     # runs the flipper alone: CI's slow tests run one after another.)
-    [(ROUNDS, CHEATER_CODE), (SPARSE, FLIPPER_CODE)],
-    ids=["dense", "topk-flipped-message"],
+    [
+        (ROUNDS, CHEATER_CODE),
+        (SPARSE, FLIPPER_CODE),
+        (RESET, CHEATER_CODE),
+        (SPARSE_RESET, FLIPPER_CODE),
+    ],
+    ids=["dense", "topk-flipped-message", "dense-reset", "topk-reset-flipped-message"],
 )
 def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on(
     tmp_path: Path, settings: dict[str, str], code: Path
@@ -93,10 +110,14 @@ def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on
         conviction = audits[0]["convictions"][0]
         assert conviction["peer"] == cheater_id and len(conviction["accusers"]) >= 2
         assert all(a["convicted_self"] is False for a in audits)
-        if settings is ROUNDS:  # (its noise: no re-run ends in its committed state)
+        if settings in (ROUNDS, RESET):  # (its noise: no re-run ends in its committed state)
             fetched = sum(a["reveal_ends_fetched"] for a in audits)
             assert fetched >= sum(a["audits_failed"] for a in audits), audits
-        if settings is SPARSE:  # every chain proven by the receipts of its round
+        # (With "carry" a peer's first round starts fresh too, as a newcomer's optimizer
+        # has no state yet: its start is rebuilt as well, so only "reset" is asserted.)
+        if settings in (RESET, SPARSE_RESET):  # (the honest ones' starts, at least)
+            assert sum(a["starts_rebuilt"] for a in audits) > 0, audits
+        if settings in (SPARSE, SPARSE_RESET):  # every chain proven by the receipts
             assert all(a["chains_unproven"] == 0 and a["receipts_received"] > 0
                        for a in audits), audits  # fmt: skip
 

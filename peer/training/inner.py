@@ -193,6 +193,12 @@ class InnerOptimizer:
         # The one host-device synchronization of a step: the loss for the log.
         return float(loss.detach())
 
+    def reset(self) -> None:
+        """Forget the optimizer's per-parameter state (moments, step counts): the next
+        step starts it afresh, as on a new peer (`inner_state` "reset"). The lr
+        schedule goes on: it follows the trainer's step count."""
+        self.optimizer.state.clear()
+
     def state_layouts(self) -> list[dict[str, tuple[int, ...]]]:
         """Per parameter, the state tensors (name -> shape) the optimizer keeps once it
         has stepped: what a reveal of this experiment's work may hold."""

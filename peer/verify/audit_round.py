@@ -317,14 +317,20 @@ class EndNeeded:
     rerun: torch.Tensor
 
 
+def prover_batches(task: Task, num_shards: int, namespace: str, commitment: Commitment,
+                   first: int, end: int) -> list[object]:  # fmt: skip
+    """The batches of `commitment`'s prover for its round's steps [first, end)."""
+    prover = commitment.prover
+    seed = round_batch_seed(namespace, prover, commitment.round)
+    shard = shard_of(prover.to_bytes(), num_shards)
+    return segment_batches(task, shard, num_shards, seed, first, end - first)
+
+
 def _batches(task: Task, num_shards: int, namespace: str, commitment: Commitment,
              segment: int) -> tuple[list[object], int]:  # fmt: skip
     """The prover's batches of `segment` and the number of its first step."""
     first, end = commitment.segment_bounds(segment)
-    prover = commitment.prover
-    seed = round_batch_seed(namespace, prover, commitment.round)
-    shard = shard_of(prover.to_bytes(), num_shards)
-    batches = segment_batches(task, shard, num_shards, seed, first, end - first)
+    batches = prover_batches(task, num_shards, namespace, commitment, first, end)
     return batches, commitment.first_step + first
 
 
@@ -361,6 +367,7 @@ def check_segment(
         return finding
     batches, first_step = _batches(task, num_shards, namespace, commitment, segment)
     start = reveal.start
+    assert start is not None, "a withheld start is rebuilt first (`rebuild.rebuild_start`)"
     with runner.ran(start, batches, first_step, adopt=consume) as recomputed:
         rerun = flat_difference(start.params, recomputed)
     if consume:
@@ -392,6 +399,7 @@ def check_segment_exact(
         return Finding(Result.BAD_REVEAL, problem)
     batches, first_step = _batches(task, num_shards, namespace, commitment, segment)
     start = reveal.start
+    assert start is not None, "a withheld start is rebuilt first (`rebuild.rebuild_start`)"
     with runner.ran(start, batches, first_step, adopt=consume) as recomputed:
         ended = state_digest(params_hash(recomputed), optimizer_hash(runner.inner.state_dict()))
         if ended == commitment.checkpoints[segment]:
@@ -429,7 +437,7 @@ def check_against_end(
 
 def _compare(reveal: Reveal, rerun: torch.Tensor, lsh_seed: bytes, policy: AuditPolicy) -> Finding:
     """The revealed pseudo-gradient of the segment against the re-run's, by LSH."""
-    assert reveal.end_params is not None
+    assert reveal.end_params is not None and reveal.start is not None
     claimed = flat_difference(reveal.start.params, reveal.end_params)
     j = judge(claimed, rerun, lsh_seed, policy)
     c = j.comparison

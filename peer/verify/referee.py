@@ -61,6 +61,7 @@ from .audit_round import (
     gather,
 )
 from .ban_watch import BanWatcher
+from .rebuild import rebuild_start, rebuildable
 from .reveals import (
     PROTOCOL,
     Reveal,
@@ -144,11 +145,15 @@ class Referee:
         c = rnd.commitments[prover]
         self.counts["audits_done"] += 1
         refused = False
+        rebuild = rebuildable(c)  # (its start is public: a header is all we need)
         while True:
             segment = rnd.draw.segment(prover, c.segments)
             try:
-                reveal = await self._fetch(rnd, prover, segment)
+                reveal = await self._fetch(rnd, prover, segment, start=not rebuild)
                 assert isinstance(reveal, Reveal)
+                if reveal.start is None and not await self._rebuild(rnd, prover, segment, reveal):
+                    rebuild = False  # (ask again, for the whole)
+                    continue
                 break
             except ValueError as e:  # it answered, with something that is no reveal
                 if isinstance(e, RevealTooLarge):  # (refused before it was read)
@@ -201,6 +206,29 @@ class Referee:
             finding.flips, finding.bits, finding.norm_gap,
         )  # fmt: skip
         return self._count(verdict.signed(self.identity))
+
+    async def _rebuild(self, rnd: AuditRound, prover: PeerID, segment: int, reveal: Reveal) -> bool:
+        """Rebuild the start `reveal` withheld (`rebuild.rebuild_start`) into it; False
+        when the state reached is not the committed one (or our copy of the round's
+        global state is gone): the whole reveal is needed."""
+        c, loop = rnd.commitments[prover], asyncio.get_running_loop()
+        rebuild = functools.partial(
+            rebuild_start, self.runner, self.task, self.num_shards, self.namespace, rnd, c,
+            segment, self.template,
+        )  # fmt: skip
+        try:
+            start = await loop.run_in_executor(self.pool, rebuild)
+        except RuntimeError as e:  # (our start state is gone: the log let the round go)
+            log.info("round %d: could not rebuild %s's start (%s)", rnd.round, prover.short(), e)
+            start = None
+        if start is None:
+            self.counts["starts_fetched"] += 1
+            log.info("round %d: %s's segment %d starts elsewhere than our re-run reached: "
+                     "its start is fetched", rnd.round, prover.short(), segment)  # fmt: skip
+            return False
+        self.counts["starts_rebuilt"] += 1
+        reveal.start = start
+        return True
 
     async def _check_exact(
         self,
@@ -309,12 +337,19 @@ class Referee:
         return size / REVEAL_RATE
 
     async def _fetch(
-        self, rnd: AuditRound, prover: PeerID, segment: int, *, only_end: bool = False
+        self,
+        rnd: AuditRound,
+        prover: PeerID,
+        segment: int,
+        *,
+        only_end: bool = False,
+        start: bool = True,
     ) -> Reveal | tuple[list[torch.Tensor], bytes]:
-        """The prover's reveal, its end withheld (`check_segment_exact`), or with
-        `only_end` that end alone; a prover that cannot be reached is tried again until
-        `REVEAL_TIMEOUT` (a restart takes seconds; its checkpoint keeps its identity),
-        and a reveal has `transfer_s` more to arrive."""
+        """The prover's reveal, its end withheld (`check_segment_exact`) and without its
+        start unless `start` (`rebuild`), or with `only_end` that end alone; a prover
+        that cannot be reached is tried again until `REVEAL_TIMEOUT` (a restart takes
+        seconds; its checkpoint keeps its identity), and a reveal has `transfer_s`
+        more to arrive."""
         deadline = time.monotonic() + REVEAL_TIMEOUT
         c = rnd.commitments.get(prover)
         digest = None if c is None else c.digest()
@@ -329,7 +364,7 @@ class Referee:
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
                     timeout=timeout, secrets=rnd.secrets_to_wire(), layouts=self.layouts,
-                    commitment=digest, end=False,
+                    commitment=digest, end=False, start=start,
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
                 if time.monotonic() + REVEAL_RETRY_S >= deadline:

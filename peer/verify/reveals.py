@@ -36,6 +36,16 @@ does the referee ask for the end alone (``{"round", "segment", "secrets",
 "only_end": true}``, the end parameters, ``{"done": true}``) and compare by LSH
 as before.
 
+The start state is the other part an asker may rebuild: a round whose work starts
+from a fresh optimizer (`inner_state` "reset": the commitment's optimizer hash is
+the empty state's) starts from what every member of the round holds, the global
+state. Since 2.7 its referee asks with ``"start": false``, re-runs the round's
+steps before the segment itself (`rebuild.rebuild_start`) and checks the state it
+reaches against the commitment; the prover's header then says ``"start": false``,
+names no optimizer state, and no start tensors follow (a 2.6 prover sends them
+anyway, and the asker reads them). Only when the rebuilt state's hash differs does
+the referee ask for the whole reveal again. An honest reveal then moves a header.
+
 The asker knows what a reveal holds before it comes: its own model has the same
 parameters (`fetch_reveal`'s `shapes`), and the experiment's optimizer keeps
 known state tensors of known shapes for each (`layouts`, from
@@ -107,7 +117,9 @@ class RevealTooLarge(RevealError):
 
 @dataclass
 class Reveal:
-    start: SegmentState
+    # The state at the segment's start; None: withheld (the asker rebuilds it,
+    # `rebuild.rebuild_start`, and sets it here before anything reads it).
+    start: SegmentState | None
     # The parameters at the segment's end; None: withheld (the asker re-runs and
     # compares hashes first, `audit_round.check_segment_exact`).
     end_params: list[torch.Tensor] | None
@@ -121,6 +133,7 @@ class Reveal:
     slot: tuple[int, int, bytes] | None = None
     residual: torch.Tensor | None = None
     proof: ChainProof | None = None  # the receipts of the previous commitment's round
+    parameters: int = 0  # how many (what the header says when `start` is withheld)
 
     def end_digest(self) -> bytes:
         assert self.end_params is not None, "the end was withheld"
@@ -129,6 +142,7 @@ class Reveal:
     def problem(self, commitment: Commitment, segment: int) -> str | None:
         """Why this is not what `commitment` committed to for `segment`, or None (of
         a reveal that withholds its end: its start and final state)."""
+        assert self.start is not None, "a withheld start is rebuilt before it is checked"
         if self.start.digest() != commitment.segment_start(segment):
             return "the revealed start state does not match the commitment"
         return self.end_problem(commitment, segment)
@@ -146,6 +160,7 @@ class Reveal:
             if final != commitment.checkpoints[-1]:
                 return "the revealed final state does not match the commitment"
             revealed.append(self.final_params)
+        assert self.start is not None
         shapes = [p.shape for p in self.start.params]
         if any([p.shape for p in ps] != shapes for ps in revealed):
             return "revealed parameters of different shapes"
@@ -160,12 +175,15 @@ def _optimizer_tensors(state: SegmentState) -> tuple[list[list[Any]], list[torch
 
 async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
     """Answer a reveal request (the handler yields `{"done": True}` after this)."""
-    keys, opt = _optimizer_tensors(reveal.start)
+    start = reveal.start
+    keys, opt = ([], []) if start is None else _optimizer_tensors(start)
     head: dict[str, Any] = {
-        "params": len(reveal.start.params),
+        "params": reveal.parameters if start is None else len(start.params),
         "keys": keys,
         "end_opt": reveal.end_optimizer,
     }
+    if start is None:
+        head["start"] = False
     end = reveal.end_params
     if end is None:
         head["end"] = False
@@ -181,7 +199,8 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
         head["slot"] = list(reveal.slot)
         residual = [reveal.residual]
     await ctx.send_item(head)
-    for t in [*reveal.start.params, *opt, *(end or []), *final, *residual]:
+    for t in [*(start.params if start is not None else []), *opt, *(end or []), *final,
+              *residual]:  # fmt: skip
         await ctx.send_tensor(t.detach().contiguous())
 
 
@@ -241,26 +260,33 @@ async def fetch_reveal(
     layouts: Sequence[Mapping[str, tuple[int, ...]]] | None = None,
     commitment: bytes | None = None,
     end: bool = True,
+    start: bool = True,
 ) -> Reveal:
     """Ask `prover` to reveal `segment` of its work in `round_index`, the round of the
     commitment whose digest is `commitment` (None: whichever it has); `end`: with the
-    segment's end parameters (False: withheld, if the prover is of 2.6). `template`: an
+    segment's end parameters (False: withheld, if the prover is of 2.6); `start`: with
+    its start state (False: withheld, if the prover is of 2.7, for the asker to
+    rebuild: the reveal's `start` is then None). `template`: an
     `InnerOptimizer.state_dict()` whose param groups the revealed state takes;
     `shapes`: our own model's parameters', which the revealed ones must have;
     `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps.
     Raises (transport, remote or ValueError) when nothing well formed came;
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
-    request = _request(round_index, segment, secrets, commitment, end=end)
+    parts = {"end": end} if start else {"end": end, "start": False}
+    request = _request(round_index, segment, secrets, commitment, **parts)
     async with rpc.open_call(host, prover, PROTOCOL, "reveal", request, timeout=timeout) as call:
         await call.close_send()
         head = await call.recv_item()
         n, keys, end_opt, final_opt = _header(head)
         # (Withheld only when asked: an end that did not come is not the prover's pick.)
         withheld = not end and isinstance(head, dict) and head.get("end", True) is False
+        no_start = not start and isinstance(head, dict) and head.get("start", True) is False
         _check_layout(n, keys, shapes)
+        if no_start and keys:
+            raise RevealError("a withheld start with optimizer state")
         if layouts is not None:
             _check_states(keys, layouts)
-        start = [await _recv(call, shape) for shape in shapes]
+        params = [] if no_start else [await _recv(call, shape) for shape in shapes]
         if layouts is None:
             opt = [await _recv(call, shapes[i], exact=False) for i, _ in keys]
         else:
@@ -285,11 +311,11 @@ async def fetch_reveal(
         },
         "grad_scaler": copy.deepcopy(template.get("grad_scaler")),
     }
-    if any(t.dtype != torch.float32 for t in [*start, *(end_params or []), *(final or [])]):
+    if any(t.dtype != torch.float32 for t in [*params, *(end_params or []), *(final or [])]):
         raise ValueError("revealed parameters must be float32")
+    start_state = None if no_start else SegmentState(params, optimizer)
     return Reveal(
-        SegmentState(start, optimizer), end_params, end_opt, final, final_opt, chain, slot,
-        residual, proof,
+        start_state, end_params, end_opt, final, final_opt, chain, slot, residual, proof,
     )  # fmt: skip
 
 
@@ -424,7 +450,7 @@ def _is_hash(value: object) -> bool:
 
 
 def reveal_of(
-    start: SegmentState,
+    start: SegmentState | None,
     end: SegmentState,
     final: SegmentState | None = None,
     *,
@@ -432,16 +458,19 @@ def reveal_of(
 ) -> Reveal:
     """The reveal of a segment from the prover's kept (or re-run) states; with the
     run's `final` state for an asker of protocol 2.0; `with_end`: False withholds the
-    end's parameters (sends only the hash of its optimizer state)."""
+    end's parameters (sends only the hash of its optimizer state); a `start` of None
+    withholds the start (the asker rebuilds it)."""
     end_params = end.params if with_end else None
     if final is None:
-        return Reveal(start, end_params, optimizer_hash(end.optimizer))
+        return Reveal(start, end_params, optimizer_hash(end.optimizer),
+                      parameters=len(end.params))  # fmt: skip
     return Reveal(
         start,
         end_params,
         optimizer_hash(end.optimizer),
         final.params,
         optimizer_hash(final.optimizer),
+        parameters=len(end.params),
     )
 
 

@@ -354,7 +354,7 @@ class Verifier:
 
     async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
         round_index, segment, final, digest = parse_reveal_request(payload)
-        with_end, only_end = parse_reveal_parts(payload)
+        with_end, only_end, with_start = parse_reveal_parts(payload)
         # (Against another round's commitment than the asker's, a reveal would read as
         # a lie: an honest peer convicted. A 2.3 referee names none: the last round.)
         rnd = await self._round(round_index, self.me, digest)
@@ -367,7 +367,8 @@ class Verifier:
             raise PermissionError("only this round's referees of our work may ask")
         if segment != rnd.draw.segment(self.me, mine.segments):
             raise PermissionError("not the segment drawn")
-        asked = (round_index, mine.start, ctx.peer, only_end)
+        # (A referee that could not rebuild our start asks again, for the whole.)
+        asked = (round_index, mine.start, ctx.peer, only_end, with_start)
         self._revealed[asked] += 1
         if self._revealed[asked] > MAX_REVEALS:
             raise PermissionError("this referee had our reveal already")
@@ -387,8 +388,9 @@ class Verifier:
             if sparse is None:
                 raise LookupError(f"no sparse work of round {round_index} here")
         reveal = await loop.run_in_executor(
-            self._pool, reveal_segment, replay, work, mine, segment, final, sparse, with_end
-        )
+            self._pool, reveal_segment, replay, work, mine, segment, final, sparse, with_end,
+            with_start,
+        )  # fmt: skip
         await send_reveal(ctx, reveal)
         yield {"done": True}
 
@@ -434,6 +436,10 @@ class Verifier:
             # crossed the wire), and those that then asked the prover for its end.
             "audits_bit_exact": counts["audits_bit_exact"],
             "reveal_ends_fetched": counts["reveal_ends_fetched"],
+            # Segment starts rebuilt here from the round's global state (a reset round:
+            # the start never crossed the wire), and those that then were fetched.
+            "starts_rebuilt": counts["starts_rebuilt"],
+            "starts_fetched": counts["starts_fetched"],
             "disputes": dict(self.referee.disputes),
             "withheld": self.withheld,
             # Round records asked of their members directly (the DHT lacked them).
@@ -529,14 +535,16 @@ def parse_reveal_request(payload: object) -> tuple[int, int, bool, bytes | None]
     return round_index, segment, final, digest
 
 
-def parse_reveal_parts(payload: dict[str, Any]) -> tuple[bool, bool]:
-    """(whether the segment's end parameters go with the reveal, whether they go alone)
-    of a reveal request (parsed by `parse_reveal_request` before); askers before 2.6
-    say neither: the whole reveal, end included. ValueError when malformed."""
+def parse_reveal_parts(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(whether the segment's end parameters go with the reveal, whether they go alone,
+    whether its start state goes with it) of a reveal request (parsed by
+    `parse_reveal_request` before); askers before 2.6 say none: the whole reveal, end
+    included; before 2.7, nothing of the start: it goes. ValueError when malformed."""
     with_end, only_end = payload.get("end", True), payload.get("only_end", False)
-    if not isinstance(with_end, bool) or not isinstance(only_end, bool):
+    with_start = payload.get("start", True)
+    if not all(isinstance(v, bool) for v in (with_end, only_end, with_start)):
         raise ValueError("bad reveal request")
-    return with_end, only_end
+    return with_end, only_end, with_start
 
 
 def parse_verdict_request(payload: object) -> tuple[int, PeerID, Verdict]:
@@ -568,15 +576,18 @@ def reveal_segment(
     final: bool = False,
     sparse: SparseWork | None = None,
     with_end: bool = True,
+    with_start: bool = True,
 ) -> Reveal:
     """Our reveal of `segment` of the round's work, with the run's `final` state for a
     referee of protocol 2.0 (in the audit thread: it re-runs steps); of a sparse
     round, with the previous commitment, and for the last segment what we sent;
     without the end's parameters unless `with_end` (a referee of 2.6 hashes its own
-    re-run's end first)."""
+    re-run's end first), without the start state unless `with_start` (a referee of
+    2.7 rebuilds a start it can: `rebuild.rebuild_start`)."""
     first, end = mine.segment_bounds(segment)
     last = replay.state_after(work, work.steps) if final else None
-    start, stop = replay.state_after(work, first), replay.state_after(work, end)
+    start = replay.state_after(work, first) if with_start else None
+    stop = replay.state_after(work, end)
     reveal = reveal_of(start, stop, last, with_end=with_end)
     if sparse is not None:
         reveal.chain = sparse.chain
