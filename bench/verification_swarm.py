@@ -152,7 +152,16 @@ def run_arm(
         return total(after) - total(before)
 
     audits = window("audits_done")
+    by_protocol: dict[str, float] = {}
+    for a, b in zip(after, before, strict=True):
+        was = b.get("bytes_sent_by_protocol") or {}
+        for protocol, sent in (a.get("bytes_sent_by_protocol") or {}).items():
+            by_protocol[protocol] = by_protocol.get(protocol, 0) + sent - was.get(protocol, 0)
     return {
+        # Stream payload sent per committed round, by protocol (the swarm's, summed).
+        "bytes_per_round_by_protocol": {
+            p: round(v / max(1, rounds)) for p, v in sorted(by_protocol.items())
+        },
         # Audits whose re-run ended in the committed state (no end sent), and ends asked.
         "audits_bit_exact": window("audits_bit_exact"),
         "reveal_ends_fetched": window("reveal_ends_fetched"),

@@ -64,9 +64,14 @@ async def test_a_step_that_aborted_once_logs_both_tries_and_their_times(
             assert second.group_size == 2 and second.outcome == "committed"
             spent = sum(a.matchmaking_s + a.averaging_s for a in r.attempt_log)
             assert 0 < spent <= r.seconds
-        # Each try names the peers it left out.
-        assert all(a.excluded == (str(shunned),) for a in results[0].attempt_log)
-        assert all(a.excluded == () for a in results[1].attempt_log)
+        # Each try names the peers it left out: the first the shunned one (of the first
+        # healthy peer's); the retry those too, and the frozen one when the abort found
+        # it quiet (its heartbeats run late on a loaded machine: then it is left out).
+        frozen_id = str(frozen.dht.host.peer_id)
+        for r, kept_out in zip(results, ({str(shunned)}, set()), strict=True):
+            first, second = r.attempt_log
+            assert set(first.excluded) == kept_out
+            assert kept_out <= set(second.excluded) <= kept_out | {frozen_id}
     finally:
         release.set()
         frozen_step.cancel()  # (thawed, it would look for a group till its timeout)
