@@ -155,8 +155,8 @@ def run_arm(
     by_protocol: dict[str, float] = {}
     for a, b in zip(after, before, strict=True):
         was = b.get("bytes_sent_by_protocol") or {}
-        for protocol, sent in (a.get("bytes_sent_by_protocol") or {}).items():
-            by_protocol[protocol] = by_protocol.get(protocol, 0) + sent - was.get(protocol, 0)
+        for protocol, total in (a.get("bytes_sent_by_protocol") or {}).items():
+            by_protocol[protocol] = by_protocol.get(protocol, 0) + total - was.get(protocol, 0)
     return {
         # Stream payload sent per committed round, by protocol (the swarm's, summed).
         "bytes_per_round_by_protocol": {
