@@ -4,6 +4,7 @@
         [--lr 1e-3,4e-3,...] [--warmup 50,400] [--schedule constant,cosine,wsd,inverse_sqrt]
         [--total-steps N,...] [--floor 0.1] [--config JSON]... [--eval-every 500]
         [--task-config JSON] [--num-shards N] [--outer-lr 0.7] [--outer-momentum 0.9]
+        [--inner-state reset,quantize]
 
 DATA defaults to ../shared/data/tinyshakespeare.txt (from the repository root,
 as bench/convergence.py finds it, or from a directory above it). Prints one JSON
@@ -38,7 +39,9 @@ function, outer lr 0.7 and Nesterov momentum 0.9 by default as in the
 strategy's defaults), and the global parameters copied into every replica
 (`copy_into`). The AdamW state of each replica carries over rounds, as in the
 trainer. No network, matchmaking or failures: every round commits with every
-replica, which is the default experiment on a healthy swarm.
+replica, which is the default experiment on a healthy swarm. With `--inner-state`,
+the defaults run again with each `inner_state` given (reset or quantize the inner
+optimizer's state after each round, as the trainer does), on the same seeds.
 
 Configurations: the product of the `--lr`, `--warmup`, `--schedule`,
 `--total-steps` (default: `--steps`) and `--floor` lists, plus any `--config`
@@ -153,6 +156,11 @@ class DiLoCoSimulator:
         )
         for params in self.params:
             copy_into(params, self.globals)
+        for inner in self.inners:  # (what the trainer does at a new global state)
+            if self.hyper["inner_state"] == "reset":
+                inner.reset()
+            elif self.hyper["inner_state"] == "quantize":
+                inner.quantize_state()
         self.samples = [0] * len(self.models)
 
     def global_model(self) -> torch.nn.Module:
@@ -193,7 +201,7 @@ def run_config(
     }
 
 
-_SHOWN = ("inner_lr", "warmup_steps", "lr_schedule", "total_steps", "lr_floor")
+_SHOWN = ("inner_lr", "warmup_steps", "lr_schedule", "total_steps", "lr_floor", "inner_state")
 
 
 def configurations(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -209,6 +217,9 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]
         if schedule in ("cosine", "wsd"):
             given["total_steps"] = total
         out.append((_name(given), check_hyperparameters(given)))
+    for inner_state in args.inner_state:  # (the defaults, with another inner_state)
+        given = {**DEFAULT_HYPERPARAMETERS, "inner_state": inner_state}
+        out.append((f"defaults,inner_state={inner_state}", check_hyperparameters(given)))
     for text in args.config:
         given = json.loads(text)
         out.append((_name(given), check_hyperparameters(given)))
@@ -233,6 +244,8 @@ def main() -> None:
     p.add_argument("--total-steps", type=_ints, default=[], help="planned steps (default: --steps)")
     p.add_argument("--floor", type=_floats, default=[0.1], help="lr_floor values")
     p.add_argument("--config", action="append", default=[], help="JSON hyperparameters")
+    p.add_argument("--inner-state", type=_strings, default=[],
+                   help="run the defaults with these inner_state values too")  # fmt: skip
     p.add_argument("--no-defaults", action="store_true", help="skip the defaults config")
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline config")
     p.add_argument("--eval-every", type=int, default=500)

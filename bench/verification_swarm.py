@@ -5,12 +5,15 @@ machine), training throughput and bytes sent per committed round compared.
 Used by `bench/verification.py --overhead-seconds S`; runnable alone:
 
     python bench/verification_swarm.py [--seconds 180] [--peers 4] [--codec int8]
-        [--inner-state reset]
+        [--inner-state reset|quantize]
 
 `--inner-state reset` starts each round's inner optimizer afresh (both arms, so that
 they train alike): a referee then rebuilds the segment's start from the round's
 global state and the prover sends a header instead of three model sizes
 (`peer/verify/rebuild.py`); `starts_rebuilt` and `starts_fetched` count those audits.
+`--inner-state quantize` carries the moments on, rounded to 8-bit codes at each
+round's start: the prover sends the codes (half a model size) and the referee
+rebuilds from them (`starts_from_codes`).
 
 Every daemon trains the built-in task at its default size with one CPU thread. The
 audit rate is the default one and new peers are not put on probation (the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import re
@@ -168,6 +172,7 @@ def run_arm(
         # Audits whose start was rebuilt here (a header crossed the wire), and fetched.
         "starts_rebuilt": window("starts_rebuilt"),
         "starts_fetched": window("starts_fetched"),
+        "starts_from_codes": window("starts_from_codes"),
         "tokens_per_s": tokens / elapsed,
         "bytes_sent": sent,
         "rounds": rounds,
@@ -189,6 +194,7 @@ def reveal_bytes() -> dict[str, int]:
 
 async def _reveal_bytes() -> dict[str, int]:
     from shoal.peer.trainer import check_hyperparameters
+    from shoal.peer.training.state_codes import code_state, round_trip_
     from shoal.peer.training.tasks.bytegpt import make_task
     from shoal.peer.verify.reveals import PROTOCOL, Reveal, fetch_reveal, reveal_of, send_reveal
     from shoal.peer.verify.segments import SegmentRunner, segment_batches
@@ -201,8 +207,17 @@ async def _reveal_bytes() -> dict[str, int]:
     # A start past one step (the optimizer holds its moments), then a 3-step segment.
     start = runner.run(runner.capture(), segment_batches(task, 0, 64, 1, first=0, count=1), 0)
     end = runner.run(start, segment_batches(task, 0, 64, 1, first=1, count=3), 1)
+    coded = copy.deepcopy(start.optimizer["optimizer"]["state"])
+    for per_param in coded.values():
+        for name, value in per_param.items():
+            if name != "step":
+                round_trip_(value)
+    with_codes = reveal_of(None, end, with_end=False)
+    with_codes.moments = code_state(coded)
+    assert with_codes.moments is not None
     reveals = {"reveal_bytes": reveal_of(start, end, with_end=False),
                "reveal_bytes_rebuilt": reveal_of(None, end, with_end=False),
+               "reveal_bytes_coded": with_codes,
                "reveal_bytes_protocol_2_4": reveal_of(start, end),
                "reveal_bytes_protocol_2_0": reveal_of(start, end, end)}  # fmt: skip
     config = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))
@@ -215,6 +230,7 @@ async def _reveal_bytes() -> dict[str, int]:
         yield {"done": True}
 
     out = {"model_bytes": 4 * sum(p.numel() for p in runner.model.parameters())}
+    withheld = ("reveal_bytes_rebuilt", "reveal_bytes_coded")
     try:
         await prover.start()
         await referee.start()
@@ -225,7 +241,8 @@ async def _reveal_bytes() -> dict[str, int]:
             before = prover.bytes_sent
             await fetch_reveal(referee, prover.peer_id, 1, 0, runner.inner.state_dict(), shapes,
                                timeout=60, layouts=runner.inner.state_layouts(),
-                               end=False, start=name != "reveal_bytes_rebuilt")  # fmt: skip
+                               end=False, start=name not in withheld,
+                               moments=name == "reveal_bytes_coded")  # fmt: skip
             out[name] = prover.bytes_sent - before
     finally:
         await asyncio.gather(prover.aclose(), referee.aclose(), return_exceptions=True)
@@ -244,8 +261,10 @@ def measure(
     # How many audits fall in a window is a matter of luck (Poisson, about rate x peers
     # per round): the expectation replaces the audits seen by the audits expected.
     reveal = reveal_bytes()
-    # (A reset round's start is rebuilt by its referee: a header crosses the wire.)
-    per_audit = reveal["reveal_bytes_rebuilt" if inner_state == "reset" else "reveal_bytes"]
+    # (A reset round's start is rebuilt by its referee: a header crosses the wire; a
+    # quantized round's from its codes.)
+    withheld_by = {"reset": "reveal_bytes_rebuilt", "quantize": "reveal_bytes_coded"}
+    per_audit = reveal[withheld_by.get(inner_state, "reveal_bytes")]
     if codec in SPARSE_CODECS:  # (a sparse round's last segment also reveals its residual)
         per_audit += reveal["model_bytes"] // SPARSE_SEGMENTS
     rest = (
@@ -275,8 +294,8 @@ def main() -> None:
     parser.add_argument(
         "--inner-state",
         default="carry",
-        choices=("carry", "reset"),
-        help="the inner optimizer's state at each round: carried or reset",
+        choices=("carry", "reset", "quantize"),
+        help="the inner optimizer's state at each round: carried, reset or quantized",
     )
     args = parser.parse_args()
     result = measure(args.seconds, args.peers, codec=args.codec, inner_state=args.inner_state)

@@ -264,6 +264,31 @@ def hf_tokenizer() -> list[bytes]:
         return [base64.b64encode(zlib.compress("\u0120 t".encode())).decode().encode()]
 
 
+def coded_moments() -> list[bytes]:
+    """Headers of a withheld start with its moments coded (good, and of a bad mode),
+    and codes of real moments in both modes (the first byte picks the mode)."""
+    from shoal.peer.training import state_codes
+
+    gen = torch.Generator().manual_seed(3)
+    signed = state_codes.encode(torch.randn(300, generator=gen))
+    square = state_codes.encode(torch.rand(300, generator=gen) ** 2)
+    assert signed is not None and square is not None
+    return [
+        *_packed(
+            {
+                "params": 1,
+                "keys": [[0, "exp_avg"], [0, "exp_avg_sq"]],
+                "end_opt": bytes(32),
+                "start": False,
+                "moments": [1, 2],
+            },
+            {"moments": [1, 7]},
+        ),
+        b"\x00" + signed.codes.numpy().tobytes(),
+        b"\x01" + square.codes.numpy().tobytes(),
+    ]
+
+
 def new_seeds() -> dict[str, list[bytes]]:
     """The targets of targets_net.py and targets_app.py."""
     addr = str(ADDR)
@@ -289,6 +314,7 @@ def new_seeds() -> dict[str, list[bytes]]:
             ),
         ],
         "hf_tokenizer": hf_tokenizer(),
+        "coded_moments": coded_moments(),
         "secure_handshake": handshake(),
         "nat_protocols": _packed(
             {"v": 1, "observed": addr, "addrs": [addr], "protocols": ["/shoal/dht/1.0.0"]},

@@ -19,6 +19,7 @@ from shoal.dht.records import owner_marker
 from shoal.peer import node
 from shoal.peer.experiment import _valid_manifests
 from shoal.peer.status.swarm_history import SwarmHistory
+from shoal.peer.training import state_codes
 from shoal.peer.training.task_error import TaskError
 from shoal.peer.training.tasks.hf_data import rebuild_bpe
 from shoal.peer.verify import audit_round, reveals
@@ -197,6 +198,43 @@ def verification_rounds(data: bytes) -> None:
 _SHAPES = [torch.Size([2, 3]), torch.Size([2])]
 
 
+def coded_moments(data: bytes) -> None:
+    """What a 2.8 prover sends for a withheld start: a reveal header's moment modes,
+    and any codes with any in-range block exponents, decoded as its referee decodes
+    them (a lie fails the optimizer hash afterwards: nothing may crash before). Codes
+    as an encoder makes them (none above 256: the scale puts a block's largest there)
+    that decode to normal floats code again to the same bits."""
+    head = message(data)
+    if isinstance(head, dict):
+        keys = [(0, "exp_avg"), (0, "exp_avg_sq")]
+        expect((reveals.RevealError,), lambda: reveals._modes(head, keys))
+    if len(data) < 2:
+        return
+    mode = state_codes.SQRT if data[0] & 1 else state_codes.SIGNED
+    codes = torch.frombuffer(bytearray(data[1:]), dtype=torch.uint8)
+    blocks = math.ceil(codes.numel() / state_codes.BLOCK)
+    span = 2 * state_codes.MAX_EXPONENT + 1
+    exponents = torch.tensor([data[b % len(data)] * 7 % span - state_codes.MAX_EXPONENT
+                              for b in range(blocks)], dtype=torch.int16)  # fmt: skip
+    coded = state_codes.CodedTensor(mode, (codes.numel(),), codes, exponents)
+    values = state_codes.decode(coded)
+    assert values.dtype == torch.float32 and values.shape == (codes.numel(),)
+    magnitudes = values.abs()
+    nonzero = magnitudes[magnitudes > 0]
+    as_encoded = bool((codes.view(torch.float8_e4m3fn).float().abs() <= 256).all())
+    normal = (
+        as_encoded
+        and bool(torch.isfinite(values).all())
+        and (
+            nonzero.numel() == 0
+            or (float(nonzero.min()) >= 2**-100 and float(nonzero.max()) <= 2**100)
+        )
+    )
+    again = state_codes.encode(values) if normal else None
+    if again is not None and again.mode == mode:
+        assert torch.equal(state_codes.decode(again).view(torch.int32), values.view(torch.int32))
+
+
 # ---------------------------------------------------------------- peer
 
 
@@ -228,6 +266,7 @@ APP_TARGETS = (
     Target("pipeline_records", pipeline_records, (), pipeline_records.__doc__),
     Target("stage_audit", stage_audit, (), stage_audit.__doc__),
     Target("verification_rounds", verification_rounds, (), verification_rounds.__doc__),
+    Target("coded_moments", coded_moments, (), coded_moments.__doc__),
     Target("dht_reports", dht_reports, (), dht_reports.__doc__),
     Target("hf_tokenizer", hf_tokenizer, (), hf_tokenizer.__doc__),
 )

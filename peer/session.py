@@ -53,7 +53,12 @@ from .joined import joined_path, load_joined, save_joined
 from .pipelined.budget import NoStageFits
 from .pipelined.checkpoints import StageCheckpoints
 from .pipelined.run import PipelineRun, StageMismatch
-from .trainer import DEFAULT_HYPERPARAMETERS, Trainer, check_hyperparameters
+from .trainer import (
+    DEFAULT_HYPERPARAMETERS,
+    VERIFIED_INNER_STATE,
+    Trainer,
+    check_hyperparameters,
+)
 from .training.checkpoint import CheckpointError, CheckpointStore
 from .training.device import DeviceInventory, check_precision, describe, mfu, peak_flops
 from .training.optimizers import describe_inner_optimizer, is_default_inner_optimizer
@@ -738,6 +743,8 @@ def _new_settings(
         # tuned for the inner optimizer of the outer strategies; the pipeline's stage
         # optimizer keeps the legacy lr and warmup, untuned (it has no lr schedule).
         base = {} if config.pipeline_stages else DEFAULT_HYPERPARAMETERS
+        if not config.pipeline_stages and options.get("verify"):
+            base = {**base, "inner_state": VERIFIED_INNER_STATE}
         hyperparameters = check_hyperparameters({**base, **hyper_given})
         if config.pipeline_stages and hyperparameters["lr_schedule"] != "constant":
             raise ValueError(

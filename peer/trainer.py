@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_HYPERPARAMETERS",
     "LEGACY_HYPERPARAMETERS",
     "RATE_WINDOW_S",
+    "VERIFIED_INNER_STATE",
     "Trainer",
     "TrainerStats",
     "check_hyperparameters",
@@ -49,7 +50,7 @@ __all__ = [
 
 log = logging.getLogger("shoal.trainer")
 
-INNER_STATES = ("carry", "reset")
+INNER_STATES = ("carry", "reset", "quantize")
 
 # What a new experiment's manifest gets (session.py writes them all out). Tuned for
 # the default experiment (DiLoCo, H = 50, bytegpt at its default size) with
@@ -75,11 +76,18 @@ DEFAULT_HYPERPARAMETERS: dict[str, Any] = {
     # (peer/training/optimizers.py); written to a manifest only when not plain AdamW.
     "inner_optimizer": DEFAULT_INNER_OPTIMIZER,
     # What the inner optimizer's state (Adam's moments) does at each new global state:
-    # "carry" it on, or "reset" it (each round's work then starts from a state every
+    # "carry" it on, "reset" it (each round's work then starts from a state every
     # peer can rebuild: an audit re-runs it instead of reading three model sizes;
-    # docs/architecture/verification.md). Written to a manifest only when "reset".
+    # docs/architecture/verification.md), or "quantize" it: carry it on rounded to
+    # 8-bit codes (peer/training/state_codes.py), which a reveal carries in half a
+    # model size. Written to a manifest only when not "carry".
     "inner_state": "carry",
 }
+
+# What a new verified experiment gets unless told otherwise: an audit's reveal carries
+# quantized moments in half a model size where carried ones take two, and they cost no
+# loss measured (docs/guide/strategies.md, "The inner optimizer's state across rounds").
+VERIFIED_INNER_STATE = "quantize"
 
 # What a manifest without a key means: the value it had when such manifests were
 # written, so that an experiment created before a default changed trains on as it
@@ -305,8 +313,8 @@ class Trainer:
         loss, tokens = await loop.run_in_executor(self._worker, self._inner_step)
         reports = await self.outer.after_step(loss, tokens, stop)
         if changes_the_model(reports):
-            if self.work is None and self.hyper["inner_state"] == "reset":
-                await loop.run_in_executor(self._worker, self.inner.reset)
+            if self.work is None and self.hyper["inner_state"] != "carry":
+                await loop.run_in_executor(self._worker, self._new_inner_state)
             await self.validate()
         if self._new_work_round():
             await loop.run_in_executor(self._worker, self._begin_work)
@@ -367,9 +375,15 @@ class Trainer:
         batches = self.task.batches(self.shard, self.hyper["num_shards"], seed)
         self._batches = BatchPrefetcher(batches, self.device)
         resets = self.work.resets_of()
+        self._new_inner_state()
+        self.work.log.begin(round_index, self.stats.step, self.model, self.inner, resets=resets)
+
+    def _new_inner_state(self) -> None:
+        """What `inner_state` does to the inner optimizer at a new global state."""
         if self.hyper["inner_state"] == "reset":
             self.inner.reset()
-        self.work.log.begin(round_index, self.stats.step, self.model, self.inner, resets=resets)
+        elif self.hyper["inner_state"] == "quantize":
+            self.inner.quantize_state()
 
     async def validate(self, *, force: bool = False) -> float | None:
         """Score the model on the held-out batches in the worker thread (between two inner

@@ -19,6 +19,7 @@ from shoal.peer.session import SessionError, _new_settings
 from shoal.peer.trainer import (
     DEFAULT_HYPERPARAMETERS,
     LEGACY_HYPERPARAMETERS,
+    VERIFIED_INNER_STATE,
     check_hyperparameters,
 )
 from shoal.peer.training.inner import LR_SCHEDULES, InnerOptimizer, learning_rate_scale
@@ -127,13 +128,21 @@ def test_bad_schedule_values_are_refused(given: dict, complaint: str) -> None:
 
 
 def test_a_new_experiment_writes_the_tuned_defaults_and_flags_override_them() -> None:
-    _, _, hyper = _new_settings(Config(), task=None)  # type: ignore[arg-type]
-    # (a manifest without precision reads as fp32, without inner_optimizer as AdamW,
-    # without inner_state as carry)
+    _, options, hyper = _new_settings(Config(), task=None)  # type: ignore[arg-type]
+    # (a manifest without precision reads as fp32, without inner_optimizer as AdamW;
+    # a verified one, as the default experiment is, quantizes its inner state)
+    assert options["verify"] is True
     unwritten = ("precision", "inner_optimizer", "inner_state")
-    assert hyper == {k: v for k, v in DEFAULT_HYPERPARAMETERS.items() if k not in unwritten}
+    expected = {k: v for k, v in DEFAULT_HYPERPARAMETERS.items() if k not in unwritten}
+    assert hyper == {**expected, "inner_state": VERIFIED_INNER_STATE}
     # Read back by a peer, the manifest means the same.
-    assert check_hyperparameters(hyper) == DEFAULT_HYPERPARAMETERS
+    assert check_hyperparameters(hyper) == {**DEFAULT_HYPERPARAMETERS,
+                                            "inner_state": VERIFIED_INNER_STATE}  # fmt: skip
+    # An unverified one carries it (and does not write it: older peers join).
+    unverified = Config(strategy_option=(("verify", False),))
+    assert "inner_state" not in _new_settings(unverified, task=None)[2]  # type: ignore[arg-type]
+    carry = Config(strategy_option=(("inner_state", "carry"),))
+    assert "inner_state" not in _new_settings(carry, task=None)[2]  # type: ignore[arg-type]
     flags = Config(strategy_option=(("inner_lr", 3e-3), ("lr_schedule", "constant")))
     _, _, hyper = _new_settings(flags, task=None)  # type: ignore[arg-type]
     assert hyper["inner_lr"] == 3e-3 and hyper["lr_schedule"] == "constant"

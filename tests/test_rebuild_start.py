@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from verification_round import audited_round
+from verification_round import proved_round
 
 from shoal.peer.trainer import check_hyperparameters
-from shoal.peer.training.task import load_task, shard_of
+from shoal.peer.training.task import load_task
 from shoal.peer.verify.audit_round import AuditRound, check_segment_exact
 from shoal.peer.verify.rebuild import EMPTY_OPTIMIZER, rebuild_start, rebuildable
 from shoal.peer.verify.reveals import (
@@ -32,9 +32,8 @@ from shoal.peer.verify.reveals import (
     reveal_of,
     send_reveal,
 )
-from shoal.peer.verify.segments import SegmentRunner, SegmentState, round_batch_seed
+from shoal.peer.verify.segments import SegmentRunner, SegmentState
 from shoal.peer.verify.verifier import parse_reveal_parts
-from shoal.peer.verify.work_log import WorkLog
 from shoal.transport import rpc
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
@@ -61,22 +60,10 @@ def prove(task, *, carried: bool = False):  # type: ignore[no-untyped-def]
     (`carried`: with the moments of a step taken before the round, as "carry" keeps)."""
     hyper = check_hyperparameters({"warmup_steps": 0, "inner_state": "reset"})
     me = Identity.from_seed(hashlib.sha256(b"rebuild prover").digest())
-    log = WorkLog(EVERY)
-    runner = SegmentRunner(task, hyper)
-    model, inner = runner.model, runner.inner
-    batches = task.batches(shard_of(me.peer_id.to_bytes(), SHARDS), SHARDS,
-                           round_batch_seed(NS, me.peer_id, ROUND))  # fmt: skip
-    if carried:
-        before = next(task.batches(0, SHARDS, 99))
-        inner.step(lambda: task.loss(model, before), 39)
-    log.begin(ROUND, 40, model, inner)
-    for i in range(STEPS):
-        batch = next(batches)
-        inner.step(lambda b=batch: task.loss(model, b), 40 + i)
-        log.after_step(model, inner, int(task.batch_tokens(batch)))
-    work = log.seal(model, inner)
-    c, verified, rnd = audited_round(log, work, me, list(model.parameters()), namespace=NS,
-                                     shards=SHARDS)  # fmt: skip
+    work, verified, c, rnd, runner = proved_round(
+        task, hyper, me, namespace=NS, shards=SHARDS, every=EVERY, round_index=ROUND,
+        steps=STEPS, steps_before=1 if carried else 0,
+    )  # fmt: skip
     return hyper, work, verified, c, rnd, runner.inner.state_dict()
 
 

@@ -56,6 +56,13 @@ RESET = {
     **ROUNDS,
     "SHOAL_STRATEGY_OPTIONS": ROUNDS["SHOAL_STRATEGY_OPTIONS"] + ",inner_state=reset",
 }
+# (A verified experiment's default, `inner_state` "quantize", starts each round's work
+# from the prover's own moments rounded to 8-bit codes, which its referees take instead
+# of the start. "carry" keeps them as they are: the whole start is revealed.)
+CARRY = {
+    **ROUNDS,
+    "SHOAL_STRATEGY_OPTIONS": ROUNDS["SHOAL_STRATEGY_OPTIONS"] + ",inner_state=carry",
+}
 SPARSE_RESET = {
     **SPARSE,
     "SHOAL_STRATEGY_OPTIONS": SPARSE["SHOAL_STRATEGY_OPTIONS"] + ",inner_state=reset",
@@ -73,8 +80,15 @@ SPARSE_RESET = {
         (SPARSE, FLIPPER_CODE),
         (RESET, CHEATER_CODE),
         (SPARSE_RESET, FLIPPER_CODE),
+        (CARRY, CHEATER_CODE),
     ],
-    ids=["dense", "topk-flipped-message", "dense-reset", "topk-reset-flipped-message"],
+    ids=[
+        "dense",
+        "topk-flipped-message",
+        "dense-reset",
+        "topk-reset-flipped-message",
+        "dense-carry",
+    ],
 )
 def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on(
     tmp_path: Path, settings: dict[str, str], code: Path
@@ -110,13 +124,17 @@ def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on
         conviction = audits[0]["convictions"][0]
         assert conviction["peer"] == cheater_id and len(conviction["accusers"]) >= 2
         assert all(a["convicted_self"] is False for a in audits)
-        if settings in (ROUNDS, RESET):  # (its noise: no re-run ends in its committed state)
+        if settings in (ROUNDS, RESET, CARRY):  # (its noise: no re-run ends where it said)
             fetched = sum(a["reveal_ends_fetched"] for a in audits)
             assert fetched >= sum(a["audits_failed"] for a in audits), audits
         # (With "carry" a peer's first round starts fresh too, as a newcomer's optimizer
         # has no state yet: its start is rebuilt as well, so only "reset" is asserted.)
         if settings in (RESET, SPARSE_RESET):  # (the honest ones' starts, at least)
             assert sum(a["starts_rebuilt"] for a in audits) > 0, audits
+        if settings is ROUNDS:  # (the default: past their first round, from codes)
+            assert sum(a["starts_from_codes"] for a in audits) > 0, audits
+        if settings is CARRY:  # (carried moments are no codes: the start went whole)
+            assert sum(a["starts_from_codes"] for a in audits) == 0, audits
         if settings in (SPARSE, SPARSE_RESET):  # every chain proven by the receipts
             assert all(a["chains_unproven"] == 0 and a["receipts_received"] > 0
                        for a in audits), audits  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.outer import RoundOutcome, RoundReport
 from shoal.peer.trainer import Trainer, check_hyperparameters
+from shoal.peer.training.state_codes import code_state
 from shoal.peer.training.task import load_task, shard_of
 from shoal.peer.verify.audit_round import AuditRound, RoundShape, check_segment
 from shoal.peer.verify.rebuild import EMPTY_OPTIMIZER, rebuild_start
@@ -157,14 +158,15 @@ async def test_a_reset_to_the_global_state_mid_round_starts_the_rounds_work_agai
         assert finding.result is Result.PASS and finding.flips == 0, (segment, finding)
 
 
-@pytest.mark.parametrize("inner_state", ["carry", "reset"])
+@pytest.mark.parametrize("inner_state", ["carry", "reset", "quantize"])
 async def test_a_reset_inner_state_starts_each_rounds_work_from_a_state_its_referees_rebuild(
     inner_state: str,
 ) -> None:
     """With `inner_state` "reset" the work after the re-sync starts with no optimizer
     state at all (what a referee can rebuild: the global state and nothing else), and
-    every segment's start is rebuilt bit for bit from it; "carry" keeps the moments of
-    the steps before, which only the prover holds."""
+    every segment's start is rebuilt bit for bit from it; "quantize" keeps the moments
+    of the steps before, rounded to codes, from which every start is rebuilt too;
+    "carry" keeps them as they are, which only the prover holds."""
     task = load_task("bytegpt", dict(TINY))
     hyper = check_hyperparameters({"warmup_steps": 0, "inner_state": inner_state})
     me = Identity.from_seed(b"s" * 32)
@@ -174,6 +176,9 @@ async def test_a_reset_inner_state_starts_each_rounds_work_from_a_state_its_refe
     work = work_of.log.current
     assert work is not None and work.first_step == RESET_AT
     assert (work.start_optimizer == EMPTY_OPTIMIZER) is (inner_state == "reset")
+    began = Replay(SegmentRunner(task, hyper), task, work_of, shards).state_after(work, 0)
+    moments = code_state(began.optimizer["optimizer"]["state"])
+    assert (moments is not None) is (inner_state != "carry")
 
     group = Group("k", make_round_id("k", [me.peer_id], b"n"), (Member(me.peer_id),))
     shape = RoundShape.of(group, 1, 4096, "none")
@@ -184,15 +189,15 @@ async def test_a_reset_inner_state_starts_each_rounds_work_from_a_state_its_refe
     template = SegmentRunner(task, hyper).inner.state_dict()
     for segment in range(c.segments):
         start = rebuild_start(SegmentRunner(task, hyper), task, shards, NS, rnd, c, segment,
-                              template)  # fmt: skip
+                              template, moments or None)  # fmt: skip
         if inner_state == "carry":
             assert start is None
         else:
             assert start is not None and start.digest() == c.segment_start(segment), segment
 
 
-def test_an_inner_state_other_than_carry_or_reset_is_refused() -> None:
-    with pytest.raises(ValueError, match="inner_state must be one of carry, reset"):
+def test_an_inner_state_other_than_carry_reset_or_quantize_is_refused() -> None:
+    with pytest.raises(ValueError, match="inner_state must be one of carry, reset, quantize"):
         check_hyperparameters({"inner_state": "keep"})
     assert check_hyperparameters({})["inner_state"] == "carry"
 
@@ -227,12 +232,13 @@ class CommittingStrategy:
         pass
 
 
-@pytest.mark.parametrize("inner_state", ["carry", "reset"])
+@pytest.mark.parametrize("inner_state", ["carry", "reset", "quantize"])
 async def test_an_unverified_trainer_resets_its_inner_state_at_each_new_global_state(
     inner_state: str,
 ) -> None:
     """Without a work log, "reset" starts the optimizer afresh after every round that
-    changed the model (a commit or a re-sync); "carry" keeps counting."""
+    changed the model (a commit or a re-sync); "carry" keeps counting, and so does
+    "quantize", whose moments are rounded to codes there (the last round committed)."""
     task = load_task("bytegpt", dict(TINY))
     hyper = check_hyperparameters({"warmup_steps": 0, "inner_state": inner_state})
     model = task.make_model(0)
@@ -248,3 +254,5 @@ async def test_an_unverified_trainer_resets_its_inner_state_at_each_new_global_s
         assert strategy.adam_steps == [1, 2, 3, 4] * 3
     else:
         assert strategy.adam_steps == list(range(1, 13))
+    rounded = bool(code_state(trainer.optimizer.state_dict()["state"]))  # (reset: empty)
+    assert rounded is (inner_state == "quantize")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from shoal.averaging.group import Group, Member, make_round_id
-from shoal.peer.training.task import shard_of
+from shoal.peer.training.task import Task, shard_of
 from shoal.peer.verify.audit_round import AuditRound, RoundShape
+from shoal.peer.verify.segments import SegmentRunner, round_batch_seed
 from shoal.peer.verify.verifier import audit_round_of
 from shoal.peer.verify.work_log import RoundWork, VerifiedWork, WorkLog
 from shoal.transport.identity import Identity, PeerID
@@ -126,3 +128,43 @@ def audited_round(
                          {me.peer_id: secret}, draw, log, 0.0)  # fmt: skip
     assert rnd is not None
     return c, verified, rnd
+
+
+def proved_round(
+    task: Task,
+    hyper: dict[str, Any],
+    me: Identity,
+    *,
+    namespace: str,
+    shards: int,
+    every: int,
+    round_index: int,
+    steps: int,
+    steps_before: int = 0,
+    quantize: bool = False,
+) -> tuple[RoundWork, VerifiedWork, Commitment, AuditRound, SegmentRunner]:
+    """`me` trains `steps` inner steps of a verified round on its own batches, hashed
+    every `every`, and commits alone (`audited_round`); `steps_before` steps first (on
+    other batches: moments carried into the round), then the optimizer's state rounded
+    to codes as a round of `inner_state` "quantize" starts (`quantize`)."""
+    log = WorkLog(every)
+    runner = SegmentRunner(task, hyper)
+    model, inner = runner.model, runner.inner
+    first = 40
+    earlier = task.batches(0, shards, 99)
+    for i in range(steps_before):
+        batch = next(earlier)
+        inner.step(lambda b=batch: task.loss(model, b), first - steps_before + i)
+    if quantize:
+        inner.quantize_state()
+    seed = round_batch_seed(namespace, me.peer_id, round_index)
+    batches = task.batches(shard_of(me.peer_id.to_bytes(), shards), shards, seed)
+    log.begin(round_index, first, model, inner)
+    for i in range(steps):
+        batch = next(batches)
+        inner.step(lambda b=batch: task.loss(model, b), first + i)
+        log.after_step(model, inner, int(task.batch_tokens(batch)))
+    work = log.seal(model, inner)
+    c, verified, rnd = audited_round(log, work, me, list(model.parameters()),
+                                     namespace=namespace, shards=shards)  # fmt: skip
+    return work, verified, c, rnd, runner

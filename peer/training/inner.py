@@ -31,6 +31,7 @@ import torch
 from .device import autocast
 from .optimizers import DEFAULT_INNER_OPTIMIZER, make_inner_optimizer, state_layout
 from .priority import lower_this_thread
+from .state_codes import round_trip_
 
 __all__ = [
     "LR_SCHEDULES",
@@ -198,6 +199,16 @@ class InnerOptimizer:
         step starts it afresh, as on a new peer (`inner_state` "reset"). The lr
         schedule goes on: it follows the trainer's step count."""
         self.optimizer.state.clear()
+
+    def quantize_state(self) -> None:
+        """Round every floating state tensor of more than one element (the moments; a
+        step count stays) to what its 8-bit codes decode to (`state_codes`): the state
+        a round starts from with `inner_state` "quantize", which a reveal then carries
+        in codes."""
+        for per_param in self.optimizer.state.values():
+            for value in per_param.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    round_trip_(value)
 
     def state_layouts(self) -> list[dict[str, tuple[int, ...]]]:
         """Per parameter, the state tensors (name -> shape) the optimizer keeps once it

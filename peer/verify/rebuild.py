@@ -13,6 +13,13 @@ commitment's checkpoint; equal, it holds the prover's start bit for bit, and the
 reveal only had to carry a header (protocol 2.7, `reveals.fetch_reveal`'s
 `start`).
 
+A round of `inner_state` "quantize" starts from the global state and the
+prover's own optimizer state, rounded to 8-bit codes (`state_codes`) at the
+round's start. Its referee (2.8) asks for those codes instead of the start
+(`reveals.fetch_reveal`'s `moments`): half a model size with AdamW, where the
+start is three. It decodes them (the same bits on any machine), checks them
+against the commitment's optimizer hash, and rebuilds from them as above.
+
 Compute is traded for bytes: the referee runs up to a round's steps instead of
 one segment's (at the default rate, about half a round's steps for every
 twentieth contribution: 2.5% more inner steps over the swarm), and a home link
@@ -30,6 +37,7 @@ import torch
 
 from shoal.verification.commitment import Commitment
 
+from ..training.state_codes import CodedState, decode_state
 from ..training.task import Task
 from .audit_round import AuditRound, prover_batches
 from .segments import SegmentRunner, SegmentState, optimizer_hash, params_hash
@@ -47,12 +55,17 @@ def rebuildable(commitment: Commitment) -> bool:
     return commitment.optimizer == EMPTY_OPTIMIZER
 
 
-def fresh_start(params: list[torch.Tensor], template: dict[str, Any]) -> SegmentState:
+def fresh_start(
+    params: list[torch.Tensor],
+    template: dict[str, Any],
+    state: dict[int, dict[str, torch.Tensor]] | None = None,
+) -> SegmentState:
     """The state a reset round starts from: `params` and an optimizer with the param
-    groups of `template` (an `InnerOptimizer.state_dict()`) and no state."""
+    groups of `template` (an `InnerOptimizer.state_dict()`) and no state (or
+    `state`, per parameter: a quantized round's, decoded)."""
     optimizer = {
         "optimizer": {
-            "state": {},
+            "state": state or {},
             "param_groups": copy.deepcopy(template["optimizer"]["param_groups"]),
         },
         "grad_scaler": copy.deepcopy(template.get("grad_scaler")),
@@ -69,17 +82,19 @@ def rebuild_start(
     commitment: Commitment,
     segment: int,
     template: dict[str, Any],
+    moments: CodedState | None = None,
 ) -> SegmentState | None:
     """The state at the start of `segment` of `commitment`'s work, re-run here from the
-    round's global state and a fresh optimizer (blocking: up to a round's inner steps);
-    None when the work did not start fresh from that global state, or the state
-    reached does not hash to the committed one (ask the prover for it)."""
-    if not rebuildable(commitment):
+    round's global state and a fresh optimizer, or the one `moments` codes (blocking:
+    up to a round's inner steps); None when the work did not start from those, or the
+    state reached does not hash to the committed one (ask the prover for it)."""
+    state = None if moments is None else decode_state(moments)
+    if optimizer_hash({"optimizer": {"state": state or {}}}) != commitment.optimizer:
         return None
     start_params = rnd.start_params if isinstance(rnd.start_params, list) else rnd.start_params()
     if params_hash(start_params) != commitment.start:
         return None
-    start = fresh_start(start_params, template)
+    start = fresh_start(start_params, template, state)
     first, _ = commitment.segment_bounds(segment)
     if first > 0:
         batches = prover_batches(task, num_shards, namespace, commitment, 0, first)

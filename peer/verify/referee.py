@@ -45,6 +45,7 @@ from shoal.transport.errors import (
     TransportError,
 )
 from shoal.transport.identity import Identity, PeerID
+from shoal.transport.version import ProtocolVersion
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.bans import publish
 from shoal.verification.commitment import Commitment, CommitmentError
@@ -77,6 +78,8 @@ __all__ = ["Referee"]
 
 log = logging.getLogger("shoal.verifier")
 
+# The protocol whose provers send a quantized round's starting optimizer state coded.
+CODED_START_PROTOCOL = ProtocolVersion(2, 8)
 REVEAL_TIMEOUT = 60.0  # to reach the prover (a restart takes seconds) ...
 # ... plus, once reached, what its reveal takes to arrive: its size over the averaging
 # deadlines' prior link rate, with their slack (a fixed minute is 7 MB of reveal at the
@@ -145,11 +148,14 @@ class Referee:
         c = rnd.commitments[prover]
         self.counts["audits_done"] += 1
         refused = False
-        rebuild = rebuildable(c)  # (its start is public: a header is all we need)
+        # (A start that is public, or that a 2.8 prover may send as codes: see rebuild.py.)
+        coded = self._takes_codes(prover)
+        rebuild = rebuildable(c) or coded
         while True:
             segment = rnd.draw.segment(prover, c.segments)
             try:
-                reveal = await self._fetch(rnd, prover, segment, start=not rebuild)
+                reveal = await self._fetch(rnd, prover, segment, start=not rebuild,
+                                           moments=coded)  # fmt: skip
                 assert isinstance(reveal, Reveal)
                 if reveal.start is None and not await self._rebuild(rnd, prover, segment, reveal):
                     rebuild = False  # (ask again, for the whole)
@@ -207,6 +213,12 @@ class Referee:
         )  # fmt: skip
         return self._count(verdict.signed(self.identity))
 
+    def _takes_codes(self, prover: PeerID) -> bool:
+        """Whether `prover` speaks 2.8: asked, it sends its round's starting optimizer
+        state coded when it can (`inner_state` "quantize"), else the whole start."""
+        hello = self.dht.host.versions.peer_version(prover)
+        return hello is not None and hello.protocol >= CODED_START_PROTOCOL
+
     async def _rebuild(self, rnd: AuditRound, prover: PeerID, segment: int, reveal: Reveal) -> bool:
         """Rebuild the start `reveal` withheld (`rebuild.rebuild_start`) into it; False
         when the state reached is not the committed one (or our copy of the round's
@@ -214,7 +226,7 @@ class Referee:
         c, loop = rnd.commitments[prover], asyncio.get_running_loop()
         rebuild = functools.partial(
             rebuild_start, self.runner, self.task, self.num_shards, self.namespace, rnd, c,
-            segment, self.template,
+            segment, self.template, reveal.moments,
         )  # fmt: skip
         try:
             start = await loop.run_in_executor(self.pool, rebuild)
@@ -227,6 +239,8 @@ class Referee:
                      "its start is fetched", rnd.round, prover.short(), segment)  # fmt: skip
             return False
         self.counts["starts_rebuilt"] += 1
+        if reveal.moments:
+            self.counts["starts_from_codes"] += 1
         reveal.start = start
         return True
 
@@ -344,6 +358,7 @@ class Referee:
         *,
         only_end: bool = False,
         start: bool = True,
+        moments: bool = False,
     ) -> Reveal | tuple[list[torch.Tensor], bytes]:
         """The prover's reveal, its end withheld (`check_segment_exact`) and without its
         start unless `start` (`rebuild`), or with `only_end` that end alone; a prover
@@ -364,7 +379,7 @@ class Referee:
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
                     timeout=timeout, secrets=rnd.secrets_to_wire(), layouts=self.layouts,
-                    commitment=digest, end=False, start=start,
+                    commitment=digest, end=False, start=start, moments=moments,
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
                 if time.monotonic() + REVEAL_RETRY_S >= deadline:

@@ -46,6 +46,16 @@ names no optimizer state, and no start tensors follow (a 2.6 prover sends them
 anyway, and the asker reads them). Only when the rebuilt state's hash differs does
 the referee ask for the whole reveal again. An honest reveal then moves a header.
 
+Since 2.8 a round whose work started from the prover's own optimizer state rounded
+to 8-bit codes (`inner_state` "quantize", `state_codes`) is rebuilt as well: its
+referee asks with ``"start": false, "moments": true``, and the prover withholds the
+start but sends those codes (``"moments"`` in the header: one mode per key of
+`keys`, which then name the round's starting state; each coded tensor follows as
+uint8 codes and int16 block exponents, a step count as a float32 tensor). The
+asker decodes them and checks them against the commitment's optimizer hash
+(`rebuild.rebuild_start`). A prover whose state cannot be coded sends the whole
+start instead.
+
 The asker knows what a reveal holds before it comes: its own model has the same
 parameters (`fetch_reveal`'s `shapes`), and the experiment's optimizer keeps
 known state tensors of known shapes for each (`layouts`, from
@@ -76,6 +86,15 @@ from shoal.transport.identity import PeerID
 from shoal.verification.commitment import HASH_BYTES, Commitment, state_digest
 from shoal.verification.receipts import ChainProof, ReceiptError
 
+from ..training.state_codes import (
+    BLOCK,
+    MAX_EXPONENT,
+    PLAIN,
+    SIGNED,
+    SQRT,
+    CodedState,
+    CodedTensor,
+)
 from ..training.task import Task
 from .segments import (
     SegmentRunner,
@@ -134,6 +153,10 @@ class Reveal:
     residual: torch.Tensor | None = None
     proof: ChainProof | None = None  # the receipts of the previous commitment's round
     parameters: int = 0  # how many (what the header says when `start` is withheld)
+    # With `start` withheld: the inner optimizer's state at the round's start, coded
+    # (`state_codes`; a round of `inner_state` "quantize"), from which the asker
+    # rebuilds it; None: the round started from an empty one.
+    moments: CodedState | None = None
 
     def end_digest(self) -> bytes:
         assert self.end_params is not None, "the end was withheld"
@@ -173,10 +196,30 @@ def _optimizer_tensors(state: SegmentState) -> tuple[list[list[Any]], list[torch
     return keys, [torch.as_tensor(per_param[i][name]) for i, name in keys]
 
 
+def _coded_tensors(moments: CodedState) -> tuple[list[list[Any]], list[int], list[torch.Tensor]]:
+    """(keys, their modes, the tensors in wire order) of a coded optimizer state."""
+    keys, modes, tensors = [], [], []
+    for (index, name), value in moments:
+        keys.append([index, name])
+        if isinstance(value, CodedTensor):
+            modes.append(value.mode)
+            tensors += [value.codes, value.exponents]
+        else:
+            modes.append(PLAIN)
+            tensors.append(value)
+    return keys, modes, tensors
+
+
 async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
     """Answer a reveal request (the handler yields `{"done": True}` after this)."""
     start = reveal.start
-    keys, opt = ([], []) if start is None else _optimizer_tensors(start)
+    modes = None
+    if start is not None:
+        keys, opt = _optimizer_tensors(start)
+    elif reveal.moments is not None:
+        keys, modes, opt = _coded_tensors(reveal.moments)
+    else:
+        keys, opt = [], []
     head: dict[str, Any] = {
         "params": reveal.parameters if start is None else len(start.params),
         "keys": keys,
@@ -184,6 +227,8 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
     }
     if start is None:
         head["start"] = False
+    if modes is not None:
+        head["moments"] = modes
     end = reveal.end_params
     if end is None:
         head["end"] = False
@@ -261,18 +306,22 @@ async def fetch_reveal(
     commitment: bytes | None = None,
     end: bool = True,
     start: bool = True,
+    moments: bool = False,
 ) -> Reveal:
     """Ask `prover` to reveal `segment` of its work in `round_index`, the round of the
     commitment whose digest is `commitment` (None: whichever it has); `end`: with the
     segment's end parameters (False: withheld, if the prover is of 2.6); `start`: with
     its start state (False: withheld, if the prover is of 2.7, for the asker to
-    rebuild: the reveal's `start` is then None). `template`: an
+    rebuild: the reveal's `start` is then None); `moments`, with `start` False: a 2.8
+    prover whose round started from an optimizer state it can code (`inner_state`
+    "quantize") withholds the start too, and sends that state coded (the reveal's
+    `moments`). `template`: an
     `InnerOptimizer.state_dict()` whose param groups the revealed state takes;
     `shapes`: our own model's parameters', which the revealed ones must have;
     `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps.
     Raises (transport, remote or ValueError) when nothing well formed came;
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
-    parts = {"end": end} if start else {"end": end, "start": False}
+    parts = {"end": end} if start else {"end": end, "start": False, "moments": moments}
     request = _request(round_index, segment, secrets, commitment, **parts)
     async with rpc.open_call(host, prover, PROTOCOL, "reveal", request, timeout=timeout) as call:
         await call.close_send()
@@ -282,11 +331,16 @@ async def fetch_reveal(
         withheld = not end and isinstance(head, dict) and head.get("end", True) is False
         no_start = not start and isinstance(head, dict) and head.get("start", True) is False
         _check_layout(n, keys, shapes)
-        if no_start and keys:
+        modes = _modes(head, keys) if no_start and moments else None
+        if no_start and keys and modes is None:
             raise RevealError("a withheld start with optimizer state")
         if layouts is not None:
             _check_states(keys, layouts)
         params = [] if no_start else [await _recv(call, shape) for shape in shapes]
+        coded = None
+        if modes is not None:
+            coded = await _recv_coded(call, keys, modes, shapes, layouts)
+            keys = []  # (they name the round's start, not this segment's)
         if layouts is None:
             opt = [await _recv(call, shapes[i], exact=False) for i, _ in keys]
         else:
@@ -316,7 +370,46 @@ async def fetch_reveal(
     start_state = None if no_start else SegmentState(params, optimizer)
     return Reveal(
         start_state, end_params, end_opt, final, final_opt, chain, slot, residual, proof,
+        moments=coded,
     )  # fmt: skip
+
+
+def _modes(head: dict[str, Any], keys: list[tuple[int, str]]) -> list[int] | None:
+    """How each of `keys` is coded (`state_codes`), as a header with a withheld start
+    says; None when it says nothing (a 2.7 prover); RevealError when malformed."""
+    modes = head.get("moments")
+    if modes is None:
+        return None
+    ok = isinstance(modes, list) and len(modes) == len(keys)
+    if not ok or not all(m in (PLAIN, SIGNED, SQRT) and type(m) is int for m in modes):
+        raise RevealError("bad moment codes")
+    return modes
+
+
+async def _recv_coded(
+    call: rpc.Call,
+    keys: list[tuple[int, str]],
+    modes: list[int],
+    shapes: Sequence[torch.Size],
+    layouts: Sequence[Mapping[str, tuple[int, ...]]] | None,
+) -> CodedState:
+    """The coded optimizer state of a withheld start, each tensor of the shape our
+    optimizer keeps (without `layouts`: its parameter's), refused when it is not."""
+    coded: CodedState = []
+    for (index, name), mode in zip(keys, modes, strict=True):
+        shape = torch.Size(layouts[index][name]) if layouts is not None else shapes[index]
+        if mode == PLAIN:
+            coded.append(((index, name), await _recv(call, shape)))
+            continue
+        elements = math.prod(shape)
+        codes = await _recv(call, torch.Size([elements]))
+        exponents = await _recv(call, torch.Size([math.ceil(elements / BLOCK)]))
+        if codes.dtype != torch.uint8 or exponents.dtype != torch.int16:
+            raise RevealError("moment codes must be uint8, their exponents int16")
+        if exponents.numel() and int(exponents.abs().max()) > MAX_EXPONENT:
+            raise RevealError("a moment's scale out of float32's range")
+        coded.append(((index, name), CodedTensor(mode, tuple(shape), codes, exponents)))
+    return coded
 
 
 def _request(

@@ -44,6 +44,7 @@ from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
 from ..training.inner import InnerOptimizer
 from ..training.priority import lower_this_thread
+from ..training.state_codes import CodedState, code_state
 from ..training.task import Task
 from .audit_round import AuditRound, RecentRounds, RoundShape, encode_record, gather
 from .ban_watch import BanWatcher
@@ -355,6 +356,7 @@ class Verifier:
     async def _on_reveal(self, ctx: rpc.CallContext, payload: Any) -> Any:
         round_index, segment, final, digest = parse_reveal_request(payload)
         with_end, only_end, with_start = parse_reveal_parts(payload)
+        with_moments = parse_reveal_moments(payload)
         # (Against another round's commitment than the asker's, a reveal would read as
         # a lie: an honest peer convicted. A 2.3 referee names none: the last round.)
         rnd = await self._round(round_index, self.me, digest)
@@ -389,7 +391,7 @@ class Verifier:
                 raise LookupError(f"no sparse work of round {round_index} here")
         reveal = await loop.run_in_executor(
             self._pool, reveal_segment, replay, work, mine, segment, final, sparse, with_end,
-            with_start,
+            with_start, with_moments,
         )  # fmt: skip
         await send_reveal(ctx, reveal)
         yield {"done": True}
@@ -440,6 +442,9 @@ class Verifier:
             # the start never crossed the wire), and those that then were fetched.
             "starts_rebuilt": counts["starts_rebuilt"],
             "starts_fetched": counts["starts_fetched"],
+            # ... of which from the round's starting optimizer state, sent as 8-bit codes
+            # (`inner_state` "quantize": half a model size with AdamW).
+            "starts_from_codes": counts["starts_from_codes"],
             "disputes": dict(self.referee.disputes),
             "withheld": self.withheld,
             # Round records asked of their members directly (the DHT lacked them).
@@ -547,6 +552,22 @@ def parse_reveal_parts(payload: dict[str, Any]) -> tuple[bool, bool, bool]:
     return with_end, only_end, with_start
 
 
+def parse_reveal_moments(payload: dict[str, Any]) -> bool:
+    """Whether a reveal request that withholds the start takes the round's starting
+    optimizer state coded instead (since 2.8); ValueError when malformed."""
+    moments = payload.get("moments", False)
+    if not isinstance(moments, bool):
+        raise ValueError("bad reveal request")
+    return moments and payload.get("start", True) is False
+
+
+def _moments_of(replay: Replay, work: RoundWork) -> CodedState | None:
+    """The optimizer state `work` started from, coded ([]: it was empty); None when it
+    cannot be coded bit for bit (a carried state: the start goes whole)."""
+    began = replay.state_after(work, 0)
+    return code_state(began.optimizer["optimizer"]["state"])
+
+
 def parse_verdict_request(payload: object) -> tuple[int, PeerID, Verdict]:
     """(round, prover, accusation) of an auditor's verdict request; ValueError when malformed."""
     if not isinstance(payload, dict) or not isinstance(payload.get("prover"), bytes):
@@ -577,18 +598,26 @@ def reveal_segment(
     sparse: SparseWork | None = None,
     with_end: bool = True,
     with_start: bool = True,
+    with_moments: bool = False,
 ) -> Reveal:
     """Our reveal of `segment` of the round's work, with the run's `final` state for a
     referee of protocol 2.0 (in the audit thread: it re-runs steps); of a sparse
     round, with the previous commitment, and for the last segment what we sent;
     without the end's parameters unless `with_end` (a referee of 2.6 hashes its own
     re-run's end first), without the start state unless `with_start` (a referee of
-    2.7 rebuilds a start it can: `rebuild.rebuild_start`)."""
+    2.7 rebuilds a start it can: `rebuild.rebuild_start`); `with_moments` (a referee
+    of 2.8): the round's starting optimizer state goes coded in its place when it
+    can be (`state_codes.code_state`), or else the whole start."""
     first, end = mine.segment_bounds(segment)
     last = replay.state_after(work, work.steps) if final else None
+    moments = None
+    if with_moments and not with_start:
+        moments = _moments_of(replay, work)
+        with_start = moments is None
     start = replay.state_after(work, first) if with_start else None
     stop = replay.state_after(work, end)
     reveal = reveal_of(start, stop, last, with_end=with_end)
+    reveal.moments = moments or None
     if sparse is not None:
         reveal.chain = sparse.chain
         reveal.proof = None if sparse.proof is None else sparse.proof.shown(mine.prover)
