@@ -167,9 +167,12 @@ def test_peers_that_boast_forge_or_copy_for_states_of_their_own_take_over_nobody
         for step in range(attack_step + 1, max(host.committed_rounds()) + 1):
             prints = {d.committed_rounds().get(step) for d in honest} - {None}
             assert len(prints) <= 1, f"fingerprints differ at outer step {step}: {prints}"
-        # Their loss kept falling.
-        for d in (host, a):
-            assert _loss(d) < early_loss[d.name], (d.name, early_loss, _loss(d))
+        # Their loss kept falling. (Waited for: a newcomer's first contribution, from a
+        # fresh inner optimizer, may lift the smoothed loss for a round; CI ci36 read
+        # 3.178 against 3.160 at one instant.)
+        wait_for("the honest peers' loss below its level before the attack",
+                 lambda: all(_loss(d) < early_loss[d.name] for d in (host, a)), 90,
+                 debug=lambda: f"{early_loss} now {[_loss(d) for d in (host, a)]}")  # fmt: skip
         # (A fresh inner optimizer's first steps raise it a little; on a usurper's
         # state it was 22,356.)
         assert _loss(newcomer) < 1.5 * max(early_loss.values()), _loss(newcomer)
