@@ -22,11 +22,11 @@ prover's (`encode` never needs to match across machines; only `decode` does).
 A tensor with no negative element (Adam's second moment) is coded by its square
 root (`SQRT`): the denominator of Adam's step, `sqrt(v)`, then keeps 6% relative
 precision where the square would keep 12%. Codes round to the nearest (unbiased:
-rounded up, the moments would grow a little every round, and faster than they
-decay over a round of 50 steps), except that a positive root never rounds to 0
-(it takes the smallest code): a coordinate whose second moment vanished would
-take a step of `m / eps`. The square of a decoded root is exact in float32 (its
-significand has 4 bits).
+rounded up, the moments would grow a little every round, and with AdamW's
+default beta2 of 0.999 faster than they decay over a round of 50 steps), except
+that a positive root never rounds to 0 (it takes the smallest code): a coordinate
+whose second moment vanished would take a step of `m / eps`. The square of a
+decoded root is exact in float32 (its significand has 4 bits).
 
 Coding is idempotent on decoded values: `encode(decode(encode(x)))` decodes to
 the same bits as `encode(x)` (the scale of a block of decoded values is the one
