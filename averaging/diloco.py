@@ -225,11 +225,11 @@ class DiLoCo(OverlappingRounds):
         allreduce = self.averager.config.allreduce
         # (A sparse round sends slots of messages, not a coded pseudo-gradient: what an
         # auditor can re-derive of it is named apart, `audit_round.RoundShape.sparse`.)
-        codec = (
-            self.averager.config.codec
-            if self.sparse is None
-            else sparse_shape(self.sparse.gather.codec, self.sparse.feedback.decay)
-        )
+        if self.sparse is None:
+            codec = self.averager.config.codec
+        else:
+            feedback = self.sparse.feedback
+            codec = sparse_shape(self.sparse.gather.codec, feedback.decay, feedback.leaf > 0)
         return (allreduce.streams_per_peer, allreduce.chunk_bytes, codec)
 
     def shun(self, peer: PeerID, seconds: float) -> None:

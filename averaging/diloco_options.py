@@ -60,6 +60,12 @@ SPARSE_NEW = {"codec_feedback_decay": 0.9, "codec_mean": "senders"}
 # 2.417, 2.461 and 2.428 (2.428 against 2.310 in one run; int8 2.253 to 2.352).
 SPARSE_INNER_STEPS = 20
 SPARSE_MEANS = ("members", "senders")
+# How an audit checks a verified sparse round's message (`codec_audit`): "whole" (the
+# legacy: the residual is hashed whole and revealed whole, a model size of float32 per
+# audit of a last segment) or "chunks" (hashed as a Merkle tree over the codec's
+# chunks; an audit reveals the values the message kept and a few whole chunks:
+# `peer.verify.sparse_work.check_sampled`). New verified sparse experiments: chunks.
+SPARSE_AUDITS = ("whole", "chunks")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +117,14 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
         "experiments)",
         added=True,
     )("members")
+    codec_audit: str = Opt(
+        one_of(*SPARSE_AUDITS),
+        f"one of {list(SPARSE_AUDITS)}",
+        "verified sparse codecs: what an audit reveals of the error feedback: whole (a "
+        "model size) or chunks (the kept values and a few whole chunks, against a Merkle "
+        "root; new verified experiments)",
+        added=True,
+    )("whole")
     codec_chunk: int = Opt(
         lambda v: v == 0 or integer(16, 65536)(v),
         "0 or an int in 16..65536",
@@ -143,10 +157,13 @@ class DiLoCoOptions(GroupOptions, VerifyingOptions):
         """A new unverified experiment overlaps each round with up to H - 1 inner steps
         (`overlap_steps`; a verified one cannot); a new sparse one also decays its error
         feedback, takes the senders' mean (`SPARSE_NEW`) and averages every
-        `SPARSE_INNER_STEPS` inner steps; the options given win over all of these."""
+        `SPARSE_INNER_STEPS` inner steps, and a verified one is audited by chunks
+        (`codec_audit`); the options given win over all of these."""
         new = dict(options)
         if options.get("codec") in SPARSE_CODEC_NAMES:
             new = {**SPARSE_NEW, "inner_steps": SPARSE_INNER_STEPS, **options}
+            if new.get("verify"):
+                new = {"codec_audit": "chunks", **new}
         # bench/wan.py, 4 peers at 50 Mbit/s and 25 ms, 180 s an arm, three runs: int8
         # at H = 50 overlapped by up to 49 steps ran 18-20% more inner steps than
         # without in the same run and ended 7.2%, 4.2% and 1.4% lower (docs/benchmarks.md).

@@ -21,6 +21,13 @@ that an audit can check that a round started from what the previous one left
 receipts of its round, `verification.receipts`: opaque bytes here, from
 `chain_proof()`) is checkpointed with them, so that a restarted peer still proves
 its chain (`restored_proof`).
+
+The hash is of one of two kinds, the experiment's `codec_audit`: ``whole`` (legacy,
+`leaf` 0), SHA-256 over the residual's bytes, which an audit checks against the
+whole residual; ``chunks`` (`leaf` the codec's chunk), the root of a Merkle tree
+whose leaves are the codec's chunks of the residual, so that an audit can check a
+few chunks of it against the commitment (`peer.verify.sparse_work.check_sampled`)
+rather than a model size of float32.
 """
 
 from __future__ import annotations
@@ -31,26 +38,62 @@ from typing import Any
 
 import torch
 
+from shoal.verification.commitment import MerkleTree, leaf_hash
+
 from .buffers import bytes_of
 from .sparse_codec import SparseCodec
 
-__all__ = ["MAX_CHAIN_BYTES", "ErrorFeedback", "residual_digest"]
+__all__ = [
+    "MAX_CHAIN_BYTES",
+    "ErrorFeedback",
+    "residual_digest",
+    "residual_leaves",
+    "zero_digest",
+]
 
 MAX_CHAIN_BYTES = 1 << 20  # an encoded commitment (4,096 checkpoints at most)
 MAX_PROOF_BYTES = 1 << 16  # the receipts of a round of 256 members at most
 
 
-def residual_digest(t: torch.Tensor) -> bytes:
-    """The hash a commitment carries of a residual (its float32 bytes; blocking)."""
-    return hashlib.sha256(bytes_of(t.contiguous())).digest()
+def residual_digest(t: torch.Tensor, leaf: int = 0) -> bytes:
+    """The hash a commitment carries of a residual (blocking): of its float32 bytes
+    (`leaf` 0), or the Merkle root over its chunks of `leaf` elements."""
+    if not leaf:
+        return hashlib.sha256(bytes_of(t.contiguous())).digest()
+    return MerkleTree(residual_leaves(t, leaf)).root
+
+
+def residual_leaves(t: torch.Tensor, leaf: int) -> list[bytes]:
+    """The leaf hashes of a residual's chunks of `leaf` elements (the last may be
+    shorter; an empty residual has one empty leaf), in order (blocking)."""
+    flat = t.contiguous().view(-1)
+    n = flat.numel()
+    return [leaf_hash(bytes_of(flat[a : a + leaf])) for a in range(0, n, leaf)] or [leaf_hash(b"")]
+
+
+def zero_digest(elements: int, leaf: int = 0) -> bytes:
+    """`residual_digest` of `elements` zeros (blocking)."""
+    if not leaf:
+        return residual_digest(torch.zeros(elements))
+    full, tail = divmod(elements, leaf)
+    leaves = [leaf_hash(bytes(4 * leaf))] * full + ([leaf_hash(bytes(4 * tail))] if tail else [])
+    return MerkleTree(leaves or [leaf_hash(b"")]).root
 
 
 class ErrorFeedback:
     """The residual of one flat float32 vector of `size` elements coded by `codec`."""
 
     def __init__(
-        self, codec: SparseCodec, size: int, *, pin: bool = False, decay: float = 1.0
+        self,
+        codec: SparseCodec,
+        size: int,
+        *,
+        pin: bool = False,
+        decay: float = 1.0,
+        leaf: int = 0,
     ) -> None:
+        """`leaf`: the residual's hash (`residual_digest`): 0 over its bytes, else a
+        Merkle root over chunks of `leaf` elements (the codec's chunk)."""
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"error feedback decay must be in [0, 1], got {decay!r}")
         self.codec = codec
@@ -66,6 +109,11 @@ class ErrorFeedback:
             self.residual = self.residual.pin_memory()
             self._pending = self._pending.pin_memory()
         self._open = False
+        self.leaf = leaf
+        # Of the open message, with `leaf`: the values it kept before quantizing, and
+        # the leaf hashes of the residuals `claims` hashed (what a sampled reveal shows).
+        self.kept: torch.Tensor | None = None
+        self.claimed_leaves: tuple[list[bytes], list[bytes]] | None = None
         self.chain = b""  # the encoded commitment whose commit left this residual
         self._pending_chain = b""
         # Verified: a residual must come from a committed commitment (a lone commit has
@@ -102,7 +150,8 @@ class ErrorFeedback:
         else:
             torch.mul(self.residual, self._decay, out=self._pending)
             self._pending.add_(delta)
-        message = self.codec.encode(self._pending)
+        message, kept = self.codec.encode_kept(self._pending)
+        self.kept = kept if self.leaf else None
         decoded = torch.zeros_like(delta)
         self.codec.add_decoded(self.codec.check(message, self.size), decoded, 1.0)
         delta.copy_(decoded)
@@ -114,7 +163,11 @@ class ErrorFeedback:
         """(hash of the residual now, hash of the one a commit of the open message
         leaves): what a verified member commits to (blocking: hashes two vectors)."""
         after = self._pending if self._open else self.residual
-        return residual_digest(self.residual), residual_digest(after)
+        if not self.leaf:
+            return residual_digest(self.residual), residual_digest(after)
+        leaves = residual_leaves(self.residual, self.leaf), residual_leaves(after, self.leaf)
+        self.claimed_leaves = leaves
+        return MerkleTree(leaves[0]).root, MerkleTree(leaves[1]).root
 
     def propose_chain(self, encoded_commitment: bytes) -> None:
         """The commitment made for the open message: it becomes `chain` on a commit."""

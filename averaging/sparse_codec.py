@@ -172,10 +172,15 @@ class SparseCodec:
     def encode(self, src: torch.Tensor) -> bytes:
         """The message of `src` (1-D contiguous float32 on the CPU, finite, every value
         within MAX_MAGNITUDE)."""
+        return self.encode_kept(src)[0]
+
+    def encode_kept(self, src: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """(`encode(src)`, the float32 values it kept before they were quantized: the
+        entries, or DCT coefficients, at the message's indices, in their order)."""
         x = _check_src(src)
         n = x.numel()
         if not n:
-            return b""
+            return b"", torch.empty(0)
         _check_magnitude(x, self.name, "input")
         full, tail, tail_k = self._tail(n)
         parts = [(x[: full * self.chunk].view(full, self.chunk), self.k)] if full else []
@@ -196,7 +201,40 @@ class SparseCodec:
             offsets = np.concatenate([i.numpy().ravel() for i, _ in picked])
             index_bytes = _pack_bits(offsets, self._offset_bits)
         packed = _pack_bits(codes, self.bits)
-        return table.astype("<f4").tobytes() + index_bytes + packed
+        kept = torch.cat([v.reshape(-1) for _, v in picked])
+        return table.astype("<f4").tobytes() + index_bytes + packed, kept
+
+    def chunk_span(self, index: int, n: int) -> tuple[int, int, int]:
+        """(first element, length, entries kept) of chunk `index` of n elements."""
+        full, tail, tail_k = self._tail(n)
+        if not 0 <= index < full + (1 if tail else 0):
+            raise IndexError(index)
+        if index < full:
+            return index * self.chunk, self.chunk, self.k
+        return index * self.chunk, tail, tail_k
+
+    def chunks(self, n: int) -> int:
+        """How many chunks n elements make."""
+        full, tail, _ = self._tail(n)
+        return full + (1 if tail else 0)
+
+    def pick_chunk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offsets, values) that `encode` keeps of one chunk `x` of which it keeps `k`:
+        the same bits as of that chunk within a whole vector (row by row, elementwise).
+        `CodecError` where `encode` would raise it."""
+        _check_magnitude(x, self.name, "input")
+        idx, values = self._pick(x.view(1, -1), k)
+        return idx.view(-1), values.view(-1)
+
+    def recode(self, message: BytesLike, kept: torch.Tensor, n: int) -> bytes:
+        """The message that keeps the float32 values `kept` at the indices of `message`
+        (of n elements, checked): the one `encode` sent, when those are the values it
+        kept. `kept` must be finite, of `kept(n)` elements."""
+        mv = _src_view(message, self.name)
+        head = 4 * (1 << self.bits)
+        table, codes = _quantize(kept.numpy().astype(np.float64), self.bits)
+        index = bytes(mv[head : head + self._index_bytes(n)])
+        return table.astype("<f4").tobytes() + index + _pack_bits(codes, self.bits)
 
     def _pick(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the offsets (ascending) and values of the k largest magnitudes of

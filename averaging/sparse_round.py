@@ -35,11 +35,14 @@ __all__ = [
 # How an audit shape names a sparse round's codec (`DiLoCo.audit_shape`): "sparse:",
 # the codec's name and, when the error feedback decays, "@" and the decay.
 SPARSE_SHAPE = "sparse:"
+CHUNKS_SUFFIX = "/chunks"  # a shape's rounds audited by chunks (`codec_audit`)
 
 
-def sparse_shape(codec: SparseCodec, decay: float) -> str:
-    """The audit shape of rounds of `codec` whose error feedback keeps `decay`."""
-    return SPARSE_SHAPE + codec.name + ("" if decay == 1.0 else f"@{decay!r}")
+def sparse_shape(codec: SparseCodec, decay: float, chunks: bool = False) -> str:
+    """The audit shape of rounds of `codec` whose error feedback keeps `decay`, audited
+    by `chunks` (`codec_audit`) or whole."""
+    return (SPARSE_SHAPE + codec.name + ("" if decay == 1.0 else f"@{decay!r}")
+            + (CHUNKS_SUFFIX if chunks else ""))  # fmt: skip
 
 
 def union_reduction(*, clip: bool, senders: bool) -> str:
@@ -49,12 +52,13 @@ def union_reduction(*, clip: bool, senders: bool) -> str:
     return ("union_clip_capped" if clip else "union") + ("_senders" if senders else "")
 
 
-def parse_sparse_shape(shape: str) -> tuple[SparseCodec, float]:
-    """(codec, decay) of a `sparse_shape` (ValueError unless it is one)."""
+def parse_sparse_shape(shape: str) -> tuple[SparseCodec, float, bool]:
+    """(codec, decay, audited by chunks) of a `sparse_shape` (ValueError unless it is one)."""
     if not shape.startswith(SPARSE_SHAPE):
         raise ValueError(f"not a sparse round's shape: {shape!r}")
-    name, _, decay = shape.removeprefix(SPARSE_SHAPE).partition("@")
-    return SparseCodec.parse(name), float(decay) if decay else 1.0
+    chunks = shape.endswith(CHUNKS_SUFFIX)
+    name, _, decay = shape.removeprefix(SPARSE_SHAPE).removesuffix(CHUNKS_SUFFIX).partition("@")
+    return SparseCodec.parse(name), float(decay) if decay else 1.0, chunks
 
 
 log = logging.getLogger("shoal.averaging.sparse")
@@ -72,11 +76,17 @@ class SparseContribution:
         clip: bool = False,
         decay: float = 1.0,
         senders: bool = False,
+        chunks: bool = False,
     ) -> None:
+        """`chunks`: a verified round's residual is hashed by the codec's chunks
+        (`codec_audit`), else whole."""
         self.delta = delta
         self.clip = clip  # the robust mean: each message clipped to the median norm
         self.senders = senders  # the senders' mean, per coordinate (`SparseGather.mean_into`)
-        self.feedback = ErrorFeedback(codec, delta.numel(), pin=delta.is_pinned(), decay=decay)
+        self.feedback = ErrorFeedback(
+            codec, delta.numel(), pin=delta.is_pinned(), decay=decay,
+            leaf=codec.chunk if chunks else 0,
+        )  # fmt: skip
         self.gather = SparseGather(codec, delta.numel())
         self._message: bytes | None = None  # this round's, once coded
         self._slots = torch.empty(0)
@@ -99,6 +109,7 @@ class SparseContribution:
             clip=clip,
             decay=options.codec_feedback_decay,
             senders=options.codec_mean == "senders",
+            chunks=options.codec_audit == "chunks",
         )
 
     def compress(self) -> None:

@@ -5,7 +5,7 @@ machine), training throughput and bytes sent per committed round compared.
 Used by `bench/verification.py --overhead-seconds S`; runnable alone:
 
     python bench/verification_swarm.py [--seconds 180] [--peers 4] [--codec int8]
-        [--inner-state reset|quantize]
+        [--inner-state reset|quantize] [--codec-audit chunks|whole]
 
 `--inner-state reset` starts each round's inner optimizer afresh (both arms, so that
 they train alike): a referee then rebuilds the segment's start from the round's
@@ -14,6 +14,11 @@ global state and the prover sends a header instead of three model sizes
 `--inner-state quantize` carries the moments on, rounded to 8-bit codes at each
 round's start: the prover sends the codes (half a model size) and the referee
 rebuilds from them (`starts_from_codes`).
+
+A sparse codec's verified rounds are audited by chunks (`--codec-audit chunks`, the
+default of a new verified sparse experiment): the last segment's audit takes the
+values the message kept and a few drawn chunks of the residual
+(`residuals_sampled`), not the whole residual (`--codec-audit whole`).
 
 Every daemon trains the built-in task at its default size with one CPU thread. The
 audit rate is the default one and new peers are not put on probation (the
@@ -115,13 +120,20 @@ def run_arm(
     workdir: Path,
     codec: str = "none",
     inner_state: str = "carry",
+    codec_audit: str = "chunks",
+    task: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Tokens/s of the swarm and bytes sent per committed round, over `seconds`."""
+    """Tokens/s of the swarm and bytes sent per committed round, over `seconds`
+    (`task`: the built-in task's options, the daemon's defaults when None)."""
     arm = "on" if verify else "off"
+    sparse = verify and codec in SPARSE_CODECS
     given = ("audit_probation_rate=0.05" if verify else "", f"codec={codec}",
-             f"inner_state={inner_state}")  # fmt: skip
+             f"inner_state={inner_state}",
+             f"codec_audit={codec_audit}" if sparse else "")  # fmt: skip
     options = ",".join(o for o in given if o)
     env = {"SHOAL_STRATEGY_OPTIONS": options}
+    if task:
+        env["SHOAL_TASK_OPTIONS"] = ",".join(f"{k}={v}" for k, v in task.items())
     host = Daemon("host", workdir / arm / "host", ["--host-experiment", f"bench-{arm}",
                                                    "--verify", arm], env)  # fmt: skip
     daemons = [host]
@@ -173,6 +185,7 @@ def run_arm(
         "starts_rebuilt": window("starts_rebuilt"),
         "starts_fetched": window("starts_fetched"),
         "starts_from_codes": window("starts_from_codes"),
+        "residuals_sampled": window("residuals_sampled"),
         "tokens_per_s": tokens / elapsed,
         "bytes_sent": sent,
         "rounds": rounds,
@@ -182,17 +195,17 @@ def run_arm(
     }
 
 
-def reveal_bytes() -> dict[str, int]:
+def reveal_bytes(task: dict[str, Any] | None = None) -> dict[str, int]:
     """What one audit's reveal of the default task moves on the wire, counted by the
     prover's host (framing and encryption included): today's (the segment's start
     parameters and Adam moments, the end withheld: `peer/verify/reveals.py`; a re-run
     that does not end in the committed state bit for bit asks for the end too),
     protocol 2.4's (the end parameters too) and 2.0's (and the run's final parameters)
     in the same run; and one model size of float32."""
-    return asyncio.run(_reveal_bytes())
+    return asyncio.run(_reveal_bytes(task or {}))
 
 
-async def _reveal_bytes() -> dict[str, int]:
+async def _reveal_bytes(config: dict[str, Any]) -> dict[str, int]:
     from shoal.peer.trainer import check_hyperparameters
     from shoal.peer.training.state_codes import code_state, round_trip_
     from shoal.peer.training.tasks.bytegpt import make_task
@@ -202,7 +215,7 @@ async def _reveal_bytes() -> dict[str, int]:
     from shoal.transport.host import Host, HostConfig
     from shoal.transport.identity import Identity
 
-    task = make_task({})
+    task = make_task(config)
     runner = SegmentRunner(task, check_hyperparameters({}))
     # A start past one step (the optimizer holds its moments), then a 3-step segment.
     start = runner.run(runner.capture(), segment_batches(task, 0, 64, 1, first=0, count=1), 0)
@@ -249,24 +262,52 @@ async def _reveal_bytes() -> dict[str, int]:
     return out
 
 
+def sampled_residual_bytes(task: dict[str, Any] | None = None) -> int:
+    """What the last segment's reveal of a sparse round audited by chunks adds (the
+    default topk codec on the default task): the kept values, the drawn chunks and
+    two Merkle proofs each (tensor framing aside)."""
+    from shoal.averaging.diloco_options import DiLoCoOptions
+    from shoal.averaging.sparse_codec import SparseCodec
+    from shoal.peer.training.tasks.bytegpt import make_task
+    from shoal.peer.verify.referee import SAMPLED_CHUNKS
+
+    options = DiLoCoOptions.parse({"codec": "topk"})
+    codec = SparseCodec.from_density(
+        "topk", options.sparse_chunk, options.codec_density, options.codec_bits
+    )
+    n = sum(p.numel() for p in make_task(task or {}).make_model(0).parameters())
+    drawn = min(SAMPLED_CHUNKS, codec.chunks(n))
+    proof = 32 * max(1, (codec.chunks(n) - 1).bit_length())
+    return 4 * codec.kept(n) + drawn * (4 * codec.chunk + 2 * proof)
+
+
 def measure(
-    seconds: float, peers: int, rate: float = 0.05, codec: str = "none", inner_state: str = "carry"
+    seconds: float,
+    peers: int,
+    rate: float = 0.05,
+    codec: str = "none",
+    inner_state: str = "carry",
+    codec_audit: str = "chunks",
+    task: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="shoal-verify-bench-"))
     try:
-        on = run_arm(True, peers, seconds, workdir, codec, inner_state)
-        off = run_arm(False, peers, seconds, workdir, codec, inner_state)
+        on = run_arm(True, peers, seconds, workdir, codec, inner_state, codec_audit, task)
+        off = run_arm(False, peers, seconds, workdir, codec, inner_state, codec_audit, task)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     # How many audits fall in a window is a matter of luck (Poisson, about rate x peers
     # per round): the expectation replaces the audits seen by the audits expected.
-    reveal = reveal_bytes()
+    reveal = reveal_bytes(task)
     # (A reset round's start is rebuilt by its referee: a header crosses the wire; a
     # quantized round's from its codes.)
     withheld_by = {"reset": "reveal_bytes_rebuilt", "quantize": "reveal_bytes_coded"}
     per_audit = reveal[withheld_by.get(inner_state, "reveal_bytes")]
     if codec in SPARSE_CODECS:  # (a sparse round's last segment also reveals its residual)
-        per_audit += reveal["model_bytes"] // SPARSE_SEGMENTS
+        sampled = sampled_residual_bytes(task)
+        residual = reveal["model_bytes"] if codec_audit == "whole" else sampled
+        reveal["residual_reveal_bytes"] = residual
+        per_audit += residual // SPARSE_SEGMENTS
     rest = (
         on["bytes_per_round"]
         - off["bytes_per_round"]
@@ -283,6 +324,8 @@ def measure(
         "peers": peers,
         "codec": codec,
         "inner_state": inner_state,
+        **({"codec_audit": codec_audit} if codec in SPARSE_CODECS else {}),
+        **({"task": task} if task else {}),
     }
 
 
@@ -297,8 +340,21 @@ def main() -> None:
         choices=("carry", "reset", "quantize"),
         help="the inner optimizer's state at each round: carried, reset or quantized",
     )
+    parser.add_argument(
+        "--codec-audit",
+        default="chunks",
+        choices=("chunks", "whole"),
+        help="sparse codecs: what an audit reveals of the residual (a new verified "
+        "experiment's default: chunks)",
+    )
+    parser.add_argument(
+        "--task-options",
+        default="{}",
+        help='the built-in task\'s options as JSON, e.g. \'{"d_model": 256, "n_layers": 4}\'',
+    )
     args = parser.parse_args()
-    result = measure(args.seconds, args.peers, codec=args.codec, inner_state=args.inner_state)
+    result = measure(args.seconds, args.peers, codec=args.codec, inner_state=args.inner_state,
+                     codec_audit=args.codec_audit, task=json.loads(args.task_options))  # fmt: skip
     print(json.dumps(result))
 
 

@@ -310,15 +310,28 @@ class DHTNode:
     # ------------------------------------------------------------------ public API
 
     async def store(
-        self, key: str, value: Any, expiration: float, subkey: str | None = None
+        self,
+        key: str,
+        value: Any,
+        expiration: float,
+        subkey: str | None = None,
+        *,
+        remember_replicas: bool = False,
     ) -> bool:
         """Store `value` (msgpack-able) under `key` (and `subkey`) until `expiration`
-        (UNIX time) on the `replication` closest peers; republished until it expires."""
-        (ok,) = await self.store_many([(key, value, expiration, subkey)])
+        (UNIX time) on the `replication` closest peers; republished until it expires.
+        `remember_replicas`: the peers that took it serve this key's sampled reads
+        (`get`'s `sample`) until a full read finds its replicas."""
+        (ok,) = await self.store_many(
+            [(key, value, expiration, subkey)], remember_replicas=remember_replicas
+        )
         return ok
 
     async def store_many(
-        self, items: Iterable[tuple[str, Any, float] | tuple[str, Any, float, str | None]]
+        self,
+        items: Iterable[tuple[str, Any, float] | tuple[str, Any, float, str | None]],
+        *,
+        remember_replicas: bool = False,
     ) -> list[bool]:
         """Store several values in one traversal; one success flag per item."""
         records = []
@@ -334,7 +347,7 @@ class DHTNode:
             self.validator.validate(r, now)  # fail early, with the writer's own error
         self._publisher.originate(records, now)
         self._wake.set()
-        return await self._publisher.store_records(records)
+        return await self._publisher.store_records(records, remember=remember_replicas)
 
     async def get(
         self,

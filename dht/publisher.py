@@ -116,8 +116,10 @@ class Publisher:
             self.node._on_failure(cand, e)
             return None
 
-    async def store_records(self, records: list[Record]) -> list[bool]:
+    async def store_records(self, records: list[Record], *, remember: bool = False) -> list[bool]:
         """Send each record to the `replication` closest peers of its key (us included).
+        `remember`: the peers that took a key's records become its replica set for
+        sampled reads (`ReplicaSets.stored`), when no full read found one lately.
 
         The lookup settles once the `alpha` closest candidates answered; the
         store requests then go to the closest candidates not known dead, and a
@@ -158,7 +160,12 @@ class Publisher:
                 missing[lk.key] -= 1
                 self._store_locally(records, by_key[lk.key], counts)
             queue[lk.key] = closest
-        await self._store_remotely(records, by_key, queue, missing, counts)
+        took = await self._store_remotely(records, by_key, queue, missing, counts)
+        if remember:
+            now = asyncio.get_running_loop().time()
+            for key, peers in took.items():
+                if known.get(key) is None:
+                    sets.stored(key, peers, now)
         return [c >= node.store_quorum for c in counts]
 
     def _we_are_near(self, lk: KeyLookup, closest: list[Candidate]) -> bool:
@@ -183,7 +190,9 @@ class Publisher:
         queue: dict[str, list[Candidate]],
         missing: dict[str, int],
         counts: list[int],
-    ) -> None:
+    ) -> dict[str, list[Candidate]]:
+        """The stores of `_store`; which peers took each key's records."""
+        took: dict[str, list[Candidate]] = {}
         for _ in range(STORE_ROUNDS):
             plan: dict[PeerID, tuple[Candidate, list[str]]] = {}
             for key, cands in queue.items():
@@ -199,10 +208,12 @@ class Publisher:
             results = await asyncio.gather(
                 *(self.send_store(c, [records[i] for i in idxs]) for c, _, idxs in sends)
             )
-            for (_, keys, idxs), oks in zip(sends, results, strict=True):
+            for (cand, keys, idxs), oks in zip(sends, results, strict=True):
                 if oks is None:
                     continue  # unreachable: the next round asks the next closest
                 for key in keys:
                     missing[key] -= 1
+                    took.setdefault(key, []).append(cand)
                 for i, ok in zip(idxs, oks, strict=True):
                     counts[i] += ok
+        return took

@@ -146,6 +146,18 @@ class ReplicaSets:
             while len(self._sets) > self.max_keys:
                 self._sets.popitem(last=False)
 
+    def stored(self, key: str, replicas: list[Candidate], now: float) -> None:
+        """A store of `key` reached `replicas` (loop time `now`): they serve sampled
+        reads until a full read finds the set, unless a fresh one is known already.
+        For a key read once right after its writers stored it (a verified round's
+        records): its first read, full, delivered every member's record once per
+        replica (`peer.verify.audit_round.gather`). The store's lookup settled on the
+        closest it met, so a record stored elsewhere may be missing from them; such a
+        reader asks what it lacks of its writers, or reads in full once the set ages."""
+        entry = self._sets.get(key)
+        if entry is None or entry[0] <= now:
+            self.found(key, replicas, now)
+
     def draw(
         self, key: str, sample: int, now: float, blocked: Callable[[PeerID], bool]
     ) -> list[Candidate] | None:

@@ -408,6 +408,17 @@ def new_seeds() -> dict[str, list[bytes]]:
                 "chain": conviction_commitment,
                 "slot": [0, 2, bytes(40)],
             },
+            # ... audited by chunks: the chunks drawn, each with its two Merkle proofs
+            {
+                "params": 2,
+                "keys": [],
+                "end_opt": bytes(32),
+                "chain": conviction_commitment,
+                "slot": [0, 2, bytes(40)],
+                "sampled": [[1, [bytes(32)], [bytes(32)]], [4, [], [bytes(32)] * 2]],
+            },
+            # a reveal request drawing chunks
+            {"round": 3, "segment": 1, "secrets": [], "sample": [0, 3, 9]},
         ),
         "dht_reports": _packed(
             [

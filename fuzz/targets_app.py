@@ -22,7 +22,7 @@ from shoal.peer.status.swarm_history import SwarmHistory
 from shoal.peer.training import state_codes
 from shoal.peer.training.task_error import TaskError
 from shoal.peer.training.tasks.hf_data import rebuild_bpe
-from shoal.peer.verify import audit_round, reveals
+from shoal.peer.verify import audit_round, reveals, verifier
 from shoal.pipeline import wire as pipeline_wire
 from shoal.pipeline.audit_service import signature_from_wire
 from shoal.pipeline.balancer import StageBalancer
@@ -193,6 +193,20 @@ def verification_rounds(data: bytes) -> None:
         if sparse is not None and sparse[2] is not None:  # receipts: only valid signatures
             proof = sparse[2]
             assert all(p in proof.receipt.members for p in proof.signatures)
+        # The chunks of a residual shown (`codec_audit` chunks): only those asked.
+        ask = reveals.SampleAsk((1, 4), (16, 16), 4)
+        proofs = expect((reveals.RevealError,), lambda: reveals._sampled_header(message(data), ask))
+        if proofs is not None:
+            assert len(proofs) == 2 and all(
+                len(p) <= reveals.MAX_PROOF and all(len(h) == 32 for h in p)
+                for two in proofs
+                for p in two
+            )
+    request = message(data)
+    if isinstance(request, dict):  # a reveal request's drawn chunks
+        sample = expect((ValueError,), lambda: verifier.parse_reveal_sample(request))
+        assert sample is None or (0 < len(sample) <= reveals.MAX_SAMPLED
+                                  and list(sample) == sorted(set(sample)))  # fmt: skip
 
 
 _SHAPES = [torch.Size([2, 3]), torch.Size([2])]

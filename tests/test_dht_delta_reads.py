@@ -369,6 +369,42 @@ async def test_a_sampled_read_asks_three_replicas_and_reads_what_a_full_read_doe
     assert reader.stats()["sampled_reads"] == 5
 
 
+def test_a_store_s_replicas_serve_sampled_reads_unless_a_full_read_found_fresher_ones() -> None:
+    sets = ReplicaSets(ttl=30.0)
+    stored, read = candidates(3), candidates(5)
+    never = lambda peer: False  # noqa: E731
+    sets.stored("key", stored, 0.0)
+    assert {c.peer_id for c in sets.draw("key", 5, 1.0, never) or []} == {c.peer_id for c in stored}
+    sets.found("key", read, 2.0)  # a full read's set wins, and a store keeps it
+    sets.stored("key", stored, 3.0)
+    assert len(sets.draw("key", 5, 4.0, never) or []) == 5
+    assert sets.draw("key", 5, 32.0, never) is None  # too old: a full read is due
+
+
+@pytest.mark.timeout(60)
+async def test_a_read_after_a_store_that_remembers_its_replicas_is_sampled_at_once(
+    dht_swarm: Callable[..., Any],
+) -> None:
+    """A verified round's records (`peer/verify/audit_round.gather`): each member stores
+    its record, then reads everyone's; its first read asks 2 of the replicas its store
+    reached, not all k, and still reads every record stored there."""
+    nodes = await dht_swarm(12)
+    exp = time.time() + 60
+    for i, node in enumerate(nodes[1:]):
+        assert await node.store("round", i, exp, subkey=f"w{i}")
+    reader = nodes[0]
+    assert await reader.store("round", "mine", exp, subkey="me", remember_replicas=True)
+    sent = find_values_sent(reader)
+    got = await reader.get("round", latest=True, sample=2)
+    assert got is not None and len(got.value) == 12
+    assert sent() == 2 and reader.stats()["sampled_reads"] == 1
+    other = nodes[1]  # (a plain store remembers nothing: its first read is a full one)
+    assert await other.store("round", "again", exp + 1, subkey="w0")
+    sent = find_values_sent(other)
+    await other.get("round", latest=True, sample=2)
+    assert sent() > 2 and other.stats()["sampled_reads"] == 0
+
+
 @pytest.mark.timeout(60)
 async def test_a_sampled_read_survives_dead_and_lying_replicas(
     dht_swarm: Callable[..., Any],

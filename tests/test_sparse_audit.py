@@ -165,10 +165,12 @@ def test_a_sparse_round_s_audits_without_the_end_revealed_find_the_same(task) ->
             assert finding.result is (last_result if last else Result.PASS), (segment, finding)
 
 
-def test_a_sparse_shape_names_its_codec_and_decay() -> None:
-    assert parse_sparse_shape(sparse_shape(CODEC, 1.0)) == (CODEC, 1.0)
+def test_a_sparse_shape_names_its_codec_decay_and_audit() -> None:
+    assert parse_sparse_shape(sparse_shape(CODEC, 1.0)) == (CODEC, 1.0, False)
     assert sparse_shape(CODEC, 1.0) == "sparse:" + CODEC.name  # as before decays existed
-    assert parse_sparse_shape(sparse_shape(CODEC, 0.95)) == (CODEC, 0.95)
+    assert parse_sparse_shape(sparse_shape(CODEC, 0.95)) == (CODEC, 0.95, False)
+    assert sparse_shape(CODEC, 0.9, chunks=True) == f"sparse:{CODEC.name}@0.9/chunks"
+    assert parse_sparse_shape(sparse_shape(CODEC, 0.9, chunks=True)) == (CODEC, 0.9, True)
     with pytest.raises(ValueError):
         parse_sparse_shape("int8")
 

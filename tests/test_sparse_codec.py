@@ -426,3 +426,33 @@ def test_members_that_decode_the_slots_otherwise_name_their_round_s_reduction_ot
     assert union_reduction(clip=False, senders=False) == "union"  # as before the choice
     assert union_reduction(clip=True, senders=False) == "union_clip_capped"
     assert all(ALL_REDUCTIONS[name] is BitwiseUnion for name in names)
+
+
+@pytest.mark.parametrize("codec", [SparseCodec("topk", 64, 4, 2), SparseCodec("dct", 64, 4, 3)],
+                         ids=["topk", "dct"])  # fmt: skip
+@pytest.mark.parametrize("n", [64 * 5, 64 * 5 + 17])
+def test_a_message_is_re_derived_chunk_by_chunk_from_its_kept_values(codec, n) -> None:  # type: ignore[no-untyped-def]
+    """What a chunked audit relies on (`peer/verify/sparse_work.check_sampled`): the kept
+    values re-code the whole message, and each chunk alone gives the message's indices,
+    kept values and decoded values there, bit for bit, the shorter tail included."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) ** 3
+    message, kept = codec.encode_kept(x)
+    assert message == codec.encode(x) and kept.shape == (codec.kept(n),)
+    assert codec.recode(message, kept, n) == message
+    assert codec.recode(message, kept * 2, n) != message  # (a bent table does not pass)
+    sent = codec.check(message, n)
+    whole = codec.decode(message, n)
+    assert codec.chunks(n) == -(-n // codec.chunk)
+    at = 0
+    for index in range(codec.chunks(n)):
+        first, length, k = codec.chunk_span(index, n)
+        offsets, values = codec.pick_chunk(x[first : first + length].clone(), k)
+        assert torch.equal(sent.indices[at : at + k] - first, offsets)
+        assert torch.equal(kept[at : at + k].view(torch.int32), values.view(torch.int32))
+        part = sparse_codec.SparseMessage(offsets, sent.values[at : at + k])
+        alone = torch.zeros(length)
+        codec.add_decoded(part, alone, 1.0)
+        assert torch.equal(alone.view(torch.int32), whole[first : first + length].view(torch.int32))
+        at += k
+    with pytest.raises(IndexError):
+        codec.chunk_span(codec.chunks(n), n)

@@ -53,7 +53,7 @@ from .segments import (
     round_batch_seed,
     segment_batches,
 )
-from .sparse_work import SparseWork, check_chain, check_message
+from .sparse_work import SparseWork, check_chain, check_message, check_sampled
 
 __all__ = [
     "AuditRound",
@@ -72,6 +72,13 @@ log = logging.getLogger("shoal.audits")
 
 RECORD_TTL = 300.0  # the records serve the draw right after a commit
 GATHER_POLL_S = 0.5
+# Replicas a read of the round's records asks, drawn among those our own store of our
+# record reached (`DHTNode.store`'s `remember_replicas`), each record sent once
+# (`DHTNode.get`'s `sample`): every member stores its record on all k, and a full read
+# delivered every record k times to every member (bench/verification_swarm.py: 53 KB
+# of DHT a round of 4 daemons, a third of a sparse round's bytes). A record the drawn
+# replicas lack comes with a later poll, or from its member (`ask`).
+GATHER_REPLICAS = 2
 UNKNOWN_GRACE_S = 5.0
 
 
@@ -156,7 +163,8 @@ class AuditRound:
 async def publish_record(
     dht: DHTNode, namespace: str, commitment: Commitment, secret: bytes
 ) -> bool:
-    """Our commitment and secret for the round, where the other members look."""
+    """Our commitment and secret for the round, where the other members look (the
+    replicas it reached then serve our `gather`'s sampled reads)."""
     value = encode_record(commitment, secret)
     try:
         return await dht.store(
@@ -164,6 +172,7 @@ async def publish_record(
             value,
             time.time() + RECORD_TTL,
             subkey=owner_marker(dht.peer_id),
+            remember_replicas=True,
         )
     except Exception as e:  # best effort: the others then see us withhold
         log.info("publishing our round record failed: %r", e)
@@ -196,6 +205,7 @@ async def gather(
     ask: Callable[[list[PeerID]], Awaitable[list[tuple[PeerID, object]]]] | None = None,
     *,
     start: bytes,
+    sample: int | None = None,
 ) -> tuple[dict[PeerID, Commitment], dict[PeerID, bytes]]:
     """The round's commitments and matching secrets from the DHT, for `members`
     (commitments already `known` must not change), of the round of index `round_index`
@@ -203,7 +213,9 @@ async def gather(
     has its secret there, or `timeout`. A member whose commitment we never saw may
     have contributed nothing (weight 0): it is waited for `UNKNOWN_GRACE_S` only.
     `ask`: the records of the members still missing after the first read, asked of
-    them directly (`withholding.DirectRecords`), once."""
+    them directly (`withholding.DirectRecords`), once. `sample`: each read asks that
+    many of the replicas our store reached or a full read found (`GATHER_REPLICAS`;
+    None: every replica, each read)."""
     commitments = dict(known)
     secrets: dict[PeerID, bytes] = dict(have or {})  # ours, say
     wanted = set(members)
@@ -228,7 +240,8 @@ async def gather(
 
     while True:
         try:
-            value = await dht.get(records_key(namespace, round_index, start), latest=True)
+            key = records_key(namespace, round_index, start)
+            value = await dht.get(key, latest=True, sample=sample)
         except Exception as e:  # a failed read is retried until the deadline
             log.debug("reading round records failed: %r", e)
             value = None
@@ -259,13 +272,21 @@ def _check_sparse(
     elements = sum(p.numel() for p in start_params)
     if reveal.chain is None or commitment.residual is None:
         return Finding(Result.BAD_REVEAL, "a sparse round's reveal without its residual's chain")
-    why = check_chain(commitment, reveal.chain, elements, anchor, reveal.proof)
+    codec, decay, chunks = parse_sparse_shape(rnd.shape.codec)
+    leaf = codec.chunk if chunks else 0
+    why = check_chain(commitment, reveal.chain, elements, anchor, reveal.proof, leaf)
     if why is None and segment == commitment.segments - 1:
-        if reveal.slot is None or reveal.residual is None or end is None:
+        shape = rnd.shape
+        if end is not None and reveal.slot is not None and chunks:
+            if reveal.kept is None or not reveal.samples:
+                return Finding(Result.BAD_REVEAL, "the last segment's reveal without its chunks")
+            why = check_sampled(codec, commitment, reveal.slot, reveal.kept, reveal.samples,
+                                start_params, list(end), shape.streams, shape.chunk_elements,
+                                decay=decay)  # fmt: skip
+            return None if why is None else Finding(Result.FAIL, why)
+        if reveal.slot is None or reveal.residual is None or end is None or chunks:
             return Finding(Result.BAD_REVEAL, "the last segment's reveal without what was sent")
         work = SparseWork(reveal.chain, reveal.slot, reveal.residual)
-        codec, decay = parse_sparse_shape(rnd.shape.codec)
-        shape = rnd.shape
         why = check_message(codec, commitment, work, start_params, list(end),
                             shape.streams, shape.chunk_elements, decay=decay)  # fmt: skip
     return None if why is None else Finding(Result.FAIL, why)

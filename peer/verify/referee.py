@@ -26,6 +26,7 @@ import asyncio
 import functools
 import logging
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shoal.averaging.deadlines import PRIOR_RATE, SLACK
-from shoal.averaging.error_feedback import residual_digest
+from shoal.averaging.error_feedback import zero_digest
+from shoal.averaging.sparse_round import parse_sparse_shape
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.errors import (
@@ -67,6 +69,7 @@ from .reveals import (
     PROTOCOL,
     Reveal,
     RevealTooLarge,
+    SampleAsk,
     fetch_reveal,
     fetch_reveal_end,
     reveal_bytes,
@@ -80,6 +83,12 @@ log = logging.getLogger("shoal.verifier")
 
 # The protocol whose provers send a quantized round's starting optimizer state coded.
 CODED_START_PROTOCOL = ProtocolVersion(2, 8)
+# Chunks of a sparse round's residual a referee draws (`codec_audit` chunks): a lie in
+# every chunk (a bent message) is caught by any one, a lie in a share f of them with
+# probability 1 - (1 - f)^8 per audit of a last segment (f = 1/4: 0.90). 8 topk
+# chunks of 4,096 are 128 KiB: a model size of 0.07 of the daemon's model.
+SAMPLED_CHUNKS = 8
+_RANDOM = random.SystemRandom()  # (a prover must not predict our draw)
 REVEAL_TIMEOUT = 60.0  # to reach the prover (a restart takes seconds) ...
 # ... plus, once reached, what its reveal takes to arrive: its size over the averaging
 # deadlines' prior link rate, with their slack (a fixed minute is 7 MB of reveal at the
@@ -140,7 +149,7 @@ class Referee:
         # Strikes of accusers that a majority overruled, as far as we saw.
         self.ledger = Ledger()
         self._confirming: set[tuple[int, PeerID]] = set()
-        self._zero: bytes | None = None
+        self._zeros: dict[int, bytes] = {}  # (by the residual's leaf: 0, hashed whole)
 
     async def audit(self, rnd: AuditRound, prover: PeerID) -> Verdict | None:
         """Our signed verdict on `prover`'s drawn segment; None when we asked too late
@@ -154,9 +163,12 @@ class Referee:
         while True:
             segment = rnd.draw.segment(prover, c.segments)
             try:
+                sample = self._sample(rnd, c, segment)
                 reveal = await self._fetch(rnd, prover, segment, start=not rebuild,
-                                           moments=coded)  # fmt: skip
+                                           moments=coded, sample=sample)  # fmt: skip
                 assert isinstance(reveal, Reveal)
+                if sample is not None:
+                    self.counts["residuals_sampled"] += 1
                 if reveal.start is None and not await self._rebuild(rnd, prover, segment, reveal):
                     rebuild = False  # (ask again, for the whole)
                     continue
@@ -301,10 +313,29 @@ class Referee:
         """Why nobody vouches for the sparse chain `reveal` shows (`unproven_chain`)."""
         if not rnd.shape.sparse or c.residual is None:
             return None
-        if self._zero is None:  # (the hash of a zero residual: a model size, hashed once)
+        codec, _, chunks = parse_sparse_shape(rnd.shape.codec)
+        leaf = codec.chunk if chunks else 0
+        zero = self._zeros.get(leaf)
+        if zero is None:  # (the hash of a zero residual: a model size, hashed once)
             elements = sum(math.prod(s) for s in self.shapes)
-            self._zero = await asyncio.to_thread(residual_digest, torch.zeros(elements))
-        return unproven_chain(c, reveal.chain, reveal.proof, anchor is not None, self._zero)
+            zero = self._zeros[leaf] = await asyncio.to_thread(zero_digest, elements, leaf)
+        return unproven_chain(c, reveal.chain, reveal.proof, anchor is not None, zero)
+
+    def _sample(self, rnd: AuditRound, c: Commitment, segment: int) -> SampleAsk | None:
+        """The chunks of the prover's residual we draw for the audit of `segment` (its
+        last, of a sparse round audited by chunks: `sparse_work.check_sampled`), at
+        random after the commitment (a prover cannot know them when it commits);
+        None for any other audit."""
+        if not rnd.shape.sparse or segment != c.segments - 1:
+            return None
+        codec, _, chunks = parse_sparse_shape(rnd.shape.codec)
+        if not chunks:
+            return None
+        n = sum(math.prod(s) for s in self.shapes)
+        count = codec.chunks(n)
+        drawn = sorted(_RANDOM.sample(range(count), min(SAMPLED_CHUNKS, count)))
+        spans = [codec.chunk_span(i, n) for i in drawn]
+        return SampleAsk(tuple(drawn), tuple(length for _, length, _ in spans), codec.kept(n))
 
     def _no_reveal(
         self, rnd: AuditRound, prover: PeerID, e: BaseException, *, unproven: bool = False
@@ -359,6 +390,7 @@ class Referee:
         only_end: bool = False,
         start: bool = True,
         moments: bool = False,
+        sample: SampleAsk | None = None,
     ) -> Reveal | tuple[list[torch.Tensor], bytes]:
         """The prover's reveal, its end withheld (`check_segment_exact`) and without its
         start unless `start` (`rebuild`), or with `only_end` that end alone; a prover
@@ -379,7 +411,7 @@ class Referee:
                 return await fetch_reveal(
                     self.dht.host, prover, rnd.round, segment, self.template, self.shapes,
                     timeout=timeout, secrets=rnd.secrets_to_wire(), layouts=self.layouts,
-                    commitment=digest, end=False, start=start, moments=moments,
+                    commitment=digest, end=False, start=start, moments=moments, sample=sample,
                 )  # fmt: skip
             except (DialError, ConnectionLost, StreamReset):
                 if time.monotonic() + REVEAL_RETRY_S >= deadline:

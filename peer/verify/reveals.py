@@ -56,6 +56,13 @@ asker decodes them and checks them against the commitment's optimizer hash
 (`rebuild.rebuild_start`). A prover whose state cannot be coded sends the whole
 start instead.
 
+Since 2.9 the last segment of a sparse round audited by chunks (`codec_audit`
+"chunks") shows the values its message kept and the chunks of its starting
+residual the asker drew (request ``"sample"``; header ``"sampled"``: per chunk, in
+the order asked, its index and its Merkle proofs under the commitment's two
+residual roots; then the kept values and each chunk, float32), not the whole
+residual (`SampleAsk`, `sparse_work.check_sampled`).
+
 The asker knows what a reveal holds before it comes: its own model has the same
 parameters (`fetch_reveal`'s `shapes`), and the experiment's optimizer keeps
 known state tensors of known shapes for each (`layouts`, from
@@ -104,6 +111,7 @@ from .segments import (
     round_batch_seed,
     segment_batches,
 )
+from .sparse_work import SampledChunk
 from .work_log import RoundWork, VerifiedWork
 
 __all__ = [
@@ -112,6 +120,7 @@ __all__ = [
     "Reveal",
     "RevealError",
     "RevealTooLarge",
+    "SampleAsk",
     "fetch_reveal",
     "fetch_reveal_end",
     "reveal_bytes",
@@ -157,6 +166,10 @@ class Reveal:
     # (`state_codes`; a round of `inner_state` "quantize"), from which the asker
     # rebuilds it; None: the round started from an empty one.
     moments: CodedState | None = None
+    # A sparse round audited by chunks (`codec_audit`), its last segment: in place of
+    # `residual`, the values the message kept and the chunks the asker drew.
+    kept: torch.Tensor | None = None
+    samples: list[SampledChunk] | None = None
 
     def end_digest(self) -> bytes:
         assert self.end_params is not None, "the end was withheld"
@@ -240,7 +253,11 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
     if reveal.proof is not None:
         head["receipts"] = reveal.proof.to_wire()
     residual = []
-    if reveal.slot is not None and reveal.residual is not None:
+    if reveal.slot is not None and reveal.samples is not None and reveal.kept is not None:
+        head["slot"] = list(reveal.slot)
+        head["sampled"] = [[c.index, c.start_proof, c.end_proof] for c in reveal.samples]
+        residual = [reveal.kept, *(c.residual for c in reveal.samples)]
+    elif reveal.slot is not None and reveal.residual is not None:
         head["slot"] = list(reveal.slot)
         residual = [reveal.residual]
     await ctx.send_item(head)
@@ -307,6 +324,7 @@ async def fetch_reveal(
     end: bool = True,
     start: bool = True,
     moments: bool = False,
+    sample: SampleAsk | None = None,
 ) -> Reveal:
     """Ask `prover` to reveal `segment` of its work in `round_index`, the round of the
     commitment whose digest is `commitment` (None: whichever it has); `end`: with the
@@ -318,11 +336,15 @@ async def fetch_reveal(
     `moments`). `template`: an
     `InnerOptimizer.state_dict()` whose param groups the revealed state takes;
     `shapes`: our own model's parameters', which the revealed ones must have;
-    `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps.
+    `layouts`: per parameter, the state tensors (name -> shape) our optimizer keeps;
+    `sample`: of a sparse round audited by chunks, its last segment, the chunks of
+    the residual we draw (the prover then sends the kept values and those).
     Raises (transport, remote or ValueError) when nothing well formed came;
     RevealTooLarge for a header or tensor larger than `shapes` allow."""
     parts = {"end": end} if start else {"end": end, "start": False, "moments": moments}
     request = _request(round_index, segment, secrets, commitment, **parts)
+    if sample is not None:
+        request["sample"] = list(sample.chunks)
     async with rpc.open_call(host, prover, PROTOCOL, "reveal", request, timeout=timeout) as call:
         await call.close_send()
         head = await call.recv_item()
@@ -349,8 +371,15 @@ async def fetch_reveal(
         # (A 2.0 prover sends the final state whatever we ask: read, checked, unused.)
         final = None if final_opt is None else [await _recv(call, s) for s in shapes]
         chain, slot, proof = _sparse_header(head, sum(math.prod(s) for s in shapes))
-        residual = None
-        if slot is not None:
+        residual, kept, samples = None, None, None
+        proofs = _sampled_header(head, sample) if slot is not None else None
+        if proofs is not None:
+            assert sample is not None
+            kept = await _recv(call, torch.Size([sample.kept]))
+            samples = [SampledChunk(i, await _recv(call, torch.Size([length])), *two)
+                       for i, length, two in zip(sample.chunks, sample.lengths, proofs,
+                                                 strict=True)]  # fmt: skip
+        elif slot is not None:
             residual = await _recv(call, torch.Size([sum(math.prod(s) for s in shapes)]))
         done = await call.recv_item()
         if not isinstance(done, dict) or done.get("done") is not True:
@@ -367,11 +396,57 @@ async def fetch_reveal(
     }
     if any(t.dtype != torch.float32 for t in [*params, *(end_params or []), *(final or [])]):
         raise ValueError("revealed parameters must be float32")
+    shown = [kept, *(c.residual for c in samples or [])] if kept is not None else []
+    if any(t.dtype != torch.float32 for t in shown):
+        raise ValueError("a revealed residual must be float32")
     start_state = None if no_start else SegmentState(params, optimizer)
     return Reveal(
         start_state, end_params, end_opt, final, final_opt, chain, slot, residual, proof,
-        moments=coded,
+        moments=coded, kept=kept, samples=samples,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SampleAsk:
+    """The chunks of a sparse round's residual an asker draws (`codec_audit` chunks):
+    their indices, ascending, their lengths, and how many values the message kept."""
+
+    chunks: tuple[int, ...]
+    lengths: tuple[int, ...]
+    kept: int
+
+
+MAX_SAMPLED = 64  # chunks one reveal shows
+MAX_PROOF = 48  # hashes of a Merkle proof (2^48 chunks)
+
+
+def _sampled_header(
+    head: dict[str, Any], sample: SampleAsk | None
+) -> list[tuple[list[bytes], list[bytes]]] | None:
+    """The Merkle proofs (under the starting residual's root, under the one after
+    the commit) of each chunk drawn, as a sampled reveal's header lists them; None
+    when it shows none (a reveal of the whole residual). RevealError when they are
+    not the chunks asked, or a proof is malformed."""
+    sampled = head.get("sampled")
+    if sampled is None:
+        if sample is not None:
+            raise RevealError("the residual's chunks asked were not shown")
+        return None
+    if sample is None:
+        raise RevealError("residual chunks nobody asked for")
+    if not isinstance(sampled, list) or len(sampled) != len(sample.chunks):
+        raise RevealError("bad sampled chunks")
+    proofs = []
+    for entry, asked in zip(sampled, sample.chunks, strict=True):
+        if not (isinstance(entry, list) and len(entry) == 3 and entry[0] == asked
+                and type(entry[0]) is int):  # fmt: skip
+            raise RevealError("a sampled chunk that was not asked")
+        two = entry[1], entry[2]
+        if not all(isinstance(p, list) and len(p) <= MAX_PROOF and all(_is_hash(h) for h in p)
+                   for p in two):  # fmt: skip
+            raise RevealError("a malformed Merkle proof of a sampled chunk")
+        proofs.append((list(entry[1]), list(entry[2])))
+    return proofs
 
 
 def _modes(head: dict[str, Any], keys: list[tuple[int, str]]) -> list[int] | None:

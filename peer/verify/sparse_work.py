@@ -45,18 +45,21 @@ import msgpack
 import torch
 
 from shoal.averaging.attestation import chunk_leaves
+from shoal.averaging.buffers import bytes_of
 from shoal.averaging.compression import CodecError, get_codec
-from shoal.averaging.error_feedback import ErrorFeedback, residual_digest
+from shoal.averaging.error_feedback import ErrorFeedback, residual_digest, zero_digest
 from shoal.averaging.group import Group
 from shoal.averaging.partition import Plan
-from shoal.averaging.sparse_codec import SparseCodec
+from shoal.averaging.sparse_codec import SparseCodec, SparseMessage
 from shoal.averaging.sparse_gather import SparseGather
 from shoal.transport.identity import PeerID
 from shoal.verification.commitment import (
     Commitment,
     CommitmentError,
     MerkleTree,
+    leaf_hash,
     residual_chains,
+    verify_inclusion,
 )
 from shoal.verification.receipts import ChainProof, ReceiptError
 
@@ -65,11 +68,13 @@ from .segments import flat_difference
 from .spill import SpillDir, load_tensor
 
 __all__ = [
+    "SampledChunk",
     "SparseProver",
     "SparseSource",
     "SparseWork",
     "check_chain",
     "check_message",
+    "check_sampled",
     "unproven_chain",
 ]
 
@@ -91,17 +96,40 @@ class SparseWork:
     slot: tuple[int, int, bytes]  # (our index, the round's members, our slot's bytes)
     residual: torch.Tensor  # the residual the round started from
     proof: ChainProof | None = None  # the receipts of the previous commitment's round
+    # Audited by chunks (`codec_audit`): the values the message kept before it was
+    # quantized, and the leaf hashes of the residual at the start and after a commit.
+    kept: torch.Tensor | None = None
+    leaves: tuple[list[bytes], list[bytes]] | None = None
+
+    def sampled(self, chunks: Sequence[int], leaf: int) -> list[SampledChunk]:
+        """The residual's chunks `chunks` (of `leaf` elements) with their proofs."""
+        assert self.leaves is not None, "a round hashed whole has no chunks to show"
+        start, after = MerkleTree(self.leaves[0]), MerkleTree(self.leaves[1])
+        return [SampledChunk(i, self.residual[i * leaf : (i + 1) * leaf].clone(),
+                             start.proof(i), after.proof(i)) for i in chunks]  # fmt: skip
+
+
+@dataclass
+class SampledChunk:
+    """One chunk of a sparse round's starting residual, as a sampled reveal shows it:
+    with its Merkle proofs under the commitment's two residual roots (at the start,
+    and after the commit: that one the referee's own re-derived chunk must meet)."""
+
+    index: int
+    residual: torch.Tensor
+    start_proof: list[bytes]
+    end_proof: list[bytes]
 
 
 class _KeptWork:
     """A round's `SparseWork` as kept: its residual in RAM, or in a file once a newer
     round's took its place (`digest`: the committed hash it must still have)."""
 
-    __slots__ = ("chain", "digest", "path", "proof", "residual", "slot")
+    __slots__ = ("chain", "digest", "kept", "leaf", "leaves", "path", "proof", "residual", "slot")
 
-    def __init__(self, work: SparseWork, digest: bytes) -> None:
+    def __init__(self, work: SparseWork, digest: bytes, leaf: int) -> None:
         self.chain, self.slot, self.digest = work.chain, work.slot, digest
-        self.proof = work.proof
+        self.proof, self.kept, self.leaves, self.leaf = work.proof, work.kept, work.leaves, leaf
         self.residual: torch.Tensor | None = work.residual
         self.path: Path | None = None
 
@@ -114,11 +142,11 @@ class _KeptWork:
         residual = self.residual
         if residual is None and self.path is not None:
             residual = load_tensor(self.path)
-            if residual is not None and residual_digest(residual) != self.digest:
+            if residual is not None and residual_digest(residual, self.leaf) != self.digest:
                 residual = None  # altered on disk: no reveal rather than a wrong one
         if residual is None:
             return None
-        return SparseWork(self.chain, self.slot, residual, self.proof)
+        return SparseWork(self.chain, self.slot, residual, self.proof, self.kept, self.leaves)
 
     def remove(self) -> None:
         if self.path is not None:
@@ -169,12 +197,14 @@ class SparseProver:
         slot = self.source.own_slot(group.round_id, me)
         if slot is None:
             return
-        work = SparseWork(feedback.chain, slot, feedback.residual.clone(), self._chain_proof())
+        work = SparseWork(feedback.chain, slot, feedback.residual.clone(), self._chain_proof(),
+                          feedback.kept, feedback.claimed_leaves)  # fmt: skip
         if self._newest is not None and self._disk is not None:
             self._newest.spill(self._disk, f"residual-{next(self._names)}")
         claimed = commitment.residual
-        digest = claimed[0] if claimed is not None else residual_digest(work.residual)
-        self._newest = _KeptWork(work, digest)
+        leaf = feedback.leaf
+        digest = claimed[0] if claimed is not None else residual_digest(work.residual, leaf)
+        self._newest = _KeptWork(work, digest, leaf)
         self._kept.add(round_index, self._newest, tag=commitment.start)
         feedback.propose_chain(commitment.encode())
 
@@ -227,6 +257,7 @@ def check_chain(
     elements: int,
     anchor: bytes | None = None,
     proof: ChainProof | None = None,
+    leaf: int = 0,
 ) -> str | None:
     """Why `commitment`'s starting residual does not follow from the revealed previous
     commitment `chain`, or None (blocking: hashes a zero residual). `anchor`: the
@@ -249,7 +280,7 @@ def check_chain(
             return lie
     elif commitment.previous:
         return "the previous commitment named was not revealed"
-    return residual_chains(commitment, previous, residual_digest(torch.zeros(elements)))
+    return residual_chains(commitment, previous, zero_digest(elements, leaf))
 
 
 def unproven_chain(
@@ -304,13 +335,24 @@ def check_message(
     except CodecError as e:
         return f"the run's pseudo-gradient cannot be coded: {e}"
     gather = SparseGather(codec, delta.numel())
-    index, members, slot = work.slot
-    if gather.message_of(slot) != message:
+    if gather.message_of(work.slot[2]) != message:
         return "the message sent is not the one of the run"
     if feedback.claims()[1] != commitment.residual[1]:
         return "the residual the round leaves is not the one committed"
+    return _slot_problem(gather, commitment, work.slot, streams, chunk_elements)
+
+
+def _slot_problem(
+    gather: SparseGather,
+    commitment: Commitment,
+    slot: tuple[int, int, bytes],
+    streams: int,
+    chunk_elements: int,
+) -> str | None:
+    """Why `slot` is not the one the commitment's root covers, or None (blocking)."""
+    index, members, raw = slot
     try:
-        buffer = gather.buffer_with(members, index, slot)
+        buffer = gather.buffer_with(members, index, raw)
     except ValueError as e:
         return f"the slot revealed is malformed: {e}"
     plan = Plan.build(buffer.numel(), [1.0] * members, streams=streams,
@@ -318,3 +360,108 @@ def check_message(
     if MerkleTree(chunk_leaves(plan, buffer, get_codec("none"))).root != commitment.delta_root:
         return "the slot revealed is not the one committed"
     return None
+
+
+def check_sampled(
+    codec: SparseCodec,
+    commitment: Commitment,
+    slot: tuple[int, int, bytes],
+    kept: torch.Tensor,
+    samples: Sequence[SampledChunk],
+    start: Sequence[torch.Tensor],
+    end: Sequence[torch.Tensor],
+    streams: int,
+    chunk_elements: int,
+    *,
+    decay: float = 1.0,
+) -> str | None:
+    """`check_message` of a round audited by chunks (`codec_audit`), from the values
+    the message kept (`kept`, float32) and a few chunks of the starting residual
+    (`samples`, drawn by the referee after the commitment), or None (blocking):
+
+    - the slot is the committed one, and its message is what `kept` codes at its
+      indices (`SparseCodec.recode`: the centroid table and every code follow from
+      the kept values, so a liar cannot bend them apart);
+    - each sampled chunk is a leaf of the starting residual's root; from it and the
+      run's pseudo-gradient there, the chunk's indices and kept values are re-derived
+      bit for bit, and what the chunk leaves is a leaf of the root after the commit.
+
+    A prover that lies in a share f of the chunks (values, indices or residual) is
+    caught with probability 1 - (1 - f)^s by s samples; one that lies about the kept
+    values alone, or bends the whole message, always."""
+    assert commitment.residual is not None
+    delta = flat_difference(start, end)  # (as the strategy computes it: global - end)
+    n = delta.numel()
+    gather = SparseGather(codec, n)
+    why = _slot_problem(gather, commitment, slot, streams, chunk_elements)
+    if why is not None:
+        return why
+    message = gather.message_of(slot[2])
+    try:
+        sent = codec.check(message, n)
+    except CodecError as e:
+        return f"the message sent is malformed: {e}"
+    if kept.shape != (codec.kept(n),) or not bool(torch.isfinite(kept).all()):
+        return "the kept values revealed are not the message's"
+    if codec.recode(message, kept, n) != message:
+        return "the message sent is not the coding of the kept values revealed"
+    count, decay_t = codec.chunks(n), torch.tensor(decay, dtype=torch.float32)
+    for sample in samples:
+        why = _chunk_problem(codec, commitment, sample, delta, sent, kept, count, decay_t)
+        if why is not None:
+            return why
+    return None
+
+
+def _chunk_problem(
+    codec: SparseCodec,
+    commitment: Commitment,
+    sample: SampledChunk,
+    delta: torch.Tensor,
+    sent: SparseMessage,
+    kept: torch.Tensor,
+    count: int,
+    decay: torch.Tensor,
+) -> str | None:
+    """`check_sampled`'s checks of one chunk (the error feedback's arithmetic, chunk by
+    chunk: the same bits as over the whole vector, every operation elementwise)."""
+    assert commitment.residual is not None
+    n = delta.numel()
+    try:
+        first, length, k = codec.chunk_span(sample.index, n)
+    except IndexError:
+        return "a sampled chunk past the residual's end"
+    residual = sample.residual
+    if residual.shape != (length,) or residual.dtype != torch.float32:
+        return "a sampled chunk of another size"
+    if not verify_inclusion(commitment.residual[0], leaf_hash(bytes_of(residual)), sample.index,
+                            count, sample.start_proof):  # fmt: skip
+        return "a residual chunk revealed is not the one committed"
+    acc = torch.mul(residual, decay) if float(decay) != 1.0 else residual.clone()
+    acc.add_(delta[first : first + length])
+    try:
+        offsets, values = codec.pick_chunk(acc, k)
+    except CodecError as e:
+        return f"the run's pseudo-gradient cannot be coded: {e}"
+    at = _kept_at(codec, sample.index, n)
+    if not torch.equal(sent.indices[at : at + k] - first, offsets):
+        return "the indices sent are not the run's"
+    if not torch.equal(kept[at : at + k].view(torch.int32), values.view(torch.int32)):
+        return "the values sent are not the run's"
+    decoded = torch.zeros(length)
+    codec.add_decoded(_chunk_message(sent, at, k, first), decoded, 1.0)
+    left = acc.sub_(decoded)
+    if not verify_inclusion(commitment.residual[1], leaf_hash(bytes_of(left)), sample.index,
+                            count, sample.end_proof):  # fmt: skip
+        return "the residual the round leaves is not the one committed"
+    return None
+
+
+def _kept_at(codec: SparseCodec, index: int, n: int) -> int:
+    """Where chunk `index`'s kept values begin in a message of n elements."""
+    return index * codec.k  # (the tail, last, begins after every full chunk's k)
+
+
+def _chunk_message(sent: SparseMessage, at: int, k: int, first: int) -> SparseMessage:
+    """The part of `sent` in one chunk, its indices from the chunk's start."""
+    return SparseMessage(sent.indices[at : at + k] - first, sent.values[at : at + k])

@@ -21,11 +21,13 @@ rounds in our sight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,11 +48,26 @@ from ..training.inner import InnerOptimizer
 from ..training.priority import lower_this_thread
 from ..training.state_codes import CodedState, code_state
 from ..training.task import Task
-from .audit_round import AuditRound, RecentRounds, RoundShape, encode_record, gather
+from .audit_round import (
+    GATHER_REPLICAS,
+    AuditRound,
+    RecentRounds,
+    RoundShape,
+    encode_record,
+    gather,
+)
 from .ban_watch import BanWatcher
 from .receipt_book import ReceiptBook
 from .referee import LATE_SECRETS_TIMEOUT, Referee
-from .reveals import PROTOCOL, Replay, Reveal, reveal_of, send_reveal, send_reveal_end
+from .reveals import (
+    MAX_SAMPLED,
+    PROTOCOL,
+    Replay,
+    Reveal,
+    reveal_of,
+    send_reveal,
+    send_reveal_end,
+)
 from .segments import SegmentRunner
 from .shunning import Shunning
 from .sparse_work import SparseProver, SparseSource, SparseWork
@@ -64,6 +81,7 @@ log = logging.getLogger("shoal.verifier")
 PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
 GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
 PUBLISH_AGAIN_S = 5.0  # our round record is stored again this often while we gather
+PUBLISH_WAIT_S = 5.0  # the most a gather waits for our first store of our record
 WITHHELD_RECHECK_S = 20.0  # a member's missing secret is looked for once more after this
 KEEP_ROUNDS = 4  # rounds answerable however old (and all of the last `retain_s`)
 MAX_REVEALS = 2  # per round and referee (one retry)
@@ -283,17 +301,20 @@ class Verifier:
     ) -> AuditRound | None:
         secret = self._secrets.pop(mine.round)
         self.records.publish(mine.round, mine.start, encode_record(mine, secret))
-        gathered = asyncio.Event()
+        gathered, published = asyncio.Event(), asyncio.Event()
         self._spawn(publish_while_gathering(
             self.dht, self.namespace, mine, secret, gathered,
-            every=PUBLISH_AGAIN_S, within=GATHER_TIMEOUT,
+            every=PUBLISH_AGAIN_S, within=GATHER_TIMEOUT, published=published,
         ))  # fmt: skip
         try:
+            # (Our store first: the replicas it reaches serve the sampled reads.)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(published.wait(), PUBLISH_WAIT_S)
             commitments, secrets = await gather(
                 self.dht, self.namespace, mine.round, commitments, list(group.peer_ids),
                 GATHER_TIMEOUT, {self.me: secret},
                 ask=lambda peers: self.records.ask(mine.round, mine.start, peers),
-                start=mine.start,
+                start=mine.start, sample=GATHER_REPLICAS,
             )  # fmt: skip
         finally:
             gathered.set()
@@ -357,6 +378,7 @@ class Verifier:
         round_index, segment, final, digest = parse_reveal_request(payload)
         with_end, only_end, with_start = parse_reveal_parts(payload)
         with_moments = parse_reveal_moments(payload)
+        sample = parse_reveal_sample(payload)
         # (Against another round's commitment than the asker's, a reveal would read as
         # a lie: an honest peer convicted. A 2.3 referee names none: the last round.)
         rnd = await self._round(round_index, self.me, digest)
@@ -389,9 +411,13 @@ class Verifier:
             )
             if sparse is None:
                 raise LookupError(f"no sparse work of round {round_index} here")
+        leaf = 0 if self.sparse is None else self.sparse.source.feedback.leaf
+        if sample is not None and (sparse is None or sparse.leaves is None
+                                   or sample[-1] >= len(sparse.leaves[0])):  # fmt: skip
+            raise ValueError("chunks of a residual we did not hash by chunks, or past its end")
         reveal = await loop.run_in_executor(
             self._pool, reveal_segment, replay, work, mine, segment, final, sparse, with_end,
-            with_start, with_moments,
+            with_start, with_moments, (sample, leaf) if sample is not None else None,
         )  # fmt: skip
         await send_reveal(ctx, reveal)
         yield {"done": True}
@@ -463,6 +489,9 @@ class Verifier:
             # no other member vouched for (no verdict: shunned), and the signatures of
             # our receipts other members handed us (`receipt_book`).
             "chains_unproven": counts["chains_unproven"],
+            # Audits of a last segment that took the message's kept values and a few
+            # drawn chunks of the residual, not the whole (`codec_audit` chunks).
+            "residuals_sampled": counts["residuals_sampled"],
             "receipts_received": self.receipts.received,
             # Our residuals dropped before a round for want of receipts (the members
             # of the round that left them crashed before they handed theirs out).
@@ -561,6 +590,21 @@ def parse_reveal_moments(payload: dict[str, Any]) -> bool:
     return moments and payload.get("start", True) is False
 
 
+def parse_reveal_sample(payload: dict[str, Any]) -> tuple[int, ...] | None:
+    """The residual's chunks a reveal request draws (a sparse round audited by
+    chunks), distinct and ascending; None when it draws none; ValueError when
+    malformed."""
+    sample = payload.get("sample")
+    if sample is None:
+        return None
+    ok = isinstance(sample, list) and 0 < len(sample) <= MAX_SAMPLED
+    if not ok or not all(type(i) is int and i >= 0 for i in sample):
+        raise ValueError("bad reveal request")
+    if any(b <= a for a, b in itertools.pairwise(sample)):
+        raise ValueError("bad reveal request")
+    return tuple(sample)
+
+
 def _moments_of(replay: Replay, work: RoundWork) -> CodedState | None:
     """The optimizer state `work` started from, coded ([]: it was empty); None when it
     cannot be coded bit for bit (a carried state: the start goes whole)."""
@@ -599,6 +643,7 @@ def reveal_segment(
     with_end: bool = True,
     with_start: bool = True,
     with_moments: bool = False,
+    sample: tuple[Sequence[int], int] | None = None,
 ) -> Reveal:
     """Our reveal of `segment` of the round's work, with the run's `final` state for a
     referee of protocol 2.0 (in the audit thread: it re-runs steps); of a sparse
@@ -607,7 +652,9 @@ def reveal_segment(
     re-run's end first), without the start state unless `with_start` (a referee of
     2.7 rebuilds a start it can: `rebuild.rebuild_start`); `with_moments` (a referee
     of 2.8): the round's starting optimizer state goes coded in its place when it
-    can be (`state_codes.code_state`), or else the whole start."""
+    can be (`state_codes.code_state`), or else the whole start. `sample` (chunks,
+    their elements): of a sparse round audited by chunks, the last segment shows the
+    message's kept values and those chunks of the residual, not the whole."""
     first, end = mine.segment_bounds(segment)
     last = replay.state_after(work, work.steps) if final else None
     moments = None
@@ -621,6 +668,9 @@ def reveal_segment(
     if sparse is not None:
         reveal.chain = sparse.chain
         reveal.proof = None if sparse.proof is None else sparse.proof.shown(mine.prover)
-        if segment == mine.segments - 1:
+        if segment == mine.segments - 1 and sample is not None:
+            reveal.slot, reveal.kept = sparse.slot, sparse.kept
+            reveal.samples = sparse.sampled(*sample)
+        elif segment == mine.segments - 1:
             reveal.slot, reveal.residual = sparse.slot, sparse.residual
     return reveal

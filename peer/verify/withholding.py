@@ -41,9 +41,11 @@ async def publish_while_gathering(
     *,
     every: float,
     within: float,
+    published: asyncio.Event | None = None,
 ) -> int:
     """Store our round record, and store it again `every` seconds until `gathered`
-    is set or `within` has passed; how many stores were made.
+    is set or `within` has passed; how many stores were made (`published` set after
+    the first).
 
     While we still miss others' records, they may well miss ours: a store made
     during a partition reached only the nodes on our side, and the DHT's own
@@ -55,6 +57,8 @@ async def publish_while_gathering(
         stores += 1
         if not await publish_record(dht, namespace, mine, secret):
             log.info("round %d: our round record reached no DHT node", mine.round)
+        if published is not None:
+            published.set()  # (the replicas it reached serve our reads of the records)
         left = deadline - time.monotonic()
         if left <= 0:
             return stores
