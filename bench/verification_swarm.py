@@ -127,8 +127,11 @@ def run_arm(
     (`task`: the built-in task's options, the daemon's defaults when None)."""
     arm = "on" if verify else "off"
     sparse = verify and codec in SPARSE_CODECS
+    # (Both arms without overlapped rounds: a new unverified experiment overlaps them by
+    # default, which a verified one cannot, and the arms must train alike. With it, the
+    # off arm trained more steps a second and, at 3.26M parameters, re-synced peers.)
     given = ("audit_probation_rate=0.05" if verify else "", f"codec={codec}",
-             f"inner_state={inner_state}",
+             f"inner_state={inner_state}", "overlap_steps=0",
              f"codec_audit={codec_audit}" if sparse else "")  # fmt: skip
     options = ",".join(o for o in given if o)
     env = {"SHOAL_STRATEGY_OPTIONS": options}
