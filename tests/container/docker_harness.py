@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -392,12 +393,27 @@ def container_set(engine: Engine, label: str) -> Iterator[ContainerSet]:
 # --- compose --------------------------------------------------------------------------------------
 
 
+def _unephemeral_ports(count: int, floor: int = 20000) -> list[int]:
+    """`count` distinct ports drawn at random from [floor, the kernel's ephemeral range):
+    no socket bound to port 0 is given one of them."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # (Linux's default)
+    if low - floor < 4 * count:
+        floor = max(1024, low - 8192)
+    return random.sample(range(floor, low), count)
+
+
 class ComposeProject:
     """docker-compose on docker/compose.yaml with `profile`, under a unique project name;
     each service of `status_ports` (service -> the variable setting its published status
-    port) publishes its status port on a port of 127.0.0.1 the engine chooses (0), read
-    back with `compose port`: a port picked free here could be taken by another test
-    before the engine binds it (a CI failure)."""
+    port) publishes its status port on a port of 127.0.0.1 drawn below the kernel's
+    ephemeral range (`_unephemeral_ports`), read back with `compose port`. Not one the
+    engine chooses (0): it draws from the ephemeral range too, where another test's
+    socket bound to port 0 could hold it, and the engine's forwarding rule for the port
+    then refused that test's connections (CI ci38: both tests failed). A port another
+    project drew meanwhile fails `up`, which draws again (`up`)."""
 
     def __init__(
         self,
@@ -411,7 +427,28 @@ class ComposeProject:
         self.name = f"shoal-test-{uuid.uuid4().hex[:6]}"
         self.published = set(status_ports)
         self._ports: dict[str, int] = {}  # service -> its status port, as last read back
-        self.env = {**env, **dict.fromkeys(status_ports.values(), "0")}
+        self._variables = list(status_ports.values())
+        self.env = {**env, **self._drawn_ports()}
+
+    def _drawn_ports(self) -> dict[str, str]:
+        return {
+            v: str(p)
+            for v, p in zip(self._variables, _unephemeral_ports(len(self._variables)), strict=True)
+        }
+
+    def up(self, *services: str, timeout: float = 180) -> None:
+        """`up --detach --no-build` of `services` (none: the profile's); a published port
+        taken meanwhile (by another project) is drawn again, twice at most."""
+        for attempt in range(3):
+            try:
+                self.run("up", "--detach", "--no-build", *services, timeout=timeout)
+                return
+            except EngineError as e:
+                taken = "already in use" in str(e) or "already allocated" in str(e)
+                if not taken or attempt == 2:
+                    raise
+                self.env = {**self.env, **self._drawn_ports()}
+                self._ports.clear()
 
     def run(self, *args: str, timeout: float = CALL_TIMEOUT, check: bool = True) -> str:
         command = [*(compose_command() or []), "--project-name", self.name]

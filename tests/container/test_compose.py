@@ -64,7 +64,7 @@ def project(engine: Engine, image: str, router_image: str) -> Iterator[ComposePr
 def test_compose_up_gives_a_swarm_with_status_pages_and_a_trained_peer_behind_nat(
     project: ComposeProject,
 ) -> None:
-    project.run("up", "--detach", "--no-build", timeout=180)
+    project.up()
 
     def every_page_shows_a_committed_round() -> list[dict[str, Any]] | None:
         statuses = [project.status(service) for service in PUBLISHED]

@@ -77,7 +77,7 @@ def test_the_pipeline_profile_trains_and_routes_around_a_killed_stage_peer_and_t
     started = time.monotonic()
     # Naming the trainers starts what they depend on: the bootstrap and the stage
     # peers (the profile-less default swarm stays down).
-    project.run("up", "--detach", "--no-build", *TRAINERS, timeout=180)
+    project.up(*TRAINERS)
     metrics: dict[str, Any] = {}
 
     def losses() -> list[float | None]:
