@@ -291,14 +291,23 @@ async def test_two_peers_that_trained_alone_apart_merge_into_the_state_with_more
 
 @pytest.mark.gpu
 @pytest.mark.timeout(40)
-@pytest.mark.parametrize("name", ["diloco", "streaming", "noloco"])
+@pytest.mark.parametrize(
+    ("name", "codec"),
+    [("diloco", None), ("diloco", "topk"), ("diloco", "dct"), ("streaming", None),
+     ("streaming", "int4"), ("noloco", None)],
+)  # fmt: skip
 async def test_a_cuda_peer_and_a_cpu_peer_commit_equal_fingerprints(
-    swarm: Callable[..., Any], name: str
+    swarm: Callable[..., Any], name: str, codec: str | None
 ) -> None:
     """The state the swarm agrees on lives on the host in float32, whatever trains the
-    model: DiLoCo's and Streaming DiLoCo's whole state; a NoLoCo pair's mixed state and
-    outer parameters (its momentum stays each replica's own, on the CPU as well)."""
+    model: DiLoCo's and Streaming DiLoCo's whole state (with a sparse codec, whose error
+    feedback is carried on the host too); a NoLoCo pair's mixed state and outer
+    parameters (its momentum stays each replica's own, on the CPU as well)."""
     options: dict[str, Any] = {"inner_steps": 2}
+    if codec in ("topk", "dct"):
+        options.update(SPARSE, codec=codec)
+    elif codec is not None:
+        options.update(codec=codec)
     if name == "streaming":
         options.update(fragments=2, overlap_steps=1)
     gpu_peer, cpu_peer = await swarm(name, 2, options, devices=("cuda", "cpu"))
