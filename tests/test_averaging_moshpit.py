@@ -461,7 +461,9 @@ async def test_a_swarm_of_one_group_stays_under_the_key_and_a_larger_one_moves_t
     """Four peers with groups of up to 4: one group of all four, round after round,
     under the averaged key (cells would only split them). Six: the first round under
     the key sees more than a group's worth, and from the next one every peer is in
-    its cell."""
+    its cell. (A peer whose view of that round missed the crowd, its reads of the
+    declarations cut short on loaded cores, learns it from the announced states after
+    its next round, as a daemon's peer does.)"""
     dhts = await _swarm(make_host, 6)
     small = [Averager(d, "exp/small", [torch.full((8,), float(i))], config=_config(2, 4))
              for i, d in enumerate(dhts[:4])]  # fmt: skip
@@ -479,6 +481,11 @@ async def test_a_swarm_of_one_group_stays_under_the_key_and_a_larger_one_moves_t
         # (All six declared before they look, so that every view holds the crowd.)
         assert all(await asyncio.gather(*(a.announce_presence() for a in large)))
         await asyncio.gather(*(a.step(timeout=30.0) for a in large))
+        lagging = [a for a in large if a.grid is not None and not a.grid.in_cells]
+        if lagging:  # (seen once in many CI runs: one peer formed its pair seeing 2)
+            assert all(a._matchmaker.last_crowd <= 2 for a in lagging)
+            await asyncio.gather(*(a.publish_state() for a in large))
+            await asyncio.gather(*(a.step(timeout=10.0) for a in lagging))
         assert all(a.grid is not None and a.grid.in_cells for a in large)
         assert all(a._matchmaker.cell == a.grid.cell() for a in large if a.grid is not None)
     finally:
