@@ -128,6 +128,8 @@ def test_a_cheating_peer_is_convicted_and_refused_while_the_honest_ones_train_on
         conviction = audits[0]["convictions"][0]
         assert conviction["peer"] == cheater_id and len(conviction["accusers"]) >= 2
         assert all(a["convicted_self"] is False for a in audits)
+        # The round records went member to member (protocol 2.10).
+        assert all(a["records_pushed"] > 0 and a["records_received"] > 0 for a in audits), audits
         if settings in (ROUNDS, RESET, CARRY):  # (its noise: no re-run ends where it said)
             fetched = sum(a["reveal_ends_fetched"] for a in audits)
             assert fetched >= sum(a["audits_failed"] for a in audits), audits

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgpack
 import torch
@@ -80,6 +81,19 @@ GATHER_POLL_S = 0.5
 # replicas lack comes with a later poll, or from its member (`ask`).
 GATHER_REPLICAS = 2
 UNKNOWN_GRACE_S = 5.0
+# How long a gather takes the records members push to it (`PushedRecords`) before it
+# reads the DHT for those still missing: members push theirs right after the commit.
+PUSH_WAIT_S = 2.0
+
+
+class PushedRecords(Protocol):
+    """The records members pushed to us (`withholding.DirectRecords`)."""
+
+    pushed_here: int  # how many came so far
+
+    def pushed(self, round_index: int, start: bytes) -> Mapping[PeerID, bytes]: ...
+
+    async def arrival(self, since: int, timeout: float) -> None: ...
 
 
 def records_key(namespace: str, round_index: int, start: bytes) -> str:
@@ -194,6 +208,56 @@ def _parse(raw: object) -> tuple[Commitment, bytes] | None:
         return None
 
 
+class _Gathered:
+    """The commitments and secrets a gather holds so far (`gather`'s state)."""
+
+    def __init__(
+        self,
+        known: Mapping[PeerID, Commitment],
+        have: Mapping[PeerID, bytes],
+        members: Sequence[PeerID],
+        place: tuple[int, bytes],
+    ) -> None:
+        self.commitments = dict(known)
+        self.secrets = dict(have)
+        self.wanted = set(members)
+        self.round, self.start = place
+
+    def absorb(self, raw: object, sender: PeerID | None = None) -> None:
+        """A record read from the DHT (`sender` None) or sent by `sender` itself."""
+        parsed = _parse(raw)
+        if parsed is None:
+            return
+        c, secret = parsed
+        if c.prover not in self.wanted or c.round != self.round or sender not in (None, c.prover):
+            return
+        if c.start != self.start:
+            return  # (its round of this index in another lineage: asked directly, say)
+        if c.prover in self.commitments and self.commitments[c.prover].digest() != c.digest():
+            log.warning("%s published another commitment than it sent", c.prover.short())
+            return
+        self.commitments[c.prover] = c
+        if seed_commit(secret) == c.seed_commit:
+            self.secrets[c.prover] = secret
+
+    def take(self, pushed: PushedRecords | None) -> None:
+        for peer, raw in pushed.pushed(self.round, self.start).items() if pushed else ():
+            self.absorb(raw, peer)
+
+    def whole(self) -> bool:
+        """Every member's commitment and secret are here."""
+        return self.wanted <= self.commitments.keys() <= self.secrets.keys()
+
+    def settled(self, waited: float) -> bool:
+        """Every commitment's secret, once every member's commitment came or the
+        grace for members that contributed nothing is over."""
+        everyone = self.wanted <= self.commitments.keys() or waited >= UNKNOWN_GRACE_S
+        return everyone and self.commitments.keys() <= self.secrets.keys()
+
+    def missing(self) -> list[PeerID]:
+        return sorted(self.wanted - self.secrets.keys(), key=PeerID.to_bytes)
+
+
 async def gather(
     dht: DHTNode,
     namespace: str,
@@ -206,38 +270,25 @@ async def gather(
     *,
     start: bytes,
     sample: int | None = None,
+    pushed: PushedRecords | None = None,
 ) -> tuple[dict[PeerID, Commitment], dict[PeerID, bytes]]:
-    """The round's commitments and matching secrets from the DHT, for `members`
-    (commitments already `known` must not change), of the round of index `round_index`
-    that started from the global state `start`: until every member that committed
-    has its secret there, or `timeout`. A member whose commitment we never saw may
-    have contributed nothing (weight 0): it is waited for `UNKNOWN_GRACE_S` only.
-    `ask`: the records of the members still missing after the first read, asked of
-    them directly (`withholding.DirectRecords`), once. `sample`: each read asks that
-    many of the replicas our store reached or a full read found (`GATHER_REPLICAS`;
-    None: every replica, each read)."""
-    commitments = dict(known)
-    secrets: dict[PeerID, bytes] = dict(have or {})  # ours, say
-    wanted = set(members)
+    """The round's commitments and matching secrets, for `members` (commitments
+    already `known` must not change), of the round of index `round_index` that
+    started from the global state `start`: until every member that committed has its
+    secret, or `timeout`. A member whose commitment we never saw may have contributed
+    nothing (weight 0): it is waited for `UNKNOWN_GRACE_S` only. `pushed`: the
+    records members pushed to us, taken first (for `PUSH_WAIT_S` at most, and as they
+    come after); the DHT is read for what they did not bring. `ask`: the records of
+    the members still missing after the first read, asked of them directly
+    (`withholding.DirectRecords`), once. `sample`: each read asks that many of the
+    replicas our store reached or a full read found (`GATHER_REPLICAS`; None: every
+    replica, each read)."""
+    held = _Gathered(known, have or {}, members, (round_index, start))
     started = time.monotonic()
     deadline = started + timeout
-
-    def absorb(raw: object, sender: PeerID | None = None) -> None:
-        parsed = _parse(raw)
-        if parsed is None:
-            return
-        c, secret = parsed
-        if c.prover not in wanted or c.round != round_index or sender not in (None, c.prover):
-            return
-        if c.start != start:
-            return  # (its round of this index in another lineage: asked directly, say)
-        if c.prover in commitments and commitments[c.prover].digest() != c.digest():
-            log.warning("%s published another commitment than it sent", c.prover.short())
-            return
-        commitments[c.prover] = c
-        if seed_commit(secret) == c.seed_commit:
-            secrets[c.prover] = secret
-
+    pushes_until = min(deadline, started + PUSH_WAIT_S)
+    if pushed is not None and await _take_pushes(held, pushed, pushes_until):
+        return held.commitments, held.secrets
     while True:
         try:
             key = records_key(namespace, round_index, start)
@@ -246,16 +297,29 @@ async def gather(
             log.debug("reading round records failed: %r", e)
             value = None
         for raw, _expiration in value.subkeys.values() if value and value.subkeys else ():
-            absorb(raw)
-        if ask is not None and (missing := sorted(wanted - secrets.keys(), key=PeerID.to_bytes)):
+            held.absorb(raw)
+        held.take(pushed)
+        if ask is not None and (missing := held.missing()):
             for peer, raw in await ask(missing):  # only its own record
-                absorb(raw, peer)
+                held.absorb(raw, peer)
             ask = None
         now = time.monotonic()
-        everyone = wanted <= commitments.keys() or now - started >= UNKNOWN_GRACE_S
-        if (everyone and commitments.keys() <= secrets.keys()) or now >= deadline:
-            return commitments, secrets
+        if held.settled(now - started) or now >= deadline:
+            return held.commitments, held.secrets
         await asyncio.sleep(GATHER_POLL_S)
+
+
+async def _take_pushes(held: _Gathered, pushed: PushedRecords, until: float) -> bool:
+    """The records pushed to us, as they come, until every member's are here (True)
+    or `until` (monotonic time)."""
+    while True:
+        seen = pushed.pushed_here
+        held.take(pushed)
+        if held.whole():
+            return True
+        if (now := time.monotonic()) >= until:
+            return False
+        await pushed.arrival(seen, until - now)
 
 
 def _check_sparse(

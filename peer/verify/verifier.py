@@ -21,7 +21,6 @@ rounds in our sight.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
@@ -53,7 +52,6 @@ from .audit_round import (
     AuditRound,
     RecentRounds,
     RoundShape,
-    encode_record,
     gather,
 )
 from .ban_watch import BanWatcher
@@ -71,7 +69,7 @@ from .reveals import (
 from .segments import SegmentRunner
 from .shunning import Shunning
 from .sparse_work import SparseProver, SparseSource, SparseWork
-from .withholding import DirectRecords, publish_while_gathering, recheck_withheld
+from .withholding import DirectRecords, push_or_store, recheck_withheld
 from .work_log import RoundWork, VerifiedWork, WorkLog
 
 __all__ = ["PROBATION_ROUNDS", "Verifier"]
@@ -81,7 +79,6 @@ log = logging.getLogger("shoal.verifier")
 PROBATION_ROUNDS = 10  # rounds a new peer is audited at the probation rate
 GATHER_TIMEOUT = 30.0  # how long secrets are awaited after a commit
 PUBLISH_AGAIN_S = 5.0  # our round record is stored again this often while we gather
-PUBLISH_WAIT_S = 5.0  # the most a gather waits for our first store of our record
 WITHHELD_RECHECK_S = 20.0  # a member's missing secret is looked for once more after this
 KEEP_ROUNDS = 4  # rounds answerable however old (and all of the last `retain_s`)
 MAX_REVEALS = 2  # per round and referee (one retry)
@@ -140,6 +137,7 @@ class Verifier:
         self._seen: Counter[PeerID] = Counter()  # committed rounds per peer, in our sight
         self._tasks = TaskSet(log, "verifier")
         self.withheld = 0
+        self.records_stored = 0  # rounds whose record went into the DHT (a push failed)
         self.ignored_accusations = 0
         self._shun = shun
         self.shunning = Shunning()
@@ -300,21 +298,14 @@ class Verifier:
         committed_at: float,
     ) -> AuditRound | None:
         secret = self._secrets.pop(mine.round)
-        self.records.publish(mine.round, mine.start, encode_record(mine, secret))
-        gathered, published = asyncio.Event(), asyncio.Event()
-        self._spawn(publish_while_gathering(
-            self.dht, self.namespace, mine, secret, gathered,
-            every=PUBLISH_AGAIN_S, within=GATHER_TIMEOUT, published=published,
-        ))  # fmt: skip
+        gathered = asyncio.Event()
+        self._spawn(self._publish(group, mine, secret, gathered))
         try:
-            # (Our store first: the replicas it reaches serve the sampled reads.)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(published.wait(), PUBLISH_WAIT_S)
             commitments, secrets = await gather(
                 self.dht, self.namespace, mine.round, commitments, list(group.peer_ids),
                 GATHER_TIMEOUT, {self.me: secret},
                 ask=lambda peers: self.records.ask(mine.round, mine.start, peers),
-                start=mine.start, sample=GATHER_REPLICAS,
+                start=mine.start, sample=GATHER_REPLICAS, pushed=self.records,
             )  # fmt: skip
         finally:
             gathered.set()
@@ -332,6 +323,14 @@ class Verifier:
                      len(missing), ", ".join(p.short() for p in missing))  # fmt: skip
             self._spawn(self._shun_withheld(mine, commitments, missing, rnd))
         return rnd
+
+    async def _publish(
+        self, group: Group, mine: Commitment, secret: bytes, gathered: asyncio.Event
+    ) -> None:
+        others = [p for p in group.peer_ids if p != self.me]
+        if await push_or_store(self.records, self.dht, self.namespace, mine, secret, others,
+                               gathered, every=PUBLISH_AGAIN_S, within=GATHER_TIMEOUT):  # fmt: skip
+            self.records_stored += 1
 
     async def _shun_withheld(
         self,
@@ -476,6 +475,11 @@ class Verifier:
             # Round records asked of their members directly (the DHT lacked them).
             "records_asked_found": self.records.found,
             "records_served": self.records.served,
+            # Our round records members took over the round's connections, records
+            # members sent us so, and rounds whose record went into the DHT as well.
+            "records_pushed": self.records.pushed_to,
+            "records_received": self.records.pushed_here,
+            "records_stored": self.records_stored,
             # Members left out of our rounds for a withheld secret or a missing reveal.
             "shuns": self.shunning.shuns,
             "probation": self.on_probation,

@@ -12,22 +12,31 @@ DHT requests, and only in rounds where something was missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
 from shoal.transport.errors import TransportError
 from shoal.transport.identity import PeerID
+from shoal.transport.version import ProtocolVersion
 from shoal.verification.commitment import Commitment
 
-from .audit_round import gather, publish_record
+from .audit_round import encode_record, gather, publish_record
 
-__all__ = ["DirectRecords", "publish_while_gathering", "recheck_withheld"]
+__all__ = ["DirectRecords", "publish_while_gathering", "push_or_store", "recheck_withheld"]
 
-ASK_TIMEOUT = 3.0  # a member asked for its record directly
+ASK_TIMEOUT = 3.0  # a member asked for its record directly, or sent ours
 KEEP_RECORDS = 64  # our records served (the latest rounds)
+# Records pushed to us (`DirectRecords.push`), kept until their round's gather takes
+# them: a few rounds per sender (pushes can come before our own commit of the
+# round), and a bound on all of them, so that no sender can make us hold much.
+MAX_PUSHED_RECORD = 16 * 1024  # bytes; a record is about 600 (one with ~500 checkpoints)
+PUSHED_PER_PEER = 4
+MAX_PUSHED = 1024
+PUSH_PROTOCOL = ProtocolVersion(2, 10)  # the first that takes pushed records
 
 log = logging.getLogger("shoal.verifier")
 
@@ -41,11 +50,9 @@ async def publish_while_gathering(
     *,
     every: float,
     within: float,
-    published: asyncio.Event | None = None,
 ) -> int:
     """Store our round record, and store it again `every` seconds until `gathered`
-    is set or `within` has passed; how many stores were made (`published` set after
-    the first).
+    is set or `within` has passed; how many stores were made.
 
     While we still miss others' records, they may well miss ours: a store made
     during a partition reached only the nodes on our side, and the DHT's own
@@ -57,8 +64,6 @@ async def publish_while_gathering(
         stores += 1
         if not await publish_record(dht, namespace, mine, secret):
             log.info("round %d: our round record reached no DHT node", mine.round)
-        if published is not None:
-            published.set()  # (the replicas it reached serve our reads of the records)
         left = deadline - time.monotonic()
         if left <= 0:
             return stores
@@ -67,6 +72,32 @@ async def publish_while_gathering(
             return stores
         except TimeoutError:
             continue
+
+
+async def push_or_store(
+    records: DirectRecords,
+    dht: DHTNode,
+    namespace: str,
+    mine: Commitment,
+    secret: bytes,
+    others: Sequence[PeerID],
+    gathered: asyncio.Event,
+    *,
+    every: float,
+    within: float,
+) -> bool:
+    """Our round record to every other member of the round (`DirectRecords.push`),
+    and into the DHT only when one of them did not take it (a peer before protocol
+    2.10, one out of reach), stored again while our gather goes on
+    (`publish_while_gathering`): where they read what no push brought them. Whether
+    it went into the DHT."""
+    record = encode_record(mine, secret)
+    records.publish(mine.round, mine.start, record)
+    if await records.push(mine.round, mine.start, record, others) >= set(others):
+        return False
+    await publish_while_gathering(dht, namespace, mine, secret, gathered, every=every,
+                                  within=within)  # fmt: skip
+    return True
 
 
 async def recheck_withheld(
@@ -106,16 +137,25 @@ async def recheck_withheld(
 
 
 class DirectRecords:
-    """Round records asked of their members over the connections of the round.
+    """Round records sent to the round's members and asked of them directly, over
+    the connections of the round.
 
-    The DHT is where members publish their records (commitment and secret) after
-    a commit, and where the others read them. Members cut off from it together (an
-    island of the swarm averaging by itself, see averaging.matchmaking_island) or
-    whose records landed on nodes we cannot reach would each look like they
-    withheld their secret, and be shunned for it, though the round's connections
-    are still open. So the records missing after the first read are asked of their
-    members directly: the same bytes, served only once published (after the commit,
-    when they are public anyway), and taken only from the member they belong to.
+    After a commit every member sends its record (commitment and secret) to each
+    other member (`push`, protocol 2.10), and a member's gather takes what was pushed
+    to it (`pushed`, `arrival`) before it reads the DHT: a record then crosses the
+    wire once per member, where a store reached k replicas and every member's read
+    brought back every record (bench/verification_swarm.py: 7 KB a peer a round of
+    DHT, a sixth of a sparse round). The DHT stays the way for every record a member
+    could not push (a peer before 2.10, a member out of reach): its member stores it
+    there as before, and a gather reads it there for what no push brought.
+
+    Members cut off from the DHT together (an island of the swarm averaging by
+    itself, see averaging.matchmaking_island) or whose records landed on nodes we
+    cannot reach would each look like they withheld their secret, and be shunned for
+    it, though the round's connections are still open. So the records missing after
+    the first read are also asked of their members directly (`ask`): the same bytes,
+    served only once published (after the commit, when they are public anyway), and
+    taken only from the member they belong to (pushed ones too).
     """
 
     def __init__(self, service: rpc.RpcService) -> None:
@@ -123,9 +163,17 @@ class DirectRecords:
         # (round, the global state it started from) -> our record, once published: a
         # re-sync onto another lineage can make us commit a round index twice.
         self._mine: dict[tuple[int, bytes], bytes] = {}
+        # (round, start) -> sender -> the record it pushed, oldest first.
+        self._pushed: dict[tuple[int, bytes], dict[PeerID, bytes]] = {}
+        self._pushes: dict[PeerID, list[tuple[int, bytes]]] = {}
+        self._count = 0
+        self._waiters: set[asyncio.Event] = set()  # gathers waiting for a push
         self.served = 0
         self.found = 0
+        self.pushed_to = 0  # our pushes a member took
+        self.pushed_here = 0  # records members pushed to us
         service.unary("record")(self._on_record)
+        service.unary("push")(self._on_push)
 
     def publish(self, round_index: int, start: bytes, record: bytes) -> None:
         self._mine[(round_index, start)] = record
@@ -149,6 +197,82 @@ class DirectRecords:
         self.served += 1
         return record
 
+    async def _on_push(self, ctx: rpc.CallContext, payload: object) -> bool:
+        place = _place(payload)
+        record = payload.get("record") if isinstance(payload, dict) else None
+        if place is None or not isinstance(record, bytes) or len(record) > MAX_PUSHED_RECORD:
+            raise ValueError("push: a round, the global state it started from and a record")
+        mine = self._pushes.setdefault(ctx.peer, [])
+        if place not in mine:
+            mine.append(place)
+            self._count += 1
+        self._pushed.setdefault(place, {})[ctx.peer] = record
+        while len(mine) > PUSHED_PER_PEER:
+            self._drop(ctx.peer, mine[0])
+        while self._count > MAX_PUSHED:  # (the oldest round's first sender)
+            oldest = next(iter(self._pushed))
+            self._drop(next(iter(self._pushed[oldest])), oldest)
+        self.pushed_here += 1
+        for event in self._waiters:
+            event.set()
+        return True
+
+    def _drop(self, peer: PeerID, place: tuple[int, bytes]) -> None:
+        places = self._pushes[peer]
+        places.remove(place)
+        if not places:
+            del self._pushes[peer]
+        records = self._pushed[place]
+        del records[peer]
+        if not records:
+            del self._pushed[place]
+        self._count -= 1
+
+    def pushed(self, round_index: int, start: bytes) -> dict[PeerID, bytes]:
+        """The records members pushed to us for round `round_index` from `start`."""
+        return dict(self._pushed.get((round_index, start), {}))
+
+    async def arrival(self, since: int, timeout: float) -> None:
+        """Until a record is pushed to us after the `since`-th (`pushed_here` when the
+        caller last looked), or `timeout`."""
+        if self.pushed_here != since:
+            return
+        event = asyncio.Event()
+        self._waiters.add(event)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), max(0.0, timeout))
+        finally:
+            self._waiters.discard(event)
+
+    async def push(
+        self, round_index: int, start: bytes, record: bytes, peers: Sequence[PeerID]
+    ) -> set[PeerID]:
+        """Send our `record` of round `round_index` (from `start`) to `peers`; those
+        that took it (an older peer, or one out of reach, did not)."""
+        if len(record) > MAX_PUSHED_RECORD:
+            return set()
+        request = {"round": round_index, "start": start, "record": record}
+        versions = self._service.host.versions
+        # (A peer whose hello says it is older takes no push: not asked. One whose hello
+        # we have not read yet is asked; a refusal is a push not taken, as any failure.)
+        peers = [p for p in peers if (h := versions.peer_version(p)) is None
+                 or h.protocol >= PUSH_PROTOCOL]  # fmt: skip
+
+        async def one(peer: PeerID) -> PeerID | None:
+            try:
+                taken = await rpc.call(self._service.host, peer, self._service.protocol,
+                                       "push", request, timeout=ASK_TIMEOUT)  # fmt: skip
+            except (TransportError, TimeoutError, OSError) as e:
+                log.debug("round %d: %s did not take our record: %r", round_index,
+                          peer.short(), e)  # fmt: skip
+                return None
+            return peer if taken is True else None
+
+        took = {p for p in await asyncio.gather(*(one(p) for p in peers)) if p is not None}
+        self.pushed_to += len(took)
+        return took
+
     async def ask(
         self, round_index: int, start: bytes, peers: list[PeerID]
     ) -> list[tuple[PeerID, object]]:
@@ -171,3 +295,15 @@ class DirectRecords:
         got = [a for a in answers if a is not None]
         self.found += len(got)
         return got
+
+
+def _place(payload: object) -> tuple[int, bytes] | None:
+    """A push's round and start (the first 64 bytes at most of a state digest)."""
+    if not isinstance(payload, dict):
+        return None
+    round_index, start = payload.get("round"), payload.get("start")
+    if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:
+        return None
+    if not isinstance(start, bytes) or len(start) > 64:
+        return None
+    return round_index, start

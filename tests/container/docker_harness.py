@@ -340,19 +340,31 @@ class ContainerSet:
         image: str = IMAGE,
         args: Sequence[str] = (),
     ) -> Container:
-        """docker run -d: the image's entry point (`shoal run`), status port on 127.0.0.1."""
+        """docker run -d: the image's entry point (`shoal run`), status port on a port of
+        127.0.0.1 drawn below the kernel's ephemeral range, as `ComposeProject` does and
+        for its reason; a port taken meanwhile is drawn again (the container that failed
+        to start on it removed first), twice at most."""
         full = self.container_name(name)
         container = Container(self.engine, full)
         self.containers.append(container)
-        options = ["--name", full, "--publish", f"127.0.0.1::{STATUS_PORT}"]
+        options = ["--name", full]
         if network:
             options += ["--network", network]
         if volume:
             options += ["--volume", f"{volume}:/data"]
         for key, value in env.items():
             options += ["--env", f"{key}={value}"]
-        self.engine.run("run", "--detach", *options, image, *args)
-        return container
+        for attempt in range(3):
+            (port,) = _unephemeral_ports(1)
+            publish = ["--publish", f"127.0.0.1:{port}:{STATUS_PORT}"]
+            try:
+                self.engine.run("run", "--detach", *publish, *options, image, *args)
+                return container
+            except EngineError as e:
+                if not _port_taken(e) or attempt == 2:
+                    raise
+                self.engine.run("rm", "--force", full, check=False)
+        raise AssertionError("unreachable")
 
     def one_off(self, *command: str, volume: str, image: str = IMAGE) -> str:
         """Run `command` in a throw-away container of the image with `volume` on /data."""
@@ -405,6 +417,10 @@ def _unephemeral_ports(count: int, floor: int = 20000) -> list[int]:
     return random.sample(range(floor, low), count)
 
 
+def _port_taken(error: EngineError) -> bool:
+    return "already in use" in str(error) or "already allocated" in str(error)
+
+
 class ComposeProject:
     """docker-compose on docker/compose.yaml with `profile`, under a unique project name;
     each service of `status_ports` (service -> the variable setting its published status
@@ -444,8 +460,7 @@ class ComposeProject:
                 self.run("up", "--detach", "--no-build", *services, timeout=timeout)
                 return
             except EngineError as e:
-                taken = "already in use" in str(e) or "already allocated" in str(e)
-                if not taken or attempt == 2:
+                if not _port_taken(e) or attempt == 2:
                     raise
                 self.env = {**self.env, **self._drawn_ports()}
                 self._ports.clear()
