@@ -1222,7 +1222,8 @@ class _Sender:
         if transport.is_closing():  # (lost, not yet told: uvloop raises on a write)
             return
         mux = c._mux
-        encrypt_into = c._send_cipher.encrypt_into
+        cipher = c._send_cipher
+        encrypt_into, seal_in_place = cipher.encrypt_into, cipher.seal_in_place
         batch: list[bytearray | memoryview] = []
         size = flushed = 0
         while not c._paused:
@@ -1233,7 +1234,7 @@ class _Sender:
             n = len(msg) - _LEN.size - _TAG
             _LEN.pack_into(msg, 0, n + _TAG)
             mv = memoryview(msg)
-            encrypt_into(mv[2 : 2 + n], mv[2:])
+            seal_in_place(mv[2:], n)
             batch.append(msg)
             size += len(msg)
             if body is not None:

@@ -86,7 +86,7 @@ class CipherState:
     advance it, as the spec requires.
     """
 
-    __slots__ = ("_aead", "_cipher", "_pack", "nonce")
+    __slots__ = ("_aead", "_cipher", "_pack", "_scratch", "nonce")
 
     def __init__(self, key: bytes, cipher: str = "AESGCM") -> None:
         _check_cipher(cipher)
@@ -96,6 +96,7 @@ class CipherState:
         # Built once: constructing the AEAD object costs more than sealing a small message.
         self._aead = _AEADS[cipher](bytes(key))
         self._pack = _NONCE_STRUCTS[cipher].pack
+        self._scratch: bytearray | None = None  # (`seal_in_place` where it cannot)
         self.nonce = 0
 
     @property
@@ -148,6 +149,21 @@ class CipherState:
         self.nonce = n + 1
         return written
 
+    def seal_in_place(self, buf: memoryview, n: int) -> int:
+        """Seal the first `n` bytes of `buf` into its first n + 16 bytes; returns n + 16.
+
+        Without a copy where the installed cryptography seals a buffer into itself
+        (before 51.0: `encrypt_into` with the same buffer); from 51.0, which refuses any
+        overlap, the plaintext goes through a scratch buffer of this cipher's first."""
+        if _SEALS_IN_PLACE:
+            return self.encrypt_into(buf[:n], buf[: n + TAG_LEN])
+        scratch = self._scratch
+        if scratch is None or len(scratch) < n:
+            scratch = self._scratch = bytearray(max(n, 2 * len(scratch or b"")))
+        view = memoryview(scratch)[:n]
+        view[:] = buf[:n]
+        return self.encrypt_into(view, buf[: n + TAG_LEN])
+
     def decrypt_into(
         self,
         ciphertext: bytes | bytearray | memoryview,
@@ -179,6 +195,20 @@ class CipherState:
 def _exhausted() -> NoiseError:
     # Reusing a nonce would break confidentiality and authenticity outright.
     return NoiseError("cipher nonce exhausted; the connection must be re-established")
+
+
+def _seals_in_place() -> bool:
+    """Whether this cryptography seals a buffer into itself (51.0 refuses: "data and
+    buf must not overlap")."""
+    buf = memoryview(bytearray(16 + TAG_LEN))
+    try:
+        AESGCM(bytes(32)).encrypt_into(bytes(12), buf[:16], b"", buf)
+    except ValueError:
+        return False
+    return True
+
+
+_SEALS_IN_PLACE = _seals_in_place()
 
 
 def _fit(out: bytearray | memoryview, size: int) -> memoryview:
