@@ -217,3 +217,37 @@ async def test_what_peers_can_push_to_us_is_bounded(
             await push(peer, {"round": r, "start": START, "record": b"x"})
     held = [r for r in range(40) if records.pushed(r, START)]
     assert len(held) == 10 and held[-8:] == [20, 21, 22, 23, 30, 31, 32, 33]
+
+
+async def test_a_member_whose_record_came_after_our_gather_is_not_shunned(
+    nodes: list[DHTNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every member took their pushes, so nothing went into the DHT; ours came late:
+    `pushed` after our gather had given up, `asked` never pushed to us at all (its
+    push to us failed, yet it answers for its record). The recheck finds both, pushed
+    to us since or asked directly; `silent` is shunned."""
+    monkeypatch.setattr(audit_round, "PUSH_WAIT_S", 0.2)
+    me, pushed, asked, silent = nodes
+    secrets, mine = _round(nodes)
+    records = {n.peer_id: DirectRecords(rpc.RpcService(n.host, PROTOCOL)) for n in nodes}
+    members = [n.peer_id for n in nodes]
+    ours = {me.peer_id: secrets[me.peer_id]}
+    commitments, found = await gather(me, NS, ROUND, mine, members, 0.5, ours, start=START,
+                                      pushed=records[me.peer_id])  # fmt: skip
+    missing = frozenset(commitments.keys() - found.keys())
+    assert missing == {pushed.peer_id, asked.peer_id, silent.peer_id}
+
+    shunned: list[Any] = []
+    recheck = asyncio.ensure_future(withholding.recheck_withheld(
+        me, NS, (ROUND, START), commitments, missing, lambda p, r: shunned.append(p) or 60.0,
+        after=0.5, timeout=2.0, records=records[me.peer_id],
+    ))  # fmt: skip
+    for late in (pushed, asked):
+        own = encode_record(mine[late.peer_id], secrets[late.peer_id])
+        records[late.peer_id].publish(ROUND, START, own)
+    record = encode_record(mine[pushed.peer_id], secrets[pushed.peer_id])
+    assert await records[pushed.peer_id].push(ROUND, START, record, [me.peer_id])
+    late = await recheck
+    assert late == {p.peer_id: secrets[p.peer_id] for p in (pushed, asked)}
+    assert shunned == [silent.peer_id]
+    assert records[me.peer_id].found == 1  # (asked directly: `asked` alone answered)

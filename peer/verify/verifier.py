@@ -342,6 +342,7 @@ class Verifier:
         found = await recheck_withheld(
             self.dht, self.namespace, (mine.round, mine.start), commitments, missing,
             self._shun_for, after=WITHHELD_RECHECK_S, timeout=LATE_SECRETS_TIMEOUT,
+            records=self.records,
         )  # fmt: skip
         if found and rnd is not None:
             rnd.learn([[p.to_bytes(), s] for p, s in found.items()])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -110,18 +111,21 @@ async def recheck_withheld(
     *,
     after: float,
     timeout: float,
+    records: DirectRecords | None = None,
 ) -> dict[PeerID, bytes]:
-    """`after` seconds on, read the secrets of the `missing` members once more (for
-    up to `timeout`), and `shun` those still missing; the secrets found late.
-    `round_place`: the round's index and the global state it started from."""
+    """`after` seconds on, look for the secrets of the `missing` members once more
+    (for up to `timeout`): pushed to us since (`records`), in the DHT, or asked of
+    them directly (a member whose push came after our gather stored nothing in the
+    DHT: every member took it); and `shun` those still missing; the secrets found
+    late. `round_place`: the round's index and the global state it started from."""
     round_index, start = round_place
     await asyncio.sleep(after)
     found: dict[PeerID, bytes] = {}
     try:
         known = {p: commitments[p] for p in missing if p in commitments}
-        _, secrets = await gather(
-            dht, namespace, round_index, known, list(missing), timeout, start=start
-        )
+        ask = None if records is None else functools.partial(records.ask, round_index, start)
+        _, secrets = await gather(dht, namespace, round_index, known, list(missing), timeout,
+                                  ask=ask, start=start, pushed=records)  # fmt: skip
         found = {p: s for p, s in secrets.items() if p in missing}
     except Exception as e:  # (a failed re-read leaves them missing)
         log.debug("re-reading round %d's secrets failed: %r", round_index, e)
