@@ -419,6 +419,9 @@ def new_seeds() -> dict[str, list[bytes]]:
             },
             # a reveal request drawing chunks
             {"round": 3, "segment": 1, "secrets": [], "sample": [0, 3, 9]},
+            # a round's secret pushed by its member after a commit (protocol 2.10)
+            {"round": 3, "start": bytes(8), "record": b"\x92" + bytes(40)},
+            {"digest": bytes(32), "secret": b"s" * SECRET_BYTES},
         ),
         "dht_reports": _packed(
             [

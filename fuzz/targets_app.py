@@ -183,6 +183,8 @@ def verification_rounds(data: bytes) -> None:
     the header of a segment's reveal."""
     parsed = audit_round._parse(data)
     assert parsed is None or len(parsed[1]) == audit_round.SECRET_BYTES
+    secret = audit_round._parse_pushed(data)  # (what a member pushes after a commit)
+    assert secret is None or [len(x) for x in secret] == [32, audit_round.SECRET_BYTES]
     head = expect((reveals.RevealError,), lambda: reveals._header(message(data)))
     if head is not None:  # what our model (a Linear(3, 2)) can hold
         expect((reveals.RevealError,), lambda: reveals._check_layout(head[0], head[1], _SHAPES))

@@ -1,11 +1,12 @@
-"""A verified round's records go member to member (peer/verify/withholding.py,
-protocol 2.10): after a commit each member pushes its record (commitment and secret)
-to every other member, and a gather takes the pushed records before it reads the DHT.
-When every member took the push, nothing goes into the DHT and nothing is read from
-it; a member that takes no push (a peer before 2.10, one out of reach) gets the record
-from the DHT as before, and its own record, stored there, is read there. A pushed
-record is taken only as its sender's own, and what any peer can make us hold is
-bounded."""
+"""A verified round's secrets go member to member (peer/verify/withholding.py,
+protocol 2.10): after a commit each member pushes its secret and its commitment's
+digest to every other member (who hold the commitment: it came with the
+contribution), and a gather takes the pushed records before it reads the DHT. When
+every member took the push, nothing goes into the DHT and nothing is read from it; a
+member that takes no push (a peer before 2.10, one out of reach) gets the whole record
+from the DHT as before, and its own record, stored there, is read there; a member
+that lacks a commitment asks its member for the whole record. A pushed record is
+taken only as its sender's own, and what any peer can make us hold is bounded."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from verification_round import commit, h
 
 from shoal.dht.node import DHTNode
 from shoal.peer.verify import audit_round, withholding
-from shoal.peer.verify.audit_round import encode_record, gather, publish_record, records_key
+from shoal.peer.verify.audit_round import (
+    encode_pushed,
+    encode_record,
+    gather,
+    publish_record,
+    records_key,
+)
 from shoal.peer.verify.withholding import DirectRecords, push_or_store
 from shoal.transport import rpc
 from shoal.transport.host import Host
@@ -93,9 +100,9 @@ async def test_when_every_member_takes_the_push_nothing_goes_through_the_dht(
         for n in nodes
     ))  # fmt: skip
     assert stored == [False] * 4
-    views = await asyncio.gather(*(
-        gather(n, NS, ROUND, {n.peer_id: mine[n.peer_id]}, members, 10.0,
-               {n.peer_id: secrets[n.peer_id]}, start=START, pushed=records[n.peer_id])
+    views = await asyncio.gather(*(  # (the commitments came with the contributions)
+        gather(n, NS, ROUND, mine, members, 10.0, {n.peer_id: secrets[n.peer_id]},
+               start=START, pushed=records[n.peer_id])
         for n in nodes
     ))  # fmt: skip
     for commitments, found in views:
@@ -146,8 +153,8 @@ async def test_a_member_that_takes_no_push_reads_the_dht_where_the_others_stored
     assert commitments == mine and found == secrets
     for n in new:
         commitments, found = await gather(
-            n, NS, ROUND, {n.peer_id: mine[n.peer_id]}, members, 10.0,
-            {n.peer_id: secrets[n.peer_id]}, start=START, pushed=records[n.peer_id],
+            n, NS, ROUND, mine, members, 10.0, {n.peer_id: secrets[n.peer_id]},
+            start=START, pushed=records[n.peer_id],
         )  # fmt: skip
         assert commitments == mine and found == secrets
     assert time.monotonic() - started >= 0.5  # (each new member waited for old's push)
@@ -161,6 +168,7 @@ async def test_a_pushed_record_is_taken_only_as_its_senders_own_for_its_round(
     secrets, mine = _round(nodes)
     records = {n.peer_id: DirectRecords(rpc.RpcService(n.host, PROTOCOL)) for n in (a, b, c)}
     b_record = encode_record(mine[b.peer_id], secrets[b.peer_id])
+    b_other = commit(b.host.identity, secrets[b.peer_id], rnd=ROUND, steps=9)
     b_next = encode_record(commit(b.host.identity, secrets[b.peer_id], rnd=ROUND + 1),
                            secrets[b.peer_id])  # fmt: skip
     b_elsewhere = encode_record(commit(b.host.identity, secrets[b.peer_id], rnd=ROUND,
@@ -170,6 +178,7 @@ async def test_a_pushed_record_is_taken_only_as_its_senders_own_for_its_round(
         (b, ROUND, START, b_next),  # b's next round's, for this one
         (b, ROUND, START, b_elsewhere),  # b's round 7 in another lineage, for this one
         (b, ROUND, h("another"), b_record),  # this one, for another lineage's
+        (b, ROUND, START, encode_pushed(b_other, secrets[b.peer_id])),  # another commitment's
     ]
     for sender, round_index, start, record in wrong:
         took = await records[sender.peer_id].push(round_index, start, record, [a.peer_id])
@@ -178,7 +187,8 @@ async def test_a_pushed_record_is_taken_only_as_its_senders_own_for_its_round(
                                           [a.peer_id, b.peer_id], 0.4, start=START,
                                           pushed=records[a.peer_id])  # fmt: skip
         assert b.peer_id not in found and commitments == {b.peer_id: mine[b.peer_id]}
-    await records[b.peer_id].push(ROUND, START, b_record, [a.peer_id])
+    right = encode_pushed(mine[b.peer_id], secrets[b.peer_id])
+    await records[b.peer_id].push(ROUND, START, right, [a.peer_id])
     ours = {a.peer_id: secrets[a.peer_id]}
     _, found = await gather(a, NS, ROUND, {b.peer_id: mine[b.peer_id]}, [a.peer_id, b.peer_id],
                             5.0, ours, start=START, pushed=records[a.peer_id])  # fmt: skip
@@ -245,9 +255,31 @@ async def test_a_member_whose_record_came_after_our_gather_is_not_shunned(
     for late in (pushed, asked):
         own = encode_record(mine[late.peer_id], secrets[late.peer_id])
         records[late.peer_id].publish(ROUND, START, own)
-    record = encode_record(mine[pushed.peer_id], secrets[pushed.peer_id])
+    record = encode_pushed(mine[pushed.peer_id], secrets[pushed.peer_id])
     assert await records[pushed.peer_id].push(ROUND, START, record, [me.peer_id])
     late = await recheck
     assert late == {p.peer_id: secrets[p.peer_id] for p in (pushed, asked)}
     assert shunned == [silent.peer_id]
     assert records[me.peer_id].found == 1  # (asked directly: `asked` alone answered)
+
+
+async def test_a_member_that_lacks_a_commitment_asks_its_member_for_the_whole_record(
+    nodes: list[DHTNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`a` owned no part of the round: b's commitment never came to it, and b's
+    pushed secret alone cannot be checked. a asks b for its whole record."""
+    monkeypatch.setattr(audit_round, "PUSH_WAIT_S", 0.3)
+    a, b = nodes[:2]
+    secrets, mine = _round(nodes)
+    records = {n.peer_id: DirectRecords(rpc.RpcService(n.host, PROTOCOL)) for n in (a, b)}
+    others = [a.peer_id]
+    assert not await _publish(records[b.peer_id], b, mine[b.peer_id], secrets[b.peer_id], others)
+    ours = {a.peer_id: secrets[a.peer_id]}
+    commitments, found = await gather(
+        a, NS, ROUND, {a.peer_id: mine[a.peer_id]}, [a.peer_id, b.peer_id], 10.0, ours,
+        ask=lambda peers: records[a.peer_id].ask(ROUND, START, peers), start=START,
+        pushed=records[a.peer_id],
+    )  # fmt: skip
+    assert commitments == {p: mine[p] for p in (a.peer_id, b.peer_id)}
+    assert found == {**ours, b.peer_id: secrets[b.peer_id]}
+    assert records[a.peer_id].found == 1 and records[b.peer_id].served == 1

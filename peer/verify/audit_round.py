@@ -38,7 +38,13 @@ from shoal.dht.node import DHTNode
 from shoal.dht.records import owner_marker
 from shoal.transport.identity import PeerID
 from shoal.verification.audit import AuditPolicy, judge
-from shoal.verification.commitment import Commitment, CommitmentError, MerkleTree, state_digest
+from shoal.verification.commitment import (
+    HASH_BYTES,
+    Commitment,
+    CommitmentError,
+    MerkleTree,
+    state_digest,
+)
 from shoal.verification.evidence import Result
 from shoal.verification.referees import SECRET_BYTES, RoundDraw, seed_commit
 
@@ -65,6 +71,7 @@ __all__ = [
     "check_against_end",
     "check_segment",
     "check_segment_exact",
+    "encode_pushed",
     "gather",
     "publish_record",
 ]
@@ -198,6 +205,29 @@ def encode_record(commitment: Commitment, secret: bytes) -> bytes:
     return msgpack.packb([commitment.encode(), secret], use_bin_type=True)
 
 
+def encode_pushed(commitment: Commitment, secret: bytes) -> bytes:
+    """What a member pushes to the others after a commit (`withholding.DirectRecords`):
+    its secret and the digest of its commitment, which the others hold already (it
+    came with its contribution); one that does not asks for the whole record."""
+    return msgpack.packb({"digest": commitment.digest(), "secret": secret}, use_bin_type=True)
+
+
+def _parse_pushed(raw: object) -> tuple[bytes, bytes] | None:
+    """(digest, secret) of a record `encode_pushed` wrote; None for anything else."""
+    try:
+        data = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError):
+        return None
+    if not isinstance(data, dict) or len(data) != 2:
+        return None
+    digest, secret = data.get("digest"), data.get("secret")
+    if not isinstance(digest, bytes) or len(digest) != HASH_BYTES:
+        return None
+    if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
+        return None
+    return digest, secret
+
+
 def _parse(raw: object) -> tuple[Commitment, bytes] | None:
     try:
         data, secret = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else (None, None)
@@ -225,6 +255,11 @@ class _Gathered:
 
     def absorb(self, raw: object, sender: PeerID | None = None) -> None:
         """A record read from the DHT (`sender` None) or sent by `sender` itself."""
+        pushed = None if sender is None else _parse_pushed(raw)
+        if pushed is not None:
+            assert sender is not None
+            self._absorb_secret(sender, *pushed)
+            return
         parsed = _parse(raw)
         if parsed is None:
             return
@@ -239,6 +274,17 @@ class _Gathered:
         self.commitments[c.prover] = c
         if seed_commit(secret) == c.seed_commit:
             self.secrets[c.prover] = secret
+
+    def _absorb_secret(self, sender: PeerID, digest: bytes, secret: bytes) -> None:
+        """`sender`'s secret for the commitment of `digest`: taken against the commitment
+        we hold of it (none held: its whole record is asked of it, `gather`'s `ask`)."""
+        c = self.commitments.get(sender)
+        if sender not in self.wanted or c is None:
+            return
+        if c.digest() != digest:
+            log.warning("%s sent a secret for another commitment than it sent", sender.short())
+        elif seed_commit(secret) == c.seed_commit:
+            self.secrets[sender] = secret
 
     def take(self, pushed: PushedRecords | None) -> None:
         for peer, raw in pushed.pushed(self.round, self.start).items() if pushed else ():

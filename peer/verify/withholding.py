@@ -25,7 +25,7 @@ from shoal.transport.identity import PeerID
 from shoal.transport.version import ProtocolVersion
 from shoal.verification.commitment import Commitment
 
-from .audit_round import encode_record, gather, publish_record
+from .audit_round import encode_pushed, encode_record, gather, publish_record
 
 __all__ = ["DirectRecords", "publish_while_gathering", "push_or_store", "recheck_withheld"]
 
@@ -34,7 +34,7 @@ KEEP_RECORDS = 64  # our records served (the latest rounds)
 # Records pushed to us (`DirectRecords.push`), kept until their round's gather takes
 # them: a few rounds per sender (pushes can come before our own commit of the
 # round), and a bound on all of them, so that no sender can make us hold much.
-MAX_PUSHED_RECORD = 16 * 1024  # bytes; a record is about 600 (one with ~500 checkpoints)
+MAX_PUSHED_RECORD = 16 * 1024  # bytes; a secret is 80, a whole record about 600
 PUSHED_PER_PEER = 4
 MAX_PUSHED = 1024
 PUSH_PROTOCOL = ProtocolVersion(2, 10)  # the first that takes pushed records
@@ -87,14 +87,14 @@ async def push_or_store(
     every: float,
     within: float,
 ) -> bool:
-    """Our round record to every other member of the round (`DirectRecords.push`),
-    and into the DHT only when one of them did not take it (a peer before protocol
-    2.10, one out of reach), stored again while our gather goes on
+    """Our secret to every other member of the round (`DirectRecords.push`), and our
+    whole round record into the DHT only when one of them did not take it (a peer
+    before protocol 2.10, one out of reach), stored again while our gather goes on
     (`publish_while_gathering`): where they read what no push brought them. Whether
     it went into the DHT."""
-    record = encode_record(mine, secret)
-    records.publish(mine.round, mine.start, record)
-    if await records.push(mine.round, mine.start, record, others) >= set(others):
+    records.publish(mine.round, mine.start, encode_record(mine, secret))
+    pushed = encode_pushed(mine, secret)  # (the others hold our commitment already)
+    if await records.push(mine.round, mine.start, pushed, others) >= set(others):
         return False
     await publish_while_gathering(dht, namespace, mine, secret, gathered, every=every,
                                   within=within)  # fmt: skip
@@ -144,14 +144,18 @@ class DirectRecords:
     """Round records sent to the round's members and asked of them directly, over
     the connections of the round.
 
-    After a commit every member sends its record (commitment and secret) to each
-    other member (`push`, protocol 2.10), and a member's gather takes what was pushed
-    to it (`pushed`, `arrival`) before it reads the DHT: a record then crosses the
-    wire once per member, where a store reached k replicas and every member's read
-    brought back every record (bench/verification_swarm.py: 7 KB a peer a round of
-    DHT, a sixth of a sparse round). The DHT stays the way for every record a member
-    could not push (a peer before 2.10, a member out of reach): its member stores it
-    there as before, and a gather reads it there for what no push brought.
+    After a commit every member sends each other member its secret and its
+    commitment's digest (`push` of `audit_round.encode_pushed`, protocol 2.10: the
+    others hold the commitment already, it came with the contribution), and a
+    member's gather takes what was pushed to it (`pushed`, `arrival`) before it reads
+    the DHT: 80 bytes cross the wire once per member, where a whole record (about
+    600) was stored on k replicas and every member's read brought back every record
+    (bench/verification_swarm.py: 7 KB a peer a round of DHT, a sixth of a sparse
+    round). A member that lacks the commitment (it owned no part of the round) asks
+    for the whole record (`ask`). The DHT stays the way for every record a member
+    could not push (a peer before 2.10, a member out of reach): its member stores
+    the whole record there as before, and a gather reads it there for what no push
+    brought.
 
     Members cut off from the DHT together (an island of the swarm averaging by
     itself, see averaging.matchmaking_island) or whose records landed on nodes we
