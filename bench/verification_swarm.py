@@ -306,16 +306,20 @@ def measure(
     # quantized round's from its codes.)
     withheld_by = {"reset": "reveal_bytes_rebuilt", "quantize": "reveal_bytes_coded"}
     per_audit = reveal[withheld_by.get(inner_state, "reveal_bytes")]
+    seen = on["audits"] * per_audit  # (the reveals this window's audits took)
     if codec in SPARSE_CODECS:  # (a sparse round's last segment also reveals its residual)
         sampled = sampled_residual_bytes(task)
         residual = reveal["model_bytes"] if codec_audit == "whole" else sampled
         reveal["residual_reveal_bytes"] = residual
         per_audit += residual // SPARSE_SEGMENTS
-    rest = (
-        on["bytes_per_round"]
-        - off["bytes_per_round"]
-        - on["audits"] * per_audit / max(1, on["rounds"])
-    )
+        # Audits by chunks say how many were of a last segment (`residuals_sampled`):
+        # those, not an average share, took the residual's reveal. (Audits of whole
+        # residuals do not: an average share, which a window's draws can bias.)
+        if codec_audit == "whole":
+            seen += on["audits"] * (residual // SPARSE_SEGMENTS)
+        else:
+            seen += on["residuals_sampled"] * residual
+    rest = on["bytes_per_round"] - off["bytes_per_round"] - seen / max(1, on["rounds"])
     expected = rest + rate * peers * per_audit
     return {
         "compute_overhead": 1 - on["tokens_per_s"] / off["tokens_per_s"],

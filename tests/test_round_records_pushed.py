@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -44,18 +44,13 @@ PROTOCOL = "/shoal/test-records/1"
 
 
 @pytest.fixture
-async def nodes(make_host: Callable[..., Any]) -> AsyncIterator[list[DHTNode]]:
-    made: list[DHTNode] = []
-    for _ in range(4):
-        host: Host = await make_host()
-        boot = [str(made[0].host.addresses()[0])] if made else []
-        made.append(await DHTNode.create(host, bootstrap=boot, hop_timeout=1.0))
+async def nodes(dht_swarm: Callable[..., Any]) -> list[DHTNode]:
+    made: list[DHTNode] = await dht_swarm(4)
     for node in made[1:]:  # (the round's connections)
         for other in made:
             if other is not node:
                 await node.host.connect(other.host.addresses()[0])
-    yield made
-    await asyncio.gather(*(n.aclose() for n in made), return_exceptions=True)
+    return made
 
 
 def _round(nodes: list[DHTNode]) -> tuple[dict[Any, bytes], dict[Any, Commitment]]:
