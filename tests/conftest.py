@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -56,6 +57,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker of `--dist loadgroup`: the groups must have applied (xdist
+    names a grouped test `...@group`), or slow tests run two at once and their swarms
+    see half the machine (pytest 9.2.0 derives a node's ID anew and ignores the name
+    xdist 3.8.0 sets: two compose projects clashed). Refused at once, not flaky."""
+    if not session.config.getoption("loadgroup", False):  # (xdist sets it on its workers)
+        return
+    ungrouped = [i.nodeid for i in session.items
+                 if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]  # fmt: skip
+    if ungrouped:
+        why = (
+            f"pytest-xdist did not group {len(ungrouped)} tests ({ungrouped[0]}, ...): "
+            "this pytest and pytest-xdist do not work together (pyproject pins pytest)"
+        )
+        print(why, file=sys.stderr, flush=True)  # (a worker's error reaches the controller garbled)
+        raise pytest.UsageError(why)
 
 
 def pytest_asyncio_loop_factories(config: object, item: object) -> dict[str, object]:

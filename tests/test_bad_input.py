@@ -149,7 +149,7 @@ async def test_authentic_records_with_malformed_frames_close_the_connection(guar
     garbage = bytearray(2 + 7 + 16)
     garbage[2:9] = b"\x09" * 7  # a truncated frame header, properly encrypted
     struct.pack_into(">H", garbage, 0, 7 + 16)
-    conn._send_cipher.encrypt_into(memoryview(garbage)[2:9], memoryview(garbage)[2:])
+    conn._send_cipher.seal_in_place(memoryview(garbage)[2:], 7)
     conn._transport.write(garbage)
     await asyncio.wait_for(asyncio.shield(conn.closed), 2)
     await assert_still_serving(server, friend)
@@ -278,7 +278,7 @@ async def test_random_authentic_plaintext_only_ever_closes_the_connection(frames
         record = bytearray(2 + len(pt) + 16)
         struct.pack_into(">H", record, 0, len(pt) + 16)
         record[2 : 2 + len(pt)] = pt
-        a._send_cipher.encrypt_into(memoryview(record)[2 : 2 + len(pt)], memoryview(record)[2:])
+        a._send_cipher.seal_in_place(memoryview(record)[2:], len(pt))
         feed(b, bytes(record))
         if b.closed.done():
             break
