@@ -95,7 +95,11 @@ def test_a_member_that_gave_up_in_doubt_still_accepts_and_takes_the_decision() -
 
 # The member in doubt gives up 2.3 s after anything last changed (2 x stall + decision);
 # the others' data watchdog (1.5 x stall) is 6 s, far beyond.
-IMPATIENT = {"heartbeat_interval": 0.05, "stall_timeout": 1.0, "decision_timeout": 0.3}
+# The doubter gives up in doubt after 2 x 1.5 + 1 = 4 s without progress, long before
+# the patient members would (9 s). A control message it sends still gets a second to
+# be answered: with 0.3 s, a loaded CI runner's pause made it suspect a member before
+# it had voted READY, and the round aborted instead (a retry, not a doubt).
+IMPATIENT = {"heartbeat_interval": 0.05, "stall_timeout": 1.5, "decision_timeout": 1.0}
 PATIENT = {"heartbeat_interval": 0.05, "stall_timeout": 4.0, "decision_timeout": 1.0}
 
 
