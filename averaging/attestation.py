@@ -21,6 +21,12 @@ After the round, the prover reveals its inner run to auditors; the root ties
 what it sent to its final state (`Attestor` owners re-derive it there). The
 chunks' leaves are computed by the sender before any byte moves (one extra
 encoding pass over the contribution, in a thread).
+
+To a part's owner that speaks protocol 2.11 a lane header is smaller: the
+commitment without what every member knows (`Commitment.encode_known`: the
+experiment, the prover, the round; the owner puts back its `Attestor`'s
+`round_fields` and the sender's identity before it checks the signature), and in
+an owner-written round no Merkle proofs (no chunk of ours travels to its part).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Protocol
 import torch
 
 from shoal.transport.identity import PeerID
+from shoal.transport.version import ProtocolVersion
 from shoal.verification.commitment import (
     Commitment,
     CommitmentError,
@@ -46,6 +53,7 @@ from .group import Group
 from .partition import Plan, Span
 
 __all__ = [
+    "COMPACT_HEADERS_PROTOCOL",
     "Attestor",
     "ReceivedCommitments",
     "RoundAttestation",
@@ -57,6 +65,10 @@ __all__ = [
 ]
 
 MAX_PROOF = 64  # hashes per proof (a tree of 2**64 chunks)
+# The first protocol whose part owners take a lane header without the fields they know
+# (and, in an owner-written round, without proofs), and commitments that bind their
+# checkpoints by a hash (`Commitment.compact`).
+COMPACT_HEADERS_PROTOCOL = ProtocolVersion(2, 11)
 
 
 class Attestor(Protocol):
@@ -74,6 +86,11 @@ class Attestor(Protocol):
 
     def on_commit(self, group: Group, commitments: Mapping[PeerID, Commitment]) -> None:
         """The round committed with these members' commitments (ours included)."""
+        ...
+
+    def round_fields(self, group: Group) -> tuple[str, int]:
+        """(experiment, round) that every member's commitment for this round must name:
+        what a compact lane header leaves out (`Commitment.decode_known`)."""
         ...
 
 
@@ -150,8 +167,11 @@ class RoundAttestation:
     tree: MerkleTree
     encoded: bytes = field(init=False)
 
+    encoded_known: bytes = field(init=False)
+
     def __post_init__(self) -> None:
         self.encoded = self.commitment.encode()
+        self.encoded_known = self.commitment.encode_known()
 
     @classmethod
     def make(
@@ -161,11 +181,19 @@ class RoundAttestation:
         commitment = attestor.commit(group, tree.root, len(leaves), weight)
         return cls(plan, commitment, tree)
 
-    def header(self, owner: int, lane: int) -> dict[str, object]:
-        """What the lane's request carries: the commitment and the lane's proofs."""
+    def header(
+        self, owner: int, lane: int, *, compact: bool = False, owner_written: bool = False
+    ) -> dict[str, object]:
+        """What the lane's request carries: the commitment and the lane's proofs;
+        `compact` (an owner of 2.11): the commitment without the fields the owner
+        knows, and no proofs in an `owner_written` round (no chunk travels)."""
+        if compact and owner_written:
+            return {"k": self.encoded_known}
         first = lane_offset(self.plan, owner, lane)
         count = len(self.plan.chunks(self.plan.lanes(owner)[lane]))
-        return {"c": self.encoded, "m": [self.tree.proof(first + i) for i in range(count)]}
+        proofs = [self.tree.proof(first + i) for i in range(count)]
+        return {"k" if compact else "c": self.encoded_known if compact else self.encoded,
+                "m": proofs}  # fmt: skip
 
 
 @dataclass
@@ -178,11 +206,14 @@ class _Attested:
 class ReceivedCommitments:
     """The owner's side: members' commitments, and every chunk checked against them."""
 
-    def __init__(self, attestor: Attestor, group: Group, plan: Plan, me: int) -> None:
+    def __init__(
+        self, attestor: Attestor, group: Group, plan: Plan, me: int, *, owner_written: bool = False
+    ) -> None:
         self.attestor = attestor
         self.group = group
         self.plan = plan
         self.me = me  # the owner of the part these lanes carry
+        self.owner_written = owner_written  # (no chunk comes: no proofs needed)
         self.by_member: dict[PeerID, Commitment] = {}
         self._lanes: dict[tuple[int, int], _Attested] = {}
 
@@ -192,14 +223,12 @@ class ReceivedCommitments:
         """Check a lane's request; why it is refused, or None."""
         if not weight > 0:
             return None  # contributes nothing: nothing to commit to
-        raw, proofs = header.get("c"), header.get("m")
-        if not isinstance(raw, bytes):
-            return "no commitment with the contribution"
-        try:
-            commitment = Commitment.decode(raw)
-        except CommitmentError as e:
-            return f"bad commitment: {e}"
         peer = self.group.peer_ids[sender]
+        commitment = self._commitment(peer, header)
+        if isinstance(commitment, str):
+            return commitment
+        # (2.11: an owner-written round's lanes carry no proofs; before, all of them.)
+        proofs = header.get("m", [] if self.owner_written else None)
         if commitment.prover != peer:
             return "a commitment of another peer"
         if commitment.parts != len(global_chunks(self.plan)):
@@ -208,6 +237,8 @@ class ReceivedCommitments:
         if known is not None and known.digest() != commitment.digest():
             return "two different commitments for one round"
         count = len(self.plan.chunks(self.plan.lanes(self.me)[lane]))
+        if self.owner_written and proofs == []:
+            count = 0
         if not (
             isinstance(proofs, list)
             and len(proofs) == count
@@ -224,12 +255,26 @@ class ReceivedCommitments:
         )
         return None
 
+    def _commitment(self, peer: PeerID, header: dict[str, object]) -> Commitment | str:
+        """The lane's commitment (whole, or compact: `Commitment.decode_known`), or
+        why there is none."""
+        raw, known = header.get("c"), header.get("k")
+        try:
+            if isinstance(known, bytes):
+                experiment, round_index = self.attestor.round_fields(self.group)
+                return Commitment.decode_known(known, experiment, peer, round_index)
+            if isinstance(raw, bytes):
+                return Commitment.decode(raw)
+        except CommitmentError as e:
+            return f"bad commitment: {e}"
+        return "no commitment with the contribution"
+
     def check_chunk(self, sender: int, lane: int, index: int, payload: memoryview) -> bool:
         """Whether chunk `index` of a lane is what its sender committed to (blocking:
         it hashes the chunk)."""
         attested = self._lanes.get((sender, lane))
-        if attested is None:
-            return False
+        if attested is None or not 0 <= index < len(attested.proofs):
+            return False  # (an owner-written round's lanes have none: no chunk comes)
         c = attested.commitment
         proof = attested.proofs[index]
         return verify_inclusion(c.delta_root, leaf_hash(payload), attested.first + index,

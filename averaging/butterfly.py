@@ -287,7 +287,11 @@ class ButterflyRound:
         self._buffers = RoundBuffers(pool)
         # Planned now: other members may stream into our part as soon as we registered.
         received = (
-            None if attestor is None else ReceivedCommitments(attestor, group, self.plan, self.me)
+            None
+            if attestor is None
+            else ReceivedCommitments(
+                attestor, group, self.plan, self.me, owner_written=info.owner_written
+            )
         )
         self.data = DataPlane(
             host, info, codec, make_reduction(cfg.reduction), self._buffers, self, received

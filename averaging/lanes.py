@@ -30,7 +30,7 @@ from shoal.transport import rpc
 from shoal.transport.identity import PeerID
 from shoal.transport.rpc import CallContext
 
-from .attestation import ReceivedCommitments, RoundAttestation
+from .attestation import COMPACT_HEADERS_PROTOCOL, ReceivedCommitments, RoundAttestation
 from .buffers import RoundBuffers, bytes_of
 from .compression import Codec, CodecError
 from .lane_sums import LaneSums, OwnLane
@@ -50,6 +50,9 @@ __all__ = [
 
 # Bytes of a received chunk above which its commitment check (SHA-256) runs in a thread.
 _HASH_IN_THREAD = 1 << 18
+# How long a lane waits for the hello of a member whose connection it did not open (it
+# comes with the connection: a round trip); without it, the lane's header is whole.
+HELLO_WAIT_S = 2.0
 
 
 class AllReduceError(Exception):
@@ -213,10 +216,13 @@ class DataPlane:
         """Send our contribution to lane `lane` of part j; receive that lane's result."""
         info = self.info
         header = {"r": info.round_id, "l": lane, "w": info.weight, "p": info.digest}
-        if self.attestation is not None:
-            header.update(self.attestation.header(j, lane))
         try:
             await self.side.connect(j)
+            if self.attestation is not None:
+                compact = await self._reads_compact(info.peers[j])
+                header.update(self.attestation.header(
+                    j, lane, compact=compact, owner_written=info.owner_written
+                ))  # fmt: skip
             async with (
                 rpc.open_call(
                     self.host, info.peers[j], info.protocol, "d", header, timeout=None
@@ -229,6 +235,16 @@ class DataPlane:
             self._handle(j, Side.SEND, first_of(eg))
         except Exception as e:
             self._handle(j, Side.SEND, e)
+
+    async def _reads_compact(self, peer: PeerID) -> bool:
+        """Whether `peer` reads protocol 2.11's compact lane headers: its hello says so
+        (waited for a moment on a connection it opened, whose hello may still come;
+        unknown, it is sent the whole header, which every version reads)."""
+        conn = self.host.connection(peer)
+        if conn is not None:
+            await self.host.versions.checked(conn, HELLO_WAIT_S)
+        hello = self.host.versions.peer_version(peer)
+        return hello is not None and hello.protocol >= COMPACT_HEADERS_PROTOCOL
 
     async def _send_contribution(self, call: rpc.MessageStream, span: Span) -> None:
         plan = self.info.plan

@@ -170,8 +170,9 @@ def pipeline_manifest() -> bytes:
     return m.to_bytes()
 
 
-def conviction() -> tuple[bytes, bytes, bytes]:
-    """A checked conviction from a round of 4, a commitment and a verdict."""
+def conviction() -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    """A checked conviction from a round of 4, a commitment, a verdict, and a
+    commitment of protocol 2.11's form whole and as a lane header carries it."""
     ids = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]
     secrets = {i.peer_id: bytes([i.peer_id.to_bytes()[-1]]) * 32 for i in ids}
     digest = bytes(32)
@@ -191,10 +192,13 @@ def conviction() -> tuple[bytes, bytes, bytes]:
         dispute.add(verdict.signed(by_peer[referee]))
     evidence = dispute.evidence(commitments, secrets)
     verdict = evidence.verdicts[0]
+    compact = commitments[1].compact().signed(ids[1])
     return (
         evidence.encode(),
         commitments[1].encode(),
         msgpack.packb(verdict.to_wire(), use_bin_type=True),
+        compact.encode(),
+        compact.encode_known(),
     )
 
 

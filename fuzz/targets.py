@@ -362,6 +362,12 @@ def verification_evidence(data: bytes) -> None:
         pass
     else:
         assert Commitment.decode(c.encode()) == c
+        again = Commitment.decode_known(c.encode_known(), c.experiment, c.prover, c.round)
+        assert again.digest() == c.digest()
+    try:  # (a lane header's compact form, protocol 2.11)
+        Commitment.decode_known(data, "exp", _REMOTE, 3)  # (the seeds' prover)
+    except CommitmentError:
+        pass
     Verdict.from_wire(_message(data))
 
 

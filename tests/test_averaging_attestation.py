@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from shoal.averaging.allreduce import AllReduceConfig, AllReduceOutcome, AllReduceService
-from shoal.averaging.attestation import global_chunks
+from shoal.averaging.attestation import ReceivedCommitments, global_chunks
 from shoal.averaging.group import Group, Member, make_round_id
 from shoal.averaging.partition import Plan
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
+from shoal.transport.version import Hello, ProtocolVersion
 from shoal.verification.commitment import Commitment, MerkleTree, leaf_hash
 from shoal.verification.referees import new_secret, seed_commit
 
@@ -61,6 +62,9 @@ class Attestor:
 
     def on_commit(self, group: Group, commitments: Mapping[PeerID, Commitment]) -> None:
         pass  # (called by the Averager, not by the service)
+
+    def round_fields(self, group: Group) -> tuple[str, int]:
+        return "exp", 7
 
 
 @pytest.fixture
@@ -253,3 +257,35 @@ async def test_in_an_owner_written_round_a_part_other_than_committed_is_named_an
     outs = await _union_round([svcs[0], *svcs[2:]], [attestors[0], *attestors[2:]],
                               group_of([hosts[0], *hosts[2:]]))  # fmt: skip
     assert all(o.committed for o in outs), [o.reason for o in outs]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "union"])
+async def test_an_owner_of_2_10_is_sent_whole_headers_and_the_others_compact_ones(
+    services: Any, monkeypatch: pytest.MonkeyPatch, reduction: str
+) -> None:
+    """Protocol 2.11: a lane header to an owner that speaks it leaves out what the round's
+    members know (and an owner-written round's proofs); to an older owner it is whole.
+    Both kinds of owner check what they get, and the round commits."""
+    hosts, svcs = await services(4, chunk_bytes=1024, reduction=reduction)
+    old = hosts[3].peer_id
+    for host in hosts[:3]:  # (they read an older hello from member 3)
+        said = host.versions.peer_version
+        monkeypatch.setattr(host.versions, "peer_version", lambda p, said=said: (
+            Hello(ProtocolVersion(2, 10)) if p == old else said(p)))  # fmt: skip
+    received: dict[PeerID, set[str]] = {h.peer_id: set() for h in hosts}
+    attach = ReceivedCommitments.attach
+
+    def recording(self: ReceivedCommitments, sender: int, lane: int, header: Any, w: float) -> Any:
+        received[self.group.peer_ids[self.me]].update(k for k in ("c", "k", "m") if k in header)
+        return attach(self, sender, lane, header, w)
+
+    monkeypatch.setattr(ReceivedCommitments, "attach", recording)
+    attestors = [Attestor(host) for host in hosts]
+    if reduction == "union":
+        outs = await _union_round(svcs, attestors, group_of(hosts))
+    else:
+        outs, _ = await run(svcs, attestors, group_of(hosts), "none")
+    assert all(o.committed for o in outs), [o.reason for o in outs]
+    assert received[old] == {"c", "m"}  # (from the three that know it is older)
+    compact = {"k"} if reduction == "union" else {"k", "m"}
+    assert all(received[h.peer_id] == compact for h in hosts[:3]), received

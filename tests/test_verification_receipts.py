@@ -7,6 +7,7 @@ signature it made up; a peer that hands out a signature of another receipt."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -21,8 +22,11 @@ from shoal.averaging.error_feedback import ErrorFeedback, residual_digest
 from shoal.averaging.sparse_codec import SparseCodec
 from shoal.peer.verify.receipt_book import ReceiptBook
 from shoal.peer.verify.sparse_work import SparseProver, SparseWork, check_chain, unproven_chain
+from shoal.peer.verify.withholding import DirectRecords, push_or_store
 from shoal.transport import rpc
+from shoal.transport.errors import RemoteError
 from shoal.transport.identity import Identity
+from shoal.transport.version import Hello, ProtocolVersion
 from shoal.verification.commitment import Commitment
 from shoal.verification.receipts import ChainProof, Receipt, ReceiptError
 
@@ -245,3 +249,66 @@ def test_an_honest_prover_drops_a_residual_nobody_vouches_for_before_coding_a_ro
         assert (start != residual_digest(torch.zeros(256))) == kept
         assert (feedback.chain == sent.encode()) == kept
         assert prover.unvouched == (0 if kept else 1)
+
+
+async def test_a_receipt_rides_on_the_push_of_the_secret_and_an_older_member_is_handed_it(
+    make_host: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Protocol 2.11: our signature of the round's receipt goes with the push of our
+    secret to each member whose hello says 2.11 (one call each, not two); a member
+    whose hello is older is pushed the secret alone and handed the receipt on its
+    own. A malformed receipt on a push is refused with the push."""
+    hosts = [await make_host() for _ in range(3)]
+    for a in hosts:
+        for b in hosts:
+            if a is not b:
+                await a.connect(b.peer_id, b.addresses())
+    services = [rpc.RpcService(h, "/test/receipts") for h in hosts]
+    books = [ReceiptBook(s, h.identity, 4, 60.0) for s, h in zip(services, hosts, strict=True)]
+    records = [DirectRecords(s) for s in services]
+    for r, book in zip(records, books, strict=True):
+        r.take_receipt = book.take
+    ids = [h.identity for h in hosts]
+    members = [i.peer_id for i in ids]
+    commitments = {i.peer_id: commitment(i) for i in ids}
+    receipt = Receipt.of_round("exp", 6, b"r6", H[1], members, commitments)
+    proofs = [book.sign(receipt) for book in books]
+    old = members[2]
+    said = hosts[0].versions.peer_version
+    monkeypatch.setattr(hosts[0].versions, "peer_version", lambda p: (
+        Hello(ProtocolVersion(2, 10)) if p == old else said(p)))  # fmt: skip
+    calls: list[tuple[Any, str]] = []
+    real_call = rpc.call
+
+    async def call(host: Any, peer: Any, protocol: str, method: str, *a: Any, **kw: Any) -> Any:
+        calls.append((peer, method))
+        return await real_call(host, peer, protocol, method, *a, **kw)
+
+    monkeypatch.setattr(rpc, "call", call)
+    handed = asyncio.Event()
+
+    def hand_out(peers: list[Any]) -> None:
+        async def run() -> None:
+            await books[0].hand_out(hosts[0], proofs[0], peers)
+            handed.set()
+
+        tasks.append(asyncio.ensure_future(run()))
+
+    tasks: list[asyncio.Task[None]] = []
+    mine = commitments[members[0]]  # (of round 6, as the receipt)
+    gathered = asyncio.Event()
+    gathered.set()
+    stored = await push_or_store(
+        records[0], None, "exp", mine, bytes(32), members[1:], gathered,  # type: ignore[arg-type]
+        every=1.0, within=1.0, receipt=books[0].wire(proofs[0]), hand_out=hand_out,
+    )  # fmt: skip
+    assert not stored  # (every member took the push)
+    await asyncio.wait_for(handed.wait(), 10)
+    assert sorted(calls, key=str) == sorted(
+        [(members[1], "push"), (old, "push"), (old, "receipt")], key=str
+    )
+    assert all(members[0] in p.signatures for p in proofs[1:])
+    # A push whose receipt is malformed is refused whole.
+    bad = {"round": 6, "start": H[1], "record": b"x", "receipt": [b"r6", b"short"]}
+    with pytest.raises(RemoteError, match="bad signature"):
+        await real_call(hosts[0], members[1], "/test/receipts", "push", bad, timeout=5)

@@ -96,7 +96,7 @@ class ProtocolVersion:
 # Bump the major when an older peer can no longer take part (a message it cannot
 # read, a step it does not do); the minor when something optional is added that
 # older peers of the same major simply do not use. docs/reference/protocols.md.
-PROTOCOL_VERSION = ProtocolVersion(2, 10)
+PROTOCOL_VERSION = ProtocolVersion(2, 11)
 
 
 def agent(software: str = SOFTWARE_VERSION, protocol: ProtocolVersion = PROTOCOL_VERSION) -> str:

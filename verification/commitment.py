@@ -19,13 +19,26 @@ Everything is encoded canonically (msgpack of a fixed-order list) and signed
 with the prover's identity key under a domain tag, so a commitment checks
 offline from its own bytes: `Commitment.decode(data)` refuses any commitment
 whose signature does not verify.
+
+Since protocol 2.11 a commitment may bind its checkpoints by one hash
+(`checkpoint_hash`, `checkpoints_hash` of the list) instead of listing them: the
+members of a round need none of them (only its referees do, for the one segment
+they audit, and the prover's reveal carries the list: `with_checkpoints`), and
+the list was a third of every lane header of a verified sparse round. Such a
+commitment travels without its list (`encode`), and one decoded has none until
+a reveal supplies it (`checkpoints` is empty). A prover signs this form only
+when every member of its round speaks 2.11. `encode_known` leaves out of the
+wire what every member of the round knows (experiment, prover, round), which
+`decode_known` puts back before it checks the signature.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -36,6 +49,7 @@ __all__ = [
     "Commitment",
     "CommitmentError",
     "MerkleTree",
+    "checkpoints_hash",
     "leaf_hash",
     "residual_chains",
     "state_digest",
@@ -47,6 +61,8 @@ MAX_CHECKPOINTS = 4096
 MAX_TEXT = 256
 _TAG = b"shoal/commitment/1\0"
 _STATE_TAG = b"shoal/state/1\0"
+_CHECKPOINTS_TAG = b"shoal/checkpoints/1\0"
+KNOWN_FIELDS = 3  # experiment, prover, round: what `encode_known` leaves out
 _LEAF = b"\x00"
 _NODE = b"\x01"
 
@@ -69,6 +85,11 @@ def state_digest(params: bytes, optimizer: bytes) -> bytes:
     optimizer state: a checkpoint. Two hashes, so a reveal can send the
     parameters alone with the optimizer's hash (what an audit compares)."""
     return hashlib.sha256(_STATE_TAG + params + optimizer).digest()
+
+
+def checkpoints_hash(checkpoints: Sequence[bytes]) -> bytes:
+    """The hash a commitment of protocol 2.11 binds its checkpoints by (in order)."""
+    return hashlib.sha256(_CHECKPOINTS_TAG + b"".join(checkpoints)).digest()
 
 
 def _node(left: bytes, right: bytes) -> bytes:
@@ -154,6 +175,9 @@ class Commitment:
     signature: bytes = field(default=b"", compare=False)
     # Sparse rounds: (hash of the residual at the start, hash of the one after a commit).
     residual: tuple[bytes, bytes] | None = None
+    # Protocol 2.11's form: the checkpoints bound by this hash; `checkpoints` is then
+    # either empty (not known here: a commitment as it came over the wire) or the list.
+    checkpoint_hash: bytes | None = None
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -174,8 +198,9 @@ class Commitment:
             or self.parts < 1
         ):
             return "round, first_step >= 0; steps, every and parts >= 1"
-        if len(self.checkpoints) != self.segments or len(self.checkpoints) > MAX_CHECKPOINTS:
-            return f"{self.segments} checkpoints expected, {len(self.checkpoints)} given"
+        problem = self._checkpoints_problem()
+        if problem:
+            return problem
         hashes = (self.start, self.optimizer, self.delta_root, self.seed_commit, *self.checkpoints)
         if not all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in hashes):
             return f"hashes must be {HASH_BYTES} bytes"
@@ -189,10 +214,53 @@ class Commitment:
             return f"residual must be two hashes of {HASH_BYTES} bytes"
         return None
 
+    def _checkpoints_problem(self) -> str | None:
+        if self.segments > MAX_CHECKPOINTS:
+            return f"more than {MAX_CHECKPOINTS} segments"
+        if not isinstance(self.checkpoints, tuple):
+            return "checkpoints must be a list"
+        if self.checkpoint_hash is None:
+            if len(self.checkpoints) != self.segments:
+                return f"{self.segments} checkpoints expected, {len(self.checkpoints)} given"
+            return None
+        if not isinstance(self.checkpoint_hash, bytes) or len(self.checkpoint_hash) != HASH_BYTES:
+            return f"the checkpoints' hash must be {HASH_BYTES} bytes"
+        if not self.checkpoints:
+            return None  # (not known here)
+        if len(self.checkpoints) != self.segments or not all(
+            isinstance(h, bytes) and len(h) == HASH_BYTES for h in self.checkpoints
+        ):
+            return f"{self.segments} checkpoints of {HASH_BYTES} bytes expected"
+        if checkpoints_hash(self.checkpoints) != self.checkpoint_hash:
+            return "the checkpoints are not those committed to"
+        return None
+
     @property
     def segments(self) -> int:
         """Inner-run segments of `every` steps (the last may be shorter)."""
         return -(-self.steps // self.every)
+
+    @property
+    def checkpoints_known(self) -> bool:
+        """Whether the checkpoints are here (always, but in protocol 2.11's form as it
+        came over the wire: a reveal brings them, `with_checkpoints`)."""
+        return bool(self.checkpoints)
+
+    def with_checkpoints(self, checkpoints: Sequence[bytes]) -> Commitment:
+        """This commitment with its checkpoints (a prover's reveal's list): the same
+        commitment (digest, signature) when they are the ones it binds, else
+        CommitmentError."""
+        if self.checkpoint_hash is None:
+            if tuple(checkpoints) != self.checkpoints:
+                raise CommitmentError("the checkpoints are not those committed to")
+            return self
+        return dataclasses.replace(self, checkpoints=tuple(checkpoints))
+
+    def compact(self) -> Commitment:
+        """This commitment in protocol 2.11's form (its checkpoints bound by their hash),
+        unsigned: the prover signs it (`signed`)."""
+        digest = checkpoints_hash(self.checkpoints)
+        return dataclasses.replace(self, checkpoint_hash=digest, signature=b"")
 
     def segment_bounds(self, index: int) -> tuple[int, int]:
         """The inner steps [first, end) of segment `index`, counted within the round."""
@@ -209,28 +277,31 @@ class Commitment:
 
     # ------------------------------------------------------------------ wire
 
+    def _fields(self) -> list[Any]:
+        checkpoints: Any = self.checkpoint_hash
+        if checkpoints is None:
+            checkpoints = list(self.checkpoints)
+        return [
+            self.experiment,
+            self.prover.to_bytes(),
+            self.round,
+            self.start,
+            self.optimizer,
+            self.first_step,
+            self.steps,
+            self.every,
+            checkpoints,  # (a list; since 2.11 maybe their hash: a byte string)
+            self.delta_root,
+            self.parts,
+            self.previous,
+            self.seed_commit,
+            # (Only in sparse rounds: a dense commitment is what it always was.)
+            *([] if self.residual is None else [list(self.residual)]),
+        ]
+
     def body(self) -> bytes:
         """The canonical bytes that are signed (everything but the signature)."""
-        return msgpack.packb(
-            [
-                self.experiment,
-                self.prover.to_bytes(),
-                self.round,
-                self.start,
-                self.optimizer,
-                self.first_step,
-                self.steps,
-                self.every,
-                list(self.checkpoints),
-                self.delta_root,
-                self.parts,
-                self.previous,
-                self.seed_commit,
-                # (Only in sparse rounds: a dense commitment is what it always was.)
-                *([] if self.residual is None else [list(self.residual)]),
-            ],
-            use_bin_type=True,
-        )
+        return msgpack.packb(self._fields(), use_bin_type=True)
 
     def digest(self) -> bytes:
         """What names this commitment (the next round's `previous`, verdicts, evidence)."""
@@ -239,47 +310,80 @@ class Commitment:
     def signed(self, identity: Identity) -> Commitment:
         if identity.peer_id != self.prover:
             raise CommitmentError("only the prover signs its commitment")
-        return _replace_signature(self, identity.sign(_TAG + self.body()))
+        return dataclasses.replace(self, signature=identity.sign(_TAG + self.body()))
 
     def verifies(self) -> bool:
         return self.prover.verify(self.signature, _TAG + self.body())
 
     def encode(self) -> bytes:
+        """The signed commitment (in protocol 2.11's form, without its checkpoints)."""
         return msgpack.packb([self.body(), self.signature], use_bin_type=True)
+
+    def encode_known(self) -> bytes:
+        """`encode` less the fields every member of the round knows (experiment,
+        prover, round): for a member that speaks 2.11 (`decode_known`)."""
+        fields = self._fields()[KNOWN_FIELDS:]
+        return msgpack.packb([fields, self.signature], use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> Commitment:
         """A commitment from `encode`'s bytes; CommitmentError unless well formed
         and signed by its prover."""
+        body, signature = _unpack_pair(data)
         try:
-            body, signature = msgpack.unpackb(data, raw=False, max_bin_len=1 << 20)
             fields = msgpack.unpackb(body, raw=False, max_array_len=MAX_CHECKPOINTS + 16)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as e:
+            raise CommitmentError(f"malformed commitment: {e}") from None
+        commitment = cls._from_fields(fields, signature)
+        if commitment.body() != body:
+            raise CommitmentError("the commitment is not in canonical form")
+        return commitment
+
+    @classmethod
+    def decode_known(
+        cls, data: bytes, experiment: str, prover: PeerID, round_index: int
+    ) -> Commitment:
+        """A commitment from `encode_known`'s bytes and what the round says the left-out
+        fields are; CommitmentError unless well formed and signed by `prover` over
+        those (a commitment for another experiment or round does not verify)."""
+        fields, signature = _unpack_pair(data)
+        if not isinstance(fields, list):
+            raise CommitmentError("malformed commitment: its fields are a list")
+        known = [experiment, prover.to_bytes(), round_index]
+        return cls._from_fields(known + fields, signature)
+
+    @classmethod
+    def _from_fields(cls, fields: object, signature: object) -> Commitment:
+        try:
             if not isinstance(fields, list) or len(fields) not in (13, 14):
                 raise CommitmentError("a commitment has 13 fields, or 14 in a sparse round")
             residual = tuple(fields.pop()) if len(fields) == 14 else None
             (experiment, prover, rnd, start, optimizer, first_step, steps, every,
              checkpoints, delta_root, parts, previous, seed_commit) = fields  # fmt: skip
+            listed = not isinstance(checkpoints, bytes)
             commitment = cls(
                 experiment, PeerID(prover), rnd, start, optimizer, first_step, steps, every,
-                tuple(checkpoints), delta_root, parts, previous, seed_commit, signature,
-                residual,  # type: ignore[arg-type]  # (checked in __post_init__)
+                tuple(checkpoints) if listed else (), delta_root, parts, previous, seed_commit,
+                signature, residual,  # type: ignore[arg-type]  # (checked in __post_init__)
+                None if listed else checkpoints,
             )  # fmt: skip
         except CommitmentError:
             raise
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as e:
+        except (ValueError, TypeError) as e:
             raise CommitmentError(f"malformed commitment: {e}") from None
         if not isinstance(signature, bytes) or not commitment.verifies():
             raise CommitmentError("the commitment's signature does not verify")
-        if commitment.body() != body:
-            raise CommitmentError("the commitment is not in canonical form")
         return commitment
 
 
-def _replace_signature(c: Commitment, signature: bytes) -> Commitment:
-    return Commitment(
-        c.experiment, c.prover, c.round, c.start, c.optimizer, c.first_step, c.steps, c.every,
-        c.checkpoints, c.delta_root, c.parts, c.previous, c.seed_commit, signature, c.residual,
-    )  # fmt: skip
+def _unpack_pair(data: bytes) -> tuple[Any, Any]:
+    try:
+        first, signature = msgpack.unpackb(
+            data, raw=False, max_bin_len=1 << 20, max_array_len=MAX_CHECKPOINTS + 16
+        )
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as e:
+        raise CommitmentError(f"malformed commitment: {e}") from None
+    return first, signature
 
 
 def residual_chains(commitment: Commitment, previous: Commitment | None, zero: bytes) -> str | None:

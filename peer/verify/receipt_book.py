@@ -7,6 +7,11 @@ keeps the signatures that verify over its own receipt of that round, which are t
 ones a member with the same view of the round's commitments made. A signature that
 arrives before our own commit is done is held a while (`PENDING_S`). What a prover
 reveals of its previous round's receipt is the `ChainProof` kept here.
+
+Since protocol 2.11 the signature rides on the push of our round's secret to a member
+whose hello says 2.11 (`withholding.DirectRecords.push`, its `"receipt"`: `wire`;
+taken here by `take`), one call where there were two; `hand_out` is left for the
+members that push did not carry it to.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from shoal.transport import rpc
@@ -61,9 +67,16 @@ class ReceiptBook:
     def proof(self, round_index: int) -> ChainProof | None:
         return self._proofs.get(round_index)
 
-    async def hand_out(self, host: Any, proof: ChainProof) -> int:
-        """Give our signature of `proof`'s receipt to the round's other members; how
-        many took it."""
+    def wire(self, proof: ChainProof) -> list[bytes]:
+        """Our signature of `proof`'s receipt as a push carries it: [round ID, signature]
+        (the push names the round)."""
+        return [proof.receipt.round_id, proof.signatures[self.identity.peer_id]]
+
+    async def hand_out(
+        self, host: Any, proof: ChainProof, peers: Sequence[PeerID] | None = None
+    ) -> int:
+        """Give our signature of `proof`'s receipt to the round's other members (or to
+        `peers` of them); how many took it."""
         r = proof.receipt
         payload = {"round": r.round, "round_id": r.round_id,
                    "sig": proof.signatures[self.identity.peer_id]}  # fmt: skip
@@ -76,28 +89,34 @@ class ReceiptBook:
                 log.debug("receipt of round %d not taken by %s: %r", r.round, peer.short(), e)
                 return False
 
-        others = [p for p in r.members if p != self.identity.peer_id]
-        return sum(await asyncio.gather(*(one(p) for p in others)))
+        if peers is None:
+            peers = [p for p in r.members if p != self.identity.peer_id]
+        return sum(await asyncio.gather(*(one(p) for p in peers)))
 
     async def _on_receipt(self, ctx: rpc.CallContext, payload: Any) -> Any:
         if not isinstance(payload, dict):
             raise ValueError("receipt wants a map")
-        round_index, round_id, sig = (
-            payload.get("round"),
-            payload.get("round_id"),
-            payload.get("sig"),
-        )
+        round_index = payload.get("round")
         if not isinstance(round_index, int) or isinstance(round_index, bool) or round_index < 0:
             raise ValueError("bad round")
+        return self.take(ctx.peer, round_index, [payload.get("round_id"), payload.get("sig")])
+
+    def take(self, peer: PeerID, round_index: int, wire: object) -> dict[str, Any]:
+        """`peer`'s signature of its receipt of round `round_index` (`wire`'s form),
+        kept if it verifies over ours (or held until ours is made); ValueError when
+        it is malformed."""
+        if not isinstance(wire, list | tuple) or len(wire) != 2:
+            raise ValueError("a receipt is [round ID, signature]")
+        round_id, sig = wire
         if not isinstance(round_id, bytes) or not 0 < len(round_id) <= 64:
             raise ValueError("bad round ID")
         if not isinstance(sig, bytes) or len(sig) != SIGNATURE_BYTES:
             raise ValueError("bad signature")
         proof = self._proofs.get(round_index)
         if proof is None or proof.receipt.round_id != round_id:
-            self._hold(round_index, round_id, ctx.peer, sig)
+            self._hold(round_index, round_id, peer, sig)
             return {"held": True}
-        added = proof.add(ctx.peer, sig)
+        added = proof.add(peer, sig)
         self.received += added
         return {"added": added}
 

@@ -73,6 +73,7 @@ from .reveals import (
     fetch_reveal,
     fetch_reveal_end,
     reveal_bytes,
+    with_revealed_checkpoints,
 )
 from .segments import SegmentRunner
 from .sparse_work import unproven_chain
@@ -167,6 +168,7 @@ class Referee:
                 reveal = await self._fetch(rnd, prover, segment, start=not rebuild,
                                            moments=coded, sample=sample)  # fmt: skip
                 assert isinstance(reveal, Reveal)
+                c = rnd.commitments[prover] = with_revealed_checkpoints(c, reveal)
                 if sample is not None:
                     self.counts["residuals_sampled"] += 1
                 if reveal.start is None and not await self._rebuild(rnd, prover, segment, reveal):

@@ -90,7 +90,13 @@ from shoal.transport import rpc
 from shoal.transport.errors import PayloadTooLarge
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
-from shoal.verification.commitment import HASH_BYTES, Commitment, state_digest
+from shoal.verification.commitment import (
+    HASH_BYTES,
+    MAX_CHECKPOINTS,
+    Commitment,
+    CommitmentError,
+    state_digest,
+)
 from shoal.verification.receipts import ChainProof, ReceiptError
 
 from ..training.state_codes import (
@@ -127,6 +133,7 @@ __all__ = [
     "reveal_of",
     "send_reveal",
     "send_reveal_end",
+    "with_revealed_checkpoints",
 ]
 
 PROTOCOL = "/shoal/audit/1.0.0"
@@ -170,6 +177,9 @@ class Reveal:
     # `residual`, the values the message kept and the chunks the asker drew.
     kept: torch.Tensor | None = None
     samples: list[SampledChunk] | None = None
+    # Of a commitment that binds its checkpoints by a hash (protocol 2.11): the list,
+    # which the asker checks against it (`Commitment.with_checkpoints`).
+    checkpoints: tuple[bytes, ...] | None = None
 
     def end_digest(self) -> bytes:
         assert self.end_params is not None, "the end was withheld"
@@ -252,6 +262,8 @@ async def send_reveal(ctx: rpc.CallContext, reveal: Reveal) -> None:
         head["chain"] = reveal.chain
     if reveal.proof is not None:
         head["receipts"] = reveal.proof.to_wire()
+    if reveal.checkpoints is not None:
+        head["checkpoints"] = list(reveal.checkpoints)
     residual = []
     if reveal.slot is not None and reveal.samples is not None and reveal.kept is not None:
         head["slot"] = list(reveal.slot)
@@ -402,8 +414,34 @@ async def fetch_reveal(
     start_state = None if no_start else SegmentState(params, optimizer)
     return Reveal(
         start_state, end_params, end_opt, final, final_opt, chain, slot, residual, proof,
-        moments=coded, kept=kept, samples=samples,
+        moments=coded, kept=kept, samples=samples, checkpoints=_checkpoints(head),
     )  # fmt: skip
+
+
+def with_revealed_checkpoints(commitment: Commitment, reveal: Reveal) -> Commitment:
+    """`commitment` with its checkpoints: as it is when it lists them, else (protocol
+    2.11's form, which binds them by a hash) with those `reveal` carries. RevealError
+    when they are missing or not the ones it binds: the prover's to answer for."""
+    if commitment.checkpoints_known:
+        return commitment
+    if reveal.checkpoints is None:
+        raise RevealError("no checkpoints with a commitment that binds them by a hash")
+    try:
+        return commitment.with_checkpoints(reveal.checkpoints)
+    except CommitmentError as e:
+        raise RevealError(f"the revealed checkpoints: {e}") from None
+
+
+def _checkpoints(head: dict[str, Any]) -> tuple[bytes, ...] | None:
+    """A 2.11 prover's checkpoints (bounded and shaped here; checked against the
+    commitment by the asker); None when it sent none."""
+    listed = head.get("checkpoints")
+    if listed is None:
+        return None
+    if not (isinstance(listed, list) and len(listed) <= MAX_CHECKPOINTS
+            and all(_is_hash(h) for h in listed)):  # fmt: skip
+        raise RevealError("bad checkpoints")
+    return tuple(listed)
 
 
 @dataclass(frozen=True)

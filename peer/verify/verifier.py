@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from shoal.averaging.attestation import COMPACT_HEADERS_PROTOCOL
 from shoal.averaging.group import Group
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
@@ -40,7 +41,7 @@ from shoal.transport.tasks import TaskSet
 from shoal.verification.audit import AuditPolicy
 from shoal.verification.commitment import Commitment
 from shoal.verification.evidence import Evidence, Verdict
-from shoal.verification.receipts import Receipt, ReceiptError
+from shoal.verification.receipts import ChainProof, Receipt, ReceiptError
 from shoal.verification.referees import RoundDraw, new_secret, seed_commit
 
 from ..training.inner import InnerOptimizer
@@ -152,6 +153,7 @@ class Verifier:
         self._service.unary("convicted")(self._on_convicted)
         self.records = DirectRecords(self._service)
         self.receipts = ReceiptBook(self._service, identity, KEEP_ROUNDS, work.log.retain_s)
+        self.records.take_receipt = self.receipts.take  # (2.11: receipts ride on pushes)
         self.sparse: SparseProver | None = None  # (`attach_sparse`)
 
     def close(self) -> None:
@@ -191,10 +193,29 @@ class Verifier:
             self.namespace, self.me, work.round, work.start_params, work.start_optimizer,
             work.first_step, work.steps, work.every, work.commit_checkpoints(), delta_root,
             parts, previous, seed_commit(secret), residual=residual,
-        ).signed(self.identity)  # fmt: skip
+        )  # fmt: skip
+        if self._all_compact(group):  # (its checkpoints by one hash: protocol 2.11)
+            commitment = commitment.compact()
+        commitment = commitment.signed(self.identity)
         if self.sparse is not None:
             self.sparse.committed(work.round, group, self.me, commitment)
         return commitment
+
+    def _all_compact(self, group: Group) -> bool:
+        """Whether every other member of `group` reads commitments that bind their
+        checkpoints by a hash (protocol 2.11; its referees and convicting peers are
+        among them). A member whose hello we have not read counts as older."""
+        versions = self.dht.host.versions
+        for peer in group.peer_ids:
+            if peer == self.me:
+                continue
+            hello = versions.peer_version(peer)
+            if hello is None or hello.protocol < COMPACT_HEADERS_PROTOCOL:
+                return False
+        return True
+
+    def round_fields(self, group: Group) -> tuple[str, int]:
+        return self.namespace, self.work.round_of()
 
     def accept(self, group: Group, commitment: Commitment, weight: float) -> str | None:
         c = commitment
@@ -221,8 +242,9 @@ class Verifier:
         if mine is None:
             return  # we contributed nothing (weight 0): nothing to reveal, not drawn
         self._previous = mine.digest()
+        receipt = None
         if self.sparse is not None and group.size > 1:
-            self._sign_receipt(group, commitments, mine)
+            receipt = self._sign_receipt(group, commitments, mine)
         for peer in commitments:
             self._seen[peer] += 1
         future: asyncio.Future[AuditRound | None] = asyncio.get_running_loop().create_future()
@@ -230,13 +252,15 @@ class Verifier:
         oldest = self._rounds.oldest() or 0
         self._verdicts = {k: v for k, v in self._verdicts.items() if k[0] >= oldest}
         self._revealed = Counter({k: v for k, v in self._revealed.items() if k[0] >= oldest})
-        self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic()))
+        self._spawn(self._after_round(group, dict(commitments), mine, future, time.monotonic(),
+                                      receipt))  # fmt: skip
 
     def _sign_receipt(
         self, group: Group, commitments: Mapping[PeerID, Commitment], mine: Commitment
-    ) -> None:
-        """Sign our receipt of the round's commitments as they came to us (first hand),
-        and hand it to the members: what proves the chains of their residuals."""
+    ) -> ChainProof | None:
+        """Sign our receipt of the round's commitments as they came to us (first hand):
+        what proves the chains of their residuals. It goes to the members with our
+        secret (`_publish`)."""
         try:
             receipt = Receipt.of_round(
                 self.namespace, mine.round, group.round_id, mine.start, group.peer_ids,
@@ -244,8 +268,8 @@ class Verifier:
             )  # fmt: skip
         except ReceiptError as e:  # (a group outside a receipt's bounds: none then)
             log.warning("round %d: no receipt: %s", mine.round, e)
-            return
-        self._spawn(self.receipts.hand_out(self.dht.host, self.receipts.sign(receipt)))
+            return None
+        return self.receipts.sign(receipt)
 
     def _received_digest(self, previous: Commitment) -> bytes | None:
         """The digest of the commitment of `previous`'s prover as it came to us in
@@ -270,9 +294,10 @@ class Verifier:
         mine: Commitment,
         future: asyncio.Future[AuditRound | None],
         committed_at: float,
+        receipt: ChainProof | None = None,
     ) -> None:
         try:
-            rnd = await self._gather(group, commitments, mine, committed_at)
+            rnd = await self._gather(group, commitments, mine, committed_at, receipt)
         except Exception as e:
             log.warning("round %d: gathering the members' secrets failed: %r", mine.round, e)
             rnd = None
@@ -296,10 +321,11 @@ class Verifier:
         commitments: dict[PeerID, Commitment],
         mine: Commitment,
         committed_at: float,
+        receipt: ChainProof | None = None,
     ) -> AuditRound | None:
         secret = self._secrets.pop(mine.round)
         gathered = asyncio.Event()
-        self._spawn(self._publish(group, mine, secret, gathered))
+        self._spawn(self._publish(group, mine, secret, gathered, receipt))
         try:
             commitments, secrets = await gather(
                 self.dht, self.namespace, mine.round, commitments, list(group.peer_ids),
@@ -325,11 +351,27 @@ class Verifier:
         return rnd
 
     async def _publish(
-        self, group: Group, mine: Commitment, secret: bytes, gathered: asyncio.Event
+        self,
+        group: Group,
+        mine: Commitment,
+        secret: bytes,
+        gathered: asyncio.Event,
+        receipt: ChainProof | None = None,
     ) -> None:
+        """Our secret to the members (and, of a sparse round, our signed receipt of its
+        commitments with it: what proves the chains of their residuals)."""
         others = [p for p in group.peer_ids if p != self.me]
-        if await push_or_store(self.records, self.dht, self.namespace, mine, secret, others,
-                               gathered, every=PUBLISH_AGAIN_S, within=GATHER_TIMEOUT):  # fmt: skip
+
+        def hand_out(peers: list[PeerID]) -> None:  # (those the pushes did not carry it to)
+            assert receipt is not None
+            self._spawn(self.receipts.hand_out(self.dht.host, receipt, peers))
+
+        if await push_or_store(
+            self.records, self.dht, self.namespace, mine, secret, others, gathered,
+            every=PUBLISH_AGAIN_S, within=GATHER_TIMEOUT,
+            receipt=None if receipt is None else self.receipts.wire(receipt),
+            hand_out=None if receipt is None else hand_out,
+        ):  # fmt: skip
             self.records_stored += 1
 
     async def _shun_withheld(
@@ -419,6 +461,8 @@ class Verifier:
             self._pool, reveal_segment, replay, work, mine, segment, final, sparse, with_end,
             with_start, with_moments, (sample, leaf) if sample is not None else None,
         )  # fmt: skip
+        if mine.checkpoint_hash is not None:  # (2.11: the commitment binds them by hash)
+            reveal.checkpoints = mine.checkpoints or work.commit_checkpoints()
         await send_reveal(ctx, reveal)
         yield {"done": True}
 

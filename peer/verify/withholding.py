@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from shoal.dht.node import DHTNode
 from shoal.transport import rpc
@@ -38,6 +38,7 @@ MAX_PUSHED_RECORD = 16 * 1024  # bytes; a secret is 80, a whole record about 600
 PUSHED_PER_PEER = 4
 MAX_PUSHED = 1024
 PUSH_PROTOCOL = ProtocolVersion(2, 10)  # the first that takes pushed records
+RECEIPT_PUSH_PROTOCOL = ProtocolVersion(2, 11)  # ... with a receipt's signature on them
 
 log = logging.getLogger("shoal.verifier")
 
@@ -86,15 +87,25 @@ async def push_or_store(
     *,
     every: float,
     within: float,
+    receipt: object = None,
+    hand_out: Callable[[list[PeerID]], object] | None = None,
 ) -> bool:
     """Our secret to every other member of the round (`DirectRecords.push`), and our
     whole round record into the DHT only when one of them did not take it (a peer
     before protocol 2.10, one out of reach), stored again while our gather goes on
     (`publish_while_gathering`): where they read what no push brought them. Whether
-    it went into the DHT."""
+    it went into the DHT. `receipt` (`ReceiptBook.wire`) rides on the pushes to the
+    members of 2.11; `hand_out(members)` is called with the others it did not reach."""
     records.publish(mine.round, mine.start, encode_record(mine, secret))
     pushed = encode_pushed(mine, secret)  # (the others hold our commitment already)
-    if await records.push(mine.round, mine.start, pushed, others) >= set(others):
+    carriers = {p for p in others if records.takes_receipts(p)} if receipt is not None else set()
+    took = await records.push(mine.round, mine.start, pushed, others, receipt=receipt,
+                              receipt_to=carriers)  # fmt: skip
+    if hand_out is not None:
+        missed = [p for p in others if p not in took & carriers]
+        if missed:
+            hand_out(missed)
+    if took >= set(others):
         return False
     await publish_while_gathering(dht, namespace, mine, secret, gathered, every=every,
                                   within=within)  # fmt: skip
@@ -180,6 +191,9 @@ class DirectRecords:
         self.found = 0
         self.pushed_to = 0  # our pushes a member took
         self.pushed_here = 0  # records members pushed to us
+        # Where a receipt's signature on a push goes (`ReceiptBook.take`: peer, round,
+        # its wire form); None: a push's receipt is refused (not a sparse experiment).
+        self.take_receipt: Callable[[PeerID, int, object], object] | None = None
         service.unary("record")(self._on_record)
         service.unary("push")(self._on_push)
 
@@ -210,6 +224,11 @@ class DirectRecords:
         record = payload.get("record") if isinstance(payload, dict) else None
         if place is None or not isinstance(record, bytes) or len(record) > MAX_PUSHED_RECORD:
             raise ValueError("push: a round, the global state it started from and a record")
+        receipt = payload.get("receipt") if isinstance(payload, dict) else None
+        if receipt is not None:  # (2.11: its receipt of the round rides along)
+            if self.take_receipt is None:
+                raise ValueError("push: a receipt where we keep none")
+            self.take_receipt(ctx.peer, place[0], receipt)  # (ValueError: malformed)
         mine = self._pushes.setdefault(ctx.peer, [])
         if place not in mine:
             mine.append(place)
@@ -253,14 +272,28 @@ class DirectRecords:
         finally:
             self._waiters.discard(event)
 
+    def takes_receipts(self, peer: PeerID) -> bool:
+        """Whether `peer`'s hello says it takes a receipt on a push (2.11)."""
+        hello = self._service.host.versions.peer_version(peer)
+        return hello is not None and hello.protocol >= RECEIPT_PUSH_PROTOCOL
+
     async def push(
-        self, round_index: int, start: bytes, record: bytes, peers: Sequence[PeerID]
+        self,
+        round_index: int,
+        start: bytes,
+        record: bytes,
+        peers: Sequence[PeerID],
+        *,
+        receipt: object = None,
+        receipt_to: Collection[PeerID] = (),
     ) -> set[PeerID]:
-        """Send our `record` of round `round_index` (from `start`) to `peers`; those
+        """Send our `record` of round `round_index` (from `start`) to `peers`, with
+        `receipt` to those of `receipt_to` (they take one: `takes_receipts`); those
         that took it (an older peer, or one out of reach, did not)."""
         if len(record) > MAX_PUSHED_RECORD:
             return set()
-        request = {"round": round_index, "start": start, "record": record}
+        plain = {"round": round_index, "start": start, "record": record}
+        with_receipt = plain if receipt is None else {**plain, "receipt": receipt}
         versions = self._service.host.versions
         # (A peer whose hello says it is older takes no push: not asked. One whose hello
         # we have not read yet is asked; a refusal is a push not taken, as any failure.)
@@ -268,6 +301,7 @@ class DirectRecords:
                  or h.protocol >= PUSH_PROTOCOL]  # fmt: skip
 
         async def one(peer: PeerID) -> PeerID | None:
+            request = with_receipt if peer in receipt_to else plain
             try:
                 taken = await rpc.call(self._service.host, peer, self._service.protocol,
                                        "push", request, timeout=ASK_TIMEOUT)  # fmt: skip
