@@ -4,6 +4,8 @@
 
 Prints one JSON object on stdout (logs go to stderr): the scenario's figures, plus
 `wall_s` (real seconds the run took) and `virtual_s` (simulated seconds it covered).
+One scenario with one seed gives the same figures on every run, but for those measured
+in real time or memory (and, with `cpu_scale`, whatever its CPU charge moves).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scenario import Scenario, load
 from simnet import CURRENT_HOST, SimNetwork
-from vtime import VirtualTimeLoop, virtual_clocks
+from vtime import VirtualTimeLoop, seeded_entropy, virtual_clocks
 
 # workload -> (module, function): imported when used (averaging brings in torch)
 WORKLOADS = {
@@ -45,7 +47,12 @@ GC_THRESHOLDS = {"tuned": (70_000, 50, 100), "python": None}
 
 def simulate(scenario: Scenario, *, gc_policy: str = "tuned") -> dict[str, Any]:
     """Run `scenario` on a fresh virtual-time loop; its figures with wall and virtual time.
-    `gc_policy`: "tuned" (see GC_THRESHOLDS) or "python" (the interpreter's defaults)."""
+    `gc_policy`: "tuned" (see GC_THRESHOLDS) or "python" (the interpreter's defaults).
+
+    The figures are a function of the scenario and its seed (not `wall_s`,
+    `virtual_over_wall`, nor what is measured in real time or memory, nor anything
+    a `cpu_scale` charges from real CPU time) where the process's str and bytes
+    hashes are fixed (`PYTHONHASHSEED`: `fix_hash_seed` sees to it for run.py)."""
     kind = scenario.workload.get("kind", "dht")
     if kind not in WORKLOADS:
         raise ValueError(f"unknown workload {kind!r} (known: {', '.join(WORKLOADS)})")
@@ -64,9 +71,13 @@ def simulate(scenario: Scenario, *, gc_policy: str = "tuned") -> dict[str, Any]:
     wall0 = time.perf_counter()
     try:
         with virtual_clocks(loop):
+            # (Imported before the seeding: importing torch draws from os.urandom and
+            # an unseeded random.Random, so in a process that had imported it already
+            # the run would see other draws than in a fresh one.)
             module, function = WORKLOADS[kind]
             workload = getattr(importlib.import_module(module), function)
-            result = loop.run_until_complete(workload(scenario, loop.network, rng))
+            with seeded_entropy(scenario.seed):
+                result = loop.run_until_complete(workload(scenario, loop.network, rng))
     finally:
         loop.close()
         gc.set_threshold(*saved)
@@ -76,6 +87,16 @@ def simulate(scenario: Scenario, *, gc_policy: str = "tuned") -> dict[str, Any]:
     out["wall_s"] = round(wall, 3)
     out["virtual_over_wall"] = round(out["virtual_s"] / wall, 2) if wall else None
     return out
+
+
+def fix_hash_seed() -> None:
+    """Re-run this process with `PYTHONHASHSEED=0` unless it is set (then as set):
+    Python salts str and bytes hashes per process, and the order of a set of them (or
+    of peer IDs, which hash as bytes) follows the salt, and the product iterates such
+    sets somewhere (moshpit_small's one-key arm gave other figures under other salts).
+    Set it to `random` to keep a salt per process."""
+    if os.environ.get("PYTHONHASHSEED") is None:
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, "PYTHONHASHSEED": "0"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,4 +124,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    fix_hash_seed()
     main()

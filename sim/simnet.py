@@ -47,7 +47,9 @@ class SimHost:
     group: int = 0  # partition group: hosts in different groups cannot reach each other
     context: contextvars.Context = field(default_factory=contextvars.Context)
     listeners: dict[int, Callable[[], asyncio.BaseProtocol]] = field(default_factory=dict)
-    transports: set[SimTransport] = field(default_factory=set)
+    # Its open transports, in the order they opened (a dict: a set of them would be
+    # ordered by their addresses in memory, and `heal` resends in this order).
+    transports: dict[SimTransport, None] = field(default_factory=dict)
     up_free_at: float = 0.0  # when the uplink has sent everything queued so far
     down_free_at: float = 0.0
     next_port: int = 40000
@@ -238,7 +240,7 @@ class SimTransport(asyncio.Transport):
         self._inbox: deque[bytes] | None = None
         self._last_arrival = 0.0  # in order: no segment overtakes an earlier one
         self._held: list[tuple[str, Any]] = []  # sent across a partition, not yet arrived
-        owner.transports.add(self)
+        owner.transports[self] = None
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -381,6 +383,6 @@ class SimTransport(asyncio.Transport):
             return
         self._lost = True
         self._closing = True
-        self.owner.transports.discard(self)
+        self.owner.transports.pop(self, None)
         if self._protocol is not None:
             self._protocol.connection_lost(exc)

@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import contextvars
 import gc
+import itertools
+import os
+import random
 import selectors
 import time
 from collections import defaultdict
@@ -15,9 +18,6 @@ from typing import Any
 # The wall-clock time (UNIX seconds) that virtual time 0 stands for: DHT records carry
 # absolute expirations, so time.time() must move with the virtual clock.
 EPOCH = 1_800_000_000.0
-
-
-_THREAD_POLL_S = 0.05
 
 
 class SimDeadlock(RuntimeError):
@@ -45,7 +45,6 @@ class _JumpingSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        self.threads_busy = 0  # executor jobs running: their results come in real time
         # Virtual seconds charged per CPU second spent running callbacks: 0 makes
         # computation free (protocol behaviour only). With `cores`, it is the CPU a real
         # peer spends per second of the simulator's (sockets, its own event loop).
@@ -116,14 +115,36 @@ class _JumpingSelector(selectors.DefaultSelector):
         self._reach_due_timer()
         if events or timeout == 0:
             return events
-        if self.threads_busy:
-            # A thread's work takes no virtual time: wait for it in real time (its
-            # result wakes the loop through the self-pipe), without moving the clock.
-            return super().select(_THREAD_POLL_S)
         if timeout is None:
             raise SimDeadlock("every task waits and no timer is scheduled")
         self.now = max(self.now, before + timeout)
         return []
+
+
+class _SimTask(asyncio.Task):  # type: ignore[type-arg]
+    """A task hashed by the order the loop made it in, not by its address in memory.
+    The product iterates sets of tasks (a DHT lookup's `asyncio.wait` answers, done
+    at one virtual instant, in the set's order): ordered by address, that order moved
+    with every change of the heap's history (the collector's schedule, what the
+    process ran before), and so did the figures."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(self, coro: Any, *, seq: int, **kwargs: Any) -> None:
+        self._seq = seq  # (first: registering the task hashes it)
+        super().__init__(coro, **kwargs)
+
+    def __hash__(self) -> int:
+        return self._seq
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():  # (the caller stopped waiting: as with a thread's result)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -133,7 +154,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     (sleeps, timeouts, and the simulated network's deliveries, which are timers too)
     move the clock. `network` is the
     simulated network that `create_connection` / `create_server` go through; nothing
-    here touches a real socket.
+    here touches a real socket. Nothing here depends on real time or on where objects
+    lie in memory either (executor jobs run inline, tasks hash by the order they were
+    made): with `seeded_entropy` and a fixed hash salt, a run repeats exactly.
     """
 
     def __init__(self) -> None:
@@ -142,6 +165,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._jumper.loop = self
         self._clock_resolution = 1e-9
         self.network: Any = None
+        self._tasks_made = itertools.count()
 
     def time(self) -> float:
         return self._jumper.now
@@ -200,14 +224,44 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             callback, args = self._jumper.metered, (callback, *args)
         return super().call_at(when, callback, *args, context=context)
 
+    def create_task(  # type: ignore[override]
+        self, coro: Any, *, name: str | None = None, context: contextvars.Context | None = None
+    ) -> asyncio.Task[Any]:
+        """asyncio's task, hashed by the order this loop made it in (`_SimTask`)."""
+        if self.get_task_factory() is not None:  # (someone set their own: theirs)
+            return super().create_task(coro, name=name, context=context)
+        if self.is_closed():
+            raise RuntimeError("Event loop is closed")
+        seq = next(self._tasks_made)
+        return _SimTask(coro, loop=self, name=name, context=context, seq=seq)
+
     def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:
-        future = super().run_in_executor(executor, func, *args)
-        self._jumper.threads_busy += 1
-
-        def done(_: asyncio.Future[Any]) -> None:
-            self._jumper.threads_busy -= 1
-
-        future.add_done_callback(done)
+        """Run `func(*args)` at once on the loop's own thread (whatever `executor`);
+        its result (or exception) settles the future at the next pass of the loop,
+        as a thread's result would. A real thread made the run non-deterministic: the
+        loop waited for it in real time without moving the clock, so where its result
+        landed among the other callbacks of that virtual instant depended on how fast
+        the machine was. Its work takes no virtual time, as before: with `cpu_scale`,
+        its CPU is not charged. `func` must not wait for the loop (it would wait
+        forever): what the product runs in threads (hashing, codecs, copies) does not."""
+        if self.is_closed():
+            raise RuntimeError("Event loop is closed")
+        future = self.create_future()
+        jumper = self._jumper
+        t0 = time.thread_time() if jumper.cpu_scale else 0.0
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = func(*args)
+        except Exception as e:  # (a thread's exception is its future's; ^C is ours)
+            error = e
+        finally:
+            if jumper.cpu_scale:
+                # A thread's CPU was never the loop's: take it out of both charges.
+                spent = time.thread_time() - t0
+                jumper._ran_since += spent
+                jumper._nested += spent
+        self.call_soon(_settle, future, result, error)
         return future
 
     async def create_connection(  # type: ignore[override]
@@ -244,6 +298,35 @@ def virtual_clocks(loop: VirtualTimeLoop) -> Iterator[None]:
         yield
     finally:
         time.time, time.monotonic, connection._now = saved  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def seeded_entropy(seed: int) -> Iterator[None]:
+    """Make the process's randomness a function of `seed` while the simulation runs:
+    os.urandom (round IDs, nonces, secrets), random.SystemRandom and `secrets` (they
+    read random's reference to it) and random.Random() made without a seed (each DHT
+    routing table's own) all draw from one generator seeded by `seed`. Unseeded, each
+    run drew other IDs and other lookup targets: other figures for the same scenario.
+    Keys that the `cryptography` library makes (Noise's ephemeral keys) still come
+    from OpenSSL: they change the bytes on the wire, never their sizes or timing."""
+    # (Its own stream: the scenario's generators draw from `seed` itself.)
+    source = random.Random(f"sim entropy {seed}")
+    saved = (os.urandom, random._urandom, random.Random.seed)  # type: ignore[attr-defined]
+    unseeded = random.Random.seed
+
+    def urandom(n: int) -> bytes:
+        return source.randbytes(n)
+
+    def seed_or_draw(self: random.Random, a: Any = None, version: int = 2) -> None:
+        unseeded(self, source.getrandbits(64) if a is None else a, version)
+
+    os.urandom = urandom
+    random._urandom = urandom  # type: ignore[attr-defined]
+    random.Random.seed = seed_or_draw  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        os.urandom, random._urandom, random.Random.seed = saved  # type: ignore[attr-defined,method-assign]
 
 
 def freeze_setup() -> None:
