@@ -381,7 +381,9 @@ async def traverse(
             done, _ = await asyncio.wait(
                 in_flight, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
-            for task in done:
+            # In the order they were sent, not the done set's (the tasks' addresses
+            # in memory): which answer the beam takes first must not follow the heap.
+            for task in [t for t in in_flight if t in done]:
                 ask = in_flight.pop(task)
                 exc = task.exception()
                 if exc is None:

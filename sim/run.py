@@ -1,6 +1,6 @@
 """Run a scenario of the real shoal code over the simulated network in virtual time.
 
-    python sim/run.py sim/scenarios/dht_small.json [--peers N] [--profile FILE]
+    python sim/run.py sim/scenarios/dht_small.json [--peers N] [--profile FILE] [--trace FILE]
 
 Prints one JSON object on stdout (logs go to stderr): the scenario's figures, plus
 `wall_s` (real seconds the run took) and `virtual_s` (simulated seconds it covered).
@@ -11,6 +11,7 @@ in real time or memory (and, with `cpu_scale`, whatever its CPU charge moves).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scenario import Scenario, load
 from simnet import CURRENT_HOST, SimNetwork
-from vtime import VirtualTimeLoop, seeded_entropy, virtual_clocks
+from vtime import VirtualTimeLoop, seeded_entropy, traced_callbacks, virtual_clocks
 
 # workload -> (module, function): imported when used (averaging brings in torch)
 WORKLOADS = {
@@ -45,9 +46,13 @@ WORKLOADS = {
 GC_THRESHOLDS = {"tuned": (70_000, 50, 100), "python": None}
 
 
-def simulate(scenario: Scenario, *, gc_policy: str = "tuned") -> dict[str, Any]:
+def simulate(
+    scenario: Scenario, *, gc_policy: str = "tuned", trace: str | None = None
+) -> dict[str, Any]:
     """Run `scenario` on a fresh virtual-time loop; its figures with wall and virtual time.
     `gc_policy`: "tuned" (see GC_THRESHOLDS) or "python" (the interpreter's defaults).
+    `trace`: a file (gzip) to write every callback the loop runs to
+    (`vtime.traced_callbacks`).
 
     The figures are a function of the scenario and its seed (not `wall_s`,
     `virtual_over_wall`, nor what is measured in real time or memory, nor anything
@@ -76,7 +81,8 @@ def simulate(scenario: Scenario, *, gc_policy: str = "tuned") -> dict[str, Any]:
             # the run would see other draws than in a fresh one.)
             module, function = WORKLOADS[kind]
             workload = getattr(importlib.import_module(module), function)
-            with seeded_entropy(scenario.seed):
+            tracing = traced_callbacks(trace) if trace else contextlib.nullcontext()
+            with seeded_entropy(scenario.seed), tracing:
                 result = loop.run_until_complete(workload(scenario, loop.network, rng))
     finally:
         loop.close()
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log", default="WARNING", help="log level (stderr)")
     parser.add_argument("--gc", default="tuned", choices=sorted(GC_THRESHOLDS),
                         help="the garbage collector's settings (python: its defaults)")  # fmt: skip
+    parser.add_argument("--trace", default=None,
+                        help="write every callback the loop runs to this file (gzip): two "
+                        "runs that should agree part where their traces first differ")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log.upper(), stream=sys.stderr)
     scenario = load(args.scenario, peers=args.peers)
@@ -116,10 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         import cProfile
 
         profiler = cProfile.Profile(time.perf_counter)
-        result = profiler.runcall(simulate, scenario, gc_policy=args.gc)
+        result = profiler.runcall(simulate, scenario, gc_policy=args.gc, trace=args.trace)
         profiler.dump_stats(args.profile)
     else:
-        result = simulate(scenario, gc_policy=args.gc)
+        result = simulate(scenario, gc_policy=args.gc, trace=args.trace)
     print(json.dumps(result))
 
 

@@ -336,3 +336,48 @@ def freeze_setup() -> None:
     if getattr(asyncio.get_running_loop(), "freeze_gc", False):
         gc.collect()
         gc.freeze()
+
+
+def _callback_name(callback: Any) -> str:
+    """A callback's name that does not depend on where objects lie in memory: a task's
+    step names the task by the order the loop made it (`_SimTask`) and its coroutine."""
+    owner = getattr(callback, "__self__", None)
+    if isinstance(owner, asyncio.Task):
+        coro = owner.get_coro()
+        return f"task {getattr(owner, '_seq', '?')} {getattr(coro, '__qualname__', '?')}"
+    if isinstance(owner, asyncio.Future):
+        return f"future {getattr(callback, '__name__', '?')}"
+    inner = getattr(callback, "func", None)  # (functools.partial)
+    if inner is not None:
+        return f"partial {_callback_name(inner)}"
+    return getattr(callback, "__qualname__", None) or type(callback).__name__
+
+
+@contextlib.contextmanager
+def traced_callbacks(path: str) -> Iterator[None]:
+    """Write a line to `path` (gzip) for every callback the loop runs: its index, the
+    virtual time and its name, with its arguments' types. Two runs of one scenario
+    and seed should write the same file; where they do not, their first difference
+    says where the order of events parted (`zcat a b | ...`, or `cmp` on the
+    decompressed files). For finding a source of non-determinism: it slows a run by
+    about a third and writes about 50 MB (compressed) per 256-peer burst."""
+    import gzip
+    from asyncio import events
+
+    original = events.Handle._run
+    count = itertools.count()
+    with gzip.open(path, "wt", compresslevel=1) as out:
+
+        def run(handle: events.Handle) -> None:
+            name = _callback_name(handle._callback)  # type: ignore[attr-defined]
+            args = handle._args  # type: ignore[attr-defined]
+            if args:
+                name += "(" + ",".join(type(a).__name__ for a in args) + ")"
+            out.write(f"{next(count)} {handle._loop.time():.9f} {name}\n")  # type: ignore[attr-defined]
+            original(handle)
+
+        events.Handle._run = run  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            events.Handle._run = original  # type: ignore[method-assign]

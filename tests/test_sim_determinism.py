@@ -5,13 +5,15 @@ side, not enough runs to average the noise out.
 What made runs differ: executor threads (their results landed among the callbacks of a
 virtual instant in an order set by real time), os.urandom / SystemRandom / unseeded
 random.Random() (round IDs, nonces, routing tables' draws), the per-process salt of
-str and bytes hashes (the order of sets of IDs), and tasks hashed by their address in
-memory (the order of sets of tasks followed the heap's history).
+str and bytes hashes (the order of sets of IDs), tasks hashed by their address in
+memory (the order of sets of tasks followed the heap's history), and a host's
+connections kept in a set (a closing host closed them in the order of their addresses).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -55,13 +57,13 @@ SCENARIO: dict[str, Any] = {
 }  # fmt: skip
 
 
-def run_py(path: Path) -> dict[str, Any]:
-    """`python sim/run.py path` as a user runs it: no PYTHONHASHSEED in its
+def run_py(path: Path, *options: str) -> dict[str, Any]:
+    """`python sim/run.py path [options]` as a user runs it: no PYTHONHASHSEED in its
     environment (run.py fixes the salt itself); the JSON object it prints."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     out = subprocess.run(
-        [sys.executable, str(ROOT / "sim" / "run.py"), str(path)],
+        [sys.executable, str(ROOT / "sim" / "run.py"), str(path), *options],
         capture_output=True, text=True, timeout=55, env=env, check=True,
     )  # fmt: skip
     lines = out.stdout.strip().splitlines()
@@ -74,12 +76,21 @@ def run_py(path: Path) -> dict[str, Any]:
 def test_a_scenario_run_twice_gives_the_same_figures(tmp_path: Path) -> None:
     path = tmp_path / "determinism_ci.json"
     path.write_text(json.dumps(SCENARIO))
-    first, second = run_py(path), run_py(path)
+    traces = [tmp_path / "first.gz", tmp_path / "second.gz"]
+    first, second = (run_py(path, "--trace", str(trace)) for trace in traces)
     assert first["commits_fraction"] > 0 and "one_key" in first  # (it did run both arms)
     for figures in (first, second):
         for key in WALL_CLOCK_KEYS:
             figures.pop(key)
     assert first == second
+    # And event by event: every callback the loop ran, in the same order, at the same
+    # virtual instants (the trace a divergence is hunted down with).
+    callbacks = [gzip.decompress(trace.read_bytes()).splitlines() for trace in traces]
+    assert len(callbacks[0]) > 10_000 and b" task 0 run_moshpit" in callbacks[0][0]
+    pairs = zip(*callbacks, strict=False)  # (a shorter trace: the lengths say so below)
+    parted = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    assert parted is None, f"the traces part at {callbacks[0][parted]!r}"
+    assert len(callbacks[0]) == len(callbacks[1])
 
 
 @pytest.mark.timeout(60)

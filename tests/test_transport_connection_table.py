@@ -74,3 +74,25 @@ def test_a_closed_duplicate_is_not_promoted_and_a_new_connection_starts_afresh()
     assert table.conns[peer] is fresh and not fresh.superseded
     fresh.close(table)
     assert table.conns == {} and table.all == set()
+
+
+def test_connections_are_listed_in_the_order_they_were_admitted_not_by_address() -> None:
+    # The host closes all of them, trims among equally idle ones and promotes a
+    # duplicate in this order: in the order of their addresses in memory, two runs of
+    # one simulated scenario with one seed diverged.
+    table, _, _ = _table()
+    peer_ids = [Identity.generate().peer_id for _ in range(40)]
+    conns = [_add(table, _Conn(p)) for p in reversed(peer_ids)]
+    assert list(table.all) == conns
+    for conn in conns[::3]:
+        conn.close(table)
+    late = _add(table, _Conn(peer_ids[0]))
+    assert list(table.all) == [c for i, c in enumerate(conns) if i % 3] + [late]
+
+
+def test_of_two_direct_duplicates_the_older_one_takes_over_whatever_their_addresses() -> None:
+    table, peer, _ = _table()
+    first = _add(table, _Conn(peer))
+    older, newer = _add(table, _Conn(peer)), _add(table, _Conn(peer))
+    first.close(table)
+    assert table.conns[peer] is older and newer.superseded

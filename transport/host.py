@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .access import AccessControl
 from .admission import Admission, AdmissionLimits
 from .connection import Connection, ConnectionConfig, Stream
-from .connection_table import ConnectionCallback, ConnectionTable, ExpectedPunches
+from .connection_table import ConnectionCallback, ConnectionTable, ExpectedPunches, OrderedSet
 from .dialing import Dialer, TcpDialer, resolve
 from .errors import (
     ConnectionLost,
@@ -270,7 +270,7 @@ class Host:
         return self._table.conns
 
     @property
-    def _all(self) -> set[Connection]:
+    def _all(self) -> OrderedSet[Connection]:
         """Every connection, handshaking and superseded ones included."""
         return self._table.all
 
