@@ -90,6 +90,16 @@ GRID_VERSION = b"moshpit"
 # weight is its own claim, and without this bound a liar's one inflated weight would
 # live on in the masses of every peer downstream of its group.
 MAX_MASS = 4.0
+# What a peer whose last round failed weighs, as a fraction of its mass (None: its
+# mass, as any peer). Such a peer holds a vector a round behind its cell's (what its
+# last group averaged, or its own input), and weighing its whole mass it pulls its
+# next group back by that lag over the group's size, from where the grid has to mix it
+# out again. Weighing next to nothing, it takes its next group's mean instead: its mass,
+# and its work since its last commit, are lost. Not 0: a group of such peers alone
+# would have nothing to average. In the simulator (moshpit_256_slots_churn, seeds 1
+# to 4, the same events in both arms) it left spreads after 6 rounds of 1.8e-5,
+# 7.8e-4, 3.0e-5 and 8.2e-4, against 1.2e-4, 1.3e-3, 1.1e-4 and 8.2e-4 at full mass.
+STALE_WEIGHT: float | None = 2.0**-20
 # The least: a peer left with no mass (a group of members with nothing to add)
 # would never weigh anything again.
 MIN_MASS = 1.0 / 16
@@ -117,6 +127,8 @@ class Grid:
         # in one group agrees in one round there, and would only be split by cells.
         self.in_cells = False
         self._alone_in_key = 0
+        self.commits = 0  # rounds committed on this grid
+        self.stale = False  # our last round failed after we had committed one
 
     def next_cell(self) -> str | None:
         """Where our next round forms its group: our cell, or None for the whole key."""
@@ -138,7 +150,11 @@ class Grid:
     def weight(self, work: float) -> float:
         """What we weigh in our next round: our mass, or 0 with no work to add (a peer
         that has nothing new still takes the round's mean, and a share of its mass)."""
-        return self.mass if work > 0 else 0.0
+        if work <= 0:
+            return 0.0
+        if self.stale and STALE_WEIGHT is not None:
+            return self.mass * STALE_WEIGHT
+        return self.mass
 
     def after_round(
         self,
@@ -157,10 +173,13 @@ class Grid:
             self.mass = _mass_after(weights, len(members), self.side, index)
         order = permutation(round_id, self.side)
         self._shift(order[index % self.side])
+        self.commits += 1
+        self.stale = False
 
     def scatter(self) -> None:
         """Move on after a round that found no group: a random new coordinate."""
         self._shift(int.from_bytes(os.urandom(4), "big") % self.side)
+        self.stale = self.commits > 0
 
     def _shift(self, coordinate: int) -> None:
         self.coords = (*self.coords[1:], coordinate)

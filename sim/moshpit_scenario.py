@@ -29,6 +29,7 @@ peers of a training swarm reach their rounds at different times.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import re
@@ -41,7 +42,7 @@ from dht_scenario import DHTRun, SimPeer
 from scenario import Scenario
 from simnet import SimNetwork
 
-from shoal.averaging import declarer
+from shoal.averaging import declarer, moshpit
 from shoal.averaging.averager import Averager, AveragerConfig, StepResult
 from shoal.averaging.matchmaking import MatchmakingConfig
 
@@ -59,6 +60,8 @@ async def run_moshpit(scenario: Scenario, net: SimNetwork, rng: random.Random) -
     w = scenario.workload
     if "poll_replicas" in w:  # (null: every poll reads every replica, as before sampling)
         declarer.POLL_REPLICAS = w["poll_replicas"]
+    if "stale_weight" in w:  # (null: a peer whose last round failed weighs its mass too)
+        moshpit.STALE_WEIGHT = w["stale_weight"]
     run = DHTRun(scenario, net, rng)
     await run.join_all(scenario.peers, float(w.get("join_window_s", 10.0)))
     await asyncio.sleep(float(w.get("settle_s", 0.0)))
@@ -186,6 +189,10 @@ async def _arm(
         "mean_error": float(f"{float((finals - exact).abs().max()) / scale:.3g}"),
         "lost_work_fraction": round(sum(map(_lost, (r for _, r in outs))) / len(peers), 4),
         "commits_fraction": round(sum(r.committed for r in steps) / len(steps), 4),
+        # Committed steps of a peer whose last step had failed after an earlier commit:
+        # with `stale_weight` it weighed next to nothing in them (in training, its work
+        # since its last commit is lost; here the vector it dropped was a round stale).
+        "stale_steps_fraction": round(sum(map(_stale_steps, (r for _, r in outs))) / len(steps), 4),
         "group_sizes": dict(sorted(Counter(r.group_size for r in steps if r.committed).items())),
         "aborts": dict(Counter(_abort_kind(r.reason) for r in steps if not r.committed)),
         # The members the aborts named: peers the churn crashed, or live ones (which
@@ -312,6 +319,14 @@ def _blamed(steps: list[StepResult], crashed: set[str]) -> dict[str, int]:
         "crashed_named": len(distinct & crashed),
         "live_named": len(distinct - crashed),
     }
+
+
+def _stale_steps(results: list[StepResult]) -> int:
+    """How many of a peer's committed steps it took stale (`moshpit.Grid.stale`)."""
+    return sum(
+        now.committed and not last.committed and any(r.committed for r in results[:k])
+        for k, (last, now) in enumerate(itertools.pairwise(results))
+    )
 
 
 def _lost(results: list[StepResult]) -> bool:

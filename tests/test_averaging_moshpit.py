@@ -21,6 +21,7 @@ from shoal.averaging.matchmaking import MatchmakingConfig
 from shoal.averaging.matchmaking_rules import PeerState, parse_view
 from shoal.averaging.moshpit import (
     MAX_MASS,
+    STALE_WEIGHT,
     Grid,
     cell_key,
     next_slot,
@@ -137,6 +138,26 @@ def test_a_member_that_had_nothing_to_add_weighs_nothing_but_takes_its_share() -
     for g in (a, b):
         g.after_round(b"t" * 32, members, {members[0]: 0.0, members[1]: 1.0})
     assert a.mass == b.mass == 0.5
+
+
+def test_a_peer_whose_last_round_failed_weighs_next_to_nothing_until_it_commits_again() -> None:
+    # Its vector is a round behind its cell's: it takes its next group's mean rather
+    # than pull the group back. Before its first commit it still weighs its mass (its
+    # vector is its own input, which nobody else carries yet).
+    members = peers(2)
+    a, b = (Grid(2, 4, p) for p in members)
+    a.scatter()
+    assert not a.stale and a.weight(1.0) == a.mass
+    for g in (a, b):
+        g.after_round(b"t" * 32, members, {members[0]: 1.0, members[1]: 1.0})
+    a.scatter()  # (its next round failed)
+    assert a.stale and a.weight(1.0) == a.mass * STALE_WEIGHT and a.weight(0.0) == 0.0
+    weights = {members[0]: a.weight(1.0), members[1]: b.weight(1.0)}
+    for g in (a, b):
+        g.after_round(b"u" * 32, members, weights)
+    assert not a.stale and a.weight(1.0) == a.mass
+    # a's mass is lost: the two share b's.
+    assert a.mass == b.mass == pytest.approx(weights[members[1]] / 2, rel=1e-5)
 
 
 def test_a_liars_weight_counts_only_up_to_the_bound_in_the_masses_it_leaves() -> None:
@@ -332,6 +353,36 @@ async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
                 assert all(len(group & g) <= 1 for g in previous_groups)
             previous_groups = list(groups.values())
         _assert_all_hold_the_mean(avgs, inputs)
+    finally:
+        await _close(avgs, dhts)
+
+
+@pytest.mark.timeout(90)
+async def test_a_member_whose_last_round_failed_takes_its_groups_mean_and_adds_nothing(
+    make_host: Callable[..., Any],
+) -> None:
+    """Three real averagers in one cell, one of them stale (its last round failed after
+    it had committed one): after the round all three hold the mean of the other two's
+    vectors, not of the three (its vector, a round behind, would pull the cell back)."""
+    dhts = await _swarm(make_host, 3)
+    inputs = [torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=_config(2, 2, target=3))
+            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
+    for a in avgs:
+        assert a.grid is not None
+        a.grid.coords, a.grid.in_cells = (0,), True
+    stale = avgs[0].grid
+    assert stale is not None
+    stale.commits, stale.stale = 1, True
+    try:
+        results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+        assert all(r.committed and r.group_size == 3 for r in results), results
+        assert not stale.stale
+        # (It weighed 2**-20 of its mass: a few millionths of its distance to the mean.)
+        others = torch.stack([x.double() for x in inputs[1:]]).mean(0)
+        for a in avgs:
+            assert torch.allclose(a.tensors[0].double(), others, atol=1e-5, rtol=0)
+        assert not torch.allclose(others, torch.stack(inputs).double().mean(0), atol=1e-2)
     finally:
         await _close(avgs, dhts)
 
