@@ -76,11 +76,14 @@ def test_established_caps_and_outbound_connections() -> None:
     for i in range(2):  # we dialed: never refused, but counted
         assert adm.admit(f"out{i}", f"192.0.2.{i}", inbound=False, now=0).refusal is None
     assert adm.established_count == 8
-    assert "connection limit (8)" in (
-        adm.admit("x", "192.0.2.77", inbound=True, now=0).refusal or ""
-    )
+    # At the limit its handshake runs (its peer may be a round's member), then it is
+    # refused: it is not.
+    assert adm.admit("x", "192.0.2.77", inbound=True, now=0).refusal is None
+    assert adm.established("x") == "connection limit (8) reached"
+    adm.closed("x")
     adm.closed("out0")
     assert adm.admit("x", "192.0.2.77", inbound=True, now=0).refusal is None
+    assert adm.established("x") is None
 
 
 def test_a_handshake_finishing_after_the_slots_filled_is_refused_then() -> None:
@@ -111,9 +114,8 @@ def test_a_connection_we_close_gives_its_slot_at_once_within_a_bound_on_draining
     adm = Admission(AdmissionLimits(max_connections=2, max_draining=1))
     for key in ("a", "b"):
         adm.admit(key, f"198.51.100.{len(key)}", inbound=False, now=0)
-    assert "connection limit (2)" in (
-        adm.admit("c", "192.0.2.1", inbound=True, now=0).refusal or ""
-    )
+    adm.admit("c", "192.0.2.1", inbound=True, now=0)
+    assert adm.established("c") == "connection limit (2) reached"
     adm.closed("c")
     adm.draining("a")
     assert adm.established_count == 1 and adm.draining_count == 1 and not adm.can_drain
@@ -132,3 +134,74 @@ def test_a_connection_we_close_gives_its_slot_at_once_within_a_bound_on_draining
     adm.draining("d")
     assert adm.pending == 1 and adm.draining_count == 0
     assert Admission(AdmissionLimits(max_connections=1024)).can_drain  # (an eighth: 128)
+
+
+def at_the_limit(**limits: object) -> Admission:
+    """An admission at its limit of 2 established connections, both ours (dialed)."""
+    adm = Admission(AdmissionLimits(max_connections=2, **limits))  # type: ignore[arg-type]
+    for i in range(2):
+        adm.admit(f"out{i}", f"192.0.2.{i}", inbound=False, now=0)
+    return adm
+
+
+def test_at_the_limit_a_handshake_runs_and_only_a_protected_peer_gets_in() -> None:
+    """A round's member dialing a host at its limit was refused before its handshake
+    named it; now its handshake runs, and a protected peer is let in past the limit."""
+    adm = at_the_limit()
+    assert adm.admit("member", "198.51.100.1", inbound=True, now=0).refusal is None
+    assert adm.admit("stranger", "203.0.113.1", inbound=True, now=0).refusal is None
+    assert adm.pending_at_limit == 2
+    assert adm.established("member", protected=True) is None
+    assert adm.established("stranger") == "connection limit (2) reached"
+    adm.closed("stranger")
+    assert adm.established_count == 3 and adm.pending == 0 and adm.pending_at_limit == 0
+    # Room made meanwhile: one admitted at the limit gets in like anyone.
+    adm.admit("late", "203.0.113.2", inbound=True, now=1)
+    adm.closed("out0")
+    adm.closed("out1")
+    assert adm.established("late") is None
+
+
+def test_the_reserve_at_the_limit_is_bounded_one_per_ip_and_fair_to_subnets() -> None:
+    adm = at_the_limit(max_pending_at_limit=3)
+    assert adm.admit("a1", "198.51.100.1", inbound=True, now=0).refusal is None
+    # One handshake per address at the limit.
+    assert adm.admit("a1'", "198.51.100.1", inbound=True, now=0).refusal == (
+        "connection limit (2) reached"
+    )
+    adm.admit("a2", "198.51.100.2", inbound=True, now=1)
+    adm.admit("b1", "192.0.2.77", inbound=True, now=2)
+    assert adm.pending_at_limit == 3
+    # Full: one from the most crowded subnet waits; one from another takes its oldest.
+    assert adm.admit("a3", "198.51.100.3", inbound=True, now=3).refusal == (
+        "connection limit (2) reached"
+    )
+    verdict = adm.admit("c1", "203.0.113.1", inbound=True, now=4)
+    assert verdict.refusal is None and verdict.evict == ("a1",)
+    adm.closed("a1")  # the host aborts it
+    assert adm.pending_at_limit == 3 and adm.pending == 3 and adm.evicted == 1
+    for key in ("a2", "b1", "c1"):
+        assert adm.established(key) == "connection limit (2) reached"
+        adm.closed(key)
+    assert (
+        adm.pending_at_limit == 0 and adm.pending == 0 and adm.connections_from("198.51.100.2") == 0
+    )
+
+
+def test_without_a_reserve_the_limit_refuses_before_the_handshake() -> None:
+    adm = at_the_limit(max_pending_at_limit=0)
+    assert adm.admit("x", "198.51.100.1", inbound=True, now=0).refusal == (
+        "connection limit (2) reached"
+    )
+
+
+def test_loopback_past_the_limit_gets_in_only_if_protected() -> None:
+    """Exempt loopback half-open connections were never refused after the handshake;
+    one admitted at the limit is, unless protected: no way past the limit by loopback."""
+    adm = at_the_limit()
+    adm.admit("lo1", "127.0.0.1", inbound=True, now=0)
+    assert adm.established("lo1") == "connection limit (2) reached"
+    adm.closed("lo1")
+    adm.admit("lo2", "127.0.0.1", inbound=True, now=0)
+    assert adm.established("lo2", protected=True) is None
+    assert adm.established_count == 3

@@ -34,6 +34,7 @@ from shoal.peer.status.metrics import Metrics
 from shoal.peer.status.server import StatusServer
 from shoal.transport import rpc
 from shoal.transport.connection import ConnectionConfig
+from shoal.transport.errors import TransportError
 from shoal.transport.host import Host, HostConfig
 from shoal.transport.identity import Identity
 from shoal.transport.rpc import PeerBusy, RpcLimits, RpcService
@@ -566,6 +567,67 @@ async def test_a_busy_service_answers_peer_busy_at_once() -> None:
     finally:
         await caller.aclose()
         await host.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_handshake_flood_at_the_limit_does_not_keep_a_rounds_member_out(
+    attack_log,
+) -> None:
+    """At `max_connections` with every connection busy, a few handshakes still run in
+    case their peer is a round's member (transport/admission.py). A flood of silent
+    handshakes holds at most that reserve, one per address, and a member from another
+    subnet still gets its handshake and its place past the limit."""
+    config = HostConfig(
+        listen=("/ip4/127.0.0.1/tcp/0",),
+        max_connections=3,
+        admission_exempt_loopback=False,
+        close_grace=0.1,
+        connection=ConnectionConfig(handshake_timeout=HANDSHAKE_TIMEOUT),
+    )
+    host = Host(Identity.generate(), config)
+    peers = [Host(Identity.generate(), HostConfig(listen=LOOPBACK, close_grace=0.1))]
+    peers += [Host(Identity.generate(), HostConfig(listen=(), close_grace=0.1)) for _ in range(4)]
+    *busy_peers, member, stranger = peers
+    streams: list[Any] = []
+    await asyncio.gather(host.start(), *(p.start() for p in peers))
+    try:
+        for h in (host, *peers):
+            h.set_handler(PROTO, _hold_open)
+        addr = host.addresses()[0]
+        streams = [await p.open_stream(addr, PROTO) for p in busy_peers]
+        await eventually(lambda: host.admission.established_count == 3, "at the limit")
+        first = SecureHandshake(Identity.generate(), True, None).start()
+        conns = await open_many(victim_endpoint(host), 400, first=first)
+        assert 0 < host.admission.pending_at_limit <= 8
+        with host.protecting([member.peer_id]):
+            streams.append(await member.open_stream(addr, PROTO))
+            with pytest.raises(TransportError):
+                await stranger.open_stream(addr, PROTO)
+        assert member.peer_id in host.connections and host.admission.established_count == 4
+        closed = await closed_within(conns, HANDSHAKE_TIMEOUT + 8)
+        lines = assert_quiet_log(attack_log, len(conns))
+        close_all(conns)
+        assert host.admission.pending_at_limit == 0
+        print(
+            f"\nhandshake flood of {len(conns)} at the connection limit: the member got in, "
+            f"{host.admission.evicted} half-open evicted, all closed in {closed:.1f} s; "
+            f"{lines} log lines"
+        )
+    finally:
+        for stream in streams:
+            stream.reset()
+        await asyncio.gather(host.aclose(), *(p.aclose() for p in peers))
+
+
+async def _hold_open(stream: Any) -> None:
+    while await stream.read():
+        pass
+
+
+def victim_endpoint(host: Host) -> tuple[str, int]:
+    tcp = host.addresses()[0].tcp_endpoint()
+    assert tcp is not None
+    return (str(tcp[0]), int(tcp[1]))
 
 
 def test_attacker_addresses_are_local() -> None:

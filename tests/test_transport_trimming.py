@@ -251,3 +251,31 @@ async def test_a_rounds_members_connections_are_protected_from_trimming_while_it
     await me.connect(others[2].addresses()[0])  # unprotected now: the member may go
     await eventually(lambda: member.peer_id not in me.connections, "the member trimmed")
     assert me._protected == {}
+
+
+async def test_at_its_limit_with_nothing_idle_a_host_still_admits_and_dials_a_rounds_members(
+    make_host: Callable[..., Any],
+) -> None:
+    """Every connection busy, so nothing makes room: a round's member dialing us gets in
+    past the limit, and so does our dial to one; a stranger is refused after its
+    handshake, as before."""
+    me = await make_host(max_connections=2, trim=TrimPolicy(0, 0))
+    busy_peers = [await make_host() for _ in range(2)]
+    member_in, member_out, stranger = [await make_host() for _ in range(3)]
+    for host in (me, *busy_peers, member_in, member_out, stranger):
+        host.set_handler(SINK, sink)
+    busy = [await p.open_stream(me.addresses()[0], SINK) for p in busy_peers]
+    await eventually(lambda: me.admission.established_count == 2, "at the limit")
+    with pytest.raises(TransportError):  # refused before the round: not protected
+        await member_in.open_stream(me.addresses()[0], SINK)
+    await eventually(lambda: me.admission.pending_at_limit == 0, "the refused one gone")
+    with me.protecting([member_in.peer_id, member_out.peer_id]):
+        inbound = await member_in.open_stream(me.addresses()[0], SINK)
+        await inbound.write(b"in")
+        outbound = await me.open_stream(member_out.addresses()[0], SINK)
+        await outbound.write(b"out")
+        with pytest.raises(TransportError):
+            await stranger.open_stream(me.addresses()[0], SINK)
+        assert me.admission.established_count == 4 and me.connections_trimmed == 0
+        assert stranger.peer_id not in me.connections
+    await asyncio.gather(inbound.close(), outbound.close(), *(s.close() for s in busy))

@@ -20,6 +20,18 @@ renewed every 10 s handshake timeout, kept honest peers out. So:
 - Loopback addresses are exempt from the new caps (half-open ones, per subnet)
   when `exempt_loopback` (tests run whole swarms on 127.0.0.1); the per-IP cap
   on established connections applies to them as before.
+- At `max_connections`, an inbound connection used to be refused before its
+  handshake, since nobody knew yet who was dialing. But a round's members, which
+  the host protects from trimming (`Host.protecting`), were refused like anyone
+  else: in a simulated 256-peer burst with a limit of 96, about a third of the
+  aborts that named a live member were a member refused at the limit. So at the
+  limit `max_pending_at_limit` half-open connections (on top of the caps above,
+  one per IP, the same subnet rule when they are all taken) still get their
+  handshake, and `established` lets one in past the limit only if its
+  authenticated peer is protected; the others are refused then. The reserve
+  bounds the handshake work a flood at the limit can force, which refusing up
+  front bounded before; a host holds at most `max_connections` plus its rounds'
+  members.
 
 `Admission` holds only counts keyed by an opaque connection key; the Host calls
 `admit` at connection_made, `established` when the handshake finishes and
@@ -49,6 +61,9 @@ class AdmissionLimits:
     # Established connections being closed (trimmed or idle) that no longer hold a slot:
     # at most this many (None: an eighth of max_connections, at least 8).
     max_draining: int | None = None
+    # Half-open inbound connections let through at max_connections, each established
+    # only if its peer is one the host protects (a round's member); 0: none.
+    max_pending_at_limit: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +83,39 @@ class _Entry:
     exempt: bool
     state: str
     since: float
+    at_limit: bool = False  # admitted past max_connections (`max_pending_at_limit`)
+
+
+class _FairSlots:
+    """Keys by subnet, oldest first, in a bounded number of slots. When all are taken,
+    a newcomer from a subnet holding fewer than the most crowded one takes the oldest
+    slot of that one; a newcomer from (one of) the most crowded subnets waits."""
+
+    def __init__(self) -> None:
+        self._by_subnet: dict[str | None, OrderedDict[Hashable, None]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def victim(self, subnet: str | None) -> Hashable | None:
+        """The key to evict for a newcomer from `subnet` (None: it waits instead)."""
+        crowded = max(self._by_subnet.values(), key=len)
+        if len(self._by_subnet.get(subnet, ())) + 1 > len(crowded):
+            return None
+        return next(iter(crowded))
+
+    def add(self, key: Hashable, subnet: str | None) -> None:
+        self._by_subnet.setdefault(subnet, OrderedDict())[key] = None
+        self._count += 1
+
+    def discard(self, key: Hashable, subnet: str | None) -> None:
+        group = self._by_subnet.get(subnet)
+        if group is not None and key in group:
+            del group[key]
+            self._count -= 1
+            if not group:
+                del self._by_subnet[subnet]
 
 
 # (Both cached: every connection and every DHT contact asks, mostly about the same
@@ -105,8 +153,10 @@ class Admission:
         self.limits = limits or AdmissionLimits()
         self._entries: dict[Hashable, _Entry] = {}
         # Half-open, not exempt: by subnet, oldest first (relayed ones under None).
-        self._pending: dict[str | None, OrderedDict[Hashable, None]] = {}
-        self._pending_count = 0
+        self._pending = _FairSlots()
+        # Half-open ones admitted at the connection limit, exempt ones included.
+        self._at_limit = _FairSlots()
+        self._at_limit_ip: Counter[str] = Counter()
         self._per_ip: Counter[str] = Counter()  # every connection, any state
         self._per_subnet: Counter[str] = Counter()  # established inbound, not exempt
         self._pending_ip: Counter[str] = Counter()
@@ -120,7 +170,12 @@ class Admission:
     @property
     def pending(self) -> int:
         """Half-open inbound connections (handshaking)."""
-        return self._pending_count
+        return len(self._pending)
+
+    @property
+    def pending_at_limit(self) -> int:
+        """Half-open inbound connections admitted at the connection limit."""
+        return len(self._at_limit)
 
     def connections_from(self, ip: str) -> int:
         return self._per_ip[ip]
@@ -132,42 +187,64 @@ class Admission:
         lim = self.limits
         subnet = subnet_of(ip) if ip is not None else None
         exempt = lim.exempt_loopback and _is_loopback(ip)
-        evict: tuple[Hashable, ...] = ()
+        at_limit = False
+        evict: list[Hashable] = []
         if inbound:
             refusal = self._refusal(ip, subnet, exempt)
             if refusal is not None:
                 return Verdict(refusal)
-            if not exempt and self._pending_count >= lim.max_pending:
-                crowded = max(self._pending.values(), key=len)
-                mine = len(self._pending.get(subnet, ()))
-                if mine + 1 > len(crowded):
+            if not exempt and len(self._pending) >= lim.max_pending:
+                oldest = self._pending.victim(subnet)
+                if oldest is None:
                     # Its own subnet is (one of) the most crowded: it waits, not another.
                     return Verdict(f"handshake slots ({lim.max_pending}) full")
-                oldest = next(iter(crowded))
+                evict.append(oldest)
+            at_limit = self.established_count + self._exempt_pending >= lim.max_connections
+            if at_limit:
+                refusal, oldest = self._reserve(ip, subnet)
+                if refusal is not None:
+                    return Verdict(refusal)
+                if oldest is not None and oldest not in evict:
+                    evict.append(oldest)
+            for oldest in evict:
                 self._end_pending(oldest, EVICTED)  # counted nowhere until it closes
-                self.evicted += 1
-                evict = (oldest,)
+        self.evicted += len(evict)
         entry = _Entry(ip, subnet, inbound, exempt, PENDING if inbound else ESTABLISHED, now)
+        entry.at_limit = at_limit
         self._entries[key] = entry
         if ip is not None:
             self._per_ip[ip] += 1
         if not inbound:
             self._add_established(entry)
-        elif exempt:
+            return Verdict(None)
+        if exempt:
             self._exempt_pending += 1
         else:
-            self._pending.setdefault(subnet, OrderedDict())[key] = None
-            self._pending_count += 1
+            self._pending.add(key, subnet)
             if ip is not None:
                 self._pending_ip[ip] += 1
                 if subnet is not None:
                     self._pending_subnet[subnet] += 1
-        return Verdict(None, evict)
+        if at_limit:
+            self._at_limit.add(key, subnet)
+            if ip is not None:
+                self._at_limit_ip[ip] += 1
+        return Verdict(None, tuple(evict))
+
+    def _reserve(self, ip: str | None, subnet: str | None) -> tuple[str | None, Hashable | None]:
+        """At the connection limit: a slot of `max_pending_at_limit` for a handshake
+        whose peer may turn out to be protected (and the one it takes), or the refusal."""
+        lim = self.limits
+        full = f"connection limit ({lim.max_connections}) reached"
+        if lim.max_pending_at_limit <= 0 or (ip is not None and self._at_limit_ip[ip] >= 1):
+            return full, None
+        if len(self._at_limit) < lim.max_pending_at_limit:
+            return None, None
+        oldest = self._at_limit.victim(subnet)
+        return (full, None) if oldest is None else (None, oldest)
 
     def _refusal(self, ip: str | None, subnet: str | None, exempt: bool) -> str | None:
         lim = self.limits
-        if self.established_count + self._exempt_pending >= lim.max_connections:
-            return f"connection limit ({lim.max_connections}) reached"
         if ip is None:
             return None
         if self._per_ip[ip] >= lim.max_connections_per_ip:
@@ -183,15 +260,17 @@ class Admission:
                 return f"per-subnet connection limit ({lim.max_connections_per_subnet}) reached"
         return None
 
-    def established(self, key: Hashable) -> str | None:
+    def established(self, key: Hashable, *, protected: bool = False) -> str | None:
         """The connection's handshake finished; a refusal if the established slots
-        filled up meanwhile (the caller closes it; `closed` still follows)."""
+        filled up meanwhile (the caller closes it; `closed` still follows). A peer the
+        host protects (`protected`: a round's member) gets in past the limit."""
         entry = self._entries.get(key)
         if entry is None or entry.state != PENDING:
             return None
         lim = self.limits
         refusal = None
-        if not entry.exempt and self.established_count >= lim.max_connections:
+        full = self.established_count >= lim.max_connections
+        if full and (not entry.exempt or entry.at_limit) and not protected:
             refusal = f"connection limit ({lim.max_connections}) reached"
         elif (
             not entry.exempt
@@ -244,12 +323,12 @@ class Admission:
         entry.state = state
         if entry.inbound and entry.exempt:
             self._exempt_pending -= 1
-        group = self._pending.get(entry.subnet)
-        if group is not None and key in group:
-            del group[key]
-            self._pending_count -= 1
-            if not group:
-                del self._pending[entry.subnet]
+        self._pending.discard(key, entry.subnet)
+        if entry.at_limit:
+            entry.at_limit = False
+            self._at_limit.discard(key, entry.subnet)
+            if entry.ip is not None:
+                _decrement(self._at_limit_ip, entry.ip)
         if entry.ip is not None and not entry.exempt:
             _decrement(self._pending_ip, entry.ip)
             if entry.subnet is not None:

@@ -71,6 +71,7 @@ class TcpDialer:
         blocked: dict[PeerID, str],
         current: Callable[[PeerID], Connection | None],
         make_room: Callable[[], None] = lambda: None,
+        may_exceed: Callable[[PeerID | None], bool] = lambda peer: False,
     ) -> None:
         self.admission = admission
         self.dialers: list[tuple[Callable[[Multiaddr], bool], Dialer]] = []
@@ -82,6 +83,7 @@ class TcpDialer:
         self._blocked = blocked
         self._current = current
         self._make_room = make_room  # at the limit: close an idle connection first
+        self._may_exceed = may_exceed  # peers dialed past the limit (a round's members)
 
     async def dial_any(
         self, peer: PeerID | None, candidates: list[Multiaddr], timeout: float
@@ -147,7 +149,9 @@ class TcpDialer:
         reuse_port is on (another port if that one cannot be used), "require" only from
         the listen port, "never" from an ephemeral port."""
         self._make_room()
-        if self.admission.established_count >= self.max_connections:
+        if self.admission.established_count >= self.max_connections and not self._may_exceed(
+            expected
+        ):
             raise LimitExceeded(f"connection limit ({self.max_connections}) reached")
         loop = asyncio.get_running_loop()
         host, port = endpoint

@@ -117,6 +117,8 @@ class Host:
             blocked=self._blocked,
             current=self._table.conns.get,
             make_room=self._make_room,
+            # A round's member is dialed past the limit, as it is let in past it.
+            may_exceed=lambda peer: peer is not None and peer in self._protected,
         )
         self._address_provider: Callable[[], list[Multiaddr]] | None = None
         self._punches = ExpectedPunches()
@@ -451,7 +453,7 @@ class Host:
             return
         if not conn.outbound:  # (its handshake took a while: the slots may have filled)
             self._make_room()
-        refusal = self.admission.established(conn)
+        refusal = self.admission.established(conn, protected=conn.remote_peer in self._protected)
         if refusal is not None:
             self.remote_events.info(
                 "connection refused",
@@ -499,7 +501,10 @@ class Host:
         the connections to `peers` open even when idle, as libp2p's `Protect` does: a
         round's members, whose connections go quiet between its phases (a member
         waits for a slower one's part) and whose redial would abort the round when
-        the other end is at its limit. Nests; counts per peer."""
+        the other end is at its limit. And at `max_connections`, where nothing idle
+        makes room, they are still dialed and let in (transport/admission.py): a
+        host holds at most its limit plus its rounds' members. Nests; counts per
+        peer."""
         held = list(peers)
         self._protected.update(held)
         try:
