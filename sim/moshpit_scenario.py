@@ -128,7 +128,7 @@ async def _arm(
     t0, bytes0, requests0 = loop.time(), net.stats.bytes, run.requests_sent()
     counters0 = run.counters()
     queued0, net.stats.max_uplink_queue_s = net.stats.writes_queued_over_1s, 0.0
-    outs: list[Out] = [([], []) for _ in peers]
+    outs: list[Out] = [([], [], []) for _ in peers]
     # Each peer's first step after a delay drawn up to `start_spread_s`: peers of a
     # training swarm reach their rounds at different times (their speeds differ).
     spread = float(w.get("start_spread_s", 0.0))
@@ -159,7 +159,7 @@ async def _arm(
     await asyncio.gather(*(run.on(p, a.aclose()) for p, a in pairs if p.index not in crashed))
     # The spread over the peers live at the end; the error against every input's mean
     # (a peer that crashed took nothing with it once a round had averaged its input).
-    survivors = [out for p, out in zip(peers, outs, strict=True) if p.index not in crashed]
+    survivors = [out[:2] for p, out in zip(peers, outs, strict=True) if p.index not in crashed]
     scale = float(torch.stack(inputs).abs().max())
     spreads = [_spread([snaps[k] for snaps, _ in survivors], scale) for k in range(rounds)]
     # The spread is the farthest peer's: one whose rounds all failed holds it up alone.
@@ -175,7 +175,7 @@ async def _arm(
     per_survivor = Counter(sum(r.committed for r in results) for _, results in survivors)
     exact = torch.stack([x.double() for x in inputs]).mean(0)
     finals = torch.stack([snaps[-1].double() for snaps, _ in survivors])
-    steps = [r for _, results in outs for r in results]
+    steps = [r for _, results, _ in outs for r in results]
     agreed = next((k + 1 for k, s in enumerate(spreads) if s <= AGREEMENT), None)
     return {
         "crashed": len(crashed),
@@ -187,12 +187,12 @@ async def _arm(
         "survivors_by_commits": dict(sorted(per_survivor.items())),
         "burst_s": round(burst_s, 2),
         "mean_error": float(f"{float((finals - exact).abs().max()) / scale:.3g}"),
-        "lost_work_fraction": round(sum(map(_lost, (r for _, r in outs))) / len(peers), 4),
+        "lost_work_fraction": round(sum(_lost(r) for _, r, _ in outs) / len(peers), 4),
         "commits_fraction": round(sum(r.committed for r in steps) / len(steps), 4),
         # Committed steps of a peer whose last step had failed after an earlier commit:
         # with `stale_weight` it weighed next to nothing in them (in training, its work
         # since its last commit is lost; here the vector it dropped was a round stale).
-        "stale_steps_fraction": round(sum(map(_stale_steps, (r for _, r in outs))) / len(steps), 4),
+        "stale_steps_fraction": round(sum(_stale_steps(r) for _, r, _ in outs) / len(steps), 4),
         "group_sizes": dict(sorted(Counter(r.group_size for r in steps if r.committed).items())),
         "aborts": dict(Counter(_abort_kind(r.reason) for r in steps if not r.committed)),
         # The members the aborts named: peers the churn crashed, or live ones (which
@@ -212,7 +212,30 @@ async def _arm(
         "writes_queued_over_1s": net.stats.writes_queued_over_1s - queued0,
         "max_uplink_queue_s": round(net.stats.max_uplink_queue_s, 2),
         "connections": connections,
+        **_cells(outs),
     }
+
+
+def _cells(outs: list[Out]) -> dict[str, Any]:
+    """Where the k-th steps ran, for each k: `cells_split`, the cells in which a slot
+    saw more than one group commit (a cell should form one); `steps_late`, committed
+    steps that ran in a later slot than most peers' k-th step (a round that ran long,
+    or a retry, pushed the peer a slot behind: it meets the next round's peers)."""
+    rounds = max((len(places) for _, _, places in outs), default=0)
+    split, late = [], []
+    for k in range(rounds):
+        groups: dict[tuple[int | None, str | None], set[bytes]] = {}
+        slots: Counter[int] = Counter()
+        for _, results, places in outs:
+            if len(results) > k and results[k].committed and results[k].round_id:
+                slot, cell = places[k]
+                groups.setdefault((slot, cell), set()).add(results[k].round_id)
+                if slot is not None:
+                    slots[slot] += 1
+        split.append(sum(len(ids) > 1 for (_, cell), ids in groups.items() if cell is not None))
+        usual = slots.most_common(1)[0][0] if slots else None
+        late.append(sum(n for slot, n in slots.items() if usual is not None and slot > usual))
+    return {"cells_split": split, "steps_late": late}
 
 
 async def _make(peer: SimPeer, key: str, vector: torch.Tensor, config: AveragerConfig) -> Averager:
@@ -220,7 +243,9 @@ async def _make(peer: SimPeer, key: str, vector: torch.Tensor, config: AveragerC
     return Averager(peer.node, key, [vector], config=config)
 
 
-Out = tuple[list[torch.Tensor], list[StepResult]]
+# Per peer: its vector after each step, each step's result, and where each step ran
+# (its grid slot, or None without a grid_period, and its cell, or None: the whole key).
+Out = tuple[list[torch.Tensor], list[StepResult], list[tuple[int | None, str | None]]]
 
 
 async def _report_progress(
@@ -231,8 +256,8 @@ async def _report_progress(
     loop, started = asyncio.get_running_loop(), asyncio.get_running_loop().time()
     while True:
         await asyncio.sleep(every_s)
-        done = sum(len(results) for _, results in outs)
-        committed = sum(r.committed for _, results in outs for r in results)
+        done = sum(len(results) for _, results, _ in outs)
+        committed = sum(r.committed for _, results, _ in outs for r in results)
         peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         conns = run.connections()
         log.warning(
@@ -251,10 +276,13 @@ async def _burst(
     midway did stays there)."""
     await asyncio.sleep(delay)
     (vector,) = averager.tensors
-    snapshots, results = out
+    snapshots, results, places = out
+    grid = averager.grid
     for _ in range(rounds):
+        cell = grid.next_cell() if grid is not None else None
         results.append(await averager.step(timeout=timeout))
         snapshots.append(vector.clone())
+        places.append((averager._runner._last_slot, cell))
 
 
 async def _churn(
