@@ -43,8 +43,10 @@ from scenario import Scenario
 from simnet import SimNetwork
 
 from shoal.averaging import declarer, moshpit
+from shoal.averaging.allreduce import AllReduceConfig
 from shoal.averaging.averager import Averager, AveragerConfig, StepResult
 from shoal.averaging.matchmaking import MatchmakingConfig
+from shoal.averaging.outer import allreduce_config, resolve_options
 
 log = logging.getLogger("sim.moshpit")
 
@@ -90,7 +92,16 @@ async def run_moshpit(scenario: Scenario, net: SimNetwork, rng: random.Random) -
 
 def _config(w: dict[str, Any], dims: int) -> AveragerConfig:
     side = int(w["grid_side"])
+    # `stall_timeout_s`: the round's waits as the daemon's strategies set them from
+    # their `stall_timeout` option (`outer.allreduce_config`: 5 s by default); without
+    # it, `AllReduceConfig`'s own (a 10 s stall), as every figure before it measured.
+    stall = w.get("stall_timeout_s")
+    allreduce = AllReduceConfig()
+    if stall is not None:
+        options = resolve_options("moshpit", {"stall_timeout": float(stall)})
+        allreduce = allreduce_config(options)
     return AveragerConfig(
+        allreduce=allreduce,
         matchmaking=MatchmakingConfig(
             min_group_size=2,
             target_group_size=int(w.get("target_group_size", 2 * side)),
@@ -100,7 +111,7 @@ def _config(w: dict[str, Any], dims: int) -> AveragerConfig:
             grid_dims=dims,
             grid_side=side,
             grid_period=float(w.get("grid_period_s", 0.0)) if dims else 0.0,
-        )
+        ),
     )
 
 

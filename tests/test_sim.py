@@ -492,6 +492,8 @@ def test_moshpit_rounds_in_slots_start_a_period_apart_and_agree_on_the_exact_mea
         result["state_spread"], result["group_sizes"],
     )  # fmt: skip
     assert result["mean_error"] <= 1e-6  # the mean of all inputs, none lost
+    # Where the steps ran: in each round's slot one group per cell, nobody a slot late.
+    assert result["cells_split"] == [0, 0, 0] and result["steps_late"] == [0, 0, 0]
 
 
 @pytest.mark.timeout(120)
@@ -648,3 +650,16 @@ def test_the_grids_rules_report_what_peers_crashing_before_each_round_cost() -> 
     assert calm["moshpit"]["rounds_to_agreement"] == 3
     assert churned["moshpit"]["rounds_to_agreement"] is None
     assert churned["moshpit"]["state_spread"][3] > 1e-4
+
+
+def test_a_moshpit_workload_can_run_the_daemons_round_deadlines() -> None:
+    """`stall_timeout_s` sets the round's waits as the daemon's strategies set them from
+    their `stall_timeout` option; without it, `AllReduceConfig`'s own, as before."""
+    from moshpit_scenario import _config
+
+    from shoal.averaging.allreduce import AllReduceConfig
+
+    daemon = _config({"grid_side": 8, "stall_timeout_s": 5.0}, 2).allreduce
+    assert (daemon.stall_timeout, daemon.decision_timeout, daemon.start_timeout) == (5.0,) * 3
+    assert daemon.heartbeat_interval == 1.0
+    assert _config({"grid_side": 8}, 2).allreduce == AllReduceConfig()
