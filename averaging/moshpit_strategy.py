@@ -57,6 +57,9 @@ class Moshpit(NoLoCo):
     ) -> None:
         super().__init__(dht, key, params, options)  # type: ignore[arg-type]
         self.last_step: StepResult | None = None
+        warning = options.short_period_warning()
+        if warning is not None:
+            log.warning("%s: %s", key, warning)
 
     def _make_exchange(self, mixed_buffer: torch.Tensor) -> None:
         opts = self.options

@@ -258,6 +258,14 @@ def test_the_strategys_round_period_is_an_option_a_manifest_records_only_when_se
     for bad in (1.0, -1.0, float("inf")):  # under the default matchmaking_time (5 s)
         with pytest.raises(ValueError, match="grid_period"):
             MoshpitOptions.parse({"grid_period": bad})
+    # What a slot must hold besides the transfer: the leader's wait, then a lost
+    # member's silence and the decision after it (the strategy warns under it).
+    options = MoshpitOptions.parse({"matchmaking_time": 3, "stall_timeout": 5})
+    assert options.round_with_a_loss_s == 13 and options.short_period_warning() is None
+    short = MoshpitOptions.parse({"matchmaking_time": 3, "stall_timeout": 5, "grid_period": 12})
+    assert "= 13s" in (short.short_period_warning() or "")
+    long = MoshpitOptions.parse({"matchmaking_time": 3, "stall_timeout": 5, "grid_period": 13})
+    assert long.short_period_warning() is None
 
 
 def test_round_slots_start_at_the_multiples_of_the_period_and_take_a_peer_a_little_late() -> None:
