@@ -170,7 +170,7 @@ class Grid:
             raise ValueError("we were not a member of that round")
         index = members.index(self.peer_id)
         if weights:
-            self.mass = _mass_after(weights, len(members), self.side, index)
+            self.mass = _mass_after(weights, members, self.side, index)
         order = permutation(round_id, self.side)
         self._shift(order[index % self.side])
         self.commits += 1
@@ -186,14 +186,22 @@ class Grid:
         self.rounds += 1
 
 
-def _mass_after(weights: Mapping[PeerID, float], size: int, side: int, index: int) -> float:
-    """The mass member `index` of a group of `size` carries on: the group's mass (each
-    member's weight, bounded) in equal parts to the next cells the members move to
-    (``min(size, side)`` of them), each part split among the members moving there
-    (member i moves with those whose ``i % side`` equals its own)."""
+def _mass_after(
+    weights: Mapping[PeerID, float], members: Sequence[PeerID], side: int, index: int
+) -> float:
+    """The mass member `index` of `members` carries on: the group's mass (each
+    contributor's weight, bounded) in equal parts to the next cells the members move to
+    (member i moves with those whose ``i % side`` equals its own), each part split among
+    the members moving there. Only the members that contributed (those in `weights`)
+    move on: one dropped mid-round (it crashed, or stalled) takes no share, so the
+    group's mass reaches its next cells whole and in equal parts, where counting the
+    dropped one left its next cell a share short."""
     total = sum(min(max(w, 0.0), MAX_MASS) for w in weights.values() if math.isfinite(w))
-    cells = min(size, side)
-    along = size // side + (1 if index % side < size % side else 0)
+    slots = [i % side for i, peer in enumerate(members) if peer in weights]
+    mine = index % side
+    cells, along = len(set(slots)), slots.count(mine)
+    if along == 0:  # (we are not among the contributors: the group's mean mass)
+        return min(MAX_MASS, max(MIN_MASS, total / max(1, len(slots))))
     return min(MAX_MASS, max(MIN_MASS, total / (cells * along)))
 
 

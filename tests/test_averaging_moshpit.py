@@ -689,3 +689,21 @@ def test_a_shared_state_is_never_averaged_on_a_grid() -> None:
 
     with pytest.raises(ValueError, match="Moshpit"):
         Averager(_NoDHT(), "exp/shared", [torch.zeros(2)], config=config)  # type: ignore[arg-type]
+
+
+def test_a_member_dropped_mid_round_takes_no_share_of_the_groups_mass() -> None:
+    """8 members on a side of 4, the last dropped mid-round (it crashed: its data never
+    came, so it is in nobody's weights). The 7 others carry the group's whole mass on,
+    a quarter to each next cell: the dropped one's cell-mate carries its cell's quarter
+    alone, where counting the dropped one left that cell an eighth short."""
+    members = peers(8)
+    weights = {p: 1.0 for p in members[:7]}
+    grids = {p: Grid(2, 4, p) for p in members[:7]}
+    for g in grids.values():
+        g.after_round(b"d" * 32, members, weights)
+    assert sum(g.mass for g in grids.values()) == pytest.approx(7.0, rel=1e-12)
+    by_cell: dict[int, float] = {}
+    for g in grids.values():
+        by_cell[g.coords[-1]] = by_cell.get(g.coords[-1], 0.0) + g.mass
+    assert sorted(by_cell.values()) == pytest.approx([7 / 4] * 4, rel=1e-12)
+    assert grids[members[3]].mass == pytest.approx(7 / 4)  # (index 3: 7 % 4, alone now)
