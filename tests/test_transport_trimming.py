@@ -279,3 +279,20 @@ async def test_at_its_limit_with_nothing_idle_a_host_still_admits_and_dials_a_ro
         assert me.admission.established_count == 4 and me.connections_trimmed == 0
         assert stranger.peer_id not in me.connections
     await asyncio.gather(inbound.close(), outbound.close(), *(s.close() for s in busy))
+
+
+async def test_without_a_reserve_at_the_limit_a_member_is_refused_before_its_handshake(
+    make_host: Callable[..., Any],
+) -> None:
+    """`max_pending_at_limit=0` restores the old admission: at the limit nobody's
+    handshake runs, a round's member's included."""
+    me = await make_host(max_connections=1, trim=TrimPolicy(0, 0), max_pending_at_limit=0)
+    busy_peer, member = await make_host(), await make_host()
+    for host in (me, busy_peer, member):
+        host.set_handler(SINK, sink)
+    busy = await busy_peer.open_stream(me.addresses()[0], SINK)
+    await eventually(lambda: me.admission.established_count == 1, "at the limit")
+    with me.protecting([member.peer_id]), pytest.raises(TransportError):
+        await member.open_stream(me.addresses()[0], SINK)
+    assert me.admission.pending_at_limit == 0 and member.peer_id not in me.connections
+    await busy.close()

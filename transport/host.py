@@ -48,6 +48,9 @@ class HostConfig:
     max_pending_handshakes: int = 256
     max_pending_per_ip: int = 16
     max_pending_per_subnet: int = 64
+    # At max_connections, handshakes still run in case their peer is a round's member
+    # (`protecting`), established past the limit only if it is (transport/admission.py).
+    max_pending_at_limit: int = 8
     # Loopback is exempt from the caps above other than max_connections(_per_ip):
     # tests run whole swarms on 127.0.0.1.
     admission_exempt_loopback: bool = True
@@ -544,5 +547,6 @@ def _admission_for(config: HostConfig) -> Admission:
             max_pending_per_ip=config.max_pending_per_ip,
             max_pending_per_subnet=config.max_pending_per_subnet,
             exempt_loopback=config.admission_exempt_loopback,
+            max_pending_at_limit=config.max_pending_at_limit,
         )
     )
