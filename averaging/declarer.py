@@ -139,9 +139,11 @@ class Declarer:
         timeout: float = DHT_TIMEOUT,
         at_least: float = 0.0,
         work: int | None = None,
+        slot: int | None = None,
     ) -> bool:
         """Store our declaration (`work`: of the lineage that made `version`, see
-        `Outlook.lineage`); False when the DHT did not take it in time."""
+        `Outlook.lineage`; `slot`: the grid slot a "looking" is for); False when the
+        DHT did not take it in time."""
         if end is not None:
             timeout = max(min(timeout, end - self._loop.time()), at_least)
         if timeout <= 0:
@@ -152,7 +154,7 @@ class Declarer:
         self.declared_at = self._loop.time()
         self.declared = (state, version)
         decl = Declaration(
-            self.peer_id, state, version, self.addrs(), self.bandwidth, expiration, work
+            self.peer_id, state, version, self.addrs(), self.bandwidth, expiration, work, slot
         )
         self._latest = decl
         try:

@@ -80,7 +80,14 @@ from .declarer import DHT_TIMEOUT, Declarer
 from .group import Group, Member
 from .matchmaking_island import Neighbors
 from .matchmaking_join import ANSWER_MARGIN, JoinClient, JoinServer, Prober
-from .matchmaking_round import Closing, MatchmakingConfig, MatchmakingError, Mode, Round
+from .matchmaking_round import (
+    Closing,
+    Company,
+    MatchmakingConfig,
+    MatchmakingError,
+    Mode,
+    Round,
+)
 from .matchmaking_rules import (
     MAX_VERSION_BYTES,
     Declaration,
@@ -111,6 +118,10 @@ log = logging.getLogger("shoal.averaging.matchmaking")
 BUSY_STORE_TIMEOUT = 1.0
 BUSY_STORE_LANDING_S = 10.0
 CLOSE_TIMEOUT = 5.0
+# How many of the peers a round may group with it keeps connectable past the host's
+# connection limit (`matchmaking_round.Company`), in groups' worth: in a Moshpit
+# cell all of them; under one crowded key, the likeliest leaders and their followers.
+COMPANY_PER_GROUP = 2
 
 
 class NobodyElse(MatchmakingError):
@@ -141,6 +152,10 @@ class Matchmaker:
         # The key groups form under: `key`, or a Moshpit cell's (`enter_cell`).
         self.group_key = key
         self.cell: str | None = None
+        # The grid slot of our next rounds (`MatchmakingConfig.grid_period`), set by
+        # the averager before each (None: no slots). Our "looking" says it, and the
+        # "looking" of an earlier slot does not count (`Outlook.from_an_earlier_slot`).
+        self.slot: int | None = None
         # Peers (us included) declared taking part in our last round's view: how
         # crowded the key is (a Moshpit grid moves to its cells past one group).
         self.last_crowd = 1
@@ -224,7 +239,8 @@ class Matchmaker:
         self._server.round = rnd
         self._idle.clear()
         try:
-            group = await self._run(rnd, deadline.at)
+            with Company(self.host, COMPANY_PER_GROUP * cfg.target_group_size) as rnd.company:
+                group = await self._run(rnd, deadline.at)
         finally:
             if rnd.mode != Mode.CLOSED or rnd.waiters:
                 rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
@@ -338,7 +354,7 @@ class Matchmaker:
         outlook = Outlook(
             self.group_key, self.peer_id, version, excluded, self._suspicions, set_aside,
             superseded,
-            work, None if self.lineages is None else self.lineages.order,
+            work, None if self.lineages is None else self.lineages.order, self.slot,
         )  # fmt: skip
         gathering = Gathering(
             me,
@@ -361,10 +377,12 @@ class Matchmaker:
         # appear as looking with it (leaders would wait for it, peers count it).
         rnd.view = await self._upkeep.read(rnd.view, end)
         rnd.note_excluded()
+        self._keep_company(rnd)
         if rnd.group is None:  # (joins may have filled the group meanwhile)
             await self._versions.check(rnd, end)
+            outlook = rnd.outlook
             await self.declarer.declare(
-                PeerState.LOOKING, rnd.outlook.version, end=end, work=rnd.outlook.work
+                PeerState.LOOKING, outlook.version, end=end, work=outlook.work, slot=outlook.slot
             )
         next_poll = self._loop.time() + FIRST_POLL
         while True:
@@ -376,6 +394,7 @@ class Matchmaker:
                 raise MatchmakingError(rnd.failure(rnd.gathering.min_size))
             if self._loop.time() >= next_poll:
                 next_poll = await self._upkeep.refresh(rnd, end)
+                self._keep_company(rnd)
                 rnd.gathering.min_size = self._min_group_size()
                 if rnd.group is not None:
                     continue  # a join filled the group meanwhile
@@ -388,6 +407,11 @@ class Matchmaker:
             group = await self._client.follow(rnd, leader, end)
             if group is not None:
                 return group
+
+    @staticmethod
+    def _keep_company(rnd: Round) -> None:
+        if rnd.company is not None:
+            rnd.company.keep(rnd.outlook.company(rnd.view))
 
     async def _lead(self, rnd: Round, end: float, next_poll: float) -> None:
         """One step as the leader: confirm the missing, close, or wait for a change."""

@@ -50,10 +50,18 @@ REDIRECT_PAUSE = 0.1
 
 class _Late(enum.Enum):
     LATE = "late"
+    UNREACHED = "unreached"
 
 
 # A join sent whose answer did not arrive in time (see JoinClient.follow).
 _LATE = _Late.LATE
+# A join that never went out: the connection to the leader failed at once (refused at
+# either end's connection limit, or the other end's half-open slots were taken, as by
+# a DHT request of ours in its handshake there). Asked once more after
+# REDIRECT_PAUSE before the leader is set aside: set aside, it stays so until it
+# declares again (seconds), and a leader left waiting for us and we alone split
+# the cell.
+_UNREACHED = _Late.UNREACHED
 # How long a joiner waits when it asks a leader again after `_LATE`.
 REASK_TIMEOUT = 2.0
 
@@ -254,10 +262,14 @@ class JoinClient:
         rnd.mode = Mode.FOLLOW
         rnd.following = (target, addrs)
         rnd.answer_all(JoinReply(ReplyKind.REDIRECT, peer=target, addrs=addrs))
-        asked_again = again = False
+        asked_again = again = dialed_again = False
         try:
-            for _ in range(MAX_REDIRECTS + 2):
+            for _ in range(MAX_REDIRECTS + 3):
                 reply = await self._send_join(rnd, target, addrs, end, again=again)
+                if reply is _UNREACHED and not dialed_again:
+                    dialed_again = True
+                    await self.closing.pause(REDIRECT_PAUSE, end)
+                    continue
                 if reply is _LATE and not asked_again:
                     # Our join reached it but its answer did not reach us in time (a
                     # slow network, a stalled loop): it may have put us in its group,
@@ -360,7 +372,8 @@ class JoinClient:
         again: bool = False,
     ) -> JoinReply | _Late | None:
         """One join request; its reply, None when the peer failed or answered
-        garbage, `_LATE` when the request went out but no answer came in time.
+        garbage, `_LATE` when the request went out but no answer came in time,
+        `_UNREACHED` when the connection failed before it went out.
         `again`: the same call asking once more after `_LATE`, with a shorter wait
         (a leader that closed answers at once; a silent one costs less)."""
         wait = min(self.config.join_timeout, REASK_TIMEOUT) if again else self.config.join_timeout
@@ -375,15 +388,18 @@ class JoinClient:
 
         async def call() -> Any:
             nonlocal sent
-            async with asyncio.timeout_at(until):
-                if self.host.connection(target) is None:
-                    await self.host.connect(target, addrs)
-                # the leader gets what is left as its deadline to answer us
-                left = until - self._loop.time()
-                sent = True
-                return await rpc.call(
-                    self.host, target, self.protocol, "join", request, timeout=left
-                )
+            # (Dialed past our connection limit, as the round's `Company` is: a
+            # redirect's target may be one our view does not hold.)
+            with self.host.protecting((target,)):
+                async with asyncio.timeout_at(until):
+                    if self.host.connection(target) is None:
+                        await self.host.connect(target, addrs)
+                    # the leader gets what is left as its deadline to answer us
+                    left = until - self._loop.time()
+                    sent = True
+                    return await rpc.call(
+                        self.host, target, self.protocol, "join", request, timeout=left
+                    )
 
         try:
             raw = await self.closing.abortable(call())
@@ -391,4 +407,6 @@ class JoinClient:
         except (TransportError, TimeoutError, OSError, ValueError) as e:
             log.debug("join at %s failed: %r", target.short(), e)
             rnd.failed(f"{target.short()}: {type(e).__name__}")
-            return _LATE if sent and isinstance(e, TimeoutError) else None
+            if sent:
+                return _LATE if isinstance(e, TimeoutError) else None
+            return _UNREACHED if isinstance(e, TransportError) else None

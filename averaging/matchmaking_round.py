@@ -5,12 +5,13 @@ join server (`Round`), and the matchmaker's shutdown signal (`Closing`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.transport.identity import PeerID
 from shoal.transport.multiaddr import Multiaddr
@@ -26,6 +27,9 @@ from .matchmaking_rules import (
     PeerState,
 )
 from .moshpit import MAX_GRID_DIMS
+
+if TYPE_CHECKING:
+    from shoal.transport.host import Host
 
 T = TypeVar("T")
 
@@ -125,6 +129,7 @@ class Round:
         self.poll_backoff = 0  # unchanged reads in a row: polls slow down
         self.ticket = os.urandom(CALL_TICKET_BYTES)  # this call, in our joins
         self.tickets: dict[PeerID, bytes] = {}  # the call of each joiner's pending join
+        self.company: Company | None = None  # (set by the matchmaker while the call runs)
 
     def failed(self, why: str) -> None:
         self.failures = [*self.failures[-15:], why]
@@ -192,6 +197,36 @@ class Round:
         if self.failures:
             why += "; failed: " + ", ".join(dict.fromkeys(self.failures[-5:]))
         return why + ")"
+
+
+class Company(contextlib.AbstractContextManager["Company"]):
+    """The peers a round may group with, kept connectable while it looks for its group
+    (`Host.protecting`): at its connection limit a host refused to dial them, and
+    let none of them in, until they were members of a round, so a follower at its
+    limit could not reach its leader and a leader at its limit could not take its
+    joiners; the cell split (1,000 simulated peers, each at 384 connections: an
+    instant "DialError" in most of the failed joins). At most `limit` peers, the
+    first offered first (`Outlook.company`: lowest rank first): a crowd of declared
+    peers, real or made up, never lifts the limit by more."""
+
+    def __init__(self, host: Host, limit: int) -> None:
+        self._host = host
+        self._limit = limit
+        self._kept: set[PeerID] = set()
+        self._stack = contextlib.ExitStack()
+
+    def keep(self, peers: Iterable[PeerID]) -> None:
+        room = self._limit - len(self._kept)
+        new = [p for p in dict.fromkeys(peers) if p not in self._kept][: max(0, room)]
+        if new:
+            self._stack.enter_context(self._host.protecting(new))
+            self._kept.update(new)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
 
 
 class Closing:

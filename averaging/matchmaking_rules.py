@@ -45,6 +45,10 @@ MAX_ADDR_CHARS = 1024
 MAX_BANDWIDTH = 1e15
 MAX_GROUP_SIZE = 1024  # Group.from_wire's default bound
 NONCE_BYTES = 16
+# A grid slot's index (`moshpit.next_slot`: UNIX time over the period). Bounded so
+# that a declaration cannot carry an integer of any size; 2**48 one-second slots
+# is nine million years.
+MAX_SLOT = 2**48
 CALL_TICKET_BYTES = 16  # a joiner's call (see JoinRequest.call)
 
 
@@ -100,6 +104,14 @@ def _work(obj: object) -> int | None:
     return obj
 
 
+def _slot(obj: object) -> int | None:
+    if obj is None:
+        return None
+    if isinstance(obj, bool) or not isinstance(obj, int) or not 0 <= obj < MAX_SLOT:
+        raise ValueError("slot must be an integer in [0, 2**48)")
+    return obj
+
+
 def _peer(obj: object) -> PeerID:
     if not isinstance(obj, bytes):
         raise ValueError("peer ID must be bytes")
@@ -122,6 +134,9 @@ class Declaration:
     # The work of the lineage that made `state_version` (see `Outlook.lineage`);
     # None from a peer that does not say (older releases).
     work: int | None = None
+    # The grid slot a "looking" declaration is for (`MatchmakingConfig.grid_period`);
+    # None without slots, or from an older release.
+    slot: int | None = None
 
     def to_value(self) -> dict[str, Any]:
         """The DHT value (the peer is the subkey's owner, the expiration the record's)."""
@@ -133,6 +148,8 @@ class Declaration:
         }
         if self.work is not None:
             value["work"] = self.work
+        if self.slot is not None:
+            value["slot"] = self.slot
         return value
 
     @classmethod
@@ -179,6 +196,7 @@ class Declaration:
             _bandwidth(value.get("bandwidth", 1.0)),
             float(expiration),
             _work(value.get("work")),
+            _slot(value.get("slot")),
         )
 
 
@@ -314,6 +332,8 @@ class Outlook:
     # decides between versions that went their own ways. None: nothing is certified,
     # every version is unverified alike.
     orders: Callable[[bytes], tuple[int, int]] | None = None
+    # The grid slot of our round (`MatchmakingConfig.grid_period`), None without slots.
+    slot: int | None = None
     # Ranks computed so far: a pure function of (key, version, peer), asked for every
     # candidate each time a leader wakes (each join), a hash and an encoding apiece.
     _ranks: dict[PeerID, bytes] = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -324,6 +344,24 @@ class Outlook:
             and decl.peer_id not in self.excluded
             and self.suspicions.allows(decl)
             and (decl.state_version not in self.set_aside or decl.state_version == self.version)
+            and not self.from_an_earlier_slot(decl)
+        )
+
+    def from_an_earlier_slot(self, decl: Declaration) -> bool:
+        """A "looking" declared for a slot before ours: its owner would have declared
+        again for this one had it come (a round's first move is to declare), so it
+        crashed, or is still in a round of that slot, or moved on to another cell.
+        A grid cell's name comes back every round, and a declaration outlives a
+        period (`declaration_ttl` is 30 s, as long as the usual period): a crashed
+        peer of the last slot would otherwise still lead those who come early in
+        this one, and each of them would wait `join_timeout` on its silence, holding
+        the peers that joined it (1,000 simulated peers: most of the cells that
+        formed two groups in one slot)."""
+        return (
+            self.slot is not None
+            and decl.slot is not None
+            and decl.state is PeerState.LOOKING
+            and decl.slot < self.slot
         )
 
     def candidates(self, view: View) -> list[Declaration]:
@@ -349,6 +387,13 @@ class Outlook:
             if r < best_rank:
                 best, best_rank = d.peer_id, r
         return best
+
+    def company(self, view: View) -> list[PeerID]:
+        """The peers this round may group with (declared looking, busy or syncing, and
+        usable), lowest rank first: the likeliest leaders, then their followers."""
+        active = (PeerState.LOOKING, PeerState.BUSY, PeerState.SYNCING)
+        peers = [d.peer_id for d in view.values() if d.state in active and self.usable(d)]
+        return sorted(peers, key=self.rank)
 
     def version_counts(self, view: View) -> Counter[bytes]:
         """Versions of the peers looking now (us included). Busy peers are left

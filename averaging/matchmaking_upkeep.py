@@ -76,8 +76,9 @@ class Upkeep:
         if since > self._config.declaration_ttl / 3 or (
             since > REDECLARE_UNSEEN_S and not self._declarer.seen_in(view)
         ):
+            outlook = rnd.outlook
             await self._declarer.declare(
-                PeerState.LOOKING, rnd.outlook.version, end=end, work=rnd.outlook.work
+                PeerState.LOOKING, outlook.version, end=end, work=outlook.work, slot=outlook.slot
             )
         return self._loop.time() + min(self.poll_max, FIRST_POLL * 2.0**rnd.poll_backoff)
 

@@ -165,7 +165,7 @@ class StepRunner:
         if mm.grid_period:
             now = time.time()
             slot = next_slot(mm.grid_period, now, self._slot_lateness(), self._last_slot)
-            self._last_slot = slot
+            self._last_slot = self._matchmaker.slot = slot
             await asyncio.sleep(max(0.0, slot * mm.grid_period - now))
 
     def _slot_lateness(self) -> float:

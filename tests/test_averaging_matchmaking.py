@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -23,6 +25,7 @@ from shoal.averaging.matchmaking import (
     NobodyElse,
 )
 from shoal.averaging.matchmaking_island import Neighbors
+from shoal.averaging.matchmaking_round import Company
 from shoal.averaging.matchmaking_rules import (
     Declaration,
     Gathering,
@@ -44,10 +47,13 @@ from shoal.dht.records import Record, owner_marker
 from shoal.transport import rpc
 from shoal.transport.errors import RemoteError, TransportError
 from shoal.transport.identity import Identity, PeerID
+from shoal.transport.multiaddr import Multiaddr
+from shoal.transport.trimming import TrimPolicy
 
 pytestmark = pytest.mark.timeout(30)  # the longer ones say so
 
 KEY = "exp/params"
+SINK = "/shoal/test-sink/1.0.0"
 HOST_OPTS = {"max_connections_per_ip": 100_000, "max_connections": 100_000, "close_grace": 0.1}
 FAST = {
     "min_group_size": 2,
@@ -68,8 +74,9 @@ def decl(
     version: bytes = b"v",
     expiration: float = 100.0,
     work: int | None = None,
+    slot: int | None = None,
 ) -> Declaration:
-    return Declaration(peer, state, version, (), 1.0, expiration, work)
+    return Declaration(peer, state, version, (), 1.0, expiration, work, slot)
 
 
 def view_of(*decls: Declaration) -> dict[PeerID, Declaration]:
@@ -77,6 +84,75 @@ def view_of(*decls: Declaration) -> dict[PeerID, Declaration]:
 
 
 # ====================================================================== rules (no network)
+
+
+def test_a_looking_declared_for_an_earlier_grid_slot_neither_leads_nor_is_waited_for() -> None:
+    """A grid cell's name comes back every slot and a declaration outlives a period:
+    the "looking" a crashed peer left in the last slot must not lead this one."""
+    peers = sorted(ids(5), key=lambda p: rank(KEY, b"v", p))
+    ghost, me = peers[0], peers[-1]
+    view = view_of(
+        decl(ghost, slot=6),  # the lowest rank, declared in the slot before ours
+        decl(peers[1], PeerState.BUSY, slot=6),  # busy: finishing a round, coming back
+        decl(peers[2], slot=7),
+        decl(peers[3]),  # says no slot (an older release): as before
+        decl(me, slot=7),
+    )
+    out = Outlook(KEY, me, b"v", slot=7)
+    assert out.from_an_earlier_slot(view[ghost])
+    assert out.leader(view) == peers[2]
+    assert ghost not in {d.peer_id for d in out.candidates(view)}
+    assert out.pending(view, []) == {peers[1], peers[2], peers[3]}
+    assert out.version_counts(view)[b"v"] == 3  # we, peers[2] and peers[3]
+    # a later slot's "looking" is a peer ahead of us: still one to join
+    assert Outlook(KEY, me, b"v", slot=5).leader(view) == ghost
+    # without slots (no grid_period) nothing changes
+    assert Outlook(KEY, me, b"v").leader(view) == ghost
+    # a peer alone with the ghost's declaration is alone
+    assert Outlook(KEY, me, b"v", slot=7).alone(view_of(decl(ghost, slot=6)))
+
+
+def test_a_rounds_company_is_the_usable_peers_it_may_group_with_lowest_rank_first() -> None:
+    peers = sorted(ids(7), key=lambda p: rank(KEY, b"v", p))
+    me = peers[3]
+    view = view_of(
+        decl(peers[0], slot=4),  # looking in an earlier slot
+        decl(peers[1], PeerState.SYNCING),
+        decl(peers[2], PeerState.LEFT),
+        decl(me),
+        decl(peers[4], PeerState.BUSY, b"other"),
+        decl(peers[5]),
+        decl(peers[6]),  # excluded
+    )
+    out = Outlook(KEY, me, b"v", frozenset({peers[6]}), slot=5)
+    assert out.company(view) == [peers[1], peers[4], peers[5]]
+
+
+class ProtectingHost:
+    """What `Company` needs of a host: `protecting`, counted per peer."""
+
+    def __init__(self) -> None:
+        self.protected: Counter[PeerID] = Counter()
+
+    @contextlib.contextmanager
+    def protecting(self, peers: Any) -> Any:
+        held = list(peers)
+        self.protected.update(held)
+        try:
+            yield
+        finally:
+            self.protected.subtract(held)
+
+
+def test_a_company_keeps_at_most_its_limit_connectable_and_lets_go_at_the_end() -> None:
+    host = ProtectingHost()
+    p = ids(6)
+    with Company(host, 4) as company:  # type: ignore[arg-type]
+        company.keep(p[:3])
+        company.keep([p[1], p[3], p[4], p[5]])  # one already kept; room for one more
+        assert len(company) == 4
+        assert +host.protected == Counter({p[0]: 1, p[1]: 1, p[2]: 1, p[3]: 1})
+    assert +host.protected == Counter()
 
 
 def test_split_sizes_are_balanced_bounded_and_respect_the_minimum() -> None:
@@ -478,6 +554,9 @@ def test_declarations_in_the_dht_are_parsed_strictly() -> None:
     assert view[good].work is None and "work" not in value  # (an older release's)
     worked = Declaration(good, PeerState.LOOKING, b"v", (), 2.0, work=41).to_value()
     assert parse_view({owner_marker(good): (worked, now + 30)}, now)[good].work == 41
+    assert view[good].slot is None and "slot" not in value  # (no slots, or older)
+    slotted = Declaration(good, PeerState.LOOKING, b"v", (), 2.0, slot=59_000_000).to_value()
+    assert parse_view({owner_marker(good): (slotted, now + 30)}, now)[good].slot == 59_000_000
     assert parse_view({owner_marker(good): (value, now - 1)}, now) == {}  # expired
     assert parse_view(None, now) == {}
     for bad in (
@@ -492,6 +571,10 @@ def test_declarations_in_the_dht_are_parsed_strictly() -> None:
         {"state": "looking", "version": b"v", "work": True},
         {"state": "looking", "version": b"v", "work": 2**62 + 1},
         {"state": "looking", "version": b"v", "work": "12"},
+        {"state": "looking", "version": b"v", "slot": -1},
+        {"state": "looking", "version": b"v", "slot": 2**48},
+        {"state": "looking", "version": b"v", "slot": 1.5},
+        {"state": "looking", "version": b"v", "slot": False},
     ):
         assert parse_view({owner_marker(good): (bad, now + 30)}, now) == {}
     # unparsable addresses are dropped, not fatal
@@ -1201,6 +1284,93 @@ async def test_dead_peers_declarations_neither_outvote_nor_stall_the_living(
     # the dead were asked once and set aside: no wait until matchmaking_time
     assert elapsed < FAST["matchmaking_time"]
     assert all(len(m._suspicions) >= 6 for m in living if m.peer_id == group.extra["leader"])
+
+
+@pytest.mark.timeout(30)
+async def test_a_crashed_peers_looking_of_the_last_grid_slot_holds_nobody_in_this_one(
+    swarm: Callable[..., Any],
+) -> None:
+    """A peer crashed right after declaring "looking" in a grid slot; it has the lowest
+    rank, and its address answers nothing (a crashed peer behind a home router sends no
+    reset). In the next slot its declaration is still in the DHT, but for the slot
+    before: the peers there group without it at once, where following it kept them
+    waiting `join_timeout` on its silence (a cell of 1,000 simulated peers split so)."""
+    config = MatchmakingConfig(**{**FAST, "join_timeout": 8.0, "matchmaking_time": 8.0})
+    living = await swarm(3, config)
+    (ghost,) = await swarm(1, config)
+    held: list[asyncio.StreamWriter] = []
+
+    def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # accepts the connection, never answers its handshake
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    # A version in which the ghost ranks first (the order rotates with the version).
+    version = next(
+        v for v in (b"v%d" % i for i in range(1000))
+        if rank(KEY, v, ghost.peer_id) < min(rank(KEY, v, m.peer_id) for m in living)
+    )  # fmt: skip
+    addr = Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")
+    value = Declaration(ghost.peer_id, PeerState.LOOKING, version, (addr,), slot=4).to_value()
+    exp = time.time() + 30
+    assert await ghost.dht.store(
+        f"{KEY}/matchmaking", value, exp, subkey=owner_marker(ghost.peer_id)
+    )
+    await kill(ghost)
+    for m in living:
+        m.slot = 5
+    try:
+        t0 = time.monotonic()
+        results = await form_all(living, version=version, deadline=Deadline.after(15))
+        elapsed = time.monotonic() - t0
+    finally:
+        for w in held:
+            w.close()
+        silent.close()
+    (group,) = assert_agreement(living, results)
+    assert group.size == 3 and ghost.peer_id not in group.peer_ids
+    assert elapsed < config.join_timeout
+
+
+async def _sink(stream: Any) -> None:
+    while await stream.read(1 << 16):
+        pass
+
+
+@pytest.mark.timeout(30)
+async def test_peers_at_their_connection_limit_still_reach_the_peers_they_group_with(
+    make_host: Callable[..., Any],
+) -> None:
+    """Two peers never connected to each other, each at its connection limit with every
+    connection busy (nothing idle makes room): the follower's dial to its leader and the
+    leader's admission of it go past the limit, for the peers a round may group with
+    (`Company`), where the dial failed at once and each led a group of one."""
+    boot = await make_host(**HOST_OPTS)
+    boot_node = await DHTNode.create(boot, hop_timeout=0.5)
+    config = MatchmakingConfig(**{**FAST, "matchmaking_time": 3.0})
+    makers, streams = [], []
+    try:
+        for _ in range(2):
+            host = await make_host(max_connections=2, trim=TrimPolicy(0, 0), close_grace=0.1)
+            host.set_handler(SINK, _sink)
+            node = await DHTNode.create(host, bootstrap=[str(boot.addresses()[0])], hop_timeout=0.5)
+            makers.append(Matchmaker(node, KEY, config))
+            # The connection to the DHT's other node kept busy, and a second busy one:
+            # at the limit, nothing idle.
+            boot.set_handler(SINK, _sink)
+            streams.append(await boot.open_stream(host.addresses()[0], SINK))
+            filler = await make_host(**HOST_OPTS)
+            streams.append(await filler.open_stream(host.addresses()[0], SINK))
+        for m in makers:
+            await wait_until(lambda m=m: m.host.admission.established_count == 2, 5)
+        assert makers[1].peer_id not in makers[0].host.connections
+        results = await form_all(makers, deadline=Deadline.after(10))
+        (group,) = assert_agreement(makers, results)
+        assert group.size == 2
+    finally:
+        await asyncio.gather(*(st.close() for st in streams), return_exceptions=True)
+        await asyncio.gather(*(m.aclose() for m in makers), return_exceptions=True)
+        await asyncio.gather(*(m.dht.aclose() for m in makers), boot_node.aclose())
 
 
 # One at a time (tests/conftest.py): its waits and its 3-s gap are about the protocol,
