@@ -46,7 +46,10 @@ the same time. A peer reaches its next cell when its own round ends, and its
 cell's leader closes with whoever is there after `min_matchmaking_time`: several
 groups per cell. With a `grid_period` every round starts in a slot, at a multiple
 of the period on each peer's clock (`slot_wait`): the cell's peers arrive within
-their clocks' skew, and a period longer than a round keeps them in step.
+their clocks' skew, and a period longer than a round keeps them in step. A cell's
+name comes back every slot, so each "looking" says its slot and the leaders of a
+slot pass over those of earlier ones (`Outlook.from_an_earlier_slot`): a peer that
+crashed after declaring is no leader in the next slot.
 
 Nothing here is a claim of another peer: the round ID binds the members and the
 leader's nonce (`make_round_id`), and a peer that lies about its cell only changes
