@@ -386,6 +386,23 @@ async def test_idle_connections_are_closed(make_host) -> None:
     assert conn.close_reason == "idle"
 
 
+async def test_a_protected_peers_idle_connection_stays_open_until_the_protection_ends(
+    make_host,
+) -> None:
+    """A round's members open their next stream at any moment: the idle close leaves
+    a protected peer's connection open, as trimming does, and closes it once nothing
+    protects it any more."""
+    cfg = ConnectionConfig(ping_interval=0.05, idle_timeout=0.3)
+    a = await make_host(connection=cfg)
+    b = await make_host()
+    conn = await a.connect(b.addresses()[0])
+    with a.protecting([b.peer_id]):
+        await eventually(lambda: (conn.idle_for or 0) > 3 * cfg.idle_timeout, "idle long")
+        assert not conn.closed.done() and conn.close_reason is None
+    await asyncio.wait_for(asyncio.shield(conn.closed), 3)
+    assert conn.close_reason == "idle"
+
+
 async def test_shutdown_drains_open_streams_then_closes(pair) -> None:
     a, b = pair
 

@@ -504,6 +504,7 @@ class Connection(asyncio.BufferedProtocol):
         "_handshake_args",
         "_handshake_started",
         "_idle_since",
+        "_keep_open",
         "_life",
         "_loop",
         "_lost_error",
@@ -566,8 +567,12 @@ class Connection(asyncio.BufferedProtocol):
         kind: str = "direct",
         remote_events: RemoteEvents | None = None,
         access: AccessControl | None = None,
+        keep_open: Callable[[Connection], bool] | None = None,
     ) -> None:
         self.config = config or ConnectionConfig()
+        # Whether the connection stays open past `idle_timeout` even with no stream
+        # (the host's protected peers: `Host.protecting`).
+        self._keep_open = keep_open
         # Private swarms (transport/access.py): the swarm key and allow list the
         # handshake enforces, and where its refusals are counted. None: open.
         self.access = access
@@ -1351,7 +1356,12 @@ class _Lifecycle:
             c.abort(f"peer unresponsive (no pong for {now - oldest:.0f}s)")
             return
         idle = c._idle_since is not None and not c.streams
-        if cfg.idle_timeout and idle and now - c._idle_since >= cfg.idle_timeout:  # type: ignore[operator]
+        timed_out = idle and now - c._idle_since >= cfg.idle_timeout  # type: ignore[operator]
+        # Not a protected peer's: a round's member opens its next stream at any moment,
+        # and one opened as our GOAWAY went out aborted the round (sim: connections idle
+        # since the swarm's join reached `idle_timeout` as the rounds of a 1,000-peer
+        # burst began; both ends were left out of the retry).
+        if cfg.idle_timeout and timed_out and (c._keep_open is None or not c._keep_open(c)):
             c.close_idle("idle")
             return
         # A keepalive only for a connection quiet for a whole interval (or one whose RTT

@@ -422,6 +422,7 @@ class Host:
             kind=kind,
             remote_events=self.remote_events,
             access=self.access,
+            keep_open=self._is_protected,
         )
         conn.handshake_done.add_done_callback(lambda fut: self._on_handshake(conn, fut))
         return conn
@@ -500,8 +501,9 @@ class Host:
 
     @contextlib.contextmanager
     def protecting(self, peers: Iterable[PeerID]) -> Iterator[None]:
-        """Within this block, trimming (past the high water, or at the limit) leaves
-        the connections to `peers` open even when idle, as libp2p's `Protect` does: a
+        """Within this block, trimming (past the high water, or at the limit) and the
+        idle close leave the connections to `peers` open even when idle, as libp2p's
+        `Protect` does: a
         round's members, whose connections go quiet between its phases (a member
         waits for a slower one's part) and whose redial would abort the round when
         the other end is at its limit. And at `max_connections`, where nothing idle
@@ -517,6 +519,9 @@ class Host:
             for peer in held:
                 if self._protected[peer] <= 0:
                     del self._protected[peer]
+
+    def _is_protected(self, conn: Connection) -> bool:
+        return conn.remote_peer is not None and conn.remote_peer in self._protected
 
     def _close_trimmed(self, conn: Connection, reason: str) -> None:
         self.connections_trimmed += 1
