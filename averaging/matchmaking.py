@@ -101,6 +101,7 @@ from .matchmaking_rules import (
 from .matchmaking_upkeep import FIRST_POLL, Upkeep
 from .matchmaking_versions import Lineages, NeedsResync, Versions
 from .moshpit import cell_key
+from .step_result import JoinTry
 
 __all__ = [
     "Lineages",
@@ -159,6 +160,8 @@ class Matchmaker:
         # Peers (us included) declared taking part in our last round's view: how
         # crowded the key is (a Moshpit grid moves to its cells past one group).
         self.last_crowd = 1
+        # The joins our last `form_group` call sent, and their answers (the step's log).
+        self.last_joins: tuple[JoinTry, ...] = ()
         self.config = config or MatchmakingConfig()
         # The smallest group the caller accepts, asked again at every poll of a
         # round (None: `config.min_group_size`). For a caller whose quorum depends
@@ -238,28 +241,32 @@ class Matchmaker:
         rnd = self._new_round(state_version, exclude, work)
         self._server.round = rnd
         self._idle.clear()
-        try:
-            with Company(self.host, COMPANY_PER_GROUP * cfg.target_group_size) as rnd.company:
+        # The company (and, once the group is settled, its members: `Round.conclude`)
+        # stays connectable up to our return, after the wait for the "busy" store
+        # below: the caller's round protects the members from there on.
+        with Company(self.host, COMPANY_PER_GROUP * cfg.target_group_size) as rnd.company:
+            try:
                 group = await self._run(rnd, deadline.at)
-        finally:
-            if rnd.mode != Mode.CLOSED or rnd.waiters:
-                rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
-            rnd.mode = Mode.CLOSED
-            self.last_crowd = crowd(rnd.view, self.peer_id)
-            self._server.round = None
-            self._idle.set()
-            self._suspicions.prune(time.time())
-        # Nobody should wait for us as a leader now, nor count our version: it
-        # is stale the moment this round commits. The round waits for that store
-        # BUSY_STORE_TIMEOUT at most, but does not cancel it: on a slow DHT it lands
-        # late rather than never (a "looking" left behind holds leaders waiting).
-        self._neighbors.note(group.peer_ids)
-        busy = self._busy_stores.spawn(
-            self.declarer.declare(
-                PeerState.BUSY, state_version, timeout=BUSY_STORE_LANDING_S, work=work
+            finally:
+                if rnd.mode != Mode.CLOSED or rnd.waiters:
+                    rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
+                rnd.mode = Mode.CLOSED
+                self.last_crowd = crowd(rnd.view, self.peer_id)
+                self.last_joins = tuple(rnd.joins)
+                self._server.round = None
+                self._idle.set()
+                self._suspicions.prune(time.time())
+            # Nobody should wait for us as a leader now, nor count our version: it
+            # is stale the moment this round commits. The round waits for that store
+            # BUSY_STORE_TIMEOUT at most, but does not cancel it: on a slow DHT it lands
+            # late rather than never (a "looking" left behind holds leaders waiting).
+            self._neighbors.note(group.peer_ids)
+            busy = self._busy_stores.spawn(
+                self.declarer.declare(
+                    PeerState.BUSY, state_version, timeout=BUSY_STORE_LANDING_S, work=work
+                )
             )
-        )
-        await asyncio.wait({busy}, timeout=BUSY_STORE_TIMEOUT)
+            await asyncio.wait({busy}, timeout=BUSY_STORE_TIMEOUT)
         return group
 
     async def declare_busy(
@@ -407,6 +414,7 @@ class Matchmaker:
             group = await self._client.follow(rnd, leader, end)
             if group is not None:
                 return group
+            rnd.gathering.restart(self._loop.time())
 
     @staticmethod
     def _keep_company(rnd: Round) -> None:

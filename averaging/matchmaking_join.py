@@ -401,12 +401,21 @@ class JoinClient:
                         self.host, target, self.protocol, "join", request, timeout=left
                     )
 
+        started = self._loop.time()
         try:
             raw = await self.closing.abortable(call())
-            return JoinReply.from_wire(raw)
+            reply = JoinReply.from_wire(raw)
         except (TransportError, TimeoutError, OSError, ValueError) as e:
             log.debug("join at %s failed: %r", target.short(), e)
             rnd.failed(f"{target.short()}: {type(e).__name__}")
-            if sent:
-                return _LATE if isinstance(e, TimeoutError) else None
-            return _UNREACHED if isinstance(e, TransportError) else None
+            if sent and isinstance(e, TimeoutError):
+                answer: JoinReply | _Late | None = _LATE
+            elif not sent and isinstance(e, TransportError):
+                answer = _UNREACHED
+            else:
+                answer = None
+            how = answer.value if isinstance(answer, _Late) else f"failed: {type(e).__name__}"
+            rnd.joined(target, how, self._loop.time() - started)
+            return answer
+        rnd.joined(target, str(reply.kind), self._loop.time() - started)
+        return reply

@@ -27,11 +27,15 @@ from .matchmaking_rules import (
     PeerState,
 )
 from .moshpit import MAX_GRID_DIMS
+from .step_result import JoinTry
 
 if TYPE_CHECKING:
     from shoal.transport.host import Host
 
 T = TypeVar("T")
+
+# The joins a call keeps for its caller's log (`Round.joins`): the last ones.
+MAX_JOINS_KEPT = 32
 
 
 @dataclass
@@ -125,6 +129,7 @@ class Round:
         self.group: Group | None = None
         self.view: dict[PeerID, Declaration] = {}
         self.failures: list[str] = []  # why joins failed, for the error message
+        self.joins: list[JoinTry] = []  # every join sent and its answer (`joined`)
         self.probed: set[tuple[PeerID, float]] = set()  # declarations already confirmed
         self.poll_backoff = 0  # unchanged reads in a row: polls slow down
         self.ticket = os.urandom(CALL_TICKET_BYTES)  # this call, in our joins
@@ -134,10 +139,17 @@ class Round:
     def failed(self, why: str) -> None:
         self.failures = [*self.failures[-15:], why]
 
+    def joined(self, leader: PeerID, answer: str, seconds: float) -> None:
+        """A join sent to `leader` ended with `answer` after `seconds`."""
+        kept = self.joins[-(MAX_JOINS_KEPT - 1) :]
+        self.joins = [*kept, JoinTry(leader.short(), answer, round(seconds, 3))]
+
     def conclude(self, group: Group, leader: PeerID) -> None:
         group.extra["leader"] = leader
         self.group = group
         self.mode = Mode.CLOSED
+        if self.company is not None:
+            self.company.keep_members(group.peer_ids)
         self.changed.set()
 
     def answer(self, peer: PeerID, reply: JoinReply) -> None:
@@ -218,6 +230,17 @@ class Company(contextlib.AbstractContextManager["Company"]):
     def keep(self, peers: Iterable[PeerID]) -> None:
         room = self._limit - len(self._kept)
         new = [p for p in dict.fromkeys(peers) if p not in self._kept][: max(0, room)]
+        if new:
+            self._stack.enter_context(self._host.protecting(new))
+            self._kept.update(new)
+
+    def keep_members(self, peers: Iterable[PeerID]) -> None:
+        """The settled group's members, past the limit of the company (a group is at
+        most `MAX_GROUP_SIZE`, checked by `check_group`): until the round itself
+        protects them, a member at its connection limit closed its idle connection
+        to another to make room for a newcomer, and the round that opened a stream
+        over it as the close went out aborted, leaving both out of its retry."""
+        new = [p for p in dict.fromkeys(peers) if p not in self._kept]
         if new:
             self._stack.enter_context(self._host.protecting(new))
             self._kept.update(new)

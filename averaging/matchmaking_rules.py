@@ -574,6 +574,15 @@ class Gathering:
         if self.started is None:
             self.started = now
 
+    def restart(self, now: float) -> None:
+        """We lead again after following a leader that gave us no group (it died, did
+        not answer in time, or refused us): the windows count from now. The peers that
+        followed it with us come back about now too; with the window of our first
+        lead long past, we closed with the first of them to reach us and the cell
+        split (256 simulated peers: a leader that crashed after its round aborted held
+        17 survivors 7 s, then groups of 4 and 13 formed)."""
+        self.started = now
+
     def admit(self, member: Member, answer_by: float) -> None:
         self._joined.pop(member.peer_id, None)  # a second request replaces the first
         self._joined[member.peer_id] = _Applicant(member, answer_by)

@@ -9,18 +9,33 @@ from shoal.transport.identity import PeerID
 
 
 @dataclass(frozen=True, slots=True)
+class JoinTry:
+    """One join a try's matchmaking sent: to whom (short ID), its answer (a reply's
+    kind, or "late", "unreached", "failed: <error>"), and how long it took."""
+
+    leader: str
+    answer: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """One try of a step: how long its matchmaking took, then its averaging (the
     all-reduce, or the re-sync or lone commit matchmaking led to), the group's size
     (0: none formed), how it ended, and the peers it left out (those named failed
     or found quiet in the step's earlier tries, and those we shun). A step's tries
-    say where its time went."""
+    say where its time went; their joins, group and left-outs say why it went
+    there (`sim/run.py --trace-matchmaking` writes them for every peer)."""
 
     matchmaking_s: float
     averaging_s: float
     group_size: int
     outcome: str
     excluded: tuple[str, ...] = ()
+    joins: tuple[JoinTry, ...] = ()  # the last `MAX_JOINS_KEPT` of its matchmaking
+    round_id: str = ""  # the group's (hex), "" when none formed
+    leader: str = ""  # (short ID) who assembled the group
+    left_out: tuple[str, ...] = ()  # after an abort: whom the next try leaves out
 
 
 @dataclass(frozen=True)
@@ -61,19 +76,31 @@ class AttemptLog:
         self.aborted = []
 
     def matched(
-        self, looking: float, group_size: int, outcome: str, excluded: tuple[str, ...]
+        self,
+        looking: float,
+        group_size: int,
+        outcome: str,
+        excluded: tuple[str, ...],
+        *,
+        joins: tuple[JoinTry, ...] = (),
+        round_id: str = "",
+        leader: str = "",
     ) -> None:
         """A try's matchmaking ended (at once after `looking`); `ended` says how what
         followed ended."""
         now = time.monotonic()
-        self.attempts.append(Attempt(now - looking, 0.0, group_size, outcome, excluded))
+        self.attempts.append(
+            Attempt(now - looking, 0.0, group_size, outcome, excluded, joins, round_id, leader)
+        )
         self._attempt_at = now
 
-    def ended(self, outcome: str) -> None:
+    def ended(self, outcome: str, left_out: tuple[str, ...] = ()) -> None:
         if self.attempts:
             last = self.attempts[-1]
             spent = time.monotonic() - self._attempt_at
-            self.attempts[-1] = replace(last, averaging_s=spent, outcome=outcome[:120])
+            self.attempts[-1] = replace(
+                last, averaging_s=spent, outcome=outcome[:120], left_out=left_out
+            )
 
     def result(
         self, committed: bool, reason: str, started: float, attempts: int, *, resynced: bool = False

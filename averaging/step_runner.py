@@ -246,9 +246,15 @@ class StepRunner:
                     work=owner.work,
                 )
             except (MatchmakingError, TimeoutError) as e:  # (NeedsResync, NobodyElse too)
-                self.log.matched(looking, 0, _no_group_outcome(e), left_out)
+                joins = self._matchmaker.last_joins
+                self.log.matched(looking, 0, _no_group_outcome(e), left_out, joins=joins)
                 return await self._without_group(e, deadline, started, attempts, weight, alone)
-            self.log.matched(looking, group.size, "averaging", left_out)
+            leader = group.extra.get("leader")
+            self.log.matched(
+                looking, group.size, "averaging", left_out,
+                joins=self._matchmaker.last_joins, round_id=group.round_id.hex(),
+                leader=leader.short() if isinstance(leader, PeerID) else "",
+            )  # fmt: skip
             if owner.deadlines is not None:
                 stall = owner.deadlines.stall_timeout(group.size)
             outcome = await self._average(group, weight, stall)
@@ -297,7 +303,8 @@ class StepRunner:
             )
         # form_group declared us busy; after an abort that declaration stays too.
         owner.presence.renewed()
-        self.log.ended("committed" if outcome.committed else outcome.reason)
+        left_out = tuple(p.short() for p in outcome.left_out)
+        self.log.ended("committed" if outcome.committed else outcome.reason, left_out)
         return outcome
 
     async def _judged(self, outcome: AllReduceOutcome) -> AllReduceOutcome:

@@ -29,7 +29,9 @@ peers of a training swarm reach their rounds at different times.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 import logging
 import random
 import re
@@ -158,6 +160,8 @@ async def _arm(
             raise ended
     burst_s = loop.time() - t0
     minutes = burst_s / 60
+    if w.get("trace_matchmaking"):
+        _write_trace(w["trace_matchmaking"], key, names, peers, outs, crashed)
     connections = run.connections()  # (before the averagers close theirs)
     sent, requests = net.stats.bytes - bytes0, run.requests_sent() - requests0
     # All at once, as the peers of a swarm stop: one after the other, each close's
@@ -225,6 +229,36 @@ async def _arm(
         "connections": connections,
         **_cells(outs),
     }
+
+
+def _write_trace(
+    path: str,
+    arm: str,
+    names: dict[int, str],
+    peers: list[SimPeer],
+    outs: list[Out],
+    crashed: set[int],
+) -> None:
+    """One JSON line for the arm (`sim/run.py --trace-matchmaking`): every peer's steps,
+    where each ran (slot, cell), its group, and each try's matchmaking (the joins sent
+    and their answers), group and left-outs (`Attempt`). `sim/trace_report.py` reads it."""
+    traced = []
+    for p, (_, results, places) in zip(peers, outs, strict=True):
+        steps = [
+            {
+                "slot": slot,
+                "cell": cell,
+                "committed": r.committed,
+                "reason": r.reason[:200],
+                "round_id": r.round_id.hex() if r.round_id else None,
+                "members": [m.short() for m in r.members],
+                "attempts": [dataclasses.asdict(a) for a in r.attempt_log],
+            }
+            for r, (slot, cell) in zip(results, places, strict=True)
+        ]
+        traced.append({"peer": names.get(p.index), "crashed": p.index in crashed, "steps": steps})
+    with open(path, "a") as f:
+        f.write(json.dumps({"arm": arm, "peers": traced}) + "\n")
 
 
 def _cells(outs: list[Out]) -> dict[str, Any]:

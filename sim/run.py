@@ -1,6 +1,8 @@
 """Run a scenario of the real shoal code over the simulated network in virtual time.
 
     python sim/run.py sim/scenarios/dht_small.json [--peers N] [--profile FILE] [--trace FILE]
+    python sim/run.py sim/scenarios/moshpit_small.json --trace-matchmaking FILE
+    python sim/trace_report.py FILE
 
 Prints one JSON object on stdout (logs go to stderr): the scenario's figures, plus
 `wall_s` (real seconds the run took) and `virtual_s` (simulated seconds it covered).
@@ -118,9 +120,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trace", default=None,
                         help="write every callback the loop runs to this file (gzip): two "
                         "runs that should agree part where their traces first differ")  # fmt: skip
+    parser.add_argument("--trace-matchmaking", default=None, metavar="FILE",
+                        help="moshpit: write every peer's steps, with each try's joins, "
+                        "group and left-outs, to FILE (one JSON line per arm; read it "
+                        "with sim/trace_report.py)")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log.upper(), stream=sys.stderr)
     scenario = load(args.scenario, peers=args.peers)
+    if args.trace_matchmaking:
+        if scenario.workload.get("kind") != "moshpit":
+            parser.error("--trace-matchmaking: for moshpit scenarios")
+        open(args.trace_matchmaking, "w").close()  # (each arm appends its line)
+        scenario.workload["trace_matchmaking"] = args.trace_matchmaking
     if args.profile:
         import cProfile
 

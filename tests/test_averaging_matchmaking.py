@@ -155,6 +155,16 @@ def test_a_company_keeps_at_most_its_limit_connectable_and_lets_go_at_the_end() 
     assert +host.protected == Counter()
 
 
+def test_a_company_keeps_every_member_of_the_settled_group_past_its_limit() -> None:
+    host = ProtectingHost()
+    p = ids(5)
+    with Company(host, 1) as company:  # type: ignore[arg-type]
+        company.keep(p[:2])  # the limit: one
+        company.keep_members(p[:4])  # a group is bounded by `check_group`, not the company
+        assert +host.protected == Counter({p[0]: 1, p[1]: 1, p[2]: 1, p[3]: 1})
+    assert +host.protected == Counter()
+
+
 def test_split_sizes_are_balanced_bounded_and_respect_the_minimum() -> None:
     assert split_sizes(20, 8, 2) == [7, 7, 6]
     assert split_sizes(16, 8, 2) == [8, 8]
@@ -476,6 +486,29 @@ def test_a_leader_alone_past_its_window_sleeps_until_something_changes() -> None
     g.begin(0.0)
     g.admit(Member(a), answer_by=8.0)
     assert g.decide(3.5, pending=0, deadline=10.0).wake_at == pytest.approx(7.75)
+
+
+def test_a_leader_back_from_a_leader_that_gave_it_no_group_waits_again_for_the_others() -> None:
+    """It led first, then followed a lower rank that never answered (crashed after
+    declaring) while its window ran out. Back to leading, the peers that followed the
+    same dead leader are still on their way: the window counts again from now, so the
+    first joiner to arrive does not close a group that leaves the rest outside."""
+    g = make_gathering(min_time=3.0, max_time=3.0)
+    a, b = ids(2)
+    g.begin(0.0)
+    # ... follows the dead leader from 0.1 s to 7.1 s, then leads again:
+    g.restart(7.1)
+    g.admit(Member(a), answer_by=20.0)
+    d = g.decide(7.2, pending=1, deadline=20.0)  # (one more is on its way)
+    assert not d.close and d.wake_at == pytest.approx(10.1)
+    g.admit(Member(b), answer_by=20.0)
+    assert g.decide(7.3, pending=0, deadline=20.0).close is False  # (min_time: 3 s)
+    assert g.decide(10.1, pending=0, deadline=20.0).close
+    # Without the restart, the window of its first lead had passed: closed with one.
+    late = make_gathering(min_time=3.0, max_time=3.0)
+    late.begin(0.0)
+    late.admit(Member(a), answer_by=20.0)
+    assert late.decide(7.2, pending=1, deadline=20.0).close
 
 
 def test_gathering_answers_before_the_earliest_joiner_deadline() -> None:
@@ -1371,6 +1404,40 @@ async def test_peers_at_their_connection_limit_still_reach_the_peers_they_group_
         await asyncio.gather(*(st.close() for st in streams), return_exceptions=True)
         await asyncio.gather(*(m.aclose() for m in makers), return_exceptions=True)
         await asyncio.gather(*(m.dht.aclose() for m in makers), boot_node.aclose())
+
+
+async def test_a_groups_members_stay_protected_until_form_group_returns(
+    swarm: Callable[..., Any],
+) -> None:
+    """From the moment the group settles to the return of `form_group` (which waits for
+    its "busy" store, a second at most), every member stays protected from trimming and
+    the idle close: there the caller's round takes over. A member at its connection
+    limit closed its idle connection to another in that wait, and the round that opened
+    a stream over it aborted (1,000 simulated peers)."""
+    makers = await swarm(2)
+    storing, land = asyncio.Event(), asyncio.Event()
+    slow = makers[0]
+    declare = slow.declarer.declare
+
+    async def slow_busy_store(state: PeerState, *args: Any, **kw: Any) -> bool:
+        if state is PeerState.BUSY:
+            storing.set()
+            await land.wait()
+        return await declare(state, *args, **kw)
+
+    slow.declarer.declare = slow_busy_store  # type: ignore[method-assign]
+    forming = asyncio.ensure_future(form_all(makers, deadline=Deadline.after(10)))
+    try:
+        await asyncio.wait_for(storing.wait(), 10)
+        other = makers[1].peer_id
+        assert other in slow.host._protected  # the settled group's member, in the wait
+        assert not forming.done()
+    finally:
+        land.set()
+    results = await asyncio.wait_for(forming, 10)
+    (group,) = assert_agreement(makers, results)
+    assert group.size == 2
+    assert other not in slow.host._protected  # handed over to the caller's round
 
 
 # One at a time (tests/conftest.py): its waits and its 3-s gap are about the protocol,

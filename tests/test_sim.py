@@ -382,13 +382,13 @@ def slow_seven() -> int:
     return 7
 
 
-def run_scenario(tmp_path: Path, scenario: dict[str, Any]) -> dict[str, Any]:
-    """`python sim/run.py` on `scenario`: the one JSON object it prints."""
+def run_scenario(tmp_path: Path, scenario: dict[str, Any], *options: str) -> dict[str, Any]:
+    """`python sim/run.py` on `scenario` (with `options`): the one JSON object it prints."""
     path = tmp_path / f"{scenario['name']}.json"
     path.write_text(json.dumps(scenario))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "sim" / "run.py"), str(path)],
+        [sys.executable, str(ROOT / "sim" / "run.py"), str(path), *options],
         capture_output=True,
         text=True,
         timeout=110,
@@ -520,6 +520,52 @@ def test_peers_that_crash_during_a_moshpit_burst_lose_only_their_own_inputs(
     )
     assert blamed["crashed_named"] <= result["crashed"]
     assert not any("12D3KooW" in kind for kind in result["aborts"])  # (kinds add up)
+
+
+@pytest.mark.timeout(120)
+def test_a_matchmaking_trace_tells_each_peers_tries_and_the_report_sums_them_per_round(
+    tmp_path: Path,
+) -> None:
+    """`--trace-matchmaking FILE`: every peer's steps, each try with the joins it sent
+    and their answers, its group, how it ended and whom its abort left out; and
+    `sim/trace_report.py` sums them per round: split cells apart from the steps that
+    averaged under the whole key (the run's own `cells_split` counts both)."""
+    from trace_report import report_arm, step_kind
+
+    scenario = _moshpit("moshpit_trace_ci", 12, {"mean_session_min": 0.5},
+                        target_group_size=6, rounds=3, arms=["moshpit"])  # fmt: skip
+    trace = tmp_path / "trace.jsonl"
+    result = run_scenario(tmp_path, scenario, "--trace-matchmaking", str(trace))
+    (arm,) = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert arm["arm"] == "sim/moshpit" and len(arm["peers"]) == 12
+    assert sum(p["crashed"] for p in arm["peers"]) == result["crashed"]
+    answers = {"accepted", "redirect", "busy", "retry", "version", "disbanded", "excluded",
+               "late", "unreached"}  # fmt: skip
+    joins = 0
+    for peer in arm["peers"]:
+        assert len(peer["steps"]) <= 3 and (peer["crashed"] or len(peer["steps"]) == 3)
+        for step in peer["steps"]:
+            assert step["attempts"], step
+            last = step["attempts"][-1]
+            if step["committed"] and step["round_id"]:
+                assert last["outcome"] == "committed"
+                assert last["round_id"] == step["round_id"]
+                assert len(step["members"]) == last["group_size"]
+            for a in step["attempts"]:
+                joins += len(a["joins"])
+                for j in a["joins"]:
+                    assert j["answer"] in answers or j["answer"].startswith("failed: ")
+                    assert j["leader"].startswith("…") and j["seconds"] >= 0
+                if a["left_out"]:
+                    assert a["round_id"] and a["outcome"] != "committed"
+    assert joins > 0  # (followers joined their leaders)
+    report = report_arm(arm, details=True)
+    assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
+    for k, r in enumerate(report["rounds"]):
+        steps = [p["steps"][k] for p in arm["peers"] if len(p["steps"]) > k]
+        assert r["failed"] == sum(step_kind(s) == "failed" for s in steps)
+        assert r["split_cells"] <= result["cells_split"][k]
+    assert len(report["split_cells"]) == sum(r["split_cells"] for r in report["rounds"])
 
 
 def test_abort_reasons_add_up_by_kind_without_names_or_addresses() -> None:
