@@ -313,6 +313,14 @@ class AllReduceService:
         peer = conn.remote_peer
         if peer is None or self.host.connection(peer) is not None:
             return  # a duplicate went away; the peer is still connected
+        if conn.went_away:
+            # Closed in order (an idle close or a trim that went out before a round
+            # protected the member, a host closing): the member is not lost, and the
+            # round dials it again when it sends. Blaming it had aborted rounds, each
+            # end naming the other (1,000 simulated peers: "failed: idle" and "closed
+            # by peer"), and the retry then left both out. A member that dies after
+            # its GOAWAY fails the next message sent to it instead.
+            return
         for rnd in list(self._rounds.values()):
             rnd.peer_lost(peer, conn.close_reason or "connection closed")
 

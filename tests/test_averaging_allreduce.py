@@ -1258,6 +1258,47 @@ class FrozenMember:
 
 
 @pytest.mark.timeout(40)
+@pytest.mark.parametrize("reason", ["idle", "trimmed at the connection limit"])
+async def test_a_members_connection_closed_in_order_as_the_round_starts_is_redialed_not_blamed(
+    cluster: Any, reason: str
+) -> None:
+    """One host closes its idle connection to another member (a GOAWAY, then the socket
+    once nothing is in flight) just as a round of both begins: the idle close or a
+    trim at the connection limit that went out before the round protected the
+    member. That close is no loss of the member: each end dials a new connection
+    and the round commits (1,000 simulated peers: both ends had blamed each other
+    for "failed: idle" and "closed by peer", and the retry left both out)."""
+    released = asyncio.Event()
+    held: list[asyncio.Event] = [asyncio.Event() for _ in range(3)]
+
+    def holding(i: int) -> AllReduceConfig:
+        async def hook(point: str) -> None:
+            if point == "start":
+                held[i].set()
+                await released.wait()
+
+        return AllReduceConfig(fault_hook=hook, **PATIENT)
+
+    c = await cluster(3, configs=[holding(i) for i in range(3)])
+    h0, h1 = c.hosts[0], c.hosts[1]
+    accepted: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    h1.add_connection_listener(lambda conn: accepted.done() or accepted.set_result(conn), None)
+    to_1 = await h0.connect(h1.peer_id, h1.addresses())
+    to_0 = await asyncio.wait_for(accepted, 5)
+    assert to_0.remote_peer == h0.peer_id
+    group = c.group()
+    inputs = make_inputs(3, seed=61)
+    tensors = clone(inputs)
+    tasks = [asyncio.ensure_future(c.services[i].run(group, tensors[i], 1.0)) for i in range(3)]
+    await asyncio.gather(*(e.wait() for e in held))  # every round registered, none started
+    to_1.close_idle(reason)
+    await asyncio.wait_for(asyncio.gather(to_1.closed, to_0.closed), 10)
+    released.set()
+    outs = committed(list(await asyncio.wait_for(asyncio.gather(*tasks), 30)))
+    assert all(not o.failed for o in outs)
+    assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0] * 3)) < 1e-6
+
+
 async def test_a_member_frozen_mid_round_is_given_up_and_survivors_retry(cluster: Any) -> None:
     """A5 in miniature: SIGSTOP of one member in the middle of the data phase."""
     frozen = FrozenMember("mid_reduce_scatter")

@@ -659,6 +659,13 @@ class Connection(asyncio.BufferedProtocol):
         return self.handshake_done.done() and not self.closed.done()
 
     @property
+    def went_away(self) -> bool:
+        """Either end sent a GOAWAY: the connection ends (or ended) in order, an idle
+        close, a trim, a retired duplicate or a host closing, and not a lost peer; a
+        stream still open on it fails or ends by itself."""
+        return self._mux.local_goaway or self._mux.remote_goaway
+
+    @property
     def accepting_streams(self) -> bool:
         return (
             self.is_open
