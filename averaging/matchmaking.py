@@ -30,7 +30,8 @@ One call of `Matchmaker.form_group` (the rules it applies are in
      ``min_matchmaking_time`` has passed, or at ``matchmaking_time``, or just
      before the earliest deadline of a joiner or of the call. Then it answers
      every pending join with the same group. A leader that sees a lower rank
-     appear redirects its joiners there and joins it itself.
+     appear redirects its joiners there and joins it itself, naming them: the
+     lower rank waits for them (`Gathering.expect`, bounded).
 
 4. *Busy.* Declare "busy" (nobody waits for us as a leader or counts our
    version, stale as soon as the round commits) and return the group.

@@ -27,6 +27,7 @@ from .declarer import Declarer
 from .group import Group, Member
 from .matchmaking_round import Closing, MatchmakingConfig, Mode, Round
 from .matchmaking_rules import (
+    MAX_BRINGING,
     NONCE_BYTES,
     Declaration,
     JoinReply,
@@ -111,6 +112,8 @@ class JoinServer:
         )
         rnd.waiters[peer] = fut
         rnd.tickets[peer] = request.call
+        excluded = rnd.outlook.excluded
+        rnd.gathering.expect((p for p in request.bringing if p not in excluded), self._loop.time())
         if rnd.gathering.full:
             self.close(rnd)  # right now, so that the next joiner hears "busy"
         else:
@@ -261,11 +264,18 @@ class JoinClient:
         # From now on joiners go to our leader; those we held go there too.
         rnd.mode = Mode.FOLLOW
         rnd.following = (target, addrs)
-        rnd.answer_all(JoinReply(ReplyKind.REDIRECT, peer=target, addrs=addrs))
+        # They, and those announced to us that have not come yet (our redirect meets
+        # them when they do), are named in our joins: the leader waits for them
+        # (`Gathering.expect`).
+        coming = rnd.gathering.brought(self._loop.time())
+        bringing = rnd.answer_all(JoinReply(ReplyKind.REDIRECT, peer=target, addrs=addrs))
+        bringing.extend(p for p in coming if p not in bringing)
         asked_again = again = dialed_again = False
         try:
             for _ in range(MAX_REDIRECTS + 3):
-                reply = await self._send_join(rnd, target, addrs, end, again=again)
+                reply = await self._send_join(
+                    rnd, target, addrs, end, again=again, bringing=bringing
+                )
                 if reply is _UNREACHED and not dialed_again:
                     dialed_again = True
                     await self.closing.pause(REDIRECT_PAUSE, end)
@@ -370,19 +380,21 @@ class JoinClient:
         end: float,
         *,
         again: bool = False,
+        bringing: list[PeerID] | None = None,
     ) -> JoinReply | _Late | None:
         """One join request; its reply, None when the peer failed or answered
         garbage, `_LATE` when the request went out but no answer came in time,
         `_UNREACHED` when the connection failed before it went out.
         `again`: the same call asking once more after `_LATE`, with a shorter wait
-        (a leader that closed answers at once; a silent one costs less)."""
+        (a leader that closed answers at once; a silent one costs less).
+        `bringing`: the joiners we redirected to `target`."""
         wait = min(self.config.join_timeout, REASK_TIMEOUT) if again else self.config.join_timeout
         until = min(end, self._loop.time() + wait)
         if until - self._loop.time() < ANSWER_MARGIN:
             return JoinReply(ReplyKind.RETRY)  # no time left: the loop ends the call
         request = JoinRequest(
             self.key, rnd.outlook.version, self.declarer.addrs(), self.declarer.bandwidth,
-            call=rnd.ticket,
+            call=rnd.ticket, bringing=tuple(bringing or ())[:MAX_BRINGING],
         ).to_wire()  # fmt: skip
         sent = False
 

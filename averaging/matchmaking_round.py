@@ -159,13 +159,17 @@ class Round:
         if fut is not None and not fut.done():
             fut.set_result(reply.to_wire())
 
-    def answer_all(self, reply: JoinReply) -> None:
+    def answer_all(self, reply: JoinReply) -> list[PeerID]:
+        """Answer every pending join with `reply`; the joiners answered."""
         wire = reply.to_wire()
-        for fut in self.waiters.values():
+        answered = []
+        for peer, fut in self.waiters.items():
             if not fut.done():
                 fut.set_result(wire)
+                answered.append(peer)
         self.waiters.clear()
         self.gathering.clear()
+        return answered
 
     # ------------------------------------------------------------------ set aside
 

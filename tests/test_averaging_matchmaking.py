@@ -27,6 +27,8 @@ from shoal.averaging.matchmaking import (
 from shoal.averaging.matchmaking_island import Neighbors
 from shoal.averaging.matchmaking_round import Company
 from shoal.averaging.matchmaking_rules import (
+    BROUGHT_HOLD_S,
+    MAX_BRINGING,
     Declaration,
     Gathering,
     JoinReply,
@@ -511,6 +513,69 @@ def test_a_leader_back_from_a_leader_that_gave_it_no_group_waits_again_for_the_o
     assert late.decide(7.2, pending=1, deadline=20.0).close
 
 
+def test_a_leader_waits_past_its_window_for_the_joiners_a_follower_redirected_to_it() -> None:
+    """A higher rank led three joiners, then saw us and followed: its join names them
+    (`JoinRequest.bringing`). They are pending until they come, and the window
+    stretches for them (1,000 simulated peers: the leader closed at its window just
+    after the follower joined, and the three formed a second group in the cell)."""
+    g = make_gathering(min_size=2, target=16, min_time=3.0, max_time=3.0)
+    follower, a, b, c = ids(4)
+    g.begin(0.0)
+    g.admit(Member(follower), answer_by=20.0)
+    g.expect([a, b, c], 2.9)
+    assert set(g.brought(2.9)) == {a, b, c}
+    d = g.decide(3.0, pending=0, deadline=20.0)
+    assert not d.close and d.wake_at == pytest.approx(2.9 + BROUGHT_HOLD_S)
+    for peer in (a, b):
+        g.admit(Member(peer), answer_by=20.0)
+    assert g.brought(3.5) == [c] and not g.decide(3.5, pending=0, deadline=20.0).close
+    g.admit(Member(c), answer_by=20.0)
+    assert g.decide(3.6, pending=0, deadline=20.0).close  # all came: no need to wait on
+    # One that never comes holds the group `BROUGHT_HOLD_S` at most.
+    g = make_gathering(min_size=2, target=16, min_time=3.0, max_time=3.0)
+    g.begin(0.0)
+    g.admit(Member(follower), answer_by=20.0)
+    g.expect([a], 2.9)
+    assert not g.decide(4.3, pending=0, deadline=20.0).close
+    assert g.decide(2.9 + BROUGHT_HOLD_S, pending=0, deadline=20.0).close
+    # Without it, the window closed the group as the follower joined.
+    g = make_gathering(min_size=2, target=16, min_time=3.0, max_time=3.0)
+    g.begin(0.0)
+    g.admit(Member(follower), answer_by=20.0)
+    assert g.decide(3.0, pending=0, deadline=20.0).close
+
+
+def test_a_joiner_that_lies_about_whom_it_brings_holds_the_leader_a_bounded_while() -> None:
+    """`bringing` is a claim: a crowd of made-up peers, announced again and again,
+    holds the leader at most `BROUGHT_HOLD_S` past its window and costs it at most
+    `MAX_BRINGING` entries; the peers a leader waits for anyway count once."""
+    g = make_gathering(min_size=2, target=16, min_time=3.0, max_time=3.0)
+    liar, *made_up = ids(2 * MAX_BRINGING + 1)
+    g.begin(0.0)
+    g.admit(Member(liar), answer_by=60.0)
+    for t in (2.9, 4.0, 4.4):
+        g.expect(made_up, t)
+    assert len(g.brought(4.4)) == MAX_BRINGING
+    assert not g.decide(4.49, pending=0, deadline=60.0).close
+    assert g.decide(3.0 + BROUGHT_HOLD_S, pending=0, deadline=60.0).close
+    # A joiner already here is not waited for again, nor are we.
+    g = make_gathering(min_size=2, target=16, min_time=3.0, max_time=3.0)
+    g.begin(0.0)
+    g.admit(Member(liar), answer_by=60.0)
+    g.expect([liar, g.me.peer_id], 2.9)
+    assert g.brought(2.9) == [] and g.decide(3.0, pending=0, deadline=60.0).close
+
+
+def test_a_join_names_whom_it_brings_on_the_wire_and_a_bad_list_is_refused() -> None:
+    a, b = ids(2)
+    request = JoinRequest(KEY, b"v", (), 1.0, call=b"t" * 16, bringing=(a, b))
+    assert JoinRequest.from_wire(request.to_wire()) == request
+    assert "bringing" not in JoinRequest(KEY, b"v", (), 1.0).to_wire()  # (as before)
+    for bad in ([b"x"], a.to_bytes(), [a.to_bytes()] * (MAX_BRINGING + 1), [str(a)]):
+        with pytest.raises(ValueError):
+            JoinRequest.from_wire({**request.to_wire(), "bringing": bad})
+
+
 def test_gathering_answers_before_the_earliest_joiner_deadline() -> None:
     g = make_gathering(max_time=30.0)
     a, b = ids(2)
@@ -622,7 +687,8 @@ wire = st.recursive(
     lambda children: st.lists(children, max_size=5)
     | st.dictionaries(
         st.sampled_from(["key", "version", "addrs", "bandwidth", "kind", "group", "nonce",
-                         "peer", "members", "age", "round", "call"]) | st.text(max_size=5),
+                         "peer", "members", "age", "round", "call", "bringing"])
+        | st.text(max_size=5),
         children, max_size=6),
     max_leaves=20,
 )  # fmt: skip
@@ -941,6 +1007,42 @@ async def test_a_member_whose_answer_came_too_late_asks_again_and_is_handed_its_
     raw = await real_call(joiner.host, leader.peer_id, leader.protocol, "join", request)
     other_call = JoinReply.from_wire(raw)
     assert other_call.kind is ReplyKind.BUSY and other_call.group is None
+
+
+@pytest.mark.timeout(30)
+async def test_a_leader_that_turns_follower_names_its_joiners_and_they_all_group_together(
+    swarm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer led a joiner, then saw a lower rank and followed it: its join names the
+    joiner it redirected (`bringing`), and the three form one group."""
+    config = MatchmakingConfig(**{**FAST, "matchmaking_time": 3.0, "min_matchmaking_time": 3.0})
+    makers = await swarm(3, config)
+    lowest, middle, highest = sorted(makers, key=lambda m: rank(KEY, b"v", m.peer_id))
+    real_call = rpc.call
+    joins: list[tuple[PeerID, PeerID, JoinRequest]] = []
+
+    async def recording(host: Any, peer: PeerID, protocol: str, method: str,
+                        payload: Any, **kw: Any) -> Any:  # fmt: skip
+        if method == "join":
+            joins.append((host.peer_id, peer, JoinRequest.from_wire(payload)))
+        return await real_call(host, peer, protocol, method, payload, **kw)
+
+    monkeypatch.setattr(rpc, "call", recording)
+    deadline = Deadline.after(20)
+    early = [asyncio.ensure_future(m.form_group(state_version=b"v", deadline=deadline))
+             for m in (middle, highest)]  # fmt: skip
+
+    def joined_middle() -> bool:
+        rnd = middle._server.round
+        return rnd is not None and highest.peer_id in rnd.waiters
+
+    await wait_until(joined_middle, 10)
+    late = await lowest.form_group(state_version=b"v", deadline=deadline)
+    results = [late, *await asyncio.gather(*early, return_exceptions=True)]
+    (group,) = assert_agreement([lowest, middle, highest], results)
+    assert group.size == 3 and group.extra["leader"] == lowest.peer_id
+    (told,) = [r for src, dst, r in joins if src == middle.peer_id and dst == lowest.peer_id]
+    assert told.bringing == (highest.peer_id,)
 
 
 @pytest.mark.timeout(30)
