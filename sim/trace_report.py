@@ -11,7 +11,8 @@ round aborted) and `live_left_out` (peers alive at the end that an abort's retry
 out, with how many members left them out). With `--details`, each split cell's groups
 (leader, size) and, for its peers outside the largest group, their tries: every join
 sent and its answer, and how the try ended; and each live peer left out, with what
-its step did next. The trace says what each peer's own step saw (`Attempt`); a
+its step did next; and each live peer whose step committed nothing, with its
+reason and tries. The trace says what each peer's own step saw (`Attempt`); a
 leader's view is not in it.
 """
 
@@ -61,7 +62,8 @@ def report_arm(arm: dict[str, Any], details: bool) -> dict[str, Any]:
     peers = arm["peers"]
     alive = {p["peer"] for p in peers if not p["crashed"]}
     rounds = max((len(p["steps"]) for p in peers), default=0)
-    per_round, split_details, left_details = [], [], []
+    per_round = []
+    found_details: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for k in range(rounds):
         at_k = [(p["peer"], p["steps"][k]) for p in peers if len(p["steps"]) > k]
         kinds = Counter(step_kind(s) for _, s in at_k)
@@ -84,30 +86,54 @@ def report_arm(arm: dict[str, Any], details: bool) -> dict[str, Any]:
             "round": k + 1, "split_cells": len(split), "whole_key": kinds["whole_key"],
             "failed": kinds["failed"], "aborted_tries": aborts, "live_left_out": len(live_left),
         })  # fmt: skip
-        if not details:
-            continue
-        steps = dict(at_k)
-        for (slot, cell), groups in sorted(split.items(), key=lambda kv: str(kv[0])):
-            largest = max(groups.values(), key=len)
-            split_details.append({
-                "round": k + 1, "slot": slot, "cell": cell,
-                "groups": [{"round_id": rid[:8], "size": len(m),
-                            "leader": steps[m[0]]["attempts"][-1]["leader"]}
-                           for rid, m in groups.items()],
-                "outside": {p: tries(steps[p]) for m in groups.values() if m is not largest
-                            for p in m},
-            })  # fmt: skip
-        for peer, n in sorted(live_left.items()):
-            if peer in steps:
-                left_details.append({
-                    "round": k + 1, "peer": peer, "left_out_by": n,
-                    "then": step_kind(steps[peer]), "tries": tries(steps[peer]),
-                })  # fmt: skip
+        if details:
+            more = _details(k + 1, dict(at_k), split, live_left, alive)
+            for name, found in more.items():
+                found_details[name].extend(found)
     out: dict[str, Any] = {"arm": arm["arm"], "peers": len(peers), "rounds": per_round}
     if details:
-        out["split_cells"] = split_details
-        out["live_left_out"] = left_details
+        out.update(found_details)
     return out
+
+
+def _details(
+    round_no: int,
+    steps: dict[str, Step],
+    split: dict[tuple[Any, str], dict[str, list[str]]],
+    live_left: dict[str, int],
+    alive: set[str],
+) -> dict[str, list[dict[str, Any]]]:
+    """One round's split cells (groups, and the tries of the peers outside the largest),
+    live peers left out (and what their step did next), and live peers whose step
+    committed nothing (its reason and tries)."""
+    split_details, left_details, failed_details = [], [], []
+    for (slot, cell), groups in sorted(split.items(), key=lambda kv: str(kv[0])):
+        largest = max(groups.values(), key=len)
+        split_details.append({
+            "round": round_no, "slot": slot, "cell": cell,
+            "groups": [{"round_id": rid[:8], "size": len(m),
+                        "leader": steps[m[0]]["attempts"][-1]["leader"]}
+                       for rid, m in groups.items()],
+            "outside": {p: tries(steps[p]) for m in groups.values() if m is not largest
+                        for p in m},
+        })  # fmt: skip
+    for peer, n in sorted(live_left.items()):
+        if peer in steps:
+            left_details.append({
+                "round": round_no, "peer": peer, "left_out_by": n,
+                "then": step_kind(steps[peer]), "tries": tries(steps[peer]),
+            })  # fmt: skip
+    for peer, step in sorted(steps.items()):
+        if peer in alive and not step["committed"]:
+            failed_details.append({
+                "round": round_no, "peer": peer, "reason": step["reason"][:200],
+                "tries": tries(step),
+            })  # fmt: skip
+    return {
+        "split_cells": split_details,
+        "live_left_out": left_details,
+        "live_failed": failed_details,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("trace", help="a file of `sim/run.py --trace-matchmaking`")
     parser.add_argument(
         "--details", action="store_true",
-        help="each split cell's groups and tries, each live peer left out",
+        help="each split cell's groups and tries, each live peer left out or failed",
     )  # fmt: skip
     args = parser.parse_args(argv)
     with open(args.trace) as f:

@@ -566,6 +566,11 @@ def test_a_matchmaking_trace_tells_each_peers_tries_and_the_report_sums_them_per
         assert r["failed"] == sum(step_kind(s) == "failed" for s in steps)
         assert r["split_cells"] <= result["cells_split"][k]
     assert len(report["split_cells"]) == sum(r["split_cells"] for r in report["rounds"])
+    live = {p["peer"] for p in arm["peers"] if not p["crashed"]}
+    for f in report["live_failed"]:  # (each a live peer's step that committed nothing)
+        (step,) = [p["steps"][f["round"] - 1] for p in arm["peers"] if p["peer"] == f["peer"]]
+        assert f["peer"] in live and not step["committed"] and f["tries"]
+    assert len(report["live_failed"]) <= sum(r["failed"] for r in report["rounds"])
 
 
 def test_abort_reasons_add_up_by_kind_without_names_or_addresses() -> None:
