@@ -321,6 +321,10 @@ class AllReduceService:
             # by peer"), and the retry then left both out. A member that dies after
             # its GOAWAY fails the next message sent to it instead.
             return
+        if not self.host.versions.heard_from(conn):
+            # Closed before the peer spoke on it: a dial that failed (its handshake
+            # slots were full), which the round's own dial reports, and retries.
+            return
         for rnd in list(self._rounds.values()):
             rnd.peer_lost(peer, conn.close_reason or "connection closed")
 

@@ -45,9 +45,10 @@ from typing import Any
 import torch
 
 from shoal.transport import rpc
-from shoal.transport.errors import RemoteError, TransportError
+from shoal.transport.errors import ClosedAtOnce, RemoteError, TransportError
 from shoal.transport.host import Host
 from shoal.transport.identity import PeerID
+from shoal.transport.multiaddr import Multiaddr
 from shoal.transport.rpc import CallContext
 from shoal.transport.version import ProtocolVersion
 from shoal.verification.commitment import Commitment
@@ -116,6 +117,7 @@ FAULT_POINTS = (
 
 _SLOT_BUDGET = 64 * 1024 * 1024  # bytes of receive slots per round, at most (window >= 2)
 _DIAL_WAIT = 1.0  # the larger peer ID waits this long for the smaller one to dial
+_REDIAL_PAUSE = 0.25  # before a second dial of a member that closed the first at once
 _IN_THREAD = 1 << 20  # elements above which flattening and writing out run in a thread
 
 
@@ -630,9 +632,25 @@ class ControlLink:
             if j not in self._connected and self.host.peer_id > peer:
                 await self._wait_connection(peer, _DIAL_WAIT)
             if self.host.connection(peer) is None:
-                addrs = self.group.members[j].addrs
-                await self.host.connect(peer, addrs, timeout=self.cfg.stall_timeout)
+                await self._dial(peer, self.group.members[j].addrs)
         self._connected.add(j)
+
+    async def _dial(self, peer: PeerID, addrs: tuple[Multiaddr, ...]) -> None:
+        """A connection to `peer`, dialed once more after `_REDIAL_PAUSE` when the first
+        closed before the peer spoke (`ClosedAtOnce`: alive, and refusing for now). At
+        1,000 simulated peers a member among the DHT replicas of a crowded key had
+        its handshake slots full, evicted its round's dials, and the round blamed it."""
+        deadline = time.monotonic() + self.cfg.stall_timeout
+        try:
+            await self.host.connect(peer, addrs, timeout=self.cfg.stall_timeout)
+        except ClosedAtOnce as e:
+            left = deadline - time.monotonic() - _REDIAL_PAUSE
+            if left <= 0:
+                raise
+            log.debug("dialing %s again: %s", peer.short(), e)
+            await asyncio.sleep(_REDIAL_PAUSE)
+            if self.host.connection(peer) is None:
+                await self.host.connect(peer, addrs, timeout=left)
 
     def flush(self) -> list[asyncio.Task[None]]:
         """Send what the state machine queued; returns the sends worth waiting for."""

@@ -1299,6 +1299,37 @@ async def test_a_members_connection_closed_in_order_as_the_round_starts_is_redia
     assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0] * 3)) < 1e-6
 
 
+async def test_a_member_that_closes_our_first_dial_before_it_spoke_is_dialed_again_not_blamed(
+    cluster: Any,
+) -> None:
+    """A member among the DHT replicas of a crowded key had its handshake slots full
+    and evicted the round's dial to it right after the handshake, before it opened its
+    hello: a live member, and no loss of a connection that ever carried anything. The
+    dialer dials once more (`ClosedAtOnce`) and the round commits (1,000 simulated
+    peers: "connection lost: connection reset by peer" aborted the round and left the
+    member out of the retry). So is a member at its limit refusing one after it."""
+    c = await cluster(3, AllReduceConfig(**PATIENT))
+    large = max(c.hosts[:2], key=lambda h: h.peer_id)  # (the smaller ID dials it)
+    on_handshake = large._on_handshake
+    evicted: list[Any] = []
+
+    def refusing_the_first(conn: Any, fut: Any) -> None:
+        if not conn.outbound and not evicted:  # (as at its limit after the handshake)
+            evicted.append(conn)
+            conn.abort("half-open connection evicted: handshake slots full")
+            return
+        on_handshake(conn, fut)
+
+    large._on_handshake = refusing_the_first  # type: ignore[method-assign]
+    group = c.group()
+    inputs = make_inputs(3, seed=62)
+    tensors = clone(inputs)
+    outs = committed(list(await asyncio.wait_for(c.run(group, tensors), 30)))
+    assert evicted and evicted[0].closed.done()  # (the first dial was cut off)
+    assert all(not o.failed for o in outs)
+    assert rel_err(assert_identical(tensors), weighted_mean(inputs, [1.0] * 3)) < 1e-6
+
+
 async def test_a_member_frozen_mid_round_is_given_up_and_survivors_retry(cluster: Any) -> None:
     """A5 in miniature: SIGSTOP of one member in the middle of the data phase."""
     frozen = FrozenMember("mid_reduce_scatter")

@@ -13,6 +13,7 @@ from waiting import eventually
 
 from shoal.transport.connection import ConnectionConfig
 from shoal.transport.errors import (
+    ClosedAtOnce,
     ConnectionLost,
     DialError,
     PeerBlocked,
@@ -282,6 +283,25 @@ async def test_total_connection_limit_refuses_the_excess(make_host) -> None:
         await c.connect(server.addresses()[0])
     with pytest.raises(DialError):
         await clients[2].connect(server.addresses()[0], timeout=2)
+
+
+async def test_a_dial_closed_before_the_peer_spoke_says_so_and_a_refused_one_does_not(
+    make_host,
+) -> None:
+    """A peer that closes a connection before it opened any stream on it (at its limit
+    after the handshake, or its half-open slots full) is alive: `ClosedAtOnce`, worth
+    a second dial. A peer whose port refuses the dial is gone: a plain DialError."""
+    server = await make_host(max_connections=2)
+    clients = [await make_host() for _ in range(3)]
+    for c in clients[:2]:
+        await c.connect(server.addresses()[0])
+    with pytest.raises(ClosedAtOnce):
+        await clients[2].connect(server.addresses()[0], timeout=2)
+    addr = server.addresses()[0]
+    await server.aclose()
+    with pytest.raises(DialError) as refused:
+        await clients[2].connect(addr, timeout=2)
+    assert not isinstance(refused.value, ClosedAtOnce)
 
 
 async def test_ping_measures_the_round_trip(pair) -> None:

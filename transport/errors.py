@@ -56,6 +56,12 @@ class DialError(TransportError):
     """No connection could be made to the peer at any of the given addresses."""
 
 
+class ClosedAtOnce(DialError):
+    """The connection closed before the remote's first stream (its hello): a peer
+    alive but closing it (its handshake slots full, its connection limit), since a
+    gone one refuses the dial or leaves it unanswered. Worth a second dial."""
+
+
 class PeerBlocked(DialError):
     """The peer is blocked on this host (`Host.block`): no connection with it either way."""
 

@@ -37,6 +37,7 @@ import asyncio
 import enum
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
-from .errors import ConnectionLost, DialError, ProtocolNotSupported, TransportError
+from .errors import (
+    ClosedAtOnce,
+    ConnectionLost,
+    DialError,
+    ProtocolNotSupported,
+    TransportError,
+)
 from .identity import PeerID
 from .ratelimit import KeyedBuckets
 
@@ -319,6 +326,7 @@ class VersionGate:
         self.mismatches = MismatchLog()
         self._dispatch = dispatch
         self._conns: dict[Connection, _Conn] = {}
+        self._heard: weakref.WeakSet[Connection] = weakref.WeakSet()  # (`heard_from`)
         # Protocols a connection may open without a hello: a probe's, made with a
         # throwaway identity by a raw connection (AutoNAT's dial-back), which is not
         # software from before versions.
@@ -373,6 +381,7 @@ class VersionGate:
         if entry.state is _State.REJECTED:
             conn.refuse_stream(stream, entry.refusal, unknown_protocol=False)
             return True
+        self._heard.add(conn)
         if stream.protocol == HELLO_PROTOCOL:
             if entry.state in (_State.PENDING, _State.OLD):
                 entry.state = _State.READING
@@ -413,8 +422,15 @@ class VersionGate:
                 return await self.checked(kept, timeout)
         if not conn.is_open:
             peer = conn.remote_peer.short() if conn.remote_peer else "peer"
-            raise DialError(f"connection to {peer} closed at once: {conn.close_reason}")
+            error = ClosedAtOnce if not self.heard_from(conn) else DialError
+            raise error(f"connection to {peer} closed at once: {conn.close_reason}")
         return conn
+
+    def heard_from(self, conn: Connection) -> bool:
+        """Whether the remote opened a stream on `conn` (its hello, or any stream of
+        software from before it): it took the connection, which was not closed on
+        it before its handshake ended."""
+        return conn in self._heard
 
     # --- connection events --------------------------------------------------------------------
 
