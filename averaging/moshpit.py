@@ -41,6 +41,14 @@ inputs, however uneven the groups were. Where cells hold between `side` and
 `target_group_size` peers (`N / side ** (dims - 1)`), that makes every peer hold
 the exact mean of all after `dims` rounds (`sim/moshpit_rules.py`).
 
+The members that move to one next cell (a peer's *companions*) hold one vector and
+equal shares of one part of the mass. A peer that crashes between two rounds would
+take its share along, and its next cell would weigh its group's vector short: with
+hourly sessions at 1,000 peers, about one cell in eight a round, enough to keep the
+grid from agreeing in `dims` rounds. So the companions present in a group carry
+the shares of those that are gone (`weight_among`), unless they saw them looking in
+the cell for the same slot, alive in another of its groups.
+
 That needs each cell to form one group, so its peers must look for each other at
 the same time. A peer reaches its next cell when its own round ends, and its
 cell's leader closes with whoever is there after `min_matchmaking_time`: several
@@ -63,7 +71,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from shoal.transport.identity import PeerID
 
@@ -132,6 +140,9 @@ class Grid:
         self._alone_in_key = 0
         self.commits = 0  # rounds committed on this grid
         self.stale = False  # our last round failed after we had committed one
+        # The members of our last group that moved to our cell with us, us included
+        # (`weight_among`): they hold our vector and share our group's part of the mass.
+        self.companions: frozenset[PeerID] = frozenset()
 
     def next_cell(self) -> str | None:
         """Where our next round forms its group: our cell, or None for the whole key."""
@@ -159,6 +170,33 @@ class Grid:
             return self.mass * STALE_WEIGHT
         return self.mass
 
+    def weight_among(
+        self, members: Iterable[PeerID], weight: float, looking: Iterable[PeerID] = ()
+    ) -> float:
+        """What we weigh in a round with `members`, given `weight` (what `weight`
+        gave): our companions' shares too, for those of them that are gone.
+
+        The companions left our last group for the same next cell, with the same
+        vector and equal shares of the part of the group's mass that went there. One
+        that crashed since took its share along, and our group's mean would weigh
+        that group's vector at a fraction of its part: with a crash or so per cell
+        and round, the grid's exactness after `dims` rounds was lost to it (a spread
+        that fell ten-fold a round instead of to float noise). Carried by those of us
+        who are here, the part arrives whole.
+
+        A companion among `looking` (seen looking in our cell for this slot) but not
+        among the members is alive in another group of the cell: it weighs its share
+        there, and counting it here as well would make mass (a split cell counted
+        each share once in each of its groups, which is why this rule was left out
+        when cells split more often than peers crashed). One that is late, or failed
+        its last round, carries its share on weighing next to nothing (stale)."""
+        if weight <= 0 or self.stale or len(self.companions) < 2:
+            return weight
+        present = set(members)
+        here = len(self.companions & present) or 1
+        elsewhere = len((self.companions & set(looking)) - present)
+        return min(MAX_MASS, weight * (len(self.companions) - elsewhere) / here)
+
     def after_round(
         self,
         round_id: bytes,
@@ -174,6 +212,10 @@ class Grid:
         index = members.index(self.peer_id)
         if weights:
             self.mass = _mass_after(weights, members, self.side, index)
+        mine, contributed = index % self.side, weights or {}
+        self.companions = frozenset(
+            peer for i, peer in enumerate(members) if i % self.side == mine and peer in contributed
+        )
         order = permutation(round_id, self.side)
         self._shift(order[index % self.side])
         self.commits += 1
@@ -183,6 +225,7 @@ class Grid:
         """Move on after a round that found no group: a random new coordinate."""
         self._shift(int.from_bytes(os.urandom(4), "big") % self.side)
         self.stale = self.commits > 0
+        self.companions = frozenset()
 
     def _shift(self, coordinate: int) -> None:
         self.coords = (*self.coords[1:], coordinate)

@@ -6,18 +6,19 @@
 No network and no averager: the real `moshpit.Grid` (where each peer is, where it
 moves, what mass it carries) and the real `split_sizes` (how matchmaking splits a
 crowded cell), with every round complete and every group's mean (weighted by the
-members' masses) exact in float64. Peers start under the whole key and move to
-their cells once it is crowded, and a peer alone in its cell averages under the
-whole key with the others alone in theirs, as the step runner does; with `--crash`,
-that fraction of the live peers crashes before each round, taking its mass. Beside it, in
-the same run, one key for all (groups of `target`, members drawn at random each
-round). Prints one JSON object: per arm, the spread after each round (largest
-difference of a peer's vector to the peers' mean, over the inputs' largest
-magnitude), `rounds_to_agreement` (first round at most 1e-6, about 8 float32
-epsilons) and `mean_error` (largest difference of a peer's vector to the exact
-mean of all inputs, over the same scale). What the network adds (late peers,
-partial groups, churn) is `sim/run.py` with a `moshpit` scenario; this says what
-the rules themselves cost, from 100 to 10,000 peers in seconds.
+members' masses) exact in float64. Peers start under the whole key and move to their
+cells once it is crowded, and a peer alone in its cell averages under the whole key
+with the others alone in theirs, as the step runner does; with `--crash`, that
+fraction of the live peers crashes before each round, taking its mass. Beside it, in
+the same run, the grid as it was before companions carried the shares of the crashed
+(`moshpit_shares_lost`; see `Grid.weight_among`) and one key for all (groups of
+`target`, members drawn at random each round). Prints one JSON object: per arm, the
+spread after each round (largest difference of a peer's vector to the peers' mean,
+over the inputs' largest magnitude), `rounds_to_agreement` (first round at most
+1e-6, about 8 float32 epsilons) and `mean_error` (largest difference of a peer's
+vector to the exact mean of all inputs, over the same scale). What the network adds
+(late peers, partial groups, churn) is `sim/run.py` with a `moshpit` scenario; this
+says what the rules themselves cost, from 100 to 10,000 peers in seconds.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ AGREEMENT = 1e-6
 Rounds = Callable[[np.ndarray, np.ndarray, random.Random], None]
 
 
-def grid_round(grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int) -> Rounds:
-    """One round on the grid: groups by cell, lone peers together under the key."""
+def grid_round(
+    grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int, carry: bool = True
+) -> Rounds:
+    """One round on the grid: groups by cell, lone peers together under the key.
+    `carry`: members weigh the shares of their companions missing from their group
+    (`Grid.weight_among`), as the step runner has them do; without, as before."""
 
     def run(values: np.ndarray, alive: np.ndarray, rng: random.Random) -> None:
         index = {p: i for i, p in enumerate(order)}
@@ -71,6 +76,8 @@ def grid_round(grids: dict[PeerID, Grid], order: Sequence[PeerID], target: int) 
             rows = [index[p] for p in group]
             # Weighted by the members' masses, as the averagers of a grid weigh them.
             weights = {p: grids[p].weight(1.0) for p in group}
+            if carry:
+                weights = {p: grids[p].weight_among(group, w) for p, w in weights.items()}
             mass = np.array([weights[p] for p in group])
             values[rows] = (mass[:, None] * values[rows]).sum(axis=0) / mass.sum()
             round_id = hashlib.sha256(rng.randbytes(16)).digest()
@@ -139,10 +146,15 @@ def main(argv: list[str] | None = None) -> None:
     target = args.target or 2 * args.side
     order = [Identity.from_seed(random.Random(args.seed * 7919 + i).randbytes(32)).peer_id
              for i in range(args.peers)]  # fmt: skip
-    grids = {p: Grid(args.dims, args.side, p) for p in order}
-    for grid in grids.values():
-        grid.in_cells = args.in_cells
-    step = grid_round(grids, order, target)
+
+    def fresh_grids() -> dict[PeerID, Grid]:
+        grids = {p: Grid(args.dims, args.side, p) for p in order}
+        for grid in grids.values():
+            grid.in_cells = args.in_cells
+        return grids
+
+    step = grid_round(fresh_grids(), order, target)
+    step_lost = grid_round(fresh_grids(), order, target, carry=False)
     result = {
         "peers": args.peers,
         "grid_dims": args.dims,
@@ -151,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         "in_cells": args.in_cells,
         "crash": args.crash,
         "moshpit": arm(args.peers, args.rounds, step, args.seed, args.crash),
+        "moshpit_shares_lost": arm(args.peers, args.rounds, step_lost, args.seed, args.crash),
         "one_key": arm(args.peers, args.rounds, one_key_round(target), args.seed, args.crash),
     }
     print(json.dumps(result))

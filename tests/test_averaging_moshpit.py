@@ -216,6 +216,83 @@ def _grid_rounds(
     return values
 
 
+def test_a_peer_carries_the_shares_of_its_companions_missing_from_its_next_group() -> None:
+    """8 members on a side of 4: members 0 and 4 move to one next cell, with the same
+    vector and a share each of that cell's quarter of the mass. In a group without 4
+    (it crashed since), 0 weighs both shares; with 4 there, or 4 seen looking in the
+    cell but in another of its groups, its own; stale, without work, or past the
+    bound, the shares are not its to add."""
+    members = peers(8)
+    grids = {p: Grid(2, 4, p) for p in members}
+    for g in grids.values():
+        g.after_round(b"c" * 32, members, {p: 1.0 for p in members})
+    first, companion = grids[members[0]], members[4]
+    assert first.companions == {members[0], companion}
+    elsewhere = peers(3, seed=5)
+    share = first.weight(1.0)
+    assert share == pytest.approx(1.0)
+    assert first.weight_among([members[0], companion, *elsewhere], share) == share
+    assert first.weight_among([members[0], *elsewhere], share) == pytest.approx(2 * share)
+    # Seen looking in the cell this slot, but in another group: it weighs its share there.
+    assert first.weight_among([members[0], *elsewhere], share, looking=[companion]) == share
+    assert first.weight_among([members[0]], 0.0) == 0.0
+    first.mass = 3.0
+    assert first.weight_among([members[0]], first.weight(1.0)) == MAX_MASS
+    first.scatter()  # (its next round found no group: stale, and companions no more)
+    assert first.companions == frozenset()
+    assert first.weight_among([members[0]], first.weight(1.0)) == first.weight(1.0)
+    # A member that moved alone to its next cell has nobody's share to carry.
+    seven = {p: Grid(2, 4, p) for p in members[:7]}
+    for g in seven.values():
+        g.after_round(b"d" * 32, members[:7], {p: 1.0 for p in members[:7]})
+    alone = seven[members[3]]
+    assert alone.companions == {members[3]}
+    assert alone.weight_among([members[3]], alone.weight(1.0)) == alone.weight(1.0)
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["companions carry", "shares lost"])
+def test_peers_that_crash_between_rounds_leave_the_grid_exact_when_companions_carry_them(
+    carried: bool,
+) -> None:
+    """300 peers on an unevenly filled grid of 3 x 4, and before each round after the
+    first one peer of every other cell crashes (one with a companion, who holds its
+    vector). With the companions carrying the crashed peers' shares, every live peer
+    holds the exact mean of all 300 inputs after 3 rounds; with the shares lost (the
+    weights as before), the crashes' cells pull the swarm apart."""
+    n, dims, side = 300, 3, 4
+    members = peers(n, seed=n)
+    values = {p: float(i % 17) ** 2 + i / n for i, p in enumerate(members)}
+    mean = sum(values.values()) / n
+    grids = {p: Grid(dims, side, p) for p in members}
+    live = list(members)
+    for r in range(dims):
+        cells: dict[str, list[PeerID]] = {}
+        for p in live:
+            cells.setdefault(grids[p].cell(), []).append(p)
+        if r > 0:
+            for group in list(cells.values())[::2]:
+                gone = next(p for p in group if len(grids[p].companions & set(group)) > 1)
+                group.remove(gone)
+                live.remove(gone)
+        for i, group in enumerate(cells.values()):
+            weights = {
+                p: grids[p].weight_among(group, grids[p].weight(1.0))
+                if carried else grids[p].weight(1.0)
+                for p in group
+            }  # fmt: skip
+            avg = sum(weights[p] * values[p] for p in group) / sum(weights.values())
+            for p in group:
+                values[p] = avg
+                grids[p].after_round(bytes([r, i % 256, i // 256]) * 8, group, weights)
+    assert n - len(live) == 16  # (8 cells of 16 a round)
+    spread = max(abs(values[p] - mean) for p in live)
+    if carried:
+        assert spread == pytest.approx(0.0, abs=1e-12 * mean)
+        assert sum(grids[p].mass for p in live) == pytest.approx(n, rel=1e-12)
+    else:
+        assert spread > 1e-4 * mean
+
+
 def test_a_peer_leaves_the_whole_key_for_its_cell_once_the_key_is_crowded() -> None:
     (p,) = peers(1)
     grid = Grid(2, 4, p)
@@ -434,6 +511,51 @@ async def test_averagers_on_an_unevenly_filled_grid_hold_the_exact_mean_after_di
         scale = float(mean.abs().max())
         for a in avgs:
             assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6 * scale, rtol=0)
+    finally:
+        await _close(avgs, dhts)
+
+
+@pytest.mark.timeout(90)
+async def test_averagers_hold_the_exact_mean_after_dims_rounds_though_one_crashed_between(
+    make_host: Callable[..., Any],
+) -> None:
+    """The 12 averagers of the test above, and after the first round one of them stops
+    for good: one that moved to its next cell with a companion, which holds the same
+    vector. The companion weighs both their shares in the second round, and the 11
+    left hold the exact mean of all 12 inputs, as if nobody had gone."""
+    n, dims, side = 12, 2, 3
+    dhts = await _swarm(make_host, n)
+    inputs = [
+        torch.randn(64, generator=torch.Generator().manual_seed(i)) * (1 + i) for i in range(n)
+    ]
+    config = _config(dims, side, target=6, period=4.0)
+    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=config)
+            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
+    for a, cell in zip(avgs, [0] * 3 + [1] * 4 + [2] * 5, strict=True):
+        assert a.grid is not None
+        a.grid.coords, a.grid.in_cells = (cell,), True
+    try:
+        first = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+        assert all(r.committed for r in first), [(r.reason, r.attempt_log) for r in first]
+        gone = next(a for a in avgs if a.grid is not None and len(a.grid.companions) == 2)
+        companion = next(a for a in avgs if a.grid is not None and a is not gone
+                         and a.dht.peer_id in gone.grid.companions)  # fmt: skip
+        assert companion.grid is not None
+        share = companion.grid.mass
+        avgs.remove(gone)
+        dhts.remove(gone.dht)
+        await gone.aclose()
+        await gone.dht.aclose()
+        assert all(await asyncio.gather(*(a.refresh_presence() for a in avgs)))
+        second = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
+        failed = [(r.reason, r.attempt_log) for r in second if not r.committed]
+        assert not failed, failed
+        mean = torch.stack([x.double() for x in inputs]).mean(0)
+        scale = float(mean.abs().max())
+        for a in avgs:
+            assert torch.allclose(a.tensors[0].double(), mean, atol=1e-6 * scale, rtol=0)
+        together = next(r for r in second if companion.dht.peer_id in r.members)
+        assert together.weights[companion.dht.peer_id] == pytest.approx(2 * share)
     finally:
         await _close(avgs, dhts)
 
