@@ -400,6 +400,42 @@ async def _close(avgs: list[Averager], dhts: list[DHTNode]) -> None:
         await d.aclose()
 
 
+async def _uneven_grid(
+    make_host: Callable[..., Any], n: int, dims: int
+) -> tuple[list[DHTNode], list[torch.Tensor], list[Averager]]:
+    """`n` (12) real averagers on a side of 3, in cells of 3, 4 and 5, with inputs of
+    growing scale."""
+    dhts = await _swarm(make_host, n)
+    inputs = [
+        torch.randn(64, generator=torch.Generator().manual_seed(i)) * (1 + i) for i in range(n)
+    ]
+    # Rounds in slots of 4 s: on loaded cores (CI beside a simulation) a cell's peers
+    # came back from the first round up to a second apart, and its leader closed a
+    # group of 2 without the third (`grid_period`).
+    config = _config(dims, 3, target=6, period=_SLOT_S)
+    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=config)
+            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
+    for a, cell in zip(avgs, [0] * 3 + [1] * 4 + [2] * 5, strict=True):
+        assert a.grid is not None
+        a.grid.coords, a.grid.in_cells = (cell,), True
+    return dhts, inputs, avgs
+
+
+_SLOT_S = 4.0
+
+
+async def _midway_between_slots() -> None:
+    """Until halfway through a round slot of `_uneven_grid`. Peers that call `step`
+    together take the slot that begins next, or the one that began up to their
+    lateness ago (`next_slot`: 0.15 s here for a peer not yet declared in its cell,
+    1.5 s for one that is). Called together near that bound, on loaded cores some took
+    one slot and some the next (a first step reads the DHT before it picks its slot),
+    and their cells formed two groups (CI: a mass of 12.83 for 12, and a peer alone in
+    the later slot for its step's 30 s). Called halfway, every one of them takes the
+    next slot, 2 s away."""
+    await asyncio.sleep((_SLOT_S / 2 - time.time()) % _SLOT_S)
+
+
 def _assert_one_group_per_cell(
     round_index: int, cells: dict[PeerID, str], results: list[Any]
 ) -> None:
@@ -440,6 +476,7 @@ async def test_averagers_on_a_full_grid_all_hold_the_average_after_dims_rounds(
         previous_groups: list[set[PeerID]] = []
         for _ in range(dims):
             cells = {a.dht.peer_id: a.grid.cell() for a in avgs if a.grid is not None}
+            await _midway_between_slots()
             results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
             groups = {r.round_id: set(r.members) for r in results}
             for r in results:
@@ -491,23 +528,12 @@ async def test_averagers_on_an_unevenly_filled_grid_hold_the_exact_mean_after_di
     cell by cell, and weighted by the masses the rounds hand on, every peer holds the
     mean of all inputs after 2 rounds (to float32 rounding), though the second
     round's cells hold one member of some groups and two of others."""
-    n, dims, side = 12, 2, 3
-    dhts = await _swarm(make_host, n)
-    inputs = [
-        torch.randn(64, generator=torch.Generator().manual_seed(i)) * (1 + i) for i in range(n)
-    ]
-    # Rounds in slots of 4 s: on loaded cores (CI beside a simulation) a cell's peers
-    # came back from the first round up to a second apart, and its leader closed a
-    # group of 2 without the third (`grid_period`).
-    config = _config(dims, side, target=6, period=4.0)
-    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=config)
-            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
-    for a, cell in zip(avgs, [0] * 3 + [1] * 4 + [2] * 5, strict=True):
-        assert a.grid is not None
-        a.grid.coords, a.grid.in_cells = (cell,), True
+    n, dims = 12, 2
+    dhts, inputs, avgs = await _uneven_grid(make_host, n, dims)
     try:
         for round_index in range(dims):
             cells = {a.dht.peer_id: a.grid.cell() for a in avgs if a.grid is not None}
+            await _midway_between_slots()
             results = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
             failed = [(i, r.reason, r.attempt_log)
                       for i, r in enumerate(results) if not r.committed]  # fmt: skip
@@ -538,18 +564,9 @@ async def test_averagers_hold_the_exact_mean_after_dims_rounds_though_one_crashe
     for good: one that moved to its next cell with a companion, which holds the same
     vector. The companion weighs both their shares in the second round, and the 11
     left hold the exact mean of all 12 inputs, as if nobody had gone."""
-    n, dims, side = 12, 2, 3
-    dhts = await _swarm(make_host, n)
-    inputs = [
-        torch.randn(64, generator=torch.Generator().manual_seed(i)) * (1 + i) for i in range(n)
-    ]
-    config = _config(dims, side, target=6, period=4.0)
-    avgs = [Averager(d, "exp/moshpit", [x.clone()], config=config)
-            for d, x in zip(dhts, inputs, strict=True)]  # fmt: skip
-    for a, cell in zip(avgs, [0] * 3 + [1] * 4 + [2] * 5, strict=True):
-        assert a.grid is not None
-        a.grid.coords, a.grid.in_cells = (cell,), True
+    dhts, inputs, avgs = await _uneven_grid(make_host, 12, 2)
     try:
+        await _midway_between_slots()
         first = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
         assert all(r.committed for r in first), [(r.reason, r.attempt_log) for r in first]
         gone = next(a for a in avgs if a.grid is not None and len(a.grid.companions) == 2)
@@ -562,6 +579,7 @@ async def test_averagers_hold_the_exact_mean_after_dims_rounds_though_one_crashe
         await gone.aclose()
         await gone.dht.aclose()
         assert all(await asyncio.gather(*(a.refresh_presence() for a in avgs)))
+        await _midway_between_slots()
         second = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
         failed = [(r.reason, r.attempt_log) for r in second if not r.committed]
         assert not failed, failed
@@ -635,6 +653,7 @@ async def test_a_peer_declared_in_its_next_cell_takes_the_slot_though_it_comes_l
         return await avg.step(timeout=10.0)
 
     try:
+        await _midway_between_slots()
         first = await asyncio.gather(*(a.step(timeout=30.0) for a in avgs))
         assert all(r.committed and r.group_size == 2 for r in first), first
         assert all(await asyncio.gather(*(a.refresh_presence() for a in avgs)))
