@@ -161,8 +161,6 @@ class Matchmaker:
         # Peers (us included) declared taking part in our last round's view: how
         # crowded the key is (a Moshpit grid moves to its cells past one group).
         self.last_crowd = 1
-        # The peers our last call saw looking for its slot (`Round.see`).
-        self.last_looked: frozenset[PeerID] = frozenset()
         # The joins our last `form_group` call sent, and their answers (the step's log).
         self.last_joins: tuple[JoinTry, ...] = ()
         self.config = config or MatchmakingConfig()
@@ -255,7 +253,6 @@ class Matchmaker:
                     rnd.answer_all(JoinReply(ReplyKind.DISBANDED))
                 rnd.mode = Mode.CLOSED
                 self.last_crowd = crowd(rnd.view, self.peer_id)
-                self.last_looked = frozenset(rnd.looked)
                 self.last_joins = tuple(rnd.joins)
                 self._server.round = None
                 self._idle.set()
@@ -386,7 +383,7 @@ class Matchmaker:
     async def _run(self, rnd: Round, end: float) -> Group:
         # Look before declaring: a peer whose state is behind must never
         # appear as looking with it (leaders would wait for it, peers count it).
-        rnd.see(await self._upkeep.read(rnd.view, end))
+        rnd.view = await self._upkeep.read(rnd.view, end)
         rnd.note_excluded()
         self._keep_company(rnd)
         if rnd.group is None:  # (joins may have filled the group meanwhile)

@@ -128,7 +128,6 @@ class Round:
         self.changed = asyncio.Event()
         self.group: Group | None = None
         self.view: dict[PeerID, Declaration] = {}
-        self.looked: set[PeerID] = set()  # seen looking here for our slot (`see`)
         self.failures: list[str] = []  # why joins failed, for the error message
         self.joins: list[JoinTry] = []  # every join sent and its answer (`joined`)
         self.probed: set[tuple[PeerID, float]] = set()  # declarations already confirmed
@@ -136,16 +135,6 @@ class Round:
         self.ticket = os.urandom(CALL_TICKET_BYTES)  # this call, in our joins
         self.tickets: dict[PeerID, bytes] = {}  # the call of each joiner's pending join
         self.company: Company | None = None  # (set by the matchmaker while the call runs)
-
-    def see(self, view: dict[PeerID, Declaration]) -> None:
-        """Take `view` as the key's declarations now, and remember the peers in it
-        looking for our round's slot: alive and here this slot, whether or not they
-        end in our group (what `Grid.weight_among` needs to know of a companion)."""
-        self.view = view
-        self.looked.update(
-            p for p, d in view.items()
-            if d.state is PeerState.LOOKING and not self.outlook.from_an_earlier_slot(d)
-        )  # fmt: skip
 
     def failed(self, why: str) -> None:
         self.failures = [*self.failures[-15:], why]

@@ -69,7 +69,7 @@ class Upkeep:
             return self._loop.time()  # a join filled the group meanwhile
         changed = _fingerprint(view) != _fingerprint(rnd.view)
         rnd.poll_backoff = 0 if changed else rnd.poll_backoff + 1
-        rnd.see(view)
+        rnd.view = view
         rnd.note_excluded()
         await self._versions.check(rnd, end)
         since = self._loop.time() - self._declarer.declared_at

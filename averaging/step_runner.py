@@ -284,7 +284,7 @@ class StepRunner:
     async def _average(self, group: Group, weight: float, stall: float | None) -> AllReduceOutcome:
         owner = self._owner
         if self.grid is not None:  # (and our companions' shares, where they are gone)
-            weight = self.grid.weight_among(group.peer_ids, weight, self._matchmaker.last_looked)
+            weight = self.grid.weight_among(group.peer_ids, weight)
         # (Its members' connections stay open till it ends: see `Host.protecting`.)
         with owner.dht.host.protecting(group.peer_ids):
             outcome = await self._service.run(

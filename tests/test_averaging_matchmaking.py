@@ -25,7 +25,7 @@ from shoal.averaging.matchmaking import (
     NobodyElse,
 )
 from shoal.averaging.matchmaking_island import Neighbors
-from shoal.averaging.matchmaking_round import Company, Round
+from shoal.averaging.matchmaking_round import Company
 from shoal.averaging.matchmaking_rules import (
     BROUGHT_HOLD_S,
     MAX_BRINGING,
@@ -112,21 +112,6 @@ def test_a_looking_declared_for_an_earlier_grid_slot_neither_leads_nor_is_waited
     assert Outlook(KEY, me, b"v").leader(view) == ghost
     # a peer alone with the ghost's declaration is alone
     assert Outlook(KEY, me, b"v", slot=7).alone(view_of(decl(ghost, slot=6)))
-
-
-def test_a_round_remembers_who_it_saw_looking_for_its_slot_across_its_reads() -> None:
-    """Every read replaces the view, but who was seen looking for the round's slot
-    stays known (a peer that went busy in another group since was here all the same);
-    a "looking" of an earlier slot, a busy and a syncing one are not that."""
-    peers = ids(5)
-    me = peers[0]
-    rnd = Round(Outlook(KEY, me, b"v", slot=7), make_gathering(), declaration_ttl=30.0)
-    rnd.see(view_of(decl(me, slot=7), decl(peers[1], slot=7), decl(peers[2], slot=6),
-                    decl(peers[3], PeerState.SYNCING, slot=7)))  # fmt: skip
-    rnd.see(view_of(decl(me, slot=7), decl(peers[1], PeerState.BUSY),
-                    decl(peers[4], PeerState.BUSY)))  # fmt: skip
-    assert rnd.view[peers[1]].state is PeerState.BUSY
-    assert rnd.looked == {me, peers[1]}
 
 
 def test_a_rounds_company_is_the_usable_peers_it_may_group_with_lowest_rank_first() -> None:
